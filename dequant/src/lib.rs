@@ -1,0 +1,1 @@
+//! dequant (work in progress).

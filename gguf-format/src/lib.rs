@@ -1,0 +1,3 @@
+//! gguf-format
+pub mod types;
+pub use types::GgmlType;

@@ -1,0 +1,1 @@
+//! hip-backend (work in progress).

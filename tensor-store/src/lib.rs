@@ -1,0 +1,1 @@
+//! tensor-store (work in progress).
