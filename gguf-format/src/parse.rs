@@ -101,7 +101,7 @@ pub fn parse(bytes: &[u8]) -> Result<GgufFile, GgufError> {
 /// When `prefix` is too short, the error is [`GgufError::UnexpectedEof`] with the offset
 /// and size that were needed: a reader can fetch more and try again.
 pub fn parse_prefix(prefix: &[u8], file_len: u64) -> Result<GgufFile, GgufError> {
-    let mut r = Reader::new(prefix);
+    let mut r = Reader::new(prefix, file_len);
     let magic = r.array::<4>()?;
     let version_bytes = r.array::<4>()?;
     let version = u32::from_le_bytes(version_bytes);
@@ -247,11 +247,17 @@ fn check_tensor_layout(
 struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
+    /// Length of the whole file, of which `bytes` may be only a prefix.
+    file_len: u64,
 }
 
 impl<'a> Reader<'a> {
-    fn new(bytes: &'a [u8]) -> Reader<'a> {
-        Reader { bytes, pos: 0 }
+    fn new(bytes: &'a [u8], file_len: u64) -> Reader<'a> {
+        Reader {
+            bytes,
+            pos: 0,
+            file_len,
+        }
     }
 
     fn offset(&self) -> u64 {
@@ -294,8 +300,13 @@ impl<'a> Reader<'a> {
         self.array().map(u64::from_le_bytes)
     }
 
+    /// Bytes left in the whole file after the cursor (the prefix may hold fewer).
+    fn remaining_in_file(&self) -> u64 {
+        self.file_len.max(self.bytes.len() as u64) - self.offset()
+    }
+
     /// Refuses `count` items of at least `min_size` bytes each when they cannot fit in
-    /// what is left, or exceed `max`.
+    /// what is left of the file, or exceed `max`.
     fn check_count(
         &self,
         what: &'static str,
@@ -306,12 +317,12 @@ impl<'a> Reader<'a> {
         if count > max {
             return Err(GgufError::CountTooLarge { what, count, max });
         }
-        if count.saturating_mul(min_size) > self.remaining() {
+        if count.saturating_mul(min_size) > self.remaining_in_file() {
             return Err(GgufError::CountExceedsFile {
                 what,
                 count,
                 offset: self.offset(),
-                remaining: self.remaining(),
+                remaining: self.remaining_in_file(),
             });
         }
         Ok(())
