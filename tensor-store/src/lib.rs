@@ -1,1 +1,24 @@
-//! tensor-store (work in progress).
+//! The model file, mapped once, and lazy handles to its tensors.
+//!
+//! [`TensorStore::open`] maps a GGUF model read-only (every shard of a split model),
+//! parses its header once with `gguf-format`, and hands out [`TensorHandle`]s: name, type,
+//! shape and byte range, whose [`TensorHandle::bytes`] is a zero-copy slice of the
+//! mapping. Nothing reads tensor data until it is asked for, so opening a 4 GiB model
+//! costs milliseconds and almost no resident memory. When mapping fails, or when asked
+//! ([`LoadMode::Read`], the CLI's `--no-mmap`), tensors are read with positioned reads on
+//! first use instead.
+//!
+//! The mapping's safety contract (the file must not shrink or change while mapped) is
+//! stated at the one `unsafe` call, in `backing.rs`, with what this crate does about it.
+//!
+//! This crate does not decode or compute: it hands out bytes. It knows nothing of model
+//! architectures. It has no cargo features.
+
+mod backing;
+mod error;
+mod split;
+mod store;
+
+pub use backing::LoadMode;
+pub use error::StoreError;
+pub use store::{TensorHandle, TensorStore};

@@ -1,0 +1,239 @@
+//! Opening models, mapped and read, single and split, and the errors of each.
+
+use std::path::{Path, PathBuf};
+
+use gguf_format::{GgmlType, GgufWriter};
+use tensor_store::{LoadMode, StoreError, TensorStore};
+
+/// A small model with three tensors of distinct types and recognisable bytes.
+fn small_model(extra_metadata: &[(&str, u64)], tensors: &[(&str, GgmlType, Vec<u64>)]) -> Vec<u8> {
+    let mut w = GgufWriter::new();
+    w.add_metadata("general.architecture", "llama").unwrap();
+    for (k, v) in extra_metadata {
+        w.add_metadata(k, *v).unwrap();
+    }
+    for (name, ty, shape) in tensors {
+        w.add_tensor(name, *ty, shape).unwrap();
+    }
+    let data: Vec<Vec<u8>> = w
+        .tensors()
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            (0..t.size)
+                .map(|b| (b as u8).wrapping_mul(7).wrapping_add(i as u8))
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+    w.to_bytes(&refs).unwrap()
+}
+
+fn default_tensors() -> Vec<(&'static str, GgmlType, Vec<u64>)> {
+    vec![
+        ("a.weight", GgmlType::F32, vec![16, 4]),
+        ("b.weight", GgmlType::Q4_K, vec![256, 3]),
+        ("c.weight", GgmlType::Q8_0, vec![64]),
+    ]
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+#[test]
+fn mapped_and_read_modes_give_the_same_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = small_model(&[], &default_tensors());
+    let path = write(dir.path(), "m.gguf", &bytes);
+    let parsed = gguf_format::parse(&bytes).unwrap();
+
+    let mapped = TensorStore::open(&path).unwrap();
+    let read = TensorStore::open_with(&path, LoadMode::Read).unwrap();
+    assert!(mapped.is_mapped());
+    assert!(!read.is_mapped());
+    assert_eq!(mapped.len(), 3);
+    assert_eq!(
+        mapped.metadata().get_str("general.architecture").unwrap(),
+        "llama"
+    );
+    for info in &parsed.tensors {
+        let range = parsed.tensor_range(info);
+        let expected = &bytes[range.start as usize..range.end as usize];
+        let m = mapped.tensor(&info.name).unwrap();
+        let r = read.tensor(&info.name).unwrap();
+        assert_eq!(m.bytes().unwrap(), expected, "{}", info.name);
+        assert_eq!(r.bytes().unwrap(), expected, "{}", info.name);
+        assert_eq!(m.shape(), info.shape.as_slice());
+        assert_eq!(m.ggml_type(), info.ggml_type);
+        // A partial read from the middle matches too.
+        let mut part = vec![0u8; 5];
+        r.read_into(3, &mut part).unwrap();
+        assert_eq!(part, expected[3..8]);
+    }
+}
+
+#[test]
+fn read_mode_header_larger_than_first_read_is_parsed() {
+    // Over 1 MiB of metadata forces the reader to grow its prefix.
+    let mut w = GgufWriter::new();
+    let vocab: Vec<String> = (0..200_000).map(|i| format!("token-{i}")).collect();
+    w.add_metadata("tokenizer.ggml.tokens", vocab).unwrap();
+    w.add_tensor("x", GgmlType::F32, &[8]).unwrap();
+    let bytes = w.to_bytes(&[&[1u8; 32]]).unwrap();
+    assert!(bytes.len() > 2 << 20);
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "big-header.gguf", &bytes);
+    let store = TensorStore::open_with(&path, LoadMode::Read).unwrap();
+    assert_eq!(store.tensor("x").unwrap().bytes().unwrap(), &[1u8; 32]);
+}
+
+#[test]
+fn split_model_opens_as_one_from_any_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = default_tensors();
+    let first = small_model(&[("split.no", 0), ("split.count", 2)], &t[..2]);
+    let second = small_model(&[("split.no", 1), ("split.count", 2)], &t[2..]);
+    write(dir.path(), "m-00001-of-00002.gguf", &first);
+    let p2 = write(dir.path(), "m-00002-of-00002.gguf", &second);
+    let store = TensorStore::open(&p2).unwrap();
+    assert_eq!(store.len(), 3);
+    assert_eq!(store.paths().count(), 2);
+    let c = store.tensor("c.weight").unwrap();
+    assert!(c.path().ends_with("m-00002-of-00002.gguf"));
+    assert_eq!(c.bytes().unwrap().len(), 68);
+}
+
+#[test]
+fn missing_shard_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = default_tensors();
+    let p1 = write(
+        dir.path(),
+        "m-00001-of-00003.gguf",
+        &small_model(&[], &t[..1]),
+    );
+    write(
+        dir.path(),
+        "m-00002-of-00003.gguf",
+        &small_model(&[], &t[1..2]),
+    );
+    let err = TensorStore::open(&p1).err().unwrap();
+    assert!(
+        matches!(&err, StoreError::MissingShard { index: 3, count: 3, missing, .. }
+            if missing.ends_with("m-00003-of-00003.gguf")),
+        "{err}"
+    );
+}
+
+#[test]
+fn tensor_in_two_shards_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = default_tensors();
+    let p1 = write(
+        dir.path(),
+        "m-00001-of-00002.gguf",
+        &small_model(&[], &t[..2]),
+    );
+    write(
+        dir.path(),
+        "m-00002-of-00002.gguf",
+        &small_model(&[], &t[1..]),
+    );
+    let err = TensorStore::open(&p1).err().unwrap();
+    assert!(
+        matches!(&err, StoreError::DuplicateTensor { tensor, .. } if tensor == "b.weight"),
+        "{err}"
+    );
+}
+
+#[test]
+fn shard_with_wrong_split_index_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = default_tensors();
+    let p1 = write(
+        dir.path(),
+        "m-00001-of-00002.gguf",
+        &small_model(&[("split.no", 1)], &t[..1]),
+    );
+    write(
+        dir.path(),
+        "m-00002-of-00002.gguf",
+        &small_model(&[], &t[1..]),
+    );
+    let err = TensorStore::open(&p1).err().unwrap();
+    assert!(matches!(
+        err,
+        StoreError::ShardMismatch {
+            key: "no",
+            found: 1,
+            expected: 0,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn bad_file_error_names_the_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "junk.gguf", b"GGUF\x03\x00\x00\x00short");
+    for mode in [LoadMode::Mmap, LoadMode::Read] {
+        let err = TensorStore::open_with(&path, mode).err().unwrap();
+        assert!(matches!(err, StoreError::Format { .. }), "{err}");
+        assert!(err.to_string().contains("junk.gguf"), "{err}");
+    }
+    let missing = dir.path().join("absent.gguf");
+    let err = TensorStore::open(&missing).err().unwrap();
+    assert!(matches!(err, StoreError::Io { .. }) && err.to_string().contains("absent.gguf"));
+}
+
+#[test]
+fn reads_past_a_tensor_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "m.gguf", &small_model(&[], &default_tensors()));
+    let store = TensorStore::open(&path).unwrap();
+    let c = store.tensor("c.weight").unwrap();
+    let mut buf = [0u8; 8];
+    assert!(matches!(
+        c.read_into(64, &mut buf),
+        Err(StoreError::ReadOutOfRange { size: 68, .. })
+    ));
+    assert!(matches!(
+        c.read_into(u64::MAX, &mut buf),
+        Err(StoreError::ReadOutOfRange { .. })
+    ));
+    assert!(matches!(
+        store.tensor("nope"),
+        Err(StoreError::NoSuchTensor { .. })
+    ));
+}
+
+#[test]
+fn a_file_that_grew_or_shrank_is_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "m.gguf", &small_model(&[], &default_tensors()));
+    let store = TensorStore::open_with(&path, LoadMode::Read).unwrap();
+    store.check_unchanged().unwrap();
+    let f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&path)
+        .unwrap();
+    f.set_len(f.metadata().unwrap().len() + 1).unwrap();
+    assert!(matches!(
+        store.check_unchanged(),
+        Err(StoreError::FileChanged { .. })
+    ));
+}
+
+#[test]
+fn handles_outlive_the_store_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "m.gguf", &small_model(&[], &default_tensors()));
+    let handle = TensorStore::open(&path)
+        .unwrap()
+        .tensor("a.weight")
+        .unwrap();
+    assert_eq!(handle.bytes().unwrap().len(), 256);
+}
