@@ -1,1 +1,66 @@
-fn main() {}
+//! Developer tasks for ROCmForge, run as `cargo xtask <task>`.
+//!
+//! - `fetch-models`: obtain the real GGUF models the tests and benchmarks use.
+//! - `test`: fetch the models, then run the whole test suite.
+//!
+//! Arguments are parsed by hand to keep this binary's dependencies few.
+
+mod fetch;
+
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context, Result};
+
+const USAGE: &str = "\
+usage: cargo xtask <task> [options]
+
+tasks:
+  fetch-models        download the real test models into the models cache
+                      ($ROCMFORGE_MODELS, else ~/.cache/rocmforge/models)
+  test [ARGS…]        fetch-models, then `cargo test --workspace --release [ARGS…]`
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<()> {
+    let Some((task, rest)) = args.split_first() else {
+        eprint!("{USAGE}");
+        bail!("no task given");
+    };
+    match task.as_str() {
+        "fetch-models" => fetch::fetch_models(&fetch::models_dir()).map(|_| ()),
+        "test" => test(rest),
+        "-h" | "--help" | "help" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => {
+            eprint!("{USAGE}");
+            bail!("unknown task {other:?}")
+        }
+    }
+}
+
+/// The whole test suite, real models included.
+fn test(extra: &[String]) -> Result<()> {
+    fetch::fetch_models(&fetch::models_dir())?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["test", "--workspace", "--release"])
+        .args(extra)
+        .status()
+        .context("running cargo test")?;
+    if !status.success() {
+        bail!("cargo test failed ({status})");
+    }
+    Ok(())
+}
