@@ -1,1 +1,3 @@
 //! dequant (work in progress).
+
+pub mod matmul;

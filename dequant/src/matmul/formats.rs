@@ -1,0 +1,65 @@
+//! One zero-sized type per weight format, tying its activation set to its kernels.
+
+use super::activation::{ActSet, F32Acts, Q8Acts, Q8KActs};
+#[cfg(target_arch = "x86_64")]
+use super::avx2;
+use super::portable;
+
+/// The row kernels of one weight format.
+pub(crate) trait Kernel {
+    /// How the activations are prepared for this format.
+    type Acts: ActSet;
+
+    /// One row of weights (whole blocks) · one token's activations, portable code.
+    fn dot(row: &[u8], act: <Self::Acts as ActSet>::Row<'_>) -> f32;
+
+    /// One row of weights · `N` tokens' activations, AVX2 code.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C. `row` must hold whole blocks and every
+    /// activation row must have as many values as `row` has weights.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_avx2<const N: usize>(
+        row: &[u8],
+        acts: [<Self::Acts as ActSet>::Row<'_>; N],
+    ) -> [f32; N];
+}
+
+macro_rules! kernel {
+    ($name:ident, $acts:ty, $portable:path, $avx2:path) => {
+        #[allow(non_camel_case_types)]
+        pub(crate) struct $name;
+
+        impl Kernel for $name {
+            type Acts = $acts;
+
+            #[inline]
+            fn dot(row: &[u8], act: <Self::Acts as ActSet>::Row<'_>) -> f32 {
+                $portable(row, act)
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn dot_avx2<const N: usize>(
+                row: &[u8],
+                acts: [<Self::Acts as ActSet>::Row<'_>; N],
+            ) -> [f32; N] {
+                // SAFETY: the caller upholds this function's contract, which is the
+                // callee's.
+                unsafe { $avx2(row, acts) }
+            }
+        }
+    };
+}
+
+kernel!(F32, F32Acts, portable::dot_f32, avx2::float::dot_f32);
+kernel!(F16, F32Acts, portable::dot_f16, avx2::float::dot_f16);
+kernel!(BF16, F32Acts, portable::dot_bf16, avx2::float::dot_bf16);
+kernel!(Q4_0, Q8Acts, portable::dot_q4_0, avx2::legacy::dot_q4_0);
+kernel!(Q4_1, Q8Acts, portable::dot_q4_1, avx2::legacy::dot_q4_1);
+kernel!(Q5_0, Q8Acts, portable::dot_q5_0, avx2::legacy::dot_q5_0);
+kernel!(Q5_1, Q8Acts, portable::dot_q5_1, avx2::legacy::dot_q5_1);
+kernel!(Q8_0, Q8Acts, portable::dot_q8_0, avx2::legacy::dot_q8_0);
+kernel!(Q4_K, Q8KActs, portable::dot_q4_k, avx2::kquants::dot_q4_k);
+kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
+kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);
