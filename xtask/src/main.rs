@@ -6,6 +6,8 @@
 //! Arguments are parsed by hand to keep this binary's dependencies few.
 
 mod fetch;
+#[cfg(test)]
+mod tidy;
 
 use std::process::{Command, ExitCode};
 
