@@ -1,1 +1,3 @@
 //! model (work in progress).
+
+pub mod tokenizer;

@@ -1,0 +1,260 @@
+//! SentencePiece (`tokenizer.ggml.model = "llama"`): spaces become `▁`, then adjacent
+//! pieces merge while their union is a token, highest score first; characters that end up
+//! in no token fall back to `<0xXX>` byte tokens.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use super::vocab::Vocab;
+use super::{TokenId, TokenizerError};
+
+/// SentencePiece's visible space, U+2581.
+pub(super) const SPACE_MARK: &str = "\u{2581}";
+
+pub(super) struct SpmModel {
+    /// `<0xXX>` (or the single byte's own text) for every byte, where the vocabulary has it.
+    byte_tokens: [Option<TokenId>; 256],
+}
+
+#[derive(Clone, Copy)]
+struct Symbol {
+    start: usize,
+    len: usize,
+    prev: Option<usize>,
+    next: Option<usize>,
+}
+
+/// A candidate merge of `left` with its neighbour into a token of `score`.
+struct Candidate {
+    score: f32,
+    left: usize,
+    size: usize,
+}
+
+impl Ord for Candidate {
+    // The heap pops the highest score first, and the leftmost among equal scores.
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.score
+            .total_cmp(&other.score)
+            .then_with(|| other.left.cmp(&self.left))
+    }
+}
+
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Candidate {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Candidate {}
+
+impl SpmModel {
+    pub fn new(vocab: &Vocab) -> SpmModel {
+        let mut byte_tokens = [None; 256];
+        for (byte, slot) in byte_tokens.iter_mut().enumerate() {
+            let byte = byte as u8;
+            *slot = vocab.id(&format!("<0x{byte:02X}>")).or_else(|| {
+                byte.is_ascii()
+                    .then(|| vocab.id(char::from(byte).encode_utf8(&mut [0; 4])))
+                    .flatten()
+            });
+        }
+        SpmModel { byte_tokens }
+    }
+
+    /// Tokenizes text that holds no special token; `prefix_space` adds the leading space
+    /// SentencePiece models expect at the start of a text.
+    pub fn encode(
+        &self,
+        vocab: &Vocab,
+        text: &str,
+        prefix_space: bool,
+        out: &mut Vec<TokenId>,
+    ) -> Result<(), TokenizerError> {
+        let mut escaped = String::with_capacity(text.len() + 3);
+        if prefix_space {
+            escaped.push_str(SPACE_MARK);
+        }
+        for c in text.chars() {
+            match c {
+                ' ' => escaped.push_str(SPACE_MARK),
+                c => escaped.push(c),
+            }
+        }
+        self.encode_escaped(vocab, &escaped, out)
+    }
+
+    fn encode_escaped(
+        &self,
+        vocab: &Vocab,
+        text: &str,
+        out: &mut Vec<TokenId>,
+    ) -> Result<(), TokenizerError> {
+        let mut symbols: Vec<Symbol> = Vec::with_capacity(text.len());
+        for (start, c) in text.char_indices() {
+            let idx = symbols.len();
+            symbols.push(Symbol {
+                start,
+                len: c.len_utf8(),
+                prev: idx.checked_sub(1),
+                next: Some(idx + 1),
+            });
+        }
+        if let Some(last) = symbols.last_mut() {
+            last.next = None;
+        }
+
+        let mut queue = BinaryHeap::new();
+        let push = |queue: &mut BinaryHeap<Candidate>, symbols: &[Symbol], left: usize| {
+            let Some(right) = symbols[left].next else {
+                return;
+            };
+            let (start, size) = (symbols[left].start, symbols[left].len + symbols[right].len);
+            if let Some(id) = vocab.id(&text[start..start + size]) {
+                queue.push(Candidate {
+                    score: vocab.scores[id as usize],
+                    left,
+                    size,
+                });
+            }
+        };
+        for left in 0..symbols.len() {
+            push(&mut queue, &symbols, left);
+        }
+        while let Some(Candidate { left, size, .. }) = queue.pop() {
+            let Some(right) = symbols[left].next else {
+                continue;
+            };
+            // Stale when either side has changed since the candidate was queued.
+            if symbols[left].len == 0 || symbols[left].len + symbols[right].len != size {
+                continue;
+            }
+            symbols[left].len = size;
+            symbols[right].len = 0;
+            symbols[left].next = symbols[right].next;
+            if let Some(next) = symbols[right].next {
+                symbols[next].prev = Some(left);
+            }
+            if let Some(prev) = symbols[left].prev {
+                push(&mut queue, &symbols, prev);
+            }
+            push(&mut queue, &symbols, left);
+        }
+
+        // Every merged symbol is a token; a single character may not be, and then goes
+        // out as its UTF-8 bytes.
+        for symbol in symbols.iter().filter(|s| s.len > 0) {
+            let piece = &text[symbol.start..symbol.start + symbol.len];
+            match vocab.id(piece) {
+                Some(id) => out.push(id),
+                None => {
+                    for byte in piece.bytes() {
+                        let id = self.byte_tokens[usize::from(byte)]
+                            .ok_or(TokenizerError::MissingByteToken { byte })?;
+                        out.push(id);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{EncodeOptions, Tokenizer, VocabSpec};
+
+    /// Bytes, then `extra` pieces with their scores.
+    fn tiny(extra: &[(&str, f32)], add_space_prefix: bool) -> Tokenizer {
+        let mut tokens = vec!["<unk>".to_string(), "<s>".into(), "</s>".into()];
+        let mut scores = vec![0.0; 3];
+        let mut types = vec![2, 3, 3];
+        for b in 0..=255u8 {
+            tokens.push(format!("<0x{b:02X}>"));
+            scores.push(0.0);
+            types.push(6);
+        }
+        for &(text, score) in extra {
+            tokens.push(text.to_string());
+            scores.push(score);
+            types.push(1);
+        }
+        Tokenizer::new(VocabSpec {
+            model: "llama".into(),
+            tokens,
+            scores: Some(scores),
+            token_types: Some(types),
+            add_space_prefix: Some(add_space_prefix),
+            ..VocabSpec::default()
+        })
+        .unwrap()
+    }
+
+    fn pieces(t: &Tokenizer, text: &str) -> Vec<String> {
+        t.encode(text, EncodeOptions::TEXT)
+            .unwrap()
+            .into_iter()
+            .map(|id| t.token_text(id).unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn highest_score_merges_first() {
+        let vocab = [
+            ("a", -1.0),
+            ("b", -1.0),
+            ("c", -1.0),
+            ("ab", -5.0),
+            ("bc", -2.0),
+            ("abc", -9.0),
+        ];
+        let t = tiny(&vocab, false);
+        // "bc" (-2) beats "ab" (-5); then "a"+"bc" = "abc" is a token.
+        assert_eq!(pieces(&t, "abc"), ["abc"]);
+        let t = tiny(&vocab[..5], false);
+        assert_eq!(pieces(&t, "abc"), ["a", "bc"]);
+    }
+
+    #[test]
+    fn spaces_become_marks_and_the_prefix_is_optional() {
+        let vocab = [
+            ("▁", -1.0),
+            ("h", -1.0),
+            ("i", -1.0),
+            ("▁h", -2.0),
+            ("▁hi", -3.0),
+        ];
+        let with_prefix = tiny(&vocab, true);
+        assert_eq!(pieces(&with_prefix, "hi hi"), ["▁hi", "▁hi"]);
+        let without = tiny(&vocab, false);
+        assert_eq!(pieces(&without, "hi hi"), ["h", "i", "▁hi"]);
+    }
+
+    #[test]
+    fn unknown_characters_fall_back_to_bytes() {
+        let t = tiny(&[("a", -1.0)], false);
+        assert_eq!(pieces(&t, "aé"), ["a", "<0xC3>", "<0xA9>"]);
+    }
+
+    #[test]
+    fn missing_byte_tokens_are_an_error() {
+        let t = Tokenizer::new(VocabSpec {
+            model: "llama".into(),
+            tokens: vec!["<unk>".into(), "<s>".into(), "</s>".into(), "a".into()],
+            add_space_prefix: Some(false),
+            ..VocabSpec::default()
+        })
+        .unwrap();
+        let err = t.encode("ab", EncodeOptions::TEXT).unwrap_err();
+        assert!(
+            matches!(err, super::TokenizerError::MissingByteToken { byte: b'b' }),
+            "{err}"
+        );
+    }
+}

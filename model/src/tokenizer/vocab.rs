@@ -1,0 +1,283 @@
+//! The resolved vocabulary: texts, scores, attributes, text→id lookup, the special ids
+//! with llama.cpp's defaults applied, and the end-of-generation set.
+
+use std::collections::HashMap;
+
+use super::spec::{token_type, VocabSpec};
+use super::{TokenId, TokenizerError};
+
+/// Token attributes, a bit set (a token may be both user-defined and control).
+pub(super) mod attr {
+    pub const UNDEFINED: u8 = 0;
+    pub const UNKNOWN: u8 = 1 << 0;
+    pub const UNUSED: u8 = 1 << 1;
+    pub const NORMAL: u8 = 1 << 2;
+    pub const CONTROL: u8 = 1 << 3;
+    pub const USER_DEFINED: u8 = 1 << 4;
+    pub const BYTE: u8 = 1 << 5;
+}
+
+/// Texts that end a turn when the metadata names no EOT token, in order of preference.
+const EOT_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "<end_of_utterance>",
+];
+
+/// Texts of tokens that end generation whatever the metadata says. llama.cpp marks these
+/// as control tokens even when the file calls them user-defined, which changes how text
+/// containing them is split: Gemma 3's `</s>`, for one, is then only recognised when
+/// special tokens are parsed.
+const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+];
+
+/// Fill-in-the-middle tokens that also end generation (pad, repository, file separator):
+/// the first text found in each group counts.
+const FIM_EOG_GROUPS: &[&[&str]] = &[
+    &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
+    &[
+        "<|fim_repo|>",
+        "<|repo_name|>",
+        "<fim-repo>",
+        "<REPO>",
+        "<reponame>",
+    ],
+    &["<|file_sep|>"],
+];
+
+/// Which algorithm turns a piece of text into tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum VocabKind {
+    /// `gpt2`: byte-level BPE with merges.
+    BytePairEncoding,
+    /// `llama`: SentencePiece with scores and byte fallback.
+    SentencePiece,
+}
+
+/// Special token ids; `None` where the model has none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    pub bos: Option<TokenId>,
+    pub eos: Option<TokenId>,
+    pub eot: Option<TokenId>,
+    pub eom: Option<TokenId>,
+    pub unk: Option<TokenId>,
+    pub pad: Option<TokenId>,
+}
+
+pub(super) struct Vocab {
+    pub kind: VocabKind,
+    pub texts: Vec<String>,
+    pub scores: Vec<f32>,
+    pub attrs: Vec<u8>,
+    ids: HashMap<String, TokenId>,
+    pub special: SpecialTokens,
+    /// Sorted ids that end generation.
+    pub eog: Vec<TokenId>,
+    pub add_bos: bool,
+    pub add_eos: bool,
+    pub add_space_prefix: bool,
+}
+
+impl Vocab {
+    /// Applies llama.cpp's defaults for `kind` and the metadata's overrides.
+    /// `bpe_adds_bos` is the pre-tokenizer's default for BPE vocabularies.
+    pub fn new(
+        spec: &VocabSpec,
+        kind: VocabKind,
+        bpe_adds_bos: bool,
+    ) -> Result<Vocab, TokenizerError> {
+        let n_tokens = spec.tokens.len();
+        if n_tokens == 0 {
+            return Err(TokenizerError::EmptyVocabulary);
+        }
+        if u32::try_from(n_tokens).is_err() {
+            return Err(TokenizerError::TooManyTokens { n_tokens });
+        }
+        let mut texts = Vec::with_capacity(n_tokens);
+        let mut ids = HashMap::with_capacity(n_tokens);
+        for (id, text) in spec.tokens.iter().enumerate() {
+            let id = id as TokenId;
+            // An empty text cannot be matched; llama.cpp gives it a placeholder.
+            let text = if text.is_empty() {
+                format!("[EMPTY_{id}]")
+            } else {
+                text.clone()
+            };
+            if let Some(first) = ids.insert(text.clone(), id) {
+                return Err(TokenizerError::DuplicateToken {
+                    text,
+                    first,
+                    second: id,
+                });
+            }
+            texts.push(text);
+        }
+        let scores = per_token(
+            spec.scores.as_deref(),
+            "tokenizer.ggml.scores",
+            n_tokens,
+            0.0,
+        )?;
+        let types = per_token(
+            spec.token_types.as_deref(),
+            "tokenizer.ggml.token_type",
+            n_tokens,
+            token_type::NORMAL,
+        )?;
+        let attrs = types.iter().map(|&t| attr_of_type(t)).collect();
+
+        let (defaults, add_bos, add_space_prefix) = match kind {
+            VocabKind::SentencePiece => (
+                SpecialTokens {
+                    bos: Some(1),
+                    eos: Some(2),
+                    unk: Some(0),
+                    ..SpecialTokens::default()
+                },
+                true,
+                true,
+            ),
+            VocabKind::BytePairEncoding => (
+                SpecialTokens {
+                    bos: Some(11),
+                    eos: Some(11),
+                    ..SpecialTokens::default()
+                },
+                bpe_adds_bos,
+                false,
+            ),
+        };
+        // A default outside the vocabulary is dropped; a metadata id outside it is ignored.
+        let pick = |default: Option<TokenId>, from_file: Option<u32>| {
+            let default = default.filter(|&id| (id as usize) < n_tokens);
+            match from_file {
+                Some(id) if (id as usize) < n_tokens => Some(id),
+                _ => default,
+            }
+        };
+        let special = SpecialTokens {
+            bos: pick(defaults.bos, spec.bos_id),
+            eos: pick(defaults.eos, spec.eos_id),
+            eot: pick(None, spec.eot_id),
+            eom: pick(None, spec.eom_id),
+            unk: pick(defaults.unk, spec.unk_id),
+            pad: pick(None, spec.pad_id),
+        };
+        let mut vocab = Vocab {
+            kind,
+            texts,
+            scores,
+            attrs,
+            ids,
+            special,
+            eog: Vec::new(),
+            add_bos: spec.add_bos.unwrap_or(add_bos),
+            add_eos: spec.add_eos.unwrap_or(false),
+            add_space_prefix: spec.add_space_prefix.unwrap_or(add_space_prefix),
+        };
+        vocab.find_end_tokens();
+        Ok(vocab)
+    }
+
+    /// Finds EOT/EOM by text when the metadata does not name them, and builds the
+    /// end-of-generation set; tokens found by text become control tokens.
+    fn find_end_tokens(&mut self) {
+        if self.special.eot.is_none() {
+            self.special.eot = EOT_TEXTS.iter().find_map(|t| self.id(t));
+            if let Some(id) = self.special.eot {
+                self.attrs[id as usize] |= attr::CONTROL;
+            }
+        }
+        if self.special.eom.is_none() {
+            self.special.eom = self.id("<|eom_id|>");
+            if let Some(id) = self.special.eom {
+                self.attrs[id as usize] |= attr::CONTROL;
+            }
+        }
+        let fim = FIM_EOG_GROUPS
+            .iter()
+            .filter_map(|group| group.iter().find_map(|t| self.id(t)));
+        let mut eog: Vec<TokenId> = EOG_TEXTS
+            .iter()
+            .filter_map(|t| self.id(t))
+            .chain(fim)
+            .collect();
+        for &id in &eog {
+            self.attrs[id as usize] |= attr::CONTROL;
+        }
+        eog.extend(
+            [self.special.eos, self.special.eot, self.special.eom]
+                .into_iter()
+                .flatten(),
+        );
+        eog.sort_unstable();
+        eog.dedup();
+        self.eog = eog;
+    }
+
+    pub fn len(&self) -> usize {
+        self.texts.len()
+    }
+
+    /// The id of the token whose text is exactly `text`.
+    pub fn id(&self, text: &str) -> Option<TokenId> {
+        self.ids.get(text).copied()
+    }
+
+    pub fn attr(&self, id: TokenId) -> u8 {
+        self.attrs[id as usize]
+    }
+
+    /// Control, user-defined and unknown tokens: matched as whole tokens in input text
+    /// (control and unknown only when special tokens are parsed).
+    pub fn is_special_text(&self, id: TokenId) -> bool {
+        self.attr(id) & (attr::CONTROL | attr::USER_DEFINED | attr::UNKNOWN) != 0
+    }
+}
+
+fn per_token<T: Copy>(
+    values: Option<&[T]>,
+    key: &'static str,
+    n_tokens: usize,
+    default: T,
+) -> Result<Vec<T>, TokenizerError> {
+    match values {
+        None => Ok(vec![default; n_tokens]),
+        Some(v) if v.len() < n_tokens => Err(TokenizerError::ArrayTooShort {
+            key,
+            len: v.len(),
+            n_tokens,
+        }),
+        Some(v) => Ok(v[..n_tokens].to_vec()),
+    }
+}
+
+fn attr_of_type(t: i32) -> u8 {
+    match t {
+        token_type::NORMAL => attr::NORMAL,
+        token_type::UNKNOWN => attr::UNKNOWN,
+        token_type::CONTROL => attr::CONTROL,
+        token_type::USER_DEFINED => attr::USER_DEFINED,
+        token_type::UNUSED => attr::UNUSED,
+        token_type::BYTE => attr::BYTE,
+        _ => attr::UNDEFINED,
+    }
+}
