@@ -1,0 +1,8 @@
+//! Tests on the two real models (SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M),
+//! against llama.cpp's outputs in `shared/golden`. The models come from
+//! `cargo xtask fetch-models`; these tests fail, saying so, when they are missing.
+
+#[path = "real_models/common.rs"]
+mod common;
+#[path = "real_models/tokenizer.rs"]
+mod tokenizer;
