@@ -281,3 +281,121 @@ fn attr_of_type(t: i32) -> u8 {
         _ => attr::UNDEFINED,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Tokenizer, TokenizerError, VocabSpec};
+
+    fn spec(model: &str, tokens: &[&str]) -> VocabSpec {
+        VocabSpec {
+            model: model.into(),
+            tokens: tokens.iter().map(|s| s.to_string()).collect(),
+            ..VocabSpec::default()
+        }
+    }
+
+    fn twelve() -> Vec<String> {
+        (0..12).map(|i| format!("t{i}")).collect()
+    }
+
+    #[test]
+    fn sentencepiece_defaults_follow_llama_cpp() {
+        let t = Tokenizer::new(spec("llama", &["<unk>", "<s>", "</s>", "a"])).unwrap();
+        let s = t.special_tokens();
+        assert_eq!((s.unk, s.bos, s.eos), (Some(0), Some(1), Some(2)));
+        assert!(t.adds_bos() && !t.adds_eos());
+        assert_eq!(t.end_of_generation_tokens(), [2]);
+    }
+
+    #[test]
+    fn bpe_defaults_follow_llama_cpp() {
+        // BOS and EOS default to id 11, when the vocabulary is that large.
+        let mut small = spec("gpt2", &["a", "b"]);
+        small.pre = Some("gpt2".into());
+        let s = Tokenizer::new(small).unwrap().special_tokens();
+        assert_eq!((s.bos, s.eos), (None, None));
+        let mut big = VocabSpec {
+            tokens: twelve(),
+            ..spec("gpt2", &[])
+        };
+        let t = Tokenizer::new(big.clone()).unwrap();
+        assert_eq!((t.special_tokens().bos, t.adds_bos()), (Some(11), false));
+        // Llama 3 vocabularies add BOS unless told otherwise; the metadata wins.
+        big.pre = Some("llama-bpe".into());
+        assert!(Tokenizer::new(big.clone()).unwrap().adds_bos());
+        big.add_bos = Some(false);
+        assert!(!Tokenizer::new(big).unwrap().adds_bos());
+    }
+
+    #[test]
+    fn metadata_ids_outside_the_vocabulary_are_ignored() {
+        let mut s = spec("llama", &["<unk>", "<s>", "</s>"]);
+        s.bos_id = Some(7);
+        s.eos_id = Some(0);
+        let t = Tokenizer::new(s).unwrap();
+        assert_eq!(t.special_tokens().bos, Some(1));
+        assert_eq!(t.special_tokens().eos, Some(0));
+    }
+
+    #[test]
+    fn end_tokens_found_by_text_become_control_tokens() {
+        let mut s = spec("gpt2", &["<|im_start|>", "<|im_end|>", "x"]);
+        s.token_types = Some(vec![3, 1, 1]);
+        let t = Tokenizer::new(s).unwrap();
+        assert_eq!(t.special_tokens().eot, Some(1));
+        assert!(t.is_end_of_generation(1));
+        // As a control token it is not rendered unless asked.
+        assert_eq!(t.token_bytes(1, false).unwrap(), b"");
+        assert_eq!(t.token_bytes(1, true).unwrap(), b"<|im_end|>");
+    }
+
+    #[test]
+    fn malformed_vocabularies_are_refused() {
+        let err = Tokenizer::new(spec("llama", &[])).unwrap_err();
+        assert!(matches!(err, TokenizerError::EmptyVocabulary), "{err}");
+        let err = Tokenizer::new(spec("llama", &["a", "b", "a"])).unwrap_err();
+        assert!(
+            matches!(&err, TokenizerError::DuplicateToken { text, first: 0, second: 2 } if text == "a"),
+            "{err}"
+        );
+        let mut short = spec("llama", &["a", "b"]);
+        short.scores = Some(vec![0.0]);
+        let err = Tokenizer::new(short).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TokenizerError::ArrayTooShort {
+                    len: 1,
+                    n_tokens: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = Tokenizer::new(spec("bert", &["a"])).unwrap_err();
+        assert!(
+            matches!(&err, TokenizerError::UnsupportedModel { model } if model == "bert"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn empty_texts_get_a_placeholder_and_missing_bos_is_an_error() {
+        let mut s = spec("gpt2", &["", "a"]);
+        s.add_bos = Some(true);
+        let t = Tokenizer::new(s).unwrap();
+        assert_eq!(t.token_text(0).unwrap(), "[EMPTY_0]");
+        let err = t
+            .encode("a", super::super::EncodeOptions::PROMPT)
+            .unwrap_err();
+        assert!(
+            matches!(err, TokenizerError::MissingSpecialToken { which: "bos" }),
+            "{err}"
+        );
+        let err = t.token_text(2).unwrap_err();
+        assert!(
+            matches!(err, TokenizerError::TokenOutOfRange { id: 2, n_tokens: 2 }),
+            "{err}"
+        );
+    }
+}

@@ -10,7 +10,9 @@ pub fn models_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("ROCMFORGE_MODELS") {
         return PathBuf::from(dir);
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
     home.join(".cache/rocmforge/models")
 }
 

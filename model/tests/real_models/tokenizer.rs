@@ -1,4 +1,5 @@
-//! The tokenizer against llama.cpp on both real models: the golden prompts and the corpus
+//! The tokenizer against llama.cpp on both real models (and on SmolLM2's vocabulary under
+//! the other BPE pre-tokenizers): the golden prompts and the corpus
 //! in `tests/data` (ids made by llama.cpp's own tokenizer, see `tests/data/README.md`),
 //! llama.cpp's detokenized text, and streaming decode round trips.
 
@@ -7,7 +8,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use model::tokenizer::{DecodeOptions, EncodeOptions, TokenId, Tokenizer};
+use gguf_format::{Metadata, Value};
+use model::tokenizer::{keys, DecodeOptions, EncodeOptions, TokenId, Tokenizer};
 
 use crate::common::{golden, ids, model_path, GEMMA3, SMOLLM2};
 
@@ -18,7 +20,7 @@ const ADD_ONLY: EncodeOptions = EncodeOptions {
 };
 
 /// Reads just the metadata of a GGUF file: its first bytes, more if they fall short.
-fn read_tokenizer(path: &Path) -> Tokenizer {
+fn read_metadata(path: &Path) -> Metadata {
     let mut file = File::open(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
     let file_len = file.metadata().expect("file size").len();
     let mut prefix = Vec::new();
@@ -30,7 +32,7 @@ fn read_tokenizer(path: &Path) -> Tokenizer {
             .read_to_end(&mut prefix)
             .expect("reading the model");
         match gguf_format::parse_prefix(&prefix, file_len) {
-            Ok(gguf) => return Tokenizer::from_metadata(&gguf.metadata).expect("tokenizer builds"),
+            Ok(gguf) => return gguf.metadata,
             Err(gguf_format::GgufError::UnexpectedEof { .. }) if want < file_len => want *= 2,
             Err(e) => panic!("{}: {e}", path.display()),
         }
@@ -45,7 +47,9 @@ fn tokenizer(file: &'static str) -> &'static Tokenizer {
         GEMMA3 => &GEMMA3_TOKENIZER,
         other => panic!("no tokenizer cache for {other}"),
     };
-    cell.get_or_init(|| read_tokenizer(&model_path(file)))
+    cell.get_or_init(|| {
+        Tokenizer::from_metadata(&read_metadata(&model_path(file))).expect("tokenizer builds")
+    })
 }
 
 fn data_path(name: &str) -> PathBuf {
@@ -71,12 +75,18 @@ fn corpus() -> Vec<String> {
 }
 
 fn references(file: &str) -> Vec<serde_json::Value> {
-    let name = match file {
-        SMOLLM2 => "tokenizer_refs_smollm2.json",
-        _ => "tokenizer_refs_gemma3.json",
-    };
+    match file {
+        SMOLLM2 => references_in("tokenizer_refs_smollm2.json", file),
+        _ => references_in("tokenizer_refs_gemma3.json", file),
+    }
+}
+
+fn references_in(name: &str, model_file: &str) -> Vec<serde_json::Value> {
     let refs = read_json(name);
-    assert_eq!(refs["model"], file, "{name} was made for another model");
+    assert_eq!(
+        refs["model"], model_file,
+        "{name} was made for another model"
+    );
     let cases = refs["cases"].as_array().expect("cases").clone();
     let corpus = corpus();
     assert_eq!(
@@ -94,13 +104,10 @@ fn references(file: &str) -> Vec<serde_json::Value> {
     cases
 }
 
-/// Every corpus entry encodes to llama.cpp's ids, with special tokens parsed (its CLI's
-/// default) and not parsed; all mismatches are listed.
-fn corpus_matches_llama_cpp(file: &'static str) {
-    let tokenizer = tokenizer(file);
+/// Encodes every case both ways and decodes llama.cpp's ids; returns what differs.
+fn compare(tokenizer: &Tokenizer, cases: &[serde_json::Value]) -> Vec<String> {
     let mut failures = Vec::new();
-    let cases = references(file);
-    for case in &cases {
+    for case in cases {
         let text = case["text"].as_str().expect("text");
         for (options, key) in [
             (EncodeOptions::PROMPT, "parse_special"),
@@ -114,12 +121,30 @@ fn corpus_matches_llama_cpp(file: &'static str) {
                 ));
             }
         }
+        let decoded = tokenizer
+            .decode(&ids(&case["parse_special"]), DecodeOptions::VERBATIM)
+            .expect("known ids");
+        let expected = case["detokenized"].as_str().expect("detokenized");
+        if decoded != expected {
+            failures.push(format!(
+                "decode {text:?}\n   ours:      {decoded:?}\n   llama.cpp: {expected:?}"
+            ));
+        }
     }
+    failures
+}
+
+/// Every corpus entry encodes to llama.cpp's ids, with special tokens parsed (its CLI's
+/// default) and not parsed, and llama.cpp's ids decode to its text; all mismatches are
+/// listed.
+fn corpus_matches_llama_cpp(file: &'static str) {
+    let cases = references(file);
+    let failures = compare(tokenizer(file), &cases);
     assert!(
         failures.is_empty(),
-        "{file}: {} of {} encodings differ from llama.cpp:\n{}",
+        "{file}: {} of {} checks differ from llama.cpp:\n{}",
         failures.len(),
-        2 * cases.len(),
+        3 * cases.len(),
         failures.join("\n")
     );
 }
@@ -173,28 +198,30 @@ fn gemma3_golden_prompts_match() {
     golden_prompts_match(GEMMA3);
 }
 
-/// Decoding llama.cpp's ids (special tokens rendered) gives llama.cpp's text.
-fn detokenize_matches(file: &'static str) {
-    let tokenizer = tokenizer(file);
-    for case in references(file) {
-        let ids = ids(&case["parse_special"]);
-        let expected = case["detokenized"].as_str().expect("detokenized");
-        assert_eq!(
-            tokenizer.decode(&ids, DecodeOptions::VERBATIM).unwrap(),
-            expected,
-            "{ids:?}"
+/// SmolLM2's vocabulary under the other BPE pre-tokenizers: llama.cpp's ids for each come
+/// from a vocabulary-only copy of the file with `tokenizer.ggml.pre` changed.
+#[test]
+fn other_bpe_pre_tokenizers_match_llama_cpp() {
+    let metadata = read_metadata(&model_path(SMOLLM2));
+    let mut failures = Vec::new();
+    for pre in ["llama-bpe", "qwen2", "gpt-2", "default"] {
+        let mut variant = metadata.clone();
+        variant.set(keys::PRE, Value::String(pre.to_owned()));
+        let tokenizer = Tokenizer::from_metadata(&variant).expect("tokenizer builds");
+        let name = format!("tokenizer_refs_smollm2_pre_{pre}.json");
+        let cases = references_in(&name, &format!("variant-{pre}.gguf"));
+        failures.extend(
+            compare(&tokenizer, &cases)
+                .into_iter()
+                .map(|f| format!("{pre}: {f}")),
         );
     }
-}
-
-#[test]
-fn smollm2_detokenize_matches_llama_cpp() {
-    detokenize_matches(SMOLLM2);
-}
-
-#[test]
-fn gemma3_detokenize_matches_llama_cpp() {
-    detokenize_matches(GEMMA3);
+    assert!(
+        failures.is_empty(),
+        "{} differences:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 fn stream(tokenizer: &Tokenizer, ids: &[TokenId]) -> (String, usize) {
