@@ -13,7 +13,7 @@ pub(crate) const QK_K: usize = 256;
 pub(crate) const BSUM_GROUP: usize = 16;
 
 /// A set of prepared activations, one row per token.
-pub(crate) trait ActSet: Sync {
+pub(crate) trait ActSet: Sync + 'static {
     /// A borrowed view of one token's row.
     type Row<'a>: Copy
     where

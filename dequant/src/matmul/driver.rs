@@ -1,5 +1,7 @@
 //! Splits a product into chunks of rows for rayon and tiles each chunk for the cache.
 
+use std::ops::Range;
+
 use gguf_format::GgmlType;
 use rayon::prelude::*;
 
@@ -10,11 +12,17 @@ use super::{Backend, MatmulError, QuantizedMatrix};
 /// Weight bytes a task should at least cover, so that splitting never costs more than
 /// the work it shares out.
 const MIN_CHUNK_BYTES: usize = 32 * 1024;
+/// Called from outside the pool, a product hands its work to the pool's threads and
+/// waits for them: measured at 10–20 µs on a 2-core VM, about what one core needs for
+/// this many weight bytes. Smaller products run on the calling thread.
+const SERIAL_BYTES_OUTSIDE_POOL: usize = 256 * 1024;
 /// Tasks per pool thread: enough to even out threads that start late or run slow.
 const TASKS_PER_THREAD: usize = 4;
-/// In a batch, weight bytes per task stay within this so the chunk is still in the
-/// core's L2 cache when the next tile of tokens passes over it.
-const MAX_BATCH_CHUNK_BYTES: usize = 256 * 1024;
+/// In a batch, rows are taken in blocks of at most this many weight bytes, which stay
+/// in the core's L2 cache while every tile of tokens passes over them.
+const L2_BLOCK_BYTES: usize = 256 * 1024;
+/// A batch is shared out by tokens when every task gets at least this many.
+const TOKENS_PER_TASK: usize = 4;
 /// Bytes of activations per token tile: they stay in L1 while a chunk's rows pass.
 const TOKEN_TILE_BYTES: usize = 16 * 1024;
 
@@ -39,21 +47,59 @@ impl Exec {
     }
 }
 
-/// Rows per task for a matrix with `row_bytes` per row and a batch of `n_tokens`.
-pub(crate) fn chunk_rows(rows: usize, row_bytes: usize, n_tokens: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
-    let balanced = rows.div_ceil(threads * TASKS_PER_THREAD);
-    let mut chunk = balanced.max(MIN_CHUNK_BYTES.div_ceil(row_bytes.max(1)));
-    if n_tokens > 1 {
-        chunk = chunk.min((MAX_BATCH_CHUNK_BYTES / row_bytes.max(1)).max(1));
+/// How a product is shared out over rayon's pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Split {
+    /// Too small to share: it runs on the calling thread.
+    Serial,
+    /// Tasks of this many rows (a multiple of 4, the single-token kernels' width), each
+    /// against every token.
+    Rows(usize),
+    /// Tasks of this many tokens (a multiple of 4, the batched kernels' width), each
+    /// against every row.
+    Tokens(usize),
+}
+
+/// The split for `rows` rows of `row_bytes` against `n_tokens` tokens.
+pub(crate) fn split(rows: usize, row_bytes: usize, n_tokens: usize) -> Split {
+    let threads = rayon::current_num_threads();
+    let work = rows.saturating_mul(row_bytes).saturating_mul(n_tokens);
+    let serial_limit = match rayon::current_thread_index() {
+        Some(_) => 2 * MIN_CHUNK_BYTES,
+        None => SERIAL_BYTES_OUTSIDE_POOL,
+    };
+    if threads <= 1 || work < serial_limit {
+        return Split::Serial;
     }
-    chunk.clamp(1, rows.max(1))
+    if n_tokens >= TOKENS_PER_TASK * TASKS_PER_THREAD * threads {
+        // Each task reads all the weights, but from cache: a batch is compute-bound.
+        let per_task = n_tokens
+            .div_ceil(TASKS_PER_THREAD * threads)
+            .next_multiple_of(4);
+        return Split::Tokens(per_task);
+    }
+    let balanced = rows.div_ceil(threads * TASKS_PER_THREAD);
+    let chunk = balanced.max(MIN_CHUNK_BYTES.div_ceil(row_bytes.max(1)));
+    Split::Rows(chunk.next_multiple_of(4).min(rows.max(1)))
+}
+
+/// Rows per block whose weights stay in L2 while tiles of tokens pass over them.
+pub(crate) fn rows_per_block(row_bytes: usize) -> usize {
+    (L2_BLOCK_BYTES / row_bytes.max(1)).max(4) / 4 * 4
 }
 
 /// Tokens per tile for activations of `act_row_bytes` per token: a multiple of 4, the
 /// width of the batched kernels.
 pub(crate) fn token_tile(act_row_bytes: usize) -> usize {
     (TOKEN_TILE_BYTES / act_row_bytes.max(1) / 4 * 4).max(4)
+}
+
+/// Where a task's results go: the value of row `r` and token `t` (both counted from
+/// the task's first) lands at `data[r * row_stride + t * token_stride]`.
+pub(crate) struct Out<'o> {
+    pub data: &'o mut [f32],
+    pub row_stride: usize,
+    pub token_stride: usize,
 }
 
 /// Computes `y` (token-major, `n_tokens × rows`) for validated, non-empty shapes.
@@ -90,66 +136,112 @@ fn run_kernel<K: Kernel>(
     y: &mut [f32],
 ) {
     let acts = K::Acts::prepare(x, n_tokens, m.cols());
-    let row_bytes = m.row_bytes();
-    let chunk = chunk_rows(m.rows(), row_bytes, n_tokens);
-    let weights = m.bytes();
-    let task = |(c, out): (usize, &mut [f32])| {
-        let first = c * chunk;
-        let n_rows = out.len() / n_tokens;
-        let w = &weights[first * row_bytes..(first + n_rows) * row_bytes];
-        rows::<K>(exec, w, row_bytes, &acts, n_tokens, out);
-    };
-    if n_tokens == 1 {
-        y.par_chunks_mut(chunk).enumerate().for_each(task);
-        return;
-    }
-    // Tasks own whole rows, so they write a row-major (rows × n_tokens) scratch that is
-    // transposed into the token-major output afterwards.
-    let mut by_row = vec![0.0f32; y.len()];
-    by_row
-        .par_chunks_mut(chunk * n_tokens)
-        .enumerate()
-        .for_each(task);
-    let rows = m.rows();
-    y.par_chunks_mut(rows).enumerate().for_each(|(t, y_token)| {
-        for (r, v) in y_token.iter_mut().enumerate() {
-            *v = by_row[r * n_tokens + t];
+    let (weights, row_bytes, n_rows) = (m.bytes(), m.row_bytes(), m.rows());
+    match split(n_rows, row_bytes, n_tokens) {
+        Split::Serial => {
+            let out = Out {
+                data: y,
+                row_stride: 1,
+                token_stride: n_rows,
+            };
+            rows::<K>(exec, weights, row_bytes, &acts, 0..n_tokens, out);
         }
-    });
+        Split::Tokens(per_task) => {
+            y.par_chunks_mut(per_task * n_rows)
+                .enumerate()
+                .for_each(|(c, data)| {
+                    let first = c * per_task;
+                    let tokens = first..first + data.len() / n_rows;
+                    let out = Out {
+                        data,
+                        row_stride: 1,
+                        token_stride: n_rows,
+                    };
+                    rows::<K>(exec, weights, row_bytes, &acts, tokens, out);
+                })
+        }
+        Split::Rows(per_task) if n_tokens == 1 => {
+            y.par_chunks_mut(per_task)
+                .enumerate()
+                .for_each(|(c, data)| {
+                    let w =
+                        &weights[c * per_task * row_bytes..(c * per_task + data.len()) * row_bytes];
+                    rows::<K>(
+                        exec,
+                        w,
+                        row_bytes,
+                        &acts,
+                        0..1,
+                        Out {
+                            data,
+                            row_stride: 1,
+                            token_stride: 0,
+                        },
+                    );
+                })
+        }
+        Split::Rows(per_task) => {
+            // A few tokens: tasks own whole rows, so they write a row-major scratch
+            // that is transposed into the token-major output afterwards.
+            let mut by_row = vec![0.0f32; y.len()];
+            by_row
+                .par_chunks_mut(per_task * n_tokens)
+                .enumerate()
+                .for_each(|(c, data)| {
+                    let first = c * per_task;
+                    let w =
+                        &weights[first * row_bytes..(first + data.len() / n_tokens) * row_bytes];
+                    let out = Out {
+                        data,
+                        row_stride: n_tokens,
+                        token_stride: 1,
+                    };
+                    rows::<K>(exec, w, row_bytes, &acts, 0..n_tokens, out);
+                });
+            for (t, y_token) in y.chunks_exact_mut(n_rows).enumerate() {
+                for (r, v) in y_token.iter_mut().enumerate() {
+                    *v = by_row[r * n_tokens + t];
+                }
+            }
+        }
+    }
 }
 
-/// `out[r * n_tokens + t]` = row `r` of `w` · token `t`, on the chosen backend.
+/// Every row of `w` against `tokens` of `acts`, on the chosen backend.
 fn rows<K: Kernel>(
     exec: Exec,
     w: &[u8],
     row_bytes: usize,
     acts: &K::Acts,
-    n_tokens: usize,
-    out: &mut [f32],
+    tokens: Range<usize>,
+    out: Out<'_>,
 ) {
     match exec {
-        Exec::Portable => rows_portable::<K>(w, row_bytes, acts, n_tokens, out),
+        Exec::Portable => rows_portable::<K>(w, row_bytes, acts, tokens, out),
         #[cfg(target_arch = "x86_64")]
-        Exec::Avx2(features) => features.rows::<K>(w, row_bytes, acts, n_tokens, out),
+        Exec::Avx2(features) => features.rows::<K>(w, row_bytes, acts, tokens, out),
     }
 }
 
+/// The portable loops: blocks of rows that stay in L2, tiles of tokens that stay in L1.
 fn rows_portable<K: Kernel>(
     w: &[u8],
     row_bytes: usize,
     acts: &K::Acts,
-    n_tokens: usize,
-    out: &mut [f32],
+    tokens: Range<usize>,
+    out: Out<'_>,
 ) {
-    let tile = token_tile(acts.row_bytes());
-    for t0 in (0..n_tokens).step_by(tile) {
-        let t1 = (t0 + tile).min(n_tokens);
-        for (row, out_row) in w
-            .chunks_exact(row_bytes)
-            .zip(out.chunks_exact_mut(n_tokens))
-        {
-            for (t, v) in out_row.iter_mut().enumerate().take(t1).skip(t0) {
-                *v = K::dot(row, acts.row(t));
+    let n_rows = w.len() / row_bytes.max(1);
+    let (block, tile) = (rows_per_block(row_bytes), token_tile(acts.row_bytes()));
+    for r0 in (0..n_rows).step_by(block) {
+        for t0 in tokens.clone().step_by(tile) {
+            let t1 = (t0 + tile).min(tokens.end);
+            for r in r0..(r0 + block).min(n_rows) {
+                let row = &w[r * row_bytes..(r + 1) * row_bytes];
+                for t in t0..t1 {
+                    out.data[r * out.row_stride + (t - tokens.start) * out.token_stride] =
+                        K::dot(row, acts.row(t));
+                }
             }
         }
     }

@@ -13,16 +13,16 @@ pub(crate) trait Kernel {
     /// One row of weights (whole blocks) · one token's activations, portable code.
     fn dot(row: &[u8], act: <Self::Acts as ActSet>::Row<'_>) -> f32;
 
-    /// One row of weights · `N` tokens' activations, AVX2 code.
+    /// `R` rows of weights · `N` tokens' activations, AVX2 code: `out[r][t]`. Covers
+    /// the blocks that every row and activation row hold in full.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C. `row` must hold whole blocks and every
-    /// activation row must have as many values as `row` has weights.
+    /// The CPU must support AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2<const N: usize>(
-        row: &[u8],
+    unsafe fn dot_avx2<const R: usize, const N: usize>(
+        rows: [&[u8]; R],
         acts: [<Self::Acts as ActSet>::Row<'_>; N],
-    ) -> [f32; N];
+    ) -> [[f32; N]; R];
 }
 
 macro_rules! kernel {
@@ -40,13 +40,13 @@ macro_rules! kernel {
 
             #[cfg(target_arch = "x86_64")]
             #[inline(always)]
-            unsafe fn dot_avx2<const N: usize>(
-                row: &[u8],
+            unsafe fn dot_avx2<const R: usize, const N: usize>(
+                rows: [&[u8]; R],
                 acts: [<Self::Acts as ActSet>::Row<'_>; N],
-            ) -> [f32; N] {
+            ) -> [[f32; N]; R] {
                 // SAFETY: the caller upholds this function's contract, which is the
                 // callee's.
-                unsafe { $avx2(row, acts) }
+                unsafe { $avx2(rows, acts) }
             }
         }
     };

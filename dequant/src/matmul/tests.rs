@@ -455,6 +455,82 @@ fn a_batch_equals_its_tokens_multiplied_one_at_a_time_exactly() {
     }
 }
 
+/// Runs `f` on a pool of `threads` threads, from inside it.
+fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+        .install(f)
+}
+
+#[test]
+fn every_split_gives_the_serial_results_exactly() {
+    // (rows, cols, tokens) covering each split, with chunks ending inside a group of 4.
+    let cases = [
+        (1002, 256, 1),
+        (1002, 256, 3),
+        (130, 512, 37),
+        (7, 256, 1),
+        (515, 1024, 2),
+    ];
+    for ty in [
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q6_K,
+        GgmlType::F16,
+    ] {
+        for (rows, cols, n_tokens) in cases {
+            let bytes = random_matrix(ty, rows, cols, rows as u64);
+            let x = random_x(n_tokens * cols, 3);
+            let m = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
+            let row_bytes = m.row_bytes();
+            for backend in backends() {
+                let run = || {
+                    let mut y = vec![0.0f32; n_tokens * rows];
+                    m.matmul_with(backend, &x, n_tokens, &mut y).unwrap();
+                    (
+                        super::driver::split(rows, row_bytes, n_tokens),
+                        y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    )
+                };
+                let (serial_split, serial) = in_pool(1, run);
+                assert_eq!(serial_split, super::driver::Split::Serial);
+                let (split, parallel) = in_pool(2, run);
+                assert_eq!(
+                    parallel, serial,
+                    "{ty} {rows}x{cols} x {n_tokens} tokens split as {split:?} on {backend:?}"
+                );
+            }
+        }
+    }
+    let splits: Vec<_> = cases
+        .iter()
+        .map(|&(rows, cols, n)| {
+            in_pool(2, || {
+                super::driver::split(
+                    rows,
+                    GgmlType::Q8_0.row_bytes(cols as u64).unwrap() as usize,
+                    n,
+                )
+            })
+        })
+        .collect();
+    assert!(
+        splits
+            .iter()
+            .any(|s| matches!(s, super::driver::Split::Rows(_))),
+        "{splits:?}"
+    );
+    assert!(
+        splits
+            .iter()
+            .any(|s| matches!(s, super::driver::Split::Tokens(_))),
+        "{splits:?}"
+    );
+    assert!(splits.contains(&super::driver::Split::Serial), "{splits:?}");
+}
+
 #[test]
 fn zero_activations_give_zero() {
     for ty in TYPES {

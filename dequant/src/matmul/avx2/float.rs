@@ -67,49 +67,46 @@ impl Float for BF16 {
     }
 }
 
-/// One row against `N` tokens, sixteen weights per step into two sets of accumulators.
+/// `R` rows against `N` tokens, eight weights per step; one token gets two sets of
+/// accumulators (sixteen weights per step) so that the FMA latency is hidden.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot<W: Float, const N: usize>(row: &[u8], xs: [&[f32]; N]) -> [f32; N] {
-    let n = xs.iter().fold(row.len() / W::BYTES, |n, x| n.min(x.len()));
-    let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
-    let w = row.as_ptr();
+unsafe fn dot<W: Float, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    xs: [&[f32]; N],
+) -> [[f32; N]; R] {
+    let n = rows
+        .iter()
+        .fold(usize::MAX, |n, row| n.min(row.len() / W::BYTES));
+    let n = xs.iter().fold(n, |n, x| n.min(x.len()));
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
     let mut i = 0;
-    while i + 16 <= n {
-        // SAFETY: i + 16 ≤ n keeps every load inside `row` and each `x`; the features
-        // are present per this function's contract.
-        unsafe {
-            let (w0, w1) = (
-                W::load8(w.add(i * W::BYTES)),
-                W::load8(w.add((i + 8) * W::BYTES)),
-            );
-            for t in 0..N {
-                let x = xs[t].as_ptr().add(i);
-                acc0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc0[t]);
-                acc1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.add(8)), acc1[t]);
-            }
+    while i + 8 <= n {
+        let mut x = [_mm256_setzero_ps(); N];
+        for t in 0..N {
+            // SAFETY: i + 8 ≤ n keeps the load inside `xs[t]`.
+            x[t] = unsafe { _mm256_loadu_ps(xs[t].as_ptr().add(i)) };
         }
-        i += 16;
-    }
-    if i + 8 <= n {
-        // SAFETY: i + 8 ≤ n keeps every load inside `row` and each `x`; the features are
-        // present per this function's contract.
-        unsafe {
-            let w0 = W::load8(w.add(i * W::BYTES));
+        for r in 0..R {
+            // SAFETY: i + 8 ≤ n keeps the load inside the row; the features are present
+            // per this function's contract.
+            let w = unsafe { W::load8(rows[r].as_ptr().add(i * W::BYTES)) };
             for t in 0..N {
-                acc0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[t].as_ptr().add(i)), acc0[t]);
+                acc[r][t] = _mm256_fmadd_ps(w, x[t], acc[r][t]);
             }
         }
         i += 8;
     }
-    let mut out = [0.0f32; N];
-    for t in 0..N {
-        out[t] = hsum_ps(_mm256_add_ps(acc0[t], acc1[t]));
-        for j in i..n {
-            out[t] += W::one(&row[j * W::BYTES..]) * xs[t][j];
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for t in 0..N {
+            out[r][t] = hsum_ps(acc[r][t]);
+            for j in i..n {
+                out[r][t] += W::one(&rows[r][j * W::BYTES..]) * xs[t][j];
+            }
         }
     }
     out
@@ -117,15 +114,18 @@ unsafe fn dot<W: Float, const N: usize>(row: &[u8], xs: [&[f32]; N]) -> [f32; N]
 
 macro_rules! entry {
     ($name:ident, $format:ty) => {
-        /// One row against `N` tokens.
+        /// `R` rows against `N` tokens.
         ///
         /// # Safety
         /// The CPU must support AVX2, FMA and F16C.
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        pub(crate) unsafe fn $name<const N: usize>(row: &[u8], xs: [&[f32]; N]) -> [f32; N] {
+        pub(crate) unsafe fn $name<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            xs: [&[f32]; N],
+        ) -> [[f32; N]; R] {
             // SAFETY: the features are present per this function's contract.
-            unsafe { dot::<$format, N>(row, xs) }
+            unsafe { dot::<$format, R, N>(rows, xs) }
         }
     };
 }

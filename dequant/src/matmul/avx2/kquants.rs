@@ -15,9 +15,16 @@ use crate::matmul::portable::{k_scales_mins, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES}
 /// Groups of 16 per super-block.
 const GROUPS: usize = QK_K / BSUM_GROUP;
 
-/// Super-blocks the row and every activation row can supply.
-fn blocks<const N: usize>(row: &[u8], bytes: usize, acts: &[Q8KRow<'_>; N]) -> usize {
-    acts.iter().fold(row.len() / bytes, |n, a| {
+/// Super-blocks that every row and activation row can supply.
+fn blocks<const R: usize, const N: usize>(
+    rows: &[&[u8]; R],
+    bytes: usize,
+    acts: &[Q8KRow<'_>; N],
+) -> usize {
+    let n = rows
+        .iter()
+        .fold(usize::MAX, |n, row| n.min(row.len() / bytes));
+    acts.iter().fold(n, |n, a| {
         n.min(a.qs.len() / QK_K)
             .min(a.d.len())
             .min(a.bsums.len() / GROUPS)
@@ -201,95 +208,118 @@ unsafe fn q6_k_ints<const N: usize>(
     sums
 }
 
-/// One `Q4_K`/`Q5_K` row against `N` tokens.
+/// `R` `Q4_K`/`Q5_K` rows against `N` tokens.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q45_k<const FIVE: bool, const N: usize>(
-    row: &[u8],
+unsafe fn dot_q45_k<const FIVE: bool, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
     acts: [Q8KRow<'_>; N],
-) -> [f32; N] {
+) -> [[f32; N]; R] {
     let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
-    let nb = blocks(row, bytes, &acts);
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut mins = [0.0f32; N];
+    let nb = blocks(&rows, bytes, &acts);
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    let mut mins = [[0.0f32; N]; R];
     for b in 0..nb {
-        // SAFETY: b < nb bounds the block and the activations; the features are present
-        // per this function's contract.
-        let (d, dmin, (sums, min_sums)) = unsafe {
-            let block = row.as_ptr().add(b * bytes);
-            let (qx, bsums) = act_ptrs(&acts, b);
-            (
-                load_f16(block),
-                load_f16(block.add(2)),
-                q45_k_ints::<FIVE, N>(block, qx, bsums),
-            )
-        };
-        for t in 0..N {
-            let dx = acts[t].d[b];
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), _mm256_set1_ps(d * dx), acc[t]);
-            mins[t] += dmin * dx * min_sums[t] as f32;
+        // SAFETY: b < nb bounds the activations.
+        let (qx, bsums) = unsafe { act_ptrs(&acts, b) };
+        for r in 0..R {
+            // SAFETY: b < nb bounds the block; the features are present per this
+            // function's contract.
+            let (d, dmin, (sums, min_sums)) = unsafe {
+                let block = rows[r].as_ptr().add(b * bytes);
+                (
+                    load_f16(block),
+                    load_f16(block.add(2)),
+                    q45_k_ints::<FIVE, N>(block, qx, bsums),
+                )
+            };
+            for t in 0..N {
+                let dx = acts[t].d[b];
+                acc[r][t] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(sums[t]),
+                    _mm256_set1_ps(d * dx),
+                    acc[r][t],
+                );
+                mins[r][t] += dmin * dx * min_sums[t] as f32;
+            }
         }
     }
-    let mut out = [0.0f32; N];
-    for t in 0..N {
-        out[t] = hsum_ps(acc[t]) - mins[t];
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for t in 0..N {
+            out[r][t] = hsum_ps(acc[r][t]) - mins[r][t];
+        }
     }
     out
 }
 
-/// One `Q4_K` row against `N` tokens.
+/// `R` `Q4_K` rows against `N` tokens.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q4_k<const N: usize>(row: &[u8], acts: [Q8KRow<'_>; N]) -> [f32; N] {
+pub(crate) unsafe fn dot_q4_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
     // SAFETY: the features are present per this function's contract.
-    unsafe { dot_q45_k::<false, N>(row, acts) }
+    unsafe { dot_q45_k::<false, R, N>(rows, acts) }
 }
 
-/// One `Q5_K` row against `N` tokens.
+/// `R` `Q5_K` rows against `N` tokens.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q5_k<const N: usize>(row: &[u8], acts: [Q8KRow<'_>; N]) -> [f32; N] {
+pub(crate) unsafe fn dot_q5_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
     // SAFETY: the features are present per this function's contract.
-    unsafe { dot_q45_k::<true, N>(row, acts) }
+    unsafe { dot_q45_k::<true, R, N>(rows, acts) }
 }
 
-/// One `Q6_K` row against `N` tokens.
+/// `R` `Q6_K` rows against `N` tokens.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn dot_q6_k<const N: usize>(row: &[u8], acts: [Q8KRow<'_>; N]) -> [f32; N] {
-    let nb = blocks(row, Q6_K_BYTES, &acts);
-    let mut acc = [_mm256_setzero_ps(); N];
+pub(crate) unsafe fn dot_q6_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    let nb = blocks(&rows, Q6_K_BYTES, &acts);
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
     for b in 0..nb {
-        // SAFETY: b < nb bounds the block and the activations; the features are present
-        // per this function's contract.
-        let (d, sums) = unsafe {
-            let block = row.as_ptr().add(b * Q6_K_BYTES);
-            let (qx, bsums) = act_ptrs(&acts, b);
-            (load_f16(block.add(208)), q6_k_ints::<N>(block, qx, bsums))
-        };
-        for t in 0..N {
-            acc[t] = _mm256_fmadd_ps(
-                _mm256_cvtepi32_ps(sums[t]),
-                _mm256_set1_ps(d * acts[t].d[b]),
-                acc[t],
-            );
+        // SAFETY: b < nb bounds the activations.
+        let (qx, bsums) = unsafe { act_ptrs(&acts, b) };
+        for r in 0..R {
+            // SAFETY: b < nb bounds the block; the features are present per this
+            // function's contract.
+            let (d, sums) = unsafe {
+                let block = rows[r].as_ptr().add(b * Q6_K_BYTES);
+                (load_f16(block.add(208)), q6_k_ints::<N>(block, qx, bsums))
+            };
+            for t in 0..N {
+                acc[r][t] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(sums[t]),
+                    _mm256_set1_ps(d * acts[t].d[b]),
+                    acc[r][t],
+                );
+            }
         }
     }
-    let mut out = [0.0f32; N];
-    for t in 0..N {
-        out[t] = hsum_ps(acc[t]);
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for t in 0..N {
+            out[r][t] = hsum_ps(acc[r][t]);
+        }
     }
     out
 }

@@ -220,9 +220,16 @@ impl Legacy for Q8_0 {
     }
 }
 
-/// Blocks the row and every activation row can supply.
-fn blocks<const N: usize>(row: &[u8], bytes: usize, acts: &[Q8Row<'_>; N]) -> usize {
-    acts.iter().fold(row.len() / bytes, |n, a| {
+/// Blocks that every row and activation row can supply.
+fn blocks<const R: usize, const N: usize>(
+    rows: &[&[u8]; R],
+    bytes: usize,
+    acts: &[Q8Row<'_>; N],
+) -> usize {
+    let n = rows
+        .iter()
+        .fold(usize::MAX, |n, row| n.min(row.len() / bytes));
+    acts.iter().fold(n, |n, a| {
         n.min(a.qs.len() / QK8)
             .min(a.d.len())
             .min(a.isum.len())
@@ -230,87 +237,74 @@ fn blocks<const N: usize>(row: &[u8], bytes: usize, acts: &[Q8Row<'_>; N]) -> us
     })
 }
 
-/// Accumulates block `b` of every token into `acc` (scaled products) and `mins`
-/// (offset terms).
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; `b` must be below [`blocks`] and `base`
-/// the row's start.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_step<L: Legacy, const N: usize>(
-    base: *const u8,
-    b: usize,
-    acts: &[Q8Row<'_>; N],
-    acc: &mut [__m256; N],
-    mins: &mut [f32; N],
-) {
-    // SAFETY: block b lies inside the row, as `b < blocks(..)` ensures.
-    let w = unsafe { L::unpack(base.add(b * L::BYTES)) };
-    for t in 0..N {
-        let a = &acts[t];
-        // SAFETY: `b < blocks(..)` bounds every index below by the row's lengths.
-        let (qx, isum, d, s) = unsafe {
-            (
-                load32(a.qs.as_ptr().add(b * QK8).cast()),
-                *a.isum.get_unchecked(b),
-                *a.d.get_unchecked(b),
-                *a.s.get_unchecked(b),
-            )
-        };
-        // SAFETY: the features are present per this function's contract.
-        let int = unsafe { L::int(&w, qx, isum) };
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), _mm256_set1_ps(w.d * d), acc[t]);
-        if L::HAS_MIN {
-            mins[t] += w.m * s;
-        }
-    }
-}
-
-/// One row against `N` tokens, two blocks per step into two sets of accumulators so
-/// that the FMA latency is hidden.
+/// `R` rows against `N` tokens. Each block's activations are loaded once for the `R`
+/// rows and each row's block is unpacked once for the `N` tokens.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]) -> [f32; N] {
-    let nb = blocks(row, L::BYTES, &acts);
-    let base = row.as_ptr();
-    let (mut acc0, mut acc1) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
-    let (mut mins0, mut mins1) = ([0.0f32; N], [0.0f32; N]);
-    let mut b = 0;
-    while b + 2 <= nb {
-        // SAFETY: b and b + 1 stay below `nb`; the features are present per this
-        // function's contract.
-        unsafe {
-            block_step::<L, N>(base, b, &acts, &mut acc0, &mut mins0);
-            block_step::<L, N>(base, b + 1, &acts, &mut acc1, &mut mins1);
+unsafe fn dot<L: Legacy, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8Row<'_>; N],
+) -> [[f32; N]; R] {
+    let nb = blocks(&rows, L::BYTES, &acts);
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    let mut mins = [[0.0f32; N]; R];
+    for b in 0..nb {
+        let mut qx = [_mm256_setzero_si256(); N];
+        let (mut isum, mut dx, mut sx) = ([0i32; N], [0.0f32; N], [0.0f32; N]);
+        for t in 0..N {
+            let a = &acts[t];
+            // SAFETY: `b < nb` bounds every index by the activation row's lengths.
+            unsafe {
+                qx[t] = load32(a.qs.as_ptr().add(b * QK8).cast());
+                isum[t] = *a.isum.get_unchecked(b);
+                dx[t] = *a.d.get_unchecked(b);
+                sx[t] = *a.s.get_unchecked(b);
+            }
         }
-        b += 2;
+        for r in 0..R {
+            // SAFETY: `b < nb` keeps the block inside the row; the features are present
+            // per this function's contract.
+            let w = unsafe { L::unpack(rows[r].as_ptr().add(b * L::BYTES)) };
+            for t in 0..N {
+                // SAFETY: the features are present per this function's contract.
+                let int = unsafe { L::int(&w, qx[t], isum[t]) };
+                acc[r][t] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(int),
+                    _mm256_set1_ps(w.d * dx[t]),
+                    acc[r][t],
+                );
+                if L::HAS_MIN {
+                    mins[r][t] += w.m * sx[t];
+                }
+            }
+        }
     }
-    if b < nb {
-        // SAFETY: b < nb; the features are present per this function's contract.
-        unsafe { block_step::<L, N>(base, b, &acts, &mut acc0, &mut mins0) };
-    }
-    let mut out = [0.0f32; N];
-    for t in 0..N {
-        out[t] = hsum_ps(_mm256_add_ps(acc0[t], acc1[t])) + (mins0[t] + mins1[t]);
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for t in 0..N {
+            out[r][t] = hsum_ps(acc[r][t]) + mins[r][t];
+        }
     }
     out
 }
 
 macro_rules! entry {
     ($name:ident, $format:ty) => {
-        /// One row against `N` tokens.
+        /// `R` rows against `N` tokens.
         ///
         /// # Safety
         /// The CPU must support AVX2, FMA and F16C.
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        pub(crate) unsafe fn $name<const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]) -> [f32; N] {
+        pub(crate) unsafe fn $name<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            acts: [Q8Row<'_>; N],
+        ) -> [[f32; N]; R] {
             // SAFETY: the features are present per this function's contract.
-            unsafe { dot::<$format, N>(row, acts) }
+            unsafe { dot::<$format, R, N>(rows, acts) }
         }
     };
 }

@@ -13,9 +13,10 @@ pub(crate) mod kquants;
 pub(crate) mod legacy;
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use super::activation::ActSet;
-use super::driver::token_tile;
+use super::driver::{rows_per_block, token_tile, Out};
 use super::formats::Kernel;
 
 /// Proof that the CPU supports AVX2, FMA and F16C.
@@ -31,24 +32,26 @@ impl Avx2 {
         present.then_some(Avx2(()))
     }
 
-    /// `out[r * n_tokens + t]` = row `r` of `w` (rows of `row_bytes`, whole blocks) ·
-    /// token `t` of `acts`, for every row and token.
+    /// Every row of `w` (rows of `row_bytes`, whole blocks) against `tokens` of `acts`.
     pub(crate) fn rows<K: Kernel>(
         self,
         w: &[u8],
         row_bytes: usize,
         acts: &K::Acts,
-        n_tokens: usize,
-        out: &mut [f32],
+        tokens: Range<usize>,
+        out: Out<'_>,
     ) {
         // SAFETY: `self` exists only when `detect` found AVX2, FMA and F16C on this CPU,
         // the only requirement of `rows`.
-        unsafe { rows::<K>(w, row_bytes, acts, n_tokens, out) }
+        unsafe { rows::<K>(w, row_bytes, acts, tokens, out) }
     }
 }
 
-/// The tiled loop of [`Avx2::rows`]: for each tile of tokens small enough to stay in
-/// L1, every row of the chunk passes over it, four tokens per kernel call.
+/// The loops of [`Avx2::rows`]. One token: four rows per kernel call, which shares
+/// each activation load between them and keeps four independent accumulations in
+/// flight. A batch: blocks of rows small enough to stay in L2, and for each, tiles of
+/// tokens small enough to stay in L1 passing over every row, four tokens per kernel
+/// call, so each weight block is unpacked once for four tokens.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
@@ -57,43 +60,85 @@ unsafe fn rows<K: Kernel>(
     w: &[u8],
     row_bytes: usize,
     acts: &K::Acts,
-    n_tokens: usize,
-    out: &mut [f32],
+    tokens: Range<usize>,
+    out: Out<'_>,
 ) {
-    if row_bytes == 0 || n_tokens == 0 {
+    if row_bytes == 0 || tokens.is_empty() {
         return;
     }
-    let tile = token_tile(acts.row_bytes());
-    for t0 in (0..n_tokens).step_by(tile) {
-        let t1 = (t0 + tile).min(n_tokens);
-        for (row, out_row) in w
-            .chunks_exact(row_bytes)
-            .zip(out.chunks_exact_mut(n_tokens))
-        {
-            let mut t = t0;
-            while t + 4 <= t1 {
-                group::<K, 4>(row, acts, t, out_row);
-                t += 4;
-            }
-            match t1 - t {
-                3 => group::<K, 3>(row, acts, t, out_row),
-                2 => group::<K, 2>(row, acts, t, out_row),
-                1 => group::<K, 1>(row, acts, t, out_row),
-                _ => {}
+    let act_rows: Vec<_> = tokens.map(|t| acts.row(t)).collect();
+    let (n_rows, n_tokens) = (w.len() / row_bytes, act_rows.len());
+    let mut at = Tile::<K> {
+        w,
+        row_bytes,
+        acts: &act_rows,
+        out,
+    };
+    if n_tokens == 1 {
+        let mut r = 0;
+        while r + 4 <= n_rows {
+            at.run::<4, 1>(r, 0);
+            r += 4;
+        }
+        for r in r..n_rows {
+            at.run::<1, 1>(r, 0);
+        }
+        return;
+    }
+    let (block, tile) = (rows_per_block(row_bytes), token_tile(acts.row_bytes()));
+    for r0 in (0..n_rows).step_by(block) {
+        for t0 in (0..n_tokens).step_by(tile) {
+            let t1 = (t0 + tile).min(n_tokens);
+            for r in r0..(r0 + block).min(n_rows) {
+                let mut t = t0;
+                while t + 4 <= t1 {
+                    at.run::<1, 4>(r, t);
+                    t += 4;
+                }
+                match t1 - t {
+                    3 => at.run::<1, 3>(r, t),
+                    2 => at.run::<1, 2>(r, t),
+                    1 => at.run::<1, 1>(r, t),
+                    _ => {}
+                }
             }
         }
     }
 }
 
-/// `out_row[t0..t0 + N]` = `row` · tokens `t0..t0 + N`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn group<K: Kernel, const N: usize>(row: &[u8], acts: &K::Acts, t0: usize, out_row: &mut [f32]) {
-    let rows = std::array::from_fn(|i| acts.row(t0 + i));
-    // SAFETY: the features are present, as calling this function requires; that is the
-    // kernels' only requirement (they bound every access by their slices' lengths).
-    let dots = unsafe { K::dot_avx2::<N>(row, rows) };
-    out_row[t0..t0 + N].copy_from_slice(&dots);
+/// A task's weights, activations and output.
+struct Tile<'a, 'r, 'o, K: Kernel> {
+    w: &'a [u8],
+    row_bytes: usize,
+    acts: &'r [<K::Acts as ActSet>::Row<'a>],
+    out: Out<'o>,
+}
+
+impl<K: Kernel> Tile<'_, '_, '_, K> {
+    /// Rows `r0..r0 + R` · tokens `t0..t0 + N` into the output.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn run<const R: usize, const N: usize>(&mut self, r0: usize, t0: usize) {
+        let mut rows = [&self.w[..0]; R];
+        for (i, row) in rows.iter_mut().enumerate() {
+            *row = &self.w[(r0 + i) * self.row_bytes..(r0 + i + 1) * self.row_bytes];
+        }
+        let mut acts = [self.acts[t0]; N];
+        acts.copy_from_slice(&self.acts[t0..t0 + N]);
+        // SAFETY: the features are present, as calling this function requires; that is
+        // the kernels' only requirement (they bound every access by their slices).
+        let dots = unsafe { K::dot_avx2::<R, N>(rows, acts) };
+        let Out {
+            data,
+            row_stride,
+            token_stride,
+        } = &mut self.out;
+        for (i, dots) in dots.iter().enumerate() {
+            for (j, &v) in dots.iter().enumerate() {
+                data[(r0 + i) * *row_stride + (t0 + j) * *token_stride] = v;
+            }
+        }
+    }
 }
 
 /// The sum of the eight lanes.

@@ -1,0 +1,466 @@
+//! Throughput of the quantized matrix products.
+//!
+//! `cargo bench -p dequant --bench matmul -- [--quick] [--threads N] [--portable]
+//! [--only matvec|decode|matmul] [--outside-pool] [--json FILE]`
+//!
+//! - matvec (decode): GB/s of weights read, both with the matrix hot in cache and
+//!   streamed from memory (cycling over copies that together far exceed the last-level
+//!   cache), next to the machine's own memory read bandwidth measured here;
+//! - a whole model's decode step: every layer's matrices as distinct copies, multiplied
+//!   in forward order, giving the matvec time per token and the tokens/s it allows;
+//! - matmul (prefill): GFLOP/s (2 · rows · cols · tokens) for batches of 64 and 512.
+//!
+//! The products are called from one of rayon's pool threads, as a forward pass running
+//! inside the pool calls them (`--outside-pool`: from the main thread instead).
+//!
+//! Shapes and types are those of SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M; weights are
+//! random blocks with finite scales. Each figure is the best of several timed runs.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use dequant::matmul::{Backend, QuantizedMatrix};
+use gguf_format::GgmlType;
+
+/// Bytes of weight copies cycled through for the streamed figures (≫ the L3 cache).
+const STREAM_BYTES: usize = 512 << 20;
+/// Bytes read for the memory bandwidth reference.
+const MEMORY_BYTES: usize = 1 << 30;
+
+struct Options {
+    quick: bool,
+    threads: Option<usize>,
+    portable: bool,
+    json: Option<String>,
+    /// Call the products from the main thread rather than from one of the pool's.
+    outside_pool: bool,
+    /// Run only the sections whose name contains this (`matvec`, `decode`, `matmul`).
+    only: Option<String>,
+}
+
+impl Options {
+    fn wants(&self, section: &str) -> bool {
+        self.only
+            .as_deref()
+            .is_none_or(|only| section.contains(only))
+    }
+}
+
+fn options() -> Options {
+    let mut opts = Options {
+        quick: false,
+        threads: None,
+        portable: false,
+        json: None,
+        only: None,
+        outside_pool: false,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--quick" => opts.quick = true,
+            "--portable" => opts.portable = true,
+            "--outside-pool" => opts.outside_pool = true,
+            "--threads" => opts.threads = args.next().and_then(|v| v.parse().ok()),
+            "--json" => opts.json = args.next(),
+            "--only" => opts.only = args.next(),
+            _ => {} // `cargo bench` passes `--bench`
+        }
+    }
+    opts
+}
+
+/// splitmix64, for reproducible random blocks.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// Random blocks of `ty` with small finite f16 scales (and finite float weights).
+fn random_weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Rng(seed);
+    let len = ty.row_bytes(cols as u64).expect("whole blocks") as usize * rows;
+    let mut bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+    let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
+    let scale_fields: &[usize] = match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        GgmlType::F16 => &[0],
+        GgmlType::BF16 => &[],
+        GgmlType::F32 => {
+            for w in bytes.chunks_exact_mut(4) {
+                w.copy_from_slice(&(rng.unit() - 0.5).to_le_bytes());
+            }
+            &[]
+        }
+        other => panic!("no generator for {other}"),
+    };
+    if ty == GgmlType::BF16 {
+        for w in bytes.chunks_exact_mut(2) {
+            w[1] &= 0xBF; // exponent below 128: finite
+        }
+    }
+    for block in bytes.chunks_exact_mut(ty.type_size() as usize) {
+        for &at in scale_fields {
+            block[at..at + 2].copy_from_slice(&f16(0.001 + 0.02 * rng.unit()));
+        }
+    }
+    bytes
+}
+
+/// Best time per call of `f` over several runs of at least `budget` each.
+fn best_time(budget: Duration, mut f: impl FnMut()) -> Duration {
+    f();
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        let start = Instant::now();
+        let mut calls = 0u32;
+        while start.elapsed() < budget {
+            f();
+            calls += 1;
+        }
+        best = best.min(start.elapsed() / calls);
+    }
+    best
+}
+
+fn gb_per_s(bytes: usize, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64() / 1e9
+}
+
+/// Read bandwidth of this machine with rayon's pool: a sum over a 1 GiB buffer.
+fn memory_bandwidth(budget: Duration) -> f64 {
+    use rayon::prelude::*;
+    let buffer: Vec<u64> = (0..MEMORY_BYTES / 8).map(|i| i as u64).collect();
+    let t = best_time(budget, || {
+        let sum = buffer
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v)))
+            .reduce(|| 0, u64::wrapping_add);
+        black_box(sum);
+    });
+    gb_per_s(MEMORY_BYTES, t)
+}
+
+/// One matrix of a model: name, type, rows, cols.
+type Shape = (&'static str, GgmlType, usize, usize);
+
+const SMOLLM2_LAYER: [Shape; 7] = [
+    ("attn_q", GgmlType::Q4_1, 576, 576),
+    ("attn_k", GgmlType::Q4_1, 192, 576),
+    ("attn_v", GgmlType::Q4_1, 192, 576),
+    ("attn_output", GgmlType::Q4_1, 576, 576),
+    ("ffn_gate", GgmlType::Q4_1, 1536, 576),
+    ("ffn_up", GgmlType::Q4_1, 1536, 576),
+    ("ffn_down", GgmlType::Q4_1, 576, 1536),
+];
+const SMOLLM2_OUTPUT: Shape = ("output", GgmlType::Q8_0, 49152, 576);
+
+const GEMMA3_LAYER: [Shape; 7] = [
+    ("attn_q", GgmlType::Q5_0, 1024, 640),
+    ("attn_k", GgmlType::Q5_0, 256, 640),
+    ("attn_v", GgmlType::Q8_0, 256, 640),
+    ("attn_output", GgmlType::Q4_K, 640, 1024),
+    ("ffn_gate", GgmlType::Q5_0, 2048, 640),
+    ("ffn_up", GgmlType::Q5_0, 2048, 640),
+    ("ffn_down", GgmlType::Q6_K, 640, 2048),
+];
+const GEMMA3_OUTPUT: Shape = ("output", GgmlType::Q8_0, 262144, 640);
+
+/// The other types, on one square shape.
+const OTHER_TYPES: [GgmlType; 8] = [
+    GgmlType::Q4_0,
+    GgmlType::Q5_1,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::F32,
+];
+
+/// The distinct (type, shape) pairs of both models, then the other types.
+fn bench_shapes() -> Vec<(String, Shape)> {
+    let mut shapes: Vec<(String, Shape)> = Vec::new();
+    for (model, layer, output) in [
+        ("smollm2", &SMOLLM2_LAYER, SMOLLM2_OUTPUT),
+        ("gemma3", &GEMMA3_LAYER, GEMMA3_OUTPUT),
+    ] {
+        let mut names: Vec<(Vec<&str>, Shape)> = Vec::new();
+        for &s in layer.iter().chain([&output]) {
+            match names
+                .iter_mut()
+                .find(|(_, o)| (o.1, o.2, o.3) == (s.1, s.2, s.3))
+            {
+                Some((list, _)) => list.push(s.0),
+                None => names.push((vec![s.0], s)),
+            }
+        }
+        for (list, s) in names {
+            shapes.push((format!("{model} {} {}x{}", list.join("/"), s.2, s.3), s));
+        }
+    }
+    for ty in OTHER_TYPES {
+        shapes.push(("square 2048x2048".to_string(), ("square", ty, 2048, 2048)));
+    }
+    shapes
+}
+
+struct Row {
+    label: String,
+    ty: GgmlType,
+    bytes: usize,
+    cached: f64,
+    streamed: f64,
+}
+
+/// Matvec GB/s of one shape, hot in cache and streamed over copies.
+fn bench_matvec(
+    backend: Backend,
+    label: &str,
+    (_, ty, rows, cols): Shape,
+    budget: Duration,
+) -> Row {
+    let one = random_weights(ty, rows, cols, rows as u64 ^ cols as u64);
+    let copies = (STREAM_BYTES / one.len()).max(2);
+    let pool: Vec<u8> = one
+        .iter()
+        .copied()
+        .cycle()
+        .take(one.len() * copies)
+        .collect();
+    let matrices: Vec<QuantizedMatrix<'_>> = pool
+        .chunks_exact(one.len())
+        .map(|b| QuantizedMatrix::new(ty, rows, cols, b).expect("valid shape"))
+        .collect();
+    let x: Vec<f32> = (0..cols)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let mut y = vec![0.0f32; rows];
+    let cached = best_time(budget, || {
+        matrices[0]
+            .matvec_with(backend, &x, &mut y)
+            .expect("shapes match")
+    });
+    let mut next = 0;
+    let streamed = best_time(budget, || {
+        matrices[next]
+            .matvec_with(backend, &x, &mut y)
+            .expect("shapes match");
+        next = (next + 1) % matrices.len();
+    });
+    Row {
+        label: label.to_string(),
+        ty,
+        bytes: one.len(),
+        cached: gb_per_s(one.len(), cached),
+        streamed: gb_per_s(one.len(), streamed),
+    }
+}
+
+/// A whole decode step's matvecs over distinct copies of every layer's matrices.
+/// Returns (weight bytes per token, seconds per token).
+fn bench_model(
+    backend: Backend,
+    layer: &[Shape],
+    n_layers: usize,
+    output: Shape,
+    budget: Duration,
+) -> (usize, Duration) {
+    let mut shapes: Vec<Shape> = (0..n_layers).flat_map(|_| layer.iter().copied()).collect();
+    shapes.push(output);
+    let weights: Vec<Vec<u8>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, ty, rows, cols))| random_weights(ty, rows, cols, i as u64))
+        .collect();
+    let matrices: Vec<QuantizedMatrix<'_>> = shapes
+        .iter()
+        .zip(&weights)
+        .map(|(&(_, ty, rows, cols), b)| {
+            QuantizedMatrix::new(ty, rows, cols, b).expect("valid shape")
+        })
+        .collect();
+    let max_dim = shapes.iter().map(|s| s.2.max(s.3)).max().unwrap_or(0);
+    let x: Vec<f32> = (0..max_dim)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let mut y = vec![0.0f32; max_dim];
+    let t = best_time(budget, || {
+        for m in &matrices {
+            m.matvec_with(backend, &x[..m.cols()], &mut y[..m.rows()])
+                .expect("shapes match");
+        }
+    });
+    (weights.iter().map(Vec::len).sum(), t)
+}
+
+/// Matmul GFLOP/s of one shape for a batch of `n_tokens`.
+fn bench_matmul(
+    backend: Backend,
+    (_, ty, rows, cols): Shape,
+    n_tokens: usize,
+    budget: Duration,
+) -> f64 {
+    let w = random_weights(ty, rows, cols, 7);
+    let m = QuantizedMatrix::new(ty, rows, cols, &w).expect("valid shape");
+    let x: Vec<f32> = (0..n_tokens * cols)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let mut y = vec![0.0f32; n_tokens * rows];
+    let t = best_time(budget, || {
+        m.matmul_with(backend, &x, n_tokens, &mut y)
+            .expect("shapes match")
+    });
+    2.0 * (rows * cols * n_tokens) as f64 / t.as_secs_f64() / 1e9
+}
+
+fn matvec_section(backend: Backend, memory: f64, budget: Duration, json: &mut Vec<String>) {
+    println!("\nmatvec (decode): GB/s of weights read");
+    println!(
+        "{:<36} {:<5} {:>7} {:>12} {:>14} {:>9}",
+        "matrix", "type", "KiB", "cached GB/s", "streamed GB/s", "% of mem"
+    );
+    for (label, shape) in &bench_shapes() {
+        let r = bench_matvec(backend, label, *shape, budget);
+        println!(
+            "{:<36} {:<5} {:>7} {:>12.1} {:>14.1} {:>8.0}%",
+            r.label,
+            r.ty.name(),
+            r.bytes / 1024,
+            r.cached,
+            r.streamed,
+            100.0 * r.streamed / memory
+        );
+        json.push(format!(
+            r#"{{"bench":"matvec","backend":"{}","matrix":"{}","type":"{}","bytes":{},"cached_gb_s":{:.2},"streamed_gb_s":{:.2}}}"#,
+            backend.name(),
+            r.label,
+            r.ty.name(),
+            r.bytes,
+            r.cached,
+            r.streamed
+        ));
+    }
+}
+
+fn decode_section(backend: Backend, memory: f64, budget: Duration, json: &mut Vec<String>) {
+    println!("\nwhole decode step (every layer's matrices, distinct copies, plus the output)");
+    println!(
+        "{:<10} {:>9} {:>10} {:>8} {:>9} {:>16}",
+        "model", "MiB", "ms/token", "GB/s", "% of mem", "tokens/s bound"
+    );
+    for (model, layer, n_layers, output) in [
+        ("smollm2", &SMOLLM2_LAYER, 30, SMOLLM2_OUTPUT),
+        ("gemma3", &GEMMA3_LAYER, 18, GEMMA3_OUTPUT),
+    ] {
+        let (bytes, t) = bench_model(backend, layer, n_layers, output, budget * 2);
+        let gbs = gb_per_s(bytes, t);
+        println!(
+            "{:<10} {:>9.1} {:>10.2} {:>8.1} {:>8.0}% {:>16.0}",
+            model,
+            bytes as f64 / (1 << 20) as f64,
+            t.as_secs_f64() * 1e3,
+            gbs,
+            100.0 * gbs / memory,
+            1.0 / t.as_secs_f64()
+        );
+        json.push(format!(
+            r#"{{"bench":"decode_step","backend":"{}","model":"{model}","bytes":{bytes},"ms_per_token":{:.3},"gb_s":{gbs:.2}}}"#,
+            backend.name(),
+            t.as_secs_f64() * 1e3
+        ));
+    }
+}
+
+fn matmul_section(backend: Backend, budget: Duration, json: &mut Vec<String>) {
+    println!("\nmatmul (prefill): GFLOP/s");
+    println!(
+        "{:<36} {:<5} {:>10} {:>10}",
+        "matrix", "type", "64 tokens", "512 tokens"
+    );
+    for (label, shape) in bench_shapes().iter().filter(|(_, s)| s.2 <= 4096) {
+        let small = bench_matmul(backend, *shape, 64, budget);
+        let large = bench_matmul(backend, *shape, 512, budget);
+        println!(
+            "{:<36} {:<5} {:>10.1} {:>10.1}",
+            label,
+            shape.1.name(),
+            small,
+            large
+        );
+        json.push(format!(
+            r#"{{"bench":"matmul","backend":"{}","matrix":"{label}","type":"{}","gflop_s_64":{small:.2},"gflop_s_512":{large:.2}}}"#,
+            backend.name(),
+            shape.1.name()
+        ));
+    }
+}
+
+fn main() {
+    let opts = options();
+    if let Some(n) = opts.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .expect("first pool");
+    }
+    let budget = Duration::from_millis(if opts.quick { 100 } else { 400 });
+    let mut backends = vec![Backend::detect()];
+    if opts.portable && backends[0] != Backend::Portable {
+        backends.push(Backend::Portable);
+    }
+    let threads = rayon::current_num_threads();
+    let memory = memory_bandwidth(budget);
+    let caller = if opts.outside_pool {
+        "outside"
+    } else {
+        "inside"
+    };
+    println!(
+        "matmul benchmark: {threads} threads, calls from {caller} the pool, \
+         memory read bandwidth {memory:.1} GB/s (sum over 1 GiB)"
+    );
+    let mut json = Vec::new();
+    let sections = |json: &mut Vec<String>| {
+        for &backend in &backends {
+            println!("\n== backend {} ==", backend.name());
+            if opts.wants("matvec") {
+                matvec_section(backend, memory, budget, json);
+            }
+            if opts.wants("decode") {
+                decode_section(backend, memory, budget, json);
+            }
+            if opts.wants("matmul") {
+                matmul_section(backend, budget, json);
+            }
+        }
+    };
+    if opts.outside_pool {
+        sections(&mut json);
+    } else {
+        // As a forward pass should: from one of the pool's threads, so that sharing out
+        // a product costs no hand-over to the pool and back.
+        rayon::scope(|_| sections(&mut json));
+    }
+    if let Some(path) = opts.json {
+        let body = format!(
+            "{{\"threads\":{threads},\"memory_gb_s\":{memory:.2},\"results\":[{}]}}\n",
+            json.join(",")
+        );
+        std::fs::write(&path, body).expect("writable json path");
+        println!("\nwrote {path}");
+    }
+}
