@@ -2,8 +2,9 @@
 //! printable alphabet, then merge adjacent symbols by merge rank.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 
+use super::index::FastMap;
 use super::pretokenize::PreTokenizer;
 use super::unicode::ByteAlphabet;
 use super::vocab::Vocab;
@@ -13,7 +14,7 @@ pub(super) struct BpeModel {
     pub pre: PreTokenizer,
     /// `"left right"` → rank (lower merges first). Symbols never contain a raw space
     /// (the alphabet maps it to `Ġ`), so the joined key is unambiguous.
-    ranks: HashMap<String, u32>,
+    ranks: FastMap<String, u32>,
     pub alphabet: ByteAlphabet,
 }
 
@@ -28,7 +29,7 @@ struct Symbol {
 
 impl BpeModel {
     pub fn new(pre: PreTokenizer, merges: &[String]) -> BpeModel {
-        let mut ranks = HashMap::with_capacity(merges.len());
+        let mut ranks = FastMap::with_capacity_and_hasher(merges.len(), Default::default());
         for (rank, merge) in merges.iter().enumerate() {
             // Split at the first space after the first byte, as llama.cpp does; a merge
             // without one can never apply.

@@ -58,7 +58,14 @@ impl Pieces {
                             }
                         }
                     }
-                    _ => bytes.extend_from_slice(text.replace(SPACE_MARK, " ").as_bytes()),
+                    _ => {
+                        for (i, part) in text.split(SPACE_MARK).enumerate() {
+                            if i > 0 {
+                                bytes.push(b' ');
+                            }
+                            bytes.extend_from_slice(part.as_bytes());
+                        }
+                    }
                 }
             } else if a & attr::BYTE != 0 {
                 bytes.push(byte_of_byte_token(text));

@@ -43,6 +43,9 @@ pub enum TokenizerError {
     /// SentencePiece byte fallback needs `<0xXX>` for a byte the vocabulary lacks.
     #[error("no token for byte {byte:#04x}: the vocabulary has no byte fallback for it")]
     MissingByteToken { byte: u8 },
+    /// A piece of text too long to tokenize in one go.
+    #[error("text of {len} bytes is too long to tokenize (at most {max})")]
+    TextTooLong { len: usize, max: usize },
     /// A token id at or past the vocabulary size.
     #[error("token id {id} is out of range: the vocabulary has {n_tokens} tokens")]
     TokenOutOfRange { id: u32, n_tokens: usize },

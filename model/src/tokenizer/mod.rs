@@ -15,6 +15,7 @@
 mod bpe;
 mod decode;
 mod error;
+mod index;
 mod pretokenize;
 mod spec;
 mod special;
@@ -96,11 +97,13 @@ impl Tokenizer {
     }
 
     /// Builds a tokenizer from its description.
-    pub fn new(spec: VocabSpec) -> Result<Tokenizer, TokenizerError> {
+    pub fn new(mut spec: VocabSpec) -> Result<Tokenizer, TokenizerError> {
+        let texts = std::mem::take(&mut spec.tokens);
         let (vocab, model, clean_spaces) = match spec.model.as_str() {
             "gpt2" => {
                 let pre = PreTokenizer::from_name(spec.pre.as_deref())?;
                 let vocab = Vocab::new(
+                    texts,
                     &spec,
                     VocabKind::BytePairEncoding,
                     pre.adds_bos_by_default(),
@@ -109,7 +112,7 @@ impl Tokenizer {
                 (vocab, model, pre.cleans_spaces())
             }
             "llama" => {
-                let vocab = Vocab::new(&spec, VocabKind::SentencePiece, false)?;
+                let vocab = Vocab::new(texts, &spec, VocabKind::SentencePiece, false)?;
                 let model = Model::Spm(SpmModel::new(&vocab));
                 (vocab, model, false)
             }

@@ -16,19 +16,24 @@ pub(super) struct SpmModel {
     byte_tokens: [Option<TokenId>; 256],
 }
 
+/// No neighbour.
+const NONE: u32 = u32::MAX;
+
+/// A run of the text's bytes, linked to its neighbours; `len == 0` once merged away.
+/// Fields are `u32` to keep the working set of long prompts small.
 #[derive(Clone, Copy)]
 struct Symbol {
-    start: usize,
-    len: usize,
-    prev: Option<usize>,
-    next: Option<usize>,
+    start: u32,
+    len: u32,
+    prev: u32,
+    next: u32,
 }
 
 /// A candidate merge of `left` with its neighbour into a token of `score`.
 struct Candidate {
     score: f32,
-    left: usize,
-    size: usize,
+    left: u32,
+    size: u32,
 }
 
 impl Ord for Candidate {
@@ -96,27 +101,39 @@ impl SpmModel {
         text: &str,
         out: &mut Vec<TokenId>,
     ) -> Result<(), TokenizerError> {
+        if u32::try_from(text.len()).map_or(true, |len| len == NONE) {
+            return Err(TokenizerError::TextTooLong {
+                len: text.len(),
+                max: NONE as usize - 1,
+            });
+        }
+        // Offsets and counts below fit in u32: the text is shorter than u32::MAX bytes.
         let mut symbols: Vec<Symbol> = Vec::with_capacity(text.len());
         for (start, c) in text.char_indices() {
-            let idx = symbols.len();
+            let idx = symbols.len() as u32;
             symbols.push(Symbol {
-                start,
-                len: c.len_utf8(),
-                prev: idx.checked_sub(1),
-                next: Some(idx + 1),
+                start: start as u32,
+                len: c.len_utf8() as u32,
+                prev: idx.wrapping_sub(1),
+                next: idx + 1,
             });
         }
         if let Some(last) = symbols.last_mut() {
-            last.next = None;
+            last.next = NONE;
+        }
+        if let Some(first) = symbols.first_mut() {
+            first.prev = NONE;
         }
 
         let mut queue = BinaryHeap::new();
-        let push = |queue: &mut BinaryHeap<Candidate>, symbols: &[Symbol], left: usize| {
-            let Some(right) = symbols[left].next else {
+        let push = |queue: &mut BinaryHeap<Candidate>, symbols: &[Symbol], left: u32| {
+            let right = symbols[left as usize].next;
+            if right == NONE {
                 return;
-            };
-            let (start, size) = (symbols[left].start, symbols[left].len + symbols[right].len);
-            if let Some(id) = vocab.id(&text[start..start + size]) {
+            }
+            let start = symbols[left as usize].start as usize;
+            let size = symbols[left as usize].len + symbols[right as usize].len;
+            if let Some(id) = vocab.id(&text[start..start + size as usize]) {
                 queue.push(Candidate {
                     score: vocab.scores[id as usize],
                     left,
@@ -124,24 +141,29 @@ impl SpmModel {
                 });
             }
         };
-        for left in 0..symbols.len() {
+        for left in 0..symbols.len() as u32 {
             push(&mut queue, &symbols, left);
         }
         while let Some(Candidate { left, size, .. }) = queue.pop() {
-            let Some(right) = symbols[left].next else {
+            let l = left as usize;
+            let right = symbols[l].next;
+            if right == NONE {
                 continue;
-            };
+            }
+            let r = right as usize;
             // Stale when either side has changed since the candidate was queued.
-            if symbols[left].len == 0 || symbols[left].len + symbols[right].len != size {
+            if symbols[l].len == 0 || symbols[l].len + symbols[r].len != size {
                 continue;
             }
-            symbols[left].len = size;
-            symbols[right].len = 0;
-            symbols[left].next = symbols[right].next;
-            if let Some(next) = symbols[right].next {
-                symbols[next].prev = Some(left);
+            symbols[l].len = size;
+            symbols[r].len = 0;
+            symbols[l].next = symbols[r].next;
+            let next = symbols[r].next;
+            if next != NONE {
+                symbols[next as usize].prev = left;
             }
-            if let Some(prev) = symbols[left].prev {
+            let prev = symbols[l].prev;
+            if prev != NONE {
                 push(&mut queue, &symbols, prev);
             }
             push(&mut queue, &symbols, left);
@@ -150,7 +172,8 @@ impl SpmModel {
         // Every merged symbol is a token; a single character may not be, and then goes
         // out as its UTF-8 bytes.
         for symbol in symbols.iter().filter(|s| s.len > 0) {
-            let piece = &text[symbol.start..symbol.start + symbol.len];
+            let start = symbol.start as usize;
+            let piece = &text[start..start + symbol.len as usize];
             match vocab.id(piece) {
                 Some(id) => out.push(id),
                 None => {

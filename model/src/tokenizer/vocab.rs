@@ -1,8 +1,7 @@
 //! The resolved vocabulary: texts, scores, attributes, text→id lookup, the special ids
 //! with llama.cpp's defaults applied, and the end-of-generation set.
 
-use std::collections::HashMap;
-
+use super::index::TokenIndex;
 use super::spec::{token_type, VocabSpec};
 use super::{TokenId, TokenizerError};
 
@@ -87,7 +86,7 @@ pub(super) struct Vocab {
     pub texts: Vec<String>,
     pub scores: Vec<f32>,
     pub attrs: Vec<u8>,
-    ids: HashMap<String, TokenId>,
+    index: TokenIndex,
     pub special: SpecialTokens,
     /// Sorted ids that end generation.
     pub eog: Vec<TokenId>,
@@ -97,39 +96,34 @@ pub(super) struct Vocab {
 }
 
 impl Vocab {
-    /// Applies llama.cpp's defaults for `kind` and the metadata's overrides.
-    /// `bpe_adds_bos` is the pre-tokenizer's default for BPE vocabularies.
+    /// Applies llama.cpp's defaults for `kind` and the metadata's overrides to `spec`,
+    /// whose token texts come separately as `tokens`. `bpe_adds_bos` is the
+    /// pre-tokenizer's default for BPE vocabularies.
     pub fn new(
+        mut texts: Vec<String>,
         spec: &VocabSpec,
         kind: VocabKind,
         bpe_adds_bos: bool,
     ) -> Result<Vocab, TokenizerError> {
-        let n_tokens = spec.tokens.len();
+        let n_tokens = texts.len();
         if n_tokens == 0 {
             return Err(TokenizerError::EmptyVocabulary);
         }
         if u32::try_from(n_tokens).is_err() {
             return Err(TokenizerError::TooManyTokens { n_tokens });
         }
-        let mut texts = Vec::with_capacity(n_tokens);
-        let mut ids = HashMap::with_capacity(n_tokens);
-        for (id, text) in spec.tokens.iter().enumerate() {
-            let id = id as TokenId;
+        for (id, text) in texts.iter_mut().enumerate() {
             // An empty text cannot be matched; llama.cpp gives it a placeholder.
-            let text = if text.is_empty() {
-                format!("[EMPTY_{id}]")
-            } else {
-                text.clone()
-            };
-            if let Some(first) = ids.insert(text.clone(), id) {
-                return Err(TokenizerError::DuplicateToken {
-                    text,
-                    first,
-                    second: id,
-                });
+            if text.is_empty() {
+                *text = format!("[EMPTY_{id}]");
             }
-            texts.push(text);
         }
+        let index =
+            TokenIndex::new(&texts).map_err(|(first, second)| TokenizerError::DuplicateToken {
+                text: texts[second as usize].clone(),
+                first,
+                second,
+            })?;
         let scores = per_token(
             spec.scores.as_deref(),
             "tokenizer.ggml.scores",
@@ -186,7 +180,7 @@ impl Vocab {
             texts,
             scores,
             attrs,
-            ids,
+            index,
             special,
             eog: Vec::new(),
             add_bos: spec.add_bos.unwrap_or(add_bos),
@@ -239,7 +233,7 @@ impl Vocab {
 
     /// The id of the token whose text is exactly `text`.
     pub fn id(&self, text: &str) -> Option<TokenId> {
-        self.ids.get(text).copied()
+        self.index.get(&self.texts, text)
     }
 
     pub fn attr(&self, id: TokenId) -> u8 {
