@@ -1,3 +1,4 @@
 //! dequant (work in progress).
 
+pub mod blocks;
 pub mod matmul;

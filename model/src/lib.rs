@@ -1,3 +1,28 @@
-//! model (work in progress).
+//! Running a GGUF language model: configuration from metadata, tokenizer, execution plan
+//! of lazy weights, CPU forward pass, KV cache and sampling.
+//!
+//! - [`ModelConfig::from_metadata`] reads hyper-parameters (pure; no weights needed) for
+//!   the `llama`, `qwen2` and `gemma3` architectures.
+//! - [`ExecutionPlan`] holds, per layer, [`tensor_store::TensorHandle`]s of the weights:
+//!   building it checks names, shapes and types and reads no weight bytes.
+//! - [`Model::forward`] runs a batch of tokens through the plan on the CPU, multiplying
+//!   straight on the quantized blocks (`dequant::matmul`), and fills the [`KvCache`].
+//!
+//! This crate never calls HIP FFI directly and starts no async runtime; compute runs on
+//! rayon's pool. It has no cargo features.
 
+mod config;
+mod error;
+mod forward;
+mod kv_cache;
+mod model;
+mod ops;
+mod plan;
 pub mod tokenizer;
+
+pub use config::{Activation, Architecture, LayerAttention, ModelConfig, RopeStyle};
+pub use error::ModelError;
+pub use forward::Logits;
+pub use kv_cache::KvCache;
+pub use model::Model;
+pub use plan::{ExecutionPlan, LayerPlan, Linear, Vector};

@@ -1,0 +1,255 @@
+//! Model hyper-parameters, read from GGUF metadata.
+
+use gguf_format::Metadata;
+
+use crate::ModelError;
+
+/// The architectures this crate runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 1/2/3, Mistral, SmolLM and other `llama`-tagged models.
+    Llama,
+    /// Qwen 2 and 2.5: llama with biases on the Q, K and V projections and NeoX RoPE.
+    Qwen2,
+    /// Gemma 3: QK-norm, pre- and post-norms, GELU, sliding-window layers, scaled embeddings.
+    Gemma3,
+}
+
+impl Architecture {
+    /// Names accepted in `general.architecture`.
+    pub const SUPPORTED: [&'static str; 3] = ["llama", "qwen2", "gemma3"];
+
+    fn from_name(name: &str) -> Option<Architecture> {
+        match name {
+            "llama" => Some(Architecture::Llama),
+            "qwen2" => Some(Architecture::Qwen2),
+            "gemma3" => Some(Architecture::Gemma3),
+            _ => None,
+        }
+    }
+
+    /// The `general.architecture` name, also the prefix of its metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Qwen2 => "qwen2",
+            Architecture::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// How rotary position embeddings pair the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(x[2i], x[2i+1])`: ggml's "normal" mode, used by llama GGUFs
+    /// (whose Q and K weights the converter permuted to match).
+    Interleaved,
+    /// Halves `(x[i], x[i + d/2])`: ggml's NeoX mode (Qwen 2, Gemma).
+    Halves,
+}
+
+/// The feed-forward gate's activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: `silu(gate) * up`.
+    Silu,
+    /// GeGLU with the tanh approximation of GELU.
+    GeluTanh,
+}
+
+/// The hyper-parameters of one attention layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerAttention {
+    /// Keys further back than this many positions are masked (`None`: full causal).
+    pub sliding_window: Option<usize>,
+    /// RoPE base frequency for this layer.
+    pub rope_freq_base: f32,
+}
+
+/// Everything the forward pass needs to know about a model's shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub n_layers: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    /// Dimension of each query and key head.
+    pub head_dim: usize,
+    /// Dimension of each value head.
+    pub head_dim_v: usize,
+    pub n_vocab: usize,
+    /// Context length the model was trained with.
+    pub n_ctx_train: usize,
+    pub rms_norm_eps: f32,
+    /// Dimensions of each head that RoPE rotates (the first `rope_dims`).
+    pub rope_dims: usize,
+    pub rope_style: RopeStyle,
+    /// Positions are divided by this factor (linear RoPE scaling); 1 when absent.
+    pub rope_scale: f32,
+    pub activation: Activation,
+    /// Scale applied to queries before `Q·Kᵀ` (usually `1/sqrt(head_dim)`).
+    pub attention_scale: f32,
+    /// Embeddings are multiplied by this after lookup (Gemma: `sqrt(n_embd)`), else 1.
+    pub embedding_scale: f32,
+    /// Per layer: window and RoPE base.
+    pub layers: Vec<LayerAttention>,
+}
+
+/// Caps on hyper-parameters read from a file, so a hostile header cannot make the
+/// engine allocate without bound before any weight is checked.
+const MAX_LAYERS: usize = 1024;
+const MAX_DIM: usize = 1 << 20;
+
+impl ModelConfig {
+    /// Reads the configuration from GGUF metadata. Pure: needs no weights.
+    pub fn from_metadata(metadata: &Metadata) -> Result<ModelConfig, ModelError> {
+        let arch_name = metadata.get_str("general.architecture")?;
+        let architecture = Architecture::from_name(arch_name).ok_or_else(|| {
+            ModelError::UnsupportedArchitecture {
+                name: arch_name.to_owned(),
+                supported: Architecture::SUPPORTED.join(", "),
+            }
+        })?;
+        let key = |k: &str| format!("{}.{k}", architecture.name());
+        let dim = |k: &str| -> Result<usize, ModelError> {
+            let v: usize = metadata.get_as(&key(k))?;
+            check_range(&key(k), v, 1, MAX_DIM)
+        };
+        let opt_dim = |k: &str| -> Result<Option<usize>, ModelError> {
+            match metadata.get_opt::<usize>(&key(k))? {
+                Some(v) => check_range(&key(k), v, 1, MAX_DIM).map(Some),
+                None => Ok(None),
+            }
+        };
+
+        let n_layers: usize = metadata.get_as(&key("block_count"))?;
+        let n_layers = check_range(&key("block_count"), n_layers, 1, MAX_LAYERS)?;
+        let n_embd = dim("embedding_length")?;
+        let n_ff = dim("feed_forward_length")?;
+        let n_heads = dim("attention.head_count")?;
+        let n_kv_heads = opt_dim("attention.head_count_kv")?.unwrap_or(n_heads);
+        if n_heads % n_kv_heads != 0 {
+            return Err(ModelError::InvalidConfig {
+                key: key("attention.head_count_kv"),
+                reason: format!("{n_kv_heads} does not divide the {n_heads} query heads"),
+            });
+        }
+        let head_dim = match opt_dim("attention.key_length")? {
+            Some(d) => d,
+            None if n_embd % n_heads == 0 => n_embd / n_heads,
+            None => {
+                return Err(ModelError::InvalidConfig {
+                    key: key("attention.head_count"),
+                    reason: format!("{n_heads} heads do not divide the width {n_embd}"),
+                })
+            }
+        };
+        let head_dim_v = opt_dim("attention.value_length")?.unwrap_or(head_dim);
+        let rope_dims = opt_dim("rope.dimension_count")?.unwrap_or(head_dim);
+        if rope_dims > head_dim || rope_dims % 2 != 0 {
+            return Err(ModelError::InvalidConfig {
+                key: key("rope.dimension_count"),
+                reason: format!("{rope_dims} must be even and at most the head size {head_dim}"),
+            });
+        }
+        let n_vocab = match metadata.get_opt::<usize>(&key("vocab_size"))? {
+            Some(v) => v,
+            None => metadata.get_array("tokenizer.ggml.tokens")?.len(),
+        };
+        let n_vocab = check_range("tokenizer.ggml.tokens", n_vocab, 1, 1 << 24)?;
+        let n_ctx_train = opt_dim("context_length")?.unwrap_or(4096);
+        let rms_norm_eps = metadata
+            .get_opt::<f32>(&key("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-5);
+        let rope_freq_base = metadata
+            .get_opt::<f32>(&key("rope.freq_base"))?
+            .unwrap_or(10_000.0);
+        let rope_scale = match metadata.get_opt::<&str>(&key("rope.scaling.type"))? {
+            None | Some("none") | Some("linear") => metadata
+                .get_opt::<f32>(&key("rope.scaling.factor"))?
+                .filter(|f| *f > 0.0)
+                .unwrap_or(1.0),
+            Some(other) => {
+                return Err(ModelError::InvalidConfig {
+                    key: key("rope.scaling.type"),
+                    reason: format!("{other:?} RoPE scaling is not supported (only linear)"),
+                })
+            }
+        };
+        if !(rope_freq_base.is_finite() && rope_freq_base > 0.0) {
+            return Err(ModelError::InvalidConfig {
+                key: key("rope.freq_base"),
+                reason: format!("{rope_freq_base} is not a positive number"),
+            });
+        }
+
+        let mut config = ModelConfig {
+            architecture,
+            n_layers,
+            n_embd,
+            n_ff,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            head_dim_v,
+            n_vocab,
+            n_ctx_train,
+            rms_norm_eps,
+            rope_dims,
+            rope_style: RopeStyle::Interleaved,
+            rope_scale,
+            activation: Activation::Silu,
+            attention_scale: 1.0 / (head_dim as f32).sqrt(),
+            embedding_scale: 1.0,
+            layers: vec![
+                LayerAttention {
+                    sliding_window: None,
+                    rope_freq_base,
+                };
+                n_layers
+            ],
+        };
+        match architecture {
+            Architecture::Llama => {}
+            Architecture::Qwen2 => config.rope_style = RopeStyle::Halves,
+            Architecture::Gemma3 => gemma3_specifics(&mut config, metadata)?,
+        }
+        Ok(config)
+    }
+
+    /// Query heads sharing one key/value head.
+    pub fn group_size(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+}
+
+/// Gemma 3: five sliding-window layers with RoPE base 10,000 for every global layer,
+/// which keeps the file's base; GELU; embeddings scaled by `sqrt(n_embd)`.
+fn gemma3_specifics(config: &mut ModelConfig, metadata: &Metadata) -> Result<(), ModelError> {
+    const GLOBAL_EVERY: usize = 6;
+    const LOCAL_ROPE_BASE: f32 = 10_000.0;
+    config.rope_style = RopeStyle::Halves;
+    config.activation = Activation::GeluTanh;
+    config.embedding_scale = (config.n_embd as f32).sqrt();
+    let window: usize = metadata.get_as("gemma3.attention.sliding_window")?;
+    let window = check_range("gemma3.attention.sliding_window", window, 1, usize::MAX)?;
+    for (layer_idx, layer) in config.layers.iter_mut().enumerate() {
+        if (layer_idx + 1) % GLOBAL_EVERY != 0 {
+            layer.sliding_window = Some(window);
+            layer.rope_freq_base = LOCAL_ROPE_BASE;
+        }
+    }
+    Ok(())
+}
+
+fn check_range(key: &str, value: usize, min: usize, max: usize) -> Result<usize, ModelError> {
+    if value < min || value > max {
+        return Err(ModelError::InvalidConfig {
+            key: key.to_owned(),
+            reason: format!("{value} is outside {min}..={max}"),
+        });
+    }
+    Ok(value)
+}

@@ -1,0 +1,39 @@
+//! The one error type of this crate.
+
+use gguf_format::{GgmlType, GgufError};
+
+/// What can go wrong building or running a model.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    #[error(transparent)]
+    Metadata(#[from] GgufError),
+    #[error(transparent)]
+    Store(#[from] tensor_store::StoreError),
+    #[error("architecture {name:?} is not supported (supported: {supported})")]
+    UnsupportedArchitecture { name: String, supported: String },
+    #[error("metadata {key}: {reason}")]
+    InvalidConfig { key: String, reason: String },
+    #[error("tensor {name:?} is missing from the model")]
+    MissingTensor { name: String },
+    #[error("tensor {name:?} has shape {found:?}, expected {expected:?}")]
+    TensorShape {
+        name: String,
+        expected: Vec<u64>,
+        found: Vec<u64>,
+    },
+    #[error("tensor {name:?} has type {ggml_type}, which this engine cannot compute with")]
+    UnsupportedTensorType { name: String, ggml_type: GgmlType },
+    #[error("tensor {name:?}: {source}")]
+    Matmul {
+        name: String,
+        #[source]
+        source: dequant::matmul::MatmulError,
+    },
+    #[error("token id {token} is outside the vocabulary of {n_vocab}")]
+    TokenOutOfRange { token: u32, n_vocab: usize },
+    #[error("{needed} positions needed but the context holds {capacity}")]
+    ContextFull { needed: usize, capacity: usize },
+    #[error("no tokens to process")]
+    EmptyInput,
+}

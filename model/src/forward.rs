@@ -1,0 +1,299 @@
+//! The CPU forward pass: weights read straight from the mapped file, multiplied on their
+//! quantized blocks.
+
+use std::borrow::Cow;
+
+use dequant::matmul::QuantizedMatrix;
+use tensor_store::TensorHandle;
+
+use crate::config::{Activation, ModelConfig};
+use crate::kv_cache::KvCache;
+use crate::ops::{self, AttentionShape};
+use crate::plan::{ExecutionPlan, LayerPlan, Linear, Vector};
+use crate::ModelError;
+
+/// Which positions of a batch get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position (generation).
+    Last,
+    /// Every position (scoring, teacher forcing).
+    All,
+}
+
+/// Runs `tokens` through the model after the positions already in `cache`, appends their
+/// keys and values to it, and returns `n_vocab` logits per requested position.
+pub(crate) fn forward(
+    config: &ModelConfig,
+    plan: &ExecutionPlan,
+    tokens: &[u32],
+    cache: &mut KvCache,
+    logits: Logits,
+) -> Result<Vec<f32>, ModelError> {
+    if tokens.is_empty() {
+        return Err(ModelError::EmptyInput);
+    }
+    cache.check_room(tokens.len())?;
+    let first_pos = cache.len();
+    let result = run_layers(config, plan, tokens, cache, first_pos);
+    match result {
+        Ok(mut x) => {
+            cache.commit(tokens.len());
+            let d = config.n_embd;
+            if logits == Logits::Last {
+                x.drain(..(tokens.len() - 1) * d);
+            }
+            output_logits(config, plan, &mut x)
+        }
+        Err(e) => {
+            // Leave the cache as it was before the failed batch.
+            cache.truncate(first_pos);
+            Err(e)
+        }
+    }
+}
+
+fn run_layers(
+    config: &ModelConfig,
+    plan: &ExecutionPlan,
+    tokens: &[u32],
+    cache: &mut KvCache,
+    first_pos: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let _span = tracing::debug_span!("forward", n_tokens = tokens.len(), first_pos).entered();
+    let mut x = embed(config, &plan.token_embd, tokens)?;
+    let mut scratch = Scratch::default();
+    for (layer_idx, layer) in plan.layers.iter().enumerate() {
+        layer_forward(
+            config,
+            layer,
+            layer_idx,
+            &mut x,
+            cache,
+            first_pos,
+            &mut scratch,
+        )?;
+    }
+    Ok(x)
+}
+
+/// Reusable buffers of one forward call.
+#[derive(Default)]
+struct Scratch {
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+fn layer_forward(
+    config: &ModelConfig,
+    layer: &LayerPlan,
+    layer_idx: usize,
+    x: &mut [f32],
+    cache: &mut KvCache,
+    first_pos: usize,
+    s: &mut Scratch,
+) -> Result<(), ModelError> {
+    let n = x.len() / config.n_embd;
+    let eps = config.rms_norm_eps;
+    let attn_cfg = config.layers[layer_idx];
+
+    // Attention block.
+    resize(&mut s.h, x.len());
+    ops::rms_norm(x, &vector(&layer.attn_norm)?, eps, &mut s.h);
+    linear(&layer.wq, &s.h, n, &mut s.q)?;
+    linear(&layer.wk, &s.h, n, &mut s.k)?;
+    linear(&layer.wv, &s.h, n, &mut s.v)?;
+    if let Some(norm) = &layer.q_norm {
+        ops::rms_norm_in_place(&mut s.q, &vector(norm)?, eps);
+    }
+    if let Some(norm) = &layer.k_norm {
+        ops::rms_norm_in_place(&mut s.k, &vector(norm)?, eps);
+    }
+    let table = ops::rope_table(
+        first_pos..first_pos + n,
+        config.rope_dims,
+        attn_cfg.rope_freq_base,
+        config.rope_scale,
+    );
+    ops::apply_rope(
+        &mut s.q,
+        config.head_dim,
+        config.rope_dims,
+        config.rope_style,
+        &table,
+    );
+    ops::apply_rope(
+        &mut s.k,
+        config.head_dim,
+        config.rope_dims,
+        config.rope_style,
+        &table,
+    );
+    cache.append(layer_idx, &s.k, &s.v);
+    let (keys, values) = cache.layer(layer_idx);
+    resize(&mut s.attn, n * config.n_heads * config.head_dim_v);
+    let shape = AttentionShape {
+        n_heads: config.n_heads,
+        n_kv_heads: config.n_kv_heads,
+        head_dim: config.head_dim,
+        head_dim_v: config.head_dim_v,
+        first_pos,
+        window: attn_cfg.sliding_window,
+        scale: config.attention_scale,
+    };
+    ops::attention(&s.q, keys, values, &shape, &mut s.attn);
+    linear(&layer.wo, &s.attn, n, &mut s.proj)?;
+    if let Some(norm) = &layer.post_attn_norm {
+        ops::rms_norm_in_place(&mut s.proj, &vector(norm)?, eps);
+    }
+    add(x, &s.proj);
+
+    // Feed-forward block.
+    ops::rms_norm(x, &vector(&layer.ffn_norm)?, eps, &mut s.h);
+    linear(&layer.gate, &s.h, n, &mut s.gate)?;
+    linear(&layer.up, &s.h, n, &mut s.up)?;
+    match config.activation {
+        Activation::Silu => ops::swiglu(&mut s.gate, &s.up),
+        Activation::GeluTanh => ops::geglu(&mut s.gate, &s.up),
+    }
+    linear(&layer.down, &s.gate, n, &mut s.proj)?;
+    if let Some(norm) = &layer.post_ffn_norm {
+        ops::rms_norm_in_place(&mut s.proj, &vector(norm)?, eps);
+    }
+    add(x, &s.proj);
+    Ok(())
+}
+
+/// Gathers the embedding rows of `tokens`, decoded, scaled for architectures that ask.
+fn embed(config: &ModelConfig, table: &Linear, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+    let d = config.n_embd;
+    let ty = table.weight.ggml_type();
+    let row_bytes = ty.row_bytes(d as u64).unwrap_or(0) as usize;
+    let bytes = table.weight.bytes()?;
+    let mut x = vec![0f32; tokens.len() * d];
+    for (&token, row) in tokens.iter().zip(x.chunks_exact_mut(d)) {
+        let id = token as usize;
+        if id >= config.n_vocab {
+            return Err(ModelError::TokenOutOfRange {
+                token,
+                n_vocab: config.n_vocab,
+            });
+        }
+        let src = &bytes[id * row_bytes..(id + 1) * row_bytes];
+        decode_row(table.weight.name(), ty, src, row)?;
+        if config.embedding_scale != 1.0 {
+            row.iter_mut().for_each(|v| *v *= config.embedding_scale);
+        }
+    }
+    Ok(x)
+}
+
+fn output_logits(
+    config: &ModelConfig,
+    plan: &ExecutionPlan,
+    x: &mut [f32],
+) -> Result<Vec<f32>, ModelError> {
+    let n = x.len() / config.n_embd;
+    ops::rms_norm_in_place(x, &vector(&plan.output_norm)?, config.rms_norm_eps);
+    let mut logits = Vec::new();
+    linear(&plan.output, x, n, &mut logits)?;
+    Ok(logits)
+}
+
+/// `out = x · Wᵀ (+ bias)` for `n` tokens.
+fn linear(lin: &Linear, x: &[f32], n: usize, out: &mut Vec<f32>) -> Result<(), ModelError> {
+    resize(out, n * lin.rows);
+    let name = || lin.weight.name().to_owned();
+    let bytes = lin.weight.bytes()?;
+    let matrix = QuantizedMatrix::new(lin.weight.ggml_type(), lin.rows, lin.cols, bytes).map_err(
+        |source| ModelError::Matmul {
+            name: name(),
+            source,
+        },
+    )?;
+    matrix
+        .matmul(x, n, out)
+        .map_err(|source| ModelError::Matmul {
+            name: name(),
+            source,
+        })?;
+    if let Some(bias) = &lin.bias {
+        let b = values(bias)?;
+        for row in out.chunks_exact_mut(lin.rows) {
+            add(row, &b);
+        }
+    }
+    Ok(())
+}
+
+fn vector(v: &Vector) -> Result<Cow<'_, [f32]>, ModelError> {
+    values(&v.handle)
+}
+
+/// A small float tensor as f32: borrowed when the bytes are aligned f32, else decoded.
+fn values(handle: &TensorHandle) -> Result<Cow<'_, [f32]>, ModelError> {
+    let bytes = handle.bytes()?;
+    if handle.ggml_type() == gguf_format::GgmlType::F32 {
+        if let Ok(floats) = bytemuck::try_cast_slice::<u8, f32>(bytes) {
+            return Ok(Cow::Borrowed(floats));
+        }
+    }
+    let mut out = vec![0f32; handle.info().n_elements() as usize];
+    decode_row(handle.name(), handle.ggml_type(), bytes, &mut out)?;
+    Ok(Cow::Owned(out))
+}
+
+fn resize(buf: &mut Vec<f32>, len: usize) {
+    buf.clear();
+    buf.resize(len, 0.0);
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Decodes whole blocks of `bytes` into `out`.
+fn decode_row(
+    name: &str,
+    ty: gguf_format::GgmlType,
+    bytes: &[u8],
+    out: &mut [f32],
+) -> Result<(), ModelError> {
+    use gguf_format::GgmlType;
+    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+    match ty {
+        GgmlType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16(b);
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (o, block) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(34)) {
+                let d = f16(block);
+                for (v, &q) in o.iter_mut().zip(&block[2..]) {
+                    *v = d * f32::from(q as i8);
+                }
+            }
+        }
+        other => {
+            return Err(ModelError::UnsupportedTensorType {
+                name: name.to_owned(),
+                ggml_type: other,
+            })
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,271 @@
+//! The element-wise and attention operations of the CPU forward pass.
+//!
+//! Activations are token-major: a batch of `n` tokens of width `d` is `n * d` values,
+//! token `t` at `t * d .. (t + 1) * d`.
+
+use rayon::prelude::*;
+
+use crate::config::RopeStyle;
+
+/// `out = x / rms(x) * weight`, row by row (`weight.len()` is the row width).
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    for (row, out_row) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let sum_sq: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let scale = (1.0 / ((sum_sq / d as f64) as f32 + eps).sqrt()) as f32;
+        for ((o, &v), &w) in out_row.iter_mut().zip(row).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+/// [`rms_norm`] in place.
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let d = weight.len();
+    for row in x.chunks_exact_mut(d) {
+        let sum_sq: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let scale = 1.0 / ((sum_sq / d as f64) as f32 + eps).sqrt();
+        for (v, &w) in row.iter_mut().zip(weight) {
+            *v = *v * scale * w;
+        }
+    }
+}
+
+/// Cosines and sines of the rotary angles for `positions`, `rope_dims / 2` pairs each,
+/// computed as ggml does: `theta_i = pos · base^(-2i / rope_dims)` by repeated products.
+pub fn rope_table(
+    positions: impl Iterator<Item = usize>,
+    rope_dims: usize,
+    base: f32,
+    scale: f32,
+) -> Vec<(f32, f32)> {
+    let theta_scale = base.powf(-2.0 / rope_dims as f32);
+    let mut table = Vec::new();
+    for pos in positions {
+        let mut theta = pos as f32 / scale;
+        for _ in 0..rope_dims / 2 {
+            table.push((theta.cos(), theta.sin()));
+            theta *= theta_scale;
+        }
+    }
+    table
+}
+
+/// Rotates the first `rope_dims` dimensions of every head of every token.
+/// `x` is `n_tokens × n_heads × head_dim`; `table` comes from [`rope_table`].
+pub fn apply_rope(
+    x: &mut [f32],
+    head_dim: usize,
+    rope_dims: usize,
+    style: RopeStyle,
+    table: &[(f32, f32)],
+) {
+    let half = rope_dims / 2;
+    let per_token = table.len() / half.max(1);
+    let token_width = x.len() / per_token.max(1);
+    for (t, token) in x.chunks_exact_mut(token_width).enumerate() {
+        let angles = &table[t * half..(t + 1) * half];
+        for head in token.chunks_exact_mut(head_dim) {
+            for (i, &(cos, sin)) in angles.iter().enumerate() {
+                let (a, b) = match style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Halves => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos - x1 * sin;
+                head[b] = x0 * sin + x1 * cos;
+            }
+        }
+    }
+}
+
+/// `silu(gate) * up`, into `gate`.
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// `gelu_tanh(gate) * up`, into `gate`, evaluated as ggml's CPU backend does: the input
+/// rounded to f16, GELU of that value rounded to f16 (ggml reads it from a 64 Ki-entry
+/// table), 0 below -10 and the identity above 10.
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = gelu_f16_rounded(*g) * u;
+    }
+}
+
+fn gelu_f16_rounded(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF: f32 = 0.044_715;
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    let x = round_f16(x);
+    let gelu = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF * x * x)).tanh());
+    round_f16(gelu)
+}
+
+/// `x` rounded to the nearest f16 and back.
+pub fn round_f16(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
+/// The shapes of one attention call.
+pub struct AttentionShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub head_dim_v: usize,
+    /// Position of the batch's first token.
+    pub first_pos: usize,
+    /// Keys more than `window - 1` positions back are masked.
+    pub window: Option<usize>,
+    pub scale: f32,
+}
+
+/// Causal multi-head attention with grouped key/value heads.
+///
+/// The arithmetic follows llama.cpp's CPU path with its default f16 KV cache, so that
+/// logits agree with it closely: keys and values are held at f16 precision (the cache
+/// rounds them), queries are rounded to f16 before `Q·Kᵀ`, the softmax runs in f32 with
+/// an f64 sum, and the probabilities are rounded to f16 before weighting the values.
+///
+/// `q` is `n_tokens × n_heads × head_dim`; `keys` and `values` hold every cached
+/// position up to and including the batch (`positions × n_kv_heads × head_dim`); `out`
+/// receives `n_tokens × n_heads × head_dim_v`. Work is split across (token, head) pairs.
+pub fn attention(q: &[f32], keys: &[f32], values: &[f32], shape: &AttentionShape, out: &mut [f32]) {
+    let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
+    let group = shape.n_heads / shape.n_kv_heads;
+    let k_stride = shape.n_kv_heads * hd;
+    let v_stride = shape.n_kv_heads * hdv;
+    out.par_chunks_mut(hdv)
+        .zip(q.par_chunks(hd))
+        .enumerate()
+        .for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(scores, qr), (idx, (o, qh))| {
+                let (t, h) = (idx / shape.n_heads, idx % shape.n_heads);
+                let kvh = h / group;
+                let pos = shape.first_pos + t;
+                let start = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                scores.clear();
+                qr.clear();
+                qr.extend(qh.iter().map(|&v| round_f16(v)));
+                let mut max = f32::NEG_INFINITY;
+                for j in start..=pos {
+                    let k = &keys[j * k_stride + kvh * hd..][..hd];
+                    let s = dot(qr, k) * shape.scale;
+                    max = max.max(s);
+                    scores.push(s);
+                }
+                let mut sum = 0.0f64;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += f64::from(*s);
+                }
+                let inv = (1.0 / sum) as f32;
+                o.fill(0.0);
+                for (j, &p) in (start..=pos).zip(scores.iter()) {
+                    let v = &values[j * v_stride + kvh * hdv..][..hdv];
+                    let w = round_f16(p * inv);
+                    for (ov, &vv) in o.iter_mut().zip(v) {
+                        *ov += w * vv;
+                    }
+                }
+            },
+        );
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent sums let the compiler vectorise without reassociating.
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8 * 8;
+    for (ca, cb) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
+        for i in 0..8 {
+            acc[i] += ca[i] * cb[i];
+        }
+    }
+    let tail: f32 = a[chunks..]
+        .iter()
+        .zip(&b[chunks..])
+        .map(|(x, y)| x * y)
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_the_definition() {
+        let x = [1.0, -2.0, 3.0, -4.0];
+        let w = [1.0, 2.0, 0.5, 1.0];
+        let mut out = [0.0; 4];
+        rms_norm(&x, &w, 0.0, &mut out);
+        let rms = (30.0f32 / 4.0).sqrt();
+        for i in 0..4 {
+            assert!((out[i] - x[i] / rms * w[i]).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn rope_at_position_zero_is_identity_and_preserves_norm() {
+        let mut x: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.5).collect();
+        let orig = x.clone();
+        let table = rope_table([0usize].into_iter(), 8, 10_000.0, 1.0);
+        apply_rope(&mut x, 8, 8, RopeStyle::Halves, &table);
+        assert_eq!(x, orig);
+        let table = rope_table([7usize].into_iter(), 8, 10_000.0, 1.0);
+        for style in [RopeStyle::Halves, RopeStyle::Interleaved] {
+            let mut y = orig.clone();
+            apply_rope(&mut y, 8, 8, style, &table);
+            let n0: f32 = orig.iter().map(|v| v * v).sum();
+            let n1: f32 = y.iter().map(|v| v * v).sum();
+            assert!((n0 - n1).abs() < 1e-4);
+            assert_ne!(y, orig);
+        }
+    }
+
+    #[test]
+    fn attention_of_one_position_returns_its_value() {
+        let shape = AttentionShape {
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            head_dim_v: 4,
+            first_pos: 0,
+            window: None,
+            scale: 0.5,
+        };
+        let q = [1.0; 8];
+        let k = [0.3; 4];
+        let v = [1.0, 2.0, 3.0, 4.0];
+        let mut out = [0.0; 8];
+        attention(&q, &k, &v, &shape, &mut out);
+        assert_eq!(out, [1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn sliding_window_masks_old_positions() {
+        // Two positions, window 1: the second token sees only itself.
+        let shape = AttentionShape {
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 2,
+            head_dim_v: 1,
+            first_pos: 1,
+            window: Some(1),
+            scale: 1.0,
+        };
+        let k = [1.0, 0.0, 0.0, 1.0];
+        let v = [10.0, 20.0];
+        let mut out = [0.0];
+        attention(&[1.0, 1.0], &k, &v, &shape, &mut out);
+        assert_eq!(out, [20.0]);
+    }
+}

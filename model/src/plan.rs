@@ -1,0 +1,213 @@
+//! The execution plan: per layer, lazy handles to the weights the forward pass reads.
+//!
+//! Building a plan checks that every tensor the architecture needs exists with the shape
+//! and a type the kernels support, and keeps only [`TensorHandle`]s: no weight is read,
+//! copied or uploaded here. A weight's bytes are touched the first time the forward pass
+//! multiplies by it.
+
+use gguf_format::GgmlType;
+use tensor_store::{TensorHandle, TensorStore};
+
+use crate::config::{Architecture, ModelConfig};
+use crate::ModelError;
+
+/// A matrix weight of `rows` output features by `cols` input features, with its bias.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub weight: TensorHandle,
+    pub bias: Option<TensorHandle>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A vector weight of `len` f32 values (norm scales).
+#[derive(Clone, Debug)]
+pub struct Vector {
+    pub handle: TensorHandle,
+    pub len: usize,
+}
+
+/// The weights of one transformer block.
+#[derive(Clone, Debug)]
+pub struct LayerPlan {
+    pub attn_norm: Vector,
+    pub wq: Linear,
+    pub wk: Linear,
+    pub wv: Linear,
+    pub wo: Linear,
+    /// Per-head RMSNorm of queries and keys (Gemma 3).
+    pub q_norm: Option<Vector>,
+    pub k_norm: Option<Vector>,
+    /// Norm of the attention output before the residual add (Gemma 3).
+    pub post_attn_norm: Option<Vector>,
+    pub ffn_norm: Vector,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    /// Norm of the feed-forward output before the residual add (Gemma 3).
+    pub post_ffn_norm: Option<Vector>,
+}
+
+/// Everything the forward pass reads, as lazy handles.
+#[derive(Clone, Debug)]
+pub struct ExecutionPlan {
+    /// `n_vocab` rows of `n_embd`: rows are gathered, never multiplied whole.
+    pub token_embd: Linear,
+    pub layers: Vec<LayerPlan>,
+    pub output_norm: Vector,
+    /// `output.weight`, or the token embeddings when the model ties them.
+    pub output: Linear,
+}
+
+impl ExecutionPlan {
+    /// Resolves and checks every weight of `config`'s architecture in `store`.
+    pub fn build(store: &TensorStore, config: &ModelConfig) -> Result<ExecutionPlan, ModelError> {
+        let b = Builder { store };
+        let (d, q_dim, kv_dim, v_dim) = (
+            config.n_embd,
+            config.n_heads * config.head_dim,
+            config.n_kv_heads * config.head_dim,
+            config.n_kv_heads * config.head_dim_v,
+        );
+        let gemma = config.architecture == Architecture::Gemma3;
+        let biased = config.architecture == Architecture::Qwen2;
+        let token_embd = b.linear("token_embd.weight", config.n_vocab, d, false)?;
+        let layers = (0..config.n_layers)
+            .map(|i| {
+                let n = |s: &str| format!("blk.{i}.{s}");
+                Ok(LayerPlan {
+                    attn_norm: b.vector(&n("attn_norm.weight"), d)?,
+                    wq: b.linear(&n("attn_q.weight"), q_dim, d, biased)?,
+                    wk: b.linear(&n("attn_k.weight"), kv_dim, d, biased)?,
+                    wv: b.linear(&n("attn_v.weight"), v_dim, d, biased)?,
+                    wo: b.linear(
+                        &n("attn_output.weight"),
+                        d,
+                        config.n_heads * config.head_dim_v,
+                        false,
+                    )?,
+                    q_norm: gemma
+                        .then(|| b.vector(&n("attn_q_norm.weight"), config.head_dim))
+                        .transpose()?,
+                    k_norm: gemma
+                        .then(|| b.vector(&n("attn_k_norm.weight"), config.head_dim))
+                        .transpose()?,
+                    post_attn_norm: gemma
+                        .then(|| b.vector(&n("post_attention_norm.weight"), d))
+                        .transpose()?,
+                    ffn_norm: b.vector(&n("ffn_norm.weight"), d)?,
+                    gate: b.linear(&n("ffn_gate.weight"), config.n_ff, d, false)?,
+                    up: b.linear(&n("ffn_up.weight"), config.n_ff, d, false)?,
+                    down: b.linear(&n("ffn_down.weight"), d, config.n_ff, false)?,
+                    post_ffn_norm: gemma
+                        .then(|| b.vector(&n("post_ffw_norm.weight"), d))
+                        .transpose()?,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let output = match store.get("output.weight") {
+            Some(_) => b.linear("output.weight", config.n_vocab, d, false)?,
+            None => token_embd.clone(),
+        };
+        Ok(ExecutionPlan {
+            token_embd,
+            layers,
+            output_norm: b.vector("output_norm.weight", d)?,
+            output,
+        })
+    }
+
+    /// Every weight handle of the plan, in the order the forward pass first reads them.
+    pub fn handles(&self) -> Vec<&TensorHandle> {
+        let mut out = vec![&self.token_embd.weight];
+        for l in &self.layers {
+            out.push(&l.attn_norm.handle);
+            for lin in [&l.wq, &l.wk, &l.wv] {
+                out.push(&lin.weight);
+                out.extend(lin.bias.as_ref());
+            }
+            out.extend(l.q_norm.iter().chain(&l.k_norm).map(|v| &v.handle));
+            out.push(&l.wo.weight);
+            out.extend(l.post_attn_norm.as_ref().map(|v| &v.handle));
+            out.push(&l.ffn_norm.handle);
+            out.extend([&l.gate.weight, &l.up.weight, &l.down.weight]);
+            out.extend(l.post_ffn_norm.as_ref().map(|v| &v.handle));
+        }
+        out.push(&self.output_norm.handle);
+        if self.output.weight.index() != self.token_embd.weight.index() {
+            out.push(&self.output.weight);
+        }
+        out
+    }
+}
+
+struct Builder<'a> {
+    store: &'a TensorStore,
+}
+
+impl Builder<'_> {
+    fn handle(&self, name: &str, expected: &[u64]) -> Result<TensorHandle, ModelError> {
+        let handle = self
+            .store
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_owned(),
+            })?;
+        // GGUF may drop trailing dimensions of 1.
+        let found: Vec<u64> = handle.shape().to_vec();
+        let mut trimmed = found.clone();
+        while trimmed.len() > expected.len() && trimmed.last() == Some(&1) {
+            trimmed.pop();
+        }
+        if trimmed != expected {
+            return Err(ModelError::TensorShape {
+                name: name.to_owned(),
+                expected: expected.to_vec(),
+                found,
+            });
+        }
+        Ok(handle)
+    }
+
+    fn linear(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        bias: bool,
+    ) -> Result<Linear, ModelError> {
+        let weight = self.handle(name, &[cols as u64, rows as u64])?;
+        if !dequant::matmul::is_supported(weight.ggml_type()) {
+            return Err(ModelError::UnsupportedTensorType {
+                name: name.to_owned(),
+                ggml_type: weight.ggml_type(),
+            });
+        }
+        let bias = if bias {
+            let bias_name = name.replace(".weight", ".bias");
+            Some(self.vector(&bias_name, rows)?.handle)
+        } else {
+            None
+        };
+        Ok(Linear {
+            weight,
+            bias,
+            rows,
+            cols,
+        })
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vector, ModelError> {
+        let handle = self.handle(name, &[len as u64])?;
+        if !matches!(
+            handle.ggml_type(),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16
+        ) {
+            return Err(ModelError::UnsupportedTensorType {
+                name: name.to_owned(),
+                ggml_type: handle.ggml_type(),
+            });
+        }
+        Ok(Vector { handle, len })
+    }
+}
