@@ -2,7 +2,11 @@
 //! against llama.cpp's outputs in `shared/golden`. The models come from
 //! `cargo xtask fetch-models`; these tests fail, saying so, when they are missing.
 
+#[path = "real_models/chat.rs"]
+mod chat;
 #[path = "real_models/common.rs"]
 mod common;
+#[path = "real_models/forward.rs"]
+mod forward;
 #[path = "real_models/tokenizer.rs"]
 mod tokenizer;
