@@ -33,6 +33,9 @@
 //! With a platform but no usable device (no GPU, no driver), entry points return
 //! [`HipError::NoDevice`]. Nothing panics in either case. Code can test the platform with
 //! `cfg(hip_platform = "amd" | "nvidia" | "none")`, which the build script sets.
+//! `README.md` says how to build and test each variant, and how to run the tests on a GPU
+//! machine that has no Rust toolchain (`scripts/collect-gpu-binaries.sh`,
+//! `scripts/gpu-suite.sh`).
 //!
 //! # Kernels in other crates
 //! A crate with HIP kernels (`dequant`, later `model`) reuses this configuration rather
@@ -59,7 +62,8 @@
 //!    and returning the status of `hipGetLastError()`;
 //! 4. in Rust, declare the launchers under `#[cfg(not(hip_platform = "none"))]`, and give
 //!    each one typed wrapper that checks lengths, takes [`DeviceView`]/[`DeviceViewMut`]
-//!    and a [`Stream`] (`as_ptr`, `as_mut_ptr`, [`Stream::as_raw`]), and returns
+//!    and a [`Stream`] (`as_ptr`, `as_mut_ptr`, [`Stream::as_raw`]), turns the launcher's
+//!    status into a `Result` with [`check_status`], and returns
 //!    [`HipError::BuiltWithoutGpu`] under `cfg(hip_platform = "none")`.
 //!
 //! The runtime library needs no second link line; this crate's reaches the final binary.
@@ -131,6 +135,13 @@ pub const PLATFORM: Platform = Platform::None;
 /// for platform `none`.
 pub const OFFLOAD_ARCHS: &str = env!("ROCMFORGE_HIP_ARCHS");
 
+/// Turns the native status a kernel launcher of another crate returns (`hipError_t` on
+/// AMD, `cudaError_t` on NVIDIA, as an `int`; 0 for success) into a `Result` whose error
+/// names `call` and carries the runtime's error name and message.
+pub fn check_status(call: &'static str, status: i32) -> Result<()> {
+    result::check(call, status)
+}
+
 /// The platform the linked runtime shim reports; equal to [`PLATFORM`] unless the build
 /// is broken.
 pub fn linked_platform_name() -> String {
@@ -155,6 +166,28 @@ mod tests {
                 OFFLOAD_ARCHS.split(';').all(|arch| arch.starts_with("sm_")),
                 "{OFFLOAD_ARCHS}"
             ),
+        }
+    }
+
+    #[test]
+    fn native_statuses_become_errors_with_the_runtime_names() {
+        assert!(check_status("launch", 0).is_ok());
+        // 1 is hipErrorInvalidValue on AMD and cudaErrorInvalidValue on NVIDIA.
+        match (PLATFORM, check_status("launch", 1)) {
+            (Platform::None, Err(HipError::BuiltWithoutGpu)) => {}
+            (
+                _,
+                Err(HipError::Api {
+                    call: "launch",
+                    code: 1,
+                    name,
+                    message,
+                }),
+            ) => {
+                assert!(name.ends_with("ErrorInvalidValue"), "{name}");
+                assert!(!message.is_empty());
+            }
+            (platform, other) => panic!("{platform}: unexpected {other:?}"),
         }
     }
 

@@ -63,7 +63,8 @@ fn status_kind(code: c_int) -> c_int {
     unsafe { sys::rfhip_status_kind(code) }
 }
 
-fn check(call: &'static str, code: c_int) -> Result<()> {
+/// Turns a native status (`hipError_t` / `cudaError_t`, 0 for success) into a `Result`.
+pub(crate) fn check(call: &'static str, code: c_int) -> Result<()> {
     if code == 0 {
         Ok(())
     } else {

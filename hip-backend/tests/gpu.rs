@@ -17,9 +17,10 @@ fn device_or_skip(test: &str) -> Option<Device> {
     match Device::open(0) {
         Ok(device) => Some(device),
         Err(error) if error.is_unavailable() => {
-            // Written to the process's stderr directly: the harness captures only the
-            // print macros, and a skip must be visible.
-            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {error}");
+            // Written to the process's stderr directly, in one piece: the harness
+            // captures only the print macros, and a skip must be visible.
+            let line = format!("SKIPPED {test}: {error}\n");
+            let _ = std::io::stderr().write_all(line.as_bytes());
             None
         }
         Err(error) => panic!("{test}: opening device 0 failed: {error}"),
@@ -64,11 +65,11 @@ fn without_a_gpu_every_entry_point_fails_with_a_typed_error() {
             assert!(matches!(list_devices(), Err(HipError::NoDevice { .. })));
         }
         Ok(count) => {
-            let _ = writeln!(
-                std::io::stderr(),
+            let line = format!(
                 "note: {count} device(s) present, so the no-device path is checked on \
-                 machines without one; checking an ordinal past the last device instead"
+                 machines without one; checking an ordinal past the last device instead\n"
             );
+            let _ = std::io::stderr().write_all(line.as_bytes());
             assert!(matches!(
                 Device::open(count),
                 Err(HipError::InvalidDevice { ordinal, count: c }) if ordinal == count && c == count
