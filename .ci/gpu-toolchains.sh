@@ -24,7 +24,7 @@ _rf_gpu_toolchains() {
 
     if [[ " $which " == *" amd "* ]]; then
         if command -v hipcc >/dev/null && [ -e /usr/include/hip/hip_runtime.h ] \
-            && ldconfig -p 2>/dev/null | grep -q libamdhip64; then
+            && [ "$(ldconfig -p 2>/dev/null | grep -c libamdhip64)" -gt 0 ]; then
             echo "gpu-toolchains: AMD toolchain present ($(command -v hipcc))" >&2
         else
             echo "gpu-toolchains: installing hipcc and libamdhip64-dev" >&2

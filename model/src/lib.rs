@@ -11,6 +11,7 @@
 //! This crate never calls HIP FFI directly and starts no async runtime; compute runs on
 //! rayon's pool. It has no cargo features.
 
+pub mod chat;
 mod config;
 mod error;
 mod forward;
@@ -18,6 +19,7 @@ mod kv_cache;
 mod model;
 mod ops;
 mod plan;
+pub mod sampling;
 pub mod tokenizer;
 
 pub use config::{Activation, Architecture, LayerAttention, ModelConfig, RopeStyle};

@@ -1,0 +1,351 @@
+//! Each stage against hand-computed results, the validation errors, seed reproducibility
+//! and the distribution of many draws.
+
+use super::*;
+
+fn candidates(logits: &[f32]) -> Vec<Candidate> {
+    logits
+        .iter()
+        .enumerate()
+        .map(|(id, &logit)| Candidate {
+            id: id as u32,
+            logit,
+        })
+        .collect()
+}
+
+fn ids(candidates: &[Candidate]) -> Vec<u32> {
+    candidates.iter().map(|c| c.id).collect()
+}
+
+/// Logits whose softmax is exactly `probs` (up to rounding).
+fn logits_of(probs: &[f64]) -> Vec<f32> {
+    probs.iter().map(|p| p.ln() as f32).collect()
+}
+
+fn random(temperature: f32, top_k: usize, top_p: f32, min_p: f32, seed: u64) -> Sampler {
+    let params = SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        repeat_penalty: 1.0,
+        repeat_last_n: 64,
+        seed,
+    };
+    Sampler::new(params.validate().unwrap())
+}
+
+/// Counts how often each id is drawn in `n` draws.
+fn histogram(sampler: &mut Sampler, logits: &[f32], n: usize) -> Vec<usize> {
+    let mut counts = vec![0; logits.len()];
+    for _ in 0..n {
+        counts[sampler.sample(logits).unwrap() as usize] += 1;
+    }
+    counts
+}
+
+/// Pearson's chi-square statistic of `counts` against `expected` probabilities.
+fn chi_square(counts: &[usize], expected: &[f64]) -> f64 {
+    let n: usize = counts.iter().sum();
+    counts
+        .iter()
+        .zip(expected)
+        .map(|(&c, &p)| {
+            let e = p * n as f64;
+            (c as f64 - e).powi(2) / e
+        })
+        .sum()
+}
+
+#[test]
+fn defaults_are_llama_cpp_cli_defaults() {
+    let p = SamplingParams::default();
+    assert_eq!(
+        (p.temperature, p.top_k, p.top_p, p.min_p),
+        (0.8, 40, 0.95, 0.05)
+    );
+    assert_eq!((p.repeat_penalty, p.repeat_last_n), (1.0, 64));
+}
+
+#[test]
+fn validation_names_each_bad_value() {
+    let ok = SamplingParams::default();
+    let bad = |p: SamplingParams| p.validate().unwrap_err();
+    let e = bad(SamplingParams {
+        temperature: -0.5,
+        ..ok
+    });
+    assert_eq!(e, SamplingError::InvalidTemperature { value: -0.5 });
+    assert!(matches!(
+        bad(SamplingParams {
+            temperature: f32::NAN,
+            ..ok
+        }),
+        SamplingError::InvalidTemperature { .. }
+    ));
+    assert!(matches!(
+        bad(SamplingParams {
+            temperature: f32::INFINITY,
+            ..ok
+        }),
+        SamplingError::InvalidTemperature { .. }
+    ));
+    for top_p in [0.0, -0.1, 1.5, f32::NAN] {
+        assert!(
+            matches!(
+                bad(SamplingParams { top_p, ..ok }),
+                SamplingError::InvalidTopP { .. }
+            ),
+            "{top_p}"
+        );
+    }
+    for min_p in [-0.01, 1.01, f32::NAN] {
+        assert!(
+            matches!(
+                bad(SamplingParams { min_p, ..ok }),
+                SamplingError::InvalidMinP { .. }
+            ),
+            "{min_p}"
+        );
+    }
+    for repeat_penalty in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let e = bad(SamplingParams {
+            repeat_penalty,
+            ..ok
+        });
+        assert!(
+            matches!(e, SamplingError::InvalidRepeatPenalty { .. }),
+            "{repeat_penalty}"
+        );
+    }
+    assert_eq!(
+        e.to_string(),
+        "temperature must be a finite number >= 0, got -0.5"
+    );
+}
+
+#[test]
+fn validation_switches_off_neutral_filters() {
+    let config = SamplingParams {
+        temperature: 0.7,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repeat_penalty: 1.0,
+        repeat_last_n: 64,
+        seed: 9,
+    }
+    .validate()
+    .unwrap();
+    let expected = SamplingMode::Random {
+        temperature: 0.7,
+        top_k: None,
+        top_p: None,
+        min_p: None,
+        seed: 9,
+    };
+    assert_eq!(config.mode, expected);
+    assert_eq!(config.penalty, None);
+    let greedy = SamplingParams::greedy().validate().unwrap();
+    assert_eq!(greedy.mode, SamplingMode::Greedy);
+    let edges = SamplingParams {
+        top_p: 1.0,
+        min_p: 1.0,
+        ..SamplingParams::default()
+    };
+    assert!(edges.validate().is_ok());
+}
+
+#[test]
+fn repeat_penalty_divides_positive_and_multiplies_negative_logits() {
+    let mut logits = vec![2.0, -1.0, 0.0, 3.0];
+    let recent: VecDeque<u32> = [0, 1, 2, 0, 99].into_iter().collect();
+    apply_repeat_penalty(&mut logits, &recent, 2.0);
+    // Token 0 appears twice but is penalized once; 99 is outside the vocabulary.
+    assert_eq!(logits, vec![1.0, -2.0, 0.0, 3.0]);
+}
+
+#[test]
+fn repeat_penalty_window_holds_the_last_n_tokens() {
+    let params = SamplingParams {
+        repeat_penalty: 10.0,
+        repeat_last_n: 2,
+        ..SamplingParams::greedy()
+    };
+    let mut sampler = Sampler::new(params.validate().unwrap());
+    for token in [0, 1, 2] {
+        sampler.accept(token);
+    }
+    // 1 and 2 are penalized to 0.5 and 0.6; 0 left the window and keeps 4.0.
+    assert_eq!(sampler.sample(&[4.0, 5.0, 6.0, 3.0]).unwrap(), 0);
+    assert_eq!(sampler.recent, VecDeque::from([1, 2]));
+}
+
+#[test]
+fn greedy_takes_the_first_highest_logit() {
+    let mut sampler = Sampler::new(SamplingParams::greedy().validate().unwrap());
+    assert_eq!(sampler.sample(&[0.5, 2.0, -1.0, 2.0]).unwrap(), 1);
+    assert_eq!(sampler.sample(&[f32::NEG_INFINITY, -3.0]).unwrap(), 1);
+}
+
+#[test]
+fn top_k_keeps_the_k_highest_sorted() {
+    let mut c = candidates(&[1.0, 5.0, 3.0, 4.0, 2.0]);
+    top_k_sorted(&mut c, 2);
+    assert_eq!(ids(&c), vec![1, 3]);
+    let mut c = candidates(&[1.0, 5.0, 3.0]);
+    top_k_sorted(&mut c, 10);
+    assert_eq!(ids(&c), vec![1, 2, 0]);
+    // Ties are broken by id, whatever the partial sort did.
+    let mut c = candidates(&[1.0, 1.0, 1.0, 1.0]);
+    top_k_sorted(&mut c, 3);
+    assert_eq!(ids(&c), vec![0, 1, 2]);
+}
+
+#[test]
+fn top_p_keeps_the_smallest_prefix_reaching_p() {
+    let logits = logits_of(&[0.5, 0.3, 0.15, 0.05]);
+    let mut probs = Vec::new();
+    for (p, kept) in [(0.4, 1), (0.75, 2), (0.85, 3), (0.99, 4), (1.0, 4)] {
+        let mut c = candidates(&logits);
+        top_p_filter(&mut c, p, &mut probs);
+        assert_eq!(ids(&c), (0..kept).collect::<Vec<u32>>(), "p = {p}");
+    }
+}
+
+#[test]
+fn min_p_keeps_tokens_at_least_p_times_as_likely_as_the_top() {
+    let logits = logits_of(&[0.5, 0.3, 0.15, 0.05]);
+    for (p, kept) in [(0.05, 4), (0.25, 3), (0.5, 2), (0.9, 1), (1.0, 1)] {
+        let mut c = candidates(&logits);
+        min_p_filter(&mut c, p);
+        assert_eq!(ids(&c), (0..kept).collect::<Vec<u32>>(), "p = {p}");
+    }
+}
+
+#[test]
+fn temperature_scales_logits_before_the_softmax() {
+    let c = candidates(&[3f32.ln(), 0.0]);
+    let mut probs = Vec::new();
+    softmax_sorted(&c, 1.0, &mut probs);
+    assert!((probs[0] - 0.75).abs() < 1e-7 && (probs[1] - 0.25).abs() < 1e-7);
+    // At temperature 2 the odds 3:1 become sqrt(3):1.
+    softmax_sorted(&c, 0.5, &mut probs);
+    let expected = 3f64.sqrt() / (1.0 + 3f64.sqrt());
+    assert!((probs[0] - expected).abs() < 1e-7, "{}", probs[0]);
+}
+
+#[test]
+fn xoshiro_matches_an_independent_implementation() {
+    // Values from a separate implementation written from the published algorithm.
+    let mut rng = Xoshiro256::seed_from_u64(0);
+    let first: Vec<u64> = (0..4).map(|_| rng.next_u64()).collect();
+    assert_eq!(
+        first,
+        [
+            0x99ec5f36cb75f2b4,
+            0xbf6e1f784956452a,
+            0x1a5f849d4933e6e0,
+            0x6aa594f1262d2d2c
+        ]
+    );
+    let mut rng = Xoshiro256::seed_from_u64(42);
+    assert_eq!(rng.next_u64(), 0x15780b2e0c2ec716);
+    let u = rng.next_f64();
+    assert!((0.0..1.0).contains(&u));
+}
+
+#[test]
+fn a_seed_reproduces_its_draws() {
+    let logits: Vec<f32> = (0..200).map(|i| ((i * 37) % 101) as f32 / 25.0).collect();
+    let run = |seed| {
+        let mut s = random(1.0, 0, 1.0, 0.0, seed);
+        (0..50)
+            .map(|_| s.sample(&logits).unwrap())
+            .collect::<Vec<u32>>()
+    };
+    assert_eq!(run(7), run(7));
+    assert_ne!(run(7), run(8));
+}
+
+#[test]
+fn draws_follow_the_softmax() {
+    let expected = [0.1, 0.2, 0.3, 0.4];
+    let logits = logits_of(&expected);
+    let mut sampler = random(1.0, 0, 1.0, 0.0, 1);
+    let counts = histogram(&mut sampler, &logits, 100_000);
+    // 3 degrees of freedom: 16.27 is exceeded with probability 0.001 by a correct sampler.
+    let chi2 = chi_square(&counts, &expected);
+    assert!(chi2 < 16.27, "chi-square {chi2} for {counts:?}");
+}
+
+#[test]
+fn draws_at_temperature_two_follow_the_flattened_softmax() {
+    let logits = logits_of(&[0.1, 0.2, 0.3, 0.4]);
+    let weights: Vec<f64> = [0.1f64, 0.2, 0.3, 0.4].iter().map(|p| p.sqrt()).collect();
+    let total: f64 = weights.iter().sum();
+    let expected: Vec<f64> = weights.iter().map(|w| w / total).collect();
+    let mut sampler = random(2.0, 0, 1.0, 0.0, 2);
+    let counts = histogram(&mut sampler, &logits, 100_000);
+    let chi2 = chi_square(&counts, &expected);
+    assert!(chi2 < 16.27, "chi-square {chi2} for {counts:?}");
+}
+
+#[test]
+fn top_k_draws_only_among_the_k_best_in_proportion() {
+    let logits = logits_of(&[0.1, 0.2, 0.3, 0.4]);
+    let mut sampler = random(1.0, 2, 1.0, 0.0, 3);
+    let counts = histogram(&mut sampler, &logits, 70_000);
+    assert_eq!(&counts[..2], &[0, 0]);
+    // Renormalized: 3/7 and 4/7; one degree of freedom, 10.83 at p = 0.001.
+    let chi2 = chi_square(&counts[2..], &[3.0 / 7.0, 4.0 / 7.0]);
+    assert!(chi2 < 10.83, "chi-square {chi2} for {counts:?}");
+}
+
+#[test]
+fn top_p_and_min_p_see_the_distribution_before_temperature() {
+    let logits = logits_of(&[0.5, 0.3, 0.15, 0.05]);
+    // A huge temperature flattens what is left, but top-p already cut it to two tokens.
+    let mut sampler = random(1000.0, 0, 0.75, 0.0, 4);
+    let counts = histogram(&mut sampler, &logits, 20_000);
+    assert_eq!(&counts[2..], &[0, 0], "{counts:?}");
+    assert!(counts[0].abs_diff(counts[1]) < 1_000, "{counts:?}");
+    let mut sampler = random(1000.0, 0, 1.0, 0.5, 5);
+    let counts = histogram(&mut sampler, &logits, 20_000);
+    assert_eq!(&counts[2..], &[0, 0], "{counts:?}");
+}
+
+#[test]
+fn a_tiny_temperature_is_greedy_without_overflow() {
+    let mut sampler = random(1e-30, 0, 1.0, 0.0, 6);
+    let logits = [1.0, 3.0e30, 2.0e30, f32::NEG_INFINITY];
+    for _ in 0..100 {
+        assert_eq!(sampler.sample(&logits).unwrap(), 1);
+    }
+}
+
+#[test]
+fn masked_tokens_are_never_drawn() {
+    let logits = [0.0, f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY];
+    let mut sampler = random(1.0, 0, 1.0, 0.0, 7);
+    let counts = histogram(&mut sampler, &logits, 1_000);
+    assert_eq!((counts[1], counts[3]), (0, 0));
+}
+
+#[test]
+fn bad_logits_are_errors() {
+    let mut greedy = Sampler::new(SamplingParams::greedy().validate().unwrap());
+    let mut sampler = random(0.8, 40, 0.95, 0.05, 8);
+    for s in [&mut greedy, &mut sampler] {
+        assert_eq!(s.sample(&[]), Err(SamplingError::EmptyLogits));
+        let e = s.sample(&[1.0, f32::NAN]).unwrap_err();
+        assert!(matches!(e, SamplingError::BadLogit { token: 1, .. }), "{e}");
+        let e = s.sample(&[f32::INFINITY]).unwrap_err();
+        assert!(matches!(e, SamplingError::BadLogit { token: 0, .. }), "{e}");
+        assert_eq!(
+            s.sample(&[f32::NEG_INFINITY; 3]),
+            Err(SamplingError::AllMasked)
+        );
+    }
+}
