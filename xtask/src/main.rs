@@ -5,6 +5,7 @@
 //!
 //! Arguments are parsed by hand to keep this binary's dependencies few.
 
+mod bench_cpu;
 mod fetch;
 #[cfg(test)]
 mod tidy;
@@ -19,6 +20,9 @@ usage: cargo xtask <task> [options]
 tasks:
   fetch-models        download the real test models into the models cache
                       ($ROCMFORGE_MODELS, else ~/.cache/rocmforge/models)
+  bench-cpu [--llama-bench PATH] [--rocmforge PATH] [--threads N] [--gguf FILE]… [--json]
+                      CPU prefill/decode tokens/s and first-token process time,
+                      next to llama.cpp's when its llama-bench path is given
   test [ARGS…]        fetch-models, then `cargo test --workspace --release [ARGS…]`
 ";
 
@@ -41,6 +45,7 @@ fn run(args: &[String]) -> Result<()> {
     match task.as_str() {
         "fetch-models" => fetch::fetch_models(&fetch::models_dir()).map(|_| ()),
         "test" => test(rest),
+        "bench-cpu" => bench_cpu::run(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())
