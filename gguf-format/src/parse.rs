@@ -103,20 +103,23 @@ pub fn parse(bytes: &[u8]) -> Result<GgufFile, GgufError> {
 pub fn parse_prefix(prefix: &[u8], file_len: u64) -> Result<GgufFile, GgufError> {
     let mut r = Reader::new(prefix, file_len);
     let magic = r.array::<4>()?;
+    // The magic alone tells a file of another format: say so without asking for more.
+    if magic != MAGIC && magic != *b"FUGG" {
+        return Err(GgufError::BadMagic { found: magic });
+    }
     let version_bytes = r.array::<4>()?;
     let version = u32::from_le_bytes(version_bytes);
     if magic != MAGIC {
-        if magic == *b"FUGG" {
-            return Err(GgufError::BigEndian {
-                version: u32::from_be_bytes(version_bytes),
-            });
-        }
-        return Err(GgufError::BadMagic { found: magic });
+        return Err(GgufError::BigEndian {
+            version: u32::from_be_bytes(version_bytes),
+        });
     }
     match version {
         2 | 3 => {}
         1 => return Err(GgufError::VersionOne),
-        v if v & 0xffff == 0 && v.swap_bytes() <= 0xffff => {
+        // A big-endian writer puts a small version's zero bytes first; zero itself is
+        // just an unknown version.
+        v if v != 0 && v & 0xffff == 0 => {
             return Err(GgufError::BigEndian {
                 version: v.swap_bytes(),
             })
@@ -150,7 +153,9 @@ pub fn parse_prefix(prefix: &[u8], file_len: u64) -> Result<GgufFile, GgufError>
     }
     let alignment = alignment_of(&metadata)?;
 
-    let mut tensors = Vec::with_capacity(n_tensors as usize);
+    // The count is bounded by the whole file's length, but only the prefix in hand has
+    // been seen: reserve no more than it could describe, and grow as entries arrive.
+    let mut tensors = Vec::with_capacity(n_tensors.min(r.remaining() / 24) as usize);
     for _ in 0..n_tensors {
         tensors.push(r.tensor_info()?);
     }
