@@ -4,9 +4,16 @@
 //! header bytes (padded up to the data section) and where each tensor's bytes go, so a
 //! caller can stream multi-GiB tensor data to any sink; [`GgufWriter::to_bytes`] builds a
 //! whole small file in memory.
+//!
+//! What the writer lays out, the parser reads back: it refuses, with the same errors and
+//! the offsets the bytes would have had, whatever the parser would refuse (an empty or
+//! over-long key, an over-long string or tensor name, arrays nested too deep, more
+//! entries than the caps allow, a `general.alignment` that is not a valid u32).
 
 use crate::parse::{
-    align_up, tensor_size, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_DIMS,
+    align_up, tensor_size, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, MAX_ALIGNMENT, MAX_ARRAY_DEPTH,
+    MAX_ARRAY_LEN, MAX_DIMS, MAX_KEY_LEN, MAX_METADATA, MAX_STRING_LEN, MAX_TENSORS,
+    MAX_TENSOR_NAME_LEN,
 };
 use crate::value::{Array, Metadata, Value};
 use crate::{GgmlType, GgufError};
@@ -60,13 +67,22 @@ impl GgufWriter {
         Ok(())
     }
 
-    /// Adds a metadata entry; a key already present is refused.
+    /// Adds a metadata entry; a key already present is refused, and so is a
+    /// `general.alignment` that is not a u32 power of two.
     pub fn add_metadata(&mut self, key: &str, value: impl Into<Value>) -> Result<(), GgufError> {
         let value = value.into();
         if key == ALIGNMENT_KEY {
-            if let Value::U32(a) = value {
-                return self.set_alignment(a);
+            if self.metadata.contains(key) {
+                return Err(GgufError::DuplicateKey {
+                    key: key.to_owned(),
+                });
             }
+            return match value {
+                Value::U32(a) => self.set_alignment(a),
+                other => Err(GgufError::AlignmentType {
+                    found: other.value_type(),
+                }),
+            };
         }
         self.metadata.insert(key.to_owned(), value)
     }
@@ -117,19 +133,34 @@ impl GgufWriter {
     /// Lays the file out: the header bytes and each tensor's offset in the data section.
     pub fn layout(&self) -> Result<Layout, GgufError> {
         let alignment = self.alignment();
+        check_count("tensor", self.tensors.len(), MAX_TENSORS)?;
+        check_count("metadata", self.metadata.len(), MAX_METADATA)?;
         let mut header = Vec::new();
         header.extend_from_slice(b"GGUF");
         header.extend_from_slice(&3u32.to_le_bytes());
         header.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
         header.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
         for (key, value) in self.metadata.iter() {
-            put_string(&mut header, key);
+            if key.is_empty() {
+                return Err(GgufError::EmptyKey {
+                    offset: header.len() as u64,
+                });
+            }
+            put_bounded_string(&mut header, key, MAX_KEY_LEN)?;
             header.extend_from_slice(&value.value_type().id().to_le_bytes());
-            put_value(&mut header, value);
+            put_value(&mut header, key, value)?;
         }
         let mut tensor_offsets = Vec::with_capacity(self.tensors.len());
         let mut next = 0u64;
         for t in &self.tensors {
+            let len = t.name.len() as u64;
+            if len > MAX_TENSOR_NAME_LEN {
+                return Err(GgufError::TensorNameTooLong {
+                    len,
+                    max: MAX_TENSOR_NAME_LEN,
+                    offset: header.len() as u64,
+                });
+            }
             put_string(&mut header, &t.name);
             header.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
             for d in &t.shape {
@@ -148,8 +179,19 @@ impl GgufWriter {
         }
         let data_start = align_up(header.len() as u64, alignment).expect("header length is small");
         header.resize(data_start as usize, 0);
+        // The data section fits in u64 on its own, but not always after the header.
+        let file_len = data_start.checked_add(next).ok_or_else(|| {
+            let last = self
+                .tensors
+                .last()
+                .expect("a non-empty data section has a tensor");
+            GgufError::ShapeOverflow {
+                tensor: last.name.clone(),
+                shape: last.shape.clone(),
+            }
+        })?;
         Ok(Layout {
-            file_len: data_start + next,
+            file_len,
             header,
             tensor_offsets,
         })
@@ -184,12 +226,34 @@ impl GgufWriter {
     }
 }
 
+fn check_count(what: &'static str, count: usize, max: u64) -> Result<(), GgufError> {
+    let count = count as u64;
+    if count > max {
+        return Err(GgufError::CountTooLarge { what, count, max });
+    }
+    Ok(())
+}
+
 fn put_string(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u64).to_le_bytes());
     out.extend_from_slice(s.as_bytes());
 }
 
-fn put_value(out: &mut Vec<u8>, value: &Value) {
+/// Writes `s`, refusing one longer than the parser accepts.
+fn put_bounded_string(out: &mut Vec<u8>, s: &str, max: u64) -> Result<(), GgufError> {
+    let len = s.len() as u64;
+    if len > max {
+        return Err(GgufError::StringTooLong {
+            len,
+            max,
+            offset: out.len() as u64,
+        });
+    }
+    put_string(out, s);
+    Ok(())
+}
+
+fn put_value(out: &mut Vec<u8>, key: &str, value: &Value) -> Result<(), GgufError> {
     match value {
         Value::U8(v) => out.push(*v),
         Value::I8(v) => out.extend_from_slice(&v.to_le_bytes()),
@@ -199,15 +263,25 @@ fn put_value(out: &mut Vec<u8>, value: &Value) {
         Value::I32(v) => out.extend_from_slice(&v.to_le_bytes()),
         Value::F32(v) => out.extend_from_slice(&v.to_le_bytes()),
         Value::Bool(v) => out.push(u8::from(*v)),
-        Value::String(s) => put_string(out, s),
-        Value::Array(a) => put_array(out, a),
+        Value::String(s) => return put_bounded_string(out, s, MAX_STRING_LEN),
+        Value::Array(a) => return put_array(out, key, a, 1),
         Value::U64(v) => out.extend_from_slice(&v.to_le_bytes()),
         Value::I64(v) => out.extend_from_slice(&v.to_le_bytes()),
         Value::F64(v) => out.extend_from_slice(&v.to_le_bytes()),
     }
+    Ok(())
 }
 
-fn put_array(out: &mut Vec<u8>, array: &Array) {
+/// Writes an array nested `depth` deep (1 for a top-level value).
+fn put_array(out: &mut Vec<u8>, key: &str, array: &Array, depth: usize) -> Result<(), GgufError> {
+    if depth > MAX_ARRAY_DEPTH {
+        return Err(GgufError::NestingTooDeep {
+            key: key.to_owned(),
+            depth,
+            max: MAX_ARRAY_DEPTH,
+        });
+    }
+    check_count("array element", array.len(), MAX_ARRAY_LEN)?;
     out.extend_from_slice(&array.element_type().id().to_le_bytes());
     out.extend_from_slice(&(array.len() as u64).to_le_bytes());
     macro_rules! each_le {
@@ -226,10 +300,19 @@ fn put_array(out: &mut Vec<u8>, array: &Array) {
         Array::I32(v) => each_le!(v),
         Array::F32(v) => each_le!(v),
         Array::Bool(v) => out.extend(v.iter().map(|&b| u8::from(b))),
-        Array::String(v) => v.iter().for_each(|s| put_string(out, s)),
-        Array::Array(v) => v.iter().for_each(|a| put_array(out, a)),
+        Array::String(v) => {
+            for s in v {
+                put_bounded_string(out, s, MAX_STRING_LEN)?;
+            }
+        }
+        Array::Array(v) => {
+            for a in v {
+                put_array(out, key, a, depth + 1)?;
+            }
+        }
         Array::U64(v) => each_le!(v),
         Array::I64(v) => each_le!(v),
         Array::F64(v) => each_le!(v),
     }
+    Ok(())
 }
