@@ -74,7 +74,7 @@ pub enum GgufError {
     },
     #[error("tensor {tensor:?} has unknown ggml type id {type_id}")]
     UnknownTensorType { tensor: String, type_id: u32 },
-    #[error("tensor {tensor:?}: shape {shape:?} overflows when multiplied out")]
+    #[error("tensor {tensor:?}: shape {shape:?} overflows ggml's 64-bit signed sizes")]
     ShapeOverflow { tensor: String, shape: Vec<u64> },
     #[error("tensor {tensor:?}: row length {ne0} is not a multiple of the {ggml_type} block size {block_size}")]
     PartialBlock {

@@ -486,18 +486,26 @@ impl<'a> Reader<'a> {
 }
 
 /// Bytes taken by a tensor of this type and shape, refusing partial blocks and overflow.
+///
+/// ggml holds dimensions and element counts as `i64`: each dimension and their product
+/// must fit there, even when another dimension is zero.
 pub(crate) fn tensor_size(
     name: &str,
     ggml_type: GgmlType,
     shape: &[u64],
 ) -> Result<u64, GgufError> {
+    const MAX_ELEMENTS: u64 = i64::MAX as u64;
     let overflow = || GgufError::ShapeOverflow {
         tensor: name.to_owned(),
         shape: shape.to_vec(),
     };
+    if shape.iter().any(|&d| d > MAX_ELEMENTS) {
+        return Err(overflow());
+    }
     let n_elements = shape
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n <= MAX_ELEMENTS)
         .ok_or_else(overflow)?;
     let ne0 = shape.first().copied().unwrap_or(1);
     if ne0 % ggml_type.block_size() != 0 {
