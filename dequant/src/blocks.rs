@@ -430,7 +430,12 @@ mod tests {
     use super::*;
 
     fn check<B: Block>() {
-        assert_eq!(std::mem::size_of::<B>() as u64, B::TYPE.type_size(), "{}", B::TYPE);
+        assert_eq!(
+            std::mem::size_of::<B>() as u64,
+            B::TYPE.type_size(),
+            "{}",
+            B::TYPE
+        );
         assert_eq!(B::ELEMS as u64, B::TYPE.block_size(), "{}", B::TYPE);
     }
 
