@@ -50,9 +50,8 @@ fn isum(qs: &[i8]) -> i32 {
 pub(crate) struct Q8Acts {
     cols: usize,
     qs: Vec<i8>,
-    d: Vec<f32>,
     isum: Vec<i32>,
-    s: Vec<f32>,
+    ds: Vec<[f32; 2]>,
 }
 
 /// One token's row of [`Q8Acts`].
@@ -60,12 +59,11 @@ pub(crate) struct Q8Acts {
 pub(crate) struct Q8Row<'a> {
     /// `cols` quantized values.
     pub qs: &'a [i8],
-    /// One scale per block of 32.
-    pub d: &'a [f32],
     /// Per block, the sum of its quantized values.
     pub isum: &'a [i32],
-    /// Per block, `d * isum`: the block's sum as the integer kernels see it.
-    pub s: &'a [f32],
+    /// Per block, its scale `d` and `d * isum`, the block's sum as the integer kernels
+    /// see it; side by side so that one 8-byte load fetches both.
+    pub ds: &'a [[f32; 2]],
 }
 
 impl ActSet for Q8Acts {
@@ -78,16 +76,14 @@ impl ActSet for Q8Acts {
         let mut acts = Q8Acts {
             cols,
             qs: vec![0; x.len()],
-            d: Vec::with_capacity(n_blocks),
             isum: Vec::with_capacity(n_blocks),
-            s: Vec::with_capacity(n_blocks),
+            ds: Vec::with_capacity(n_blocks),
         };
         for (xb, qb) in x.chunks_exact(QK8).zip(acts.qs.chunks_exact_mut(QK8)) {
             let d = quantize_block(xb, qb);
             let sum = isum(qb);
-            acts.d.push(d);
             acts.isum.push(sum);
-            acts.s.push(d * sum as f32);
+            acts.ds.push([d, d * sum as f32]);
         }
         acts
     }
@@ -96,9 +92,8 @@ impl ActSet for Q8Acts {
         let nb = self.cols / QK8;
         Q8Row {
             qs: &self.qs[t * self.cols..(t + 1) * self.cols],
-            d: &self.d[t * nb..(t + 1) * nb],
             isum: &self.isum[t * nb..(t + 1) * nb],
-            s: &self.s[t * nb..(t + 1) * nb],
+            ds: &self.ds[t * nb..(t + 1) * nb],
         }
     }
 
@@ -202,7 +197,7 @@ mod tests {
         for t in 0..2 {
             let row = acts.row(t);
             for (i, &q) in row.qs.iter().enumerate() {
-                let d = row.d[i / QK8];
+                let d = row.ds[i / QK8][0];
                 let err = (f32::from(q) * d - x[t * 64 + i]).abs();
                 assert!(
                     err <= d * 0.5 + 1e-7,
@@ -212,7 +207,7 @@ mod tests {
             for b in 0..2 {
                 let block = &row.qs[b * QK8..(b + 1) * QK8];
                 assert_eq!(row.isum[b], isum(block));
-                assert_eq!(row.s[b], row.d[b] * row.isum[b] as f32);
+                assert_eq!(row.ds[b][1], row.ds[b][0] * row.isum[b] as f32);
                 assert_eq!(block.iter().map(|q| q.unsigned_abs()).max(), Some(127));
             }
         }
@@ -237,7 +232,7 @@ mod tests {
     fn zero_block_gets_zero_scale_and_values() {
         let acts = Q8Acts::prepare(&[0.0; 32], 1, 32);
         let row = acts.row(0);
-        assert_eq!(row.d[0], 0.0);
+        assert_eq!(row.ds[0], [0.0, 0.0]);
         assert!(row.qs.iter().all(|&q| q == 0));
     }
 

@@ -76,7 +76,7 @@ pub(crate) fn dot_q4_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, block) in row.chunks_exact(Q4_0_BYTES).enumerate() {
         let int = q4_0_block(block, &act.qs[b * QK8..], act.isum[b]);
-        acc += f16_at(block, 0) * act.d[b] * int as f32;
+        acc += f16_at(block, 0) * act.ds[b][0] * int as f32;
     }
     acc
 }
@@ -85,7 +85,7 @@ pub(crate) fn dot_q4_1(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, block) in row.chunks_exact(Q4_1_BYTES).enumerate() {
         let int = q4_1_block(block, &act.qs[b * QK8..]);
-        acc += f16_at(block, 0) * act.d[b] * int as f32 + f16_at(block, 2) * act.s[b];
+        acc += f16_at(block, 0) * act.ds[b][0] * int as f32 + f16_at(block, 2) * act.ds[b][1];
     }
     acc
 }
@@ -94,7 +94,7 @@ pub(crate) fn dot_q5_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, block) in row.chunks_exact(Q5_0_BYTES).enumerate() {
         let int = q5_0_block(block, &act.qs[b * QK8..], act.isum[b]);
-        acc += f16_at(block, 0) * act.d[b] * int as f32;
+        acc += f16_at(block, 0) * act.ds[b][0] * int as f32;
     }
     acc
 }
@@ -103,7 +103,7 @@ pub(crate) fn dot_q5_1(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, block) in row.chunks_exact(Q5_1_BYTES).enumerate() {
         let int = q5_1_block(block, &act.qs[b * QK8..]);
-        acc += f16_at(block, 0) * act.d[b] * int as f32 + f16_at(block, 2) * act.s[b];
+        acc += f16_at(block, 0) * act.ds[b][0] * int as f32 + f16_at(block, 2) * act.ds[b][1];
     }
     acc
 }
@@ -112,7 +112,7 @@ pub(crate) fn dot_q8_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, block) in row.chunks_exact(Q8_0_BYTES).enumerate() {
         let int = q8_0_block(block, &act.qs[b * QK8..]);
-        acc += f16_at(block, 0) * act.d[b] * int as f32;
+        acc += f16_at(block, 0) * act.ds[b][0] * int as f32;
     }
     acc
 }

@@ -216,9 +216,9 @@ fn quantized_view(ty: GgmlType, x: &[f32], n_tokens: usize, cols: usize) -> (Vec
                     row.qs
                         .iter()
                         .enumerate()
-                        .map(|(i, &q)| f32::from(q) * row.d[i / QK8]),
+                        .map(|(i, &q)| f32::from(q) * row.ds[i / QK8][0]),
                 );
-                step.extend((0..cols).map(|i| row.d[i / QK8]));
+                step.extend((0..cols).map(|i| row.ds[i / QK8][0]));
             }
             (xq, step)
         }

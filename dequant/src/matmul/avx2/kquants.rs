@@ -2,15 +2,17 @@
 //!
 //! Each super-block's weights are unpacked 32 at a time into unsigned bytes (4, 5 or 6
 //! bits); `maddubs` multiplies them with the activations and a `madd` against the
-//! sub-block scales both widens and weights the sums, so one i32 vector holds the whole
-//! super-block's scaled integer dot product. `Q6_K`'s offset of 32 and the mins of
-//! `Q4_K`/`Q5_K` come from the activations' sums per 16.
+//! sub-block's scale (broadcast to every i16 lane by one `pshufb`) both widens and
+//! weights the sums, so one i32 vector holds the whole super-block's scaled integer dot
+//! product. `Q6_K`'s offset of 32 and the mins of `Q4_K`/`Q5_K` come from the
+//! activations' sums per 16; the mins accumulate as a four-lane vector, summed once per
+//! row.
 
 use std::arch::x86_64::*;
 
-use super::{hsum_epi32_128, hsum_ps, load32, load_f16, mul_sum_u8_i8_scaled};
+use super::{hsum_ps, load32};
 use crate::matmul::activation::{Q8KRow, BSUM_GROUP, QK_K};
-use crate::matmul::portable::{k_scales_mins, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
+use crate::matmul::portable::{Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
 
 /// Groups of 16 per super-block.
 const GROUPS: usize = QK_K / BSUM_GROUP;
@@ -52,25 +54,38 @@ unsafe fn act_ptrs<const N: usize>(
     (qx, bsums)
 }
 
-/// `Σ mins_j · (bsums[2j] + bsums[2j+1])` for the eight sub-blocks of 32.
-///
-/// # Safety
-/// `bsums..bsums + 16` must be readable.
+/// `_mm256_shuffle_epi8` control that broadcasts i16 lane `lo` of each 128-bit half to
+/// the low half's eight lanes and i16 lane `hi` to the high half's.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn min_sum(mins16: __m128i, bsums: *const i16) -> i32 {
-    // SAFETY: readable per the contract.
-    let sums = unsafe { _mm256_loadu_si256(bsums.cast()) };
-    // 16 values of |q| ≤ 127 per sum: a pair of them fits an i16.
-    let pairs = _mm_hadd_epi16(
-        _mm256_castsi256_si128(sums),
-        _mm256_extracti128_si256::<1>(sums),
-    );
-    hsum_epi32_128(_mm_madd_epi16(mins16, pairs))
+fn pick_i16(lo: usize, hi: usize) -> __m256i {
+    let lo = (0x0100 + 0x0202 * lo as i16) as i64 * 0x0001_0001_0001_0001;
+    let hi = (0x0100 + 0x0202 * hi as i16) as i64 * 0x0001_0001_0001_0001;
+    _mm256_setr_epi64x(lo, lo, hi, hi)
 }
 
-/// The 4-bit-scale k-quants (`Q4_K`, `Q5_K`): `(Σ scale_j Σ q qx` in eight lanes,
-/// `Σ min_j Σ qx)` of one super-block for each token.
+/// The eight 6-bit scales and eight 6-bit mins packed in the 12 bytes at `p`, as i16:
+/// scales in lanes 0–7, mins in lanes 8–15. Bytes 0–3 hold scales 0–3 in their low six
+/// bits, bytes 4–7 mins 0–3; bytes 8–11 hold scales 4–7 (low nibbles) and mins 4–7
+/// (high nibbles), whose top two bits sit in the spare bits of bytes 0–3 and 4–7.
+///
+/// # Safety
+/// `p..p + 12` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_scales_mins(p: *const u8) -> __m256i {
+    // SAFETY: readable per the contract; `read_unaligned` has no alignment requirement.
+    let [w0, w1, w2] = unsafe { [0, 4, 8].map(|at| p.add(at).cast::<u32>().read_unaligned()) };
+    let (low6, low4, low2) = (0x3F3F_3F3Fu32, 0x0F0F_0F0Fu32, 0x0303_0303u32);
+    let scales_hi = (w2 & low4) | (((w0 >> 6) & low2) << 4);
+    let mins_hi = ((w2 >> 4) & low4) | (((w1 >> 6) & low2) << 4);
+    let scales = u64::from(w0 & low6) | (u64::from(scales_hi) << 32);
+    let mins = u64::from(w1 & low6) | (u64::from(mins_hi) << 32);
+    _mm256_cvtepu8_epi16(_mm_set_epi64x(mins as i64, scales as i64))
+}
+
+/// `Q4_K`/`Q5_K` super-block for each token: the scaled dot product `Σ scale_j Σ q qx`
+/// in eight i32 lanes and the min term `Σ min_j Σ qx` in four.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; the super-block (`Q5_K` when `FIVE`, else
@@ -81,38 +96,44 @@ unsafe fn q45_k_ints<const FIVE: bool, const N: usize>(
     block: *const u8,
     qx: [*const i8; N],
     bsums: [*const i16; N],
-) -> ([__m256i; N], [i32; N]) {
+) -> ([__m256i; N], [__m128i; N]) {
     // SAFETY: the 12 scale bytes lie at 4..16 of the readable block.
-    let (scales, mins) = k_scales_mins(unsafe { std::slice::from_raw_parts(block.add(4), 12) });
-    let mins16 = _mm_cvtepu8_epi16(_mm_set_epi64x(0, i64::from_le_bytes(mins)));
-    let mut min_sums = [0i32; N];
+    let scales_mins = unsafe { k_scales_mins(block.add(4)) };
+    let mins = _mm256_extracti128_si256::<1>(scales_mins);
+    let scales = _mm256_permute2x128_si256::<0x00>(scales_mins, scales_mins);
+    let mut min_sums = [_mm_setzero_si128(); N];
     for t in 0..N {
         // SAFETY: 16 sums are readable behind each pointer per the contract.
-        min_sums[t] = unsafe { min_sum(mins16, bsums[t]) };
+        let sums = unsafe { _mm256_loadu_si256(bsums[t].cast()) };
+        // Sums of 32 values of |q| ≤ 127 fit an i16.
+        let pairs = _mm_hadd_epi16(
+            _mm256_castsi256_si128(sums),
+            _mm256_extracti128_si256::<1>(sums),
+        );
+        min_sums[t] = _mm_madd_epi16(mins, pairs);
     }
     let low4 = _mm256_set1_epi8(0x0F);
-    let one = _mm256_set1_epi8(1);
     let (qs_at, mut high) = if FIVE {
         // SAFETY: Q5_K's qh lies at 16..48 of the readable block.
         (48, unsafe { load32(block.add(16)) })
     } else {
         (16, _mm256_setzero_si256())
     };
-    let mut sums = [_mm256_setzero_si256(); N];
+    let mut dots = [_mm256_setzero_si256(); N];
     for j in 0..4 {
         // SAFETY: the 32 bytes of chunk j lie inside the readable block.
         let packed = unsafe { load32(block.add(qs_at + 32 * j)) };
         let mut lo = _mm256_and_si256(packed, low4);
         let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), low4);
         if FIVE {
-            // Bit 2j of qh[l] is the fifth bit of the low value l, bit 2j+1 of the high.
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(high, one)));
-            let next = _mm256_and_si256(_mm256_srli_epi16::<1>(high), one);
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(next));
+            // Bit 2j of qh[l] is the fifth bit of low value l, bit 2j + 1 of the high one.
+            let bit4 = _mm256_set1_epi8(0x10);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16::<4>(high), bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16::<3>(high), bit4));
             high = _mm256_srli_epi16::<2>(high);
         }
-        let scale_lo = _mm256_set1_epi16(i16::from(scales[2 * j]));
-        let scale_hi = _mm256_set1_epi16(i16::from(scales[2 * j + 1]));
+        let scale_lo = _mm256_shuffle_epi8(scales, pick_i16(2 * j, 2 * j));
+        let scale_hi = _mm256_shuffle_epi8(scales, pick_i16(2 * j + 1, 2 * j + 1));
         for t in 0..N {
             // SAFETY: 256 activations are readable behind each pointer per the contract.
             let (x_lo, x_hi) = unsafe {
@@ -121,24 +142,15 @@ unsafe fn q45_k_ints<const FIVE: bool, const N: usize>(
                     load32(qx[t].add(64 * j + 32).cast()),
                 )
             };
-            let dot = _mm256_add_epi32(
-                mul_sum_u8_i8_scaled(lo, x_lo, scale_lo),
-                mul_sum_u8_i8_scaled(hi, x_hi, scale_hi),
-            );
-            sums[t] = _mm256_add_epi32(sums[t], dot);
+            let dot_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x_lo), scale_lo);
+            let dot_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x_hi), scale_hi);
+            dots[t] = _mm256_add_epi32(dots[t], _mm256_add_epi32(dot_lo, dot_hi));
         }
     }
-    (sums, min_sums)
+    (dots, min_sums)
 }
 
-/// The low two bits of each byte of `shifted`, moved to bits 4 and 5.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn high2(shifted: __m256i, two_bits: __m256i) -> __m256i {
-    _mm256_slli_epi16::<4>(_mm256_and_si256(shifted, two_bits))
-}
-
-/// `Q6_K`: `Σ scale_g Σ (q - 32) qx` of one super-block in eight lanes, per token.
+/// `Q6_K` super-block for each token: `Σ scale_g Σ (q - 32) qx` in eight i32 lanes.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations and
@@ -151,21 +163,24 @@ unsafe fn q6_k_ints<const N: usize>(
     bsums: [*const i16; N],
 ) -> [__m256i; N] {
     // SAFETY: the 16 signed scales lie at 192..208 of the readable block.
-    let scales8 = unsafe { _mm_loadu_si128(block.add(192).cast()) };
-    let scales16 = _mm256_cvtepi8_epi16(scales8);
-    let mut sums = [_mm256_setzero_si256(); N];
+    let scales = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(block.add(192).cast()) });
+    let mut dots = [_mm256_setzero_si256(); N];
+    let scales32 = _mm256_slli_epi16::<5>(scales);
     for t in 0..N {
         // The offset: -32 Σ scale_g bsum_g, spread over the lanes.
         // SAFETY: 16 sums are readable behind each pointer per the contract.
-        let group_sums = unsafe { _mm256_loadu_si256(bsums[t].cast()) };
-        sums[t] = _mm256_sub_epi32(
-            sums[t],
-            _mm256_slli_epi32::<5>(_mm256_madd_epi16(scales16, group_sums)),
-        );
+        let sums = unsafe { _mm256_loadu_si256(bsums[t].cast()) };
+        dots[t] = _mm256_sub_epi32(dots[t], _mm256_madd_epi16(scales32, sums));
     }
     let low4 = _mm256_set1_epi8(0x0F);
-    let two_bits = _mm256_set1_epi8(3);
+    let bits45 = _mm256_set1_epi8(0x30);
     for half in 0..2 {
+        // Groups 8·half .. 8·half + 8, in both 128-bit lanes.
+        let groups = if half == 0 {
+            _mm256_permute2x128_si256::<0x00>(scales, scales)
+        } else {
+            _mm256_permute2x128_si256::<0x11>(scales, scales)
+        };
         // SAFETY: ql (0..128) and qh (128..192) lie inside the readable block.
         let (ql0, ql1, qh) = unsafe {
             (
@@ -174,38 +189,53 @@ unsafe fn q6_k_ints<const N: usize>(
                 load32(block.add(128 + 32 * half)),
             )
         };
+        // Values 32k + l take the low or high nibble of ql and bits 2k, 2k + 1 of qh[l].
         let values = [
-            _mm256_or_si256(_mm256_and_si256(ql0, low4), high2(qh, two_bits)),
+            _mm256_or_si256(
+                _mm256_and_si256(ql0, low4),
+                _mm256_and_si256(_mm256_slli_epi16::<4>(qh), bits45),
+            ),
             _mm256_or_si256(
                 _mm256_and_si256(ql1, low4),
-                high2(_mm256_srli_epi16::<2>(qh), two_bits),
+                _mm256_and_si256(_mm256_slli_epi16::<2>(qh), bits45),
             ),
             _mm256_or_si256(
                 _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low4),
-                high2(_mm256_srli_epi16::<4>(qh), two_bits),
+                _mm256_and_si256(qh, bits45),
             ),
             _mm256_or_si256(
                 _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low4),
-                high2(_mm256_srli_epi16::<6>(qh), two_bits),
+                _mm256_and_si256(_mm256_srli_epi16::<2>(qh), bits45),
             ),
         ];
         for (k, &q) in values.iter().enumerate() {
-            // Values 32k..32k+32 of this half span groups 2p and 2p+1: one scale per
-            // 128-bit lane of the i16 products.
-            let p = (4 * half + k) as i64;
-            let pick = _mm_set_epi64x(
-                0x0101_0101_0101_0101 * (2 * p + 1),
-                0x0101_0101_0101_0101 * (2 * p),
-            );
-            let scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales8, pick));
+            // Values 32k..32k + 32 span groups 2k and 2k + 1 of this half: one scale
+            // per 128-bit lane of the i16 products.
+            let scale = _mm256_shuffle_epi8(groups, pick_i16(2 * k, 2 * k + 1));
             for t in 0..N {
                 // SAFETY: 256 activations are readable behind each pointer.
                 let x = unsafe { load32(qx[t].add(128 * half + 32 * k).cast()) };
-                sums[t] = _mm256_add_epi32(sums[t], mul_sum_u8_i8_scaled(q, x, scale));
+                dots[t] = _mm256_add_epi32(
+                    dots[t],
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), scale),
+                );
             }
         }
     }
-    sums
+    dots
+}
+
+/// The f16 pair at `p` (`d`, then `dmin` or anything), widened.
+///
+/// # Safety
+/// `p..p + 4` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_pair(p: *const u8) -> __m128 {
+    // SAFETY: readable per the contract; `read_unaligned` has no alignment requirement.
+    _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
+        p.cast::<i32>().read_unaligned()
+    }))
 }
 
 /// `R` `Q4_K`/`Q5_K` rows against `N` tokens.
@@ -220,37 +250,31 @@ unsafe fn dot_q45_k<const FIVE: bool, const R: usize, const N: usize>(
 ) -> [[f32; N]; R] {
     let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
     let nb = blocks(&rows, bytes, &acts);
-    let mut acc = [[_mm256_setzero_ps(); N]; R];
-    let mut mins = [[0.0f32; N]; R];
-    for b in 0..nb {
-        // SAFETY: b < nb bounds the activations.
-        let (qx, bsums) = unsafe { act_ptrs(&acts, b) };
-        for r in 0..R {
-            // SAFETY: b < nb bounds the block; the features are present per this
-            // function's contract.
-            let (d, dmin, (sums, min_sums)) = unsafe {
+    let mut out = [[0.0f32; N]; R];
+    // One row after another: interleaving rows would run out of registers.
+    for r in 0..R {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc_min = [_mm_setzero_ps(); N];
+        for b in 0..nb {
+            // SAFETY: b < nb bounds the block and the activations; the features are
+            // present per this function's contract.
+            let (d_dmin, (dots, min_sums)) = unsafe {
+                let (qx, bsums) = act_ptrs(&acts, b);
                 let block = rows[r].as_ptr().add(b * bytes);
-                (
-                    load_f16(block),
-                    load_f16(block.add(2)),
-                    q45_k_ints::<FIVE, N>(block, qx, bsums),
-                )
+                (f16_pair(block), q45_k_ints::<FIVE, N>(block, qx, bsums))
             };
             for t in 0..N {
-                let dx = acts[t].d[b];
-                acc[r][t] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(sums[t]),
-                    _mm256_set1_ps(d * dx),
-                    acc[r][t],
-                );
-                mins[r][t] += dmin * dx * min_sums[t] as f32;
+                let scaled = _mm_mul_ps(d_dmin, _mm_set1_ps(acts[t].d[b]));
+                let d = _mm256_broadcastss_ps(scaled);
+                let dmin = _mm_permute_ps::<0b01_01_01_01>(scaled);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), d, acc[t]);
+                acc_min[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(min_sums[t]), dmin, acc_min[t]);
             }
         }
-    }
-    let mut out = [[0.0f32; N]; R];
-    for r in 0..R {
         for t in 0..N {
-            out[r][t] = hsum_ps(acc[r][t]) - mins[r][t];
+            let mins =
+                _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(acc_min[t]), _mm_setzero_ps());
+            out[r][t] = hsum_ps(acc[t]) - hsum_ps(mins);
         }
     }
     out
@@ -295,30 +319,28 @@ pub(crate) unsafe fn dot_q6_k<const R: usize, const N: usize>(
     acts: [Q8KRow<'_>; N],
 ) -> [[f32; N]; R] {
     let nb = blocks(&rows, Q6_K_BYTES, &acts);
-    let mut acc = [[_mm256_setzero_ps(); N]; R];
-    for b in 0..nb {
-        // SAFETY: b < nb bounds the activations.
-        let (qx, bsums) = unsafe { act_ptrs(&acts, b) };
-        for r in 0..R {
-            // SAFETY: b < nb bounds the block; the features are present per this
-            // function's contract.
-            let (d, sums) = unsafe {
+    let mut out = [[0.0f32; N]; R];
+    // One row after another: interleaving rows would run out of registers.
+    for r in 0..R {
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..nb {
+            // SAFETY: b < nb bounds the block and the activations; the features are
+            // present per this function's contract.
+            let (d, dots) = unsafe {
+                let (qx, bsums) = act_ptrs(&acts, b);
                 let block = rows[r].as_ptr().add(b * Q6_K_BYTES);
-                (load_f16(block.add(208)), q6_k_ints::<N>(block, qx, bsums))
+                (
+                    super::load_f16(block.add(208)),
+                    q6_k_ints::<N>(block, qx, bsums),
+                )
             };
             for t in 0..N {
-                acc[r][t] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(sums[t]),
-                    _mm256_set1_ps(d * acts[t].d[b]),
-                    acc[r][t],
-                );
+                let scale = _mm256_set1_ps(d * acts[t].d[b]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), scale, acc[t]);
             }
         }
-    }
-    let mut out = [[0.0f32; N]; R];
-    for r in 0..R {
         for t in 0..N {
-            out[r][t] = hsum_ps(acc[r][t]);
+            out[r][t] = hsum_ps(acc[t]);
         }
     }
     out
@@ -350,17 +372,18 @@ pub(crate) fn block_ints(
         qx: *const i8,
         bsums: *const i16,
     ) -> (i32, i32) {
+        let hsum4 = |v: __m128i| super::hsum_epi32_128(v);
         // SAFETY: the caller checked the lengths; the features are present, as calling
         // this function requires.
         unsafe {
             match ty {
                 T::Q4_K => {
-                    let ([sum], [min]) = q45_k_ints::<false, 1>(block, [qx], [bsums]);
-                    (super::hsum_epi32(sum), min)
+                    let ([dot], [min]) = q45_k_ints::<false, 1>(block, [qx], [bsums]);
+                    (super::hsum_epi32(dot), hsum4(min))
                 }
                 T::Q5_K => {
-                    let ([sum], [min]) = q45_k_ints::<true, 1>(block, [qx], [bsums]);
-                    (super::hsum_epi32(sum), min)
+                    let ([dot], [min]) = q45_k_ints::<true, 1>(block, [qx], [bsums]);
+                    (super::hsum_epi32(dot), hsum4(min))
                 }
                 _ => (
                     super::hsum_epi32(q6_k_ints::<1>(block, [qx], [bsums])[0]),

@@ -4,27 +4,28 @@
 //! bits, the offset of `Q4_0`/`Q5_0` taken out through the activations' block sums) or,
 //! for `Q8_0`, their magnitudes with the signs moved onto the activations. One
 //! `maddubs` + `madd` pair then yields the block's integer dot product in eight lanes.
+//!
+//! The f16 scales (and offsets) of a block in up to four rows are widened together by
+//! one `vcvtph2ps` and multiplied by the activations' scale and sum in one `vmulps`;
+//! each row's product is then broadcast to scale its integer lanes.
 
 use std::arch::x86_64::*;
 
-use super::{hsum_ps, load32, load_f16, mul_sum_u8_i8};
+use super::{hsum_ps, load32, mul_sum_u8_i8};
 use crate::matmul::activation::{Q8Row, QK8};
 use crate::matmul::portable::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES};
 
-/// One block unpacked for all tokens.
+/// One block's quantized weights, unpacked once for all tokens.
 #[derive(Clone, Copy)]
-struct Unpacked {
-    /// The block's scale.
-    d: f32,
-    /// The block's offset (`Q4_1`, `Q5_1`), else 0.
-    m: f32,
-    /// The 32 quantized weights as unsigned bytes (for `Q8_0`, their magnitudes).
+struct Quants {
+    /// The 32 weights as unsigned bytes (for `Q8_0`, their magnitudes).
     q: __m256i,
     /// For `Q8_0`, the signed weights whose signs go onto the activations.
     signs: __m256i,
 }
 
-/// How one legacy format unpacks and multiplies.
+/// How one legacy format unpacks and multiplies. Every block starts with its f16
+/// scale `d`, followed by the f16 offset `m` in the formats that have one.
 trait Legacy {
     const BYTES: usize;
     /// Whether the format has an offset `m`, applied through the activations' sums.
@@ -32,13 +33,13 @@ trait Legacy {
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `block..block + BYTES` must be readable.
-    unsafe fn unpack(block: *const u8) -> Unpacked;
+    unsafe fn quants(block: *const u8) -> Quants;
 
     /// The block's integer dot product with `qx` (of block sum `isum`), in eight lanes.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
-    unsafe fn int(w: &Unpacked, qx: __m256i, isum: i32) -> __m256i;
+    unsafe fn int(w: &Quants, qx: __m256i, isum: i32) -> __m256i;
 }
 
 /// 16 bytes of packed nibbles → 32 bytes: low nibbles first, then high ones.
@@ -50,8 +51,10 @@ trait Legacy {
 unsafe fn nibbles(p: *const u8) -> __m256i {
     // SAFETY: readable per the contract; `loadu` has no alignment requirement.
     let packed = unsafe { _mm_loadu_si128(p.cast()) };
-    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed);
-    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+    // Both halves hold the 16 bytes; the upper one shifted right by 4.
+    let both = _mm256_broadcastsi128_si256(packed);
+    let shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
 }
 
 /// The 32 high bits at `p` (little-endian) as bytes: 0x10 where bit `i` is set.
@@ -90,20 +93,15 @@ impl Legacy for Q4_0 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(block: *const u8) -> Unpacked {
+    unsafe fn quants(block: *const u8) -> Quants {
         // SAFETY: the block is readable per the contract; qs lies at 2..18.
-        let (d, q) = unsafe { (load_f16(block), nibbles(block.add(2))) };
-        Unpacked {
-            d,
-            m: 0.0,
-            q,
-            signs: q,
-        }
+        let q = unsafe { nibbles(block.add(2)) };
+        Quants { q, signs: q }
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Unpacked, qx: __m256i, isum: i32) -> __m256i {
+    unsafe fn int(w: &Quants, qx: __m256i, isum: i32) -> __m256i {
         // Σ (q - 8) qx = Σ q qx - 8 isum, the 8 isum spread over the eight lanes.
         _mm256_sub_epi32(mul_sum_u8_i8(w.q, qx), _mm256_set1_epi32(isum))
     }
@@ -115,21 +113,15 @@ impl Legacy for Q4_1 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(block: *const u8) -> Unpacked {
-        // SAFETY: the block is readable per the contract; d, m, qs lie at 0, 2, 4..20.
-        let (d, m, q) = unsafe {
-            (
-                load_f16(block),
-                load_f16(block.add(2)),
-                nibbles(block.add(4)),
-            )
-        };
-        Unpacked { d, m, q, signs: q }
+    unsafe fn quants(block: *const u8) -> Quants {
+        // SAFETY: the block is readable per the contract; qs lies at 4..20.
+        let q = unsafe { nibbles(block.add(4)) };
+        Quants { q, signs: q }
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Unpacked, qx: __m256i, _isum: i32) -> __m256i {
+    unsafe fn int(w: &Quants, qx: __m256i, _isum: i32) -> __m256i {
         mul_sum_u8_i8(w.q, qx)
     }
 }
@@ -140,27 +132,15 @@ impl Legacy for Q5_0 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(block: *const u8) -> Unpacked {
-        // SAFETY: the block is readable per the contract; d, qh, qs lie at 0, 2..6, 6..22.
-        let (d, low, high) = unsafe {
-            (
-                load_f16(block),
-                nibbles(block.add(6)),
-                high_bits(block.add(2)),
-            )
-        };
-        let q = _mm256_or_si256(low, high);
-        Unpacked {
-            d,
-            m: 0.0,
-            q,
-            signs: q,
-        }
+    unsafe fn quants(block: *const u8) -> Quants {
+        // SAFETY: the block is readable per the contract; qh, qs lie at 2..6, 6..22.
+        let q = unsafe { _mm256_or_si256(nibbles(block.add(6)), high_bits(block.add(2))) };
+        Quants { q, signs: q }
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Unpacked, qx: __m256i, isum: i32) -> __m256i {
+    unsafe fn int(w: &Quants, qx: __m256i, isum: i32) -> __m256i {
         // Σ (q - 16) qx = Σ q qx - 16 isum, the 16 isum spread over the eight lanes.
         _mm256_sub_epi32(mul_sum_u8_i8(w.q, qx), _mm256_set1_epi32(2 * isum))
     }
@@ -172,24 +152,15 @@ impl Legacy for Q5_1 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(block: *const u8) -> Unpacked {
-        // SAFETY: the block is readable per the contract; d, m, qh, qs lie at 0, 2, 4..8,
-        // 8..24.
-        let (d, m, low, high) = unsafe {
-            (
-                load_f16(block),
-                load_f16(block.add(2)),
-                nibbles(block.add(8)),
-                high_bits(block.add(4)),
-            )
-        };
-        let q = _mm256_or_si256(low, high);
-        Unpacked { d, m, q, signs: q }
+    unsafe fn quants(block: *const u8) -> Quants {
+        // SAFETY: the block is readable per the contract; qh, qs lie at 4..8, 8..24.
+        let q = unsafe { _mm256_or_si256(nibbles(block.add(8)), high_bits(block.add(4))) };
+        Quants { q, signs: q }
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Unpacked, qx: __m256i, _isum: i32) -> __m256i {
+    unsafe fn int(w: &Quants, qx: __m256i, _isum: i32) -> __m256i {
         mul_sum_u8_i8(w.q, qx)
     }
 }
@@ -200,13 +171,11 @@ impl Legacy for Q8_0 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack(block: *const u8) -> Unpacked {
-        // SAFETY: the block is readable per the contract; d, qs lie at 0, 2..34.
-        let (d, signed) = unsafe { (load_f16(block), load32(block.add(2))) };
+    unsafe fn quants(block: *const u8) -> Quants {
+        // SAFETY: the block is readable per the contract; qs lies at 2..34.
+        let signed = unsafe { load32(block.add(2)) };
         // |q| as unsigned bytes: -128 becomes 128, which maddubs reads correctly.
-        Unpacked {
-            d,
-            m: 0.0,
+        Quants {
             q: _mm256_sign_epi8(signed, signed),
             signs: signed,
         }
@@ -214,7 +183,7 @@ impl Legacy for Q8_0 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Unpacked, qx: __m256i, _isum: i32) -> __m256i {
+    unsafe fn int(w: &Quants, qx: __m256i, _isum: i32) -> __m256i {
         // q · qx = |q| · (qx with q's sign); zero weights zero the activation.
         mul_sum_u8_i8(w.q, _mm256_sign_epi8(qx, w.signs))
     }
@@ -230,15 +199,41 @@ fn blocks<const R: usize, const N: usize>(
         .iter()
         .fold(usize::MAX, |n, row| n.min(row.len() / bytes));
     acts.iter().fold(n, |n, a| {
-        n.min(a.qs.len() / QK8)
-            .min(a.d.len())
-            .min(a.isum.len())
-            .min(a.s.len())
+        n.min(a.qs.len() / QK8).min(a.isum.len()).min(a.ds.len())
     })
 }
 
-/// `R` rows against `N` tokens. Each block's activations are loaded once for the `R`
-/// rows and each row's block is unpacked once for the `N` tokens.
+/// Block `b`'s scale and offset in each of `R` ≤ 4 rows, widened: lane `2r` holds row
+/// `r`'s `d`, lane `2r + 1` its `m` (0 for formats without one).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; block `b` must lie inside every row.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scales<L: Legacy, const R: usize>(rows: &[&[u8]; R], b: usize) -> __m256 {
+    const { assert!(R <= 4) };
+    let mut words = [0i32; 4];
+    for r in 0..R {
+        // SAFETY: block b lies inside row r per the contract, and every block is longer
+        // than the 4 bytes read.
+        words[r] = unsafe {
+            rows[r]
+                .as_ptr()
+                .add(b * L::BYTES)
+                .cast::<i32>()
+                .read_unaligned()
+        };
+    }
+    let mut halves = _mm_setr_epi32(words[0], words[1], words[2], words[3]);
+    if !L::HAS_MIN {
+        // The upper half of each word is the start of the quants, not an offset.
+        halves = _mm_and_si128(halves, _mm_set1_epi32(0xFFFF));
+    }
+    _mm256_cvtph_ps(halves)
+}
+
+/// `R` ≤ 4 rows against `N` tokens. Each block's activations are loaded once for the
+/// `R` rows and each row's block is unpacked once for the `N` tokens.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
@@ -250,42 +245,54 @@ unsafe fn dot<L: Legacy, const R: usize, const N: usize>(
 ) -> [[f32; N]; R] {
     let nb = blocks(&rows, L::BYTES, &acts);
     let mut acc = [[_mm256_setzero_ps(); N]; R];
-    let mut mins = [[0.0f32; N]; R];
+    // Lane 2r + 1 of offsets[t] sums row r's m · s over the blocks.
+    let mut offsets = [_mm256_setzero_ps(); N];
     for b in 0..nb {
         let mut qx = [_mm256_setzero_si256(); N];
-        let (mut isum, mut dx, mut sx) = ([0i32; N], [0.0f32; N], [0.0f32; N]);
+        let mut isum = [0i32; N];
+        let mut ds = [_mm256_setzero_ps(); N];
         for t in 0..N {
             let a = &acts[t];
             // SAFETY: `b < nb` bounds every index by the activation row's lengths.
             unsafe {
                 qx[t] = load32(a.qs.as_ptr().add(b * QK8).cast());
                 isum[t] = *a.isum.get_unchecked(b);
-                dx[t] = *a.d.get_unchecked(b);
-                sx[t] = *a.s.get_unchecked(b);
+                // (d, s) repeated: lines up with the rows' (d, m) pairs.
+                ds[t] = _mm256_castpd_ps(_mm256_broadcast_sd(&*a.ds.as_ptr().add(b).cast::<f64>()));
             }
         }
+        let mut quants = [Quants {
+            q: _mm256_setzero_si256(),
+            signs: _mm256_setzero_si256(),
+        }; R];
+        // SAFETY: `b < nb` keeps the block inside every row; the features are present
+        // per this function's contract.
+        let sc = unsafe { scales::<L, R>(&rows, b) };
         for r in 0..R {
-            // SAFETY: `b < nb` keeps the block inside the row; the features are present
-            // per this function's contract.
-            let w = unsafe { L::unpack(rows[r].as_ptr().add(b * L::BYTES)) };
-            for t in 0..N {
+            // SAFETY: as above.
+            quants[r] = unsafe { L::quants(rows[r].as_ptr().add(b * L::BYTES)) };
+        }
+        for t in 0..N {
+            let products = _mm256_mul_ps(sc, ds[t]);
+            if L::HAS_MIN {
+                offsets[t] = _mm256_add_ps(offsets[t], products);
+            }
+            for r in 0..R {
+                let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * r as i32));
                 // SAFETY: the features are present per this function's contract.
-                let int = unsafe { L::int(&w, qx[t], isum[t]) };
-                acc[r][t] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(int),
-                    _mm256_set1_ps(w.d * dx[t]),
-                    acc[r][t],
-                );
-                if L::HAS_MIN {
-                    mins[r][t] += w.m * sx[t];
-                }
+                let int = unsafe { L::int(&quants[r], qx[t], isum[t]) };
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[r][t]);
             }
         }
     }
     let mut out = [[0.0f32; N]; R];
-    for r in 0..R {
-        for t in 0..N {
-            out[r][t] = hsum_ps(acc[r][t]) + mins[r][t];
+    for t in 0..N {
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds eight f32; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), offsets[t]) };
+        for r in 0..R {
+            let offset = if L::HAS_MIN { lanes[2 * r + 1] } else { 0.0 };
+            out[r][t] = hsum_ps(acc[r][t]) + offset;
         }
     }
     out
@@ -293,7 +300,7 @@ unsafe fn dot<L: Legacy, const R: usize, const N: usize>(
 
 macro_rules! entry {
     ($name:ident, $format:ty) => {
-        /// `R` rows against `N` tokens.
+        /// `R` ≤ 4 rows against `N` tokens.
         ///
         /// # Safety
         /// The CPU must support AVX2, FMA and F16C.
@@ -333,7 +340,7 @@ pub(crate) fn block_int(
         // this function requires.
         unsafe {
             super::hsum_epi32(L::int(
-                &L::unpack(block.as_ptr()),
+                &L::quants(block.as_ptr()),
                 load32(qx.as_ptr().cast()),
                 isum,
             ))

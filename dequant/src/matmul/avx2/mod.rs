@@ -151,6 +151,7 @@ pub(crate) fn hsum_ps(v: __m256) -> f32 {
 }
 
 /// The sum of the four lanes.
+#[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn hsum_epi32_128(v: __m128i) -> i32 {
@@ -176,14 +177,6 @@ pub(crate) fn hsum_epi32(v: __m256i) -> i32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn mul_sum_u8_i8(u: __m256i, s: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
-}
-
-/// [`mul_sum_u8_i8`] weighted per 16 values: lanes 0–3 by the i16 in `scales`' low
-/// half, lanes 4–7 by its high half (each half holding one scale eight times).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn mul_sum_u8_i8_scaled(u: __m256i, s: __m256i, scales: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scales)
 }
 
 /// 32 bytes read from `p`, which may be unaligned.
