@@ -68,6 +68,12 @@ impl Backing {
             dst.copy_from_slice(&map[start..start + dst.len()]);
             return Ok(());
         }
+        self.pread_exact_at(offset, dst)
+    }
+
+    /// Fills `dst` from absolute file offset `offset` with a positioned read, never
+    /// through the mapping.
+    pub(crate) fn pread_exact_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), StoreError> {
         self.file
             .read_exact_at(dst, offset)
             .map_err(|source| StoreError::Io {

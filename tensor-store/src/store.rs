@@ -12,7 +12,7 @@ use crate::split::shard_paths;
 use crate::StoreError;
 
 /// First read when parsing without a mapping; grown until the header fits.
-const FIRST_HEADER_READ: u64 = 1 << 20;
+const FIRST_HEADER_READ: u64 = 4 << 20;
 
 /// One file of a (possibly split) model.
 struct Shard {
@@ -280,24 +280,27 @@ impl std::fmt::Debug for TensorHandle {
     }
 }
 
-/// Parses a shard's header: from the mapping, or from a growing prefix read from disk.
+/// Parses a shard's header from a growing prefix read with positioned reads.
+///
+/// Even when the file is mapped, the header is not parsed from the mapping: pages of a
+/// mapping stay resident once touched, and a large vocabulary's header (6.5 MB for
+/// Gemma 3) would then stay in the process's memory for its whole life. The prefix
+/// buffer is freed once parsed.
 fn parse_backing(backing: &Backing) -> Result<GgufFile, StoreError> {
     let format = |source| StoreError::Format {
         path: backing.path.clone(),
         source,
     };
-    if let Some(map) = backing.mapped() {
-        return gguf_format::parse(map).map_err(format);
-    }
     let mut want = FIRST_HEADER_READ.min(backing.len);
     loop {
         let mut prefix = vec![0u8; want as usize];
-        backing.read_exact_at(0, &mut prefix)?;
+        backing.pread_exact_at(0, &mut prefix)?;
         match gguf_format::parse_prefix(&prefix, backing.len) {
             Err(GgufError::UnexpectedEof { offset, needed, .. }) if want < backing.len => {
-                // Grow geometrically, at least to what the parser asked for.
+                // Grow fast, at least to what the parser asked for: each retry parses
+                // the prefix again.
                 let asked = offset.saturating_add(needed);
-                want = asked.max(want.saturating_mul(2)).min(backing.len);
+                want = asked.max(want.saturating_mul(4)).min(backing.len);
             }
             other => return other.map_err(format),
         }

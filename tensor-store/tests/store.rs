@@ -2,6 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
+#[path = "store/device_cache.rs"]
+mod device_cache;
+
 use gguf_format::{GgmlType, GgufWriter};
 use tensor_store::{LoadMode, StoreError, TensorStore};
 
@@ -77,17 +80,19 @@ fn mapped_and_read_modes_give_the_same_bytes() {
 
 #[test]
 fn read_mode_header_larger_than_first_read_is_parsed() {
-    // Over 1 MiB of metadata forces the reader to grow its prefix.
+    // Over 4 MiB of metadata forces the header reader to grow its first read.
     let mut w = GgufWriter::new();
-    let vocab: Vec<String> = (0..200_000).map(|i| format!("token-{i}")).collect();
+    let vocab: Vec<String> = (0..400_000).map(|i| format!("token-{i}")).collect();
     w.add_metadata("tokenizer.ggml.tokens", vocab).unwrap();
     w.add_tensor("x", GgmlType::F32, &[8]).unwrap();
     let bytes = w.to_bytes(&[&[1u8; 32]]).unwrap();
-    assert!(bytes.len() > 2 << 20);
+    assert!(bytes.len() > 4 << 20);
     let dir = tempfile::tempdir().unwrap();
     let path = write(dir.path(), "big-header.gguf", &bytes);
-    let store = TensorStore::open_with(&path, LoadMode::Read).unwrap();
-    assert_eq!(store.tensor("x").unwrap().bytes().unwrap(), &[1u8; 32]);
+    for mode in [LoadMode::Read, LoadMode::Mmap] {
+        let store = TensorStore::open_with(&path, mode).unwrap();
+        assert_eq!(store.tensor("x").unwrap().bytes().unwrap(), &[1u8; 32]);
+    }
 }
 
 #[test]
