@@ -1,6 +1,6 @@
 //! Throughput of the quantized matrix products.
 //!
-//! `cargo bench -p dequant --bench matmul -- [--quick] [--threads N] [--portable]
+//! `cargo bench -p dequant --bench matmul -- [--quick] [--threads N] [--scalar]
 //! [--only matvec|decode|matmul] [--outside-pool] [--json FILE]`
 //!
 //! - matvec (decode): GB/s of weights read, both with the matrix hot in cache and
@@ -19,7 +19,8 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use dequant::matmul::{Backend, QuantizedMatrix};
+use dequant::matmul::{best_path, QuantizedMatrix};
+use dequant::DecodePath;
 use gguf_format::GgmlType;
 
 /// Bytes of weight copies cycled through for the streamed figures (≫ the L3 cache).
@@ -30,7 +31,7 @@ const MEMORY_BYTES: usize = 1 << 30;
 struct Options {
     quick: bool,
     threads: Option<usize>,
-    portable: bool,
+    scalar: bool,
     json: Option<String>,
     /// Call the products from the main thread rather than from one of the pool's.
     outside_pool: bool,
@@ -50,7 +51,7 @@ fn options() -> Options {
     let mut opts = Options {
         quick: false,
         threads: None,
-        portable: false,
+        scalar: false,
         json: None,
         only: None,
         outside_pool: false,
@@ -59,7 +60,7 @@ fn options() -> Options {
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--quick" => opts.quick = true,
-            "--portable" => opts.portable = true,
+            "--scalar" => opts.scalar = true,
             "--outside-pool" => opts.outside_pool = true,
             "--threads" => opts.threads = args.next().and_then(|v| v.parse().ok()),
             "--json" => opts.json = args.next(),
@@ -228,7 +229,7 @@ struct Row {
 
 /// Matvec GB/s of one shape, hot in cache and streamed over copies.
 fn bench_matvec(
-    backend: Backend,
+    backend: DecodePath,
     label: &str,
     (_, ty, rows, cols): Shape,
     budget: Duration,
@@ -273,7 +274,7 @@ fn bench_matvec(
 /// A whole decode step's matvecs over distinct copies of every layer's matrices.
 /// Returns (weight bytes per token, seconds per token).
 fn bench_model(
-    backend: Backend,
+    backend: DecodePath,
     layer: &[Shape],
     n_layers: usize,
     output: Shape,
@@ -309,7 +310,7 @@ fn bench_model(
 
 /// Matmul GFLOP/s of one shape for a batch of `n_tokens`.
 fn bench_matmul(
-    backend: Backend,
+    backend: DecodePath,
     (_, ty, rows, cols): Shape,
     n_tokens: usize,
     budget: Duration,
@@ -327,7 +328,7 @@ fn bench_matmul(
     2.0 * (rows * cols * n_tokens) as f64 / t.as_secs_f64() / 1e9
 }
 
-fn matvec_section(backend: Backend, memory: f64, budget: Duration, json: &mut Vec<String>) {
+fn matvec_section(backend: DecodePath, memory: f64, budget: Duration, json: &mut Vec<String>) {
     println!("\nmatvec (decode): GB/s of weights read");
     println!(
         "{:<36} {:<5} {:>7} {:>12} {:>14} {:>9}",
@@ -356,7 +357,7 @@ fn matvec_section(backend: Backend, memory: f64, budget: Duration, json: &mut Ve
     }
 }
 
-fn decode_section(backend: Backend, memory: f64, budget: Duration, json: &mut Vec<String>) {
+fn decode_section(backend: DecodePath, memory: f64, budget: Duration, json: &mut Vec<String>) {
     println!("\nwhole decode step (every layer's matrices, distinct copies, plus the output)");
     println!(
         "{:<10} {:>9} {:>10} {:>8} {:>9} {:>16}",
@@ -385,7 +386,7 @@ fn decode_section(backend: Backend, memory: f64, budget: Duration, json: &mut Ve
     }
 }
 
-fn matmul_section(backend: Backend, budget: Duration, json: &mut Vec<String>) {
+fn matmul_section(backend: DecodePath, budget: Duration, json: &mut Vec<String>) {
     println!("\nmatmul (prefill): GFLOP/s");
     println!(
         "{:<36} {:<5} {:>10} {:>10}",
@@ -418,9 +419,9 @@ fn main() {
             .expect("first pool");
     }
     let budget = Duration::from_millis(if opts.quick { 100 } else { 400 });
-    let mut backends = vec![Backend::detect()];
-    if opts.portable && backends[0] != Backend::Portable {
-        backends.push(Backend::Portable);
+    let mut backends = vec![best_path()];
+    if opts.scalar && backends[0] != DecodePath::Scalar {
+        backends.push(DecodePath::Scalar);
     }
     let threads = rayon::current_num_threads();
     let memory = memory_bandwidth(budget);
@@ -436,7 +437,7 @@ fn main() {
     let mut json = Vec::new();
     let sections = |json: &mut Vec<String>| {
         for &backend in &backends {
-            println!("\n== backend {} ==", backend.name());
+            println!("\n== path {} ==", backend.name());
             if opts.wants("matvec") {
                 matvec_section(backend, memory, budget, json);
             }

@@ -1,10 +1,10 @@
-//! The errors of decoding.
+//! The errors of decoding and of the matrix products.
 
 use gguf_format::GgmlType;
 
 use crate::DecodePath;
 
-/// What can go wrong when decoding a tensor's bytes.
+/// What can go wrong when decoding a tensor's bytes or multiplying by them.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DequantError {
     /// The input is not a whole number of blocks.
@@ -25,4 +25,48 @@ pub enum DequantError {
     /// The requested decode path cannot run on this CPU.
     #[error("decode path {} is not available on this cpu", path.name())]
     PathUnavailable { path: DecodePath },
+    /// The weight type has no matrix product kernel.
+    #[error("no matrix product kernel for weight type {ty}")]
+    NoProductKernel { ty: GgmlType },
+    /// A weight row is not a whole number of blocks.
+    #[error("{cols} columns are not a whole number of {ty} blocks of {block_size} values")]
+    PartialRow {
+        ty: GgmlType,
+        cols: usize,
+        block_size: usize,
+    },
+    /// `rows × cols` weights do not fit in the address space.
+    #[error("a {rows}x{cols} {ty} matrix overflows the address space")]
+    MatrixTooLarge {
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+    },
+    /// The weight bytes do not hold exactly `rows × cols` values.
+    #[error("a {rows}x{cols} {ty} matrix takes {expected} bytes, got {actual}")]
+    WeightBytes {
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        expected: usize,
+        actual: usize,
+    },
+    /// A product's input has the wrong number of values.
+    #[error(
+        "input holds {actual} values, expected {n_tokens} tokens x {cols} columns = {expected}"
+    )]
+    InputLength {
+        n_tokens: usize,
+        cols: usize,
+        expected: usize,
+        actual: usize,
+    },
+    /// A product's output has the wrong number of values.
+    #[error("output holds {actual} values, expected {n_tokens} tokens x {rows} rows = {expected}")]
+    ProductOutputLength {
+        n_tokens: usize,
+        rows: usize,
+        expected: usize,
+        actual: usize,
+    },
 }

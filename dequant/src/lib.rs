@@ -31,13 +31,13 @@ use half::f16;
 
 pub use error::DequantError;
 
-/// Which decoding kernels run.
+/// Which kernels run: for decoding, and for the [`matmul`] products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DecodePath {
-    /// The reference decoders, on any CPU.
+    /// The reference decoders (and plain-Rust products), on any CPU.
     Scalar,
     /// x86-64 AVX2 with F16C for the types that have such kernels (the reference
-    /// decoders for the others), when the CPU has them.
+    /// decoders for the others), when the CPU has them. The products also need FMA.
     Avx2,
 }
 

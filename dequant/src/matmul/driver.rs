@@ -7,7 +7,8 @@ use rayon::prelude::*;
 
 use super::activation::ActSet;
 use super::formats::{self, Kernel};
-use super::{Backend, MatmulError, QuantizedMatrix};
+use super::QuantizedMatrix;
+use crate::{DecodePath, DequantError};
 
 /// Weight bytes a task should at least cover, so that splitting never costs more than
 /// the work it shares out.
@@ -26,7 +27,7 @@ const TOKENS_PER_TASK: usize = 4;
 /// Bytes of activations per token tile: they stay in L1 while a chunk's rows pass.
 const TOKEN_TILE_BYTES: usize = 16 * 1024;
 
-/// A backend this CPU is known to support.
+/// A path this CPU is known to support.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Exec {
     Portable,
@@ -35,14 +36,14 @@ pub(crate) enum Exec {
 }
 
 impl Exec {
-    /// The backend's executor, or `None` when the CPU lacks its features.
-    pub(crate) fn new(backend: Backend) -> Option<Exec> {
-        match backend {
-            Backend::Portable => Some(Exec::Portable),
+    /// The executor of `path`, or `None` when the CPU lacks its features.
+    pub(crate) fn new(path: DecodePath) -> Option<Exec> {
+        match path {
+            DecodePath::Scalar => Some(Exec::Portable),
             #[cfg(target_arch = "x86_64")]
-            Backend::Avx2 => super::avx2::Avx2::detect().map(Exec::Avx2),
+            DecodePath::Avx2 => super::avx2::Avx2::detect().map(Exec::Avx2),
             #[cfg(not(target_arch = "x86_64"))]
-            Backend::Avx2 => None,
+            DecodePath::Avx2 => None,
         }
     }
 }
@@ -109,7 +110,7 @@ pub(crate) fn run(
     x: &[f32],
     n_tokens: usize,
     y: &mut [f32],
-) -> Result<(), MatmulError> {
+) -> Result<(), DequantError> {
     use formats::*;
     match m.ty() {
         GgmlType::F32 => run_kernel::<F32>(m, exec, x, n_tokens, y),
@@ -123,7 +124,7 @@ pub(crate) fn run(
         GgmlType::Q4_K => run_kernel::<Q4_K>(m, exec, x, n_tokens, y),
         GgmlType::Q5_K => run_kernel::<Q5_K>(m, exec, x, n_tokens, y),
         GgmlType::Q6_K => run_kernel::<Q6_K>(m, exec, x, n_tokens, y),
-        ty => return Err(MatmulError::UnsupportedType { ty }),
+        ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())
 }
@@ -207,7 +208,7 @@ fn run_kernel<K: Kernel>(
     }
 }
 
-/// Every row of `w` against `tokens` of `acts`, on the chosen backend.
+/// Every row of `w` against `tokens` of `acts`, on the chosen path.
 fn rows<K: Kernel>(
     exec: Exec,
     w: &[u8],

@@ -8,13 +8,19 @@
 //! block meets them in an integer dot product whose result is scaled and accumulated in
 //! f32. Float weights (F32, F16, BF16) are multiplied with f32 activations.
 //!
-//! Two implementations exist: an AVX2+FMA+F16C path chosen at run time when the CPU has
-//! those features, and a portable path. [`Backend::detect`] says which one
-//! [`QuantizedMatrix::matvec`] and [`QuantizedMatrix::matmul`] use;
-//! the `*_with` variants force one. Rows are split across rayon's global pool in chunks
-//! of many rows. A batch of tokens is quantized once; each chunk of weight rows then
-//! stays in cache while every token of the batch passes over it, so a batch reads its
-//! weights from memory once.
+//! Two implementations exist, chosen by [`DecodePath`]: AVX2 (with FMA and F16C) when
+//! the CPU has those features, and plain Rust ([`DecodePath::Scalar`]) everywhere.
+//! [`QuantizedMatrix::matvec`] and [`QuantizedMatrix::matmul`] use [`best_path`]; the
+//! `*_with` variants force one.
+//!
+//! Work is shared out over rayon's global pool: a single token by chunks of rows, a
+//! batch by groups of tokens (or rows, for a few tokens). A batch is quantized once and,
+//! within a task, blocks of rows small enough to stay in L2 meet tiles of tokens small
+//! enough to stay in L1, so weights are read from memory once per batch. Call the
+//! products from one of the pool's threads (run the forward pass inside
+//! `ThreadPool::install` or `rayon::scope`): from any other thread each call hands its
+//! work to the pool and waits, which costs 10–20 µs on a small VM, as much as a
+//! 576×576 product; products too small to pay for that run on the calling thread.
 //!
 //! Supported weight types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
 //! Q6_K ([`is_supported`]).
@@ -30,95 +36,21 @@ mod tests;
 
 use gguf_format::GgmlType;
 
-/// Which implementation of the kernels runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Backend {
-    /// Plain Rust, on any CPU.
-    Portable,
-    /// x86-64 AVX2 with FMA and F16C, when the CPU has them.
-    Avx2,
-}
+use crate::{DecodePath, DequantError};
 
-impl Backend {
-    /// The fastest backend this CPU supports.
-    pub fn detect() -> Backend {
-        if Backend::Avx2.is_available() {
-            Backend::Avx2
-        } else {
-            Backend::Portable
-        }
-    }
-
-    /// Whether this CPU can run the backend.
-    pub fn is_available(self) -> bool {
-        match self {
-            Backend::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            Backend::Avx2 => avx2::Avx2::detect().is_some(),
-            #[cfg(not(target_arch = "x86_64"))]
-            Backend::Avx2 => false,
-        }
-    }
-
-    /// A short lower-case name (`"avx2"`, `"portable"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Portable => "portable",
-            Backend::Avx2 => "avx2",
-        }
+/// The fastest path the products can take on this CPU: [`DecodePath::Avx2`] when it
+/// has AVX2, FMA and F16C, else [`DecodePath::Scalar`].
+pub fn best_path() -> DecodePath {
+    if is_path_available(DecodePath::Avx2) {
+        DecodePath::Avx2
+    } else {
+        DecodePath::Scalar
     }
 }
 
-/// What can go wrong when setting up or running a product.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum MatmulError {
-    /// The weight type has no product kernel.
-    #[error("no matrix product kernel for weight type {ty}")]
-    UnsupportedType { ty: GgmlType },
-    /// A row is not a whole number of blocks.
-    #[error("{cols} columns are not a whole number of {ty} blocks of {block_size}")]
-    PartialBlock {
-        ty: GgmlType,
-        cols: usize,
-        block_size: usize,
-    },
-    /// `rows × cols` elements of the type do not fit in memory's address range.
-    #[error("a {rows}x{cols} {ty} matrix overflows the address space")]
-    SizeOverflow {
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
-    },
-    /// The byte slice does not hold exactly `rows × cols` elements.
-    #[error("a {rows}x{cols} {ty} matrix takes {expected} bytes, got {actual}")]
-    WeightBytes {
-        ty: GgmlType,
-        rows: usize,
-        cols: usize,
-        expected: usize,
-        actual: usize,
-    },
-    /// The input has the wrong number of values.
-    #[error(
-        "input holds {actual} values, expected {n_tokens} tokens x {cols} columns = {expected}"
-    )]
-    InputLength {
-        n_tokens: usize,
-        cols: usize,
-        expected: usize,
-        actual: usize,
-    },
-    /// The output has the wrong number of values.
-    #[error("output holds {actual} values, expected {n_tokens} tokens x {rows} rows = {expected}")]
-    OutputLength {
-        n_tokens: usize,
-        rows: usize,
-        expected: usize,
-        actual: usize,
-    },
-    /// The requested backend cannot run on this CPU.
-    #[error("backend {} is not available on this cpu", backend.name())]
-    BackendUnavailable { backend: Backend },
+/// Whether the products can take `path` on this CPU (AVX2 also needs FMA here).
+pub fn is_path_available(path: DecodePath) -> bool {
+    driver::Exec::new(path).is_some()
 }
 
 /// Whether [`QuantizedMatrix`] has kernels for the weight type `ty`.
@@ -150,25 +82,25 @@ impl<'a> QuantizedMatrix<'a> {
         rows: usize,
         cols: usize,
         bytes: &'a [u8],
-    ) -> Result<QuantizedMatrix<'a>, MatmulError> {
+    ) -> Result<QuantizedMatrix<'a>, DequantError> {
         if !is_supported(ty) {
-            return Err(MatmulError::UnsupportedType { ty });
+            return Err(DequantError::NoProductKernel { ty });
         }
         let block_size = ty.block_size() as usize;
         if cols % block_size != 0 {
-            return Err(MatmulError::PartialBlock {
+            return Err(DequantError::PartialRow {
                 ty,
                 cols,
                 block_size,
             });
         }
-        let overflow = MatmulError::SizeOverflow { ty, rows, cols };
+        let overflow = DequantError::MatrixTooLarge { ty, rows, cols };
         let row_bytes = (cols / block_size)
             .checked_mul(ty.type_size() as usize)
             .ok_or(overflow.clone())?;
         let expected = row_bytes.checked_mul(rows).ok_or(overflow)?;
         if bytes.len() != expected {
-            return Err(MatmulError::WeightBytes {
+            return Err(DequantError::WeightBytes {
                 ty,
                 rows,
                 cols,
@@ -211,38 +143,38 @@ impl<'a> QuantizedMatrix<'a> {
     }
 
     /// `y = W · x` for one token: `x` holds `cols` values, `y` receives `rows`.
-    pub fn matvec(&self, x: &[f32], y: &mut [f32]) -> Result<(), MatmulError> {
-        self.matmul_with(Backend::detect(), x, 1, y)
+    pub fn matvec(&self, x: &[f32], y: &mut [f32]) -> Result<(), DequantError> {
+        self.matmul_with(best_path(), x, 1, y)
     }
 
-    /// [`QuantizedMatrix::matvec`] on a chosen backend.
+    /// [`QuantizedMatrix::matvec`] on a chosen path.
     pub fn matvec_with(
         &self,
-        backend: Backend,
+        path: DecodePath,
         x: &[f32],
         y: &mut [f32],
-    ) -> Result<(), MatmulError> {
-        self.matmul_with(backend, x, 1, y)
+    ) -> Result<(), DequantError> {
+        self.matmul_with(path, x, 1, y)
     }
 
     /// `Y = X · Wᵀ` for a batch: `x` holds `n_tokens × cols` values (token-major), `y`
     /// receives `n_tokens × rows` values (token-major).
-    pub fn matmul(&self, x: &[f32], n_tokens: usize, y: &mut [f32]) -> Result<(), MatmulError> {
-        self.matmul_with(Backend::detect(), x, n_tokens, y)
+    pub fn matmul(&self, x: &[f32], n_tokens: usize, y: &mut [f32]) -> Result<(), DequantError> {
+        self.matmul_with(best_path(), x, n_tokens, y)
     }
 
-    /// [`QuantizedMatrix::matmul`] on a chosen backend.
+    /// [`QuantizedMatrix::matmul`] on a chosen path.
     pub fn matmul_with(
         &self,
-        backend: Backend,
+        path: DecodePath,
         x: &[f32],
         n_tokens: usize,
         y: &mut [f32],
-    ) -> Result<(), MatmulError> {
+    ) -> Result<(), DequantError> {
         let (rows, cols) = (self.rows, self.cols);
         let expected_x = n_tokens.checked_mul(cols);
         if expected_x != Some(x.len()) {
-            return Err(MatmulError::InputLength {
+            return Err(DequantError::InputLength {
                 n_tokens,
                 cols,
                 expected: expected_x.unwrap_or(usize::MAX),
@@ -251,14 +183,14 @@ impl<'a> QuantizedMatrix<'a> {
         }
         let expected_y = n_tokens.checked_mul(rows);
         if expected_y != Some(y.len()) {
-            return Err(MatmulError::OutputLength {
+            return Err(DequantError::ProductOutputLength {
                 n_tokens,
                 rows,
                 expected: expected_y.unwrap_or(usize::MAX),
                 actual: y.len(),
             });
         }
-        let exec = driver::Exec::new(backend).ok_or(MatmulError::BackendUnavailable { backend })?;
+        let exec = driver::Exec::new(path).ok_or(DequantError::PathUnavailable { path })?;
         if y.is_empty() {
             return Ok(());
         }

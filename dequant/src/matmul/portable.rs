@@ -5,21 +5,18 @@
 //! an f32 part that scales and accumulates it. The AVX2 kernels compute the same
 //! integers, so the two paths are compared exactly on them.
 
-use super::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
+use std::mem::size_of;
 
-pub(crate) const Q4_0_BYTES: usize = 18;
-pub(crate) const Q4_1_BYTES: usize = 20;
-pub(crate) const Q5_0_BYTES: usize = 22;
-pub(crate) const Q5_1_BYTES: usize = 24;
-pub(crate) const Q8_0_BYTES: usize = 34;
-pub(crate) const Q4_K_BYTES: usize = 144;
-pub(crate) const Q5_K_BYTES: usize = 176;
-pub(crate) const Q6_K_BYTES: usize = 210;
+use crate::blocks::{
+    cast_blocks, Block, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K,
+    BlockQ6_K, BlockQ8_0,
+};
+use crate::matmul::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
 
-/// The little-endian f16 at `block[at..at + 2]`, widened.
-#[inline]
-pub(crate) fn f16_at(block: &[u8], at: usize) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([block[at], block[at + 1]])).to_f32()
+/// The whole blocks at the start of `bytes` (all of a validated row).
+pub(crate) fn whole_blocks<B: Block>(bytes: &[u8]) -> &[B] {
+    let whole = bytes.len() / size_of::<B>() * size_of::<B>();
+    cast_blocks(&bytes[..whole]).unwrap_or_default()
 }
 
 /// Sum of `u[i] * s[i]`: unsigned weights against signed activations.
@@ -30,89 +27,85 @@ fn dot_u8_i8(u: impl Iterator<Item = u8>, s: &[i8]) -> i32 {
 
 /// The 32 unsigned 4-bit values of a legacy block: low nibbles first, then high ones.
 #[inline]
-fn nibbles(qs: &[u8]) -> impl Iterator<Item = u8> + '_ {
+fn nibbles(qs: &[u8; 16]) -> impl Iterator<Item = u8> + '_ {
     qs.iter().map(|b| b & 0x0F).chain(qs.iter().map(|b| b >> 4))
 }
 
 /// The 32 unsigned 5-bit values of a `Q5_0`/`Q5_1` block: nibbles plus bit `i` of `qh`.
 #[inline]
-fn five_bit<'a>(qh: &[u8], qs: &'a [u8]) -> impl Iterator<Item = u8> + 'a {
-    let high = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
-    nibbles(qs)
-        .enumerate()
-        .map(move |(i, q)| q | ((((high >> i) & 1) as u8) << 4))
+fn five_bit<'a>(qh: &[u8; 4], qs: &'a [u8; 16]) -> impl Iterator<Item = u8> + 'a {
+    let high = u32::from_le_bytes(*qh);
+    nibbles(qs).enumerate().map(move |(i, q)| q | ((((high >> i) & 1) as u8) << 4))
 }
 
 /// `Q4_0` block: `Σ (q - 8) · qx` with `q` the unsigned nibble.
-pub(crate) fn q4_0_block(block: &[u8], qx: &[i8], isum: i32) -> i32 {
-    dot_u8_i8(nibbles(&block[2..18]), qx) - 8 * isum
+pub(crate) fn q4_0_block(block: &BlockQ4_0, qx: &[i8], isum: i32) -> i32 {
+    dot_u8_i8(nibbles(&block.qs), qx) - 8 * isum
 }
 
 /// `Q4_1` block: `Σ q · qx`; the offset `m` is applied in f32.
-pub(crate) fn q4_1_block(block: &[u8], qx: &[i8]) -> i32 {
-    dot_u8_i8(nibbles(&block[4..20]), qx)
+pub(crate) fn q4_1_block(block: &BlockQ4_1, qx: &[i8]) -> i32 {
+    dot_u8_i8(nibbles(&block.qs), qx)
 }
 
 /// `Q5_0` block: `Σ (q - 16) · qx` with `q` the unsigned 5-bit value.
-pub(crate) fn q5_0_block(block: &[u8], qx: &[i8], isum: i32) -> i32 {
-    dot_u8_i8(five_bit(&block[2..6], &block[6..22]), qx) - 16 * isum
+pub(crate) fn q5_0_block(block: &BlockQ5_0, qx: &[i8], isum: i32) -> i32 {
+    dot_u8_i8(five_bit(&block.qh, &block.qs), qx) - 16 * isum
 }
 
 /// `Q5_1` block: `Σ q · qx`; the offset `m` is applied in f32.
-pub(crate) fn q5_1_block(block: &[u8], qx: &[i8]) -> i32 {
-    dot_u8_i8(five_bit(&block[4..8], &block[8..24]), qx)
+pub(crate) fn q5_1_block(block: &BlockQ5_1, qx: &[i8]) -> i32 {
+    dot_u8_i8(five_bit(&block.qh, &block.qs), qx)
 }
 
 /// `Q8_0` block: `Σ q · qx`, both signed.
-pub(crate) fn q8_0_block(block: &[u8], qx: &[i8]) -> i32 {
-    block[2..34]
-        .iter()
-        .zip(qx)
-        .map(|(&q, &x)| i32::from(q as i8) * i32::from(x))
-        .sum()
+pub(crate) fn q8_0_block(block: &BlockQ8_0, qx: &[i8]) -> i32 {
+    block.qs.iter().zip(qx).map(|(&q, &x)| i32::from(q) * i32::from(x)).sum()
 }
 
 pub(crate) fn dot_q4_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
-    for (b, block) in row.chunks_exact(Q4_0_BYTES).enumerate() {
+    for (b, block) in whole_blocks::<BlockQ4_0>(row).iter().enumerate() {
         let int = q4_0_block(block, &act.qs[b * QK8..], act.isum[b]);
-        acc += f16_at(block, 0) * act.ds[b][0] * int as f32;
+        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
     }
     acc
 }
 
 pub(crate) fn dot_q4_1(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
-    for (b, block) in row.chunks_exact(Q4_1_BYTES).enumerate() {
+    for (b, block) in whole_blocks::<BlockQ4_1>(row).iter().enumerate() {
         let int = q4_1_block(block, &act.qs[b * QK8..]);
-        acc += f16_at(block, 0) * act.ds[b][0] * int as f32 + f16_at(block, 2) * act.ds[b][1];
+        let [d, s] = act.ds[b];
+        acc += block.d.to_f32() * d * int as f32 + block.m.to_f32() * s;
     }
     acc
 }
 
 pub(crate) fn dot_q5_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
-    for (b, block) in row.chunks_exact(Q5_0_BYTES).enumerate() {
+    for (b, block) in whole_blocks::<BlockQ5_0>(row).iter().enumerate() {
         let int = q5_0_block(block, &act.qs[b * QK8..], act.isum[b]);
-        acc += f16_at(block, 0) * act.ds[b][0] * int as f32;
+        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
     }
     acc
 }
 
 pub(crate) fn dot_q5_1(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
-    for (b, block) in row.chunks_exact(Q5_1_BYTES).enumerate() {
+    for (b, block) in whole_blocks::<BlockQ5_1>(row).iter().enumerate() {
         let int = q5_1_block(block, &act.qs[b * QK8..]);
-        acc += f16_at(block, 0) * act.ds[b][0] * int as f32 + f16_at(block, 2) * act.ds[b][1];
+        let [d, s] = act.ds[b];
+        acc += block.d.to_f32() * d * int as f32 + block.m.to_f32() * s;
     }
     acc
 }
 
 pub(crate) fn dot_q8_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
-    for (b, block) in row.chunks_exact(Q8_0_BYTES).enumerate() {
+    for (b, block) in whole_blocks::<BlockQ8_0>(row).iter().enumerate() {
         let int = q8_0_block(block, &act.qs[b * QK8..]);
-        acc += f16_at(block, 0) * act.ds[b][0] * int as f32;
+        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
     }
     acc
 }
@@ -122,7 +115,7 @@ pub(crate) fn dot_q8_0(row: &[u8], act: Q8Row<'_>) -> f32 {
 /// and 4–7 (mins); sub-blocks 4–7 in the nibbles of bytes 8–11 with their top two bits
 /// in the spare high bits of bytes 0–7.
 #[inline]
-pub(crate) fn k_scales_mins(packed: &[u8]) -> ([u8; 8], [u8; 8]) {
+fn k_scales_mins(packed: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     let mut scales = [0u8; 8];
     let mut mins = [0u8; 8];
     for j in 0..4 {
@@ -137,55 +130,45 @@ pub(crate) fn k_scales_mins(packed: &[u8]) -> ([u8; 8], [u8; 8]) {
 /// `Σ mins[j] · (sum of sub-block j's activations)` for the eight sub-blocks of 32.
 #[inline]
 fn k_min_sum(mins: &[u8; 8], bsums: &[i16]) -> i32 {
+    let pair = |j: usize| i32::from(bsums[2 * j]) + i32::from(bsums[2 * j + 1]);
+    (0..8).map(|j| i32::from(mins[j]) * pair(j)).sum()
+}
+
+/// `Σ scale_j · Σ q · qx` over the eight sub-blocks of 32 whose unsigned values
+/// `value(j, l)` gives.
+#[inline]
+fn k_scaled_dot(scales: &[u8; 8], qx: &[i8], value: impl Fn(usize, usize) -> u8) -> i32 {
     (0..8)
-        .map(|j| i32::from(mins[j]) * (i32::from(bsums[2 * j]) + i32::from(bsums[2 * j + 1])))
+        .map(|j| i32::from(scales[j]) * dot_u8_i8((0..32).map(|l| value(j, l)), &qx[32 * j..]))
         .sum()
 }
 
 /// `Q4_K` super-block: `(Σ scale_j · Σ q · qx, Σ min_j · Σ qx)` over its eight
 /// sub-blocks; the value is `d · first − dmin · second` in activation units.
-pub(crate) fn q4_k_block(block: &[u8], qx: &[i8], bsums: &[i16]) -> (i32, i32) {
-    let (scales, mins) = k_scales_mins(&block[4..16]);
-    let qs = &block[16..144];
-    let mut sum = 0i32;
-    for j in 0..4 {
-        let q = &qs[32 * j..32 * j + 32];
-        let lo = dot_u8_i8(q.iter().map(|b| b & 0x0F), &qx[64 * j..]);
-        let hi = dot_u8_i8(q.iter().map(|b| b >> 4), &qx[64 * j + 32..]);
-        sum += i32::from(scales[2 * j]) * lo + i32::from(scales[2 * j + 1]) * hi;
-    }
-    (sum, k_min_sum(&mins, bsums))
+pub(crate) fn q4_k_block(block: &BlockQ4_K, qx: &[i8], bsums: &[i16]) -> (i32, i32) {
+    let (scales, mins) = k_scales_mins(&block.scales);
+    // Sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c + 32.
+    let value = |j: usize, l: usize| (block.qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
+    (k_scaled_dot(&scales, qx, value), k_min_sum(&mins, bsums))
 }
 
-/// `Q5_K` super-block: as [`q4_k_block`] with a fifth bit per value from `qh`.
-pub(crate) fn q5_k_block(block: &[u8], qx: &[i8], bsums: &[i16]) -> (i32, i32) {
-    let (scales, mins) = k_scales_mins(&block[4..16]);
-    let qh = &block[16..48];
-    let qs = &block[48..176];
-    let mut sum = 0i32;
-    for j in 0..4 {
-        let q = &qs[32 * j..32 * j + 32];
-        let lo_values = q
-            .iter()
-            .zip(qh)
-            .map(|(b, h)| (b & 0x0F) | (((h >> (2 * j)) & 1) << 4));
-        let hi_values = q
-            .iter()
-            .zip(qh)
-            .map(|(b, h)| (b >> 4) | (((h >> (2 * j + 1)) & 1) << 4));
-        let lo = dot_u8_i8(lo_values, &qx[64 * j..]);
-        let hi = dot_u8_i8(hi_values, &qx[64 * j + 32..]);
-        sum += i32::from(scales[2 * j]) * lo + i32::from(scales[2 * j + 1]) * hi;
-    }
-    (sum, k_min_sum(&mins, bsums))
+/// `Q5_K` super-block: as [`q4_k_block`] with the fifth bit of value `l` of sub-block
+/// `j` in bit `j` of `qh[l]`.
+pub(crate) fn q5_k_block(block: &BlockQ5_K, qx: &[i8], bsums: &[i16]) -> (i32, i32) {
+    let (scales, mins) = k_scales_mins(&block.scales);
+    let value = |j: usize, l: usize| {
+        let low = (block.qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
+        low | (((block.qh[l] >> j) & 1) << 4)
+    };
+    (k_scaled_dot(&scales, qx, value), k_min_sum(&mins, bsums))
 }
 
 /// The 256 unsigned 6-bit values of a `Q6_K` super-block, in element order.
-fn q6_k_values(block: &[u8]) -> [u8; QK_K] {
+fn q6_k_values(block: &BlockQ6_K) -> [u8; QK_K] {
     let mut values = [0u8; QK_K];
     for half in 0..2 {
-        let ql = &block[64 * half..64 * half + 64];
-        let qh = &block[128 + 32 * half..128 + 32 * half + 32];
+        let ql = &block.ql[64 * half..64 * half + 64];
+        let qh = &block.qh[32 * half..32 * half + 32];
         let out = &mut values[128 * half..128 * half + 128];
         for l in 0..32 {
             out[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
@@ -198,23 +181,22 @@ fn q6_k_values(block: &[u8]) -> [u8; QK_K] {
 }
 
 /// `Q6_K` super-block: `Σ scale_g · Σ (q - 32) · qx` over its sixteen groups of 16.
-pub(crate) fn q6_k_block(block: &[u8], qx: &[i8], bsums: &[i16]) -> i32 {
+pub(crate) fn q6_k_block(block: &BlockQ6_K, qx: &[i8], bsums: &[i16]) -> i32 {
     let values = q6_k_values(block);
-    let scales = &block[192..208];
     let mut sum = 0i32;
-    for (g, &scale) in scales.iter().enumerate() {
+    for (g, &scale) in block.scales.iter().enumerate() {
         let range = g * BSUM_GROUP..(g + 1) * BSUM_GROUP;
         let dot = dot_u8_i8(values[range.clone()].iter().copied(), &qx[range]);
-        sum += i32::from(scale as i8) * (dot - 32 * i32::from(bsums[g]));
+        sum += i32::from(scale) * (dot - 32 * i32::from(bsums[g]));
     }
     sum
 }
 
 pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
     let mut acc = 0.0f32;
-    for (b, block) in row.chunks_exact(Q4_K_BYTES).enumerate() {
+    for (b, block) in whole_blocks::<BlockQ4_K>(row).iter().enumerate() {
         let (sum, min_sum) = q4_k_block(block, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
-        let (d, dmin) = (f16_at(block, 0) * act.d[b], f16_at(block, 2) * act.d[b]);
+        let (d, dmin) = (block.d.to_f32() * act.d[b], block.dmin.to_f32() * act.d[b]);
         acc += d * sum as f32 - dmin * min_sum as f32;
     }
     acc
@@ -222,9 +204,9 @@ pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
 
 pub(crate) fn dot_q5_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
     let mut acc = 0.0f32;
-    for (b, block) in row.chunks_exact(Q5_K_BYTES).enumerate() {
+    for (b, block) in whole_blocks::<BlockQ5_K>(row).iter().enumerate() {
         let (sum, min_sum) = q5_k_block(block, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
-        let (d, dmin) = (f16_at(block, 0) * act.d[b], f16_at(block, 2) * act.d[b]);
+        let (d, dmin) = (block.d.to_f32() * act.d[b], block.dmin.to_f32() * act.d[b]);
         acc += d * sum as f32 - dmin * min_sum as f32;
     }
     acc
@@ -232,9 +214,9 @@ pub(crate) fn dot_q5_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
 
 pub(crate) fn dot_q6_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
     let mut acc = 0.0f32;
-    for (b, block) in row.chunks_exact(Q6_K_BYTES).enumerate() {
+    for (b, block) in whole_blocks::<BlockQ6_K>(row).iter().enumerate() {
         let sum = q6_k_block(block, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
-        acc += f16_at(block, 208) * act.d[b] * sum as f32;
+        acc += block.d.to_f32() * act.d[b] * sum as f32;
     }
     acc
 }
@@ -258,7 +240,10 @@ pub(crate) fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
 }
 
 pub(crate) fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
-    dot_floats(row.chunks_exact(2).map(|b| f16_at(b, 0)), x)
+    let weights = row
+        .chunks_exact(2)
+        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32());
+    dot_floats(weights, x)
 }
 
 pub(crate) fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {

@@ -1,5 +1,5 @@
 //! The kernels against a plain reference: every weight row dequantized to f32 by the
-//! scalar decoder and multiplied in f64.
+//! crate's scalar decoder ([`crate::Decoder::scalar`]) and multiplied in f64.
 //!
 //! Two references per output value:
 //! - with the activations exactly as the kernels quantized them, the only difference is
@@ -15,7 +15,8 @@
 use gguf_format::GgmlType;
 
 use super::activation::{ActSet, Q8Acts, Q8KActs, BSUM_GROUP, QK8, QK_K};
-use super::{portable, Backend, MatmulError, QuantizedMatrix};
+use super::{is_path_available, portable, QuantizedMatrix};
+use crate::{DecodePath, DequantError};
 
 const TYPES: [GgmlType; 11] = [
     GgmlType::F32,
@@ -87,11 +88,17 @@ pub(crate) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
         }
         _ => {
             // (offset of an f16 field, whether it may be negative)
+            use crate::blocks::*;
+            use std::mem::offset_of;
             let fields: &[(usize, bool)] = match ty {
-                GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[(0, true)],
-                GgmlType::Q4_1 | GgmlType::Q5_1 => &[(0, true), (2, true)],
-                GgmlType::Q4_K | GgmlType::Q5_K => &[(0, false), (2, false)],
-                GgmlType::Q6_K => &[(208, true)],
+                GgmlType::Q4_0 => &[(offset_of!(BlockQ4_0, d), true)],
+                GgmlType::Q5_0 => &[(offset_of!(BlockQ5_0, d), true)],
+                GgmlType::Q8_0 => &[(offset_of!(BlockQ8_0, d), true)],
+                GgmlType::Q4_1 => &[(offset_of!(BlockQ4_1, d), true), (offset_of!(BlockQ4_1, m), true)],
+                GgmlType::Q5_1 => &[(offset_of!(BlockQ5_1, d), true), (offset_of!(BlockQ5_1, m), true)],
+                GgmlType::Q4_K => &[(offset_of!(BlockQ4_K, d), false), (offset_of!(BlockQ4_K, dmin), false)],
+                GgmlType::Q5_K => &[(offset_of!(BlockQ5_K, d), false), (offset_of!(BlockQ5_K, dmin), false)],
+                GgmlType::Q6_K => &[(offset_of!(BlockQ6_K, d), true)],
                 other => panic!("no generator for {other}"),
             };
             for b in bytes.chunks_exact_mut(block) {
@@ -117,89 +124,11 @@ fn random_x(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// `Q4_K`/`Q5_K` scale and min of sub-block `j`, from the packed 12 bytes.
-fn k_scale_min(packed: &[u8], j: usize) -> (f32, f32) {
-    let (sc, m) = if j < 4 {
-        (packed[j] & 63, packed[j + 4] & 63)
-    } else {
-        (
-            (packed[j + 4] & 0x0F) | ((packed[j - 4] >> 6) << 4),
-            (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4),
-        )
-    };
-    (f32::from(sc), f32::from(m))
-}
-
-/// The reference decoder: one row of `ty` to f32, element by element from the layouts.
+/// The reference: one row decoded to f32 by the crate's scalar decoder.
 fn dequantize_row(ty: GgmlType, row: &[u8]) -> Vec<f32> {
-    let f16 = portable::f16_at;
-    let block = ty.type_size() as usize;
-    let mut out = Vec::new();
-    match ty {
-        GgmlType::F32 => out.extend(
-            row.chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap())),
-        ),
-        GgmlType::F16 => out.extend(row.chunks_exact(2).map(|b| f16(b, 0))),
-        GgmlType::BF16 => out.extend(
-            row.chunks_exact(2)
-                .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)),
-        ),
-        _ => {
-            for b in row.chunks_exact(block) {
-                for i in 0..ty.block_size() as usize {
-                    out.push(dequantize_one(ty, b, i, f16));
-                }
-            }
-        }
-    }
+    let mut out = vec![0.0f32; crate::decoded_len(ty, row.len()).unwrap()];
+    crate::Decoder::scalar().parallel(false).decode_f32(ty, row, &mut out).unwrap();
     out
-}
-
-fn dequantize_one(ty: GgmlType, b: &[u8], i: usize, f16: fn(&[u8], usize) -> f32) -> f32 {
-    let nibble = |qs: &[u8], i: usize| {
-        if i < 16 {
-            qs[i] & 0x0F
-        } else {
-            qs[i - 16] >> 4
-        }
-    };
-    let bit = |qh: &[u8], i: usize| (qh[i / 8] >> (i % 8)) & 1;
-    match ty {
-        GgmlType::Q4_0 => (f32::from(nibble(&b[2..], i)) - 8.0) * f16(b, 0),
-        GgmlType::Q4_1 => f32::from(nibble(&b[4..], i)) * f16(b, 0) + f16(b, 2),
-        GgmlType::Q5_0 => {
-            (f32::from(nibble(&b[6..], i) | (bit(&b[2..], i) << 4)) - 16.0) * f16(b, 0)
-        }
-        GgmlType::Q5_1 => {
-            f32::from(nibble(&b[8..], i) | (bit(&b[4..], i) << 4)) * f16(b, 0) + f16(b, 2)
-        }
-        GgmlType::Q8_0 => f32::from(b[2 + i] as i8) * f16(b, 0),
-        GgmlType::Q4_K | GgmlType::Q5_K => {
-            let (sub, l) = (i / 32, i % 32);
-            let qs = if ty == GgmlType::Q4_K {
-                &b[16..]
-            } else {
-                &b[48..]
-            };
-            let byte = qs[32 * (sub / 2) + l];
-            let mut q = if sub % 2 == 0 { byte & 0x0F } else { byte >> 4 };
-            if ty == GgmlType::Q5_K {
-                q |= ((b[16 + l] >> sub) & 1) << 4;
-            }
-            let (sc, m) = k_scale_min(&b[4..16], sub);
-            f16(b, 0) * sc * f32::from(q) - f16(b, 2) * m
-        }
-        GgmlType::Q6_K => {
-            let (half, k, l) = (i / 128, i % 128 / 32, i % 32);
-            let low = b[64 * half + 32 * (k % 2) + l];
-            let low = if k < 2 { low & 0x0F } else { low >> 4 };
-            let high = (b[128 + 32 * half + l] >> (2 * k)) & 3;
-            let q = i32::from(low | (high << 4)) - 32;
-            f16(b, 208) * f32::from(b[192 + i / 16] as i8) * q as f32
-        }
-        other => panic!("no reference decoder for {other}"),
-    }
 }
 
 /// The activations as the kernels see them (`x̂`) and each value's quantization step.
@@ -241,14 +170,14 @@ fn quantized_view(ty: GgmlType, x: &[f32], n_tokens: usize, cols: usize) -> (Vec
     }
 }
 
-fn backends() -> Vec<Backend> {
-    [Backend::Portable, Backend::Avx2]
+fn paths() -> Vec<DecodePath> {
+    [DecodePath::Scalar, DecodePath::Avx2]
         .into_iter()
-        .filter(|b| b.is_available())
+        .filter(|&p| is_path_available(p))
         .collect()
 }
 
-/// Checks one product of `ty` on both references, for every available backend.
+/// Checks one product of `ty` on both references, for every available path.
 fn check_against_reference(ty: GgmlType, rows: usize, cols: usize, n_tokens: usize, seed: u64) {
     let bytes = random_matrix(ty, rows, cols, seed);
     let x = random_x(n_tokens * cols, seed ^ 0xA5A5);
@@ -258,9 +187,9 @@ fn check_against_reference(ty: GgmlType, rows: usize, cols: usize, n_tokens: usi
         .collect();
     let (xq, step) = quantized_view(ty, &x, n_tokens, cols);
     let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
-    for backend in backends() {
+    for path in paths() {
         let mut y = vec![f32::NAN; n_tokens * rows];
-        matrix.matmul_with(backend, &x, n_tokens, &mut y).unwrap();
+        matrix.matmul_with(path, &x, n_tokens, &mut y).unwrap();
         for t in 0..n_tokens {
             let (x_t, xq_t, step_t) = (
                 &x[t * cols..][..cols],
@@ -280,7 +209,7 @@ fn check_against_reference(ty: GgmlType, rows: usize, cols: usize, n_tokens: usi
                     .map(|(&a, &b)| f64::from(a * b).abs())
                     .sum();
                 let rounding = 1e-5 * magnitude + 1e-30;
-                let context = format!("{ty} {rows}x{cols} token {t} row {r} on {}", backend.name());
+                let context = format!("{ty} {rows}x{cols} token {t} row {r} on {}", path.name());
                 assert!(
                     (got - on_quantized).abs() <= rounding,
                     "{context}: {got} vs {on_quantized} on the quantized activations (tolerance {rounding})"
@@ -358,6 +287,11 @@ fn block_cases(ty: GgmlType, rng: &mut Rng) -> Vec<Vec<u8>> {
     cases
 }
 
+/// The one block of type `B` that `bytes` hold.
+fn one<B: crate::blocks::Block>(bytes: &[u8]) -> B {
+    crate::blocks::cast_blocks::<B>(bytes).unwrap()[0]
+}
+
 fn activation_cases(len: usize, rng: &mut Rng) -> Vec<Vec<i8>> {
     let mut cases = vec![vec![127; len], vec![-127; len], vec![0; len]];
     cases.push(
@@ -396,11 +330,11 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
                 for qx in activation_cases(QK8, &mut rng) {
                     let isum: i32 = qx.iter().map(|&q| i32::from(q)).sum();
                     let expected = match ty {
-                        GgmlType::Q4_0 => portable::q4_0_block(&block, &qx, isum),
-                        GgmlType::Q4_1 => portable::q4_1_block(&block, &qx),
-                        GgmlType::Q5_0 => portable::q5_0_block(&block, &qx, isum),
-                        GgmlType::Q5_1 => portable::q5_1_block(&block, &qx),
-                        _ => portable::q8_0_block(&block, &qx),
+                        GgmlType::Q4_0 => portable::q4_0_block(&one(&block), &qx, isum),
+                        GgmlType::Q4_1 => portable::q4_1_block(&one(&block), &qx),
+                        GgmlType::Q5_0 => portable::q5_0_block(&one(&block), &qx, isum),
+                        GgmlType::Q5_1 => portable::q5_1_block(&one(&block), &qx),
+                        _ => portable::q8_0_block(&one(&block), &qx),
                     };
                     let got = super::avx2::legacy::block_int(proof, ty, &block, &qx, isum);
                     assert_eq!(got, expected, "{ty} block {block:?} activations {qx:?}");
@@ -415,9 +349,9 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
                         .map(|g| g.iter().map(|&q| i16::from(q)).sum())
                         .collect();
                     let expected = match ty {
-                        GgmlType::Q4_K => portable::q4_k_block(&block, &qx, &bsums),
-                        GgmlType::Q5_K => portable::q5_k_block(&block, &qx, &bsums),
-                        _ => (portable::q6_k_block(&block, &qx, &bsums), 0),
+                        GgmlType::Q4_K => portable::q4_k_block(&one(&block), &qx, &bsums),
+                        GgmlType::Q5_K => portable::q5_k_block(&one(&block), &qx, &bsums),
+                        _ => (portable::q6_k_block(&one(&block), &qx, &bsums), 0),
                     };
                     let got = super::avx2::kquants::block_ints(proof, ty, &block, &qx, &bsums);
                     assert_eq!(got, expected, "{ty} block {block:?} activations {qx:?}");
@@ -434,21 +368,21 @@ fn a_batch_equals_its_tokens_multiplied_one_at_a_time_exactly() {
         let bytes = random_matrix(ty, rows, cols, 77 + i as u64);
         let x = random_x(n_tokens * cols, 5 + i as u64);
         let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
-        for backend in backends() {
+        for path in paths() {
             let mut batch = vec![0.0; n_tokens * rows];
             matrix
-                .matmul_with(backend, &x, n_tokens, &mut batch)
+                .matmul_with(path, &x, n_tokens, &mut batch)
                 .unwrap();
             for t in 0..n_tokens {
                 let mut single = vec![0.0; rows];
                 matrix
-                    .matvec_with(backend, &x[t * cols..(t + 1) * cols], &mut single)
+                    .matvec_with(path, &x[t * cols..(t + 1) * cols], &mut single)
                     .unwrap();
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&batch[t * rows..(t + 1) * rows]),
                     bits(&single),
-                    "{ty} token {t} on {backend:?}"
+                    "{ty} token {t} on {path:?}"
                 );
             }
         }
@@ -485,10 +419,10 @@ fn every_split_gives_the_serial_results_exactly() {
             let x = random_x(n_tokens * cols, 3);
             let m = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
             let row_bytes = m.row_bytes();
-            for backend in backends() {
+            for path in paths() {
                 let run = || {
                     let mut y = vec![0.0f32; n_tokens * rows];
-                    m.matmul_with(backend, &x, n_tokens, &mut y).unwrap();
+                    m.matmul_with(path, &x, n_tokens, &mut y).unwrap();
                     (
                         super::driver::split(rows, row_bytes, n_tokens),
                         y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -499,7 +433,7 @@ fn every_split_gives_the_serial_results_exactly() {
                 let (split, parallel) = in_pool(2, run);
                 assert_eq!(
                     parallel, serial,
-                    "{ty} {rows}x{cols} x {n_tokens} tokens split as {split:?} on {backend:?}"
+                    "{ty} {rows}x{cols} x {n_tokens} tokens split as {split:?} on {path:?}"
                 );
             }
         }
@@ -537,12 +471,12 @@ fn zero_activations_give_zero() {
         let cols = QK_K;
         let bytes = random_matrix(ty, 4, cols, 9);
         let matrix = QuantizedMatrix::new(ty, 4, cols, &bytes).unwrap();
-        for backend in backends() {
+        for path in paths() {
             let mut y = vec![1.0; 4];
             matrix
-                .matvec_with(backend, &vec![0.0; cols], &mut y)
+                .matvec_with(path, &vec![0.0; cols], &mut y)
                 .unwrap();
-            assert_eq!(y, vec![0.0; 4], "{ty} on {backend:?}");
+            assert_eq!(y, vec![0.0; 4], "{ty} on {path:?}");
         }
     }
 }
@@ -564,7 +498,7 @@ fn empty_shapes_are_fine() {
 fn an_unsupported_type_is_refused() {
     let err = QuantizedMatrix::new(GgmlType::Q2_K, 1, 256, &[0; 84]).unwrap_err();
     assert!(
-        matches!(err, MatmulError::UnsupportedType { ty: GgmlType::Q2_K }),
+        matches!(err, DequantError::NoProductKernel { ty: GgmlType::Q2_K }),
         "{err}"
     );
 }
@@ -575,7 +509,7 @@ fn a_partial_block_is_refused() {
     assert!(
         matches!(
             err,
-            MatmulError::PartialBlock {
+            DequantError::PartialRow {
                 cols: 200,
                 block_size: 256,
                 ..
@@ -588,7 +522,7 @@ fn a_partial_block_is_refused() {
 #[test]
 fn a_size_overflow_is_refused() {
     let err = QuantizedMatrix::new(GgmlType::Q8_0, usize::MAX / 2, 64, &[]).unwrap_err();
-    assert!(matches!(err, MatmulError::SizeOverflow { .. }), "{err}");
+    assert!(matches!(err, DequantError::MatrixTooLarge { .. }), "{err}");
 }
 
 #[test]
@@ -597,7 +531,7 @@ fn wrong_weight_bytes_are_refused() {
     assert!(
         matches!(
             err,
-            MatmulError::WeightBytes {
+            DequantError::WeightBytes {
                 expected: 136,
                 actual: 135,
                 ..
@@ -619,7 +553,7 @@ fn wrong_input_and_output_lengths_are_refused() {
     assert!(
         matches!(
             err,
-            MatmulError::InputLength {
+            DequantError::InputLength {
                 expected: 64,
                 actual: 63,
                 ..
@@ -631,7 +565,7 @@ fn wrong_input_and_output_lengths_are_refused() {
     assert!(
         matches!(
             err,
-            MatmulError::OutputLength {
+            DequantError::ProductOutputLength {
                 expected: 6,
                 actual: 5,
                 ..
@@ -642,21 +576,21 @@ fn wrong_input_and_output_lengths_are_refused() {
     let err = m
         .matmul(&[0.0; 128], usize::MAX, &mut [0.0; 6])
         .unwrap_err();
-    assert!(matches!(err, MatmulError::InputLength { .. }), "{err}");
+    assert!(matches!(err, DequantError::InputLength { .. }), "{err}");
 }
 
 #[test]
-fn a_missing_backend_is_a_typed_error() {
+fn a_missing_path_is_a_typed_error() {
     let bytes = random_matrix(GgmlType::Q8_0, 1, 32, 1);
     let m = QuantizedMatrix::new(GgmlType::Q8_0, 1, 32, &bytes).unwrap();
-    let result = m.matvec_with(Backend::Avx2, &[0.5; 32], &mut [0.0]);
-    if Backend::Avx2.is_available() {
+    let result = m.matvec_with(DecodePath::Avx2, &[0.5; 32], &mut [0.0]);
+    if is_path_available(DecodePath::Avx2) {
         assert!(result.is_ok());
     } else {
         assert!(matches!(
             result,
-            Err(MatmulError::BackendUnavailable {
-                backend: Backend::Avx2
+            Err(DequantError::PathUnavailable {
+                path: DecodePath::Avx2
             })
         ));
     }

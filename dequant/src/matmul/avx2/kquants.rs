@@ -9,10 +9,19 @@
 //! row.
 
 use std::arch::x86_64::*;
+use std::mem::{offset_of, size_of};
 
 use super::{hsum_ps, load32};
 use crate::matmul::activation::{Q8KRow, BSUM_GROUP, QK_K};
-use crate::matmul::portable::{Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES};
+use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
+
+const Q4_K_BYTES: usize = size_of::<BlockQ4_K>();
+const Q5_K_BYTES: usize = size_of::<BlockQ5_K>();
+const Q6_K_BYTES: usize = size_of::<BlockQ6_K>();
+
+// `f16_pair` reads d and dmin together from the start of a Q4_K/Q5_K block.
+const _: () = assert!(offset_of!(BlockQ4_K, d) == 0 && offset_of!(BlockQ4_K, dmin) == 2);
+const _: () = assert!(offset_of!(BlockQ5_K, d) == 0 && offset_of!(BlockQ5_K, dmin) == 2);
 
 /// Groups of 16 per super-block.
 const GROUPS: usize = QK_K / BSUM_GROUP;
@@ -97,8 +106,10 @@ unsafe fn q45_k_ints<const FIVE: bool, const N: usize>(
     qx: [*const i8; N],
     bsums: [*const i16; N],
 ) -> ([__m256i; N], [__m128i; N]) {
-    // SAFETY: the 12 scale bytes lie at 4..16 of the readable block.
-    let scales_mins = unsafe { k_scales_mins(block.add(4)) };
+    // The scales, qh and qs sit at the same offsets in both formats but qs.
+    const _: () = assert!(offset_of!(BlockQ4_K, scales) == offset_of!(BlockQ5_K, scales));
+    // SAFETY: the 12 scale bytes lie inside the readable block.
+    let scales_mins = unsafe { k_scales_mins(block.add(offset_of!(BlockQ4_K, scales))) };
     let mins = _mm256_extracti128_si256::<1>(scales_mins);
     let scales = _mm256_permute2x128_si256::<0x00>(scales_mins, scales_mins);
     let mut min_sums = [_mm_setzero_si128(); N];
@@ -114,10 +125,11 @@ unsafe fn q45_k_ints<const FIVE: bool, const N: usize>(
     }
     let low4 = _mm256_set1_epi8(0x0F);
     let (qs_at, mut high) = if FIVE {
-        // SAFETY: Q5_K's qh lies at 16..48 of the readable block.
-        (48, unsafe { load32(block.add(16)) })
+        // SAFETY: Q5_K's qh (32 bytes) lies inside the readable block.
+        let qh = unsafe { load32(block.add(offset_of!(BlockQ5_K, qh))) };
+        (offset_of!(BlockQ5_K, qs), qh)
     } else {
-        (16, _mm256_setzero_si256())
+        (offset_of!(BlockQ4_K, qs), _mm256_setzero_si256())
     };
     let mut dots = [_mm256_setzero_si256(); N];
     for j in 0..4 {
@@ -162,8 +174,10 @@ unsafe fn q6_k_ints<const N: usize>(
     qx: [*const i8; N],
     bsums: [*const i16; N],
 ) -> [__m256i; N] {
-    // SAFETY: the 16 signed scales lie at 192..208 of the readable block.
-    let scales = _mm256_cvtepi8_epi16(unsafe { _mm_loadu_si128(block.add(192).cast()) });
+    let (ql_at, qh_at) = (offset_of!(BlockQ6_K, ql), offset_of!(BlockQ6_K, qh));
+    // SAFETY: the 16 signed scales lie inside the readable block.
+    let scales = unsafe { _mm_loadu_si128(block.add(offset_of!(BlockQ6_K, scales)).cast()) };
+    let scales = _mm256_cvtepi8_epi16(scales);
     let mut dots = [_mm256_setzero_si256(); N];
     let scales32 = _mm256_slli_epi16::<5>(scales);
     for t in 0..N {
@@ -181,12 +195,12 @@ unsafe fn q6_k_ints<const N: usize>(
         } else {
             _mm256_permute2x128_si256::<0x11>(scales, scales)
         };
-        // SAFETY: ql (0..128) and qh (128..192) lie inside the readable block.
+        // SAFETY: ql and qh lie inside the readable block.
         let (ql0, ql1, qh) = unsafe {
             (
-                load32(block.add(64 * half)),
-                load32(block.add(64 * half + 32)),
-                load32(block.add(128 + 32 * half)),
+                load32(block.add(ql_at + 64 * half)),
+                load32(block.add(ql_at + 64 * half + 32)),
+                load32(block.add(qh_at + 32 * half)),
             )
         };
         // Values 32k + l take the low or high nibble of ql and bits 2k, 2k + 1 of qh[l].
@@ -330,7 +344,7 @@ pub(crate) unsafe fn dot_q6_k<const R: usize, const N: usize>(
                 let (qx, bsums) = act_ptrs(&acts, b);
                 let block = rows[r].as_ptr().add(b * Q6_K_BYTES);
                 (
-                    super::load_f16(block.add(208)),
+                    super::load_f16(block.add(offset_of!(BlockQ6_K, d))),
                     q6_k_ints::<N>(block, qx, bsums),
                 )
             };

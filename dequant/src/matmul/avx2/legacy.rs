@@ -10,10 +10,17 @@
 //! each row's product is then broadcast to scale its integer lanes.
 
 use std::arch::x86_64::*;
+use std::mem::{offset_of, size_of};
 
 use super::{hsum_ps, load32, mul_sum_u8_i8};
 use crate::matmul::activation::{Q8Row, QK8};
-use crate::matmul::portable::{Q4_0_BYTES, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q8_0_BYTES};
+use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
+
+// `scales` reads d (and m) from the first four bytes of every legacy block.
+const _: () = assert!(offset_of!(BlockQ4_0, d) == 0 && offset_of!(BlockQ5_0, d) == 0);
+const _: () = assert!(offset_of!(BlockQ8_0, d) == 0);
+const _: () = assert!(offset_of!(BlockQ4_1, d) == 0 && offset_of!(BlockQ4_1, m) == 2);
+const _: () = assert!(offset_of!(BlockQ5_1, d) == 0 && offset_of!(BlockQ5_1, m) == 2);
 
 /// One block's quantized weights, unpacked once for all tokens.
 #[derive(Clone, Copy)]
@@ -88,14 +95,14 @@ struct Q5_1;
 struct Q8_0;
 
 impl Legacy for Q4_0 {
-    const BYTES: usize = Q4_0_BYTES;
+    const BYTES: usize = size_of::<BlockQ4_0>();
     const HAS_MIN: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn quants(block: *const u8) -> Quants {
-        // SAFETY: the block is readable per the contract; qs lies at 2..18.
-        let q = unsafe { nibbles(block.add(2)) };
+        // SAFETY: the block is readable per the contract; qs lies inside it.
+        let q = unsafe { nibbles(block.add(offset_of!(BlockQ4_0, qs))) };
         Quants { q, signs: q }
     }
 
@@ -108,14 +115,14 @@ impl Legacy for Q4_0 {
 }
 
 impl Legacy for Q4_1 {
-    const BYTES: usize = Q4_1_BYTES;
+    const BYTES: usize = size_of::<BlockQ4_1>();
     const HAS_MIN: bool = true;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn quants(block: *const u8) -> Quants {
-        // SAFETY: the block is readable per the contract; qs lies at 4..20.
-        let q = unsafe { nibbles(block.add(4)) };
+        // SAFETY: the block is readable per the contract; qs lies inside it.
+        let q = unsafe { nibbles(block.add(offset_of!(BlockQ4_1, qs))) };
         Quants { q, signs: q }
     }
 
@@ -127,14 +134,15 @@ impl Legacy for Q4_1 {
 }
 
 impl Legacy for Q5_0 {
-    const BYTES: usize = Q5_0_BYTES;
+    const BYTES: usize = size_of::<BlockQ5_0>();
     const HAS_MIN: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn quants(block: *const u8) -> Quants {
-        // SAFETY: the block is readable per the contract; qh, qs lie at 2..6, 6..22.
-        let q = unsafe { _mm256_or_si256(nibbles(block.add(6)), high_bits(block.add(2))) };
+        let (qs, qh) = (offset_of!(BlockQ5_0, qs), offset_of!(BlockQ5_0, qh));
+        // SAFETY: the block is readable per the contract; qs and qh lie inside it.
+        let q = unsafe { _mm256_or_si256(nibbles(block.add(qs)), high_bits(block.add(qh))) };
         Quants { q, signs: q }
     }
 
@@ -147,14 +155,15 @@ impl Legacy for Q5_0 {
 }
 
 impl Legacy for Q5_1 {
-    const BYTES: usize = Q5_1_BYTES;
+    const BYTES: usize = size_of::<BlockQ5_1>();
     const HAS_MIN: bool = true;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn quants(block: *const u8) -> Quants {
-        // SAFETY: the block is readable per the contract; qh, qs lie at 4..8, 8..24.
-        let q = unsafe { _mm256_or_si256(nibbles(block.add(8)), high_bits(block.add(4))) };
+        let (qs, qh) = (offset_of!(BlockQ5_1, qs), offset_of!(BlockQ5_1, qh));
+        // SAFETY: the block is readable per the contract; qs and qh lie inside it.
+        let q = unsafe { _mm256_or_si256(nibbles(block.add(qs)), high_bits(block.add(qh))) };
         Quants { q, signs: q }
     }
 
@@ -166,14 +175,14 @@ impl Legacy for Q5_1 {
 }
 
 impl Legacy for Q8_0 {
-    const BYTES: usize = Q8_0_BYTES;
+    const BYTES: usize = size_of::<BlockQ8_0>();
     const HAS_MIN: bool = false;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn quants(block: *const u8) -> Quants {
-        // SAFETY: the block is readable per the contract; qs lies at 2..34.
-        let signed = unsafe { load32(block.add(2)) };
+        // SAFETY: the block is readable per the contract; qs (32 bytes) lies inside it.
+        let signed = unsafe { load32(block.add(offset_of!(BlockQ8_0, qs))) };
         // |q| as unsigned bytes: -128 becomes 128, which maddubs reads correctly.
         Quants {
             q: _mm256_sign_epi8(signed, signed),
