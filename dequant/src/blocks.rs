@@ -388,7 +388,7 @@ block!(
         scales_h: U16Le,
         /// The low four bits of the group scales, two per byte.
         scales_l: [u8; QK_K / 64],
-        /// Indices into the non-linear table, laid out as in `Q4_K`.
+        /// Indices into the non-linear table: per group, 16 bytes laid out as in `Q4_0`.
         qs: [u8; QK_K / 2],
     }
 );

@@ -6,6 +6,8 @@ pub(crate) mod avx2;
 #[rustfmt::skip]
 pub(crate) mod grids;
 pub(crate) mod scalar;
+#[cfg(test)]
+mod tests;
 
 use bytemuck::Pod;
 use gguf_format::GgmlType;
