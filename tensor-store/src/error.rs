@@ -1,6 +1,7 @@
 //! The one error type of this crate.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// What can go wrong opening a model or reading its tensors.
 #[derive(Debug, thiserror::Error)]
@@ -53,4 +54,64 @@ pub enum StoreError {
         len: u64,
         size: u64,
     },
+    /// The device could not hand out `requested` bytes (its memory, or the arena carved
+    /// from it, is full). The device cache answers this by evicting, then by
+    /// [`StoreError::DeviceOutOfMemory`].
+    #[error("device allocation of {requested} bytes failed: {reason}")]
+    DeviceAlloc { requested: u64, reason: String },
+    /// A tensor does not fit on the device even after evicting every tensor not in use.
+    #[error(
+        "device out of memory for tensor {tensor:?}: {requested} bytes do not fit \
+         (budget {budget} bytes, {resident} resident of which {in_use} in use, {loading} loading)"
+    )]
+    DeviceOutOfMemory {
+        tensor: String,
+        requested: u64,
+        budget: u64,
+        resident: u64,
+        in_use: u64,
+        loading: u64,
+    },
+    /// A device runtime call failed.
+    #[error("device {op} failed: {source}")]
+    Device {
+        op: &'static str,
+        #[source]
+        source: hip_backend::HipError,
+    },
+    /// The upload of `tensor` was cancelled before it completed.
+    #[error("loading tensor {tensor:?} was cancelled")]
+    LoadCancelled { tensor: String },
+    /// The upload another request started for `tensor` failed; `source` is its error.
+    #[error("loading tensor {tensor:?} failed: {source}")]
+    LoadFailed {
+        tensor: String,
+        #[source]
+        source: Arc<StoreError>,
+    },
+    /// A handle that does not belong to the store the device cache was built on.
+    #[error("tensor {tensor:?} of {path} is not a tensor of this device cache's model")]
+    ForeignTensor { tensor: String, path: PathBuf },
+    /// A device cache setting out of its range.
+    #[error("invalid device cache setting {name} = {value}: {reason}")]
+    InvalidCacheConfig {
+        name: &'static str,
+        value: u64,
+        reason: &'static str,
+    },
+}
+
+impl StoreError {
+    /// The error behind any [`StoreError::LoadFailed`] wrappers.
+    pub fn root(&self) -> &StoreError {
+        match self {
+            StoreError::LoadFailed { source, .. } => source.root(),
+            other => other,
+        }
+    }
+
+    /// True when the root cause is a tensor that did not fit on the device.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self.root(), StoreError::DeviceOutOfMemory { .. })
+    }
 }

@@ -11,10 +11,17 @@
 //! The mapping's safety contract (the file must not shrink or change while mapped) is
 //! stated at the one `unsafe` call, in `backing.rs`, with what this crate does about it.
 //!
+//! [`device`] puts tensors on a device: a single-flight cache with a memory budget and
+//! LRU eviction ([`device::DeviceCache`]), fed by a background upload pipeline (reader
+//! threads, a ring of staging buffers, asynchronous copies, per-layer readiness). It
+//! works against any [`device::DeviceTarget`]: a GPU through `hip-backend`, or host
+//! memory for tests and CPU runs.
+//!
 //! This crate does not decode or compute: it hands out bytes. It knows nothing of model
 //! architectures. It has no cargo features.
 
 mod backing;
+pub mod device;
 mod error;
 mod split;
 mod store;

@@ -1,0 +1,481 @@
+//! [`DeviceCache`]: the public face of the device cache and its upload pipeline.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{mpsc, Arc};
+use std::task::{Context, Poll};
+use std::thread::JoinHandle;
+
+use super::cache::{Cache, CacheStats, DeviceTensor, Lookup};
+use super::files::{ShardFiles, DIRECT_SLACK};
+use super::order::UploadOrder;
+use super::pipeline::{Shared, SharedParts};
+use super::progress::{Progress, ProgressCallback, ProgressTracker};
+use super::slot::{Failure, Slot};
+use super::target::DeviceTarget;
+use crate::{StoreError, TensorHandle, TensorStore};
+
+/// When tensors go to the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UploadMode {
+    /// Upload the whole order before [`DeviceCache::new`] returns.
+    Eager,
+    /// Start uploading the order in the background and return at once.
+    #[default]
+    Background,
+    /// Upload nothing until a tensor is asked for.
+    Lazy,
+}
+
+/// Settings of a [`DeviceCache`].
+#[derive(Clone, Debug)]
+pub struct CacheConfig {
+    pub mode: UploadMode,
+    /// Device bytes the cache may hold; `None` for no limit but the device's.
+    pub budget: Option<u64>,
+    /// Reader threads copying from the file into staging buffers.
+    pub readers: usize,
+    /// Staging buffers in the ring: host memory in use is about
+    /// `staging_buffers × chunk_bytes`, whatever the model's size.
+    pub staging_buffers: usize,
+    /// Bytes read (and copied) per job.
+    pub chunk_bytes: usize,
+    /// Read with O_DIRECT, past the page cache (faster from a cold disk; falls back to
+    /// ordinary reads where the file system refuses it).
+    pub direct_io: bool,
+}
+
+impl Default for CacheConfig {
+    fn default() -> CacheConfig {
+        CacheConfig {
+            mode: UploadMode::Background,
+            budget: None,
+            readers: 4,
+            staging_buffers: 8,
+            chunk_bytes: 16 << 20,
+            direct_io: false,
+        }
+    }
+}
+
+/// Largest chunk accepted: a staging buffer is this big.
+const MAX_CHUNK_BYTES: usize = 1 << 30;
+
+impl CacheConfig {
+    fn validate(&self) -> Result<(), StoreError> {
+        let invalid = |name, value: usize, reason| {
+            Err(StoreError::InvalidCacheConfig {
+                name,
+                value: value as u64,
+                reason,
+            })
+        };
+        if self.readers == 0 || self.readers > 256 {
+            return invalid("readers", self.readers, "must be between 1 and 256");
+        }
+        if self.staging_buffers == 0 || self.staging_buffers > 1024 {
+            return invalid(
+                "staging_buffers",
+                self.staging_buffers,
+                "must be between 1 and 1024",
+            );
+        }
+        if !(4096..=MAX_CHUNK_BYTES).contains(&self.chunk_bytes) {
+            return invalid(
+                "chunk_bytes",
+                self.chunk_bytes,
+                "must be between 4 KiB and 1 GiB",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Tensors of one model on one device: uploaded once however many ask (single-flight),
+/// in layer order in the background, or on first use; held within a memory budget,
+/// least recently used evicted first.
+///
+/// Requests come from threads ([`DeviceCache::get`]) or async tasks
+/// ([`DeviceCache::get_async`]); a request for a tensor not yet uploaded moves it to the
+/// front of the queue. Dropping the cache cancels what is in flight and waits for it.
+pub struct DeviceCache<T: DeviceTarget> {
+    shared: Arc<Shared<T>>,
+    order: UploadOrder,
+    readers: Vec<JoinHandle<()>>,
+    publisher: Option<JoinHandle<()>>,
+}
+
+impl<T: DeviceTarget> DeviceCache<T> {
+    /// A cache of `store`'s tensors on `target`, uploading `order` as `config.mode` says.
+    pub fn new(
+        target: T,
+        store: &TensorStore,
+        order: UploadOrder,
+        config: CacheConfig,
+    ) -> Result<DeviceCache<T>, StoreError> {
+        DeviceCache::build(target, store, order, config, None)
+    }
+
+    /// As [`DeviceCache::new`], telling `callback` about every completed upload.
+    pub fn with_progress(
+        target: T,
+        store: &TensorStore,
+        order: UploadOrder,
+        config: CacheConfig,
+        callback: impl Fn(&Progress) + Send + Sync + 'static,
+    ) -> Result<DeviceCache<T>, StoreError> {
+        DeviceCache::build(target, store, order, config, Some(Box::new(callback)))
+    }
+
+    fn build(
+        target: T,
+        store: &TensorStore,
+        order: UploadOrder,
+        config: CacheConfig,
+        callback: Option<ProgressCallback>,
+    ) -> Result<DeviceCache<T>, StoreError> {
+        config.validate()?;
+        let handles: Vec<TensorHandle> = store.tensors().collect();
+        for handle in order.tensors() {
+            check_member(&handles, handle)?;
+        }
+        let paths: Vec<PathBuf> = store.paths().map(|p| p.to_owned()).collect();
+        let shard_of = handles
+            .iter()
+            .map(|h| paths.iter().position(|p| p == h.path()).unwrap_or(0))
+            .collect();
+        let files = ShardFiles::open(&paths, config.direct_io)?;
+        let staging = (0..config.staging_buffers)
+            .map(|_| target.alloc_staging(config.chunk_bytes + DIRECT_SLACK))
+            .collect::<Result<Vec<_>, _>>()?;
+        let prefetch = match config.mode {
+            UploadMode::Lazy => Vec::new(),
+            UploadMode::Eager | UploadMode::Background => {
+                order.tensors().iter().map(TensorHandle::index).collect()
+            }
+        };
+        let n_tensors = handles.len();
+        let parts = SharedParts {
+            cache: Cache::new(
+                Arc::new(target),
+                n_tensors,
+                config.budget.unwrap_or(u64::MAX),
+            ),
+            handles,
+            shard_of,
+            files,
+            chunk_bytes: config.chunk_bytes as u64,
+            staging,
+            prefetch,
+            progress: ProgressTracker::new(&order, n_tensors, callback),
+        };
+        let (sender, receiver) = mpsc::channel();
+        let shared = Arc::new(Shared::new(parts, sender));
+        let mut cache = DeviceCache {
+            shared: Arc::clone(&shared),
+            order,
+            readers: Vec::new(),
+            publisher: None,
+        };
+        let spawn_error = |source| StoreError::Io {
+            path: store.path().to_owned(),
+            source,
+        };
+        let publisher = Arc::clone(&shared);
+        cache.publisher = Some(
+            std::thread::Builder::new()
+                .name("upload-publisher".into())
+                .spawn(move || publisher.run_publisher(receiver))
+                .map_err(spawn_error)?,
+        );
+        for n in 0..config.readers {
+            let reader = Arc::clone(&shared);
+            cache.readers.push(
+                std::thread::Builder::new()
+                    .name(format!("upload-reader-{n}"))
+                    .spawn(move || reader.run_reader())
+                    .map_err(spawn_error)?,
+            );
+        }
+        if config.mode == UploadMode::Eager {
+            cache.wait_idle()?;
+        }
+        Ok(cache)
+    }
+
+    /// The device.
+    pub fn target(&self) -> &T {
+        &self.shared.cache.target
+    }
+
+    /// The upload order and its groups.
+    pub fn order(&self) -> &UploadOrder {
+        &self.order
+    }
+
+    fn index_of(&self, handle: &TensorHandle) -> Result<usize, StoreError> {
+        check_member(&self.shared.handles, handle)
+    }
+
+    /// The tensor on the device: at once when resident, else after its upload (started
+    /// now, or moved to the front of the queue). Blocks the calling thread.
+    pub fn get(&self, handle: &TensorHandle) -> Result<DeviceTensor<T>, StoreError> {
+        let idx = self.index_of(handle)?;
+        loop {
+            let slot = match self.shared.request(idx) {
+                Ok(tensor) => return Ok(tensor),
+                Err(slot) => slot,
+            };
+            match slot.wait() {
+                Ok(tensor) => return Ok(tensor),
+                Err(Failure::Retry) => continue,
+                Err(failure) => return Err(failure.into_error(handle.name())),
+            }
+        }
+    }
+
+    /// Several tensors: all are queued (in the order given, ahead of everything else)
+    /// before waiting for any, so their uploads overlap.
+    pub fn get_many<'a>(
+        &self,
+        handles: impl IntoIterator<Item = &'a TensorHandle>,
+    ) -> Result<Vec<DeviceTensor<T>>, StoreError> {
+        let handles: Vec<&TensorHandle> = handles.into_iter().collect();
+        let indices = handles
+            .iter()
+            .map(|h| self.index_of(h))
+            .collect::<Result<Vec<_>, _>>()?;
+        // Each request goes to the front: ask in reverse to keep the order given.
+        let mut pending: Vec<_> = indices
+            .iter()
+            .rev()
+            .map(|&idx| self.shared.request(idx))
+            .collect();
+        pending.reverse();
+        let mut out = Vec::with_capacity(handles.len());
+        for (handle, request) in handles.iter().zip(pending) {
+            match request {
+                Ok(tensor) => out.push(tensor),
+                Err(slot) => match slot.wait() {
+                    Ok(tensor) => out.push(tensor),
+                    Err(Failure::Retry) => out.push(self.get(handle)?),
+                    Err(failure) => return Err(failure.into_error(handle.name())),
+                },
+            }
+        }
+        Ok(out)
+    }
+
+    /// The tensors of group `group` of the upload order (see [`UploadOrder::groups`]).
+    pub fn get_group(&self, group: usize) -> Result<Vec<DeviceTensor<T>>, StoreError> {
+        self.get_many(self.order.group_tensors(group))
+    }
+
+    /// The tensor on the device, for async code: the request is made now (so the tensor
+    /// moves to the front of the queue at once); the future resolves when it is resident.
+    pub fn get_async(&self, handle: &TensorHandle) -> TensorFuture<T> {
+        match self.index_of(handle) {
+            Ok(idx) => TensorFuture::start(Arc::clone(&self.shared), idx),
+            Err(error) => TensorFuture {
+                shared: Arc::clone(&self.shared),
+                idx: 0,
+                state: FutureState::Failed(Some(error)),
+            },
+        }
+    }
+
+    /// The tensors of group `group`, for async code.
+    pub fn get_group_async(&self, group: usize) -> GroupFuture<T> {
+        let tensors = self.order.group_tensors(group);
+        let mut futures: Vec<_> = tensors.iter().rev().map(|h| self.get_async(h)).collect();
+        futures.reverse();
+        GroupFuture {
+            results: futures.iter().map(|_| None).collect(),
+            futures,
+        }
+    }
+
+    /// True when the tensor is resident now.
+    pub fn is_resident(&self, handle: &TensorHandle) -> bool {
+        self.index_of(handle)
+            .is_ok_and(|idx| self.shared.cache.is_ready(idx))
+    }
+
+    /// Blocks until no upload is queued or running. Fails with the background upload's
+    /// first error, if it had one.
+    pub fn wait_idle(&self) -> Result<(), StoreError> {
+        self.shared.wait_idle()
+    }
+
+    /// Cancels every queued and running upload and waits for the copies in flight.
+    /// Waiting requests fail with [`StoreError::LoadCancelled`]; no partly uploaded
+    /// tensor is ever published. The cache stays usable: later requests upload again.
+    pub fn cancel(&self) {
+        self.shared.cancel();
+    }
+
+    /// True when the readers bypass the page cache for every file: direct reads were
+    /// asked for and the file system allows them (so far).
+    pub fn reads_direct(&self) -> bool {
+        self.shared.reads_direct()
+    }
+
+    pub fn progress(&self) -> Progress {
+        self.shared.progress.snapshot()
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        self.shared.cache.stats()
+    }
+}
+
+impl<T: DeviceTarget> Drop for DeviceCache<T> {
+    fn drop(&mut self) {
+        // Readers first (they finish the job in hand), then fail what is left and wait
+        // for the publisher to drain, then the publisher.
+        self.shared.shut_down();
+        let join = |thread: JoinHandle<()>| {
+            if thread.join().is_err() {
+                tracing::error!("an upload thread panicked");
+            }
+        };
+        self.readers.drain(..).for_each(join);
+        self.shared.cancel();
+        self.shared.close_publisher();
+        self.publisher.take().into_iter().for_each(join);
+    }
+}
+
+/// The index of `handle` in `handles` (the store's tensors), or an error if it belongs
+/// to another store.
+fn check_member(handles: &[TensorHandle], handle: &TensorHandle) -> Result<usize, StoreError> {
+    let idx = handle.index();
+    match handles.get(idx) {
+        Some(mine)
+            if mine.path() == handle.path()
+                && mine.name() == handle.name()
+                && mine.file_range() == handle.file_range() =>
+        {
+            Ok(idx)
+        }
+        _ => Err(StoreError::ForeignTensor {
+            tensor: handle.name().to_owned(),
+            path: handle.path().to_owned(),
+        }),
+    }
+}
+
+impl<T: DeviceTarget> Shared<T> {
+    /// Finds a tensor, or makes sure its upload is queued at the front, returning the
+    /// slot to wait on. Never blocks on an upload.
+    pub(crate) fn request(&self, idx: usize) -> Result<DeviceTensor<T>, Arc<Slot<T>>> {
+        match self.cache.lookup_or_claim(idx) {
+            Lookup::Ready(tensor) => Ok(tensor),
+            Lookup::Wait(slot) => {
+                self.bump(idx);
+                Err(slot)
+            }
+            Lookup::Claimed(slot) => {
+                if !self.enqueue_demand(idx) {
+                    if let Some(slot) = self.cache.abandon(idx, None) {
+                        slot.resolve(Err(Failure::Cancelled));
+                    }
+                }
+                Err(slot)
+            }
+        }
+    }
+}
+
+enum FutureState<T: DeviceTarget> {
+    Ready(Option<DeviceTensor<T>>),
+    Waiting(Arc<Slot<T>>),
+    Failed(Option<StoreError>),
+}
+
+/// A tensor being made resident, for async code ([`DeviceCache::get_async`]). Polling
+/// takes a lock only for the moment it looks at the outcome.
+pub struct TensorFuture<T: DeviceTarget> {
+    shared: Arc<Shared<T>>,
+    idx: usize,
+    state: FutureState<T>,
+}
+
+impl<T: DeviceTarget> TensorFuture<T> {
+    fn start(shared: Arc<Shared<T>>, idx: usize) -> TensorFuture<T> {
+        let state = match shared.request(idx) {
+            Ok(tensor) => FutureState::Ready(Some(tensor)),
+            Err(slot) => FutureState::Waiting(slot),
+        };
+        TensorFuture { shared, idx, state }
+    }
+}
+
+impl<T: DeviceTarget> Future for TensorFuture<T> {
+    type Output = Result<DeviceTensor<T>, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        loop {
+            let outcome = match &mut this.state {
+                FutureState::Ready(tensor) => match tensor.take() {
+                    Some(tensor) => return Poll::Ready(Ok(tensor)),
+                    None => panic!("TensorFuture polled after completion"),
+                },
+                FutureState::Failed(error) => match error.take() {
+                    Some(error) => return Poll::Ready(Err(error)),
+                    None => panic!("TensorFuture polled after completion"),
+                },
+                FutureState::Waiting(slot) => match slot.poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(outcome) => outcome,
+                },
+            };
+            this.state = match outcome {
+                Ok(tensor) => FutureState::Ready(Some(tensor)),
+                Err(Failure::Retry) => match this.shared.request(this.idx) {
+                    Ok(tensor) => FutureState::Ready(Some(tensor)),
+                    Err(slot) => FutureState::Waiting(slot),
+                },
+                Err(failure) => {
+                    let name = this.shared.handles[this.idx].name();
+                    FutureState::Failed(Some(failure.into_error(name)))
+                }
+            };
+        }
+    }
+}
+
+/// The tensors of a group being made resident ([`DeviceCache::get_group_async`]).
+pub struct GroupFuture<T: DeviceTarget> {
+    futures: Vec<TensorFuture<T>>,
+    results: Vec<Option<DeviceTensor<T>>>,
+}
+
+impl<T: DeviceTarget> Future for GroupFuture<T> {
+    type Output = Result<Vec<DeviceTensor<T>>, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut pending = false;
+        for (future, result) in this.futures.iter_mut().zip(&mut this.results) {
+            if result.is_some() {
+                continue;
+            }
+            match Pin::new(future).poll(cx) {
+                Poll::Ready(Ok(tensor)) => *result = Some(tensor),
+                Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                Poll::Pending => pending = true,
+            }
+        }
+        if pending {
+            return Poll::Pending;
+        }
+        Poll::Ready(Ok(this
+            .results
+            .iter_mut()
+            .filter_map(Option::take)
+            .collect()))
+    }
+}

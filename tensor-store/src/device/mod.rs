@@ -1,0 +1,39 @@
+//! The device cache and upload pipeline: tensors go to a device as their raw GGUF
+//! blocks (never expanded on the host), once however many ask for them.
+//!
+//! - [`DeviceCache`] maps each tensor of a [`crate::TensorStore`] to a device buffer. Any
+//!   number of concurrent requests ([`DeviceCache::get`] from threads,
+//!   [`DeviceCache::get_async`] from async tasks) cause one upload and share its buffer.
+//!   A memory budget bounds what it holds; tensors nobody uses are evicted least
+//!   recently used first and uploaded again when asked for. A tensor that cannot fit
+//!   fails with [`crate::StoreError::DeviceOutOfMemory`] and leaves the cache usable.
+//! - Its pipeline reads the file with several threads (`pread`, optionally O_DIRECT) into
+//!   a ring of staging buffers and copies them to the device asynchronously, in the
+//!   order of an [`UploadOrder`] (layer by layer). A tensor is published only once its
+//!   copies have finished; [`DeviceCache::get_group`] waits for one layer while later
+//!   ones are still in flight; a request moves a tensor to the front.
+//! - [`DeviceTarget`] is all it needs from a device: [`HipTarget`] is a GPU (one arena,
+//!   one copy stream, page-locked staging), [`HostTarget`] is host memory, for tests and
+//!   CPU benchmarks, through exactly the same cache code.
+//!
+//! This module starts threads (the readers and one publisher) but no async runtime; its
+//! futures work on any executor.
+
+mod cache;
+mod files;
+mod hip;
+mod host;
+mod loader;
+mod order;
+mod pipeline;
+mod progress;
+mod slot;
+mod target;
+
+pub use cache::{CacheStats, DeviceTensor};
+pub use hip::{HipTarget, TENSOR_ALIGN};
+pub use host::{HostBuffer, HostStaging, HostTarget, HostTargetStats};
+pub use loader::{CacheConfig, DeviceCache, GroupFuture, TensorFuture, UploadMode};
+pub use order::{UploadGroup, UploadOrder};
+pub use progress::{Progress, ProgressCallback};
+pub use target::{DeviceTarget, STAGING_ALIGN};
