@@ -29,6 +29,7 @@ mod pipeline;
 mod progress;
 mod slot;
 mod target;
+mod worker;
 
 pub use cache::{CacheStats, DeviceTensor};
 pub use hip::{HipTarget, TENSOR_ALIGN};

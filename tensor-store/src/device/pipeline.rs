@@ -19,10 +19,10 @@
 //! `Absent`, and its buffer is dropped only after a fence proves no copy into it runs.
 
 use std::collections::VecDeque;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
-use super::cache::{Cache, DeviceTensor, NoRoom};
+use super::cache::{Cache, NoRoom};
 use super::files::ShardFiles;
 use super::progress::ProgressTracker;
 use super::slot::Failure;
@@ -47,36 +47,36 @@ pub(crate) enum Queued {
 }
 
 /// A tensor whose upload has started.
-struct Active<T: DeviceTarget> {
-    idx: usize,
-    size: u64,
+pub(super) struct Active<T: DeviceTarget> {
+    pub(super) idx: usize,
+    pub(super) size: u64,
     /// Requested by a caller, rather than part of the background upload.
-    demand: bool,
+    pub(super) demand: bool,
     /// Bytes handed to readers.
-    dispatched: u64,
+    pub(super) dispatched: u64,
     /// Bytes whose copies are queued.
-    copied: u64,
+    pub(super) copied: u64,
     /// `None` once abandoned: readers skip pieces of it.
-    buffer: Arc<Mutex<Option<T::Buffer>>>,
+    pub(super) buffer: Arc<Mutex<Option<T::Buffer>>>,
 }
 
 /// A piece of one tensor within a chunk.
-struct Piece<T: DeviceTarget> {
-    idx: usize,
-    tensor_offset: u64,
-    len: u64,
-    chunk_offset: u64,
-    buffer: Arc<Mutex<Option<T::Buffer>>>,
+pub(super) struct Piece<T: DeviceTarget> {
+    pub(super) idx: usize,
+    pub(super) tensor_offset: u64,
+    pub(super) len: u64,
+    pub(super) chunk_offset: u64,
+    pub(super) buffer: Arc<Mutex<Option<T::Buffer>>>,
 }
 
 /// One read: a file range and the tensor pieces in it.
-struct Job<T: DeviceTarget> {
-    shard: usize,
-    file_start: u64,
-    file_end: u64,
-    epoch: u64,
-    staging: T::Staging,
-    pieces: Vec<Piece<T>>,
+pub(super) struct Job<T: DeviceTarget> {
+    pub(super) shard: usize,
+    pub(super) file_start: u64,
+    pub(super) file_end: u64,
+    pub(super) epoch: u64,
+    pub(super) staging: T::Staging,
+    pub(super) pieces: Vec<Piece<T>>,
 }
 
 pub(crate) enum Message<T: DeviceTarget> {
@@ -96,35 +96,35 @@ pub(crate) enum Message<T: DeviceTarget> {
 /// What the pipeline's threads share, under one mutex.
 pub(crate) struct Queue<T: DeviceTarget> {
     pub(crate) status: Vec<Queued>,
-    demand: VecDeque<usize>,
-    prefetch: VecDeque<usize>,
-    prefetch_stopped: bool,
-    active: Vec<Active<T>>,
-    staging: VecDeque<T::Staging>,
+    pub(super) demand: VecDeque<usize>,
+    pub(super) prefetch: VecDeque<usize>,
+    pub(super) prefetch_stopped: bool,
+    pub(super) active: Vec<Active<T>>,
+    pub(super) staging: VecDeque<T::Staging>,
     /// Readers between picking a job and accounting for it.
-    busy: usize,
+    pub(super) busy: usize,
     /// Messages sent to the publisher and not yet handled.
-    pending: usize,
+    pub(super) pending: usize,
     /// Raised by every cancellation: jobs of an earlier epoch are not copied.
-    epoch: u64,
-    shutdown: bool,
+    pub(super) epoch: u64,
+    pub(super) shutdown: bool,
     /// The first error of the background upload, for `wait_idle`.
-    prefetch_error: Option<Arc<StoreError>>,
+    pub(super) prefetch_error: Option<Arc<StoreError>>,
 }
 
 /// Tensors to fail once the queue lock is released: (index, bytes allocated, why).
-type Abandoned = Vec<(usize, Option<u64>, Failure)>;
+pub(super) type Abandoned = Vec<(usize, Option<u64>, Failure)>;
 
 pub(crate) struct Shared<T: DeviceTarget> {
     pub(crate) cache: Cache<T>,
     /// Every tensor of the store, by index.
     pub(crate) handles: Vec<TensorHandle>,
-    shard_of: Vec<usize>,
-    files: ShardFiles,
-    chunk_bytes: u64,
-    queue: Mutex<Queue<T>>,
+    pub(super) shard_of: Vec<usize>,
+    pub(super) files: ShardFiles,
+    pub(super) chunk_bytes: u64,
+    pub(super) queue: Mutex<Queue<T>>,
     /// Signalled on every change of the queue: work, staging, publishes, shutdown.
-    signal: Condvar,
+    pub(super) signal: Condvar,
     publisher: Mutex<Option<Sender<Message<T>>>>,
     pub(crate) progress: ProgressTracker,
 }
@@ -180,13 +180,13 @@ impl<T: DeviceTarget> Shared<T> {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn wait<'a>(&self, guard: MutexGuard<'a, Queue<T>>) -> MutexGuard<'a, Queue<T>> {
+    pub(super) fn wait<'a>(&self, guard: MutexGuard<'a, Queue<T>>) -> MutexGuard<'a, Queue<T>> {
         self.signal
             .wait(guard)
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn send(&self, message: Message<T>) {
+    pub(super) fn send(&self, message: Message<T>) {
         let sender = self
             .publisher
             .lock()
@@ -309,7 +309,7 @@ impl<T: DeviceTarget> Shared<T> {
 
     /// Releases the lock, fails the abandoned tensors, and hands their buffers to the
     /// publisher to drop after a fence.
-    fn fail_and_bury(
+    pub(super) fn fail_and_bury(
         &self,
         mut q: MutexGuard<'_, Queue<T>>,
         abandoned: Abandoned,
@@ -523,170 +523,6 @@ impl<T: DeviceTarget> Shared<T> {
         });
         active.dispatched += len;
         job.file_end = job.file_end.max(file_offset + len);
-    }
-
-    /// Reads a job's range and queues its copies, then accounts for them.
-    fn run_job(&self, mut job: Job<T>) {
-        let _span = tracing::debug_span!(
-            "upload_chunk",
-            offset = job.file_start,
-            bytes = job.file_end - job.file_start
-        )
-        .entered();
-        let target = &self.cache.target;
-        let mut failed: Vec<(usize, Arc<StoreError>)> = Vec::new();
-        let len = (job.file_end - job.file_start) as usize;
-        let mut lead = 0;
-        if len > 0 {
-            let read = target
-                .staging_bytes(&mut job.staging)
-                .and_then(|bytes| self.files.read(job.shard, job.file_start, len, bytes));
-            match read {
-                Ok(at) => lead = at,
-                Err(error) => {
-                    let error = Arc::new(error);
-                    failed.extend(job.pieces.iter().map(|p| (p.idx, Arc::clone(&error))));
-                }
-            }
-        }
-        let current = self.lock().epoch == job.epoch;
-        if failed.is_empty() && current {
-            for piece in job.pieces.iter().filter(|p| p.len > 0) {
-                let mut buffer = piece.buffer.lock().unwrap_or_else(PoisonError::into_inner);
-                let Some(buffer) = buffer.as_mut() else {
-                    continue;
-                };
-                let start = lead + piece.chunk_offset as usize;
-                let copied = target.copy_to_device(
-                    &mut job.staging,
-                    start..start + piece.len as usize,
-                    buffer,
-                    piece.tensor_offset,
-                );
-                if let Err(error) = copied {
-                    failed.push((piece.idx, Arc::new(error)));
-                }
-            }
-        }
-        self.finish_job(job, failed);
-    }
-
-    /// Accounts for a job's pieces: a tensor whose last copy is queued gets a fence and
-    /// goes to the publisher; a tensor with a failed piece is given up.
-    fn finish_job(&self, job: Job<T>, failed: Vec<(usize, Arc<StoreError>)>) {
-        let mut q = self.lock();
-        q.busy -= 1;
-        q.staging.push_back(job.staging);
-        let mut abandoned = Vec::new();
-        let mut buffers = Vec::new();
-        for piece in &job.pieces {
-            let Some(at) = q.active.iter().position(|a| a.idx == piece.idx) else {
-                continue; // given up meanwhile
-            };
-            if let Some((_, error)) = failed.iter().find(|(idx, _)| *idx == piece.idx) {
-                let active = q.active.swap_remove(at);
-                if !active.demand {
-                    q.prefetch_error.get_or_insert_with(|| Arc::clone(error));
-                }
-                q.status[active.idx] = Queued::No;
-                buffers.extend(
-                    active
-                        .buffer
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .take(),
-                );
-                abandoned.push((
-                    active.idx,
-                    Some(active.size),
-                    Failure::Error(Arc::clone(error)),
-                ));
-                continue;
-            }
-            let active = &mut q.active[at];
-            active.copied += piece.len;
-            if active.copied == active.size {
-                let active = q.active.swap_remove(at);
-                q.status[active.idx] = Queued::No;
-                let buffer = active
-                    .buffer
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take();
-                if let Some(buffer) = buffer {
-                    // After this tensor's last copy (ours, queued above; the others were
-                    // queued before their readers took this lock).
-                    let fence = self.cache.target.record_fence();
-                    q.pending += 1;
-                    self.send(Message::Publish {
-                        idx: active.idx,
-                        fence,
-                        buffer,
-                    });
-                }
-            }
-        }
-        if abandoned.is_empty() {
-            drop(q);
-            self.signal.notify_all();
-        } else {
-            self.fail_and_bury(q, abandoned, buffers);
-        }
-    }
-
-    /// The publisher thread's loop: ends when every sender is gone.
-    pub(crate) fn run_publisher(&self, messages: Receiver<Message<T>>) {
-        for message in messages {
-            match message {
-                Message::Publish { idx, fence, buffer } => self.publish(idx, fence, buffer),
-                Message::Bury {
-                    fence,
-                    buffers,
-                    bytes,
-                } => {
-                    // A failure is logged there; the buffers go either way.
-                    self.wait_or_synchronize(fence).ok();
-                    drop(buffers);
-                    self.cache.release(bytes);
-                }
-            }
-            self.lock().pending -= 1;
-            self.signal.notify_all();
-        }
-    }
-
-    fn wait_or_synchronize(&self, fence: Result<T::Fence, StoreError>) -> Result<(), StoreError> {
-        let target = &self.cache.target;
-        let waited = fence.and_then(|fence| target.wait_fence(&fence));
-        if let Err(error) = &waited {
-            tracing::warn!(%error, "fence failed; waiting for the whole copy stream");
-            if let Err(error) = target.synchronize() {
-                tracing::error!(%error, "copy stream failed too");
-            }
-        }
-        waited
-    }
-
-    fn publish(&self, idx: usize, fence: Result<T::Fence, StoreError>, buffer: T::Buffer) {
-        let size = self.handles[idx].size();
-        match self.wait_or_synchronize(fence) {
-            Ok(()) => {
-                let tensor = DeviceTensor::new(self.handles[idx].clone(), buffer);
-                let slot = self.cache.publish(idx, &tensor);
-                self.progress.record(idx, size);
-                if let Some(slot) = slot {
-                    slot.resolve(Ok(tensor));
-                }
-            }
-            Err(error) => {
-                drop(buffer);
-                let slot = self.cache.abandon(idx, Some(size));
-                self.cache.release(size);
-                if let Some(slot) = slot {
-                    slot.resolve(Err(Failure::Error(Arc::new(error))));
-                }
-            }
-        }
     }
 }
 
