@@ -15,6 +15,7 @@ pub mod chat;
 mod config;
 mod error;
 mod forward;
+pub mod generate;
 mod kv_cache;
 mod model;
 mod ops;

@@ -114,6 +114,13 @@ pub struct SamplingConfig {
     pub penalty: Option<RepeatPenalty>,
 }
 
+impl SamplingConfig {
+    /// True when tokens are drawn at random (so the seed matters).
+    pub fn is_random(&self) -> bool {
+        matches!(self.mode, SamplingMode::Random { .. })
+    }
+}
+
 impl SamplingParams {
     /// Greedy decoding without penalty.
     pub fn greedy() -> SamplingParams {

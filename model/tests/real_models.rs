@@ -8,5 +8,7 @@ mod chat;
 mod common;
 #[path = "real_models/forward.rs"]
 mod forward;
+#[path = "real_models/generate.rs"]
+mod generate;
 #[path = "real_models/tokenizer.rs"]
 mod tokenizer;

@@ -1,0 +1,274 @@
+//! The generation loop: the prompt in one batch, then one token at a time until an
+//! end-of-generation token, the token limit, a full context, or a stop request.
+//!
+//! Text is handed out as it is produced, in pieces that are always valid UTF-8 (a
+//! character whose bytes span several tokens comes out whole once its last byte is in).
+//! End-of-generation tokens end the loop and are neither returned nor printed, as in
+//! llama.cpp's CLI. The prompt's tokens count as "recent" for the repetition penalty,
+//! also as in llama.cpp.
+
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::sampling::{Sampler, SamplingConfig, SamplingError};
+use crate::tokenizer::{TokenId, Tokenizer, TokenizerError};
+use crate::{Model, ModelError};
+
+/// Why generation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt has no tokens: there is nothing to continue")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt_tokens} tokens but the context holds {context_size}")]
+    PromptTooLong {
+        prompt_tokens: usize,
+        context_size: usize,
+    },
+    #[error("context size must be at least 1")]
+    ZeroContext,
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+}
+
+/// What to generate and how.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GenerateOptions {
+    pub sampling: SamplingConfig,
+    /// Most tokens to generate (end-of-generation tokens not counted).
+    pub max_tokens: usize,
+    /// Most positions, prompt included, the KV cache may hold.
+    pub context_size: usize,
+}
+
+/// Why the loop ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model produced an end-of-generation token.
+    EndOfGeneration,
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// The context is full.
+    ContextFull,
+    /// The stop flag was set (Ctrl-C).
+    Interrupted,
+    /// The text callback asked to stop.
+    CallbackStopped,
+}
+
+impl StopReason {
+    /// A short lower-case name for reports (`end_of_generation`, `max_tokens`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            StopReason::EndOfGeneration => "end_of_generation",
+            StopReason::MaxTokens => "max_tokens",
+            StopReason::ContextFull => "context_full",
+            StopReason::Interrupted => "interrupted",
+            StopReason::CallbackStopped => "callback_stopped",
+        }
+    }
+}
+
+/// Where the time went.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Timings {
+    /// The prompt's forward pass.
+    pub prompt: Duration,
+    pub prompt_tokens: usize,
+    /// Everything after the prompt: sampling, decoding and single-token forward passes.
+    pub decode: Duration,
+    /// Single-token forward passes after the prompt (the first generated token comes from
+    /// the prompt's logits, so this is one less than the tokens generated, or equal when
+    /// the last one was fed back before a stop).
+    pub decode_passes: usize,
+}
+
+impl Timings {
+    pub fn prompt_ms(&self) -> f64 {
+        self.prompt.as_secs_f64() * 1e3
+    }
+
+    pub fn decode_ms(&self) -> f64 {
+        self.decode.as_secs_f64() * 1e3
+    }
+
+    /// `None` when no prompt was processed.
+    pub fn prompt_tokens_per_s(&self) -> Option<f64> {
+        rate(self.prompt_tokens, self.prompt)
+    }
+
+    /// `None` when no token was decoded after the prompt.
+    pub fn decode_tokens_per_s(&self) -> Option<f64> {
+        rate(self.decode_passes, self.decode)
+    }
+}
+
+fn rate(count: usize, time: Duration) -> Option<f64> {
+    (count > 0 && !time.is_zero()).then(|| count as f64 / time.as_secs_f64())
+}
+
+/// The result of a generation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generation {
+    pub prompt_tokens: Vec<TokenId>,
+    /// Generated tokens, without the end-of-generation token.
+    pub tokens: Vec<TokenId>,
+    /// The end-of-generation token, when that is why the loop stopped.
+    pub end_token: Option<TokenId>,
+    /// All text handed to the callback.
+    pub text: String,
+    pub stop_reason: StopReason,
+    pub timings: Timings,
+}
+
+/// Continues `prompt_tokens` with `model`, handing each new piece of text to `on_text`
+/// (return [`ControlFlow::Break`] to stop). Setting `stop` ends the loop before the next
+/// forward pass; what was generated so far is returned.
+pub fn generate<F>(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prompt_tokens: &[TokenId],
+    options: &GenerateOptions,
+    stop: &AtomicBool,
+    mut on_text: F,
+) -> Result<Generation, GenerateError>
+where
+    F: FnMut(&str) -> ControlFlow<()>,
+{
+    check_prompt(prompt_tokens.len(), options.context_size)?;
+    let mut output = Generation {
+        prompt_tokens: prompt_tokens.to_vec(),
+        tokens: Vec::new(),
+        end_token: None,
+        text: String::new(),
+        stop_reason: StopReason::MaxTokens,
+        timings: Timings::default(),
+    };
+    if options.max_tokens == 0 {
+        return Ok(output);
+    }
+    if stop.load(Ordering::Relaxed) {
+        output.stop_reason = StopReason::Interrupted;
+        return Ok(output);
+    }
+    // The last sampled token is never fed back, so this many positions suffice.
+    let positions = (prompt_tokens.len() + options.max_tokens - 1).min(options.context_size);
+    let mut cache = model.new_cache(positions);
+    let mut sampler = Sampler::new(options.sampling);
+    for &token in prompt_tokens {
+        sampler.accept(token);
+    }
+
+    let start = Instant::now();
+    let mut logits = {
+        let _span = tracing::debug_span!("prompt", n_tokens = prompt_tokens.len()).entered();
+        model.forward(prompt_tokens, &mut cache)?
+    };
+    let decode_start = Instant::now();
+    output.timings.prompt = decode_start - start;
+    output.timings.prompt_tokens = prompt_tokens.len();
+
+    let mut decoder = tokenizer.stream_decoder(false);
+    let stop_reason = loop {
+        let token = sampler.sample(&logits)?;
+        sampler.accept(token);
+        if tokenizer.is_end_of_generation(token) {
+            output.end_token = Some(token);
+            break StopReason::EndOfGeneration;
+        }
+        output.tokens.push(token);
+        let piece = decoder.push(token)?;
+        if !piece.is_empty() {
+            output.text.push_str(&piece);
+            if on_text(&piece).is_break() {
+                break StopReason::CallbackStopped;
+            }
+        }
+        if output.tokens.len() >= options.max_tokens {
+            break StopReason::MaxTokens;
+        }
+        if cache.len() >= options.context_size {
+            break StopReason::ContextFull;
+        }
+        if stop.load(Ordering::Relaxed) {
+            break StopReason::Interrupted;
+        }
+        let _span = tracing::trace_span!("decode", position = cache.len()).entered();
+        logits = model.forward(&[token], &mut cache)?;
+        output.timings.decode_passes += 1;
+    };
+    let rest = decoder.finish();
+    if !rest.is_empty() {
+        output.text.push_str(&rest);
+        // The loop is over either way; a request to stop changes nothing here.
+        let _ = on_text(&rest);
+    }
+    output.timings.decode = decode_start.elapsed();
+    output.stop_reason = stop_reason;
+    Ok(output)
+}
+
+/// The checks done before any work: a prompt that exists and fits.
+fn check_prompt(prompt_tokens: usize, context_size: usize) -> Result<(), GenerateError> {
+    if context_size == 0 {
+        return Err(GenerateError::ZeroContext);
+    }
+    if prompt_tokens == 0 {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    if prompt_tokens > context_size {
+        return Err(GenerateError::PromptTooLong {
+            prompt_tokens,
+            context_size,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_checks_name_the_sizes() {
+        assert!(matches!(
+            check_prompt(1, 0),
+            Err(GenerateError::ZeroContext)
+        ));
+        assert!(matches!(
+            check_prompt(0, 8),
+            Err(GenerateError::EmptyPrompt)
+        ));
+        let e = check_prompt(9, 8).unwrap_err();
+        assert!(matches!(
+            e,
+            GenerateError::PromptTooLong {
+                prompt_tokens: 9,
+                context_size: 8
+            }
+        ));
+        assert_eq!(
+            e.to_string(),
+            "the prompt has 9 tokens but the context holds 8"
+        );
+        assert!(check_prompt(8, 8).is_ok());
+    }
+
+    #[test]
+    fn rates_are_absent_without_work() {
+        let t = Timings {
+            prompt: Duration::from_millis(500),
+            prompt_tokens: 10,
+            decode: Duration::ZERO,
+            decode_passes: 0,
+        };
+        assert_eq!(t.prompt_tokens_per_s(), Some(20.0));
+        assert_eq!(t.decode_tokens_per_s(), None);
+        assert_eq!(t.prompt_ms(), 500.0);
+        assert_eq!(Timings::default().prompt_tokens_per_s(), None);
+    }
+}

@@ -1,0 +1,174 @@
+//! The generation loop on the real models: greedy decoding reproduces llama.cpp's first
+//! 16 tokens of every golden prompt, streamed text is the decoded tokens, seeded sampling
+//! repeats itself, and each way of stopping reports itself.
+
+use std::ops::ControlFlow;
+use std::sync::atomic::AtomicBool;
+
+use model::generate::{generate, GenerateError, GenerateOptions, Generation, StopReason};
+use model::sampling::SamplingParams;
+use model::tokenizer::{DecodeOptions, Tokenizer};
+use model::Model;
+use tensor_store::TensorStore;
+
+use crate::common::{golden, ids, model_path, GEMMA3, SMOLLM2};
+
+/// Tokens of each golden continuation that must match exactly.
+const GREEDY_TOKENS: usize = 16;
+
+fn load(file: &str) -> (Model, Tokenizer) {
+    let store = TensorStore::open(model_path(file)).expect("model opens");
+    let tokenizer = Tokenizer::from_metadata(store.metadata()).expect("tokenizer builds");
+    (Model::load(&store).expect("model loads"), tokenizer)
+}
+
+fn greedy(max_tokens: usize, context_size: usize) -> GenerateOptions {
+    GenerateOptions {
+        sampling: SamplingParams::greedy().validate().unwrap(),
+        max_tokens,
+        context_size,
+    }
+}
+
+/// Runs `generate`, collecting the streamed pieces.
+fn run(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    options: &GenerateOptions,
+) -> (Generation, Vec<String>) {
+    let mut pieces = Vec::new();
+    let stop = AtomicBool::new(false);
+    let output = generate(model, tokenizer, prompt, options, &stop, |piece| {
+        pieces.push(piece.to_owned());
+        ControlFlow::Continue(())
+    })
+    .expect("generation runs");
+    (output, pieces)
+}
+
+fn greedy_matches_llama_cpp(file: &str) {
+    let (model, tokenizer) = load(file);
+    for case in golden(file)["cases"].as_array().expect("cases") {
+        let prompt = ids(&case["prompt_tokens"]);
+        let expected = ids(&case["greedy_tokens"]);
+        let n = GREEDY_TOKENS.min(expected.len());
+        let (output, pieces) = run(&model, &tokenizer, &prompt, &greedy(n, 4096));
+        assert_eq!(output.tokens, expected[..n], "{file}: {:?}", case["prompt"]);
+        assert_eq!(output.stop_reason, StopReason::MaxTokens);
+        assert_eq!(output.prompt_tokens, prompt);
+        assert_eq!(pieces.concat(), output.text);
+        let decoded = tokenizer
+            .decode(&output.tokens, DecodeOptions::TEXT)
+            .expect("decodes");
+        assert_eq!(output.text, decoded);
+        let timings = output.timings;
+        assert_eq!(timings.prompt_tokens, prompt.len());
+        assert_eq!(timings.decode_passes, n - 1);
+        assert!(timings.prompt_tokens_per_s().is_some() && timings.decode_tokens_per_s().is_some());
+    }
+}
+
+#[test]
+fn smollm2_greedy_generation_matches_llama_cpp() {
+    greedy_matches_llama_cpp(SMOLLM2);
+}
+
+#[test]
+fn gemma3_greedy_generation_matches_llama_cpp() {
+    greedy_matches_llama_cpp(GEMMA3);
+}
+
+#[test]
+fn generation_stops_for_each_reason() {
+    let (model, tokenizer) = load(SMOLLM2);
+    let case = &golden(SMOLLM2)["cases"][0];
+    let prompt = ids(&case["prompt_tokens"]);
+    let expected = ids(&case["greedy_tokens"]);
+
+    // A context three positions longer than the prompt: three tokens are fed back, the
+    // fourth is sampled and then there is no room.
+    let (output, _) = run(&model, &tokenizer, &prompt, &greedy(100, prompt.len() + 3));
+    assert_eq!(output.stop_reason, StopReason::ContextFull);
+    assert_eq!(output.tokens, expected[..4]);
+
+    let e = generate(
+        &model,
+        &tokenizer,
+        &prompt,
+        &greedy(8, prompt.len() - 1),
+        &AtomicBool::new(false),
+        |_| ControlFlow::Continue(()),
+    )
+    .unwrap_err();
+    assert!(matches!(e, GenerateError::PromptTooLong { .. }), "{e}");
+
+    let stopped = AtomicBool::new(true);
+    let output = generate(
+        &model,
+        &tokenizer,
+        &prompt,
+        &greedy(8, 64),
+        &stopped,
+        |_| ControlFlow::Continue(()),
+    )
+    .unwrap();
+    assert_eq!(
+        (output.stop_reason, output.tokens.len()),
+        (StopReason::Interrupted, 0)
+    );
+
+    let never = AtomicBool::new(false);
+    let output = generate(&model, &tokenizer, &prompt, &greedy(8, 64), &never, |_| {
+        ControlFlow::Break(())
+    })
+    .unwrap();
+    assert_eq!(
+        (output.stop_reason, output.tokens.len()),
+        (StopReason::CallbackStopped, 1)
+    );
+}
+
+#[test]
+fn end_of_generation_ends_the_loop_unprinted() {
+    let (model, tokenizer) = load(SMOLLM2);
+    // The chat format makes the model close its turn with <|im_end|> after a short answer.
+    let text = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n";
+    let prompt = tokenizer
+        .encode(text, model::tokenizer::EncodeOptions::PROMPT)
+        .unwrap();
+    let (output, pieces) = run(&model, &tokenizer, &prompt, &greedy(64, 4096));
+    assert_eq!(
+        output.stop_reason,
+        StopReason::EndOfGeneration,
+        "{:?}",
+        output.text
+    );
+    let end = output.end_token.expect("end token");
+    assert!(tokenizer.is_end_of_generation(end));
+    assert!(!output.tokens.contains(&end));
+    assert!(!pieces.concat().contains("<|im_end|>"));
+}
+
+#[test]
+fn seeded_sampling_repeats_itself() {
+    let (model, tokenizer) = load(SMOLLM2);
+    let prompt = ids(&golden(SMOLLM2)["cases"][0]["prompt_tokens"]);
+    let sampled = |seed| {
+        let params = SamplingParams {
+            temperature: 1.5,
+            seed,
+            ..SamplingParams::default()
+        };
+        let options = GenerateOptions {
+            sampling: params.validate().unwrap(),
+            max_tokens: 12,
+            context_size: 4096,
+        };
+        run(&model, &tokenizer, &prompt, &options).0.tokens
+    };
+    let first = sampled(11);
+    assert_eq!(first.len(), 12);
+    assert_eq!(first, sampled(11));
+    assert_ne!(first, sampled(12));
+}
