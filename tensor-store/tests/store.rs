@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 
 #[path = "store/device_cache.rs"]
 mod device_cache;
+#[path = "store/device_gpu.rs"]
+mod device_gpu;
 
 use gguf_format::{GgmlType, GgufWriter};
 use tensor_store::{LoadMode, StoreError, TensorStore};

@@ -14,10 +14,10 @@ use tensor_store::{LoadMode, StoreError, TensorHandle, TensorStore};
 
 /// A model of `layers` blocks of two tensors each, between an embedding and an output
 /// tensor, each `size` bytes of I8 with bytes of its own.
-struct Model {
+pub(super) struct Model {
     _dir: tempfile::TempDir,
-    path: PathBuf,
-    store: TensorStore,
+    pub(super) path: PathBuf,
+    pub(super) store: TensorStore,
 }
 
 fn tensor_bytes(i: usize, size: u64) -> Vec<u8> {
@@ -32,7 +32,7 @@ fn tensor_bytes(i: usize, size: u64) -> Vec<u8> {
         .collect()
 }
 
-fn model(layers: usize, size: u64) -> Model {
+pub(super) fn model(layers: usize, size: u64) -> Model {
     model_with(layers, size, LoadMode::Mmap)
 }
 
