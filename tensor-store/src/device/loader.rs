@@ -48,10 +48,13 @@ pub struct CacheConfig {
 
 impl Default for CacheConfig {
     fn default() -> CacheConfig {
+        // Half the cores, 2 to 8: reading from the page cache is a memory copy that
+        // scales with threads; compute keeps the other half.
+        let readers = std::thread::available_parallelism().map_or(4, |n| (n.get() / 2).clamp(2, 8));
         CacheConfig {
             mode: UploadMode::Background,
             budget: None,
-            readers: 4,
+            readers,
             staging_buffers: 8,
             chunk_bytes: 16 << 20,
             direct_io: false,
@@ -104,6 +107,7 @@ pub struct DeviceCache<T: DeviceTarget> {
     order: UploadOrder,
     readers: Vec<JoinHandle<()>>,
     publisher: Option<JoinHandle<()>>,
+    allocator: Option<JoinHandle<()>>,
 }
 
 impl<T: DeviceTarget> DeviceCache<T> {
@@ -146,9 +150,10 @@ impl<T: DeviceTarget> DeviceCache<T> {
             .map(|h| paths.iter().position(|p| p == h.path()).unwrap_or(0))
             .collect();
         let files = ShardFiles::open(&paths, config.direct_io)?;
-        let staging = (0..config.staging_buffers)
-            .map(|_| target.alloc_staging(config.chunk_bytes + DIRECT_SLACK))
-            .collect::<Result<Vec<_>, _>>()?;
+        // One staging buffer now (so a failure shows here); the others are allocated
+        // while the readers already work (page-locked allocations are slow).
+        let staging_len = config.chunk_bytes + DIRECT_SLACK;
+        let staging = vec![target.alloc_staging(staging_len)?];
         let prefetch = match config.mode {
             UploadMode::Lazy => Vec::new(),
             UploadMode::Eager | UploadMode::Background => {
@@ -177,6 +182,7 @@ impl<T: DeviceTarget> DeviceCache<T> {
             order,
             readers: Vec::new(),
             publisher: None,
+            allocator: None,
         };
         let spawn_error = |source| StoreError::Io {
             path: store.path().to_owned(),
@@ -195,6 +201,16 @@ impl<T: DeviceTarget> DeviceCache<T> {
                 std::thread::Builder::new()
                     .name(format!("upload-reader-{n}"))
                     .spawn(move || reader.run_reader())
+                    .map_err(spawn_error)?,
+            );
+        }
+        if config.staging_buffers > 1 {
+            let allocator = Arc::clone(&shared);
+            let more = config.staging_buffers - 1;
+            cache.allocator = Some(
+                std::thread::Builder::new()
+                    .name("upload-staging".into())
+                    .spawn(move || allocator.grow_staging(more, staging_len))
                     .map_err(spawn_error)?,
             );
         }
@@ -340,6 +356,7 @@ impl<T: DeviceTarget> Drop for DeviceCache<T> {
                 tracing::error!("an upload thread panicked");
             }
         };
+        self.allocator.take().into_iter().for_each(join);
         self.readers.drain(..).for_each(join);
         self.shared.cancel();
         self.shared.close_publisher();

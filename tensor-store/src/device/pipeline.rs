@@ -242,6 +242,25 @@ impl<T: DeviceTarget> Shared<T> {
         self.signal.notify_all();
     }
 
+    /// Adds `count` staging buffers of `len` bytes to the ring, one at a time, so the
+    /// readers use each as soon as it exists. Stops at shutdown or at the first failure
+    /// (the ring works with what it has).
+    pub(crate) fn grow_staging(&self, count: usize, len: usize) {
+        for _ in 0..count {
+            if self.lock().shutdown {
+                return;
+            }
+            match self.cache.target.alloc_staging(len) {
+                Ok(staging) => self.lock().staging.push_back(staging),
+                Err(error) => {
+                    tracing::warn!(%error, "staging ring stays smaller than asked");
+                    return;
+                }
+            }
+            self.signal.notify_all();
+        }
+    }
+
     /// True when the readers bypass the page cache (O_DIRECT) for every file.
     pub(crate) fn reads_direct(&self) -> bool {
         self.files.all_direct()
