@@ -122,6 +122,19 @@ fn tensor(ty: GgmlType, f16_offsets: &[usize], values: usize) -> Vec<u8> {
             block[at..at + 2].copy_from_slice(&value.to_le_bytes());
         }
     }
+    if ty == GgmlType::IQ1_M {
+        // The f16 scale lies in the top nibbles of the four u16 of `scales`: make it
+        // 2^-8 plus random mantissa bits.
+        let at = offset_of!(BlockIQ1_M, scales);
+        for block in bytes.chunks_mut(block_bytes) {
+            let mantissa = u16::from_le_bytes([block[at], block[at + 2]]) & 0x00FF;
+            let d = 0x1C00 | mantissa;
+            for i in 0..4 {
+                let nibble = ((d >> (4 * i)) & 0x0F) as u8;
+                block[at + 2 * i + 1] = (block[at + 2 * i + 1] & 0x0F) | (nibble << 4);
+            }
+        }
+    }
     if ty == GgmlType::MXFP4 {
         // Shared exponents near 2^0.
         for block in bytes.chunks_mut(block_bytes) {

@@ -1,4 +1,5 @@
-//! AVX2 kernels (with F16C for the f16 scales) of the formats that models use most.
+//! AVX2 kernels (with F16C for the f16 scales) of the formats that models use most and
+//! of the grid formats.
 //!
 //! Each kernel is bit-identical to its reference decoder: it performs the same f32
 //! operations in the same order, a product and then a sum or difference, never fused,
@@ -13,7 +14,7 @@
 use std::arch::x86_64::*;
 
 use super::grids::{KVALUES_IQ4NL, KVALUES_MXFP4};
-use super::scalar::{e8m0_to_f32_half, k_scales_mins};
+use super::scalar::{self, e8m0_to_f32_half, k_scales_mins, Put};
 use crate::blocks::*;
 
 /// Proof that the CPU supports AVX2 and F16C.
@@ -56,6 +57,13 @@ entry! {
     q4_k: BlockQ4_K => QK_K,
     q5_k: BlockQ5_K => QK_K,
     q6_k: BlockQ6_K => QK_K,
+    iq2_xxs: BlockIQ2_XXS => QK_K,
+    iq2_xs: BlockIQ2_XS => QK_K,
+    iq2_s: BlockIQ2_S => QK_K,
+    iq3_xxs: BlockIQ3_XXS => QK_K,
+    iq3_s: BlockIQ3_S => QK_K,
+    iq1_s: BlockIQ1_S => QK_K,
+    iq1_m: BlockIQ1_M => QK_K,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -391,4 +399,76 @@ fn q6_k(blocks: &[BlockQ6_K], out: &mut [[f32; QK_K]]) {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Grid formats: the reference decoders' index and scale logic, with runs of 8 values
+// written by AVX2.
+
+impl Put for Avx2 {
+    #[inline(always)]
+    fn signed(self, y: &mut [f32], scale: f32, grid: u64, signs: u8) {
+        // SAFETY: `self` exists only when `detect` found AVX2 and F16C on this CPU.
+        unsafe { put_signed(y, scale, grid, signs) }
+    }
+
+    #[inline(always)]
+    fn shifted(self, y: &mut [f32], scale: f32, grid: u64, delta: f32) {
+        // SAFETY: `self` exists only when `detect` found AVX2 and F16C on this CPU.
+        unsafe { put_shifted(y, scale, grid, delta) }
+    }
+}
+
+/// [`Put::signed`] for eight values: the grid bytes widened, scaled, and their sign
+/// bits flipped where `signs` has a bit set.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn put_signed(y: &mut [f32], scale: f32, grid: u64, signs: u8) {
+    let g = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(grid as i64)));
+    let v = _mm256_mul_ps(_mm256_set1_ps(scale), g);
+    let bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    let set = _mm256_cmpeq_epi32(
+        _mm256_and_si256(_mm256_set1_epi32(signs as i32), bits),
+        bits,
+    );
+    let sign = _mm256_castsi256_ps(_mm256_slli_epi32::<31>(set));
+    store8(y, 0, _mm256_xor_ps(v, sign));
+}
+
+/// [`Put::shifted`] for eight values: the signed grid bytes widened, shifted by
+/// `delta`, then scaled.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn put_shifted(y: &mut [f32], scale: f32, grid: u64, delta: f32) {
+    let g = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(grid as i64)));
+    let v = _mm256_add_ps(g, _mm256_set1_ps(delta));
+    store8(y, 0, _mm256_mul_ps(_mm256_set1_ps(scale), v));
+}
+
+/// A kernel per grid format: the generic decoder, inlined here so that it is compiled
+/// for AVX2, with [`Avx2`] as its [`Put`].
+macro_rules! grid_kernels {
+    ($($name:ident => $with:ident: $block:ty,)*) => {
+        $(
+            #[target_feature(enable = "avx2,f16c")]
+            fn $name(blocks: &[$block], out: &mut [[f32; QK_K]]) {
+                // This function runs only where AVX2 and F16C are present, which is
+                // what the proof states.
+                let proof = Avx2(());
+                for (b, y) in blocks.iter().zip(out) {
+                    scalar::$with(proof, b, y);
+                }
+            }
+        )*
+    };
+}
+
+grid_kernels! {
+    iq2_xxs => iq2_xxs_with: BlockIQ2_XXS,
+    iq2_xs => iq2_xs_with: BlockIQ2_XS,
+    iq2_s => iq2_s_with: BlockIQ2_S,
+    iq3_xxs => iq3_xxs_with: BlockIQ3_XXS,
+    iq3_s => iq3_s_with: BlockIQ3_S,
+    iq1_s => iq1_s_with: BlockIQ1_S,
+    iq1_m => iq1_m_with: BlockIQ1_M,
 }
