@@ -28,7 +28,13 @@ pub enum ModelError {
     Matmul {
         name: String,
         #[source]
-        source: dequant::matmul::MatmulError,
+        source: dequant::DequantError,
+    },
+    #[error("tensor {name:?}: {source}")]
+    Decode {
+        name: String,
+        #[source]
+        source: dequant::DequantError,
     },
     #[error("token id {token} is outside the vocabulary of {n_vocab}")]
     TokenOutOfRange { token: u32, n_vocab: usize },

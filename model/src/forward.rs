@@ -115,11 +115,13 @@ fn layer_forward(
     if let Some(norm) = &layer.k_norm {
         ops::rms_norm_in_place(&mut s.k, &vector(norm)?, eps);
     }
+    let freq_factors = layer.rope_freqs.as_ref().map(vector).transpose()?;
     let table = ops::rope_table(
         first_pos..first_pos + n,
         config.rope_dims,
         attn_cfg.rope_freq_base,
         config.rope_scale,
+        freq_factors.as_deref(),
     );
     ops::apply_rope(
         &mut s.q,
@@ -260,40 +262,15 @@ fn add(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// Decodes whole blocks of `bytes` into `out`.
+/// Decodes whole blocks of `bytes` into `out`, whatever their type.
 fn decode_row(
     name: &str,
     ty: gguf_format::GgmlType,
     bytes: &[u8],
     out: &mut [f32],
 ) -> Result<(), ModelError> {
-    use gguf_format::GgmlType;
-    let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-    match ty {
-        GgmlType::F32 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        GgmlType::F16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16(b);
-            }
-        }
-        GgmlType::Q8_0 => {
-            for (o, block) in out.chunks_exact_mut(32).zip(bytes.chunks_exact(34)) {
-                let d = f16(block);
-                for (v, &q) in o.iter_mut().zip(&block[2..]) {
-                    *v = d * f32::from(q as i8);
-                }
-            }
-        }
-        other => {
-            return Err(ModelError::UnsupportedTensorType {
-                name: name.to_owned(),
-                ggml_type: other,
-            })
-        }
-    }
-    Ok(())
+    dequant::decode_f32(ty, bytes, out).map_err(|source| ModelError::Decode {
+        name: name.to_owned(),
+        source,
+    })
 }

@@ -12,7 +12,7 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (row, out_row) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
         let sum_sq: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-        let scale = (1.0 / ((sum_sq / d as f64) as f32 + eps).sqrt()) as f32;
+        let scale = 1.0 / ((sum_sq / d as f64) as f32 + eps).sqrt();
         for ((o, &v), &w) in out_row.iter_mut().zip(row).zip(weight) {
             *o = v * scale * w;
         }
@@ -32,19 +32,25 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
 }
 
 /// Cosines and sines of the rotary angles for `positions`, `rope_dims / 2` pairs each,
-/// computed as ggml does: `theta_i = pos · base^(-2i / rope_dims)` by repeated products.
+/// computed as ggml does: `theta_i = pos · base^(-2i / rope_dims)` by repeated products,
+/// divided by pair `i`'s frequency factor when the model has them (Llama 3's
+/// `rope_freqs.weight`), then divided by the linear scaling factor `scale`.
 pub fn rope_table(
     positions: impl Iterator<Item = usize>,
     rope_dims: usize,
     base: f32,
     scale: f32,
+    freq_factors: Option<&[f32]>,
 ) -> Vec<(f32, f32)> {
     let theta_scale = base.powf(-2.0 / rope_dims as f32);
+    let freq_scale = 1.0 / scale;
     let mut table = Vec::new();
     for pos in positions {
-        let mut theta = pos as f32 / scale;
-        for _ in 0..rope_dims / 2 {
-            table.push((theta.cos(), theta.sin()));
+        let mut theta = pos as f32;
+        for i in 0..rope_dims / 2 {
+            let factor = freq_factors.map_or(1.0, |f| f[i]);
+            let angle = freq_scale * (theta / factor);
+            table.push((angle.cos(), angle.sin()));
             theta *= theta_scale;
         }
     }
@@ -217,10 +223,10 @@ mod tests {
     fn rope_at_position_zero_is_identity_and_preserves_norm() {
         let mut x: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.5).collect();
         let orig = x.clone();
-        let table = rope_table([0usize].into_iter(), 8, 10_000.0, 1.0);
+        let table = rope_table([0usize].into_iter(), 8, 10_000.0, 1.0, None);
         apply_rope(&mut x, 8, 8, RopeStyle::Halves, &table);
         assert_eq!(x, orig);
-        let table = rope_table([7usize].into_iter(), 8, 10_000.0, 1.0);
+        let table = rope_table([7usize].into_iter(), 8, 10_000.0, 1.0, None);
         for style in [RopeStyle::Halves, RopeStyle::Interleaved] {
             let mut y = orig.clone();
             apply_rope(&mut y, 8, 8, style, &table);
@@ -229,6 +235,25 @@ mod tests {
             assert!((n0 - n1).abs() < 1e-4);
             assert_ne!(y, orig);
         }
+    }
+
+    #[test]
+    fn rope_frequency_factors_divide_each_pairs_angle() {
+        // Llama 3 files carry per-pair divisors of the rotary angles; ignoring them
+        // rotated the slow pairs of every Llama 3.1/3.2 head too far.
+        let (pos, dims, base) = (9usize, 8, 10_000.0f32);
+        let factors = [1.0, 2.0, 4.0, 8.0];
+        let plain = rope_table([pos].into_iter(), dims, base, 1.0, None);
+        let scaled = rope_table([pos].into_iter(), dims, base, 1.0, Some(&factors));
+        for i in 0..dims / 2 {
+            let theta = pos as f32 * base.powf(-2.0 * i as f32 / dims as f32);
+            let expected = theta / factors[i];
+            assert!((plain[i].0 - theta.cos()).abs() < 1e-5);
+            assert!((scaled[i].0 - expected.cos()).abs() < 1e-5, "pair {i}");
+            assert!((scaled[i].1 - expected.sin()).abs() < 1e-5, "pair {i}");
+        }
+        assert_eq!(scaled[0], plain[0]);
+        assert_ne!(scaled[1], plain[1]);
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub struct LayerPlan {
     pub wk: Linear,
     pub wv: Linear,
     pub wo: Linear,
+    /// Divisors of each rotary pair's angle (Llama 3's `rope_freqs.weight`, one tensor
+    /// shared by every layer).
+    pub rope_freqs: Option<Vector>,
     /// Per-head RMSNorm of queries and keys (Gemma 3).
     pub q_norm: Option<Vector>,
     pub k_norm: Option<Vector>,
@@ -51,7 +54,8 @@ pub struct LayerPlan {
 /// Everything the forward pass reads, as lazy handles.
 #[derive(Clone, Debug)]
 pub struct ExecutionPlan {
-    /// `n_vocab` rows of `n_embd`: rows are gathered, never multiplied whole.
+    /// `n_vocab` rows of `n_embd`: rows are gathered and decoded, so any type the
+    /// decoder knows will do, unless the output is tied to it.
     pub token_embd: Linear,
     pub layers: Vec<LayerPlan>,
     pub output_norm: Vector,
@@ -71,12 +75,19 @@ impl ExecutionPlan {
         );
         let gemma = config.architecture == Architecture::Gemma3;
         let biased = config.architecture == Architecture::Qwen2;
-        let token_embd = b.linear("token_embd.weight", config.n_vocab, d, false)?;
+        let token_embd = b.matrix("token_embd.weight", config.n_vocab, d)?;
+        let rope_freqs = match store.get("rope_freqs.weight") {
+            Some(_) if config.architecture == Architecture::Llama => {
+                Some(b.vector("rope_freqs.weight", config.rope_dims / 2)?)
+            }
+            _ => None,
+        };
         let layers = (0..config.n_layers)
             .map(|i| {
                 let n = |s: &str| format!("blk.{i}.{s}");
                 Ok(LayerPlan {
                     attn_norm: b.vector(&n("attn_norm.weight"), d)?,
+                    rope_freqs: rope_freqs.clone(),
                     wq: b.linear(&n("attn_q.weight"), q_dim, d, biased)?,
                     wk: b.linear(&n("attn_k.weight"), kv_dim, d, biased)?,
                     wv: b.linear(&n("attn_v.weight"), v_dim, d, biased)?,
@@ -107,7 +118,10 @@ impl ExecutionPlan {
             .collect::<Result<Vec<_>, ModelError>>()?;
         let output = match store.get("output.weight") {
             Some(_) => b.linear("output.weight", config.n_vocab, d, false)?,
-            None => token_embd.clone(),
+            None => {
+                b.check_kernel(&token_embd.weight)?;
+                token_embd.clone()
+            }
         };
         Ok(ExecutionPlan {
             token_embd,
@@ -120,13 +134,17 @@ impl ExecutionPlan {
     /// Every weight handle of the plan, in the order the forward pass first reads them.
     pub fn handles(&self) -> Vec<&TensorHandle> {
         let mut out = vec![&self.token_embd.weight];
-        for l in &self.layers {
+        for (layer_idx, l) in self.layers.iter().enumerate() {
             out.push(&l.attn_norm.handle);
             for lin in [&l.wq, &l.wk, &l.wv] {
                 out.push(&lin.weight);
                 out.extend(lin.bias.as_ref());
             }
             out.extend(l.q_norm.iter().chain(&l.k_norm).map(|v| &v.handle));
+            if layer_idx == 0 {
+                // Shared by every layer.
+                out.extend(l.rope_freqs.as_ref().map(|v| &v.handle));
+            }
             out.push(&l.wo.weight);
             out.extend(l.post_attn_norm.as_ref().map(|v| &v.handle));
             out.push(&l.ffn_norm.handle);
@@ -169,6 +187,27 @@ impl Builder<'_> {
         Ok(handle)
     }
 
+    /// A matrix of `rows` by `cols` of any type, checked for shape only.
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Linear, ModelError> {
+        Ok(Linear {
+            weight: self.handle(name, &[cols as u64, rows as u64])?,
+            bias: None,
+            rows,
+            cols,
+        })
+    }
+
+    /// Refuses a weight that no product kernel multiplies.
+    fn check_kernel(&self, weight: &TensorHandle) -> Result<(), ModelError> {
+        if !dequant::matmul::is_supported(weight.ggml_type()) {
+            return Err(ModelError::UnsupportedTensorType {
+                name: weight.name().to_owned(),
+                ggml_type: weight.ggml_type(),
+            });
+        }
+        Ok(())
+    }
+
     fn linear(
         &self,
         name: &str,
@@ -177,12 +216,7 @@ impl Builder<'_> {
         bias: bool,
     ) -> Result<Linear, ModelError> {
         let weight = self.handle(name, &[cols as u64, rows as u64])?;
-        if !dequant::matmul::is_supported(weight.ggml_type()) {
-            return Err(ModelError::UnsupportedTensorType {
-                name: name.to_owned(),
-                ggml_type: weight.ggml_type(),
-            });
-        }
+        self.check_kernel(&weight)?;
         let bias = if bias {
             let bias_name = name.replace(".weight", ".bias");
             Some(self.vector(&bias_name, rows)?.handle)
