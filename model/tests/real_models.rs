@@ -10,5 +10,7 @@ mod common;
 mod forward;
 #[path = "real_models/generate.rs"]
 mod generate;
+#[path = "real_models/synthetic.rs"]
+mod synthetic;
 #[path = "real_models/tokenizer.rs"]
 mod tokenizer;

@@ -1,0 +1,378 @@
+//! Synthetic models against llama.cpp: the architectures, head layouts and weight types
+//! that no real model here covers (`qwen2` with its Q/K/V biases and NeoX RoPE, Llama 3's
+//! tokenizer and RoPE divisors, multi-head and multi-query attention, Gemma 3's sliding
+//! window and global layer, every weight type the kernels claim, tied and untied outputs).
+//!
+//! Each model is generated here, bit for bit, from a spec in `synthetic/generate.rs`;
+//! llama.cpp's tokens and teacher-forced logits for the same bytes are in
+//! `tests/data/oracle/NAME.json`, made by `tests/data/logitref.cpp` (the commands are in
+//! `tests/data/README.md`). Each reference records the SHA-256 of the file it was made
+//! from, so a change to the generator fails here until the references are made again.
+//!
+//! What is compared: the prompt's tokens (our tokenizer against llama.cpp's, on each
+//! small vocabulary), then per position of the sequence the argmax, each of llama.cpp's
+//! top-8 logits, and the log-sum-exp of the whole row (a change anywhere in the row
+//! moves it).
+//! See [`Tolerance`] for the bounds and what dominates the differences.
+
+#[path = "synthetic/generate.rs"]
+mod generate;
+#[path = "synthetic/quantize.rs"]
+mod quantize;
+#[path = "synthetic/vocab.rs"]
+mod vocab;
+
+use std::path::PathBuf;
+
+use gguf_format::GgmlType;
+use model::tokenizer::{EncodeOptions, Tokenizer};
+use model::Model;
+use sha2::{Digest, Sha256};
+use tensor_store::TensorStore;
+
+use generate::{build, spec, SPECS};
+
+/// The bounds a synthetic model must meet.
+///
+/// Both engines compute the same function of the same bytes and differ only in
+/// rounding. Measured on these models, against an f64 evaluation of the same weights:
+///
+/// - With float weights (F32, F16), both engines are within 0.02 of exact and of each
+///   other. What remains is the f16 KV cache and the f16 attention probabilities (both
+///   engines round there; we emulate llama.cpp's points), llama.cpp's rounding of the
+///   activations of F16 products to f16 (ours stay f32), and summation order.
+/// - With quantized weights, both engines quantize the activations of every product to
+///   8 bits, and each is 0.3-0.6 from exact. Where the two quantize alike the logits
+///   agree to 1e-5, until a last-bit difference upstream (summation order) moves one
+///   activation across a rounding boundary: one 8-bit level of one activation moves
+///   these small models' logits by about 0.1 (their output matrix amplifies a change of
+///   the final hidden state about fourfold). llama.cpp shows the same jumps between its
+///   own evaluation modes: batch against token-by-token differ by up to 0.12. Where the
+///   two engines round activation blocks by different rules (measured on the formats
+///   whose activations are Q8_0 blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), every position
+///   carries such noise; the 0.5 bound covers it (0.38 measured). llama.cpp also
+///   rounds the activations of BF16 products to bf16 (8 significant bits), which puts
+///   BF16 weights in this class.
+///
+/// A real defect is far outside these bounds: ignoring Llama 3's RoPE divisors moved
+/// logits by 9.4. The RMS bound over all compared logits catches systematic shifts that
+/// stay under the maximum.
+#[derive(Clone, Copy, Debug)]
+struct Tolerance {
+    /// Largest |ours - llama.cpp| for a top-8 logit or a row's log-sum-exp.
+    max: f32,
+    /// Root mean square of those differences over the sequence.
+    rms: f32,
+}
+
+const FLOAT_WEIGHTS: Tolerance = Tolerance {
+    max: 0.05,
+    rms: 0.01,
+};
+const QUANTIZED_WEIGHTS: Tolerance = Tolerance {
+    max: 0.5,
+    rms: 0.15,
+};
+
+/// The tolerance of a model: float only when every product is on F32 or F16 weights.
+fn tolerance(spec: &generate::Spec) -> Tolerance {
+    let float = |ty: GgmlType| matches!(ty, GgmlType::F32 | GgmlType::F16);
+    let output = spec.output.unwrap_or(spec.token_embd);
+    let all_float =
+        float(spec.matrices) && float(output) && spec.overrides.iter().all(|&(_, ty)| float(ty));
+    if all_float {
+        FLOAT_WEIGHTS
+    } else {
+        QUANTIZED_WEIGHTS
+    }
+}
+
+struct Position {
+    ids: Vec<u32>,
+    logits: Vec<f32>,
+    logsumexp: f32,
+}
+
+struct Reference {
+    sha256: String,
+    prompt: String,
+    n_vocab: usize,
+    tokens: Vec<u32>,
+    positions: Vec<Position>,
+}
+
+fn oracle_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/oracle")
+}
+
+fn reference(name: &str) -> Reference {
+    let path = oracle_dir().join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let json: serde_json::Value = serde_json::from_str(&text).expect("reference is JSON");
+    let u32s = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .expect("an array")
+            .iter()
+            .map(|x| x.as_u64().expect("an id") as u32)
+            .collect()
+    };
+    let f32_of = |v: &serde_json::Value| v.as_f64().expect("a number") as f32;
+    Reference {
+        sha256: json["sha256"].as_str().expect("sha256").to_owned(),
+        prompt: json["prompt"].as_str().expect("prompt").to_owned(),
+        n_vocab: json["n_vocab"].as_u64().expect("n_vocab") as usize,
+        tokens: u32s(&json["tokens"]),
+        positions: json["positions"]
+            .as_array()
+            .expect("positions")
+            .iter()
+            .map(|p| Position {
+                ids: u32s(&p["ids"]),
+                logits: p["logits"]
+                    .as_array()
+                    .expect("logits")
+                    .iter()
+                    .map(f32_of)
+                    .collect(),
+                logsumexp: f32_of(&p["logsumexp"]),
+            })
+            .collect(),
+    }
+}
+
+fn hex_sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn logsumexp(row: &[f32]) -> f32 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let sum: f64 = row.iter().map(|&v| f64::from(v - max).exp()).sum();
+    (f64::from(max) + sum.ln()) as f32
+}
+
+/// What one model measured against its reference.
+struct Measured {
+    positions: usize,
+    argmax_agree: usize,
+    /// Disagreements where llama.cpp's top two logits are closer than twice the
+    /// tolerance: an argmax decided by rounding, not by the model.
+    near_ties: usize,
+    max_top_diff: f32,
+    max_lse_diff: f32,
+    /// Root mean square of every top-8 and log-sum-exp difference.
+    rms_diff: f32,
+}
+
+fn compare(name: &str, tolerance: Tolerance) -> Measured {
+    let spec = spec(name).unwrap_or_else(|| panic!("no synthetic spec named {name}"));
+    let reference = reference(name);
+    let bytes = build(spec).expect("the generator writes a valid file");
+    assert_eq!(
+        hex_sha256(&bytes),
+        reference.sha256,
+        "{name}: the generated file differs from the one the reference was made from; \
+         make the references again (tests/data/README.md)"
+    );
+    assert_eq!(spec.prompt, reference.prompt, "{name}: prompt changed");
+
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join(format!("{name}.gguf"));
+    std::fs::write(&path, &bytes).expect("writing the model");
+    let store = TensorStore::open(&path).expect("model opens");
+    let model = Model::load(&store).expect("model loads");
+    let n_vocab = model.config().n_vocab;
+    assert_eq!(n_vocab, reference.n_vocab, "{name}: vocabulary size");
+
+    let tokenizer = Tokenizer::from_metadata(store.metadata()).expect("tokenizer builds");
+    let options = EncodeOptions {
+        add_special: true,
+        parse_special: true,
+    };
+    let ours = tokenizer
+        .encode(spec.prompt, options)
+        .expect("prompt encodes");
+    assert_eq!(
+        ours, reference.tokens,
+        "{name}: tokens of {:?}",
+        spec.prompt
+    );
+
+    let tokens = &reference.tokens;
+    let mut cache = model.new_cache(tokens.len());
+    let logits = model
+        .forward_all_logits(tokens, &mut cache)
+        .expect("forward pass");
+    assert_eq!(
+        reference.positions.len(),
+        tokens.len(),
+        "{name}: every position"
+    );
+    let mut m = Measured {
+        positions: tokens.len(),
+        argmax_agree: 0,
+        near_ties: 0,
+        max_top_diff: 0.0,
+        max_lse_diff: 0.0,
+        rms_diff: 0.0,
+    };
+    let (mut sum_sq, mut count) = (0f64, 0usize);
+    for (pos, expected) in reference.positions.iter().enumerate() {
+        let row = &logits[pos * n_vocab..(pos + 1) * n_vocab];
+        if argmax(row) == expected.ids[0] as usize {
+            m.argmax_agree += 1;
+        } else if expected.logits[0] - expected.logits[1] <= 2.0 * tolerance.max {
+            m.near_ties += 1;
+        }
+        for (&id, &value) in expected.ids.iter().zip(&expected.logits) {
+            let diff = row[id as usize] - value;
+            m.max_top_diff = m.max_top_diff.max(diff.abs());
+            sum_sq += f64::from(diff * diff);
+        }
+        let diff = logsumexp(row) - expected.logsumexp;
+        m.max_lse_diff = m.max_lse_diff.max(diff.abs());
+        sum_sq += f64::from(diff * diff);
+        count += expected.ids.len() + 1;
+    }
+    m.rms_diff = (sum_sq / count as f64).sqrt() as f32;
+    m
+}
+
+fn check(name: &str) {
+    let spec = spec(name).unwrap_or_else(|| panic!("no synthetic spec named {name}"));
+    let tolerance = tolerance(spec);
+    let m = compare(name, tolerance);
+    eprintln!(
+        "synthetic {name:<15} argmax {:>2}/{:<2} ({} near ties)  max |Δ| top-8 {:.4}  \
+         log-sum-exp {:.4}  rms {:.4}  (bounds {} / {})",
+        m.argmax_agree,
+        m.positions,
+        m.near_ties,
+        m.max_top_diff,
+        m.max_lse_diff,
+        m.rms_diff,
+        tolerance.max,
+        tolerance.rms
+    );
+    assert_eq!(
+        m.argmax_agree + m.near_ties,
+        m.positions,
+        "{name}: the argmax differs at a position that is not a near tie"
+    );
+    assert!(
+        m.max_top_diff <= tolerance.max && m.max_lse_diff <= tolerance.max,
+        "{name}: logits differ by {:.4} (top-8) / {:.4} (log-sum-exp) > {}",
+        m.max_top_diff,
+        m.max_lse_diff,
+        tolerance.max
+    );
+    assert!(
+        m.rms_diff <= tolerance.rms,
+        "{name}: logits differ by {:.4} in RMS > {}",
+        m.rms_diff,
+        tolerance.rms
+    );
+}
+
+macro_rules! matches_llama_cpp {
+    ($($test:ident => $name:literal),* $(,)?) => {$(
+        #[test]
+        fn $test() {
+            check($name);
+        }
+    )*};
+}
+
+matches_llama_cpp! {
+    llama_q4_0_matches_llama_cpp => "llama-q4_0",
+    llama_q4_1_matches_llama_cpp => "llama-q4_1",
+    llama_q5_0_matches_llama_cpp => "llama-q5_0",
+    llama_q5_1_matches_llama_cpp => "llama-q5_1",
+    llama_q8_0_matches_llama_cpp => "llama-q8_0",
+    llama_q4_k_matches_llama_cpp => "llama-q4_k",
+    llama_q5_k_matches_llama_cpp => "llama-q5_k",
+    llama_q6_k_matches_llama_cpp => "llama-q6_k",
+    llama_f16_matches_llama_cpp => "llama-f16",
+    llama_bf16_matches_llama_cpp => "llama-bf16",
+    llama_f32_matches_llama_cpp => "llama-f32",
+    llama_mha_tied_matches_llama_cpp => "llama-mha-tied",
+    llama_mqa_matches_llama_cpp => "llama-mqa",
+    llama3_matches_llama_cpp => "llama3",
+    qwen2_tied_matches_llama_cpp => "qwen2-tied",
+    qwen2_gqa4_matches_llama_cpp => "qwen2-gqa4",
+    gemma3_matches_llama_cpp => "gemma3",
+    gemma3_f16_matches_llama_cpp => "gemma3-f16",
+}
+
+#[test]
+fn every_spec_has_a_reference_and_a_test() {
+    let mut references: Vec<String> = std::fs::read_dir(oracle_dir())
+        .expect("tests/data/oracle")
+        .map(|e| {
+            e.expect("a directory entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .filter_map(|f| f.strip_suffix(".json").map(str::to_owned))
+        .collect();
+    references.sort();
+    let mut specs: Vec<String> = SPECS.iter().map(|s| s.name.to_owned()).collect();
+    specs.sort();
+    assert_eq!(references, specs, "one reference per synthetic model");
+    let source = include_str!("synthetic.rs");
+    for name in &specs {
+        assert!(
+            source.contains(&format!("=> \"{name}\"")),
+            "{name} has no test in synthetic.rs"
+        );
+    }
+}
+
+/// The reference quantizers make blocks that decode (with the dequant crate, which is
+/// checked against gguf-py's decoders) close to the values they were made from: the
+/// synthetic weights are realistic, not random bits.
+#[test]
+fn synthetic_quantizers_round_trip_within_their_precision() {
+    // Relative RMS error bounds: about half a quantization step over the spread of a
+    // normal block for each width, with room for the simple (non-searching) scales.
+    let cases = [
+        (GgmlType::Q4_0, 0.12),
+        (GgmlType::Q4_1, 0.10),
+        (GgmlType::Q5_0, 0.06),
+        (GgmlType::Q5_1, 0.05),
+        (GgmlType::Q8_0, 0.006),
+        (GgmlType::Q4_K, 0.10),
+        (GgmlType::Q5_K, 0.05),
+        (GgmlType::Q6_K, 0.03),
+        (GgmlType::F16, 0.001),
+        (GgmlType::BF16, 0.005),
+        (GgmlType::F32, 0.0),
+    ];
+    let values = quantize::Rng::new(7).normals(4096, 0.01, 0.05);
+    let rms = |v: &[f32]| (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+    for (ty, bound) in cases {
+        let bytes = quantize::quantize(ty, &values);
+        let mut decoded = vec![0f32; values.len()];
+        dequant::decode_f32(ty, &bytes, &mut decoded).expect("blocks decode");
+        let error: Vec<f32> = decoded.iter().zip(&values).map(|(d, v)| d - v).collect();
+        let relative = rms(&error) / rms(&values);
+        assert!(
+            relative <= bound,
+            "{ty}: relative RMS error {relative:.4} > {bound}"
+        );
+    }
+}

@@ -1,0 +1,463 @@
+//! Small synthetic models with random weights, written through our own GGUF writer.
+//!
+//! Every model is 256 wide (a multiple of the k-quants' 256-value super-blocks) with a
+//! 512-wide feed-forward, a few layers and a vocabulary of a few hundred tokens; what
+//! varies is the architecture, the head layout and the weight types. Weights are drawn
+//! with variances chosen so that activations stay of order one through the layers,
+//! attention is neither uniform nor one-hot, and the logits spread over several units,
+//! so that the argmax is well defined. Quantized tensors are quantized from those f32
+//! draws ([`super::quantize`]): realistic blocks with small, finite scales.
+
+use gguf_format::{GgmlType, GgufError, GgufWriter};
+
+use super::quantize::{quantize, Rng};
+use super::vocab::{add_tokenizer, VocabStyle};
+
+pub const N_EMBD: usize = 256;
+pub const N_FF: usize = 512;
+const CONTEXT_LENGTH: u32 = 1024;
+
+/// The architecture a synthetic model declares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen2,
+    Gemma3,
+}
+
+impl Arch {
+    fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// One synthetic model.
+#[derive(Clone, Copy, Debug)]
+pub struct Spec {
+    pub name: &'static str,
+    pub arch: Arch,
+    pub vocab: VocabStyle,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Type of every layer matrix not named in `overrides`.
+    pub matrices: GgmlType,
+    /// Per-role types (`"ffn_down"`, `"attn_v"`, ...), as llama.cpp's mixes do.
+    pub overrides: &'static [(&'static str, GgmlType)],
+    pub token_embd: GgmlType,
+    /// `output.weight`'s type; `None` ties the output to the embeddings.
+    pub output: Option<GgmlType>,
+    pub rope_freq_base: f32,
+    /// Llama 3's per-frequency RoPE divisors (`rope_freqs.weight`).
+    pub rope_freqs: bool,
+    /// Gemma 3's sliding window.
+    pub sliding_window: u32,
+    /// Text the reference tokenizes; its tokens are the sequence evaluated.
+    pub prompt: &'static str,
+    pub seed: u64,
+}
+
+const LLAMA: Spec = Spec {
+    name: "",
+    arch: Arch::Llama,
+    vocab: VocabStyle::SmolLm,
+    n_layers: 2,
+    n_heads: 4,
+    n_kv_heads: 2,
+    head_dim: 64,
+    matrices: GgmlType::F32,
+    overrides: &[],
+    token_embd: GgmlType::Q8_0,
+    output: None,
+    rope_freq_base: 100_000.0,
+    rope_freqs: false,
+    sliding_window: 0,
+    prompt:
+        "<|im_start|>user\nThe cat sat on the mat, and the dog sat on the log in 2024!<|im_end|>",
+    seed: 0,
+};
+
+/// A llama model whose matrices and untied output are all `ty`.
+const fn llama_typed(name: &'static str, ty: GgmlType, token_embd: GgmlType, seed: u64) -> Spec {
+    Spec {
+        name,
+        matrices: ty,
+        token_embd,
+        output: Some(ty),
+        seed,
+        ..LLAMA
+    }
+}
+
+/// Every synthetic model the references cover.
+pub const SPECS: &[Spec] = &[
+    // One llama per weight type: every layer matrix and the output in that type. The
+    // BF16 model's embeddings are BF16 too (they failed to load while the embedding
+    // lookup decoded only F32, F16 and Q8_0).
+    llama_typed("llama-q4_0", GgmlType::Q4_0, GgmlType::Q8_0, 1),
+    llama_typed("llama-q4_1", GgmlType::Q4_1, GgmlType::Q8_0, 2),
+    llama_typed("llama-q5_0", GgmlType::Q5_0, GgmlType::Q8_0, 3),
+    llama_typed("llama-q5_1", GgmlType::Q5_1, GgmlType::Q8_0, 4),
+    llama_typed("llama-q8_0", GgmlType::Q8_0, GgmlType::Q8_0, 5),
+    llama_typed("llama-q4_k", GgmlType::Q4_K, GgmlType::Q8_0, 6),
+    llama_typed("llama-q5_k", GgmlType::Q5_K, GgmlType::Q8_0, 7),
+    llama_typed("llama-q6_k", GgmlType::Q6_K, GgmlType::Q8_0, 8),
+    llama_typed("llama-f16", GgmlType::F16, GgmlType::F16, 9),
+    llama_typed("llama-bf16", GgmlType::BF16, GgmlType::BF16, 10),
+    llama_typed("llama-f32", GgmlType::F32, GgmlType::F32, 11),
+    // Head layouts: multi-head with the output tied to Q6_K embeddings (as small
+    // Q4_K_M models have it; refused, like BF16, before the lookup decoded every
+    // type); multi-query with a Q4_K_M-like mix.
+    Spec {
+        name: "llama-mha-tied",
+        n_layers: 3,
+        n_kv_heads: 4,
+        matrices: GgmlType::Q4_K,
+        token_embd: GgmlType::Q6_K,
+        seed: 12,
+        ..LLAMA
+    },
+    Spec {
+        name: "llama-mqa",
+        n_kv_heads: 1,
+        matrices: GgmlType::Q4_K,
+        overrides: &[("ffn_down", GgmlType::Q6_K), ("attn_v", GgmlType::Q6_K)],
+        token_embd: GgmlType::F16,
+        output: Some(GgmlType::Q6_K),
+        seed: 13,
+        ..LLAMA
+    },
+    // Llama 3: its BPE tokenizer, 8 heads of 32 sharing 2 KV heads, RoPE base 500,000
+    // with per-frequency divisors (which the forward pass once ignored: logits off by
+    // up to 9.4).
+    Spec {
+        name: "llama3",
+        vocab: VocabStyle::Llama3,
+        n_layers: 3,
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 32,
+        matrices: GgmlType::Q5_K,
+        overrides: &[("ffn_down", GgmlType::Q6_K)],
+        output: Some(GgmlType::Q6_K),
+        rope_freq_base: 500_000.0,
+        rope_freqs: true,
+        prompt: "<|start_header_id|>user<|end_header_id|>\n\nThe cat sat on the mat 12345 times; isn't it?<|eot_id|>",
+        seed: 14,
+        ..LLAMA
+    },
+    // Qwen 2: biased Q/K/V, NeoX RoPE.
+    Spec {
+        name: "qwen2-tied",
+        arch: Arch::Qwen2,
+        vocab: VocabStyle::Qwen2,
+        matrices: GgmlType::Q8_0,
+        rope_freq_base: 1_000_000.0,
+        prompt: "<|im_start|>user\nThe cat sat on the mat. Is it a café? 42<|im_end|>",
+        seed: 15,
+        ..LLAMA
+    },
+    Spec {
+        name: "qwen2-gqa4",
+        arch: Arch::Qwen2,
+        vocab: VocabStyle::Qwen2,
+        n_layers: 3,
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 32,
+        matrices: GgmlType::Q4_0,
+        overrides: &[("attn_v", GgmlType::Q5_1), ("ffn_down", GgmlType::Q4_1)],
+        token_embd: GgmlType::F16,
+        output: Some(GgmlType::Q6_K),
+        rope_freq_base: 1_000_000.0,
+        prompt: "<|im_start|>user\nThe cat sat on the mat. Is it a café? 42<|im_end|>",
+        seed: 16,
+        ..LLAMA
+    },
+    // Gemma 3: six layers so that the sixth is global and the others slide over 8
+    // positions; 4 query heads of 128 (wider than the model) on one KV head; the real
+    // Q4_K_M file's mix of types; tied output.
+    Spec {
+        name: "gemma3",
+        arch: Arch::Gemma3,
+        vocab: VocabStyle::Gemma,
+        n_layers: 6,
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 128,
+        matrices: GgmlType::Q5_0,
+        overrides: &[
+            ("attn_v", GgmlType::Q8_0),
+            ("attn_output", GgmlType::Q4_K),
+            ("ffn_down", GgmlType::Q6_K),
+        ],
+        token_embd: GgmlType::Q8_0,
+        output: None,
+        rope_freq_base: 1_000_000.0,
+        sliding_window: 8,
+        prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>",
+        seed: 17,
+        ..LLAMA
+    },
+    Spec {
+        name: "gemma3-f16",
+        arch: Arch::Gemma3,
+        vocab: VocabStyle::Gemma,
+        n_layers: 6,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        matrices: GgmlType::F16,
+        token_embd: GgmlType::F16,
+        output: Some(GgmlType::F32),
+        rope_freq_base: 1_000_000.0,
+        sliding_window: 8,
+        prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>",
+        seed: 18,
+        ..LLAMA
+    },
+];
+
+/// The spec named `name`.
+pub fn spec(name: &str) -> Option<&'static Spec> {
+    SPECS.iter().find(|s| s.name == name)
+}
+
+/// Scales of the random draws. Matrices have standard deviation `gain / sqrt(cols)`, so
+/// each output of a product of a unit-RMS input is about `gain` in size.
+const QK_GAIN: f32 = 1.5;
+/// Token embeddings and the output matrix: logits of about 4 in standard deviation
+/// (`sqrt(n_embd) * 0.25` for unit-gain output norms).
+const EMBD_STD: f32 = 0.25;
+
+struct Tensors {
+    writer: GgufWriter,
+    data: Vec<Vec<u8>>,
+    seed: u64,
+}
+
+impl Tensors {
+    fn add(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        shape: &[usize],
+        mean: f32,
+        std: f32,
+    ) -> Result<(), GgufError> {
+        let n: usize = shape.iter().product();
+        let values = Rng::for_tensor(self.seed, name).normals(n, mean, std);
+        self.add_values(name, ty, shape, &values)
+    }
+
+    fn add_values(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        shape: &[usize],
+        values: &[f32],
+    ) -> Result<(), GgufError> {
+        let dims: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        self.writer.add_tensor(name, ty, &dims)?;
+        self.data.push(quantize(ty, values));
+        Ok(())
+    }
+}
+
+/// The whole GGUF file of `spec`.
+pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
+    let mut w = GgufWriter::new();
+    let arch = spec.arch.name();
+    let key = |k: &str| format!("{arch}.{k}");
+    w.add_metadata("general.architecture", arch)?;
+    w.add_metadata("general.name", spec.name)?;
+    w.add_metadata(&key("context_length"), CONTEXT_LENGTH)?;
+    w.add_metadata(&key("embedding_length"), N_EMBD as u32)?;
+    w.add_metadata(&key("block_count"), spec.n_layers as u32)?;
+    w.add_metadata(&key("feed_forward_length"), N_FF as u32)?;
+    w.add_metadata(&key("attention.head_count"), spec.n_heads as u32)?;
+    w.add_metadata(&key("attention.head_count_kv"), spec.n_kv_heads as u32)?;
+    w.add_metadata(&key("rope.freq_base"), spec.rope_freq_base)?;
+    let eps: f32 = if spec.arch == Arch::Llama { 1e-5 } else { 1e-6 };
+    w.add_metadata(&key("attention.layer_norm_rms_epsilon"), eps)?;
+    match spec.arch {
+        Arch::Llama => w.add_metadata(&key("rope.dimension_count"), spec.head_dim as u32)?,
+        Arch::Qwen2 => {}
+        Arch::Gemma3 => {
+            w.add_metadata(&key("attention.key_length"), spec.head_dim as u32)?;
+            w.add_metadata(&key("attention.value_length"), spec.head_dim as u32)?;
+            w.add_metadata(&key("attention.sliding_window"), spec.sliding_window)?;
+        }
+    }
+    let n_vocab = add_tokenizer(&mut w, spec.vocab)?;
+
+    let mut t = Tensors {
+        writer: w,
+        data: Vec::new(),
+        seed: spec.seed,
+    };
+    let gemma = spec.arch == Arch::Gemma3;
+    // Gemma multiplies embeddings by sqrt(n_embd) = 16: draw them 16 times smaller, and
+    // when they are also the output matrix, make up for it in the final norm.
+    let embd_std = if gemma { EMBD_STD / 16.0 } else { EMBD_STD };
+    let out_norm = if gemma && spec.output.is_none() {
+        16.0
+    } else {
+        1.0
+    };
+    t.add(
+        "token_embd.weight",
+        spec.token_embd,
+        &[N_EMBD, n_vocab],
+        0.0,
+        embd_std,
+    )?;
+    if spec.rope_freqs {
+        t.add_values(
+            "rope_freqs.weight",
+            GgmlType::F32,
+            &[spec.head_dim / 2],
+            &llama3_divisors(spec.head_dim / 2),
+        )?;
+    }
+    let (q_dim, kv_dim) = (
+        spec.n_heads * spec.head_dim,
+        spec.n_kv_heads * spec.head_dim,
+    );
+    let std = |cols: usize| 1.0 / (cols as f32).sqrt();
+    let ty = |role: &str| {
+        spec.overrides
+            .iter()
+            .find(|(r, _)| *r == role)
+            .map_or(spec.matrices, |&(_, ty)| ty)
+    };
+    for i in 0..spec.n_layers {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        t.add(&n("attn_norm.weight"), GgmlType::F32, &[N_EMBD], 1.0, 0.1)?;
+        t.add(
+            &n("attn_q.weight"),
+            ty("attn_q"),
+            &[N_EMBD, q_dim],
+            0.0,
+            QK_GAIN * std(N_EMBD),
+        )?;
+        t.add(
+            &n("attn_k.weight"),
+            ty("attn_k"),
+            &[N_EMBD, kv_dim],
+            0.0,
+            QK_GAIN * std(N_EMBD),
+        )?;
+        t.add(
+            &n("attn_v.weight"),
+            ty("attn_v"),
+            &[N_EMBD, kv_dim],
+            0.0,
+            std(N_EMBD),
+        )?;
+        if spec.arch == Arch::Qwen2 {
+            t.add(&n("attn_q.bias"), GgmlType::F32, &[q_dim], 0.0, 0.5)?;
+            t.add(&n("attn_k.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.5)?;
+            t.add(&n("attn_v.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.1)?;
+        }
+        if gemma {
+            t.add(
+                &n("attn_q_norm.weight"),
+                GgmlType::F32,
+                &[spec.head_dim],
+                1.0,
+                0.1,
+            )?;
+            t.add(
+                &n("attn_k_norm.weight"),
+                GgmlType::F32,
+                &[spec.head_dim],
+                1.0,
+                0.1,
+            )?;
+        }
+        t.add(
+            &n("attn_output.weight"),
+            ty("attn_output"),
+            &[q_dim, N_EMBD],
+            0.0,
+            std(q_dim),
+        )?;
+        if gemma {
+            t.add(
+                &n("post_attention_norm.weight"),
+                GgmlType::F32,
+                &[N_EMBD],
+                1.0,
+                0.1,
+            )?;
+        }
+        t.add(&n("ffn_norm.weight"), GgmlType::F32, &[N_EMBD], 1.0, 0.1)?;
+        t.add(
+            &n("ffn_gate.weight"),
+            ty("ffn_gate"),
+            &[N_EMBD, N_FF],
+            0.0,
+            std(N_EMBD),
+        )?;
+        t.add(
+            &n("ffn_up.weight"),
+            ty("ffn_up"),
+            &[N_EMBD, N_FF],
+            0.0,
+            std(N_EMBD),
+        )?;
+        t.add(
+            &n("ffn_down.weight"),
+            ty("ffn_down"),
+            &[N_FF, N_EMBD],
+            0.0,
+            std(N_FF),
+        )?;
+        if gemma {
+            t.add(
+                &n("post_ffw_norm.weight"),
+                GgmlType::F32,
+                &[N_EMBD],
+                1.0,
+                0.1,
+            )?;
+        }
+    }
+    t.add(
+        "output_norm.weight",
+        GgmlType::F32,
+        &[N_EMBD],
+        out_norm,
+        0.1 * out_norm,
+    )?;
+    if let Some(ty) = spec.output {
+        t.add("output.weight", ty, &[N_EMBD, n_vocab], 0.0, EMBD_STD)?;
+    }
+    let data: Vec<&[u8]> = t.data.iter().map(Vec::as_slice).collect();
+    t.writer.to_bytes(&data)
+}
+
+/// Llama 3's shape of RoPE divisors: 1 for the fast frequencies, 8 for the slow ones, a
+/// linear ramp between. (Llama 3.1 derives the ramp from wavelengths; any values in the
+/// file are what both engines must apply, and this shape changes angles at the
+/// positions a short sequence reaches.)
+fn llama3_divisors(n: usize) -> Vec<f32> {
+    let (ramp_start, ramp_end) = (n / 8, n / 2);
+    (0..n)
+        .map(|i| {
+            if i < ramp_start {
+                1.0
+            } else if i >= ramp_end {
+                8.0
+            } else {
+                1.0 + 7.0 * (i - ramp_start) as f32 / (ramp_end - ramp_start) as f32
+            }
+        })
+        .collect()
+}

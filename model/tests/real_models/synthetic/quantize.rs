@@ -1,0 +1,303 @@
+//! A seeded random source and plain reference quantizers for every weight type the
+//! synthetic models use.
+//!
+//! Everything here is bit-reproducible on any IEEE-754 machine: the generator draws
+//! integers from SplitMix64 and builds approximately normal values from sums of uniform
+//! draws (additions and multiplications only, no library transcendentals), and the
+//! quantizers use only `+ - * /`, `abs`, `round` and comparisons. So the same spec always
+//! yields the same file bytes, whose SHA-256 the references record.
+//!
+//! The quantizers follow the block layouts of ggml (which llama.cpp and our kernels both
+//! decode): each picks its block scale from the block's range and rounds every value to
+//! the nearest level. They do not search for the error-minimizing scale as llama.cpp's
+//! quantizers do; that changes which levels are chosen, not how the blocks decode.
+
+use gguf_format::GgmlType;
+use half::{bf16, f16};
+
+/// SplitMix64: a tiny, well-mixed 64-bit generator.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    /// A generator for one named tensor of a model: independent of the order in which
+    /// tensors are generated, so adding a tensor does not change the others.
+    pub fn for_tensor(model_seed: u64, name: &str) -> Rng {
+        // FNV-1a of the name, mixed with the model's seed.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &b in name.as_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        let mut rng = Rng(h ^ model_seed.rotate_left(17));
+        rng.next_u64();
+        rng
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1), a multiple of 2^-23 (exact in f32).
+    pub fn uniform(&mut self) -> f32 {
+        let bits = (self.next_u64() >> 40) as u32; // 24 random bits
+        bits as f32 * (1.0 / 8_388_608.0) - 1.0
+    }
+
+    /// Approximately standard normal: the sum of four uniforms, scaled to unit variance
+    /// (each uniform on [-1, 1) has variance 1/3).
+    pub fn normal(&mut self) -> f32 {
+        const UNIT: f32 = 0.866_025_4; // sqrt(3/4)
+        (self.uniform() + self.uniform() + self.uniform() + self.uniform()) * UNIT
+    }
+
+    /// `n` values `mean + std * normal()`.
+    pub fn normals(&mut self, n: usize, mean: f32, std: f32) -> Vec<f32> {
+        (0..n).map(|_| mean + std * self.normal()).collect()
+    }
+}
+
+/// Encodes `values` (a whole number of rows of whole blocks) as `ty`.
+pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    match ty {
+        GgmlType::F32 => values
+            .iter()
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        GgmlType::F16 => values
+            .iter()
+            .for_each(|&v| out.extend_from_slice(&f16::from_f32(v).to_le_bytes())),
+        GgmlType::BF16 => values
+            .iter()
+            .for_each(|&v| out.extend_from_slice(&bf16::from_f32(v).to_le_bytes())),
+        GgmlType::Q4_0 => values.chunks_exact(32).for_each(|b| q4_0(b, &mut out)),
+        GgmlType::Q4_1 => values.chunks_exact(32).for_each(|b| q4_1(b, &mut out)),
+        GgmlType::Q5_0 => values.chunks_exact(32).for_each(|b| q5_0(b, &mut out)),
+        GgmlType::Q5_1 => values.chunks_exact(32).for_each(|b| q5_1(b, &mut out)),
+        GgmlType::Q8_0 => values.chunks_exact(32).for_each(|b| q8_0(b, &mut out)),
+        GgmlType::Q4_K => values.chunks_exact(256).for_each(|b| q4_k(b, &mut out)),
+        GgmlType::Q5_K => values.chunks_exact(256).for_each(|b| q5_k(b, &mut out)),
+        GgmlType::Q6_K => values.chunks_exact(256).for_each(|b| q6_k(b, &mut out)),
+        other => panic!("no reference quantizer for {other}"),
+    }
+    out
+}
+
+fn push_f16(out: &mut Vec<u8>, v: f32) -> f32 {
+    let h = f16::from_f32(v);
+    out.extend_from_slice(&h.to_le_bytes());
+    h.to_f32()
+}
+
+/// The value of largest magnitude, with its sign.
+fn signed_max(block: &[f32]) -> f32 {
+    block
+        .iter()
+        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+}
+
+fn min_max(block: &[f32]) -> (f32, f32) {
+    block
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+}
+
+/// `round(v * inv) + offset`, clamped to `0..=max`.
+fn level(v: f32, inv: f32, offset: f32, max: u8) -> u8 {
+    (v * inv + offset).round().clamp(0.0, f32::from(max)) as u8
+}
+
+fn inverse(d: f32) -> f32 {
+    if d == 0.0 {
+        0.0
+    } else {
+        1.0 / d
+    }
+}
+
+/// Symmetric 4-bit: `x = d * (q - 8)`, the extreme value mapped to level 0.
+fn q4_0(block: &[f32], out: &mut Vec<u8>) {
+    let d = push_f16(out, signed_max(block) / -8.0);
+    let inv = inverse(d);
+    let q: Vec<u8> = block.iter().map(|&v| level(v, inv, 8.0, 15)).collect();
+    pack_nibbles(&q, out);
+}
+
+/// Affine 4-bit: `x = d * q + m`.
+fn q4_1(block: &[f32], out: &mut Vec<u8>) {
+    let (lo, hi) = min_max(block);
+    let d = push_f16(out, (hi - lo) / 15.0);
+    let m = push_f16(out, lo);
+    let inv = inverse(d);
+    let q: Vec<u8> = block.iter().map(|&v| level(v - m, inv, 0.0, 15)).collect();
+    pack_nibbles(&q, out);
+}
+
+/// Symmetric 5-bit: `x = d * (q - 16)`.
+fn q5_0(block: &[f32], out: &mut Vec<u8>) {
+    let d = push_f16(out, signed_max(block) / -16.0);
+    let inv = inverse(d);
+    let q: Vec<u8> = block.iter().map(|&v| level(v, inv, 16.0, 31)).collect();
+    pack_five_bits(&q, out);
+}
+
+/// Affine 5-bit: `x = d * q + m`.
+fn q5_1(block: &[f32], out: &mut Vec<u8>) {
+    let (lo, hi) = min_max(block);
+    let d = push_f16(out, (hi - lo) / 31.0);
+    let m = push_f16(out, lo);
+    let inv = inverse(d);
+    let q: Vec<u8> = block.iter().map(|&v| level(v - m, inv, 0.0, 31)).collect();
+    pack_five_bits(&q, out);
+}
+
+/// 8-bit: `x = d * q`, q in -127..=127.
+fn q8_0(block: &[f32], out: &mut Vec<u8>) {
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = push_f16(out, amax / 127.0);
+    let inv = inverse(d);
+    out.extend(
+        block
+            .iter()
+            .map(|&v| (v * inv).round().clamp(-127.0, 127.0) as i8 as u8),
+    );
+}
+
+/// Value `j` in the low nibble of byte `j`, value `j + 16` in its high nibble.
+fn pack_nibbles(q: &[u8], out: &mut Vec<u8>) {
+    out.extend((0..16).map(|j| (q[j] & 0xF) | ((q[j + 16] & 0xF) << 4)));
+}
+
+/// The fifth bits of all 32 values in one little-endian u32, then the nibbles.
+fn pack_five_bits(q: &[u8], out: &mut Vec<u8>) {
+    let high = q
+        .iter()
+        .enumerate()
+        .fold(0u32, |h, (j, &v)| h | (u32::from(v >> 4) << j));
+    out.extend_from_slice(&high.to_le_bytes());
+    pack_nibbles(q, out);
+}
+
+/// 6-bit sub-block scales and minimums of the 4- and 5-bit k-quants, quantized against
+/// the super-block's `d` and `dmin`: returns (d, dmin, scales, mins) as stored.
+fn k_scales(block: &[f32], max_level: f32, out: &mut Vec<u8>) -> (f32, f32, [u8; 8], [u8; 8]) {
+    let mut scales = [0f32; 8];
+    let mut mins = [0f32; 8];
+    for (s, sub) in block.chunks_exact(32).enumerate() {
+        let (lo, hi) = min_max(sub);
+        let lo = lo.min(0.0);
+        scales[s] = (hi - lo) / max_level;
+        mins[s] = -lo;
+    }
+    let max_scale = scales.iter().fold(0f32, |m, &v| m.max(v));
+    let max_min = mins.iter().fold(0f32, |m, &v| m.max(v));
+    let d = push_f16(out, max_scale / 63.0);
+    let dmin = push_f16(out, max_min / 63.0);
+    let (inv_d, inv_dmin) = (inverse(d), inverse(dmin));
+    let mut sc = [0u8; 8];
+    let mut mn = [0u8; 8];
+    for s in 0..8 {
+        sc[s] = level(scales[s], inv_d, 0.0, 63);
+        mn[s] = level(mins[s], inv_dmin, 0.0, 63);
+    }
+    // Twelve bytes: sub-blocks 0-3 in the low six bits of bytes 0-3 (scales) and 4-7
+    // (minimums); sub-blocks 4-7 as nibbles in bytes 8-11 with their top two bits in the
+    // spare high bits of bytes 0-7.
+    let mut packed = [0u8; 12];
+    packed[..4].copy_from_slice(&sc[..4]);
+    packed[4..8].copy_from_slice(&mn[..4]);
+    for j in 4..8 {
+        packed[j + 4] = (sc[j] & 0xF) | ((mn[j] & 0xF) << 4);
+        packed[j - 4] |= (sc[j] >> 4) << 6;
+        packed[j] |= (mn[j] >> 4) << 6;
+    }
+    out.extend_from_slice(&packed);
+    (d, dmin, sc, mn)
+}
+
+/// Levels of a 4- or 5-bit k-quant super-block: `x = d * sc * q - dmin * m`.
+fn k_levels(block: &[f32], d: f32, dmin: f32, sc: &[u8; 8], mn: &[u8; 8], max: u8) -> Vec<u8> {
+    let mut q = Vec::with_capacity(256);
+    for (s, sub) in block.chunks_exact(32).enumerate() {
+        let scale = d * f32::from(sc[s]);
+        let min = dmin * f32::from(mn[s]);
+        let inv = inverse(scale);
+        q.extend(sub.iter().map(|&v| level(v + min, inv, 0.0, max)));
+    }
+    q
+}
+
+fn q4_k(block: &[f32], out: &mut Vec<u8>) {
+    let (d, dmin, sc, mn) = k_scales(block, 15.0, out);
+    let q = k_levels(block, d, dmin, &sc, &mn, 15);
+    // Each 64 values: 32 bytes, the first 32 values in the low nibbles.
+    for chunk in q.chunks_exact(64) {
+        out.extend((0..32).map(|l| chunk[l] | (chunk[l + 32] << 4)));
+    }
+}
+
+fn q5_k(block: &[f32], out: &mut Vec<u8>) {
+    let (d, dmin, sc, mn) = k_scales(block, 31.0, out);
+    let q = k_levels(block, d, dmin, &sc, &mn, 31);
+    // 32 bytes of fifth bits: bit 2i of byte l is value l of chunk i's first half,
+    // bit 2i+1 value l of its second half; then the nibbles as in Q4_K.
+    let mut high = [0u8; 32];
+    for (i, chunk) in q.chunks_exact(64).enumerate() {
+        for l in 0..32 {
+            high[l] |= ((chunk[l] >> 4) << (2 * i)) | ((chunk[l + 32] >> 4) << (2 * i + 1));
+        }
+    }
+    out.extend_from_slice(&high);
+    for chunk in q.chunks_exact(64) {
+        out.extend((0..32).map(|l| (chunk[l] & 0xF) | ((chunk[l + 32] & 0xF) << 4)));
+    }
+}
+
+/// 6-bit: sixteen sub-blocks of 16 with signed 8-bit scales, `x = d * sc * (q - 32)`.
+fn q6_k(block: &[f32], out: &mut Vec<u8>) {
+    let sub_scales: Vec<f32> = block
+        .chunks_exact(16)
+        .map(|sub| signed_max(sub) / -32.0)
+        .collect();
+    let max_abs = sub_scales.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = f16::from_f32(max_abs / 127.0).to_f32();
+    let inv_d = inverse(d);
+    let sc: Vec<i8> = sub_scales
+        .iter()
+        .map(|&s| (s * inv_d).round().clamp(-127.0, 127.0) as i8)
+        .collect();
+    let mut q = [0u8; 256];
+    for (s, sub) in block.chunks_exact(16).enumerate() {
+        let inv = inverse(d * f32::from(sc[s]));
+        for (l, &v) in sub.iter().enumerate() {
+            q[s * 16 + l] = level(v, inv, 32.0, 63);
+        }
+    }
+    // Per 128 values: 64 bytes of low nibbles (values l and l+64 share byte l, values
+    // l+32 and l+96 byte l+32) and 32 bytes of high bit pairs (value l+32k in bits 2k).
+    let mut ql = [0u8; 128];
+    let mut qh = [0u8; 64];
+    for half in 0..2 {
+        let q = &q[half * 128..][..128];
+        let (ql, qh) = (&mut ql[half * 64..][..64], &mut qh[half * 32..][..32]);
+        for l in 0..32 {
+            ql[l] = (q[l] & 0xF) | ((q[l + 64] & 0xF) << 4);
+            ql[l + 32] = (q[l + 32] & 0xF) | ((q[l + 96] & 0xF) << 4);
+            qh[l] = (q[l] >> 4)
+                | ((q[l + 32] >> 4) << 2)
+                | ((q[l + 64] >> 4) << 4)
+                | ((q[l + 96] >> 4) << 6);
+        }
+    }
+    out.extend_from_slice(&ql);
+    out.extend_from_slice(&qh);
+    out.extend(sc.iter().map(|&s| s as u8));
+    push_f16(out, d);
+}

@@ -1,0 +1,214 @@
+//! Small tokenizers for the synthetic models, in the styles of the real families: a
+//! byte-level BPE vocabulary (256 byte tokens, a few dozen merges, the family's special
+//! tokens and pre-tokenizer name) and a SentencePiece vocabulary with byte fallback
+//! (Gemma's layout: control tokens first, then the 256 byte pieces, then scored pieces).
+//! A few hundred tokens keep the files small while llama.cpp loads them as it loads any
+//! model of the family.
+
+use gguf_format::{GgufError, GgufWriter};
+
+/// The tokenizer family of a synthetic model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VocabStyle {
+    /// SmolLM2: byte-level BPE, pre-tokenizer `smollm`, specials first, no BOS added.
+    SmolLm,
+    /// Llama 3: byte-level BPE, pre-tokenizer `llama-bpe` (merges ignored for whole
+    /// words in the vocabulary), specials last, `<|begin_of_text|>` added.
+    Llama3,
+    /// Qwen 2: byte-level BPE, pre-tokenizer `qwen2`, specials last, no BOS added.
+    Qwen2,
+    /// Gemma: SentencePiece with byte fallback and scores, `<bos>` added.
+    Gemma,
+}
+
+/// Token types as GGUF stores them.
+const NORMAL: i32 = 1;
+const UNKNOWN: i32 = 2;
+const CONTROL: i32 = 3;
+const BYTE: i32 = 6;
+
+/// BPE merges in rank order. Every part is a byte token or the result of an earlier merge.
+const MERGES: &[(&str, &str)] = &[
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("i", "n"),
+    ("Ġ", "a"),
+    ("e", "r"),
+    ("o", "n"),
+    ("Ġt", "he"),
+    ("r", "e"),
+    ("Ġ", "s"),
+    ("a", "t"),
+    ("Ġ", "w"),
+    ("o", "r"),
+    ("e", "n"),
+    ("Ġ", "c"),
+    ("i", "s"),
+    ("e", "s"),
+    ("Ġ", "o"),
+    ("a", "n"),
+    ("Ġ", "f"),
+    ("Ġ", "b"),
+    ("in", "g"),
+    ("Ġ", "m"),
+    ("Ġ", "d"),
+    ("Ġ", "h"),
+    ("l", "l"),
+    ("o", "u"),
+    ("Ġ", "p"),
+    ("a", "r"),
+    ("Ġ", "l"),
+    ("Ġo", "f"),
+    ("Ġa", "n"),
+    ("Ġan", "d"),
+    ("Ċ", "Ċ"),
+    ("Ġ", "Ġ"),
+    ("ĠĠ", "ĠĠ"),
+    ("Ġc", "at"),
+    ("Ġs", "at"),
+    ("Ġm", "at"),
+    ("Ġo", "n"),
+    ("s", "er"),
+    ("u", "ser"),
+];
+
+/// The character GPT-2's byte-level BPE uses for each byte: printable Latin-1 bytes
+/// stand for themselves, the others for the code points from U+0100 up, in byte order.
+fn byte_char(b: u8) -> char {
+    let printable = |b: u8| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    if printable(b) {
+        return char::from(b);
+    }
+    let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + rank).expect("a valid code point")
+}
+
+/// Adds the `tokenizer.ggml.*` keys of `style`; returns the vocabulary size.
+pub fn add_tokenizer(w: &mut GgufWriter, style: VocabStyle) -> Result<usize, GgufError> {
+    match style {
+        VocabStyle::Gemma => add_spm(w),
+        _ => add_bpe(w, style),
+    }
+}
+
+fn add_bpe(w: &mut GgufWriter, style: VocabStyle) -> Result<usize, GgufError> {
+    let (pre, specials, bos, eos, add_bos): (&str, &[&str], &str, &str, bool) = match style {
+        VocabStyle::SmolLm => (
+            "smollm",
+            &["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            "<|im_start|>",
+            "<|im_end|>",
+            false,
+        ),
+        VocabStyle::Llama3 => (
+            "llama-bpe",
+            &[
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+            ],
+            "<|begin_of_text|>",
+            "<|eot_id|>",
+            true,
+        ),
+        VocabStyle::Qwen2 => (
+            "qwen2",
+            &["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            "<|endoftext|>",
+            "<|im_end|>",
+            false,
+        ),
+        VocabStyle::Gemma => unreachable!("SentencePiece vocabularies are built by add_spm"),
+    };
+    let specials_first = style == VocabStyle::SmolLm;
+    let mut tokens: Vec<String> = Vec::new();
+    let mut types: Vec<i32> = Vec::new();
+    let push_specials = |tokens: &mut Vec<String>, types: &mut Vec<i32>| {
+        for s in specials {
+            tokens.push((*s).to_owned());
+            types.push(CONTROL);
+        }
+    };
+    if specials_first {
+        push_specials(&mut tokens, &mut types);
+    }
+    for b in 0..=255u8 {
+        tokens.push(byte_char(b).to_string());
+        types.push(NORMAL);
+    }
+    for &(left, right) in MERGES {
+        debug_assert!(tokens.iter().any(|t| t == left) && tokens.iter().any(|t| t == right));
+        tokens.push(format!("{left}{right}"));
+        types.push(NORMAL);
+    }
+    if !specials_first {
+        push_specials(&mut tokens, &mut types);
+    }
+    let id = |text: &str| {
+        tokens
+            .iter()
+            .position(|t| t == text)
+            .expect("special token") as u32
+    };
+    let (bos_id, eos_id) = (id(bos), id(eos));
+    let merges: Vec<String> = MERGES.iter().map(|(l, r)| format!("{l} {r}")).collect();
+    let n = tokens.len();
+    w.add_metadata("tokenizer.ggml.model", "gpt2")?;
+    w.add_metadata("tokenizer.ggml.pre", pre)?;
+    w.add_metadata("tokenizer.ggml.tokens", tokens)?;
+    w.add_metadata("tokenizer.ggml.token_type", types)?;
+    w.add_metadata("tokenizer.ggml.merges", merges)?;
+    w.add_metadata("tokenizer.ggml.bos_token_id", bos_id)?;
+    w.add_metadata("tokenizer.ggml.eos_token_id", eos_id)?;
+    w.add_metadata("tokenizer.ggml.add_bos_token", add_bos)?;
+    Ok(n)
+}
+
+/// Gemma-style SentencePiece: `<pad> <eos> <bos> <unk>`, two turn markers, the 256
+/// byte pieces, then pieces whose scores fall with their rank.
+fn add_spm(w: &mut GgufWriter) -> Result<usize, GgufError> {
+    const PIECES: &[&str] = &[
+        "▁", "▁t", "he", "▁the", "in", "▁a", "at", "▁c", "▁s", "▁m", "on", "er", "▁o", "▁on",
+        "▁cat", "▁sat", "▁mat", "us", "user", "an", "e", "t", "a", "o", "i", "n", "s", "h", "r",
+        "d", "l", "u", "c", "m", "T", ".", ",", "?", "1", "2", "4", "▁i", "▁is", "es",
+    ];
+    let mut tokens: Vec<String> = [
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<unk>",
+        "<start_of_turn>",
+        "<end_of_turn>",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let mut types = vec![CONTROL, CONTROL, CONTROL, UNKNOWN, CONTROL, CONTROL];
+    let mut scores = vec![0f32; tokens.len()];
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(BYTE);
+        scores.push(0.0);
+    }
+    for (rank, piece) in PIECES.iter().enumerate() {
+        tokens.push((*piece).to_owned());
+        types.push(NORMAL);
+        scores.push(-(rank as f32));
+    }
+    let n = tokens.len();
+    w.add_metadata("tokenizer.ggml.model", "llama")?;
+    w.add_metadata("tokenizer.ggml.pre", "default")?;
+    w.add_metadata("tokenizer.ggml.tokens", tokens)?;
+    w.add_metadata("tokenizer.ggml.scores", scores)?;
+    w.add_metadata("tokenizer.ggml.token_type", types)?;
+    w.add_metadata("tokenizer.ggml.bos_token_id", 2u32)?;
+    w.add_metadata("tokenizer.ggml.eos_token_id", 1u32)?;
+    w.add_metadata("tokenizer.ggml.unknown_token_id", 3u32)?;
+    w.add_metadata("tokenizer.ggml.padding_token_id", 0u32)?;
+    w.add_metadata("tokenizer.ggml.add_bos_token", true)?;
+    w.add_metadata("tokenizer.ggml.add_eos_token", false)?;
+    w.add_metadata("tokenizer.ggml.add_space_prefix", false)?;
+    Ok(n)
+}
