@@ -14,7 +14,8 @@
 //! inside the pool calls them (`--outside-pool`: from the main thread instead).
 //!
 //! Shapes and types are those of SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M; weights are
-//! random blocks with finite scales. Each figure is the best of several timed runs.
+//! random blocks with finite scales. Each figure is from the fastest of many calls
+//! timed one by one (see `best_time`).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -121,18 +122,19 @@ fn random_weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
     bytes
 }
 
-/// Best time per call of `f` over several runs of at least `budget` each.
+/// The fastest of the calls of `f` timed one by one for `budget` (at least five, after
+/// one to warm up). On a machine shared with other work, a thread often gets only part
+/// of a core; the fastest call is the one least disturbed.
 fn best_time(budget: Duration, mut f: impl FnMut()) -> Duration {
     f();
+    let start = Instant::now();
     let mut best = Duration::MAX;
-    for _ in 0..3 {
-        let start = Instant::now();
-        let mut calls = 0u32;
-        while start.elapsed() < budget {
-            f();
-            calls += 1;
-        }
-        best = best.min(start.elapsed() / calls);
+    let mut calls = 0u32;
+    while calls < 5 || start.elapsed() < budget {
+        let call = Instant::now();
+        f();
+        best = best.min(call.elapsed());
+        calls += 1;
     }
     best
 }

@@ -26,9 +26,20 @@ pub(crate) trait ActSet: Sync + 'static {
     /// Token `t`'s row.
     fn row(&self, t: usize) -> Self::Row<'_>;
 
-    /// Bytes one row occupies, to size the cache tiles.
-    fn row_bytes(&self) -> usize;
+    /// Values per row.
+    fn cols(&self) -> usize;
+
+    /// Bytes one row of `cols` values occupies, to size tiles and splits.
+    fn row_bytes(cols: usize) -> usize;
 }
+
+/// Values from which quantization is shared out over rayon's pool, by blocks.
+const PARALLEL_VALUES: usize = 1 << 16;
+
+/// Adding and subtracting 1.5 · 2^23 rounds an f32 of magnitude below 2^22 to the
+/// nearest integer, ties to even (the default rounding mode), as `round_ties_even`
+/// does; unlike it, this needs no SSE4.1 and no library call on baseline x86-64.
+const ROUNDER: f32 = 12_582_912.0;
 
 /// Quantizes one block into `qs`, returning its scale (`max|x| / 127`, 0 for a zero block).
 fn quantize_block(x: &[f32], qs: &mut [i8]) -> f32 {
@@ -36,10 +47,36 @@ fn quantize_block(x: &[f32], qs: &mut [i8]) -> f32 {
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     for (q, v) in qs.iter_mut().zip(x) {
-        // `as` saturates, so a non-finite input cannot wrap around.
-        *q = (v * id).round_ties_even() as i8;
+        // |v · id| ≤ 127 (up to rounding) for finite input; `as` saturates and maps NaN
+        // to 0, so non-finite input cannot wrap around.
+        *q = ((v * id + ROUNDER) - ROUNDER) as i8;
     }
     d
+}
+
+/// Runs `each` over matching chunks of `x` (`n` values each) and of the outputs,
+/// on rayon's pool when `x` is large.
+fn for_each_block<A: Send, B: Send>(
+    x: &[f32],
+    n: usize,
+    qs: &mut [i8],
+    a: &mut [A],
+    b: &mut [B],
+    each: impl Fn(&[f32], &mut [i8], &mut A, &mut B) + Sync,
+) {
+    use rayon::prelude::*;
+    if x.len() < PARALLEL_VALUES {
+        let blocks = x.chunks_exact(n).zip(qs.chunks_exact_mut(n));
+        for ((xb, qb), (a, b)) in blocks.zip(a.iter_mut().zip(b.iter_mut())) {
+            each(xb, qb, a, b);
+        }
+    } else {
+        let blocks = x.par_chunks_exact(n).zip(qs.par_chunks_exact_mut(n));
+        blocks
+            .zip(a.par_iter_mut().zip(b.par_iter_mut()))
+            .with_min_len(256)
+            .for_each(|((xb, qb), (a, b))| each(xb, qb, a, b));
+    }
 }
 
 fn isum(qs: &[i8]) -> i32 {
@@ -76,15 +113,21 @@ impl ActSet for Q8Acts {
         let mut acts = Q8Acts {
             cols,
             qs: vec![0; x.len()],
-            isum: Vec::with_capacity(n_blocks),
-            ds: Vec::with_capacity(n_blocks),
+            isum: vec![0; n_blocks],
+            ds: vec![[0.0; 2]; n_blocks],
         };
-        for (xb, qb) in x.chunks_exact(QK8).zip(acts.qs.chunks_exact_mut(QK8)) {
-            let d = quantize_block(xb, qb);
-            let sum = isum(qb);
-            acts.isum.push(sum);
-            acts.ds.push([d, d * sum as f32]);
-        }
+        for_each_block(
+            x,
+            QK8,
+            &mut acts.qs,
+            &mut acts.isum,
+            &mut acts.ds,
+            |xb, qb, sum, ds| {
+                let d = quantize_block(xb, qb);
+                *sum = isum(qb);
+                *ds = [d, d * *sum as f32];
+            },
+        );
         acts
     }
 
@@ -97,8 +140,12 @@ impl ActSet for Q8Acts {
         }
     }
 
-    fn row_bytes(&self) -> usize {
-        self.cols + self.cols / QK8 * 12
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn row_bytes(cols: usize) -> usize {
+        cols + cols / QK8 * 12
     }
 }
 
@@ -108,7 +155,7 @@ pub(crate) struct Q8KActs {
     cols: usize,
     qs: Vec<i8>,
     d: Vec<f32>,
-    bsums: Vec<i16>,
+    bsums: Vec<[i16; QK_K / BSUM_GROUP]>,
 }
 
 /// One token's row of [`Q8KActs`].
@@ -131,31 +178,41 @@ impl ActSet for Q8KActs {
         let mut acts = Q8KActs {
             cols,
             qs: vec![0; x.len()],
-            d: Vec::with_capacity(x.len() / QK_K),
-            bsums: Vec::with_capacity(x.len() / BSUM_GROUP),
+            d: vec![0.0; x.len() / QK_K],
+            bsums: vec![[0; QK_K / BSUM_GROUP]; x.len() / QK_K],
         };
-        for (xb, qb) in x.chunks_exact(QK_K).zip(acts.qs.chunks_exact_mut(QK_K)) {
-            acts.d.push(quantize_block(xb, qb));
-            for group in qb.chunks_exact(BSUM_GROUP) {
-                // 16 values of at most 127 in magnitude: the sum fits in an i16.
-                acts.bsums.push(isum(group) as i16);
-            }
-        }
+        for_each_block(
+            x,
+            QK_K,
+            &mut acts.qs,
+            &mut acts.d,
+            &mut acts.bsums,
+            |xb, qb, d, bsums| {
+                *d = quantize_block(xb, qb);
+                for (sum, group) in bsums.iter_mut().zip(qb.chunks_exact(BSUM_GROUP)) {
+                    // 16 values of at most 127 in magnitude: the sum fits in an i16.
+                    *sum = isum(group) as i16;
+                }
+            },
+        );
         acts
     }
 
     fn row(&self, t: usize) -> Q8KRow<'_> {
         let nb = self.cols / QK_K;
-        let ng = self.cols / BSUM_GROUP;
         Q8KRow {
             qs: &self.qs[t * self.cols..(t + 1) * self.cols],
             d: &self.d[t * nb..(t + 1) * nb],
-            bsums: &self.bsums[t * ng..(t + 1) * ng],
+            bsums: self.bsums[t * nb..(t + 1) * nb].as_flattened(),
         }
     }
 
-    fn row_bytes(&self) -> usize {
-        self.cols + self.cols / QK_K * 4 + self.cols / BSUM_GROUP * 2
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn row_bytes(cols: usize) -> usize {
+        cols + cols / QK_K * 4 + cols / BSUM_GROUP * 2
     }
 }
 
@@ -179,8 +236,12 @@ impl ActSet for F32Acts {
         &self.x[t * self.cols..(t + 1) * self.cols]
     }
 
-    fn row_bytes(&self) -> usize {
-        self.cols * 4
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn row_bytes(cols: usize) -> usize {
+        cols * 4
     }
 }
 

@@ -61,10 +61,12 @@ pub(crate) enum Split {
     Tokens(usize),
 }
 
-/// The split for `rows` rows of `row_bytes` against `n_tokens` tokens.
-pub(crate) fn split(rows: usize, row_bytes: usize, n_tokens: usize) -> Split {
+/// The split for `rows` rows of `row_bytes` against `n_tokens` tokens whose prepared
+/// activations take `act_row_bytes` each.
+pub(crate) fn split(rows: usize, row_bytes: usize, n_tokens: usize, act_row_bytes: usize) -> Split {
     let threads = rayon::current_num_threads();
-    let work = rows.saturating_mul(row_bytes).saturating_mul(n_tokens);
+    let weight_bytes = rows.saturating_mul(row_bytes);
+    let work = weight_bytes.saturating_mul(n_tokens);
     let serial_limit = match rayon::current_thread_index() {
         Some(_) => 2 * MIN_CHUNK_BYTES,
         None => SERIAL_BYTES_OUTSIDE_POOL,
@@ -72,8 +74,10 @@ pub(crate) fn split(rows: usize, row_bytes: usize, n_tokens: usize) -> Split {
     if threads <= 1 || work < serial_limit {
         return Split::Serial;
     }
-    if n_tokens >= TOKENS_PER_TASK * TASKS_PER_THREAD * threads {
-        // Each task reads all the weights, but from cache: a batch is compute-bound.
+    // Split by tokens, every task reading all the weights, or by rows, every task
+    // reading all the activations: whichever reads fewer bytes.
+    let act_bytes = n_tokens.saturating_mul(act_row_bytes);
+    if n_tokens >= TOKENS_PER_TASK * TASKS_PER_THREAD * threads && weight_bytes <= act_bytes {
         let per_task = n_tokens
             .div_ceil(TASKS_PER_THREAD * threads)
             .next_multiple_of(4);
@@ -82,6 +86,21 @@ pub(crate) fn split(rows: usize, row_bytes: usize, n_tokens: usize) -> Split {
     let balanced = rows.div_ceil(threads * TASKS_PER_THREAD);
     let chunk = balanced.max(MIN_CHUNK_BYTES.div_ceil(row_bytes.max(1)));
     Split::Rows(chunk.next_multiple_of(4).min(rows.max(1)))
+}
+
+/// The split [`run`] takes for `m` against `n_tokens` tokens.
+#[cfg(test)]
+pub(crate) fn split_for(m: &QuantizedMatrix<'_>, n_tokens: usize) -> Split {
+    use formats::*;
+    fn act_bytes<K: Kernel>(cols: usize) -> usize {
+        K::Acts::row_bytes(cols)
+    }
+    let act_row_bytes = match m.ty().block_size() {
+        1 => act_bytes::<F32>(m.cols()),
+        32 => act_bytes::<Q8_0>(m.cols()),
+        _ => act_bytes::<Q4_K>(m.cols()),
+    };
+    split(m.rows(), m.row_bytes(), n_tokens, act_row_bytes)
 }
 
 /// Rows per block whose weights stay in L2 while tiles of tokens pass over them.
@@ -138,7 +157,7 @@ fn run_kernel<K: Kernel>(
 ) {
     let acts = K::Acts::prepare(x, n_tokens, m.cols());
     let (weights, row_bytes, n_rows) = (m.bytes(), m.row_bytes(), m.rows());
-    match split(n_rows, row_bytes, n_tokens) {
+    match split(n_rows, row_bytes, n_tokens, K::Acts::row_bytes(m.cols())) {
         Split::Serial => {
             let out = Out {
                 data: y,
@@ -182,28 +201,33 @@ fn run_kernel<K: Kernel>(
                 })
         }
         Split::Rows(per_task) => {
-            // A few tokens: tasks own whole rows, so they write a row-major scratch
-            // that is transposed into the token-major output afterwards.
-            let mut by_row = vec![0.0f32; y.len()];
-            by_row
-                .par_chunks_mut(per_task * n_tokens)
-                .enumerate()
-                .for_each(|(c, data)| {
-                    let first = c * per_task;
-                    let w =
-                        &weights[first * row_bytes..(first + data.len() / n_tokens) * row_bytes];
+            // Each task fills a token-major buffer of its rows; every token's row of `y`
+            // is then assembled from one contiguous piece per task.
+            let parts: Vec<Vec<f32>> = weights
+                .par_chunks(per_task * row_bytes)
+                .map(|w| {
+                    let count = w.len() / row_bytes;
+                    let mut data = vec![0.0f32; count * n_tokens];
                     let out = Out {
-                        data,
-                        row_stride: n_tokens,
-                        token_stride: 1,
+                        data: &mut data,
+                        row_stride: 1,
+                        token_stride: count,
                     };
                     rows::<K>(exec, w, row_bytes, &acts, 0..n_tokens, out);
+                    data
+                })
+                .collect();
+            y.par_chunks_mut(n_rows)
+                .enumerate()
+                .for_each(|(t, y_token)| {
+                    let mut first = 0;
+                    for part in &parts {
+                        let count = part.len() / n_tokens;
+                        y_token[first..first + count]
+                            .copy_from_slice(&part[t * count..(t + 1) * count]);
+                        first += count;
+                    }
                 });
-            for (t, y_token) in y.chunks_exact_mut(n_rows).enumerate() {
-                for (r, v) in y_token.iter_mut().enumerate() {
-                    *v = by_row[r * n_tokens + t];
-                }
-            }
         }
     }
 }
@@ -233,7 +257,10 @@ fn rows_portable<K: Kernel>(
     out: Out<'_>,
 ) {
     let n_rows = w.len() / row_bytes.max(1);
-    let (block, tile) = (rows_per_block(row_bytes), token_tile(acts.row_bytes()));
+    let (block, tile) = (
+        rows_per_block(row_bytes),
+        token_tile(K::Acts::row_bytes(acts.cols())),
+    );
     for r0 in (0..n_rows).step_by(block) {
         for t0 in tokens.clone().step_by(tile) {
             let t1 = (t0 + tile).min(tokens.end);

@@ -35,7 +35,9 @@ fn nibbles(qs: &[u8; 16]) -> impl Iterator<Item = u8> + '_ {
 #[inline]
 fn five_bit<'a>(qh: &[u8; 4], qs: &'a [u8; 16]) -> impl Iterator<Item = u8> + 'a {
     let high = u32::from_le_bytes(*qh);
-    nibbles(qs).enumerate().map(move |(i, q)| q | ((((high >> i) & 1) as u8) << 4))
+    nibbles(qs)
+        .enumerate()
+        .map(move |(i, q)| q | ((((high >> i) & 1) as u8) << 4))
 }
 
 /// `Q4_0` block: `Σ (q - 8) · qx` with `q` the unsigned nibble.
@@ -60,7 +62,12 @@ pub(crate) fn q5_1_block(block: &BlockQ5_1, qx: &[i8]) -> i32 {
 
 /// `Q8_0` block: `Σ q · qx`, both signed.
 pub(crate) fn q8_0_block(block: &BlockQ8_0, qx: &[i8]) -> i32 {
-    block.qs.iter().zip(qx).map(|(&q, &x)| i32::from(q) * i32::from(x)).sum()
+    block
+        .qs
+        .iter()
+        .zip(qx)
+        .map(|(&q, &x)| i32::from(q) * i32::from(x))
+        .sum()
 }
 
 pub(crate) fn dot_q4_0(row: &[u8], act: Q8Row<'_>) -> f32 {

@@ -12,8 +12,8 @@ use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
 use super::{hsum_ps, load32};
-use crate::matmul::activation::{Q8KRow, BSUM_GROUP, QK_K};
 use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
+use crate::matmul::activation::{Q8KRow, BSUM_GROUP, QK_K};
 
 const Q4_K_BYTES: usize = size_of::<BlockQ4_K>();
 const Q5_K_BYTES: usize = size_of::<BlockQ5_K>();

@@ -13,8 +13,8 @@ use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
 use super::{hsum_ps, load32, mul_sum_u8_i8};
-use crate::matmul::activation::{Q8Row, QK8};
 use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
+use crate::matmul::activation::{Q8Row, QK8};
 
 // `scales` reads d (and m) from the first four bytes of every legacy block.
 const _: () = assert!(offset_of!(BlockQ4_0, d) == 0 && offset_of!(BlockQ5_0, d) == 0);

@@ -85,7 +85,10 @@ unsafe fn rows<K: Kernel>(
         }
         return;
     }
-    let (block, tile) = (rows_per_block(row_bytes), token_tile(acts.row_bytes()));
+    let (block, tile) = (
+        rows_per_block(row_bytes),
+        token_tile(K::Acts::row_bytes(acts.cols())),
+    );
     for r0 in (0..n_rows).step_by(block) {
         for t0 in (0..n_tokens).step_by(tile) {
             let t1 = (t0 + tile).min(n_tokens);
