@@ -10,9 +10,9 @@
 //! - Decoding: a scalar reference decoder per type, written straight from the block
 //!   layouts and bit-identical to the reference implementation that ships with
 //!   llama.cpp (gguf-py); AVX2+F16C kernels, chosen at run time and bit-identical to
-//!   the reference, for F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
-//!   IQ4_NL, MXFP4 and the grid formats (IQ1_S … IQ3_S); rayon across blocks for large
-//!   inputs.
+//!   the reference, for F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K … Q6_K, IQ4_NL,
+//!   IQ4_XS, TQ2_0, MXFP4 and the grid formats (IQ1_S … IQ3_S); rayon across blocks for
+//!   large inputs.
 //!   [`Decoder`] picks a path explicitly, for tests and benchmarks.
 //!
 //! Types decoded: F32, F16, BF16, F64, I8, I16, I32, I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,

@@ -14,7 +14,7 @@
 use std::arch::x86_64::*;
 
 use super::grids::{KVALUES_IQ4NL, KVALUES_MXFP4};
-use super::scalar::{self, e8m0_to_f32_half, k_scales_mins, Put};
+use super::scalar::{self, e8m0_to_f32_half, k_scales_mins, q3_k_scales, Put};
 use crate::blocks::*;
 
 /// Proof that the CPU supports AVX2 and F16C.
@@ -54,9 +54,13 @@ entry! {
     q8_0: BlockQ8_0 => QK,
     iq4_nl: BlockIQ4_NL => QK,
     mxfp4: BlockMXFP4 => QK,
+    q2_k: BlockQ2_K => QK_K,
+    q3_k: BlockQ3_K => QK_K,
     q4_k: BlockQ4_K => QK_K,
     q5_k: BlockQ5_K => QK_K,
     q6_k: BlockQ6_K => QK_K,
+    iq4_xs: BlockIQ4_XS => QK_K,
+    tq2_0: BlockTQ2_0 => QK_K,
     iq2_xxs: BlockIQ2_XXS => QK_K,
     iq2_xs: BlockIQ2_XS => QK_K,
     iq2_s: BlockIQ2_S => QK_K,
@@ -292,12 +296,13 @@ fn q8_0(blocks: &[BlockQ8_0], out: &mut [[f32; QK]]) {
     }
 }
 
-/// Nibble-indexed lookups of a 16-entry signed byte table: (values 0..16, 16..32).
+/// Nibble-indexed lookups of a 16-entry signed byte table in the 16 bytes at
+/// `qs[at..at + 16]`: (low nibbles' values, high nibbles' values).
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-fn lookup16(table: &[i8; 16], qs: &[u8; QK / 2]) -> (__m128i, __m128i) {
+fn lookup16(table: &[i8; 16], qs: &[u8], at: usize) -> (__m128i, __m128i) {
     let table = load16(bytemuck::bytes_of(table), 0);
-    let (lo, hi) = nibbles16(qs, 0);
+    let (lo, hi) = nibbles16(qs, at);
     (_mm_shuffle_epi8(table, lo), _mm_shuffle_epi8(table, hi))
 }
 
@@ -306,7 +311,7 @@ fn iq4_nl(blocks: &[BlockIQ4_NL], out: &mut [[f32; QK]]) {
     let zero = _mm256_setzero_ps();
     for (b, y) in blocks.iter().zip(out) {
         let d = _mm256_set1_ps(f16_to_f32(b.d));
-        let (lo, hi) = lookup16(&KVALUES_IQ4NL, &b.qs);
+        let (lo, hi) = lookup16(&KVALUES_IQ4NL, &b.qs, 0);
         store16(y, 0, lo, Op::Mul, d, zero);
         store16(y, 16, hi, Op::Mul, d, zero);
     }
@@ -317,7 +322,7 @@ fn mxfp4(blocks: &[BlockMXFP4], out: &mut [[f32; QK]]) {
     let zero = _mm256_setzero_ps();
     for (b, y) in blocks.iter().zip(out) {
         let d = _mm256_set1_ps(e8m0_to_f32_half(b.e));
-        let (lo, hi) = lookup16(&KVALUES_MXFP4, &b.qs);
+        let (lo, hi) = lookup16(&KVALUES_MXFP4, &b.qs, 0);
         store16(y, 0, lo, Op::Mul, d, zero);
         store16(y, 16, hi, Op::Mul, d, zero);
     }
@@ -325,6 +330,67 @@ fn mxfp4(blocks: &[BlockMXFP4], out: &mut [[f32; QK]]) {
 
 // ---------------------------------------------------------------------------------------
 // k-quants.
+
+/// The two-bit fields `s` (0..4) of 32 bytes: values `32 s .. 32 s + 32` of a chunk of
+/// 128 in `Q2_K`, `Q3_K` and `TQ2_0`.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn crumbs(q: __m256i, s: usize) -> __m256i {
+    let shifted = match s {
+        0 => q,
+        1 => _mm256_srli_epi16::<2>(q),
+        2 => _mm256_srli_epi16::<4>(q),
+        _ => _mm256_srli_epi16::<6>(q),
+    };
+    _mm256_and_si256(shifted, _mm256_set1_epi8(3))
+}
+
+#[target_feature(enable = "avx2,f16c")]
+fn q2_k(blocks: &[BlockQ2_K], out: &mut [[f32; QK_K]]) {
+    for (b, y) in blocks.iter().zip(out) {
+        let (d, dmin) = (f16_to_f32(b.d), f16_to_f32(b.dmin));
+        for c in 0..2 {
+            let q = load32(&b.qs, 32 * c);
+            for s in 0..4 {
+                let q = crumbs(q, s);
+                let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+                for (half, q) in halves.into_iter().enumerate() {
+                    let i = 128 * c + 32 * s + 16 * half;
+                    let sc = b.scales[i / 16];
+                    let dl = _mm256_set1_ps(d * (sc & 0x0F) as f32);
+                    let ml = _mm256_set1_ps(dmin * (sc >> 4) as f32);
+                    store16(y, i, q, Op::MulSub, dl, ml);
+                }
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+fn q3_k(blocks: &[BlockQ3_K], out: &mut [[f32; QK_K]]) {
+    let (four, zero) = (_mm256_set1_epi8(4), _mm256_setzero_ps());
+    for (b, y) in blocks.iter().zip(out) {
+        let d = f16_to_f32(b.d);
+        let scales = q3_k_scales(&b.scales);
+        let hmask = load32(&b.hmask, 0);
+        for c in 0..2 {
+            let q = load32(&b.qs, 32 * c);
+            for s in 0..4 {
+                // The high bit is stored inverted: q = low - 4 + (bit set ? 4 : 0).
+                let bit = _mm256_set1_epi8((1u8 << (4 * c + s)) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
+                let high = _mm256_and_si256(set, four);
+                let q = _mm256_sub_epi8(_mm256_add_epi8(crumbs(q, s), high), four);
+                let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+                for (half, q) in halves.into_iter().enumerate() {
+                    let i = 128 * c + 32 * s + 16 * half;
+                    let dl = _mm256_set1_ps(d * scales[i / 16] as f32);
+                    store16(y, i, q, Op::Mul, dl, zero);
+                }
+            }
+        }
+    }
+}
 
 #[target_feature(enable = "avx2,f16c")]
 fn q4_k(blocks: &[BlockQ4_K], out: &mut [[f32; QK_K]]) {
@@ -396,6 +462,38 @@ fn q6_k(blocks: &[BlockQ6_K], out: &mut [[f32; QK_K]]) {
                     d1,
                     zero,
                 );
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+fn iq4_xs(blocks: &[BlockIQ4_XS], out: &mut [[f32; QK_K]]) {
+    let zero = _mm256_setzero_ps();
+    for (b, y) in blocks.iter().zip(out) {
+        let d = f16_to_f32(b.d);
+        let scales_h = b.scales_h.get();
+        for g in 0..8 {
+            let low = (b.scales_l[g / 2] >> (4 * (g % 2))) & 0x0F;
+            let high = ((scales_h >> (2 * g)) & 0x03) as u8;
+            let dl = _mm256_set1_ps(d * ((low | (high << 4)) as i8 - 32) as f32);
+            let (lo, hi) = lookup16(&KVALUES_IQ4NL, &b.qs, 16 * g);
+            store16(y, 32 * g, lo, Op::Mul, dl, zero);
+            store16(y, 32 * g + 16, hi, Op::Mul, dl, zero);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,f16c")]
+fn tq2_0(blocks: &[BlockTQ2_0], out: &mut [[f32; QK_K]]) {
+    let (one, zero) = (_mm256_set1_epi8(1), _mm256_setzero_ps());
+    for (b, y) in blocks.iter().zip(out) {
+        let d = _mm256_set1_ps(f16_to_f32(b.d));
+        for c in 0..2 {
+            let q = load32(&b.qs, 32 * c);
+            for s in 0..4 {
+                let q = _mm256_sub_epi8(crumbs(q, s), one);
+                store32(y, 128 * c + 32 * s, q, Op::Mul, d, zero);
             }
         }
     }

@@ -228,8 +228,8 @@ fn dispatch<S: Sink>(ty: GgmlType, avx2: Option<Avx2>, sink: S) -> Result<(), De
         T::Q5_1 => fast!(scalar::q5_1, q5_1),
         T::Q8_0 => fast!(scalar::q8_0, q8_0),
         T::Q8_1 => sink.run(each(scalar::q8_1)),
-        T::Q2_K => sink.run(each(scalar::q2_k)),
-        T::Q3_K => sink.run(each(scalar::q3_k)),
+        T::Q2_K => fast!(scalar::q2_k, q2_k),
+        T::Q3_K => fast!(scalar::q3_k, q3_k),
         T::Q4_K => fast!(scalar::q4_k, q4_k),
         T::Q5_K => fast!(scalar::q5_k, q5_k),
         T::Q6_K => fast!(scalar::q6_k, q6_k),
@@ -242,9 +242,9 @@ fn dispatch<S: Sink>(ty: GgmlType, avx2: Option<Avx2>, sink: S) -> Result<(), De
         T::IQ1_S => fast!(scalar::iq1_s, iq1_s),
         T::IQ1_M => fast!(scalar::iq1_m, iq1_m),
         T::IQ4_NL => fast!(scalar::iq4_nl, iq4_nl),
-        T::IQ4_XS => sink.run(each(scalar::iq4_xs)),
+        T::IQ4_XS => fast!(scalar::iq4_xs, iq4_xs),
         T::TQ1_0 => sink.run(each(scalar::tq1_0)),
-        T::TQ2_0 => sink.run(each(scalar::tq2_0)),
+        T::TQ2_0 => fast!(scalar::tq2_0, tq2_0),
         T::MXFP4 => fast!(scalar::mxfp4, mxfp4),
     }
 }
