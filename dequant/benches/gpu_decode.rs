@@ -1,0 +1,270 @@
+//! Throughput of the GPU decoders: every type, to f32 and to f16, on device 0.
+//!
+//! ```text
+//! cargo bench -p dequant --bench gpu_decode -- [--mvalues 64] [--iters 10] [--only Q4_K]
+//!     [--json FILE]
+//! ```
+//!
+//! Each type decodes `--mvalues` Mi values (default 64 Mi: 256 MiB of f32 output) from
+//! random blocks already in device memory. A figure is the median of `--iters` runs,
+//! each timed with events on the stream. GB/s counts the bytes the kernel moves: the
+//! blocks read plus the values written; the "in GB/s" column counts the blocks alone,
+//! the rate at which quantized weights turn into numbers. The table goes to stdout and,
+//! with `--json`, the same figures to FILE as one JSON object (the object is also
+//! printed as the last line of stdout).
+//!
+//! With no GPU (built without one, or no device found) it prints
+//! `SKIPPED gpu_decode: <why>` and exits 0.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+
+use dequant::gpu::{decode_f16, decode_f32};
+use gguf_format::GgmlType;
+use half::f16;
+use hip_backend::{Device, DeviceBuffer, Stream, OFFLOAD_ARCHS, PLATFORM};
+
+struct Options {
+    mvalues: usize,
+    iters: usize,
+    only: Option<String>,
+    json: Option<String>,
+}
+
+fn options() -> Result<Options, String> {
+    let mut options = Options {
+        mvalues: 64,
+        iters: 10,
+        only: None,
+        json: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
+        let number = |text: String| {
+            text.parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("{flag}: {text:?} is not a positive number"))
+        };
+        match flag.as_str() {
+            // Passed by `cargo bench` and by the GPU suite.
+            "--bench" => {}
+            "--mvalues" => options.mvalues = number(value()?)?,
+            "--iters" => options.iters = number(value()?)?,
+            "--only" => options.only = Some(value()?),
+            "--json" => options.json = Some(value()?),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(options)
+}
+
+/// One type's figures.
+struct Row {
+    ty: GgmlType,
+    in_bytes: usize,
+    f32_ms: f64,
+    f16_ms: f64,
+}
+
+impl Row {
+    fn gbps(bytes: usize, ms: f64) -> f64 {
+        bytes as f64 / (ms * 1e-3) / 1e9
+    }
+}
+
+/// Deterministic pseudo-random bytes (xorshift64), eight at a time.
+fn random_bytes(len: usize) -> Vec<u8> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut bytes = Vec::with_capacity(len + 8);
+    while bytes.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        bytes.extend_from_slice(&state.to_le_bytes());
+    }
+    bytes.truncate(len);
+    bytes
+}
+
+/// Median milliseconds of `iters` runs of `run`, each between two events on `stream`.
+fn time_ms(
+    device: &Device,
+    stream: &Stream,
+    iters: usize,
+    mut run: impl FnMut() -> Result<(), String>,
+) -> Result<f64, String> {
+    let start = device.new_event().map_err(|e| e.to_string())?;
+    let end = device.new_event().map_err(|e| e.to_string())?;
+    run()?; // warm-up: first launch, caches, clocks
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        start.record(stream).map_err(|e| e.to_string())?;
+        run()?;
+        end.record(stream).map_err(|e| e.to_string())?;
+        end.synchronize().map_err(|e| e.to_string())?;
+        times.push(end.elapsed_ms_since(&start).map_err(|e| e.to_string())? as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn bench(device: &Device, options: &Options) -> Result<Vec<Row>, String> {
+    let stream = device.new_stream().map_err(|e| e.to_string())?;
+    let n_values = options.mvalues << 20;
+    let types: Vec<GgmlType> = GgmlType::ALL
+        .into_iter()
+        .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))
+        .collect();
+    if types.is_empty() {
+        return Err(format!("--only {:?} names no type", options.only));
+    }
+    // One buffer of random bytes, large enough for the widest type; every type decodes
+    // from its start (random bytes are valid blocks of any type).
+    let max_bytes = types
+        .iter()
+        .map(|ty| ty.row_bytes(n_values as u64).map(|b| b as usize))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| format!("{n_values} values are not whole blocks of every type"))?
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+    let mut src: DeviceBuffer<u8> = device.alloc(max_bytes).map_err(|e| e.to_string())?;
+    stream
+        .write_from_host(&random_bytes(max_bytes), src.view_mut())
+        .map_err(|e| e.to_string())?;
+    let mut out32: DeviceBuffer<f32> = device.alloc(n_values).map_err(|e| e.to_string())?;
+    let mut out16: DeviceBuffer<f16> = device.alloc(n_values).map_err(|e| e.to_string())?;
+
+    let mut rows = Vec::new();
+    for ty in types {
+        let in_bytes = ty.row_bytes(n_values as u64).unwrap_or(0) as usize;
+        let input = src.slice(0..in_bytes).map_err(|e| e.to_string())?;
+        let f32_ms = time_ms(device, &stream, options.iters, || {
+            decode_f32(ty, input, out32.view_mut(), &stream).map_err(|e| format!("{ty}: {e}"))
+        })?;
+        let f16_ms = time_ms(device, &stream, options.iters, || {
+            decode_f16(ty, input, out16.view_mut(), &stream).map_err(|e| format!("{ty}: {e}"))
+        })?;
+        let row = Row {
+            ty,
+            in_bytes,
+            f32_ms,
+            f16_ms,
+        };
+        print_row(&row, n_values);
+        rows.push(row);
+    }
+    stream.synchronize().map_err(|e| e.to_string())?;
+    Ok(rows)
+}
+
+fn print_row(row: &Row, n_values: usize) {
+    let f32_total = row.in_bytes + 4 * n_values;
+    let f16_total = row.in_bytes + 2 * n_values;
+    println!(
+        "{:<8} {:>9.1} {:>9.3} {:>8.0} {:>8.0} {:>9.3} {:>8.0} {:>8.0} {:>9.1}",
+        row.ty.name(),
+        row.in_bytes as f64 / (1 << 20) as f64,
+        row.f32_ms,
+        Row::gbps(f32_total, row.f32_ms),
+        Row::gbps(row.in_bytes, row.f32_ms),
+        row.f16_ms,
+        Row::gbps(f16_total, row.f16_ms),
+        Row::gbps(row.in_bytes, row.f16_ms),
+        n_values as f64 / (row.f32_ms * 1e-3) / 1e9,
+    );
+}
+
+fn json_string(text: &str) -> String {
+    let mut out = String::from("\"");
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn to_json(device: &Device, options: &Options, rows: &[Row]) -> String {
+    let n_values = options.mvalues << 20;
+    let mut json = format!(
+        "{{\"bench\":\"gpu_decode\",\"platform\":{},\"device\":{},\"arch\":{},\"offload_archs\":{},\
+         \"values\":{n_values},\"iters\":{},\"results\":[",
+        json_string(PLATFORM.name()),
+        json_string(device.name()),
+        json_string(device.arch()),
+        json_string(OFFLOAD_ARCHS),
+        options.iters
+    );
+    for (i, row) in rows.iter().enumerate() {
+        let f32_total = row.in_bytes + 4 * n_values;
+        let f16_total = row.in_bytes + 2 * n_values;
+        let _ = write!(
+            json,
+            "{}{{\"type\":{},\"in_bytes\":{},\"f32_ms\":{:.4},\"f32_gbps\":{:.1},\
+             \"f32_in_gbps\":{:.1},\"f16_ms\":{:.4},\"f16_gbps\":{:.1},\"f16_in_gbps\":{:.1}}}",
+            if i == 0 { "" } else { "," },
+            json_string(row.ty.name()),
+            row.in_bytes,
+            row.f32_ms,
+            Row::gbps(f32_total, row.f32_ms),
+            Row::gbps(row.in_bytes, row.f32_ms),
+            row.f16_ms,
+            Row::gbps(f16_total, row.f16_ms),
+            Row::gbps(row.in_bytes, row.f16_ms),
+        );
+    }
+    json.push_str("]}");
+    json
+}
+
+fn main() {
+    let options = options().unwrap_or_else(|error| {
+        eprintln!("gpu_decode: {error}");
+        std::process::exit(2)
+    });
+    let device = match Device::open(0) {
+        Ok(device) => device,
+        Err(error) if error.is_unavailable() => {
+            let line = format!("SKIPPED gpu_decode: {error}\n");
+            let _ = std::io::stderr().write_all(line.as_bytes());
+            return;
+        }
+        Err(error) => {
+            eprintln!("gpu_decode: opening device 0 failed: {error}");
+            std::process::exit(1)
+        }
+    };
+    println!(
+        "gpu_decode on {} ({}, {}), {} Mi values per type, median of {} runs",
+        device.name(),
+        device.arch(),
+        PLATFORM,
+        options.mvalues,
+        options.iters
+    );
+    println!(
+        "{:<8} {:>9} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8} {:>9}",
+        "type", "in MiB", "f32 ms", "GB/s", "in GB/s", "f16 ms", "GB/s", "in GB/s", "Gval/s"
+    );
+    let rows = bench(&device, &options).unwrap_or_else(|error| {
+        eprintln!("gpu_decode: {error}");
+        std::process::exit(1)
+    });
+    let json = to_json(&device, &options, &rows);
+    println!("{json}");
+    if let Some(path) = &options.json {
+        if let Err(error) = std::fs::write(path, format!("{json}\n")) {
+            eprintln!("gpu_decode: cannot write {path}: {error}");
+            std::process::exit(1)
+        }
+    }
+}

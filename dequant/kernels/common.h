@@ -1,0 +1,141 @@
+// common.h: what every decoder of dequant.hip shares: byte loads, f16 conversions, f32
+// arithmetic that is never contracted, and the staging and store helpers of the kernels.
+//
+// Exactness. The CPU reference decoders (src/decode/scalar) compute every value with a
+// fixed sequence of rounded f32 operations: products such as `d * q`, then at most one
+// sum (`d * q + m`, `dl * q - ml`). A GPU compiler may fuse such a product and sum into one
+// fused multiply-add, which rounds once instead of twice and can change the last bit. The
+// helpers rf_mul/rf_add/rf_sub below forbid that: on NVIDIA they are the __fmul_rn family,
+// which nvcc never contracts; on AMD the `fp contract(off)` pragma below covers every
+// arithmetic expression that follows it in the translation unit (clang honours it in HIP
+// code). Denormals are kept on both platforms (no -ftz / flush-denormals flags are used),
+// as on the CPU. Conversions (f16 -> f32, int -> f32, f64 -> f32, f32 -> f16) round to
+// nearest even on both sides.
+#ifndef ROCMFORGE_DEQUANT_COMMON_H
+#define ROCMFORGE_DEQUANT_COMMON_H
+
+#include "rocmforge_hip.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(ROCMFORGE_HIP_AMD)
+#pragma clang fp contract(off)
+#endif
+
+namespace rf {
+
+// ------------------------------------------------------------------ arithmetic -------
+
+__device__ __forceinline__ float mul(float a, float b) {
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+__device__ __forceinline__ float add(float a, float b) {
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+
+__device__ __forceinline__ float sub(float a, float b) {
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    return __fsub_rn(a, b);
+#else
+    return a - b;
+#endif
+}
+
+// ------------------------------------------------------------------ loads -------------
+// Blocks have alignment 1 (an 18-byte block sits at any address), so multi-byte fields
+// are assembled from bytes, little-endian, as GGUF stores them.
+
+__device__ __forceinline__ uint32_t u16_at(const uint8_t* p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+}
+
+__device__ __forceinline__ uint32_t u32_at(const uint8_t* p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
+           ((uint32_t)p[3] << 24);
+}
+
+__device__ __forceinline__ float f16_bits_to_f32(uint32_t bits) {
+    return __half2float(__ushort_as_half((unsigned short)bits));
+}
+
+// The IEEE binary16 value stored at p, widened to f32 (exact).
+__device__ __forceinline__ float f16_at(const uint8_t* p) { return f16_bits_to_f32(u16_at(p)); }
+
+// The f16 bits nearest to v (ties to even), as half::f16::from_f32 rounds on the CPU.
+__device__ __forceinline__ uint32_t f32_to_f16_bits(float v) {
+    return (uint32_t)__half_as_ushort(__float2half_rn(v));
+}
+
+// ------------------------------------------------------------------ tiles -------------
+// A kernel works in tiles of kTileValues output values: 256 threads, each decoding one
+// group of 8 consecutive values (every block holds a whole number of such groups, and
+// the 8 values of a group share their scales).
+
+constexpr int kThreads = 256;
+constexpr int kGroup = 8;
+constexpr int kTileValues = kThreads * kGroup;
+// Tiles handled by one launch's grid at most; each workgroup loops over the rest.
+constexpr size_t kMaxGrid = 8192;
+
+// Copies nbytes from global memory at src into shared memory at dst with every thread
+// of the workgroup. vec16: src is 16-byte aligned, so whole 16-byte words are moved
+// (dst always is: it is a __shared__ array of uint4).
+__device__ __forceinline__ void stage_bytes(uint8_t* dst, const uint8_t* __restrict__ src,
+                                            int nbytes, bool vec16) {
+    int done = 0;
+    if (vec16) {
+        const int words = nbytes / 16;
+        const uint4* s = reinterpret_cast<const uint4*>(src);
+        uint4* d = reinterpret_cast<uint4*>(dst);
+        for (int i = threadIdx.x; i < words; i += blockDim.x) d[i] = s[i];
+        done = words * 16;
+    }
+    for (int i = done + threadIdx.x; i < nbytes; i += blockDim.x) dst[i] = src[i];
+}
+
+// Stores 8 values at dst, as one or two 16-byte stores when vec16 says dst is aligned.
+__device__ __forceinline__ void store8(float* __restrict__ dst, const float (&y)[kGroup],
+                                       bool vec16) {
+    if (vec16) {
+        float4* d = reinterpret_cast<float4*>(dst);
+        d[0] = make_float4(y[0], y[1], y[2], y[3]);
+        d[1] = make_float4(y[4], y[5], y[6], y[7]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) dst[k] = y[k];
+    }
+}
+
+// f16 output: the values rounded to nearest even, stored as their bits.
+__device__ __forceinline__ void store8(uint16_t* __restrict__ dst, const float (&y)[kGroup],
+                                       bool vec16) {
+    uint32_t h[kGroup];
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) h[k] = f32_to_f16_bits(y[k]);
+    if (vec16) {
+        *reinterpret_cast<uint4*>(dst) =
+            make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16),
+                       h[6] | (h[7] << 16));
+    } else {
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) dst[k] = (uint16_t)h[k];
+    }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return ((uintptr_t)p & 15) == 0;
+}
+
+}  // namespace rf
+
+#endif  // ROCMFORGE_DEQUANT_COMMON_H
