@@ -54,28 +54,26 @@ fn quantize_block(x: &[f32], qs: &mut [i8]) -> f32 {
     d
 }
 
-/// Runs `each` over matching chunks of `x` (`n` values each) and of the outputs,
-/// on rayon's pool when `x` is large.
-fn for_each_block<A: Send, B: Send>(
+/// Runs `each` over matching chunks of `x` (`n` values each), of `qs` and of `out` (one
+/// per chunk), on rayon's pool when `x` is large.
+fn for_each_block<A: Send>(
     x: &[f32],
     n: usize,
     qs: &mut [i8],
-    a: &mut [A],
-    b: &mut [B],
-    each: impl Fn(&[f32], &mut [i8], &mut A, &mut B) + Sync,
+    out: &mut [A],
+    each: impl Fn(&[f32], &mut [i8], &mut A) + Sync,
 ) {
     use rayon::prelude::*;
     if x.len() < PARALLEL_VALUES {
-        let blocks = x.chunks_exact(n).zip(qs.chunks_exact_mut(n));
-        for ((xb, qb), (a, b)) in blocks.zip(a.iter_mut().zip(b.iter_mut())) {
-            each(xb, qb, a, b);
+        for ((xb, qb), a) in x.chunks_exact(n).zip(qs.chunks_exact_mut(n)).zip(out) {
+            each(xb, qb, a);
         }
     } else {
         let blocks = x.par_chunks_exact(n).zip(qs.par_chunks_exact_mut(n));
         blocks
-            .zip(a.par_iter_mut().zip(b.par_iter_mut()))
+            .zip(out.par_iter_mut())
             .with_min_len(256)
-            .for_each(|((xb, qb), (a, b))| each(xb, qb, a, b));
+            .for_each(|((xb, qb), a)| each(xb, qb, a));
     }
 }
 
@@ -87,7 +85,6 @@ fn isum(qs: &[i8]) -> i32 {
 pub(crate) struct Q8Acts {
     cols: usize,
     qs: Vec<i8>,
-    isum: Vec<i32>,
     ds: Vec<[f32; 2]>,
 }
 
@@ -96,10 +93,8 @@ pub(crate) struct Q8Acts {
 pub(crate) struct Q8Row<'a> {
     /// `cols` quantized values.
     pub qs: &'a [i8],
-    /// Per block, the sum of its quantized values.
-    pub isum: &'a [i32],
-    /// Per block, its scale `d` and `d * isum`, the block's sum as the integer kernels
-    /// see it; side by side so that one 8-byte load fetches both.
+    /// Per block, its scale `d` and its sum as the integer kernels see it (`d` times the
+    /// sum of the quantized values); side by side so that one 8-byte load fetches both.
     pub ds: &'a [[f32; 2]],
 }
 
@@ -113,21 +108,12 @@ impl ActSet for Q8Acts {
         let mut acts = Q8Acts {
             cols,
             qs: vec![0; x.len()],
-            isum: vec![0; n_blocks],
             ds: vec![[0.0; 2]; n_blocks],
         };
-        for_each_block(
-            x,
-            QK8,
-            &mut acts.qs,
-            &mut acts.isum,
-            &mut acts.ds,
-            |xb, qb, sum, ds| {
-                let d = quantize_block(xb, qb);
-                *sum = isum(qb);
-                *ds = [d, d * *sum as f32];
-            },
-        );
+        for_each_block(x, QK8, &mut acts.qs, &mut acts.ds, |xb, qb, ds| {
+            let d = quantize_block(xb, qb);
+            *ds = [d, d * isum(qb) as f32];
+        });
         acts
     }
 
@@ -135,7 +121,6 @@ impl ActSet for Q8Acts {
         let nb = self.cols / QK8;
         Q8Row {
             qs: &self.qs[t * self.cols..(t + 1) * self.cols],
-            isum: &self.isum[t * nb..(t + 1) * nb],
             ds: &self.ds[t * nb..(t + 1) * nb],
         }
     }
@@ -175,27 +160,22 @@ impl ActSet for Q8KActs {
     fn prepare(x: &[f32], n_tokens: usize, cols: usize) -> Self {
         debug_assert_eq!(x.len(), n_tokens * cols);
         debug_assert_eq!(cols % QK_K, 0);
-        let mut acts = Q8KActs {
+        let n_blocks = x.len() / QK_K;
+        let mut qs = vec![0; x.len()];
+        let mut sums = vec![(0.0f32, [0i16; QK_K / BSUM_GROUP]); n_blocks];
+        for_each_block(x, QK_K, &mut qs, &mut sums, |xb, qb, (d, bsums)| {
+            *d = quantize_block(xb, qb);
+            for (sum, group) in bsums.iter_mut().zip(qb.chunks_exact(BSUM_GROUP)) {
+                // 16 values of at most 127 in magnitude: the sum fits in an i16.
+                *sum = isum(group) as i16;
+            }
+        });
+        Q8KActs {
             cols,
-            qs: vec![0; x.len()],
-            d: vec![0.0; x.len() / QK_K],
-            bsums: vec![[0; QK_K / BSUM_GROUP]; x.len() / QK_K],
-        };
-        for_each_block(
-            x,
-            QK_K,
-            &mut acts.qs,
-            &mut acts.d,
-            &mut acts.bsums,
-            |xb, qb, d, bsums| {
-                *d = quantize_block(xb, qb);
-                for (sum, group) in bsums.iter_mut().zip(qb.chunks_exact(BSUM_GROUP)) {
-                    // 16 values of at most 127 in magnitude: the sum fits in an i16.
-                    *sum = isum(group) as i16;
-                }
-            },
-        );
-        acts
+            qs,
+            d: sums.iter().map(|s| s.0).collect(),
+            bsums: sums.iter().map(|s| s.1).collect(),
+        }
     }
 
     fn row(&self, t: usize) -> Q8KRow<'_> {
@@ -267,8 +247,7 @@ mod tests {
             }
             for b in 0..2 {
                 let block = &row.qs[b * QK8..(b + 1) * QK8];
-                assert_eq!(row.isum[b], isum(block));
-                assert_eq!(row.ds[b][1], row.ds[b][0] * row.isum[b] as f32);
+                assert_eq!(row.ds[b][1], row.ds[b][0] * isum(block) as f32);
                 assert_eq!(block.iter().map(|q| q.unsigned_abs()).max(), Some(127));
             }
         }

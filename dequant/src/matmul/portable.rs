@@ -2,7 +2,8 @@
 //!
 //! Each quantized format splits into an integer part, the exact dot product of a
 //! block's quantized weights with the quantized activations (`*_block` functions), and
-//! an f32 part that scales and accumulates it. The AVX2 kernels compute the same
+//! an f32 part that scales and accumulates it, adding the block's offset (`m`, `-8 d`
+//! or `-16 d`) times the activations' sum. The AVX2 kernels compute the same
 //! integers, so the two paths are compared exactly on them.
 
 use std::mem::size_of;
@@ -40,9 +41,10 @@ fn five_bit<'a>(qh: &[u8; 4], qs: &'a [u8; 16]) -> impl Iterator<Item = u8> + 'a
         .map(move |(i, q)| q | ((((high >> i) & 1) as u8) << 4))
 }
 
-/// `Q4_0` block: `Σ (q - 8) · qx` with `q` the unsigned nibble.
-pub(crate) fn q4_0_block(block: &BlockQ4_0, qx: &[i8], isum: i32) -> i32 {
-    dot_u8_i8(nibbles(&block.qs), qx) - 8 * isum
+/// `Q4_0` block: `Σ q · qx` with `q` the unsigned nibble; the offset `-8 d` is applied
+/// in f32.
+pub(crate) fn q4_0_block(block: &BlockQ4_0, qx: &[i8]) -> i32 {
+    dot_u8_i8(nibbles(&block.qs), qx)
 }
 
 /// `Q4_1` block: `Σ q · qx`; the offset `m` is applied in f32.
@@ -50,9 +52,10 @@ pub(crate) fn q4_1_block(block: &BlockQ4_1, qx: &[i8]) -> i32 {
     dot_u8_i8(nibbles(&block.qs), qx)
 }
 
-/// `Q5_0` block: `Σ (q - 16) · qx` with `q` the unsigned 5-bit value.
-pub(crate) fn q5_0_block(block: &BlockQ5_0, qx: &[i8], isum: i32) -> i32 {
-    dot_u8_i8(five_bit(&block.qh, &block.qs), qx) - 16 * isum
+/// `Q5_0` block: `Σ q · qx` with `q` the unsigned 5-bit value; the offset `-16 d` is
+/// applied in f32.
+pub(crate) fn q5_0_block(block: &BlockQ5_0, qx: &[i8]) -> i32 {
+    dot_u8_i8(five_bit(&block.qh, &block.qs), qx)
 }
 
 /// `Q5_1` block: `Σ q · qx`; the offset `m` is applied in f32.
@@ -73,8 +76,9 @@ pub(crate) fn q8_0_block(block: &BlockQ8_0, qx: &[i8]) -> i32 {
 pub(crate) fn dot_q4_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, block) in whole_blocks::<BlockQ4_0>(row).iter().enumerate() {
-        let int = q4_0_block(block, &act.qs[b * QK8..], act.isum[b]);
-        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
+        let int = q4_0_block(block, &act.qs[b * QK8..]);
+        let ([dx, s], d) = (act.ds[b], block.d.to_f32());
+        acc += d * dx * int as f32 + -8.0 * d * s;
     }
     acc
 }
@@ -92,8 +96,9 @@ pub(crate) fn dot_q4_1(row: &[u8], act: Q8Row<'_>) -> f32 {
 pub(crate) fn dot_q5_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, block) in whole_blocks::<BlockQ5_0>(row).iter().enumerate() {
-        let int = q5_0_block(block, &act.qs[b * QK8..], act.isum[b]);
-        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
+        let int = q5_0_block(block, &act.qs[b * QK8..]);
+        let ([dx, s], d) = (act.ds[b], block.d.to_f32());
+        acc += d * dx * int as f32 + -16.0 * d * s;
     }
     acc
 }

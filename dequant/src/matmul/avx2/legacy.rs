@@ -1,13 +1,17 @@
 //! AVX2 kernels of the legacy formats: blocks of 32 weights against [`Q8Row`]s.
 //!
-//! A block's quantized weights become 32 bytes in one register: unsigned values (4 or 5
-//! bits, the offset of `Q4_0`/`Q5_0` taken out through the activations' block sums) or,
-//! for `Q8_0`, their magnitudes with the signs moved onto the activations. One
-//! `maddubs` + `madd` pair then yields the block's integer dot product in eight lanes.
+//! A block's 32 quantized weights become 32 bytes in one register: unsigned values (4
+//! or 5 bits) or, for `Q8_0`, their magnitudes with the signs moved onto the
+//! activations. One `maddubs` + `madd` pair then yields the block's integer dot product
+//! `Σ q · qx` in eight lanes.
 //!
-//! The f16 scales (and offsets) of a block in up to four rows are widened together by
-//! one `vcvtph2ps` and multiplied by the activations' scale and sum in one `vmulps`;
-//! each row's product is then broadcast to scale its integer lanes.
+//! A weight is `d · q + offset`, the offset being the block's `m` (`Q4_1`, `Q5_1`),
+//! `-8 d` (`Q4_0`), `-16 d` (`Q5_0`) or nothing (`Q8_0`). The block contributes
+//! `d · dx · Σ q qx + offset · s`, where `dx` is the activations' scale and `s` their
+//! sum. The (d, offset) pairs of a block in up to four rows are widened together by one
+//! `vcvtph2ps` and multiplied by the activations' (dx, s) pairs in one `vmulps`; each
+//! `d · dx` is then broadcast to scale its row's integer lanes, and the `offset · s`
+//! lanes accumulate on their own.
 
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
@@ -35,18 +39,25 @@ struct Quants {
 /// scale `d`, followed by the f16 offset `m` in the formats that have one.
 trait Legacy {
     const BYTES: usize;
-    /// Whether the format has an offset `m`, applied through the activations' sums.
-    const HAS_MIN: bool;
+    /// The second f16 of a block is its offset `m`.
+    const HAS_M: bool;
+    /// Without `m`, the offset as a multiple of `d` (0: no offset).
+    const D_OFFSET: f32;
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `block..block + BYTES` must be readable.
     unsafe fn quants(block: *const u8) -> Quants;
 
-    /// The block's integer dot product with `qx` (of block sum `isum`), in eight lanes.
+    /// `Σ q · qx` in eight lanes.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
-    unsafe fn int(w: &Quants, qx: __m256i, isum: i32) -> __m256i;
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i;
+}
+
+/// Whether `L` has an offset to accumulate.
+const fn has_offset<L: Legacy>() -> bool {
+    L::HAS_M || L::D_OFFSET != 0.0
 }
 
 /// 16 bytes of packed nibbles → 32 bytes: low nibbles first, then high ones.
@@ -96,7 +107,8 @@ struct Q8_0;
 
 impl Legacy for Q4_0 {
     const BYTES: usize = size_of::<BlockQ4_0>();
-    const HAS_MIN: bool = false;
+    const HAS_M: bool = false;
+    const D_OFFSET: f32 = -8.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -108,15 +120,15 @@ impl Legacy for Q4_0 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Quants, qx: __m256i, isum: i32) -> __m256i {
-        // Σ (q - 8) qx = Σ q qx - 8 isum, the 8 isum spread over the eight lanes.
-        _mm256_sub_epi32(mul_sum_u8_i8(w.q, qx), _mm256_set1_epi32(isum))
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
+        mul_sum_u8_i8(w.q, qx)
     }
 }
 
 impl Legacy for Q4_1 {
     const BYTES: usize = size_of::<BlockQ4_1>();
-    const HAS_MIN: bool = true;
+    const HAS_M: bool = true;
+    const D_OFFSET: f32 = 0.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -128,14 +140,15 @@ impl Legacy for Q4_1 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Quants, qx: __m256i, _isum: i32) -> __m256i {
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
         mul_sum_u8_i8(w.q, qx)
     }
 }
 
 impl Legacy for Q5_0 {
     const BYTES: usize = size_of::<BlockQ5_0>();
-    const HAS_MIN: bool = false;
+    const HAS_M: bool = false;
+    const D_OFFSET: f32 = -16.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -148,15 +161,15 @@ impl Legacy for Q5_0 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Quants, qx: __m256i, isum: i32) -> __m256i {
-        // Σ (q - 16) qx = Σ q qx - 16 isum, the 16 isum spread over the eight lanes.
-        _mm256_sub_epi32(mul_sum_u8_i8(w.q, qx), _mm256_set1_epi32(2 * isum))
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
+        mul_sum_u8_i8(w.q, qx)
     }
 }
 
 impl Legacy for Q5_1 {
     const BYTES: usize = size_of::<BlockQ5_1>();
-    const HAS_MIN: bool = true;
+    const HAS_M: bool = true;
+    const D_OFFSET: f32 = 0.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -169,14 +182,15 @@ impl Legacy for Q5_1 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Quants, qx: __m256i, _isum: i32) -> __m256i {
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
         mul_sum_u8_i8(w.q, qx)
     }
 }
 
 impl Legacy for Q8_0 {
     const BYTES: usize = size_of::<BlockQ8_0>();
-    const HAS_MIN: bool = false;
+    const HAS_M: bool = false;
+    const D_OFFSET: f32 = 0.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -192,7 +206,7 @@ impl Legacy for Q8_0 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int(w: &Quants, qx: __m256i, _isum: i32) -> __m256i {
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
         // q · qx = |q| · (qx with q's sign); zero weights zero the activation.
         mul_sum_u8_i8(w.q, _mm256_sign_epi8(qx, w.signs))
     }
@@ -207,13 +221,12 @@ fn blocks<const R: usize, const N: usize>(
     let n = rows
         .iter()
         .fold(usize::MAX, |n, row| n.min(row.len() / bytes));
-    acts.iter().fold(n, |n, a| {
-        n.min(a.qs.len() / QK8).min(a.isum.len()).min(a.ds.len())
-    })
+    acts.iter()
+        .fold(n, |n, a| n.min(a.qs.len() / QK8).min(a.ds.len()))
 }
 
 /// Block `b`'s scale and offset in each of `R` ≤ 4 rows, widened: lane `2r` holds row
-/// `r`'s `d`, lane `2r + 1` its `m` (0 for formats without one).
+/// `r`'s `d`, lane `2r + 1` its offset (`m`, `D_OFFSET · d`, or 0).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; block `b` must lie inside every row.
@@ -234,15 +247,136 @@ unsafe fn scales<L: Legacy, const R: usize>(rows: &[&[u8]; R], b: usize) -> __m2
         };
     }
     let mut halves = _mm_setr_epi32(words[0], words[1], words[2], words[3]);
-    if !L::HAS_MIN {
+    if !L::HAS_M {
         // The upper half of each word is the start of the quants, not an offset.
         halves = _mm_and_si128(halves, _mm_set1_epi32(0xFFFF));
     }
-    _mm256_cvtph_ps(halves)
+    let widened = _mm256_cvtph_ps(halves);
+    if L::D_OFFSET == 0.0 {
+        return widened;
+    }
+    // (d, 0) → (d, D_OFFSET · d): exact, D_OFFSET being a power of two.
+    let c = L::D_OFFSET;
+    _mm256_mul_ps(
+        _mm256_moveldup_ps(widened),
+        _mm256_setr_ps(1.0, c, 1.0, c, 1.0, c, 1.0, c),
+    )
 }
 
-/// `R` ≤ 4 rows against `N` tokens. Each block's activations are loaded once for the
-/// `R` rows and each row's block is unpacked once for the `N` tokens.
+/// The bits of token row `a`'s (scale, sum) pair of block `b`, as one 8-byte value.
+///
+/// # Safety
+/// `b` must be below `a.ds.len()`.
+#[inline]
+unsafe fn ds_bits(a: &Q8Row<'_>, b: usize) -> u64 {
+    // SAFETY: in bounds per the contract; [f32; 2] has no padding, and an unaligned read
+    // needs no alignment.
+    unsafe { a.ds.as_ptr().add(b).cast::<u64>().read_unaligned() }
+}
+
+/// The lanes `2i + 1` of `offsets` (the accumulated offset terms), or zeros.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn odd_lanes<L: Legacy>(offsets: __m256) -> [f32; 4] {
+    let mut lanes = [0.0f32; 8];
+    if has_offset::<L>() {
+        // SAFETY: `lanes` holds eight f32; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), offsets) };
+    }
+    [lanes[1], lanes[3], lanes[5], lanes[7]]
+}
+
+/// `R` ≤ 4 rows against one token. The token's (dx, s) pair, repeated, meets the rows'
+/// (d, offset) pairs in one multiply.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) -> [f32; R] {
+    let nb = blocks(&rows, L::BYTES, &[act]);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut offsets = _mm256_setzero_ps();
+    for b in 0..nb {
+        // SAFETY: `b < nb` bounds every index by the rows' and the activations' lengths;
+        // the features are present per this function's contract.
+        let (qx, products) = unsafe {
+            let ds = _mm256_castpd_ps(_mm256_set1_pd(f64::from_bits(ds_bits(&act, b))));
+            (
+                load32(act.qs.as_ptr().add(b * QK8).cast()),
+                _mm256_mul_ps(scales::<L, R>(&rows, b), ds),
+            )
+        };
+        if has_offset::<L>() {
+            offsets = _mm256_add_ps(offsets, products);
+        }
+        for r in 0..R {
+            // SAFETY: as above.
+            let int = unsafe { L::int(&L::quants(rows[r].as_ptr().add(b * L::BYTES)), qx) };
+            let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * r as i32));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[r]);
+        }
+    }
+    let offsets = odd_lanes::<L>(offsets);
+    let mut out = [0.0f32; R];
+    for r in 0..R {
+        out[r] = hsum_ps(acc[r]) + offsets[r];
+    }
+    out
+}
+
+/// One row against `N` ≤ 4 tokens. The tokens' (dx, s) pairs fill the lanes of one
+/// vector and meet the block's (d, offset) pair, repeated, in one multiply.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]) -> [f32; N] {
+    const { assert!(N <= 4) };
+    let rows = [row];
+    let nb = blocks(&rows, L::BYTES, &acts);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut offsets = _mm256_setzero_ps();
+    for b in 0..nb {
+        let mut pairs = [0.0f64; 4];
+        for t in 0..N {
+            // SAFETY: `b < nb` bounds the index by the activation row's length.
+            pairs[t] = f64::from_bits(unsafe { ds_bits(&acts[t], b) });
+        }
+        let ds = _mm256_castpd_ps(_mm256_setr_pd(pairs[0], pairs[1], pairs[2], pairs[3]));
+        // SAFETY: `b < nb` keeps the block inside the row; the features are present per
+        // this function's contract.
+        let (dm, quants) = unsafe {
+            (
+                scales::<L, 1>(&rows, b),
+                L::quants(row.as_ptr().add(b * L::BYTES)),
+            )
+        };
+        let dm = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm256_castpd256_pd128(
+            _mm256_castps_pd(dm),
+        )));
+        let products = _mm256_mul_ps(dm, ds);
+        if has_offset::<L>() {
+            offsets = _mm256_add_ps(offsets, products);
+        }
+        for t in 0..N {
+            // SAFETY: `b < nb` bounds the load by the activation row's length; the
+            // features are present per this function's contract.
+            let int = unsafe { L::int(&quants, load32(acts[t].qs.as_ptr().add(b * QK8).cast())) };
+            let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * t as i32));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[t]);
+        }
+    }
+    let offsets = odd_lanes::<L>(offsets);
+    let mut out = [0.0f32; N];
+    for t in 0..N {
+        out[t] = hsum_ps(acc[t]) + offsets[t];
+    }
+    out
+}
+
+/// `R` rows against `N` tokens: one of them must be 1, the other at most 4.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
@@ -252,64 +386,24 @@ unsafe fn dot<L: Legacy, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     acts: [Q8Row<'_>; N],
 ) -> [[f32; N]; R] {
-    let nb = blocks(&rows, L::BYTES, &acts);
-    let mut acc = [[_mm256_setzero_ps(); N]; R];
-    // Lane 2r + 1 of offsets[t] sums row r's m · s over the blocks.
-    let mut offsets = [_mm256_setzero_ps(); N];
-    for b in 0..nb {
-        let mut qx = [_mm256_setzero_si256(); N];
-        let mut isum = [0i32; N];
-        let mut ds = [_mm256_setzero_ps(); N];
-        for t in 0..N {
-            let a = &acts[t];
-            // SAFETY: `b < nb` bounds every index by the activation row's lengths.
-            unsafe {
-                qx[t] = load32(a.qs.as_ptr().add(b * QK8).cast());
-                isum[t] = *a.isum.get_unchecked(b);
-                // (d, s) repeated: lines up with the rows' (d, m) pairs.
-                ds[t] = _mm256_castpd_ps(_mm256_broadcast_sd(&*a.ds.as_ptr().add(b).cast::<f64>()));
-            }
-        }
-        let mut quants = [Quants {
-            q: _mm256_setzero_si256(),
-            signs: _mm256_setzero_si256(),
-        }; R];
-        // SAFETY: `b < nb` keeps the block inside every row; the features are present
-        // per this function's contract.
-        let sc = unsafe { scales::<L, R>(&rows, b) };
-        for r in 0..R {
-            // SAFETY: as above.
-            quants[r] = unsafe { L::quants(rows[r].as_ptr().add(b * L::BYTES)) };
-        }
-        for t in 0..N {
-            let products = _mm256_mul_ps(sc, ds[t]);
-            if L::HAS_MIN {
-                offsets[t] = _mm256_add_ps(offsets[t], products);
-            }
-            for r in 0..R {
-                let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * r as i32));
-                // SAFETY: the features are present per this function's contract.
-                let int = unsafe { L::int(&quants[r], qx[t], isum[t]) };
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[r][t]);
-            }
-        }
-    }
+    const { assert!((R == 1 || N == 1) && R <= 4 && N <= 4) };
     let mut out = [[0.0f32; N]; R];
-    for t in 0..N {
-        let mut lanes = [0.0f32; 8];
-        // SAFETY: `lanes` holds eight f32; `storeu` has no alignment requirement.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), offsets[t]) };
+    if N == 1 {
+        // SAFETY: the features are present per this function's contract.
+        let dots = unsafe { dot_rows::<L, R>(rows, acts[0]) };
         for r in 0..R {
-            let offset = if L::HAS_MIN { lanes[2 * r + 1] } else { 0.0 };
-            out[r][t] = hsum_ps(acc[r][t]) + offset;
+            out[r][0] = dots[r];
         }
+    } else {
+        // SAFETY: the features are present per this function's contract.
+        out[0] = unsafe { dot_tokens::<L, N>(rows[0], acts) };
     }
     out
 }
 
 macro_rules! entry {
     ($name:ident, $format:ty) => {
-        /// `R` ≤ 4 rows against `N` tokens.
+        /// `R` rows against `N` tokens: one of them must be 1, the other at most 4.
         ///
         /// # Safety
         /// The CPU must support AVX2, FMA and F16C.
@@ -331,19 +425,18 @@ entry!(dot_q5_0, Q5_0);
 entry!(dot_q5_1, Q5_1);
 entry!(dot_q8_0, Q8_0);
 
-/// The integer dot product of one block with 32 activations, summed over the lanes:
-/// the quantity the portable `*_block` functions compute.
+/// The integer dot product `Σ q · qx` of one block with 32 activations, summed over
+/// the lanes: the quantity the portable `*_block` functions compute.
 #[cfg(test)]
 pub(crate) fn block_int(
     _proof: super::Avx2,
     ty: gguf_format::GgmlType,
     block: &[u8],
     qx: &[i8],
-    isum: i32,
 ) -> i32 {
     use gguf_format::GgmlType as T;
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn int<L: Legacy>(block: &[u8], qx: &[i8], isum: i32) -> i32 {
+    fn int<L: Legacy>(block: &[u8], qx: &[i8]) -> i32 {
         assert!(block.len() >= L::BYTES && qx.len() >= QK8);
         // SAFETY: the lengths were just checked; the features are present, as calling
         // this function requires.
@@ -351,18 +444,17 @@ pub(crate) fn block_int(
             super::hsum_epi32(L::int(
                 &L::quants(block.as_ptr()),
                 load32(qx.as_ptr().cast()),
-                isum,
             ))
         }
     }
     // SAFETY: `_proof` shows the CPU has the features.
     unsafe {
         match ty {
-            T::Q4_0 => int::<Q4_0>(block, qx, isum),
-            T::Q4_1 => int::<Q4_1>(block, qx, isum),
-            T::Q5_0 => int::<Q5_0>(block, qx, isum),
-            T::Q5_1 => int::<Q5_1>(block, qx, isum),
-            T::Q8_0 => int::<Q8_0>(block, qx, isum),
+            T::Q4_0 => int::<Q4_0>(block, qx),
+            T::Q4_1 => int::<Q4_1>(block, qx),
+            T::Q5_0 => int::<Q5_0>(block, qx),
+            T::Q5_1 => int::<Q5_1>(block, qx),
+            T::Q8_0 => int::<Q8_0>(block, qx),
             other => panic!("{other} is not a legacy format"),
         }
     }
