@@ -14,6 +14,9 @@
 //!   IQ4_XS, TQ2_0, MXFP4 and the grid formats (IQ1_S … IQ3_S); rayon across blocks for
 //!   large inputs.
 //!   [`Decoder`] picks a path explicitly, for tests and benchmarks.
+//! - [`gpu`]: the same decoders as HIP kernels (AMD and NVIDIA) over device memory,
+//!   bit-identical to the reference; with no GPU platform built in they return a typed
+//!   error.
 //!
 //! Types decoded: F32, F16, BF16, F64, I8, I16, I32, I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 //! Q8_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S,

@@ -7,10 +7,16 @@
 #   (on the GPU machine)  DEST/gpu-suite.sh DEST OUT_DIR
 #
 # Names in DEST: test-<crate>-<target> (test-hip-backend-lib for unit tests),
-# bench-<crate>-<target>, example-<name>; an example's `<crate>/examples/<name>.suite-args`
-# file is copied as example-<name>.args.
+# bench-<crate>-<target>, example-<name>. A `<stem>.suite-args` file beside a target's
+# source file (`examples/gpu_smoke.suite-args`, `benches/gpu_decode.suite-args`,
+# `src/lib.suite-args` for unit tests) is copied as `<name>.args`: arguments the suite
+# adds (a libtest filter, say, so that only a crate's GPU tests run there).
+# Benchmarks are collected only when their source uses hip_backend (CPU benchmarks
+# stay here). The shared test vectors (`$ROCMFORGE_SHARED/vectors`, default the
+# `shared` folder beside the repository) are copied to DEST/shared/vectors, where
+# gpu-suite.sh points ROCMFORGE_SHARED.
 # Environment: HIP_PLATFORM (default nvidia), CUDA_ARCH, GPU_CRATES, CARGO_TARGET_DIR
-# (default target/gpu-<platform>, shared with .ci/gpu-variants.sh).
+# (default target/gpu-<platform>, shared with .ci/gpu-variants.sh), ROCMFORGE_SHARED.
 set -euo pipefail
 if [ $# -ne 1 ]; then
     echo "usage: $0 DEST" >&2
@@ -58,10 +64,9 @@ for line in open(artifacts):
     kind = target["kind"][0]
     if kind == "example":
         name = f"example-{target['name']}"
-        args = os.path.join(os.path.dirname(target["src_path"]), target["name"] + ".suite-args")
-        if os.path.exists(args):
-            shutil.copy(args, os.path.join(dest, name + ".args"))
     elif kind == "bench":
+        if "hip_backend" not in open(target["src_path"]).read():
+            continue
         name = f"bench-{crate}-{target['name']}"
     elif kind in ("lib", "test"):
         name = f"test-{crate}-{'lib' if kind == 'lib' else target['name']}"
@@ -70,10 +75,20 @@ for line in open(artifacts):
     if name in seen:
         continue
     seen.add(name)
+    stem = os.path.splitext(target["src_path"])[0]
+    if os.path.exists(stem + ".suite-args"):
+        shutil.copy(stem + ".suite-args", os.path.join(dest, name + ".args"))
     out = os.path.join(dest, name)
     shutil.copy(executable, out)
     subprocess.run(["strip", out], check=True)
     print(f"{name:<48} {os.path.getsize(out) / 2**20:7.1f} MiB")
 PY
+shared="${ROCMFORGE_SHARED:-$PWD/../shared}"
+if [ -d "$shared/vectors" ]; then
+    mkdir -p "$dest/shared"
+    cp -r "$shared/vectors" "$dest/shared/"
+else
+    echo "collect-gpu-binaries: no $shared/vectors; tests that need the vectors will fail" >&2
+fi
 cp hip-backend/scripts/gpu-suite.sh "$dest/"
 du -sh "$dest"
