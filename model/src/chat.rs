@@ -145,7 +145,7 @@ impl ChatTemplate {
             let id = metadata.get_opt::<u32>(key)?;
             Ok(id
                 .and_then(|id| tokens.get(id as usize))
-                .cloned()
+                .map(|text| text.to_owned())
                 .unwrap_or_default())
         };
         let bos_token = token_text("tokenizer.ggml.bos_token_id")?;

@@ -156,7 +156,10 @@ where
         return Ok(output);
     }
     // The last sampled token is never fed back, so this many positions suffice.
-    let positions = (prompt_tokens.len() + options.max_tokens - 1).min(options.context_size);
+    let positions = prompt_tokens
+        .len()
+        .saturating_add(options.max_tokens - 1)
+        .min(options.context_size);
     let mut cache = model.new_cache(positions);
     let mut sampler = Sampler::new(options.sampling);
     for &token in prompt_tokens {
