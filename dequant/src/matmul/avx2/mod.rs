@@ -75,8 +75,9 @@ unsafe fn rows<K: Kernel>(
         out,
     };
     if n_tokens == 1 {
-        let mut r = 0;
+        let (mut r, mut fetched) = (0, 0);
         while r + 4 <= n_rows {
+            fetched = prefetch(w, fetched, (r + 4) * row_bytes + PREFETCH_BYTES);
             at.run::<4, 1>(r, 0);
             r += 4;
         }
@@ -107,6 +108,27 @@ unsafe fn rows<K: Kernel>(
             }
         }
     }
+}
+
+/// How far past the next group of rows a single token's loop asks for weights ahead.
+/// Four rows are four short interleaved streams (a few hundred bytes each), which the
+/// hardware prefetchers pick up too late: on the 2-core VM, asking for the next group
+/// while multiplying this one doubled a whole decode step's weight throughput (SmolLM2
+/// 5 → 12 GB/s on one thread; Gemma 3 3.6 → 7.6 GB/s on two).
+const PREFETCH_BYTES: usize = 1024;
+
+/// Asks for the cache lines of `w[from..to]` (clamped to `w`) to be brought into the
+/// cache, returning where it stopped, to resume from there.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch(w: &[u8], from: usize, to: usize) -> usize {
+    let to = to.min(w.len());
+    let mut at = from;
+    while at < to {
+        _mm_prefetch::<_MM_HINT_T0>(w[at..].as_ptr().cast());
+        at += 64;
+    }
+    at.max(from)
 }
 
 /// A task's weights, activations and output.
