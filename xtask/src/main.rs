@@ -6,7 +6,9 @@
 //! Arguments are parsed by hand to keep this binary's dependencies few.
 
 mod bench_cpu;
+mod bench_load;
 mod fetch;
+mod synth;
 #[cfg(test)]
 mod tidy;
 
@@ -23,6 +25,10 @@ tasks:
   bench-cpu [--llama-bench PATH] [--rocmforge PATH] [--threads N] [--gguf FILE]… [--json]
                       CPU prefill/decode tokens/s and first-token process time,
                       next to llama.cpp's when its llama-bench path is given
+  synth-model --preset 7b-q4k|1b-q4k|135m-q4_1 --out FILE [--seed N]
+                      a synthetic llama GGUF with real shapes and random weights
+  bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
+             [--json [FILE]]  time to make a model resident on the device, per mode
   test [ARGS…]        fetch-models, then `cargo test --workspace --release [ARGS…]`
 ";
 
@@ -46,6 +52,8 @@ fn run(args: &[String]) -> Result<()> {
         "fetch-models" => fetch::fetch_models(&fetch::models_dir()).map(|_| ()),
         "test" => test(rest),
         "bench-cpu" => bench_cpu::run(rest),
+        "synth-model" => synth::run(rest),
+        "bench-load" => bench_load::run(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())

@@ -1,0 +1,503 @@
+//! `cargo xtask synth-model`: a synthetic llama-architecture GGUF with real shapes and
+//! random quantized weights, for load-time and throughput work at sizes no real model
+//! here has.
+//!
+//! The file goes through our own `GgufWriter` (its `layout()` gives the header and every
+//! tensor's offset, so multi-GiB data streams straight to disk). Quantized blocks are
+//! random bytes with their f16 scales set to small finite values, so every weight
+//! decodes to a finite number; norms are F32 near 1. The tokenizer (vocabulary, merges,
+//! special tokens, chat template) is copied from SmolLM2's metadata, so tools that load
+//! a model can tokenize with it. Only timings may be read from such a model, never text.
+
+use std::fs::File;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use gguf_format::{GgmlType, GgufWriter};
+
+/// Shapes and block types of a preset.
+pub struct Preset {
+    pub name: &'static str,
+    pub n_layers: u32,
+    pub n_embd: u64,
+    pub n_ff: u64,
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub context_length: u32,
+    pub rope_freq_base: f32,
+    pub rms_eps: f32,
+    pub embd_type: GgmlType,
+    /// Attention matrices, gate and up.
+    pub matrix_type: GgmlType,
+    pub ffn_down_type: GgmlType,
+    /// `None`: the output reuses the token embeddings (tied).
+    pub output_type: Option<GgmlType>,
+    /// `general.file_type` (llama.cpp's `LLAMA_FTYPE_*`).
+    pub file_type: u32,
+}
+
+pub const PRESETS: &[Preset] = &[
+    // Llama-2-7B's shapes in the Q4_K_M mix (Q6_K for ffn_down and the output).
+    Preset {
+        name: "7b-q4k",
+        n_layers: 32,
+        n_embd: 4096,
+        n_ff: 11008,
+        n_heads: 32,
+        n_kv_heads: 32,
+        context_length: 4096,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q4_K,
+        matrix_type: GgmlType::Q4_K,
+        ffn_down_type: GgmlType::Q6_K,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 15,
+    },
+    // TinyLlama-1.1B's shapes (grouped-query attention, 4 KV heads).
+    Preset {
+        name: "1b-q4k",
+        n_layers: 22,
+        n_embd: 2048,
+        n_ff: 5632,
+        n_heads: 32,
+        n_kv_heads: 4,
+        context_length: 2048,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q4_K,
+        matrix_type: GgmlType::Q4_K,
+        ffn_down_type: GgmlType::Q6_K,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 15,
+    },
+    // SmolLM2-135M's shapes and types: Q4_1, Q8_0 embeddings, tied output.
+    Preset {
+        name: "135m-q4_1",
+        n_layers: 30,
+        n_embd: 576,
+        n_ff: 1536,
+        n_heads: 9,
+        n_kv_heads: 3,
+        context_length: 8192,
+        rope_freq_base: 100_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q8_0,
+        matrix_type: GgmlType::Q4_1,
+        ffn_down_type: GgmlType::Q4_1,
+        output_type: None,
+        file_type: 3,
+    },
+];
+
+const USAGE: &str = "usage: cargo xtask synth-model --preset 7b-q4k|1b-q4k|135m-q4_1 --out FILE \
+                     [--seed N] [--tokenizer-from GGUF]\n       \
+                     cargo xtask synth-model --tokenizer-only --out FILE [--tokenizer-from GGUF]";
+
+/// Parses the task's arguments and writes the model.
+pub fn run(args: &[String]) -> Result<()> {
+    let (mut preset, mut out, mut seed, mut tokenizer) = (None, None, 1u64, None);
+    let mut tokenizer_only = false;
+    let mut args = args.iter();
+    while let Some(flag) = args.next() {
+        let mut value = || {
+            args.next()
+                .with_context(|| format!("{flag} needs a value\n{USAGE}"))
+        };
+        match flag.as_str() {
+            "--preset" => preset = Some(value()?.clone()),
+            "--out" => out = Some(PathBuf::from(value()?)),
+            "--seed" => seed = value()?.parse().context("--seed takes a number")?,
+            "--tokenizer-from" => tokenizer = Some(PathBuf::from(value()?)),
+            "--tokenizer-only" => tokenizer_only = true,
+            other => bail!("unknown argument {other:?}\n{USAGE}"),
+        }
+    }
+    let out = out.with_context(|| format!("--out is required\n{USAGE}"))?;
+    let tokenizer = tokenizer
+        .unwrap_or_else(|| crate::fetch::models_dir().join(crate::fetch::SMOLLM2.file_name));
+    if tokenizer_only {
+        let bytes = write_tokenizer(&tokenizer, &out)?;
+        println!(
+            "wrote {} (tokenizer metadata only, {bytes} bytes)",
+            out.display()
+        );
+        return Ok(());
+    }
+    let preset_name = preset.with_context(|| format!("--preset is required\n{USAGE}"))?;
+    let preset = PRESETS
+        .iter()
+        .find(|p| p.name == preset_name)
+        .with_context(|| format!("unknown preset {preset_name:?}\n{USAGE}"))?;
+    let started = Instant::now();
+    let bytes = write_model(preset, &tokenizer, &out, seed)?;
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "wrote {} ({}, {bytes} bytes) in {secs:.2} s ({:.2} GB/s)",
+        out.display(),
+        preset.name,
+        bytes as f64 / secs / 1e9
+    );
+    Ok(())
+}
+
+/// Declares the preset's metadata and tensors, in the order a forward pass reads them.
+pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<GgufWriter> {
+    let mut w = GgufWriter::new();
+    let tokens = tokenizer
+        .get_string_array("tokenizer.ggml.tokens")
+        .context("the tokenizer source has no tokenizer.ggml.tokens")?;
+    let n_vocab = tokens.len() as u64;
+    let head_dim = preset.n_embd / u64::from(preset.n_heads);
+    let kv_dim = head_dim * u64::from(preset.n_kv_heads);
+    let arch = "llama";
+    w.add_metadata("general.architecture", arch)?;
+    w.add_metadata(
+        "general.name",
+        format!("synthetic {}", preset.name).as_str(),
+    )?;
+    w.add_metadata("general.file_type", preset.file_type)?;
+    w.add_metadata("general.quantization_version", 2u32)?;
+    w.add_metadata("llama.block_count", preset.n_layers)?;
+    w.add_metadata("llama.context_length", preset.context_length)?;
+    w.add_metadata("llama.embedding_length", preset.n_embd as u32)?;
+    w.add_metadata("llama.feed_forward_length", preset.n_ff as u32)?;
+    w.add_metadata("llama.attention.head_count", preset.n_heads)?;
+    w.add_metadata("llama.attention.head_count_kv", preset.n_kv_heads)?;
+    w.add_metadata("llama.rope.freq_base", preset.rope_freq_base)?;
+    w.add_metadata("llama.rope.dimension_count", head_dim as u32)?;
+    w.add_metadata("llama.attention.layer_norm_rms_epsilon", preset.rms_eps)?;
+    w.add_metadata("llama.vocab_size", n_vocab as u32)?;
+    for (key, value) in tokenizer.iter() {
+        if key.starts_with("tokenizer.") {
+            w.add_metadata(key, value.clone())?;
+        }
+    }
+    let (d, ff) = (preset.n_embd, preset.n_ff);
+    w.add_tensor("token_embd.weight", preset.embd_type, &[d, n_vocab])?;
+    for l in 0..preset.n_layers {
+        let m = preset.matrix_type;
+        let name = |s: &str| format!("blk.{l}.{s}.weight");
+        w.add_tensor(&name("attn_norm"), GgmlType::F32, &[d])?;
+        w.add_tensor(&name("attn_q"), m, &[d, d])?;
+        w.add_tensor(&name("attn_k"), m, &[d, kv_dim])?;
+        w.add_tensor(&name("attn_v"), m, &[d, kv_dim])?;
+        w.add_tensor(&name("attn_output"), m, &[d, d])?;
+        w.add_tensor(&name("ffn_norm"), GgmlType::F32, &[d])?;
+        w.add_tensor(&name("ffn_gate"), m, &[d, ff])?;
+        w.add_tensor(&name("ffn_up"), m, &[d, ff])?;
+        w.add_tensor(&name("ffn_down"), preset.ffn_down_type, &[ff, d])?;
+    }
+    w.add_tensor("output_norm.weight", GgmlType::F32, &[d])?;
+    if let Some(ty) = preset.output_type {
+        w.add_tensor("output.weight", ty, &[d, n_vocab])?;
+    }
+    Ok(w)
+}
+
+/// The metadata of the GGUF the tokenizer is copied from.
+fn tokenizer_source(path: &Path) -> Result<tensor_store::TensorStore> {
+    tensor_store::TensorStore::open_with(path, tensor_store::LoadMode::Read).with_context(|| {
+        format!(
+            "reading the tokenizer from {} (run `cargo xtask fetch-models`, or name another \
+             GGUF with --tokenizer-from)",
+            path.display()
+        )
+    })
+}
+
+/// Writes a GGUF holding only the tokenizer's metadata (a few MiB: small enough to take
+/// to a machine without the models cache, as --tokenizer-from there).
+pub fn write_tokenizer(tokenizer_from: &Path, out: &Path) -> Result<u64> {
+    let source = tokenizer_source(tokenizer_from)?;
+    let mut w = GgufWriter::new();
+    for (key, value) in source.metadata().iter() {
+        if key.starts_with("tokenizer.") {
+            w.add_metadata(key, value.clone())?;
+        }
+    }
+    let layout = w.layout()?;
+    std::fs::write(out, &layout.header).with_context(|| format!("writing {}", out.display()))?;
+    Ok(layout.file_len)
+}
+
+/// Writes the model to `out` and returns its size in bytes.
+pub fn write_model(preset: &Preset, tokenizer_from: &Path, out: &Path, seed: u64) -> Result<u64> {
+    let source = tokenizer_source(tokenizer_from)?;
+    let writer = declare(preset, source.metadata())?;
+    let layout = writer.layout()?;
+    let file = File::create(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut sink = BufWriter::with_capacity(CHUNK, file);
+    sink.write_all(&layout.header)?;
+    let data_start = layout.header.len() as u64;
+    // One thread generates blocks while this one writes: two buffers in flight.
+    let (filled, to_write) = std::sync::mpsc::sync_channel::<(usize, Vec<u8>)>(2);
+    let (emptied, to_fill) = std::sync::mpsc::channel::<Vec<u8>>();
+    for _ in 0..3 {
+        emptied.send(vec![0u8; CHUNK]).expect("receiver alive");
+    }
+    let tensors = writer.tensors();
+    std::thread::scope(|s| -> Result<()> {
+        s.spawn(move || {
+            let mut rng = Rng::new(seed);
+            for (t, decl) in tensors.iter().enumerate() {
+                let block_bytes = decl.ggml_type.type_size() as usize;
+                // Whole blocks per buffer, so every block is patched in one piece.
+                let per_fill = CHUNK / block_bytes * block_bytes;
+                let mut left = decl.size as usize;
+                while left > 0 {
+                    let Ok(mut buffer) = to_fill.recv() else {
+                        return;
+                    };
+                    let n = left.min(per_fill);
+                    buffer.resize(n, 0);
+                    fill_blocks(decl.ggml_type, &mut buffer, &mut rng);
+                    if filled.send((t, buffer)).is_err() {
+                        return;
+                    }
+                    left -= n;
+                }
+            }
+        });
+        // Owned here, so an early return (a failed write) drops them and the
+        // generator, waiting for a buffer, stops.
+        let (emptied, to_write) = (emptied, to_write);
+        let mut written = data_start;
+        let mut current = None;
+        for (t, buffer) in to_write {
+            if current != Some(t) {
+                pad_to(
+                    &mut sink,
+                    &mut written,
+                    data_start + layout.tensor_offsets[t],
+                )?;
+                current = Some(t);
+            }
+            sink.write_all(&buffer)?;
+            written += buffer.len() as u64;
+            // The generator may be gone after its last buffer.
+            let _ = emptied.send(buffer);
+        }
+        pad_to(&mut sink, &mut written, layout.file_len)
+    })?;
+    let mut file = sink.into_inner().map_err(|e| e.into_error())?;
+    if file.metadata()?.is_file() {
+        // The final padding may be a seek hole: make the length exact.
+        file.seek(SeekFrom::Start(layout.file_len))?;
+        file.set_len(layout.file_len)?;
+    }
+    Ok(layout.file_len)
+}
+
+/// Bytes generated and written at a time.
+const CHUNK: usize = 16 << 20;
+
+fn pad_to(sink: &mut impl Write, written: &mut u64, to: u64) -> Result<()> {
+    if to < *written {
+        bail!("layout goes backwards: at {written}, next tensor at {to}");
+    }
+    let zeros = [0u8; 64];
+    while *written < to {
+        let n = (to - *written).min(zeros.len() as u64) as usize;
+        sink.write_all(&zeros[..n])?;
+        *written += n as u64;
+    }
+    Ok(())
+}
+
+/// xoshiro256++: fast, and plenty for random weights.
+pub struct Rng([u64; 4]);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        // splitmix64 spreads the seed over the state.
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        Rng([next(), next(), next(), next()])
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.0;
+        let result = s[0].wrapping_add(s[3]).rotate_left(23).wrapping_add(s[0]);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    pub fn fill(&mut self, out: &mut [u8]) {
+        let mut words = out.chunks_exact_mut(8);
+        for word in &mut words {
+            word.copy_from_slice(&self.next_u64().to_le_bytes());
+        }
+        let tail = words.into_remainder();
+        let last = self.next_u64().to_le_bytes();
+        let n = tail.len();
+        tail.copy_from_slice(&last[..n]);
+    }
+}
+
+/// A small positive f16 (about 6e-5 to 1e-3), from random bits: every scale this writes
+/// is finite and keeps the decoded weights small.
+fn small_f16(bits: u64) -> u16 {
+    let exponent = 1 + (bits % 5) as u16; // 2^-14 .. 2^-10
+    let mantissa = ((bits >> 8) & 0x3ff) as u16;
+    (exponent << 10) | mantissa
+}
+
+/// Byte offsets of the f16 fields in a block of `ty`, and whether each is a minimum
+/// (stored negative, as real models' minima are).
+fn f16_fields(ty: GgmlType) -> &'static [(usize, bool)] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[(0, false)],
+        GgmlType::Q4_1 | GgmlType::Q5_1 => &[(0, false), (2, true)],
+        GgmlType::Q2_K => &[(80, false), (82, false)],
+        GgmlType::Q3_K => &[(108, false)],
+        GgmlType::Q4_K | GgmlType::Q5_K => &[(0, false), (2, false)],
+        GgmlType::Q6_K => &[(208, false)],
+        _ => &[],
+    }
+}
+
+/// Fills whole blocks of `ty` with random bits and sets their scales to small finite
+/// values; F32 data gets values near 1 (norm weights).
+pub fn fill_blocks(ty: GgmlType, out: &mut [u8], rng: &mut Rng) {
+    match ty {
+        GgmlType::F32 => {
+            for value in out.chunks_exact_mut(4) {
+                let noise = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+                value.copy_from_slice(&(0.9 + 0.2 * noise).to_le_bytes());
+            }
+        }
+        _ => {
+            rng.fill(out);
+            let fields = f16_fields(ty);
+            let block = ty.type_size() as usize;
+            for b in out.chunks_exact_mut(block) {
+                let bits = rng.next_u64();
+                for (n, &(at, negative)) in fields.iter().enumerate() {
+                    let mut h = small_f16(bits >> (n * 20));
+                    if negative {
+                        h |= 0x8000;
+                    }
+                    b[at..at + 2].copy_from_slice(&h.to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scales_are_small_finite_halves() {
+        for bits in [0u64, 1, 4, 0x3ff00, u64::MAX, 0x1234_5678_9abc_def0] {
+            let h = small_f16(bits);
+            let exponent = (h >> 10) & 0x1f;
+            assert!((1..=5).contains(&exponent), "{h:#x}");
+        }
+    }
+
+    #[test]
+    fn every_quantized_block_gets_its_scales_set() {
+        let mut rng = Rng::new(7);
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q6_K,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+        ] {
+            let block = ty.type_size() as usize;
+            let mut data = vec![0xffu8; block * 3];
+            fill_blocks(ty, &mut data, &mut rng);
+            for b in data.chunks_exact(block) {
+                for &(at, negative) in f16_fields(ty) {
+                    let h = u16::from_le_bytes([b[at], b[at + 1]]);
+                    assert_eq!(h & 0x8000 != 0, negative, "{ty:?}");
+                    assert!(((h >> 10) & 0x1f) <= 5, "{ty:?} scale {h:#x} is not small");
+                }
+            }
+        }
+    }
+
+    /// The 135m preset declares exactly SmolLM2's tensors: names, types and shapes.
+    #[test]
+    fn the_135m_preset_matches_the_real_smollm2() {
+        let real = crate::fetch::models_dir().join(crate::fetch::SMOLLM2.file_name);
+        let Ok(store) = tensor_store::TensorStore::open(&real) else {
+            eprintln!(
+                "SKIPPED the_135m_preset_matches_the_real_smollm2: no {}",
+                real.display()
+            );
+            return;
+        };
+        let preset = PRESETS.iter().find(|p| p.name == "135m-q4_1").unwrap();
+        let w = declare(preset, store.metadata()).unwrap();
+        let mut ours: Vec<_> = w
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.ggml_type, t.shape.clone()))
+            .collect();
+        let mut theirs: Vec<_> = store
+            .tensors()
+            .map(|t| (t.name().to_owned(), t.ggml_type(), t.shape().to_vec()))
+            .collect();
+        ours.sort_by(|a, b| a.0.cmp(&b.0));
+        theirs.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(ours, theirs);
+        for key in [
+            "llama.block_count",
+            "llama.embedding_length",
+            "llama.attention.head_count_kv",
+        ] {
+            assert_eq!(
+                w.metadata().get_u32(key).unwrap(),
+                store.metadata().get_u32(key).unwrap(),
+                "{key}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_7b_preset_has_llama_2_shapes_and_about_4_gib() {
+        let mut tokenizer = gguf_format::Metadata::new();
+        let tokens: Vec<String> = (0..49_152).map(|i| format!("t{i}")).collect();
+        tokenizer
+            .insert("tokenizer.ggml.tokens".into(), tokens.into())
+            .unwrap();
+        let preset = PRESETS.iter().find(|p| p.name == "7b-q4k").unwrap();
+        let w = declare(preset, &tokenizer).unwrap();
+        assert_eq!(w.tensors().len(), 3 + 9 * 32);
+        let params: u64 = w
+            .tensors()
+            .iter()
+            .map(|t| t.shape.iter().product::<u64>())
+            .sum();
+        assert_eq!(params, 6_878_924_800);
+        let bytes = w.layout().unwrap().file_len;
+        assert!((4_200_000_000..4_400_000_000).contains(&bytes), "{bytes}");
+        let down = w
+            .tensors()
+            .iter()
+            .find(|t| t.name == "blk.3.ffn_down.weight")
+            .unwrap();
+        assert_eq!(
+            (down.ggml_type, down.shape.clone()),
+            (GgmlType::Q6_K, vec![11008, 4096])
+        );
+    }
+}
