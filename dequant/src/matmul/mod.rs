@@ -13,10 +13,11 @@
 //! [`QuantizedMatrix::matvec`] and [`QuantizedMatrix::matmul`] use [`best_path`]; the
 //! `*_with` variants force one.
 //!
-//! Work is shared out over rayon's global pool: a single token by chunks of rows, a
-//! batch by groups of tokens (or rows, for a few tokens). A batch is quantized once and,
-//! within a task, blocks of rows small enough to stay in L2 meet tiles of tokens small
-//! enough to stay in L1, so weights are read from memory once per batch. Call the
+//! Work is shared out over rayon's global pool: a single token by chunks of rows (four
+//! rows per kernel call, the next rows prefetched), a batch by rows or by tokens,
+//! whichever makes the tasks read fewer bytes. A batch is quantized once and, within a
+//! task, blocks of rows small enough to stay in L2 meet tiles of tokens small enough to
+//! stay in L1, so each task reads its weights from memory once. Call the
 //! products from one of the pool's threads (run the forward pass inside
 //! `ThreadPool::install` or `rayon::scope`): from any other thread each call hands its
 //! work to the pool and waits, which costs 10–20 µs on a small VM, as much as a

@@ -1,0 +1,137 @@
+//! The public API's edges: every error variant, empty shapes, missing paths.
+
+use gguf_format::GgmlType;
+
+use super::{paths, random_matrix, TYPES};
+use crate::matmul::activation::QK_K;
+use crate::matmul::{is_path_available, QuantizedMatrix};
+use crate::{DecodePath, DequantError};
+
+#[test]
+fn zero_activations_give_zero() {
+    for ty in TYPES {
+        let cols = QK_K;
+        let bytes = random_matrix(ty, 4, cols, 9);
+        let matrix = QuantizedMatrix::new(ty, 4, cols, &bytes).unwrap();
+        for path in paths() {
+            let mut y = vec![1.0; 4];
+            matrix.matvec_with(path, &vec![0.0; cols], &mut y).unwrap();
+            assert_eq!(y, vec![0.0; 4], "{ty} on {path:?}");
+        }
+    }
+}
+
+#[test]
+fn empty_shapes_are_fine() {
+    let m = QuantizedMatrix::new(GgmlType::Q8_0, 0, 64, &[]).unwrap();
+    m.matmul(&vec![1.0; 3 * 64], 3, &mut []).unwrap();
+    let m = QuantizedMatrix::new(GgmlType::Q8_0, 4, 0, &[]).unwrap();
+    let mut y = vec![5.0; 8];
+    m.matmul(&[], 2, &mut y).unwrap();
+    assert_eq!(y, vec![0.0; 8]);
+    let bytes = random_matrix(GgmlType::Q4_K, 2, 256, 1);
+    let m = QuantizedMatrix::new(GgmlType::Q4_K, 2, 256, &bytes).unwrap();
+    m.matmul(&[], 0, &mut []).unwrap();
+}
+
+#[test]
+fn an_unsupported_type_is_refused() {
+    let err = QuantizedMatrix::new(GgmlType::Q2_K, 1, 256, &[0; 84]).unwrap_err();
+    assert!(
+        matches!(err, DequantError::NoProductKernel { ty: GgmlType::Q2_K }),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_partial_block_is_refused() {
+    let err = QuantizedMatrix::new(GgmlType::Q4_K, 1, 200, &[0; 144]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DequantError::PartialRow {
+                cols: 200,
+                block_size: 256,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_size_overflow_is_refused() {
+    let err = QuantizedMatrix::new(GgmlType::Q8_0, usize::MAX / 2, 64, &[]).unwrap_err();
+    assert!(matches!(err, DequantError::MatrixTooLarge { .. }), "{err}");
+}
+
+#[test]
+fn wrong_weight_bytes_are_refused() {
+    let err = QuantizedMatrix::new(GgmlType::Q8_0, 2, 64, &[0; 135]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DequantError::WeightBytes {
+                expected: 136,
+                actual: 135,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        err.to_string(),
+        "a 2x64 Q8_0 matrix takes 136 bytes, got 135"
+    );
+}
+
+#[test]
+fn wrong_input_and_output_lengths_are_refused() {
+    let bytes = random_matrix(GgmlType::Q4_0, 3, 64, 1);
+    let m = QuantizedMatrix::new(GgmlType::Q4_0, 3, 64, &bytes).unwrap();
+    let err = m.matvec(&[0.0; 63], &mut [0.0; 3]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DequantError::InputLength {
+                expected: 64,
+                actual: 63,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = m.matmul(&[0.0; 128], 2, &mut [0.0; 5]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DequantError::ProductOutputLength {
+                expected: 6,
+                actual: 5,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = m
+        .matmul(&[0.0; 128], usize::MAX, &mut [0.0; 6])
+        .unwrap_err();
+    assert!(matches!(err, DequantError::InputLength { .. }), "{err}");
+}
+
+#[test]
+fn a_missing_path_is_a_typed_error() {
+    let bytes = random_matrix(GgmlType::Q8_0, 1, 32, 1);
+    let m = QuantizedMatrix::new(GgmlType::Q8_0, 1, 32, &bytes).unwrap();
+    let result = m.matvec_with(DecodePath::Avx2, &[0.5; 32], &mut [0.0]);
+    if is_path_available(DecodePath::Avx2) {
+        assert!(result.is_ok());
+    } else {
+        assert!(matches!(
+            result,
+            Err(DequantError::PathUnavailable {
+                path: DecodePath::Avx2
+            })
+        ));
+    }
+}

@@ -1,0 +1,211 @@
+//! The kernels on random blocks: against the reference, and exactly against each
+//! other where they must compute the same numbers.
+
+use gguf_format::GgmlType;
+
+use super::{check_against_reference, in_pool, paths, random_matrix, random_x, Rng, TYPES};
+use crate::matmul::activation::{BSUM_GROUP, QK8, QK_K};
+use crate::matmul::{portable, QuantizedMatrix};
+
+#[test]
+fn every_type_matches_the_reference_on_random_blocks() {
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        let block = ty.block_size() as usize;
+        let unit = if block == 1 { 8 } else { block };
+        // Odd and even block counts, one token and batches around the kernels' width of 4.
+        for (rows, blocks, n_tokens) in [(5, 1, 1), (3, 3, 2), (7, 2, 4), (4, 5, 5), (6, 4, 9)] {
+            check_against_reference(
+                ty,
+                rows,
+                blocks * unit,
+                n_tokens,
+                1000 * i as u64 + rows as u64,
+            );
+        }
+    }
+}
+
+#[test]
+fn float_rows_with_tails_match_the_reference() {
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+        for cols in [1, 7, 9, 15, 17, 33] {
+            check_against_reference(ty, 3, cols, 3, cols as u64);
+        }
+    }
+}
+
+#[test]
+fn model_shaped_products_match_the_reference() {
+    // SmolLM2 attention and the Gemma 3 feed-forward widths, large enough for many chunks.
+    check_against_reference(GgmlType::Q4_1, 96, 576, 3, 1);
+    check_against_reference(GgmlType::Q8_0, 1000, 256, 1, 2);
+    check_against_reference(GgmlType::Q8_0, 1000, 256, 6, 3);
+    check_against_reference(GgmlType::Q4_K, 64, 2048, 2, 4);
+    check_against_reference(GgmlType::Q6_K, 40, 640 / 128 * 256, 5, 5);
+}
+
+/// Blocks whose values sit at the extremes of their ranges, and random ones.
+fn block_cases(ty: GgmlType, rng: &mut Rng) -> Vec<Vec<u8>> {
+    let size = ty.type_size() as usize;
+    let mut cases = vec![
+        vec![0xFF; size],
+        vec![0x00; size],
+        vec![0x80; size],
+        vec![0x7F; size],
+    ];
+    for _ in 0..200 {
+        let mut b = vec![0u8; size];
+        rng.bytes(&mut b);
+        cases.push(b);
+    }
+    cases
+}
+
+/// The one block of type `B` that `bytes` hold.
+fn one<B: crate::blocks::Block>(bytes: &[u8]) -> B {
+    crate::blocks::cast_blocks::<B>(bytes).unwrap()[0]
+}
+
+fn activation_cases(len: usize, rng: &mut Rng) -> Vec<Vec<i8>> {
+    let mut cases = vec![vec![127; len], vec![-127; len], vec![0; len]];
+    cases.push(
+        (0..len)
+            .map(|i| if i % 2 == 0 { 127 } else { -127 })
+            .collect(),
+    );
+    for _ in 0..20 {
+        cases.push(
+            (0..len)
+                .map(|_| (rng.next_u64() % 255) as i8 as i16 as i8)
+                .map(|q| q.max(-127))
+                .collect(),
+        );
+    }
+    cases
+}
+
+#[test]
+fn avx2_block_integers_equal_the_portable_ones_exactly() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let Some(proof) = crate::matmul::avx2::Avx2::detect() else {
+            eprintln!("skipped: this cpu has no avx2, fma and f16c");
+            return;
+        };
+        let mut rng = Rng(42);
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+        ] {
+            for block in block_cases(ty, &mut rng) {
+                for qx in activation_cases(QK8, &mut rng) {
+                    let expected = match ty {
+                        GgmlType::Q4_0 => portable::q4_0_block(&one(&block), &qx),
+                        GgmlType::Q4_1 => portable::q4_1_block(&one(&block), &qx),
+                        GgmlType::Q5_0 => portable::q5_0_block(&one(&block), &qx),
+                        GgmlType::Q5_1 => portable::q5_1_block(&one(&block), &qx),
+                        _ => portable::q8_0_block(&one(&block), &qx),
+                    };
+                    let got = crate::matmul::avx2::legacy::block_int(proof, ty, &block, &qx);
+                    assert_eq!(got, expected, "{ty} block {block:?} activations {qx:?}");
+                }
+            }
+        }
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+            for block in block_cases(ty, &mut rng) {
+                for qx in activation_cases(QK_K, &mut rng) {
+                    let bsums: Vec<i16> = qx
+                        .chunks_exact(BSUM_GROUP)
+                        .map(|g| g.iter().map(|&q| i16::from(q)).sum())
+                        .collect();
+                    let expected = match ty {
+                        GgmlType::Q4_K => portable::q4_k_block(&one(&block), &qx, &bsums),
+                        GgmlType::Q5_K => portable::q5_k_block(&one(&block), &qx, &bsums),
+                        _ => (portable::q6_k_block(&one(&block), &qx, &bsums), 0),
+                    };
+                    let got =
+                        crate::matmul::avx2::kquants::block_ints(proof, ty, &block, &qx, &bsums);
+                    assert_eq!(got, expected, "{ty} block {block:?} activations {qx:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_batch_equals_its_tokens_multiplied_one_at_a_time_exactly() {
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        let (rows, cols, n_tokens) = (9, 2 * QK_K, 11);
+        let bytes = random_matrix(ty, rows, cols, 77 + i as u64);
+        let x = random_x(n_tokens * cols, 5 + i as u64);
+        let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
+        for path in paths() {
+            let mut batch = vec![0.0; n_tokens * rows];
+            matrix.matmul_with(path, &x, n_tokens, &mut batch).unwrap();
+            for t in 0..n_tokens {
+                let mut single = vec![0.0; rows];
+                matrix
+                    .matvec_with(path, &x[t * cols..(t + 1) * cols], &mut single)
+                    .unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&batch[t * rows..(t + 1) * rows]),
+                    bits(&single),
+                    "{ty} token {t} on {path:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_split_gives_the_serial_results_exactly() {
+    use crate::matmul::driver::{split_for, Split};
+    // (rows, cols, tokens) covering each split, with chunks ending inside a group of 4.
+    let cases = [
+        (1002, 256, 1),
+        (1002, 256, 3),
+        (130, 512, 37),
+        (64, 256, 64),
+        (7, 256, 1),
+        (515, 1024, 2),
+    ];
+    let mut seen = Vec::new();
+    for ty in [
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q6_K,
+        GgmlType::F16,
+    ] {
+        for (rows, cols, n_tokens) in cases {
+            let bytes = random_matrix(ty, rows, cols, rows as u64);
+            let x = random_x(n_tokens * cols, 3);
+            let m = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
+            for path in paths() {
+                let run = || {
+                    let mut y = vec![0.0f32; n_tokens * rows];
+                    m.matmul_with(path, &x, n_tokens, &mut y).unwrap();
+                    (
+                        split_for(&m, n_tokens),
+                        y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    )
+                };
+                let (serial_split, serial) = in_pool(1, run);
+                assert_eq!(serial_split, Split::Serial);
+                let (split, parallel) = in_pool(2, run);
+                let context = format!(
+                    "{ty} {rows}x{cols} x {n_tokens} tokens split as {split:?} on {path:?}"
+                );
+                assert_eq!(parallel, serial, "{context}");
+                seen.push(split);
+            }
+        }
+    }
+    for kind in [Split::Serial, Split::Rows(0), Split::Tokens(0)] {
+        let same = |s: &Split| std::mem::discriminant(s) == std::mem::discriminant(&kind);
+        assert!(seen.iter().any(same), "no {kind:?} among {seen:?}");
+    }
+}

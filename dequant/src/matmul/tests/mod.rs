@@ -1,0 +1,273 @@
+//! The kernels against a plain reference: every weight row dequantized to f32 by the
+//! crate's scalar decoder ([`crate::Decoder::scalar`]) and multiplied in f64.
+//!
+//! Two references per output value:
+//! - with the activations exactly as the kernels quantized them, the only difference is
+//!   f32 rounding: within `1e-5 · Σ|w·x̂|` (a few hundred ulps of the terms' magnitude,
+//!   for rows of at most a few thousand values);
+//! - with the original activations, the quantization of the activations adds at most
+//!   half a quantization step per value: `Σ |w_i| · step_i / 2`.
+//!
+//! Where both paths must compute the same integers (the block dot products), AVX2 and
+//! portable results are compared exactly, and so are a batch's rows and the same
+//! tokens multiplied one at a time.
+
+mod api;
+mod kernels;
+mod real_models;
+
+use gguf_format::GgmlType;
+
+use super::activation::{ActSet, Q8Acts, Q8KActs, QK8, QK_K};
+use super::{is_path_available, QuantizedMatrix};
+use crate::DecodePath;
+
+pub(super) const TYPES: [GgmlType; 11] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+/// splitmix64: small, seedable, good enough for test data.
+pub(super) struct Rng(pub(super) u64);
+
+impl Rng {
+    pub(super) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[lo, hi)`.
+    pub(super) fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        lo + (hi - lo) * unit
+    }
+
+    pub(super) fn bytes(&mut self, out: &mut [u8]) {
+        for b in out {
+            *b = self.next_u64() as u8;
+        }
+    }
+}
+
+fn put_f16(bytes: &mut [u8], at: usize, v: f32) {
+    bytes[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+}
+
+/// A random `rows × cols` matrix of `ty`: random quantized values, small finite scales.
+pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Rng(seed);
+    let n = rows * cols;
+    let mut bytes = vec![0u8; (ty.row_bytes(n as u64).expect("whole blocks")) as usize];
+    rng.bytes(&mut bytes);
+    let block = ty.type_size() as usize;
+    match ty {
+        GgmlType::F32 => {
+            for (i, v) in bytes.chunks_exact_mut(4).enumerate() {
+                let x = rng.uniform(-1.0, 1.0) * if i % 97 == 0 { 30.0 } else { 1.0 };
+                v.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        GgmlType::F16 => {
+            for v in bytes.chunks_exact_mut(2) {
+                put_f16(v, 0, rng.uniform(-1.0, 1.0));
+            }
+        }
+        GgmlType::BF16 => {
+            for v in bytes.chunks_exact_mut(2) {
+                let bits = rng.uniform(-1.0, 1.0).to_bits();
+                v.copy_from_slice(&((bits >> 16) as u16).to_le_bytes());
+            }
+        }
+        _ => {
+            // (offset of an f16 field, whether it may be negative)
+            use crate::blocks::*;
+            use std::mem::offset_of;
+            let fields: &[(usize, bool)] = match ty {
+                GgmlType::Q4_0 => &[(offset_of!(BlockQ4_0, d), true)],
+                GgmlType::Q5_0 => &[(offset_of!(BlockQ5_0, d), true)],
+                GgmlType::Q8_0 => &[(offset_of!(BlockQ8_0, d), true)],
+                GgmlType::Q4_1 => &[
+                    (offset_of!(BlockQ4_1, d), true),
+                    (offset_of!(BlockQ4_1, m), true),
+                ],
+                GgmlType::Q5_1 => &[
+                    (offset_of!(BlockQ5_1, d), true),
+                    (offset_of!(BlockQ5_1, m), true),
+                ],
+                GgmlType::Q4_K => &[
+                    (offset_of!(BlockQ4_K, d), false),
+                    (offset_of!(BlockQ4_K, dmin), false),
+                ],
+                GgmlType::Q5_K => &[
+                    (offset_of!(BlockQ5_K, d), false),
+                    (offset_of!(BlockQ5_K, dmin), false),
+                ],
+                GgmlType::Q6_K => &[(offset_of!(BlockQ6_K, d), true)],
+                other => panic!("no generator for {other}"),
+            };
+            for b in bytes.chunks_exact_mut(block) {
+                for &(at, signed) in fields {
+                    let sign = if signed && rng.next_u64() % 2 == 0 {
+                        -1.0
+                    } else {
+                        1.0
+                    };
+                    put_f16(b, at, sign * rng.uniform(0.001, 0.05));
+                }
+            }
+        }
+    }
+    bytes
+}
+
+/// Activations: mostly within ±2, with an occasional outlier that sets a block's scale.
+pub(super) fn random_x(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng(seed);
+    (0..len)
+        .map(|i| rng.uniform(-2.0, 2.0) * if i % 61 == 7 { 8.0 } else { 1.0 })
+        .collect()
+}
+
+/// The reference: one row decoded to f32 by the crate's scalar decoder.
+pub(super) fn dequantize_row(ty: GgmlType, row: &[u8]) -> Vec<f32> {
+    let mut out = vec![0.0f32; crate::decoded_len(ty, row.len()).unwrap()];
+    crate::Decoder::scalar()
+        .parallel(false)
+        .decode_f32(ty, row, &mut out)
+        .unwrap();
+    out
+}
+
+/// The activations as the kernels see them (`x̂`) and each value's quantization step.
+pub(super) fn quantized_view(
+    ty: GgmlType,
+    x: &[f32],
+    n_tokens: usize,
+    cols: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    match ty.block_size() {
+        1 => (x.to_vec(), vec![0.0; x.len()]),
+        32 => {
+            let acts = Q8Acts::prepare(x, n_tokens, cols);
+            let mut xq = Vec::new();
+            let mut step = Vec::new();
+            for t in 0..n_tokens {
+                let row = acts.row(t);
+                xq.extend(
+                    row.qs
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &q)| f32::from(q) * row.ds[i / QK8][0]),
+                );
+                step.extend((0..cols).map(|i| row.ds[i / QK8][0]));
+            }
+            (xq, step)
+        }
+        _ => {
+            let acts = Q8KActs::prepare(x, n_tokens, cols);
+            let mut xq = Vec::new();
+            let mut step = Vec::new();
+            for t in 0..n_tokens {
+                let row = acts.row(t);
+                xq.extend(
+                    row.qs
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &q)| f32::from(q) * row.d[i / QK_K]),
+                );
+                step.extend((0..cols).map(|i| row.d[i / QK_K]));
+            }
+            (xq, step)
+        }
+    }
+}
+
+pub(super) fn paths() -> Vec<DecodePath> {
+    [DecodePath::Scalar, DecodePath::Avx2]
+        .into_iter()
+        .filter(|&p| is_path_available(p))
+        .collect()
+}
+
+/// Checks one product of `ty` on both references, for every available path.
+pub(super) fn check_against_reference(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    n_tokens: usize,
+    seed: u64,
+) {
+    let bytes = random_matrix(ty, rows, cols, seed);
+    let x = random_x(n_tokens * cols, seed ^ 0xA5A5);
+    let w: Vec<Vec<f32>> = bytes
+        .chunks_exact(bytes.len() / rows)
+        .map(|r| dequantize_row(ty, r))
+        .collect();
+    let (xq, step) = quantized_view(ty, &x, n_tokens, cols);
+    let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
+    for path in paths() {
+        let mut y = vec![f32::NAN; n_tokens * rows];
+        matrix.matmul_with(path, &x, n_tokens, &mut y).unwrap();
+        for t in 0..n_tokens {
+            let (x_t, xq_t, step_t) = (
+                &x[t * cols..][..cols],
+                &xq[t * cols..][..cols],
+                &step[t * cols..][..cols],
+            );
+            for (r, w_r) in w.iter().enumerate() {
+                let got = f64::from(y[t * rows + r]);
+                let on_quantized: f64 = w_r
+                    .iter()
+                    .zip(xq_t)
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum();
+                let magnitude: f64 = w_r
+                    .iter()
+                    .zip(xq_t)
+                    .map(|(&a, &b)| f64::from(a * b).abs())
+                    .sum();
+                let rounding = 1e-5 * magnitude + 1e-30;
+                let context = format!("{ty} {rows}x{cols} token {t} row {r} on {}", path.name());
+                assert!(
+                    (got - on_quantized).abs() <= rounding,
+                    "{context}: {got} vs {on_quantized} on the quantized activations (tolerance {rounding})"
+                );
+                let exact: f64 = w_r
+                    .iter()
+                    .zip(x_t)
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum();
+                let quantization: f64 = w_r
+                    .iter()
+                    .zip(step_t)
+                    .map(|(&a, &s)| f64::from(a.abs() * s) / 2.0)
+                    .sum();
+                assert!(
+                    (got - exact).abs() <= quantization + rounding,
+                    "{context}: {got} vs {exact} on the exact activations (bound {quantization} + {rounding})"
+                );
+            }
+        }
+    }
+}
+
+/// Runs `f` on a pool of `threads` threads, from inside it.
+pub(super) fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap()
+        .install(f)
+}
