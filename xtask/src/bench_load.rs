@@ -7,6 +7,8 @@
 //!     [--budget-mib N] [--repeat N] [--verify]
 //! ```
 //!
+//! Without `--device`, the GPU if this build and machine have one, else the cpu.
+//!
 //! Per run: parse (open the store), plan built (the model's execution plan), first layer
 //! resident (embeddings and block 0), all resident, each from the start of the load;
 //! effective GB/s; peak resident host memory (VmHWM, reset before each run); device
@@ -36,6 +38,8 @@ const USAGE: &str = "usage: cargo xtask bench-load --gguf FILE [--device gpu|cpu
 struct Options {
     gguf: PathBuf,
     gpu: bool,
+    /// `--device` given: no falling back to the cpu.
+    device_named: bool,
     modes: Vec<UploadMode>,
     cold: bool,
     json: Option<Option<PathBuf>>,
@@ -48,6 +52,7 @@ fn parse(args: &[String]) -> Result<Options> {
     let mut o = Options {
         gguf: PathBuf::new(),
         gpu: true,
+        device_named: false,
         modes: vec![UploadMode::Eager, UploadMode::Background, UploadMode::Lazy],
         cold: false,
         json: None,
@@ -77,6 +82,7 @@ fn parse(args: &[String]) -> Result<Options> {
                     "cpu" => false,
                     other => bail!("--device {other:?}: expected gpu or cpu"),
                 };
+                o.device_named = true;
                 took = 2;
             }
             "--mode" => {
@@ -115,7 +121,11 @@ pub fn run(args: &[String]) -> Result<()> {
     let file_bytes = std::fs::metadata(&o.gguf)
         .with_context(|| format!("reading {}", o.gguf.display()))?
         .len();
-    let device = if o.gpu { open_gpu()? } else { None };
+    let device = if o.gpu {
+        open_gpu(o.device_named)?
+    } else {
+        None
+    };
     if o.gpu && device.is_none() {
         o.gpu = false;
     }
@@ -171,12 +181,12 @@ pub fn run(args: &[String]) -> Result<()> {
 }
 
 /// Device 0 with its runtime started, and how long starting took; `None` (with a note)
-/// when this build or machine has no GPU.
-fn open_gpu() -> Result<Option<(f64, hip_backend::Device)>> {
+/// when this build or machine has no GPU and `--device gpu` was not asked for.
+fn open_gpu(required: bool) -> Result<Option<(f64, hip_backend::Device)>> {
     let started = Instant::now();
     let device = match hip_backend::Device::open(0) {
         Ok(device) => device,
-        Err(error) if error.is_unavailable() => {
+        Err(error) if error.is_unavailable() && !required => {
             eprintln!(
                 "note: no gpu ({error}); measuring the pipeline into host memory (--device cpu)"
             );
