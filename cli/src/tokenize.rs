@@ -1,0 +1,43 @@
+//! `rocmforge tokenize`: the token ids of a text, as llama.cpp gives them.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use model::tokenizer::Tokenizer;
+use serde_json::json;
+use tensor_store::TensorStore;
+
+use crate::generate::{model_path, prompt_tokens};
+
+#[derive(clap::Args)]
+pub struct TokenizeArgs {
+    /// The GGUF model. Default: SmolLM2-135M-Instruct from the models cache.
+    #[arg(long, value_name = "FILE")]
+    gguf: Option<PathBuf>,
+    /// The text. BOS is added where the model's metadata asks for it, and control tokens
+    /// written in the text (`<|im_start|>`) are recognised, as for a prompt.
+    text: String,
+    /// Print `{"tokens": [...]}` instead of ids separated by spaces.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: &TokenizeArgs) -> Result<()> {
+    let path = model_path(args.gguf.as_deref())?;
+    let store = TensorStore::open(&path)?;
+    let tokenizer = Tokenizer::from_metadata(store.metadata())
+        .with_context(|| format!("{}: tokenizer", path.display()))?;
+    let tokens = prompt_tokens(&tokenizer, &args.text)?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if args.json {
+        serde_json::to_writer(&mut out, &json!({ "tokens": tokens }))?;
+        writeln!(out)?;
+    } else {
+        let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
+        writeln!(out, "{}", ids.join(" "))?;
+    }
+    out.flush()?;
+    Ok(())
+}
