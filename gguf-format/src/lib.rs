@@ -5,6 +5,8 @@
 //!   reads the header from the first bytes of a larger file. Both return a [`GgufFile`]:
 //!   the [`Metadata`], and a [`TensorInfo`] per tensor holding its [`GgmlType`], shape,
 //!   and byte range relative to the data section. Tensor data is never copied.
+//! - String arrays (vocabularies, merges) are held as a [`StringArray`]: one buffer of
+//!   text and an offset per string, shared by its clones.
 //! - [`GgufWriter`] lays out and writes version 3 files with any metadata and any tensor
 //!   type, in memory or streamed by the caller.
 //! - [`GgufError`] names what is wrong and where, for every malformation.
@@ -20,6 +22,7 @@
 
 mod error;
 mod parse;
+mod string_array;
 mod types;
 mod value;
 mod write;
@@ -28,6 +31,7 @@ pub use error::GgufError;
 pub use parse::{
     parse, parse_prefix, GgufFile, TensorInfo, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, MAGIC,
 };
+pub use string_array::{Iter as StringArrayIter, StringArray};
 pub use types::GgmlType;
 pub use value::{Array, FromValue, Metadata, Value, ValueType};
 pub use write::{GgufWriter, Layout, TensorDecl};

@@ -4,6 +4,7 @@
 //! by a named cap and by the bytes actually left before anything is allocated, all size
 //! arithmetic is checked, and slices are taken with `get`.
 
+use crate::string_array::StringArrayBuilder;
 use crate::value::{Array, Metadata, Value, ValueType};
 use crate::{GgmlType, GgufError};
 
@@ -274,15 +275,17 @@ impl<'a> Reader<'a> {
     }
 
     fn take(&mut self, n: u64) -> Result<&'a [u8], GgufError> {
-        let eof = GgufError::UnexpectedEof {
-            offset: self.offset(),
-            needed: n,
-            available: self.remaining(),
+        let end = usize::try_from(n)
+            .ok()
+            .and_then(|n| self.pos.checked_add(n));
+        let Some(slice) = end.and_then(|end| self.bytes.get(self.pos..end)) else {
+            return Err(GgufError::UnexpectedEof {
+                offset: self.offset(),
+                needed: n,
+                available: self.remaining(),
+            });
         };
-        let n = usize::try_from(n).map_err(|_| eof.clone())?;
-        let end = self.pos.checked_add(n).ok_or(eof.clone())?;
-        let slice = self.bytes.get(self.pos..end).ok_or(eof)?;
-        self.pos = end;
+        self.pos += slice.len();
         Ok(slice)
     }
 
@@ -417,17 +420,63 @@ impl<'a> Reader<'a> {
             ValueType::Bool => {
                 Array::Bool((0..n).map(|_| self.bool(key)).collect::<Result<_, _>>()?)
             }
-            ValueType::String => Array::String(
-                (0..n)
-                    .map(|_| self.string(MAX_STRING_LEN))
-                    .collect::<Result<_, _>>()?,
-            ),
+            ValueType::String => Array::String(self.string_array(n)?),
             ValueType::Array => Array::Array(
                 (0..n)
                     .map(|_| self.array_value(key, depth + 1))
                     .collect::<Result<_, _>>()?,
             ),
         })
+    }
+
+    /// `n` strings, one after another, into one buffer sized by a first pass over their
+    /// lengths; UTF-8 is checked once for all of them.
+    fn string_array(&mut self, n: usize) -> Result<crate::StringArray, GgufError> {
+        let first = self.offset();
+        let mut builder = StringArrayBuilder::with_capacity(n, self.string_bytes_ahead(n));
+        for _ in 0..n {
+            let offset = self.offset();
+            let len = self.u64()?;
+            if len > MAX_STRING_LEN {
+                return Err(GgufError::StringTooLong {
+                    len,
+                    max: MAX_STRING_LEN,
+                    offset,
+                });
+            }
+            builder.push_bytes(self.take(len)?);
+        }
+        builder.finish().map_err(|invalid| GgufError::InvalidUtf8 {
+            // Each string before it took its 8-byte length and its bytes: no overflow,
+            // they lie inside the bytes in hand.
+            offset: first + 8 * invalid.index as u64 + invalid.start as u64,
+        })
+    }
+
+    /// The bytes of the next `n` strings together, as far as the bytes in hand hold
+    /// well-formed ones: the reading pass reports whatever stops this early.
+    fn string_bytes_ahead(&self, n: usize) -> usize {
+        let mut pos = self.pos;
+        let mut total = 0;
+        for _ in 0..n {
+            let Some(prefix) = self.bytes.get(pos..pos.saturating_add(8)) else {
+                break;
+            };
+            let mut len = [0u8; 8];
+            len.copy_from_slice(prefix);
+            let len = u64::from_le_bytes(len);
+            let end = usize::try_from(len)
+                .ok()
+                .filter(|_| len <= MAX_STRING_LEN)
+                .and_then(|len| (pos + 8).checked_add(len))
+                .filter(|&end| end <= self.bytes.len());
+            let Some(end) = end else {
+                break;
+            };
+            total += end - pos - 8;
+            pos = end;
+        }
+        total
     }
 
     fn fixed<T, const N: usize>(

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::GgufError;
+use crate::{GgufError, StringArray};
 
 /// The type tag of a metadata value, as written in the file (`gguf_metadata_value_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -108,8 +108,9 @@ pub enum Value {
     F64(f64),
 }
 
-/// A metadata array: one element type for all elements, stored as a typed vector so that
-/// a 262,144-entry vocabulary costs one allocation per string, not one enum per element.
+/// A metadata array: one element type for all elements, stored as a typed vector; strings
+/// in a [`StringArray`], so that a 262,144-entry vocabulary is one buffer of text, not an
+/// enum or an allocation per element.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Array {
     U8(Vec<u8>),
@@ -120,7 +121,7 @@ pub enum Array {
     I32(Vec<i32>),
     F32(Vec<f32>),
     Bool(Vec<bool>),
-    String(Vec<String>),
+    String(StringArray),
     Array(Vec<Array>),
     U64(Vec<u64>),
     I64(Vec<i64>),
@@ -393,7 +394,7 @@ impl Metadata {
     }
 
     /// `key` as an array of strings.
-    pub fn get_string_array(&self, key: &str) -> Result<&[String], GgufError> {
+    pub fn get_string_array(&self, key: &str) -> Result<&StringArray, GgufError> {
         match self.get_array(key)? {
             Array::String(v) => Ok(v),
             other => Err(array_type(key, "array of string", other)),
@@ -469,7 +470,19 @@ macro_rules! array_from {
     )*};
 }
 array_from!(u8 => U8, i8 => I8, u16 => U16, i16 => I16, u32 => U32, i32 => I32, f32 => F32,
-    bool => Bool, String => String, Array => Array, u64 => U64, i64 => I64, f64 => F64);
+    bool => Bool, Array => Array, u64 => U64, i64 => I64, f64 => F64);
+
+impl From<Vec<String>> for Value {
+    fn from(v: Vec<String>) -> Value {
+        Value::Array(Array::String(v.into()))
+    }
+}
+
+impl From<StringArray> for Value {
+    fn from(v: StringArray) -> Value {
+        Value::Array(Array::String(v))
+    }
+}
 
 #[cfg(test)]
 mod tests {

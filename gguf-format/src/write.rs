@@ -301,7 +301,7 @@ fn put_array(out: &mut Vec<u8>, key: &str, array: &Array, depth: usize) -> Resul
         Array::F32(v) => each_le!(v),
         Array::Bool(v) => out.extend(v.iter().map(|&b| u8::from(b))),
         Array::String(v) => {
-            for s in v {
+            for s in v.iter() {
                 put_bounded_string(out, s, MAX_STRING_LEN)?;
             }
         }

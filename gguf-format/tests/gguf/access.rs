@@ -32,7 +32,7 @@ fn present_values_of_compatible_types_are_returned() {
     assert_eq!(m.get_f32("eps"), Ok(1e-5));
     assert_eq!(m.get_bool("add_bos"), Ok(true));
     assert_eq!(
-        m.get_string_array("tokenizer.ggml.tokens").unwrap(),
+        *m.get_string_array("tokenizer.ggml.tokens").unwrap(),
         ["a", "b"]
     );
     assert_eq!(

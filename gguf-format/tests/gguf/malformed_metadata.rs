@@ -107,6 +107,24 @@ fn invalid_utf8_in_a_string_array_element() {
 }
 
 #[test]
+fn character_split_between_two_string_array_elements() {
+    // "é" as its lead byte ending one element and its continuation byte starting the
+    // next: the elements' bytes together are valid UTF-8, each element alone is not.
+    // Elements at 54: "a" (54..63), "\xc3" (63..72), "" (72..80), "\xa9" (80..89).
+    let b = Bytes::v3(0, 1)
+        .key("tokens", ValueType::Array)
+        .array_header(ValueType::String.id(), 4)
+        .string(b"a")
+        .string(b"\xc3")
+        .string(b"")
+        .string(b"\xa9");
+    assert!(matches!(
+        parse_err(&b),
+        GgufError::InvalidUtf8 { offset: 63 }
+    ));
+}
+
+#[test]
 fn empty_key() {
     // Padded: an entry takes at least 14 bytes when its key is not empty.
     let b = Bytes::v3(0, 1).key("", ValueType::U8).u8(1).zeros(8);
@@ -202,7 +220,7 @@ fn arrays_of_arrays_of_mixed_element_types_parse() {
     assert_eq!(
         file.metadata.get("merges"),
         Some(&Value::Array(Array::Array(vec![
-            Array::String(vec!["a b".into(), "c d".into()]),
+            Array::String(["a b", "c d"].iter().collect()),
             Array::I16(vec![-2]),
             Array::Array(vec![]),
         ])))

@@ -31,7 +31,7 @@ fn leaf_array() -> impl Strategy<Value = Array> {
         vec(any::<i32>(), N).prop_map(Array::I32),
         vec(f32_bits(), N).prop_map(Array::F32),
         vec(any::<bool>(), N).prop_map(Array::Bool),
-        vec(text(), N).prop_map(Array::String),
+        vec(text(), N).prop_map(|v| Array::String(v.into())),
         vec(any::<u64>(), N).prop_map(Array::U64),
         vec(any::<i64>(), N).prop_map(Array::I64),
         vec(f64_bits(), N).prop_map(Array::F64),

@@ -30,7 +30,7 @@ pub fn rich_file() -> Vec<u8> {
         "nested",
         Array::Array(vec![
             Array::Array(vec![Array::U16(vec![1, 2])]),
-            Array::String(vec!["x".into()]),
+            Array::String(["x"].iter().collect()),
         ]),
     )
     .unwrap();

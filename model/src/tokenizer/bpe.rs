@@ -4,32 +4,46 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+use gguf_format::StringArray;
+
 use super::index::FastMap;
 use super::pretokenize::PreTokenizer;
 use super::unicode::ByteAlphabet;
 use super::vocab::Vocab;
 use super::TokenId;
 
+/// No token: a symbol whose text is not in the vocabulary.
+const NO_TOKEN: TokenId = TokenId::MAX;
+
 pub(super) struct BpeModel {
     pub pre: PreTokenizer,
-    /// `"left right"` → rank (lower merges first). Symbols never contain a raw space
-    /// (the alphabet maps it to `Ġ`), so the joined key is unambiguous.
-    ranks: FastMap<String, u32>,
+    /// (left token, right token) → rank (lower merges first).
+    ranks: FastMap<(TokenId, TokenId), u32>,
+    /// `"left right"` → rank, for merges a side of which is no token. Real vocabularies
+    /// have none; llama.cpp keys every merge by text and still applies these. Symbols
+    /// never contain a raw space (the alphabet maps it to `Ġ`), so the key is unambiguous.
+    text_ranks: FastMap<String, u32>,
+    /// The token of each byte's alphabet character, or [`NO_TOKEN`] (boxed, so that
+    /// the model stays about the size of SentencePiece's).
+    byte_tokens: Box<[TokenId; 256]>,
     pub alphabet: ByteAlphabet,
 }
 
-/// A run of the word's bytes, linked to its neighbours; `len == 0` once merged away.
+/// A run of the word's bytes, linked to its neighbours, and the token whose text it is;
+/// `len == 0` once merged away.
 #[derive(Clone, Copy)]
 struct Symbol {
     start: usize,
     len: usize,
     prev: Option<usize>,
     next: Option<usize>,
+    token: TokenId,
 }
 
 impl BpeModel {
-    pub fn new(pre: PreTokenizer, merges: &[String]) -> BpeModel {
+    pub fn new(pre: PreTokenizer, merges: &StringArray, vocab: &Vocab) -> BpeModel {
         let mut ranks = FastMap::with_capacity_and_hasher(merges.len(), Default::default());
+        let mut text_ranks = FastMap::default();
         for (rank, merge) in merges.iter().enumerate() {
             // Split at the first space after the first byte, as llama.cpp does; a merge
             // without one can never apply.
@@ -38,14 +52,23 @@ impl BpeModel {
             };
             let (left, right) = (&merge[..pos], &merge[pos + 1..]);
             // The first of duplicate merges keeps its rank.
-            ranks
-                .entry(format!("{left} {right}"))
-                .or_insert(rank as u32);
+            match (vocab.id(left), vocab.id(right)) {
+                (Some(left), Some(right)) => ranks.entry((left, right)).or_insert(rank as u32),
+                _ => text_ranks.entry(merge.to_owned()).or_insert(rank as u32),
+            };
+        }
+        let alphabet = ByteAlphabet::new();
+        let mut byte_tokens = Box::new([NO_TOKEN; 256]);
+        for (byte, token) in byte_tokens.iter_mut().enumerate() {
+            let c = alphabet.char_of(byte as u8);
+            *token = vocab.id(c.encode_utf8(&mut [0; 4])).unwrap_or(NO_TOKEN);
         }
         BpeModel {
             pre,
             ranks,
-            alphabet: ByteAlphabet::new(),
+            text_ranks,
+            byte_tokens,
+            alphabet,
         }
     }
 
@@ -54,35 +77,52 @@ impl BpeModel {
         let mut word = String::new();
         let mut key = String::new();
         for range in self.pre.split(text) {
+            let bytes = text[range].as_bytes();
             word.clear();
-            word.extend(text[range].bytes().map(|b| self.alphabet.char_of(b)));
+            word.extend(bytes.iter().map(|&b| self.alphabet.char_of(b)));
             if self.pre.ignores_merges() {
                 if let Some(id) = vocab.id(&word) {
                     out.push(id);
                     continue;
                 }
             }
-            self.encode_word(vocab, &word, &mut key, out);
+            self.encode_word(vocab, bytes, &word, &mut key, out);
         }
     }
 
     fn rank(&self, key: &mut String, word: &str, left: &Symbol, right: &Symbol) -> Option<u32> {
+        if left.token != NO_TOKEN && right.token != NO_TOKEN {
+            return self.ranks.get(&(left.token, right.token)).copied();
+        }
+        if self.text_ranks.is_empty() {
+            return None;
+        }
         key.clear();
         key.push_str(&word[left.start..left.start + left.len]);
         key.push(' ');
         key.push_str(&word[right.start..right.start + right.len]);
-        self.ranks.get(key.as_str()).copied()
+        self.text_ranks.get(key.as_str()).copied()
     }
 
-    fn encode_word(&self, vocab: &Vocab, word: &str, key: &mut String, out: &mut Vec<TokenId>) {
+    /// Merges the symbols of one pre-tokenized piece: `bytes`, whose alphabet characters
+    /// make `word`, one character a byte.
+    fn encode_word(
+        &self,
+        vocab: &Vocab,
+        bytes: &[u8],
+        word: &str,
+        key: &mut String,
+        out: &mut Vec<TokenId>,
+    ) {
         let mut symbols: Vec<Symbol> = Vec::with_capacity(word.len());
-        for (start, c) in word.char_indices() {
+        for ((start, c), &byte) in word.char_indices().zip(bytes) {
             let idx = symbols.len();
             symbols.push(Symbol {
                 start,
                 len: c.len_utf8(),
                 prev: idx.checked_sub(1),
                 next: Some(idx + 1),
+                token: self.byte_tokens[usize::from(byte)],
             });
         }
         if let Some(last) = symbols.last_mut() {
@@ -110,6 +150,8 @@ impl BpeModel {
             if symbols[left].len == 0 || symbols[left].len + symbols[right].len != size {
                 continue;
             }
+            let start = symbols[left].start;
+            symbols[left].token = vocab.id(&word[start..start + size]).unwrap_or(NO_TOKEN);
             symbols[left].len = size;
             symbols[right].len = 0;
             symbols[left].next = symbols[right].next;
@@ -124,15 +166,15 @@ impl BpeModel {
 
         for symbol in symbols.iter().filter(|s| s.len > 0) {
             let text = &word[symbol.start..symbol.start + symbol.len];
-            match vocab.id(text) {
-                Some(id) => out.push(id),
+            match symbol.token {
                 // Only reachable when the vocabulary lacks part of the byte alphabet:
                 // llama.cpp then keeps the ASCII bytes it finds and drops the rest.
-                None => out.extend(
+                NO_TOKEN => out.extend(
                     text.bytes()
                         .filter(u8::is_ascii)
                         .filter_map(|b| vocab.id(char::from(b).encode_utf8(&mut [0; 4]))),
                 ),
+                id => out.push(id),
             }
         }
     }
@@ -153,8 +195,8 @@ mod tests {
         Tokenizer::new(VocabSpec {
             model: "gpt2".into(),
             pre: Some(pre.into()),
-            tokens,
-            merges: merges.iter().map(|s| s.to_string()).collect(),
+            tokens: tokens.into(),
+            merges: merges.iter().collect(),
             ..VocabSpec::default()
         })
         .unwrap()

@@ -31,14 +31,15 @@ impl DecodeOptions {
 /// The bytes of every token (control tokens rendered), in one buffer.
 pub(super) struct Pieces {
     bytes: Vec<u8>,
-    /// Token `i` is `bytes[offsets[i]..offsets[i + 1]]`.
-    offsets: Vec<usize>,
+    /// Token `i` is `bytes[offsets[i]..offsets[i + 1]]`. No token's bytes are longer than
+    /// its text, and the vocabulary checked that its texts fit in `u32` offsets.
+    offsets: Vec<u32>,
 }
 
 impl Pieces {
     /// `alphabet` is the byte alphabet of byte-level BPE; `None` for SentencePiece.
     pub fn new(vocab: &Vocab, alphabet: Option<&ByteAlphabet>) -> Pieces {
-        let mut bytes = Vec::new();
+        let mut bytes = Vec::with_capacity(vocab.texts.text_len());
         let mut offsets = Vec::with_capacity(vocab.len() + 1);
         offsets.push(0);
         for (id, text) in vocab.texts.iter().enumerate() {
@@ -71,14 +72,15 @@ impl Pieces {
                 bytes.push(byte_of_byte_token(text));
             }
             // Unused and undefined tokens give nothing.
-            offsets.push(bytes.len());
+            offsets.push(bytes.len() as u32);
         }
+        bytes.shrink_to_fit();
         Pieces { bytes, offsets }
     }
 
     fn get(&self, id: TokenId) -> &[u8] {
         let i = id as usize;
-        &self.bytes[self.offsets[i]..self.offsets[i + 1]]
+        &self.bytes[self.offsets[i] as usize..self.offsets[i + 1] as usize]
     }
 }
 

@@ -23,6 +23,9 @@ pub enum TokenizerError {
     /// More tokens than a `u32` id can number.
     #[error("the vocabulary has {n_tokens} tokens, more than token ids can address")]
     TooManyTokens { n_tokens: usize },
+    /// Token texts too long in all for the 32-bit offsets the tokenizer keeps.
+    #[error("the vocabulary's texts take {bytes} bytes, more than 4 GiB")]
+    VocabularyTooLarge { bytes: usize },
     /// A per-token array is shorter than the vocabulary.
     #[error("{key} has {len} entries but the vocabulary has {n_tokens} tokens")]
     ArrayTooShort {

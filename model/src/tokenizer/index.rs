@@ -8,6 +8,8 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use gguf_format::StringArray;
+
 use super::TokenId;
 
 const MULTIPLIER: u64 = 0x517c_c1b7_2722_0a95;
@@ -44,8 +46,19 @@ impl Hasher for FastHasher {
         self.add(u64::from(byte));
     }
 
+    fn write_u32(&mut self, word: u32) {
+        self.add(u64::from(word));
+    }
+
+    fn write_u64(&mut self, word: u64) {
+        self.add(word);
+    }
+
     fn finish(&self) -> u64 {
-        self.hash
+        // A product's low bits see only the input's low bits; `HashMap` takes its bucket
+        // from the low bits, so fold the well-mixed high half into them. The high half,
+        // which `TokenIndex` uses, is unchanged.
+        self.hash ^ (self.hash >> 32)
     }
 }
 
@@ -64,33 +77,48 @@ const EMPTY: u32 = u32::MAX;
 
 /// An open-addressing table of token ids, probed linearly; the texts stay in the
 /// vocabulary and are compared in place.
+///
+/// Each slot holds an id in its low bits and, in the bits an id does not need, a tag of
+/// more bits of the text's hash: a probe compares texts only when the tags agree, so
+/// building Gemma 3's index (18-bit ids, 13-bit tags) almost never reads a text twice.
 pub(super) struct TokenIndex {
     slots: Vec<u32>,
     /// `64 - log2(slots.len())`: the slot is the hash's top bits, where multiply-rotate
     /// hashing puts its entropy.
     shift: u32,
+    /// Bits of a slot that hold the id; the rest hold the tag.
+    id_bits: u32,
 }
 
 impl TokenIndex {
     /// Indexes `texts`; on two equal texts returns the ids of both.
-    pub fn new(texts: &[String]) -> Result<TokenIndex, (TokenId, TokenId)> {
+    pub fn new(texts: &StringArray) -> Result<TokenIndex, (TokenId, TokenId)> {
         // At most half full, at least 2 slots.
         let n_slots = (texts.len() * 2).next_power_of_two().max(2);
+        // Enough bits that no id has them all set, so no slot value equals EMPTY. The
+        // caller checked that ids fit in u32.
+        let id_bits = u32::BITS - (texts.len() as u32).leading_zeros();
         let mut index = TokenIndex {
             slots: vec![EMPTY; n_slots],
             shift: 64 - n_slots.trailing_zeros(),
+            id_bits,
         };
         let mask = n_slots - 1;
         for (id, text) in texts.iter().enumerate() {
-            let mut slot = index.first_slot(text);
+            let (mut slot, tag) = index.place(text);
             loop {
                 match index.slots[slot] {
                     EMPTY => {
-                        // Ids fit in u32: the caller checked the vocabulary's size.
-                        index.slots[slot] = id as u32;
+                        index.slots[slot] = tag | id as u32;
                         break;
                     }
-                    other if texts[other as usize] == *text => return Err((other, id as u32)),
+                    other if index.tag_matches(other, tag) => {
+                        let other = index.id(other);
+                        if texts[other as usize] == *text {
+                            return Err((other, id as u32));
+                        }
+                        slot = (slot + 1) & mask;
+                    }
                     _ => slot = (slot + 1) & mask,
                 }
             }
@@ -98,18 +126,37 @@ impl TokenIndex {
         Ok(index)
     }
 
-    fn first_slot(&self, text: &str) -> usize {
-        (hash_text(text) >> self.shift) as usize
+    /// The first slot to probe for `text`, and its tag, already in place above the id.
+    fn place(&self, text: &str) -> (usize, u32) {
+        let hash = hash_text(text);
+        let slot = (hash >> self.shift) as usize;
+        // The tag comes from hash bits below the slot's.
+        let tag = ((hash >> self.shift.saturating_sub(32)) as u32)
+            .checked_shl(self.id_bits)
+            .unwrap_or(0);
+        (slot, tag)
+    }
+
+    fn tag_matches(&self, slot_value: u32, tag: u32) -> bool {
+        (slot_value ^ tag).checked_shr(self.id_bits).unwrap_or(0) == 0
+    }
+
+    fn id(&self, slot_value: u32) -> TokenId {
+        slot_value & u32::MAX.checked_shr(u32::BITS - self.id_bits).unwrap_or(0)
     }
 
     /// The id whose text in `texts` (the same texts the index was built from) is `text`.
-    pub fn get(&self, texts: &[String], text: &str) -> Option<TokenId> {
+    pub fn get(&self, texts: &StringArray, text: &str) -> Option<TokenId> {
         let mask = self.slots.len() - 1;
-        let mut slot = self.first_slot(text);
+        let (mut slot, tag) = self.place(text);
         loop {
             match self.slots[slot] {
                 EMPTY => return None,
-                id if texts[id as usize] == text => return Some(id),
+                value
+                    if self.tag_matches(value, tag) && &texts[self.id(value) as usize] == text =>
+                {
+                    return Some(self.id(value))
+                }
                 _ => slot = (slot + 1) & mask,
             }
         }
@@ -122,7 +169,7 @@ mod tests {
 
     #[test]
     fn finds_every_text_and_nothing_else() {
-        let texts: Vec<String> = (0..1000)
+        let texts: StringArray = (0..1000)
             .map(|i| format!("tok{i}"))
             .chain(["a".into(), "a\0".into()])
             .collect();
@@ -135,10 +182,24 @@ mod tests {
     }
 
     #[test]
+    fn ids_and_tags_share_slots_at_every_size() {
+        // Around powers of two the id takes one bit more and the tag one bit less.
+        for n in [1, 2, 3, 4, 255, 256, 257, 4095, 4096] {
+            let texts: StringArray = (0..n).map(|i| format!("{i:x}")).collect();
+            let index = TokenIndex::new(&texts).unwrap();
+            assert!(index.id_bits < 32 && n < 1 << index.id_bits, "{n}");
+            for (id, text) in texts.iter().enumerate() {
+                assert_eq!(index.get(&texts, text), Some(id as u32), "{n} {text}");
+            }
+            assert_eq!(index.get(&texts, "absent"), None);
+        }
+    }
+
+    #[test]
     fn reports_duplicates() {
-        let texts: Vec<String> = ["x", "y", "x"].iter().map(|s| s.to_string()).collect();
+        let texts: StringArray = ["x", "y", "x"].iter().collect();
         assert_eq!(TokenIndex::new(&texts).err(), Some((0, 2)));
-        let one = vec!["only".to_string()];
+        let one: StringArray = ["only"].iter().collect();
         assert_eq!(TokenIndex::new(&one).unwrap().get(&one, "only"), Some(0));
     }
 }

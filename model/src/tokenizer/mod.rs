@@ -98,21 +98,17 @@ impl Tokenizer {
 
     /// Builds a tokenizer from its description.
     pub fn new(mut spec: VocabSpec) -> Result<Tokenizer, TokenizerError> {
-        let texts = std::mem::take(&mut spec.tokens);
+        let merges = std::mem::take(&mut spec.merges);
         let (vocab, model, clean_spaces) = match spec.model.as_str() {
             "gpt2" => {
                 let pre = PreTokenizer::from_name(spec.pre.as_deref())?;
-                let vocab = Vocab::new(
-                    texts,
-                    &spec,
-                    VocabKind::BytePairEncoding,
-                    pre.adds_bos_by_default(),
-                )?;
-                let model = Model::Bpe(BpeModel::new(pre, &spec.merges));
+                let vocab =
+                    Vocab::new(spec, VocabKind::BytePairEncoding, pre.adds_bos_by_default())?;
+                let model = Model::Bpe(BpeModel::new(pre, &merges, &vocab));
                 (vocab, model, pre.cleans_spaces())
             }
             "llama" => {
-                let vocab = Vocab::new(texts, &spec, VocabKind::SentencePiece, false)?;
+                let vocab = Vocab::new(spec, VocabKind::SentencePiece, false)?;
                 let model = Model::Spm(SpmModel::new(&vocab));
                 (vocab, model, false)
             }

@@ -1,6 +1,6 @@
 //! The tokenizer's description as a GGUF file stores it, before any defaults are applied.
 
-use gguf_format::{Array, Metadata};
+use gguf_format::{Array, Metadata, StringArray};
 
 use super::TokenizerError;
 
@@ -41,14 +41,15 @@ pub struct VocabSpec {
     pub model: String,
     /// `tokenizer.ggml.pre`: the pre-tokenizer of a BPE vocabulary.
     pub pre: Option<String>,
-    /// The token texts; the index is the token id.
-    pub tokens: Vec<String>,
+    /// The token texts; the index is the token id. Read from a file's metadata, this
+    /// shares the metadata's buffer rather than copying it.
+    pub tokens: StringArray,
     /// Per-token scores (SentencePiece merge priorities).
     pub scores: Option<Vec<f32>>,
     /// Per-token types (see [`token_type`]).
     pub token_types: Option<Vec<i32>>,
-    /// BPE merges in priority order, each `"left right"`.
-    pub merges: Vec<String>,
+    /// BPE merges in priority order, each `"left right"` (shared like `tokens`).
+    pub merges: StringArray,
     pub bos_id: Option<u32>,
     pub eos_id: Option<u32>,
     pub eot_id: Option<u32>,
@@ -76,13 +77,13 @@ impl VocabSpec {
             Some(_) => Some(metadata.get_i32_array(keys::TOKEN_TYPE)?.to_vec()),
         };
         let merges = match metadata.get(keys::MERGES) {
-            None => Vec::new(),
-            Some(_) => metadata.get_string_array(keys::MERGES)?.to_vec(),
+            None => StringArray::new(),
+            Some(_) => metadata.get_string_array(keys::MERGES)?.clone(),
         };
         Ok(VocabSpec {
             model: metadata.get_str(keys::MODEL)?.to_owned(),
             pre: metadata.get_opt::<&str>(keys::PRE)?.map(str::to_owned),
-            tokens: metadata.get_string_array(keys::TOKENS)?.to_vec(),
+            tokens: metadata.get_string_array(keys::TOKENS)?.clone(),
             scores,
             token_types,
             merges,
@@ -113,7 +114,7 @@ mod tests {
     }
 
     fn strings(items: &[&str]) -> Value {
-        Value::Array(Array::String(items.iter().map(|s| s.to_string()).collect()))
+        Value::Array(Array::String(items.iter().collect()))
     }
 
     #[test]
@@ -128,6 +129,9 @@ mod tests {
             (keys::SCORES, Value::Array(Array::I32(vec![0, -1, -2]))),
         ]);
         let spec = VocabSpec::from_metadata(&m).unwrap();
+        // The texts are the metadata's, not a copy.
+        let tokens = m.get_string_array(keys::TOKENS).unwrap();
+        assert!(spec.tokens.shares_buffer_with(tokens));
         assert_eq!(spec.model, "gpt2");
         assert_eq!(spec.pre.as_deref(), Some("smollm"));
         assert_eq!(spec.tokens, ["a", "b", "ab"]);

@@ -9,7 +9,7 @@ use super::vocab::Vocab;
 use super::{TokenId, TokenizerError};
 
 /// SentencePiece's visible space, U+2581.
-pub(super) const SPACE_MARK: &str = "\u{2581}";
+pub(super) const SPACE_MARK: char = '\u{2581}';
 
 pub(super) struct SpmModel {
     /// `<0xXX>` (or the single byte's own text) for every byte, where the vocabulary has it.
@@ -84,11 +84,11 @@ impl SpmModel {
     ) -> Result<(), TokenizerError> {
         let mut escaped = String::with_capacity(text.len() + 3);
         if prefix_space {
-            escaped.push_str(SPACE_MARK);
+            escaped.push(SPACE_MARK);
         }
         for c in text.chars() {
             match c {
-                ' ' => escaped.push_str(SPACE_MARK),
+                ' ' => escaped.push(SPACE_MARK),
                 c => escaped.push(c),
             }
         }
@@ -210,7 +210,7 @@ mod tests {
         }
         Tokenizer::new(VocabSpec {
             model: "llama".into(),
-            tokens,
+            tokens: tokens.into(),
             scores: Some(scores),
             token_types: Some(types),
             add_space_prefix: Some(add_space_prefix),
@@ -269,7 +269,7 @@ mod tests {
     fn missing_byte_tokens_are_an_error() {
         let t = Tokenizer::new(VocabSpec {
             model: "llama".into(),
-            tokens: vec!["<unk>".into(), "<s>".into(), "</s>".into(), "a".into()],
+            tokens: ["<unk>", "<s>", "</s>", "a"].iter().collect(),
             add_space_prefix: Some(false),
             ..VocabSpec::default()
         })

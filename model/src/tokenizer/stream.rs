@@ -102,7 +102,7 @@ mod tests {
         types.push(1);
         Tokenizer::new(VocabSpec {
             model: "llama".into(),
-            tokens,
+            tokens: tokens.into(),
             token_types: Some(types),
             add_space_prefix: Some(false),
             ..VocabSpec::default()

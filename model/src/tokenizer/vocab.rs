@@ -1,6 +1,10 @@
 //! The resolved vocabulary: texts, scores, attributes, text→id lookup, the special ids
 //! with llama.cpp's defaults applied, and the end-of-generation set.
 
+use std::borrow::Cow;
+
+use gguf_format::StringArray;
+
 use super::index::TokenIndex;
 use super::spec::{token_type, VocabSpec};
 use super::{TokenId, TokenizerError};
@@ -83,7 +87,9 @@ pub struct SpecialTokens {
 
 pub(super) struct Vocab {
     pub kind: VocabKind,
-    pub texts: Vec<String>,
+    /// Token texts, indexed by id; usually shared with the file's metadata.
+    pub texts: StringArray,
+    /// SentencePiece merge scores, by id; empty for byte-level BPE, which merges by rank.
     pub scores: Vec<f32>,
     pub attrs: Vec<u8>,
     index: TokenIndex,
@@ -97,46 +103,47 @@ pub(super) struct Vocab {
 
 impl Vocab {
     /// Applies llama.cpp's defaults for `kind` and the metadata's overrides to `spec`,
-    /// whose token texts come separately as `tokens`. `bpe_adds_bos` is the
+    /// taking its texts, scores and types without copying them. `bpe_adds_bos` is the
     /// pre-tokenizer's default for BPE vocabularies.
     pub fn new(
-        mut texts: Vec<String>,
-        spec: &VocabSpec,
+        spec: VocabSpec,
         kind: VocabKind,
         bpe_adds_bos: bool,
     ) -> Result<Vocab, TokenizerError> {
-        let n_tokens = texts.len();
+        let n_tokens = spec.tokens.len();
         if n_tokens == 0 {
             return Err(TokenizerError::EmptyVocabulary);
         }
         if u32::try_from(n_tokens).is_err() {
             return Err(TokenizerError::TooManyTokens { n_tokens });
         }
-        for (id, text) in texts.iter_mut().enumerate() {
-            // An empty text cannot be matched; llama.cpp gives it a placeholder.
-            if text.is_empty() {
-                *text = format!("[EMPTY_{id}]");
-            }
+        let texts = with_placeholders(spec.tokens);
+        if u32::try_from(texts.text_len()).is_err() {
+            return Err(TokenizerError::VocabularyTooLarge {
+                bytes: texts.text_len(),
+            });
         }
         let index =
             TokenIndex::new(&texts).map_err(|(first, second)| TokenizerError::DuplicateToken {
-                text: texts[second as usize].clone(),
+                text: texts[second as usize].to_owned(),
                 first,
                 second,
             })?;
-        let scores = per_token(
-            spec.scores.as_deref(),
-            "tokenizer.ggml.scores",
-            n_tokens,
-            0.0,
-        )?;
-        let types = per_token(
-            spec.token_types.as_deref(),
-            "tokenizer.ggml.token_type",
-            n_tokens,
-            token_type::NORMAL,
-        )?;
-        let attrs = types.iter().map(|&t| attr_of_type(t)).collect();
+        let mut scores = per_token(spec.scores, "tokenizer.ggml.scores", n_tokens, 0.0)?;
+        if kind == VocabKind::BytePairEncoding {
+            scores = Vec::new();
+        }
+        let attrs = match spec.token_types {
+            None => vec![attr::NORMAL; n_tokens],
+            Some(types) if types.len() < n_tokens => {
+                return Err(TokenizerError::ArrayTooShort {
+                    key: "tokenizer.ggml.token_type",
+                    len: types.len(),
+                    n_tokens,
+                })
+            }
+            Some(types) => types[..n_tokens].iter().map(|&t| attr_of_type(t)).collect(),
+        };
 
         let (defaults, add_bos, add_space_prefix) = match kind {
             VocabKind::SentencePiece => (
@@ -247,8 +254,26 @@ impl Vocab {
     }
 }
 
+/// The texts, with a placeholder for each empty one (which could never be matched), as
+/// llama.cpp does; shared as they are when none is empty.
+fn with_placeholders(texts: StringArray) -> StringArray {
+    if !texts.iter().any(str::is_empty) {
+        return texts;
+    }
+    texts
+        .iter()
+        .enumerate()
+        .map(|(id, text)| match text {
+            "" => Cow::Owned(format!("[EMPTY_{id}]")),
+            text => Cow::Borrowed(text),
+        })
+        .collect()
+}
+
+/// A per-token array of the file, `n_tokens` long, or `default` for each token without
+/// one.
 fn per_token<T: Copy>(
-    values: Option<&[T]>,
+    values: Option<Vec<T>>,
     key: &'static str,
     n_tokens: usize,
     default: T,
@@ -260,7 +285,10 @@ fn per_token<T: Copy>(
             len: v.len(),
             n_tokens,
         }),
-        Some(v) => Ok(v[..n_tokens].to_vec()),
+        Some(mut v) => {
+            v.truncate(n_tokens);
+            Ok(v)
+        }
     }
 }
 
@@ -309,7 +337,7 @@ mod tests {
         let s = Tokenizer::new(small).unwrap().special_tokens();
         assert_eq!((s.bos, s.eos), (None, None));
         let mut big = VocabSpec {
-            tokens: twelve(),
+            tokens: twelve().into(),
             ..spec("gpt2", &[])
         };
         let t = Tokenizer::new(big.clone()).unwrap();
