@@ -20,57 +20,91 @@ pub(crate) fn whole_blocks<B: Block>(bytes: &[u8]) -> &[B] {
     cast_blocks(&bytes[..whole]).unwrap_or_default()
 }
 
-/// Sum of `u[i] * s[i]`: unsigned weights against signed activations.
+/// `Σ q[i] · x[i]` over `N` values: unsigned weights against signed activations. Plain
+/// loops over arrays, which compilers turn into vector code on any target.
 #[inline]
-fn dot_u8_i8(u: impl Iterator<Item = u8>, s: &[i8]) -> i32 {
-    u.zip(s).map(|(u, &s)| i32::from(u) * i32::from(s)).sum()
+fn dot_u8<const N: usize>(q: &[u8], x: &[i8]) -> i32 {
+    let (q, x) = (&q[..N], &x[..N]);
+    // Every caller's q is below 64, so each product fits an i16: widening i16 products
+    // into an i32 sum is the pattern vector units multiply-add best.
+    let mut sum = 0i32;
+    for i in 0..N {
+        sum += i32::from(i16::from(q[i]) * i16::from(x[i]));
+    }
+    sum
 }
 
 /// The 32 unsigned 4-bit values of a legacy block: low nibbles first, then high ones.
 #[inline]
-fn nibbles(qs: &[u8; 16]) -> impl Iterator<Item = u8> + '_ {
-    qs.iter().map(|b| b & 0x0F).chain(qs.iter().map(|b| b >> 4))
+fn nibbles(qs: &[u8; 16]) -> [u8; 32] {
+    let mut q = [0u8; 32];
+    for j in 0..16 {
+        q[j] = qs[j] & 0x0F;
+        q[j + 16] = qs[j] >> 4;
+    }
+    q
 }
+
+/// For each byte value, the eight bytes `0x10 · bit i` of its bits, little-endian.
+const SPREAD_BITS: [u64; 256] = {
+    let mut table = [0u64; 256];
+    let mut byte = 0;
+    while byte < 256 {
+        let mut bit = 0;
+        while bit < 8 {
+            if byte & (1 << bit) != 0 {
+                table[byte] |= 0x10 << (8 * bit);
+            }
+            bit += 1;
+        }
+        byte += 1;
+    }
+    table
+};
 
 /// The 32 unsigned 5-bit values of a `Q5_0`/`Q5_1` block: nibbles plus bit `i` of `qh`.
 #[inline]
-fn five_bit<'a>(qh: &[u8; 4], qs: &'a [u8; 16]) -> impl Iterator<Item = u8> + 'a {
-    let high = u32::from_le_bytes(*qh);
-    nibbles(qs)
-        .enumerate()
-        .map(move |(i, q)| q | ((((high >> i) & 1) as u8) << 4))
+fn five_bit(qh: &[u8; 4], qs: &[u8; 16]) -> [u8; 32] {
+    let mut q = nibbles(qs);
+    for (k, &bits) in qh.iter().enumerate() {
+        let high = SPREAD_BITS[usize::from(bits)].to_le_bytes();
+        for i in 0..8 {
+            q[8 * k + i] |= high[i];
+        }
+    }
+    q
 }
 
 /// `Q4_0` block: `Σ q · qx` with `q` the unsigned nibble; the offset `-8 d` is applied
 /// in f32.
 pub(crate) fn q4_0_block(block: &BlockQ4_0, qx: &[i8]) -> i32 {
-    dot_u8_i8(nibbles(&block.qs), qx)
+    dot_u8::<32>(&nibbles(&block.qs), qx)
 }
 
 /// `Q4_1` block: `Σ q · qx`; the offset `m` is applied in f32.
 pub(crate) fn q4_1_block(block: &BlockQ4_1, qx: &[i8]) -> i32 {
-    dot_u8_i8(nibbles(&block.qs), qx)
+    dot_u8::<32>(&nibbles(&block.qs), qx)
 }
 
 /// `Q5_0` block: `Σ q · qx` with `q` the unsigned 5-bit value; the offset `-16 d` is
 /// applied in f32.
 pub(crate) fn q5_0_block(block: &BlockQ5_0, qx: &[i8]) -> i32 {
-    dot_u8_i8(five_bit(&block.qh, &block.qs), qx)
+    dot_u8::<32>(&five_bit(&block.qh, &block.qs), qx)
 }
 
 /// `Q5_1` block: `Σ q · qx`; the offset `m` is applied in f32.
 pub(crate) fn q5_1_block(block: &BlockQ5_1, qx: &[i8]) -> i32 {
-    dot_u8_i8(five_bit(&block.qh, &block.qs), qx)
+    dot_u8::<32>(&five_bit(&block.qh, &block.qs), qx)
 }
 
 /// `Q8_0` block: `Σ q · qx`, both signed.
 pub(crate) fn q8_0_block(block: &BlockQ8_0, qx: &[i8]) -> i32 {
-    block
-        .qs
-        .iter()
-        .zip(qx)
-        .map(|(&q, &x)| i32::from(q) * i32::from(x))
-        .sum()
+    // |q · x| ≤ 128 · 127 fits an i16.
+    let mut sum = 0i32;
+    for (&q, &x) in block.qs.iter().zip(&qx[..QK8]) {
+        sum += i32::from(i16::from(q) * i16::from(x));
+    }
+    sum
 }
 
 pub(crate) fn dot_q4_0(row: &[u8], act: Q8Row<'_>) -> f32 {
@@ -146,33 +180,47 @@ fn k_min_sum(mins: &[u8; 8], bsums: &[i16]) -> i32 {
     (0..8).map(|j| i32::from(mins[j]) * pair(j)).sum()
 }
 
-/// `Σ scale_j · Σ q · qx` over the eight sub-blocks of 32 whose unsigned values
-/// `value(j, l)` gives.
+/// `Σ scale_j · Σ q · qx` over the eight sub-blocks of 32 of a `Q4_K`/`Q5_K` super-block:
+/// sub-blocks `2c` and `2c + 1` are the low and high nibbles of `qs[32c..32c + 32]`,
+/// plus, with `qh`, bit `j` of `qh[l]` as the fifth bit of value `l` of sub-block `j`.
 #[inline]
-fn k_scaled_dot(scales: &[u8; 8], qx: &[i8], value: impl Fn(usize, usize) -> u8) -> i32 {
-    (0..8)
-        .map(|j| i32::from(scales[j]) * dot_u8_i8((0..32).map(|l| value(j, l)), &qx[32 * j..]))
-        .sum()
+fn k_scaled_dot(scales: &[u8; 8], qs: &[u8; 128], qh: Option<&[u8; 32]>, qx: &[i8]) -> i32 {
+    let mut sum = 0i32;
+    for c in 0..4 {
+        let (mut lo, mut hi) = ([0u8; 32], [0u8; 32]);
+        for l in 0..32 {
+            lo[l] = qs[32 * c + l] & 0x0F;
+            hi[l] = qs[32 * c + l] >> 4;
+        }
+        if let Some(qh) = qh {
+            for l in 0..32 {
+                lo[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+                hi[l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+            }
+        }
+        sum += i32::from(scales[2 * c]) * dot_u8::<32>(&lo, &qx[64 * c..]);
+        sum += i32::from(scales[2 * c + 1]) * dot_u8::<32>(&hi, &qx[64 * c + 32..]);
+    }
+    sum
 }
 
 /// `Q4_K` super-block: `(Σ scale_j · Σ q · qx, Σ min_j · Σ qx)` over its eight
 /// sub-blocks; the value is `d · first − dmin · second` in activation units.
 pub(crate) fn q4_k_block(block: &BlockQ4_K, qx: &[i8], bsums: &[i16]) -> (i32, i32) {
     let (scales, mins) = k_scales_mins(&block.scales);
-    // Sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c + 32.
-    let value = |j: usize, l: usize| (block.qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
-    (k_scaled_dot(&scales, qx, value), k_min_sum(&mins, bsums))
+    (
+        k_scaled_dot(&scales, &block.qs, None, qx),
+        k_min_sum(&mins, bsums),
+    )
 }
 
-/// `Q5_K` super-block: as [`q4_k_block`] with the fifth bit of value `l` of sub-block
-/// `j` in bit `j` of `qh[l]`.
+/// `Q5_K` super-block: as [`q4_k_block`] with the fifth bits from `qh`.
 pub(crate) fn q5_k_block(block: &BlockQ5_K, qx: &[i8], bsums: &[i16]) -> (i32, i32) {
     let (scales, mins) = k_scales_mins(&block.scales);
-    let value = |j: usize, l: usize| {
-        let low = (block.qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
-        low | (((block.qh[l] >> j) & 1) << 4)
-    };
-    (k_scaled_dot(&scales, qx, value), k_min_sum(&mins, bsums))
+    (
+        k_scaled_dot(&scales, &block.qs, Some(&block.qh), qx),
+        k_min_sum(&mins, bsums),
+    )
 }
 
 /// The 256 unsigned 6-bit values of a `Q6_K` super-block, in element order.
@@ -197,8 +245,8 @@ pub(crate) fn q6_k_block(block: &BlockQ6_K, qx: &[i8], bsums: &[i16]) -> i32 {
     let values = q6_k_values(block);
     let mut sum = 0i32;
     for (g, &scale) in block.scales.iter().enumerate() {
-        let range = g * BSUM_GROUP..(g + 1) * BSUM_GROUP;
-        let dot = dot_u8_i8(values[range.clone()].iter().copied(), &qx[range]);
+        let at = g * BSUM_GROUP;
+        let dot = dot_u8::<BSUM_GROUP>(&values[at..], &qx[at..]);
         sum += i32::from(scale) * (dot - 32 * i32::from(bsums[g]));
     }
     sum
@@ -233,34 +281,42 @@ pub(crate) fn dot_q6_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
     acc
 }
 
-/// Eight partial sums, so that the compiler can keep them in one vector register.
-/// (A plain multiply and add: `mul_add` is a library call on CPUs without FMA.)
+/// `Σ w_i · x_i` with the weights decoded by `weight(i)`, eight at a time into eight
+/// partial sums, which compilers keep in vector registers. (A plain multiply and add:
+/// `mul_add` is a library call on CPUs without FMA.)
 #[inline]
-fn dot_floats(weights: impl Iterator<Item = f32>, x: &[f32]) -> f32 {
+fn dot_floats(n: usize, weight: impl Fn(usize) -> f32, x: &[f32]) -> f32 {
+    let n = n.min(x.len());
     let mut lanes = [0.0f32; 8];
-    for (i, (w, &v)) in weights.zip(x).enumerate() {
-        lanes[i % 8] += w * v;
+    let mut i = 0;
+    while i + 8 <= n {
+        let mut w = [0.0f32; 8];
+        for (k, w) in w.iter_mut().enumerate() {
+            *w = weight(i + k);
+        }
+        for k in 0..8 {
+            lanes[k] += w[k] * x[i + k];
+        }
+        i += 8;
     }
-    lanes.iter().sum()
+    let tail: f32 = (i..n).map(|j| weight(j) * x[j]).sum();
+    lanes.iter().sum::<f32>() + tail
 }
 
 pub(crate) fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
-    let weights = row
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-    dot_floats(weights, x)
+    let weight =
+        |i: usize| f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]);
+    dot_floats(row.len() / 4, weight, x)
 }
 
 pub(crate) fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
-    let weights = row
-        .chunks_exact(2)
-        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32());
-    dot_floats(weights, x)
+    let weight = |i: usize| half::f16::from_le_bytes([row[2 * i], row[2 * i + 1]]).to_f32();
+    dot_floats(row.len() / 2, weight, x)
 }
 
 pub(crate) fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
-    let weights = row
-        .chunks_exact(2)
-        .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16));
-    dot_floats(weights, x)
+    let weight = |i: usize| {
+        f32::from_bits(u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) << 16)
+    };
+    dot_floats(row.len() / 2, weight, x)
 }
