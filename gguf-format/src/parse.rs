@@ -338,11 +338,8 @@ impl<'a> Reader<'a> {
 
     fn string(&mut self, max: u64) -> Result<String, GgufError> {
         let offset = self.offset();
-        let len = self.u64()?;
-        if len > max {
-            return Err(GgufError::StringTooLong { len, max, offset });
-        }
-        self.string_body(len, offset)
+        let bytes = self.bounded_bytes(max)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| GgufError::InvalidUtf8 { offset })
     }
 
     /// The `len` bytes of a string whose length prefix stood at `offset`.
@@ -429,54 +426,37 @@ impl<'a> Reader<'a> {
         })
     }
 
-    /// `n` strings, one after another, into one buffer sized by a first pass over their
-    /// lengths; UTF-8 is checked once for all of them.
+    /// `n` strings, one after another, into one buffer; UTF-8 is checked once for all
+    /// of them.
     fn string_array(&mut self, n: usize) -> Result<crate::StringArray, GgufError> {
-        let first = self.offset();
-        let mut builder = StringArrayBuilder::with_capacity(n, self.string_bytes_ahead(n));
+        let first = self.pos;
+        // A first pass over the lengths: every string is within the cap and within the
+        // bytes in hand before anything is allocated or copied, and the buffer gets its
+        // exact size. A prefix that ends inside the array costs no more than this pass.
+        let mut n_bytes = 0;
         for _ in 0..n {
-            let offset = self.offset();
-            let len = self.u64()?;
-            if len > MAX_STRING_LEN {
-                return Err(GgufError::StringTooLong {
-                    len,
-                    max: MAX_STRING_LEN,
-                    offset,
-                });
-            }
-            builder.push_bytes(self.take(len)?);
+            n_bytes += self.bounded_bytes(MAX_STRING_LEN)?.len();
+        }
+        self.pos = first;
+        let mut builder = StringArrayBuilder::with_capacity(n, n_bytes);
+        for _ in 0..n {
+            builder.push_bytes(self.bounded_bytes(MAX_STRING_LEN)?);
         }
         builder.finish().map_err(|invalid| GgufError::InvalidUtf8 {
             // Each string before it took its 8-byte length and its bytes: no overflow,
             // they lie inside the bytes in hand.
-            offset: first + 8 * invalid.index as u64 + invalid.start as u64,
+            offset: first as u64 + 8 * invalid.index as u64 + invalid.start as u64,
         })
     }
 
-    /// The bytes of the next `n` strings together, as far as the bytes in hand hold
-    /// well-formed ones: the reading pass reports whatever stops this early.
-    fn string_bytes_ahead(&self, n: usize) -> usize {
-        let mut pos = self.pos;
-        let mut total = 0;
-        for _ in 0..n {
-            let Some(prefix) = self.bytes.get(pos..pos.saturating_add(8)) else {
-                break;
-            };
-            let mut len = [0u8; 8];
-            len.copy_from_slice(prefix);
-            let len = u64::from_le_bytes(len);
-            let end = usize::try_from(len)
-                .ok()
-                .filter(|_| len <= MAX_STRING_LEN)
-                .and_then(|len| (pos + 8).checked_add(len))
-                .filter(|&end| end <= self.bytes.len());
-            let Some(end) = end else {
-                break;
-            };
-            total += end - pos - 8;
-            pos = end;
+    /// A string's bytes, unchecked as UTF-8, after its length, which must not exceed `max`.
+    fn bounded_bytes(&mut self, max: u64) -> Result<&'a [u8], GgufError> {
+        let offset = self.offset();
+        let len = self.u64()?;
+        if len > max {
+            return Err(GgufError::StringTooLong { len, max, offset });
         }
-        total
+        self.take(len)
     }
 
     fn fixed<T, const N: usize>(
