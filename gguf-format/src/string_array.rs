@@ -153,6 +153,13 @@ impl StringArray {
         }
     }
 
+    /// The length in bytes of each string, in order, read from the offsets alone.
+    #[inline]
+    pub fn lens(&self) -> impl ExactSizeIterator<Item = usize> + '_ {
+        let ends = &self.data.ends;
+        (0..ends.len()).map(|i| ends.end(i) - ends.start(i))
+    }
+
     /// Bytes of all strings together.
     #[inline]
     pub fn text_len(&self) -> usize {
@@ -392,6 +399,7 @@ mod tests {
         let a: StringArray = ["", "ab", "", "ü€", "c"].iter().collect();
         assert_eq!(a.len(), 5);
         assert_eq!(a.text_len(), 2 + 5 + 1);
+        assert!(a.lens().eq([0, 2, 0, 5, 1]));
         assert_eq!(a, ["", "ab", "", "ü€", "c"]);
         assert_eq!(a.get(3), Some("ü€"));
         assert_eq!(a.get(5), None);

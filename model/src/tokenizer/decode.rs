@@ -59,14 +59,7 @@ impl Pieces {
                             }
                         }
                     }
-                    _ => {
-                        for (i, part) in text.split(SPACE_MARK).enumerate() {
-                            if i > 0 {
-                                bytes.push(b' ');
-                            }
-                            bytes.extend_from_slice(part.as_bytes());
-                        }
-                    }
+                    _ => push_unescaped(&mut bytes, text.as_bytes()),
                 }
             } else if a & attr::BYTE != 0 {
                 bytes.push(byte_of_byte_token(text));
@@ -82,6 +75,25 @@ impl Pieces {
         let i = id as usize;
         &self.bytes[self.offsets[i] as usize..self.offsets[i + 1] as usize]
     }
+}
+
+/// Appends SentencePiece text with each visible space (U+2581) turned back into a space.
+fn push_unescaped(out: &mut Vec<u8>, text: &[u8]) {
+    let mut mark = [0; 3];
+    SPACE_MARK.encode_utf8(&mut mark);
+    let mut copied = 0;
+    let mut i = 0;
+    while i + mark.len() <= text.len() {
+        if text[i..i + mark.len()] == mark {
+            out.extend_from_slice(&text[copied..i]);
+            out.push(b' ');
+            i += mark.len();
+            copied = i;
+        } else {
+            i += 1;
+        }
+    }
+    out.extend_from_slice(&text[copied..]);
 }
 
 /// `<0xXX>` → the byte; llama.cpp reads the two hex digits at offset 3 and takes 0 when
@@ -228,6 +240,20 @@ mod tests {
         assert_eq!(cleaned("don 't I 'd we 'll"), "don 't I 'd we 'll");
         assert_eq!(cleaned(" ."), ".");
         assert_eq!(cleaned(""), "");
+    }
+
+    #[test]
+    fn visible_spaces_become_spaces() {
+        let unescaped = |s: &str| {
+            let mut out = Vec::new();
+            push_unescaped(&mut out, s.as_bytes());
+            String::from_utf8(out).unwrap()
+        };
+        assert_eq!(unescaped("▁the"), " the");
+        assert_eq!(unescaped("a▁▁b▁"), "a  b ");
+        assert_eq!(unescaped("▁"), " ");
+        assert_eq!(unescaped("é─▂x"), "é─▂x");
+        assert_eq!(unescaped(""), "");
     }
 
     #[test]

@@ -257,7 +257,7 @@ impl Vocab {
 /// The texts, with a placeholder for each empty one (which could never be matched), as
 /// llama.cpp does; shared as they are when none is empty.
 fn with_placeholders(texts: StringArray) -> StringArray {
-    if !texts.iter().any(str::is_empty) {
+    if !texts.lens().any(|len| len == 0) {
         return texts;
     }
     texts
