@@ -440,7 +440,12 @@ impl<'a> Reader<'a> {
         self.pos = first;
         let mut builder = StringArrayBuilder::with_capacity(n, n_bytes);
         for _ in 0..n {
-            builder.push_bytes(self.bounded_bytes(MAX_STRING_LEN)?);
+            let start = self.pos + 8;
+            let bytes = self.bounded_bytes(MAX_STRING_LEN)?;
+            // What follows a string in the file (the next one's length, at least) lets
+            // the builder copy short strings as fixed-size blocks.
+            let followed = self.bytes.get(start..).unwrap_or(bytes);
+            builder.push_bytes(bytes, followed);
         }
         builder.finish().map_err(|invalid| GgufError::InvalidUtf8 {
             // Each string before it took its 8-byte length and its bytes: no overflow,

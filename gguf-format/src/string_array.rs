@@ -79,6 +79,7 @@ impl Ends {
         }
     }
 
+    #[inline]
     fn push(&mut self, end: usize) {
         match self {
             Ends::Narrow(v) => match u32::try_from(end) {
@@ -174,9 +175,16 @@ impl StringArray {
 
 /// Builds an array from raw bytes, checking UTF-8 once at the end.
 pub(crate) struct StringArrayBuilder {
+    /// The strings so far in `bytes[..filled]`; past it, scratch space.
     bytes: Vec<u8>,
+    filled: usize,
     ends: Ends,
 }
+
+/// Strings up to this long are copied as a block of this many bytes, which compiles to a
+/// couple of moves where a copy of any other length calls `memcpy`; vocabularies are
+/// hundreds of thousands of strings of a few bytes.
+const BLOCK: usize = 16;
 
 /// A string of a [`StringArrayBuilder`] that is not UTF-8: its index, and where its bytes
 /// start in the concatenated text.
@@ -190,20 +198,41 @@ impl StringArrayBuilder {
     /// Room for `n_strings` strings of `n_bytes` bytes in all.
     pub fn with_capacity(n_strings: usize, n_bytes: usize) -> StringArrayBuilder {
         StringArrayBuilder {
-            bytes: Vec::with_capacity(n_bytes),
+            bytes: vec![0; n_bytes.saturating_add(BLOCK)],
+            filled: 0,
             ends: Ends::with_capacity(n_strings, n_bytes),
         }
     }
 
-    /// Appends a string's bytes, not yet checked.
-    pub fn push_bytes(&mut self, bytes: &[u8]) {
-        self.bytes.extend_from_slice(bytes);
-        self.ends.push(self.bytes.len());
+    /// Appends a string's `bytes`, not yet checked, given within `followed`, a slice
+    /// that starts with them and may go on: when it holds [`BLOCK`] bytes, a short string
+    /// is copied with what follows it, which the next string overwrites.
+    pub fn push_bytes(&mut self, bytes: &[u8], followed: &[u8]) {
+        let start = self.filled;
+        let end = start + bytes.len();
+        match self.bytes.get_mut(start..start + BLOCK) {
+            Some(block) if bytes.len() <= BLOCK && followed.len() >= BLOCK => {
+                block.copy_from_slice(&followed[..BLOCK]);
+            }
+            _ => {
+                if self.bytes.len() < end {
+                    self.bytes.resize(end, 0);
+                }
+                self.bytes[start..end].copy_from_slice(bytes);
+            }
+        }
+        self.filled = end;
+        self.ends.push(end);
     }
 
     /// The array, or the first string (in order) that is not valid UTF-8.
     pub fn finish(self) -> Result<StringArray, InvalidString> {
-        let StringArrayBuilder { bytes, ends } = self;
+        let StringArrayBuilder {
+            mut bytes,
+            filled,
+            ends,
+        } = self;
+        bytes.truncate(filled);
         // Valid text cut only between characters is valid string by string: a boundary
         // inside a character would start the next string with a continuation byte.
         let cut_inside = |ends: &Ends, text: &[u8]| {
@@ -389,7 +418,7 @@ mod tests {
     fn built(parts: &[&[u8]]) -> Result<StringArray, InvalidString> {
         let mut b = StringArrayBuilder::with_capacity(parts.len(), 0);
         for p in parts {
-            b.push_bytes(p);
+            b.push_bytes(p, p);
         }
         b.finish()
     }
@@ -438,6 +467,23 @@ mod tests {
         assert!(!b.shares_buffer_with(&a));
         assert_eq!((a.len(), b.len()), (2, 3));
         assert_eq!(b, ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn short_strings_copied_with_what_follows_them() {
+        let file = b"ab-cdefghijklmnopqrstuvwxyz0123456789";
+        let mut b = StringArrayBuilder::with_capacity(5, 2 + 1 + 20 + 7);
+        // Copied as blocks with the bytes after them, each overwriting the last's tail.
+        b.push_bytes(&file[..2], file);
+        b.push_bytes(&file[3..4], &file[3..]);
+        // A string longer than a block, and one with too little after it.
+        b.push_bytes(&file[4..24], &file[4..]);
+        b.push_bytes(&file[30..], &file[30..]);
+        b.push_bytes(b"", b"");
+        assert_eq!(
+            b.finish().unwrap(),
+            ["ab", "c", "defghijklmnopqrstuvw", "3456789", ""]
+        );
     }
 
     #[test]
