@@ -1,12 +1,13 @@
 //! Where a shard's bytes come from: a read-only memory map, or plain positioned reads.
 //!
-//! This module holds the crate's only `unsafe` code: creating the mapping.
+//! This module holds the crate's only `unsafe` code: creating the mapping, and releasing
+//! the pages of its header once parsed.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
+use memmap2::{Mmap, UncheckedAdvice};
 
 use crate::StoreError;
 
@@ -58,6 +59,33 @@ impl Backing {
     /// The whole file, when it is mapped.
     pub(crate) fn mapped(&self) -> Option<&[u8]> {
         self.map.as_deref()
+    }
+
+    /// Drops the mapping's first `len` bytes (the header, parsed once at open) from the
+    /// process's resident memory; touching them again faults the same bytes back in from
+    /// the page cache. Does nothing without a mapping; failing costs only memory.
+    ///
+    /// Call it only while no slice of the mapping is borrowed.
+    pub(crate) fn release_mapped_prefix(&self, len: u64) {
+        let Some(map) = &self.map else {
+            return;
+        };
+        let len = usize::try_from(len).map_or(map.len(), |len| len.min(map.len()));
+        if len == 0 {
+            return;
+        }
+        // SAFETY: `MADV_DONTNEED` is unsafe in general because it discards a private
+        // mapping's modified pages, changing bytes that borrowed slices read. This mapping
+        // is shared and read-only (`map_read_only`), so none of its pages was ever
+        // modified: dropping them only removes them from this process's page tables, and
+        // a later read faults the same file bytes back in (the mapping's contract, at
+        // `map_read_only`, is that the file does not change). No slice of it is borrowed
+        // now either: the caller parsed the header into owned values and hands out no
+        // tensor handle before this returns.
+        let released = unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, 0, len) };
+        if let Err(error) = released {
+            tracing::debug!(path = %self.path.display(), %error, "header pages not released");
+        }
     }
 
     /// Fills `dst` from absolute file offset `offset` (from the mapping when there is one).

@@ -97,6 +97,60 @@ fn read_mode_header_larger_than_first_read_is_parsed() {
     }
 }
 
+/// A mapped model's header is parsed from the mapping; its pages must not stay resident.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_mapped_header_does_not_stay_resident() {
+    // A header of 7.9 MB, a little larger than Gemma 3's.
+    let mut w = GgufWriter::new();
+    let vocab: Vec<String> = (0..400_000).map(|i| format!("token-{i}")).collect();
+    w.add_metadata("tokenizer.ggml.tokens", vocab).unwrap();
+    w.add_tensor("x", GgmlType::F32, &[8]).unwrap();
+    let bytes = w.to_bytes(&[&[1u8; 32]]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "big-header.gguf", &bytes);
+    let store = TensorStore::open(&path).unwrap();
+    assert!(store.is_mapped());
+    let resident = mapped_resident_bytes(&path);
+    assert!(
+        resident < 1 << 20,
+        "{resident} bytes of the {}-byte file resident after open",
+        bytes.len()
+    );
+    // The tensor shares the header's last page, released too: its bytes fault back in.
+    let tokens = store
+        .metadata()
+        .get_string_array("tokenizer.ggml.tokens")
+        .unwrap();
+    assert_eq!((tokens.len(), &tokens[399_999]), (400_000, "token-399999"));
+    assert_eq!(store.tensor("x").unwrap().bytes().unwrap(), &[1u8; 32]);
+}
+
+/// Resident bytes of this process's mappings of `path`, from `/proc/self/smaps`.
+#[cfg(target_os = "linux")]
+fn mapped_resident_bytes(path: &Path) -> u64 {
+    let path = path.canonicalize().unwrap();
+    let path = path.to_str().unwrap();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut in_file = false;
+    let mut kib = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or_default();
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            // The line that opens a mapping: address range, ..., path.
+            in_file = line.ends_with(path);
+        } else if let (true, Some(rss)) = (in_file, line.strip_prefix("Rss:")) {
+            kib += rss
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .unwrap();
+        }
+    }
+    kib * 1024
+}
+
 #[test]
 fn split_model_opens_as_one_from_any_shard() {
     let dir = tempfile::tempdir().unwrap();
