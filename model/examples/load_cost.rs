@@ -6,14 +6,15 @@
 //! ```
 //!
 //! Run it once per model: resident memory is a property of the whole process, so each
-//! model is measured in a process of its own. The first repetition's growth is the one
-//! that counts (later ones reuse memory the allocator already holds); the time is the
-//! fastest of all repetitions, in wall time and in the CPU time of the loading thread
-//! (which a busy machine disturbs less). Beside resident memory it counts the heap bytes each stage
-//! leaves allocated, and the most it had allocated at once, through a counting allocator.
+//! model is measured in a process of its own. The first run is what a process starting
+//! a model pays (fresh memory faults in page by page); memory figures are the first
+//! run's, since later runs reuse memory the allocator already holds. Times are also given
+//! as the best of all runs, in wall time and in the loading thread's CPU time, which a
+//! busy machine disturbs less. Beside resident memory it counts the heap bytes each stage
+//! keeps, and the most it had allocated at once, through a counting allocator.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
@@ -102,7 +103,102 @@ fn thread_cpu_ns() -> u64 {
     }
 }
 
+/// Minor page faults of this thread so far, from `/proc/thread-self/stat` (0 where that
+/// is unavailable): each first touch of fresh memory costs one.
+fn thread_minor_faults() -> u64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+    // The fields after the command name, which is in parentheses; minflt is the 10th
+    // field of the line, the 8th after the name.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(7))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
 const STAGES: [&str; 5] = ["open", "plan", "tokenizer", "encode", "total"];
+
+/// What one stage cost.
+#[derive(Clone, Copy, Default)]
+struct Cost {
+    wall_ms: f64,
+    cpu_ms: f64,
+    faults: u64,
+    rss_growth: u64,
+    heap_kept: usize,
+    heap_peak: usize,
+}
+
+/// Counters at the start of a stage.
+struct Meter {
+    wall: Instant,
+    cpu_ns: u64,
+    faults: u64,
+    rss: u64,
+    heap: usize,
+}
+
+impl Meter {
+    fn start() -> Meter {
+        let heap = LIVE.load(Ordering::Relaxed);
+        PEAK.store(heap, Ordering::Relaxed);
+        Meter {
+            wall: Instant::now(),
+            cpu_ns: thread_cpu_ns(),
+            faults: thread_minor_faults(),
+            rss: resident_bytes(),
+            heap,
+        }
+    }
+
+    /// The cost since the start, and a meter for the next stage.
+    fn lap(self) -> (Cost, Meter) {
+        let peak = PEAK.load(Ordering::Relaxed);
+        let next = Meter::start();
+        let cost = Cost {
+            wall_ms: (next.wall - self.wall).as_secs_f64() * 1e3,
+            cpu_ms: next.cpu_ns.saturating_sub(self.cpu_ns) as f64 / 1e6,
+            faults: next.faults.saturating_sub(self.faults),
+            rss_growth: next.rss.saturating_sub(self.rss),
+            heap_kept: next.heap.saturating_sub(self.heap),
+            heap_peak: peak.saturating_sub(self.heap),
+        };
+        (cost, next)
+    }
+}
+
+/// Opens the model, plans it, builds its tokenizer and encodes a prompt, measuring each.
+fn run_once(path: &Path) -> Result<[Cost; STAGES.len()], Box<dyn std::error::Error>> {
+    let mut costs = [Cost::default(); STAGES.len()];
+    let first = Meter::start();
+    let (start_wall, start_cpu, start_faults, start_rss) =
+        (first.wall, first.cpu_ns, first.faults, first.rss);
+    let store = TensorStore::open(path)?;
+    let (cost, meter) = first.lap();
+    costs[0] = cost;
+    let model = Model::load(&store)?;
+    let (cost, meter) = meter.lap();
+    costs[1] = cost;
+    let tokenizer = Tokenizer::from_metadata(store.metadata())?;
+    let (cost, meter) = meter.lap();
+    costs[2] = cost;
+    let ids = tokenizer.encode("Hello, world! How are you today?", EncodeOptions::PROMPT)?;
+    let (cost, end) = meter.lap();
+    costs[3] = cost;
+    assert!(!ids.is_empty() && model.config().n_vocab > 0);
+    // The total's peak: the most any stage reached above what the stages before it kept.
+    let (heap_peak, heap_kept) = costs[..4].iter().fold((0, 0), |(peak, kept), c| {
+        (peak.max(kept + c.heap_peak), kept + c.heap_kept)
+    });
+    costs[4] = Cost {
+        wall_ms: (end.wall - start_wall).as_secs_f64() * 1e3,
+        cpu_ms: end.cpu_ns.saturating_sub(start_cpu) as f64 / 1e6,
+        faults: end.faults.saturating_sub(start_faults),
+        rss_growth: end.rss.saturating_sub(start_rss),
+        heap_kept,
+        heap_peak,
+    };
+    Ok(costs)
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args_os().skip(1);
@@ -115,93 +211,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => 5,
     };
     let file_bytes = std::fs::metadata(&path)?.len();
-    let mut best_ms = [f64::INFINITY; STAGES.len()];
-    let mut best_cpu_ms = [f64::INFINITY; STAGES.len()];
-    let mut first_growth = [0u64; STAGES.len()];
-    let mut first_heap = ([0usize; STAGES.len()], [0usize; STAGES.len()]);
-    for repetition in 0..repetitions.max(1) {
-        let rss_start = resident_bytes();
-        let mut rss = rss_start;
-        let heap_start = LIVE.load(Ordering::Relaxed);
-        let mut heap = heap_start;
-        let mut ms = [0f64; STAGES.len()];
-        let mut cpu_ms = [0f64; STAGES.len()];
-        let cpu_start = thread_cpu_ns();
-        let mut cpu = cpu_start;
-        let mut growth = [0u64; STAGES.len()];
-        let mut kept = [0usize; STAGES.len()];
-        let mut peak = [0usize; STAGES.len()];
-        PEAK.store(heap, Ordering::Relaxed);
-        let mut stage = |i: usize, t: Instant| {
-            ms[i] = t.elapsed().as_secs_f64() * 1e3;
-            let cpu_now = thread_cpu_ns();
-            cpu_ms[i] = cpu_now.saturating_sub(cpu) as f64 / 1e6;
-            cpu = cpu_now;
-            let now = resident_bytes();
-            growth[i] = now.saturating_sub(rss);
-            rss = now;
-            let live = LIVE.load(Ordering::Relaxed);
-            kept[i] = live.saturating_sub(heap);
-            peak[i] = PEAK.swap(live, Ordering::Relaxed).saturating_sub(heap);
-            heap = live;
-        };
-        let start = Instant::now();
-        let t = Instant::now();
-        let store = TensorStore::open(&path)?;
-        stage(0, t);
-        let t = Instant::now();
-        let model = Model::load(&store)?;
-        stage(1, t);
-        let t = Instant::now();
-        let tokenizer = Tokenizer::from_metadata(store.metadata())?;
-        stage(2, t);
-        let t = Instant::now();
-        let ids = tokenizer.encode("Hello, world! How are you today?", EncodeOptions::PROMPT)?;
-        stage(3, t);
-        ms[4] = start.elapsed().as_secs_f64() * 1e3;
-        cpu_ms[4] = thread_cpu_ns().saturating_sub(cpu_start) as f64 / 1e6;
-        growth[4] = resident_bytes().saturating_sub(rss_start);
-        kept[4] = LIVE.load(Ordering::Relaxed).saturating_sub(heap_start);
-        peak[4] = peak[..4]
-            .iter()
-            .zip(&kept)
-            .fold((0, 0), |(most, before), (&p, &k)| {
-                (most.max(before + p), before + k)
-            })
-            .0;
-        assert!(!ids.is_empty() && model.config().n_vocab > 0);
-        for i in 0..STAGES.len() {
-            best_ms[i] = best_ms[i].min(ms[i]);
-            best_cpu_ms[i] = best_cpu_ms[i].min(cpu_ms[i]);
-        }
-        if repetition == 0 {
-            first_growth = growth;
-            first_heap = (kept, peak);
+    let first = run_once(&path)?;
+    let mut best = first;
+    for _ in 1..repetitions {
+        for (best, cost) in best.iter_mut().zip(run_once(&path)?) {
+            best.wall_ms = best.wall_ms.min(cost.wall_ms);
+            best.cpu_ms = best.cpu_ms.min(cost.cpu_ms);
         }
     }
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     println!(
-        "{} ({:.1} MiB), best of {repetitions}",
+        "{} ({:.1} MiB); first run, and best of {repetitions}",
         path.display(),
         mib(file_bytes)
     );
     println!(
-        "{:<10} {:>9} {:>9} {:>9} {:>10} {:>10}",
-        "stage", "wall ms", "cpu ms", "RSS MiB", "heap MiB", "peak MiB"
+        "{:<10} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9} {:>9}",
+        "stage", "first ms", "best ms", "best cpu", "faults", "RSS MiB", "heap MiB", "peak MiB"
     );
     for (i, name) in STAGES.iter().enumerate() {
         println!(
-            "{name:<10} {:>9.1} {:>9.1} {:>9.2} {:>10.2} {:>10.2}",
-            best_ms[i],
-            best_cpu_ms[i],
-            mib(first_growth[i]),
-            mib(first_heap.0[i] as u64),
-            mib(first_heap.1[i] as u64)
+            "{name:<10} {:>9.1} {:>9.1} {:>9.1} {:>7} {:>8.2} {:>9.2} {:>9.2}",
+            first[i].wall_ms,
+            best[i].wall_ms,
+            best[i].cpu_ms,
+            first[i].faults,
+            mib(first[i].rss_growth),
+            mib(first[i].heap_kept as u64),
+            mib(first[i].heap_peak as u64)
         );
     }
     println!(
         "RSS growth {:.1}% of the file (target < 10%)",
-        100.0 * first_growth[4] as f64 / file_bytes as f64
+        100.0 * first[4].rss_growth as f64 / file_bytes as f64
     );
     Ok(())
 }

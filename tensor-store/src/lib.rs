@@ -9,7 +9,8 @@
 //! first use instead.
 //!
 //! The mapping's safety contract (the file must not shrink or change while mapped) is
-//! stated at the one `unsafe` call, in `backing.rs`, with what this crate does about it.
+//! stated where the mapping is made, in `backing.rs`, with what this crate does about it;
+//! the one other `unsafe` call there releases the parsed header's pages of the mapping.
 //!
 //! [`device`] puts tensors on a device: a single-flight cache with a memory budget and
 //! LRU eviction ([`device::DeviceCache`]), fed by a background upload pipeline (reader
