@@ -192,7 +192,7 @@ pub fn decode_f16(ty: GgmlType, bytes: &[u8], out: &mut [f16]) -> Result<(), Deq
 pub fn decoded_len(ty: GgmlType, n_bytes: usize) -> Result<usize, DequantError> {
     // Block geometry is small (at most 292 bytes, 256 values), so these fit in usize.
     let (block_bytes, block_values) = (ty.type_size() as usize, ty.block_size() as usize);
-    if n_bytes % block_bytes != 0 {
+    if !n_bytes.is_multiple_of(block_bytes) {
         return Err(DequantError::PartialBlock {
             ty,
             bytes: n_bytes,

@@ -112,7 +112,7 @@ pub(crate) fn check_range(range: &Range<usize>, len: usize) -> Result<()> {
 fn cast_len<T, U>(addr: usize, len: usize) -> Result<usize> {
     let bytes = len * std::mem::size_of::<T>();
     let (elem_size, elem_align) = (std::mem::size_of::<U>(), std::mem::align_of::<U>());
-    if elem_size == 0 || bytes % elem_size != 0 || addr % elem_align != 0 {
+    if elem_size == 0 || !bytes.is_multiple_of(elem_size) || !addr.is_multiple_of(elem_align) {
         return Err(HipError::BadCast {
             bytes,
             addr,

@@ -24,23 +24,31 @@ fn seven_b_header() -> (Vec<u8>, u64) {
     let (n_layers, dim, ffn, vocab) = (32u64, 4096u64, 11008u64, 32000u64);
     let mut w = GgufWriter::new();
     w.add_metadata("general.architecture", "llama").unwrap();
-    w.add_metadata("llama.block_count", n_layers as u32).unwrap();
+    w.add_metadata("llama.block_count", n_layers as u32)
+        .unwrap();
     let tokens: Vec<String> = (0..vocab).map(|i| format!("tok{i}")).collect();
     w.add_metadata("tokenizer.ggml.tokens", tokens).unwrap();
-    w.add_tensor("token_embd.weight", GgmlType::Q4_K, &[dim, vocab]).unwrap();
+    w.add_tensor("token_embd.weight", GgmlType::Q4_K, &[dim, vocab])
+        .unwrap();
     for l in 0..n_layers {
         let t = |n: &str| format!("blk.{l}.{n}.weight");
-        w.add_tensor(&t("attn_norm"), GgmlType::F32, &[dim]).unwrap();
+        w.add_tensor(&t("attn_norm"), GgmlType::F32, &[dim])
+            .unwrap();
         for name in ["attn_q", "attn_k", "attn_v", "attn_output"] {
             w.add_tensor(&t(name), GgmlType::Q4_K, &[dim, dim]).unwrap();
         }
         w.add_tensor(&t("ffn_norm"), GgmlType::F32, &[dim]).unwrap();
-        w.add_tensor(&t("ffn_gate"), GgmlType::Q4_K, &[dim, ffn]).unwrap();
-        w.add_tensor(&t("ffn_up"), GgmlType::Q4_K, &[dim, ffn]).unwrap();
-        w.add_tensor(&t("ffn_down"), GgmlType::Q6_K, &[ffn, dim]).unwrap();
+        w.add_tensor(&t("ffn_gate"), GgmlType::Q4_K, &[dim, ffn])
+            .unwrap();
+        w.add_tensor(&t("ffn_up"), GgmlType::Q4_K, &[dim, ffn])
+            .unwrap();
+        w.add_tensor(&t("ffn_down"), GgmlType::Q6_K, &[ffn, dim])
+            .unwrap();
     }
-    w.add_tensor("output_norm.weight", GgmlType::F32, &[dim]).unwrap();
-    w.add_tensor("output.weight", GgmlType::Q6_K, &[dim, vocab]).unwrap();
+    w.add_tensor("output_norm.weight", GgmlType::F32, &[dim])
+        .unwrap();
+    w.add_tensor("output.weight", GgmlType::Q6_K, &[dim, vocab])
+        .unwrap();
     let layout = w.layout().unwrap();
     (layout.header, layout.file_len)
 }
@@ -54,8 +62,15 @@ fn main() {
     file.set_len(file_len).expect("extend");
     drop(file);
 
-    println!("model: {} ({:.2} GiB, sparse)", path.display(), file_len as f64 / (1u64 << 30) as f64);
-    println!("{:<8} {:>10} {:>10} {:>14} {:>16}", "mode", "best ms", "median ms", "RSS growth", "tensors");
+    println!(
+        "model: {} ({:.2} GiB, sparse)",
+        path.display(),
+        file_len as f64 / (1u64 << 30) as f64
+    );
+    println!(
+        "{:<8} {:>10} {:>10} {:>14} {:>16}",
+        "mode", "best ms", "median ms", "RSS growth", "tensors"
+    );
     for (name, mode) in [("mmap", LoadMode::Mmap), ("read", LoadMode::Read)] {
         let mut times = Vec::new();
         let mut growth = 0u64;

@@ -88,7 +88,7 @@ impl<'a> QuantizedMatrix<'a> {
             return Err(DequantError::NoProductKernel { ty });
         }
         let block_size = ty.block_size() as usize;
-        if cols % block_size != 0 {
+        if !cols.is_multiple_of(block_size) {
             return Err(DequantError::PartialRow {
                 ty,
                 cols,

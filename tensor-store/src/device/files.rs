@@ -128,7 +128,7 @@ fn read_direct(
     let lead = (offset - start) as usize;
     let wanted = lead + len;
     let span = wanted.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
-    if dst.as_ptr() as usize % STAGING_ALIGN != 0 || dst.len() < span {
+    if !(dst.as_ptr() as usize).is_multiple_of(STAGING_ALIGN) || dst.len() < span {
         return Ok(None);
     }
     let mut done = 0;
