@@ -1,1 +1,84 @@
-fn main() {}
+//! `rocmforge`: the command-line front of ROCmForge.
+//!
+//! A thin layer: it parses arguments, installs the tracing subscriber, and calls the
+//! library crates. Every failure ends as one line on stderr and a non-zero exit code.
+
+mod devices;
+mod generate;
+mod inspect;
+mod tokenize;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "rocmforge",
+    version,
+    about = "Run GGUF language models on GPUs and CPUs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print a GGUF file's architecture, hyper-parameters, metadata and tensors.
+    Inspect(inspect::InspectArgs),
+    /// List the GPUs this build can use, or say why there are none.
+    Devices(devices::DevicesArgs),
+    /// Continue a prompt with a model, streaming the text as it is produced.
+    Generate(generate::GenerateArgs),
+    /// Print the token ids of a text.
+    Tokenize(tokenize::TokenizeArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("ROCMFORGE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect(args) => inspect::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Devices(args) => devices::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Generate(args) => generate::run(&args),
+        Command::Tokenize(args) => tokenize::run(&args).map(|()| ExitCode::SUCCESS),
+    };
+    match result {
+        Ok(code) => code,
+        Err(error) if is_broken_pipe(&error) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {}", one_line(&error));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes on one line, leaving out a cause whose text the message
+/// before it already includes (library errors often show their source in their message).
+fn one_line(error: &anyhow::Error) -> String {
+    let mut line = error.to_string();
+    for cause in error.chain().skip(1) {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
+}
+
+/// Output cut short by the reader (`rocmforge inspect … | head`) is not an error.
+fn is_broken_pipe(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
