@@ -1,9 +1,20 @@
 //! Activations prepared for the dot products: quantized to 8-bit blocks for the
-//! quantized weight formats, copied as f32 for the float ones.
+//! quantized weight formats, rounded to the weights' precision for the float ones.
 //!
-//! Every set holds `n_tokens` rows of `cols` values, token-major. Quantization is
-//! symmetric: a block's scale is `max|x| / 127` and each value is `x / scale` rounded to
-//! the nearest integer, ties to even, so every value lies in `-127..=127`.
+//! The quantization follows llama.cpp's CPU backend step for step, so that a matrix
+//! product here sees the same activations as the reference engine does and logits agree
+//! to the last few bits rather than only to the quantization noise:
+//! - blocks of 32 (the legacy formats): `amax = max|x|`, the scale `d = amax / 127` is
+//!   stored as f16 and used as that f16 value; each value is `x · (127 / amax)` rounded
+//!   to the nearest integer, ties to even. The `Q8_1` flavour (for `Q4_1` and `Q5_1`)
+//!   also keeps the block's sum `s = d · Σq` rounded to f16, computed with the f32 `d`;
+//! - super-blocks of 256 (the k-quants): `iscale = 127 / amax`, each value is
+//!   `x · iscale` rounded to the nearest integer, ties to even, and the scale is
+//!   `1 / iscale` in f32, with sums of each 16 quantized values;
+//! - f16 and bf16 weights see activations rounded to f16 and bf16.
+//!
+//! Every set holds `n_tokens` rows of `cols` values, token-major, and every quantized
+//! value lies in `-127..=127`.
 
 /// Elements per block of the legacy formats (`Q4_0` … `Q8_0`) and of [`Q8Acts`].
 pub(crate) const QK8: usize = 32;
@@ -41,17 +52,26 @@ const PARALLEL_VALUES: usize = 1 << 16;
 /// does; unlike it, this needs no SSE4.1 and no library call on baseline x86-64.
 const ROUNDER: f32 = 12_582_912.0;
 
-/// Quantizes one block into `qs`, returning its scale (`max|x| / 127`, 0 for a zero block).
+/// Quantizes one block into `qs` with the step `127 / max|x|` and returns `max|x|`.
 fn quantize_block(x: &[f32], qs: &mut [i8]) -> f32 {
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     for (q, v) in qs.iter_mut().zip(x) {
-        // |v · id| ≤ 127 (up to rounding) for finite input; `as` saturates and maps NaN
-        // to 0, so non-finite input cannot wrap around.
-        *q = ((v * id + ROUNDER) - ROUNDER) as i8;
+        // |v · id| ≤ 127 (up to rounding) for finite input; the clamp keeps a value
+        // rounded up past 127 in range, and `as` maps NaN to 0.
+        *q = ((v * id + ROUNDER) - ROUNDER).clamp(-127.0, 127.0) as i8;
     }
-    d
+    amax
+}
+
+/// `v` rounded to the nearest f16, back as f32.
+fn round_f16(v: f32) -> f32 {
+    half::f16::from_f32(v).to_f32()
+}
+
+/// `v` rounded to the nearest bf16, back as f32.
+fn round_bf16(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
 }
 
 /// Runs `each` over matching chunks of `x` (`n` values each), of `qs` and of `out` (one
@@ -81,8 +101,10 @@ fn isum(qs: &[i8]) -> i32 {
     qs.iter().map(|&q| i32::from(q)).sum()
 }
 
-/// Activations in blocks of 32 with an f32 scale each, for the legacy formats.
-pub(crate) struct Q8Acts {
+/// Activations in blocks of 32 with an f16 scale each, for the legacy formats.
+/// `ROUND_SUM` picks the `Q8_1` flavour, whose block sums are rounded to f16 as
+/// llama.cpp stores them; without it (`Q8_0`) the sums are exact products.
+pub(crate) struct Q8Acts<const ROUND_SUM: bool> {
     cols: usize,
     qs: Vec<i8>,
     ds: Vec<[f32; 2]>,
@@ -93,12 +115,18 @@ pub(crate) struct Q8Acts {
 pub(crate) struct Q8Row<'a> {
     /// `cols` quantized values.
     pub qs: &'a [i8],
-    /// Per block, its scale `d` and its sum as the integer kernels see it (`d` times the
-    /// sum of the quantized values); side by side so that one 8-byte load fetches both.
+    /// Per block, its scale `d` and its sum `s` as the integer kernels see it (about `d`
+    /// times the sum of the quantized values); side by side so that one 8-byte load
+    /// fetches both.
     pub ds: &'a [[f32; 2]],
 }
 
-impl ActSet for Q8Acts {
+/// Activations for the weight formats llama.cpp multiplies with `Q8_0` blocks.
+pub(crate) type Q8_0Acts = Q8Acts<false>;
+/// Activations for the weight formats llama.cpp multiplies with `Q8_1` blocks.
+pub(crate) type Q8_1Acts = Q8Acts<true>;
+
+impl<const ROUND_SUM: bool> ActSet for Q8Acts<ROUND_SUM> {
     type Row<'a> = Q8Row<'a>;
 
     fn prepare(x: &[f32], n_tokens: usize, cols: usize) -> Self {
@@ -111,8 +139,14 @@ impl ActSet for Q8Acts {
             ds: vec![[0.0; 2]; n_blocks],
         };
         for_each_block(x, QK8, &mut acts.qs, &mut acts.ds, |xb, qb, ds| {
-            let d = quantize_block(xb, qb);
-            *ds = [d, d * isum(qb) as f32];
+            let d = quantize_block(xb, qb) / 127.0;
+            let d16 = round_f16(d);
+            let sum = isum(qb) as f32;
+            *ds = if ROUND_SUM {
+                [d16, round_f16(d * sum)]
+            } else {
+                [d16, d16 * sum]
+            };
         });
         acts
     }
@@ -164,7 +198,12 @@ impl ActSet for Q8KActs {
         let mut qs = vec![0; x.len()];
         let mut sums = vec![(0.0f32, [0i16; QK_K / BSUM_GROUP]); n_blocks];
         for_each_block(x, QK_K, &mut qs, &mut sums, |xb, qb, (d, bsums)| {
-            *d = quantize_block(xb, qb);
+            let amax = quantize_block(xb, qb);
+            *d = if amax != 0.0 {
+                1.0 / (127.0 / amax)
+            } else {
+                0.0
+            };
             for (sum, group) in bsums.iter_mut().zip(qb.chunks_exact(BSUM_GROUP)) {
                 // 16 values of at most 127 in magnitude: the sum fits in an i16.
                 *sum = isum(group) as i16;
@@ -196,20 +235,38 @@ impl ActSet for Q8KActs {
     }
 }
 
-/// Activations kept as f32, for float weights.
-pub(crate) struct F32Acts {
+/// Activations as f32 values, for float weights. `ROUND` is what they are rounded
+/// through first, as llama.cpp converts them to the weights' type: one of
+/// [`KEEP_F32`], [`ROUND_F16`], [`ROUND_BF16`].
+pub(crate) struct FloatActs<const ROUND: u8> {
     cols: usize,
     x: Vec<f32>,
 }
 
-impl ActSet for F32Acts {
+/// [`FloatActs`] kept as they are.
+pub(crate) const KEEP_F32: u8 = 0;
+/// [`FloatActs`] rounded to f16.
+pub(crate) const ROUND_F16: u8 = 1;
+/// [`FloatActs`] rounded to bf16.
+pub(crate) const ROUND_BF16: u8 = 2;
+
+/// Activations for f32 weights.
+pub(crate) type F32Acts = FloatActs<KEEP_F32>;
+/// Activations for f16 weights.
+pub(crate) type F16Acts = FloatActs<ROUND_F16>;
+/// Activations for bf16 weights.
+pub(crate) type BF16Acts = FloatActs<ROUND_BF16>;
+
+impl<const ROUND: u8> ActSet for FloatActs<ROUND> {
     type Row<'a> = &'a [f32];
 
     fn prepare(x: &[f32], _n_tokens: usize, cols: usize) -> Self {
-        F32Acts {
-            cols,
-            x: x.to_vec(),
-        }
+        let x = match ROUND {
+            ROUND_F16 => x.iter().map(|&v| round_f16(v)).collect(),
+            ROUND_BF16 => x.iter().map(|&v| round_bf16(v)).collect(),
+            _ => x.to_vec(),
+        };
+        FloatActs { cols, x }
     }
 
     fn row(&self, t: usize) -> &[f32] {
@@ -229,21 +286,27 @@ impl ActSet for F32Acts {
 mod tests {
     use super::*;
 
+    fn sample(n: usize, mul: usize, modulo: usize, step: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * mul % modulo) as f32 - (modulo / 2) as f32) * step)
+            .collect()
+    }
+
     #[test]
     fn q8_blocks_round_trip_within_half_a_step() {
-        let x: Vec<f32> = (0..128)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
-            .collect();
-        let acts = Q8Acts::prepare(&x, 2, 64);
+        let x = sample(128, 37, 101, 0.013);
+        let acts = Q8_0Acts::prepare(&x, 2, 64);
         for t in 0..2 {
             let row = acts.row(t);
             for (i, &q) in row.qs.iter().enumerate() {
-                let d = row.ds[i / QK8][0];
-                let err = (f32::from(q) * d - x[t * 64 + i]).abs();
-                assert!(
-                    err <= d * 0.5 + 1e-7,
-                    "value {i}: error {err} with scale {d}"
-                );
+                let xi = x[t * 64 + i];
+                let block = &x[t * 64 + i / QK8 * QK8..][..QK8];
+                let d = block.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+                let d16 = row.ds[i / QK8][0];
+                // Half a step, plus the scale's rounding to f16 times the largest value.
+                let bound = d * 0.5 + 127.0 * (d16 - d).abs() + 1e-7;
+                let err = (f32::from(q) * d16 - xi).abs();
+                assert!(err <= bound, "value {i}: error {err}, bound {bound}");
             }
             for b in 0..2 {
                 let block = &row.qs[b * QK8..(b + 1) * QK8];
@@ -254,10 +317,56 @@ mod tests {
     }
 
     #[test]
+    fn q8_scale_is_stored_as_f16_but_values_use_the_exact_step() {
+        // amax = 1: the step is 127 exactly, the scale 1/127 rounds to f16 0.0078735...
+        // x[1] · 127 = 100.497 rounds to 100; dividing by the f16 scale instead would
+        // give 100.503 and 101, so this value tells the two apart.
+        let mut x = [0.0f32; 32];
+        x[0] = -1.0;
+        x[1] = 100.497 / 127.0;
+        x[2] = 0.5; // 63.5, a tie: 64
+        let acts = Q8_0Acts::prepare(&x, 1, 32);
+        let row = acts.row(0);
+        assert_eq!(row.ds[0][0], half::f16::from_f32(1.0 / 127.0).to_f32());
+        assert_eq!(row.ds[0][0], 0.007_873_535);
+        assert_eq!(&row.qs[..3], &[-127, 100, 64]);
+    }
+
+    #[test]
+    fn q8_1_sums_are_rounded_to_f16_from_the_f32_scale() {
+        let x = sample(64, 29, 83, 0.021);
+        let acts = Q8_1Acts::prepare(&x, 1, 64);
+        let row = acts.row(0);
+        for b in 0..2 {
+            let block = &x[b * QK8..][..QK8];
+            let d = block.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+            let sum = isum(&row.qs[b * QK8..][..QK8]) as f32;
+            assert_eq!(row.ds[b][1], half::f16::from_f32(d * sum).to_f32());
+            assert_eq!(row.ds[b][0], half::f16::from_f32(d).to_f32());
+        }
+        // The quantized values are those of the Q8_0 flavour.
+        assert_eq!(Q8_0Acts::prepare(&x, 1, 64).qs, acts.qs);
+    }
+
+    #[test]
+    fn q8k_scale_is_the_inverse_of_the_step() {
+        let x = sample(512, 53, 97, 0.7);
+        let acts = Q8KActs::prepare(&x, 1, 512);
+        let row = acts.row(0);
+        for b in 0..2 {
+            let block = &x[b * QK_K..][..QK_K];
+            let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let id = 127.0 / amax;
+            assert_eq!(row.d[b], 1.0 / id);
+            for (j, &v) in block.iter().enumerate() {
+                assert_eq!(row.qs[b * QK_K + j], (v * id).round_ties_even() as i8);
+            }
+        }
+    }
+
+    #[test]
     fn q8k_bsums_sum_each_group_of_sixteen() {
-        let x: Vec<f32> = (0..512)
-            .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.7)
-            .collect();
+        let x = sample(512, 53, 97, 0.7);
         let acts = Q8KActs::prepare(&x, 1, 512);
         let row = acts.row(0);
         assert_eq!(row.d.len(), 2);
@@ -269,21 +378,39 @@ mod tests {
     }
 
     #[test]
-    fn zero_block_gets_zero_scale_and_values() {
-        let acts = Q8Acts::prepare(&[0.0; 32], 1, 32);
+    fn zero_blocks_get_zero_scales_and_values() {
+        let acts = Q8_1Acts::prepare(&[0.0; 32], 1, 32);
         let row = acts.row(0);
         assert_eq!(row.ds[0], [0.0, 0.0]);
         assert!(row.qs.iter().all(|&q| q == 0));
+        let acts = Q8KActs::prepare(&[0.0; 256], 1, 256);
+        assert_eq!(acts.row(0).d, &[0.0]);
+        assert!(acts.row(0).qs.iter().all(|&q| q == 0));
     }
 
     #[test]
     fn ties_round_to_even() {
-        // With max 127 the scale is exactly 1, so 2.5 and -3.5 are ties.
+        // With max 127 the step is exactly 1, so 2.5 and -3.5 are ties.
         let mut x = [0.0f32; 32];
         x[0] = 127.0;
         x[1] = 2.5;
         x[2] = -3.5;
-        let acts = Q8Acts::prepare(&x, 1, 32);
+        let acts = Q8_0Acts::prepare(&x, 1, 32);
         assert_eq!(&acts.row(0).qs[..3], &[127, 2, -4]);
+    }
+
+    #[test]
+    fn float_activations_are_rounded_to_the_weights_type() {
+        let x = [1.0f32 + 1.0 / 4096.0, -3.3, 65504.0, 1e-9];
+        let cols = x.len();
+        assert_eq!(F32Acts::prepare(&x, 1, cols).row(0), &x);
+        let f16: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        assert_eq!(F16Acts::prepare(&x, 1, cols).row(0), &f16[..]);
+        let bf16: Vec<f32> = x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        assert_eq!(BF16Acts::prepare(&x, 1, cols).row(0), &bf16[..]);
+        assert_ne!(f16[0], x[0]);
     }
 }

@@ -1,6 +1,6 @@
 //! One zero-sized type per weight format, tying its activation set to its kernels.
 
-use super::activation::{ActSet, F32Acts, Q8Acts, Q8KActs};
+use super::activation::{ActSet, BF16Acts, F16Acts, F32Acts, Q8KActs, Q8_0Acts, Q8_1Acts};
 #[cfg(target_arch = "x86_64")]
 use super::avx2;
 use super::portable;
@@ -53,13 +53,13 @@ macro_rules! kernel {
 }
 
 kernel!(F32, F32Acts, portable::dot_f32, avx2::float::dot_f32);
-kernel!(F16, F32Acts, portable::dot_f16, avx2::float::dot_f16);
-kernel!(BF16, F32Acts, portable::dot_bf16, avx2::float::dot_bf16);
-kernel!(Q4_0, Q8Acts, portable::dot_q4_0, avx2::legacy::dot_q4_0);
-kernel!(Q4_1, Q8Acts, portable::dot_q4_1, avx2::legacy::dot_q4_1);
-kernel!(Q5_0, Q8Acts, portable::dot_q5_0, avx2::legacy::dot_q5_0);
-kernel!(Q5_1, Q8Acts, portable::dot_q5_1, avx2::legacy::dot_q5_1);
-kernel!(Q8_0, Q8Acts, portable::dot_q8_0, avx2::legacy::dot_q8_0);
+kernel!(F16, F16Acts, portable::dot_f16, avx2::float::dot_f16);
+kernel!(BF16, BF16Acts, portable::dot_bf16, avx2::float::dot_bf16);
+kernel!(Q4_0, Q8_0Acts, portable::dot_q4_0, avx2::legacy::dot_q4_0);
+kernel!(Q4_1, Q8_1Acts, portable::dot_q4_1, avx2::legacy::dot_q4_1);
+kernel!(Q5_0, Q8_0Acts, portable::dot_q5_0, avx2::legacy::dot_q5_0);
+kernel!(Q5_1, Q8_1Acts, portable::dot_q5_1, avx2::legacy::dot_q5_1);
+kernel!(Q8_0, Q8_0Acts, portable::dot_q8_0, avx2::legacy::dot_q8_0);
 kernel!(Q4_K, Q8KActs, portable::dot_q4_k, avx2::kquants::dot_q4_k);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

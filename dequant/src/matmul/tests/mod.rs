@@ -8,6 +8,11 @@
 //! - with the original activations, the quantization of the activations adds at most
 //!   half a quantization step per value: `Σ |w_i| · step_i / 2`.
 //!
+//! `Q4_1` and `Q5_1` see one more rounding that a dequantized row cannot show: the
+//! activations' block sums rounded to f16 (as llama.cpp stores them), which multiply
+//! the weights' offsets. [`sum_rounding`] computes what it adds, and both references
+//! include it.
+//!
 //! Where both paths must compute the same integers (the block dot products), AVX2 and
 //! portable results are compared exactly, and so are a batch's rows and the same
 //! tokens multiplied one at a time.
@@ -18,8 +23,9 @@ mod real_models;
 
 use gguf_format::GgmlType;
 
-use super::activation::{ActSet, Q8Acts, Q8KActs, QK8, QK_K};
+use super::activation::{ActSet, Q8KActs, Q8_0Acts, Q8_1Acts, QK8, QK_K};
 use super::{is_path_available, QuantizedMatrix};
+use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
 pub(super) const TYPES: [GgmlType; 11] = [
@@ -119,7 +125,7 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
             };
             for b in bytes.chunks_exact_mut(block) {
                 for &(at, signed) in fields {
-                    let sign = if signed && rng.next_u64() % 2 == 0 {
+                    let sign = if signed && rng.next_u64().is_multiple_of(2) {
                         -1.0
                     } else {
                         1.0
@@ -158,9 +164,25 @@ pub(super) fn quantized_view(
     cols: usize,
 ) -> (Vec<f32>, Vec<f32>) {
     match ty.block_size() {
-        1 => (x.to_vec(), vec![0.0; x.len()]),
+        1 => {
+            // Float weights see the activations rounded to their own type.
+            let xq: Vec<f32> = match ty {
+                GgmlType::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+                GgmlType::BF16 => x
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_f32())
+                    .collect(),
+                _ => x.to_vec(),
+            };
+            let step = x
+                .iter()
+                .zip(&xq)
+                .map(|(a, b)| 2.0 * (a - b).abs())
+                .collect();
+            (xq, step)
+        }
         32 => {
-            let acts = Q8Acts::prepare(x, n_tokens, cols);
+            let acts = Q8_0Acts::prepare(x, n_tokens, cols);
             let mut xq = Vec::new();
             let mut step = Vec::new();
             for t in 0..n_tokens {
@@ -171,7 +193,9 @@ pub(super) fn quantized_view(
                         .enumerate()
                         .map(|(i, &q)| f32::from(q) * row.ds[i / QK8][0]),
                 );
-                step.extend((0..cols).map(|i| row.ds[i / QK8][0]));
+                // A value is off by at most half the exact step plus 127 times the
+                // scale's rounding to f16 (2^-11 of it): within half of this `step`.
+                step.extend((0..cols).map(|i| row.ds[i / QK8][0] * (1.0 + 127.0 / 1024.0)));
             }
             (xq, step)
         }
@@ -194,6 +218,28 @@ pub(super) fn quantized_view(
     }
 }
 
+/// What the f16 rounding of the activations' block sums adds to one row's product with
+/// one token's activations `x_t`: `Σ_b m_b · (s_b − d_b · Σq_b)` over the row's blocks,
+/// for the formats with an offset `m` per block (`Q4_1`, `Q5_1`); 0 for the others.
+pub(super) fn sum_rounding(ty: GgmlType, row: &[u8], x_t: &[f32]) -> f64 {
+    let m_at = match ty {
+        GgmlType::Q4_1 => std::mem::offset_of!(BlockQ4_1, m),
+        GgmlType::Q5_1 => std::mem::offset_of!(BlockQ5_1, m),
+        _ => return 0.0,
+    };
+    let acts = Q8_1Acts::prepare(x_t, 1, x_t.len());
+    let act = acts.row(0);
+    row.chunks_exact(ty.type_size() as usize)
+        .enumerate()
+        .map(|(b, block)| {
+            let m = half::f16::from_le_bytes([block[m_at], block[m_at + 1]]).to_f32();
+            let sum: i32 = act.qs[b * QK8..][..QK8].iter().map(|&q| i32::from(q)).sum();
+            let [d, s] = act.ds[b];
+            f64::from(m) * (f64::from(s) - f64::from(d) * f64::from(sum))
+        })
+        .sum()
+}
+
 pub(super) fn paths() -> Vec<DecodePath> {
     [DecodePath::Scalar, DecodePath::Avx2]
         .into_iter()
@@ -211,10 +257,8 @@ pub(super) fn check_against_reference(
 ) {
     let bytes = random_matrix(ty, rows, cols, seed);
     let x = random_x(n_tokens * cols, seed ^ 0xA5A5);
-    let w: Vec<Vec<f32>> = bytes
-        .chunks_exact(bytes.len() / rows)
-        .map(|r| dequantize_row(ty, r))
-        .collect();
+    let row_bytes: Vec<&[u8]> = bytes.chunks_exact(bytes.len() / rows).collect();
+    let w: Vec<Vec<f32>> = row_bytes.iter().map(|r| dequantize_row(ty, r)).collect();
     let (xq, step) = quantized_view(ty, &x, n_tokens, cols);
     let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
     for path in paths() {
@@ -228,11 +272,13 @@ pub(super) fn check_against_reference(
             );
             for (r, w_r) in w.iter().enumerate() {
                 let got = f64::from(y[t * rows + r]);
-                let on_quantized: f64 = w_r
-                    .iter()
-                    .zip(xq_t)
-                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                    .sum();
+                let sums = sum_rounding(ty, row_bytes[r], x_t);
+                let on_quantized: f64 = sums
+                    + w_r
+                        .iter()
+                        .zip(xq_t)
+                        .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                        .sum::<f64>();
                 let magnitude: f64 = w_r
                     .iter()
                     .zip(xq_t)
@@ -253,7 +299,8 @@ pub(super) fn check_against_reference(
                     .iter()
                     .zip(step_t)
                     .map(|(&a, &s)| f64::from(a.abs() * s) / 2.0)
-                    .sum();
+                    .sum::<f64>()
+                    + sums.abs();
                 assert!(
                     (got - exact).abs() <= quantization + rounding,
                     "{context}: {got} vs {exact} on the exact activations (bound {quantization} + {rounding})"

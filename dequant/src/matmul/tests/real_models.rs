@@ -1,6 +1,6 @@
 //! The products on the real models' weights (`cargo xtask fetch-models`).
 
-use super::{dequantize_row, paths, quantized_view, random_x};
+use super::{dequantize_row, paths, quantized_view, random_x, sum_rounding};
 use crate::matmul::QuantizedMatrix;
 
 /// `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models` (`cargo xtask fetch-models`).
@@ -60,11 +60,14 @@ fn real_model_weights_match_the_reference() {
                 for t in 0..n_tokens {
                     for (r, w_r) in w.iter().enumerate() {
                         let xq_t = &xq[t * cols..(t + 1) * cols];
-                        let reference: f64 = w_r
-                            .iter()
-                            .zip(xq_t)
-                            .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                            .sum();
+                        let row = &weights[r * row_bytes..][..row_bytes];
+                        let x_t = &x[t * cols..(t + 1) * cols];
+                        let reference: f64 = sum_rounding(ty, row, x_t)
+                            + w_r
+                                .iter()
+                                .zip(xq_t)
+                                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                                .sum::<f64>();
                         let magnitude: f64 = w_r
                             .iter()
                             .zip(xq_t)
