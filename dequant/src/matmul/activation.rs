@@ -172,6 +172,9 @@ impl<const ROUND_SUM: bool> ActSet for Q8Acts<ROUND_SUM> {
 /// the k-quants.
 pub(crate) struct Q8KActs {
     cols: usize,
+    gemm: bool,
+    /// Tokens that llama.cpp's repacked GEMM takes: the whole groups of four.
+    packed_gemm_tokens: usize,
     qs: Vec<i8>,
     d: Vec<f32>,
     bsums: Vec<[i16; QK_K / BSUM_GROUP]>,
@@ -186,7 +189,18 @@ pub(crate) struct Q8KRow<'a> {
     pub d: &'a [f32],
     /// The sum of each group of 16 quantized values (16 per super-block).
     pub bsums: &'a [i16],
+    /// Whether the set is a batch that llama.cpp multiplies with its tiled GEMM
+    /// ([`GEMM_MIN_TOKENS`] tokens or more), whose float arithmetic differs from its
+    /// one-token dot products; the kernels follow the same choice.
+    pub gemm: bool,
+    /// Whether llama.cpp's repacked `Q4_K` GEMM takes this token (the batch's tokens in
+    /// whole groups of four) rather than its GEMV.
+    pub packed_gemm: bool,
 }
+
+/// Tokens from which llama.cpp's CPU backend multiplies k-quant weights with its tiled
+/// GEMM rather than row-by-row dot products.
+pub(crate) const GEMM_MIN_TOKENS: usize = 8;
 
 impl ActSet for Q8KActs {
     type Row<'a> = Q8KRow<'a>;
@@ -211,6 +225,8 @@ impl ActSet for Q8KActs {
         });
         Q8KActs {
             cols,
+            gemm: n_tokens >= GEMM_MIN_TOKENS,
+            packed_gemm_tokens: n_tokens - n_tokens % 4,
             qs,
             d: sums.iter().map(|s| s.0).collect(),
             bsums: sums.iter().map(|s| s.1).collect(),
@@ -223,6 +239,8 @@ impl ActSet for Q8KActs {
             qs: &self.qs[t * self.cols..(t + 1) * self.cols],
             d: &self.d[t * nb..(t + 1) * nb],
             bsums: self.bsums[t * nb..(t + 1) * nb].as_flattened(),
+            gemm: self.gemm,
+            packed_gemm: t < self.packed_gemm_tokens,
         }
     }
 

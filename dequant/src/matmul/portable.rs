@@ -34,6 +34,18 @@ fn dot_u8<const N: usize>(q: &[u8], x: &[i8]) -> i32 {
     sum
 }
 
+/// `Σ (q − offset) · x` over `N` values, for weights stored with an offset.
+#[inline]
+fn dot_offset<const N: usize>(q: &[u8], offset: i16, x: &[i8]) -> i32 {
+    let (q, x) = (&q[..N], &x[..N]);
+    // |q − offset| ≤ 16 and |x| ≤ 127: each product fits an i16.
+    let mut sum = 0i32;
+    for i in 0..N {
+        sum += i32::from((i16::from(q[i]) - offset) * i16::from(x[i]));
+    }
+    sum
+}
+
 /// The 32 unsigned 4-bit values of a legacy block: low nibbles first, then high ones.
 #[inline]
 fn nibbles(qs: &[u8; 16]) -> [u8; 32] {
@@ -75,10 +87,9 @@ fn five_bit(qh: &[u8; 4], qs: &[u8; 16]) -> [u8; 32] {
     q
 }
 
-/// `Q4_0` block: `Σ q · qx` with `q` the unsigned nibble; the offset `-8 d` is applied
-/// in f32.
+/// `Q4_0` block: `Σ q · qx` with `q` the signed weight, the nibble minus 8.
 pub(crate) fn q4_0_block(block: &BlockQ4_0, qx: &[i8]) -> i32 {
-    dot_u8::<32>(&nibbles(&block.qs), qx)
+    dot_offset::<32>(&nibbles(&block.qs), 8, qx)
 }
 
 /// `Q4_1` block: `Σ q · qx`; the offset `m` is applied in f32.
@@ -86,10 +97,9 @@ pub(crate) fn q4_1_block(block: &BlockQ4_1, qx: &[i8]) -> i32 {
     dot_u8::<32>(&nibbles(&block.qs), qx)
 }
 
-/// `Q5_0` block: `Σ q · qx` with `q` the unsigned 5-bit value; the offset `-16 d` is
-/// applied in f32.
+/// `Q5_0` block: `Σ q · qx` with `q` the signed weight, the 5-bit value minus 16.
 pub(crate) fn q5_0_block(block: &BlockQ5_0, qx: &[i8]) -> i32 {
-    dot_u8::<32>(&five_bit(&block.qh, &block.qs), qx)
+    dot_offset::<32>(&five_bit(&block.qh, &block.qs), 16, qx)
 }
 
 /// `Q5_1` block: `Σ q · qx`; the offset `m` is applied in f32.
@@ -111,8 +121,7 @@ pub(crate) fn dot_q4_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, block) in whole_blocks::<BlockQ4_0>(row).iter().enumerate() {
         let int = q4_0_block(block, &act.qs[b * QK8..]);
-        let ([dx, s], d) = (act.ds[b], block.d.to_f32());
-        acc += d * dx * int as f32 + -8.0 * d * s;
+        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
     }
     acc
 }
@@ -131,8 +140,7 @@ pub(crate) fn dot_q5_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     let mut acc = 0.0f32;
     for (b, block) in whole_blocks::<BlockQ5_0>(row).iter().enumerate() {
         let int = q5_0_block(block, &act.qs[b * QK8..]);
-        let ([dx, s], d) = (act.ds[b], block.d.to_f32());
-        acc += d * dx * int as f32 + -16.0 * d * s;
+        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
     }
     acc
 }

@@ -4,14 +4,26 @@
 //! bits); `maddubs` multiplies them with the activations and a `madd` against the
 //! sub-block's scale (broadcast to every i16 lane by one `pshufb`) both widens and
 //! weights the sums, so one i32 vector holds the whole super-block's scaled integer dot
-//! product. `Q6_K`'s offset of 32 and the mins of `Q4_K`/`Q5_K` come from the
-//! activations' sums per 16; the mins accumulate as a four-lane vector, summed once per
-//! row.
+//! product, lane `i` covering values `4i .. 4i + 4` of every 32. The mins of
+//! `Q4_K`/`Q5_K` and `Q6_K`'s offset of 32 come from the activations' sums per 16.
+//!
+//! The float arithmetic after the integers follows llama.cpp's x86 kernels, so that
+//! products agree with it to the last bit:
+//! - `Q4_K` as its repacked kernels (which it uses for every `Q4_K` matrix on AVX2
+//!   machines): the integer sums are reduced to one value per super-block (the GEMV,
+//!   for single tokens and the last `n % 4` tokens of a batch) or per 64 values (the
+//!   GEMM, for the batch's groups of four), fused into one accumulator at `d · dx`,
+//!   the mins into another at `dmin · dx`, and the two subtracted at the end;
+//! - `Q6_K` one token at a time as its dot product: eight lanes fused at `d · dx`,
+//!   reduced at the end; and for batches of
+//!   [`GEMM_MIN_TOKENS`](crate::matmul::activation::GEMM_MIN_TOKENS) or more as its tiled
+//!   GEMM: per super-block `d · Σ` rounded, then fused at `dx` into one accumulator;
+//! - `Q5_K` as its dot product (the eight lanes, the mins apart).
 
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
-use super::{hsum_ps, load32};
+use super::{hsum_epi32, hsum_epi32_128, hsum_ps, load32};
 use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
 use crate::matmul::activation::{Q8KRow, BSUM_GROUP, QK_K};
 
@@ -94,18 +106,20 @@ unsafe fn k_scales_mins(p: *const u8) -> __m256i {
 }
 
 /// `Q4_K`/`Q5_K` super-block for each token: the scaled dot product `Σ scale_j Σ q qx`
-/// in eight i32 lanes and the min term `Σ min_j Σ qx` in four.
+/// in eight i32 lanes and the min term `Σ min_j Σ qx` in four, lane `k` the sub-blocks
+/// `2k` and `2k + 1`. With `SPLIT`, also the dot product of each 64 values (sub-blocks
+/// `2k`, `2k + 1`) reduced to one integer; zeros without.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; the super-block (`Q5_K` when `FIVE`, else
 /// `Q4_K`) and 256 activations and 16 sums behind each pointer must be readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q45_k_ints<const FIVE: bool, const N: usize>(
+unsafe fn q45_k_ints<const FIVE: bool, const SPLIT: bool, const N: usize>(
     block: *const u8,
     qx: [*const i8; N],
     bsums: [*const i16; N],
-) -> ([__m256i; N], [__m128i; N]) {
+) -> ([__m256i; N], [__m128i; N], [[i32; 4]; N]) {
     // The scales, qh and qs sit at the same offsets in both formats but qs.
     const _: () = assert!(offset_of!(BlockQ4_K, scales) == offset_of!(BlockQ5_K, scales));
     // SAFETY: the 12 scale bytes lie inside the readable block.
@@ -132,6 +146,8 @@ unsafe fn q45_k_ints<const FIVE: bool, const N: usize>(
         (offset_of!(BlockQ4_K, qs), _mm256_setzero_si256())
     };
     let mut dots = [_mm256_setzero_si256(); N];
+    let mut parts = [[0i32; 4]; N];
+    #[allow(clippy::needless_range_loop)] // j picks the scales and the activations too
     for j in 0..4 {
         // SAFETY: the 32 bytes of chunk j lie inside the readable block.
         let packed = unsafe { load32(block.add(qs_at + 32 * j)) };
@@ -156,10 +172,14 @@ unsafe fn q45_k_ints<const FIVE: bool, const N: usize>(
             };
             let dot_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x_lo), scale_lo);
             let dot_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x_hi), scale_hi);
-            dots[t] = _mm256_add_epi32(dots[t], _mm256_add_epi32(dot_lo, dot_hi));
+            let dot = _mm256_add_epi32(dot_lo, dot_hi);
+            dots[t] = _mm256_add_epi32(dots[t], dot);
+            if SPLIT {
+                parts[t][j] = hsum_epi32(dot);
+            }
         }
     }
-    (dots, min_sums)
+    (dots, min_sums, parts)
 }
 
 /// `Q6_K` super-block for each token: `Σ scale_g Σ (q - 32) qx` in eight i32 lanes.
@@ -181,7 +201,8 @@ unsafe fn q6_k_ints<const N: usize>(
     let mut dots = [_mm256_setzero_si256(); N];
     let scales32 = _mm256_slli_epi16::<5>(scales);
     for t in 0..N {
-        // The offset: -32 Σ scale_g bsum_g, spread over the lanes.
+        // The offset: -32 Σ scale_g bsum_g, spread over the lanes by pairs of groups
+        // (as llama.cpp's dot product spreads it).
         // SAFETY: 16 sums are readable behind each pointer per the contract.
         let sums = unsafe { _mm256_loadu_si256(bsums[t].cast()) };
         dots[t] = _mm256_sub_epi32(dots[t], _mm256_madd_epi16(scales32, sums));
@@ -252,13 +273,14 @@ unsafe fn f16_pair(p: *const u8) -> __m128 {
     }))
 }
 
-/// `R` `Q4_K`/`Q5_K` rows against `N` tokens.
+/// `R` `Q4_K`/`Q5_K` rows against `N` tokens; `SPLIT` (for `Q4_K`) keeps the sums of
+/// each 64 values apart for llama.cpp's repacked GEMM.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q45_k<const FIVE: bool, const R: usize, const N: usize>(
+unsafe fn dot_q45_k<const FIVE: bool, const SPLIT: bool, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     acts: [Q8KRow<'_>; N],
 ) -> [[f32; N]; R] {
@@ -269,26 +291,57 @@ unsafe fn dot_q45_k<const FIVE: bool, const R: usize, const N: usize>(
     for r in 0..R {
         let mut acc = [_mm256_setzero_ps(); N];
         let mut acc_min = [_mm_setzero_ps(); N];
+        // Q4_K: llama.cpp's repacked kernels, one accumulator each for the dot
+        // products and the mins.
+        let mut sum = [0.0f32; N];
+        let mut sum_min = [0.0f32; N];
         for b in 0..nb {
             // SAFETY: b < nb bounds the block and the activations; the features are
             // present per this function's contract.
-            let (d_dmin, (dots, min_sums)) = unsafe {
+            let (d_dmin, (dots, min_sums, parts)) = unsafe {
                 let (qx, bsums) = act_ptrs(&acts, b);
                 let block = rows[r].as_ptr().add(b * bytes);
-                (f16_pair(block), q45_k_ints::<FIVE, N>(block, qx, bsums))
+                (
+                    f16_pair(block),
+                    q45_k_ints::<FIVE, SPLIT, N>(block, qx, bsums),
+                )
             };
             for t in 0..N {
                 let scaled = _mm_mul_ps(d_dmin, _mm_set1_ps(acts[t].d[b]));
-                let d = _mm256_broadcastss_ps(scaled);
-                let dmin = _mm_permute_ps::<0b01_01_01_01>(scaled);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), d, acc[t]);
-                acc_min[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(min_sums[t]), dmin, acc_min[t]);
+                if FIVE {
+                    let d = _mm256_broadcastss_ps(scaled);
+                    let dmin = _mm_permute_ps::<0b01_01_01_01>(scaled);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), d, acc[t]);
+                    acc_min[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(min_sums[t]), dmin, acc_min[t]);
+                    continue;
+                }
+                let mut d = [0.0f32; 4];
+                // SAFETY: `d` holds four f32; `storeu` needs no alignment.
+                unsafe { _mm_storeu_ps(d.as_mut_ptr(), scaled) };
+                if acts[t].packed_gemm {
+                    // The GEMM adds each 64 values' sums on their own.
+                    let mut mins = [0i32; 4];
+                    // SAFETY: `mins` holds four i32; `storeu` needs no alignment.
+                    unsafe { _mm_storeu_si128(mins.as_mut_ptr().cast(), min_sums[t]) };
+                    for j in 0..4 {
+                        sum[t] = (parts[t][j] as f32).mul_add(d[0], sum[t]);
+                        sum_min[t] = (mins[j] as f32).mul_add(d[1], sum_min[t]);
+                    }
+                } else {
+                    // The GEMV adds each super-block's sums at once.
+                    sum[t] = (hsum_epi32(dots[t]) as f32).mul_add(d[0], sum[t]);
+                    sum_min[t] = (hsum_epi32_128(min_sums[t]) as f32).mul_add(d[1], sum_min[t]);
+                }
             }
         }
         for t in 0..N {
-            let mins =
-                _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(acc_min[t]), _mm_setzero_ps());
-            out[r][t] = hsum_ps(acc[t]) - hsum_ps(mins);
+            out[r][t] = if FIVE {
+                let mins =
+                    _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(acc_min[t]), _mm_setzero_ps());
+                hsum_ps(acc[t]) - hsum_ps(mins)
+            } else {
+                sum[t] - sum_min[t]
+            };
         }
     }
     out
@@ -305,7 +358,7 @@ pub(crate) unsafe fn dot_q4_k<const R: usize, const N: usize>(
     acts: [Q8KRow<'_>; N],
 ) -> [[f32; N]; R] {
     // SAFETY: the features are present per this function's contract.
-    unsafe { dot_q45_k::<false, R, N>(rows, acts) }
+    unsafe { dot_q45_k::<false, true, R, N>(rows, acts) }
 }
 
 /// `R` `Q5_K` rows against `N` tokens.
@@ -319,7 +372,7 @@ pub(crate) unsafe fn dot_q5_k<const R: usize, const N: usize>(
     acts: [Q8KRow<'_>; N],
 ) -> [[f32; N]; R] {
     // SAFETY: the features are present per this function's contract.
-    unsafe { dot_q45_k::<true, R, N>(rows, acts) }
+    unsafe { dot_q45_k::<true, false, R, N>(rows, acts) }
 }
 
 /// `R` `Q6_K` rows against `N` tokens.
@@ -337,6 +390,7 @@ pub(crate) unsafe fn dot_q6_k<const R: usize, const N: usize>(
     // One row after another: interleaving rows would run out of registers.
     for r in 0..R {
         let mut acc = [_mm256_setzero_ps(); N];
+        let mut gemm = [0.0f32; N];
         for b in 0..nb {
             // SAFETY: b < nb bounds the block and the activations; the features are
             // present per this function's contract.
@@ -349,12 +403,21 @@ pub(crate) unsafe fn dot_q6_k<const R: usize, const N: usize>(
                 )
             };
             for t in 0..N {
-                let scale = _mm256_set1_ps(d * acts[t].d[b]);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), scale, acc[t]);
+                if acts[t].gemm {
+                    let scaled = d * hsum_epi32(dots[t]) as f32;
+                    gemm[t] = scaled.mul_add(acts[t].d[b], gemm[t]);
+                } else {
+                    let scale = _mm256_set1_ps(d * acts[t].d[b]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), scale, acc[t]);
+                }
             }
         }
         for t in 0..N {
-            out[r][t] = hsum_ps(acc[t]);
+            out[r][t] = if acts[t].gemm {
+                gemm[t]
+            } else {
+                hsum_ps(acc[t])
+            };
         }
     }
     out
@@ -392,11 +455,11 @@ pub(crate) fn block_ints(
         unsafe {
             match ty {
                 T::Q4_K => {
-                    let ([dot], [min]) = q45_k_ints::<false, 1>(block, [qx], [bsums]);
+                    let ([dot], [min], _) = q45_k_ints::<false, false, 1>(block, [qx], [bsums]);
                     (super::hsum_epi32(dot), hsum4(min))
                 }
                 T::Q5_K => {
-                    let ([dot], [min]) = q45_k_ints::<true, 1>(block, [qx], [bsums]);
+                    let ([dot], [min], _) = q45_k_ints::<true, false, 1>(block, [qx], [bsums]);
                     (super::hsum_epi32(dot), hsum4(min))
                 }
                 _ => (

@@ -1,17 +1,21 @@
 //! AVX2 kernels of the legacy formats: blocks of 32 weights against [`Q8Row`]s.
 //!
 //! A block's 32 quantized weights become 32 bytes in one register: unsigned values (4
-//! or 5 bits) or, for `Q8_0`, their magnitudes with the signs moved onto the
-//! activations. One `maddubs` + `madd` pair then yields the block's integer dot product
-//! `Σ q · qx` in eight lanes.
+//! or 5 bits) for the formats with an offset `m` (`Q4_1`, `Q5_1`), or, for the
+//! symmetric ones, the signed values (`q - 8` for `Q4_0`, `q - 16` for `Q5_0`, `q` for
+//! `Q8_0`) as magnitudes with the signs moved onto the activations. One `maddubs` +
+//! `madd` pair then yields the block's integer dot product `Σ q · qx` in eight lanes of
+//! four products each.
 //!
-//! A weight is `d · q + offset`, the offset being the block's `m` (`Q4_1`, `Q5_1`),
-//! `-8 d` (`Q4_0`), `-16 d` (`Q5_0`) or nothing (`Q8_0`). The block contributes
-//! `d · dx · Σ q qx + offset · s`, where `dx` is the activations' scale and `s` their
-//! sum. The (d, offset) pairs of a block in up to four rows are widened together by one
-//! `vcvtph2ps` and multiplied by the activations' (dx, s) pairs in one `vmulps`; each
-//! `d · dx` is then broadcast to scale its row's integer lanes, and the `offset · s`
-//! lanes accumulate on their own.
+//! The block contributes `d · dx · Σ q qx (+ m · s)`, where `dx` is the activations'
+//! scale and `s` their sum. The (d, m) pairs of a block in up to four rows are widened
+//! together by one `vcvtph2ps` and multiplied by the activations' (dx, s) pairs in one
+//! `vmulps`; each `d · dx` is then broadcast to scale its row's integer lanes, fused
+//! into eight f32 accumulators, and the `m · s` lanes accumulate on their own.
+//!
+//! This is llama.cpp's x86 arithmetic to the last bit (eight lanes, one fused
+//! multiply-add per block, the lanes reduced at the end, the offsets summed apart), so
+//! products agree with it exactly.
 
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
@@ -29,9 +33,10 @@ const _: () = assert!(offset_of!(BlockQ5_1, d) == 0 && offset_of!(BlockQ5_1, m) 
 /// One block's quantized weights, unpacked once for all tokens.
 #[derive(Clone, Copy)]
 struct Quants {
-    /// The 32 weights as unsigned bytes (for `Q8_0`, their magnitudes).
+    /// The 32 weights as unsigned bytes (for the symmetric formats, their magnitudes).
     q: __m256i,
-    /// For `Q8_0`, the signed weights whose signs go onto the activations.
+    /// For the symmetric formats, the signed weights whose signs go onto the
+    /// activations.
     signs: __m256i,
 }
 
@@ -41,8 +46,6 @@ trait Legacy {
     const BYTES: usize;
     /// The second f16 of a block is its offset `m`.
     const HAS_M: bool;
-    /// Without `m`, the offset as a multiple of `d` (0: no offset).
-    const D_OFFSET: f32;
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `block..block + BYTES` must be readable.
@@ -57,7 +60,7 @@ trait Legacy {
 
 /// Whether `L` has an offset to accumulate.
 const fn has_offset<L: Legacy>() -> bool {
-    L::HAS_M || L::D_OFFSET != 0.0
+    L::HAS_M
 }
 
 /// 16 bytes of packed nibbles → 32 bytes: low nibbles first, then high ones.
@@ -108,27 +111,25 @@ struct Q8_0;
 impl Legacy for Q4_0 {
     const BYTES: usize = size_of::<BlockQ4_0>();
     const HAS_M: bool = false;
-    const D_OFFSET: f32 = -8.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn quants(block: *const u8) -> Quants {
         // SAFETY: the block is readable per the contract; qs lies inside it.
         let q = unsafe { nibbles(block.add(offset_of!(BlockQ4_0, qs))) };
-        Quants { q, signs: q }
+        signed(_mm256_sub_epi8(q, _mm256_set1_epi8(8)))
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
-        mul_sum_u8_i8(w.q, qx)
+        signed_int(w, qx)
     }
 }
 
 impl Legacy for Q4_1 {
     const BYTES: usize = size_of::<BlockQ4_1>();
     const HAS_M: bool = true;
-    const D_OFFSET: f32 = 0.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -148,7 +149,6 @@ impl Legacy for Q4_1 {
 impl Legacy for Q5_0 {
     const BYTES: usize = size_of::<BlockQ5_0>();
     const HAS_M: bool = false;
-    const D_OFFSET: f32 = -16.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -156,20 +156,19 @@ impl Legacy for Q5_0 {
         let (qs, qh) = (offset_of!(BlockQ5_0, qs), offset_of!(BlockQ5_0, qh));
         // SAFETY: the block is readable per the contract; qs and qh lie inside it.
         let q = unsafe { _mm256_or_si256(nibbles(block.add(qs)), high_bits(block.add(qh))) };
-        Quants { q, signs: q }
+        signed(_mm256_sub_epi8(q, _mm256_set1_epi8(16)))
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
-        mul_sum_u8_i8(w.q, qx)
+        signed_int(w, qx)
     }
 }
 
 impl Legacy for Q5_1 {
     const BYTES: usize = size_of::<BlockQ5_1>();
     const HAS_M: bool = true;
-    const D_OFFSET: f32 = 0.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -190,26 +189,38 @@ impl Legacy for Q5_1 {
 impl Legacy for Q8_0 {
     const BYTES: usize = size_of::<BlockQ8_0>();
     const HAS_M: bool = false;
-    const D_OFFSET: f32 = 0.0;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn quants(block: *const u8) -> Quants {
         // SAFETY: the block is readable per the contract; qs (32 bytes) lies inside it.
-        let signed = unsafe { load32(block.add(offset_of!(BlockQ8_0, qs))) };
-        // |q| as unsigned bytes: -128 becomes 128, which maddubs reads correctly.
-        Quants {
-            q: _mm256_sign_epi8(signed, signed),
-            signs: signed,
-        }
+        signed(unsafe { load32(block.add(offset_of!(BlockQ8_0, qs))) })
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
-        // q · qx = |q| · (qx with q's sign); zero weights zero the activation.
-        mul_sum_u8_i8(w.q, _mm256_sign_epi8(qx, w.signs))
+        signed_int(w, qx)
     }
+}
+
+/// Signed weights as [`Quants`]: their magnitudes, and themselves for the signs.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signed(q: __m256i) -> Quants {
+    // |q| as unsigned bytes: -128 becomes 128, which maddubs reads correctly.
+    Quants {
+        q: _mm256_sign_epi8(q, q),
+        signs: q,
+    }
+}
+
+/// `Σ q · qx` of signed weights: `|q| · (qx with q's sign)`; zero weights zero the
+/// activation.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn signed_int(w: &Quants, qx: __m256i) -> __m256i {
+    mul_sum_u8_i8(w.q, _mm256_sign_epi8(qx, w.signs))
 }
 
 /// Blocks that every row and activation row can supply.
@@ -226,7 +237,7 @@ fn blocks<const R: usize, const N: usize>(
 }
 
 /// Block `b`'s scale and offset in each of `R` ≤ 4 rows, widened: lane `2r` holds row
-/// `r`'s `d`, lane `2r + 1` its offset (`m`, `D_OFFSET · d`, or 0).
+/// `r`'s `d`, lane `2r + 1` its offset `m`, or 0.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; block `b` must lie inside every row.
@@ -251,16 +262,7 @@ unsafe fn scales<L: Legacy, const R: usize>(rows: &[&[u8]; R], b: usize) -> __m2
         // The upper half of each word is the start of the quants, not an offset.
         halves = _mm_and_si128(halves, _mm_set1_epi32(0xFFFF));
     }
-    let widened = _mm256_cvtph_ps(halves);
-    if L::D_OFFSET == 0.0 {
-        return widened;
-    }
-    // (d, 0) → (d, D_OFFSET · d): exact, D_OFFSET being a power of two.
-    let c = L::D_OFFSET;
-    _mm256_mul_ps(
-        _mm256_moveldup_ps(widened),
-        _mm256_setr_ps(1.0, c, 1.0, c, 1.0, c, 1.0, c),
-    )
+    _mm256_cvtph_ps(halves)
 }
 
 /// The bits of token row `a`'s (scale, sum) pair of block `b`, as one 8-byte value.

@@ -176,7 +176,6 @@ pub(crate) fn hsum_ps(v: __m256) -> f32 {
 }
 
 /// The sum of the four lanes.
-#[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn hsum_epi32_128(v: __m128i) -> i32 {
@@ -185,7 +184,6 @@ pub(crate) fn hsum_epi32_128(v: __m128i) -> i32 {
 }
 
 /// The sum of the eight lanes.
-#[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn hsum_epi32(v: __m256i) -> i32 {
