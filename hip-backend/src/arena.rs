@@ -420,8 +420,9 @@ mod tests {
                         for i in (0..CAPACITY).rev() {
                             free_run[i] = if owner[i] { 0 } else { free_run[i + 1] + 1 };
                         }
-                        let fits = (0..CAPACITY)
-                            .any(|start| (BASE + start).is_multiple_of(align) && free_run[start] >= size);
+                        let fits = (0..CAPACITY).any(|start| {
+                            (BASE + start).is_multiple_of(align) && free_run[start] >= size
+                        });
                         assert!(
                             !fits,
                             "refused {size} bytes aligned to {align} that would fit"
