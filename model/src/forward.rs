@@ -35,14 +35,10 @@ pub(crate) fn forward(
     }
     cache.check_room(tokens.len())?;
     let first_pos = cache.len();
-    let result = run_layers(config, plan, tokens, cache, first_pos);
+    let result = run_layers(config, plan, tokens, cache, first_pos, logits);
     match result {
         Ok(mut x) => {
             cache.commit(tokens.len());
-            let d = config.n_embd;
-            if logits == Logits::Last {
-                x.drain(..(tokens.len() - 1) * d);
-            }
             output_logits(config, plan, &mut x)
         }
         Err(e) => {
@@ -59,22 +55,42 @@ fn run_layers(
     tokens: &[u32],
     cache: &mut KvCache,
     first_pos: usize,
+    logits: Logits,
 ) -> Result<Vec<f32>, ModelError> {
     let _span = tracing::debug_span!("forward", n_tokens = tokens.len(), first_pos).entered();
     let mut x = embed(config, &plan.token_embd, tokens)?;
     let mut scratch = Scratch::default();
+    let last = plan.layers.len() - 1;
     for (layer_idx, layer) in plan.layers.iter().enumerate() {
-        layer_forward(
-            config,
-            layer,
-            layer_idx,
-            &mut x,
-            cache,
-            first_pos,
-            &mut scratch,
-        )?;
+        // After the last layer's attention only the positions that get logits matter.
+        let rows = if layer_idx == last && logits == Logits::Last {
+            Rows::Last
+        } else {
+            Rows::All
+        };
+        let batch = Batch { first_pos, rows };
+        layer_forward(config, layer, layer_idx, &mut x, cache, batch, &mut scratch)?;
     }
     Ok(x)
+}
+
+/// Where a batch stands and what a layer keeps of it.
+#[derive(Clone, Copy)]
+struct Batch {
+    /// Position of the batch's first token.
+    first_pos: usize,
+    rows: Rows,
+}
+
+/// Which positions of a batch a layer carries past its attention.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    All,
+    /// Only the last: its residual stream alone goes through the output projection and
+    /// the feed-forward block. This saves their work for the other positions of a
+    /// prompt, and it is what llama.cpp does, so the matrix products there see one token
+    /// and take the same kernels (and roundings) as llama.cpp's.
+    Last,
 }
 
 /// Reusable buffers of one forward call.
@@ -94,11 +110,12 @@ fn layer_forward(
     config: &ModelConfig,
     layer: &LayerPlan,
     layer_idx: usize,
-    x: &mut [f32],
+    x: &mut Vec<f32>,
     cache: &mut KvCache,
-    first_pos: usize,
+    batch: Batch,
     s: &mut Scratch,
 ) -> Result<(), ModelError> {
+    let Batch { first_pos, rows } = batch;
     let n = x.len() / config.n_embd;
     let eps = config.rms_norm_eps;
     let attn_cfg = config.layers[layer_idx];
@@ -150,6 +167,13 @@ fn layer_forward(
         scale: config.attention_scale,
     };
     ops::attention(&s.q, keys, values, &shape, &mut s.attn);
+    let n = if rows == Rows::Last && n > 1 {
+        s.attn.drain(..(n - 1) * config.n_heads * config.head_dim_v);
+        x.drain(..(n - 1) * config.n_embd);
+        1
+    } else {
+        n
+    };
     linear(&layer.wo, &s.attn, n, &mut s.proj)?;
     if let Some(norm) = &layer.post_attn_norm {
         ops::rms_norm_in_place(&mut s.proj, &vector(norm)?, eps);
@@ -157,11 +181,12 @@ fn layer_forward(
     add(x, &s.proj);
 
     // Feed-forward block.
+    resize(&mut s.h, x.len());
     ops::rms_norm(x, &vector(&layer.ffn_norm)?, eps, &mut s.h);
     linear(&layer.gate, &s.h, n, &mut s.gate)?;
     linear(&layer.up, &s.h, n, &mut s.up)?;
     match config.activation {
-        Activation::Silu => ops::swiglu(&mut s.gate, &s.up),
+        Activation::Silu => ops::swiglu(&mut s.gate, &s.up, config.n_ff),
         Activation::GeluTanh => ops::geglu(&mut s.gate, &s.up),
     }
     linear(&layer.down, &s.gate, n, &mut s.proj)?;

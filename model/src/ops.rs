@@ -3,15 +3,20 @@
 //! Activations are token-major: a batch of `n` tokens of width `d` is `n * d` values,
 //! token `t` at `t * d .. (t + 1) * d`.
 
-use rayon::prelude::*;
+mod attention;
+mod expf;
+
+pub use attention::{attention, AttentionShape};
+pub use expf::expf;
 
 use crate::config::RopeStyle;
 
-/// `out = x / rms(x) * weight`, row by row (`weight.len()` is the row width).
+/// `out = x / rms(x) * weight`, row by row (`weight.len()` is the row width). As in
+/// ggml, each square is rounded to f32 and the squares are summed in f64.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let d = weight.len();
     for (row, out_row) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let sum_sq: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let sum_sq: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
         let scale = 1.0 / ((sum_sq / d as f64) as f32 + eps).sqrt();
         for ((o, &v), &w) in out_row.iter_mut().zip(row).zip(weight) {
             *o = v * scale * w;
@@ -23,7 +28,7 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     let d = weight.len();
     for row in x.chunks_exact_mut(d) {
-        let sum_sq: f64 = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let sum_sq: f64 = row.iter().map(|&v| f64::from(v * v)).sum();
         let scale = 1.0 / ((sum_sq / d as f64) as f32 + eps).sqrt();
         for (v, &w) in row.iter_mut().zip(weight) {
             *v = *v * scale * w;
@@ -78,17 +83,29 @@ pub fn apply_rope(
                     RopeStyle::Halves => (i, i + half),
                 };
                 let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * cos - x1 * sin;
-                head[b] = x0 * sin + x1 * cos;
+                // ggml's C is compiled with floating-point contraction, so its
+                // `x0·cos − x1·sin` is a fused multiply-add onto the rounded second
+                // product; the same here gives the same bits.
+                head[a] = x0.mul_add(cos, -(x1 * sin));
+                head[b] = x0.mul_add(sin, x1 * cos);
             }
         }
     }
 }
 
-/// `silu(gate) * up`, into `gate`.
-pub fn swiglu(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+/// `silu(gate) * up`, into `gate`, for rows of `width` values, evaluated as ggml's CPU
+/// backend does: `x / (1 + e^-x)` with its vectorised [`expf`] for each full group of
+/// eight values of a row, with the C library's `exp` for the rest.
+pub fn swiglu(gate: &mut [f32], up: &[f32], width: usize) {
+    for (g_row, u_row) in gate.chunks_exact_mut(width).zip(up.chunks_exact(width)) {
+        let vectorised = width / 8 * 8;
+        let (g_head, g_tail) = g_row.split_at_mut(vectorised);
+        for (g, &u) in g_head.iter_mut().zip(u_row) {
+            *g = *g / (1.0 + expf(0.0 - *g)) * u;
+        }
+        for (g, &u) in g_tail.iter_mut().zip(&u_row[vectorised..]) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
     }
 }
 
@@ -111,96 +128,16 @@ fn gelu_f16_rounded(x: f32) -> f32 {
         return x;
     }
     let x = round_f16(x);
-    let gelu = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF * x * x)).tanh());
+    // ggml's table is computed by C compiled with floating-point contraction, which
+    // fuses `1 + a·x·x` into one multiply-add.
+    let inner = (COEF * x).mul_add(x, 1.0);
+    let gelu = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh());
     round_f16(gelu)
 }
 
 /// `x` rounded to the nearest f16 and back.
 pub fn round_f16(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
-}
-
-/// The shapes of one attention call.
-pub struct AttentionShape {
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub head_dim_v: usize,
-    /// Position of the batch's first token.
-    pub first_pos: usize,
-    /// Keys more than `window - 1` positions back are masked.
-    pub window: Option<usize>,
-    pub scale: f32,
-}
-
-/// Causal multi-head attention with grouped key/value heads.
-///
-/// The arithmetic follows llama.cpp's CPU path with its default f16 KV cache, so that
-/// logits agree with it closely: keys and values are held at f16 precision (the cache
-/// rounds them), queries are rounded to f16 before `Q·Kᵀ`, the softmax runs in f32 with
-/// an f64 sum, and the probabilities are rounded to f16 before weighting the values.
-///
-/// `q` is `n_tokens × n_heads × head_dim`; `keys` and `values` hold every cached
-/// position up to and including the batch (`positions × n_kv_heads × head_dim`); `out`
-/// receives `n_tokens × n_heads × head_dim_v`. Work is split across (token, head) pairs.
-pub fn attention(q: &[f32], keys: &[f32], values: &[f32], shape: &AttentionShape, out: &mut [f32]) {
-    let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
-    let group = shape.n_heads / shape.n_kv_heads;
-    let k_stride = shape.n_kv_heads * hd;
-    let v_stride = shape.n_kv_heads * hdv;
-    out.par_chunks_mut(hdv)
-        .zip(q.par_chunks(hd))
-        .enumerate()
-        .for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(scores, qr), (idx, (o, qh))| {
-                let (t, h) = (idx / shape.n_heads, idx % shape.n_heads);
-                let kvh = h / group;
-                let pos = shape.first_pos + t;
-                let start = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                scores.clear();
-                qr.clear();
-                qr.extend(qh.iter().map(|&v| round_f16(v)));
-                let mut max = f32::NEG_INFINITY;
-                for j in start..=pos {
-                    let k = &keys[j * k_stride + kvh * hd..][..hd];
-                    let s = dot(qr, k) * shape.scale;
-                    max = max.max(s);
-                    scores.push(s);
-                }
-                let mut sum = 0.0f64;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += f64::from(*s);
-                }
-                let inv = (1.0 / sum) as f32;
-                o.fill(0.0);
-                for (j, &p) in (start..=pos).zip(scores.iter()) {
-                    let v = &values[j * v_stride + kvh * hdv..][..hdv];
-                    let w = round_f16(p * inv);
-                    for (ov, &vv) in o.iter_mut().zip(v) {
-                        *ov += w * vv;
-                    }
-                }
-            },
-        );
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent sums let the compiler vectorise without reassociating.
-    let mut acc = [0f32; 8];
-    let chunks = a.len() / 8 * 8;
-    for (ca, cb) in a[..chunks].chunks_exact(8).zip(b[..chunks].chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += ca[i] * cb[i];
-        }
-    }
-    let tail: f32 = a[chunks..]
-        .iter()
-        .zip(&b[chunks..])
-        .map(|(x, y)| x * y)
-        .sum();
-    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]
@@ -254,43 +191,5 @@ mod tests {
         }
         assert_eq!(scaled[0], plain[0]);
         assert_ne!(scaled[1], plain[1]);
-    }
-
-    #[test]
-    fn attention_of_one_position_returns_its_value() {
-        let shape = AttentionShape {
-            n_heads: 2,
-            n_kv_heads: 1,
-            head_dim: 4,
-            head_dim_v: 4,
-            first_pos: 0,
-            window: None,
-            scale: 0.5,
-        };
-        let q = [1.0; 8];
-        let k = [0.3; 4];
-        let v = [1.0, 2.0, 3.0, 4.0];
-        let mut out = [0.0; 8];
-        attention(&q, &k, &v, &shape, &mut out);
-        assert_eq!(out, [1.0, 2.0, 3.0, 4.0, 1.0, 2.0, 3.0, 4.0]);
-    }
-
-    #[test]
-    fn sliding_window_masks_old_positions() {
-        // Two positions, window 1: the second token sees only itself.
-        let shape = AttentionShape {
-            n_heads: 1,
-            n_kv_heads: 1,
-            head_dim: 2,
-            head_dim_v: 1,
-            first_pos: 1,
-            window: Some(1),
-            scale: 1.0,
-        };
-        let k = [1.0, 0.0, 0.0, 1.0];
-        let v = [10.0, 20.0];
-        let mut out = [0.0];
-        attention(&[1.0, 1.0], &k, &v, &shape, &mut out);
-        assert_eq!(out, [20.0]);
     }
 }
