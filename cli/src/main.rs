@@ -6,6 +6,7 @@
 mod devices;
 mod generate;
 mod inspect;
+mod load;
 mod tokenize;
 
 use std::process::ExitCode;
@@ -33,6 +34,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Print the token ids of a text.
     Tokenize(tokenize::TokenizeArgs),
+    /// Put a model's weights on a GPU and report how long each stage took.
+    Load(load::LoadArgs),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +52,7 @@ fn main() -> ExitCode {
         Command::Devices(args) => devices::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Generate(args) => generate::run(&args),
         Command::Tokenize(args) => tokenize::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Load(args) => load::run(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

@@ -386,3 +386,27 @@ fn ctrl_c_stops_cleanly_with_status_130() {
     let text = String::from_utf8([&first[..], &rest].concat()).unwrap();
     assert!(text.starts_with(" Paris"), "{text:?}");
 }
+
+/// `load` on a machine where this build can use no GPU says why, in one line, and
+/// fails; on a machine with one it loads and reports. (A GPU is needed for the success
+/// path: it runs in the GPU suite on the device machine.)
+#[test]
+fn load_says_why_there_is_no_gpu_or_loads() {
+    let model = model_path(SMOLLM2);
+    let model = model.to_str().expect("a UTF-8 path");
+    let output = run(&["load", "--gguf", model, "--json", "--load-mode", "eager"]);
+    if output.status.success() {
+        let report: serde_json::Value =
+            serde_json::from_slice(&output.stdout).expect("one JSON object");
+        assert_eq!(report["tensors"], 272, "{report}");
+        assert!(
+            report["device_allocations"].as_u64().unwrap() <= 4,
+            "{report}"
+        );
+    } else {
+        assert_fails_with(&output, "cannot use GPU 0");
+    }
+    let missing = run(&["load", "--gguf", "/nonexistent/model.gguf"]);
+    assert!(!missing.status.success());
+    assert!(!stderr(&missing).contains("panicked"));
+}

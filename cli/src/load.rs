@@ -1,0 +1,225 @@
+//! `rocmforge load`: puts a model's weights on a GPU, as their raw GGUF blocks, and says
+//! how long each stage took, with a progress bar while it runs.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use hip_backend::Device;
+use model::{ExecutionPlan, ModelConfig};
+use serde_json::json;
+use tensor_store::device::{
+    CacheConfig, DeviceCache, HipTarget, Progress, UploadMode, UploadOrder,
+};
+use tensor_store::TensorStore;
+
+use crate::generate::model_path;
+
+#[derive(clap::Args)]
+pub struct LoadArgs {
+    /// The model; without it, the default model from the models cache.
+    #[arg(long)]
+    gguf: Option<PathBuf>,
+    /// When tensors go to the device: all before returning (eager), in the background
+    /// while the first layers are waited for (background), or each layer when asked
+    /// for, here in layer order (lazy).
+    #[arg(long, value_enum, default_value = "background")]
+    load_mode: LoadModeArg,
+    /// The GPU's ordinal, as `rocmforge devices` lists them.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Device memory the weights may use, in MiB; layers beyond it are evicted least
+    /// recently used first. Default: the whole model.
+    #[arg(long)]
+    budget_mib: Option<u64>,
+    /// Reader threads copying from the file into the staging ring.
+    #[arg(long)]
+    readers: Option<usize>,
+    /// Read the file with O_DIRECT, past the page cache.
+    #[arg(long)]
+    direct_io: bool,
+    /// Never draw the progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LoadModeArg {
+    Eager,
+    Background,
+    Lazy,
+}
+
+impl From<LoadModeArg> for UploadMode {
+    fn from(mode: LoadModeArg) -> UploadMode {
+        match mode {
+            LoadModeArg::Eager => UploadMode::Eager,
+            LoadModeArg::Background => UploadMode::Background,
+            LoadModeArg::Lazy => UploadMode::Lazy,
+        }
+    }
+}
+
+/// Loads shorter than this draw no progress bar.
+const QUIET_MS: u64 = 250;
+
+pub fn run(args: &LoadArgs) -> Result<()> {
+    let path = model_path(args.gguf.as_deref())?;
+    let start = Instant::now();
+    let ms = move || start.elapsed().as_secs_f64() * 1e3;
+
+    let device = Device::open(args.device)
+        .with_context(|| format!("cannot use GPU {} to load {}", args.device, path.display()))?;
+    let device_ms = ms();
+    let store = TensorStore::open(&path)?;
+    let config = ModelConfig::from_metadata(store.metadata())
+        .with_context(|| format!("{}", path.display()))?;
+    let plan =
+        ExecutionPlan::build(&store, &config).with_context(|| format!("{}", path.display()))?;
+    let order = UploadOrder::by_layer(plan.handles());
+    let plan_ms = ms();
+    let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
+    let arena_bytes = args
+        .budget_mib
+        .map_or(model_bytes, |mib| model_bytes.min(mib << 20));
+    let target = HipTarget::new(&device, arena_bytes)?;
+
+    let mut cache_config = CacheConfig {
+        mode: args.load_mode.into(),
+        budget: args.budget_mib.map(|mib| mib << 20),
+        direct_io: args.direct_io,
+        ..CacheConfig::default()
+    };
+    if let Some(readers) = args.readers {
+        cache_config.readers = readers.max(1);
+    }
+    let bar = ProgressBar::new(!args.no_progress && !args.json && std::io::stderr().is_terminal());
+    let first_groups: Vec<usize> = ["input", "blk.0"]
+        .iter()
+        .filter_map(|name| order.groups().iter().position(|g| g.name == *name))
+        .collect();
+    let bar_in_callback = bar.clone();
+    let cache = DeviceCache::with_progress(target, &store, order, cache_config, move |p| {
+        bar_in_callback.update(p, start);
+    })?;
+    // What a forward pass needs first: the embeddings and the first block.
+    for &g in &first_groups {
+        drop(cache.get_group(g)?);
+    }
+    let first_layer_ms = ms();
+    if let LoadModeArg::Lazy = args.load_mode {
+        // Each layer asked for in turn, as a forward pass would.
+        for g in 0..cache.order().groups().len() {
+            drop(cache.get_group(g)?);
+        }
+    }
+    cache.wait_idle()?;
+    let all_ms = ms();
+    bar.finish();
+
+    let progress = cache.progress();
+    let stats = cache.stats();
+    let allocations = device.allocation_counters();
+    let gb_per_s = progress.bytes_uploaded as f64 / (all_ms - plan_ms).max(1e-3) / 1e6;
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "file": path.display().to_string(),
+                "device": device.info().name,
+                "mode": format!("{:?}", UploadMode::from(args.load_mode)).to_lowercase(),
+                "tensors": progress.tensors_done,
+                "bytes": progress.bytes_uploaded,
+                "device_ms": device_ms,
+                "plan_ms": plan_ms,
+                "first_layer_ms": first_layer_ms,
+                "all_resident_ms": all_ms,
+                "upload_gb_per_s": gb_per_s,
+                "device_allocations": allocations.device_allocations,
+                "evictions": stats.evictions,
+            })
+        );
+    } else {
+        println!(
+            "{}: {} tensors, {:.1} MiB on {} ({:?})",
+            path.display(),
+            progress.tensors_done,
+            progress.bytes_uploaded as f64 / (1u64 << 20) as f64,
+            device.info().name,
+            UploadMode::from(args.load_mode),
+        );
+        println!("  device ready     {device_ms:8.1} ms");
+        println!("  model planned    {plan_ms:8.1} ms");
+        println!("  first layer      {first_layer_ms:8.1} ms");
+        println!("  all resident     {all_ms:8.1} ms  ({gb_per_s:.1} GB/s)");
+        println!(
+            "  device allocations {}, evictions {}",
+            allocations.device_allocations, stats.evictions
+        );
+    }
+    Ok(())
+}
+
+/// A one-line progress bar on stderr, drawn only once a load has taken longer than
+/// [`QUIET_MS`], at most every 100 ms.
+#[derive(Clone)]
+struct ProgressBar {
+    enabled: bool,
+    /// Milliseconds since the start when the bar was last drawn (0: never).
+    last_drawn: Arc<AtomicU64>,
+}
+
+impl ProgressBar {
+    fn new(enabled: bool) -> ProgressBar {
+        ProgressBar {
+            enabled,
+            last_drawn: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn update(&self, p: &Progress, start: Instant) {
+        if !self.enabled {
+            return;
+        }
+        let now = start.elapsed().as_millis() as u64;
+        let last = self.last_drawn.load(Ordering::Relaxed);
+        if now < QUIET_MS || (last != 0 && now < last + 100) {
+            return;
+        }
+        self.last_drawn.store(now, Ordering::Relaxed);
+        let fraction = if p.bytes_total == 0 {
+            1.0
+        } else {
+            p.bytes_done as f64 / p.bytes_total as f64
+        };
+        let filled = (fraction * 30.0).round() as usize;
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let mut err = std::io::stderr().lock();
+        // A failed write to stderr only loses the bar.
+        let _ = write!(
+            err,
+            "\r[{}{}] {:3.0}%  {:.2}/{:.2} GiB  {}/{} tensors",
+            "#".repeat(filled),
+            ".".repeat(30 - filled),
+            fraction * 100.0,
+            gib(p.bytes_done),
+            gib(p.bytes_total),
+            p.tensors_done,
+            p.tensors_total,
+        );
+        let _ = err.flush();
+    }
+
+    fn finish(&self) {
+        if self.enabled && self.last_drawn.load(Ordering::Relaxed) != 0 {
+            let _ = writeln!(std::io::stderr());
+        }
+    }
+}
