@@ -62,9 +62,63 @@ pub fn rope_table(
     table
 }
 
+/// Whether this CPU has fused multiply-add instructions. The operations below use
+/// `mul_add` as ggml's compiled C does; with the instructions it is one, without them a
+/// library call with the same result.
+pub(crate) fn has_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // The standard library caches the detection.
+        std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Calls `$plain(args)` or, where the CPU has FMA, `$fma(args)`: the same function
+/// compiled with FMA instructions.
+macro_rules! dispatch_fma {
+    ($fma:ident, $plain:ident ($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        if has_fma() {
+            // SAFETY: the CPU supports FMA, the only feature the callee is compiled for.
+            return unsafe { $fma($($arg),*) };
+        }
+        $plain($($arg),*)
+    }};
+}
+
 /// Rotates the first `rope_dims` dimensions of every head of every token.
 /// `x` is `n_tokens × n_heads × head_dim`; `table` comes from [`rope_table`].
 pub fn apply_rope(
+    x: &mut [f32],
+    head_dim: usize,
+    rope_dims: usize,
+    style: RopeStyle,
+    table: &[(f32, f32)],
+) {
+    dispatch_fma!(
+        apply_rope_fma,
+        apply_rope_impl(x, head_dim, rope_dims, style, table)
+    )
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn apply_rope_fma(
+    x: &mut [f32],
+    head_dim: usize,
+    rope_dims: usize,
+    style: RopeStyle,
+    table: &[(f32, f32)],
+) {
+    apply_rope_impl(x, head_dim, rope_dims, style, table);
+}
+
+#[inline(always)]
+fn apply_rope_impl(
     x: &mut [f32],
     head_dim: usize,
     rope_dims: usize,
@@ -97,6 +151,17 @@ pub fn apply_rope(
 /// backend does: `x / (1 + e^-x)` with its vectorised [`expf`] for each full group of
 /// eight values of a row, with the C library's `exp` for the rest.
 pub fn swiglu(gate: &mut [f32], up: &[f32], width: usize) {
+    dispatch_fma!(swiglu_fma, swiglu_impl(gate, up, width))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn swiglu_fma(gate: &mut [f32], up: &[f32], width: usize) {
+    swiglu_impl(gate, up, width);
+}
+
+#[inline(always)]
+fn swiglu_impl(gate: &mut [f32], up: &[f32], width: usize) {
     for (g_row, u_row) in gate.chunks_exact_mut(width).zip(up.chunks_exact(width)) {
         let vectorised = width / 8 * 8;
         let (g_head, g_tail) = g_row.split_at_mut(vectorised);
@@ -110,29 +175,39 @@ pub fn swiglu(gate: &mut [f32], up: &[f32], width: usize) {
 }
 
 /// `gelu_tanh(gate) * up`, into `gate`, evaluated as ggml's CPU backend does: the input
-/// rounded to f16, GELU of that value rounded to f16 (ggml reads it from a 64 Ki-entry
-/// table), 0 below -10 and the identity above 10.
+/// rounded to f16 and looked up in a table of GELU over every f16 value, rounded to
+/// f16; 0 at -10 and below, the identity from 10 on.
 pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    let table = gelu_table();
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = gelu_f16_rounded(*g) * u;
+        let x = *g;
+        *g = if x <= -10.0 {
+            0.0
+        } else if x >= 10.0 {
+            x * u
+        } else {
+            let i = usize::from(half::f16::from_f32(x).to_bits());
+            half::f16::from_bits(table[i]).to_f32() * u
+        };
     }
 }
 
-fn gelu_f16_rounded(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const COEF: f32 = 0.044_715;
-    if x <= -10.0 {
-        return 0.0;
-    }
-    if x >= 10.0 {
-        return x;
-    }
-    let x = round_f16(x);
-    // ggml's table is computed by C compiled with floating-point contraction, which
-    // fuses `1 + a·x·x` into one multiply-add.
-    let inner = (COEF * x).mul_add(x, 1.0);
-    let gelu = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh());
-    round_f16(gelu)
+/// GELU (tanh form) of every f16 value, as f16 bits, built on first use as ggml builds
+/// its table: in f32, with the multiply-add that its compiled C fuses.
+fn gelu_table() -> &'static [u16] {
+    static TABLE: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        const COEF: f32 = 0.044_715;
+        (0..=u16::MAX)
+            .map(|bits| {
+                let x = half::f16::from_bits(bits).to_f32();
+                let inner = (COEF * x).mul_add(x, 1.0);
+                let gelu = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh());
+                half::f16::from_f32(gelu).to_bits()
+            })
+            .collect()
+    })
 }
 
 /// `x` rounded to the nearest f16 and back.
@@ -191,5 +266,34 @@ mod tests {
         }
         assert_eq!(scaled[0], plain[0]);
         assert_ne!(scaled[1], plain[1]);
+    }
+
+    #[test]
+    fn geglu_reads_gelu_from_the_f16_table_and_clamps_outside_ten() {
+        let gelu = |x: f64| {
+            0.5 * x * (1.0 + (0.797_884_560_802_865_4 * x * (1.0 + 0.044_715 * x * x)).tanh())
+        };
+        let xs = [
+            -12.0f32, -10.0, -3.3, -0.5, 0.0, 0.25, 1.0, 2.7, 9.99, 10.0, 14.0,
+        ];
+        let mut gate = xs.to_vec();
+        geglu(&mut gate, &[2.0; 11]);
+        for (&x, &g) in xs.iter().zip(&gate) {
+            let expected = if x <= -10.0 {
+                0.0
+            } else if x >= 10.0 {
+                2.0 * f64::from(x)
+            } else {
+                2.0 * gelu(f64::from(round_f16(x)))
+            };
+            // One f16 rounding of the input and one of the result.
+            let tolerance = 2.0 * (expected.abs() + 1e-3) / 1024.0;
+            assert!(
+                (f64::from(g) - expected).abs() <= tolerance,
+                "gelu({x}) = {g}, expected {expected}"
+            );
+        }
+        assert_eq!(gate[0], 0.0);
+        assert_eq!(gate[10], 28.0);
     }
 }

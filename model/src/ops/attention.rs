@@ -68,25 +68,35 @@ const DOT_LANES: usize = 32;
 /// precision; `out` receives `n_tokens × n_heads × head_dim_v`. Work is split across
 /// (token, head) pairs.
 pub fn attention(q: &[f32], keys: &[f32], values: &[f32], shape: &AttentionShape, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports FMA, the only feature `attention_fma` is compiled for.
-        unsafe { attention_fma(q, keys, values, shape, out) };
-        return;
-    }
-    attention_impl(q, keys, values, shape, out);
+    let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
+    let n_tokens = q.len() / (shape.n_heads * hd).max(1);
+    let lanes = if n_tokens >= 2 {
+        Lanes::Gemm
+    } else {
+        Lanes::Dot
+    };
+    let fma = super::has_fma();
+    out.par_chunks_mut(hdv)
+        .zip(q.par_chunks(hd))
+        .enumerate()
+        .for_each_init(Scratch::default, |s, (idx, (o, qh))| {
+            let head = Head {
+                t: idx / shape.n_heads,
+                h: idx % shape.n_heads,
+                lanes,
+            };
+            #[cfg(target_arch = "x86_64")]
+            if fma {
+                // SAFETY: `has_fma` found FMA on this CPU, the feature `head_fma` needs.
+                unsafe { head_fma(head, qh, keys, values, shape, s, o) };
+                return;
+            }
+            let _ = fma;
+            head_impl(head, qh, keys, values, shape, s, o);
+        });
 }
 
-/// [`attention_impl`] compiled with FMA instructions, so that `mul_add` is one
-/// instruction instead of a library call. Results are the same bit for bit: a fused
-/// multiply-add is exactly specified either way.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma")]
-fn attention_fma(q: &[f32], keys: &[f32], values: &[f32], shape: &AttentionShape, out: &mut [f32]) {
-    attention_impl(q, keys, values, shape, out);
-}
-
-/// Per-thread scratch: the query rounded to f16, the scores, the eight lanes of `P·V`.
+/// Per-thread scratch: the query rounded to f16, the scores, the lanes of `P·V`.
 #[derive(Default)]
 struct Scratch {
     q: Vec<f32>,
@@ -94,78 +104,94 @@ struct Scratch {
     lanes: Vec<f32>,
 }
 
-#[inline(always)]
-fn attention_impl(
-    q: &[f32],
+/// One (token, head) pair of a call, and the lanes its products use.
+#[derive(Clone, Copy)]
+struct Head {
+    t: usize,
+    h: usize,
+    lanes: Lanes,
+}
+
+/// [`head_impl`] compiled with FMA instructions, so that `mul_add` is one instruction
+/// instead of a library call. Results are the same bit for bit: a fused multiply-add is
+/// exactly specified either way.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+fn head_fma(
+    head: Head,
+    qh: &[f32],
     keys: &[f32],
     values: &[f32],
     shape: &AttentionShape,
-    out: &mut [f32],
+    s: &mut Scratch,
+    o: &mut [f32],
+) {
+    head_impl(head, qh, keys, values, shape, s, o);
+}
+
+/// Attention of one query head of one token, into `o`.
+#[inline(always)]
+fn head_impl(
+    head: Head,
+    qh: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    shape: &AttentionShape,
+    s: &mut Scratch,
+    o: &mut [f32],
 ) {
     let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
-    let group = shape.n_heads / shape.n_kv_heads;
+    let kvh = head.h / (shape.n_heads / shape.n_kv_heads);
     let k_stride = shape.n_kv_heads * hd;
     let v_stride = shape.n_kv_heads * hdv;
-    let n_tokens = q.len() / (shape.n_heads * hd).max(1);
-    let lanes = if n_tokens >= 2 {
-        Lanes::Gemm
-    } else {
-        Lanes::Dot
-    };
+    let pos = shape.first_pos + head.t;
+    let start = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let lanes = head.lanes;
     let width = match lanes {
         Lanes::Gemm => LANES,
         Lanes::Dot => DOT_LANES,
     };
-    out.par_chunks_mut(hdv)
-        .zip(q.par_chunks(hd))
-        .enumerate()
-        .for_each_init(Scratch::default, |s, (idx, (o, qh))| {
-            let (t, h) = (idx / shape.n_heads, idx % shape.n_heads);
-            let kvh = h / group;
-            let pos = shape.first_pos + t;
-            let start = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
 
-            s.q.clear();
-            s.q.extend(qh.iter().map(|&v| round_f16(v)));
-            s.scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for j in start..=pos {
-                let k = &keys[j * k_stride + kvh * hd..][..hd];
-                let score = dot(lanes, &s.q, k) * shape.scale;
-                max = max.max(score);
-                s.scores.push(score);
-            }
+    s.q.clear();
+    s.q.extend(qh.iter().map(|&v| round_f16(v)));
+    s.scores.clear();
+    let mut max = f32::NEG_INFINITY;
+    for j in start..=pos {
+        let k = &keys[j * k_stride + kvh * hd..][..hd];
+        let score = dot(lanes, &s.q, k) * shape.scale;
+        max = max.max(score);
+        s.scores.push(score);
+    }
 
-            // exp, summed per aligned group of eight cache positions.
-            let mut sum = 0.0f64;
-            let mut group_lanes = [0.0f32; LANES];
-            for (j, score) in (start..=pos).zip(s.scores.iter_mut()) {
-                *score = expf(*score - max);
-                group_lanes[j % LANES] = *score;
-                if j % LANES == LANES - 1 || j == pos {
-                    sum += f64::from(reduce8(&group_lanes));
-                    group_lanes = [0.0; LANES];
-                }
-            }
-            let inv = (1.0 / sum) as f32;
+    // exp, summed per aligned group of eight cache positions.
+    let mut sum = 0.0f64;
+    let mut group_lanes = [0.0f32; LANES];
+    for (j, score) in (start..=pos).zip(s.scores.iter_mut()) {
+        *score = expf(*score - max);
+        group_lanes[j % LANES] = *score;
+        if j % LANES == LANES - 1 || j == pos {
+            sum += f64::from(reduce8(&group_lanes));
+            group_lanes = [0.0; LANES];
+        }
+    }
+    let inv = (1.0 / sum) as f32;
 
-            s.lanes.clear();
-            s.lanes.resize(width * hdv, 0.0);
-            for (j, &e) in (start..=pos).zip(s.scores.iter()) {
-                let p = round_f16(e * inv);
-                let v = &values[j * v_stride + kvh * hdv..][..hdv];
-                let lane = &mut s.lanes[j % width * hdv..][..hdv];
-                for (acc, &vv) in lane.iter_mut().zip(v) {
-                    *acc = p.mul_add(vv, *acc);
-                }
-            }
-            for (d, o) in o.iter_mut().enumerate() {
-                *o = match lanes {
-                    Lanes::Gemm => reduce8(&std::array::from_fn(|l| s.lanes[l * hdv + d])),
-                    Lanes::Dot => reduce32(&std::array::from_fn(|l| s.lanes[l * hdv + d])),
-                };
-            }
-        });
+    s.lanes.clear();
+    s.lanes.resize(width * hdv, 0.0);
+    for (j, &e) in (start..=pos).zip(s.scores.iter()) {
+        let p = round_f16(e * inv);
+        let v = &values[j * v_stride + kvh * hdv..][..hdv];
+        let lane = &mut s.lanes[j % width * hdv..][..hdv];
+        for (acc, &vv) in lane.iter_mut().zip(v) {
+            *acc = p.mul_add(vv, *acc);
+        }
+    }
+    for (d, o) in o.iter_mut().enumerate() {
+        *o = match lanes {
+            Lanes::Gemm => reduce8(&std::array::from_fn(|l| s.lanes[l * hdv + d])),
+            Lanes::Dot => reduce32(&std::array::from_fn(|l| s.lanes[l * hdv + d])),
+        };
+    }
 }
 
 /// `Σ a·b` as fused multiply-add chains laid out and reduced as `lanes` says.
