@@ -69,4 +69,16 @@ pub enum DequantError {
         expected: usize,
         actual: usize,
     },
+    /// A fused product got a different number of matrices and outputs.
+    #[error("{matrices} matrices but {outputs} outputs in one fused product")]
+    ProductCount { matrices: usize, outputs: usize },
+    /// A fused product's matrices differ in type or width.
+    #[error(
+        "a fused product needs one type and width: {} x {} columns against {} x {} columns",
+        first.0, first.1, other.0, other.1
+    )]
+    MixedProducts {
+        first: (GgmlType, usize),
+        other: (GgmlType, usize),
+    },
 }

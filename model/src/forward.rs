@@ -35,7 +35,7 @@ pub(crate) fn forward(
     }
     cache.check_room(tokens.len())?;
     let first_pos = cache.len();
-    let result = run_layers(config, plan, tokens, cache, first_pos, logits);
+    let result = on_the_pool(|| run_layers(config, plan, tokens, cache, first_pos, logits));
     match result {
         Ok(mut x) => {
             cache.commit(tokens.len());
@@ -46,6 +46,19 @@ pub(crate) fn forward(
             cache.truncate(first_pos);
             Err(e)
         }
+    }
+}
+
+/// Runs `work` on one of rayon's worker threads. A forward pass starts a few hundred
+/// parallel loops (each product, each attention); started from a thread outside the
+/// pool, each one hands its work over and puts the caller to sleep until it is done,
+/// and those handovers cost more than a small model's products at decode time. From a
+/// worker, a loop starts where the worker stands and only the other workers are woken.
+fn on_the_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        work()
+    } else {
+        rayon::join(work, || ()).0
     }
 }
 
@@ -123,9 +136,12 @@ fn layer_forward(
     // Attention block.
     resize(&mut s.h, x.len());
     ops::rms_norm(x, &vector(&layer.attn_norm)?, eps, &mut s.h);
-    linear(&layer.wq, &s.h, n, &mut s.q)?;
-    linear(&layer.wk, &s.h, n, &mut s.k)?;
-    linear(&layer.wv, &s.h, n, &mut s.v)?;
+    linears(
+        [&layer.wq, &layer.wk, &layer.wv],
+        &s.h,
+        n,
+        [&mut s.q, &mut s.k, &mut s.v],
+    )?;
     if let Some(norm) = &layer.q_norm {
         ops::rms_norm_in_place(&mut s.q, &vector(norm)?, eps);
     }
@@ -183,8 +199,7 @@ fn layer_forward(
     // Feed-forward block.
     resize(&mut s.h, x.len());
     ops::rms_norm(x, &vector(&layer.ffn_norm)?, eps, &mut s.h);
-    linear(&layer.gate, &s.h, n, &mut s.gate)?;
-    linear(&layer.up, &s.h, n, &mut s.up)?;
+    linears([&layer.gate, &layer.up], &s.h, n, [&mut s.gate, &mut s.up])?;
     match config.activation {
         Activation::Silu => ops::swiglu(&mut s.gate, &s.up, config.n_ff),
         Activation::GeluTanh => ops::geglu(&mut s.gate, &s.up),
@@ -234,22 +249,61 @@ fn output_logits(
 }
 
 /// `out = x · Wᵀ (+ bias)` for `n` tokens.
-fn linear(lin: &Linear, x: &[f32], n: usize, out: &mut Vec<f32>) -> Result<(), ModelError> {
-    resize(out, n * lin.rows);
-    let name = || lin.weight.name().to_owned();
+/// Several linear layers of one input. For a single token whose weights share a type
+/// and width, one fused product (the activations prepared once, one parallel loop);
+/// otherwise one product each. The results are the same bits either way.
+fn linears<const K: usize>(
+    lins: [&Linear; K],
+    x: &[f32],
+    n: usize,
+    mut outs: [&mut Vec<f32>; K],
+) -> Result<(), ModelError> {
+    let fusable = n == 1
+        && lins
+            .iter()
+            .all(|l| l.weight.ggml_type() == lins[0].weight.ggml_type() && l.cols == lins[0].cols);
+    if !fusable {
+        for (lin, out) in lins.iter().zip(outs.iter_mut()) {
+            linear(lin, x, n, out)?;
+        }
+        return Ok(());
+    }
+    let mut matrices = Vec::with_capacity(K);
+    for lin in &lins {
+        matrices.push(matrix(lin)?);
+    }
+    for (lin, out) in lins.iter().zip(outs.iter_mut()) {
+        resize(out, lin.rows);
+    }
+    let refs: Vec<&QuantizedMatrix<'_>> = matrices.iter().collect();
+    let mut ys: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+    QuantizedMatrix::matvec_many(&refs, x, &mut ys).map_err(|source| ModelError::Matmul {
+        name: lins
+            .iter()
+            .map(|l| l.weight.name())
+            .collect::<Vec<_>>()
+            .join(" + "),
+        source,
+    })?;
+    for (lin, out) in lins.iter().zip(outs.iter_mut()) {
+        add_bias(lin, out)?;
+    }
+    Ok(())
+}
+
+/// The weight of `lin` as a matrix over its mapped bytes.
+fn matrix(lin: &Linear) -> Result<QuantizedMatrix<'_>, ModelError> {
     let bytes = lin.weight.bytes()?;
-    let matrix = QuantizedMatrix::new(lin.weight.ggml_type(), lin.rows, lin.cols, bytes).map_err(
-        |source| ModelError::Matmul {
-            name: name(),
+    QuantizedMatrix::new(lin.weight.ggml_type(), lin.rows, lin.cols, bytes).map_err(|source| {
+        ModelError::Matmul {
+            name: lin.weight.name().to_owned(),
             source,
-        },
-    )?;
-    matrix
-        .matmul(x, n, out)
-        .map_err(|source| ModelError::Matmul {
-            name: name(),
-            source,
-        })?;
+        }
+    })
+}
+
+/// Adds `lin`'s bias, if it has one, to every token's row of `out`.
+fn add_bias(lin: &Linear, out: &mut [f32]) -> Result<(), ModelError> {
     if let Some(bias) = &lin.bias {
         let b = values(bias)?;
         for row in out.chunks_exact_mut(lin.rows) {
@@ -257,6 +311,17 @@ fn linear(lin: &Linear, x: &[f32], n: usize, out: &mut Vec<f32>) -> Result<(), M
         }
     }
     Ok(())
+}
+
+fn linear(lin: &Linear, x: &[f32], n: usize, out: &mut Vec<f32>) -> Result<(), ModelError> {
+    resize(out, n * lin.rows);
+    matrix(lin)?
+        .matmul(x, n, out)
+        .map_err(|source| ModelError::Matmul {
+            name: lin.weight.name().to_owned(),
+            source,
+        })?;
+    add_bias(lin, out)
 }
 
 fn vector(v: &Vector) -> Result<Cow<'_, [f32]>, ModelError> {

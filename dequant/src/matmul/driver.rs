@@ -232,6 +232,76 @@ fn run_kernel<K: Kernel>(
     }
 }
 
+/// One token against several matrices of one type and width (validated, non-empty),
+/// `ys[i]` receiving matrix `i`'s rows: the activations are prepared once and every
+/// matrix's row chunks share one parallel loop. Each row gets the bits it gets from
+/// [`run`] alone.
+pub(crate) fn run_many(
+    ms: &[&QuantizedMatrix<'_>],
+    exec: Exec,
+    x: &[f32],
+    ys: &mut [&mut [f32]],
+) -> Result<(), DequantError> {
+    use formats::*;
+    match ms[0].ty() {
+        GgmlType::F32 => run_many_kernel::<F32>(ms, exec, x, ys),
+        GgmlType::F16 => run_many_kernel::<F16>(ms, exec, x, ys),
+        GgmlType::BF16 => run_many_kernel::<BF16>(ms, exec, x, ys),
+        GgmlType::Q4_0 => run_many_kernel::<Q4_0>(ms, exec, x, ys),
+        GgmlType::Q4_1 => run_many_kernel::<Q4_1>(ms, exec, x, ys),
+        GgmlType::Q5_0 => run_many_kernel::<Q5_0>(ms, exec, x, ys),
+        GgmlType::Q5_1 => run_many_kernel::<Q5_1>(ms, exec, x, ys),
+        GgmlType::Q8_0 => run_many_kernel::<Q8_0>(ms, exec, x, ys),
+        GgmlType::Q4_K => run_many_kernel::<Q4_K>(ms, exec, x, ys),
+        GgmlType::Q5_K => run_many_kernel::<Q5_K>(ms, exec, x, ys),
+        GgmlType::Q6_K => run_many_kernel::<Q6_K>(ms, exec, x, ys),
+        ty => return Err(DequantError::NoProductKernel { ty }),
+    }
+    Ok(())
+}
+
+fn run_many_kernel<K: Kernel>(
+    ms: &[&QuantizedMatrix<'_>],
+    exec: Exec,
+    x: &[f32],
+    ys: &mut [&mut [f32]],
+) {
+    let acts = K::Acts::prepare(x, 1, ms[0].cols());
+    let act_row_bytes = K::Acts::row_bytes(ms[0].cols());
+    let total_bytes: usize = ms.iter().map(|m| m.rows() * m.row_bytes()).sum();
+    // Chunks as `split` would cut all the rows if they were one matrix.
+    let (per_task_bytes, parallel) = match split(total_bytes, 1, 1, act_row_bytes) {
+        Split::Rows(bytes) => (bytes, true),
+        _ => (total_bytes, false),
+    };
+    let mut tasks: Vec<(&[u8], usize, &mut [f32])> = Vec::new();
+    for (m, y) in ms.iter().zip(ys.iter_mut()) {
+        let row_bytes = m.row_bytes();
+        let per_task = per_task_bytes
+            .div_ceil(row_bytes)
+            .next_multiple_of(4)
+            .max(1);
+        for (c, data) in y.chunks_mut(per_task).enumerate() {
+            let first = c * per_task;
+            let w = &m.bytes()[first * row_bytes..(first + data.len()) * row_bytes];
+            tasks.push((w, row_bytes, data));
+        }
+    }
+    let work = |(w, row_bytes, data): (&[u8], usize, &mut [f32])| {
+        let out = Out {
+            data,
+            row_stride: 1,
+            token_stride: 0,
+        };
+        rows::<K>(exec, w, row_bytes, &acts, 0..1, out);
+    };
+    if !parallel || tasks.len() == 1 {
+        tasks.into_iter().for_each(work);
+    } else {
+        tasks.into_par_iter().for_each(work);
+    }
+}
+
 /// Every row of `w` against `tokens` of `acts`, on the chosen path.
 fn rows<K: Kernel>(
     exec: Exec,

@@ -135,3 +135,64 @@ fn a_missing_path_is_a_typed_error() {
         ));
     }
 }
+
+#[test]
+fn fused_single_token_products_give_each_matrix_its_own_bits() {
+    use super::{in_pool, random_x};
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        let cols = 2 * QK_K;
+        let shapes = [96usize, 32, 160];
+        let bytes: Vec<Vec<u8>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(k, &rows)| random_matrix(ty, rows, cols, 300 + 10 * i as u64 + k as u64))
+            .collect();
+        let matrices: Vec<QuantizedMatrix<'_>> = shapes
+            .iter()
+            .zip(&bytes)
+            .map(|(&rows, b)| QuantizedMatrix::new(ty, rows, cols, b).unwrap())
+            .collect();
+        let refs: Vec<&QuantizedMatrix<'_>> = matrices.iter().collect();
+        let x = random_x(cols, 9 + i as u64);
+        for threads in [1, 2, 4] {
+            let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&r| vec![f32::NAN; r]).collect();
+            in_pool(threads, || {
+                let mut ys: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+                QuantizedMatrix::matvec_many(&refs, &x, &mut ys).unwrap();
+            });
+            for (m, out) in matrices.iter().zip(&outs) {
+                let mut single = vec![0.0; m.rows()];
+                m.matvec(&x, &mut single).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(out),
+                    bits(&single),
+                    "{ty} {} rows, {threads} threads",
+                    m.rows()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_products_refuse_mixed_or_mismatched_inputs() {
+    let a_bytes = random_matrix(GgmlType::Q8_0, 8, 64, 1);
+    let b_bytes = random_matrix(GgmlType::Q4_0, 8, 64, 2);
+    let a = QuantizedMatrix::new(GgmlType::Q8_0, 8, 64, &a_bytes).unwrap();
+    let b = QuantizedMatrix::new(GgmlType::Q4_0, 8, 64, &b_bytes).unwrap();
+    let x = vec![0.5; 64];
+    let (mut y0, mut y1) = (vec![0.0; 8], vec![0.0; 8]);
+    let err = QuantizedMatrix::matvec_many(&[&a, &b], &x, &mut [&mut y0, &mut y1]).unwrap_err();
+    assert!(matches!(err, DequantError::MixedProducts { .. }), "{err}");
+    let err = QuantizedMatrix::matvec_many(&[&a, &a], &x, &mut [&mut y0]).unwrap_err();
+    assert!(matches!(err, DequantError::ProductCount { .. }), "{err}");
+    let mut short = vec![0.0; 7];
+    let err = QuantizedMatrix::matvec_many(&[&a], &x, &mut [&mut short]).unwrap_err();
+    assert!(
+        matches!(err, DequantError::ProductOutputLength { .. }),
+        "{err}"
+    );
+    let err = QuantizedMatrix::matvec_many(&[&a], &x[..32], &mut [&mut y0]).unwrap_err();
+    assert!(matches!(err, DequantError::InputLength { .. }), "{err}");
+}
