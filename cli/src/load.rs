@@ -86,14 +86,14 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     let order = UploadOrder::by_layer(plan.handles());
     let plan_ms = ms();
     let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
-    let arena_bytes = args
-        .budget_mib
-        .map_or(model_bytes, |mib| model_bytes.min(mib << 20));
+    let arena_bytes = args.budget_mib.map_or(model_bytes, |mib| {
+        model_bytes.min(mib.saturating_mul(1 << 20))
+    });
     let target = HipTarget::new(&device, arena_bytes)?;
 
     let mut cache_config = CacheConfig {
         mode: args.load_mode.into(),
-        budget: args.budget_mib.map(|mib| mib << 20),
+        budget: args.budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
         direct_io: args.direct_io,
         ..CacheConfig::default()
     };
