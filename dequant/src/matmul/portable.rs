@@ -1,10 +1,13 @@
 //! The portable kernels: plain Rust, one weight row against one token.
 //!
 //! Each quantized format splits into an integer part, the exact dot product of a
-//! block's quantized weights with the quantized activations (`*_block` functions), and
-//! an f32 part that scales and accumulates it, adding the block's offset (`m`, `-8 d`
-//! or `-16 d`) times the activations' sum. The AVX2 kernels compute the same
-//! integers, so the two paths are compared exactly on them.
+//! block's quantized weights with the quantized activations, and an f32 part that scales
+//! and accumulates it. The integers are kept in the AVX2 kernels' eight lanes (lane `l`
+//! summing values `4l .. 4l + 4` of every 32) and the f32 part repeats their
+//! operations one for one (fused multiply-adds per lane, the same reductions, the same
+//! kernel choice per batch), so both paths give the same bits, which are llama.cpp's
+//! on x86: the results do not depend on the CPU. The `*_block` functions give the
+//! integer totals, against which the AVX2 integer code is checked.
 
 use std::mem::size_of;
 
@@ -20,6 +23,7 @@ pub(crate) fn whole_blocks<B: Block>(bytes: &[u8]) -> &[B] {
     cast_blocks(&bytes[..whole]).unwrap_or_default()
 }
 
+#[cfg(test)]
 /// `Σ q[i] · x[i]` over `N` values: unsigned weights against signed activations. Plain
 /// loops over arrays, which compilers turn into vector code on any target.
 #[inline]
@@ -34,6 +38,7 @@ fn dot_u8<const N: usize>(q: &[u8], x: &[i8]) -> i32 {
     sum
 }
 
+#[cfg(test)]
 /// `Σ (q − offset) · x` over `N` values, for weights stored with an offset.
 #[inline]
 fn dot_offset<const N: usize>(q: &[u8], offset: i16, x: &[i8]) -> i32 {
@@ -87,26 +92,31 @@ fn five_bit(qh: &[u8; 4], qs: &[u8; 16]) -> [u8; 32] {
     q
 }
 
+#[cfg(test)]
 /// `Q4_0` block: `Σ q · qx` with `q` the signed weight, the nibble minus 8.
 pub(crate) fn q4_0_block(block: &BlockQ4_0, qx: &[i8]) -> i32 {
     dot_offset::<32>(&nibbles(&block.qs), 8, qx)
 }
 
+#[cfg(test)]
 /// `Q4_1` block: `Σ q · qx`; the offset `m` is applied in f32.
 pub(crate) fn q4_1_block(block: &BlockQ4_1, qx: &[i8]) -> i32 {
     dot_u8::<32>(&nibbles(&block.qs), qx)
 }
 
+#[cfg(test)]
 /// `Q5_0` block: `Σ q · qx` with `q` the signed weight, the 5-bit value minus 16.
 pub(crate) fn q5_0_block(block: &BlockQ5_0, qx: &[i8]) -> i32 {
     dot_offset::<32>(&five_bit(&block.qh, &block.qs), 16, qx)
 }
 
+#[cfg(test)]
 /// `Q5_1` block: `Σ q · qx`; the offset `m` is applied in f32.
 pub(crate) fn q5_1_block(block: &BlockQ5_1, qx: &[i8]) -> i32 {
     dot_u8::<32>(&five_bit(&block.qh, &block.qs), qx)
 }
 
+#[cfg(test)]
 /// `Q8_0` block: `Σ q · qx`, both signed.
 pub(crate) fn q8_0_block(block: &BlockQ8_0, qx: &[i8]) -> i32 {
     // |q · x| ≤ 128 · 127 fits an i16.
@@ -117,51 +127,106 @@ pub(crate) fn q8_0_block(block: &BlockQ8_0, qx: &[i8]) -> i32 {
     sum
 }
 
-pub(crate) fn dot_q4_0(row: &[u8], act: Q8Row<'_>) -> f32 {
-    let mut acc = 0.0f32;
-    for (b, block) in whole_blocks::<BlockQ4_0>(row).iter().enumerate() {
-        let int = q4_0_block(block, &act.qs[b * QK8..]);
-        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
+/// Products of values `4l .. 4l + 4`, summed into lane `l`: `maddubs` then `madd`
+/// against ones, as the AVX2 kernels (and llama.cpp's) compute them.
+#[inline]
+fn lanes<const N: usize>(product: impl Fn(usize) -> i32) -> [i32; 8] {
+    let mut lanes = [0i32; 8];
+    for (l, lane) in lanes.iter_mut().enumerate() {
+        for i in (4 * l..N).step_by(32) {
+            *lane += product(i) + product(i + 1) + product(i + 2) + product(i + 3);
+        }
     }
-    acc
+    lanes
+}
+
+/// The horizontal sum of eight f32 lanes in the order of `hsum_ps` (and llama.cpp's
+/// `hsum_float_8`): the upper half onto the lower, then lanes two apart, then the pair.
+#[inline]
+pub(crate) fn reduce8(l: &[f32; 8]) -> f32 {
+    let a = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    (a[0] + a[2]) + (a[1] + a[3])
+}
+
+/// A legacy-format row: per block its scale `d`, its offset `m` (0 without one) and its
+/// eight integer lanes; each lane fused at `d · dx` into its accumulator, the offsets
+/// `m · s` added apart, the lanes reduced at the end.
+#[inline]
+fn legacy_dot(
+    n_blocks: usize,
+    act: Q8Row<'_>,
+    block: impl Fn(usize) -> (f32, f32, [i32; 8]),
+) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut offsets = 0.0f32;
+    for b in 0..n_blocks {
+        let (d, m, ints) = block(b);
+        let [dx, s] = act.ds[b];
+        let scale = d * dx;
+        for (acc, &int) in acc.iter_mut().zip(&ints) {
+            *acc = (int as f32).mul_add(scale, *acc);
+        }
+        offsets += m * s;
+    }
+    reduce8(&acc) + offsets
+}
+
+/// Lanes of unsigned weights `q` against the activations `x`.
+#[inline]
+fn lanes_u8(q: &[u8; 32], x: &[i8]) -> [i32; 8] {
+    lanes::<32>(|i| i32::from(q[i]) * i32::from(x[i]))
+}
+
+/// Lanes of weights stored with an offset, `q − offset`, against `x`.
+#[inline]
+fn lanes_offset(q: &[u8; 32], offset: i32, x: &[i8]) -> [i32; 8] {
+    lanes::<32>(|i| (i32::from(q[i]) - offset) * i32::from(x[i]))
+}
+
+pub(crate) fn dot_q4_0(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let blocks = whole_blocks::<BlockQ4_0>(row);
+    legacy_dot(blocks.len(), act, |b| {
+        let ints = lanes_offset(&nibbles(&blocks[b].qs), 8, &act.qs[b * QK8..]);
+        (blocks[b].d.to_f32(), 0.0, ints)
+    })
 }
 
 pub(crate) fn dot_q4_1(row: &[u8], act: Q8Row<'_>) -> f32 {
-    let mut acc = 0.0f32;
-    for (b, block) in whole_blocks::<BlockQ4_1>(row).iter().enumerate() {
-        let int = q4_1_block(block, &act.qs[b * QK8..]);
-        let [d, s] = act.ds[b];
-        acc += block.d.to_f32() * d * int as f32 + block.m.to_f32() * s;
-    }
-    acc
+    let blocks = whole_blocks::<BlockQ4_1>(row);
+    legacy_dot(blocks.len(), act, |b| {
+        let ints = lanes_u8(&nibbles(&blocks[b].qs), &act.qs[b * QK8..]);
+        (blocks[b].d.to_f32(), blocks[b].m.to_f32(), ints)
+    })
 }
 
 pub(crate) fn dot_q5_0(row: &[u8], act: Q8Row<'_>) -> f32 {
-    let mut acc = 0.0f32;
-    for (b, block) in whole_blocks::<BlockQ5_0>(row).iter().enumerate() {
-        let int = q5_0_block(block, &act.qs[b * QK8..]);
-        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
-    }
-    acc
+    let blocks = whole_blocks::<BlockQ5_0>(row);
+    legacy_dot(blocks.len(), act, |b| {
+        let q = five_bit(&blocks[b].qh, &blocks[b].qs);
+        (
+            blocks[b].d.to_f32(),
+            0.0,
+            lanes_offset(&q, 16, &act.qs[b * QK8..]),
+        )
+    })
 }
 
 pub(crate) fn dot_q5_1(row: &[u8], act: Q8Row<'_>) -> f32 {
-    let mut acc = 0.0f32;
-    for (b, block) in whole_blocks::<BlockQ5_1>(row).iter().enumerate() {
-        let int = q5_1_block(block, &act.qs[b * QK8..]);
-        let [d, s] = act.ds[b];
-        acc += block.d.to_f32() * d * int as f32 + block.m.to_f32() * s;
-    }
-    acc
+    let blocks = whole_blocks::<BlockQ5_1>(row);
+    legacy_dot(blocks.len(), act, |b| {
+        let q = five_bit(&blocks[b].qh, &blocks[b].qs);
+        let ints = lanes_u8(&q, &act.qs[b * QK8..]);
+        (blocks[b].d.to_f32(), blocks[b].m.to_f32(), ints)
+    })
 }
 
 pub(crate) fn dot_q8_0(row: &[u8], act: Q8Row<'_>) -> f32 {
-    let mut acc = 0.0f32;
-    for (b, block) in whole_blocks::<BlockQ8_0>(row).iter().enumerate() {
-        let int = q8_0_block(block, &act.qs[b * QK8..]);
-        acc += block.d.to_f32() * act.ds[b][0] * int as f32;
-    }
-    acc
+    let blocks = whole_blocks::<BlockQ8_0>(row);
+    legacy_dot(blocks.len(), act, |b| {
+        let (q, x) = (&blocks[b].qs, &act.qs[b * QK8..]);
+        let ints = lanes::<32>(|i| i32::from(q[i]) * i32::from(x[i]));
+        (blocks[b].d.to_f32(), 0.0, ints)
+    })
 }
 
 /// The eight 6-bit scales and eight 6-bit mins packed in the 12 bytes of a
@@ -181,6 +246,7 @@ fn k_scales_mins(packed: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     (scales, mins)
 }
 
+#[cfg(test)]
 /// `Σ mins[j] · (sum of sub-block j's activations)` for the eight sub-blocks of 32.
 #[inline]
 fn k_min_sum(mins: &[u8; 8], bsums: &[i16]) -> i32 {
@@ -188,6 +254,7 @@ fn k_min_sum(mins: &[u8; 8], bsums: &[i16]) -> i32 {
     (0..8).map(|j| i32::from(mins[j]) * pair(j)).sum()
 }
 
+#[cfg(test)]
 /// `Σ scale_j · Σ q · qx` over the eight sub-blocks of 32 of a `Q4_K`/`Q5_K` super-block:
 /// sub-blocks `2c` and `2c + 1` are the low and high nibbles of `qs[32c..32c + 32]`,
 /// plus, with `qh`, bit `j` of `qh[l]` as the fifth bit of value `l` of sub-block `j`.
@@ -212,6 +279,7 @@ fn k_scaled_dot(scales: &[u8; 8], qs: &[u8; 128], qh: Option<&[u8; 32]>, qx: &[i
     sum
 }
 
+#[cfg(test)]
 /// `Q4_K` super-block: `(Σ scale_j · Σ q · qx, Σ min_j · Σ qx)` over its eight
 /// sub-blocks; the value is `d · first − dmin · second` in activation units.
 pub(crate) fn q4_k_block(block: &BlockQ4_K, qx: &[i8], bsums: &[i16]) -> (i32, i32) {
@@ -222,6 +290,7 @@ pub(crate) fn q4_k_block(block: &BlockQ4_K, qx: &[i8], bsums: &[i16]) -> (i32, i
     )
 }
 
+#[cfg(test)]
 /// `Q5_K` super-block: as [`q4_k_block`] with the fifth bits from `qh`.
 pub(crate) fn q5_k_block(block: &BlockQ5_K, qx: &[i8], bsums: &[i16]) -> (i32, i32) {
     let (scales, mins) = k_scales_mins(&block.scales);
@@ -248,6 +317,7 @@ fn q6_k_values(block: &BlockQ6_K) -> [u8; QK_K] {
     values
 }
 
+#[cfg(test)]
 /// `Q6_K` super-block: `Σ scale_g · Σ (q - 32) · qx` over its sixteen groups of 16.
 pub(crate) fn q6_k_block(block: &BlockQ6_K, qx: &[i8], bsums: &[i16]) -> i32 {
     let values = q6_k_values(block);
@@ -260,33 +330,130 @@ pub(crate) fn q6_k_block(block: &BlockQ6_K, qx: &[i8], bsums: &[i16]) -> i32 {
     sum
 }
 
+/// A `Q4_K`/`Q5_K` super-block in lanes: for each 64 values `c` (sub-blocks `2c`, `2c +
+/// 1`), the eight lanes of `scale · Σ q · qx`, and the min term `min · Σ qx` of the pair.
+fn k_lanes(
+    scales: &[u8; 8],
+    mins: &[u8; 8],
+    qs: &[u8; 128],
+    qh: Option<&[u8; 32]>,
+    qx: &[i8],
+    bsums: &[i16],
+) -> ([[i32; 8]; 4], [i32; 4]) {
+    let mut dots = [[0i32; 8]; 4];
+    let mut min_terms = [0i32; 4];
+    let pair = |j: usize| i32::from(bsums[2 * j]) + i32::from(bsums[2 * j + 1]);
+    for c in 0..4 {
+        let (mut lo, mut hi) = ([0u8; 32], [0u8; 32]);
+        for l in 0..32 {
+            lo[l] = qs[32 * c + l] & 0x0F;
+            hi[l] = qs[32 * c + l] >> 4;
+        }
+        if let Some(qh) = qh {
+            for l in 0..32 {
+                lo[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+                hi[l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+            }
+        }
+        let (sc_lo, sc_hi) = (i32::from(scales[2 * c]), i32::from(scales[2 * c + 1]));
+        let lo_lanes = lanes_u8(&lo, &qx[64 * c..]);
+        let hi_lanes = lanes_u8(&hi, &qx[64 * c + 32..]);
+        for l in 0..8 {
+            dots[c][l] = sc_lo * lo_lanes[l] + sc_hi * hi_lanes[l];
+        }
+        min_terms[c] =
+            i32::from(mins[2 * c]) * pair(2 * c) + i32::from(mins[2 * c + 1]) * pair(2 * c + 1);
+    }
+    (dots, min_terms)
+}
+
+/// `Q4_K` as llama.cpp's repacked kernels multiply it: the integers of each 64 values
+/// (its GEMM, for tokens in a batch's groups of four) or of each super-block (its GEMV)
+/// fused into one accumulator at `d · dx`, the mins into another at `dmin · dx`.
 pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    let mut acc = 0.0f32;
+    let (mut sum, mut sum_min) = (0.0f32, 0.0f32);
     for (b, block) in whole_blocks::<BlockQ4_K>(row).iter().enumerate() {
-        let (sum, min_sum) = q4_k_block(block, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
+        let (scales, mins) = k_scales_mins(&block.scales);
+        let (qx, bsums) = (&act.qs[b * QK_K..], &act.bsums[b * 16..]);
+        let (dots, min_terms) = k_lanes(&scales, &mins, &block.qs, None, qx, bsums);
+        let parts = dots.map(|lanes| lanes.iter().sum::<i32>());
         let (d, dmin) = (block.d.to_f32() * act.d[b], block.dmin.to_f32() * act.d[b]);
-        acc += d * sum as f32 - dmin * min_sum as f32;
+        if act.packed_gemm {
+            for c in 0..4 {
+                sum = (parts[c] as f32).mul_add(d, sum);
+                sum_min = (min_terms[c] as f32).mul_add(dmin, sum_min);
+            }
+        } else {
+            sum = (parts.iter().sum::<i32>() as f32).mul_add(d, sum);
+            sum_min = (min_terms.iter().sum::<i32>() as f32).mul_add(dmin, sum_min);
+        }
     }
-    acc
+    sum - sum_min
 }
 
+/// `Q5_K` as llama.cpp's dot product: eight lanes fused at `d · dx`, four lanes of mins
+/// at `dmin · dx`, each reduced at the end.
 pub(crate) fn dot_q5_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    let mut acc = 0.0f32;
+    let mut acc = [0.0f32; 8];
+    let mut acc_min = [0.0f32; 4];
     for (b, block) in whole_blocks::<BlockQ5_K>(row).iter().enumerate() {
-        let (sum, min_sum) = q5_k_block(block, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
+        let (scales, mins) = k_scales_mins(&block.scales);
+        let (qx, bsums) = (&act.qs[b * QK_K..], &act.bsums[b * 16..]);
+        let (dots, min_terms) = k_lanes(&scales, &mins, &block.qs, Some(&block.qh), qx, bsums);
         let (d, dmin) = (block.d.to_f32() * act.d[b], block.dmin.to_f32() * act.d[b]);
-        acc += d * sum as f32 - dmin * min_sum as f32;
+        for l in 0..8 {
+            let int = dots[0][l] + dots[1][l] + dots[2][l] + dots[3][l];
+            acc[l] = (int as f32).mul_add(d, acc[l]);
+        }
+        for c in 0..4 {
+            acc_min[c] = (min_terms[c] as f32).mul_add(dmin, acc_min[c]);
+        }
     }
-    acc
+    let mins = [
+        acc_min[0], acc_min[1], acc_min[2], acc_min[3], 0.0, 0.0, 0.0, 0.0,
+    ];
+    reduce8(&acc) - reduce8(&mins)
 }
 
-pub(crate) fn dot_q6_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    let mut acc = 0.0f32;
-    for (b, block) in whole_blocks::<BlockQ6_K>(row).iter().enumerate() {
-        let sum = q6_k_block(block, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
-        acc += block.d.to_f32() * act.d[b] * sum as f32;
+/// `Q6_K` in lanes: lane `l` holds `scale · (q − 32) · qx` of values `4l .. 4l + 4` of
+/// every 32, the offset taken as `32 · scale · bsum` for groups `2l` and `2l + 1`, as
+/// llama.cpp spreads it.
+fn q6_k_lanes(block: &BlockQ6_K, qx: &[i8], bsums: &[i16]) -> [i32; 8] {
+    let values = q6_k_values(block);
+    let scale = |i: usize| i32::from(block.scales[i / BSUM_GROUP]);
+    let mut lanes = lanes::<QK_K>(|i| scale(i) * i32::from(values[i]) * i32::from(qx[i]));
+    for (l, lane) in lanes.iter_mut().enumerate() {
+        let offset = i32::from(block.scales[2 * l]) * i32::from(bsums[2 * l])
+            + i32::from(block.scales[2 * l + 1]) * i32::from(bsums[2 * l + 1]);
+        *lane -= 32 * offset;
     }
-    acc
+    lanes
+}
+
+/// `Q6_K` as llama.cpp multiplies it: one token at a time its dot product (eight lanes
+/// fused at `d · dx`), in batches of eight or more its tiled GEMM (`d · Σ` rounded per
+/// super-block, then fused at `dx`).
+pub(crate) fn dot_q6_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut gemm = 0.0f32;
+    for (b, block) in whole_blocks::<BlockQ6_K>(row).iter().enumerate() {
+        let lanes = q6_k_lanes(block, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
+        let d = block.d.to_f32();
+        if act.gemm {
+            let scaled = d * lanes.iter().sum::<i32>() as f32;
+            gemm = scaled.mul_add(act.d[b], gemm);
+        } else {
+            let scale = d * act.d[b];
+            for (acc, &int) in acc.iter_mut().zip(&lanes) {
+                *acc = (int as f32).mul_add(scale, *acc);
+            }
+        }
+    }
+    if act.gemm {
+        gemm
+    } else {
+        reduce8(&acc)
+    }
 }
 
 /// `Σ w_i · x_i` with the weights decoded by `weight(i)`, eight at a time into eight
