@@ -135,6 +135,7 @@ pub(crate) fn run(
         GgmlType::F32 => run_kernel::<F32>(m, exec, x, n_tokens, y),
         GgmlType::F16 => run_kernel::<F16>(m, exec, x, n_tokens, y),
         GgmlType::BF16 => run_kernel::<BF16>(m, exec, x, n_tokens, y),
+        GgmlType::Q4_0 if packs_q4_0(m) => run_kernel::<Q4_0Packed>(m, exec, x, n_tokens, y),
         GgmlType::Q4_0 => run_kernel::<Q4_0>(m, exec, x, n_tokens, y),
         GgmlType::Q4_1 => run_kernel::<Q4_1>(m, exec, x, n_tokens, y),
         GgmlType::Q5_0 => run_kernel::<Q5_0>(m, exec, x, n_tokens, y),
@@ -232,6 +233,12 @@ fn run_kernel<K: Kernel>(
     }
 }
 
+/// Whether llama.cpp would repack `m` (a `Q4_0` matrix whose row count is a multiple of
+/// 8, on an AVX2 machine) and so multiply it block by block.
+fn packs_q4_0(m: &QuantizedMatrix<'_>) -> bool {
+    m.ty() == GgmlType::Q4_0 && m.rows().is_multiple_of(8)
+}
+
 /// One token against several matrices of one type and width (validated, non-empty),
 /// `ys[i]` receiving matrix `i`'s rows: the activations are prepared once and every
 /// matrix's row chunks share one parallel loop. Each row gets the bits it gets from
@@ -243,7 +250,15 @@ pub(crate) fn run_many(
     ys: &mut [&mut [f32]],
 ) -> Result<(), DequantError> {
     use formats::*;
+    if ms.iter().any(|m| packs_q4_0(m) != packs_q4_0(ms[0])) {
+        // Different arithmetic per matrix: one product each.
+        for (m, y) in ms.iter().zip(ys.iter_mut()) {
+            run(m, exec, x, 1, y)?;
+        }
+        return Ok(());
+    }
     match ms[0].ty() {
+        GgmlType::Q4_0 if packs_q4_0(ms[0]) => run_many_kernel::<Q4_0Packed>(ms, exec, x, ys),
         GgmlType::F32 => run_many_kernel::<F32>(ms, exec, x, ys),
         GgmlType::F16 => run_many_kernel::<F16>(ms, exec, x, ys),
         GgmlType::BF16 => run_many_kernel::<BF16>(ms, exec, x, ys),

@@ -191,6 +191,18 @@ pub(crate) fn dot_q4_0(row: &[u8], act: Q8Row<'_>) -> f32 {
     })
 }
 
+/// `Q4_0` as llama.cpp's repacked kernels multiply it: each block's integers reduced to
+/// one value, fused at `d · dx` into one accumulator.
+pub(crate) fn dot_q4_0_packed(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, block) in whole_blocks::<BlockQ4_0>(row).iter().enumerate() {
+        let ints = lanes_offset(&nibbles(&block.qs), 8, &act.qs[b * QK8..]);
+        let total: i32 = ints.iter().sum();
+        acc = (total as f32).mul_add(block.d.to_f32() * act.ds[b][0], acc);
+    }
+    acc
+}
+
 pub(crate) fn dot_q4_1(row: &[u8], act: Q8Row<'_>) -> f32 {
     let blocks = whole_blocks::<BlockQ4_1>(row);
     legacy_dot(blocks.len(), act, |b| {

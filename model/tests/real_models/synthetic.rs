@@ -36,16 +36,16 @@ use generate::{build, spec, SPECS};
 ///
 /// Both engines compute the same function of the same bytes. Where llama.cpp multiplies
 /// with the kernels whose arithmetic ours reproduce (see ARCHITECTURE.md), the logits
-/// are the same to the last bit: measured, `llama-q4_1`, `llama-q5_0`, `llama-q5_1`,
-/// `llama-q5_k`, `llama-q6_k`, `llama-mha-tied`, `llama-mqa` and both `qwen2` models
-/// differ by 0.0000. The others take llama.cpp kernels that these small shapes reach and
-/// the real models do not, whose float order ours do not reproduce (its repacked `Q4_0`
-/// kernels, `Q4_K` matrices whose row count is not a multiple of 8, the float-weight
-/// GEMMs): there a last-bit difference upstream eventually moves one activation across
+/// are the same to the last bit: measured, `llama-q4_0`, `llama-q4_1`, `llama-q5_0`,
+/// `llama-q5_1`, `llama-q5_k`, `llama-q6_k`, `llama-mha-tied`, `llama-mqa` and both
+/// `qwen2` models differ by 0.0000. The others take llama.cpp kernels that these small
+/// shapes reach and the real models do not, whose float order ours do not reproduce
+/// (`Q4_K` matrices whose row count is not a multiple of 8, the float-weight GEMMs):
+/// there a last-bit difference upstream eventually moves one activation across
 /// an 8-bit rounding boundary, and one 8-bit level of one activation moves these small
 /// models' logits by about 0.1 (their output matrix amplifies a change of the final
 /// hidden state about fourfold). Measured maxima: `gemma3` 0.42, `llama-q4_k` 0.23,
-/// `llama3` 0.17, `llama-q4_0` 0.13, `llama-q8_0` 0.04; with float weights 0.03 at most
+/// `llama3` 0.17, `llama-q8_0` 0.04; with float weights 0.03 at most
 /// (`llama-bf16`, whose activations both engines round to bf16, 8 significant bits).
 ///
 /// A real defect is far outside these bounds: ignoring Llama 3's RoPE divisors moved

@@ -20,7 +20,7 @@
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
-use super::{hsum_ps, load32, mul_sum_u8_i8};
+use super::{hsum_epi32, hsum_ps, load32, mul_sum_u8_i8};
 use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
 use crate::matmul::activation::{Q8Row, QK8};
 
@@ -46,6 +46,9 @@ trait Legacy {
     const BYTES: usize;
     /// The second f16 of a block is its offset `m`.
     const HAS_M: bool;
+    /// Each block's integers are reduced to one value and fused into one accumulator
+    /// (llama.cpp's repacked kernels) instead of eight lanes reduced at the end.
+    const TOTALS: bool = false;
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `block..block + BYTES` must be readable.
@@ -103,6 +106,8 @@ unsafe fn high_bits(p: *const u8) -> __m256i {
 }
 
 struct Q4_0;
+/// `Q4_0` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8 rows).
+struct Q4_0Packed;
 struct Q4_1;
 struct Q5_0;
 struct Q5_1;
@@ -124,6 +129,26 @@ impl Legacy for Q4_0 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
         signed_int(w, qx)
+    }
+}
+
+impl Legacy for Q4_0Packed {
+    const BYTES: usize = size_of::<BlockQ4_0>();
+    const HAS_M: bool = false;
+    const TOTALS: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(block: *const u8) -> Quants {
+        // SAFETY: the contract is Q4_0's.
+        unsafe { Q4_0::quants(block) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
+        // SAFETY: the contract is Q4_0's.
+        unsafe { Q4_0::int(w, qx) }
     }
 }
 
@@ -298,6 +323,7 @@ fn odd_lanes<L: Legacy>(offsets: __m256) -> [f32; 4] {
 unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) -> [f32; R] {
     let nb = blocks(&rows, L::BYTES, &[act]);
     let mut acc = [_mm256_setzero_ps(); R];
+    let mut totals = [0.0f32; R];
     let mut offsets = _mm256_setzero_ps();
     for b in 0..nb {
         // SAFETY: `b < nb` bounds every index by the rows' and the activations' lengths;
@@ -312,17 +338,26 @@ unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) 
         if has_offset::<L>() {
             offsets = _mm256_add_ps(offsets, products);
         }
+        let scales = lanes_of(products);
         for r in 0..R {
             // SAFETY: as above.
             let int = unsafe { L::int(&L::quants(rows[r].as_ptr().add(b * L::BYTES)), qx) };
-            let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * r as i32));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[r]);
+            if L::TOTALS {
+                totals[r] = (hsum_epi32(int) as f32).mul_add(scales[2 * r], totals[r]);
+            } else {
+                let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * r as i32));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[r]);
+            }
         }
     }
     let offsets = odd_lanes::<L>(offsets);
     let mut out = [0.0f32; R];
     for r in 0..R {
-        out[r] = hsum_ps(acc[r]) + offsets[r];
+        out[r] = if L::TOTALS {
+            totals[r]
+        } else {
+            hsum_ps(acc[r]) + offsets[r]
+        };
     }
     out
 }
@@ -339,6 +374,7 @@ unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]
     let rows = [row];
     let nb = blocks(&rows, L::BYTES, &acts);
     let mut acc = [_mm256_setzero_ps(); N];
+    let mut totals = [0.0f32; N];
     let mut offsets = _mm256_setzero_ps();
     for b in 0..nb {
         let mut pairs = [0.0f64; 4];
@@ -362,20 +398,39 @@ unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]
         if has_offset::<L>() {
             offsets = _mm256_add_ps(offsets, products);
         }
+        let scales = lanes_of(products);
         for t in 0..N {
             // SAFETY: `b < nb` bounds the load by the activation row's length; the
             // features are present per this function's contract.
             let int = unsafe { L::int(&quants, load32(acts[t].qs.as_ptr().add(b * QK8).cast())) };
-            let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * t as i32));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[t]);
+            if L::TOTALS {
+                totals[t] = (hsum_epi32(int) as f32).mul_add(scales[2 * t], totals[t]);
+            } else {
+                let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * t as i32));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[t]);
+            }
         }
     }
     let offsets = odd_lanes::<L>(offsets);
     let mut out = [0.0f32; N];
     for t in 0..N {
-        out[t] = hsum_ps(acc[t]) + offsets[t];
+        out[t] = if L::TOTALS {
+            totals[t]
+        } else {
+            hsum_ps(acc[t]) + offsets[t]
+        };
     }
     out
+}
+
+/// The eight lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lanes_of(v: __m256) -> [f32; 8] {
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds eight f32; `storeu` has no alignment requirement.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+    lanes
 }
 
 /// `R` rows against `N` tokens: one of them must be 1, the other at most 4.
@@ -422,6 +477,7 @@ macro_rules! entry {
 }
 
 entry!(dot_q4_0, Q4_0);
+entry!(dot_q4_0_packed, Q4_0Packed);
 entry!(dot_q4_1, Q4_1);
 entry!(dot_q5_0, Q5_0);
 entry!(dot_q5_1, Q5_1);

@@ -196,3 +196,24 @@ fn fused_products_refuse_mixed_or_mismatched_inputs() {
     let err = QuantizedMatrix::matvec_many(&[&a], &x[..32], &mut [&mut y0]).unwrap_err();
     assert!(matches!(err, DequantError::InputLength { .. }), "{err}");
 }
+
+#[test]
+fn fused_q4_0_products_of_repacked_and_plain_shapes_match_their_own() {
+    use super::random_x;
+    let cols = 2 * QK_K;
+    let (a_bytes, b_bytes) = (
+        random_matrix(GgmlType::Q4_0, 16, cols, 71),
+        random_matrix(GgmlType::Q4_0, 13, cols, 72),
+    );
+    let a = QuantizedMatrix::new(GgmlType::Q4_0, 16, cols, &a_bytes).unwrap();
+    let b = QuantizedMatrix::new(GgmlType::Q4_0, 13, cols, &b_bytes).unwrap();
+    let x = random_x(cols, 73);
+    let (mut ya, mut yb) = (vec![0.0; 16], vec![0.0; 13]);
+    QuantizedMatrix::matvec_many(&[&a, &b], &x, &mut [&mut ya, &mut yb]).unwrap();
+    let (mut sa, mut sb) = (vec![0.0; 16], vec![0.0; 13]);
+    a.matvec(&x, &mut sa).unwrap();
+    b.matvec(&x, &mut sb).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&ya), bits(&sa));
+    assert_eq!(bits(&yb), bits(&sb));
+}

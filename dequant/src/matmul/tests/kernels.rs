@@ -257,20 +257,24 @@ fn portable_and_avx2_products_agree_bit_for_bit() {
         if !ty.is_quantized() {
             continue;
         }
-        let (rows, cols) = (13, 2 * QK_K);
-        let bytes = random_matrix(ty, rows, cols, 500 + i as u64);
-        let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
-        for n_tokens in [1, 5, GEMM_MIN_TOKENS + 1] {
-            let x = random_x(n_tokens * cols, 50 + i as u64);
-            let mut portable = vec![0.0; n_tokens * rows];
-            let mut avx2 = vec![0.0; n_tokens * rows];
-            matrix
-                .matmul_with(DecodePath::Scalar, &x, n_tokens, &mut portable)
-                .unwrap();
-            matrix
-                .matmul_with(DecodePath::Avx2, &x, n_tokens, &mut avx2)
-                .unwrap();
-            assert_eq!(bits(&portable), bits(&avx2), "{ty}, {n_tokens} tokens");
+        // 16 rows: llama.cpp repacks Q4_0 (and Q4_K) matrices of a multiple of 8 rows.
+        for rows in [13, 16] {
+            let cols = 2 * QK_K;
+            let bytes = random_matrix(ty, rows, cols, 500 + i as u64);
+            let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
+            for n_tokens in [1, 5, GEMM_MIN_TOKENS + 1] {
+                let x = random_x(n_tokens * cols, 50 + i as u64);
+                let mut portable = vec![0.0; n_tokens * rows];
+                let mut avx2 = vec![0.0; n_tokens * rows];
+                matrix
+                    .matmul_with(DecodePath::Scalar, &x, n_tokens, &mut portable)
+                    .unwrap();
+                matrix
+                    .matmul_with(DecodePath::Avx2, &x, n_tokens, &mut avx2)
+                    .unwrap();
+                let context = format!("{ty}, {rows} rows, {n_tokens} tokens");
+                assert_eq!(bits(&portable), bits(&avx2), "{context}");
+            }
         }
     }
 }
