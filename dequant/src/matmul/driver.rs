@@ -135,12 +135,13 @@ pub(crate) fn run(
         GgmlType::F32 => run_kernel::<F32>(m, exec, x, n_tokens, y),
         GgmlType::F16 => run_kernel::<F16>(m, exec, x, n_tokens, y),
         GgmlType::BF16 => run_kernel::<BF16>(m, exec, x, n_tokens, y),
-        GgmlType::Q4_0 if packs_q4_0(m) => run_kernel::<Q4_0Packed>(m, exec, x, n_tokens, y),
+        GgmlType::Q4_0 if repacked(m) => run_kernel::<Q4_0Packed>(m, exec, x, n_tokens, y),
         GgmlType::Q4_0 => run_kernel::<Q4_0>(m, exec, x, n_tokens, y),
         GgmlType::Q4_1 => run_kernel::<Q4_1>(m, exec, x, n_tokens, y),
         GgmlType::Q5_0 => run_kernel::<Q5_0>(m, exec, x, n_tokens, y),
         GgmlType::Q5_1 => run_kernel::<Q5_1>(m, exec, x, n_tokens, y),
         GgmlType::Q8_0 => run_kernel::<Q8_0>(m, exec, x, n_tokens, y),
+        GgmlType::Q4_K if repacked(m) => run_kernel::<Q4_KPacked>(m, exec, x, n_tokens, y),
         GgmlType::Q4_K => run_kernel::<Q4_K>(m, exec, x, n_tokens, y),
         GgmlType::Q5_K => run_kernel::<Q5_K>(m, exec, x, n_tokens, y),
         GgmlType::Q6_K => run_kernel::<Q6_K>(m, exec, x, n_tokens, y),
@@ -233,10 +234,10 @@ fn run_kernel<K: Kernel>(
     }
 }
 
-/// Whether llama.cpp would repack `m` (a `Q4_0` matrix whose row count is a multiple of
-/// 8, on an AVX2 machine) and so multiply it block by block.
-fn packs_q4_0(m: &QuantizedMatrix<'_>) -> bool {
-    m.ty() == GgmlType::Q4_0 && m.rows().is_multiple_of(8)
+/// Whether llama.cpp would repack `m` on an AVX2 machine (a `Q4_0` or `Q4_K` matrix
+/// whose row count is a multiple of 8) and multiply it with its repacked kernels.
+fn repacked(m: &QuantizedMatrix<'_>) -> bool {
+    matches!(m.ty(), GgmlType::Q4_0 | GgmlType::Q4_K) && m.rows().is_multiple_of(8)
 }
 
 /// One token against several matrices of one type and width (validated, non-empty),
@@ -250,7 +251,7 @@ pub(crate) fn run_many(
     ys: &mut [&mut [f32]],
 ) -> Result<(), DequantError> {
     use formats::*;
-    if ms.iter().any(|m| packs_q4_0(m) != packs_q4_0(ms[0])) {
+    if ms.iter().any(|m| repacked(m) != repacked(ms[0])) {
         // Different arithmetic per matrix: one product each.
         for (m, y) in ms.iter().zip(ys.iter_mut()) {
             run(m, exec, x, 1, y)?;
@@ -258,7 +259,7 @@ pub(crate) fn run_many(
         return Ok(());
     }
     match ms[0].ty() {
-        GgmlType::Q4_0 if packs_q4_0(ms[0]) => run_many_kernel::<Q4_0Packed>(ms, exec, x, ys),
+        GgmlType::Q4_0 if repacked(ms[0]) => run_many_kernel::<Q4_0Packed>(ms, exec, x, ys),
         GgmlType::F32 => run_many_kernel::<F32>(ms, exec, x, ys),
         GgmlType::F16 => run_many_kernel::<F16>(ms, exec, x, ys),
         GgmlType::BF16 => run_many_kernel::<BF16>(ms, exec, x, ys),
@@ -267,6 +268,7 @@ pub(crate) fn run_many(
         GgmlType::Q5_0 => run_many_kernel::<Q5_0>(ms, exec, x, ys),
         GgmlType::Q5_1 => run_many_kernel::<Q5_1>(ms, exec, x, ys),
         GgmlType::Q8_0 => run_many_kernel::<Q8_0>(ms, exec, x, ys),
+        GgmlType::Q4_K if repacked(ms[0]) => run_many_kernel::<Q4_KPacked>(ms, exec, x, ys),
         GgmlType::Q4_K => run_many_kernel::<Q4_K>(ms, exec, x, ys),
         GgmlType::Q5_K => run_many_kernel::<Q5_K>(ms, exec, x, ys),
         GgmlType::Q6_K => run_many_kernel::<Q6_K>(ms, exec, x, ys),

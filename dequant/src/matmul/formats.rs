@@ -69,5 +69,13 @@ kernel!(Q5_0, Q8_0Acts, portable::dot_q5_0, avx2::legacy::dot_q5_0);
 kernel!(Q5_1, Q8_1Acts, portable::dot_q5_1, avx2::legacy::dot_q5_1);
 kernel!(Q8_0, Q8_0Acts, portable::dot_q8_0, avx2::legacy::dot_q8_0);
 kernel!(Q4_K, Q8KActs, portable::dot_q4_k, avx2::kquants::dot_q4_k);
+// `Q4_K` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
+// machines.
+kernel!(
+    Q4_KPacked,
+    Q8KActs,
+    portable::dot_q4_k_packed,
+    avx2::kquants::dot_q4_k_packed
+);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

@@ -379,10 +379,11 @@ fn k_lanes(
     (dots, min_terms)
 }
 
-/// `Q4_K` as llama.cpp's repacked kernels multiply it: the integers of each 64 values
-/// (its GEMM, for tokens in a batch's groups of four) or of each super-block (its GEMV)
-/// fused into one accumulator at `d · dx`, the mins into another at `dmin · dx`.
-pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
+/// `Q4_K` of a matrix that llama.cpp repacks (a multiple of 8 rows), as its repacked
+/// kernels multiply it: the integers of each 64 values (its GEMM, for tokens in a
+/// batch's groups of four) or of each super-block (its GEMV) fused into one accumulator
+/// at `d · dx`, the mins into another at `dmin · dx`.
+pub(crate) fn dot_q4_k_packed(row: &[u8], act: Q8KRow<'_>) -> f32 {
     let (mut sum, mut sum_min) = (0.0f32, 0.0f32);
     for (b, block) in whole_blocks::<BlockQ4_K>(row).iter().enumerate() {
         let (scales, mins) = k_scales_mins(&block.scales);
@@ -403,16 +404,30 @@ pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
     sum - sum_min
 }
 
-/// `Q5_K` as llama.cpp's dot product: eight lanes fused at `d · dx`, four lanes of mins
-/// at `dmin · dx`, each reduced at the end.
-pub(crate) fn dot_q5_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
+/// A `Q4_K` or `Q5_K` row as llama.cpp multiplies matrices it does not repack: one
+/// token at a time its dot product (eight lanes fused at `d · dx`, four lanes of mins at
+/// `dmin · dx`, each reduced at the end), in batches of eight or more its tiled GEMM
+/// (per super-block `d · Σ`, `dmin · Σmin` fused off it, the result fused at `dx`).
+fn k_dot<B: Block>(
+    row: &[u8],
+    act: Q8KRow<'_>,
+    parts: impl Fn(&B) -> (f32, f32, [u8; 8], [u8; 8], &[u8; 128], Option<&[u8; 32]>),
+) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut acc_min = [0.0f32; 4];
-    for (b, block) in whole_blocks::<BlockQ5_K>(row).iter().enumerate() {
-        let (scales, mins) = k_scales_mins(&block.scales);
+    let mut gemm = 0.0f32;
+    for (b, block) in whole_blocks::<B>(row).iter().enumerate() {
+        let (dw, dminw, scales, mins, qs, qh) = parts(block);
         let (qx, bsums) = (&act.qs[b * QK_K..], &act.bsums[b * 16..]);
-        let (dots, min_terms) = k_lanes(&scales, &mins, &block.qs, Some(&block.qh), qx, bsums);
-        let (d, dmin) = (block.d.to_f32() * act.d[b], block.dmin.to_f32() * act.d[b]);
+        let (dots, min_terms) = k_lanes(&scales, &mins, qs, qh, qx, bsums);
+        if act.gemm {
+            let total: i32 = dots.iter().flatten().sum();
+            let min_total: i32 = min_terms.iter().sum();
+            let res = (-dminw).mul_add(min_total as f32, dw * total as f32);
+            gemm = res.mul_add(act.d[b], gemm);
+            continue;
+        }
+        let (d, dmin) = (dw * act.d[b], dminw * act.d[b]);
         for l in 0..8 {
             let int = dots[0][l] + dots[1][l] + dots[2][l] + dots[3][l];
             acc[l] = (int as f32).mul_add(d, acc[l]);
@@ -421,10 +436,31 @@ pub(crate) fn dot_q5_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
             acc_min[c] = (min_terms[c] as f32).mul_add(dmin, acc_min[c]);
         }
     }
+    if act.gemm {
+        return gemm;
+    }
     let mins = [
         acc_min[0], acc_min[1], acc_min[2], acc_min[3], 0.0, 0.0, 0.0, 0.0,
     ];
     reduce8(&acc) - reduce8(&mins)
+}
+
+/// `Q4_K` of a matrix llama.cpp does not repack: see [`k_dot`].
+pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    k_dot::<BlockQ4_K>(row, act, |block| {
+        let (scales, mins) = k_scales_mins(&block.scales);
+        let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
+        (d, dmin, scales, mins, &block.qs, None)
+    })
+}
+
+/// `Q5_K`: see [`k_dot`].
+pub(crate) fn dot_q5_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    k_dot::<BlockQ5_K>(row, act, |block| {
+        let (scales, mins) = k_scales_mins(&block.scales);
+        let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
+        (d, dmin, scales, mins, &block.qs, Some(&block.qh))
+    })
 }
 
 /// `Q6_K` in lanes: lane `l` holds `scale · (q − 32) · qx` of values `4l .. 4l + 4` of

@@ -9,16 +9,19 @@
 //!
 //! The float arithmetic after the integers follows llama.cpp's x86 kernels, so that
 //! products agree with it to the last bit:
-//! - `Q4_K` as its repacked kernels (which it uses for every `Q4_K` matrix on AVX2
-//!   machines): the integer sums are reduced to one value per super-block (the GEMV,
-//!   for single tokens and the last `n % 4` tokens of a batch) or per 64 values (the
-//!   GEMM, for the batch's groups of four), fused into one accumulator at `d · dx`,
-//!   the mins into another at `dmin · dx`, and the two subtracted at the end;
+//! - `Q4_K` matrices of a multiple of 8 rows as its repacked kernels (which it uses for
+//!   them on AVX2 machines): the integer sums are reduced to one value per super-block
+//!   (the GEMV, for single tokens and the last `n % 4` tokens of a batch) or per 64
+//!   values (the GEMM, for the batch's groups of four), fused into one accumulator at
+//!   `d · dx`, the mins into another at `dmin · dx`, and the two subtracted at the end;
+//!   other `Q4_K` matrices as `Q5_K`;
 //! - `Q6_K` one token at a time as its dot product: eight lanes fused at `d · dx`,
 //!   reduced at the end; and for batches of
 //!   [`GEMM_MIN_TOKENS`](crate::matmul::activation::GEMM_MIN_TOKENS) or more as its tiled
 //!   GEMM: per super-block `d · Σ` rounded, then fused at `dx` into one accumulator;
-//! - `Q5_K` as its dot product (the eight lanes, the mins apart).
+//! - `Q5_K` one token at a time as its dot product (the eight lanes, the mins apart),
+//!   in batches of eight or more as its tiled GEMM (per super-block `d · Σ` rounded,
+//!   `dmin · Σmin` fused off it, the result fused at `dx` into one accumulator).
 
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
@@ -273,14 +276,17 @@ unsafe fn f16_pair(p: *const u8) -> __m128 {
     }))
 }
 
-/// `R` `Q4_K`/`Q5_K` rows against `N` tokens; `SPLIT` (for `Q4_K`) keeps the sums of
-/// each 64 values apart for llama.cpp's repacked GEMM.
+/// `R` `Q4_K`/`Q5_K` rows against `N` tokens. `PACKED` (`Q4_K` matrices that llama.cpp
+/// repacks) takes its repacked kernels' arithmetic; otherwise, as llama.cpp multiplies
+/// them, tokens of a batch of [`GEMM_MIN_TOKENS`](crate::matmul::activation::GEMM_MIN_TOKENS)
+/// or more take its tiled GEMM's (per super-block `d · Σ − dmin · Σmin`, then fused at
+/// `dx`) and single tokens its dot product's (eight lanes, mins apart).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q45_k<const FIVE: bool, const SPLIT: bool, const R: usize, const N: usize>(
+unsafe fn dot_q45_k<const FIVE: bool, const PACKED: bool, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     acts: [Q8KRow<'_>; N],
 ) -> [[f32; N]; R] {
@@ -291,8 +297,7 @@ unsafe fn dot_q45_k<const FIVE: bool, const SPLIT: bool, const R: usize, const N
     for r in 0..R {
         let mut acc = [_mm256_setzero_ps(); N];
         let mut acc_min = [_mm_setzero_ps(); N];
-        // Q4_K: llama.cpp's repacked kernels, one accumulator each for the dot
-        // products and the mins.
+        // The repacked kernels' and the tiled GEMM's single accumulators.
         let mut sum = [0.0f32; N];
         let mut sum_min = [0.0f32; N];
         for b in 0..nb {
@@ -303,12 +308,21 @@ unsafe fn dot_q45_k<const FIVE: bool, const SPLIT: bool, const R: usize, const N
                 let block = rows[r].as_ptr().add(b * bytes);
                 (
                     f16_pair(block),
-                    q45_k_ints::<FIVE, SPLIT, N>(block, qx, bsums),
+                    q45_k_ints::<FIVE, PACKED, N>(block, qx, bsums),
                 )
             };
             for t in 0..N {
                 let scaled = _mm_mul_ps(d_dmin, _mm_set1_ps(acts[t].d[b]));
-                if FIVE {
+                if !PACKED && acts[t].gemm {
+                    let mut w = [0.0f32; 4];
+                    // SAFETY: `w` holds four f32; `storeu` needs no alignment.
+                    unsafe { _mm_storeu_ps(w.as_mut_ptr(), d_dmin) };
+                    let main = w[0] * hsum_epi32(dots[t]) as f32;
+                    let res = (-w[1]).mul_add(hsum_epi32_128(min_sums[t]) as f32, main);
+                    sum[t] = res.mul_add(acts[t].d[b], sum[t]);
+                    continue;
+                }
+                if !PACKED {
                     let d = _mm256_broadcastss_ps(scaled);
                     let dmin = _mm_permute_ps::<0b01_01_01_01>(scaled);
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), d, acc[t]);
@@ -335,25 +349,42 @@ unsafe fn dot_q45_k<const FIVE: bool, const SPLIT: bool, const R: usize, const N
             }
         }
         for t in 0..N {
-            out[r][t] = if FIVE {
+            out[r][t] = if PACKED {
+                sum[t] - sum_min[t]
+            } else if acts[t].gemm {
+                sum[t]
+            } else {
                 let mins =
                     _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(acc_min[t]), _mm_setzero_ps());
                 hsum_ps(acc[t]) - hsum_ps(mins)
-            } else {
-                sum[t] - sum_min[t]
             };
         }
     }
     out
 }
 
-/// `R` `Q4_K` rows against `N` tokens.
+/// `R` `Q4_K` rows against `N` tokens, of a matrix llama.cpp does not repack.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn dot_q4_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_q45_k::<false, false, R, N>(rows, acts) }
+}
+
+/// `R` `Q4_K` rows against `N` tokens, of a matrix llama.cpp repacks (a multiple of 8
+/// rows).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_k_packed<const R: usize, const N: usize>(
     rows: [&[u8]; R],
     acts: [Q8KRow<'_>; N],
 ) -> [[f32; N]; R] {

@@ -139,55 +139,59 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 /// Tokens get the same bits whichever batch they come in, as long as llama.cpp would
 /// multiply them with the same kernel (and so do ours): below [`GEMM_MIN_TOKENS`] a
 /// batch gives each token the bits of a single-token product, except that `Q4_K`
-/// tokens in a whole group of four get the bits of a batch of four (llama.cpp's
-/// repacked GEMM); from [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other
+/// tokens in a whole group of four, against a matrix llama.cpp repacks, get the bits of
+/// a batch of four (its repacked GEMM); from [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other
 /// k-quants to its tiled GEMM) a batch gives the bits of each of its halves.
 #[test]
 fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for (i, ty) in TYPES.into_iter().enumerate() {
-        let (rows, cols, n_tokens) = (9, 2 * QK_K, 2 * GEMM_MIN_TOKENS);
-        let bytes = random_matrix(ty, rows, cols, 77 + i as u64);
-        let x = random_x(n_tokens * cols, 5 + i as u64);
-        let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
-        for path in paths() {
-            let small = GEMM_MIN_TOKENS - 1;
-            let mut batch = vec![0.0; small * rows];
-            matrix
-                .matmul_with(path, &x[..small * cols], small, &mut batch)
-                .unwrap();
-            let mut four = vec![0.0; 4 * rows];
-            matrix
-                .matmul_with(path, &x[..4 * cols], 4, &mut four)
-                .unwrap();
-            for t in 0..small {
-                let mut single = vec![0.0; rows];
+        // 16 rows: a matrix llama.cpp repacks (Q4_0, Q4_K); 9: one it does not.
+        for rows in [9, 16] {
+            let (cols, n_tokens) = (2 * QK_K, 2 * GEMM_MIN_TOKENS);
+            let bytes = random_matrix(ty, rows, cols, 77 + i as u64);
+            let x = random_x(n_tokens * cols, 5 + i as u64);
+            let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
+            let grouped = ty == GgmlType::Q4_K && rows % 8 == 0;
+            for path in paths() {
+                let small = GEMM_MIN_TOKENS - 1;
+                let mut batch = vec![0.0; small * rows];
                 matrix
-                    .matvec_with(path, &x[t * cols..(t + 1) * cols], &mut single)
+                    .matmul_with(path, &x[..small * cols], small, &mut batch)
                     .unwrap();
-                let expected = if ty == GgmlType::Q4_K && t < 4 {
-                    &four[t * rows..(t + 1) * rows]
-                } else {
-                    &single[..]
-                };
-                assert_eq!(
-                    bits(&batch[t * rows..(t + 1) * rows]),
-                    bits(expected),
-                    "{ty} token {t} of {small} on {path:?}"
-                );
-            }
-            let mut batch = vec![0.0; n_tokens * rows];
-            matrix.matmul_with(path, &x, n_tokens, &mut batch).unwrap();
-            let half = n_tokens / 2;
-            for h in 0..2 {
-                let mut part = vec![0.0; half * rows];
-                let xs = &x[h * half * cols..(h + 1) * half * cols];
-                matrix.matmul_with(path, xs, half, &mut part).unwrap();
-                assert_eq!(
-                    bits(&batch[h * half * rows..(h + 1) * half * rows]),
-                    bits(&part),
-                    "{ty} half {h} of {n_tokens} on {path:?}"
-                );
+                let mut four = vec![0.0; 4 * rows];
+                matrix
+                    .matmul_with(path, &x[..4 * cols], 4, &mut four)
+                    .unwrap();
+                for t in 0..small {
+                    let mut single = vec![0.0; rows];
+                    matrix
+                        .matvec_with(path, &x[t * cols..(t + 1) * cols], &mut single)
+                        .unwrap();
+                    let expected = if grouped && t < 4 {
+                        &four[t * rows..(t + 1) * rows]
+                    } else {
+                        &single[..]
+                    };
+                    assert_eq!(
+                        bits(&batch[t * rows..(t + 1) * rows]),
+                        bits(expected),
+                        "{ty} ({rows} rows) token {t} of {small} on {path:?}"
+                    );
+                }
+                let mut batch = vec![0.0; n_tokens * rows];
+                matrix.matmul_with(path, &x, n_tokens, &mut batch).unwrap();
+                let half = n_tokens / 2;
+                for h in 0..2 {
+                    let mut part = vec![0.0; half * rows];
+                    let xs = &x[h * half * cols..(h + 1) * half * cols];
+                    matrix.matmul_with(path, xs, half, &mut part).unwrap();
+                    assert_eq!(
+                        bits(&batch[h * half * rows..(h + 1) * half * rows]),
+                        bits(&part),
+                        "{ty} ({rows} rows) half {h} of {n_tokens} on {path:?}"
+                    );
+                }
             }
         }
     }
