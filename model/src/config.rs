@@ -89,8 +89,12 @@ pub struct ModelConfig {
     /// Positions are divided by this factor (linear RoPE scaling); 1 when absent.
     pub rope_scale: f32,
     pub activation: Activation,
-    /// Scale applied to queries before `Q·Kᵀ` (usually `1/sqrt(head_dim)`).
+    /// Scale of the attention scores (usually `1/sqrt(head_dim)`).
     pub attention_scale: f32,
+    /// Where the scale applies: to the queries before `Q·Kᵀ` (Gemma, as llama.cpp's
+    /// graph does for it) or to the scores after it (the others). The two round
+    /// differently unless the scale is a power of two.
+    pub scale_queries: bool,
     /// Embeddings are multiplied by this after lookup (Gemma: `sqrt(n_embd)`), else 1.
     pub embedding_scale: f32,
     /// Per layer: window and RoPE base.
@@ -202,6 +206,7 @@ impl ModelConfig {
             rope_scale,
             activation: Activation::Silu,
             attention_scale: 1.0 / (head_dim as f32).sqrt(),
+            scale_queries: false,
             embedding_scale: 1.0,
             layers: vec![
                 LayerAttention {
@@ -233,6 +238,7 @@ fn gemma3_specifics(config: &mut ModelConfig, metadata: &Metadata) -> Result<(),
     config.rope_style = RopeStyle::Halves;
     config.activation = Activation::GeluTanh;
     config.embedding_scale = (config.n_embd as f32).sqrt();
+    config.scale_queries = true;
     let window: usize = metadata.get_as("gemma3.attention.sliding_window")?;
     let window = check_range("gemma3.attention.sliding_window", window, 1, usize::MAX)?;
     for (layer_idx, layer) in config.layers.iter_mut().enumerate() {

@@ -170,6 +170,11 @@ fn layer_forward(
         config.rope_style,
         &table,
     );
+    if config.scale_queries {
+        for q in s.q.iter_mut() {
+            *q *= config.attention_scale;
+        }
+    }
     cache.append(layer_idx, &s.k, &s.v);
     let (keys, values) = cache.layer(layer_idx);
     resize(&mut s.attn, n * config.n_heads * config.head_dim_v);
@@ -180,7 +185,11 @@ fn layer_forward(
         head_dim_v: config.head_dim_v,
         first_pos,
         window: attn_cfg.sliding_window,
-        scale: config.attention_scale,
+        scale: if config.scale_queries {
+            1.0
+        } else {
+            config.attention_scale
+        },
     };
     ops::attention(&s.q, keys, values, &shape, &mut s.attn);
     let n = if rows == Rows::Last && n > 1 {
