@@ -266,25 +266,33 @@ fn k_min_sum(mins: &[u8; 8], bsums: &[i16]) -> i32 {
     (0..8).map(|j| i32::from(mins[j]) * pair(j)).sum()
 }
 
+/// The values of chunk `c` (64 values) of a `Q4_K`/`Q5_K` super-block: sub-blocks `2c`
+/// and `2c + 1` are the low and high nibbles of `qs[32c..32c + 32]`, plus, with `qh`,
+/// bit `j` of `qh[l]` as the fifth bit of value `l` of sub-block `j`.
+#[inline]
+fn k_chunk(qs: &[u8; 128], qh: Option<&[u8; 32]>, c: usize) -> ([u8; 32], [u8; 32]) {
+    let (mut lo, mut hi) = ([0u8; 32], [0u8; 32]);
+    for l in 0..32 {
+        lo[l] = qs[32 * c + l] & 0x0F;
+        hi[l] = qs[32 * c + l] >> 4;
+    }
+    if let Some(qh) = qh {
+        for l in 0..32 {
+            lo[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+            hi[l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+        }
+    }
+    (lo, hi)
+}
+
 #[cfg(test)]
-/// `Σ scale_j · Σ q · qx` over the eight sub-blocks of 32 of a `Q4_K`/`Q5_K` super-block:
-/// sub-blocks `2c` and `2c + 1` are the low and high nibbles of `qs[32c..32c + 32]`,
-/// plus, with `qh`, bit `j` of `qh[l]` as the fifth bit of value `l` of sub-block `j`.
+/// `Σ scale_j · Σ q · qx` over the eight sub-blocks of 32 of a `Q4_K`/`Q5_K` super-block
+/// (values as [`k_chunk`] lays them out).
 #[inline]
 fn k_scaled_dot(scales: &[u8; 8], qs: &[u8; 128], qh: Option<&[u8; 32]>, qx: &[i8]) -> i32 {
     let mut sum = 0i32;
     for c in 0..4 {
-        let (mut lo, mut hi) = ([0u8; 32], [0u8; 32]);
-        for l in 0..32 {
-            lo[l] = qs[32 * c + l] & 0x0F;
-            hi[l] = qs[32 * c + l] >> 4;
-        }
-        if let Some(qh) = qh {
-            for l in 0..32 {
-                lo[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
-                hi[l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
-            }
-        }
+        let (lo, hi) = k_chunk(qs, qh, c);
         sum += i32::from(scales[2 * c]) * dot_u8::<32>(&lo, &qx[64 * c..]);
         sum += i32::from(scales[2 * c + 1]) * dot_u8::<32>(&hi, &qx[64 * c + 32..]);
     }
@@ -356,17 +364,7 @@ fn k_lanes(
     let mut min_terms = [0i32; 4];
     let pair = |j: usize| i32::from(bsums[2 * j]) + i32::from(bsums[2 * j + 1]);
     for c in 0..4 {
-        let (mut lo, mut hi) = ([0u8; 32], [0u8; 32]);
-        for l in 0..32 {
-            lo[l] = qs[32 * c + l] & 0x0F;
-            hi[l] = qs[32 * c + l] >> 4;
-        }
-        if let Some(qh) = qh {
-            for l in 0..32 {
-                lo[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
-                hi[l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
-            }
-        }
+        let (lo, hi) = k_chunk(qs, qh, c);
         let (sc_lo, sc_hi) = (i32::from(scales[2 * c]), i32::from(scales[2 * c + 1]));
         let lo_lanes = lanes_u8(&lo, &qx[64 * c..]);
         let hi_lanes = lanes_u8(&hi, &qx[64 * c + 32..]);
