@@ -278,15 +278,12 @@ fn linears<const K: usize>(
         return Ok(());
     }
     let mut matrices = Vec::with_capacity(K);
-    for lin in &lins {
-        matrices.push(matrix(lin)?);
-    }
     for (lin, out) in lins.iter().zip(outs.iter_mut()) {
+        matrices.push(matrix(lin)?);
         resize(out, lin.rows);
     }
-    let refs: Vec<&QuantizedMatrix<'_>> = matrices.iter().collect();
-    let mut ys: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-    QuantizedMatrix::matvec_many(&refs, x, &mut ys).map_err(|source| ModelError::Matmul {
+    let mut ys = outs.each_mut().map(|o| o.as_mut_slice());
+    QuantizedMatrix::matvec_many(&matrices, x, &mut ys).map_err(|source| ModelError::Matmul {
         name: lins
             .iter()
             .map(|l| l.weight.name())

@@ -245,13 +245,13 @@ fn repacked(m: &QuantizedMatrix<'_>) -> bool {
 /// matrix's row chunks share one parallel loop. Each row gets the bits it gets from
 /// [`run`] alone.
 pub(crate) fn run_many(
-    ms: &[&QuantizedMatrix<'_>],
+    ms: &[QuantizedMatrix<'_>],
     exec: Exec,
     x: &[f32],
     ys: &mut [&mut [f32]],
 ) -> Result<(), DequantError> {
     use formats::*;
-    if ms.iter().any(|m| repacked(m) != repacked(ms[0])) {
+    if ms.iter().any(|m| repacked(m) != repacked(&ms[0])) {
         // Different arithmetic per matrix: one product each.
         for (m, y) in ms.iter().zip(ys.iter_mut()) {
             run(m, exec, x, 1, y)?;
@@ -259,7 +259,7 @@ pub(crate) fn run_many(
         return Ok(());
     }
     match ms[0].ty() {
-        GgmlType::Q4_0 if repacked(ms[0]) => run_many_kernel::<Q4_0Packed>(ms, exec, x, ys),
+        GgmlType::Q4_0 if repacked(&ms[0]) => run_many_kernel::<Q4_0Packed>(ms, exec, x, ys),
         GgmlType::F32 => run_many_kernel::<F32>(ms, exec, x, ys),
         GgmlType::F16 => run_many_kernel::<F16>(ms, exec, x, ys),
         GgmlType::BF16 => run_many_kernel::<BF16>(ms, exec, x, ys),
@@ -268,7 +268,7 @@ pub(crate) fn run_many(
         GgmlType::Q5_0 => run_many_kernel::<Q5_0>(ms, exec, x, ys),
         GgmlType::Q5_1 => run_many_kernel::<Q5_1>(ms, exec, x, ys),
         GgmlType::Q8_0 => run_many_kernel::<Q8_0>(ms, exec, x, ys),
-        GgmlType::Q4_K if repacked(ms[0]) => run_many_kernel::<Q4_KPacked>(ms, exec, x, ys),
+        GgmlType::Q4_K if repacked(&ms[0]) => run_many_kernel::<Q4_KPacked>(ms, exec, x, ys),
         GgmlType::Q4_K => run_many_kernel::<Q4_K>(ms, exec, x, ys),
         GgmlType::Q5_K => run_many_kernel::<Q5_K>(ms, exec, x, ys),
         GgmlType::Q6_K => run_many_kernel::<Q6_K>(ms, exec, x, ys),
@@ -278,7 +278,7 @@ pub(crate) fn run_many(
 }
 
 fn run_many_kernel<K: Kernel>(
-    ms: &[&QuantizedMatrix<'_>],
+    ms: &[QuantizedMatrix<'_>],
     exec: Exec,
     x: &[f32],
     ys: &mut [&mut [f32]],

@@ -164,7 +164,7 @@ impl<'a> QuantizedMatrix<'a> {
     /// model more than the products' own time at decode. Each `ys[i]` receives exactly
     /// what `matrices[i].matvec(x, ys[i])` would.
     pub fn matvec_many(
-        matrices: &[&QuantizedMatrix<'_>],
+        matrices: &[QuantizedMatrix<'_>],
         x: &[f32],
         ys: &mut [&mut [f32]],
     ) -> Result<(), DequantError> {
@@ -177,35 +177,18 @@ impl<'a> QuantizedMatrix<'a> {
                 outputs: ys.len(),
             });
         }
-        for m in matrices {
+        for (m, y) in matrices.iter().zip(ys.iter()) {
             if m.ty() != first.ty() || m.cols() != first.cols() {
                 return Err(DequantError::MixedProducts {
                     first: (first.ty(), first.cols()),
                     other: (m.ty(), m.cols()),
                 });
             }
-        }
-        for (m, y) in matrices.iter().zip(ys.iter()) {
-            if y.len() != m.rows() {
-                return Err(DequantError::ProductOutputLength {
-                    n_tokens: 1,
-                    rows: m.rows(),
-                    expected: m.rows(),
-                    actual: y.len(),
-                });
-            }
-        }
-        if x.len() != first.cols() {
-            return Err(DequantError::InputLength {
-                n_tokens: 1,
-                cols: first.cols(),
-                expected: first.cols(),
-                actual: x.len(),
-            });
+            m.check_lengths(x, 1, y)?;
         }
         let path = best_path();
         let exec = driver::Exec::new(path).ok_or(DequantError::PathUnavailable { path })?;
-        if first.cols() == 0 || matrices.iter().all(|m| m.rows() == 0) {
+        if first.cols() == 0 {
             ys.iter_mut().for_each(|y| y.fill(0.0));
             return Ok(());
         }
@@ -226,6 +209,20 @@ impl<'a> QuantizedMatrix<'a> {
         n_tokens: usize,
         y: &mut [f32],
     ) -> Result<(), DequantError> {
+        self.check_lengths(x, n_tokens, y)?;
+        let exec = driver::Exec::new(path).ok_or(DequantError::PathUnavailable { path })?;
+        if y.is_empty() {
+            return Ok(());
+        }
+        if self.cols == 0 {
+            y.fill(0.0);
+            return Ok(());
+        }
+        driver::run(self, exec, x, n_tokens, y)
+    }
+
+    /// That `x` holds `n_tokens` rows of `cols` values and `y` `n_tokens` of `rows`.
+    fn check_lengths(&self, x: &[f32], n_tokens: usize, y: &[f32]) -> Result<(), DequantError> {
         let (rows, cols) = (self.rows, self.cols);
         let expected_x = n_tokens.checked_mul(cols);
         if expected_x != Some(x.len()) {
@@ -245,14 +242,6 @@ impl<'a> QuantizedMatrix<'a> {
                 actual: y.len(),
             });
         }
-        let exec = driver::Exec::new(path).ok_or(DequantError::PathUnavailable { path })?;
-        if y.is_empty() {
-            return Ok(());
-        }
-        if cols == 0 {
-            y.fill(0.0);
-            return Ok(());
-        }
-        driver::run(self, exec, x, n_tokens, y)
+        Ok(())
     }
 }

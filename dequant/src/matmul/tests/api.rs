@@ -152,13 +152,12 @@ fn fused_single_token_products_give_each_matrix_its_own_bits() {
             .zip(&bytes)
             .map(|(&rows, b)| QuantizedMatrix::new(ty, rows, cols, b).unwrap())
             .collect();
-        let refs: Vec<&QuantizedMatrix<'_>> = matrices.iter().collect();
         let x = random_x(cols, 9 + i as u64);
         for threads in [1, 2, 4] {
             let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&r| vec![f32::NAN; r]).collect();
             in_pool(threads, || {
                 let mut ys: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-                QuantizedMatrix::matvec_many(&refs, &x, &mut ys).unwrap();
+                QuantizedMatrix::matvec_many(&matrices, &x, &mut ys).unwrap();
             });
             for (m, out) in matrices.iter().zip(&outs) {
                 let mut single = vec![0.0; m.rows()];
@@ -183,17 +182,17 @@ fn fused_products_refuse_mixed_or_mismatched_inputs() {
     let b = QuantizedMatrix::new(GgmlType::Q4_0, 8, 64, &b_bytes).unwrap();
     let x = vec![0.5; 64];
     let (mut y0, mut y1) = (vec![0.0; 8], vec![0.0; 8]);
-    let err = QuantizedMatrix::matvec_many(&[&a, &b], &x, &mut [&mut y0, &mut y1]).unwrap_err();
+    let err = QuantizedMatrix::matvec_many(&[a, b], &x, &mut [&mut y0, &mut y1]).unwrap_err();
     assert!(matches!(err, DequantError::MixedProducts { .. }), "{err}");
-    let err = QuantizedMatrix::matvec_many(&[&a, &a], &x, &mut [&mut y0]).unwrap_err();
+    let err = QuantizedMatrix::matvec_many(&[a, a], &x, &mut [&mut y0]).unwrap_err();
     assert!(matches!(err, DequantError::ProductCount { .. }), "{err}");
     let mut short = vec![0.0; 7];
-    let err = QuantizedMatrix::matvec_many(&[&a], &x, &mut [&mut short]).unwrap_err();
+    let err = QuantizedMatrix::matvec_many(&[a], &x, &mut [&mut short]).unwrap_err();
     assert!(
         matches!(err, DequantError::ProductOutputLength { .. }),
         "{err}"
     );
-    let err = QuantizedMatrix::matvec_many(&[&a], &x[..32], &mut [&mut y0]).unwrap_err();
+    let err = QuantizedMatrix::matvec_many(&[a], &x[..32], &mut [&mut y0]).unwrap_err();
     assert!(matches!(err, DequantError::InputLength { .. }), "{err}");
 }
 
@@ -209,7 +208,7 @@ fn fused_q4_0_products_of_repacked_and_plain_shapes_match_their_own() {
     let b = QuantizedMatrix::new(GgmlType::Q4_0, 13, cols, &b_bytes).unwrap();
     let x = random_x(cols, 73);
     let (mut ya, mut yb) = (vec![0.0; 16], vec![0.0; 13]);
-    QuantizedMatrix::matvec_many(&[&a, &b], &x, &mut [&mut ya, &mut yb]).unwrap();
+    QuantizedMatrix::matvec_many(&[a, b], &x, &mut [&mut ya, &mut yb]).unwrap();
     let (mut sa, mut sb) = (vec![0.0; 16], vec![0.0; 13]);
     a.matvec(&x, &mut sa).unwrap();
     b.matvec(&x, &mut sb).unwrap();
