@@ -117,6 +117,10 @@ struct Scratch {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// RoPE tables of this call's positions, one per base (bits) the layers use: layers
+    /// of one base rotate by the same angles (the frequency factors, where a model has
+    /// them, are one tensor for all layers).
+    rope: Vec<(u32, Vec<(f32, f32)>)>,
 }
 
 fn layer_forward(
@@ -148,27 +152,36 @@ fn layer_forward(
     if let Some(norm) = &layer.k_norm {
         ops::rms_norm_in_place(&mut s.k, &vector(norm)?, eps);
     }
-    let freq_factors = layer.rope_freqs.as_ref().map(vector).transpose()?;
-    let table = ops::rope_table(
-        first_pos..first_pos + n,
-        config.rope_dims,
-        attn_cfg.rope_freq_base,
-        config.rope_scale,
-        freq_factors.as_deref(),
-    );
+    let base = attn_cfg.rope_freq_base.to_bits();
+    let at = match s.rope.iter().position(|(b, _)| *b == base) {
+        Some(at) => at,
+        None => {
+            let freq_factors = layer.rope_freqs.as_ref().map(vector).transpose()?;
+            let table = ops::rope_table(
+                first_pos..first_pos + n,
+                config.rope_dims,
+                attn_cfg.rope_freq_base,
+                config.rope_scale,
+                freq_factors.as_deref(),
+            );
+            s.rope.push((base, table));
+            s.rope.len() - 1
+        }
+    };
+    let table = &s.rope[at].1;
     ops::apply_rope(
         &mut s.q,
         config.head_dim,
         config.rope_dims,
         config.rope_style,
-        &table,
+        table,
     );
     ops::apply_rope(
         &mut s.k,
         config.head_dim,
         config.rope_dims,
         config.rope_style,
-        &table,
+        table,
     );
     if config.scale_queries {
         for q in s.q.iter_mut() {
