@@ -61,11 +61,6 @@ trait Legacy {
     unsafe fn int(w: &Quants, qx: __m256i) -> __m256i;
 }
 
-/// Whether `L` has an offset to accumulate.
-const fn has_offset<L: Legacy>() -> bool {
-    L::HAS_M
-}
-
 /// 16 bytes of packed nibbles → 32 bytes: low nibbles first, then high ones.
 ///
 /// # Safety
@@ -306,7 +301,7 @@ unsafe fn ds_bits(a: &Q8Row<'_>, b: usize) -> u64 {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn odd_lanes<L: Legacy>(offsets: __m256) -> [f32; 4] {
     let mut lanes = [0.0f32; 8];
-    if has_offset::<L>() {
+    if L::HAS_M {
         // SAFETY: `lanes` holds eight f32; `storeu` has no alignment requirement.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), offsets) };
     }
@@ -335,7 +330,7 @@ unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) 
                 _mm256_mul_ps(scales::<L, R>(&rows, b), ds),
             )
         };
-        if has_offset::<L>() {
+        if L::HAS_M {
             offsets = _mm256_add_ps(offsets, products);
         }
         let scales = lanes_of(products);
@@ -395,7 +390,7 @@ unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]
             _mm256_castps_pd(dm),
         )));
         let products = _mm256_mul_ps(dm, ds);
-        if has_offset::<L>() {
+        if L::HAS_M {
             offsets = _mm256_add_ps(offsets, products);
         }
         let scales = lanes_of(products);
