@@ -26,7 +26,7 @@
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
-use super::{hsum_epi32, hsum_epi32_128, hsum_ps, load32};
+use super::{hsum_epi32, hsum_epi32_128, hsum_ps, lanes_of_128, lanes_of_epi32_128, load32};
 use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
 use crate::matmul::activation::{Q8KRow, BSUM_GROUP, QK_K};
 
@@ -314,9 +314,7 @@ unsafe fn dot_q45_k<const FIVE: bool, const PACKED: bool, const R: usize, const 
             for t in 0..N {
                 let scaled = _mm_mul_ps(d_dmin, _mm_set1_ps(acts[t].d[b]));
                 if !PACKED && acts[t].gemm {
-                    let mut w = [0.0f32; 4];
-                    // SAFETY: `w` holds four f32; `storeu` needs no alignment.
-                    unsafe { _mm_storeu_ps(w.as_mut_ptr(), d_dmin) };
+                    let w = lanes_of_128(d_dmin);
                     let main = w[0] * hsum_epi32(dots[t]) as f32;
                     let res = (-w[1]).mul_add(hsum_epi32_128(min_sums[t]) as f32, main);
                     sum[t] = res.mul_add(acts[t].d[b], sum[t]);
@@ -329,14 +327,10 @@ unsafe fn dot_q45_k<const FIVE: bool, const PACKED: bool, const R: usize, const 
                     acc_min[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(min_sums[t]), dmin, acc_min[t]);
                     continue;
                 }
-                let mut d = [0.0f32; 4];
-                // SAFETY: `d` holds four f32; `storeu` needs no alignment.
-                unsafe { _mm_storeu_ps(d.as_mut_ptr(), scaled) };
+                let d = lanes_of_128(scaled);
                 if acts[t].packed_gemm {
                     // The GEMM adds each 64 values' sums on their own.
-                    let mut mins = [0i32; 4];
-                    // SAFETY: `mins` holds four i32; `storeu` needs no alignment.
-                    unsafe { _mm_storeu_si128(mins.as_mut_ptr().cast(), min_sums[t]) };
+                    let mins = lanes_of_epi32_128(min_sums[t]);
                     for j in 0..4 {
                         sum[t] = (parts[t][j] as f32).mul_add(d[0], sum[t]);
                         sum_min[t] = (mins[j] as f32).mul_add(d[1], sum_min[t]);

@@ -20,7 +20,7 @@
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
-use super::{hsum_epi32, hsum_ps, load32, mul_sum_u8_i8};
+use super::{hsum_epi32, hsum_ps, lanes_of, load32, mul_sum_u8_i8};
 use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
 use crate::matmul::activation::{Q8Row, QK8};
 
@@ -416,16 +416,6 @@ unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]
         };
     }
     out
-}
-
-/// The eight lanes of `v`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn lanes_of(v: __m256) -> [f32; 8] {
-    let mut lanes = [0.0f32; 8];
-    // SAFETY: `lanes` holds eight f32; `storeu` has no alignment requirement.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
-    lanes
 }
 
 /// `R` rows against `N` tokens: one of them must be 1, the other at most 4.

@@ -166,6 +166,36 @@ impl<K: Kernel> Tile<'_, '_, '_, K> {
     }
 }
 
+/// The eight lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn lanes_of(v: __m256) -> [f32; 8] {
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds eight f32; `storeu` has no alignment requirement.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+    lanes
+}
+
+/// The four lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn lanes_of_128(v: __m128) -> [f32; 4] {
+    let mut lanes = [0.0f32; 4];
+    // SAFETY: `lanes` holds four f32; `storeu` has no alignment requirement.
+    unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), v) };
+    lanes
+}
+
+/// The four i32 lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn lanes_of_epi32_128(v: __m128i) -> [i32; 4] {
+    let mut lanes = [0i32; 4];
+    // SAFETY: `lanes` holds four i32; `storeu` has no alignment requirement.
+    unsafe { _mm_storeu_si128(lanes.as_mut_ptr().cast(), v) };
+    lanes
+}
+
 /// The sum of the eight lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
