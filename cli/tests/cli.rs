@@ -1,5 +1,5 @@
 //! The `rocmforge` binary end to end: `generate` and `tokenize` on the real models against
-//! llama.cpp's outputs in `shared/golden`, and the errors a user can cause. The models
+//! llama.cpp's outputs in `testdata/golden`, and the errors a user can cause. The models
 //! come from `cargo xtask fetch-models`; tests that need them fail, saying so, when they
 //! are missing.
 
@@ -31,17 +31,14 @@ fn model_path(file: &str) -> PathBuf {
     path
 }
 
+/// llama.cpp's reference outputs for a model, from the repository's `testdata/golden`.
 fn golden(file: &str) -> serde_json::Value {
-    let shared = match std::env::var_os("ROCMFORGE_SHARED") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"),
+    let text = match file {
+        SMOLLM2 => include_str!("../../testdata/golden/SmolLM2-135M-Instruct.Q4_1.json"),
+        GEMMA3 => include_str!("../../testdata/golden/gemma-3-270m-q4_k_m.json"),
+        other => panic!("no reference outputs for {other}"),
     };
-    let path = shared
-        .join("golden")
-        .join(format!("{}.json", file.trim_end_matches(".gguf")));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
-    serde_json::from_str(&text).expect("golden file is JSON")
+    serde_json::from_str(text).expect("golden file is JSON")
 }
 
 fn ids(value: &serde_json::Value) -> Vec<u64> {

@@ -1,12 +1,10 @@
 //! Every block type against the values gguf-py (the reference implementation that ships
-//! with llama.cpp) decodes, from the shared test vectors.
+//! with llama.cpp) decodes, from the test vectors in `testdata/vectors`.
 //!
 //! `dequant_vectors.gguf` holds, per type, `<TYPE>.q` (random valid blocks stored as
 //! that type) and `<TYPE>.f32` (gguf-py's decoding of them). The file is read with our
 //! own parser. Every path must reproduce every value bit for bit: the decoders perform
 //! gguf-py's f32 operations in gguf-py's order, so no ulp tolerance is needed anywhere.
-
-use std::path::PathBuf;
 
 use dequant::{DecodePath, Decoder};
 use gguf_format::{GgmlType, GgufFile};
@@ -19,15 +17,9 @@ const EXPECTED_TYPES: [&str; 23] = [
     "BF16", "F16",
 ];
 
-/// `$ROCMFORGE_SHARED/vectors/dequant_vectors.gguf`, else the shared folder beside the
-/// repository.
-fn vector_file() -> PathBuf {
-    let shared = match std::env::var_os("ROCMFORGE_SHARED") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"),
-    };
-    shared.join("vectors/dequant_vectors.gguf")
-}
+/// The repository's `testdata/vectors/dequant_vectors.gguf`, compiled into the test
+/// binary so that it runs from anywhere.
+const VECTOR_FILE: &[u8] = include_bytes!("../../testdata/vectors/dequant_vectors.gguf");
 
 struct Vectors {
     file: GgufFile,
@@ -36,13 +28,7 @@ struct Vectors {
 
 impl Vectors {
     fn load() -> Vectors {
-        let path = vector_file();
-        let bytes = std::fs::read(&path).unwrap_or_else(|e| {
-            panic!(
-                "reading {} (set ROCMFORGE_SHARED to the shared folder): {e}",
-                path.display()
-            )
-        });
+        let bytes = VECTOR_FILE.to_vec();
         let file = gguf_format::parse(&bytes).expect("the vector file parses");
         Vectors { file, bytes }
     }

@@ -12,11 +12,10 @@
 # `src/lib.suite-args` for unit tests) is copied as `<name>.args`: arguments the suite
 # adds (a libtest filter, say, so that only a crate's GPU tests run there).
 # Benchmarks are collected only when their source uses hip_backend (CPU benchmarks
-# stay here). The shared test vectors (`$ROCMFORGE_SHARED/vectors`, default the
-# `shared` folder beside the repository) are copied to DEST/shared/vectors, where
-# gpu-suite.sh points ROCMFORGE_SHARED.
+# stay here). Test data (`testdata/`) is compiled into the test binaries: nothing else
+# needs to travel with them.
 # Environment: HIP_PLATFORM (default nvidia), CUDA_ARCH, GPU_CRATES, CARGO_TARGET_DIR
-# (default target/gpu-<platform>, shared with .ci/gpu-variants.sh), ROCMFORGE_SHARED.
+# (default target/gpu-<platform>, shared with .ci/gpu-variants.sh).
 set -euo pipefail
 if [ $# -ne 1 ]; then
     echo "usage: $0 DEST" >&2
@@ -83,12 +82,5 @@ for line in open(artifacts):
     subprocess.run(["strip", out], check=True)
     print(f"{name:<48} {os.path.getsize(out) / 2**20:7.1f} MiB")
 PY
-shared="${ROCMFORGE_SHARED:-$PWD/../shared}"
-if [ -d "$shared/vectors" ]; then
-    mkdir -p "$dest/shared"
-    cp -r "$shared/vectors" "$dest/shared/"
-else
-    echo "collect-gpu-binaries: no $shared/vectors; tests that need the vectors will fail" >&2
-fi
 cp hip-backend/scripts/gpu-suite.sh "$dest/"
 du -sh "$dest"

@@ -9,8 +9,6 @@
 #     example-*   programs, run as they are
 #   A file NAME.args beside a binary adds arguments; {OUT} in it becomes OUT_DIR.
 #   OUT_DIR receives machine.txt (GPU and driver), NAME.log for each binary, summary.txt.
-#   BIN_DIR/shared, when present, becomes ROCMFORGE_SHARED (the shared test vectors)
-#   unless that is set already.
 #
 # Environment (optional):
 #   GPU_SUITE_TIMEOUT         seconds allowed per binary (default 300)
@@ -27,10 +25,6 @@ bin_dir="$1"
 out="$2"
 mkdir -p "$out"
 timeout_s="${GPU_SUITE_TIMEOUT:-300}"
-if [ -z "${ROCMFORGE_SHARED:-}" ] && [ -d "$bin_dir/shared" ]; then
-    ROCMFORGE_SHARED="$(cd "$bin_dir/shared" && pwd)"
-    export ROCMFORGE_SHARED
-fi
 
 {
     date -u

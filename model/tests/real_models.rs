@@ -1,5 +1,5 @@
 //! Tests on the two real models (SmolLM2-135M-Instruct Q4_1 and Gemma 3 270M Q4_K_M),
-//! against llama.cpp's outputs in `shared/golden`. The models come from
+//! against llama.cpp's outputs in `testdata/golden`. The models come from
 //! `cargo xtask fetch-models`; these tests fail, saying so, when they are missing.
 
 #[path = "real_models/chat.rs"]

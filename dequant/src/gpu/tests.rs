@@ -1,14 +1,13 @@
 //! The GPU decoders against the CPU reference decoders, bit for bit: on every type of the
-//! shared test vectors (whose gguf-py values they must also match) and on random blocks
+//! test vectors in `testdata/vectors` (whose gguf-py values they must also match) and on random blocks
 //! of every type, at aligned and unaligned addresses, and past one grid of tiles.
 //!
 //! Tests that need a device print `SKIPPED <test>: <reason>` on stderr and pass when the
-//! build has no GPU platform or the machine has no device. The vectors file is found at
-//! `$ROCMFORGE_SHARED/vectors/dequant_vectors.gguf`, by default the workspace's
-//! `../shared` (a GPU machine running prebuilt test binaries sets the variable).
+//! build has no GPU platform or the machine has no device. The vectors file is compiled
+//! into the test binary, so prebuilt binaries carried to a GPU machine need no data beside
+//! them.
 
 use std::io::Write;
-use std::path::PathBuf;
 
 use gguf_format::GgmlType;
 use half::f16;
@@ -187,12 +186,8 @@ fn check_against_cpu(
     );
 }
 
-fn vectors_path() -> PathBuf {
-    let shared = std::env::var_os("ROCMFORGE_SHARED")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"));
-    shared.join("vectors/dequant_vectors.gguf")
-}
+/// The repository's `testdata/vectors/dequant_vectors.gguf`.
+const VECTOR_FILE: &[u8] = include_bytes!("../../../testdata/vectors/dequant_vectors.gguf");
 
 #[test]
 fn output_lengths_are_checked_without_overflow() {
@@ -242,13 +237,7 @@ fn every_vectors_type_decodes_as_the_cpu_and_gguf_py_do() {
     let Some(gpu) = gpu_or_skip("every_vectors_type_decodes_as_the_cpu_and_gguf_py_do") else {
         return;
     };
-    let path = vectors_path();
-    let file = std::fs::read(&path).unwrap_or_else(|e| {
-        panic!(
-            "cannot read {}: {e} (set ROCMFORGE_SHARED to the folder holding vectors/)",
-            path.display()
-        )
-    });
+    let file = VECTOR_FILE.to_vec();
     let gguf = gguf_format::parse(&file).expect("vectors parse");
     let data = |name: &str| {
         let tensor = gguf

@@ -1,4 +1,4 @@
-//! The real model files and the shared dequantization vectors: they parse, hold the
+//! The real model files and the dequantization vectors of `testdata/vectors`: they parse, hold the
 //! tensor types the model notes list, and rewrite byte for byte through the writer.
 
 use std::collections::BTreeMap;
@@ -15,14 +15,6 @@ fn models_dir() -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_default();
     home.join(".cache/rocmforge/models")
-}
-
-/// The shared reference data: `$ROCMFORGE_SHARED`, else `../shared` beside the repository.
-fn shared_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ROCMFORGE_SHARED") {
-        return PathBuf::from(dir);
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
 }
 
 fn read_model(file: &str) -> Vec<u8> {
@@ -154,8 +146,8 @@ fn real_model_header_parses_from_a_growing_prefix() {
 
 #[test]
 fn dequant_vectors_parse_and_rewrite_byte_identically() {
-    let path = shared_dir().join("vectors/dequant_vectors.gguf");
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    // The repository's `testdata/vectors`, compiled into the test binary.
+    let bytes = include_bytes!("../../../testdata/vectors/dequant_vectors.gguf").to_vec();
     let names = [
         "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS",
         "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",

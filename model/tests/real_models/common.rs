@@ -27,22 +27,15 @@ pub fn model_path(file: &str) -> PathBuf {
     path
 }
 
-/// The folder of shared reference data (`ROCMFORGE_SHARED`, else `../shared` beside the
-/// repository).
-pub fn shared_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ROCMFORGE_SHARED") {
-        return PathBuf::from(dir);
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
-}
-
-/// llama.cpp's reference outputs for a model.
+/// llama.cpp's reference outputs for a model, from the repository's `testdata/golden`
+/// (compiled into the test binary, so it runs from anywhere).
 pub fn golden(file: &str) -> serde_json::Value {
-    let name = file.trim_end_matches(".gguf");
-    let path = shared_dir().join("golden").join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
-    serde_json::from_str(&text).expect("golden file is JSON")
+    let text = match file {
+        SMOLLM2 => include_str!("../../../testdata/golden/SmolLM2-135M-Instruct.Q4_1.json"),
+        GEMMA3 => include_str!("../../../testdata/golden/gemma-3-270m-q4_k_m.json"),
+        other => panic!("no reference outputs for {other}"),
+    };
+    serde_json::from_str(text).expect("golden file is JSON")
 }
 
 /// A JSON array of integers as token ids.
