@@ -1,7 +1,8 @@
 //! Developer tasks for ROCmForge, run as `cargo xtask <task>`.
 //!
 //! - `fetch-models`: obtain the real GGUF models the tests and benchmarks use.
-//! - `test`: fetch the models, then run the whole test suite.
+//! - `test`: fetch the models, then run the whole test suite and summarize it.
+//! - `testdata`: remake the reference data in `testdata/`.
 //!
 //! Arguments are parsed by hand to keep this binary's dependencies few.
 
@@ -9,12 +10,14 @@ mod bench_cpu;
 mod bench_load;
 mod fetch;
 mod synth;
+mod test_run;
+mod testdata;
 #[cfg(test)]
 mod tidy;
 
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 const USAGE: &str = "\
 usage: cargo xtask <task> [options]
@@ -29,7 +32,11 @@ tasks:
                       a synthetic llama GGUF with real shapes and random weights
   bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
              [--json [FILE]]  time to make a model resident on the device, per mode
-  test [ARGS…]        fetch-models, then `cargo test --workspace --release [ARGS…]`
+  test [ARGS…]        fetch-models, then `cargo test --workspace --release --no-fail-fast
+                      [ARGS…]`, and a summary counting failed and skipped tests
+  testdata [--vectors] [--golden]
+                      remake testdata/ with pinned pip packages (both when neither is
+                      given; --golden builds llama.cpp from source, about ten minutes)
 ";
 
 fn main() -> ExitCode {
@@ -51,6 +58,7 @@ fn run(args: &[String]) -> Result<()> {
     match task.as_str() {
         "fetch-models" => fetch::fetch_models(&fetch::models_dir()).map(|_| ()),
         "test" => test(rest),
+        "testdata" => testdata::run(rest),
         "bench-cpu" => bench_cpu::run(rest),
         "synth-model" => synth::run(rest),
         "bench-load" => bench_load::run(rest),
@@ -68,14 +76,5 @@ fn run(args: &[String]) -> Result<()> {
 /// The whole test suite, real models included.
 fn test(extra: &[String]) -> Result<()> {
     fetch::fetch_models(&fetch::models_dir())?;
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["test", "--workspace", "--release"])
-        .args(extra)
-        .status()
-        .context("running cargo test")?;
-    if !status.success() {
-        bail!("cargo test failed ({status})");
-    }
-    Ok(())
+    test_run::run(extra)
 }
