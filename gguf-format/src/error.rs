@@ -15,7 +15,10 @@ pub enum GgufError {
         needed: u64,
         available: u64,
     },
-    #[error("not a GGUF file: magic bytes are {found:02x?}, expected \"GGUF\"")]
+    #[error(
+        "not a GGUF file: it starts with \"{}\", expected \"GGUF\"",
+        magic_text(found)
+    )]
     BadMagic { found: [u8; 4] },
     #[error("byte-swapped (big-endian) GGUF file (version {version}): only little-endian files are supported")]
     BigEndian { version: u32 },
@@ -128,4 +131,28 @@ pub enum GgufError {
     },
     #[error("{found} tensor data slices given for {expected} declared tensors")]
     DataCountMismatch { expected: usize, found: usize },
+}
+
+/// The first bytes of a file as text: printable ASCII as it is, other bytes escaped
+/// (`\x89PNG`), so that a user sees what kind of file it is.
+fn magic_text(bytes: &[u8]) -> String {
+    bytes.escape_ascii().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_magic_reads_as_text() {
+        let text = GgufError::BadMagic { found: *b"hell" }.to_string();
+        assert_eq!(
+            text,
+            "not a GGUF file: it starts with \"hell\", expected \"GGUF\""
+        );
+        let png = GgufError::BadMagic {
+            found: [0x89, b'P', b'N', b'G'],
+        };
+        assert!(png.to_string().contains("\"\\x89PNG\""), "{png}");
+    }
 }

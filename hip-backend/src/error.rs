@@ -12,7 +12,10 @@ pub enum HipError {
     BuiltWithoutGpu,
 
     /// The runtime is linked in but finds no usable device (no GPU, or no driver).
-    #[error("no {platform} gpu device available: {call} returned {name} ({code}): {message}")]
+    #[error(
+        "no {platform} gpu device available: {call} returned {}",
+        status_text(name, *code, message)
+    )]
     NoDevice {
         platform: &'static str,
         call: &'static str,
@@ -35,7 +38,7 @@ pub enum HipError {
     },
 
     /// Any other failed runtime call.
-    #[error("{call} failed with {name} ({code}): {message}")]
+    #[error("{call} failed with {}", status_text(name, *code, message))]
     Api {
         call: &'static str,
         code: i32,
@@ -121,3 +124,43 @@ impl HipError {
 
 /// Shorthand used throughout the crate.
 pub type Result<T, E = HipError> = std::result::Result<T, E>;
+
+/// A runtime status as `name (code): message`, without the message where the runtime
+/// gives its name again in place of a description (HIP does for `hipErrorNoDevice`).
+fn status_text(name: &str, code: i32, message: &str) -> String {
+    if message.is_empty() || message == name {
+        format!("{name} ({code})")
+    } else {
+        format!("{name} ({code}): {message}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_name_is_said_once() {
+        let no_device = HipError::NoDevice {
+            platform: "amd",
+            call: "hipGetDeviceCount",
+            code: 100,
+            name: "hipErrorNoDevice".into(),
+            message: "hipErrorNoDevice".into(),
+        };
+        assert_eq!(
+            no_device.to_string(),
+            "no amd gpu device available: hipGetDeviceCount returned hipErrorNoDevice (100)"
+        );
+        let api = HipError::Api {
+            call: "hipMalloc",
+            code: 2,
+            name: "cudaErrorMemoryAllocation".into(),
+            message: "out of memory".into(),
+        };
+        assert_eq!(
+            api.to_string(),
+            "hipMalloc failed with cudaErrorMemoryAllocation (2): out of memory"
+        );
+    }
+}

@@ -37,11 +37,23 @@ impl Backing {
             source,
         };
         let file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let metadata = file.metadata().map_err(io)?;
+        if metadata.is_dir() {
+            return Err(StoreError::IsDirectory {
+                path: path.to_owned(),
+            });
+        }
+        let len = metadata.len();
         let map = match mode {
-            LoadMode::Read => None,
+            LoadMode::Read => {
+                tracing::info!(path = %path.display(), bytes = len, "reading, not mapping");
+                None
+            }
             LoadMode::Mmap => match map_read_only(&file) {
-                Ok(map) => Some(map),
+                Ok(map) => {
+                    tracing::info!(path = %path.display(), bytes = len, "mapped");
+                    Some(map)
+                }
                 Err(error) => {
                     tracing::warn!(path = %path.display(), %error, "mapping failed, reading instead");
                     None

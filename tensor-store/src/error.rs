@@ -7,6 +7,8 @@ use std::sync::Arc;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
+    #[error("{path}: is a directory, not a GGUF file")]
+    IsDirectory { path: PathBuf },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
