@@ -187,6 +187,18 @@ impl ChatTemplate {
         self.built_in
     }
 
+    /// The family of the built-in template in use (`"Gemma"`, `"ChatML"`), `None` when
+    /// the file had its own.
+    pub fn built_in_name(&self) -> Option<&'static str> {
+        if !self.built_in {
+            None
+        } else if self.source == GEMMA_TEMPLATE {
+            Some("Gemma")
+        } else {
+            Some("ChatML")
+        }
+    }
+
     /// Renders `messages`, ending with the opening of the assistant's turn when
     /// `add_generation_prompt`.
     pub fn render(

@@ -41,6 +41,7 @@ fn metadata_template_is_used_with_token_texts() {
         "{{ bos_token }}|{{ eos_token }}|{{ messages[0]['content'] }}|{{ add_generation_prompt }}";
     let t = ChatTemplate::from_metadata(&metadata("llama", TOKENS, Some(source))).unwrap();
     assert!(!t.is_built_in());
+    assert_eq!(t.built_in_name(), None);
     assert_eq!(
         t.render(&[ChatMessage::user("x")], true).unwrap(),
         "<bos>|<eos>|x|True"
@@ -55,6 +56,7 @@ fn metadata_template_is_used_with_token_texts() {
 fn gemma_without_template_gets_the_turn_format() {
     let t = ChatTemplate::from_metadata(&metadata("gemma3", TOKENS, None)).unwrap();
     assert!(t.is_built_in());
+    assert_eq!(t.built_in_name(), Some("Gemma"));
     let one = t
         .render(&[ChatMessage::user("The capital of France is")], true)
         .unwrap();
@@ -79,6 +81,7 @@ fn gemma_without_template_gets_the_turn_format() {
 fn chatml_vocabulary_without_template_gets_chatml() {
     let tokens = ["<unk>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>"];
     let t = ChatTemplate::from_metadata(&metadata("qwen2", &tokens, None)).unwrap();
+    assert_eq!(t.built_in_name(), Some("ChatML"));
     let expected = "<|im_start|>system\n Be brief. <|im_end|>\n<|im_start|>user\n Hi\n<|im_end|>\n\
                     <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n";
     assert_eq!(t.render(&conversation(), true).unwrap(), expected);

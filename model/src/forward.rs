@@ -62,6 +62,10 @@ fn on_the_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     }
 }
 
+/// The tracing target of the event the forward pass of a batch of several tokens emits
+/// after each layer, with fields `layer` (1-based), `layers` and `tokens`.
+pub const PROGRESS_TARGET: &str = "model::progress";
+
 fn run_layers(
     config: &ModelConfig,
     plan: &ExecutionPlan,
@@ -83,6 +87,17 @@ fn run_layers(
         };
         let batch = Batch { first_pos, rows };
         layer_forward(config, layer, layer_idx, &mut x, cache, batch, &mut scratch)?;
+        if tokens.len() > 1 {
+            // Progress of a prompt, for a front end that shows it (one event per layer;
+            // a long prompt spends seconds in each).
+            tracing::trace!(
+                target: PROGRESS_TARGET,
+                layer = layer_idx + 1,
+                layers = plan.layers.len(),
+                tokens = tokens.len(),
+                "layer done"
+            );
+        }
     }
     Ok(x)
 }

@@ -25,7 +25,7 @@ pub mod tokenizer;
 
 pub use config::{Activation, Architecture, LayerAttention, ModelConfig, RopeStyle};
 pub use error::ModelError;
-pub use forward::Logits;
+pub use forward::{Logits, PROGRESS_TARGET};
 pub use kv_cache::KvCache;
 pub use model::Model;
 pub use plan::{ExecutionPlan, LayerPlan, Linear, Vector};
