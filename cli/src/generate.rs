@@ -18,6 +18,8 @@ use model::Model;
 use serde_json::json;
 use tensor_store::{LoadMode, TensorStore};
 
+use crate::options;
+
 /// The model used when `--gguf` is not given, from the models cache.
 pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// llama.cpp's default context size.
@@ -29,16 +31,26 @@ const EXIT_INTERRUPTED: u8 = 130;
 pub struct GenerateArgs {
     /// The GGUF model (any shard of a split model). Default: SmolLM2-135M-Instruct from
     /// the models cache ($ROCMFORGE_MODELS, else ~/.cache/rocmforge/models).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, short = 'm', visible_alias = "model", value_name = "FILE")]
     gguf: Option<PathBuf>,
     /// The text to continue.
-    #[arg(long, short = 'p')]
-    prompt: String,
-    /// Most tokens to generate.
-    #[arg(long, short = 'n', default_value_t = 256)]
+    #[arg(
+        long,
+        short = 'p',
+        required_unless_present = "file",
+        conflicts_with = "file"
+    )]
+    prompt: Option<String>,
+    /// Read the text to continue from a file; `-` reads stdin.
+    #[arg(long, short = 'f', value_name = "PATH")]
+    file: Option<PathBuf>,
+    /// Most tokens to generate; -1: until the context is full.
+    #[arg(long, short = 'n', default_value = "256", value_parser = options::parse_max_tokens,
+          allow_negative_numbers = true)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = defaults::TEMPERATURE, allow_negative_numbers = true)]
+    #[arg(long, visible_alias = "temp", default_value_t = defaults::TEMPERATURE,
+          allow_negative_numbers = true)]
     temperature: f32,
     /// Keep the K most likely tokens; 0 keeps all.
     #[arg(long, default_value_t = defaults::TOP_K, allow_negative_numbers = true)]
@@ -56,10 +68,10 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = defaults::REPEAT_LAST_N)]
     repeat_last_n: usize,
     /// Seed of the sampler; random when not given.
-    #[arg(long)]
+    #[arg(long, short = 's')]
     seed: Option<u64>,
-    /// Worker threads for the computation (default: one per core).
-    #[arg(long)]
+    /// Worker threads for the computation (default and most: one per core).
+    #[arg(long, short = 't')]
     threads: Option<NonZeroUsize>,
     /// Wrap the prompt in the model's chat template, as one user message.
     #[arg(long)]
@@ -71,8 +83,11 @@ pub struct GenerateArgs {
     #[arg(long)]
     no_mmap: bool,
     /// Most positions (prompt and generated tokens); 0 means the model's training context.
-    #[arg(long, default_value_t = DEFAULT_CTX_SIZE)]
+    #[arg(long, short = 'c', default_value_t = DEFAULT_CTX_SIZE)]
     ctx_size: usize,
+    /// Show the prompt's progress on stderr even when it is not a terminal, however short.
+    #[arg(long)]
+    pub progress: bool,
 }
 
 /// `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models`.
@@ -119,16 +134,13 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         seed,
     };
     let sampling = params.validate()?;
-    if let Some(threads) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads.get())
-            .build_global()
-            .context("setting up the worker threads")?;
-    }
+    let threads = options::worker_threads(args.threads)?;
+    let user_text = options::prompt_text(args.prompt.as_deref(), args.file.as_deref())?;
     let stop = install_ctrl_c()?;
 
     let load_start = Instant::now();
     let path = model_path(args.gguf.as_deref())?;
+    tracing::info!(path = %path.display(), "model file");
     let mode = if args.no_mmap {
         LoadMode::Read
     } else {
@@ -139,20 +151,21 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         .with_context(|| format!("{}: tokenizer", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
+    tracing::info!(
+        layers = model.config().n_layers,
+        load_ms = format_args!("{load_ms:.0}"),
+        "model loaded: execution plan built"
+    );
+    tracing::info!(threads, "device: cpu");
 
     let text = if args.chat {
-        let template = ChatTemplate::from_metadata(store.metadata())
-            .with_context(|| format!("{}: chat template", path.display()))?;
-        template.user_prompt(&args.prompt, tokenizer.adds_bos())?
+        chat_prompt(&store, &tokenizer, &path, &user_text)?
     } else {
-        args.prompt.clone()
+        user_text
     };
     let prompt = prompt_tokens(&tokenizer, &text)?;
-    let n_ctx_train = model.config().n_ctx_train;
-    let context_size = match args.ctx_size {
-        0 => n_ctx_train,
-        n => n.min(n_ctx_train),
-    };
+    let context_size = context_size(args.ctx_size, model.config().n_ctx_train);
+    tracing::info!(tokens = prompt.len(), context_size, "prompt");
     let options = GenerateOptions {
         sampling,
         max_tokens: args.max_tokens,
@@ -177,8 +190,9 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     if let Some(e) = write_error {
         return Err(e).context("writing to stdout");
     }
+    log_timings(&output);
     if args.json {
-        serde_json::to_writer(&mut out, &to_json(&output, load_ms))?;
+        serde_json::to_writer(&mut out, &to_json(&output, load_ms, seed))?;
         writeln!(out)?;
     } else {
         writeln!(out)?;
@@ -191,13 +205,65 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     })
 }
 
-fn to_json(output: &Generation, load_ms: f64) -> serde_json::Value {
+/// The user's text in the model's chat template, as one user message; saying on stderr
+/// when the file has no template and a built-in one stands in.
+fn chat_prompt(
+    store: &TensorStore,
+    tokenizer: &Tokenizer,
+    path: &Path,
+    user_text: &str,
+) -> Result<String> {
+    let template = ChatTemplate::from_metadata(store.metadata())
+        .with_context(|| format!("{}: chat template", path.display()))?;
+    if let Some(name) = template.built_in_name() {
+        eprintln!(
+            "note: {} has no chat template: using the built-in {name} template",
+            path.display()
+        );
+    }
+    Ok(template.user_prompt(user_text, tokenizer.adds_bos())?)
+}
+
+/// `--ctx-size`: 0 is the training context; more than it is cut to it, with a warning
+/// (the model has never seen positions past it).
+fn context_size(requested: usize, n_ctx_train: usize) -> usize {
+    match requested {
+        0 => n_ctx_train,
+        n if n > n_ctx_train => {
+            eprintln!(
+                "warning: --ctx-size {n} is beyond the model's training context of \
+                 {n_ctx_train} tokens: using {n_ctx_train}"
+            );
+            n_ctx_train
+        }
+        n => n,
+    }
+}
+
+/// The prompt and decode stages, for `ROCMFORGE_LOG=info`.
+fn log_timings(output: &Generation) {
+    let t = &output.timings;
+    tracing::info!(
+        tokens = t.prompt_tokens,
+        ms = format_args!("{:.0}", t.prompt_ms()),
+        "prompt processed"
+    );
+    tracing::info!(
+        tokens = output.tokens.len(),
+        ms = format_args!("{:.0}", t.decode_ms()),
+        stop = output.stop_reason.name(),
+        "decoded"
+    );
+}
+
+fn to_json(output: &Generation, load_ms: f64, seed: u64) -> serde_json::Value {
     let t = &output.timings;
     json!({
         "prompt_tokens": output.prompt_tokens,
         "tokens": output.tokens,
         "text": output.text,
         "stop_reason": output.stop_reason.name(),
+        "seed": seed,
         "timings": {
             "load_ms": load_ms,
             "prompt_ms": t.prompt_ms(),
@@ -210,21 +276,40 @@ fn to_json(output: &Generation, load_ms: f64) -> serde_json::Value {
 /// One line for stderr after streamed text.
 fn summary(output: &Generation, load_ms: f64, seed: u64, random: bool) -> String {
     let t = &output.timings;
-    let per_s = |rate: Option<f64>| rate.map_or_else(|| "-".to_owned(), |r| format!("{r:.1}"));
+    let rate = |rate: Option<f64>| rate.map_or_else(String::new, |r| format!(", {r:.1} tokens/s"));
     let seed = if random {
         format!(", seed {seed}")
     } else {
         String::new()
     };
+    let prompt = if t.prompt_tokens == 0 {
+        format!(
+            "prompt of {} not processed",
+            tokens(output.prompt_tokens.len())
+        )
+    } else {
+        format!(
+            "prompt {} in {:.0} ms{}",
+            tokens(t.prompt_tokens),
+            t.prompt_ms(),
+            rate(t.prompt_tokens_per_s())
+        )
+    };
     format!(
-        "[load {load_ms:.0} ms; prompt {} tokens in {:.0} ms ({} tokens/s); generated {} tokens ({} tokens/s); stop: {}{seed}]",
-        t.prompt_tokens,
-        t.prompt_ms(),
-        per_s(t.prompt_tokens_per_s()),
-        output.tokens.len(),
-        per_s(t.decode_tokens_per_s()),
+        "[load {load_ms:.0} ms; {prompt}; generated {}{}; stop: {}{seed}]",
+        tokens(output.tokens.len()),
+        rate(t.decode_tokens_per_s()),
         output.stop_reason.name(),
     )
+}
+
+/// "1 token", "2 tokens".
+fn tokens(n: usize) -> String {
+    if n == 1 {
+        "1 token".to_owned()
+    } else {
+        format!("{n} tokens")
+    }
 }
 
 /// A seed from the clock and the process id, for runs without `--seed`.

@@ -16,7 +16,11 @@ const STRING_PREVIEW: usize = 120;
 #[derive(clap::Args)]
 pub struct InspectArgs {
     /// The GGUF file (any shard of a split model).
-    file: PathBuf,
+    #[arg(required_unless_present = "gguf", conflicts_with = "gguf")]
+    file: Option<PathBuf>,
+    /// The GGUF file, given as to the other commands.
+    #[arg(long, short = 'm', visible_alias = "model", value_name = "FILE")]
+    gguf: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -37,7 +41,14 @@ pub fn run(args: &InspectArgs) -> Result<()> {
     } else {
         LoadMode::Mmap
     };
-    let store = TensorStore::open_with(&args.file, mode)?;
+    let file = args
+        .file
+        .as_deref()
+        .or(args.gguf.as_deref())
+        .context("no model given: pass FILE or --gguf FILE")?;
+    tracing::info!(path = %file.display(), "model file");
+    let store = TensorStore::open_with(file, mode)?;
+    tracing::info!(tensors = store.len(), "opened");
     if let (Some(name), Some(out)) = (&args.tensor, &args.dump_f32) {
         return dump_f32(&store, name, out);
     }
@@ -73,22 +84,42 @@ fn dump_f32(store: &TensorStore, name: &str, out: &PathBuf) -> Result<()> {
     Ok(())
 }
 
+/// The hyper-parameters people look for first, from `<arch>.*` keys, as JSON values.
+fn hyper_parameters_json(
+    metadata: &Metadata,
+    arch: &str,
+) -> serde_json::Map<String, serde_json::Value> {
+    let mut found: serde_json::Map<String, serde_json::Value> = HYPER_PARAMETERS
+        .iter()
+        .filter_map(|k| {
+            let full = format!("{arch}.{k}");
+            metadata.get(&full).map(|v| (k.to_string(), value_json(v)))
+        })
+        .collect();
+    if let Ok(tokens) = metadata.get_string_array("tokenizer.ggml.tokens") {
+        found.insert("vocab_size".into(), json!(tokens.len()));
+    }
+    found
+}
+
+/// The `<arch>.*` keys shown as hyper-parameters.
+const HYPER_PARAMETERS: [&str; 11] = [
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window",
+    "rope.freq_base",
+    "rope.dimension_count",
+];
+
 /// The hyper-parameters people look for first, from `<arch>.*` keys.
 fn hyper_parameters(metadata: &Metadata, arch: &str) -> Vec<(String, String)> {
-    let keys = [
-        "context_length",
-        "embedding_length",
-        "block_count",
-        "feed_forward_length",
-        "attention.head_count",
-        "attention.head_count_kv",
-        "attention.key_length",
-        "attention.layer_norm_rms_epsilon",
-        "attention.sliding_window",
-        "rope.freq_base",
-        "rope.dimension_count",
-    ];
-    let mut found: Vec<(String, String)> = keys
+    let mut found: Vec<(String, String)> = HYPER_PARAMETERS
         .iter()
         .filter_map(|k| {
             let full = format!("{arch}.{k}");
@@ -220,10 +251,13 @@ fn to_json(store: &TensorStore) -> serde_json::Value {
             })
         })
         .collect();
+    let arch = metadata.get_str("general.architecture").ok();
     json!({
         "file": store.path(),
         "version": store.gguf().version,
-        "architecture": metadata.get_str("general.architecture").ok(),
+        "architecture": arch,
+        "name": metadata.get_str("general.name").ok(),
+        "hyper_parameters": hyper_parameters_json(metadata, arch.unwrap_or("(none)")),
         "alignment": store.gguf().alignment,
         "data_offset": store.gguf().data_offset,
         "metadata": meta,

@@ -22,7 +22,7 @@ use crate::generate::model_path;
 #[derive(clap::Args)]
 pub struct LoadArgs {
     /// The model; without it, the default model from the models cache.
-    #[arg(long)]
+    #[arg(long, short = 'm', visible_alias = "model", value_name = "FILE")]
     gguf: Option<PathBuf>,
     /// When tensors go to the device: all before returning (eager), in the background
     /// while the first layers are waited for (background), or each layer when asked
@@ -75,9 +75,11 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     let start = Instant::now();
     let ms = move || start.elapsed().as_secs_f64() * 1e3;
 
+    tracing::info!(path = %path.display(), "model file");
     let device = Device::open(args.device)
         .with_context(|| format!("cannot use GPU {} to load {}", args.device, path.display()))?;
     let device_ms = ms();
+    tracing::info!(device = %device.info().name, ms = format_args!("{device_ms:.1}"), "device");
     let store = TensorStore::open(&path)?;
     let config = ModelConfig::from_metadata(store.metadata())
         .with_context(|| format!("{}", path.display()))?;
@@ -85,6 +87,11 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         ExecutionPlan::build(&store, &config).with_context(|| format!("{}", path.display()))?;
     let order = UploadOrder::by_layer(plan.handles());
     let plan_ms = ms();
+    tracing::info!(
+        tensors = order.tensors().len(),
+        ms = format_args!("{plan_ms:.1}"),
+        "plan built"
+    );
     let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
     let arena_bytes = args.budget_mib.map_or(model_bytes, |mib| {
         model_bytes.min(mib.saturating_mul(1 << 20))
@@ -122,6 +129,11 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     }
     cache.wait_idle()?;
     let all_ms = ms();
+    tracing::info!(
+        first_layer_ms = format_args!("{first_layer_ms:.1}"),
+        all_ms = format_args!("{all_ms:.1}"),
+        "loaded"
+    );
     bar.finish();
 
     let progress = cache.progress();

@@ -7,11 +7,17 @@ mod devices;
 mod generate;
 mod inspect;
 mod load;
+mod options;
+mod progress;
 mod tokenize;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::Layer;
 
 #[derive(Parser)]
 #[command(
@@ -39,14 +45,12 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("ROCMFORGE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let progress = match &cli.command {
+        Command::Generate(args) => progress::Mode::choose(args.progress),
+        _ => progress::Mode::Off,
+    };
+    install_subscriber(progress);
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Devices(args) => devices::run(&args).map(|()| ExitCode::SUCCESS),
@@ -62,6 +66,21 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Log lines on stderr as `ROCMFORGE_LOG` asks (default: warnings), coloured only on a
+/// terminal; and the prompt's progress.
+fn install_subscriber(progress: progress::Mode) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ROCMFORGE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let log = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_filter(filter);
+    tracing_subscriber::registry()
+        .with(log)
+        .with(progress::layer(progress))
+        .init();
 }
 
 /// The error and its causes on one line, leaving out a cause whose text the message

@@ -407,3 +407,361 @@ fn load_says_why_there_is_no_gpu_or_loads() {
     assert!(!missing.status.success());
     assert!(!stderr(&missing).contains("panicked"));
 }
+
+/// Runs `rocmforge` with `stdin` as its input and extra environment.
+fn run_with(args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Output {
+    use std::io::Write;
+    let mut child = rocmforge()
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("rocmforge starts");
+    let mut input = child.stdin.take().unwrap();
+    let bytes = stdin.to_vec();
+    let writer = std::thread::spawn(move || {
+        // The program may exit before reading everything (an error): that is its answer.
+        let _ = input.write_all(&bytes);
+    });
+    let output = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    output
+}
+
+fn stdout_json(output: &Output) -> serde_json::Value {
+    assert!(output.status.success(), "{}", stderr(output));
+    serde_json::from_slice(&output.stdout).expect("one JSON object")
+}
+
+#[test]
+fn long_prompts_come_from_a_file_or_stdin() {
+    let model = model_path(SMOLLM2);
+    let model = model.to_str().unwrap();
+    // 200,000 characters: more than one argument may hold on Linux (128 KiB).
+    let text = "The quick brown fox jumps over the lazy dog. ".repeat(4445);
+    assert!(text.len() > 200_000);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, &text).unwrap();
+    let file = file.to_str().unwrap();
+    let from_stdin = stdout_json(&run_with(
+        &["tokenize", "-m", model, "--json", "-f", "-"],
+        &[],
+        text.as_bytes(),
+    ));
+    let from_file = stdout_json(&run(&[
+        "tokenize", "--model", model, "--json", "--file", file,
+    ]));
+    assert_eq!(from_stdin, from_file);
+    // Ten tokens a sentence, and the trailing space.
+    assert_eq!(ids(&from_file["tokens"]).len(), 4445 * 10 + 1);
+    let short = "The capital of France is";
+    let by_flag = greedy_json(Path::new(model), short, &["--max-tokens", "3"]);
+    let by_stdin = stdout_json(&run_with(
+        &[
+            "generate",
+            "--gguf",
+            model,
+            "-f",
+            "-",
+            "--temperature",
+            "0",
+            "-n",
+            "3",
+            "--json",
+        ],
+        &[],
+        short.as_bytes(),
+    ));
+    assert_eq!(by_flag["tokens"], by_stdin["tokens"]);
+    assert_eq!(by_flag["prompt_tokens"], by_stdin["prompt_tokens"]);
+    // A directory or a missing file is named; the text and --file together are refused.
+    let dir_path = dir.path().to_str().unwrap();
+    assert_fails_with(
+        &run(&["generate", "-m", model, "-f", dir_path]),
+        "is a directory",
+    );
+    assert_fails_with(
+        &run(&["tokenize", "-m", model, "-f", "/nonexistent/prompt.txt"]),
+        "/nonexistent/prompt.txt",
+    );
+    let both = run(&["generate", "-m", model, "-p", "hi", "-f", file]);
+    assert!(!both.status.success());
+    assert!(
+        stderr(&both).contains("cannot be used with"),
+        "{}",
+        stderr(&both)
+    );
+}
+
+#[test]
+fn prompt_progress_goes_to_stderr_when_asked_and_never_to_stdout() {
+    let model = model_path(SMOLLM2);
+    let model = model.to_str().unwrap();
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(8);
+    let args = [
+        "generate", "-m", model, "-p", &prompt, "-n", "2", "--temp", "0",
+    ];
+    let asked = run(&[&args[..], &["--progress"]].concat());
+    assert!(asked.status.success(), "{}", stderr(&asked));
+    let err = stderr(&asked);
+    assert!(
+        err.contains("prompt: 81 tokens, layer 30/30 (100%)"),
+        "{err}"
+    );
+    let out = String::from_utf8(asked.stdout).unwrap();
+    assert!(!out.contains("layer"), "{out}");
+    // stderr is a pipe here: without --progress, nothing is drawn.
+    let quiet = run(&args);
+    assert!(quiet.status.success());
+    assert!(!stderr(&quiet).contains("layer"), "{}", stderr(&quiet));
+    assert_eq!(quiet.stdout, out.as_bytes());
+}
+
+#[test]
+fn info_logs_name_the_stages_without_colours_in_a_file() {
+    let model = model_path(SMOLLM2);
+    let model = model.to_str().unwrap();
+    let env = [("ROCMFORGE_LOG", "info")];
+    let output = run_with(
+        &[
+            "generate", "-m", model, "-p", "Hi", "-n", "2", "--temp", "0",
+        ],
+        &env,
+        b"",
+    );
+    assert!(output.status.success(), "{}", stderr(&output));
+    let err = stderr(&output);
+    for stage in [
+        "model file",
+        "mapped",
+        "model loaded",
+        "device: cpu",
+        "prompt",
+        "prompt processed",
+        "decoded",
+    ] {
+        assert!(err.contains(stage), "no {stage:?} in {err}");
+    }
+    assert!(!err.contains('\u{1b}'), "colours in a pipe: {err:?}");
+    let inspect = run_with(&["inspect", model], &env, b"");
+    assert!(stderr(&inspect).contains("mapped"), "{}", stderr(&inspect));
+    let load = run_with(&["load", "-m", model], &env, b"");
+    assert!(stderr(&load).contains("model file"), "{}", stderr(&load));
+}
+
+#[test]
+fn too_many_threads_are_capped_with_a_warning() {
+    let model = model_path(SMOLLM2);
+    let start = Instant::now();
+    let output = run(&[
+        "generate",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "Hi",
+        "-n",
+        "2",
+        "--threads",
+        "100000",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(start.elapsed() < Duration::from_secs(60));
+    let err = stderr(&output);
+    assert!(
+        err.contains("warning: --threads 100000 is more than the"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_directory_or_a_text_file_as_the_model_is_said_plainly() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir_path = dir.path().to_str().unwrap();
+    for args in [
+        &["generate", "--gguf", dir_path, "-p", "hi"][..],
+        &["inspect", dir_path][..],
+        &["tokenize", "-m", dir_path, "hi"][..],
+    ] {
+        let output = run(args);
+        assert_fails_with(&output, &format!("{dir_path}: is a directory"));
+        assert!(!stderr(&output).contains("mapping failed"));
+    }
+    let text = dir.path().join("hello.gguf");
+    std::fs::write(&text, "hello world").unwrap();
+    assert_fails_with(
+        &run(&["inspect", text.to_str().unwrap()]),
+        "not a GGUF file: it starts with \"hell\", expected \"GGUF\"",
+    );
+}
+
+#[test]
+fn a_sampled_run_is_reproduced_from_its_json() {
+    let model = model_path(SMOLLM2);
+    let model = model.to_str().unwrap();
+    let args = [
+        "generate",
+        "-m",
+        model,
+        "-p",
+        "Once upon a time",
+        "-n",
+        "8",
+        "--json",
+    ];
+    let first = stdout_json(&run(&args));
+    let seed = first["seed"].as_u64().expect("the seed is in the JSON");
+    let again = stdout_json(&run(&[&args[..], &["-s", &seed.to_string()]].concat()));
+    assert_eq!(again["seed"], first["seed"]);
+    assert_eq!(again["tokens"], first["tokens"]);
+}
+
+#[test]
+fn chat_without_a_template_says_which_built_in_one() {
+    // Gemma 3 270M carries no chat template.
+    let model = model_path(GEMMA3);
+    let output = run(&[
+        "generate",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "Hi",
+        "--chat",
+        "-n",
+        "1",
+        "--temp",
+        "0",
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let err = stderr(&output);
+    assert!(
+        err.contains("has no chat template: using the built-in Gemma template"),
+        "{err}"
+    );
+    // SmolLM2 has its own: nothing is said.
+    let smol = model_path(SMOLLM2);
+    let output = run(&[
+        "generate",
+        "-m",
+        smol.to_str().unwrap(),
+        "-p",
+        "Hi",
+        "--chat",
+        "-n",
+        "1",
+    ]);
+    assert!(
+        !stderr(&output).contains("chat template"),
+        "{}",
+        stderr(&output)
+    );
+}
+
+#[test]
+fn the_summary_counts_in_words_and_warns_of_a_long_context() {
+    let model = model_path(SMOLLM2);
+    let model = model.to_str().unwrap();
+    let one = run(&[
+        "generate",
+        "-m",
+        model,
+        "-p",
+        "The capital of France is",
+        "-n",
+        "1",
+        "--temp",
+        "0",
+    ]);
+    assert!(one.status.success(), "{}", stderr(&one));
+    let err = stderr(&one);
+    assert!(err.contains("prompt 5 tokens in"), "{err}");
+    assert!(err.contains("generated 1 token;"), "{err}");
+    assert!(!err.contains("(-"), "{err}");
+    let none = run(&["generate", "-m", model, "-p", "Hi", "-n", "0"]);
+    assert!(none.status.success());
+    let err = stderr(&none);
+    assert!(
+        err.contains("prompt of 1 token not processed; generated 0 tokens;"),
+        "{err}"
+    );
+    let long = run(&[
+        "generate", "-m", model, "-p", "Hi", "-n", "1", "-c", "100000",
+    ]);
+    assert!(long.status.success());
+    assert!(
+        stderr(&long).contains(
+            "warning: --ctx-size 100000 is beyond the model's training context of 8192 tokens"
+        ),
+        "{}",
+        stderr(&long)
+    );
+}
+
+#[test]
+fn inspect_json_has_the_name_and_hyper_parameters_and_takes_gguf() {
+    let model = model_path(SMOLLM2);
+    let model = model.to_str().unwrap();
+    let by_position = stdout_json(&run(&["inspect", model, "--json"]));
+    let by_flag = stdout_json(&run(&["inspect", "--gguf", model, "--json"]));
+    let by_alias = stdout_json(&run(&["inspect", "-m", model, "--json"]));
+    assert_eq!(by_position, by_flag);
+    assert_eq!(by_position, by_alias);
+    assert_eq!(by_position["name"], "Smollm2 135M 8k Lc100K Mix1 Ep2");
+    let hp = &by_position["hyper_parameters"];
+    assert_eq!(hp["block_count"], 30, "{hp}");
+    assert_eq!(hp["context_length"], 8192, "{hp}");
+    assert_eq!(hp["attention.head_count_kv"], 3, "{hp}");
+    assert_eq!(hp["vocab_size"], 49152, "{hp}");
+    let neither = run(&["inspect"]);
+    assert!(!neither.status.success());
+}
+
+#[test]
+fn llama_cpp_spellings_are_accepted() {
+    let model = model_path(SMOLLM2);
+    let model = model.to_str().unwrap();
+    let prompt = "The capital of France is";
+    let long = stdout_json(&run(&[
+        "generate",
+        "--gguf",
+        model,
+        "--prompt",
+        prompt,
+        "--temperature",
+        "0.7",
+        "--seed",
+        "42",
+        "--ctx-size",
+        "64",
+        "--threads",
+        "1",
+        "--max-tokens",
+        "6",
+        "--json",
+    ]));
+    let short = stdout_json(&run(&[
+        "generate", "-m", model, "-p", prompt, "--temp", "0.7", "-s", "42", "-c", "64", "-t", "1",
+        "-n", "6", "--json",
+    ]));
+    let spelled = stdout_json(&run(&[
+        "generate", "--model", model, "-p", prompt, "--temp", "0.7", "-s", "42", "-c", "64", "-n",
+        "6", "--json",
+    ]));
+    assert_eq!(long["tokens"], short["tokens"]);
+    assert_eq!(long["tokens"], spelled["tokens"]);
+    // -n -1: until the context is full.
+    let full = stdout_json(&run(&[
+        "generate", "-m", model, "-p", prompt, "--temp", "0", "-c", "12", "-n", "-1", "--json",
+    ]));
+    assert_eq!(full["stop_reason"], "context_full", "{full}");
+    assert_eq!(ids(&full["tokens"]).len(), 12 - 5 + 1, "{full}");
+    let bad = run(&["generate", "-m", model, "-p", prompt, "-n", "-2"]);
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("-1 (until the context is full)"),
+        "{}",
+        stderr(&bad)
+    );
+}

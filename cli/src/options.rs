@@ -1,0 +1,76 @@
+//! Argument handling shared by the subcommands: where a prompt comes from, llama.cpp's
+//! `-n -1`, and the worker-thread count.
+
+use std::io::Read;
+use std::num::NonZeroUsize;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+/// The text given with `--prompt`, or read from `--file PATH` (`-` is stdin), for prompts
+/// longer than a command line may be.
+pub fn prompt_text(prompt: Option<&str>, file: Option<&Path>) -> Result<String> {
+    match (prompt, file) {
+        (Some(text), None) => Ok(text.to_owned()),
+        (None, Some(path)) if path == Path::new("-") => {
+            let mut text = String::new();
+            std::io::stdin()
+                .read_to_string(&mut text)
+                .context("reading the prompt from stdin")?;
+            Ok(text)
+        }
+        (None, Some(path)) => {
+            if path.is_dir() {
+                bail!("{}: is a directory, not a prompt file", path.display());
+            }
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the prompt from {}", path.display()))
+        }
+        (Some(_), Some(_)) => bail!("give the text or --file, not both"),
+        (None, None) => bail!("no text given: pass it, or --file PATH (- reads stdin)"),
+    }
+}
+
+/// `--max-tokens`: a count, or -1 (as in llama.cpp) for "until the context is full".
+pub fn parse_max_tokens(text: &str) -> Result<usize, String> {
+    if text.trim() == "-1" {
+        return Ok(usize::MAX);
+    }
+    text.trim().parse().map_err(|_| {
+        format!("expected a count of tokens or -1 (until the context is full), got {text:?}")
+    })
+}
+
+/// Sets up rayon's pool with `requested` threads, at most one per core: more only make
+/// the threads wait for each other (a thousand take minutes for what two do at once).
+/// Returns the count in use.
+pub fn worker_threads(requested: Option<NonZeroUsize>) -> Result<usize> {
+    let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+    let Some(requested) = requested else {
+        return Ok(rayon::current_num_threads());
+    };
+    let threads = requested.get().min(cores);
+    if threads < requested.get() {
+        eprintln!(
+            "warning: --threads {requested} is more than the {cores} cores here: using {cores}"
+        );
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .context("setting up the worker threads")?;
+    Ok(threads)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minus_one_means_no_limit() {
+        assert_eq!(parse_max_tokens("-1"), Ok(usize::MAX));
+        assert_eq!(parse_max_tokens("12"), Ok(12));
+        assert!(parse_max_tokens("-2").unwrap_err().contains("-1"));
+        assert!(parse_max_tokens("many").is_err());
+    }
+}
