@@ -765,3 +765,19 @@ fn llama_cpp_spellings_are_accepted() {
         stderr(&bad)
     );
 }
+
+/// A runtime status is named once (`hipErrorNoDevice (100)`), not again as its own
+/// description. Without a GPU runtime (`platform: none`) there is no status to name.
+#[test]
+fn devices_names_a_runtime_status_once() {
+    let output = run(&["devices"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = String::from_utf8(output.stdout).unwrap();
+    for line in text.lines() {
+        for word in line.split(|c: char| !c.is_ascii_alphanumeric()) {
+            if word.starts_with("hipError") || word.starts_with("cudaError") {
+                assert_eq!(line.matches(word).count(), 1, "{line}");
+            }
+        }
+    }
+}

@@ -240,3 +240,21 @@ fn the_build_features_agree_with_the_binarys() {
         .collect();
     assert!(differ.is_empty(), "features differ: {differ:#?}");
 }
+
+/// A first build takes minutes and the models are hundreds of MB: neither the xtask alias
+/// nor the model download may hide its progress.
+#[test]
+fn long_work_is_not_run_quietly() {
+    let root = workspace_root();
+    let config = std::fs::read_to_string(root.join(".cargo/config.toml")).unwrap();
+    let alias = config
+        .lines()
+        .find(|l| l.trim_start().starts_with("xtask"))
+        .expect("the xtask alias");
+    assert!(
+        !alias.contains("--quiet") && !alias.contains("-q "),
+        "{alias}"
+    );
+    let fetch = std::fs::read_to_string(root.join("xtask/src/fetch.rs")).unwrap();
+    assert!(!fetch.contains("\"--quiet\""), "fetch.rs runs pip quietly");
+}
