@@ -79,7 +79,6 @@ def main():
     }
     with open(out, "w", encoding="utf-8") as f:
         json.dump(golden, f, ensure_ascii=False, indent=1)
-        f.write("\n")
 
 
 if __name__ == "__main__":
