@@ -164,4 +164,36 @@ int rfhip_event_elapsed_ms(float* milliseconds, void* start, void* end) {
     return (int)hipEventElapsedTime(milliseconds, as_event(start), as_event(end));
 }
 
+
+// Graphs: the work queued on a stream between begin and end of a capture becomes a graph
+// that replays with one launch. Capture is per stream (relaxed mode: other threads may
+// keep using the runtime while this stream captures).
+int rfhip_stream_begin_capture(void* stream) {
+    return (int)hipStreamBeginCapture(as_stream(stream), hipStreamCaptureModeRelaxed);
+}
+// Ends the capture and instantiates the graph. On success *exec is the executable graph;
+// the graph itself is released at once (the executable does not need it).
+int rfhip_stream_end_capture(void* stream, void** exec) {
+    *exec = NULL;
+    hipGraph_t graph = NULL;
+    hipError_t status = hipStreamEndCapture(as_stream(stream), &graph);
+    if (status != hipSuccess) {
+        if (graph != NULL) hipGraphDestroy(graph);
+        return (int)status;
+    }
+    hipGraphExec_t instance = NULL;
+#ifdef ROCMFORGE_HIP_NVIDIA
+    status = cudaGraphInstantiate(&instance, graph, 0ULL);
+#else
+    status = hipGraphInstantiate(&instance, graph, NULL, NULL, 0);
+#endif
+    hipGraphDestroy(graph);
+    *exec = (void*)instance;
+    return (int)status;
+}
+int rfhip_graph_launch(void* exec, void* stream) {
+    return (int)hipGraphLaunch((hipGraphExec_t)exec, as_stream(stream));
+}
+int rfhip_graph_destroy(void* exec) { return (int)hipGraphExecDestroy((hipGraphExec_t)exec); }
+
 }  // extern "C"

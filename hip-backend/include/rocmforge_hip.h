@@ -80,6 +80,16 @@
 #define hipEventQuery cudaEventQuery
 #define hipEventElapsedTime cudaEventElapsedTime
 
+// Graphs.
+#define hipGraph_t cudaGraph_t
+#define hipGraphExec_t cudaGraphExec_t
+#define hipStreamBeginCapture cudaStreamBeginCapture
+#define hipStreamCaptureModeRelaxed cudaStreamCaptureModeRelaxed
+#define hipStreamEndCapture cudaStreamEndCapture
+#define hipGraphDestroy cudaGraphDestroy
+#define hipGraphLaunch cudaGraphLaunch
+#define hipGraphExecDestroy cudaGraphExecDestroy
+
 // Kernels. hipLaunchKernelGGL(kernel, grid, block, shared_bytes, stream, args...).
 #define hipLaunchKernelGGL(kernel, grid, block, shared_bytes, stream, ...) \
     kernel<<<(grid), (block), (shared_bytes), (stream)>>>(__VA_ARGS__)

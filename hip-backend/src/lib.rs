@@ -3,7 +3,8 @@
 //! It finds devices and hands out what GPU work needs: [`Device`] (name, architecture,
 //! memory), [`Stream`], [`Event`] (record, wait, query, time), [`DeviceBuffer`] with typed
 //! views ([`DeviceView`], [`DeviceViewMut`]), [`PinnedBuffer`] (page-locked host memory),
-//! asynchronous host↔device copies on a stream, and [`DeviceArena`], one allocation carved
+//! asynchronous host↔device copies on a stream, [`Graph`] (a stream's work captured once
+//! and replayed with one launch), and [`DeviceArena`], one allocation carved
 //! into aligned sub-buffers. [`list_devices`] and [`PLATFORM`] serve `rocmforge devices`.
 //!
 //! **Architecture Invariant:** this crate knows nothing of GGUF, tensors or models; it
@@ -74,6 +75,7 @@
 mod arena;
 mod device;
 mod error;
+mod graph;
 mod memory;
 mod pinned;
 mod result;
@@ -87,6 +89,7 @@ mod hip_build;
 pub use arena::{ArenaBuffer, ArenaStats, DeviceArena, RangeAllocator, DEFAULT_ARENA_ALIGN};
 pub use device::{list_devices, runtime_versions, Device, DeviceInfo, MemoryInfo, RuntimeVersions};
 pub use error::{HipError, Result};
+pub use graph::Graph;
 pub use memory::{
     allocation_counters, AllocationCounters, DeviceBuffer, DeviceView, DeviceViewMut,
 };

@@ -6,7 +6,7 @@
 //! on AMD, `cudaErrorNoDevice` on NVIDIA) next to the HIP name of the call.
 
 use crate::error::{HipError, Result};
-use crate::sys::{self, RawEvent, RawStream, RfhipDeviceProps};
+use crate::sys::{self, RawEvent, RawGraph, RawStream, RfhipDeviceProps};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr::{self, NonNull};
 
@@ -367,4 +367,46 @@ fn ready_or_error(call: &'static str, code: c_int) -> Result<bool> {
         return Ok(false);
     }
     Err(status_error(call, code))
+}
+
+/// Starts capturing the work queued on `stream` into a graph.
+///
+/// # Safety
+/// `stream` is live.
+pub(crate) unsafe fn stream_begin_capture(stream: RawStream) -> Result<()> {
+    // SAFETY: this function's contract.
+    check("hipStreamBeginCapture", unsafe {
+        sys::rfhip_stream_begin_capture(stream)
+    })
+}
+
+/// Ends the capture on `stream` and instantiates the captured graph.
+///
+/// # Safety
+/// `stream` is live and capturing.
+pub(crate) unsafe fn stream_end_capture(stream: RawStream) -> Result<RawGraph> {
+    let mut exec: RawGraph = ptr::null_mut();
+    // SAFETY: `stream` is live by this function's contract; `exec` is a live local.
+    check("hipStreamEndCapture", unsafe {
+        sys::rfhip_stream_end_capture(stream, &mut exec)
+    })?;
+    Ok(exec)
+}
+
+/// # Safety
+/// `exec` came from [`stream_end_capture`] and is live; `stream` is live.
+pub(crate) unsafe fn graph_launch(exec: RawGraph, stream: RawStream) -> Result<()> {
+    // SAFETY: this function's contract.
+    check("hipGraphLaunch", unsafe {
+        sys::rfhip_graph_launch(exec, stream)
+    })
+}
+
+/// # Safety
+/// `exec` came from [`stream_end_capture`] and is destroyed once.
+pub(crate) unsafe fn graph_destroy(exec: RawGraph) -> Result<()> {
+    // SAFETY: this function's contract.
+    check("hipGraphExecDestroy", unsafe {
+        sys::rfhip_graph_destroy(exec)
+    })
 }

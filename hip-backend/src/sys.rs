@@ -124,6 +124,11 @@ mod linked {
             start: *mut c_void,
             end: *mut c_void,
         ) -> c_int;
+
+        pub fn rfhip_stream_begin_capture(stream: *mut c_void) -> c_int;
+        pub fn rfhip_stream_end_capture(stream: *mut c_void, exec: *mut *mut c_void) -> c_int;
+        pub fn rfhip_graph_launch(exec: *mut c_void, stream: *mut c_void) -> c_int;
+        pub fn rfhip_graph_destroy(exec: *mut c_void) -> c_int;
     }
 }
 
@@ -246,8 +251,22 @@ mod stub {
     pub unsafe fn rfhip_event_elapsed_ms(_: *mut f32, _: *mut c_void, _: *mut c_void) -> c_int {
         NO_GPU
     }
+    pub unsafe fn rfhip_stream_begin_capture(_: *mut c_void) -> c_int {
+        NO_GPU
+    }
+    pub unsafe fn rfhip_stream_end_capture(_: *mut c_void, _: *mut *mut c_void) -> c_int {
+        NO_GPU
+    }
+    pub unsafe fn rfhip_graph_launch(_: *mut c_void, _: *mut c_void) -> c_int {
+        NO_GPU
+    }
+    pub unsafe fn rfhip_graph_destroy(_: *mut c_void) -> c_int {
+        NO_GPU
+    }
 }
 
 /// Opaque stream and event handles as the shim passes them.
 pub type RawStream = *mut c_void;
 pub type RawEvent = *mut c_void;
+/// Opaque executable-graph handle.
+pub type RawGraph = *mut c_void;
