@@ -36,6 +36,7 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/decode_legacy.h",
     "kernels/decode_kquants.h",
     "kernels/decode_iquants.h",
+    "kernels/matvec.hip",
 ];
 
 fn main() {
@@ -58,9 +59,12 @@ fn main() {
     config
         .compile(
             "rocmforge_dequant_kernels",
-            &[unit_path
-                .to_str()
-                .unwrap_or_else(|| fail("OUT_DIR is not UTF-8"))],
+            &[
+                unit_path
+                    .to_str()
+                    .unwrap_or_else(|| fail("OUT_DIR is not UTF-8")),
+                "kernels/matvec.hip",
+            ],
         )
         .unwrap_or_else(|error| fail(&error));
 }

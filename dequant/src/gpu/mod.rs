@@ -1,6 +1,9 @@
 //! Decoding on the GPU: every type the CPU decoders handle, to f32 or to f16, from block
 //! bytes already in device memory into a device buffer, queued on a [`Stream`].
 //!
+//! Products on the blocks live in [`matvec`]: quantized weights against Q8 activation
+//! blocks in integer dot products, for decoding and short batches.
+//!
 //! Two layers:
 //! - one typed wrapper per kernel ([`q4_k_to_f32`], [`iq2_xs_to_f16`], [`bf16_to_f32`] …),
 //!   taking a view of blocks ([`BlockQ4_K`](crate::blocks::BlockQ4_K) …) or of plain
@@ -22,8 +25,11 @@
 //! arguments.
 
 mod kernels;
+pub mod matvec;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_matvec;
 
 use gguf_format::GgmlType;
 use half::f16;

@@ -24,7 +24,7 @@ const MAX_GRID: usize = 8192;
 
 /// Device 0 and a stream on it, or `None` after saying plainly on stderr that `test`
 /// was skipped and why.
-fn gpu_or_skip(test: &str) -> Option<(Device, Stream)> {
+pub(super) fn gpu_or_skip(test: &str) -> Option<(Device, Stream)> {
     match Device::open(0) {
         Ok(device) => {
             let stream = device.new_stream().expect("stream on device 0");

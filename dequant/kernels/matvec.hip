@@ -1,0 +1,588 @@
+// matvec.hip: products of quantized weight matrices with a few tokens' activations, on
+// the weights' own blocks (the decode path of a forward pass on the GPU).
+//
+// Activations. Before a product the activations are quantized once to Q8 activation
+// blocks of 32 values (x ≈ d·q), by rf_quantize_q8 or by a kernel that fuses it (a norm,
+// an activation function). Layout for n tokens of n_cols values: the n·n_cols int8
+// values first, token by token (so each block's 32 bytes are 16-byte aligned), then one
+// f32 scale d per block.
+//
+// Weights. Every thread takes tasks of 32 or 64 weights of a row (see "weight tasks"),
+// read with the widest loads the block's alignment allows. Each weight type describes a
+// task's weights as small integers w (four packed in a 32-bit word) and, per 16 weights,
+// two f32 factors a, b such that the weights are a·w + b: Q4_0 is d·n - 8d, Q4_K d·sc·n -
+// dmin·m, Q6_K d·sc·q - 32·d·sc, and so on. Each 16 weights then meet the activations of
+// the same columns, d_x·q_x, in integer dot products of four lanes (dp4a on NVIDIA,
+// sdot4 on AMD):
+//     Σ (a·w + b)·d_x·q_x = d_x · (a · Σ w·q_x + b · Σ q_x).
+// The sum of q_x is itself a dot product with ones, so offsets and minimums cost no
+// precomputed sums and stay exact in integers. Float weights (F32, F16, BF16) meet f32
+// activations in f32.
+//
+// Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
+// per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
+// multiple of 32), for NT tokens at once (1 to 8): a weight task is decoded once and
+// meets every token's activations. Partial sums are reduced in 32-lane groups with
+// shuffles (which works for 32- and 64-lane wavefronts alike), then across the groups in
+// shared memory. Up to three matrices of one type and width (a layer's q, k and v, or
+// gate and up) run in one launch: rows are numbered across them.
+//
+// Launchers, all returning the platform's native status (0 on success):
+//   rf_quantize_q8(x, n_tokens, n_cols, out, stream)
+//   rf_matvec(type, mats, n_mats, n_cols, xq_or_x, n_tokens, accumulate, stream)
+// The Rust wrappers in src/gpu/matvec.rs are their only callers and check every length.
+#include "common.h"
+
+#include <type_traits>
+
+namespace rf {
+
+
+constexpr int kMatvecThreads = 128;
+constexpr int kMaxTokens = 8;
+constexpr int kMaxMats = 3;
+
+struct MatvecMats {
+    const uint8_t* w[kMaxMats];
+    float* y[kMaxMats];
+    int rows[kMaxMats];
+};
+
+// ------------------------------------------------------------------ integer dots ------
+
+__device__ __forceinline__ int dot4(int a, int b, int acc) {
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    return __dp4a(a, b, acc);
+#elif defined(__gfx906__) || defined(__gfx908__) || defined(__gfx90a__) || \
+    defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__) ||    \
+    defined(__gfx1030__) || defined(__gfx1031__) || defined(__gfx1032__) || \
+    defined(__gfx1034__) || defined(__gfx1035__) || defined(__gfx1036__)
+    return __builtin_amdgcn_sdot4(a, b, acc, false);
+#else
+    // Targets without a 4-lane dot instruction: the same sum, lane by lane.
+    const int8_t* x = reinterpret_cast<const int8_t*>(&a);
+    const int8_t* y = reinterpret_cast<const int8_t*>(&b);
+    return acc + x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
+#endif
+}
+
+// ------------------------------------------------------------------ weight tasks ------
+// A task is what one thread takes of a weight block at a time: 32 or 64 weights, whose
+// quantized values it loads with as few and as wide loads as the block's alignment allows
+// and unpacks into small integers w (four to a 32-bit word), with per-16-weight factors a
+// and b such that the weights are a·w + b. `xb[i]` says which 32-weight activation block
+// of the weight block the task's i-th 32 weights meet.
+//
+// Blocks of 18, 22, 34 or 210 bytes sit at 2-byte aligned addresses: their bytes are read
+// as aligned 32-bit words and shifted into place (load_words), never past the block.
+
+// n consecutive 32-bit words starting at the 2-byte aligned address p.
+template <int N>
+__device__ __forceinline__ void load_words(const uint8_t* p, int (&out)[N]) {
+    const uint32_t* base = reinterpret_cast<const uint32_t*>((uintptr_t)p & ~(uintptr_t)3);
+    const int shift = ((uintptr_t)p & 3) * 8;  // 0 or 16
+    uint32_t w[N + 1];
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = base[i];
+    w[N] = shift ? base[N] : 0u;  // the last word only when it holds wanted bytes
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        out[i] = (int)(uint32_t)((((uint64_t)w[i + 1] << 32) | w[i]) >> shift);
+    }
+}
+
+// n consecutive 32-bit words at a 16-byte aligned address.
+template <int N>
+__device__ __forceinline__ void load_words16(const uint8_t* p, int (&out)[N]) {
+    static_assert(N % 4 == 0, "whole 16-byte words");
+    const int4* v = reinterpret_cast<const int4*>(p);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        const int4 x = v[i];
+        out[4 * i] = x.x;
+        out[4 * i + 1] = x.y;
+        out[4 * i + 2] = x.z;
+        out[4 * i + 3] = x.w;
+    }
+}
+
+__device__ __forceinline__ float half_at(const uint8_t* p) {
+    return __half2float(*reinterpret_cast<const __half*>(p));
+}
+
+// Bits (v..v+3) of a 32-bit mask, to bit 4 of bytes 0..3.
+__device__ __forceinline__ int spread4(uint32_t mask, int v) {
+    const uint32_t b = mask >> v;
+    return (int)(((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25));
+}
+
+// Legacy 4-bit blocks: 16 bytes of nibbles, values 0-15 low, 16-31 high.
+__device__ __forceinline__ void nibbles16(const int (&q)[4], int (&w)[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w[i] = q[i] & 0x0F0F0F0F;
+        w[i + 4] = (q[i] >> 4) & 0x0F0F0F0F;
+    }
+}
+
+struct MQ4_0 {
+    static constexpr int kValues = 32, kBytes = 18, kTasks = 1, kX = 1;
+    __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[4];
+        load_words<4>(blk + 2, q);
+        nibbles16(q, w);
+        const float d = half_at(blk);
+        a[0] = a[1] = d;
+        b[0] = b[1] = -8.0f * d;
+        xb[0] = 0;
+    }
+};
+
+struct MQ4_1 {
+    static constexpr int kValues = 32, kBytes = 20, kTasks = 1, kX = 1;
+    __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        const int* p = reinterpret_cast<const int*>(blk);
+        const int q[4] = {p[1], p[2], p[3], p[4]};
+        nibbles16(q, w);
+        a[0] = a[1] = half_at(blk);
+        b[0] = b[1] = half_at(blk + 2);
+        xb[0] = 0;
+    }
+};
+
+struct MQ5_0 {
+    static constexpr int kValues = 32, kBytes = 22, kTasks = 1, kX = 1;
+    __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[5];
+        load_words<5>(blk + 2, q);  // qh, then the 16 bytes of nibbles
+        const int n[4] = {q[1], q[2], q[3], q[4]};
+        nibbles16(n, w);
+        const uint32_t qh = (uint32_t)q[0];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] |= spread4(qh, 4 * i);
+        const float d = half_at(blk);
+        a[0] = a[1] = d;
+        b[0] = b[1] = -16.0f * d;
+        xb[0] = 0;
+    }
+};
+
+struct MQ5_1 {
+    static constexpr int kValues = 32, kBytes = 24, kTasks = 1, kX = 1;
+    __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        const int* p = reinterpret_cast<const int*>(blk);
+        const int n[4] = {p[2], p[3], p[4], p[5]};
+        nibbles16(n, w);
+        const uint32_t qh = (uint32_t)p[1];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] |= spread4(qh, 4 * i);
+        a[0] = a[1] = half_at(blk);
+        b[0] = b[1] = half_at(blk + 2);
+        xb[0] = 0;
+    }
+};
+
+struct MQ8_0 {
+    static constexpr int kValues = 32, kBytes = 34, kTasks = 1, kX = 1;
+    __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        load_words<8>(blk + 2, w);
+        a[0] = a[1] = half_at(blk);
+        b[0] = b[1] = 0.0f;
+        xb[0] = 0;
+    }
+};
+
+// Byte i of the 12 scale bytes of a Q4_K/Q5_K super-block, held as three words (chosen
+// by comparisons: a run-time index into a register array would move it to memory).
+__device__ __forceinline__ int scale_byte(const int (&sw)[3], int i) {
+    const uint32_t word = (uint32_t)(i < 4 ? sw[0] : (i < 8 ? sw[1] : sw[2]));
+    return (int)((word >> (8 * (i & 3))) & 0xFF);
+}
+
+// The 6-bit scale and minimum of sub-block j of a Q4_K/Q5_K super-block.
+__device__ __forceinline__ void k_scale_min(const int (&s)[3], int j, int& sc, int& m) {
+    if (j < 4) {
+        sc = scale_byte(s, j) & 63;
+        m = scale_byte(s, j + 4) & 63;
+    } else {
+        sc = (scale_byte(s, j + 4) & 0xF) | ((scale_byte(s, j - 4) >> 6) << 4);
+        m = (scale_byte(s, j + 4) >> 4) | ((scale_byte(s, j) >> 6) << 4);
+    }
+}
+
+// Q4_K and Q5_K: a task is one 64-weight chunk c, whose 32 bytes hold sub-block 2c in
+// their low nibbles and 2c+1 in their high ones.
+template <bool kFive>
+struct MQK {
+    static constexpr int kValues = 256, kBytes = kFive ? 176 : 144, kTasks = 4, kX = 2;
+    __device__ static void task(const uint8_t* blk, int c, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[8];
+        load_words16<8>(blk + (kFive ? 48 : 16) + 32 * c, q);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            w[i] = q[i] & 0x0F0F0F0F;
+            w[i + 8] = (q[i] >> 4) & 0x0F0F0F0F;
+        }
+        if (kFive) {
+            int h[8];
+            load_words16<8>(blk + 16, h);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                w[i] |= (int)((((uint32_t)h[i] >> (2 * c)) & 0x01010101u) << 4);
+                w[i + 8] |= (int)((((uint32_t)h[i] >> (2 * c + 1)) & 0x01010101u) << 4);
+            }
+        }
+        const int* words = reinterpret_cast<const int*>(blk);
+        const int dm = words[0];
+        const int sw[3] = {words[1], words[2], words[3]};
+        const float d = __half2float(__ushort_as_half((unsigned short)(dm & 0xFFFF)));
+        const float dmin = __half2float(__ushort_as_half((unsigned short)((uint32_t)dm >> 16)));
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            int sc, m;
+            k_scale_min(sw, 2 * c + x, sc, m);
+            a[2 * x] = a[2 * x + 1] = d * (float)sc;
+            b[2 * x] = b[2 * x + 1] = -dmin * (float)m;
+            xb[x] = 2 * c + x;
+        }
+    }
+};
+using MQ4_K = MQK<false>;
+using MQ5_K = MQK<true>;
+
+// Q6_K: a task is 32 weights of value group k and 32 of group k+2 (k in 0..1) of half h,
+// which share their low-bit bytes (low and high nibbles) and high-bit bytes.
+struct MQ6_K {
+    static constexpr int kValues = 256, kBytes = 210, kTasks = 4, kX = 2;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        const int h = t >> 1, k = t & 1;
+        int ql[8], qh[8];
+        load_words<8>(blk + 64 * h + 32 * k, ql);
+        load_words<8>(blk + 128 + 32 * h, qh);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            w[i] = (ql[i] & 0x0F0F0F0F) | (int)((((uint32_t)qh[i] >> (2 * k)) & 0x03030303u) << 4);
+            w[i + 8] = ((ql[i] >> 4) & 0x0F0F0F0F) |
+                       (int)((((uint32_t)qh[i] >> (2 * k + 4)) & 0x03030303u) << 4);
+        }
+        const float d = half_at(blk + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192 + 8 * h + 2 * k);
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+#pragma unroll
+            for (int half16 = 0; half16 < 2; ++half16) {
+                const float f = d * (float)sc[4 * x + half16];
+                a[2 * x + half16] = f;
+                b[2 * x + half16] = -32.0f * f;
+            }
+            xb[x] = 4 * h + k + 2 * x;
+        }
+    }
+};
+
+// ------------------------------------------------------------------ reductions --------
+
+// Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
+__device__ __forceinline__ float sum32(float v) {
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) v += rf_shfl_xor(v, mask);
+    return v;
+}
+
+// Sums acc[0..NT) over the threads of one row (tpr threads, a multiple of 32, starting
+// at a multiple of tpr) and writes row results through `write(token, value)` from the
+// row's first thread.
+template <int NT, typename Write>
+__device__ __forceinline__ void reduce_row(float (&acc)[NT], int tpr, Write write) {
+    __shared__ float partial[kMatvecThreads / 32][NT];
+    const int lane_group = threadIdx.x / 32;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j] = sum32(acc[j]);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) partial[lane_group][j] = acc[j];
+    }
+    __syncthreads();
+    const int groups_per_row = tpr / 32;
+    if (threadIdx.x % tpr == 0) {
+        const int first = lane_group;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            float s = 0.0f;
+            for (int g = 0; g < groups_per_row; ++g) s += partial[first + g][j];
+            write(j, s);
+        }
+    }
+}
+
+// The matrix a global row index falls in: its weights, output and row count, and the
+// row within it; false past the end. The arguments are read with constant indices only,
+// so they stay in the kernel's parameter space (a run-time index would copy them to a
+// stack frame).
+struct RowOf {
+    const uint8_t* w;
+    float* y;
+    int rows;
+    int local;
+};
+__device__ __forceinline__ bool locate(const MatvecMats& mats, int n_mats, int row, RowOf& out) {
+#pragma unroll
+    for (int m = 0; m < kMaxMats; ++m) {
+        if (m < n_mats && row >= 0 && row < mats.rows[m]) {
+            out = RowOf{mats.w[m], mats.y[m], mats.rows[m], row};
+            return true;
+        }
+        row -= mats.rows[m];
+    }
+    out = RowOf{nullptr, nullptr, 0, 0};
+    return false;
+}
+
+// ------------------------------------------------------------------ kernels -----------
+
+template <typename W, int NT, int kRows>
+__global__ void __launch_bounds__(kMatvecThreads)
+    matvec_q_kernel(MatvecMats mats, int n_mats, int n_cols, const uint8_t* __restrict__ xq,
+                    int accumulate) {
+    constexpr int tpr = kMatvecThreads / kRows;
+    const int sub = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+    RowOf r;
+    const bool live = locate(mats, n_mats, blockIdx.x * kRows + sub, r);
+    const int blocks = n_cols / W::kValues;
+    const int tasks = blocks * W::kTasks;
+    constexpr int kXPerBlock = W::kValues / 32;
+    // Activations: every token's int8 values, then every block's f32 scale.
+    const int8_t* xqs = reinterpret_cast<const int8_t*>(xq);
+    const float* xd = reinterpret_cast<const float*>(xq + (size_t)NT * n_cols);
+    const int xblocks = n_cols / 32;
+    float acc[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j] = 0.0f;
+    if (live) {
+        const uint8_t* row = r.w + (size_t)r.local * blocks * W::kBytes;
+        for (int task = lane; task < tasks; task += tpr) {
+            const int blk = task / W::kTasks;
+            int w[8 * W::kX], xb[W::kX];
+            float a[2 * W::kX], b[2 * W::kX];
+            W::task(row + (size_t)blk * W::kBytes, task % W::kTasks, w, a, b, xb);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+#pragma unroll
+                for (int x = 0; x < W::kX; ++x) {
+                    const int xi = blk * kXPerBlock + xb[x];
+                    int v[8];
+                    load_words16<8>(reinterpret_cast<const uint8_t*>(xqs + (size_t)j * n_cols + 32 * xi), v);
+                    float part = 0.0f;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        int dot = 0, sum = 0;
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            dot = dot4(w[8 * x + 4 * h + i], v[4 * h + i], dot);
+                            sum = dot4(0x01010101, v[4 * h + i], sum);
+                        }
+                        part += a[2 * x + h] * (float)dot + b[2 * x + h] * (float)sum;
+                    }
+                    acc[j] += xd[(size_t)j * xblocks + xi] * part;
+                }
+            }
+        }
+    }
+    reduce_row<NT>(acc, tpr, [&](int j, float s) {
+        if (!live) return;
+        float* y = r.y + (size_t)j * r.rows + r.local;
+        *y = accumulate ? *y + s : s;
+    });
+}
+
+struct FF32 {
+    __device__ static float at(const uint8_t* row, int i) {
+        return reinterpret_cast<const float*>(row)[i];
+    }
+    static constexpr int kBytes = 4;
+};
+struct FF16 {
+    __device__ static float at(const uint8_t* row, int i) {
+        return __half2float(reinterpret_cast<const __half*>(row)[i]);
+    }
+    static constexpr int kBytes = 2;
+};
+struct FBF16 {
+    __device__ static float at(const uint8_t* row, int i) {
+        const uint32_t bits = (uint32_t)reinterpret_cast<const uint16_t*>(row)[i] << 16;
+        return __uint_as_float(bits);
+    }
+    static constexpr int kBytes = 2;
+};
+
+template <typename F, int NT, int kRows>
+__global__ void __launch_bounds__(kMatvecThreads)
+    matvec_f_kernel(MatvecMats mats, int n_mats, int n_cols, const float* __restrict__ x,
+                    int accumulate) {
+    constexpr int tpr = kMatvecThreads / kRows;
+    const int sub = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+    RowOf r;
+    const bool live = locate(mats, n_mats, blockIdx.x * kRows + sub, r);
+    float acc[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j] = 0.0f;
+    if (live) {
+        const uint8_t* row = r.w + (size_t)r.local * n_cols * F::kBytes;
+        for (int i = lane; i < n_cols; i += tpr) {
+            const float w = F::at(row, i);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) acc[j] += w * x[(size_t)j * n_cols + i];
+        }
+    }
+    reduce_row<NT>(acc, tpr, [&](int j, float s) {
+        if (!live) return;
+        float* y = r.y + (size_t)j * r.rows + r.local;
+        *y = accumulate ? *y + s : s;
+    });
+}
+
+// One 32-lane group per Q8 activation block: amax by shuffles, then each lane its value.
+// Layout: all int8 values first (token by token), then one f32 scale per block.
+__global__ void quantize_q8_kernel(const float* __restrict__ x, size_t n_blocks,
+                                   int8_t* __restrict__ qs, float* __restrict__ ds) {
+    const size_t blk = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x & 31;
+    if (blk >= n_blocks) return;  // whole 32-lane groups leave together
+    const float v = x[blk * 32 + lane];
+    float amax = fabsf(v);
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) amax = fmaxf(amax, rf_shfl_xor(amax, mask));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    qs[blk * 32 + lane] = (int8_t)__float2int_rn(v * id);
+    if (lane == 0) ds[blk] = d;
+}
+
+// Launches the quantized (Q8 activations) or float kernel for NT tokens with kRows rows
+// per workgroup.
+template <typename T, int NT, int kRows, typename X>
+void launch_kernel(unsigned grid, const MatvecMats& mats, int n_mats, int n_cols, const X* x,
+                   int accumulate, hipStream_t stream) {
+    if constexpr (std::is_same<X, uint8_t>::value) {
+        hipLaunchKernelGGL((matvec_q_kernel<T, NT, kRows>), dim3(grid), dim3(kMatvecThreads), 0,
+                           stream, mats, n_mats, n_cols, x, accumulate);
+    } else {
+        hipLaunchKernelGGL((matvec_f_kernel<T, NT, kRows>), dim3(grid), dim3(kMatvecThreads), 0,
+                           stream, mats, n_mats, n_cols, x, accumulate);
+    }
+}
+
+template <typename T, int NT, typename X>
+hipError_t launch_rows(const MatvecMats& mats, int n_mats, int n_cols, const X* x,
+                       int accumulate, hipStream_t stream) {
+    unsigned total = 0;
+    for (int m = 0; m < n_mats; ++m) total += (unsigned)mats.rows[m];
+    // Narrow rows leave most of a 128-thread row idle: give them fewer threads each.
+    // Work items per row: tasks of the quantized kernels, 4 values of the float ones.
+    int work = n_cols / 4;
+    if constexpr (std::is_same<X, uint8_t>::value) work = n_cols / T::kValues * T::kTasks;
+    if (work <= 32) {
+        launch_kernel<T, NT, 4>((total + 3) / 4, mats, n_mats, n_cols, x, accumulate, stream);
+    } else if (work <= 64) {
+        launch_kernel<T, NT, 2>((total + 1) / 2, mats, n_mats, n_cols, x, accumulate, stream);
+    } else {
+        launch_kernel<T, NT, 1>(total, mats, n_mats, n_cols, x, accumulate, stream);
+    }
+    return hipGetLastError();
+}
+
+template <typename T, typename X>
+hipError_t launch_tokens(const MatvecMats& mats, int n_mats, int n_cols, const X* x,
+                         int n_tokens, int accumulate, hipStream_t stream) {
+    switch (n_tokens) {
+        case 1: return launch_rows<T, 1>(mats, n_mats, n_cols, x, accumulate, stream);
+        case 2: return launch_rows<T, 2>(mats, n_mats, n_cols, x, accumulate, stream);
+        case 3: return launch_rows<T, 3>(mats, n_mats, n_cols, x, accumulate, stream);
+        case 4: return launch_rows<T, 4>(mats, n_mats, n_cols, x, accumulate, stream);
+        case 5: return launch_rows<T, 5>(mats, n_mats, n_cols, x, accumulate, stream);
+        case 6: return launch_rows<T, 6>(mats, n_mats, n_cols, x, accumulate, stream);
+        case 7: return launch_rows<T, 7>(mats, n_mats, n_cols, x, accumulate, stream);
+        case 8: return launch_rows<T, 8>(mats, n_mats, n_cols, x, accumulate, stream);
+        default: return hipErrorInvalidValue;
+    }
+}
+
+}  // namespace rf
+
+// Weight type codes, as ggml numbers them (GgmlType in gguf-format).
+enum {
+    RF_T_F32 = 0,
+    RF_T_F16 = 1,
+    RF_T_Q4_0 = 2,
+    RF_T_Q4_1 = 3,
+    RF_T_Q5_0 = 6,
+    RF_T_Q5_1 = 7,
+    RF_T_Q8_0 = 8,
+    RF_T_Q4_K = 12,
+    RF_T_Q5_K = 13,
+    RF_T_Q6_K = 14,
+    RF_T_BF16 = 30,
+};
+
+extern "C" {
+
+// x: n_tokens × n_cols f32 (n_cols a multiple of 32); out: n_tokens × n_cols/32 blocks.
+int rf_quantize_q8(const void* x, size_t n_tokens, size_t n_cols, void* out, int device,
+                   void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    const size_t n_blocks = n_tokens * (n_cols / 32);
+    if (n_blocks == 0) return (int)hipSuccess;
+    const unsigned threads = 256;
+    const size_t grid = (n_blocks * 32 + threads - 1) / threads;
+    int8_t* qs = (int8_t*)out;
+    float* ds = (float*)(qs + n_blocks * 32);
+    hipLaunchKernelGGL(rf::quantize_q8_kernel, dim3((unsigned)grid), dim3(threads), 0,
+                       (hipStream_t)stream, (const float*)x, n_blocks, qs, ds);
+    return (int)hipGetLastError();
+}
+
+// weights[i]: rows[i] × n_cols of type `type`; outs[i]: n_tokens × rows[i] f32 (token-
+// major). x: Q8 activation blocks (quantized types) or f32 values (float types), n_tokens
+// × n_cols. accumulate: add to outs instead of overwriting.
+int rf_matvec(int type, const void* const* weights, void* const* outs, const int* rows,
+              int n_mats, int n_cols, const void* x, int n_tokens, int accumulate, int device,
+              void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_mats < 1 || n_mats > rf::kMaxMats || n_tokens < 1 || n_tokens > rf::kMaxTokens)
+        return (int)hipErrorInvalidValue;
+    rf::MatvecMats mats = {};
+    for (int m = 0; m < n_mats; ++m) {
+        mats.w[m] = (const uint8_t*)weights[m];
+        mats.y[m] = (float*)outs[m];
+        mats.rows[m] = rows[m];
+    }
+    hipStream_t s = (hipStream_t)stream;
+    const uint8_t* xq = (const uint8_t*)x;
+    const float* xf = (const float*)x;
+    using namespace rf;
+    switch (type) {
+        case RF_T_Q4_0: return (int)launch_tokens<MQ4_0>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_Q4_1: return (int)launch_tokens<MQ4_1>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_Q5_0: return (int)launch_tokens<MQ5_0>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_Q5_1: return (int)launch_tokens<MQ5_1>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_Q8_0: return (int)launch_tokens<MQ8_0>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_Q4_K: return (int)launch_tokens<MQ4_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_Q5_K: return (int)launch_tokens<MQ5_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_Q6_K: return (int)launch_tokens<MQ6_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
+        case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
+        case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
+        default: return (int)hipErrorInvalidValue;
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,329 @@
+//! The GPU products against a plain f64 reference built from the CPU decoders, on random
+//! blocks of every type the products take: one token and batches, several matrices in
+//! one launch, accumulation, row counts that are not a multiple of a workgroup's rows,
+//! one row, narrow and wide rows, and the largest vocabulary. The CPU products'
+//! own error against the same reference is the yardstick: the GPU quantizes activations
+//! differently (blocks of 32 for every type) and sums in another order, so the two agree
+//! to rounding, not bit for bit.
+
+use gguf_format::GgmlType;
+use half::f16;
+use hip_backend::{Device, Stream};
+
+use super::tests::gpu_or_skip;
+use crate::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
+use crate::matmul::QuantizedMatrix;
+
+const TYPES: [GgmlType; 11] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::F32,
+];
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Offsets of the f16 scale fields in a block of `ty`.
+fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+/// `rows × cols` weights of `ty`: random quantized bits with small finite scales, or
+/// random floats.
+fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let n = rows * cols;
+    match ty {
+        GgmlType::F32 => (0..n)
+            .flat_map(|_| (rng.unit() * 0.1).to_le_bytes())
+            .collect(),
+        GgmlType::F16 => (0..n)
+            .flat_map(|_| f16::from_f32(rng.unit() * 0.1).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => (0..n)
+            .flat_map(|_| half::bf16::from_f32(rng.unit() * 0.1).to_le_bytes())
+            .collect(),
+        _ => {
+            let (size, values) = (ty.type_size() as usize, ty.block_size() as usize);
+            let mut bytes: Vec<u8> = (0..n / values * size).map(|_| rng.next() as u8).collect();
+            for block in bytes.chunks_exact_mut(size) {
+                for &at in f16_fields(ty) {
+                    let scale = f16::from_f32(rng.unit() * 0.01);
+                    block[at..at + 2].copy_from_slice(&scale.to_le_bytes());
+                }
+            }
+            bytes
+        }
+    }
+}
+
+/// `x · Wᵀ` in f64 from the decoded weights.
+fn reference(ty: GgmlType, w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f64> {
+    let mut decoded = vec![0f32; rows * cols];
+    crate::decode_f32(ty, w, &mut decoded).expect("weights decode");
+    let mut out = vec![0f64; n * rows];
+    for t in 0..n {
+        for r in 0..rows {
+            let row = &decoded[r * cols..(r + 1) * cols];
+            let xs = &x[t * cols..(t + 1) * cols];
+            out[t * rows + r] = row
+                .iter()
+                .zip(xs)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum();
+        }
+    }
+    out
+}
+
+fn relative_error(got: &[f32], want: &[f64]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (f64::from(g) - w).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn upload<T: bytemuck::Pod>(
+    device: &Device,
+    stream: &Stream,
+    host: &[T],
+) -> hip_backend::DeviceBuffer<T> {
+    let mut buf = device.alloc::<T>(host.len()).expect("device buffer");
+    stream
+        .write_from_host(host, buf.view_mut())
+        .expect("upload");
+    buf
+}
+
+/// Runs `mats` (one type, one width) on `n` tokens on the GPU and returns each output.
+fn gpu_products(
+    device: &Device,
+    stream: &Stream,
+    ty: GgmlType,
+    weights: &[(Vec<u8>, usize)],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    initial: Option<&[Vec<f32>]>,
+) -> Vec<Vec<f32>> {
+    let bufs: Vec<_> = weights
+        .iter()
+        .map(|(w, _)| upload(device, stream, w))
+        .collect();
+    let mats: Vec<GpuMatrix<'_>> = bufs
+        .iter()
+        .zip(weights)
+        .map(|(b, (_, rows))| GpuMatrix::new(ty, *rows, cols, b.view()).expect("matrix"))
+        .collect();
+    let x_dev = upload(device, stream, x);
+    let mut q8 = device.alloc::<u8>(q8_bytes(n, cols)).expect("q8 buffer");
+    let act = if takes_q8(ty) {
+        matvec::quantize_q8(x_dev.view(), n, cols, q8.view_mut(), stream).expect("quantize");
+        GpuActivations::Q8(q8.view())
+    } else {
+        GpuActivations::F32(x_dev.view())
+    };
+    let mut outs: Vec<_> = weights
+        .iter()
+        .enumerate()
+        .map(|(i, (_, rows))| {
+            let start = initial.map_or(vec![f32::NAN; n * rows], |init| init[i].clone());
+            upload(device, stream, &start)
+        })
+        .collect();
+    let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
+    matvec::matvec(&mats, act, n, &mut views, initial.is_some(), stream).expect("product");
+    outs.iter()
+        .zip(weights)
+        .map(|(o, (_, rows))| {
+            let mut host = vec![0f32; n * rows];
+            stream.read_to_host(o.view(), &mut host).expect("read back");
+            host
+        })
+        .collect()
+}
+
+/// The CPU product's relative error against the reference, the yardstick.
+fn cpu_error(
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    want: &[f64],
+) -> f64 {
+    let m = QuantizedMatrix::new(ty, rows, cols, w).expect("cpu matrix");
+    let mut out = vec![0f32; n * rows];
+    m.matmul(x, n, &mut out).expect("cpu product");
+    relative_error(&out, want)
+}
+
+fn check_type(
+    device: &Device,
+    stream: &Stream,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    n: usize,
+    seed: u64,
+) {
+    let mut rng = Rng(seed | 1);
+    let w = random_matrix(ty, rows, cols, &mut rng);
+    let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+    let want = reference(ty, &w, rows, cols, &x, n);
+    let got = gpu_products(device, stream, ty, &[(w.clone(), rows)], cols, &x, n, None);
+    let gpu_err = relative_error(&got[0], &want);
+    let cpu_err = cpu_error(ty, &w, rows, cols, &x, n, &want);
+    // Float weights: f32 sums, differing only in order. Quantized: the 8-bit
+    // activations' rounding, about half a step of 1/127 of each block's largest value.
+    let bound = if takes_q8(ty) {
+        (2.0 * cpu_err).max(0.01)
+    } else {
+        1e-5
+    };
+    assert!(
+        gpu_err <= bound && got[0].iter().all(|v| v.is_finite()),
+        "{ty} {rows}x{cols}, {n} tokens: GPU relative error {gpu_err:.2e} > {bound:.2e} \
+         (CPU {cpu_err:.2e})"
+    );
+}
+
+#[test]
+fn products_match_the_reference_for_every_type_and_shape() {
+    let Some((device, stream)) =
+        gpu_or_skip("products_match_the_reference_for_every_type_and_shape")
+    else {
+        return;
+    };
+    for (i, &ty) in TYPES.iter().enumerate() {
+        // Narrow (4 rows a workgroup), middle (2) and wide (1) rows; row counts that
+        // leave a workgroup half full; one row; 1, 3 and 8 tokens.
+        for (rows, cols, n) in [
+            (1, 256, 1),
+            (7, 256, 3),
+            (130, 512, 1),
+            (33, 768, 8),
+            (65, 2816, 2),
+        ] {
+            check_type(
+                &device,
+                &stream,
+                ty,
+                rows,
+                cols,
+                n,
+                1000 + i as u64 * 7 + rows as u64,
+            );
+        }
+    }
+}
+
+#[test]
+fn the_largest_vocabulary_fits_one_launch() {
+    let Some((device, stream)) = gpu_or_skip("the_largest_vocabulary_fits_one_launch") else {
+        return;
+    };
+    check_type(&device, &stream, GgmlType::Q8_0, 262_144, 256, 1, 42);
+}
+
+#[test]
+fn fused_matrices_and_accumulation_give_each_products_result() {
+    let Some((device, stream)) =
+        gpu_or_skip("fused_matrices_and_accumulation_give_each_products_result")
+    else {
+        return;
+    };
+    let mut rng = Rng(77);
+    let (cols, n) = (512, 2);
+    for ty in [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::F16] {
+        let weights: Vec<(Vec<u8>, usize)> = [64, 16, 16]
+            .iter()
+            .map(|&rows| (random_matrix(ty, rows, cols, &mut rng), rows))
+            .collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+        let initial: Vec<Vec<f32>> = weights.iter().map(|(_, r)| vec![1.5; n * r]).collect();
+        let fused = gpu_products(&device, &stream, ty, &weights, cols, &x, n, Some(&initial));
+        for (i, (w, rows)) in weights.iter().enumerate() {
+            let alone = gpu_products(
+                &device,
+                &stream,
+                ty,
+                &[(w.clone(), *rows)],
+                cols,
+                &x,
+                n,
+                None,
+            );
+            let expected: Vec<f32> = alone[0].iter().map(|v| v + 1.5).collect();
+            assert_eq!(
+                fused[i], expected,
+                "{ty}: matrix {i} fused with accumulation"
+            );
+        }
+    }
+}
+
+#[test]
+fn mismatched_products_are_refused_before_any_launch() {
+    let Some((device, stream)) = gpu_or_skip("mismatched_products_are_refused_before_any_launch")
+    else {
+        return;
+    };
+    let w = device.alloc::<u8>(144).expect("buffer");
+    // A Q4_K row of 256 values is 144 bytes: 255 columns is not whole blocks.
+    assert!(GpuMatrix::new(GgmlType::Q4_K, 1, 255, w.view()).is_err());
+    assert!(GpuMatrix::new(GgmlType::Q4_K, 2, 256, w.view()).is_err());
+    let m = GpuMatrix::new(GgmlType::Q4_K, 1, 256, w.view()).expect("one row");
+    let x = device.alloc::<f32>(256).expect("buffer");
+    let mut out = device.alloc::<f32>(1).expect("buffer");
+    // Quantized weights take Q8 blocks, not f32 values.
+    let error = matvec::matvec(
+        &[m],
+        GpuActivations::F32(x.view()),
+        1,
+        &mut [out.view_mut()],
+        false,
+        &stream,
+    );
+    assert!(error.is_err());
+    // Nine tokens is one more than a launch takes.
+    let q8 = device.alloc::<u8>(q8_bytes(9, 256)).expect("buffer");
+    let error = matvec::matvec(
+        &[m],
+        GpuActivations::Q8(q8.view()),
+        9,
+        &mut [out.view_mut()],
+        false,
+        &stream,
+    );
+    assert!(error.is_err());
+}
