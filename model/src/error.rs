@@ -42,4 +42,38 @@ pub enum ModelError {
     ContextFull { needed: usize, capacity: usize },
     #[error("no tokens to process")]
     EmptyInput,
+    /// A GPU operation failed: a kernel's launch, a copy, a graph.
+    #[error("gpu {op}: {source}")]
+    Gpu {
+        op: &'static str,
+        #[source]
+        source: hip_backend::HipError,
+    },
+    /// A GPU kernel refused its arguments (a bug, or a model shape it cannot take).
+    #[error("gpu kernel: {0}")]
+    GpuKernel(#[from] crate::gpu::KernelError),
+    /// Device memory for activations and the KV cache could not be had.
+    #[error(
+        "the GPU has no room for {what}: {requested} bytes needed, {free} of {total} bytes free \
+         (lower --ctx-size, or use --device cpu)"
+    )]
+    GpuOutOfMemory {
+        what: &'static str,
+        requested: u64,
+        free: u64,
+        total: u64,
+    },
+    /// The logits of a GPU step held a NaN or +inf.
+    #[error("the logits hold a NaN or infinite value")]
+    BadLogits,
+}
+
+impl From<hip_backend::HipError> for ModelError {
+    /// A runtime failure outside any named step (graph capture and instantiation).
+    fn from(source: hip_backend::HipError) -> ModelError {
+        ModelError::Gpu {
+            op: "graph capture",
+            source,
+        }
+    }
 }

@@ -11,9 +11,62 @@ use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::sampling::{Sampler, SamplingConfig, SamplingError};
+use crate::gpu::GpuModel;
+use crate::sampling::{Sampler, SamplingConfig, SamplingError, SamplingMode};
 use crate::tokenizer::{TokenId, Tokenizer, TokenizerError};
-use crate::{Model, ModelError};
+use crate::{KvCache, Model, ModelError};
+
+/// What a forward pass hands the generation loop.
+pub enum Next<'a> {
+    /// The logits of the last token, for the sampler.
+    Logits(&'a [f32]),
+    /// The greedy choice, already taken (where the device takes it, only the token
+    /// travels back).
+    Token(TokenId),
+}
+
+/// A model with its KV cache, on whichever device computes it: the generation loop's
+/// view of a back end.
+pub trait Session {
+    /// Appends `tokens` to the cache and returns what comes after the last one: its
+    /// logits, or with `greedy` possibly the argmax alone (the first highest logit, as
+    /// the greedy sampler picks it).
+    fn eval(&mut self, tokens: &[TokenId], greedy: bool) -> Result<Next<'_>, ModelError>;
+}
+
+/// The CPU back end: a model and its cache.
+pub struct CpuSession<'m> {
+    model: &'m Model,
+    cache: KvCache,
+    logits: Vec<f32>,
+}
+
+impl<'m> CpuSession<'m> {
+    /// A session with an empty cache of `positions` positions.
+    pub fn new(model: &'m Model, positions: usize) -> CpuSession<'m> {
+        CpuSession {
+            model,
+            cache: model.new_cache(positions),
+            logits: Vec::new(),
+        }
+    }
+}
+
+impl Session for CpuSession<'_> {
+    fn eval(&mut self, tokens: &[TokenId], _greedy: bool) -> Result<Next<'_>, ModelError> {
+        self.logits = self.model.forward(tokens, &mut self.cache)?;
+        Ok(Next::Logits(&self.logits))
+    }
+}
+
+impl Session for GpuModel {
+    fn eval(&mut self, tokens: &[TokenId], greedy: bool) -> Result<Next<'_>, ModelError> {
+        if greedy {
+            return self.forward_argmax(tokens).map(Next::Token);
+        }
+        self.forward_logits(tokens).map(Next::Logits)
+    }
+}
 
 /// Why generation could not run.
 #[derive(Debug, thiserror::Error)]
@@ -85,6 +138,8 @@ pub struct Timings {
     /// the prompt's logits, so this is one less than the tokens generated, or equal when
     /// the last one was fed back before a stop).
     pub decode_passes: usize,
+    /// When the first token was chosen (after the prompt's forward pass).
+    pub first_token: Option<Instant>,
 }
 
 impl Timings {
@@ -125,11 +180,41 @@ pub struct Generation {
     pub timings: Timings,
 }
 
-/// Continues `prompt_tokens` with `model`, handing each new piece of text to `on_text`
-/// (return [`ControlFlow::Break`] to stop). Setting `stop` ends the loop before the next
-/// forward pass; what was generated so far is returned.
+/// Continues `prompt_tokens` with `model` on the CPU, handing each new piece of text to
+/// `on_text` (return [`ControlFlow::Break`] to stop). Setting `stop` ends the loop before
+/// the next forward pass; what was generated so far is returned.
 pub fn generate<F>(
     model: &Model,
+    tokenizer: &Tokenizer,
+    prompt_tokens: &[TokenId],
+    options: &GenerateOptions,
+    stop: &AtomicBool,
+    on_text: F,
+) -> Result<Generation, GenerateError>
+where
+    F: FnMut(&str) -> ControlFlow<()>,
+{
+    check_prompt(prompt_tokens.len(), options.context_size)?;
+    // The last sampled token is never fed back, so this many positions suffice.
+    let positions = prompt_tokens
+        .len()
+        .saturating_add(options.max_tokens.saturating_sub(1))
+        .min(options.context_size);
+    let mut session = CpuSession::new(model, positions);
+    generate_with(
+        &mut session,
+        tokenizer,
+        prompt_tokens,
+        options,
+        stop,
+        on_text,
+    )
+}
+
+/// As [`generate`], on any [`Session`] (whose cache must be empty and hold
+/// `options.context_size` positions, or as many as the prompt and `max_tokens` need).
+pub fn generate_with<F>(
+    session: &mut dyn Session,
     tokenizer: &Tokenizer,
     prompt_tokens: &[TokenId],
     options: &GenerateOptions,
@@ -155,29 +240,36 @@ where
         output.stop_reason = StopReason::Interrupted;
         return Ok(output);
     }
-    // The last sampled token is never fed back, so this many positions suffice.
-    let positions = prompt_tokens
-        .len()
-        .saturating_add(options.max_tokens - 1)
-        .min(options.context_size);
-    let mut cache = model.new_cache(positions);
     let mut sampler = Sampler::new(options.sampling);
     for &token in prompt_tokens {
         sampler.accept(token);
     }
+    // Greedy without a penalty needs no logits: a device may take the argmax itself.
+    let greedy =
+        matches!(options.sampling.mode, SamplingMode::Greedy) && options.sampling.penalty.is_none();
 
     let start = Instant::now();
-    let mut logits = {
-        let _span = tracing::debug_span!("prompt", n_tokens = prompt_tokens.len()).entered();
-        model.forward(prompt_tokens, &mut cache)?
-    };
-    let decode_start = Instant::now();
-    output.timings.prompt = decode_start - start;
-    output.timings.prompt_tokens = prompt_tokens.len();
-
+    let mut decode_start = start;
+    let mut positions = 0usize;
+    let mut input: Vec<TokenId> = prompt_tokens.to_vec();
     let mut decoder = tokenizer.stream_decoder(false);
     let stop_reason = loop {
-        let token = sampler.sample(&logits)?;
+        let token = {
+            let _span = tracing::trace_span!("forward", n_tokens = input.len()).entered();
+            match session.eval(&input, greedy)? {
+                Next::Token(token) => token,
+                Next::Logits(logits) => sampler.sample(logits)?,
+            }
+        };
+        positions += input.len();
+        if output.timings.first_token.is_none() {
+            decode_start = Instant::now();
+            output.timings.prompt = decode_start - start;
+            output.timings.prompt_tokens = prompt_tokens.len();
+            output.timings.first_token = Some(decode_start);
+        } else {
+            output.timings.decode_passes += 1;
+        }
         sampler.accept(token);
         if tokenizer.is_end_of_generation(token) {
             output.end_token = Some(token);
@@ -194,15 +286,14 @@ where
         if output.tokens.len() >= options.max_tokens {
             break StopReason::MaxTokens;
         }
-        if cache.len() >= options.context_size {
+        if positions >= options.context_size {
             break StopReason::ContextFull;
         }
         if stop.load(Ordering::Relaxed) {
             break StopReason::Interrupted;
         }
-        let _span = tracing::trace_span!("decode", position = cache.len()).entered();
-        logits = model.forward(&[token], &mut cache)?;
-        output.timings.decode_passes += 1;
+        input.clear();
+        input.push(token);
     };
     let rest = decoder.finish();
     if !rest.is_empty() {
@@ -268,6 +359,7 @@ mod tests {
             prompt_tokens: 10,
             decode: Duration::ZERO,
             decode_passes: 0,
+            first_token: None,
         };
         assert_eq!(t.prompt_tokens_per_s(), Some(20.0));
         assert_eq!(t.decode_tokens_per_s(), None);

@@ -16,6 +16,7 @@ mod config;
 mod error;
 mod forward;
 pub mod generate;
+pub mod gpu;
 mod kv_cache;
 mod model;
 mod ops;

@@ -1,0 +1,505 @@
+// transformer.hip: the operations of a transformer layer on the GPU, around the matrix
+// products (which live in dequant's kernels/matvec.hip): RMSNorm fused with the
+// quantization of its output, per-head Q/K norms, biases, RoPE and the KV-cache write in
+// one kernel, attention of a few queries against the f16 KV cache split along the keys,
+// the gated activations fused with quantization, the embedding row gather, greedy argmax
+// on the device, and the position counter.
+//
+// Positions live in device memory (`pos`, one int: the position of the batch's first
+// token). Kernels read it instead of taking it as an argument, so one captured decode
+// step replays for every position; the step ends with rf_advance adding its tokens.
+//
+// Warp-size agnostic: reductions are done in groups of 32 lanes with xor shuffles (which
+// stay inside a 32-lane group of a 64-lane wavefront too) and across groups in shared
+// memory. Every launcher returns the platform's native status (0 on success); the Rust
+// wrappers in src/gpu/kernels.rs are their only callers and check every length.
+#include "rocmforge_hip.h"
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace rf {
+
+// Q8 activation blocks (dequant's kernels/matvec.hip reads them): for n tokens of `dim`
+// values, the n·dim int8 values first, then one f32 scale per block of 32.
+struct Q8Out {
+    int8_t* qs;
+    float* ds;
+};
+
+__device__ __forceinline__ Q8Out q8_layout(void* out, size_t n_values) {
+    int8_t* qs = reinterpret_cast<int8_t*>(out);
+    return Q8Out{qs, reinterpret_cast<float*>(qs + n_values)};
+}
+
+// Weight element types of norm vectors, as ggml numbers them.
+enum { kF32 = 0, kF16 = 1, kBF16 = 30 };
+
+__device__ __forceinline__ float weight_at(const void* w, int type, int i) {
+    if (type == kF16) return __half2float(reinterpret_cast<const __half*>(w)[i]);
+    if (type == kBF16) {
+        return __uint_as_float((uint32_t)reinterpret_cast<const uint16_t*>(w)[i] << 16);
+    }
+    return reinterpret_cast<const float*>(w)[i];
+}
+
+__device__ __forceinline__ float sum32(float v) {
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) v += rf_shfl_xor(v, mask);
+    return v;
+}
+
+__device__ __forceinline__ float max32(float v) {
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) v = fmaxf(v, rf_shfl_xor(v, mask));
+    return v;
+}
+
+// Sum over the whole workgroup (blockDim.x a multiple of 32, at most 1024); every thread
+// gets the result.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    v = sum32(v);
+    const int group = threadIdx.x / 32;
+    if ((threadIdx.x & 31) == 0) partial[group] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int g = 0; g < (int)(blockDim.x / 32); ++g) s += partial[g];
+        total = s;
+    }
+    __syncthreads();
+    const float result = total;
+    __syncthreads();
+    return result;
+}
+
+// Quantizes one value per lane of a 32-lane group, value `i` of the whole activation
+// (i a multiple of 32 at lane 0), into its Q8 block.
+__device__ __forceinline__ void quantize32(float v, Q8Out out, size_t i) {
+    const float amax = max32(fabsf(v));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    out.qs[i] = (int8_t)__float2int_rn(v * id);
+    if ((threadIdx.x & 31) == 0) out.ds[i / 32] = d;
+}
+
+constexpr int kNormMaxThreads = 1024;
+// Values each thread keeps in registers; wider rows read the rest twice.
+constexpr int kNormPer = 4;
+
+// One workgroup per token: y = x / sqrt(mean(x²) + eps) · w. `out` (f32) gets y, or y added
+// to it; `out_q8` (optional) gets y quantized. The row is read once into registers.
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rms_norm_kernel(const float* __restrict__ x, const void* __restrict__ w, int w_type,
+                    int dim, float eps, float* out, int add, void* __restrict__ out_q8) {
+    const float* row = x + (size_t)blockIdx.x * dim;
+    float v[kNormPer];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kNormPer; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        v[k] = i < dim ? row[i] : 0.0f;
+        ss += v[k] * v[k];
+    }
+    for (int i = threadIdx.x + kNormPer * blockDim.x; i < dim; i += blockDim.x) {
+        ss += row[i] * row[i];
+    }
+    ss = block_sum(ss);
+    const float scale = rsqrtf(ss / (float)dim + eps);
+    float* o = out ? out + (size_t)blockIdx.x * dim : nullptr;
+    const Q8Out q = q8_layout(out_q8, (size_t)gridDim.x * dim);
+    const size_t first = (size_t)blockIdx.x * dim;
+    // Whole 32-lane groups step together (the bound is rounded up to 32), so each group
+    // covers one Q8 block per step.
+    const int padded = (dim + 31) / 32 * 32;
+    auto emit = [&](int i, float xi) {
+        float y = 0.0f;
+        if (i < dim) {
+            y = xi * scale * weight_at(w, w_type, i);
+            if (o) o[i] = add ? o[i] + y : y;
+        }
+        if (out_q8) quantize32(y, q, first + i);
+    };
+#pragma unroll
+    for (int k = 0; k < kNormPer; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < padded) emit(i, v[k]);
+    }
+    for (int i = threadIdx.x + kNormPer * blockDim.x; i < padded; i += blockDim.x) {
+        emit(i, i < dim ? row[i] : 0.0f);
+    }
+}
+
+constexpr int kHeadThreads = 128;
+
+// One workgroup per (token, head) of the queries and of the keys (heads n_heads..n_heads +
+// n_kv_heads-1 are the keys): bias, per-head RMSNorm, RoPE, the query scale; keys and
+// values then go to the f16 cache at their positions.
+struct RopeArgs {
+    int head_dim, head_dim_v, n_heads, n_kv_heads;
+    int rope_dims, neox;
+    float theta_scale, freq_scale;
+    const float* freq_factors;
+    float q_scale, eps;
+};
+
+__global__ void __launch_bounds__(kHeadThreads)
+    qk_rope_kv_kernel(float* __restrict__ q, const float* __restrict__ k,
+                      const float* __restrict__ v, const float* __restrict__ bq,
+                      const float* __restrict__ bk, const float* __restrict__ bv,
+                      const void* __restrict__ q_norm, const void* __restrict__ k_norm,
+                      int norm_type, RopeArgs a, const int* __restrict__ pos,
+                      __half* __restrict__ k_cache, __half* __restrict__ v_cache) {
+    __shared__ float head[512];
+    const int token = blockIdx.y;
+    const int h = blockIdx.x;
+    const bool is_key = h >= a.n_heads;
+    const int hh = is_key ? h - a.n_heads : h;
+    const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
+    const int v_dim = a.n_kv_heads * a.head_dim_v;
+    const int p = pos[0] + token;
+    const float* src = is_key ? k + (size_t)token * kv_dim + hh * a.head_dim
+                              : q + (size_t)token * q_dim + hh * a.head_dim;
+    const float* bias = is_key ? bk : bq;
+    for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
+        head[i] = src[i] + (bias ? bias[hh * a.head_dim + i] : 0.0f);
+    }
+    __syncthreads();
+    const void* norm = is_key ? k_norm : q_norm;
+    if (norm) {
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) ss += head[i] * head[i];
+        ss = block_sum(ss);
+        const float scale = rsqrtf(ss / (float)a.head_dim + a.eps);
+        for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
+            head[i] = head[i] * scale * weight_at(norm, norm_type, i);
+        }
+        __syncthreads();
+    }
+    // RoPE: pair i (of rope_dims/2) turns by p·theta_scale^i / factor_i · freq_scale,
+    // the angle accumulated by multiplication as the CPU path (and ggml) does.
+    const int pairs = a.rope_dims / 2;
+    // Pairs are disjoint: each thread reads and writes only its own.
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+        float theta = (float)p;
+        for (int j = 0; j < i; ++j) theta *= a.theta_scale;
+        const float factor = a.freq_factors ? a.freq_factors[i] : 1.0f;
+        const float angle = a.freq_scale * (theta / factor);
+        const float c = cosf(angle), s = sinf(angle);
+        const int i0 = a.neox ? i : 2 * i;
+        const int i1 = a.neox ? i + pairs : 2 * i + 1;
+        const float x0 = head[i0], x1 = head[i1];
+        head[i0] = x0 * c - x1 * s;
+        head[i1] = x0 * s + x1 * c;
+    }
+    __syncthreads();
+    if (is_key) {
+        __half* kc = k_cache + (size_t)p * kv_dim + hh * a.head_dim;
+        for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) kc[i] = __float2half(head[i]);
+        const float* vs = v + (size_t)token * v_dim + hh * a.head_dim_v;
+        __half* vc = v_cache + (size_t)p * v_dim + hh * a.head_dim_v;
+        for (int i = threadIdx.x; i < a.head_dim_v; i += blockDim.x) {
+            vc[i] = __float2half(vs[i] + (bv ? bv[hh * a.head_dim_v + i] : 0.0f));
+        }
+    } else {
+        float* dst = q + (size_t)token * q_dim + hh * a.head_dim;
+        for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) dst[i] = head[i] * a.q_scale;
+    }
+}
+
+constexpr int kAttnThreads = 128;
+constexpr int kAttnChunk = 256;
+
+struct AttnArgs {
+    int n_heads, n_kv_heads, head_dim, head_dim_v;
+    int window;  // 0: none
+    float scale;
+    int n_chunks;
+};
+
+// Partial attention of one query (token, head) over one chunk of kAttnChunk keys:
+// the chunk's largest score m, the sum l of exp(score - m), and Σ exp(score - m)·v.
+__global__ void __launch_bounds__(kAttnThreads)
+    attention_chunk_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
+                           const __half* __restrict__ v_cache, AttnArgs a,
+                           const int* __restrict__ pos, float* __restrict__ part_ml,
+                           float* __restrict__ part_acc) {
+    __shared__ float qs[512];
+    __shared__ float scores[kAttnChunk];
+    __shared__ float red[kAttnThreads / 32];
+    const int chunk = blockIdx.x, h = blockIdx.y, token = blockIdx.z;
+    const int kvh = h / (a.n_heads / a.n_kv_heads);
+    const int kv_dim = a.n_kv_heads * a.head_dim, v_dim = a.n_kv_heads * a.head_dim_v;
+    const int p = pos[0] + token;
+    const int lo_visible = a.window > 0 ? max(0, p - a.window + 1) : 0;
+    const int lo = max(chunk * kAttnChunk, lo_visible);
+    const int hi = min((chunk + 1) * kAttnChunk, p + 1);  // exclusive
+    const size_t slot = ((size_t)token * a.n_heads + h) * a.n_chunks + chunk;
+    if (lo >= hi) {
+        if (threadIdx.x == 0) {
+            part_ml[2 * slot] = -INFINITY;
+            part_ml[2 * slot + 1] = 0.0f;
+        }
+        return;
+    }
+    const float* qh = q + ((size_t)token * a.n_heads + h) * a.head_dim;
+    for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) qs[i] = qh[i];
+    __syncthreads();
+    const int group = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int n_groups = blockDim.x / 32;
+    for (int kp = lo + group; kp < hi; kp += n_groups) {
+        const __half* kr = k_cache + (size_t)kp * kv_dim + kvh * a.head_dim;
+        float s = 0.0f;
+        for (int i = lane; i < a.head_dim; i += 32) s += qs[i] * __half2float(kr[i]);
+        s = sum32(s);
+        if (lane == 0) scores[kp - lo] = s * a.scale;
+    }
+    __syncthreads();
+    const int n = hi - lo;
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, scores[i]);
+    m = max32(m);
+    if (lane == 0) red[group] = m;
+    __syncthreads();
+    m = red[0];
+    for (int g = 1; g < n_groups; ++g) m = fmaxf(m, red[g]);
+    __syncthreads();
+    float l = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float e = expf(scores[i] - m);
+        scores[i] = e;
+        l += e;
+    }
+    l = block_sum(l);  // also orders the writes to scores before the reads below
+    for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
+        const __half* vr = v_cache + (size_t)lo * v_dim + kvh * a.head_dim_v + d;
+        float acc = 0.0f;
+        for (int i = 0; i < n; ++i) acc += scores[i] * __half2float(vr[(size_t)i * v_dim]);
+        part_acc[slot * a.head_dim_v + d] = acc;
+    }
+    if (threadIdx.x == 0) {
+        part_ml[2 * slot] = m;
+        part_ml[2 * slot + 1] = l;
+    }
+}
+
+// Merges the chunks of one query (token, head) into its output.
+__global__ void __launch_bounds__(kAttnThreads)
+    attention_merge_kernel(AttnArgs a, const float* __restrict__ part_ml,
+                           const float* __restrict__ part_acc, float* __restrict__ out) {
+    const int h = blockIdx.x, token = blockIdx.y;
+    const size_t base = ((size_t)token * a.n_heads + h) * a.n_chunks;
+    float m = -INFINITY;
+    for (int c = 0; c < a.n_chunks; ++c) m = fmaxf(m, part_ml[2 * (base + c)]);
+    float l = 0.0f;
+    for (int c = 0; c < a.n_chunks; ++c) {
+        const float mc = part_ml[2 * (base + c)];
+        if (mc != -INFINITY) l += expf(mc - m) * part_ml[2 * (base + c) + 1];
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    float* o = out + ((size_t)token * a.n_heads + h) * a.head_dim_v;
+    for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int c = 0; c < a.n_chunks; ++c) {
+            const float mc = part_ml[2 * (base + c)];
+            if (mc != -INFINITY) acc += expf(mc - m) * part_acc[(base + c) * a.head_dim_v + d];
+        }
+        o[d] = acc * inv;
+    }
+}
+
+// silu(g)·u or gelu_tanh(g)·u, element-wise; f32 out and/or Q8 blocks (32 lanes a block).
+__global__ void gated_kernel(const float* __restrict__ gate, const float* __restrict__ up,
+                             size_t n, int gelu, float* __restrict__ out,
+                             void* __restrict__ out_q8) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;  // n is a multiple of 32: whole groups leave together
+    const float g = gate[i];
+    float act;
+    if (gelu) {
+        const float c = 0.7978845608028654f;  // sqrt(2/pi)
+        act = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+    } else {
+        act = g / (1.0f + expf(-g));
+    }
+    const float y = act * up[i];
+    if (out) out[i] = y;
+    if (out_q8) quantize32(y, q8_layout(out_q8, n), i);
+}
+
+// Copies rows tokens[t] (row_bytes each) of `table` to out[t]; a token past n_rows
+// copies nothing and sets *bad.
+__global__ void gather_rows_kernel(const uint8_t* __restrict__ table, size_t row_bytes,
+                                   size_t n_rows, const uint32_t* __restrict__ tokens,
+                                   uint8_t* __restrict__ out, int* __restrict__ bad) {
+    const uint32_t id = tokens[blockIdx.x];
+    if (id >= n_rows) {
+        if (threadIdx.x == 0) *bad = 1;
+        return;
+    }
+    const uint8_t* src = table + (size_t)id * row_bytes;
+    uint8_t* dst = out + (size_t)blockIdx.x * row_bytes;
+    for (size_t i = threadIdx.x; i < row_bytes; i += blockDim.x) dst[i] = src[i];
+}
+
+__global__ void scale_kernel(float* __restrict__ x, size_t n, float s) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+
+constexpr int kArgmaxThreads = 1024;
+
+// The index of the largest value (the smallest index among equals), written to *token;
+// a NaN or +inf anywhere writes UINT32_MAX instead.
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_kernel(const float* __restrict__ x, int n, uint32_t* __restrict__ token) {
+    __shared__ float best_v[kArgmaxThreads / 32];
+    __shared__ int best_i[kArgmaxThreads / 32];
+    __shared__ int bad;
+    if (threadIdx.x == 0) bad = 0;
+    __syncthreads();
+    float v = -INFINITY;
+    int idx = n;
+    bool local_bad = false;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float xi = x[i];
+        if (xi != xi || xi == INFINITY) local_bad = true;
+        if (xi > v || (xi == v && i < idx)) {
+            v = xi;
+            idx = i;
+        }
+    }
+    if (local_bad) bad = 1;
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) {
+        const float ov = rf_shfl_xor(v, mask);
+        const int oi = rf_shfl_xor(idx, mask);
+        if (ov > v || (ov == v && oi < idx)) {
+            v = ov;
+            idx = oi;
+        }
+    }
+    const int group = threadIdx.x / 32;
+    if ((threadIdx.x & 31) == 0) {
+        best_v[group] = v;
+        best_i[group] = idx;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int g = 1; g < (int)(blockDim.x / 32); ++g) {
+            if (best_v[g] > v || (best_v[g] == v && best_i[g] < idx)) {
+                v = best_v[g];
+                idx = best_i[g];
+            }
+        }
+        *token = (bad || idx >= n) ? 0xFFFFFFFFu : (uint32_t)idx;
+    }
+}
+
+__global__ void advance_kernel(int* pos, int n) { *pos += n; }
+
+}  // namespace rf
+
+using namespace rf;
+
+static inline unsigned blocks_for(size_t n, unsigned threads) {
+    return (unsigned)((n + threads - 1) / threads);
+}
+
+extern "C" {
+
+int rf_rms_norm(const void* x, const void* w, int w_type, int n_tokens, int dim, float eps,
+                void* out, int add, void* out_q8, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    // About four values a thread, in whole 32-lane groups.
+    const int threads = min(kNormMaxThreads, max(32, ((dim + 3) / 4 + 31) / 32 * 32));
+    hipLaunchKernelGGL(rms_norm_kernel, dim3(n_tokens), dim3(threads), 0, (hipStream_t)stream,
+                       (const float*)x, w, w_type, dim, eps, (float*)out, add, out_q8);
+    return (int)hipGetLastError();
+}
+
+int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const void* bk,
+                  const void* bv, const void* q_norm, const void* k_norm, int norm_type,
+                  int n_tokens, int head_dim, int head_dim_v, int n_heads, int n_kv_heads,
+                  int rope_dims, int neox, float theta_scale, float freq_scale,
+                  const void* freq_factors, float q_scale, float eps, const void* pos,
+                  void* k_cache, void* v_cache, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    RopeArgs a = {head_dim, head_dim_v, n_heads, n_kv_heads, rope_dims, neox,
+                  theta_scale, freq_scale, (const float*)freq_factors, q_scale, eps};
+    hipLaunchKernelGGL(qk_rope_kv_kernel, dim3(n_heads + n_kv_heads, n_tokens),
+                       dim3(kHeadThreads), 0, (hipStream_t)stream, (float*)q, (const float*)k,
+                       (const float*)v, (const float*)bq, (const float*)bk, (const float*)bv,
+                       q_norm, k_norm, norm_type, a, (const int*)pos, (__half*)k_cache,
+                       (__half*)v_cache);
+    return (int)hipGetLastError();
+}
+
+int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
+                 int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
+                 float scale, int n_chunks, const void* pos, void* part_ml, void* part_acc,
+                 void* out, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, n_chunks};
+    hipStream_t s = (hipStream_t)stream;
+    hipLaunchKernelGGL(attention_chunk_kernel, dim3(n_chunks, n_heads, n_tokens),
+                       dim3(kAttnThreads), 0, s, (const float*)q, (const __half*)k_cache,
+                       (const __half*)v_cache, a, (const int*)pos, (float*)part_ml,
+                       (float*)part_acc);
+    status = hipGetLastError();
+    if (status != hipSuccess) return (int)status;
+    hipLaunchKernelGGL(attention_merge_kernel, dim3(n_heads, n_tokens), dim3(kAttnThreads), 0,
+                       s, a, (const float*)part_ml, (const float*)part_acc, (float*)out);
+    return (int)hipGetLastError();
+}
+
+int rf_gated(const void* gate, const void* up, size_t n, int gelu, void* out, void* out_q8,
+             int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    hipLaunchKernelGGL(gated_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
+                       (hipStream_t)stream, (const float*)gate, (const float*)up, n, gelu,
+                       (float*)out, out_q8);
+    return (int)hipGetLastError();
+}
+
+int rf_gather_rows(const void* table, size_t row_bytes, size_t n_rows, const void* tokens,
+                   int n_tokens, void* out, void* bad, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    hipLaunchKernelGGL(gather_rows_kernel, dim3(n_tokens), dim3(256), 0, (hipStream_t)stream,
+                       (const uint8_t*)table, row_bytes, n_rows, (const uint32_t*)tokens,
+                       (uint8_t*)out, (int*)bad);
+    return (int)hipGetLastError();
+}
+
+int rf_scale(void* x, size_t n, float s, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    hipLaunchKernelGGL(scale_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
+                       (hipStream_t)stream, (float*)x, n, s);
+    return (int)hipGetLastError();
+}
+
+int rf_argmax(const void* x, int n, void* token, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    hipLaunchKernelGGL(argmax_kernel, dim3(1), dim3(kArgmaxThreads), 0, (hipStream_t)stream,
+                       (const float*)x, n, (uint32_t*)token);
+    return (int)hipGetLastError();
+}
+
+int rf_advance(void* pos, int n, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    hipLaunchKernelGGL(advance_kernel, dim3(1), dim3(1), 0, (hipStream_t)stream, (int*)pos, n);
+    return (int)hipGetLastError();
+}
+
+}  // extern "C"

@@ -1,0 +1,670 @@
+//! The layer's work on the GPU, queued on a stream: the buffers it runs in and the
+//! sequence of kernels, the same for a captured decode step and for a prompt's chunks.
+
+use dequant::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
+use half::f16;
+use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stream};
+
+use super::kernels::{self, AttentionShape, HeadExtras, HeadShape, ATTENTION_CHUNK};
+use super::weights::{Globals, LayerWeights, Matrix};
+use super::{arena, MAX_BATCH};
+use crate::config::{Activation, ModelConfig, RopeStyle};
+use crate::plan::ExecutionPlan;
+use crate::ModelError;
+
+fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
+    move |source| ModelError::Gpu { op, source }
+}
+
+/// Alignment of every buffer in the arena.
+const ALIGN: usize = 256;
+
+/// The activations of up to [`MAX_BATCH`] tokens, the position counter and the f16 KV
+/// cache, all carved from one arena allocated once.
+pub(super) struct Buffers {
+    x: ArenaBuffer,
+    h: ArenaBuffer,
+    q8: ArenaBuffer,
+    q: ArenaBuffer,
+    k: ArenaBuffer,
+    v: ArenaBuffer,
+    attn: ArenaBuffer,
+    proj: ArenaBuffer,
+    gate: ArenaBuffer,
+    up: ArenaBuffer,
+    act: ArenaBuffer,
+    logits: ArenaBuffer,
+    part_ml: ArenaBuffer,
+    part_acc: ArenaBuffer,
+    raw: ArenaBuffer,
+    tokens: ArenaBuffer,
+    pos: ArenaBuffer,
+    bad: ArenaBuffer,
+    k_cache: Vec<ArenaBuffer>,
+    v_cache: Vec<ArenaBuffer>,
+    attention: AttentionShape,
+    row_bytes: usize,
+}
+
+impl Buffers {
+    pub fn new(
+        device: &Device,
+        config: &ModelConfig,
+        plan: &ExecutionPlan,
+        capacity: usize,
+    ) -> Result<Buffers, ModelError> {
+        let b = MAX_BATCH;
+        let c = config;
+        let q_dim = c.n_heads * c.head_dim;
+        let kv_dim = c.n_kv_heads * c.head_dim;
+        let v_dim = c.n_kv_heads * c.head_dim_v;
+        let attn_dim = c.n_heads * c.head_dim_v;
+        let n_chunks = capacity.div_ceil(ATTENTION_CHUNK);
+        let attention = AttentionShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            head_dim_v: c.head_dim_v,
+            window: None,
+            scale: if c.scale_queries {
+                1.0
+            } else {
+                c.attention_scale
+            },
+            n_chunks,
+        };
+        let embd_ty = plan.token_embd.weight.ggml_type();
+        let row_bytes = embd_ty.row_bytes(c.n_embd as u64).unwrap_or(0) as usize;
+        let width = c.n_embd.max(attn_dim).max(c.n_ff);
+        // Positions the cache keeps, rounded up to whole chunks of the attention kernel.
+        let positions = n_chunks * ATTENTION_CHUNK;
+        let f32s = |n: usize| n * 4;
+        let sizes = [
+            f32s(b * c.n_embd),                   // x
+            f32s(b * c.n_embd),                   // h
+            q8_bytes(b, width.div_ceil(32) * 32), // q8
+            f32s(b * q_dim),                      // q
+            f32s(b * kv_dim),                     // k
+            f32s(b * v_dim),                      // v
+            f32s(b * attn_dim),                   // attn
+            f32s(b * c.n_embd),                   // proj
+            f32s(b * c.n_ff),                     // gate
+            f32s(b * c.n_ff),                     // up
+            f32s(b * c.n_ff),                     // act
+            f32s(b * c.n_vocab),                  // logits
+            f32s(attention.ml_len(b)),            // part_ml
+            f32s(attention.acc_len(b)),           // part_acc
+            b * row_bytes,                        // raw embedding rows
+            4 * b,                                // tokens
+            4,                                    // pos
+            4,                                    // bad
+        ];
+        let cache_bytes = 2 * positions * (kv_dim + v_dim);
+        let total = sizes
+            .iter()
+            .map(|s| s.div_ceil(ALIGN) * ALIGN)
+            .sum::<usize>()
+            + c.n_layers * (2 * positions * kv_dim).div_ceil(ALIGN) * ALIGN
+            + c.n_layers * (2 * positions * v_dim).div_ceil(ALIGN) * ALIGN;
+        let _ = cache_bytes;
+        let arena = arena(device, total)?;
+        let alloc = |bytes: usize| {
+            arena
+                .alloc(bytes.max(4), ALIGN)
+                .map_err(gpu("carving the activation arena"))
+        };
+        let mut it = sizes.into_iter();
+        let mut next = || alloc(it.next().expect("one size per buffer"));
+        let bufs = Buffers {
+            x: next()?,
+            h: next()?,
+            q8: next()?,
+            q: next()?,
+            k: next()?,
+            v: next()?,
+            attn: next()?,
+            proj: next()?,
+            gate: next()?,
+            up: next()?,
+            act: next()?,
+            logits: next()?,
+            part_ml: next()?,
+            part_acc: next()?,
+            raw: next()?,
+            tokens: next()?,
+            pos: next()?,
+            bad: next()?,
+            k_cache: (0..c.n_layers)
+                .map(|_| alloc(2 * positions * kv_dim))
+                .collect::<Result<_, _>>()?,
+            v_cache: (0..c.n_layers)
+                .map(|_| alloc(2 * positions * v_dim))
+                .collect::<Result<_, _>>()?,
+            attention,
+            row_bytes,
+        };
+        // The arena's buffers free their ranges when dropped; the allocation itself
+        // lives as long as any of them.
+        drop(arena);
+        Ok(bufs)
+    }
+
+    pub fn tokens_mut(&mut self, n: usize) -> Result<DeviceViewMut<'_, u32>, ModelError> {
+        view_mut::<u32>(&mut self.tokens, n)
+    }
+
+    pub fn token_view(&self) -> Result<DeviceView<'_, u32>, ModelError> {
+        view::<u32>(&self.tokens, 1)
+    }
+
+    pub fn logits_view(&self, len: usize) -> Result<DeviceView<'_, f32>, ModelError> {
+        view::<f32>(&self.logits, len)
+    }
+
+    /// Sets the position counter (and waits for it: `len` is a host value).
+    pub fn set_position(&mut self, stream: &Stream, len: usize) -> Result<(), ModelError> {
+        let value = [i32::try_from(len).map_err(|_| ModelError::ContextFull {
+            needed: len,
+            capacity: i32::MAX as usize,
+        })?];
+        let dst = view_mut::<i32>(&mut self.pos, 1)?;
+        stream
+            .write_from_host(&value, dst)
+            .map_err(gpu("setting the position"))
+    }
+}
+
+fn view<T: bytemuck::Pod>(buf: &ArenaBuffer, len: usize) -> Result<DeviceView<'_, T>, ModelError> {
+    buf.view::<T>()
+        .and_then(|v| v.slice(0..len))
+        .map_err(gpu("viewing a buffer"))
+}
+
+fn view_at<T: bytemuck::Pod>(
+    buf: &ArenaBuffer,
+    range: std::ops::Range<usize>,
+) -> Result<DeviceView<'_, T>, ModelError> {
+    buf.view::<T>()
+        .and_then(|v| v.slice(range))
+        .map_err(gpu("viewing a buffer"))
+}
+
+fn view_mut<T: bytemuck::Pod>(
+    buf: &mut ArenaBuffer,
+    len: usize,
+) -> Result<DeviceViewMut<'_, T>, ModelError> {
+    buf.view_mut::<T>()
+        .and_then(|v| v.slice_mut(0..len))
+        .map_err(gpu("viewing a buffer"))
+}
+
+fn gpu_matrix<'a>(m: &'a Matrix) -> Result<GpuMatrix<'a>, ModelError> {
+    GpuMatrix::new(m.ty, m.rows, m.cols, m.bytes()).map_err(|source| ModelError::Matmul {
+        name: m.name().to_owned(),
+        source,
+    })
+}
+
+fn matvec_error<'a>(
+    mats: &'a [&'a Matrix],
+) -> impl Fn(dequant::gpu::GpuDequantError) -> ModelError + 'a {
+    move |error| match error {
+        dequant::gpu::GpuDequantError::Layout(source) => ModelError::Matmul {
+            name: mats
+                .iter()
+                .map(|m| m.name())
+                .collect::<Vec<_>>()
+                .join(" + "),
+            source,
+        },
+        dequant::gpu::GpuDequantError::Hip(source) => ModelError::Gpu {
+            op: "matrix product",
+            source,
+        },
+    }
+}
+
+/// What the products of some matrices need from a norm: f32 rows, Q8 blocks, or both.
+fn needs(mats: &[&Matrix]) -> (bool, bool) {
+    let q8 = mats.iter().any(|m| takes_q8(m.ty));
+    let f32 = mats.iter().any(|m| !takes_q8(m.ty));
+    (f32, q8)
+}
+
+/// `outs[i] (+)= input · mats[i]ᵀ`, one launch per run of matrices of one type.
+/// `f32_in`/`q8_in` hold the input in the two forms (each present when some matrix
+/// takes it).
+#[allow(clippy::too_many_arguments)]
+fn products(
+    mats: &[&Matrix],
+    f32_in: Option<DeviceView<'_, f32>>,
+    q8_in: Option<DeviceView<'_, u8>>,
+    n: usize,
+    outs: Vec<DeviceViewMut<'_, f32>>,
+    accumulate: bool,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let mut outs: Vec<Option<DeviceViewMut<'_, f32>>> = outs.into_iter().map(Some).collect();
+    let mut start = 0;
+    while start < mats.len() {
+        let mut end = start + 1;
+        while end < mats.len()
+            && mats[end].ty == mats[start].ty
+            && mats[end].cols == mats[start].cols
+        {
+            end += 1;
+        }
+        let group = &mats[start..end];
+        let gms = group
+            .iter()
+            .map(|m| gpu_matrix(m))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs[start..end]
+            .iter_mut()
+            .map(|o| o.take().expect("each output used once"))
+            .collect();
+        let x = if takes_q8(group[0].ty) {
+            GpuActivations::Q8(q8_in.expect("Q8 input prepared for quantized weights"))
+        } else {
+            GpuActivations::F32(f32_in.expect("f32 input prepared for float weights"))
+        };
+        matvec::matvec(&gms, x, n, &mut group_outs, accumulate, stream)
+            .map_err(matvec_error(group))?;
+        start = end;
+    }
+    Ok(())
+}
+
+/// The embedding rows of the `n` tokens in `bufs.tokens`, decoded into `x`.
+pub(super) fn embed(
+    config: &ModelConfig,
+    globals: &Globals,
+    bufs: &mut Buffers,
+    n: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let table = &globals.token_embd;
+    kernels::gather_rows(
+        table.bytes(),
+        bufs.row_bytes,
+        view::<u32>(&bufs.tokens, n)?,
+        view_mut::<u8>(&mut bufs.raw, n * bufs.row_bytes)?,
+        view_mut::<i32>(&mut bufs.bad, 1)?,
+        stream,
+    )?;
+    dequant::gpu::decode_f32(
+        table.ty,
+        view::<u8>(&bufs.raw, n * bufs.row_bytes)?,
+        view_mut::<f32>(&mut bufs.x, n * config.n_embd)?,
+        stream,
+    )
+    .map_err(|source| match source {
+        dequant::gpu::GpuDequantError::Layout(source) => ModelError::Decode {
+            name: table.name().to_owned(),
+            source,
+        },
+        dequant::gpu::GpuDequantError::Hip(source) => ModelError::Gpu {
+            op: "embedding",
+            source,
+        },
+    })?;
+    if config.embedding_scale != 1.0 {
+        kernels::scale(
+            view_mut::<f32>(&mut bufs.x, n * config.n_embd)?,
+            config.embedding_scale,
+            stream,
+        )?;
+    }
+    Ok(())
+}
+
+/// One transformer block over the `n` tokens in `x`.
+pub(super) fn layer(
+    config: &ModelConfig,
+    layer_idx: usize,
+    w: &LayerWeights,
+    bufs: &mut Buffers,
+    n: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let c = config;
+    let d = c.n_embd;
+    let eps = c.rms_norm_eps;
+    let q_dim = c.n_heads * c.head_dim;
+    let kv_dim = c.n_kv_heads * c.head_dim;
+    let v_dim = c.n_kv_heads * c.head_dim_v;
+    let attn_dim = c.n_heads * c.head_dim_v;
+    let layer_cfg = c.layers[layer_idx];
+
+    // Attention block.
+    let qkv = [&w.wq, &w.wk, &w.wv];
+    let (want_f32, want_q8) = needs(&qkv);
+    kernels::rms_norm(
+        view(&bufs.x, n * d)?,
+        w.attn_norm.weight(),
+        n,
+        d,
+        eps,
+        want_f32
+            .then(|| view_mut::<f32>(&mut bufs.h, n * d))
+            .transpose()?,
+        false,
+        want_q8
+            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, d)))
+            .transpose()?,
+        stream,
+    )?;
+    products(
+        &qkv,
+        want_f32.then(|| view(&bufs.h, n * d)).transpose()?,
+        want_q8
+            .then(|| view(&bufs.q8, q8_bytes(n, d)))
+            .transpose()?,
+        n,
+        vec![
+            view_mut::<f32>(&mut bufs.q, n * q_dim)?,
+            view_mut::<f32>(&mut bufs.k, n * kv_dim)?,
+            view_mut::<f32>(&mut bufs.v, n * v_dim)?,
+        ],
+        false,
+        stream,
+    )?;
+    let head_shape = HeadShape {
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        head_dim_v: c.head_dim_v,
+        rope_dims: c.rope_dims,
+        neox: c.rope_style == RopeStyle::Halves,
+        theta_scale: layer_cfg.rope_freq_base.powf(-2.0 / c.rope_dims as f32),
+        freq_scale: 1.0 / c.rope_scale,
+        q_scale: if c.scale_queries {
+            c.attention_scale
+        } else {
+            1.0
+        },
+        eps,
+    };
+    let extras = HeadExtras {
+        bq: w.bq.as_ref().map(|f| f.view()).transpose()?,
+        bk: w.bk.as_ref().map(|f| f.view()).transpose()?,
+        bv: w.bv.as_ref().map(|f| f.view()).transpose()?,
+        q_norm: w.q_norm.as_ref().map(|n| n.weight()),
+        k_norm: w.k_norm.as_ref().map(|n| n.weight()),
+        freq_factors: w.rope_freqs.as_ref().map(|f| f.view()).transpose()?,
+    };
+    let cache_len = bufs.attention.n_chunks * ATTENTION_CHUNK;
+    kernels::qk_rope_kv(
+        view_mut::<f32>(&mut bufs.q, n * q_dim)?,
+        view(&bufs.k, n * kv_dim)?,
+        view(&bufs.v, n * v_dim)?,
+        extras,
+        &head_shape,
+        n,
+        view(&bufs.pos, 1)?,
+        view_mut::<f16>(&mut bufs.k_cache[layer_idx], cache_len * kv_dim)?,
+        view_mut::<f16>(&mut bufs.v_cache[layer_idx], cache_len * v_dim)?,
+        stream,
+    )?;
+    let shape = AttentionShape {
+        window: layer_cfg.sliding_window,
+        ..bufs.attention
+    };
+    kernels::attention(
+        view(&bufs.q, n * q_dim)?,
+        view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
+        view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
+        &shape,
+        n,
+        view(&bufs.pos, 1)?,
+        view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(n))?,
+        view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(n))?,
+        view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
+        stream,
+    )?;
+    let post_attn = w.post_attn_norm.as_ref();
+    project(
+        &w.wo,
+        attn_dim,
+        post_attn.map(|n| n.weight()),
+        bufs,
+        n,
+        eps,
+        stream,
+    )?;
+
+    // Feed-forward block.
+    let gate_up = [&w.gate, &w.up];
+    let (want_f32, want_q8) = needs(&gate_up);
+    kernels::rms_norm(
+        view(&bufs.x, n * d)?,
+        w.ffn_norm.weight(),
+        n,
+        d,
+        eps,
+        want_f32
+            .then(|| view_mut::<f32>(&mut bufs.h, n * d))
+            .transpose()?,
+        false,
+        want_q8
+            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, d)))
+            .transpose()?,
+        stream,
+    )?;
+    products(
+        &gate_up,
+        want_f32.then(|| view(&bufs.h, n * d)).transpose()?,
+        want_q8
+            .then(|| view(&bufs.q8, q8_bytes(n, d)))
+            .transpose()?,
+        n,
+        vec![
+            view_mut::<f32>(&mut bufs.gate, n * c.n_ff)?,
+            view_mut::<f32>(&mut bufs.up, n * c.n_ff)?,
+        ],
+        false,
+        stream,
+    )?;
+    let down_q8 = takes_q8(w.down.ty);
+    kernels::gated(
+        view(&bufs.gate, n * c.n_ff)?,
+        view(&bufs.up, n * c.n_ff)?,
+        c.n_ff,
+        c.activation == Activation::GeluTanh,
+        (!down_q8)
+            .then(|| view_mut::<f32>(&mut bufs.act, n * c.n_ff))
+            .transpose()?,
+        down_q8
+            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, c.n_ff)))
+            .transpose()?,
+        stream,
+    )?;
+    let post_ffn = w.post_ffn_norm.as_ref().map(|n| n.weight());
+    let (x, proj) = (&mut bufs.x, &mut bufs.proj);
+    if down_q8 {
+        let q8 = view(&bufs.q8, q8_bytes(n, c.n_ff))?;
+        residual(&w.down, None, Some(q8), post_ffn, x, proj, n, eps, stream)
+    } else {
+        let act = view(&bufs.act, n * c.n_ff)?;
+        residual(&w.down, Some(act), None, post_ffn, x, proj, n, eps, stream)
+    }
+}
+
+/// The output projection of attention: quantizes `attn` (`width` per token) when the
+/// matrix takes Q8 blocks, then adds the product to the residual stream.
+#[allow(clippy::too_many_arguments)]
+fn project(
+    m: &Matrix,
+    width: usize,
+    post_norm: Option<super::kernels::NormWeight<'_>>,
+    bufs: &mut Buffers,
+    n: usize,
+    eps: f32,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    if takes_q8(m.ty) {
+        matvec::quantize_q8(
+            view(&bufs.attn, n * width)?,
+            n,
+            width,
+            view_mut::<u8>(&mut bufs.q8, q8_bytes(n, width))?,
+            stream,
+        )
+        .map_err(matvec_error(&[m]))?;
+        let q8 = view(&bufs.q8, q8_bytes(n, width))?;
+        residual(
+            m,
+            None,
+            Some(q8),
+            post_norm,
+            &mut bufs.x,
+            &mut bufs.proj,
+            n,
+            eps,
+            stream,
+        )
+    } else {
+        let input = view(&bufs.attn, n * width)?;
+        residual(
+            m,
+            Some(input),
+            None,
+            post_norm,
+            &mut bufs.x,
+            &mut bufs.proj,
+            n,
+            eps,
+            stream,
+        )
+    }
+}
+
+/// `x += input · mᵀ`, or with a post-norm `x += rms_norm(input · mᵀ)` (through `proj`).
+#[allow(clippy::too_many_arguments)]
+fn residual(
+    m: &Matrix,
+    f32_in: Option<DeviceView<'_, f32>>,
+    q8_in: Option<DeviceView<'_, u8>>,
+    post_norm: Option<super::kernels::NormWeight<'_>>,
+    x: &mut ArenaBuffer,
+    proj: &mut ArenaBuffer,
+    n: usize,
+    eps: f32,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let d = m.rows;
+    match post_norm {
+        None => products(
+            &[m],
+            f32_in,
+            q8_in,
+            n,
+            vec![view_mut::<f32>(x, n * d)?],
+            true,
+            stream,
+        ),
+        Some(norm) => {
+            products(
+                &[m],
+                f32_in,
+                q8_in,
+                n,
+                vec![view_mut::<f32>(proj, n * d)?],
+                false,
+                stream,
+            )?;
+            kernels::rms_norm(
+                view(proj, n * d)?,
+                norm,
+                n,
+                d,
+                eps,
+                Some(view_mut::<f32>(x, n * d)?),
+                true,
+                None,
+                stream,
+            )?;
+            Ok(())
+        }
+    }
+}
+
+/// The final norm and the output product: of the last token only (`last_only`), into
+/// the first row of `logits`, or of every token.
+pub(super) fn finish(
+    config: &ModelConfig,
+    globals: &Globals,
+    bufs: &mut Buffers,
+    n: usize,
+    last_only: bool,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let d = config.n_embd;
+    let (first, rows) = if last_only { (n - 1, 1) } else { (0, n) };
+    let out = &globals.output;
+    let (want_f32, want_q8) = needs(&[out]);
+    kernels::rms_norm(
+        view_at(&bufs.x, first * d..(first + rows) * d)?,
+        globals.output_norm.weight(),
+        rows,
+        d,
+        config.rms_norm_eps,
+        want_f32
+            .then(|| view_mut::<f32>(&mut bufs.h, rows * d))
+            .transpose()?,
+        false,
+        want_q8
+            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(rows, d)))
+            .transpose()?,
+        stream,
+    )?;
+    products(
+        &[out],
+        want_f32.then(|| view(&bufs.h, rows * d)).transpose()?,
+        want_q8
+            .then(|| view(&bufs.q8, q8_bytes(rows, d)))
+            .transpose()?,
+        rows,
+        vec![view_mut::<f32>(&mut bufs.logits, rows * config.n_vocab)?],
+        false,
+        stream,
+    )
+}
+
+/// After the logits: the greedy token of the last row into `tokens[0]` (when only the
+/// last row was computed), and the position advanced past the `n` tokens.
+pub(super) fn tail(
+    config: &ModelConfig,
+    bufs: &mut Buffers,
+    n: usize,
+    last_only: bool,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    if last_only {
+        kernels::argmax(
+            view(&bufs.logits, config.n_vocab)?,
+            view_mut::<u32>(&mut bufs.tokens, 1)?,
+            stream,
+        )?;
+    }
+    kernels::advance(view_mut::<i32>(&mut bufs.pos, 1)?, n, stream)?;
+    Ok(())
+}
+
+/// The whole forward pass of `n` tokens with every weight held.
+pub(super) fn step(
+    config: &ModelConfig,
+    layers: &[LayerWeights],
+    globals: &Globals,
+    bufs: &mut Buffers,
+    n: usize,
+    last_only: bool,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    embed(config, globals, bufs, n, stream)?;
+    for (layer_idx, w) in layers.iter().enumerate() {
+        layer(config, layer_idx, w, bufs, n, stream)?;
+    }
+    finish(config, globals, bufs, n, last_only, stream)?;
+    tail(config, bufs, n, last_only, stream)
+}

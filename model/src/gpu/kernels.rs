@@ -1,0 +1,696 @@
+//! The launchers of `kernels/transformer.hip` and one typed wrapper each. A wrapper is its
+//! launcher's only caller: it checks every length against the shapes it is given and
+//! that every view lives on the stream's device, then queues the kernel. Built without
+//! GPU support, each returns [`HipError::BuiltWithoutGpu`] after its checks.
+//!
+//! Views of `f16` hold the KV cache; `q8` views hold Q8 activation blocks
+//! (`dequant::gpu::matvec::q8_bytes`).
+
+use dequant::gpu::matvec::q8_bytes;
+use gguf_format::GgmlType;
+use half::f16;
+use hip_backend::{DeviceView, DeviceViewMut, HipError, Stream};
+
+/// A kernel wrapper was given buffers that do not fit the shapes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kernel}: {what} holds {actual} elements, expected {expected}")]
+pub struct ShapeError {
+    pub kernel: &'static str,
+    pub what: &'static str,
+    pub expected: usize,
+    pub actual: usize,
+}
+
+/// What a wrapper can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    #[error(transparent)]
+    Hip(#[from] HipError),
+}
+
+fn expect(
+    kernel: &'static str,
+    what: &'static str,
+    actual: usize,
+    expected: usize,
+) -> Result<(), ShapeError> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(ShapeError {
+            kernel,
+            what,
+            expected,
+            actual,
+        })
+    }
+}
+
+fn expect_at_least(
+    kernel: &'static str,
+    what: &'static str,
+    actual: usize,
+    expected: usize,
+) -> Result<(), ShapeError> {
+    if actual >= expected {
+        Ok(())
+    } else {
+        Err(ShapeError {
+            kernel,
+            what,
+            expected,
+            actual,
+        })
+    }
+}
+
+fn on_device(stream: &Stream, ordinals: &[usize]) -> Result<i32, HipError> {
+    let expected = stream.device_ordinal();
+    if let Some(&found) = ordinals.iter().find(|&&o| o != expected) {
+        return Err(HipError::DeviceMismatch {
+            what: "a kernel argument",
+            expected,
+            found,
+        });
+    }
+    i32::try_from(expected).map_err(|_| HipError::InvalidDevice {
+        ordinal: expected,
+        count: i32::MAX as usize,
+    })
+}
+
+fn small(kernel: &'static str, what: &'static str, value: usize) -> Result<i32, ShapeError> {
+    i32::try_from(value).map_err(|_| ShapeError {
+        kernel,
+        what,
+        expected: i32::MAX as usize,
+        actual: value,
+    })
+}
+
+/// The element type of a norm vector, as the kernels take it (ggml's numbering).
+pub fn norm_type_code(ty: GgmlType) -> Option<i32> {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Some(ty as u32 as i32),
+        _ => None,
+    }
+}
+
+fn element_bytes(type_code: i32) -> usize {
+    if type_code == 0 {
+        4
+    } else {
+        2
+    }
+}
+
+/// A norm vector: raw bytes of `len` F32, F16 or BF16 values.
+#[derive(Clone, Copy)]
+pub struct NormWeight<'a> {
+    pub bytes: DeviceView<'a, u8>,
+    pub type_code: i32,
+    pub len: usize,
+}
+
+impl NormWeight<'_> {
+    fn check(&self, kernel: &'static str, len: usize) -> Result<(), ShapeError> {
+        expect(kernel, "the norm weight", self.len, len)?;
+        expect(
+            kernel,
+            "the norm weight's bytes",
+            self.bytes.len(),
+            len * element_bytes(self.type_code),
+        )
+    }
+}
+
+#[cfg(not(hip_platform = "none"))]
+mod sys {
+    use std::ffi::{c_int, c_void};
+    extern "C" {
+        pub(super) fn rf_rms_norm(
+            x: *const c_void,
+            w: *const c_void,
+            w_type: c_int,
+            n_tokens: c_int,
+            dim: c_int,
+            eps: f32,
+            out: *mut c_void,
+            add: c_int,
+            out_q8: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_qk_rope_kv(
+            q: *mut c_void,
+            k: *const c_void,
+            v: *const c_void,
+            bq: *const c_void,
+            bk: *const c_void,
+            bv: *const c_void,
+            q_norm: *const c_void,
+            k_norm: *const c_void,
+            norm_type: c_int,
+            n_tokens: c_int,
+            head_dim: c_int,
+            head_dim_v: c_int,
+            n_heads: c_int,
+            n_kv_heads: c_int,
+            rope_dims: c_int,
+            neox: c_int,
+            theta_scale: f32,
+            freq_scale: f32,
+            freq_factors: *const c_void,
+            q_scale: f32,
+            eps: f32,
+            pos: *const c_void,
+            k_cache: *mut c_void,
+            v_cache: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_attention(
+            q: *const c_void,
+            k_cache: *const c_void,
+            v_cache: *const c_void,
+            n_tokens: c_int,
+            n_heads: c_int,
+            n_kv_heads: c_int,
+            head_dim: c_int,
+            head_dim_v: c_int,
+            window: c_int,
+            scale: f32,
+            n_chunks: c_int,
+            pos: *const c_void,
+            part_ml: *mut c_void,
+            part_acc: *mut c_void,
+            out: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_gated(
+            gate: *const c_void,
+            up: *const c_void,
+            n: usize,
+            gelu: c_int,
+            out: *mut c_void,
+            out_q8: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_gather_rows(
+            table: *const c_void,
+            row_bytes: usize,
+            n_rows: usize,
+            tokens: *const c_void,
+            n_tokens: c_int,
+            out: *mut c_void,
+            bad: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_scale(
+            x: *mut c_void,
+            n: usize,
+            s: f32,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_argmax(
+            x: *const c_void,
+            n: c_int,
+            token: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_advance(
+            pos: *mut c_void,
+            n: c_int,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+    }
+}
+
+/// Queues a launcher call: on a GPU build, the unsafe call and its status; without GPU
+/// support, [`HipError::BuiltWithoutGpu`].
+macro_rules! launch {
+    ($name:ident, $what:literal, $($arg:expr),* $(,)?) => {{
+        #[cfg(not(hip_platform = "none"))]
+        {
+            // SAFETY: the wrapper checked, just before, that every view holds what the
+            // kernel reads or writes for the shapes passed (see each wrapper's docs) and
+            // lives on the stream's device; the views borrow device memory that stays
+            // allocated while the kernel is queued (the runtime's free waits for queued
+            // work); the stream handle is live while `stream` is borrowed.
+            let status = unsafe { sys::$name($($arg),*) };
+            hip_backend::check_status(stringify!($name), status).map_err(KernelError::from)
+        }
+        #[cfg(hip_platform = "none")]
+        {
+            let _ = ($($arg),*);
+            Err(KernelError::Hip(HipError::BuiltWithoutGpu))
+        }
+    }};
+}
+
+fn ptr_or_null<T: bytemuck::Pod>(view: Option<DeviceView<'_, T>>) -> *const std::ffi::c_void {
+    view.map_or(std::ptr::null(), |v| v.as_ptr())
+}
+
+/// `out (+)= rms_norm(x) · w` for `n_tokens` rows of `dim`; with `out_q8`, the normed
+/// rows (before any add) are also quantized to Q8 blocks (`dim` a multiple of 32).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm(
+    x: DeviceView<'_, f32>,
+    w: NormWeight<'_>,
+    n_tokens: usize,
+    dim: usize,
+    eps: f32,
+    mut out: Option<DeviceViewMut<'_, f32>>,
+    add: bool,
+    mut out_q8: Option<DeviceViewMut<'_, u8>>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "rms_norm";
+    expect(K, "the input", x.len(), n_tokens * dim)?;
+    w.check(K, dim)?;
+    let mut devices = vec![x.device_ordinal(), w.bytes.device_ordinal()];
+    if let Some(o) = &out {
+        expect(K, "the output", o.len(), n_tokens * dim)?;
+        devices.push(o.device_ordinal());
+    }
+    if let Some(q) = &out_q8 {
+        expect(K, "the Q8 output", q.len(), q8_bytes(n_tokens, dim))?;
+        expect(K, "the width modulo 32", dim % 32, 0)?;
+        devices.push(q.device_ordinal());
+    }
+    let device = on_device(stream, &devices)?;
+    let (n, d) = (small(K, "tokens", n_tokens)?, small(K, "width", dim)?);
+    let out_ptr = out
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+    let q8_ptr = out_q8
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+    launch!(
+        rf_rms_norm,
+        "rms_norm",
+        x.as_ptr(),
+        w.bytes.as_ptr(),
+        w.type_code,
+        n,
+        d,
+        eps,
+        out_ptr,
+        i32::from(add),
+        q8_ptr,
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// Shapes and constants of [`qk_rope_kv`].
+#[derive(Clone, Copy, Debug)]
+pub struct HeadShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub head_dim_v: usize,
+    pub rope_dims: usize,
+    pub neox: bool,
+    /// `base^(-2/rope_dims)`.
+    pub theta_scale: f32,
+    /// `1 / rope_scale`.
+    pub freq_scale: f32,
+    /// Multiplies the queries after RoPE (1 when the scores are scaled instead).
+    pub q_scale: f32,
+    pub eps: f32,
+}
+
+/// The optional per-layer vectors of [`qk_rope_kv`].
+#[derive(Clone, Copy, Default)]
+pub struct HeadExtras<'a> {
+    pub bq: Option<DeviceView<'a, f32>>,
+    pub bk: Option<DeviceView<'a, f32>>,
+    pub bv: Option<DeviceView<'a, f32>>,
+    pub q_norm: Option<NormWeight<'a>>,
+    pub k_norm: Option<NormWeight<'a>>,
+    pub freq_factors: Option<DeviceView<'a, f32>>,
+}
+
+/// For `n_tokens` tokens at positions `pos[0]..`: biases, per-head norms, RoPE and the
+/// query scale on `q` (in place) and `k`; keys and values (with bias) written to the f16
+/// caches at their positions. The caches must hold those positions.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_rope_kv(
+    mut q: DeviceViewMut<'_, f32>,
+    k: DeviceView<'_, f32>,
+    v: DeviceView<'_, f32>,
+    extras: HeadExtras<'_>,
+    shape: &HeadShape,
+    n_tokens: usize,
+    pos: DeviceView<'_, i32>,
+    mut k_cache: DeviceViewMut<'_, f16>,
+    mut v_cache: DeviceViewMut<'_, f16>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "qk_rope_kv";
+    let s = shape;
+    let q_dim = s.n_heads * s.head_dim;
+    let kv_dim = s.n_kv_heads * s.head_dim;
+    let v_dim = s.n_kv_heads * s.head_dim_v;
+    expect_at_least(K, "512 values per head", 512, s.head_dim)?;
+    expect(K, "the rotated dimensions' parity", s.rope_dims % 2, 0)?;
+    expect_at_least(K, "the head's dimensions", s.head_dim, s.rope_dims)?;
+    expect(K, "the queries", q.len(), n_tokens * q_dim)?;
+    expect(K, "the keys", k.len(), n_tokens * kv_dim)?;
+    expect(K, "the values", v.len(), n_tokens * v_dim)?;
+    expect(K, "the position", pos.len(), 1)?;
+    expect(K, "the key cache's row", k_cache.len() % kv_dim.max(1), 0)?;
+    expect(K, "the value cache's row", v_cache.len() % v_dim.max(1), 0)?;
+    let mut devices = vec![
+        q.device_ordinal(),
+        k.device_ordinal(),
+        v.device_ordinal(),
+        pos.device_ordinal(),
+        k_cache.device_ordinal(),
+        v_cache.device_ordinal(),
+    ];
+    for (bias, len, what) in [
+        (extras.bq, q_dim, "the query bias"),
+        (extras.bk, kv_dim, "the key bias"),
+        (extras.bv, v_dim, "the value bias"),
+        (
+            extras.freq_factors,
+            s.rope_dims / 2,
+            "the frequency factors",
+        ),
+    ] {
+        if let Some(b) = bias {
+            expect(K, what, b.len(), len)?;
+            devices.push(b.device_ordinal());
+        }
+    }
+    let mut norm_type = 0;
+    for norm in [extras.q_norm, extras.k_norm].into_iter().flatten() {
+        norm.check(K, s.head_dim)?;
+        norm_type = norm.type_code;
+        devices.push(norm.bytes.device_ordinal());
+    }
+    if let (Some(a), Some(b)) = (extras.q_norm, extras.k_norm) {
+        expect(
+            K,
+            "the norms' element type",
+            b.type_code as usize,
+            a.type_code as usize,
+        )?;
+    }
+    let device = on_device(stream, &devices)?;
+    let c = |what, value| small(K, what, value);
+    launch!(
+        rf_qk_rope_kv,
+        "qk_rope_kv",
+        q.as_mut_ptr(),
+        k.as_ptr(),
+        v.as_ptr(),
+        ptr_or_null(extras.bq),
+        ptr_or_null(extras.bk),
+        ptr_or_null(extras.bv),
+        ptr_or_null(extras.q_norm.map(|n| n.bytes)),
+        ptr_or_null(extras.k_norm.map(|n| n.bytes)),
+        norm_type,
+        c("tokens", n_tokens)?,
+        c("head width", s.head_dim)?,
+        c("value head width", s.head_dim_v)?,
+        c("heads", s.n_heads)?,
+        c("key heads", s.n_kv_heads)?,
+        c("rotated dimensions", s.rope_dims)?,
+        i32::from(s.neox),
+        s.theta_scale,
+        s.freq_scale,
+        ptr_or_null(extras.freq_factors),
+        s.q_scale,
+        s.eps,
+        pos.as_ptr(),
+        k_cache.as_mut_ptr(),
+        v_cache.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// Keys per chunk of [`attention`]'s split along the cache.
+pub const ATTENTION_CHUNK: usize = 256;
+
+/// Shapes of [`attention`].
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub head_dim_v: usize,
+    /// Keys more than `window - 1` positions back are masked; `None`: causal only.
+    pub window: Option<usize>,
+    pub scale: f32,
+    /// Chunks of [`ATTENTION_CHUNK`] keys the cache can hold.
+    pub n_chunks: usize,
+}
+
+impl AttentionShape {
+    /// Scratch values of the per-chunk maxima and sums (`2` per chunk, head and token).
+    pub fn ml_len(&self, n_tokens: usize) -> usize {
+        2 * n_tokens * self.n_heads * self.n_chunks
+    }
+
+    /// Scratch values of the per-chunk weighted values.
+    pub fn acc_len(&self, n_tokens: usize) -> usize {
+        n_tokens * self.n_heads * self.n_chunks * self.head_dim_v
+    }
+}
+
+/// Attention of `n_tokens` queries at positions `pos[0]..` (each seeing the keys up to
+/// its own position) against the f16 caches; `out` gets `n_tokens × n_heads ×
+/// head_dim_v` values.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    q: DeviceView<'_, f32>,
+    k_cache: DeviceView<'_, f16>,
+    v_cache: DeviceView<'_, f16>,
+    shape: &AttentionShape,
+    n_tokens: usize,
+    pos: DeviceView<'_, i32>,
+    mut part_ml: DeviceViewMut<'_, f32>,
+    mut part_acc: DeviceViewMut<'_, f32>,
+    mut out: DeviceViewMut<'_, f32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "attention";
+    let s = shape;
+    expect_at_least(K, "512 values per head", 512, s.head_dim)?;
+    expect(K, "heads per key head", s.n_heads % s.n_kv_heads.max(1), 0)?;
+    expect(K, "the queries", q.len(), n_tokens * s.n_heads * s.head_dim)?;
+    let positions = s.n_chunks * ATTENTION_CHUNK;
+    expect_at_least(
+        K,
+        "the key cache",
+        k_cache.len(),
+        positions * s.n_kv_heads * s.head_dim,
+    )?;
+    expect_at_least(
+        K,
+        "the value cache",
+        v_cache.len(),
+        positions * s.n_kv_heads * s.head_dim_v,
+    )?;
+    expect(K, "the position", pos.len(), 1)?;
+    expect(K, "the chunk maxima", part_ml.len(), s.ml_len(n_tokens))?;
+    expect(K, "the chunk sums", part_acc.len(), s.acc_len(n_tokens))?;
+    expect(
+        K,
+        "the output",
+        out.len(),
+        n_tokens * s.n_heads * s.head_dim_v,
+    )?;
+    let device = on_device(
+        stream,
+        &[
+            q.device_ordinal(),
+            k_cache.device_ordinal(),
+            v_cache.device_ordinal(),
+            pos.device_ordinal(),
+            part_ml.device_ordinal(),
+            part_acc.device_ordinal(),
+            out.device_ordinal(),
+        ],
+    )?;
+    let c = |what, value| small(K, what, value);
+    launch!(
+        rf_attention,
+        "attention",
+        q.as_ptr(),
+        k_cache.as_ptr(),
+        v_cache.as_ptr(),
+        c("tokens", n_tokens)?,
+        c("heads", s.n_heads)?,
+        c("key heads", s.n_kv_heads)?,
+        c("head width", s.head_dim)?,
+        c("value head width", s.head_dim_v)?,
+        c("window", s.window.unwrap_or(0))?,
+        s.scale,
+        c("chunks", s.n_chunks)?,
+        pos.as_ptr(),
+        part_ml.as_mut_ptr(),
+        part_acc.as_mut_ptr(),
+        out.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `act(gate) · up` element-wise (SiLU, or GELU's tanh form with `gelu`), into `out`
+/// (f32) and/or `out_q8` (Q8 blocks of `width`-value rows, `width` a multiple of 32).
+pub fn gated(
+    gate: DeviceView<'_, f32>,
+    up: DeviceView<'_, f32>,
+    width: usize,
+    gelu: bool,
+    mut out: Option<DeviceViewMut<'_, f32>>,
+    mut out_q8: Option<DeviceViewMut<'_, u8>>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "gated";
+    let n = gate.len();
+    expect(K, "the up projection", up.len(), n)?;
+    let mut devices = vec![gate.device_ordinal(), up.device_ordinal()];
+    if let Some(o) = &out {
+        expect(K, "the output", o.len(), n)?;
+        devices.push(o.device_ordinal());
+    }
+    if let Some(q) = &out_q8 {
+        expect(K, "the width modulo 32", width % 32, 0)?;
+        expect(K, "the values modulo the width", n % width.max(1), 0)?;
+        expect(
+            K,
+            "the Q8 output",
+            q.len(),
+            q8_bytes(n / width.max(1), width),
+        )?;
+        devices.push(q.device_ordinal());
+    }
+    let device = on_device(stream, &devices)?;
+    let out_ptr = out
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+    let q8_ptr = out_q8
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+    launch!(
+        rf_gated,
+        "gated",
+        gate.as_ptr(),
+        up.as_ptr(),
+        n,
+        i32::from(gelu),
+        out_ptr,
+        q8_ptr,
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// Copies rows `tokens[t]` of `table` (`n_rows` rows of `row_bytes`) to `out`, row by
+/// row. A token past the table copies nothing and sets `bad[0]` to 1.
+pub fn gather_rows(
+    table: DeviceView<'_, u8>,
+    row_bytes: usize,
+    tokens: DeviceView<'_, u32>,
+    mut out: DeviceViewMut<'_, u8>,
+    mut bad: DeviceViewMut<'_, i32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "gather_rows";
+    let n_rows = table.len() / row_bytes.max(1);
+    expect(K, "the table", table.len(), n_rows * row_bytes)?;
+    expect(K, "the output", out.len(), tokens.len() * row_bytes)?;
+    expect(K, "the flag", bad.len(), 1)?;
+    let device = on_device(
+        stream,
+        &[
+            table.device_ordinal(),
+            tokens.device_ordinal(),
+            out.device_ordinal(),
+            bad.device_ordinal(),
+        ],
+    )?;
+    launch!(
+        rf_gather_rows,
+        "gather_rows",
+        table.as_ptr(),
+        row_bytes,
+        n_rows,
+        tokens.as_ptr(),
+        small(K, "tokens", tokens.len())?,
+        out.as_mut_ptr(),
+        bad.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `x *= s`.
+pub fn scale(mut x: DeviceViewMut<'_, f32>, s: f32, stream: &Stream) -> Result<(), KernelError> {
+    let device = on_device(stream, &[x.device_ordinal()])?;
+    let n = x.len();
+    launch!(
+        rf_scale,
+        "scale",
+        x.as_mut_ptr(),
+        n,
+        s,
+        device,
+        stream.as_raw()
+    )
+}
+
+/// The index of the largest of `x` (the first among equals) into `token[0]`; `u32::MAX`
+/// when `x` holds a NaN or +inf.
+pub fn argmax(
+    x: DeviceView<'_, f32>,
+    mut token: DeviceViewMut<'_, u32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "argmax";
+    expect(K, "the output", token.len(), 1)?;
+    let device = on_device(stream, &[x.device_ordinal(), token.device_ordinal()])?;
+    launch!(
+        rf_argmax,
+        "argmax",
+        x.as_ptr(),
+        small(K, "values", x.len())?,
+        token.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `pos[0] += n`, on the stream (so a captured step advances itself).
+pub fn advance(
+    mut pos: DeviceViewMut<'_, i32>,
+    n: usize,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "advance";
+    expect(K, "the position", pos.len(), 1)?;
+    let device = on_device(stream, &[pos.device_ordinal()])?;
+    launch!(
+        rf_advance,
+        "advance",
+        pos.as_mut_ptr(),
+        small(K, "tokens", n)?,
+        device,
+        stream.as_raw(),
+    )
+}

@@ -1,0 +1,457 @@
+//! The forward pass on a GPU: the same plan of lazy handles as the CPU path, its weights
+//! obtained through [`tensor_store::device::DeviceCache`] (single-flight, raw GGUF
+//! blocks, never expanded), multiplied on their blocks by `dequant::gpu::matvec`, with
+//! the layer's other operations in this crate's kernels (`kernels/transformer.hip`).
+//!
+//! - [`GpuModel::new`] opens the device cache in the chosen [`UploadMode`] (eager,
+//!   background or lazy; the forward pass is one code path for the three: it asks the
+//!   cache for each layer's tensors, which waits for that layer only) and takes one arena
+//!   for the activations and the f16 KV cache, sized from the context, once.
+//! - When the whole model fits in the budget, every weight stays pinned in the cache
+//!   after its first use, and a decode step (one token) is captured once as a graph and
+//!   replayed for every later token: positions and the token live in device memory, so
+//!   the captured step needs no change as the position advances. Greedy decoding takes
+//!   its argmax on the device and copies back one token id.
+//! - When it does not fit, each layer's tensors are held only while that layer runs
+//!   (the cache evicts and uploads again as needed), without a graph.
+//!
+//! This module calls no HIP runtime function directly: it goes through `hip-backend`'s
+//! safe types and the typed wrappers of [`kernels`].
+
+mod forward;
+mod kernels;
+mod weights;
+
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use hip_backend::{Device, DeviceArena, Graph, HipError, PinnedBuffer, Stream};
+use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadMode, UploadOrder};
+use tensor_store::TensorStore;
+
+pub use kernels::{KernelError, ShapeError};
+
+use crate::config::ModelConfig;
+use crate::plan::ExecutionPlan;
+use crate::{Model, ModelError};
+use forward::Buffers;
+use weights::{Held, LayerWeights};
+
+/// Most tokens one forward call on the GPU takes; longer inputs run in chunks.
+pub const MAX_BATCH: usize = dequant::gpu::matvec::MAX_TOKENS;
+
+/// How a [`GpuModel`] is set up.
+#[derive(Clone, Debug)]
+pub struct GpuOptions {
+    /// The GPU's ordinal.
+    pub device: usize,
+    /// When the weights go to the device.
+    pub mode: UploadMode,
+    /// Device bytes the weights may take; `None`: the whole model.
+    pub budget: Option<u64>,
+    /// Most positions the KV cache holds.
+    pub context_size: usize,
+}
+
+/// What one forward call hands back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    /// The logits of the last token, copied to the host.
+    Logits,
+    /// Only the argmax of the last token's logits, taken on the device.
+    Argmax,
+    /// The logits of every token, copied to the host.
+    AllLogits,
+}
+
+/// A model whose forward pass runs on a GPU, with its KV cache there.
+pub struct GpuModel {
+    config: ModelConfig,
+    plan: ExecutionPlan,
+    stream: Stream,
+    cache: DeviceCache<HipTarget>,
+    /// Every weight pinned, once all have been used and the budget holds them all.
+    held: Option<Held>,
+    hold_all: bool,
+    bufs: Buffers,
+    capacity: usize,
+    len: usize,
+    /// The decode step, captured once every weight is held.
+    step: Option<Graph>,
+    host_tokens: PinnedBuffer<u32>,
+    host_logits: PinnedBuffer<f32>,
+    /// When the last tensor of the upload order first became resident.
+    uploaded: Arc<OnceLock<Instant>>,
+    device: Device,
+}
+
+impl GpuModel {
+    /// Opens `options.device`, starts the device cache of `model`'s weights and takes the
+    /// arena for activations and the KV cache.
+    pub fn new(model: &Model, options: &GpuOptions) -> Result<GpuModel, ModelError> {
+        let gpu = |op| move |source| ModelError::Gpu { op, source };
+        let device = Device::open(options.device).map_err(gpu("device"))?;
+        let config = model.config().clone();
+        let plan = model.plan().clone();
+        weights::check_plan(&plan)?;
+        let store: &TensorStore = model.store();
+        let order = UploadOrder::by_layer(plan.handles());
+        let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
+        let arena_bytes = options.budget.map_or(model_bytes, |b| b.min(model_bytes));
+        let hold_all = arena_bytes >= model_bytes;
+
+        // Activations and the KV cache first: their size is known, and failing here
+        // costs no upload.
+        let capacity = options.context_size.max(1);
+        let bufs = Buffers::new(&device, &config, &plan, capacity)?;
+        let target = HipTarget::new(&device, arena_bytes.max(1))?;
+        let cache_config = CacheConfig {
+            mode: options.mode,
+            budget: options.budget,
+            ..CacheConfig::default()
+        };
+        let uploaded = Arc::new(OnceLock::new());
+        let mark = Arc::clone(&uploaded);
+        let cache = DeviceCache::with_progress(target, store, order, cache_config, move |p| {
+            if p.is_complete() {
+                let _ = mark.set(Instant::now());
+            }
+        })?;
+        let stream = device.new_stream().map_err(gpu("stream"))?;
+        let host_tokens = device
+            .alloc_pinned::<u32>(MAX_BATCH)
+            .map_err(gpu("pinned"))?;
+        let host_logits = device
+            .alloc_pinned::<f32>(MAX_BATCH * config.n_vocab)
+            .map_err(gpu("pinned"))?;
+        Ok(GpuModel {
+            config,
+            plan,
+            stream,
+            cache,
+            held: None,
+            hold_all,
+            bufs,
+            capacity,
+            len: 0,
+            step: None,
+            host_tokens,
+            host_logits,
+            uploaded,
+            device,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The device cache of the weights (progress, statistics).
+    pub fn cache(&self) -> &DeviceCache<HipTarget> {
+        &self.cache
+    }
+
+    /// When every weight had been uploaded once (not yet: `None`).
+    pub fn uploaded_at(&self) -> Option<Instant> {
+        self.uploaded.get().copied()
+    }
+
+    /// Positions in the KV cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Most positions the KV cache holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets every position.
+    pub fn clear(&mut self) -> Result<(), ModelError> {
+        self.set_position(0)
+    }
+
+    /// Waits until every weight is on the device (the eager and background modes' end).
+    pub fn wait_loaded(&self) -> Result<(), ModelError> {
+        self.cache.wait_idle()?;
+        Ok(())
+    }
+
+    /// Appends `tokens` to the KV cache and returns the logits of the last one.
+    pub fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.forward_logits(tokens).map(<[f32]>::to_vec)
+    }
+
+    /// As [`GpuModel::forward`], lending the logits from the pinned host buffer.
+    pub fn forward_logits(&mut self, tokens: &[u32]) -> Result<&[f32], ModelError> {
+        self.eval(tokens, Want::Logits)?;
+        self.logits(1)
+    }
+
+    /// Appends `tokens` and returns the logits of every one of them, `n_vocab` each.
+    pub fn forward_all_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let n_vocab = self.config.n_vocab;
+        let mut out = Vec::with_capacity(tokens.len() * n_vocab);
+        for chunk in tokens.chunks(MAX_BATCH) {
+            self.eval(chunk, Want::AllLogits)?;
+            out.extend_from_slice(self.logits(chunk.len())?);
+        }
+        Ok(out)
+    }
+
+    /// Appends `tokens` and returns the greedy choice after the last one, taken on the
+    /// device (the first highest logit).
+    pub fn forward_argmax(&mut self, tokens: &[u32]) -> Result<u32, ModelError> {
+        self.eval(tokens, Want::Argmax)?;
+        let token = self
+            .host_tokens
+            .as_slice()
+            .map_err(|source| ModelError::Gpu {
+                op: "reading the token",
+                source,
+            })?[0];
+        if token == u32::MAX {
+            return Err(ModelError::BadLogits);
+        }
+        Ok(token)
+    }
+
+    /// The logits copied back by the last call, `n` rows.
+    fn logits(&self, n: usize) -> Result<&[f32], ModelError> {
+        let all = self
+            .host_logits
+            .as_slice()
+            .map_err(|source| ModelError::Gpu {
+                op: "reading the logits",
+                source,
+            })?;
+        Ok(&all[..n * self.config.n_vocab])
+    }
+
+    /// Runs `tokens` (in chunks of [`MAX_BATCH`]) after the positions already cached and
+    /// leaves what `want` asks for in the pinned host buffers, the copy finished.
+    fn eval(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
+        if tokens.is_empty() {
+            return Err(ModelError::EmptyInput);
+        }
+        let needed = self.len + tokens.len();
+        if needed > self.capacity {
+            return Err(ModelError::ContextFull {
+                needed,
+                capacity: self.capacity,
+            });
+        }
+        if want == Want::AllLogits && tokens.len() > MAX_BATCH {
+            return Err(ModelError::EmptyInput);
+        }
+        for &token in tokens {
+            if token as usize >= self.config.n_vocab {
+                return Err(ModelError::TokenOutOfRange {
+                    token,
+                    n_vocab: self.config.n_vocab,
+                });
+            }
+        }
+        let start = self.len;
+        let result = self.run_chunks(tokens, want);
+        if result.is_err() {
+            // Leave the cache as it was before the failed call.
+            self.set_position(start)?;
+        }
+        result
+    }
+
+    fn run_chunks(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
+        let chunks: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            self.write_tokens(chunk)?;
+            let output = if i == last { want } else { Want::Logits };
+            let wants_output = i == last;
+            if chunk.len() == 1 && wants_output && self.ensure_held()? {
+                self.replay_step()?;
+            } else {
+                self.run_direct(chunk.len(), output)?;
+            }
+            self.len += chunk.len();
+            if wants_output {
+                self.copy_back(chunk.len(), want)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_tokens(&mut self, chunk: &[u32]) -> Result<(), ModelError> {
+        let gpu = |source| ModelError::Gpu {
+            op: "copying tokens",
+            source,
+        };
+        self.host_tokens.as_mut_slice().map_err(gpu)?[..chunk.len()].copy_from_slice(chunk);
+        let dst = self.bufs.tokens_mut(chunk.len())?;
+        self.stream
+            .copy_h2d_async(&mut self.host_tokens, 0..chunk.len(), dst)
+            .map_err(gpu)
+    }
+
+    fn copy_back(&mut self, n: usize, want: Want) -> Result<(), ModelError> {
+        let gpu = |source| ModelError::Gpu {
+            op: "copying results",
+            source,
+        };
+        match want {
+            Want::Argmax => {
+                let src = self.bufs.token_view()?;
+                self.stream
+                    .copy_d2h_async(src, &mut self.host_tokens, 0..1)
+                    .map_err(gpu)?;
+                self.host_tokens.wait().map_err(gpu)
+            }
+            Want::Logits | Want::AllLogits => {
+                let rows = if want == Want::Logits { 1 } else { n };
+                let len = rows * self.config.n_vocab;
+                let src = self.bufs.logits_view(len)?;
+                self.stream
+                    .copy_d2h_async(src, &mut self.host_logits, 0..len)
+                    .map_err(gpu)?;
+                self.host_logits.wait().map_err(gpu)
+            }
+        }
+    }
+
+    /// Pins every weight once the budget allows it; true when all are held.
+    fn ensure_held(&mut self) -> Result<bool, ModelError> {
+        if self.held.is_none() && self.hold_all {
+            self.held = Some(Held::fetch(&self.cache, &self.plan)?);
+        }
+        Ok(self.held.is_some())
+    }
+
+    /// One token through the captured step (capturing it the first time).
+    fn replay_step(&mut self) -> Result<(), ModelError> {
+        if self.step.is_none() {
+            let held = self.held.as_ref().expect("ensure_held returned true");
+            let (config, bufs) = (&self.config, &mut self.bufs);
+            let graph = self.stream.capture(|stream| {
+                forward::step(config, held.layers(), held.globals(), bufs, 1, true, stream)
+            })?;
+            self.step = Some(graph);
+        }
+        let graph = self.step.as_ref().expect("captured just above");
+        graph
+            .launch(&self.stream)
+            .map_err(|source| ModelError::Gpu {
+                op: "replaying the decode step",
+                source,
+            })
+    }
+
+    /// `n` tokens through launches queued one by one; `last_only` computes the logits of
+    /// the last token only.
+    fn run_direct(&mut self, n: usize, want: Want) -> Result<(), ModelError> {
+        let last_only = want != Want::AllLogits;
+        if self.held.is_some() || (self.hold_all && self.all_resident()) {
+            self.ensure_held()?;
+            let held = self.held.as_ref().expect("just ensured");
+            return forward::step(
+                &self.config,
+                held.layers(),
+                held.globals(),
+                &mut self.bufs,
+                n,
+                last_only,
+                &self.stream,
+            );
+        }
+        // Layer by layer: each layer's tensors are asked for (waiting for that layer
+        // only) and released once its work has run.
+        let globals = weights::Globals::fetch(&self.cache, &self.plan)?;
+        forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
+        for layer_idx in 0..self.plan.layers.len() {
+            let layer = LayerWeights::fetch(&self.cache, &self.plan.layers[layer_idx])?;
+            forward::layer(
+                &self.config,
+                layer_idx,
+                &layer,
+                &mut self.bufs,
+                n,
+                &self.stream,
+            )?;
+            if !self.hold_all {
+                // The cache may evict these tensors once dropped: their readers must
+                // have finished.
+                self.sync()?;
+            }
+        }
+        forward::finish(
+            &self.config,
+            &globals,
+            &mut self.bufs,
+            n,
+            last_only,
+            &self.stream,
+        )?;
+        forward::tail(&self.config, &mut self.bufs, n, last_only, &self.stream)?;
+        if !self.hold_all {
+            // `globals` is released on return: its readers must have finished.
+            self.sync()?;
+        }
+        Ok(())
+    }
+
+    fn all_resident(&self) -> bool {
+        self.plan
+            .handles()
+            .iter()
+            .all(|h| self.cache.is_resident(h))
+    }
+
+    fn sync(&self) -> Result<(), ModelError> {
+        self.stream.synchronize().map_err(|source| ModelError::Gpu {
+            op: "synchronizing",
+            source,
+        })
+    }
+
+    fn set_position(&mut self, len: usize) -> Result<(), ModelError> {
+        self.sync().ok();
+        self.bufs.set_position(&self.stream, len)?;
+        self.len = len;
+        Ok(())
+    }
+}
+
+/// The arena of activations and KV cache could not be made: say what and how much.
+pub(crate) fn out_of_memory(device: &Device, what: &'static str, requested: u64) -> ModelError {
+    let (free, total) = device
+        .memory_info()
+        .map_or((0, device.total_memory() as u64), |m| {
+            (m.free as u64, m.total as u64)
+        });
+    ModelError::GpuOutOfMemory {
+        what,
+        requested,
+        free,
+        total,
+    }
+}
+
+/// One arena, allocated once.
+pub(crate) fn arena(device: &Device, bytes: usize) -> Result<DeviceArena, ModelError> {
+    device.new_arena(bytes).map_err(|source| match source {
+        HipError::OutOfMemory { .. } => {
+            out_of_memory(device, "the activations and the KV cache", bytes as u64)
+        }
+        other => ModelError::Gpu {
+            op: "arena allocation",
+            source: other,
+        },
+    })
+}

@@ -1,0 +1,231 @@
+//! A layer's weights on the device, obtained from the cache through the plan's handles.
+//! Holding these keeps the tensors pinned (the cache evicts only tensors nobody holds).
+
+use gguf_format::GgmlType;
+use hip_backend::DeviceView;
+use tensor_store::device::{DeviceCache, DeviceTensor, HipTarget};
+use tensor_store::TensorHandle;
+
+use super::kernels::{norm_type_code, NormWeight};
+use crate::plan::{ExecutionPlan, LayerPlan, Linear, Vector};
+use crate::ModelError;
+
+type Tensor = DeviceTensor<HipTarget>;
+
+/// A matrix on the device with its shape.
+pub(super) struct Matrix {
+    pub tensor: Tensor,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Matrix {
+    fn fetch(cache: &DeviceCache<HipTarget>, lin: &Linear) -> Result<Matrix, ModelError> {
+        Ok(Matrix {
+            tensor: cache.get(&lin.weight)?,
+            ty: lin.weight.ggml_type(),
+            rows: lin.rows,
+            cols: lin.cols,
+        })
+    }
+
+    pub fn bytes(&self) -> DeviceView<'_, u8> {
+        self.tensor.buffer().bytes()
+    }
+
+    pub fn name(&self) -> &str {
+        self.tensor.name()
+    }
+}
+
+/// A norm vector on the device.
+pub(super) struct Norm {
+    tensor: Tensor,
+    type_code: i32,
+    len: usize,
+}
+
+impl Norm {
+    fn fetch(cache: &DeviceCache<HipTarget>, v: &Vector) -> Result<Norm, ModelError> {
+        let ty = v.handle.ggml_type();
+        let type_code = norm_type_code(ty).ok_or_else(|| ModelError::UnsupportedTensorType {
+            name: v.handle.name().to_owned(),
+            ggml_type: ty,
+        })?;
+        Ok(Norm {
+            tensor: cache.get(&v.handle)?,
+            type_code,
+            len: v.len,
+        })
+    }
+
+    pub fn weight(&self) -> NormWeight<'_> {
+        NormWeight {
+            bytes: self.tensor.buffer().bytes(),
+            type_code: self.type_code,
+            len: self.len,
+        }
+    }
+}
+
+/// An F32 vector (a bias, RoPE frequency factors).
+pub(super) struct Floats {
+    tensor: Tensor,
+}
+
+impl Floats {
+    fn fetch(cache: &DeviceCache<HipTarget>, handle: &TensorHandle) -> Result<Floats, ModelError> {
+        Ok(Floats {
+            tensor: cache.get(handle)?,
+        })
+    }
+
+    pub fn view(&self) -> Result<DeviceView<'_, f32>, ModelError> {
+        self.tensor
+            .buffer()
+            .view::<f32>()
+            .map_err(|source| ModelError::Gpu {
+                op: "viewing an f32 vector",
+                source,
+            })
+    }
+}
+
+/// The weights of one transformer block.
+pub(super) struct LayerWeights {
+    pub attn_norm: Norm,
+    pub wq: Matrix,
+    pub wk: Matrix,
+    pub wv: Matrix,
+    pub bq: Option<Floats>,
+    pub bk: Option<Floats>,
+    pub bv: Option<Floats>,
+    pub q_norm: Option<Norm>,
+    pub k_norm: Option<Norm>,
+    pub rope_freqs: Option<Floats>,
+    pub wo: Matrix,
+    pub post_attn_norm: Option<Norm>,
+    pub ffn_norm: Norm,
+    pub gate: Matrix,
+    pub up: Matrix,
+    pub down: Matrix,
+    pub post_ffn_norm: Option<Norm>,
+}
+
+impl LayerWeights {
+    /// Asks the cache for every tensor of `layer`, in the order the layer reads them.
+    pub fn fetch(
+        cache: &DeviceCache<HipTarget>,
+        layer: &LayerPlan,
+    ) -> Result<LayerWeights, ModelError> {
+        let norm = |v: &Option<Vector>| v.as_ref().map(|v| Norm::fetch(cache, v)).transpose();
+        let bias = |l: &Linear| l.bias.as_ref().map(|h| Floats::fetch(cache, h)).transpose();
+        Ok(LayerWeights {
+            attn_norm: Norm::fetch(cache, &layer.attn_norm)?,
+            wq: Matrix::fetch(cache, &layer.wq)?,
+            wk: Matrix::fetch(cache, &layer.wk)?,
+            wv: Matrix::fetch(cache, &layer.wv)?,
+            bq: bias(&layer.wq)?,
+            bk: bias(&layer.wk)?,
+            bv: bias(&layer.wv)?,
+            q_norm: norm(&layer.q_norm)?,
+            k_norm: norm(&layer.k_norm)?,
+            rope_freqs: layer
+                .rope_freqs
+                .as_ref()
+                .map(|v| Floats::fetch(cache, &v.handle))
+                .transpose()?,
+            wo: Matrix::fetch(cache, &layer.wo)?,
+            post_attn_norm: norm(&layer.post_attn_norm)?,
+            ffn_norm: Norm::fetch(cache, &layer.ffn_norm)?,
+            gate: Matrix::fetch(cache, &layer.gate)?,
+            up: Matrix::fetch(cache, &layer.up)?,
+            down: Matrix::fetch(cache, &layer.down)?,
+            post_ffn_norm: norm(&layer.post_ffn_norm)?,
+        })
+    }
+}
+
+/// The weights outside the blocks.
+pub(super) struct Globals {
+    pub token_embd: Matrix,
+    pub output_norm: Norm,
+    pub output: Matrix,
+}
+
+impl Globals {
+    pub fn fetch(
+        cache: &DeviceCache<HipTarget>,
+        plan: &ExecutionPlan,
+    ) -> Result<Globals, ModelError> {
+        Ok(Globals {
+            token_embd: Matrix::fetch(cache, &plan.token_embd)?,
+            output_norm: Norm::fetch(cache, &plan.output_norm)?,
+            output: Matrix::fetch(cache, &plan.output)?,
+        })
+    }
+}
+
+/// Every weight of the model, pinned.
+pub(super) struct Held {
+    layers: Vec<LayerWeights>,
+    globals: Globals,
+}
+
+impl Held {
+    pub fn fetch(cache: &DeviceCache<HipTarget>, plan: &ExecutionPlan) -> Result<Held, ModelError> {
+        let globals = Globals::fetch(cache, plan)?;
+        let layers = plan
+            .layers
+            .iter()
+            .map(|l| LayerWeights::fetch(cache, l))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Held { layers, globals })
+    }
+
+    pub fn layers(&self) -> &[LayerWeights] {
+        &self.layers
+    }
+
+    pub fn globals(&self) -> &Globals {
+        &self.globals
+    }
+}
+
+/// Refuses, before anything is uploaded, a plan the GPU kernels cannot run: biases and
+/// RoPE factors other than F32, norms other than F32/F16/BF16.
+pub(super) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
+    let refuse = |h: &TensorHandle| ModelError::UnsupportedTensorType {
+        name: h.name().to_owned(),
+        ggml_type: h.ggml_type(),
+    };
+    for layer in &plan.layers {
+        for lin in [&layer.wq, &layer.wk, &layer.wv] {
+            if let Some(bias) = &lin.bias {
+                if bias.ggml_type() != GgmlType::F32 {
+                    return Err(refuse(bias));
+                }
+            }
+        }
+        if let Some(f) = &layer.rope_freqs {
+            if f.handle.ggml_type() != GgmlType::F32 {
+                return Err(refuse(&f.handle));
+            }
+        }
+        let norms = [
+            Some(&layer.attn_norm),
+            Some(&layer.ffn_norm),
+            layer.q_norm.as_ref(),
+            layer.k_norm.as_ref(),
+            layer.post_attn_norm.as_ref(),
+            layer.post_ffn_norm.as_ref(),
+        ];
+        for v in norms.into_iter().flatten() {
+            if norm_type_code(v.handle.ggml_type()).is_none() {
+                return Err(refuse(&v.handle));
+            }
+        }
+    }
+    Ok(())
+}
