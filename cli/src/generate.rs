@@ -11,13 +11,16 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use model::chat::ChatTemplate;
-use model::generate::{generate, GenerateOptions, Generation, StopReason};
+use model::generate::{generate, generate_with, GenerateOptions, Generation, StopReason};
+use model::gpu::{GpuModel, GpuOptions};
 use model::sampling::{defaults, SamplingParams, Xoshiro256};
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
 use serde_json::json;
 use tensor_store::{LoadMode, TensorStore};
 
+use crate::device_choice::{Chosen, DeviceArg, GpuStart};
+use crate::load::LoadModeArg;
 use crate::options;
 
 /// The model used when `--gguf` is not given, from the models cache.
@@ -85,6 +88,19 @@ pub struct GenerateArgs {
     /// Most positions (prompt and generated tokens); 0 means the model's training context.
     #[arg(long, short = 'c', default_value_t = DEFAULT_CTX_SIZE)]
     ctx_size: usize,
+    /// Where to compute: the GPU when one is usable (auto), the GPU or an error (gpu),
+    /// or the CPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceArg,
+    /// On a GPU, when the weights go to the device: all before the prompt (eager), in
+    /// the background while the first layers already compute (background), or each
+    /// tensor when first used (lazy).
+    #[arg(long, value_enum, default_value = "background")]
+    load_mode: LoadModeArg,
+    /// On a GPU, the device memory the weights may take, in MiB; below the model's
+    /// size, layers are uploaded again as they are needed. Default: the whole model.
+    #[arg(long, value_name = "MIB")]
+    gpu_budget_mib: Option<u64>,
     /// Show the prompt's progress on stderr even when it is not a terminal, however short.
     #[arg(long)]
     pub progress: bool,
@@ -137,6 +153,8 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let threads = options::worker_threads(args.threads)?;
     let user_text = options::prompt_text(args.prompt.as_deref(), args.file.as_deref())?;
     let stop = install_ctrl_c()?;
+    // The GPU runtime starts while the file is read and parsed.
+    let gpu_start = GpuStart::begin(args.device, 0);
 
     let load_start = Instant::now();
     let path = model_path(args.gguf.as_deref())?;
@@ -156,7 +174,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         load_ms = format_args!("{load_ms:.0}"),
         "model loaded: execution plan built"
     );
-    tracing::info!(threads, "device: cpu");
+    let chosen = gpu_start.finish()?;
 
     let text = if args.chat {
         chat_prompt(&store, &tokenizer, &path, &user_text)?
@@ -175,7 +193,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut write_error = None;
-    let output = generate(&model, &tokenizer, &prompt, &options, &stop, |piece| {
+    let mut on_text = |piece: &str| {
         if args.json {
             return ControlFlow::Continue(());
         }
@@ -186,13 +204,51 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
                 ControlFlow::Break(())
             }
         }
-    })?;
+    };
+    let since_start = |t: Instant| t.duration_since(crate::process_start()).as_secs_f64() * 1e3;
+    let (output, device) = match chosen {
+        Chosen::Gpu { device, ready_at } => {
+            tracing::info!(gpu = device.name(), "device: gpu");
+            let gpu_options = GpuOptions {
+                device: device.ordinal(),
+                mode: args.load_mode.into(),
+                budget: args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
+                // The prompt and every generated token but the last, as on the CPU.
+                context_size: prompt
+                    .len()
+                    .saturating_add(args.max_tokens.saturating_sub(1))
+                    .clamp(1, context_size.max(1)),
+            };
+            let mut gpu = GpuModel::new(&model, &gpu_options)
+                .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
+            let output =
+                generate_with(&mut gpu, &tokenizer, &prompt, &options, &stop, &mut on_text)?;
+            let report = DeviceReport {
+                name: "gpu",
+                context_ms: Some(since_start(ready_at)),
+                upload_ms: gpu.uploaded_at().map(since_start),
+            };
+            (output, report)
+        }
+        Chosen::Cpu { reason } => {
+            tracing::info!(threads, reason = %reason, "device: cpu");
+            let output = generate(&model, &tokenizer, &prompt, &options, &stop, &mut on_text)?;
+            let report = DeviceReport {
+                name: "cpu",
+                context_ms: None,
+                upload_ms: None,
+            };
+            (output, report)
+        }
+    };
+    let first_token_ms = output.timings.first_token.map(since_start);
     if let Some(e) = write_error {
         return Err(e).context("writing to stdout");
     }
     log_timings(&output);
     if args.json {
-        serde_json::to_writer(&mut out, &to_json(&output, load_ms, seed))?;
+        let json = to_json(&output, load_ms, seed, &device, first_token_ms);
+        serde_json::to_writer(&mut out, &json)?;
         writeln!(out)?;
     } else {
         writeln!(out)?;
@@ -256,7 +312,21 @@ fn log_timings(output: &Generation) {
     );
 }
 
-fn to_json(output: &Generation, load_ms: f64, seed: u64) -> serde_json::Value {
+/// Which device computed, and when (milliseconds from the process's start) its runtime
+/// was ready and every weight had been uploaded.
+struct DeviceReport {
+    name: &'static str,
+    context_ms: Option<f64>,
+    upload_ms: Option<f64>,
+}
+
+fn to_json(
+    output: &Generation,
+    load_ms: f64,
+    seed: u64,
+    device: &DeviceReport,
+    first_token_ms: Option<f64>,
+) -> serde_json::Value {
     let t = &output.timings;
     json!({
         "prompt_tokens": output.prompt_tokens,
@@ -264,7 +334,12 @@ fn to_json(output: &Generation, load_ms: f64, seed: u64) -> serde_json::Value {
         "text": output.text,
         "stop_reason": output.stop_reason.name(),
         "seed": seed,
+        "device": device.name,
         "timings": {
+            "device": device.name,
+            "context_ms": device.context_ms,
+            "upload_ms": device.upload_ms,
+            "first_token_ms": first_token_ms,
             "load_ms": load_ms,
             "prompt_ms": t.prompt_ms(),
             "prompt_tokens_per_s": t.prompt_tokens_per_s(),

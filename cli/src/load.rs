@@ -51,7 +51,7 @@ pub struct LoadArgs {
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
-enum LoadModeArg {
+pub enum LoadModeArg {
     Eager,
     Background,
     Lazy,

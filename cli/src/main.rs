@@ -3,6 +3,7 @@
 //! A thin layer: it parses arguments, installs the tracing subscriber, and calls the
 //! library crates. Every failure ends as one line on stderr and a non-zero exit code.
 
+mod device_choice;
 mod devices;
 mod generate;
 mod inspect;
@@ -13,6 +14,8 @@ mod tokenize;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
+use std::sync::OnceLock;
+use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 use tracing_subscriber::layer::SubscriberExt;
@@ -44,7 +47,16 @@ enum Command {
     Load(load::LoadArgs),
 }
 
+/// When the process started (as near as `main` can tell): the origin of the times that
+/// `generate --json` reports "from process start".
+pub fn process_start() -> Instant {
+    *PROCESS_START.get_or_init(Instant::now)
+}
+
+static PROCESS_START: OnceLock<Instant> = OnceLock::new();
+
 fn main() -> ExitCode {
+    process_start();
     let cli = Cli::parse();
     let progress = match &cli.command {
         Command::Generate(args) => progress::Mode::choose(args.progress),

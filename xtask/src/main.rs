@@ -7,6 +7,7 @@
 //! Arguments are parsed by hand to keep this binary's dependencies few.
 
 mod bench_cpu;
+mod bench_gpu;
 mod bench_load;
 mod fetch;
 mod synth;
@@ -32,6 +33,9 @@ tasks:
                       a synthetic llama GGUF with real shapes and random weights
   bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
              [--json [FILE]]  time to make a model resident on the device, per mode
+  bench-gpu --gguf FILE… [--llama-bench PATH] [--tokens N] [--repeat N] [--json FILE]
+                      GPU decode tokens/s (tg N) and achieved bandwidth, next to
+                      llama.cpp's llama-bench when its path is given
   test [ARGS…]        fetch-models, then `cargo test --workspace --release --no-fail-fast
                       [ARGS…]`, and a summary counting failed and skipped tests
   testdata [--vectors] [--golden]
@@ -62,6 +66,7 @@ fn run(args: &[String]) -> Result<()> {
         "bench-cpu" => bench_cpu::run(rest),
         "synth-model" => synth::run(rest),
         "bench-load" => bench_load::run(rest),
+        "bench-gpu" => bench_gpu::run(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())

@@ -1,0 +1,67 @@
+//! `--device auto|gpu|cpu` for `generate`: which device computes, and why.
+//!
+//! The GPU runtime takes a few hundred milliseconds to start, so it starts on its own
+//! thread as soon as the arguments are read, while the model file is opened and parsed.
+
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use hip_backend::{Device, HipError};
+
+/// Where `generate` computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    /// The GPU when one is usable, else the CPU.
+    Auto,
+    /// The GPU, or an error saying why it cannot be used.
+    Gpu,
+    /// The CPU.
+    Cpu,
+}
+
+/// The outcome of starting the GPU runtime in the background.
+pub struct GpuStart {
+    thread: Option<JoinHandle<(Result<Device, HipError>, Instant)>>,
+    arg: DeviceArg,
+}
+
+/// The device that will compute, and how long its runtime took to start.
+pub enum Chosen {
+    Gpu { device: Device, ready_at: Instant },
+    Cpu { reason: String },
+}
+
+impl GpuStart {
+    /// Starts GPU `ordinal`'s runtime on a thread, unless `arg` is `cpu`.
+    pub fn begin(arg: DeviceArg, ordinal: usize) -> GpuStart {
+        let thread = (arg != DeviceArg::Cpu).then(|| {
+            std::thread::spawn(move || {
+                let device = Device::open(ordinal);
+                (device, Instant::now())
+            })
+        });
+        GpuStart { thread, arg }
+    }
+
+    /// Waits for the runtime and decides: `gpu` without a usable GPU is an error that
+    /// says why; `auto` falls back to the CPU quietly (the reason goes to the log).
+    pub fn finish(self) -> Result<Chosen> {
+        let Some(thread) = self.thread else {
+            return Ok(Chosen::Cpu {
+                reason: "--device cpu".to_owned(),
+            });
+        };
+        let (device, ready_at) = match thread.join() {
+            Ok(result) => result,
+            Err(_) => bail!("the GPU runtime's start failed"),
+        };
+        match (device, self.arg) {
+            (Ok(device), _) => Ok(Chosen::Gpu { device, ready_at }),
+            (Err(error), DeviceArg::Gpu) => bail!("--device gpu: no usable GPU: {error}"),
+            (Err(error), _) => Ok(Chosen::Cpu {
+                reason: format!("no usable GPU ({error})"),
+            }),
+        }
+    }
+}
