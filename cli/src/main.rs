@@ -7,6 +7,7 @@ mod devices;
 mod generate;
 mod inspect;
 mod load;
+mod serve;
 mod tokenize;
 
 use std::process::ExitCode;
@@ -36,6 +37,8 @@ enum Command {
     Tokenize(tokenize::TokenizeArgs),
     /// Put a model's weights on a GPU and report how long each stage took.
     Load(load::LoadArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API, batching concurrent requests.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +56,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(&args),
         Command::Tokenize(args) => tokenize::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Load(args) => load::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Serve(args) => serve::run(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,
