@@ -8,6 +8,7 @@
 mod bench_cpu;
 mod bench_load;
 mod fetch;
+mod openai_client;
 mod synth;
 #[cfg(test)]
 mod tidy;
@@ -29,7 +30,8 @@ tasks:
                       a synthetic llama GGUF with real shapes and random weights
   bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
              [--json [FILE]]  time to make a model resident on the device, per mode
-  test [ARGS…]        fetch-models, then `cargo test --workspace --release [ARGS…]`
+  test [ARGS…]        fetch-models and the pinned `openai` client package, then
+                      `cargo test --workspace --release [ARGS…]`
 ";
 
 fn main() -> ExitCode {
@@ -68,8 +70,11 @@ fn run(args: &[String]) -> Result<()> {
 /// The whole test suite, real models included.
 fn test(extra: &[String]) -> Result<()> {
     fetch::fetch_models(&fetch::models_dir())?;
+    // The server's tests drive it with the official client.
+    let python = openai_client::python()?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = Command::new(cargo)
+        .env("ROCMFORGE_PYTHON", python)
         .args(["test", "--workspace", "--release"])
         .args(extra)
         .status()
