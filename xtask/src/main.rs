@@ -7,6 +7,7 @@
 
 mod bench_cpu;
 mod bench_load;
+mod bench_serve;
 mod fetch;
 mod openai_client;
 mod synth;
@@ -30,6 +31,10 @@ tasks:
                       a synthetic llama GGUF with real shapes and random weights
   bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
              [--json [FILE]]  time to make a model resident on the device, per mode
+  bench-serve [--clients 1,8,32] [--requests N] [--prompt-tokens 128] [--gen-tokens 128]
+              [--threads N] [--gguf FILE] [--rocmforge PATH] [--llama-batched-bench PATH] [--json]
+                      rocmforge serve on loopback under a bounded concurrency sweep:
+                      time to first token, time per output token, aggregate tokens/s
   test [ARGS…]        fetch-models and the pinned `openai` client package, then
                       `cargo test --workspace --release [ARGS…]`
 ";
@@ -56,6 +61,7 @@ fn run(args: &[String]) -> Result<()> {
         "bench-cpu" => bench_cpu::run(rest),
         "synth-model" => synth::run(rest),
         "bench-load" => bench_load::run(rest),
+        "bench-serve" => bench_serve::run(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())

@@ -323,6 +323,9 @@ struct Common {
     repeat_penalty: Option<f32>,
     repeat_last_n: Option<usize>,
     logit_bias: Option<BTreeMap<String, f32>>,
+    /// Never end at an end-of-generation token (benchmarks: a fixed number of tokens).
+    #[serde(default)]
+    ignore_eos: bool,
     n: Option<u32>,
     #[serde(default)]
     stream: bool,
@@ -435,6 +438,11 @@ fn prepare(common: &Common, loaded: &Loaded) -> Result<Prepared, ApiError> {
             );
         }
         logit_bias.push((token, bias));
+    }
+    if common.ignore_eos {
+        for &token in loaded.tokenizer.end_of_generation_tokens() {
+            logit_bias.push((token, f32::NEG_INFINITY));
+        }
     }
     let stop = match &common.stop {
         None => Vec::new(),
