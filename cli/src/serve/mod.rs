@@ -43,8 +43,8 @@ pub struct ServeArgs {
     /// training context.
     #[arg(long, default_value_t = DEFAULT_CTX_SIZE)]
     ctx_size: usize,
-    /// Positions of the KV pool all requests share; default: the context size times
-    /// --max-sequences / 2 (at least one context).
+    /// Positions of the KV pool all requests share (at least one context); default:
+    /// twice the context size. Memory is only touched as it is used.
     #[arg(long)]
     kv_pool: Option<usize>,
     /// Most requests computed at once.
@@ -292,7 +292,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     };
     let pool = config
         .kv_pool
-        .unwrap_or(context_size.saturating_mul(config.max_sequences) / 2)
+        .unwrap_or(context_size.saturating_mul(2))
         .max(context_size);
     let model_id = path
         .file_name()
