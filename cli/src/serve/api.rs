@@ -497,11 +497,11 @@ async fn chat_completions(
     let body: ChatBody = parse(body)?;
     let loaded = loaded(&state)?;
     let prepared = prepare(&body.common, loaded)?;
-    let Some(template) = &loaded.template else {
+    if loaded.template.is_none() {
         return Err(ApiError::bad(
             "this model has no chat template: use /v1/completions",
         ));
-    };
+    }
     if body.messages.is_empty() {
         return Err(ApiError::bad("messages must not be empty").param("messages"));
     }
@@ -548,8 +548,7 @@ async fn chat_completions(
             e.to_string(),
         )
     })??;
-    let _ = template;
-    run_request(&state, loaded, prompt, prepared, Kind::Chat).await
+    run_request(loaded, prompt, prepared, Kind::Chat).await
 }
 
 async fn completions(
@@ -574,7 +573,7 @@ async fn completions(
             encode(&state, texts.remove(0)).await?
         }
     };
-    run_request(&state, loaded, prompt, prepared, Kind::Text).await
+    run_request(loaded, prompt, prepared, Kind::Text).await
 }
 
 async fn encode(state: &Shared, text: String) -> Result<Vec<u32>, ApiError> {
@@ -609,7 +608,6 @@ impl Drop for CancelOnDrop {
 }
 
 async fn run_request(
-    state: &Shared,
     loaded: &Loaded,
     prompt: Vec<u32>,
     p: Prepared,
@@ -654,14 +652,13 @@ async fn run_request(
         model: loaded.model_id.clone(),
         kind,
     };
-    let _ = state;
     if p.stream {
         let stream = EventStream {
             rx,
             meta,
             include_usage: p.include_usage,
             phase: Phase::Start,
-            _guard: guard,
+            guard,
         };
         let mut response = Response::new(Body::from_stream(stream));
         let h = response.headers_mut();
@@ -767,14 +764,14 @@ struct EventStream {
     meta: Meta,
     include_usage: bool,
     phase: Phase,
-    _guard: CancelOnDrop,
+    guard: CancelOnDrop,
 }
 
 impl EventStream {
     /// A last event carrying the error, then the end of the stream.
     fn end_with_error(&mut self, message: &str) -> Bytes {
         self.phase = Phase::Done;
-        self._guard.0 = None;
+        self.guard.0 = None;
         let mut out = sse(&ApiError::unavailable(message).body()).to_vec();
         out.extend_from_slice(b"data: [DONE]\n\n");
         Bytes::from(out)
@@ -817,7 +814,7 @@ impl futures_core::Stream for EventStream {
             }
             Some(Event::Done(finish)) => {
                 this.phase = Phase::Done;
-                this._guard.0 = None;
+                this.guard.0 = None;
                 let empty = match this.meta.kind {
                     Kind::Chat => json!({}),
                     Kind::Text => json!(""),

@@ -260,7 +260,7 @@ fn smollm2_stop_strings_limits_and_refusals() {
     // Stop at the second comma: the text before it, finish "stop".
     let second = full.match_indices(',').nth(1).expect("two commas").0;
     let (mut req, rx, _) = request(prompt.clone(), 16, greedy());
-    req.stop = vec![",".repeat(1) + &full[second + 1..second + 3]];
+    req.stop = vec![full[second..second + 3].to_owned()];
     scheduler.submit(req).unwrap();
     let (got, finish) = collect(&rx);
     assert_eq!(got, full[..second]);
