@@ -294,3 +294,99 @@ fn smollm2_stop_strings_limits_and_refusals() {
     let (req, _, _) = request(prompt, 3, greedy());
     assert_eq!(scheduler.submit(req).unwrap_err(), ServeError::ShuttingDown);
 }
+
+/// Greedy text of eight prompts decoded together against each alone. Where a batch
+/// takes other product kernels than a single token (Gemma's Q4_K matrices: llama.cpp's
+/// GEMM for groups of four tokens), sums run in another order and a token may differ;
+/// this checks that each such token was a near-tie for the text computed alone: at the
+/// first difference, the batched text continues with a token whose logit (alone) is
+/// within `NEAR_TIE` of the best. Returns how many texts were identical.
+fn batched_text_is_alone_or_a_near_tie(file: &str) -> usize {
+    const NEAR_TIE: f32 = 0.25;
+    let (model, tokenizer) = load(file);
+    let mut prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| encode(&tokenizer, p)).collect();
+    prompts.push(encode(&tokenizer, "The best way to learn a language is"));
+    prompts.push(encode(&tokenizer, "Photosynthesis is the process by which"));
+    let options = GenerateOptions {
+        sampling: greedy(),
+        max_tokens: 32,
+        context_size: 4096,
+    };
+    let stop = AtomicBool::new(false);
+    let alone: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            generate(&model, &tokenizer, p, &options, &stop, |_| {
+                ControlFlow::Continue(())
+            })
+            .expect("generation runs")
+        })
+        .collect();
+    let scheduler = Scheduler::start(model.clone(), Arc::clone(&tokenizer), config(512, 4096, 16))
+        .expect("scheduler starts");
+    let receivers: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (req, rx, _) = request(p.clone(), 32, greedy());
+            scheduler.submit(req).unwrap();
+            rx
+        })
+        .collect();
+    let mut identical = 0;
+    for ((rx, expected), prompt) in receivers.iter().zip(&alone).zip(&prompts) {
+        let (got, _) = collect(rx);
+        if got == expected.text {
+            identical += 1;
+            continue;
+        }
+        let same = got
+            .bytes()
+            .zip(expected.text.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        // The first token of the alone text that reaches past the common part.
+        let decode = |ids: &[u32]| {
+            tokenizer
+                .decode(ids, model::tokenizer::DecodeOptions::TEXT)
+                .unwrap()
+        };
+        let k = (0..expected.tokens.len())
+            .find(|&k| decode(&expected.tokens[..=k]).len() > same)
+            .expect("the texts differ within the alone tokens");
+        let mut context = prompt.clone();
+        context.extend_from_slice(&expected.tokens[..k]);
+        let mut cache = model.new_cache(context.len());
+        let logits = model.forward(&context, &mut cache).unwrap();
+        let best = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let near: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&t| t != expected.tokens[k] && logits[t as usize] >= best - NEAR_TIE)
+            .filter(|&t| {
+                let mut ids = expected.tokens[..k].to_vec();
+                ids.push(t);
+                let text = decode(&ids);
+                text.len() > decode(&expected.tokens[..k]).len() && got.starts_with(&text)
+            })
+            .collect();
+        assert!(
+            !near.is_empty(),
+            "{file}: batched {got:?} vs alone {:?}: token {k} was no near-tie",
+            expected.text
+        );
+    }
+    eprintln!(
+        "{file}: {identical} of {} texts identical when batched",
+        prompts.len()
+    );
+    identical
+}
+
+#[test]
+fn smollm2_batched_greedy_text_is_the_same_as_alone() {
+    // Q4_1 products and the attention are computed row by row: no bit changes.
+    assert_eq!(batched_text_is_alone_or_a_near_tie(SMOLLM2), 8);
+}
+
+#[test]
+fn gemma3_batched_greedy_text_is_alone_or_a_near_tie() {
+    batched_text_is_alone_or_a_near_tie(GEMMA3);
+}
