@@ -3,7 +3,8 @@
 //!
 //! Each step runs one forward pass over a batch made of one token for every sequence
 //! that is decoding and a chunk of the prompts being read, under a budget of tokens per
-//! step, so a long new prompt delays the running streams by at most one chunk. Prompt
+//! step, so a long new prompt delays the running streams by at most one chunk. When no
+//! sequence is decoding, nothing waits on the step, and prompts are read whole. Prompt
 //! and decode are the same thing here: a sequence has tokens the model has not seen yet,
 //! and the step that feeds the last of them gives it logits to sample from.
 //!
@@ -568,6 +569,11 @@ impl<'m> Loop<'m> {
                 feed[i] = 1;
                 budget = budget.saturating_sub(1);
             }
+        }
+        // With no stream waiting on this step, prompts are read whole: a prompt alone is
+        // then one batch, as `generate` computes it.
+        if feed.iter().all(|&n| n == 0) {
+            budget = usize::MAX;
         }
         for (i, seq) in self.running.iter().enumerate() {
             let pending = seq.tokens.len() - seq.computed;

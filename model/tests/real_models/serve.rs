@@ -110,9 +110,11 @@ fn encode(tokenizer: &Tokenizer, text: &str) -> Vec<u32> {
 
 fn alone_matches_generate(file: &str) {
     let (model, tokenizer) = load(file);
-    let scheduler = Scheduler::start(model.clone(), Arc::clone(&tokenizer), config(512, 512, 256))
+    // A step budget shorter than the long prompt: read alone, it is still one batch.
+    let scheduler = Scheduler::start(model.clone(), Arc::clone(&tokenizer), config(512, 512, 32))
         .expect("scheduler starts");
-    for text in PROMPTS {
+    let long = PROMPTS.join(" ").repeat(3);
+    for text in PROMPTS.iter().copied().chain([long.as_str()]) {
         let prompt = encode(&tokenizer, text);
         let expected = generate_text(&model, &tokenizer, &prompt, 24);
         let (req, rx, _) = request(prompt.clone(), 24, greedy());
@@ -154,11 +156,20 @@ fn smollm2_batched_requests_give_their_text_alone() {
             config(80, pool, step),
         )
         .expect("scheduler starts");
+        // The first one decodes before the others come, so that theirs are read in
+        // chunks beside it.
+        let m = Arc::clone(scheduler.metrics());
         let receivers: Vec<_> = prompts
             .iter()
-            .map(|p| {
+            .enumerate()
+            .map(|(i, p)| {
                 let (req, rx, _) = request(p.clone(), 40, greedy());
                 scheduler.submit(req).unwrap();
+                let start = Instant::now();
+                while i == 0 && SchedulerMetrics::get(&m.generated_tokens) == 0 {
+                    assert!(start.elapsed() < Duration::from_secs(60));
+                    std::thread::sleep(Duration::from_millis(1));
+                }
                 rx
             })
             .collect();
