@@ -3,15 +3,15 @@
 //!
 //! Rows of all sequences go through the matrix products together, so each weight block
 //! is read once per step whatever the number of sequences (`dequant`'s batch kernels);
-//! each sequence's attention runs on its own rows against its own positions, gathered
-//! from its blocks in position order. A sequence alone in a step therefore computes what
+//! each sequence's attention runs on its own rows against its own positions, read in
+//! place from its blocks in position order. A sequence alone in a step therefore computes what
 //! [`crate::Model::forward`] computes for the same tokens: the same products of the same
 //! rows, the same attention over the same cache, the last layer carrying only the rows
 //! that get logits.
 
 use crate::config::{Activation, ModelConfig};
 use crate::forward::{add, embed, linear, linears, on_the_pool, resize, vector};
-use crate::ops::{self, AttentionShape};
+use crate::ops::{self, AttentionShape, Layout};
 use crate::plan::{ExecutionPlan, LayerPlan};
 use crate::ModelError;
 
@@ -52,8 +52,6 @@ struct Buffers {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    keys: Vec<f32>,
-    values: Vec<f32>,
     rope: Vec<(u32, Vec<(f32, f32)>)>,
 }
 
@@ -192,13 +190,6 @@ fn layer_forward(
             &b.k[rows.start * k_dim..rows.end * k_dim],
             &b.v[rows.start * v_dim..rows.end * v_dim],
         );
-        pool.gather(
-            layer_idx,
-            seg.table,
-            seg.first_pos + len,
-            &mut b.keys,
-            &mut b.values,
-        );
         let shape = AttentionShape {
             n_heads: config.n_heads,
             n_kv_heads: config.n_kv_heads,
@@ -213,16 +204,22 @@ fn layer_forward(
             },
         };
         let out = &mut b.attn[rows.start * out_dim..rows.end * out_dim];
+        let (keys, values) = pool.layer(layer_idx);
+        let layout = Layout::Paged {
+            table: seg.table,
+            block_size: pool.block_size(),
+        };
         if is_last {
             if seg.logits {
                 // Only the last row matters: attend with it alone would change the
                 // lanes (a single token takes the dot-product path), so attend with
                 // every row, as the single-sequence pass does, and keep the last.
-                ops::attention(
+                ops::attention_in(
                     &b.q[rows.start * q_dim..rows.end * q_dim],
-                    &b.keys,
-                    &b.values,
+                    keys,
+                    values,
                     &shape,
+                    layout,
                     out,
                 );
                 kept_attn.extend_from_slice(&out[(len - 1) * out_dim..]);
@@ -230,11 +227,12 @@ fn layer_forward(
                 kept_x.extend_from_slice(&x[(rows.end - 1) * e..rows.end * e]);
             }
         } else {
-            ops::attention(
+            ops::attention_in(
                 &b.q[rows.start * q_dim..rows.end * q_dim],
-                &b.keys,
-                &b.values,
+                keys,
+                values,
                 &shape,
+                layout,
                 out,
             );
         }

@@ -242,8 +242,15 @@ impl KvPool {
         }
     }
 
+    /// Every row of `layer`'s keys and values; a sequence's position `j` is in row
+    /// `table[j / block_size] * block_size + j % block_size`.
+    pub(crate) fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+        (&self.keys[layer], &self.values[layer])
+    }
+
     /// Copies `layer`'s keys and values of positions `0..len` of the sequence whose
     /// blocks are `table` into `keys` and `values`, in position order.
+    #[cfg(test)]
     pub(crate) fn gather(
         &self,
         layer: usize,
