@@ -401,3 +401,51 @@ fn smollm2_batched_greedy_text_is_the_same_as_alone() {
 fn gemma3_batched_greedy_text_is_alone_or_a_near_tie() {
     batched_text_is_alone_or_a_near_tie(GEMMA3);
 }
+
+/// A long prompt arriving while a stream decodes is read in chunks beside it: the
+/// stream keeps getting a token every step while the prompt is read.
+#[test]
+fn smollm2_a_long_prompt_does_not_stall_a_running_stream() {
+    let (model, tokenizer) = load(SMOLLM2);
+    let scheduler = Scheduler::start(model, Arc::clone(&tokenizer), config(1024, 2048, 32))
+        .expect("scheduler starts");
+    let timed = |prompt: Vec<u32>| {
+        let (mut req, _, _) = request(prompt, 120, greedy());
+        let (tx, rx) = mpsc::channel();
+        req.events = Box::new(move |event| tx.send((Instant::now(), event)).is_ok());
+        // Never an end-of-generation token: the stream runs its whole length.
+        req.logit_bias = tokenizer
+            .end_of_generation_tokens()
+            .iter()
+            .map(|&t| (t, f32::NEG_INFINITY))
+            .collect();
+        (req, rx)
+    };
+    let (stream, stream_rx) = timed(encode(&tokenizer, PROMPTS[0]));
+    scheduler.submit(stream).unwrap();
+    let mut stream_times = vec![stream_rx.recv_timeout(Duration::from_secs(60)).unwrap().0];
+    let long = encode(&tokenizer, &PROMPTS.join(" ").repeat(6));
+    assert!(long.len() > 300, "{} tokens", long.len());
+    let (req, long_rx) = timed(long.clone());
+    let submitted = Instant::now();
+    scheduler.submit(req).unwrap();
+    let (first_long, _) = long_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    while let Ok((at, event)) = stream_rx.recv_timeout(Duration::from_secs(60)) {
+        if matches!(event, Event::Done(_)) {
+            break;
+        }
+        stream_times.push(at);
+    }
+    // The prompt takes at least len / 31 steps; the stream gets a token in each (a
+    // piece may hold back an incomplete character, so allow a few fewer pieces).
+    let during = stream_times
+        .iter()
+        .filter(|&&t| t > submitted && t < first_long)
+        .count();
+    let steps = long.len() / 31;
+    assert!(
+        during + 3 >= steps,
+        "{during} stream pieces while a {}-token prompt was read in {steps}+ steps",
+        long.len()
+    );
+}
