@@ -10,6 +10,7 @@ mod inspect;
 mod load;
 mod options;
 mod progress;
+mod serve;
 mod tokenize;
 
 use std::io::IsTerminal;
@@ -45,6 +46,8 @@ enum Command {
     Tokenize(tokenize::TokenizeArgs),
     /// Put a model's weights on a GPU and report how long each stage took.
     Load(load::LoadArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API, batching concurrent requests.
+    Serve(serve::ServeArgs),
 }
 
 /// When the process started (as near as `main` can tell): the origin of the times that
@@ -69,6 +72,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate::run(&args),
         Command::Tokenize(args) => tokenize::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Load(args) => load::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Serve(args) => serve::run(&args).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

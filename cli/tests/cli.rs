@@ -781,3 +781,39 @@ fn devices_names_a_runtime_status_once() {
         }
     }
 }
+
+/// The Python that has the `openai` package: `$ROCMFORGE_PYTHON` (set by `cargo xtask
+/// test`, which installs the pinned package), else `python3`.
+fn openai_python() -> String {
+    let python = std::env::var("ROCMFORGE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let found = Command::new(&python)
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        found,
+        "{python} cannot import the openai package: run `cargo xtask test`, which installs it"
+    );
+    python
+}
+
+/// `rocmforge serve` on loopback, driven by the official `openai` client: loading,
+/// completions and chat (whole and streamed) against `generate`, stop strings, seeds,
+/// eight clients at once, cancellation, prefix reuse, every bad input, a full queue,
+/// a bounded load test and SIGTERM (`serve_openai.py` says what each check does).
+#[test]
+fn serve_answers_the_openai_client() {
+    let model = model_path(SMOLLM2);
+    let python = openai_python();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve_openai.py");
+    let output = Command::new(python)
+        .arg(&script)
+        .arg(env!("CARGO_BIN_EXE_rocmforge"))
+        .arg(&model)
+        .output()
+        .expect("python runs");
+    let out = String::from_utf8_lossy(&output.stdout);
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{out}\n{err}");
+    assert!(out.contains(" passed, 0 failed"), "{out}\n{err}");
+}

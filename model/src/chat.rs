@@ -247,7 +247,17 @@ impl ChatTemplate {
         content: &str,
         tokenizer_adds_bos: bool,
     ) -> Result<String, ChatTemplateError> {
-        let text = self.render(&[ChatMessage::user(content)], true)?;
+        self.prompt(&[ChatMessage::user(content)], tokenizer_adds_bos)
+    }
+
+    /// The text of a prompt for a conversation, prepared as [`ChatTemplate::user_prompt`]
+    /// prepares one message.
+    pub fn prompt(
+        &self,
+        messages: &[ChatMessage],
+        tokenizer_adds_bos: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let text = self.render(messages, true)?;
         match text.strip_prefix(self.bos_token.as_str()) {
             Some(rest) if tokenizer_adds_bos && !self.bos_token.is_empty() => Ok(rest.to_owned()),
             _ => Ok(text),

@@ -54,7 +54,7 @@ pub(crate) fn forward(
 /// pool, each one hands its work over and puts the caller to sleep until it is done,
 /// and those handovers cost more than a small model's products at decode time. From a
 /// worker, a loop starts where the worker stands and only the other workers are woken.
-fn on_the_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+pub(crate) fn on_the_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() {
         work()
     } else {
@@ -123,7 +123,7 @@ enum Rows {
 
 /// Reusable buffers of one forward call.
 #[derive(Default)]
-struct Scratch {
+pub(crate) struct Scratch {
     h: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
@@ -250,7 +250,11 @@ fn layer_forward(
 }
 
 /// Gathers the embedding rows of `tokens`, decoded, scaled for architectures that ask.
-fn embed(config: &ModelConfig, table: &Linear, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+pub(crate) fn embed(
+    config: &ModelConfig,
+    table: &Linear,
+    tokens: &[u32],
+) -> Result<Vec<f32>, ModelError> {
     let d = config.n_embd;
     let ty = table.weight.ggml_type();
     let row_bytes = ty.row_bytes(d as u64).unwrap_or(0) as usize;
@@ -289,7 +293,7 @@ fn output_logits(
 /// Several linear layers of one input. For a single token whose weights share a type
 /// and width, one fused product (the activations prepared once, one parallel loop);
 /// otherwise one product each. The results are the same bits either way.
-fn linears<const K: usize>(
+pub(crate) fn linears<const K: usize>(
     lins: [&Linear; K],
     x: &[f32],
     n: usize,
@@ -347,7 +351,12 @@ fn add_bias(lin: &Linear, out: &mut [f32]) -> Result<(), ModelError> {
     Ok(())
 }
 
-fn linear(lin: &Linear, x: &[f32], n: usize, out: &mut Vec<f32>) -> Result<(), ModelError> {
+pub(crate) fn linear(
+    lin: &Linear,
+    x: &[f32],
+    n: usize,
+    out: &mut Vec<f32>,
+) -> Result<(), ModelError> {
     resize(out, n * lin.rows);
     matrix(lin)?
         .matmul(x, n, out)
@@ -358,7 +367,7 @@ fn linear(lin: &Linear, x: &[f32], n: usize, out: &mut Vec<f32>) -> Result<(), M
     add_bias(lin, out)
 }
 
-fn vector(v: &Vector) -> Result<Cow<'_, [f32]>, ModelError> {
+pub(crate) fn vector(v: &Vector) -> Result<Cow<'_, [f32]>, ModelError> {
     values(&v.handle)
 }
 
@@ -375,12 +384,12 @@ fn values(handle: &TensorHandle) -> Result<Cow<'_, [f32]>, ModelError> {
     Ok(Cow::Owned(out))
 }
 
-fn resize(buf: &mut Vec<f32>, len: usize) {
+pub(crate) fn resize(buf: &mut Vec<f32>, len: usize) {
     buf.clear();
     buf.resize(len, 0.0);
 }
 
-fn add(x: &mut [f32], y: &[f32]) {
+pub(crate) fn add(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }

@@ -8,6 +8,9 @@
 //! - [`Model::forward`] runs a batch of tokens through the plan on the CPU, multiplying
 //!   straight on the quantized blocks (`dequant::matmul`), and fills the [`KvCache`].
 //!
+//! - [`serve::Scheduler`] serves many requests at once: one thread, one model, every
+//!   running sequence advanced by one batched step at a time over a shared KV pool.
+//!
 //! This crate never calls HIP FFI directly and starts no async runtime; compute runs on
 //! rayon's pool. It has no cargo features.
 
@@ -22,6 +25,7 @@ mod model;
 mod ops;
 mod plan;
 pub mod sampling;
+pub mod serve;
 pub mod tokenizer;
 
 pub use config::{Activation, Architecture, LayerAttention, ModelConfig, RopeStyle};

@@ -6,7 +6,7 @@
 mod attention;
 mod expf;
 
-pub use attention::{attention, AttentionShape};
+pub use attention::{attention, attention_in, AttentionShape, Layout};
 pub use expf::expf;
 
 use crate::config::RopeStyle;

@@ -10,6 +10,8 @@ mod common;
 mod forward;
 #[path = "real_models/generate.rs"]
 mod generate;
+#[path = "real_models/serve.rs"]
+mod serve;
 #[path = "real_models/synthetic.rs"]
 mod synthetic;
 #[path = "real_models/tokenizer.rs"]

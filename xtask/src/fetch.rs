@@ -132,7 +132,7 @@ fn download_and_join(work: &Path, target: &Path, model: &RealModel) -> Result<()
     Ok(())
 }
 
-fn python() -> String {
+pub fn python() -> String {
     std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
 

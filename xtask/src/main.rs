@@ -9,7 +9,9 @@
 mod bench_cpu;
 mod bench_gpu;
 mod bench_load;
+mod bench_serve;
 mod fetch;
+mod openai_client;
 mod synth;
 mod test_run;
 mod testdata;
@@ -36,8 +38,13 @@ tasks:
   bench-gpu --gguf FILE… [--llama-bench PATH] [--tokens N] [--repeat N] [--json FILE]
                       GPU decode tokens/s (tg N) and achieved bandwidth, next to
                       llama.cpp's llama-bench when its path is given
+  bench-serve [--clients 1,8,32] [--requests N] [--prompt-tokens 128] [--gen-tokens 128]
+              [--threads N] [--gguf FILE] [--rocmforge PATH] [--llama-batched-bench PATH] [--json]
+                      rocmforge serve on loopback under a bounded concurrency sweep:
+                      time to first token, time per output token, aggregate tokens/s
   test [ARGS…]        fetch-models, then `cargo test --workspace --release --no-fail-fast
-                      [ARGS…]`, and a summary counting failed and skipped tests
+                      [ARGS…]` (the pinned `openai` client installed for the server's
+                      tests), and a summary counting failed and skipped tests
   testdata [--vectors] [--golden]
                       remake testdata/ with pinned pip packages (both when neither is
                       given; --golden builds llama.cpp from source, about ten minutes)
@@ -67,6 +74,7 @@ fn run(args: &[String]) -> Result<()> {
         "synth-model" => synth::run(rest),
         "bench-load" => bench_load::run(rest),
         "bench-gpu" => bench_gpu::run(rest),
+        "bench-serve" => bench_serve::run(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())
@@ -81,5 +89,8 @@ fn run(args: &[String]) -> Result<()> {
 /// The whole test suite, real models included.
 fn test(extra: &[String]) -> Result<()> {
     fetch::fetch_models(&fetch::models_dir())?;
+    // The server's tests drive it with the official client.
+    let python = openai_client::python()?;
+    std::env::set_var("ROCMFORGE_PYTHON", python);
     test_run::run(extra)
 }

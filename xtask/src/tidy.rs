@@ -41,7 +41,7 @@ const ALLOWED_EDGES: &[(&str, &[&str])] = &[
 ];
 
 /// Third-party crates only the binaries may use.
-const BINARY_ONLY: &[&str] = &["tokio", "tracing-subscriber", "anyhow", "clap"];
+const BINARY_ONLY: &[&str] = &["tokio", "axum", "tracing-subscriber", "anyhow", "clap"];
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -68,6 +68,41 @@ const DOT_LANES: usize = 32;
 /// precision; `out` receives `n_tokens × n_heads × head_dim_v`. Work is split across
 /// (token, head) pairs.
 pub fn attention(q: &[f32], keys: &[f32], values: &[f32], shape: &AttentionShape, out: &mut [f32]) {
+    attention_in(q, keys, values, shape, Layout::Contiguous, out);
+}
+
+/// Where a cache position's keys and values are stored.
+#[derive(Clone, Copy)]
+pub enum Layout<'a> {
+    /// Position `j` in row `j`.
+    Contiguous,
+    /// In blocks of `block_size` rows: position `j` in row
+    /// `table[j / block_size] * block_size + j % block_size` (the scheduler's KV pool).
+    Paged { table: &'a [u32], block_size: usize },
+}
+
+impl Layout<'_> {
+    #[inline(always)]
+    fn row(self, j: usize) -> usize {
+        match self {
+            Layout::Contiguous => j,
+            Layout::Paged { table, block_size } => {
+                table[j / block_size] as usize * block_size + j % block_size
+            }
+        }
+    }
+}
+
+/// [`attention`] over keys and values stored as `layout` says. The sums are the same
+/// whatever the layout: lanes follow cache positions, not rows.
+pub fn attention_in(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    shape: &AttentionShape,
+    layout: Layout<'_>,
+    out: &mut [f32],
+) {
     let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
     let n_tokens = q.len() / (shape.n_heads * hd).max(1);
     let lanes = if n_tokens >= 2 {
@@ -84,6 +119,7 @@ pub fn attention(q: &[f32], keys: &[f32], values: &[f32], shape: &AttentionShape
                 t: idx / shape.n_heads,
                 h: idx % shape.n_heads,
                 lanes,
+                layout,
             };
             #[cfg(target_arch = "x86_64")]
             if fma {
@@ -104,12 +140,14 @@ struct Scratch {
     lanes: Vec<f32>,
 }
 
-/// One (token, head) pair of a call, and the lanes its products use.
+/// One (token, head) pair of a call, the lanes its products use, and where the cache's
+/// rows are.
 #[derive(Clone, Copy)]
-struct Head {
+struct Head<'a> {
     t: usize,
     h: usize,
     lanes: Lanes,
+    layout: Layout<'a>,
 }
 
 /// [`head_impl`] compiled with FMA instructions, so that `mul_add` is one instruction
@@ -118,7 +156,7 @@ struct Head {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma")]
 fn head_fma(
-    head: Head,
+    head: Head<'_>,
     qh: &[f32],
     keys: &[f32],
     values: &[f32],
@@ -132,7 +170,7 @@ fn head_fma(
 /// Attention of one query head of one token, into `o`.
 #[inline(always)]
 fn head_impl(
-    head: Head,
+    head: Head<'_>,
     qh: &[f32],
     keys: &[f32],
     values: &[f32],
@@ -157,7 +195,7 @@ fn head_impl(
     s.scores.clear();
     let mut max = f32::NEG_INFINITY;
     for j in start..=pos {
-        let k = &keys[j * k_stride + kvh * hd..][..hd];
+        let k = &keys[head.layout.row(j) * k_stride + kvh * hd..][..hd];
         let score = dot(lanes, &s.q, k) * shape.scale;
         max = max.max(score);
         s.scores.push(score);
@@ -180,7 +218,7 @@ fn head_impl(
     s.lanes.resize(width * hdv, 0.0);
     for (j, &e) in (start..=pos).zip(s.scores.iter()) {
         let p = round_f16(e * inv);
-        let v = &values[j * v_stride + kvh * hdv..][..hdv];
+        let v = &values[head.layout.row(j) * v_stride + kvh * hdv..][..hdv];
         let lane = &mut s.lanes[j % width * hdv..][..hdv];
         for (acc, &vv) in lane.iter_mut().zip(v) {
             *acc = p.mul_add(vv, *acc);

@@ -1,0 +1,162 @@
+//! `/metrics` in Prometheus' text format.
+
+use std::fmt::Write;
+
+use model::serve::{HistogramSnapshot, SchedulerMetrics};
+
+use super::AppState;
+
+pub fn render(state: &AppState) -> String {
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, kind: &str, value: f64| {
+        let _ = writeln!(out, "# HELP rocmforge_{name} {help}");
+        let _ = writeln!(out, "# TYPE rocmforge_{name} {kind}");
+        let _ = writeln!(out, "rocmforge_{name} {value}");
+    };
+    gauge(
+        "load_progress",
+        "Fraction of the model loaded.",
+        "gauge",
+        f64::from(state.progress()),
+    );
+    gauge(
+        "uptime_seconds",
+        "Seconds since the server started.",
+        "gauge",
+        state.started.elapsed().as_secs_f64(),
+    );
+    let Some(loaded) = state.loaded.get() else {
+        return out;
+    };
+    let m = loaded.scheduler.metrics();
+    let get = |c| SchedulerMetrics::get(c) as f64;
+    let counters = [
+        (
+            "requests_received_total",
+            "Requests accepted into the queue.",
+            &m.requests_received,
+        ),
+        (
+            "requests_rejected_total",
+            "Requests refused because the queue was full.",
+            &m.rejected_queue_full,
+        ),
+        (
+            "requests_cancelled_total",
+            "Requests cancelled: client gone or server stopping.",
+            &m.cancelled,
+        ),
+        (
+            "requests_failed_total",
+            "Requests that failed in the model.",
+            &m.failed,
+        ),
+        (
+            "prompt_tokens_total",
+            "Prompt tokens of admitted requests.",
+            &m.prompt_tokens,
+        ),
+        (
+            "prompt_tokens_cached_total",
+            "Prompt tokens reused from the KV pool.",
+            &m.prompt_tokens_cached,
+        ),
+        (
+            "generation_tokens_total",
+            "Tokens generated.",
+            &m.generated_tokens,
+        ),
+        (
+            "computed_tokens_total",
+            "Tokens run through the model.",
+            &m.computed_tokens,
+        ),
+        (
+            "steps_total",
+            "Scheduler steps (batched forward passes).",
+            &m.steps,
+        ),
+        (
+            "preemptions_total",
+            "Sequences pushed back to the queue to free KV blocks.",
+            &m.preemptions,
+        ),
+    ];
+    for (name, help, counter) in counters {
+        gauge(name, help, "counter", get(counter));
+    }
+    let _ = writeln!(
+        out,
+        "# HELP rocmforge_requests_finished_total Finished requests by reason.\n\
+         # TYPE rocmforge_requests_finished_total counter\n\
+         rocmforge_requests_finished_total{{reason=\"stop\"}} {}\n\
+         rocmforge_requests_finished_total{{reason=\"length\"}} {}",
+        get(&m.finished_stop),
+        get(&m.finished_length)
+    );
+    let gauges = [
+        ("queue_depth", "Requests waiting to start.", &m.waiting),
+        ("running_sequences", "Sequences being computed.", &m.running),
+        (
+            "kv_blocks_total",
+            "Blocks of the shared KV pool.",
+            &m.kv_blocks_total,
+        ),
+        (
+            "kv_blocks_used",
+            "KV blocks held by sequences.",
+            &m.kv_blocks_used,
+        ),
+        (
+            "kv_blocks_cached",
+            "KV blocks kept only for prefix reuse.",
+            &m.kv_blocks_cached,
+        ),
+        ("kv_block_size", "Positions per KV block.", &m.kv_block_size),
+    ];
+    let mut out2 = String::new();
+    for (name, help, value) in gauges {
+        let _ = writeln!(out2, "# HELP rocmforge_{name} {help}");
+        let _ = writeln!(out2, "# TYPE rocmforge_{name} gauge");
+        let _ = writeln!(out2, "rocmforge_{name} {}", get(value));
+    }
+    let total = get(&m.kv_blocks_total).max(1.0);
+    let _ = writeln!(
+        out2,
+        "# HELP rocmforge_kv_cache_usage_ratio Fraction of the KV pool held by sequences.\n\
+         # TYPE rocmforge_kv_cache_usage_ratio gauge\n\
+         rocmforge_kv_cache_usage_ratio {}",
+        get(&m.kv_blocks_used) / total
+    );
+    out.push_str(&out2);
+    histogram(
+        &mut out,
+        "time_to_first_token_seconds",
+        "From a request's arrival to its first token.",
+        &m.time_to_first_token.snapshot(),
+    );
+    histogram(
+        &mut out,
+        "inter_token_seconds",
+        "Between two tokens of one sequence.",
+        &m.inter_token.snapshot(),
+    );
+    histogram(
+        &mut out,
+        "request_duration_seconds",
+        "From a request's arrival to its end.",
+        &m.request_duration.snapshot(),
+    );
+    out
+}
+
+fn histogram(out: &mut String, name: &str, help: &str, h: &HistogramSnapshot) {
+    let _ = writeln!(out, "# HELP rocmforge_{name} {help}");
+    let _ = writeln!(out, "# TYPE rocmforge_{name} histogram");
+    for (bound, count) in &h.buckets {
+        let _ = writeln!(out, "rocmforge_{name}_bucket{{le=\"{bound}\"}} {count}");
+    }
+    let _ = writeln!(out, "rocmforge_{name}_bucket{{le=\"+Inf\"}} {}", h.count);
+    let _ = writeln!(out, "rocmforge_{name}_sum {}", h.sum_seconds);
+    let _ = writeln!(out, "rocmforge_{name}_count {}", h.count);
+}

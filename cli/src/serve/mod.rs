@@ -1,0 +1,323 @@
+//! `rocmforge serve`: an OpenAI-compatible HTTP server over `model::serve::Scheduler`.
+//!
+//! The server listens at once; the model loads on a thread of its own while `/health`
+//! answers 503 with the progress. Handlers run on tokio and only parse, tokenize and
+//! format: the scheduler thread computes, and hands text back through channels.
+
+mod api;
+mod metrics;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use model::chat::ChatTemplate;
+use model::serve::{Scheduler, SchedulerConfig};
+use model::tokenizer::Tokenizer;
+use model::Model;
+use tensor_store::TensorStore;
+
+use crate::generate::model_path;
+
+/// llama.cpp's default context size.
+const DEFAULT_CTX_SIZE: usize = 4096;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// The GGUF model. Default: SmolLM2-135M-Instruct from the models cache.
+    #[arg(long, value_name = "FILE")]
+    gguf: Option<PathBuf>,
+    /// Address to listen on (loopback by default).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on; 0 picks a free one (printed on stderr).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Where to compute: auto (the CPU until the GPU forward pass exists), cpu or gpu.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "gpu"])]
+    device: String,
+    /// Most positions of one request (prompt and generated tokens); 0 means the model's
+    /// training context.
+    #[arg(long, default_value_t = DEFAULT_CTX_SIZE)]
+    ctx_size: usize,
+    /// Positions of the KV pool all requests share (at least one context); default:
+    /// twice the context size. Memory is only touched as it is used.
+    #[arg(long)]
+    kv_pool: Option<usize>,
+    /// Most requests computed at once.
+    #[arg(long, default_value_t = 8)]
+    max_sequences: usize,
+    /// Most requests waiting to start; more are answered 503.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Most tokens one step computes: decoding sequences take one each, prompts are read
+    /// in chunks of what is left.
+    #[arg(long, default_value_t = 256)]
+    step_tokens: usize,
+    /// Bearer key the API requires (`/health` stays open).
+    #[arg(long, conflicts_with = "api_key_file")]
+    api_key: Option<String>,
+    /// A file whose first line is the key.
+    #[arg(long, value_name = "FILE")]
+    api_key_file: Option<PathBuf>,
+    /// Largest request body, in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    /// Seconds in-flight requests may take to finish after SIGTERM or Ctrl-C.
+    #[arg(long, default_value_t = 10)]
+    shutdown_grace: u64,
+    /// Worker threads for the computation (default: one per core).
+    #[arg(long)]
+    threads: Option<std::num::NonZeroUsize>,
+    /// Slows loading down by this long (for testing `/health` while loading).
+    #[arg(long, hide = true, default_value_t = 0)]
+    debug_load_delay_ms: u64,
+}
+
+/// What the handlers need once the model is ready.
+pub struct Loaded {
+    pub scheduler: Scheduler,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub model_id: String,
+    pub context_size: usize,
+    pub n_vocab: usize,
+}
+
+/// Shared by every handler.
+pub struct AppState {
+    /// Loading progress in [0, 1], as f32 bits.
+    progress: AtomicU32,
+    loaded: OnceLock<Loaded>,
+    load_error: OnceLock<String>,
+    api_key: Option<String>,
+    shutting_down: AtomicBool,
+    started: Instant,
+    max_body_bytes: usize,
+}
+
+impl AppState {
+    fn progress(&self) -> f32 {
+        f32::from_bits(self.progress.load(Ordering::Relaxed))
+    }
+
+    fn set_progress(&self, p: f32) {
+        self.progress
+            .store(p.clamp(0.0, 1.0).to_bits(), Ordering::Relaxed);
+    }
+}
+
+pub fn run(args: &ServeArgs) -> Result<()> {
+    if args.device == "gpu" {
+        bail!("--device gpu: the GPU forward pass is not available yet; use --device cpu");
+    }
+    if args.max_sequences == 0 || args.step_tokens == 0 {
+        bail!("--max-sequences and --step-tokens must be at least 1");
+    }
+    if let Some(threads) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.get())
+            .build_global()
+            .context("setting up the worker threads")?;
+    }
+    let api_key = match (&args.api_key, &args.api_key_file) {
+        (Some(key), _) => Some(key.clone()),
+        (None, Some(file)) => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading the API key from {}", file.display()))?;
+            let key = text.lines().next().unwrap_or("").trim().to_owned();
+            if key.is_empty() {
+                bail!("{} holds no key", file.display());
+            }
+            Some(key)
+        }
+        (None, None) => None,
+    };
+    let path = model_path(args.gguf.as_deref())?;
+    let state = Arc::new(AppState {
+        progress: AtomicU32::new(0f32.to_bits()),
+        loaded: OnceLock::new(),
+        load_error: OnceLock::new(),
+        api_key,
+        shutting_down: AtomicBool::new(false),
+        started: Instant::now(),
+        max_body_bytes: args.max_body_bytes,
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve(args, path, state))
+}
+
+async fn serve(args: &ServeArgs, path: PathBuf, state: Arc<AppState>) -> Result<()> {
+    let addr: SocketAddr = format!("{}:{}", bracket(&args.host), args.port)
+        .parse()
+        .with_context(|| format!("--host {} --port {}", args.host, args.port))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("listening on {addr}"))?;
+    let local = listener.local_addr()?;
+    eprintln!("listening on http://{local}");
+
+    let config = LoadConfig {
+        ctx_size: args.ctx_size,
+        kv_pool: args.kv_pool,
+        max_sequences: args.max_sequences,
+        max_queue: args.max_queue,
+        step_tokens: args.step_tokens,
+        delay: Duration::from_millis(args.debug_load_delay_ms),
+    };
+    {
+        let state = Arc::clone(&state);
+        std::thread::Builder::new()
+            .name("load".into())
+            .spawn(move || {
+                let start = Instant::now();
+                match load(&path, &config, &state) {
+                    Ok(loaded) => {
+                        eprintln!(
+                            "model {} ready in {:.0} ms",
+                            loaded.model_id,
+                            start.elapsed().as_secs_f64() * 1e3
+                        );
+                        let _ = state.loaded.set(loaded);
+                        state.set_progress(1.0);
+                    }
+                    Err(e) => {
+                        eprintln!("error: loading {}: {e:#}", path.display());
+                        let _ = state.load_error.set(format!("{e:#}"));
+                    }
+                }
+            })
+            .context("starting the loading thread")?;
+    }
+
+    let app = api::router(Arc::clone(&state));
+    let grace = Duration::from_secs(args.shutdown_grace);
+    let shutdown_state = Arc::clone(&state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            wait_for_signal().await;
+            eprintln!("stopping: no new requests, finishing those in flight");
+            shutdown_state.shutting_down.store(true, Ordering::SeqCst);
+            let state = Arc::clone(&shutdown_state);
+            let _ = tokio::task::spawn_blocking(move || {
+                if let Some(loaded) = state.loaded.get() {
+                    loaded.scheduler.shutdown(grace);
+                }
+            })
+            .await;
+        })
+        .await
+        .context("serving")?;
+    eprintln!("stopped");
+    Ok(())
+}
+
+/// `::1` as `[::1]`, so that a port can follow.
+fn bracket(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    }
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+struct LoadConfig {
+    ctx_size: usize,
+    kv_pool: Option<usize>,
+    max_sequences: usize,
+    max_queue: usize,
+    step_tokens: usize,
+    delay: Duration,
+}
+
+/// Opens the model, reads every weight page once (so the first requests do not wait on
+/// the disk), and starts the scheduler, reporting progress as it goes.
+fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result<Loaded> {
+    let store = TensorStore::open(path)?;
+    state.set_progress(0.02);
+    let tokenizer = Arc::new(Tokenizer::from_metadata(store.metadata()).context("tokenizer")?);
+    let model = Model::load(&store)?;
+    let template = ChatTemplate::from_metadata(store.metadata()).ok();
+    state.set_progress(0.05);
+    let handles: Vec<_> = store.tensors().collect();
+    let total = store.tensor_bytes().max(1);
+    let mut done = 0u64;
+    let mut checksum = 0u8;
+    for handle in &handles {
+        let bytes = handle.bytes()?;
+        for page in bytes.chunks(4096) {
+            checksum ^= page[0];
+        }
+        done += handle.size();
+        state.set_progress(0.05 + 0.9 * done as f32 / total as f32);
+        if !config.delay.is_zero() {
+            std::thread::sleep(config.delay / handles.len().max(1) as u32);
+        }
+    }
+    tracing::debug!(checksum, "weights read");
+    let n_ctx_train = model.config().n_ctx_train;
+    let context_size = match config.ctx_size {
+        0 => n_ctx_train,
+        n => n.min(n_ctx_train),
+    };
+    let pool = config
+        .kv_pool
+        .unwrap_or(context_size.saturating_mul(2))
+        .max(context_size);
+    let model_id = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(|n| n.trim_end_matches(".gguf").to_owned())
+        .unwrap_or_else(|| "model".to_owned());
+    let n_vocab = model.config().n_vocab;
+    let scheduler = Scheduler::start(
+        model,
+        Arc::clone(&tokenizer),
+        SchedulerConfig {
+            max_sequences: config.max_sequences,
+            max_queue: config.max_queue,
+            step_tokens: config.step_tokens,
+            context_size,
+            pool_positions: pool,
+            block_size: 16,
+        },
+    )?;
+    Ok(Loaded {
+        scheduler,
+        tokenizer,
+        template,
+        model_id,
+        context_size,
+        n_vocab,
+    })
+}

@@ -1,0 +1,138 @@
+//! Counters the scheduler keeps for monitoring: plain atomics, read at any time from any
+//! thread without stopping the scheduler.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds of the latency histograms' buckets, in seconds.
+pub const LATENCY_BUCKETS: [f64; 14] = [
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// A latency histogram with [`LATENCY_BUCKETS`] (cumulative counts are computed when read).
+#[derive(Debug, Default)]
+pub struct Histogram {
+    /// Observations per bucket, the last one for those above every bound.
+    buckets: [AtomicU64; LATENCY_BUCKETS.len() + 1],
+    /// Sum of the observations in microseconds.
+    sum_us: AtomicU64,
+    count: AtomicU64,
+}
+
+/// A histogram as read at one moment.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HistogramSnapshot {
+    /// `(upper bound, observations at or below it)`, cumulative, bounds ascending.
+    pub buckets: Vec<(f64, u64)>,
+    pub sum_seconds: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    pub fn observe(&self, value: Duration) {
+        let s = value.as_secs_f64();
+        let at = LATENCY_BUCKETS
+            .iter()
+            .position(|&b| s <= b)
+            .unwrap_or(LATENCY_BUCKETS.len());
+        self.buckets[at].fetch_add(1, Ordering::Relaxed);
+        self.sum_us
+            .fetch_add(value.as_micros() as u64, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> HistogramSnapshot {
+        let mut total = 0;
+        let buckets = LATENCY_BUCKETS
+            .iter()
+            .zip(&self.buckets)
+            .map(|(&bound, n)| {
+                total += n.load(Ordering::Relaxed);
+                (bound, total)
+            })
+            .collect();
+        HistogramSnapshot {
+            buckets,
+            sum_seconds: self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+            count: self.count.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Everything the scheduler counts.
+#[derive(Debug, Default)]
+pub struct SchedulerMetrics {
+    /// Requests accepted into the queue.
+    pub requests_received: AtomicU64,
+    /// Finished requests by reason.
+    pub finished_stop: AtomicU64,
+    pub finished_length: AtomicU64,
+    /// Requests cancelled (client gone, or the server stopping).
+    pub cancelled: AtomicU64,
+    /// Requests refused because the queue was full.
+    pub rejected_queue_full: AtomicU64,
+    /// Requests that failed in the model.
+    pub failed: AtomicU64,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: AtomicU64,
+    /// Prompt tokens taken from the pool instead of computed.
+    pub prompt_tokens_cached: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+    /// Tokens run through the model (prompt chunks and decoded tokens).
+    pub computed_tokens: AtomicU64,
+    /// Scheduler steps (forward passes).
+    pub steps: AtomicU64,
+    /// Sequences pushed back to the queue to free blocks for others.
+    pub preemptions: AtomicU64,
+    /// Requests waiting to start.
+    pub waiting: AtomicU64,
+    /// Sequences being computed.
+    pub running: AtomicU64,
+    /// Blocks of the KV pool: total, held by sequences, kept only for reuse.
+    pub kv_blocks_total: AtomicU64,
+    pub kv_blocks_used: AtomicU64,
+    pub kv_blocks_cached: AtomicU64,
+    /// Positions per block.
+    pub kv_block_size: AtomicU64,
+    /// From a request's arrival to its first token.
+    pub time_to_first_token: Histogram,
+    /// Between two tokens of one sequence.
+    pub inter_token: Histogram,
+    /// From arrival to the end.
+    pub request_duration: Histogram,
+}
+
+impl SchedulerMetrics {
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set(gauge: &AtomicU64, n: u64) {
+        gauge.store(n, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_count_cumulatively_and_sum() {
+        let h = Histogram::default();
+        h.observe(Duration::from_millis(3));
+        h.observe(Duration::from_millis(60));
+        h.observe(Duration::from_secs(100));
+        let s = h.snapshot();
+        assert_eq!(s.count, 3);
+        assert_eq!(s.buckets[0], (0.005, 1));
+        assert_eq!(s.buckets[3], (0.05, 1));
+        assert_eq!(s.buckets[4], (0.075, 2));
+        assert_eq!(s.buckets.last(), Some(&(30.0, 2)));
+        assert!((s.sum_seconds - 100.063).abs() < 1e-9);
+    }
+}

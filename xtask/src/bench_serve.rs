@@ -1,0 +1,295 @@
+//! `cargo xtask bench-serve`: `rocmforge serve` under a bounded concurrency sweep.
+//!
+//! Starts the server on a free loopback port, then for each number of clients (1, 8 and
+//! 32 by default) sends a fixed number of streamed completions of a 128-token prompt and
+//! 128 generated tokens with the official `openai` client (`xtask/scripts/bench_serve.py`),
+//! and reports time to first token (p50, p99), time per output token and aggregate
+//! tokens/s. With `--llama-batched-bench PATH`, llama.cpp's engine-level reference for the
+//! same model, shapes and threads is run beside it.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{bail, ensure, Context, Result};
+use serde_json::{json, Value};
+
+use crate::fetch::{models_dir, SMOLLM2};
+
+struct Options {
+    rocmforge: Option<PathBuf>,
+    gguf: Option<PathBuf>,
+    clients: Vec<usize>,
+    requests: usize,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    threads: Option<usize>,
+    llama_batched_bench: Option<PathBuf>,
+    json: bool,
+}
+
+fn parse_options(args: &[String]) -> Result<Options> {
+    let mut o = Options {
+        rocmforge: None,
+        gguf: None,
+        clients: vec![1, 8, 32],
+        requests: 32,
+        prompt_tokens: 128,
+        gen_tokens: 128,
+        threads: None,
+        llama_batched_bench: None,
+        json: false,
+    };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--rocmforge" => o.rocmforge = Some(value()?.into()),
+            "--gguf" => o.gguf = Some(value()?.into()),
+            "--clients" => {
+                o.clients = value()?
+                    .split(',')
+                    .map(|c| {
+                        c.trim()
+                            .parse()
+                            .context("--clients: numbers, comma-separated")
+                    })
+                    .collect::<Result<_>>()?
+            }
+            "--requests" => o.requests = value()?.parse().context("--requests")?,
+            "--prompt-tokens" => o.prompt_tokens = value()?.parse().context("--prompt-tokens")?,
+            "--gen-tokens" => o.gen_tokens = value()?.parse().context("--gen-tokens")?,
+            "--threads" => o.threads = Some(value()?.parse().context("--threads")?),
+            "--llama-batched-bench" => o.llama_batched_bench = Some(value()?.into()),
+            "--json" => o.json = true,
+            other => bail!("bench-serve: unknown option {other:?}"),
+        }
+    }
+    // Bounded: a benchmark never runs away with the machine.
+    ensure!(
+        !o.clients.is_empty() && o.clients.iter().all(|&c| (1..=256).contains(&c)),
+        "--clients: between 1 and 256 each"
+    );
+    ensure!(
+        (1..=4096).contains(&o.requests),
+        "--requests: between 1 and 4096"
+    );
+    ensure!(
+        o.prompt_tokens > 0 && o.gen_tokens > 0 && o.prompt_tokens + o.gen_tokens <= 8192,
+        "--prompt-tokens and --gen-tokens: positive, 8192 together at most"
+    );
+    Ok(o)
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_owned)
+        .unwrap_or_default()
+}
+
+/// `--rocmforge`, or the release binary, built now.
+fn binary(o: &Options) -> Result<PathBuf> {
+    if let Some(path) = &o.rocmforge {
+        return Ok(path.clone());
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--release", "-p", "rocmforge"])
+        .current_dir(workspace_root())
+        .status()
+        .context("building rocmforge")?;
+    ensure!(status.success(), "cargo build failed ({status})");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"));
+    Ok(target.join("release/rocmforge"))
+}
+
+/// Stops the server when dropped, whatever happened.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn run(args: &[String]) -> Result<()> {
+    let o = parse_options(args)?;
+    let model = o
+        .gguf
+        .clone()
+        .unwrap_or_else(|| models_dir().join(SMOLLM2.file_name));
+    ensure!(
+        model.exists(),
+        "{} is missing: run `cargo xtask fetch-models` or pass --gguf",
+        model.display()
+    );
+    let rocmforge = binary(&o)?;
+    let python = crate::openai_client::python()?;
+    let max_clients = o.clients.iter().copied().max().unwrap_or(1);
+    let context = o.prompt_tokens + o.gen_tokens;
+
+    let mut command = Command::new(&rocmforge);
+    command
+        .arg("serve")
+        .arg("--gguf")
+        .arg(&model)
+        .args(["--host", "127.0.0.1", "--port", "0"])
+        .args(["--max-sequences", &max_clients.to_string()])
+        .args(["--max-queue", &o.requests.max(max_clients).to_string()])
+        .args(["--ctx-size", &context.to_string()])
+        .args(["--kv-pool", &(context * max_clients).to_string()])
+        .stderr(Stdio::piped());
+    if let Some(t) = o.threads {
+        command.args(["--threads", &t.to_string()]);
+    }
+    let mut server = Server(command.spawn().context("starting rocmforge serve")?);
+    let stderr = server.0.stderr.take().context("the server's stderr")?;
+    let mut lines = BufReader::new(stderr).lines();
+    let base = loop {
+        let Some(line) = lines.next() else {
+            bail!("the server exited before listening");
+        };
+        let line = line?;
+        if let Some(addr) = line.strip_prefix("listening on ") {
+            break addr.trim().to_owned();
+        }
+    };
+    // Keep reading the server's stderr so that it never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+    let model_id = model
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("model")
+        .trim_end_matches(".gguf")
+        .to_owned();
+    let levels = o
+        .clients
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let script = workspace_root().join("xtask/scripts/bench_serve.py");
+    let output = Command::new(&python)
+        .arg(&script)
+        .args([&base, &model_id, &levels])
+        .args([
+            o.requests.to_string(),
+            o.prompt_tokens.to_string(),
+            o.gen_tokens.to_string(),
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running the benchmark client")?;
+    drop(server);
+    ensure!(
+        output.status.success(),
+        "the benchmark client failed ({})",
+        output.status
+    );
+    let ours: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()
+        .context("the benchmark client's output")?;
+    let llama = match &o.llama_batched_bench {
+        Some(path) => Some(llama_batched_bench(path, &model, &o)?),
+        None => None,
+    };
+    let report = json!({
+        "model": model_id,
+        "prompt_tokens": o.prompt_tokens,
+        "gen_tokens": o.gen_tokens,
+        "rocmforge": ours,
+        "llama_batched_bench": llama,
+    });
+    if o.json {
+        println!("{report:#}");
+    } else {
+        print_table(&report);
+    }
+    let failures: u64 = ours.iter().filter_map(|l| l["n_failures"].as_u64()).sum();
+    ensure!(failures == 0, "{failures} requests failed");
+    Ok(())
+}
+
+/// llama.cpp's `llama-batched-bench` on the same model and shapes: one line per
+/// parallel-sequence count, with its prompt and generation speeds.
+fn llama_batched_bench(path: &Path, model: &Path, o: &Options) -> Result<Vec<Value>> {
+    let levels = o
+        .clients
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let max = o.clients.iter().copied().max().unwrap_or(1);
+    let mut command = Command::new(path);
+    command
+        .arg("-m")
+        .arg(model)
+        .args(["-c", &((o.prompt_tokens + o.gen_tokens) * max).to_string()])
+        .args(["-npp", &o.prompt_tokens.to_string()])
+        .args(["-ntg", &o.gen_tokens.to_string()])
+        .args(["-npl", &levels])
+        .args(["--output-format", "jsonl"]);
+    if let Some(t) = o.threads {
+        command.args(["-t", &t.to_string()]);
+    }
+    let output = command.output().context("running llama-batched-bench")?;
+    ensure!(
+        output.status.success(),
+        "llama-batched-bench failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v.get("pl").is_some())
+        .collect())
+}
+
+fn print_table(report: &Value) {
+    let num = |v: &Value| {
+        v.as_f64()
+            .map_or_else(|| "-".to_owned(), |x| format!("{x:.1}"))
+    };
+    println!(
+        "{} — prompt {} + generated {} tokens per request",
+        report["model"].as_str().unwrap_or("?"),
+        report["prompt_tokens"],
+        report["gen_tokens"]
+    );
+    println!(
+        "{:>7} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12} {:>14}",
+        "clients",
+        "requests",
+        "ttft p50 ms",
+        "ttft p99 ms",
+        "tpot p50 ms",
+        "out tok/s",
+        "total tok/s",
+        "llama S_TG t/s"
+    );
+    let llama = report["llama_batched_bench"].as_array();
+    for level in report["rocmforge"].as_array().into_iter().flatten() {
+        let reference = llama
+            .and_then(|rows| rows.iter().find(|r| r["pl"] == level["clients"]))
+            .map_or(Value::Null, |r| r["speed_tg"].clone());
+        println!(
+            "{:>7} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12} {:>14}",
+            level["clients"].as_u64().unwrap_or(0),
+            level["completed"].as_u64().unwrap_or(0),
+            num(&level["ttft_p50_ms"]),
+            num(&level["ttft_p99_ms"]),
+            num(&level["tpot_p50_ms"]),
+            num(&level["output_tokens_per_s"]),
+            num(&level["total_tokens_per_s"]),
+            num(&reference),
+        );
+    }
+}

@@ -1,0 +1,50 @@
+//! The official `openai` Python package, which the server tests and `bench-serve` use
+//! as their client: installed by package name, at a pinned version, into a virtual
+//! environment of its own under `target/`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{ensure, Context, Result};
+
+/// The version the tests are written against.
+pub const OPENAI_VERSION: &str = "3.57.0";
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_owned)
+        .unwrap_or_default()
+}
+
+/// The Python of a virtual environment with `openai` at [`OPENAI_VERSION`], made or
+/// updated as needed.
+pub fn python() -> Result<PathBuf> {
+    let venv = workspace_root().join("target/openai-venv");
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        eprintln!("creating {}", venv.display());
+        let status = Command::new(crate::fetch::python())
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .context("running python3 -m venv (is Python 3 with venv installed?)")?;
+        ensure!(status.success(), "python3 -m venv failed ({status})");
+    }
+    let check = format!("import sys, openai; sys.exit(openai.__version__ != {OPENAI_VERSION:?})");
+    let installed = Command::new(&python)
+        .args(["-c", &check])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !installed {
+        eprintln!("installing openai=={OPENAI_VERSION} with pip");
+        let status = Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet"])
+            .arg(format!("openai=={OPENAI_VERSION}"))
+            .status()
+            .context("running pip")?;
+        ensure!(status.success(), "pip install openai failed ({status})");
+    }
+    Ok(python)
+}
