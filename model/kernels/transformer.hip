@@ -96,12 +96,15 @@ __global__ void __launch_bounds__(kNormMaxThreads)
     rms_norm_kernel(const float* __restrict__ x, const void* __restrict__ w, int w_type,
                     int dim, float eps, float* out, int add, void* __restrict__ out_q8) {
     const float* row = x + (size_t)blockIdx.x * dim;
-    float v[kNormPer];
+    // The row and the weights are loaded before the reduction, so that no global read
+    // waits behind it.
+    float v[kNormPer], wv[kNormPer];
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < kNormPer; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         v[k] = i < dim ? row[i] : 0.0f;
+        wv[k] = i < dim ? weight_at(w, w_type, i) : 0.0f;
         ss += v[k] * v[k];
     }
     for (int i = threadIdx.x + kNormPer * blockDim.x; i < dim; i += blockDim.x) {
@@ -115,10 +118,10 @@ __global__ void __launch_bounds__(kNormMaxThreads)
     // Whole 32-lane groups step together (the bound is rounded up to 32), so each group
     // covers one Q8 block per step.
     const int padded = (dim + 31) / 32 * 32;
-    auto emit = [&](int i, float xi) {
+    auto emit = [&](int i, float xi, float wi) {
         float y = 0.0f;
         if (i < dim) {
-            y = xi * scale * weight_at(w, w_type, i);
+            y = xi * scale * wi;
             if (o) o[i] = add ? o[i] + y : y;
         }
         if (out_q8) quantize32(y, q, first + i);
@@ -126,10 +129,11 @@ __global__ void __launch_bounds__(kNormMaxThreads)
 #pragma unroll
     for (int k = 0; k < kNormPer; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
-        if (i < padded) emit(i, v[k]);
+        if (i < padded) emit(i, v[k], wv[k]);
     }
     for (int i = threadIdx.x + kNormPer * blockDim.x; i < padded; i += blockDim.x) {
-        emit(i, i < dim ? row[i] : 0.0f);
+        const bool in = i < dim;
+        emit(i, in ? row[i] : 0.0f, in ? weight_at(w, w_type, i) : 0.0f);
     }
 }
 
@@ -212,6 +216,8 @@ __global__ void __launch_bounds__(kHeadThreads)
 
 constexpr int kAttnThreads = 128;
 constexpr int kAttnChunk = 256;
+// Widest head the attention kernels take (values of q and of v per head).
+constexpr int kAttnMaxHead = 256;
 
 struct AttnArgs {
     int n_heads, n_kv_heads, head_dim, head_dim_v;
@@ -220,16 +226,30 @@ struct AttnArgs {
     int n_chunks;
 };
 
-// Partial attention of one query (token, head) over one chunk of kAttnChunk keys:
-// the chunk's largest score m, the sum l of exp(score - m), and Σ exp(score - m)·v.
+// Sum over groups of `width` lanes (a power of two up to 32) of a 32-lane group.
+__device__ __forceinline__ float sum_lanes(float v, int width) {
+    for (int mask = width / 2; mask > 0; mask >>= 1) v += rf_shfl_xor(v, mask);
+    return v;
+}
+
+// Partial attention of one query (token, head) over one chunk of kAttnChunk keys: the
+// chunk's largest score m, the sum l of exp(score - m), and Σ exp(score - m)·v; when one
+// chunk covers every key, the output itself (and its Q8 blocks).
+//
+// Scores: each key's dot product is taken by a few lanes (8 halves, 16 bytes, a lane at a
+// time), so a 128-thread workgroup scores many keys at once. Values: each thread takes
+// two dimensions (half2) of every G-th key, G = 128 / (head_dim_v / 2), and the G partial
+// sums meet in shared memory.
 __global__ void __launch_bounds__(kAttnThreads)
     attention_chunk_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
                            const __half* __restrict__ v_cache, AttnArgs a,
                            const int* __restrict__ pos, float* __restrict__ part_ml,
-                           float* __restrict__ part_acc) {
-    __shared__ float qs[512];
+                           float* __restrict__ part_acc, float* __restrict__ out,
+                           void* __restrict__ out_q8) {
+    __shared__ float qs[kAttnMaxHead];
     __shared__ float scores[kAttnChunk];
     __shared__ float red[kAttnThreads / 32];
+    __shared__ float pv[kAttnThreads * 2];
     const int chunk = blockIdx.x, h = blockIdx.y, token = blockIdx.z;
     const int kvh = h / (a.n_heads / a.n_kv_heads);
     const int kv_dim = a.n_kv_heads * a.head_dim, v_dim = a.n_kv_heads * a.head_dim_v;
@@ -248,17 +268,35 @@ __global__ void __launch_bounds__(kAttnThreads)
     const float* qh = q + ((size_t)token * a.n_heads + h) * a.head_dim;
     for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) qs[i] = qh[i];
     __syncthreads();
-    const int group = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int n_groups = blockDim.x / 32;
-    for (int kp = lo + group; kp < hi; kp += n_groups) {
-        const __half* kr = k_cache + (size_t)kp * kv_dim + kvh * a.head_dim;
+    const int n = hi - lo;
+    // Lanes per key: pieces of 8 halves per head, rounded down to a power of two, ≤ 32.
+    const int pieces = a.head_dim / 8;
+    int lanes = 1;
+    while (lanes * 2 <= pieces && lanes < 32) lanes *= 2;
+    const int per_pass = blockDim.x / lanes;
+    const int sub = threadIdx.x % lanes, slot_in_pass = threadIdx.x / lanes;
+    for (int base = 0; base < n; base += per_pass) {
+        const int i = base + slot_in_pass;
         float s = 0.0f;
-        for (int i = lane; i < a.head_dim; i += 32) s += qs[i] * __half2float(kr[i]);
-        s = sum32(s);
-        if (lane == 0) scores[kp - lo] = s * a.scale;
+        if (i < n) {
+            const __half* kr = k_cache + (size_t)(lo + i) * kv_dim + kvh * a.head_dim;
+            for (int c = sub; c < pieces; c += lanes) {
+                const uint4 raw = *reinterpret_cast<const uint4*>(kr + 8 * c);
+                const __half2* k2 = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 kf = __half22float2(k2[e]);
+                    s += qs[8 * c + 2 * e] * kf.x + qs[8 * c + 2 * e + 1] * kf.y;
+                }
+            }
+        }
+        // Every lane of a 32-lane group takes part in the shuffles.
+        s = sum_lanes(s, lanes);
+        if (i < n && sub == 0) scores[i] = s * a.scale;
     }
     __syncthreads();
-    const int n = hi - lo;
+    const int group = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int n_groups = blockDim.x / 32;
     float m = -INFINITY;
     for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, scores[i]);
     m = max32(m);
@@ -274,11 +312,37 @@ __global__ void __launch_bounds__(kAttnThreads)
         l += e;
     }
     l = block_sum(l);  // also orders the writes to scores before the reads below
+    // Values: thread (pair d2, key group g).
+    const int pairs = a.head_dim_v / 2;
+    const int groups = blockDim.x / pairs;
+    const int d2 = threadIdx.x % pairs, g = threadIdx.x / pairs;
+    float2 acc = make_float2(0.0f, 0.0f);
+    if (g < groups) {
+        const __half* vbase = v_cache + (size_t)lo * v_dim + kvh * a.head_dim_v + 2 * d2;
+        for (int i = g; i < n; i += groups) {
+            const float2 vf =
+                __half22float2(*reinterpret_cast<const __half2*>(vbase + (size_t)i * v_dim));
+            acc.x += scores[i] * vf.x;
+            acc.y += scores[i] * vf.y;
+        }
+        pv[2 * threadIdx.x] = acc.x;
+        pv[2 * threadIdx.x + 1] = acc.y;
+    }
+    __syncthreads();
+    // One chunk covers every key: this is the output, and no merge follows.
+    const bool alone = a.n_chunks == 1;
+    const size_t first = ((size_t)token * a.n_heads + h) * a.head_dim_v;
+    const Q8Out q8 = q8_layout(out_q8, (size_t)gridDim.z * a.n_heads * a.head_dim_v);
     for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
-        const __half* vr = v_cache + (size_t)lo * v_dim + kvh * a.head_dim_v + d;
-        float acc = 0.0f;
-        for (int i = 0; i < n; ++i) acc += scores[i] * __half2float(vr[(size_t)i * v_dim]);
-        part_acc[slot * a.head_dim_v + d] = acc;
+        float total = 0.0f;
+        for (int gg = 0; gg < groups; ++gg) total += pv[2 * (gg * pairs + d / 2) + (d & 1)];
+        if (alone) {
+            const float y = total / l;
+            out[first + d] = y;
+            if (out_q8) quantize32(y, q8, first + d);
+        } else {
+            part_acc[slot * a.head_dim_v + d] = total;
+        }
     }
     if (threadIdx.x == 0) {
         part_ml[2 * slot] = m;
@@ -289,7 +353,8 @@ __global__ void __launch_bounds__(kAttnThreads)
 // Merges the chunks of one query (token, head) into its output.
 __global__ void __launch_bounds__(kAttnThreads)
     attention_merge_kernel(AttnArgs a, const float* __restrict__ part_ml,
-                           const float* __restrict__ part_acc, float* __restrict__ out) {
+                           const float* __restrict__ part_acc, float* __restrict__ out,
+                           void* __restrict__ out_q8) {
     const int h = blockIdx.x, token = blockIdx.y;
     const size_t base = ((size_t)token * a.n_heads + h) * a.n_chunks;
     float m = -INFINITY;
@@ -300,14 +365,16 @@ __global__ void __launch_bounds__(kAttnThreads)
         if (mc != -INFINITY) l += expf(mc - m) * part_ml[2 * (base + c) + 1];
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    float* o = out + ((size_t)token * a.n_heads + h) * a.head_dim_v;
+    const size_t first = ((size_t)token * a.n_heads + h) * a.head_dim_v;
+    const Q8Out q8 = q8_layout(out_q8, (size_t)gridDim.y * a.n_heads * a.head_dim_v);
     for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
         float acc = 0.0f;
         for (int c = 0; c < a.n_chunks; ++c) {
             const float mc = part_ml[2 * (base + c)];
             if (mc != -INFINITY) acc += expf(mc - m) * part_acc[(base + c) * a.head_dim_v + d];
         }
-        o[d] = acc * inv;
+        out[first + d] = acc * inv;
+        if (out_q8) quantize32(acc * inv, q8, first + d);
     }
 }
 
@@ -443,7 +510,7 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
 int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                  int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
                  float scale, int n_chunks, const void* pos, void* part_ml, void* part_acc,
-                 void* out, int device, void* stream) {
+                 void* out, void* out_q8, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, n_chunks};
@@ -451,11 +518,11 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_
     hipLaunchKernelGGL(attention_chunk_kernel, dim3(n_chunks, n_heads, n_tokens),
                        dim3(kAttnThreads), 0, s, (const float*)q, (const __half*)k_cache,
                        (const __half*)v_cache, a, (const int*)pos, (float*)part_ml,
-                       (float*)part_acc);
+                       (float*)part_acc, (float*)out, out_q8);
     status = hipGetLastError();
-    if (status != hipSuccess) return (int)status;
+    if (status != hipSuccess || n_chunks == 1) return (int)status;
     hipLaunchKernelGGL(attention_merge_kernel, dim3(n_heads, n_tokens), dim3(kAttnThreads), 0,
-                       s, a, (const float*)part_ml, (const float*)part_acc, (float*)out);
+                       s, a, (const float*)part_ml, (const float*)part_acc, (float*)out, out_q8);
     return (int)hipGetLastError();
 }
 

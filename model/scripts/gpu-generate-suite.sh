@@ -55,9 +55,9 @@ run() {
         echo "== generate on $m: GPU against CPU, greedy, 32 tokens"
         for d in gpu cpu; do
             timeout 120 "$bin/rocmforge" generate -m "$dir/$m.gguf" -p "The capital of France is" -n 32 \
-                --temperature 0 --device $d --json > "$out/gen-$m-$d.json" || echo "generate $d failed"
+                --temperature 0 --device $d --json > "$dir/gen-$m-$d.json" || echo "generate $d failed"
         done
-        python3 - "$out/gen-$m-gpu.json" "$out/gen-$m-cpu.json" <<'PY'
+        python3 - "$dir/gen-$m-gpu.json" "$dir/gen-$m-cpu.json" <<'PY'
 import json, sys
 g, c = (json.load(open(p)) for p in sys.argv[1:3])
 same = next((i for i, (a, b) in enumerate(zip(g["tokens"], c["tokens"])) if a != b), min(len(g["tokens"]), len(c["tokens"])))

@@ -410,6 +410,9 @@ pub(super) fn layer(
         window: layer_cfg.sliding_window,
         ..bufs.attention
     };
+    // The attention's output goes to the output projection quantized when it takes Q8
+    // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
+    let fused_q8 = takes_q8(w.wo.ty) && c.head_dim_v % 32 == 0;
     kernels::attention(
         view(&bufs.q, n * q_dim)?,
         view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
@@ -420,12 +423,16 @@ pub(super) fn layer(
         view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(n))?,
         view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(n))?,
         view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
+        fused_q8
+            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, attn_dim)))
+            .transpose()?,
         stream,
     )?;
     let post_attn = w.post_attn_norm.as_ref();
     project(
         &w.wo,
         attn_dim,
+        fused_q8,
         post_attn.map(|n| n.weight()),
         bufs,
         n,
@@ -491,11 +498,13 @@ pub(super) fn layer(
 }
 
 /// The output projection of attention: quantizes `attn` (`width` per token) when the
-/// matrix takes Q8 blocks, then adds the product to the residual stream.
+/// matrix takes Q8 blocks and the attention kernel has not (`quantized`), then adds the
+/// product to the residual stream.
 #[allow(clippy::too_many_arguments)]
 fn project(
     m: &Matrix,
     width: usize,
+    quantized: bool,
     post_norm: Option<super::kernels::NormWeight<'_>>,
     bufs: &mut Buffers,
     n: usize,
@@ -503,14 +512,16 @@ fn project(
     stream: &Stream,
 ) -> Result<(), ModelError> {
     if takes_q8(m.ty) {
-        matvec::quantize_q8(
-            view(&bufs.attn, n * width)?,
-            n,
-            width,
-            view_mut::<u8>(&mut bufs.q8, q8_bytes(n, width))?,
-            stream,
-        )
-        .map_err(matvec_error(&[m]))?;
+        if !quantized {
+            matvec::quantize_q8(
+                view(&bufs.attn, n * width)?,
+                n,
+                width,
+                view_mut::<u8>(&mut bufs.q8, q8_bytes(n, width))?,
+                stream,
+            )
+            .map_err(matvec_error(&[m]))?;
+        }
         let q8 = view(&bufs.q8, q8_bytes(n, width))?;
         residual(
             m,

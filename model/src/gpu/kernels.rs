@@ -187,6 +187,7 @@ mod sys {
             part_ml: *mut c_void,
             part_acc: *mut c_void,
             out: *mut c_void,
+            out_q8: *mut c_void,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -473,7 +474,8 @@ impl AttentionShape {
 
 /// Attention of `n_tokens` queries at positions `pos[0]..` (each seeing the keys up to
 /// its own position) against the f16 caches; `out` gets `n_tokens × n_heads ×
-/// head_dim_v` values.
+/// head_dim_v` values, and `out_q8` (when given; `head_dim_v` a multiple of 32) the same
+/// as Q8 activation blocks.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: DeviceView<'_, f32>,
@@ -485,11 +487,15 @@ pub fn attention(
     mut part_ml: DeviceViewMut<'_, f32>,
     mut part_acc: DeviceViewMut<'_, f32>,
     mut out: DeviceViewMut<'_, f32>,
+    mut out_q8: Option<DeviceViewMut<'_, u8>>,
     stream: &Stream,
 ) -> Result<(), KernelError> {
     const K: &str = "attention";
     let s = shape;
-    expect_at_least(K, "512 values per head", 512, s.head_dim)?;
+    expect_at_least(K, "256 values per query head", 256, s.head_dim)?;
+    expect_at_least(K, "256 values per value head", 256, s.head_dim_v)?;
+    expect(K, "the query head's width modulo 8", s.head_dim % 8, 0)?;
+    expect(K, "the value head's width modulo 2", s.head_dim_v % 2, 0)?;
     expect(K, "heads per key head", s.n_heads % s.n_kv_heads.max(1), 0)?;
     expect(K, "the queries", q.len(), n_tokens * s.n_heads * s.head_dim)?;
     let positions = s.n_chunks * ATTENTION_CHUNK;
@@ -514,18 +520,29 @@ pub fn attention(
         out.len(),
         n_tokens * s.n_heads * s.head_dim_v,
     )?;
-    let device = on_device(
-        stream,
-        &[
-            q.device_ordinal(),
-            k_cache.device_ordinal(),
-            v_cache.device_ordinal(),
-            pos.device_ordinal(),
-            part_ml.device_ordinal(),
-            part_acc.device_ordinal(),
-            out.device_ordinal(),
-        ],
-    )?;
+    let mut devices = vec![
+        q.device_ordinal(),
+        k_cache.device_ordinal(),
+        v_cache.device_ordinal(),
+        pos.device_ordinal(),
+        part_ml.device_ordinal(),
+        part_acc.device_ordinal(),
+        out.device_ordinal(),
+    ];
+    if let Some(q8) = &out_q8 {
+        expect(K, "the value head's width modulo 32", s.head_dim_v % 32, 0)?;
+        expect(
+            K,
+            "the Q8 output",
+            q8.len(),
+            q8_bytes(n_tokens, s.n_heads * s.head_dim_v),
+        )?;
+        devices.push(q8.device_ordinal());
+    }
+    let device = on_device(stream, &devices)?;
+    let q8_ptr = out_q8
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
     let c = |what, value| small(K, what, value);
     launch!(
         rf_attention,
@@ -545,6 +562,7 @@ pub fn attention(
         part_ml.as_mut_ptr(),
         part_acc.as_mut_ptr(),
         out.as_mut_ptr(),
+        q8_ptr,
         device,
         stream.as_raw(),
     )
