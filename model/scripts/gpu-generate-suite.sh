@@ -13,6 +13,11 @@
 #       7B-shaped synthetic models generated there, greedy text on the GPU against the
 #       CPU on each, and `xtask bench-gpu` (beside llama.cpp's llama-bench when
 #       LLAMA_BENCH names it). Logs go to $OUT (default ./gpu-gen-out).
+#
+#   model/scripts/gpu-generate-suite.sh profile [DEST]
+#       On the GPU machine, after `run` (which made the models): the device time of each
+#       kernel over about one decode step of each model, with Nsight Compute (`ncu`),
+#       summed per kernel with its DRAM bandwidth. CSVs go to $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bin="${2:-target-gpu-gen/bin}"
@@ -71,8 +76,41 @@ PY
         --json "$out/bench-gpu.json"
 }
 
+profile() {
+    local out="${OUT:-$PWD/gpu-gen-out}" dir=/tmp/rocmforge-models
+    mkdir -p "$out"
+    # Skip the prompt and the first tokens; then about one token's kernels (11 a layer).
+    for m in 7b-q4k:360 135m-q4_1:340; do
+        local name="${m%%:*}" count="${m##*:}"
+        ncu --graph-profiling node --launch-skip 800 --launch-count "$count" \
+            --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \
+            "$bin/rocmforge" generate -m "$dir/$name.gguf" -p "Hello world" -n 8 \
+            --temperature 0 --device gpu --load-mode eager > "$out/ncu-$name.csv" 2>/dev/null
+        python3 - "$out/ncu-$name.csv" <<'PY'
+import collections, csv, sys
+scale = {"nsecond": 1, "usecond": 1e3, "msecond": 1e6, "byte": 1, "Kbyte": 1e3,
+         "Mbyte": 1e6, "Gbyte": 1e9}
+rows = csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))
+per = collections.defaultdict(lambda: [0, 0.0, 0.0])
+for r in rows:
+    name = r["Kernel Name"].split("(")[0].split("<")[0]
+    value = float(r["Metric Value"].replace(",", "")) * scale.get(r["Metric Unit"], 1)
+    if r["Metric Name"] == "gpu__time_duration.sum":
+        per[name][0] += 1
+        per[name][1] += value
+    else:
+        per[name][2] += value
+total = sum(v[1] for v in per.values())
+print(f"{sys.argv[1]}: {total / 1e3:.0f} us of kernels")
+for name, (n, ns, b) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+    print(f"  {name:40s} {n:4d} launches {ns / 1e3:8.1f} us {100 * ns / total:5.1f}%  {b / ns:7.0f} GB/s")
+PY
+    done
+}
+
 case "${1:-}" in
     build) build ;;
     run) run ;;
-    *) echo "usage: $0 build|run [DEST]" >&2; exit 2 ;;
+    profile) profile ;;
+    *) echo "usage: $0 build|run|profile [DEST]" >&2; exit 2 ;;
 esac

@@ -124,6 +124,7 @@ fn upload<T: bytemuck::Pod>(
 }
 
 /// Runs `mats` (one type, one width) on `n` tokens on the GPU and returns each output.
+#[allow(clippy::too_many_arguments)]
 fn gpu_products(
     device: &Device,
     stream: &Stream,

@@ -412,7 +412,7 @@ pub(super) fn layer(
     };
     // The attention's output goes to the output projection quantized when it takes Q8
     // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
-    let fused_q8 = takes_q8(w.wo.ty) && c.head_dim_v % 32 == 0;
+    let fused_q8 = takes_q8(w.wo.ty) && c.head_dim_v.is_multiple_of(32);
     kernels::attention(
         view(&bufs.q, n * q_dim)?,
         view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
