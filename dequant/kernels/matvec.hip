@@ -349,14 +349,23 @@ __device__ __forceinline__ bool locate(const MatvecMats& mats, int n_mats, int r
 
 // ------------------------------------------------------------------ kernels -----------
 
-template <typename W, int NT, int kRows>
+// kRows row groups a workgroup, each thread taking its tasks in RPT consecutive rows:
+// a task's activations, loaded once, meet RPT rows' weights (at one token the
+// activations are most of what a thread reads through L1).
+template <typename W, int NT, int kRows, int RPT>
 __global__ void __launch_bounds__(kMatvecThreads)
     matvec_q_kernel(MatvecMats mats, int n_mats, int n_cols, const uint8_t* __restrict__ xq,
                     int accumulate) {
     constexpr int tpr = kMatvecThreads / kRows;
     const int sub = threadIdx.x / tpr, lane = threadIdx.x % tpr;
-    RowOf r;
-    const bool live = locate(mats, n_mats, blockIdx.x * kRows + sub, r);
+    RowOf r[RPT];
+    bool live[RPT];
+    bool any = false;
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) {
+        live[rr] = locate(mats, n_mats, (blockIdx.x * kRows + sub) * RPT + rr, r[rr]);
+        any = any || live[rr];
+    }
     const int blocks = n_cols / W::kValues;
     const int tasks = blocks * W::kTasks;
     constexpr int kXPerBlock = W::kValues / 32;
@@ -364,46 +373,71 @@ __global__ void __launch_bounds__(kMatvecThreads)
     const int8_t* xqs = reinterpret_cast<const int8_t*>(xq);
     const float* xd = reinterpret_cast<const float*>(xq + (size_t)NT * n_cols);
     const int xblocks = n_cols / 32;
-    float acc[NT];
+    float acc[RPT][NT];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) acc[j] = 0.0f;
-    if (live) {
-        const uint8_t* row = r.w + (size_t)r.local * blocks * W::kBytes;
-        // Two tasks' loads in flight before either is used.
-#pragma unroll 2
+    for (int rr = 0; rr < RPT; ++rr) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[rr][j] = 0.0f;
+    }
+    if (any) {
+        const uint8_t* rows[RPT];
+#pragma unroll
+        for (int rr = 0; rr < RPT; ++rr) {
+            // A row past the end reads the first live row again (its result is dropped).
+            const RowOf& src = live[rr] ? r[rr] : r[0];
+            rows[rr] = src.w + (size_t)src.local * blocks * W::kBytes;
+        }
         for (int task = lane; task < tasks; task += tpr) {
             const int blk = task / W::kTasks;
-            int w[8 * W::kX], xb[W::kX];
-            float a[2 * W::kX], b[2 * W::kX];
-            W::task(row + (size_t)blk * W::kBytes, task % W::kTasks, w, a, b, xb);
+            int w[RPT][8 * W::kX], xb[W::kX];
+            float a[RPT][2 * W::kX], b[RPT][2 * W::kX];
+#pragma unroll
+            for (int rr = 0; rr < RPT; ++rr) {
+                W::task(rows[rr] + (size_t)blk * W::kBytes, task % W::kTasks, w[rr], a[rr],
+                        b[rr], xb);
+            }
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
 #pragma unroll
                 for (int x = 0; x < W::kX; ++x) {
                     const int xi = blk * kXPerBlock + xb[x];
                     int v[8];
-                    load_words16<8>(reinterpret_cast<const uint8_t*>(xqs + (size_t)j * n_cols + 32 * xi), v);
-                    float part = 0.0f;
+                    load_words16<8>(
+                        reinterpret_cast<const uint8_t*>(xqs + (size_t)j * n_cols + 32 * xi), v);
+                    const float dx = xd[(size_t)j * xblocks + xi];
+                    int sum[2] = {0, 0};
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
-                        int dot = 0, sum = 0;
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            dot = dot4(w[8 * x + 4 * h + i], v[4 * h + i], dot);
-                            sum = dot4(0x01010101, v[4 * h + i], sum);
-                        }
-                        part += a[2 * x + h] * (float)dot + b[2 * x + h] * (float)sum;
+                        for (int i = 0; i < 4; ++i) sum[h] = dot4(0x01010101, v[4 * h + i], sum[h]);
                     }
-                    acc[j] += xd[(size_t)j * xblocks + xi] * part;
+#pragma unroll
+                    for (int rr = 0; rr < RPT; ++rr) {
+                        float part = 0.0f;
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            int dot = 0;
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                dot = dot4(w[rr][8 * x + 4 * h + i], v[4 * h + i], dot);
+                            }
+                            part += a[rr][2 * x + h] * (float)dot + b[rr][2 * x + h] * (float)sum[h];
+                        }
+                        acc[rr][j] += dx * part;
+                    }
                 }
             }
         }
     }
-    reduce_row<NT>(acc, tpr, [&](int j, float s) {
-        if (!live) return;
-        float* y = r.y + (size_t)j * r.rows + r.local;
-        *y = accumulate ? *y + s : s;
-    });
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) {
+        reduce_row<NT>(acc[rr], tpr, [&](int j, float s) {
+            if (!live[rr]) return;
+            float* y = r[rr].y + (size_t)j * r[rr].rows + r[rr].local;
+            *y = accumulate ? *y + s : s;
+        });
+        __syncthreads();  // the reduction's shared memory is used again for the next row
+    }
 }
 
 struct FF32 {
@@ -475,8 +509,10 @@ template <typename T, int NT, int kRows, typename X>
 void launch_kernel(unsigned grid, const MatvecMats& mats, int n_mats, int n_cols, const X* x,
                    int accumulate, hipStream_t stream) {
     if constexpr (std::is_same<X, uint8_t>::value) {
-        hipLaunchKernelGGL((matvec_q_kernel<T, NT, kRows>), dim3(grid), dim3(kMatvecThreads), 0,
-                           stream, mats, n_mats, n_cols, x, accumulate);
+        // One token: two rows a thread (see matvec_q_kernel).
+        constexpr int rpt = NT == 1 ? 2 : 1;
+        hipLaunchKernelGGL((matvec_q_kernel<T, NT, kRows, rpt>), dim3((grid + rpt - 1) / rpt),
+                           dim3(kMatvecThreads), 0, stream, mats, n_mats, n_cols, x, accumulate);
     } else {
         hipLaunchKernelGGL((matvec_f_kernel<T, NT, kRows>), dim3(grid), dim3(kMatvecThreads), 0,
                            stream, mats, n_mats, n_cols, x, accumulate);
