@@ -817,3 +817,35 @@ fn serve_answers_the_openai_client() {
     assert!(output.status.success(), "{out}\n{err}");
     assert!(out.contains(" passed, 0 failed"), "{out}\n{err}");
 }
+
+/// `--device`: without a usable GPU (no device here, or a build without GPU support),
+/// `gpu` is one line saying why and exit 1, `auto` computes on the CPU and says so, and
+/// the JSON timings carry the device and the times from the process's start.
+#[test]
+fn the_device_is_chosen_and_reported() {
+    let model = model_path(SMOLLM2);
+    if hip_backend::Device::open(0).is_ok() {
+        let line = "SKIPPED the_device_is_chosen_and_reported: a GPU is present\n";
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        return;
+    }
+    let model_arg = model.to_str().unwrap();
+    let gpu = run(&[
+        "generate", "-m", model_arg, "-p", "Hi", "-n", "2", "--device", "gpu",
+    ]);
+    assert_fails_with(&gpu, "--device gpu: no usable GPU");
+    assert_eq!(gpu.status.code(), Some(1));
+    let auto = greedy_json(&model, "The capital of France is", &["-n", "3"]);
+    let cpu = greedy_json(
+        &model,
+        "The capital of France is",
+        &["-n", "3", "--device", "cpu"],
+    );
+    assert_eq!(auto["device"], "cpu");
+    assert_eq!(auto["tokens"], cpu["tokens"]);
+    let timings = &auto["timings"];
+    assert_eq!(timings["device"], "cpu");
+    assert!(timings["context_ms"].is_null() && timings["upload_ms"].is_null());
+    let first = timings["first_token_ms"].as_f64().expect("first_token_ms");
+    assert!(first > 0.0, "{timings}");
+}
