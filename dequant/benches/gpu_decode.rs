@@ -1,9 +1,15 @@
-//! Throughput of the GPU decoders: every type, to f32 and to f16, on device 0.
+//! Throughput of the GPU decoders (every type, to f32 and to f16) and of the products
+//! on the blocks, on device 0.
 //!
 //! ```text
 //! cargo bench -p dequant --bench gpu_decode -- [--mvalues 64] [--iters 10] [--only Q4_K]
-//!     [--json FILE]
+//!     [--json FILE] [--products]
 //! ```
+//!
+//! `--products` times the one-token and four-token products instead, on a 7B Llama's
+//! matrix shapes: microseconds per product and the weights' bytes per second. Each timed run cycles through copies of the
+//! matrix that together exceed the GPU's L2 cache, so every product reads its weights
+//! from device memory as in a forward pass.
 //!
 //! Each type decodes `--mvalues` Mi values (default 64 Mi: 256 MiB of f32 output) from
 //! random blocks already in device memory. A figure is the median of `--iters` runs,
@@ -19,6 +25,7 @@
 use std::fmt::Write as _;
 use std::io::Write as _;
 
+use dequant::gpu::matvec::{self, GpuActivations, GpuMatrix};
 use dequant::gpu::{decode_f16, decode_f32};
 use gguf_format::GgmlType;
 use half::f16;
@@ -29,6 +36,7 @@ struct Options {
     iters: usize,
     only: Option<String>,
     json: Option<String>,
+    products: bool,
 }
 
 fn options() -> Result<Options, String> {
@@ -37,6 +45,7 @@ fn options() -> Result<Options, String> {
         iters: 10,
         only: None,
         json: None,
+        products: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -54,6 +63,7 @@ fn options() -> Result<Options, String> {
             "--iters" => options.iters = number(value()?)?,
             "--only" => options.only = Some(value()?),
             "--json" => options.json = Some(value()?),
+            "--products" => options.products = true,
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -160,6 +170,137 @@ fn bench(device: &Device, options: &Options) -> Result<Vec<Row>, String> {
     Ok(rows)
 }
 
+/// One product's figures.
+struct ProductRow {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    us: f64,
+    weight_bytes: usize,
+}
+
+/// A 7B Llama's products: q/k/v and gate/up as one matrix each, the FFN's down
+/// projection, the attention output and the vocabulary.
+const SHAPES: [(&str, usize, usize); 5] = [
+    ("qkv", 12_288, 4_096),
+    ("gate_up", 22_016, 4_096),
+    ("down", 4_096, 11_008),
+    ("wo", 4_096, 4_096),
+    ("output", 32_000, 4_096),
+];
+
+fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>, String> {
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let stream = device.new_stream().map_err(|x| e(&x))?;
+    let types: Vec<GgmlType> = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ]
+    .into_iter()
+    .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))
+    .collect();
+    let mut results = Vec::new();
+    for ty in types {
+        for (name, rows, cols) in SHAPES {
+            let bytes = ty.row_bytes(cols as u64).ok_or("row size")? as usize * rows;
+            // Copies enough to leave none of them in a 50 MB L2 between its uses.
+            let copies = (256 << 20) / bytes + 2;
+            let host = random_bytes(bytes);
+            let mut bufs = Vec::with_capacity(copies);
+            for _ in 0..copies {
+                let mut buf: DeviceBuffer<u8> = device.alloc(bytes).map_err(|x| e(&x))?;
+                stream
+                    .write_from_host(&host, buf.view_mut())
+                    .map_err(|x| e(&x))?;
+                bufs.push(buf);
+            }
+            let mats: Vec<GpuMatrix<'_>> = bufs
+                .iter()
+                .map(|b| GpuMatrix::new(ty, rows, cols, b.view()))
+                .collect::<Result<_, _>>()
+                .map_err(|x| e(&x))?;
+            for tokens in [1, 4] {
+                let x: Vec<f32> = (0..tokens * cols)
+                    .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                let mut x_dev: DeviceBuffer<f32> = device.alloc(x.len()).map_err(|x| e(&x))?;
+                stream
+                    .write_from_host(&x, x_dev.view_mut())
+                    .map_err(|x| e(&x))?;
+                let mut q8: DeviceBuffer<u8> = device
+                    .alloc(matvec::q8_bytes(tokens, cols))
+                    .map_err(|x| e(&x))?;
+                matvec::quantize_q8(x_dev.view(), tokens, cols, q8.view_mut(), &stream)
+                    .map_err(|x| e(&x))?;
+                let mut out: DeviceBuffer<f32> = device.alloc(tokens * rows).map_err(|x| e(&x))?;
+                let ms = time_ms(device, &stream, options.iters, || {
+                    for m in &mats {
+                        matvec::matvec(
+                            std::slice::from_ref(m),
+                            GpuActivations::Q8(q8.view()),
+                            tokens,
+                            &mut [out.view_mut()],
+                            false,
+                            &stream,
+                        )
+                        .map_err(|x| format!("{ty} {name}: {x}"))?;
+                    }
+                    Ok(())
+                })?;
+                let row = ProductRow {
+                    ty,
+                    rows,
+                    cols,
+                    tokens,
+                    us: ms * 1e3 / copies as f64,
+                    weight_bytes: bytes,
+                };
+                println!(
+                    "{:<6} {:<8} {:>6}x{:<6} {:>2} {:>9.2} {:>8.0}",
+                    ty.name(),
+                    name,
+                    rows,
+                    cols,
+                    tokens,
+                    row.us,
+                    Row::gbps(bytes, row.us * 1e-3),
+                );
+                results.push(row);
+            }
+        }
+    }
+    stream.synchronize().map_err(|x| e(&x))?;
+    Ok(results)
+}
+
+fn products_json(device: &Device, rows: &[ProductRow]) -> String {
+    let mut json = format!(
+        "{{\"bench\":\"gpu_products\",\"platform\":{},\"device\":{},\"results\":[",
+        json_string(PLATFORM.name()),
+        json_string(device.name()),
+    );
+    for (i, r) in rows.iter().enumerate() {
+        let _ = write!(
+            json,
+            "{}{{\"type\":{},\"rows\":{},\"cols\":{},\"tokens\":{},\"us\":{:.3},\"gbps\":{:.1}}}",
+            if i == 0 { "" } else { "," },
+            json_string(r.ty.name()),
+            r.rows,
+            r.cols,
+            r.tokens,
+            r.us,
+            Row::gbps(r.weight_bytes, r.us * 1e-3),
+        );
+    }
+    json.push_str("]}");
+    json
+}
+
 fn print_row(row: &Row, n_values: usize) {
     let f32_total = row.in_bytes + 4 * n_values;
     let f16_total = row.in_bytes + 2 * n_values;
@@ -243,6 +384,32 @@ fn main() {
             std::process::exit(1)
         }
     };
+    if options.products {
+        println!(
+            "gpu products on {} ({}, {}), median of {} runs",
+            device.name(),
+            device.arch(),
+            PLATFORM,
+            options.iters
+        );
+        println!(
+            "{:<6} {:<8} {:>13} {:>2} {:>9} {:>8}",
+            "type", "matrix", "rows x cols", "n", "us", "GB/s"
+        );
+        let rows = bench_products(&device, &options).unwrap_or_else(|error| {
+            eprintln!("gpu_decode: {error}");
+            std::process::exit(1)
+        });
+        let json = products_json(&device, &rows);
+        println!("{json}");
+        if let Some(path) = &options.json {
+            if let Err(error) = std::fs::write(path, format!("{json}\n")) {
+                eprintln!("gpu_decode: cannot write {path}: {error}");
+                std::process::exit(1)
+            }
+        }
+        return;
+    }
     println!(
         "gpu_decode on {} ({}, {}), {} Mi values per type, median of {} runs",
         device.name(),

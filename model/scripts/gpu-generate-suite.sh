@@ -14,6 +14,10 @@
 #       CPU on each, and `xtask bench-gpu` (beside llama.cpp's llama-bench when
 #       LLAMA_BENCH names it). Logs go to $OUT (default ./gpu-gen-out).
 #
+#   model/scripts/gpu-generate-suite.sh products [DEST]
+#       On the GPU machine: the products alone (dequant's gpu_decode bench, --products):
+#       each weight type on a 7B Llama's shapes. Logs to $OUT.
+#
 #   model/scripts/gpu-generate-suite.sh profile [DEST]
 #       On the GPU machine, after `run` (which made the models): the device time of each
 #       kernel over about one decode step of each model, with Nsight Compute (`ncu`),
@@ -30,16 +34,19 @@ build() {
     artifacts="$(mktemp)"
     cargo test --release -p dequant --lib --no-run --message-format=json > "$artifacts"
     cargo test --release -p model --test real_models --no-run --message-format=json >> "$artifacts"
+    cargo bench -p dequant --bench gpu_decode --no-run --message-format=json >> "$artifacts"
     mkdir -p "$bin"
     strip -o "$bin/rocmforge" "$CARGO_TARGET_DIR/release/rocmforge"
     strip -o "$bin/xtask" "$CARGO_TARGET_DIR/release/xtask"
-    local dequant_tests model_tests
+    local dequant_tests model_tests bench_products
     dequant_tests="$(grep -o '"executable":"[^"]*dequant-[^"]*"' "$artifacts" | tail -n1 | cut -d'"' -f4)"
     model_tests="$(grep -o '"executable":"[^"]*real_models-[^"]*"' "$artifacts" | tail -n1 | cut -d'"' -f4)"
+    bench_products="$(grep -o '"executable":"[^"]*gpu_decode-[^"]*"' "$artifacts" | tail -n1 | cut -d'"' -f4)"
     rm -f "$artifacts"
-    [ -n "$dequant_tests" ] && [ -n "$model_tests" ] || { echo "test executables not found" >&2; exit 1; }
+    [ -n "$dequant_tests" ] && [ -n "$model_tests" ] && [ -n "$bench_products" ] || { echo "test executables not found" >&2; exit 1; }
     strip -o "$bin/test-dequant" "$dequant_tests"
     strip -o "$bin/test-model" "$model_tests"
+    strip -o "$bin/bench-gpu-decode" "$bench_products"
     "$CARGO_TARGET_DIR/release/xtask" synth-model --tokenizer-only --out "$bin/tokenizer.gguf"
     du -sh "$bin"/*
 }
@@ -69,11 +76,20 @@ same = next((i for i, (a, b) in enumerate(zip(g["tokens"], c["tokens"])) if a !=
 print(f"tokens identical: {same}/{len(c['tokens'])}; gpu timings {g['timings']}")
 PY
     done
+    echo "== products"
+    products
     echo "== bench-gpu"
     local llama=()
     [ -n "${LLAMA_BENCH:-}" ] && llama=(--llama-bench "$LLAMA_BENCH")
     timeout 240 "$bin/xtask" bench-gpu --gguf "$dir/135m-q4_1.gguf" --gguf "$dir/7b-q4k.gguf" "${llama[@]}" \
         --json "$out/bench-gpu.json"
+}
+
+products() {
+    local out="${OUT:-$PWD/gpu-gen-out}"
+    mkdir -p "$out"
+    timeout 300 "$bin/bench-gpu-decode" --products --iters 20 --json "$out/gpu-products.json" \
+        2>&1 | grep -v '^{' | tee "$out/gpu-products.log"
 }
 
 profile() {
@@ -111,6 +127,7 @@ PY
 case "${1:-}" in
     build) build ;;
     run) run ;;
+    products) products ;;
     profile) profile ;;
-    *) echo "usage: $0 build|run|profile [DEST]" >&2; exit 2 ;;
+    *) echo "usage: $0 build|run|products|profile [DEST]" >&2; exit 2 ;;
 esac
