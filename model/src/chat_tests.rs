@@ -238,3 +238,34 @@ fn civil_dates_round_trip() {
         assert_eq!(days_from_civil(y, m, d), days);
     }
 }
+
+/// A conversation whose assistant turn carries its reasoning, as Qwen 3 writes it.
+fn reasoning_conversation() -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::user("Hi"),
+        ChatMessage::new("assistant", "<think>\nhm\n</think>\n\nHello!"),
+        ChatMessage::user("Why?"),
+    ]
+}
+
+#[test]
+fn qwen3_template_renders_with_its_reasoning_rules() {
+    // Qwen3-0.6B's own template: reversed slices, namespaces, `split`, `lstrip`; the
+    // reasoning of turns before the last question is dropped, that of the last answer
+    // kept.
+    let source = include_str!("../tests/data/chat_templates/qwen3.jinja");
+    let t = ChatTemplate::new(source, "", "<|im_end|>");
+    let messages = reasoning_conversation();
+    assert_eq!(
+        t.render(&messages, true).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+         <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    assert_eq!(
+        t.render(&messages[..3], false).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+         <|im_start|>assistant\n<think>\nhm\n</think>\n\nHello!<|im_end|>\n"
+    );
+}

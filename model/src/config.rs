@@ -11,28 +11,39 @@ pub enum Architecture {
     Llama,
     /// Qwen 2 and 2.5: llama with biases on the Q, K and V projections and NeoX RoPE.
     Qwen2,
+    /// Qwen 3: Qwen 2 without the biases, with a per-head RMSNorm of queries and keys.
+    Qwen3,
     /// Gemma 3: QK-norm, pre- and post-norms, GELU, sliding-window layers, scaled embeddings.
     Gemma3,
 }
 
 impl Architecture {
     /// Names accepted in `general.architecture`.
-    pub const SUPPORTED: [&'static str; 3] = ["llama", "qwen2", "gemma3"];
+    pub const SUPPORTED: [&'static str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
 
     fn from_name(name: &str) -> Option<Architecture> {
         match name {
             "llama" => Some(Architecture::Llama),
             "qwen2" => Some(Architecture::Qwen2),
+            "qwen3" => Some(Architecture::Qwen3),
             "gemma3" => Some(Architecture::Gemma3),
             _ => None,
         }
     }
+
+    /// The architectures the GPU forward pass (`crate::gpu`) runs.
+    pub const GPU_SUPPORTED: [Architecture; 3] = [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Gemma3,
+    ];
 
     /// The `general.architecture` name, also the prefix of its metadata keys.
     pub fn name(self) -> &'static str {
         match self {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3",
         }
     }
@@ -218,10 +229,23 @@ impl ModelConfig {
         };
         match architecture {
             Architecture::Llama => {}
-            Architecture::Qwen2 => config.rope_style = RopeStyle::Halves,
+            Architecture::Qwen2 | Architecture::Qwen3 => config.rope_style = RopeStyle::Halves,
             Architecture::Gemma3 => gemma3_specifics(&mut config, metadata)?,
         }
         Ok(config)
+    }
+
+    /// Refuses, naming the architecture, a model the GPU forward pass does not compute.
+    pub fn check_gpu_support(&self) -> Result<(), ModelError> {
+        if Architecture::GPU_SUPPORTED.contains(&self.architecture) {
+            return Ok(());
+        }
+        Err(ModelError::GpuUnsupported {
+            what: format!("architecture {:?}", self.architecture.name()),
+            supported: Architecture::GPU_SUPPORTED
+                .map(Architecture::name)
+                .join(", "),
+        })
     }
 
     /// Query heads sharing one key/value head.
@@ -258,4 +282,60 @@ fn check_range(key: &str, value: usize, min: usize, max: usize) -> Result<usize,
         });
     }
     Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use gguf_format::{Array, Value};
+
+    use super::*;
+
+    /// The metadata of a small model of `arch`, with `extra` keys (`ARCH.` is prefixed
+    /// to keys that start with a dot).
+    fn metadata(arch: &str, extra: &[(&str, Value)]) -> Metadata {
+        let mut m = Metadata::new();
+        m.set("general.architecture", Value::String(arch.into()));
+        let key = |k: &str| format!("{arch}.{k}");
+        m.set(&key("block_count"), Value::U32(4));
+        m.set(&key("embedding_length"), Value::U32(256));
+        m.set(&key("feed_forward_length"), Value::U32(512));
+        m.set(&key("attention.head_count"), Value::U32(4));
+        m.set(&key("attention.head_count_kv"), Value::U32(2));
+        m.set(
+            "tokenizer.ggml.tokens",
+            Value::Array(Array::String(["a", "b"].iter().collect())),
+        );
+        for (k, v) in extra {
+            let k = match k.strip_prefix('.') {
+                Some(rest) => key(rest),
+                None => (*k).to_owned(),
+            };
+            m.set(&k, v.clone());
+        }
+        m
+    }
+
+    #[test]
+    fn unknown_architectures_are_refused_naming_the_supported_ones() {
+        let err = ModelConfig::from_metadata(&metadata("mamba", &[])).unwrap_err();
+        let ModelError::UnsupportedArchitecture { name, supported } = &err else {
+            panic!("{err}");
+        };
+        assert_eq!(name, "mamba");
+        for arch in Architecture::SUPPORTED {
+            assert!(supported.contains(arch), "{supported}");
+        }
+    }
+
+    #[test]
+    fn qwen3_has_neox_rope_and_its_own_head_size() {
+        let m = metadata("qwen3", &[(".attention.key_length", Value::U32(128))]);
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen3);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        assert_eq!((c.head_dim, c.head_dim_v, c.rope_dims), (128, 128, 128));
+        assert!(!c.scale_queries);
+        let err = c.check_gpu_support().unwrap_err();
+        assert!(err.to_string().contains("\"qwen3\""), "{err}");
+    }
 }

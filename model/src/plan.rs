@@ -38,7 +38,7 @@ pub struct LayerPlan {
     /// Divisors of each rotary pair's angle (Llama 3's `rope_freqs.weight`, one tensor
     /// shared by every layer).
     pub rope_freqs: Option<Vector>,
-    /// Per-head RMSNorm of queries and keys (Gemma 3).
+    /// Per-head RMSNorm of queries and keys (Qwen 3, Gemma 3).
     pub q_norm: Option<Vector>,
     pub k_norm: Option<Vector>,
     /// Norm of the attention output before the residual add (Gemma 3).
@@ -74,6 +74,10 @@ impl ExecutionPlan {
             config.n_kv_heads * config.head_dim_v,
         );
         let gemma = config.architecture == Architecture::Gemma3;
+        let qk_norm = matches!(
+            config.architecture,
+            Architecture::Qwen3 | Architecture::Gemma3
+        );
         let biased = config.architecture == Architecture::Qwen2;
         let token_embd = b.matrix("token_embd.weight", config.n_vocab, d)?;
         let rope_freqs = match store.get("rope_freqs.weight") {
@@ -97,10 +101,10 @@ impl ExecutionPlan {
                         config.n_heads * config.head_dim_v,
                         false,
                     )?,
-                    q_norm: gemma
+                    q_norm: qk_norm
                         .then(|| b.vector(&n("attn_q_norm.weight"), config.head_dim))
                         .transpose()?,
-                    k_norm: gemma
+                    k_norm: qk_norm
                         .then(|| b.vector(&n("attn_k_norm.weight"), config.head_dim))
                         .transpose()?,
                     post_attn_norm: gemma

@@ -22,6 +22,7 @@ const CONTEXT_LENGTH: u32 = 1024;
 pub enum Arch {
     Llama,
     Qwen2,
+    Qwen3,
     Gemma3,
 }
 
@@ -30,6 +31,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
         }
     }
@@ -179,6 +181,25 @@ pub const SPECS: &[Spec] = &[
         seed: 16,
         ..LLAMA
     },
+    // Qwen 3: per-head RMSNorm of queries and keys, no biases; 8 heads of 64 (wider
+    // than the model, as in Qwen3-0.6B, so the head size comes from `key_length`) on 2
+    // KV heads; a Q4_K_M-like mix with the output tied to Q6_K embeddings.
+    Spec {
+        name: "qwen3",
+        arch: Arch::Qwen3,
+        vocab: VocabStyle::Qwen2,
+        n_layers: 3,
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 64,
+        matrices: GgmlType::Q4_K,
+        overrides: &[("attn_v", GgmlType::Q6_K), ("ffn_down", GgmlType::Q6_K)],
+        token_embd: GgmlType::Q6_K,
+        rope_freq_base: 1_000_000.0,
+        prompt: "<|im_start|>user\nThe cat sat on the mat. Is it a café? 42<|im_end|>",
+        seed: 19,
+        ..LLAMA
+    },
     // Gemma 3: six layers so that the sixth is global and the others slide over 8
     // positions; 4 query heads of 128 (wider than the model) on one KV head; the real
     // Q4_K_M file's mix of types; tied output.
@@ -288,6 +309,10 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
     match spec.arch {
         Arch::Llama => w.add_metadata(&key("rope.dimension_count"), spec.head_dim as u32)?,
         Arch::Qwen2 => {}
+        Arch::Qwen3 => {
+            w.add_metadata(&key("attention.key_length"), spec.head_dim as u32)?;
+            w.add_metadata(&key("attention.value_length"), spec.head_dim as u32)?;
+        }
         Arch::Gemma3 => {
             w.add_metadata(&key("attention.key_length"), spec.head_dim as u32)?;
             w.add_metadata(&key("attention.value_length"), spec.head_dim as u32)?;
@@ -302,6 +327,7 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
         seed: spec.seed,
     };
     let gemma = spec.arch == Arch::Gemma3;
+    let qk_norm = matches!(spec.arch, Arch::Qwen3 | Arch::Gemma3);
     // Gemma multiplies embeddings by sqrt(n_embd) = 16: draw them 16 times smaller, and
     // when they are also the output matrix, make up for it in the final norm.
     let embd_std = if gemma { EMBD_STD / 16.0 } else { EMBD_STD };
@@ -365,7 +391,7 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
             t.add(&n("attn_k.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.5)?;
             t.add(&n("attn_v.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.1)?;
         }
-        if gemma {
+        if qk_norm {
             t.add(
                 &n("attn_q_norm.weight"),
                 GgmlType::F32,
