@@ -269,3 +269,21 @@ fn qwen3_template_renders_with_its_reasoning_rules() {
          <|im_start|>assistant\n<think>\nhm\n</think>\n\nHello!<|im_end|>\n"
     );
 }
+
+#[test]
+fn gemma2_template_renders_and_refuses_a_system_turn() {
+    // Gemma 2 2B's own template: `raise_exception` for a system message, `trim` filters,
+    // `loop.index0` for the alternation check.
+    let source = include_str!("../tests/data/chat_templates/gemma2.jinja");
+    let t = ChatTemplate::new(source, "<bos>", "<eos>");
+    let messages = reasoning_conversation();
+    assert_eq!(
+        t.render(&messages[1..], true).unwrap(),
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n<think>\nhm\n</think>\n\n\
+         Hello!<end_of_turn>\n<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n"
+    );
+    assert!(matches!(
+        t.render(&messages, true),
+        Err(ChatTemplateError::Raised { message }) if message == "System role not supported"
+    ));
+}

@@ -132,10 +132,43 @@ pub(crate) struct Scratch {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    /// RoPE tables of this call's positions, one per base (bits) the layers use: layers
-    /// of one base rotate by the same angles (the frequency factors, where a model has
-    /// them, are one tensor for all layers).
-    rope: Vec<(u32, Vec<(f32, f32)>)>,
+    rope: RopeTables,
+}
+
+/// RoPE tables of one forward call's positions, one per base and scale the layers use:
+/// layers of one base and scale rotate by the same angles (the frequency factors, where
+/// a model has them, are one tensor for all layers).
+pub(crate) type RopeTables = Vec<((u32, u32), Vec<(f32, f32)>)>;
+
+/// The table of `layer_idx`'s angles at `positions`, from `tables` or computed into it.
+pub(crate) fn rope_table<'t, I: Iterator<Item = usize>>(
+    tables: &'t mut RopeTables,
+    config: &ModelConfig,
+    layer: &LayerPlan,
+    layer_idx: usize,
+    positions: impl FnOnce() -> I,
+) -> Result<&'t [(f32, f32)], ModelError> {
+    let attn_cfg = config.layers[layer_idx];
+    let key = (
+        attn_cfg.rope_freq_base.to_bits(),
+        attn_cfg.rope_scale.to_bits(),
+    );
+    let at = match tables.iter().position(|(k, _)| *k == key) {
+        Some(at) => at,
+        None => {
+            let freq_factors = layer.rope_freqs.as_ref().map(vector).transpose()?;
+            let table = ops::rope_table(
+                positions(),
+                config.rope_dims,
+                attn_cfg.rope_freq_base,
+                attn_cfg.rope_scale,
+                freq_factors.as_deref(),
+            );
+            tables.push((key, table));
+            tables.len() - 1
+        }
+    };
+    Ok(&tables[at].1)
 }
 
 fn layer_forward(
@@ -167,23 +200,9 @@ fn layer_forward(
     if let Some(norm) = &layer.k_norm {
         ops::rms_norm_in_place(&mut s.k, &vector(norm)?, eps);
     }
-    let base = attn_cfg.rope_freq_base.to_bits();
-    let at = match s.rope.iter().position(|(b, _)| *b == base) {
-        Some(at) => at,
-        None => {
-            let freq_factors = layer.rope_freqs.as_ref().map(vector).transpose()?;
-            let table = ops::rope_table(
-                first_pos..first_pos + n,
-                config.rope_dims,
-                attn_cfg.rope_freq_base,
-                config.rope_scale,
-                freq_factors.as_deref(),
-            );
-            s.rope.push((base, table));
-            s.rope.len() - 1
-        }
-    };
-    let table = &s.rope[at].1;
+    let table = rope_table(&mut s.rope, config, layer, layer_idx, || {
+        first_pos..first_pos + n
+    })?;
     ops::apply_rope(
         &mut s.q,
         config.head_dim,
@@ -218,6 +237,7 @@ fn layer_forward(
         } else {
             config.attention_scale
         },
+        softcap: config.attn_logit_softcap,
     };
     ops::attention(&s.q, keys, values, &shape, &mut s.attn);
     let n = if rows == Rows::Last && n > 1 {
@@ -277,7 +297,9 @@ pub(crate) fn embed(
     Ok(x)
 }
 
-fn output_logits(
+/// The logits of the residual rows `x`: the final norm, the output projection, and the
+/// soft-capping of models that have it (`cap · tanh(l · (1/cap))`, as llama.cpp's graph).
+pub(crate) fn output_logits(
     config: &ModelConfig,
     plan: &ExecutionPlan,
     x: &mut [f32],
@@ -286,6 +308,12 @@ fn output_logits(
     ops::rms_norm_in_place(x, &vector(&plan.output_norm)?, config.rms_norm_eps);
     let mut logits = Vec::new();
     linear(&plan.output, x, n, &mut logits)?;
+    if let Some(cap) = config.final_logit_softcap {
+        let inv = 1.0 / cap;
+        for l in &mut logits {
+            *l = (*l * inv).tanh() * cap;
+        }
+    }
     Ok(logits)
 }
 

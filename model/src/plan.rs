@@ -41,13 +41,13 @@ pub struct LayerPlan {
     /// Per-head RMSNorm of queries and keys (Qwen 3, Gemma 3).
     pub q_norm: Option<Vector>,
     pub k_norm: Option<Vector>,
-    /// Norm of the attention output before the residual add (Gemma 3).
+    /// Norm of the attention output before the residual add (Gemma 2 and 3).
     pub post_attn_norm: Option<Vector>,
     pub ffn_norm: Vector,
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
-    /// Norm of the feed-forward output before the residual add (Gemma 3).
+    /// Norm of the feed-forward output before the residual add (Gemma 2 and 3).
     pub post_ffn_norm: Option<Vector>,
 }
 
@@ -73,7 +73,10 @@ impl ExecutionPlan {
             config.n_kv_heads * config.head_dim,
             config.n_kv_heads * config.head_dim_v,
         );
-        let gemma = config.architecture == Architecture::Gemma3;
+        let gemma = matches!(
+            config.architecture,
+            Architecture::Gemma2 | Architecture::Gemma3
+        );
         let qk_norm = matches!(
             config.architecture,
             Architecture::Qwen3 | Architecture::Gemma3
@@ -120,9 +123,13 @@ impl ExecutionPlan {
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
+        // Gemma 2's output is its embeddings, whatever else the file holds (as llama.cpp
+        // reads it).
         let output = match store.get("output.weight") {
-            Some(_) => b.linear("output.weight", config.n_vocab, d, false)?,
-            None => {
+            Some(_) if config.architecture != Architecture::Gemma2 => {
+                b.linear("output.weight", config.n_vocab, d, false)?
+            }
+            _ => {
                 b.check_kernel(&token_embd.weight)?;
                 token_embd.clone()
             }

@@ -10,7 +10,9 @@
 //! that get logits.
 
 use crate::config::{Activation, ModelConfig};
-use crate::forward::{add, embed, linear, linears, on_the_pool, resize, vector};
+use crate::forward::{
+    add, embed, linear, linears, on_the_pool, output_logits, resize, rope_table, vector, RopeTables,
+};
 use crate::ops::{self, AttentionShape, Layout};
 use crate::plan::{ExecutionPlan, LayerPlan};
 use crate::ModelError;
@@ -52,7 +54,7 @@ struct Buffers {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    rope: Vec<(u32, Vec<(f32, f32)>)>,
+    rope: RopeTables,
 }
 
 fn run(
@@ -90,10 +92,7 @@ fn run(
     if n == 0 {
         return Ok(Vec::new());
     }
-    ops::rms_norm_in_place(&mut x, &vector(&plan.output_norm)?, config.rms_norm_eps);
-    let mut logits = Vec::new();
-    linear(&plan.output, &x, n, &mut logits)?;
-    Ok(logits)
+    output_logits(config, plan, &mut x)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -131,26 +130,11 @@ fn layer_forward(
     if let Some(norm) = &layer.k_norm {
         ops::rms_norm_in_place(&mut b.k, &vector(norm)?, eps);
     }
-    let base = attn_cfg.rope_freq_base.to_bits();
-    let at = match b.rope.iter().position(|(bits, _)| *bits == base) {
-        Some(at) => at,
-        None => {
-            let freq_factors = layer.rope_freqs.as_ref().map(vector).transpose()?;
-            let positions = segments
-                .iter()
-                .flat_map(|s| s.first_pos..s.first_pos + s.tokens.len());
-            let table = ops::rope_table(
-                positions,
-                config.rope_dims,
-                attn_cfg.rope_freq_base,
-                config.rope_scale,
-                freq_factors.as_deref(),
-            );
-            b.rope.push((base, table));
-            b.rope.len() - 1
-        }
-    };
-    let table = &b.rope[at].1;
+    let table = rope_table(&mut b.rope, config, layer, layer_idx, || {
+        segments
+            .iter()
+            .flat_map(|s| s.first_pos..s.first_pos + s.tokens.len())
+    })?;
     ops::apply_rope(
         &mut b.q,
         config.head_dim,
@@ -202,6 +186,7 @@ fn layer_forward(
             } else {
                 config.attention_scale
             },
+            softcap: config.attn_logit_softcap,
         };
         let out = &mut b.attn[rows.start * out_dim..rows.end * out_dim];
         let (keys, values) = pool.layer(layer_idx);

@@ -1,8 +1,9 @@
 //! Synthetic models against llama.cpp: the architectures, head layouts and weight types
 //! that no real model here covers (`qwen2` with its Q/K/V biases and NeoX RoPE, `qwen3`
 //! with its per-head Q/K norms, Llama 3's tokenizer and RoPE divisors, multi-head and
-//! multi-query attention, Gemma 3's sliding window and global layer, every weight type
-//! the kernels claim, tied and untied outputs).
+//! multi-query attention, Gemma 3's sliding window and global layer and its optional keys,
+//! Gemma 2's alternating windows and soft-capping, every weight type the kernels claim,
+//! tied and untied outputs).
 //!
 //! Each model is generated here, bit for bit, from a spec in `synthetic/generate.rs`;
 //! llama.cpp's tokens and teacher-forced logits for the same bytes are in
@@ -308,6 +309,8 @@ matches_llama_cpp! {
     qwen3_matches_llama_cpp => "qwen3",
     gemma3_matches_llama_cpp => "gemma3",
     gemma3_f16_matches_llama_cpp => "gemma3-f16",
+    gemma3_keys_matches_llama_cpp => "gemma3-keys",
+    gemma2_matches_llama_cpp => "gemma2",
 }
 
 #[test]
@@ -615,6 +618,8 @@ mod gpu {
 
     gpu_refuses! {
         gpu_qwen3 => "qwen3",
+        gpu_gemma2 => "gemma2",
+        gpu_gemma3_keys => "gemma3-keys",
     }
 
     #[test]

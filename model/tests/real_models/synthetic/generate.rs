@@ -23,6 +23,7 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma2,
     Gemma3,
 }
 
@@ -32,6 +33,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3",
         }
     }
@@ -57,8 +59,17 @@ pub struct Spec {
     pub rope_freq_base: f32,
     /// Llama 3's per-frequency RoPE divisors (`rope_freqs.weight`).
     pub rope_freqs: bool,
-    /// Gemma 3's sliding window.
+    /// Gemma's sliding window.
     pub sliding_window: u32,
+    /// Gemma's `attention.sliding_window_pattern` (0: the key is absent).
+    pub swa_pattern: u32,
+    /// Gemma's `rope.freq_base_swa` (0: absent).
+    pub rope_freq_base_swa: f32,
+    /// Linear RoPE scaling factor (0: no `rope.scaling.*` keys).
+    pub rope_scale: f32,
+    /// `attn_logit_softcapping` and `final_logit_softcapping` (0: absent).
+    pub attn_softcap: f32,
+    pub final_softcap: f32,
     /// Text the reference tokenizes; its tokens are the sequence evaluated.
     pub prompt: &'static str,
     pub seed: u64,
@@ -79,6 +90,11 @@ const LLAMA: Spec = Spec {
     rope_freq_base: 100_000.0,
     rope_freqs: false,
     sliding_window: 0,
+    swa_pattern: 0,
+    rope_freq_base_swa: 0.0,
+    rope_scale: 0.0,
+    attn_softcap: 0.0,
+    final_softcap: 0.0,
     prompt:
         "<|im_start|>user\nThe cat sat on the mat, and the dog sat on the log in 2024!<|im_end|>",
     seed: 0,
@@ -225,6 +241,54 @@ pub const SPECS: &[Spec] = &[
         seed: 17,
         ..LLAMA
     },
+    // Gemma 3's optional keys, read rather than defaulted: a sliding-window pattern of
+    // 3 (layers 2 and 5 global), the local layers' own RoPE base, linear RoPE scaling
+    // (global layers only, as in Gemma 3 4B and up) and soft-capped logits.
+    Spec {
+        name: "gemma3-keys",
+        arch: Arch::Gemma3,
+        vocab: VocabStyle::Gemma,
+        n_layers: 6,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        matrices: GgmlType::Q8_0,
+        overrides: &[("ffn_down", GgmlType::Q6_K)],
+        token_embd: GgmlType::Q8_0,
+        output: None,
+        rope_freq_base: 1_000_000.0,
+        sliding_window: 6,
+        swa_pattern: 3,
+        rope_freq_base_swa: 20_000.0,
+        rope_scale: 4.0,
+        final_softcap: 12.0,
+        prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>",
+        seed: 21,
+        ..LLAMA
+    },
+    // Gemma 2: alternating sliding-window and global layers (the default pattern), no
+    // Q/K norms, soft-capped attention scores and logits (caps small enough to bend
+    // most values), 8 heads of 64 on 4 KV heads, its Q4_K_M mix, output tied.
+    Spec {
+        name: "gemma2",
+        arch: Arch::Gemma2,
+        vocab: VocabStyle::Gemma,
+        n_layers: 4,
+        n_heads: 8,
+        n_kv_heads: 4,
+        head_dim: 64,
+        matrices: GgmlType::Q4_K,
+        overrides: &[("attn_v", GgmlType::Q6_K), ("ffn_down", GgmlType::Q6_K)],
+        token_embd: GgmlType::Q6_K,
+        output: None,
+        rope_freq_base: 10_000.0,
+        sliding_window: 8,
+        attn_softcap: 8.0,
+        final_softcap: 12.0,
+        prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>",
+        seed: 20,
+        ..LLAMA
+    },
     Spec {
         name: "gemma3-f16",
         arch: Arch::Gemma3,
@@ -313,11 +377,27 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
             w.add_metadata(&key("attention.key_length"), spec.head_dim as u32)?;
             w.add_metadata(&key("attention.value_length"), spec.head_dim as u32)?;
         }
-        Arch::Gemma3 => {
+        Arch::Gemma2 | Arch::Gemma3 => {
             w.add_metadata(&key("attention.key_length"), spec.head_dim as u32)?;
             w.add_metadata(&key("attention.value_length"), spec.head_dim as u32)?;
             w.add_metadata(&key("attention.sliding_window"), spec.sliding_window)?;
         }
+    }
+    if spec.swa_pattern != 0 {
+        w.add_metadata(&key("attention.sliding_window_pattern"), spec.swa_pattern)?;
+    }
+    if spec.rope_freq_base_swa != 0.0 {
+        w.add_metadata(&key("rope.freq_base_swa"), spec.rope_freq_base_swa)?;
+    }
+    if spec.rope_scale != 0.0 {
+        w.add_metadata(&key("rope.scaling.type"), "linear")?;
+        w.add_metadata(&key("rope.scaling.factor"), spec.rope_scale)?;
+    }
+    if spec.attn_softcap != 0.0 {
+        w.add_metadata(&key("attn_logit_softcapping"), spec.attn_softcap)?;
+    }
+    if spec.final_softcap != 0.0 {
+        w.add_metadata(&key("final_logit_softcapping"), spec.final_softcap)?;
     }
     let n_vocab = add_tokenizer(&mut w, spec.vocab)?;
 
@@ -326,7 +406,7 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
         data: Vec::new(),
         seed: spec.seed,
     };
-    let gemma = spec.arch == Arch::Gemma3;
+    let gemma = matches!(spec.arch, Arch::Gemma2 | Arch::Gemma3);
     let qk_norm = matches!(spec.arch, Arch::Qwen3 | Arch::Gemma3);
     // Gemma multiplies embeddings by sqrt(n_embd) = 16: draw them 16 times smaller, and
     // when they are also the output matrix, make up for it in the final norm.
