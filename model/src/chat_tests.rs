@@ -287,3 +287,25 @@ fn gemma2_template_renders_and_refuses_a_system_turn() {
         Err(ChatTemplateError::Raised { message }) if message == "System role not supported"
     ));
 }
+
+#[test]
+fn phi3_template_and_the_built_in_phi3_turns_agree() {
+    // Phi-3.5-mini's own template, and the built-in turns for `phi3` files without one.
+    let source = include_str!("../tests/data/chat_templates/phi3.jinja");
+    let own = ChatTemplate::new(source, "<s>", "<|endoftext|>");
+    let tokens = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|end|>",
+    ];
+    let built_in = ChatTemplate::from_metadata(&metadata("phi3", &tokens, None)).unwrap();
+    assert_eq!(built_in.built_in_name(), Some("Phi-3"));
+    let messages = reasoning_conversation();
+    let expected = "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n\
+                    <think>\nhm\n</think>\n\nHello!<|end|>\n<|user|>\nWhy?<|end|>\n<|assistant|>\n";
+    assert_eq!(own.render(&messages, true).unwrap(), expected);
+    assert_eq!(built_in.render(&messages, true).unwrap(), expected);
+}

@@ -13,6 +13,9 @@ pub enum Architecture {
     Qwen2,
     /// Qwen 3: Qwen 2 without the biases, with a per-head RMSNorm of queries and keys.
     Qwen3,
+    /// Phi-3 and 3.5: llama with NeoX RoPE, fused Q/K/V and gate/up weights, and RoPE
+    /// frequency factors for long contexts.
+    Phi3,
     /// Gemma 2: pre- and post-norms, GELU, alternating sliding-window layers, scaled
     /// embeddings, soft-capped attention scores and logits.
     Gemma2,
@@ -22,13 +25,15 @@ pub enum Architecture {
 
 impl Architecture {
     /// Names accepted in `general.architecture`.
-    pub const SUPPORTED: [&'static str; 5] = ["llama", "qwen2", "qwen3", "gemma2", "gemma3"];
+    pub const SUPPORTED: [&'static str; 6] =
+        ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"];
 
     fn from_name(name: &str) -> Option<Architecture> {
         match name {
             "llama" => Some(Architecture::Llama),
             "qwen2" => Some(Architecture::Qwen2),
             "qwen3" => Some(Architecture::Qwen3),
+            "phi3" => Some(Architecture::Phi3),
             "gemma2" => Some(Architecture::Gemma2),
             "gemma3" => Some(Architecture::Gemma3),
             _ => None,
@@ -48,6 +53,7 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Phi3 => "phi3",
             Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3",
         }
@@ -105,6 +111,13 @@ pub struct ModelConfig {
     /// Dimensions of each head that RoPE rotates (the first `rope_dims`).
     pub rope_dims: usize,
     pub rope_style: RopeStyle,
+    /// The rotary cosines and sines are multiplied by this (`rope.scaling.attn_factor`,
+    /// Phi-3's long-context models); 1 when absent.
+    pub rope_attn_factor: f32,
+    /// The context the model was trained with before its context was extended
+    /// (`rope.scaling.original_context_length`, else `n_ctx_train`): a KV cache for more
+    /// positions than this takes Phi-3's long RoPE factors, as llama.cpp's context does.
+    pub rope_original_context: usize,
     /// Positions are divided by this factor (linear RoPE scaling); 1 when absent. Each
     /// layer's own is in [`LayerAttention::rope_scale`].
     pub rope_scale: f32,
@@ -206,6 +219,17 @@ impl ModelConfig {
                 })
             }
         };
+        let rope_attn_factor = metadata
+            .get_opt::<f32>(&key("rope.scaling.attn_factor"))?
+            .unwrap_or(1.0);
+        if !(rope_attn_factor.is_finite() && rope_attn_factor > 0.0) {
+            return Err(ModelError::InvalidConfig {
+                key: key("rope.scaling.attn_factor"),
+                reason: format!("{rope_attn_factor} is not a positive number"),
+            });
+        }
+        let rope_original_context =
+            opt_dim("rope.scaling.original_context_length")?.unwrap_or(n_ctx_train);
         if !(rope_freq_base.is_finite() && rope_freq_base > 0.0) {
             return Err(ModelError::InvalidConfig {
                 key: key("rope.freq_base"),
@@ -228,6 +252,8 @@ impl ModelConfig {
             rope_dims,
             rope_style: RopeStyle::Interleaved,
             rope_scale,
+            rope_attn_factor,
+            rope_original_context,
             activation: Activation::Silu,
             attention_scale: 1.0 / (head_dim as f32).sqrt(),
             scale_queries: false,
@@ -246,6 +272,12 @@ impl ModelConfig {
         match architecture {
             Architecture::Llama => {}
             Architecture::Qwen2 | Architecture::Qwen3 => config.rope_style = RopeStyle::Halves,
+            Architecture::Phi3 => {
+                // Queries are scaled before `Q·Kᵀ`, as llama.cpp's graph does; a sliding
+                // window in the metadata is ignored, as llama.cpp ignores it for Phi-3.
+                config.rope_style = RopeStyle::Halves;
+                config.scale_queries = true;
+            }
             Architecture::Gemma2 | Architecture::Gemma3 => gemma_specifics(&mut config, metadata)?,
         }
         Ok(config)
@@ -262,6 +294,16 @@ impl ModelConfig {
             return Err(ModelError::GpuUnsupported {
                 what: format!("architecture {:?}", self.architecture.name()),
                 supported: supported(),
+            });
+        }
+        if self.rope_attn_factor != 1.0 {
+            return Err(ModelError::GpuUnsupported {
+                what: format!(
+                    "{:?} with rope.scaling.attn_factor {}",
+                    self.architecture.name(),
+                    self.rope_attn_factor
+                ),
+                supported: format!("{} without it", supported()),
             });
         }
         if self.attn_logit_softcap.is_some() || self.final_logit_softcap.is_some() {
@@ -536,5 +578,32 @@ mod tests {
             let c = ModelConfig::from_metadata(&m).unwrap();
             assert_eq!(c.attention_scale, 1.0 / 64f32.sqrt(), "{arch}");
         }
+    }
+
+    #[test]
+    fn phi3_reads_its_long_context_rope_keys_and_ignores_its_window() {
+        let m = metadata(
+            "phi3",
+            &[
+                (".context_length", Value::U32(131_072)),
+                (".rope.scaling.original_context_length", Value::U32(4096)),
+                (".rope.scaling.attn_factor", Value::F32(1.19)),
+                (".attention.sliding_window", Value::U32(262_144)),
+            ],
+        );
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        assert_eq!(c.architecture, Architecture::Phi3);
+        assert_eq!((c.rope_original_context, c.n_ctx_train), (4096, 131_072));
+        assert_eq!(c.rope_attn_factor, 1.19);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        assert!(c.scale_queries);
+        assert!(c.layers.iter().all(|l| l.sliding_window.is_none()));
+        assert!(c.check_gpu_support().is_err());
+        let m = metadata("phi3", &[(".rope.scaling.attn_factor", Value::F32(0.0))]);
+        let err = ModelConfig::from_metadata(&m).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::InvalidConfig { key, .. } if key == "phi3.rope.scaling.attn_factor"),
+            "{err}"
+        );
     }
 }

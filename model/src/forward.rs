@@ -140,12 +140,15 @@ pub(crate) struct Scratch {
 /// a model has them, are one tensor for all layers).
 pub(crate) type RopeTables = Vec<((u32, u32), Vec<(f32, f32)>)>;
 
-/// The table of `layer_idx`'s angles at `positions`, from `tables` or computed into it.
+/// The table of `layer_idx`'s angles at `positions`, from `tables` or computed into it,
+/// for a context (KV cache) of `context` positions: beyond the model's original context,
+/// Phi-3 rotates with its long factors, as llama.cpp does for a context that long.
 pub(crate) fn rope_table<'t, I: Iterator<Item = usize>>(
     tables: &'t mut RopeTables,
     config: &ModelConfig,
     layer: &LayerPlan,
     layer_idx: usize,
+    context: usize,
     positions: impl FnOnce() -> I,
 ) -> Result<&'t [(f32, f32)], ModelError> {
     let attn_cfg = config.layers[layer_idx];
@@ -156,13 +159,22 @@ pub(crate) fn rope_table<'t, I: Iterator<Item = usize>>(
     let at = match tables.iter().position(|(k, _)| *k == key) {
         Some(at) => at,
         None => {
-            let freq_factors = layer.rope_freqs.as_ref().map(vector).transpose()?;
+            let factors = layer
+                .rope_freqs
+                .as_ref()
+                .or(if context > config.rope_original_context {
+                    layer.rope_factors_long.as_ref()
+                } else {
+                    layer.rope_factors_short.as_ref()
+                });
+            let freq_factors = factors.map(vector).transpose()?;
             let table = ops::rope_table(
                 positions(),
                 config.rope_dims,
                 attn_cfg.rope_freq_base,
                 attn_cfg.rope_scale,
                 freq_factors.as_deref(),
+                config.rope_attn_factor,
             );
             tables.push((key, table));
             tables.len() - 1
@@ -200,9 +212,14 @@ fn layer_forward(
     if let Some(norm) = &layer.k_norm {
         ops::rms_norm_in_place(&mut s.k, &vector(norm)?, eps);
     }
-    let table = rope_table(&mut s.rope, config, layer, layer_idx, || {
-        first_pos..first_pos + n
-    })?;
+    let table = rope_table(
+        &mut s.rope,
+        config,
+        layer,
+        layer_idx,
+        cache.capacity(),
+        || first_pos..first_pos + n,
+    )?;
     ops::apply_rope(
         &mut s.q,
         config.head_dim,
@@ -357,9 +374,17 @@ pub(crate) fn linears<const K: usize>(
     Ok(())
 }
 
-/// The weight of `lin` as a matrix over its mapped bytes.
+/// The weight of `lin` as a matrix over its mapped bytes (its rows' part of them).
 fn matrix(lin: &Linear) -> Result<QuantizedMatrix<'_>, ModelError> {
-    let bytes = lin.weight.bytes()?;
+    let mut bytes = lin.weight.bytes()?;
+    if lin.first_row != 0 || lin.rows as u64 != lin.weight.shape().get(1).copied().unwrap_or(1) {
+        let ty = lin.weight.ggml_type();
+        let row_bytes = ty.row_bytes(lin.cols as u64).unwrap_or(0) as usize;
+        let start = lin.first_row * row_bytes;
+        bytes = bytes
+            .get(start..start + lin.rows * row_bytes)
+            .unwrap_or_default();
+    }
     QuantizedMatrix::new(lin.weight.ggml_type(), lin.rows, lin.cols, bytes).map_err(|source| {
         ModelError::Matmul {
             name: lin.weight.name().to_owned(),

@@ -32,16 +32,19 @@ pub(crate) struct Segment<'a> {
 
 /// Runs every segment's tokens and returns `n_vocab` logits for each segment that asks,
 /// in segment order.
+/// `context_size` is the most positions of one sequence (what a KV cache of
+/// [`crate::Model::forward`] holds), which chooses Phi-3's RoPE factors.
 pub(crate) fn forward_batch(
     config: &ModelConfig,
     plan: &ExecutionPlan,
     pool: &mut KvPool,
     segments: &[Segment<'_>],
+    context_size: usize,
 ) -> Result<Vec<f32>, ModelError> {
     if segments.iter().all(|s| s.tokens.is_empty()) {
         return Err(ModelError::EmptyInput);
     }
-    on_the_pool(|| run(config, plan, pool, segments))
+    on_the_pool(|| run(config, plan, pool, segments, context_size))
 }
 
 #[derive(Default)]
@@ -62,6 +65,7 @@ fn run(
     plan: &ExecutionPlan,
     pool: &mut KvPool,
     segments: &[Segment<'_>],
+    context_size: usize,
 ) -> Result<Vec<f32>, ModelError> {
     let tokens: Vec<u32> = segments
         .iter()
@@ -85,6 +89,7 @@ fn run(
             &mut x,
             pool,
             segments,
+            context_size,
             &mut b,
         )?;
     }
@@ -104,6 +109,7 @@ fn layer_forward(
     x: &mut Vec<f32>,
     pool: &mut KvPool,
     segments: &[Segment<'_>],
+    context_size: usize,
     b: &mut Buffers,
 ) -> Result<(), ModelError> {
     let n = x.len() / config.n_embd;
@@ -130,7 +136,7 @@ fn layer_forward(
     if let Some(norm) = &layer.k_norm {
         ops::rms_norm_in_place(&mut b.k, &vector(norm)?, eps);
     }
-    let table = rope_table(&mut b.rope, config, layer, layer_idx, || {
+    let table = rope_table(&mut b.rope, config, layer, layer_idx, context_size, || {
         segments
             .iter()
             .flat_map(|s| s.first_pos..s.first_pos + s.tokens.len())

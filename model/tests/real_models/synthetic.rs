@@ -2,8 +2,8 @@
 //! that no real model here covers (`qwen2` with its Q/K/V biases and NeoX RoPE, `qwen3`
 //! with its per-head Q/K norms, Llama 3's tokenizer and RoPE divisors, multi-head and
 //! multi-query attention, Gemma 3's sliding window and global layer and its optional keys,
-//! Gemma 2's alternating windows and soft-capping, every weight type the kernels claim,
-//! tied and untied outputs).
+//! Gemma 2's alternating windows and soft-capping, Phi-3's fused tensors and long and
+//! short RoPE factors, every weight type the kernels claim, tied and untied outputs).
 //!
 //! Each model is generated here, bit for bit, from a spec in `synthetic/generate.rs`;
 //! llama.cpp's tokens and teacher-forced logits for the same bytes are in
@@ -311,6 +311,8 @@ matches_llama_cpp! {
     gemma3_f16_matches_llama_cpp => "gemma3-f16",
     gemma3_keys_matches_llama_cpp => "gemma3-keys",
     gemma2_matches_llama_cpp => "gemma2",
+    phi3_matches_llama_cpp => "phi3",
+    phi3_long_matches_llama_cpp => "phi3-long",
 }
 
 #[test]
@@ -620,6 +622,8 @@ mod gpu {
         gpu_qwen3 => "qwen3",
         gpu_gemma2 => "gemma2",
         gpu_gemma3_keys => "gemma3-keys",
+        gpu_phi3 => "phi3",
+        gpu_phi3_long => "phi3-long",
     }
 
     #[test]
