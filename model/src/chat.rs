@@ -13,7 +13,8 @@
 //! `strftime_now(format)` (UTC).
 //!
 //! A model without a template gets a built-in one where its family is known: Gemma's turn
-//! format for `gemma`, `gemma2` and `gemma3`; ChatML when the vocabulary has ChatML's
+//! format for `gemma`, `gemma2` and `gemma3`; Phi-3's for `phi3` when the vocabulary has
+//! its role tokens; ChatML when the vocabulary has ChatML's
 //! tokens. Otherwise there is no chat format to guess and [`ChatTemplate::from_metadata`]
 //! says so.
 
@@ -40,6 +41,12 @@ const GEMMA_TEMPLATE: &str = "{{ bos_token }}
   {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}";
+
+/// Phi-3's turns, as llama.cpp's built-in `phi3` format writes them.
+const PHI3_TEMPLATE: &str = "{%- for message in messages %}
+{{- '<|' + message.role + '|>\\n' + message.content + '<|end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}";
 
 /// ChatML, for files without a template whose vocabulary has `<|im_start|>`.
 const CHATML_TEMPLATE: &str = "{%- for message in messages %}
@@ -159,6 +166,8 @@ impl ChatTemplate {
         let has = |text: &str| tokens.iter().any(|t| t == text);
         let source = if matches!(architecture, "gemma" | "gemma2" | "gemma3") {
             GEMMA_TEMPLATE
+        } else if architecture == "phi3" && has("<|user|>") && has("<|end|>") {
+            PHI3_TEMPLATE
         } else if has("<|im_start|>") && has("<|im_end|>") {
             CHATML_TEMPLATE
         } else {
@@ -194,6 +203,8 @@ impl ChatTemplate {
             None
         } else if self.source == GEMMA_TEMPLATE {
             Some("Gemma")
+        } else if self.source == PHI3_TEMPLATE {
+            Some("Phi-3")
         } else {
             Some("ChatML")
         }

@@ -238,3 +238,74 @@ fn civil_dates_round_trip() {
         assert_eq!(days_from_civil(y, m, d), days);
     }
 }
+
+/// A conversation whose assistant turn carries its reasoning, as Qwen 3 writes it.
+fn reasoning_conversation() -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::user("Hi"),
+        ChatMessage::new("assistant", "<think>\nhm\n</think>\n\nHello!"),
+        ChatMessage::user("Why?"),
+    ]
+}
+
+#[test]
+fn qwen3_template_renders_with_its_reasoning_rules() {
+    // Qwen3-0.6B's own template: reversed slices, namespaces, `split`, `lstrip`; the
+    // reasoning of turns before the last question is dropped, that of the last answer
+    // kept.
+    let source = include_str!("../tests/data/chat_templates/qwen3.jinja");
+    let t = ChatTemplate::new(source, "", "<|im_end|>");
+    let messages = reasoning_conversation();
+    assert_eq!(
+        t.render(&messages, true).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+         <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    assert_eq!(
+        t.render(&messages[..3], false).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+         <|im_start|>assistant\n<think>\nhm\n</think>\n\nHello!<|im_end|>\n"
+    );
+}
+
+#[test]
+fn gemma2_template_renders_and_refuses_a_system_turn() {
+    // Gemma 2 2B's own template: `raise_exception` for a system message, `trim` filters,
+    // `loop.index0` for the alternation check.
+    let source = include_str!("../tests/data/chat_templates/gemma2.jinja");
+    let t = ChatTemplate::new(source, "<bos>", "<eos>");
+    let messages = reasoning_conversation();
+    assert_eq!(
+        t.render(&messages[1..], true).unwrap(),
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n<think>\nhm\n</think>\n\n\
+         Hello!<end_of_turn>\n<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n"
+    );
+    assert!(matches!(
+        t.render(&messages, true),
+        Err(ChatTemplateError::Raised { message }) if message == "System role not supported"
+    ));
+}
+
+#[test]
+fn phi3_template_and_the_built_in_phi3_turns_agree() {
+    // Phi-3.5-mini's own template, and the built-in turns for `phi3` files without one.
+    let source = include_str!("../tests/data/chat_templates/phi3.jinja");
+    let own = ChatTemplate::new(source, "<s>", "<|endoftext|>");
+    let tokens = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|end|>",
+    ];
+    let built_in = ChatTemplate::from_metadata(&metadata("phi3", &tokens, None)).unwrap();
+    assert_eq!(built_in.built_in_name(), Some("Phi-3"));
+    let messages = reasoning_conversation();
+    let expected = "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n\
+                    <think>\nhm\n</think>\n\nHello!<|end|>\n<|user|>\nWhy?<|end|>\n<|assistant|>\n";
+    assert_eq!(own.render(&messages, true).unwrap(), expected);
+    assert_eq!(built_in.render(&messages, true).unwrap(), expected);
+}

@@ -11,28 +11,50 @@ pub enum Architecture {
     Llama,
     /// Qwen 2 and 2.5: llama with biases on the Q, K and V projections and NeoX RoPE.
     Qwen2,
+    /// Qwen 3: Qwen 2 without the biases, with a per-head RMSNorm of queries and keys.
+    Qwen3,
+    /// Phi-3 and 3.5: llama with NeoX RoPE, fused Q/K/V and gate/up weights, and RoPE
+    /// frequency factors for long contexts.
+    Phi3,
+    /// Gemma 2: pre- and post-norms, GELU, alternating sliding-window layers, scaled
+    /// embeddings, soft-capped attention scores and logits.
+    Gemma2,
     /// Gemma 3: QK-norm, pre- and post-norms, GELU, sliding-window layers, scaled embeddings.
     Gemma3,
 }
 
 impl Architecture {
     /// Names accepted in `general.architecture`.
-    pub const SUPPORTED: [&'static str; 3] = ["llama", "qwen2", "gemma3"];
+    pub const SUPPORTED: [&'static str; 6] =
+        ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"];
 
     fn from_name(name: &str) -> Option<Architecture> {
         match name {
             "llama" => Some(Architecture::Llama),
             "qwen2" => Some(Architecture::Qwen2),
+            "qwen3" => Some(Architecture::Qwen3),
+            "phi3" => Some(Architecture::Phi3),
+            "gemma2" => Some(Architecture::Gemma2),
             "gemma3" => Some(Architecture::Gemma3),
             _ => None,
         }
     }
+
+    /// The architectures the GPU forward pass (`crate::gpu`) runs.
+    pub const GPU_SUPPORTED: [Architecture; 3] = [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Gemma3,
+    ];
 
     /// The `general.architecture` name, also the prefix of its metadata keys.
     pub fn name(self) -> &'static str {
         match self {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+            Architecture::Phi3 => "phi3",
+            Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3",
         }
     }
@@ -64,6 +86,9 @@ pub struct LayerAttention {
     pub sliding_window: Option<usize>,
     /// RoPE base frequency for this layer.
     pub rope_freq_base: f32,
+    /// Positions are divided by this factor in this layer (linear RoPE scaling): the
+    /// model's [`ModelConfig::rope_scale`], or 1 in Gemma 3's sliding-window layers.
+    pub rope_scale: f32,
 }
 
 /// Everything the forward pass needs to know about a model's shape.
@@ -86,7 +111,15 @@ pub struct ModelConfig {
     /// Dimensions of each head that RoPE rotates (the first `rope_dims`).
     pub rope_dims: usize,
     pub rope_style: RopeStyle,
-    /// Positions are divided by this factor (linear RoPE scaling); 1 when absent.
+    /// The rotary cosines and sines are multiplied by this (`rope.scaling.attn_factor`,
+    /// Phi-3's long-context models); 1 when absent.
+    pub rope_attn_factor: f32,
+    /// The context the model was trained with before its context was extended
+    /// (`rope.scaling.original_context_length`, else `n_ctx_train`): a KV cache for more
+    /// positions than this takes Phi-3's long RoPE factors, as llama.cpp's context does.
+    pub rope_original_context: usize,
+    /// Positions are divided by this factor (linear RoPE scaling); 1 when absent. Each
+    /// layer's own is in [`LayerAttention::rope_scale`].
     pub rope_scale: f32,
     pub activation: Activation,
     /// Scale of the attention scores (usually `1/sqrt(head_dim)`).
@@ -97,7 +130,11 @@ pub struct ModelConfig {
     pub scale_queries: bool,
     /// Embeddings are multiplied by this after lookup (Gemma: `sqrt(n_embd)`), else 1.
     pub embedding_scale: f32,
-    /// Per layer: window and RoPE base.
+    /// Attention scores `s` become `cap · tanh(s / cap)` before the softmax (Gemma 2).
+    pub attn_logit_softcap: Option<f32>,
+    /// Logits `l` become `cap · tanh(l / cap)` (Gemma 2, some Gemma 3).
+    pub final_logit_softcap: Option<f32>,
+    /// Per layer: window, RoPE base and scale.
     pub layers: Vec<LayerAttention>,
 }
 
@@ -182,6 +219,17 @@ impl ModelConfig {
                 })
             }
         };
+        let rope_attn_factor = metadata
+            .get_opt::<f32>(&key("rope.scaling.attn_factor"))?
+            .unwrap_or(1.0);
+        if !(rope_attn_factor.is_finite() && rope_attn_factor > 0.0) {
+            return Err(ModelError::InvalidConfig {
+                key: key("rope.scaling.attn_factor"),
+                reason: format!("{rope_attn_factor} is not a positive number"),
+            });
+        }
+        let rope_original_context =
+            opt_dim("rope.scaling.original_context_length")?.unwrap_or(n_ctx_train);
         if !(rope_freq_base.is_finite() && rope_freq_base > 0.0) {
             return Err(ModelError::InvalidConfig {
                 key: key("rope.freq_base"),
@@ -204,24 +252,67 @@ impl ModelConfig {
             rope_dims,
             rope_style: RopeStyle::Interleaved,
             rope_scale,
+            rope_attn_factor,
+            rope_original_context,
             activation: Activation::Silu,
             attention_scale: 1.0 / (head_dim as f32).sqrt(),
             scale_queries: false,
             embedding_scale: 1.0,
+            attn_logit_softcap: None,
+            final_logit_softcap: None,
             layers: vec![
                 LayerAttention {
                     sliding_window: None,
                     rope_freq_base,
+                    rope_scale,
                 };
                 n_layers
             ],
         };
         match architecture {
             Architecture::Llama => {}
-            Architecture::Qwen2 => config.rope_style = RopeStyle::Halves,
-            Architecture::Gemma3 => gemma3_specifics(&mut config, metadata)?,
+            Architecture::Qwen2 | Architecture::Qwen3 => config.rope_style = RopeStyle::Halves,
+            Architecture::Phi3 => {
+                // Queries are scaled before `Q·Kᵀ`, as llama.cpp's graph does; a sliding
+                // window in the metadata is ignored, as llama.cpp ignores it for Phi-3.
+                config.rope_style = RopeStyle::Halves;
+                config.scale_queries = true;
+            }
+            Architecture::Gemma2 | Architecture::Gemma3 => gemma_specifics(&mut config, metadata)?,
         }
         Ok(config)
+    }
+
+    /// Refuses, naming the architecture, a model the GPU forward pass does not compute.
+    pub fn check_gpu_support(&self) -> Result<(), ModelError> {
+        let supported = || {
+            Architecture::GPU_SUPPORTED
+                .map(Architecture::name)
+                .join(", ")
+        };
+        if !Architecture::GPU_SUPPORTED.contains(&self.architecture) {
+            return Err(ModelError::GpuUnsupported {
+                what: format!("architecture {:?}", self.architecture.name()),
+                supported: supported(),
+            });
+        }
+        if self.rope_attn_factor != 1.0 {
+            return Err(ModelError::GpuUnsupported {
+                what: format!(
+                    "{:?} with rope.scaling.attn_factor {}",
+                    self.architecture.name(),
+                    self.rope_attn_factor
+                ),
+                supported: format!("{} without it", supported()),
+            });
+        }
+        if self.attn_logit_softcap.is_some() || self.final_logit_softcap.is_some() {
+            return Err(ModelError::GpuUnsupported {
+                what: format!("{:?} with soft-capped logits", self.architecture.name()),
+                supported: format!("{} without soft-capping", supported()),
+            });
+        }
+        Ok(())
     }
 
     /// Query heads sharing one key/value head.
@@ -230,24 +321,98 @@ impl ModelConfig {
     }
 }
 
-/// Gemma 3: five sliding-window layers with RoPE base 10,000 for every global layer,
-/// which keeps the file's base; GELU; embeddings scaled by `sqrt(n_embd)`.
-fn gemma3_specifics(config: &mut ModelConfig, metadata: &Metadata) -> Result<(), ModelError> {
-    const GLOBAL_EVERY: usize = 6;
-    const LOCAL_ROPE_BASE: f32 = 10_000.0;
+/// Gemma 2 and 3, as llama.cpp reads them: GELU, embeddings scaled by `sqrt(n_embd)`,
+/// queries scaled before `Q·Kᵀ` (by `1/sqrt(n_embd / n_heads)` in the 27B models, which
+/// llama.cpp knows by their layer count, else by `1/sqrt(head_dim)`), and sliding-window
+/// layers: every layer but the last of each group of `sliding_window_pattern` (2 for
+/// Gemma 2, 6 for Gemma 3, or a per-layer list), with their own RoPE base
+/// (`rope.freq_base_swa`; Gemma 2: the file's base, Gemma 3: 10,000) and, in Gemma 3,
+/// without the file's RoPE scaling. Gemma 2 soft-caps attention scores (50) and logits
+/// (30); Gemma 3 caps logits when its file says so.
+fn gemma_specifics(config: &mut ModelConfig, metadata: &Metadata) -> Result<(), ModelError> {
+    let gemma2 = config.architecture == Architecture::Gemma2;
+    let arch_name = config.architecture.name();
+    let key = |k: &str| format!("{arch_name}.{k}");
     config.rope_style = RopeStyle::Halves;
     config.activation = Activation::GeluTanh;
     config.embedding_scale = (config.n_embd as f32).sqrt();
     config.scale_queries = true;
-    let window: usize = metadata.get_as("gemma3.attention.sliding_window")?;
-    let window = check_range("gemma3.attention.sliding_window", window, 1, usize::MAX)?;
-    for (layer_idx, layer) in config.layers.iter_mut().enumerate() {
-        if (layer_idx + 1) % GLOBAL_EVERY != 0 {
+    let layers_27b = if gemma2 { 46 } else { 62 };
+    if config.n_layers == layers_27b {
+        config.attention_scale = 1.0 / ((config.n_embd / config.n_heads) as f32).sqrt();
+    }
+
+    let softcap = |k: &str, default: Option<f32>| -> Result<Option<f32>, ModelError> {
+        match metadata.get_opt::<f32>(&key(k))?.or(default) {
+            // Gemma 3's converter writes 0 for "none"; Gemma 2 always caps.
+            Some(cap) if cap == 0.0 && !gemma2 => Ok(None),
+            Some(cap) if !(cap.is_finite() && cap > 0.0) => Err(ModelError::InvalidConfig {
+                key: key(k),
+                reason: format!("{cap} is not a positive number"),
+            }),
+            cap => Ok(cap),
+        }
+    };
+    config.final_logit_softcap = softcap("final_logit_softcapping", gemma2.then_some(30.0))?;
+    if gemma2 {
+        config.attn_logit_softcap = softcap("attn_logit_softcapping", Some(50.0))?;
+    }
+
+    let window = match metadata.get_opt::<usize>(&key("attention.sliding_window"))? {
+        Some(0) | None if !gemma2 => return Ok(()),
+        Some(w) => w,
+        None => 4096,
+    };
+    let window = check_range(&key("attention.sliding_window"), window, 1, usize::MAX)?;
+    let sliding = sliding_layers(
+        metadata,
+        &key("attention.sliding_window_pattern"),
+        config.n_layers,
+        if gemma2 { 2 } else { 6 },
+    )?;
+    let file_base = config.layers[0].rope_freq_base;
+    let base = metadata
+        .get_opt::<f32>(&key("rope.freq_base_swa"))?
+        .unwrap_or(if gemma2 { file_base } else { 10_000.0 });
+    if !(base.is_finite() && base > 0.0) {
+        return Err(ModelError::InvalidConfig {
+            key: key("rope.freq_base_swa"),
+            reason: format!("{base} is not a positive number"),
+        });
+    }
+    let scale = if gemma2 { config.rope_scale } else { 1.0 };
+    for (layer, sliding) in config.layers.iter_mut().zip(sliding) {
+        if sliding {
             layer.sliding_window = Some(window);
-            layer.rope_freq_base = LOCAL_ROPE_BASE;
+            layer.rope_freq_base = base;
+            layer.rope_scale = scale;
         }
     }
     Ok(())
+}
+
+/// Which layers use the sliding window: `key` holds either a period `n` (every layer but
+/// the last of each `n`; 0: every layer) or one boolean per layer; absent, the period is
+/// `default_period`.
+fn sliding_layers(
+    metadata: &Metadata,
+    key: &str,
+    n_layers: usize,
+    default_period: usize,
+) -> Result<Vec<bool>, ModelError> {
+    if let Some(gguf_format::Value::Array(gguf_format::Array::Bool(flags))) = metadata.get(key) {
+        if flags.len() != n_layers {
+            return Err(ModelError::InvalidConfig {
+                key: key.to_owned(),
+                reason: format!("{} flags for {n_layers} layers", flags.len()),
+            });
+        }
+        return Ok(flags.clone());
+    }
+    let period = metadata.get_opt::<usize>(key)?.unwrap_or(default_period);
+    Ok((0..n_layers)
+        .map(|i| period == 0 || i % period < period - 1)
+        .collect())
 }
 
 fn check_range(key: &str, value: usize, min: usize, max: usize) -> Result<usize, ModelError> {
@@ -258,4 +423,187 @@ fn check_range(key: &str, value: usize, min: usize, max: usize) -> Result<usize,
         });
     }
     Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use gguf_format::{Array, Value};
+
+    use super::*;
+
+    /// The metadata of a small model of `arch`, with `extra` keys (`ARCH.` is prefixed
+    /// to keys that start with a dot).
+    fn metadata(arch: &str, extra: &[(&str, Value)]) -> Metadata {
+        let mut m = Metadata::new();
+        m.set("general.architecture", Value::String(arch.into()));
+        let key = |k: &str| format!("{arch}.{k}");
+        m.set(&key("block_count"), Value::U32(4));
+        m.set(&key("embedding_length"), Value::U32(256));
+        m.set(&key("feed_forward_length"), Value::U32(512));
+        m.set(&key("attention.head_count"), Value::U32(4));
+        m.set(&key("attention.head_count_kv"), Value::U32(2));
+        m.set(
+            "tokenizer.ggml.tokens",
+            Value::Array(Array::String(["a", "b"].iter().collect())),
+        );
+        for (k, v) in extra {
+            let k = match k.strip_prefix('.') {
+                Some(rest) => key(rest),
+                None => (*k).to_owned(),
+            };
+            m.set(&k, v.clone());
+        }
+        m
+    }
+
+    #[test]
+    fn unknown_architectures_are_refused_naming_the_supported_ones() {
+        let err = ModelConfig::from_metadata(&metadata("mamba", &[])).unwrap_err();
+        let ModelError::UnsupportedArchitecture { name, supported } = &err else {
+            panic!("{err}");
+        };
+        assert_eq!(name, "mamba");
+        for arch in Architecture::SUPPORTED {
+            assert!(supported.contains(arch), "{supported}");
+        }
+    }
+
+    #[test]
+    fn qwen3_has_neox_rope_and_its_own_head_size() {
+        let m = metadata("qwen3", &[(".attention.key_length", Value::U32(128))]);
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen3);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        assert_eq!((c.head_dim, c.head_dim_v, c.rope_dims), (128, 128, 128));
+        assert!(!c.scale_queries);
+        let err = c.check_gpu_support().unwrap_err();
+        assert!(err.to_string().contains("\"qwen3\""), "{err}");
+    }
+
+    #[test]
+    fn gemma2_alternates_windows_and_caps_scores_and_logits_by_default() {
+        let m = metadata("gemma2", &[(".rope.scaling.factor", Value::F32(2.0))]);
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        assert_eq!(c.attn_logit_softcap, Some(50.0));
+        assert_eq!(c.final_logit_softcap, Some(30.0));
+        let windows: Vec<_> = c.layers.iter().map(|l| l.sliding_window).collect();
+        assert_eq!(windows, [Some(4096), None, Some(4096), None]);
+        // Gemma 2's local layers keep the file's RoPE base and scale.
+        assert!(c.layers.iter().all(|l| l.rope_freq_base == 10_000.0));
+        assert!(c.layers.iter().all(|l| l.rope_scale == 2.0));
+        assert!(c.scale_queries);
+        let err = c.check_gpu_support().unwrap_err();
+        assert!(err.to_string().contains("\"gemma2\""), "{err}");
+    }
+
+    #[test]
+    fn gemma3_reads_its_window_pattern_local_base_and_logit_cap() {
+        let m = metadata(
+            "gemma3",
+            &[
+                (".attention.sliding_window", Value::U32(512)),
+                (".attention.sliding_window_pattern", Value::U32(2)),
+                (".rope.freq_base", Value::F32(1e6)),
+                (".rope.freq_base_swa", Value::F32(2e4)),
+                (".rope.scaling.type", Value::String("linear".into())),
+                (".rope.scaling.factor", Value::F32(8.0)),
+                (".final_logit_softcapping", Value::F32(30.0)),
+            ],
+        );
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        let layers: Vec<_> = c
+            .layers
+            .iter()
+            .map(|l| (l.sliding_window, l.rope_freq_base, l.rope_scale))
+            .collect();
+        let local = (Some(512), 2e4, 1.0);
+        let global = (None, 1e6, 8.0);
+        assert_eq!(layers, [local, global, local, global]);
+        assert_eq!(c.final_logit_softcap, Some(30.0));
+        assert_eq!(c.attn_logit_softcap, None);
+        assert!(c.check_gpu_support().is_err());
+
+        // The defaults: five local layers of six at base 10,000, no cap; a per-layer
+        // list replaces the period; without a window every layer is global.
+        let m = metadata("gemma3", &[(".attention.sliding_window", Value::U32(512))]);
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        assert!(c.layers.iter().all(|l| l.sliding_window == Some(512)));
+        assert!(c.layers.iter().all(|l| l.rope_freq_base == 10_000.0));
+        assert_eq!(c.final_logit_softcap, None);
+        c.check_gpu_support().unwrap();
+        let flags = Value::Array(Array::Bool(vec![false, true, true, false]));
+        let m = metadata(
+            "gemma3",
+            &[
+                (".attention.sliding_window", Value::U32(512)),
+                (".attention.sliding_window_pattern", flags),
+            ],
+        );
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        let windows: Vec<_> = c.layers.iter().map(|l| l.sliding_window).collect();
+        assert_eq!(windows, [None, Some(512), Some(512), None]);
+        let c = ModelConfig::from_metadata(&metadata("gemma3", &[])).unwrap();
+        assert!(c.layers.iter().all(|l| l.sliding_window.is_none()));
+    }
+
+    #[test]
+    fn gemma_configs_that_contradict_themselves_are_refused_naming_the_key() {
+        let flags = Value::Array(Array::Bool(vec![true, false]));
+        let m = metadata("gemma2", &[(".attention.sliding_window_pattern", flags)]);
+        let err = ModelConfig::from_metadata(&m).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::InvalidConfig { key, reason }
+                if key == "gemma2.attention.sliding_window_pattern" && reason.contains("2 flags for 4 layers")),
+            "{err}"
+        );
+        let m = metadata("gemma2", &[(".attn_logit_softcapping", Value::F32(-1.0))]);
+        let err = ModelConfig::from_metadata(&m).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::InvalidConfig { key, .. } if key == "gemma2.attn_logit_softcapping"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_27b_gemmas_scale_queries_by_the_width_per_head() {
+        // llama.cpp knows them by their layer count: 46 (Gemma 2) and 62 (Gemma 3).
+        for (arch, layers) in [("gemma2", 46u32), ("gemma3", 62)] {
+            let m = metadata(
+                arch,
+                &[
+                    (".block_count", Value::U32(layers)),
+                    (".attention.key_length", Value::U32(128)),
+                ],
+            );
+            let c = ModelConfig::from_metadata(&m).unwrap();
+            assert_eq!(c.attention_scale, 1.0 / 64f32.sqrt(), "{arch}");
+        }
+    }
+
+    #[test]
+    fn phi3_reads_its_long_context_rope_keys_and_ignores_its_window() {
+        let m = metadata(
+            "phi3",
+            &[
+                (".context_length", Value::U32(131_072)),
+                (".rope.scaling.original_context_length", Value::U32(4096)),
+                (".rope.scaling.attn_factor", Value::F32(1.19)),
+                (".attention.sliding_window", Value::U32(262_144)),
+            ],
+        );
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        assert_eq!(c.architecture, Architecture::Phi3);
+        assert_eq!((c.rope_original_context, c.n_ctx_train), (4096, 131_072));
+        assert_eq!(c.rope_attn_factor, 1.19);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        assert!(c.scale_queries);
+        assert!(c.layers.iter().all(|l| l.sliding_window.is_none()));
+        assert!(c.check_gpu_support().is_err());
+        let m = metadata("phi3", &[(".rope.scaling.attn_factor", Value::F32(0.0))]);
+        let err = ModelConfig::from_metadata(&m).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::InvalidConfig { key, .. } if key == "phi3.rope.scaling.attn_factor"),
+            "{err}"
+        );
+    }
 }

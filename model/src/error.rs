@@ -12,6 +12,9 @@ pub enum ModelError {
     Store(#[from] tensor_store::StoreError),
     #[error("architecture {name:?} is not supported (supported: {supported})")]
     UnsupportedArchitecture { name: String, supported: String },
+    /// The model runs on the CPU but not on the GPU.
+    #[error("{what} runs on the CPU only (the GPU runs {supported}); use --device cpu")]
+    GpuUnsupported { what: String, supported: String },
     #[error("metadata {key}: {reason}")]
     InvalidConfig { key: String, reason: String },
     #[error("tensor {name:?} is missing from the model")]

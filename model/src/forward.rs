@@ -132,10 +132,55 @@ pub(crate) struct Scratch {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    /// RoPE tables of this call's positions, one per base (bits) the layers use: layers
-    /// of one base rotate by the same angles (the frequency factors, where a model has
-    /// them, are one tensor for all layers).
-    rope: Vec<(u32, Vec<(f32, f32)>)>,
+    rope: RopeTables,
+}
+
+/// RoPE tables of one forward call's positions, one per base and scale the layers use:
+/// layers of one base and scale rotate by the same angles (the frequency factors, where
+/// a model has them, are one tensor for all layers).
+pub(crate) type RopeTables = Vec<((u32, u32), Vec<(f32, f32)>)>;
+
+/// The table of `layer_idx`'s angles at `positions`, from `tables` or computed into it,
+/// for a context (KV cache) of `context` positions: beyond the model's original context,
+/// Phi-3 rotates with its long factors, as llama.cpp does for a context that long.
+pub(crate) fn rope_table<'t, I: Iterator<Item = usize>>(
+    tables: &'t mut RopeTables,
+    config: &ModelConfig,
+    layer: &LayerPlan,
+    layer_idx: usize,
+    context: usize,
+    positions: impl FnOnce() -> I,
+) -> Result<&'t [(f32, f32)], ModelError> {
+    let attn_cfg = config.layers[layer_idx];
+    let key = (
+        attn_cfg.rope_freq_base.to_bits(),
+        attn_cfg.rope_scale.to_bits(),
+    );
+    let at = match tables.iter().position(|(k, _)| *k == key) {
+        Some(at) => at,
+        None => {
+            let factors = layer
+                .rope_freqs
+                .as_ref()
+                .or(if context > config.rope_original_context {
+                    layer.rope_factors_long.as_ref()
+                } else {
+                    layer.rope_factors_short.as_ref()
+                });
+            let freq_factors = factors.map(vector).transpose()?;
+            let table = ops::rope_table(
+                positions(),
+                config.rope_dims,
+                attn_cfg.rope_freq_base,
+                attn_cfg.rope_scale,
+                freq_factors.as_deref(),
+                config.rope_attn_factor,
+            );
+            tables.push((key, table));
+            tables.len() - 1
+        }
+    };
+    Ok(&tables[at].1)
 }
 
 fn layer_forward(
@@ -167,23 +212,14 @@ fn layer_forward(
     if let Some(norm) = &layer.k_norm {
         ops::rms_norm_in_place(&mut s.k, &vector(norm)?, eps);
     }
-    let base = attn_cfg.rope_freq_base.to_bits();
-    let at = match s.rope.iter().position(|(b, _)| *b == base) {
-        Some(at) => at,
-        None => {
-            let freq_factors = layer.rope_freqs.as_ref().map(vector).transpose()?;
-            let table = ops::rope_table(
-                first_pos..first_pos + n,
-                config.rope_dims,
-                attn_cfg.rope_freq_base,
-                config.rope_scale,
-                freq_factors.as_deref(),
-            );
-            s.rope.push((base, table));
-            s.rope.len() - 1
-        }
-    };
-    let table = &s.rope[at].1;
+    let table = rope_table(
+        &mut s.rope,
+        config,
+        layer,
+        layer_idx,
+        cache.capacity(),
+        || first_pos..first_pos + n,
+    )?;
     ops::apply_rope(
         &mut s.q,
         config.head_dim,
@@ -218,6 +254,7 @@ fn layer_forward(
         } else {
             config.attention_scale
         },
+        softcap: config.attn_logit_softcap,
     };
     ops::attention(&s.q, keys, values, &shape, &mut s.attn);
     let n = if rows == Rows::Last && n > 1 {
@@ -277,7 +314,9 @@ pub(crate) fn embed(
     Ok(x)
 }
 
-fn output_logits(
+/// The logits of the residual rows `x`: the final norm, the output projection, and the
+/// soft-capping of models that have it (`cap · tanh(l · (1/cap))`, as llama.cpp's graph).
+pub(crate) fn output_logits(
     config: &ModelConfig,
     plan: &ExecutionPlan,
     x: &mut [f32],
@@ -286,6 +325,12 @@ fn output_logits(
     ops::rms_norm_in_place(x, &vector(&plan.output_norm)?, config.rms_norm_eps);
     let mut logits = Vec::new();
     linear(&plan.output, x, n, &mut logits)?;
+    if let Some(cap) = config.final_logit_softcap {
+        let inv = 1.0 / cap;
+        for l in &mut logits {
+            *l = (*l * inv).tanh() * cap;
+        }
+    }
     Ok(logits)
 }
 
@@ -329,9 +374,17 @@ pub(crate) fn linears<const K: usize>(
     Ok(())
 }
 
-/// The weight of `lin` as a matrix over its mapped bytes.
+/// The weight of `lin` as a matrix over its mapped bytes (its rows' part of them).
 fn matrix(lin: &Linear) -> Result<QuantizedMatrix<'_>, ModelError> {
-    let bytes = lin.weight.bytes()?;
+    let mut bytes = lin.weight.bytes()?;
+    if lin.first_row != 0 || lin.rows as u64 != lin.weight.shape().get(1).copied().unwrap_or(1) {
+        let ty = lin.weight.ggml_type();
+        let row_bytes = ty.row_bytes(lin.cols as u64).unwrap_or(0) as usize;
+        let start = lin.first_row * row_bytes;
+        bytes = bytes
+            .get(start..start + lin.rows * row_bytes)
+            .unwrap_or_default();
+    }
     QuantizedMatrix::new(lin.weight.ggml_type(), lin.rows, lin.cols, bytes).map_err(|source| {
         ModelError::Matmul {
             name: lin.weight.name().to_owned(),

@@ -2,7 +2,7 @@
 //! of lazy weights, CPU forward pass, KV cache and sampling.
 //!
 //! - [`ModelConfig::from_metadata`] reads hyper-parameters (pure; no weights needed) for
-//!   the `llama`, `qwen2` and `gemma3` architectures.
+//!   the `llama`, `qwen2`, `qwen3`, `phi3`, `gemma2` and `gemma3` architectures.
 //! - [`ExecutionPlan`] holds, per layer, [`tensor_store::TensorHandle`]s of the weights:
 //!   building it checks names, shapes and types and reads no weight bytes.
 //! - [`Model::forward`] runs a batch of tokens through the plan on the CPU, multiplying

@@ -39,13 +39,15 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
 /// Cosines and sines of the rotary angles for `positions`, `rope_dims / 2` pairs each,
 /// computed as ggml does: `theta_i = pos · base^(-2i / rope_dims)` by repeated products,
 /// divided by pair `i`'s frequency factor when the model has them (Llama 3's
-/// `rope_freqs.weight`), then divided by the linear scaling factor `scale`.
+/// `rope_freqs.weight`, Phi-3's long or short factors), then divided by the linear
+/// scaling factor `scale`; the cosine and sine are multiplied by `attn_factor`.
 pub fn rope_table(
     positions: impl Iterator<Item = usize>,
     rope_dims: usize,
     base: f32,
     scale: f32,
     freq_factors: Option<&[f32]>,
+    attn_factor: f32,
 ) -> Vec<(f32, f32)> {
     let theta_scale = base.powf(-2.0 / rope_dims as f32);
     let freq_scale = 1.0 / scale;
@@ -55,7 +57,7 @@ pub fn rope_table(
         for i in 0..rope_dims / 2 {
             let factor = freq_factors.map_or(1.0, |f| f[i]);
             let angle = freq_scale * (theta / factor);
-            table.push((angle.cos(), angle.sin()));
+            table.push((angle.cos() * attn_factor, angle.sin() * attn_factor));
             theta *= theta_scale;
         }
     }
@@ -235,10 +237,10 @@ mod tests {
     fn rope_at_position_zero_is_identity_and_preserves_norm() {
         let mut x: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.5).collect();
         let orig = x.clone();
-        let table = rope_table([0usize].into_iter(), 8, 10_000.0, 1.0, None);
+        let table = rope_table([0usize].into_iter(), 8, 10_000.0, 1.0, None, 1.0);
         apply_rope(&mut x, 8, 8, RopeStyle::Halves, &table);
         assert_eq!(x, orig);
-        let table = rope_table([7usize].into_iter(), 8, 10_000.0, 1.0, None);
+        let table = rope_table([7usize].into_iter(), 8, 10_000.0, 1.0, None, 1.0);
         for style in [RopeStyle::Halves, RopeStyle::Interleaved] {
             let mut y = orig.clone();
             apply_rope(&mut y, 8, 8, style, &table);
@@ -255,8 +257,8 @@ mod tests {
         // rotated the slow pairs of every Llama 3.1/3.2 head too far.
         let (pos, dims, base) = (9usize, 8, 10_000.0f32);
         let factors = [1.0, 2.0, 4.0, 8.0];
-        let plain = rope_table([pos].into_iter(), dims, base, 1.0, None);
-        let scaled = rope_table([pos].into_iter(), dims, base, 1.0, Some(&factors));
+        let plain = rope_table([pos].into_iter(), dims, base, 1.0, None, 1.0);
+        let scaled = rope_table([pos].into_iter(), dims, base, 1.0, Some(&factors), 1.0);
         for i in 0..dims / 2 {
             let theta = pos as f32 * base.powf(-2.0 * i as f32 / dims as f32);
             let expected = theta / factors[i];

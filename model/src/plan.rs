@@ -11,13 +11,17 @@ use tensor_store::{TensorHandle, TensorStore};
 use crate::config::{Architecture, ModelConfig};
 use crate::ModelError;
 
-/// A matrix weight of `rows` output features by `cols` input features, with its bias.
+/// A matrix weight of `rows` output features by `cols` input features, with its bias:
+/// the rows `first_row..first_row + rows` of its tensor (a part of a fused tensor, such
+/// as Phi-3's `attn_qkv`; rows are whole blocks, so a part is a range of the tensor's
+/// bytes), usually all of them.
 #[derive(Clone, Debug)]
 pub struct Linear {
     pub weight: TensorHandle,
     pub bias: Option<TensorHandle>,
     pub rows: usize,
     pub cols: usize,
+    pub first_row: usize,
 }
 
 /// A vector weight of `len` f32 values (norm scales).
@@ -38,16 +42,20 @@ pub struct LayerPlan {
     /// Divisors of each rotary pair's angle (Llama 3's `rope_freqs.weight`, one tensor
     /// shared by every layer).
     pub rope_freqs: Option<Vector>,
-    /// Per-head RMSNorm of queries and keys (Gemma 3).
+    /// Phi-3's divisors for contexts longer than the original one and for the others
+    /// (`rope_factors_long.weight`, `rope_factors_short.weight`, shared by every layer).
+    pub rope_factors_long: Option<Vector>,
+    pub rope_factors_short: Option<Vector>,
+    /// Per-head RMSNorm of queries and keys (Qwen 3, Gemma 3).
     pub q_norm: Option<Vector>,
     pub k_norm: Option<Vector>,
-    /// Norm of the attention output before the residual add (Gemma 3).
+    /// Norm of the attention output before the residual add (Gemma 2 and 3).
     pub post_attn_norm: Option<Vector>,
     pub ffn_norm: Vector,
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
-    /// Norm of the feed-forward output before the residual add (Gemma 3).
+    /// Norm of the feed-forward output before the residual add (Gemma 2 and 3).
     pub post_ffn_norm: Option<Vector>,
 }
 
@@ -73,7 +81,14 @@ impl ExecutionPlan {
             config.n_kv_heads * config.head_dim,
             config.n_kv_heads * config.head_dim_v,
         );
-        let gemma = config.architecture == Architecture::Gemma3;
+        let gemma = matches!(
+            config.architecture,
+            Architecture::Gemma2 | Architecture::Gemma3
+        );
+        let qk_norm = matches!(
+            config.architecture,
+            Architecture::Qwen3 | Architecture::Gemma3
+        );
         let biased = config.architecture == Architecture::Qwen2;
         let token_embd = b.matrix("token_embd.weight", config.n_vocab, d)?;
         let rope_freqs = match store.get("rope_freqs.weight") {
@@ -82,33 +97,61 @@ impl ExecutionPlan {
             }
             _ => None,
         };
+        let phi3 = config.architecture == Architecture::Phi3;
+        let factors = |name: &str| match store.get(name) {
+            Some(_) if phi3 => b.vector(name, config.rope_dims / 2).map(Some),
+            _ => Ok(None),
+        };
+        let rope_factors_long = factors("rope_factors_long.weight")?;
+        let rope_factors_short = factors("rope_factors_short.weight")?;
         let layers = (0..config.n_layers)
             .map(|i| {
                 let n = |s: &str| format!("blk.{i}.{s}");
+                // Phi-3 fuses Q, K and V in one tensor, and the gate and up projections.
+                let qkv = n("attn_qkv.weight");
+                let [wq, wk, wv] = if phi3 && store.get(&qkv).is_some() {
+                    b.parts(&qkv, [q_dim, kv_dim, v_dim], d)?
+                } else {
+                    [
+                        b.linear(&n("attn_q.weight"), q_dim, d, biased)?,
+                        b.linear(&n("attn_k.weight"), kv_dim, d, biased)?,
+                        b.linear(&n("attn_v.weight"), v_dim, d, biased)?,
+                    ]
+                };
+                let [gate, up] = if phi3 {
+                    b.parts(&n("ffn_up.weight"), [config.n_ff, config.n_ff], d)?
+                } else {
+                    [
+                        b.linear(&n("ffn_gate.weight"), config.n_ff, d, false)?,
+                        b.linear(&n("ffn_up.weight"), config.n_ff, d, false)?,
+                    ]
+                };
                 Ok(LayerPlan {
                     attn_norm: b.vector(&n("attn_norm.weight"), d)?,
                     rope_freqs: rope_freqs.clone(),
-                    wq: b.linear(&n("attn_q.weight"), q_dim, d, biased)?,
-                    wk: b.linear(&n("attn_k.weight"), kv_dim, d, biased)?,
-                    wv: b.linear(&n("attn_v.weight"), v_dim, d, biased)?,
+                    rope_factors_long: rope_factors_long.clone(),
+                    rope_factors_short: rope_factors_short.clone(),
+                    wq,
+                    wk,
+                    wv,
                     wo: b.linear(
                         &n("attn_output.weight"),
                         d,
                         config.n_heads * config.head_dim_v,
                         false,
                     )?,
-                    q_norm: gemma
+                    q_norm: qk_norm
                         .then(|| b.vector(&n("attn_q_norm.weight"), config.head_dim))
                         .transpose()?,
-                    k_norm: gemma
+                    k_norm: qk_norm
                         .then(|| b.vector(&n("attn_k_norm.weight"), config.head_dim))
                         .transpose()?,
                     post_attn_norm: gemma
                         .then(|| b.vector(&n("post_attention_norm.weight"), d))
                         .transpose()?,
                     ffn_norm: b.vector(&n("ffn_norm.weight"), d)?,
-                    gate: b.linear(&n("ffn_gate.weight"), config.n_ff, d, false)?,
-                    up: b.linear(&n("ffn_up.weight"), config.n_ff, d, false)?,
+                    gate,
+                    up,
                     down: b.linear(&n("ffn_down.weight"), d, config.n_ff, false)?,
                     post_ffn_norm: gemma
                         .then(|| b.vector(&n("post_ffw_norm.weight"), d))
@@ -116,9 +159,13 @@ impl ExecutionPlan {
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
+        // Gemma 2's output is its embeddings, whatever else the file holds (as llama.cpp
+        // reads it).
         let output = match store.get("output.weight") {
-            Some(_) => b.linear("output.weight", config.n_vocab, d, false)?,
-            None => {
+            Some(_) if config.architecture != Architecture::Gemma2 => {
+                b.linear("output.weight", config.n_vocab, d, false)?
+            }
+            _ => {
                 b.check_kernel(&token_embd.weight)?;
                 token_embd.clone()
             }
@@ -137,18 +184,21 @@ impl ExecutionPlan {
         for (layer_idx, l) in self.layers.iter().enumerate() {
             out.push(&l.attn_norm.handle);
             for lin in [&l.wq, &l.wk, &l.wv] {
-                out.push(&lin.weight);
+                push_once(&mut out, &lin.weight);
                 out.extend(lin.bias.as_ref());
             }
             out.extend(l.q_norm.iter().chain(&l.k_norm).map(|v| &v.handle));
             if layer_idx == 0 {
                 // Shared by every layer.
-                out.extend(l.rope_freqs.as_ref().map(|v| &v.handle));
+                let shared = [&l.rope_freqs, &l.rope_factors_long, &l.rope_factors_short];
+                out.extend(shared.into_iter().flatten().map(|v| &v.handle));
             }
             out.push(&l.wo.weight);
             out.extend(l.post_attn_norm.as_ref().map(|v| &v.handle));
             out.push(&l.ffn_norm.handle);
-            out.extend([&l.gate.weight, &l.up.weight, &l.down.weight]);
+            for lin in [&l.gate, &l.up, &l.down] {
+                push_once(&mut out, &lin.weight);
+            }
             out.extend(l.post_ffn_norm.as_ref().map(|v| &v.handle));
         }
         out.push(&self.output_norm.handle);
@@ -156,6 +206,13 @@ impl ExecutionPlan {
             out.push(&self.output.weight);
         }
         out
+    }
+}
+
+/// Pushes `handle` unless it is the last one pushed (the parts of a fused tensor).
+fn push_once<'a>(out: &mut Vec<&'a TensorHandle>, handle: &'a TensorHandle) {
+    if out.last().map(|h| h.index()) != Some(handle.index()) {
+        out.push(handle);
     }
 }
 
@@ -194,7 +251,33 @@ impl Builder<'_> {
             bias: None,
             rows,
             cols,
+            first_row: 0,
         })
+    }
+
+    /// The consecutive row ranges of one fused tensor of `cols` columns, `rows[i]` rows
+    /// each, covering it.
+    fn parts<const K: usize>(
+        &self,
+        name: &str,
+        rows: [usize; K],
+        cols: usize,
+    ) -> Result<[Linear; K], ModelError> {
+        let total: usize = rows.iter().sum();
+        let weight = self.handle(name, &[cols as u64, total as u64])?;
+        self.check_kernel(&weight)?;
+        let mut first_row = 0;
+        Ok(rows.map(|rows| {
+            let part = Linear {
+                weight: weight.clone(),
+                bias: None,
+                rows,
+                cols,
+                first_row,
+            };
+            first_row += rows;
+            part
+        }))
     }
 
     /// Refuses a weight that no product kernel multiplies.
@@ -228,6 +311,7 @@ impl Builder<'_> {
             bias,
             rows,
             cols,
+            first_row: 0,
         })
     }
 

@@ -377,7 +377,7 @@ pub(super) fn layer(
         rope_dims: c.rope_dims,
         neox: c.rope_style == RopeStyle::Halves,
         theta_scale: layer_cfg.rope_freq_base.powf(-2.0 / c.rope_dims as f32),
-        freq_scale: 1.0 / c.rope_scale,
+        freq_scale: 1.0 / layer_cfg.rope_scale,
         q_scale: if c.scale_queries {
             c.attention_scale
         } else {

@@ -89,6 +89,7 @@ impl GpuModel {
     /// Opens `options.device`, starts the device cache of `model`'s weights and takes the
     /// arena for activations and the KV cache.
     pub fn new(model: &Model, options: &GpuOptions) -> Result<GpuModel, ModelError> {
+        model.config().check_gpu_support()?;
         let gpu = |op| move |source| ModelError::Gpu { op, source };
         let device = Device::open(options.device).map_err(gpu("device"))?;
         let config = model.config().clone();

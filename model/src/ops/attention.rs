@@ -44,6 +44,9 @@ pub struct AttentionShape {
     /// Keys more than `window - 1` positions back are masked.
     pub window: Option<usize>,
     pub scale: f32,
+    /// Scores `s` become `cap · tanh(s · (1/cap))` before the scale (Gemma 2's logit
+    /// soft-capping, applied as llama.cpp's graph applies it).
+    pub softcap: Option<f32>,
 }
 
 /// How a product's fused multiply-add chains are laid out and reduced.
@@ -196,7 +199,10 @@ fn head_impl(
     let mut max = f32::NEG_INFINITY;
     for j in start..=pos {
         let k = &keys[head.layout.row(j) * k_stride + kvh * hd..][..hd];
-        let score = dot(lanes, &s.q, k) * shape.scale;
+        let score = match shape.softcap {
+            None => dot(lanes, &s.q, k) * shape.scale,
+            Some(cap) => (dot(lanes, &s.q, k) * (1.0 / cap)).tanh() * cap * shape.scale,
+        };
         max = max.max(score);
         s.scores.push(score);
     }
@@ -322,6 +328,7 @@ mod tests {
             first_pos: 0,
             window: None,
             scale: 0.5,
+            softcap: None,
         };
         let q = [1.0; 8];
         let k = [0.3; 4];
@@ -342,6 +349,7 @@ mod tests {
             first_pos: 1,
             window: Some(1),
             scale: 1.0,
+            softcap: None,
         };
         let k = [1.0, 0.0, 0.0, 1.0];
         let v = [10.0, 20.0];
@@ -367,6 +375,7 @@ mod tests {
             first_pos: n - 1,
             window: None,
             scale: 0.25,
+            softcap: None,
         };
         let mut out = vec![0.0; 2 * hd];
         attention(&q, &keys, &values, &shape, &mut out);

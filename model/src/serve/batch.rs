@@ -10,7 +10,9 @@
 //! that get logits.
 
 use crate::config::{Activation, ModelConfig};
-use crate::forward::{add, embed, linear, linears, on_the_pool, resize, vector};
+use crate::forward::{
+    add, embed, linear, linears, on_the_pool, output_logits, resize, rope_table, vector, RopeTables,
+};
 use crate::ops::{self, AttentionShape, Layout};
 use crate::plan::{ExecutionPlan, LayerPlan};
 use crate::ModelError;
@@ -30,16 +32,19 @@ pub(crate) struct Segment<'a> {
 
 /// Runs every segment's tokens and returns `n_vocab` logits for each segment that asks,
 /// in segment order.
+/// `context_size` is the most positions of one sequence (what a KV cache of
+/// [`crate::Model::forward`] holds), which chooses Phi-3's RoPE factors.
 pub(crate) fn forward_batch(
     config: &ModelConfig,
     plan: &ExecutionPlan,
     pool: &mut KvPool,
     segments: &[Segment<'_>],
+    context_size: usize,
 ) -> Result<Vec<f32>, ModelError> {
     if segments.iter().all(|s| s.tokens.is_empty()) {
         return Err(ModelError::EmptyInput);
     }
-    on_the_pool(|| run(config, plan, pool, segments))
+    on_the_pool(|| run(config, plan, pool, segments, context_size))
 }
 
 #[derive(Default)]
@@ -52,7 +57,7 @@ struct Buffers {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    rope: Vec<(u32, Vec<(f32, f32)>)>,
+    rope: RopeTables,
 }
 
 fn run(
@@ -60,6 +65,7 @@ fn run(
     plan: &ExecutionPlan,
     pool: &mut KvPool,
     segments: &[Segment<'_>],
+    context_size: usize,
 ) -> Result<Vec<f32>, ModelError> {
     let tokens: Vec<u32> = segments
         .iter()
@@ -83,6 +89,7 @@ fn run(
             &mut x,
             pool,
             segments,
+            context_size,
             &mut b,
         )?;
     }
@@ -90,10 +97,7 @@ fn run(
     if n == 0 {
         return Ok(Vec::new());
     }
-    ops::rms_norm_in_place(&mut x, &vector(&plan.output_norm)?, config.rms_norm_eps);
-    let mut logits = Vec::new();
-    linear(&plan.output, &x, n, &mut logits)?;
-    Ok(logits)
+    output_logits(config, plan, &mut x)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -105,6 +109,7 @@ fn layer_forward(
     x: &mut Vec<f32>,
     pool: &mut KvPool,
     segments: &[Segment<'_>],
+    context_size: usize,
     b: &mut Buffers,
 ) -> Result<(), ModelError> {
     let n = x.len() / config.n_embd;
@@ -131,26 +136,11 @@ fn layer_forward(
     if let Some(norm) = &layer.k_norm {
         ops::rms_norm_in_place(&mut b.k, &vector(norm)?, eps);
     }
-    let base = attn_cfg.rope_freq_base.to_bits();
-    let at = match b.rope.iter().position(|(bits, _)| *bits == base) {
-        Some(at) => at,
-        None => {
-            let freq_factors = layer.rope_freqs.as_ref().map(vector).transpose()?;
-            let positions = segments
-                .iter()
-                .flat_map(|s| s.first_pos..s.first_pos + s.tokens.len());
-            let table = ops::rope_table(
-                positions,
-                config.rope_dims,
-                attn_cfg.rope_freq_base,
-                config.rope_scale,
-                freq_factors.as_deref(),
-            );
-            b.rope.push((base, table));
-            b.rope.len() - 1
-        }
-    };
-    let table = &b.rope[at].1;
+    let table = rope_table(&mut b.rope, config, layer, layer_idx, context_size, || {
+        segments
+            .iter()
+            .flat_map(|s| s.first_pos..s.first_pos + s.tokens.len())
+    })?;
     ops::apply_rope(
         &mut b.q,
         config.head_dim,
@@ -202,6 +192,7 @@ fn layer_forward(
             } else {
                 config.attention_scale
             },
+            softcap: config.attn_logit_softcap,
         };
         let out = &mut b.attn[rows.start * out_dim..rows.end * out_dim];
         let (keys, values) = pool.layer(layer_idx);

@@ -622,6 +622,7 @@ impl<'m> Loop<'m> {
             self.model.plan(),
             &mut self.pool,
             &segments,
+            self.config.context_size,
         );
         let wants: Vec<bool> = segments.iter().map(|s| s.logits).collect();
         drop(segments);

@@ -21,6 +21,9 @@ pub mod keys {
     pub const ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
     pub const ADD_EOS: &str = "tokenizer.ggml.add_eos_token";
     pub const ADD_SPACE_PREFIX: &str = "tokenizer.ggml.add_space_prefix";
+    /// Not a tokenizer key: llama.cpp gives some families' special tokens attributes by
+    /// the model's name.
+    pub const GENERAL_NAME: &str = "general.name";
 }
 
 /// The `tokenizer.ggml.token_type` values.
@@ -59,6 +62,9 @@ pub struct VocabSpec {
     pub add_bos: Option<bool>,
     pub add_eos: Option<bool>,
     pub add_space_prefix: Option<bool>,
+    /// `general.name`: Phi-3's special tokens swallow the white space after them when
+    /// the name says Phi-3, as in llama.cpp.
+    pub model_name: Option<String>,
 }
 
 impl VocabSpec {
@@ -96,6 +102,9 @@ impl VocabSpec {
             add_bos: metadata.get_opt(keys::ADD_BOS)?,
             add_eos: metadata.get_opt(keys::ADD_EOS)?,
             add_space_prefix: metadata.get_opt(keys::ADD_SPACE_PREFIX)?,
+            model_name: metadata
+                .get_opt::<&str>(keys::GENERAL_NAME)?
+                .map(str::to_owned),
         })
     }
 }

@@ -25,6 +25,8 @@ pub(super) struct SpecialMatcher {
     /// Whether pattern `i` is also matched when special tokens are not parsed
     /// (user-defined tokens that are not control or unknown).
     always: Vec<bool>,
+    /// Per pattern: the white space after a match is dropped ([`attr::RSTRIP`]).
+    rstrip: Vec<bool>,
     automaton: Option<AhoCorasick>,
 }
 
@@ -39,6 +41,10 @@ impl SpecialMatcher {
             .iter()
             .map(|&id| vocab.attr(id) & (attr::CONTROL | attr::UNKNOWN) == 0)
             .collect();
+        let rstrip = order
+            .iter()
+            .map(|&id| vocab.attr(id) & attr::RSTRIP != 0)
+            .collect();
         let automaton = if order.is_empty() {
             None
         } else {
@@ -49,6 +55,7 @@ impl SpecialMatcher {
         SpecialMatcher {
             order,
             always,
+            rstrip,
             automaton,
         }
     }
@@ -73,24 +80,33 @@ impl SpecialMatcher {
         hits.sort_unstable();
 
         let mut claimed = vec![false; text.len()];
-        let mut found: Vec<(usize, usize, TokenId)> = Vec::new();
+        let mut found: Vec<(usize, usize, usize)> = Vec::new();
         for (pattern, start, end) in hits {
             if claimed[start..end].iter().any(|&c| c) {
                 continue;
             }
             claimed[start..end].fill(true);
-            found.push((start, end, self.order[pattern]));
+            found.push((start, end, pattern));
         }
         found.sort_unstable();
 
         let mut fragments = Vec::with_capacity(found.len() * 2 + 1);
         let mut pos = 0;
-        for (start, end, id) in found {
+        for (i, &(start, end, pattern)) in found.iter().enumerate() {
             if start > pos {
                 fragments.push(Fragment::Text(&text[pos..start]));
             }
-            fragments.push(Fragment::Token(id));
+            fragments.push(Fragment::Token(self.order[pattern]));
             pos = end;
+            if self.rstrip[pattern] {
+                // C's `isspace`, up to the next match, as llama.cpp strips.
+                let next = found.get(i + 1).map_or(text.len(), |f| f.0);
+                let spaces = text.as_bytes()[end..next]
+                    .iter()
+                    .take_while(|&&b| matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r'))
+                    .count();
+                pos = end + spaces;
+            }
         }
         if pos < text.len() {
             fragments.push(Fragment::Text(&text[pos..]));
@@ -148,5 +164,48 @@ mod tests {
             m.split("x    ", false),
             [Fragment::Text("x"), Fragment::Token(4), Fragment::Text(" ")]
         );
+    }
+
+    #[test]
+    fn phi3_special_tokens_swallow_the_white_space_after_them() {
+        // llama.cpp gives a Phi-3 file's special tokens (by its `general.name`) the
+        // right-strip attribute, but not `<unk>`, `<s>` and `<|endoftext|>`.
+        let tokens = [
+            ("<unk>", 2),
+            ("<s>", 3),
+            ("</s>", 3),
+            ("<|endoftext|>", 3),
+            ("<|user|>", 4),
+            ("<|end|>", 4),
+            ("a", 1),
+        ];
+        let vocab = |name: &str| {
+            Tokenizer::new(VocabSpec {
+                model: "llama".into(),
+                tokens: tokens.iter().map(|(s, _)| s.to_string()).collect(),
+                token_types: Some(tokens.iter().map(|&(_, t)| t).collect()),
+                model_name: Some(name.into()),
+                ..VocabSpec::default()
+            })
+            .unwrap()
+        };
+        let text = "<|user|>\n \ta<|end|>\n<s> a</s>\r\n<|endoftext|> ";
+        let phi3 = vocab("Phi3 Mini 4k Instruct");
+        assert_eq!(
+            SpecialMatcher::new(&phi3.vocab).split(text, true),
+            [
+                Fragment::Token(4),
+                Fragment::Text("a"),
+                Fragment::Token(5),
+                Fragment::Token(1),
+                Fragment::Text(" a"),
+                Fragment::Token(2),
+                Fragment::Token(3),
+                Fragment::Text(" "),
+            ]
+        );
+        let other = vocab("Llama");
+        let fragments = SpecialMatcher::new(&other.vocab).split(text, true);
+        assert_eq!(fragments[1], Fragment::Text("\n \ta"));
     }
 }

@@ -18,6 +18,8 @@ pub(super) mod attr {
     pub const CONTROL: u8 = 1 << 3;
     pub const USER_DEFINED: u8 = 1 << 4;
     pub const BYTE: u8 = 1 << 5;
+    /// White space after the token in the input is dropped when it is matched.
+    pub const RSTRIP: u8 = 1 << 6;
 }
 
 /// Texts that end a turn when the metadata names no EOT token, in order of preference.
@@ -195,7 +197,39 @@ impl Vocab {
             add_space_prefix: spec.add_space_prefix.unwrap_or(add_space_prefix),
         };
         vocab.find_end_tokens();
+        if let Some(name) = &spec.model_name {
+            vocab.set_name_attributes(name);
+        }
         Ok(vocab)
+    }
+
+    /// The attributes llama.cpp gives tokens by the model's name: a Phi-3 file's special
+    /// tokens (and `</s>`) drop the white space after them, except `<unk>`, `<s>` and
+    /// `<|endoftext|>`.
+    fn set_name_attributes(&mut self, name: &str) {
+        let name = name.to_lowercase();
+        if !(name.contains("phi-3") || name.contains("phi3")) {
+            return;
+        }
+        for id in 0..self.len() as TokenId {
+            if self.is_special_text(id) {
+                self.attrs[id as usize] |= attr::RSTRIP;
+            }
+        }
+        let mut set = |text: &str, on: bool| {
+            if let Some(id) = self.id(text) {
+                let a = &mut self.attrs[id as usize];
+                *a = if on {
+                    *a | attr::RSTRIP
+                } else {
+                    *a & !attr::RSTRIP
+                };
+            }
+        };
+        set("</s>", true);
+        for text in ["<unk>", "<s>", "<|endoftext|>"] {
+            set(text, false);
+        }
     }
 
     /// Finds EOT/EOM by text when the metadata does not name them, and builds the

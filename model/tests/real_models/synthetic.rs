@@ -1,7 +1,9 @@
 //! Synthetic models against llama.cpp: the architectures, head layouts and weight types
-//! that no real model here covers (`qwen2` with its Q/K/V biases and NeoX RoPE, Llama 3's
-//! tokenizer and RoPE divisors, multi-head and multi-query attention, Gemma 3's sliding
-//! window and global layer, every weight type the kernels claim, tied and untied outputs).
+//! that no real model here covers (`qwen2` with its Q/K/V biases and NeoX RoPE, `qwen3`
+//! with its per-head Q/K norms, Llama 3's tokenizer and RoPE divisors, multi-head and
+//! multi-query attention, Gemma 3's sliding window and global layer and its optional keys,
+//! Gemma 2's alternating windows and soft-capping, Phi-3's fused tensors and long and
+//! short RoPE factors, every weight type the kernels claim, tied and untied outputs).
 //!
 //! Each model is generated here, bit for bit, from a spec in `synthetic/generate.rs`;
 //! llama.cpp's tokens and teacher-forced logits for the same bytes are in
@@ -304,8 +306,13 @@ matches_llama_cpp! {
     llama3_matches_llama_cpp => "llama3",
     qwen2_tied_matches_llama_cpp => "qwen2-tied",
     qwen2_gqa4_matches_llama_cpp => "qwen2-gqa4",
+    qwen3_matches_llama_cpp => "qwen3",
     gemma3_matches_llama_cpp => "gemma3",
     gemma3_f16_matches_llama_cpp => "gemma3-f16",
+    gemma3_keys_matches_llama_cpp => "gemma3-keys",
+    gemma2_matches_llama_cpp => "gemma2",
+    phi3_matches_llama_cpp => "phi3",
+    phi3_long_matches_llama_cpp => "phi3-long",
 }
 
 #[test]
@@ -574,6 +581,49 @@ mod gpu {
         gpu_qwen2_gqa4 => "qwen2-gqa4",
         gpu_gemma3 => "gemma3",
         gpu_gemma3_f16 => "gemma3-f16",
+    }
+
+    /// A model the GPU does not run is refused before any device work, with an error
+    /// naming its architecture, rather than computed wrongly.
+    fn refuses(name: &str) {
+        let spec = spec(name).expect("a spec");
+        let bytes = build(spec).expect("the generator writes a valid file");
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join(format!("{name}.gguf"));
+        std::fs::write(&path, &bytes).expect("writing the model");
+        let store = TensorStore::open(&path).expect("model opens");
+        let model = Model::load(&store).expect("model loads");
+        let options = GpuOptions {
+            device: 0,
+            mode: UploadMode::Background,
+            budget: None,
+            context_size: 16,
+        };
+        let architecture = model.config().architecture.name();
+        match GpuModel::new(&model, &options) {
+            Err(model::ModelError::GpuUnsupported { what, .. }) => {
+                assert!(what.contains(architecture), "{name}: {what}")
+            }
+            Err(other) => panic!("{name}: refused for another reason: {other}"),
+            Ok(_) => panic!("{name}: the GPU accepted an architecture it does not run"),
+        }
+    }
+
+    macro_rules! gpu_refuses {
+        ($($test:ident => $name:literal),* $(,)?) => {$(
+            #[test]
+            fn $test() {
+                refuses($name);
+            }
+        )*};
+    }
+
+    gpu_refuses! {
+        gpu_qwen3 => "qwen3",
+        gpu_gemma2 => "gemma2",
+        gpu_gemma3_keys => "gemma3-keys",
+        gpu_phi3 => "phi3",
+        gpu_phi3_long => "phi3-long",
     }
 
     #[test]

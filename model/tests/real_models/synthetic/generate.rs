@@ -22,6 +22,9 @@ const CONTEXT_LENGTH: u32 = 1024;
 pub enum Arch {
     Llama,
     Qwen2,
+    Qwen3,
+    Phi3,
+    Gemma2,
     Gemma3,
 }
 
@@ -30,6 +33,9 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Phi3 => "phi3",
+            Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3",
         }
     }
@@ -55,8 +61,21 @@ pub struct Spec {
     pub rope_freq_base: f32,
     /// Llama 3's per-frequency RoPE divisors (`rope_freqs.weight`).
     pub rope_freqs: bool,
-    /// Gemma 3's sliding window.
+    /// Gemma's sliding window.
     pub sliding_window: u32,
+    /// Gemma's `attention.sliding_window_pattern` (0: the key is absent).
+    pub swa_pattern: u32,
+    /// Gemma's `rope.freq_base_swa` (0: absent).
+    pub rope_freq_base_swa: f32,
+    /// Linear RoPE scaling factor (0: no `rope.scaling.*` keys).
+    pub rope_scale: f32,
+    /// `attn_logit_softcapping` and `final_logit_softcapping` (0: absent).
+    pub attn_softcap: f32,
+    pub final_softcap: f32,
+    /// Phi-3's `rope_factors_long`/`_short` tensors, with its
+    /// `rope.scaling.original_context_length` and `rope.scaling.attn_factor` (0: none
+    /// of them).
+    pub rope_original_context: u32,
     /// Text the reference tokenizes; its tokens are the sequence evaluated.
     pub prompt: &'static str,
     pub seed: u64,
@@ -77,6 +96,12 @@ const LLAMA: Spec = Spec {
     rope_freq_base: 100_000.0,
     rope_freqs: false,
     sliding_window: 0,
+    swa_pattern: 0,
+    rope_freq_base_swa: 0.0,
+    rope_scale: 0.0,
+    attn_softcap: 0.0,
+    final_softcap: 0.0,
+    rope_original_context: 0,
     prompt:
         "<|im_start|>user\nThe cat sat on the mat, and the dog sat on the log in 2024!<|im_end|>",
     seed: 0,
@@ -179,6 +204,25 @@ pub const SPECS: &[Spec] = &[
         seed: 16,
         ..LLAMA
     },
+    // Qwen 3: per-head RMSNorm of queries and keys, no biases; 8 heads of 64 (wider
+    // than the model, as in Qwen3-0.6B, so the head size comes from `key_length`) on 2
+    // KV heads; a Q4_K_M-like mix with the output tied to Q6_K embeddings.
+    Spec {
+        name: "qwen3",
+        arch: Arch::Qwen3,
+        vocab: VocabStyle::Qwen2,
+        n_layers: 3,
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 64,
+        matrices: GgmlType::Q4_K,
+        overrides: &[("attn_v", GgmlType::Q6_K), ("ffn_down", GgmlType::Q6_K)],
+        token_embd: GgmlType::Q6_K,
+        rope_freq_base: 1_000_000.0,
+        prompt: "<|im_start|>user\nThe cat sat on the mat. Is it a café? 42<|im_end|>",
+        seed: 19,
+        ..LLAMA
+    },
     // Gemma 3: six layers so that the sixth is global and the others slide over 8
     // positions; 4 query heads of 128 (wider than the model) on one KV head; the real
     // Q4_K_M file's mix of types; tied output.
@@ -202,6 +246,95 @@ pub const SPECS: &[Spec] = &[
         sliding_window: 8,
         prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>",
         seed: 17,
+        ..LLAMA
+    },
+    // Gemma 3's optional keys, read rather than defaulted: a sliding-window pattern of
+    // 3 (layers 2 and 5 global), the local layers' own RoPE base, linear RoPE scaling
+    // (global layers only, as in Gemma 3 4B and up) and soft-capped logits.
+    Spec {
+        name: "gemma3-keys",
+        arch: Arch::Gemma3,
+        vocab: VocabStyle::Gemma,
+        n_layers: 6,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        matrices: GgmlType::Q8_0,
+        overrides: &[("ffn_down", GgmlType::Q6_K)],
+        token_embd: GgmlType::Q8_0,
+        output: None,
+        rope_freq_base: 1_000_000.0,
+        sliding_window: 6,
+        swa_pattern: 3,
+        rope_freq_base_swa: 20_000.0,
+        rope_scale: 4.0,
+        final_softcap: 12.0,
+        prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>",
+        seed: 21,
+        ..LLAMA
+    },
+    // Gemma 2: alternating sliding-window and global layers (the default pattern), no
+    // Q/K norms, soft-capped attention scores and logits (caps small enough to bend
+    // most values), 8 heads of 64 on 4 KV heads, its Q4_K_M mix, output tied.
+    Spec {
+        name: "gemma2",
+        arch: Arch::Gemma2,
+        vocab: VocabStyle::Gemma,
+        n_layers: 4,
+        n_heads: 8,
+        n_kv_heads: 4,
+        head_dim: 64,
+        matrices: GgmlType::Q4_K,
+        overrides: &[("attn_v", GgmlType::Q6_K), ("ffn_down", GgmlType::Q6_K)],
+        token_embd: GgmlType::Q6_K,
+        output: None,
+        rope_freq_base: 10_000.0,
+        sliding_window: 8,
+        attn_softcap: 8.0,
+        final_softcap: 12.0,
+        prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>",
+        seed: 20,
+        ..LLAMA
+    },
+    // Phi-3: fused Q/K/V and gate/up tensors, NeoX RoPE with the long-context models'
+    // frequency factors and attention factor, its SentencePiece vocabulary whose chat
+    // tokens swallow the new lines after them. With an original context of 4096 both
+    // engines rotate by the short factors; with 16, shorter than the prompt, by the
+    // long ones.
+    Spec {
+        name: "phi3",
+        arch: Arch::Phi3,
+        vocab: VocabStyle::Phi3,
+        n_layers: 3,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 64,
+        matrices: GgmlType::Q4_K,
+        overrides: &[("attn_qkv", GgmlType::Q5_K), ("ffn_down", GgmlType::Q6_K)],
+        token_embd: GgmlType::Q4_K,
+        output: Some(GgmlType::Q6_K),
+        rope_freq_base: 10_000.0,
+        rope_original_context: 4096,
+        prompt: "<|user|>\nThe cat sat on the mat. Is it 42? Où?<|end|>\n<|assistant|>\nThe cat",
+        seed: 22,
+        ..LLAMA
+    },
+    Spec {
+        name: "phi3-long",
+        arch: Arch::Phi3,
+        vocab: VocabStyle::Phi3,
+        n_layers: 3,
+        n_heads: 4,
+        n_kv_heads: 4,
+        head_dim: 64,
+        matrices: GgmlType::Q8_0,
+        overrides: &[("ffn_up", GgmlType::Q4_0)],
+        token_embd: GgmlType::Q8_0,
+        output: Some(GgmlType::Q8_0),
+        rope_freq_base: 10_000.0,
+        rope_original_context: 16,
+        prompt: "<|system|>\nBe brief.<|end|>\n<|user|>\nThe cat sat on the mat. Is it 42?<|end|>\n<|assistant|>\n",
+        seed: 23,
         ..LLAMA
     },
     Spec {
@@ -255,6 +388,24 @@ impl Tensors {
         self.add_values(name, ty, shape, &values)
     }
 
+    /// One tensor of `cols` columns made of parts of `rows` rows each, drawn with their
+    /// own standard deviations (a fused Q/K/V or gate/up weight).
+    fn add_fused(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        cols: usize,
+        parts: &[(usize, f32)],
+    ) -> Result<(), GgufError> {
+        let mut values = Vec::new();
+        for (i, &(rows, std)) in parts.iter().enumerate() {
+            let part = format!("{name}#{i}");
+            values.extend(Rng::for_tensor(self.seed, &part).normals(rows * cols, 0.0, std));
+        }
+        let rows = parts.iter().map(|&(rows, _)| rows).sum();
+        self.add_values(name, ty, &[cols, rows], &values)
+    }
+
     fn add_values(
         &mut self,
         name: &str,
@@ -288,11 +439,45 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
     match spec.arch {
         Arch::Llama => w.add_metadata(&key("rope.dimension_count"), spec.head_dim as u32)?,
         Arch::Qwen2 => {}
-        Arch::Gemma3 => {
+        Arch::Qwen3 => {
+            w.add_metadata(&key("attention.key_length"), spec.head_dim as u32)?;
+            w.add_metadata(&key("attention.value_length"), spec.head_dim as u32)?;
+        }
+        Arch::Phi3 => {
+            w.add_metadata(&key("rope.dimension_count"), spec.head_dim as u32)?;
+            if spec.rope_original_context != 0 {
+                let scale = CONTEXT_LENGTH as f32 / spec.rope_original_context as f32;
+                let attn_factor = (1.0 + scale.ln() / (spec.rope_original_context as f32).ln())
+                    .sqrt()
+                    .max(1.0);
+                w.add_metadata(
+                    &key("rope.scaling.original_context_length"),
+                    spec.rope_original_context,
+                )?;
+                w.add_metadata(&key("rope.scaling.attn_factor"), attn_factor)?;
+            }
+        }
+        Arch::Gemma2 | Arch::Gemma3 => {
             w.add_metadata(&key("attention.key_length"), spec.head_dim as u32)?;
             w.add_metadata(&key("attention.value_length"), spec.head_dim as u32)?;
             w.add_metadata(&key("attention.sliding_window"), spec.sliding_window)?;
         }
+    }
+    if spec.swa_pattern != 0 {
+        w.add_metadata(&key("attention.sliding_window_pattern"), spec.swa_pattern)?;
+    }
+    if spec.rope_freq_base_swa != 0.0 {
+        w.add_metadata(&key("rope.freq_base_swa"), spec.rope_freq_base_swa)?;
+    }
+    if spec.rope_scale != 0.0 {
+        w.add_metadata(&key("rope.scaling.type"), "linear")?;
+        w.add_metadata(&key("rope.scaling.factor"), spec.rope_scale)?;
+    }
+    if spec.attn_softcap != 0.0 {
+        w.add_metadata(&key("attn_logit_softcapping"), spec.attn_softcap)?;
+    }
+    if spec.final_softcap != 0.0 {
+        w.add_metadata(&key("final_logit_softcapping"), spec.final_softcap)?;
     }
     let n_vocab = add_tokenizer(&mut w, spec.vocab)?;
 
@@ -301,7 +486,9 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
         data: Vec::new(),
         seed: spec.seed,
     };
-    let gemma = spec.arch == Arch::Gemma3;
+    let gemma = matches!(spec.arch, Arch::Gemma2 | Arch::Gemma3);
+    let qk_norm = matches!(spec.arch, Arch::Qwen3 | Arch::Gemma3);
+    let phi3 = spec.arch == Arch::Phi3;
     // Gemma multiplies embeddings by sqrt(n_embd) = 16: draw them 16 times smaller, and
     // when they are also the output matrix, make up for it in the final norm.
     let embd_std = if gemma { EMBD_STD / 16.0 } else { EMBD_STD };
@@ -325,6 +512,27 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
             &llama3_divisors(spec.head_dim / 2),
         )?;
     }
+    if spec.rope_original_context != 0 {
+        // Phi-3.5's shapes: short factors near 1, long ones growing to tens.
+        let pairs = spec.head_dim / 2;
+        let ramp = |to: f32| -> Vec<f32> {
+            (0..pairs)
+                .map(|i| 1.0 + (to - 1.0) * (i as f32 / (pairs - 1) as f32).powi(2))
+                .collect()
+        };
+        t.add_values(
+            "rope_factors_long.weight",
+            GgmlType::F32,
+            &[pairs],
+            &ramp(40.0),
+        )?;
+        t.add_values(
+            "rope_factors_short.weight",
+            GgmlType::F32,
+            &[pairs],
+            &ramp(1.6),
+        )?;
+    }
     let (q_dim, kv_dim) = (
         spec.n_heads * spec.head_dim,
         spec.n_kv_heads * spec.head_dim,
@@ -339,33 +547,39 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
     for i in 0..spec.n_layers {
         let n = |s: &str| format!("blk.{i}.{s}");
         t.add(&n("attn_norm.weight"), GgmlType::F32, &[N_EMBD], 1.0, 0.1)?;
-        t.add(
-            &n("attn_q.weight"),
-            ty("attn_q"),
-            &[N_EMBD, q_dim],
-            0.0,
-            QK_GAIN * std(N_EMBD),
-        )?;
-        t.add(
-            &n("attn_k.weight"),
-            ty("attn_k"),
-            &[N_EMBD, kv_dim],
-            0.0,
-            QK_GAIN * std(N_EMBD),
-        )?;
-        t.add(
-            &n("attn_v.weight"),
-            ty("attn_v"),
-            &[N_EMBD, kv_dim],
-            0.0,
-            std(N_EMBD),
-        )?;
+        if phi3 {
+            let qk = QK_GAIN * std(N_EMBD);
+            let parts = [(q_dim, qk), (kv_dim, qk), (kv_dim, std(N_EMBD))];
+            t.add_fused(&n("attn_qkv.weight"), ty("attn_qkv"), N_EMBD, &parts)?;
+        } else {
+            t.add(
+                &n("attn_q.weight"),
+                ty("attn_q"),
+                &[N_EMBD, q_dim],
+                0.0,
+                QK_GAIN * std(N_EMBD),
+            )?;
+            t.add(
+                &n("attn_k.weight"),
+                ty("attn_k"),
+                &[N_EMBD, kv_dim],
+                0.0,
+                QK_GAIN * std(N_EMBD),
+            )?;
+            t.add(
+                &n("attn_v.weight"),
+                ty("attn_v"),
+                &[N_EMBD, kv_dim],
+                0.0,
+                std(N_EMBD),
+            )?;
+        }
         if spec.arch == Arch::Qwen2 {
             t.add(&n("attn_q.bias"), GgmlType::F32, &[q_dim], 0.0, 0.5)?;
             t.add(&n("attn_k.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.5)?;
             t.add(&n("attn_v.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.1)?;
         }
-        if gemma {
+        if qk_norm {
             t.add(
                 &n("attn_q_norm.weight"),
                 GgmlType::F32,
@@ -398,20 +612,26 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
             )?;
         }
         t.add(&n("ffn_norm.weight"), GgmlType::F32, &[N_EMBD], 1.0, 0.1)?;
-        t.add(
-            &n("ffn_gate.weight"),
-            ty("ffn_gate"),
-            &[N_EMBD, N_FF],
-            0.0,
-            std(N_EMBD),
-        )?;
-        t.add(
-            &n("ffn_up.weight"),
-            ty("ffn_up"),
-            &[N_EMBD, N_FF],
-            0.0,
-            std(N_EMBD),
-        )?;
+        if phi3 {
+            // The gate's rows first, then the up projection's.
+            let parts = [(N_FF, std(N_EMBD)), (N_FF, std(N_EMBD))];
+            t.add_fused(&n("ffn_up.weight"), ty("ffn_up"), N_EMBD, &parts)?;
+        } else {
+            t.add(
+                &n("ffn_gate.weight"),
+                ty("ffn_gate"),
+                &[N_EMBD, N_FF],
+                0.0,
+                std(N_EMBD),
+            )?;
+            t.add(
+                &n("ffn_up.weight"),
+                ty("ffn_up"),
+                &[N_EMBD, N_FF],
+                0.0,
+                std(N_EMBD),
+            )?;
+        }
         t.add(
             &n("ffn_down.weight"),
             ty("ffn_down"),

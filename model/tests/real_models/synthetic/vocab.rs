@@ -19,12 +19,16 @@ pub enum VocabStyle {
     Qwen2,
     /// Gemma: SentencePiece with byte fallback and scores, `<bos>` added.
     Gemma,
+    /// Phi-3: llama-style SentencePiece (`<unk> <s> </s>`, the byte pieces, scored
+    /// pieces, the chat tokens last), `<s>` added, the leading space added.
+    Phi3,
 }
 
 /// Token types as GGUF stores them.
 const NORMAL: i32 = 1;
 const UNKNOWN: i32 = 2;
 const CONTROL: i32 = 3;
+const USER_DEFINED: i32 = 4;
 const BYTE: i32 = 6;
 
 /// BPE merges in rank order. Every part is a byte token or the result of an earlier merge.
@@ -87,6 +91,7 @@ fn byte_char(b: u8) -> char {
 pub fn add_tokenizer(w: &mut GgufWriter, style: VocabStyle) -> Result<usize, GgufError> {
     match style {
         VocabStyle::Gemma => add_spm(w),
+        VocabStyle::Phi3 => add_phi3_spm(w),
         _ => add_bpe(w, style),
     }
 }
@@ -120,7 +125,9 @@ fn add_bpe(w: &mut GgufWriter, style: VocabStyle) -> Result<usize, GgufError> {
             "<|im_end|>",
             false,
         ),
-        VocabStyle::Gemma => unreachable!("SentencePiece vocabularies are built by add_spm"),
+        VocabStyle::Gemma | VocabStyle::Phi3 => {
+            unreachable!("SentencePiece vocabularies are built by add_spm and add_phi3_spm")
+        }
     };
     let specials_first = style == VocabStyle::SmolLm;
     let mut tokens: Vec<String> = Vec::new();
@@ -166,14 +173,56 @@ fn add_bpe(w: &mut GgufWriter, style: VocabStyle) -> Result<usize, GgufError> {
     Ok(n)
 }
 
+/// Scored SentencePiece pieces, most likely first.
+const PIECES: &[&str] = &[
+    "▁", "▁t", "he", "▁the", "in", "▁a", "at", "▁c", "▁s", "▁m", "on", "er", "▁o", "▁on", "▁cat",
+    "▁sat", "▁mat", "us", "user", "an", "e", "t", "a", "o", "i", "n", "s", "h", "r", "d", "l", "u",
+    "c", "m", "T", ".", ",", "?", "1", "2", "4", "▁i", "▁is", "es",
+];
+
+/// Phi-3's layout: `<unk> <s> </s>`, the 256 byte pieces, the scored pieces, then the
+/// end-of-text and chat tokens (user-defined, as its converter writes them).
+fn add_phi3_spm(w: &mut GgufWriter) -> Result<usize, GgufError> {
+    let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(str::to_owned).to_vec();
+    let mut types = vec![UNKNOWN, CONTROL, CONTROL];
+    let mut scores = vec![0f32; tokens.len()];
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(BYTE);
+        scores.push(0.0);
+    }
+    for (rank, piece) in PIECES.iter().chain(&["▁The", "▁Is", "▁it"]).enumerate() {
+        tokens.push((*piece).to_owned());
+        types.push(NORMAL);
+        scores.push(-(rank as f32));
+    }
+    let endoftext = tokens.len() as u32;
+    tokens.push("<|endoftext|>".to_owned());
+    types.push(CONTROL);
+    scores.push(0.0);
+    for chat in ["<|assistant|>", "<|system|>", "<|end|>", "<|user|>"] {
+        tokens.push(chat.to_owned());
+        types.push(USER_DEFINED);
+        scores.push(0.0);
+    }
+    let n = tokens.len();
+    w.add_metadata("tokenizer.ggml.model", "llama")?;
+    w.add_metadata("tokenizer.ggml.pre", "default")?;
+    w.add_metadata("tokenizer.ggml.tokens", tokens)?;
+    w.add_metadata("tokenizer.ggml.scores", scores)?;
+    w.add_metadata("tokenizer.ggml.token_type", types)?;
+    w.add_metadata("tokenizer.ggml.bos_token_id", 1u32)?;
+    w.add_metadata("tokenizer.ggml.eos_token_id", endoftext)?;
+    w.add_metadata("tokenizer.ggml.unknown_token_id", 0u32)?;
+    w.add_metadata("tokenizer.ggml.padding_token_id", endoftext)?;
+    w.add_metadata("tokenizer.ggml.add_bos_token", true)?;
+    w.add_metadata("tokenizer.ggml.add_eos_token", false)?;
+    Ok(n)
+}
+
 /// Gemma-style SentencePiece: `<pad> <eos> <bos> <unk>`, two turn markers, the 256
 /// byte pieces, then pieces whose scores fall with their rank.
 fn add_spm(w: &mut GgufWriter) -> Result<usize, GgufError> {
-    const PIECES: &[&str] = &[
-        "▁", "▁t", "he", "▁the", "in", "▁a", "at", "▁c", "▁s", "▁m", "on", "er", "▁o", "▁on",
-        "▁cat", "▁sat", "▁mat", "us", "user", "an", "e", "t", "a", "o", "i", "n", "s", "h", "r",
-        "d", "l", "u", "c", "m", "T", ".", ",", "?", "1", "2", "4", "▁i", "▁is", "es",
-    ];
     let mut tokens: Vec<String> = [
         "<pad>",
         "<eos>",
