@@ -174,7 +174,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         load_ms = format_args!("{load_ms:.0}"),
         "model loaded: execution plan built"
     );
-    let chosen = match (gpu_start.finish()?, model.config().check_gpu_support()) {
+    let chosen = match (gpu_start.finish()?, model.check_gpu_support()) {
         // `auto` computes on the CPU what the GPU does not run; `gpu` fails below, saying so.
         (Chosen::Gpu { .. }, Err(unsupported)) if args.device == DeviceArg::Auto => Chosen::Cpu {
             reason: unsupported.to_string(),

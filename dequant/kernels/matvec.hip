@@ -289,6 +289,138 @@ struct MQ6_K {
     }
 };
 
+// Q2_K: 84-byte super-blocks (4-byte aligned): 16 scale bytes (scale low nibble, minimum
+// high nibble, per 16 weights), 64 bytes of 2-bit values, d, dmin. Value v of half n
+// (128 weights) sits in byte 32n + v%32 at bits 2·(v/32 % 4). A task is 64 weights of
+// half h = t/2: bit pairs j = 2·(t%2) and j + 1 of its 32 bytes.
+struct MQ2_K {
+    static constexpr int kValues = 256, kBytes = 84, kTasks = 4, kX = 2;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        const int h = t >> 1, j0 = 2 * (t & 1);
+        const int* q = reinterpret_cast<const int*>(blk + 16 + 32 * h);
+        int qw[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qw[i] = q[i];
+        const float d = half_at(blk + 80), dmin = half_at(blk + 82);
+        const int* sw = reinterpret_cast<const int*>(blk);
+        // Scale bytes 8h + 2j and 8h + 2j + 1 for j = j0, j0 + 1: four consecutive bytes.
+        const uint32_t sc = (uint32_t)sw[(8 * h + 2 * j0) / 4];
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            const int shift = 2 * (j0 + x);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w[8 * x + i] = (qw[i] >> shift) & 0x03030303;
+#pragma unroll
+            for (int half16 = 0; half16 < 2; ++half16) {
+                const uint32_t s = (sc >> (8 * (2 * x + half16))) & 0xFF;
+                a[2 * x + half16] = d * (float)(s & 0xF);
+                b[2 * x + half16] = -dmin * (float)(s >> 4);
+            }
+            xb[x] = 4 * h + j0 + x;
+        }
+    }
+};
+
+// Q3_K: 110-byte super-blocks (2-byte aligned): 32 bytes of high bits, 64 bytes of low
+// bit pairs, 12 bytes of 6-bit scales (one per 16 weights, offset by 32), d. Value v of
+// half n is (low pair of byte 32n + v%32 at bits 2j, j = v/32 % 4) + 4·(bit 4n + j of
+// high byte v%32) - 4, times d·(scale - 32). A task is 64 weights of half h = t/2, pairs
+// j = 2·(t%2) and j + 1.
+struct MQ3_K {
+    static constexpr int kValues = 256, kBytes = 110, kTasks = 4, kX = 2;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        const int h = t >> 1, j0 = 2 * (t & 1);
+        int ql[8], hm[8], sw[3];
+        load_words<8>(blk + 32 + 32 * h, ql);
+        load_words<8>(blk, hm);
+        load_words<3>(blk + 96, sw);
+        const float d = half_at(blk + 108);
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            const int j = j0 + x;
+            const int hbit = 4 * h + j;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int low = (ql[i] >> (2 * j)) & 0x03030303;
+                const int high = (int)((((uint32_t)hm[i] >> hbit) & 0x01010101u) << 2);
+                w[8 * x + i] = low | high;
+            }
+#pragma unroll
+            for (int half16 = 0; half16 < 2; ++half16) {
+                // Scale k (0-15): low nibble from byte k % 8 (high nibble when k ≥ 8),
+                // high bits from byte 8 + k % 4, at bits 2·(k / 4).
+                const int k = 8 * h + 2 * j + half16;
+                const int lo = (scale_byte(sw, k % 8) >> (4 * (k / 8))) & 0xF;
+                const int hi = (scale_byte(sw, 8 + k % 4) >> (2 * (k / 4))) & 3;
+                const float f = d * (float)((lo | (hi << 4)) - 32);
+                a[2 * x + half16] = f;
+                b[2 * x + half16] = -4.0f * f;
+            }
+            xb[x] = 4 * h + j;
+        }
+    }
+};
+
+// IQ4_NL and IQ4_XS: 4-bit indices into a table of 16 int8 values (the non-linear grid).
+__device__ __forceinline__ uint32_t iq4_value(uint32_t n) {
+    // The table, eight values a 64-bit word.
+    const uint64_t lo = 0xF6EADDCFBFAD9881ull;  // -127 -104 -83 -65 -49 -35 -22 -10
+    const uint64_t hi = 0x7159453526190D01ull;  //    1   13  25  38  53  69  89 113
+    return (uint32_t)(((n < 8 ? lo : hi) >> (8 * (n & 7))) & 0xFF);
+}
+
+// Four nibble indices (bits 4k..4k+3 of the low or high nibbles of four bytes) to four
+// table values packed as int8.
+__device__ __forceinline__ int iq4_word(uint32_t q, int high) {
+    const uint32_t n = high ? (q >> 4) & 0x0F0F0F0Fu : q & 0x0F0F0F0Fu;
+    return (int)(iq4_value(n & 0xF) | (iq4_value((n >> 8) & 0xF) << 8) |
+                 (iq4_value((n >> 16) & 0xF) << 16) | (iq4_value(n >> 24) << 24));
+}
+
+// IQ4_NL: 18-byte blocks (2-byte aligned): d, then 16 bytes of indices (values 0-15 low
+// nibbles, 16-31 high).
+struct MIQ4_NL {
+    static constexpr int kValues = 32, kBytes = 18, kTasks = 1, kX = 1;
+    __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[4];
+        load_words<4>(blk + 2, q);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = iq4_word((uint32_t)q[i], 0);
+            w[i + 4] = iq4_word((uint32_t)q[i], 1);
+        }
+        a[0] = a[1] = half_at(blk);
+        b[0] = b[1] = 0.0f;
+        xb[0] = 0;
+    }
+};
+
+// IQ4_XS: 136-byte super-blocks (8-byte aligned): d, 2 bytes of scales' high bit pairs,
+// 4 bytes of scales' low nibbles, 128 bytes of indices, 16 per 32 weights. A task is
+// one 32-weight sub-block.
+struct MIQ4_XS {
+    static constexpr int kValues = 256, kBytes = 136, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        const int* q = reinterpret_cast<const int*>(blk + 8 + 16 * t);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = iq4_word((uint32_t)q[i], 0);
+            w[i + 4] = iq4_word((uint32_t)q[i], 1);
+        }
+        const int* words = reinterpret_cast<const int*>(blk);
+        const uint32_t head = (uint32_t)words[0], low = (uint32_t)words[1];
+        const float d = __half2float(__ushort_as_half((unsigned short)(head & 0xFFFF)));
+        const int ls = (int)((low >> (4 * t)) & 0xF) | (int)(((head >> (16 + 2 * t)) & 3) << 4);
+        a[0] = a[1] = d * (float)(ls - 32);
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
 // ------------------------------------------------------------------ reductions --------
 
 // Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
@@ -584,6 +716,10 @@ enum {
     RF_T_Q4_K = 12,
     RF_T_Q5_K = 13,
     RF_T_Q6_K = 14,
+    RF_T_Q2_K = 10,
+    RF_T_Q3_K = 11,
+    RF_T_IQ4_NL = 20,
+    RF_T_IQ4_XS = 23,
     RF_T_BF16 = 30,
 };
 
@@ -634,6 +770,10 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         case RF_T_Q4_K: return (int)launch_tokens<MQ4_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_Q5_K: return (int)launch_tokens<MQ5_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_Q6_K: return (int)launch_tokens<MQ6_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_Q2_K: return (int)launch_tokens<MQ2_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_Q3_K: return (int)launch_tokens<MQ3_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ4_NL: return (int)launch_tokens<MIQ4_NL>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ4_XS: return (int)launch_tokens<MIQ4_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);

@@ -35,6 +35,7 @@ use crate::config::ModelConfig;
 use crate::plan::ExecutionPlan;
 use crate::{Model, ModelError};
 use forward::Buffers;
+pub(crate) use weights::check_plan;
 use weights::{Held, LayerWeights};
 
 /// Most tokens one forward call on the GPU takes; longer inputs run in chunks.
@@ -89,12 +90,11 @@ impl GpuModel {
     /// Opens `options.device`, starts the device cache of `model`'s weights and takes the
     /// arena for activations and the KV cache.
     pub fn new(model: &Model, options: &GpuOptions) -> Result<GpuModel, ModelError> {
-        model.config().check_gpu_support()?;
+        model.check_gpu_support()?;
         let gpu = |op| move |source| ModelError::Gpu { op, source };
         let device = Device::open(options.device).map_err(gpu("device"))?;
         let config = model.config().clone();
         let plan = model.plan().clone();
-        weights::check_plan(&plan)?;
         let store: &TensorStore = model.store();
         let order = UploadOrder::by_layer(plan.handles());
         let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));

@@ -193,13 +193,34 @@ impl Held {
     }
 }
 
-/// Refuses, before anything is uploaded, a plan the GPU kernels cannot run: biases and
-/// RoPE factors other than F32, norms other than F32/F16/BF16.
-pub(super) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
+/// Refuses, before anything is uploaded, a plan the GPU kernels cannot run: matrices of
+/// a type the GPU does not multiply, biases and RoPE factors other than F32, norms other
+/// than F32/F16/BF16.
+pub(crate) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
     let refuse = |h: &TensorHandle| ModelError::UnsupportedTensorType {
         name: h.name().to_owned(),
         ggml_type: h.ggml_type(),
     };
+    // Products: the types the GPU multiplies (the token embeddings are only gathered,
+    // unless the output is tied to them: `plan.output` is then the same tensor).
+    let matrices = plan
+        .layers
+        .iter()
+        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]);
+    for lin in matrices.chain([&plan.output]) {
+        let ty = lin.weight.ggml_type();
+        if !dequant::gpu::matvec::is_supported_on_gpu(ty) {
+            let supported: Vec<&str> = GgmlType::ALL
+                .into_iter()
+                .filter(|&t| dequant::gpu::matvec::is_supported_on_gpu(t))
+                .map(GgmlType::name)
+                .collect();
+            return Err(ModelError::GpuUnsupported {
+                what: format!("tensor {:?} of type {ty}", lin.weight.name()),
+                supported: format!("products of {}", supported.join(", ")),
+            });
+        }
+    }
     for layer in &plan.layers {
         for lin in [&layer.wq, &layer.wk, &layer.wv] {
             if let Some(bias) = &lin.bias {
