@@ -197,9 +197,13 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
         GgmlType::Q4_K,
         GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
     ]
     .into_iter()
     .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))

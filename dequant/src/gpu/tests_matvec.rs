@@ -108,6 +108,19 @@ fn reference(ty: GgmlType, w: &[u8], rows: usize, cols: usize, x: &[f32], n: usi
     out
 }
 
+/// `x` through the GPU's Q8 activation blocks: per 32 values, d = amax / 127 and each
+/// value round(x / d)·d, rounding ties to even as the kernel does.
+fn as_q8_blocks(x: &[f32]) -> Vec<f32> {
+    x.chunks(32)
+        .flat_map(|block| {
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            block.iter().map(move |v| (v * id).round_ties_even() * d)
+        })
+        .collect()
+}
+
 fn relative_error(got: &[f32], want: &[f64]) -> f64 {
     let num: f64 = got
         .iter()
@@ -210,7 +223,18 @@ fn check_type(
     let want = reference(ty, &w, rows, cols, &x, n);
     let got = gpu_products(device, stream, ty, &[(w.clone(), rows)], cols, &x, n, None);
     let gpu_err = relative_error(&got[0], &want);
-    // Where the CPU has no product for the type yet, the bound below alone.
+    if takes_q8(ty) {
+        // The same activations as the GPU's Q8 blocks: then only the order of the f32
+        // sums differs, so any misread weight shows.
+        let want_q8 = reference(ty, &w, rows, cols, &as_q8_blocks(&x), n);
+        let err = relative_error(&got[0], &want_q8);
+        assert!(
+            err <= 1e-4,
+            "{ty} {rows}x{cols}, {n} tokens: relative error {err:.2e} against the \
+             quantized activations"
+        );
+    }
+    // Where the CPU has no product for the type, the fixed bound below alone.
     let cpu_err = if crate::matmul::is_supported(ty) {
         cpu_error(ty, &w, rows, cols, &x, n, &want)
     } else {
