@@ -19,7 +19,6 @@ use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
 
 use super::{check_device, GpuDequantError};
-use crate::matmul::is_supported;
 use crate::DequantError;
 
 /// Bytes of one Q8 activation block: 32 int8 values and their f32 scale.
@@ -34,6 +33,17 @@ pub const MAX_MATRICES: usize = 3;
 /// Bytes of the Q8 activation blocks of `n_tokens` rows of `n_cols` values.
 pub fn q8_bytes(n_tokens: usize, n_cols: usize) -> usize {
     n_tokens * (n_cols / Q8_BLOCK_VALUES) * Q8_BLOCK_BYTES
+}
+
+/// Whether the GPU products have kernels for weights of type `ty`: F32, F16, BF16, Q4_0,
+/// Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, a subset of the CPU's
+/// ([`crate::matmul::is_supported`]).
+pub fn is_supported(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(
+        ty,
+        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K
+    )
 }
 
 /// Whether products with weights of type `ty` take Q8 activation blocks (quantized

@@ -12,9 +12,10 @@
 use std::mem::size_of;
 
 use crate::blocks::{
-    cast_blocks, Block, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K,
-    BlockQ6_K, BlockQ8_0,
+    cast_blocks, Block, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0, BlockQ5_1,
+    BlockQ5_K, BlockQ6_K, BlockQ8_0,
 };
+use crate::decode::scalar::q3_k_scales;
 use crate::matmul::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
 
 /// The whole blocks at the start of `bytes` (all of a validated row).
@@ -500,6 +501,102 @@ pub(crate) fn dot_q6_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
     } else {
         reduce8(&acc)
     }
+}
+
+/// The integers of one super-block as llama.cpp's AVX2 dot products hold them, for the
+/// formats that [`lane_dot`] multiplies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LaneInts {
+    /// The scaled dot product `Σ scale · q · qx`, lane `l` holding values `4l .. 4l + 4`
+    /// of every 32.
+    pub dots: [i32; 8],
+    /// The min terms `Σ min · Σ qx` of the formats with mins (lane `l` holding groups
+    /// `2l` and `2l + 1` of 16), zeros for the others.
+    pub mins: [i32; 8],
+}
+
+/// A super-block's scales as [`lane_dot`] applies them: `d` (with any constant factor
+/// of the format folded in) and `dmin` (0 without mins).
+pub(crate) struct LaneScales {
+    pub d: f32,
+    pub dmin: f32,
+}
+
+/// A row of a super-block format that llama.cpp's AVX2 build multiplies lane by lane:
+/// one token at a time its dot product (for each super-block the min lanes fused at
+/// `−dx · dmin`, then the eight lanes at `dx · d`, reduced at the end), in batches of
+/// [`GEMM_MIN_TOKENS`](super::activation::GEMM_MIN_TOKENS) or more its tiled GEMM (per
+/// super-block `d · Σ` rounded, `dmin · Σmin` fused off it, the result fused at `dx`
+/// into one accumulator). `HAS_MIN` says whether the format has mins.
+#[inline]
+fn lane_dot<B: Block, const HAS_MIN: bool>(
+    row: &[u8],
+    act: Q8KRow<'_>,
+    block: impl Fn(&B, &[i8], &[i16]) -> (LaneScales, LaneInts),
+) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut gemm = 0.0f32;
+    for (b, blk) in whole_blocks::<B>(row).iter().enumerate() {
+        let (w, ints) = block(blk, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
+        let dx = act.d[b];
+        if act.gemm {
+            let mut res = w.d * ints.dots.iter().sum::<i32>() as f32;
+            if HAS_MIN {
+                res = (-w.dmin).mul_add(ints.mins.iter().sum::<i32>() as f32, res);
+            }
+            gemm = res.mul_add(dx, gemm);
+            continue;
+        }
+        if HAS_MIN {
+            let dmin = -dx * w.dmin;
+            for (acc, &int) in acc.iter_mut().zip(&ints.mins) {
+                *acc = (int as f32).mul_add(dmin, *acc);
+            }
+        }
+        let d = dx * w.d;
+        for (acc, &int) in acc.iter_mut().zip(&ints.dots) {
+            *acc = (int as f32).mul_add(d, *acc);
+        }
+    }
+    if act.gemm {
+        gemm
+    } else {
+        reduce8(&acc)
+    }
+}
+
+/// The 256 signed values of a `Q3_K` super-block in element order (`-4..=3`): value
+/// `128c + 32s + l` takes bits `2s, 2s + 1` of `qs[32c + l]` and, inverted, bit `4c + s`
+/// of `hmask[l]` as its sign (a clear bit subtracts 4).
+fn q3_k_values(block: &BlockQ3_K) -> [i8; QK_K] {
+    let mut values = [0i8; QK_K];
+    for c in 0..2 {
+        for s in 0..4 {
+            for l in 0..32 {
+                let low = ((block.qs[32 * c + l] >> (2 * s)) & 3) as i8;
+                let high = (block.hmask[l] >> (4 * c + s)) & 1;
+                values[128 * c + 32 * s + l] = low - 4 * (1 - high as i8);
+            }
+        }
+    }
+    values
+}
+
+/// `Q3_K` in lanes: `Σ scale_g · q · qx` over the sixteen groups of 16.
+pub(crate) fn q3_k_lanes(block: &BlockQ3_K, qx: &[i8]) -> LaneInts {
+    let (scales, values) = (q3_k_scales(&block.scales), q3_k_values(block));
+    let dots = lanes::<QK_K>(|i| {
+        i32::from(scales[i / BSUM_GROUP]) * i32::from(values[i]) * i32::from(qx[i])
+    });
+    LaneInts { dots, mins: [0; 8] }
+}
+
+/// `Q3_K`: see [`lane_dot`].
+pub(crate) fn dot_q3_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<BlockQ3_K, false>(row, act, |block, qx, _| {
+        let d = block.d.to_f32();
+        (LaneScales { d, dmin: 0.0 }, q3_k_lanes(block, qx))
+    })
 }
 
 /// `Σ w_i · x_i` with the weights decoded by `weight(i)`, eight at a time into eight

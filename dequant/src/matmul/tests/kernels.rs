@@ -133,6 +133,77 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
                 }
             }
         }
+        // The formats multiplied lane by lane: every lane, not only the total.
+        for ty in LANE_TYPES {
+            for block in block_cases(ty, &mut rng) {
+                for qx in activation_cases(QK_K, &mut rng) {
+                    let bsums: Vec<i16> = qx
+                        .chunks_exact(BSUM_GROUP)
+                        .map(|g| g.iter().map(|&q| i16::from(q)).sum())
+                        .collect();
+                    let expected = portable_lanes(ty, &block, &qx, &bsums);
+                    let got =
+                        crate::matmul::avx2::lanes::block_lanes(proof, ty, &block, &qx, &bsums);
+                    assert_eq!(got, expected, "{ty} block {block:?} activations {qx:?}");
+                }
+            }
+        }
+    }
+}
+
+/// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
+const LANE_TYPES: [GgmlType; 1] = [GgmlType::Q3_K];
+
+/// The portable integer lanes of one super-block of a [`LANE_TYPES`] format.
+fn portable_lanes(ty: GgmlType, block: &[u8], qx: &[i8], _bsums: &[i16]) -> portable::LaneInts {
+    match ty {
+        GgmlType::Q3_K => portable::q3_k_lanes(&one(block), qx),
+        other => panic!("{other} is not a lane format"),
+    }
+}
+
+/// The integer lanes of a super-block are exact sums: the portable ones against a
+/// plain sum over the block's decoded values (the scale times the value, read back
+/// from the f32 decoder through the block's `d`).
+#[test]
+fn lane_integers_sum_to_the_plain_integer_product() {
+    let mut rng = Rng(7);
+    for ty in LANE_TYPES {
+        for block in block_cases(ty, &mut rng).into_iter().take(60) {
+            let mut block = block;
+            // d = 1: the decoded values are the integers `scale · q` themselves.
+            let d_at = match ty {
+                GgmlType::Q3_K => std::mem::offset_of!(crate::blocks::BlockQ3_K, d),
+                _ => unreachable!(),
+            };
+            block[d_at..d_at + 2].copy_from_slice(&half::f16::ONE.to_bits().to_le_bytes());
+            let w = super::dequantize_row(ty, &block);
+            for qx in activation_cases(QK_K, &mut rng) {
+                let bsums: Vec<i16> = qx
+                    .chunks_exact(BSUM_GROUP)
+                    .map(|g| g.iter().map(|&q| i16::from(q)).sum())
+                    .collect();
+                let ints = portable_lanes(ty, &block, &qx, &bsums);
+                let plain: i64 = w
+                    .iter()
+                    .zip(&qx)
+                    .map(|(&w, &x)| w as i64 * i64::from(x))
+                    .sum();
+                let lanes: i64 = ints.dots.iter().map(|&l| i64::from(l)).sum::<i64>()
+                    - ints.mins.iter().map(|&l| i64::from(l)).sum::<i64>();
+                assert_eq!(lanes, plain, "{ty} block {block:?}");
+                // Lane l holds values 4l .. 4l + 4 of every 32.
+                for (l, &lane) in ints.dots.iter().enumerate() {
+                    let part: i64 = (0..QK_K)
+                        .filter(|i| i % 32 / 4 == l)
+                        .map(|i| w[i] as i64 * i64::from(qx[i]))
+                        .sum();
+                    if ints.mins == [0; 8] {
+                        assert_eq!(i64::from(lane), part, "{ty} lane {l}");
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -261,12 +332,13 @@ fn portable_and_avx2_products_agree_bit_for_bit() {
         if !ty.is_quantized() {
             continue;
         }
-        // 16 rows: llama.cpp repacks Q4_0 (and Q4_K) matrices of a multiple of 8 rows.
-        for rows in [13, 16] {
+        // 16 rows: llama.cpp repacks Q4_0 (and Q4_K) matrices of a multiple of 8 rows;
+        // 1 and 13: fewer than, and not a multiple of, the single-token kernels' 4 rows.
+        for rows in [1, 13, 16] {
             let cols = 2 * QK_K;
             let bytes = random_matrix(ty, rows, cols, 500 + i as u64);
             let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
-            for n_tokens in [1, 5, GEMM_MIN_TOKENS + 1] {
+            for n_tokens in [1, 4, 5, GEMM_MIN_TOKENS, GEMM_MIN_TOKENS + 1] {
                 let x = random_x(n_tokens * cols, 50 + i as u64);
                 let mut portable = vec![0.0; n_tokens * rows];
                 let mut avx2 = vec![0.0; n_tokens * rows];

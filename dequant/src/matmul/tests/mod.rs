@@ -28,7 +28,7 @@ use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
-pub(super) const TYPES: [GgmlType; 11] = [
+pub(super) const TYPES: [GgmlType; 12] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -37,6 +37,7 @@ pub(super) const TYPES: [GgmlType; 11] = [
     GgmlType::Q5_0,
     GgmlType::Q5_1,
     GgmlType::Q8_0,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -121,6 +122,7 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                     (offset_of!(BlockQ5_K, dmin), false),
                 ],
                 GgmlType::Q6_K => &[(offset_of!(BlockQ6_K, d), true)],
+                GgmlType::Q3_K => &[(offset_of!(BlockQ3_K, d), true)],
                 other => panic!("no generator for {other}"),
             };
             for b in bytes.chunks_exact_mut(block) {
