@@ -193,13 +193,25 @@ impl Held {
     }
 }
 
-/// Refuses, before anything is uploaded, a plan the GPU kernels cannot run: biases and
-/// RoPE factors other than F32, norms other than F32/F16/BF16.
+/// Refuses, before anything is uploaded, a plan the GPU kernels cannot run: matrices of
+/// a type without GPU product kernels, biases and RoPE factors other than F32, norms
+/// other than F32/F16/BF16.
 pub(super) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
     let refuse = |h: &TensorHandle| ModelError::UnsupportedTensorType {
         name: h.name().to_owned(),
         ggml_type: h.ggml_type(),
     };
+    // Every matrix the forward pass multiplies needs a GPU product kernel (the CPU has
+    // kernels for more types than the GPU).
+    let matrices = plan
+        .layers
+        .iter()
+        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].map(|lin| &lin.weight));
+    for weight in matrices.chain([&plan.output.weight]) {
+        if !dequant::gpu::matvec::is_supported(weight.ggml_type()) {
+            return Err(refuse(weight));
+        }
+    }
     for layer in &plan.layers {
         for lin in [&layer.wq, &layer.wk, &layer.wv] {
             if let Some(bias) = &lin.bias {

@@ -293,6 +293,7 @@ matches_llama_cpp! {
     llama_q5_0_matches_llama_cpp => "llama-q5_0",
     llama_q5_1_matches_llama_cpp => "llama-q5_1",
     llama_q8_0_matches_llama_cpp => "llama-q8_0",
+    llama_q3_k_matches_llama_cpp => "llama-q3_k",
     llama_q4_k_matches_llama_cpp => "llama-q4_k",
     llama_q5_k_matches_llama_cpp => "llama-q5_k",
     llama_q6_k_matches_llama_cpp => "llama-q6_k",
@@ -346,6 +347,7 @@ fn synthetic_quantizers_round_trip_within_their_precision() {
         (GgmlType::Q5_0, 0.06),
         (GgmlType::Q5_1, 0.05),
         (GgmlType::Q8_0, 0.006),
+        (GgmlType::Q3_K, 0.25),
         (GgmlType::Q4_K, 0.10),
         (GgmlType::Q5_K, 0.05),
         (GgmlType::Q6_K, 0.03),
@@ -447,6 +449,16 @@ mod gpu {
             Ok(gpu) => Some(gpu),
             Err(model::ModelError::Gpu { source, .. }) if source.is_unavailable() => {
                 skip(test, &source.to_string());
+                None
+            }
+            // A weight type that the CPU multiplies and the GPU does not yet.
+            Err(model::ModelError::UnsupportedTensorType { name, ggml_type })
+                if !dequant::gpu::matvec::is_supported(ggml_type) =>
+            {
+                skip(
+                    test,
+                    &format!("no GPU product kernel for {ggml_type} ({name})"),
+                );
                 None
             }
             Err(error) => panic!("{test}: {error}"),
@@ -561,6 +573,7 @@ mod gpu {
         gpu_llama_q5_0 => "llama-q5_0",
         gpu_llama_q5_1 => "llama-q5_1",
         gpu_llama_q8_0 => "llama-q8_0",
+        gpu_llama_q3_k => "llama-q3_k",
         gpu_llama_q4_k => "llama-q4_k",
         gpu_llama_q5_k => "llama-q5_k",
         gpu_llama_q6_k => "llama-q6_k",

@@ -82,6 +82,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::Q5_0 => values.chunks_exact(32).for_each(|b| q5_0(b, &mut out)),
         GgmlType::Q5_1 => values.chunks_exact(32).for_each(|b| q5_1(b, &mut out)),
         GgmlType::Q8_0 => values.chunks_exact(32).for_each(|b| q8_0(b, &mut out)),
+        GgmlType::Q3_K => values.chunks_exact(256).for_each(|b| q3_k(b, &mut out)),
         GgmlType::Q4_K => values.chunks_exact(256).for_each(|b| q4_k(b, &mut out)),
         GgmlType::Q5_K => values.chunks_exact(256).for_each(|b| q5_k(b, &mut out)),
         GgmlType::Q6_K => values.chunks_exact(256).for_each(|b| q6_k(b, &mut out)),
@@ -183,6 +184,55 @@ fn pack_five_bits(q: &[u8], out: &mut Vec<u8>) {
         .fold(0u32, |h, (j, &v)| h | (u32::from(v >> 4) << j));
     out.extend_from_slice(&high.to_le_bytes());
     pack_nibbles(q, out);
+}
+
+/// 3-bit: sixteen groups of 16 with 6-bit signed scales, `x = d * sc * q`, `sc` in
+/// `-32..=31` and `q` in `-4..=3` (each group's extreme value mapped to -4, the scale of
+/// largest magnitude to -32).
+fn q3_k(block: &[f32], out: &mut Vec<u8>) {
+    let group_scales: Vec<f32> = block
+        .chunks_exact(16)
+        .map(|g| signed_max(g) / -4.0)
+        .collect();
+    let d = f16::from_f32(signed_max(&group_scales) / -32.0).to_f32();
+    let inv_d = inverse(d);
+    let sc: Vec<i8> = group_scales
+        .iter()
+        .map(|&s| (s * inv_d).round().clamp(-32.0, 31.0) as i8)
+        .collect();
+    // Levels 0..=7 (q + 4).
+    let mut q = [0u8; 256];
+    for (g, group) in block.chunks_exact(16).enumerate() {
+        let inv = inverse(d * f32::from(sc[g]));
+        for (l, &v) in group.iter().enumerate() {
+            q[g * 16 + l] = level(v, inv, 4.0, 7);
+        }
+    }
+    // The third bit of value j in bit j / 32 of hmask[j % 32]; the low two bits of values
+    // l, l + 32, l + 64, l + 96 of each 128 in the four crumbs of one byte.
+    let mut hmask = [0u8; 32];
+    for (j, &v) in q.iter().enumerate() {
+        hmask[j % 32] |= (v >> 2) << (j / 32);
+    }
+    out.extend_from_slice(&hmask);
+    for half in q.chunks_exact(128) {
+        out.extend((0..32).map(|l| {
+            (half[l] & 3)
+                | ((half[l + 32] & 3) << 2)
+                | ((half[l + 64] & 3) << 4)
+                | ((half[l + 96] & 3) << 6)
+        }));
+    }
+    // Scale k (stored + 32, six bits): its low nibble in byte k % 8 (high nibble for
+    // k >= 8), its top two bits in byte 8 + k % 4 at bits 2 (k / 4).
+    let mut packed = [0u8; 12];
+    for (k, &s) in sc.iter().enumerate() {
+        let l = (s + 32) as u8;
+        packed[k % 8] |= (l & 0xF) << (4 * (k / 8));
+        packed[8 + k % 4] |= (l >> 4) << (2 * (k / 4));
+    }
+    out.extend_from_slice(&packed);
+    push_f16(out, d);
 }
 
 /// 6-bit sub-block scales and minimums of the 4- and 5-bit k-quants, quantized against
