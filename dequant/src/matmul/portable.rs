@@ -12,8 +12,8 @@
 use std::mem::size_of;
 
 use crate::blocks::{
-    cast_blocks, Block, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0, BlockQ5_1,
-    BlockQ5_K, BlockQ6_K, BlockQ8_0,
+    cast_blocks, Block, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0,
+    BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
 };
 use crate::decode::scalar::q3_k_scales;
 use crate::matmul::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
@@ -563,6 +563,33 @@ fn lane_dot<B: Block, const HAS_MIN: bool>(
     } else {
         reduce8(&acc)
     }
+}
+
+/// `Q2_K` in lanes: `Σ scale_g · q · qx` over the sixteen groups of 16 (value
+/// `128c + 32s + l` in bits `2s, 2s + 1` of `qs[32c + l]`, group scales in the low
+/// nibbles of `scales`), and the min terms `min_g · Σ qx` (mins in the high nibbles),
+/// lane `l` holding groups `2l` and `2l + 1`.
+pub(crate) fn q2_k_lanes(block: &BlockQ2_K, qx: &[i8], bsums: &[i16]) -> LaneInts {
+    let value = |i: usize| {
+        let (c, s, l) = (i / 128, i % 128 / 32, i % 32);
+        i32::from((block.qs[32 * c + l] >> (2 * s)) & 3)
+    };
+    let scale = |g: usize| i32::from(block.scales[g] & 0x0F);
+    let min = |g: usize| i32::from(block.scales[g] >> 4);
+    let dots = lanes::<QK_K>(|i| scale(i / BSUM_GROUP) * value(i) * i32::from(qx[i]));
+    let mut mins = [0i32; 8];
+    for (l, lane) in mins.iter_mut().enumerate() {
+        *lane = min(2 * l) * i32::from(bsums[2 * l]) + min(2 * l + 1) * i32::from(bsums[2 * l + 1]);
+    }
+    LaneInts { dots, mins }
+}
+
+/// `Q2_K`: see [`lane_dot`].
+pub(crate) fn dot_q2_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<BlockQ2_K, true>(row, act, |block, qx, bsums| {
+        let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
+        (LaneScales { d, dmin }, q2_k_lanes(block, qx, bsums))
+    })
 }
 
 /// The 256 signed values of a `Q3_K` super-block in element order (`-4..=3`): value

@@ -1,5 +1,5 @@
 //! AVX2 kernels of the super-block formats that llama.cpp's AVX2 build multiplies lane
-//! by lane: `Q3_K`.
+//! by lane: `Q2_K`, `Q3_K`.
 //!
 //! For each super-block and token the integers come out as llama.cpp's dot products
 //! hold them: the weights unpacked 32 at a time into bytes, `maddubs` against the
@@ -15,17 +15,19 @@ use std::mem::{offset_of, size_of};
 
 use super::kquants::{act_ptrs, blocks, pick_i16};
 use super::{hsum_epi32, hsum_ps, load32, load_f16};
-use crate::blocks::BlockQ3_K;
+use crate::blocks::{BlockQ2_K, BlockQ3_K};
 use crate::matmul::activation::Q8KRow;
 
 /// The formats of this module, as the const parameter of [`dot_lanes`].
 pub(crate) mod format {
+    pub const Q2_K: u8 = 0;
     pub const Q3_K: u8 = 1;
 }
 
 /// Bytes of one super-block of `format` `F`.
 const fn block_bytes(f: u8) -> usize {
     match f {
+        format::Q2_K => size_of::<BlockQ2_K>(),
         format::Q3_K => size_of::<BlockQ3_K>(),
         _ => panic!("not a lane format"),
     }
@@ -33,8 +35,55 @@ const fn block_bytes(f: u8) -> usize {
 
 /// Whether format `F` has mins, fused apart before the dot product's lanes.
 const fn has_min(f: u8) -> bool {
-    let _ = f;
-    false
+    f == format::Q2_K
+}
+
+/// `Q2_K` super-block for each token: `Σ scale_g Σ q qx` in eight i32 lanes, and the
+/// min terms `min_g · Σ qx` in eight more (lane `l` holding groups `2l`, `2l + 1`, one
+/// `madd` of the mins against the activations' sums per 16).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations and 16
+/// sums behind each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q2_k_ints<const N: usize>(
+    block: *const u8,
+    qx: [*const i8; N],
+    bsums: [*const i16; N],
+) -> ([__m256i; N], [__m256i; N]) {
+    // SAFETY: the 16 scale bytes lie inside the readable block.
+    let packed = unsafe { _mm_loadu_si128(block.add(offset_of!(BlockQ2_K, scales)).cast()) };
+    let m4 = _mm_set1_epi8(0x0F);
+    let scales = _mm256_cvtepi8_epi16(_mm_and_si128(packed, m4));
+    let mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), m4));
+    let mut min_terms = [_mm256_setzero_si256(); N];
+    for t in 0..N {
+        // SAFETY: 16 sums are readable behind each pointer per the contract.
+        let sums = unsafe { _mm256_loadu_si256(bsums[t].cast()) };
+        min_terms[t] = _mm256_madd_epi16(mins, sums);
+    }
+    let halves = [
+        _mm256_permute2x128_si256::<0x00>(scales, scales),
+        _mm256_permute2x128_si256::<0x11>(scales, scales),
+    ];
+    let m3 = _mm256_set1_epi8(3);
+    let mut dots = [_mm256_setzero_si256(); N];
+    for (c, &scales) in halves.iter().enumerate() {
+        // SAFETY: the 32 bytes of qs for values 128c .. 128c + 128 lie inside the block.
+        let bits = unsafe { load32(block.add(offset_of!(BlockQ2_K, qs) + 32 * c)) };
+        for s in 0..4 {
+            let q = _mm256_and_si256(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(2 * s)), m3);
+            let scale = _mm256_shuffle_epi8(scales, pick_i16(2 * s as usize, 2 * s as usize + 1));
+            for t in 0..N {
+                // SAFETY: 256 activations are readable behind each pointer.
+                let x = unsafe { load32(qx[t].add(128 * c + 32 * s as usize).cast()) };
+                let p = _mm256_maddubs_epi16(q, x);
+                dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(scale, p));
+            }
+        }
+    }
+    (dots, min_terms)
 }
 
 /// The sixteen 6-bit scales of a `Q3_K` super-block minus 32, as i16: scale `k` has its
@@ -113,12 +162,13 @@ unsafe fn q3_k_ints<const N: usize>(block: *const u8, qx: [*const i8; N]) -> [__
 unsafe fn lane_ints<const F: u8, const N: usize>(
     block: *const u8,
     qx: [*const i8; N],
-    _bsums: [*const i16; N],
+    bsums: [*const i16; N],
 ) -> ([__m256i; N], [__m256i; N]) {
     let zeros = [_mm256_setzero_si256(); N];
     // SAFETY: forwarded contract.
     unsafe {
         match F {
+            format::Q2_K => q2_k_ints::<N>(block, qx, bsums),
             format::Q3_K => (q3_k_ints::<N>(block, qx), zeros),
             _ => unreachable!("not a lane format"),
         }
@@ -135,6 +185,10 @@ unsafe fn lane_scales<const F: u8>(block: *const u8) -> (f32, f32) {
     // SAFETY: the scales lie inside the readable block.
     unsafe {
         match F {
+            format::Q2_K => (
+                load_f16(block.add(offset_of!(BlockQ2_K, d))),
+                load_f16(block.add(offset_of!(BlockQ2_K, dmin))),
+            ),
             format::Q3_K => (load_f16(block.add(offset_of!(BlockQ3_K, d))), 0.0),
             _ => unreachable!("not a lane format"),
         }
@@ -199,6 +253,20 @@ unsafe fn dot_lanes<const F: u8, const R: usize, const N: usize>(
     out
 }
 
+/// `R` `Q2_K` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q2_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::Q2_K }, R, N>(rows, acts) }
+}
+
 /// `R` `Q3_K` rows against `N` tokens.
 ///
 /// # Safety
@@ -238,6 +306,7 @@ pub(crate) fn block_lanes(
     // SAFETY: `_proof` shows the CPU has the features.
     let (dots, mins) = unsafe {
         match ty {
+            T::Q2_K => ints::<{ format::Q2_K }>(block, qx, bsums),
             T::Q3_K => ints::<{ format::Q3_K }>(block, qx, bsums),
             other => panic!("{other} is not a lane format"),
         }

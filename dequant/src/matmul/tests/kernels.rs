@@ -152,11 +152,12 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 }
 
 /// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
-const LANE_TYPES: [GgmlType; 1] = [GgmlType::Q3_K];
+const LANE_TYPES: [GgmlType; 2] = [GgmlType::Q2_K, GgmlType::Q3_K];
 
 /// The portable integer lanes of one super-block of a [`LANE_TYPES`] format.
-fn portable_lanes(ty: GgmlType, block: &[u8], qx: &[i8], _bsums: &[i16]) -> portable::LaneInts {
+fn portable_lanes(ty: GgmlType, block: &[u8], qx: &[i8], bsums: &[i16]) -> portable::LaneInts {
     match ty {
+        GgmlType::Q2_K => portable::q2_k_lanes(&one(block), qx, bsums),
         GgmlType::Q3_K => portable::q3_k_lanes(&one(block), qx),
         other => panic!("{other} is not a lane format"),
     }
@@ -171,12 +172,17 @@ fn lane_integers_sum_to_the_plain_integer_product() {
     for ty in LANE_TYPES {
         for block in block_cases(ty, &mut rng).into_iter().take(60) {
             let mut block = block;
-            // d = 1: the decoded values are the integers `scale · q` themselves.
-            let d_at = match ty {
-                GgmlType::Q3_K => std::mem::offset_of!(crate::blocks::BlockQ3_K, d),
+            // d = dmin = 1: the decoded values are the integers `scale · q − min`.
+            use crate::blocks::{BlockQ2_K, BlockQ3_K};
+            use std::mem::offset_of;
+            let scales: &[usize] = match ty {
+                GgmlType::Q2_K => &[offset_of!(BlockQ2_K, d), offset_of!(BlockQ2_K, dmin)],
+                GgmlType::Q3_K => &[offset_of!(BlockQ3_K, d)],
                 _ => unreachable!(),
             };
-            block[d_at..d_at + 2].copy_from_slice(&half::f16::ONE.to_bits().to_le_bytes());
+            for &at in scales {
+                block[at..at + 2].copy_from_slice(&half::f16::ONE.to_bits().to_le_bytes());
+            }
             let w = super::dequantize_row(ty, &block);
             for qx in activation_cases(QK_K, &mut rng) {
                 let bsums: Vec<i16> = qx

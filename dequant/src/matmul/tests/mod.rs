@@ -28,7 +28,7 @@ use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
-pub(super) const TYPES: [GgmlType; 12] = [
+pub(super) const TYPES: [GgmlType; 13] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -37,6 +37,7 @@ pub(super) const TYPES: [GgmlType; 12] = [
     GgmlType::Q5_0,
     GgmlType::Q5_1,
     GgmlType::Q8_0,
+    GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
@@ -123,6 +124,10 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                 ],
                 GgmlType::Q6_K => &[(offset_of!(BlockQ6_K, d), true)],
                 GgmlType::Q3_K => &[(offset_of!(BlockQ3_K, d), true)],
+                GgmlType::Q2_K => &[
+                    (offset_of!(BlockQ2_K, d), false),
+                    (offset_of!(BlockQ2_K, dmin), false),
+                ],
                 other => panic!("no generator for {other}"),
             };
             for b in bytes.chunks_exact_mut(block) {
