@@ -104,6 +104,7 @@ pub const SPECS: &[Spec] = &[
     llama_typed("llama-q5_0", GgmlType::Q5_0, GgmlType::Q8_0, 3),
     llama_typed("llama-q5_1", GgmlType::Q5_1, GgmlType::Q8_0, 4),
     llama_typed("llama-q8_0", GgmlType::Q8_0, GgmlType::Q8_0, 5),
+    llama_typed("llama-q2_k", GgmlType::Q2_K, GgmlType::Q8_0, 20),
     llama_typed("llama-q3_k", GgmlType::Q3_K, GgmlType::Q8_0, 19),
     llama_typed("llama-q4_k", GgmlType::Q4_K, GgmlType::Q8_0, 6),
     llama_typed("llama-q5_k", GgmlType::Q5_K, GgmlType::Q8_0, 7),

@@ -82,6 +82,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::Q5_0 => values.chunks_exact(32).for_each(|b| q5_0(b, &mut out)),
         GgmlType::Q5_1 => values.chunks_exact(32).for_each(|b| q5_1(b, &mut out)),
         GgmlType::Q8_0 => values.chunks_exact(32).for_each(|b| q8_0(b, &mut out)),
+        GgmlType::Q2_K => values.chunks_exact(256).for_each(|b| q2_k(b, &mut out)),
         GgmlType::Q3_K => values.chunks_exact(256).for_each(|b| q3_k(b, &mut out)),
         GgmlType::Q4_K => values.chunks_exact(256).for_each(|b| q4_k(b, &mut out)),
         GgmlType::Q5_K => values.chunks_exact(256).for_each(|b| q5_k(b, &mut out)),
@@ -184,6 +185,44 @@ fn pack_five_bits(q: &[u8], out: &mut Vec<u8>) {
         .fold(0u32, |h, (j, &v)| h | (u32::from(v >> 4) << j));
     out.extend_from_slice(&high.to_le_bytes());
     pack_nibbles(q, out);
+}
+
+/// 2-bit: sixteen groups of 16, `x = d * sc * q - dmin * m` with 4-bit `sc` and `m` and
+/// `q` in `0..=3`.
+fn q2_k(block: &[f32], out: &mut Vec<u8>) {
+    let mut scales = [0f32; 16];
+    let mut mins = [0f32; 16];
+    for (g, group) in block.chunks_exact(16).enumerate() {
+        let (lo, hi) = min_max(group);
+        let lo = lo.min(0.0);
+        scales[g] = (hi - lo) / 3.0;
+        mins[g] = -lo;
+    }
+    let max_scale = scales.iter().fold(0f32, |m, &v| m.max(v));
+    let max_min = mins.iter().fold(0f32, |m, &v| m.max(v));
+    let d = f16::from_f32(max_scale / 15.0).to_f32();
+    let dmin = f16::from_f32(max_min / 15.0).to_f32();
+    let (inv_d, inv_dmin) = (inverse(d), inverse(dmin));
+    let mut q = [0u8; 256];
+    for (g, group) in block.chunks_exact(16).enumerate() {
+        let sc = level(scales[g], inv_d, 0.0, 15);
+        let m = level(mins[g], inv_dmin, 0.0, 15);
+        out.push(sc | (m << 4));
+        let (scale, min) = (d * f32::from(sc), dmin * f32::from(m));
+        let inv = inverse(scale);
+        for (l, &v) in group.iter().enumerate() {
+            q[g * 16 + l] = level(v + min, inv, 0.0, 3);
+        }
+    }
+    // Values l, l + 32, l + 64, l + 96 of each 128 in the four crumbs of one byte.
+    for half in q.chunks_exact(128) {
+        out.extend(
+            (0..32)
+                .map(|l| half[l] | (half[l + 32] << 2) | (half[l + 64] << 4) | (half[l + 96] << 6)),
+        );
+    }
+    push_f16(out, d);
+    push_f16(out, dmin);
 }
 
 /// 3-bit: sixteen groups of 16 with 6-bit signed scales, `x = d * sc * q`, `sc` in
