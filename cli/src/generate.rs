@@ -12,7 +12,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use model::chat::ChatTemplate;
 use model::generate::{generate, generate_with, GenerateOptions, Generation, StopReason};
-use model::gpu::{GpuModel, GpuOptions};
+use model::gpu::{check_model, GpuModel, GpuOptions};
 use model::sampling::{defaults, SamplingParams, Xoshiro256};
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
@@ -174,7 +174,19 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         load_ms = format_args!("{load_ms:.0}"),
         "model loaded: execution plan built"
     );
-    let chosen = gpu_start.finish()?;
+    let chosen = match gpu_start.finish()? {
+        // `auto` computes on the CPU what the GPU kernels cannot (a weight type that only
+        // the CPU multiplies); `gpu` gets GpuModel's error naming the tensor.
+        chosen @ Chosen::Gpu { .. } if args.device == DeviceArg::Auto => {
+            match check_model(&model) {
+                Ok(()) => chosen,
+                Err(e) => Chosen::Cpu {
+                    reason: format!("the GPU kernels cannot run this model: {e}"),
+                },
+            }
+        }
+        other => other,
+    };
 
     let text = if args.chat {
         chat_prompt(&store, &tokenizer, &path, &user_text)?

@@ -85,6 +85,13 @@ pub struct GpuModel {
     device: Device,
 }
 
+/// Whether the GPU kernels can run `model`: every matrix of a type with GPU product
+/// kernels, biases, RoPE factors and norms of the types they read. [`GpuModel::new`]
+/// refuses the same models with the same error, before anything is uploaded.
+pub fn check_model(model: &Model) -> Result<(), ModelError> {
+    weights::check_plan(model.plan())
+}
+
 impl GpuModel {
     /// Opens `options.device`, starts the device cache of `model`'s weights and takes the
     /// arena for activations and the KV cache.
