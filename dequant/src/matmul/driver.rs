@@ -147,6 +147,7 @@ pub(crate) fn run(
         GgmlType::Q4_K => run_kernel::<Q4_K>(m, exec, x, n_tokens, y),
         GgmlType::Q5_K => run_kernel::<Q5_K>(m, exec, x, n_tokens, y),
         GgmlType::Q6_K => run_kernel::<Q6_K>(m, exec, x, n_tokens, y),
+        GgmlType::IQ4_XS => run_kernel::<IQ4_XS>(m, exec, x, n_tokens, y),
         ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())
@@ -276,6 +277,7 @@ pub(crate) fn run_many(
         GgmlType::Q4_K => run_many_kernel::<Q4_K>(ms, exec, x, ys),
         GgmlType::Q5_K => run_many_kernel::<Q5_K>(ms, exec, x, ys),
         GgmlType::Q6_K => run_many_kernel::<Q6_K>(ms, exec, x, ys),
+        GgmlType::IQ4_XS => run_many_kernel::<IQ4_XS>(ms, exec, x, ys),
         ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())

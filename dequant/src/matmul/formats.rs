@@ -79,5 +79,11 @@ kernel!(
 );
 kernel!(Q2_K, Q8KActs, portable::dot_q2_k, avx2::lanes::dot_q2_k);
 kernel!(Q3_K, Q8KActs, portable::dot_q3_k, avx2::lanes::dot_q3_k);
+kernel!(
+    IQ4_XS,
+    Q8KActs,
+    portable::dot_iq4_xs,
+    avx2::lanes::dot_iq4_xs
+);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

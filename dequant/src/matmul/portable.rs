@@ -12,9 +12,10 @@
 use std::mem::size_of;
 
 use crate::blocks::{
-    cast_blocks, Block, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0,
-    BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
+    cast_blocks, Block, BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K,
+    BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
 };
+use crate::decode::grids::KVALUES_IQ4NL;
 use crate::decode::scalar::q3_k_scales;
 use crate::matmul::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
 
@@ -623,6 +624,37 @@ pub(crate) fn dot_q3_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
     lane_dot::<BlockQ3_K, false>(row, act, |block, qx, _| {
         let d = block.d.to_f32();
         (LaneScales { d, dmin: 0.0 }, q3_k_lanes(block, qx))
+    })
+}
+
+/// `IQ4_XS` in lanes: `Σ (ls_g − 32) · kvalues[q] · qx` over the eight groups of 32
+/// (value `j < 16` of group `g` in the low nibble of `qs[16g + j]`, value `j + 16` in
+/// its high nibble; the 6-bit `ls_g` from a nibble of `scales_l` and two bits of
+/// `scales_h`).
+pub(crate) fn iq4_xs_lanes(block: &BlockIQ4_XS, qx: &[i8]) -> LaneInts {
+    let scales_h = block.scales_h.get();
+    let scale = |g: usize| {
+        let low = (block.scales_l[g / 2] >> (4 * (g % 2))) & 0x0F;
+        let high = ((scales_h >> (2 * g)) & 3) as u8;
+        i32::from(low | (high << 4)) - 32
+    };
+    let value = |i: usize| {
+        let (g, j) = (i / 32, i % 32);
+        let byte = block.qs[16 * g + j % 16];
+        let nibble = if j < 16 { byte & 0x0F } else { byte >> 4 };
+        i32::from(KVALUES_IQ4NL[usize::from(nibble)])
+    };
+    LaneInts {
+        dots: lanes::<QK_K>(|i| scale(i / 32) * value(i) * i32::from(qx[i])),
+        mins: [0; 8],
+    }
+}
+
+/// `IQ4_XS`: see [`lane_dot`].
+pub(crate) fn dot_iq4_xs(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<BlockIQ4_XS, false>(row, act, |block, qx, _| {
+        let d = block.d.to_f32();
+        (LaneScales { d, dmin: 0.0 }, iq4_xs_lanes(block, qx))
     })
 }
 

@@ -1,5 +1,5 @@
 //! AVX2 kernels of the super-block formats that llama.cpp's AVX2 build multiplies lane
-//! by lane: `Q2_K`, `Q3_K`.
+//! by lane: `Q2_K`, `Q3_K`, `IQ4_XS`.
 //!
 //! For each super-block and token the integers come out as llama.cpp's dot products
 //! hold them: the weights unpacked 32 at a time into bytes, `maddubs` against the
@@ -15,13 +15,15 @@ use std::mem::{offset_of, size_of};
 
 use super::kquants::{act_ptrs, blocks, pick_i16};
 use super::{hsum_epi32, hsum_ps, load32, load_f16};
-use crate::blocks::{BlockQ2_K, BlockQ3_K};
+use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
+use crate::decode::grids::KVALUES_IQ4NL;
 use crate::matmul::activation::Q8KRow;
 
 /// The formats of this module, as the const parameter of [`dot_lanes`].
 pub(crate) mod format {
     pub const Q2_K: u8 = 0;
     pub const Q3_K: u8 = 1;
+    pub const IQ4_XS: u8 = 2;
 }
 
 /// Bytes of one super-block of `format` `F`.
@@ -29,6 +31,7 @@ const fn block_bytes(f: u8) -> usize {
     match f {
         format::Q2_K => size_of::<BlockQ2_K>(),
         format::Q3_K => size_of::<BlockQ3_K>(),
+        format::IQ4_XS => size_of::<BlockIQ4_XS>(),
         _ => panic!("not a lane format"),
     }
 }
@@ -151,6 +154,55 @@ unsafe fn q3_k_ints<const N: usize>(block: *const u8, qx: [*const i8; N]) -> [__
     dots
 }
 
+/// `IQ4_XS` super-block for each token: `Σ (ls_g − 32) Σ kvalues[q] qx` in eight i32
+/// lanes. As llama.cpp does, one `pshufb` looks the table up for 16 nibbles, and the
+/// signed values meet the activations as `maddubs(|w|, sign(qx, w))`: `|w| ≤ 127`, so
+/// the pairwise i16 sums cannot saturate.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations behind
+/// each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_xs_ints<const N: usize>(block: *const u8, qx: [*const i8; N]) -> [__m256i; N] {
+    // SAFETY: the table holds 16 bytes; the scales lie inside the readable block.
+    let (table, scales_h, scales_l) = unsafe {
+        (
+            _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()),
+            block
+                .add(offset_of!(BlockIQ4_XS, scales_h))
+                .cast::<u16>()
+                .read_unaligned(),
+            block
+                .add(offset_of!(BlockIQ4_XS, scales_l))
+                .cast::<[u8; 4]>()
+                .read_unaligned(),
+        )
+    };
+    let m4 = _mm_set1_epi8(0x0F);
+    let mut dots = [_mm256_setzero_si256(); N];
+    for g in 0..8 {
+        // SAFETY: the 16 bytes of group g lie inside the readable block.
+        let bits =
+            unsafe { _mm_loadu_si128(block.add(offset_of!(BlockIQ4_XS, qs) + 16 * g).cast()) };
+        let w = _mm256_set_m128i(
+            _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(bits), m4)),
+            _mm_shuffle_epi8(table, _mm_and_si128(bits, m4)),
+        );
+        let low = (scales_l[g / 2] >> (4 * (g % 2))) & 0x0F;
+        let high = ((scales_h >> (2 * g)) & 3) as u8;
+        let scale = _mm256_set1_epi16(i16::from(low | (high << 4)) - 32);
+        let magnitude = _mm256_sign_epi8(w, w);
+        for t in 0..N {
+            // SAFETY: 256 activations are readable behind each pointer.
+            let x = unsafe { load32(qx[t].add(32 * g).cast()) };
+            let p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w));
+            dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(p, scale));
+        }
+    }
+    dots
+}
+
 /// The integer lanes of format `F` for each token: the dot products and the min terms
 /// (zeros without mins).
 ///
@@ -170,6 +222,7 @@ unsafe fn lane_ints<const F: u8, const N: usize>(
         match F {
             format::Q2_K => q2_k_ints::<N>(block, qx, bsums),
             format::Q3_K => (q3_k_ints::<N>(block, qx), zeros),
+            format::IQ4_XS => (iq4_xs_ints::<N>(block, qx), zeros),
             _ => unreachable!("not a lane format"),
         }
     }
@@ -190,6 +243,7 @@ unsafe fn lane_scales<const F: u8>(block: *const u8) -> (f32, f32) {
                 load_f16(block.add(offset_of!(BlockQ2_K, dmin))),
             ),
             format::Q3_K => (load_f16(block.add(offset_of!(BlockQ3_K, d))), 0.0),
+            format::IQ4_XS => (load_f16(block.add(offset_of!(BlockIQ4_XS, d))), 0.0),
             _ => unreachable!("not a lane format"),
         }
     }
@@ -281,6 +335,20 @@ pub(crate) unsafe fn dot_q3_k<const R: usize, const N: usize>(
     unsafe { dot_lanes::<{ format::Q3_K }, R, N>(rows, acts) }
 }
 
+/// `R` `IQ4_XS` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq4_xs<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ4_XS }, R, N>(rows, acts) }
+}
+
 /// The integer lanes of one super-block of `ty`: what the portable `*_lanes` functions
 /// return.
 #[cfg(test)]
@@ -308,6 +376,7 @@ pub(crate) fn block_lanes(
         match ty {
             T::Q2_K => ints::<{ format::Q2_K }>(block, qx, bsums),
             T::Q3_K => ints::<{ format::Q3_K }>(block, qx, bsums),
+            T::IQ4_XS => ints::<{ format::IQ4_XS }>(block, qx, bsums),
             other => panic!("{other} is not a lane format"),
         }
     };
