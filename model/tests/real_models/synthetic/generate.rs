@@ -109,6 +109,7 @@ pub const SPECS: &[Spec] = &[
     llama_typed("llama-q4_k", GgmlType::Q4_K, GgmlType::Q8_0, 6),
     llama_typed("llama-q5_k", GgmlType::Q5_K, GgmlType::Q8_0, 7),
     llama_typed("llama-q6_k", GgmlType::Q6_K, GgmlType::Q8_0, 8),
+    llama_typed("llama-iq4_xs", GgmlType::IQ4_XS, GgmlType::Q8_0, 21),
     llama_typed("llama-f16", GgmlType::F16, GgmlType::F16, 9),
     llama_typed("llama-bf16", GgmlType::BF16, GgmlType::BF16, 10),
     llama_typed("llama-f32", GgmlType::F32, GgmlType::F32, 11),

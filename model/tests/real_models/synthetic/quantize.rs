@@ -9,7 +9,7 @@
 //!
 //! The quantizers follow the block layouts of ggml (which llama.cpp and our kernels both
 //! decode): each picks its block scale from the block's range and rounds every value to
-//! the nearest level. They do not search for the error-minimizing scale as llama.cpp's
+//! the nearest level (the nearest entry of the table, for the non-linear `IQ4_XS`). They do not search for the error-minimizing scale as llama.cpp's
 //! quantizers do; that changes which levels are chosen, not how the blocks decode.
 
 use gguf_format::GgmlType;
@@ -87,6 +87,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::Q4_K => values.chunks_exact(256).for_each(|b| q4_k(b, &mut out)),
         GgmlType::Q5_K => values.chunks_exact(256).for_each(|b| q5_k(b, &mut out)),
         GgmlType::Q6_K => values.chunks_exact(256).for_each(|b| q6_k(b, &mut out)),
+        GgmlType::IQ4_XS => values.chunks_exact(256).for_each(|b| iq4_xs(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -389,4 +390,49 @@ fn q6_k(block: &[f32], out: &mut Vec<u8>) {
     out.extend_from_slice(&qh);
     out.extend(sc.iter().map(|&s| s as u8));
     push_f16(out, d);
+}
+
+/// The non-linear 4-bit levels of `IQ4_NL` and `IQ4_XS` (ggml's `kvalues_iq4nl`).
+const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// The index of the entry of [`KVALUES_IQ4NL`] times `scale` nearest to `v` (the lower
+/// index on a tie).
+fn nearest_iq4(v: f32, scale: f32) -> u8 {
+    let mut best = 0;
+    for (k, &level) in KVALUES_IQ4NL.iter().enumerate() {
+        let err = (v - scale * f32::from(level)).abs();
+        if err < (v - scale * f32::from(KVALUES_IQ4NL[best])).abs() {
+            best = k;
+        }
+    }
+    best as u8
+}
+
+/// Non-linear 4-bit with 6-bit group scales: eight groups of 32, `x = d * (ls - 32) *
+/// kvalues[q]`, each group's extreme value mapped to -127 and the scale of largest
+/// magnitude to -32.
+fn iq4_xs(block: &[f32], out: &mut Vec<u8>) {
+    let group_scales: Vec<f32> = block
+        .chunks_exact(32)
+        .map(|g| signed_max(g) / -127.0)
+        .collect();
+    let d = push_f16(out, signed_max(&group_scales) / -32.0);
+    let inv_d = inverse(d);
+    let ls: Vec<u8> = group_scales
+        .iter()
+        .map(|&s| ((s * inv_d).round().clamp(-32.0, 31.0) + 32.0) as u8)
+        .collect();
+    let scales_h = ls
+        .iter()
+        .enumerate()
+        .fold(0u16, |h, (g, &l)| h | (u16::from(l >> 4) << (2 * g)));
+    out.extend_from_slice(&scales_h.to_le_bytes());
+    out.extend((0..4).map(|k| (ls[2 * k] & 0xF) | ((ls[2 * k + 1] & 0xF) << 4)));
+    for (g, group) in block.chunks_exact(32).enumerate() {
+        let scale = d * (f32::from(ls[g]) - 32.0);
+        let q: Vec<u8> = group.iter().map(|&v| nearest_iq4(v, scale)).collect();
+        pack_nibbles(&q, out);
+    }
 }
