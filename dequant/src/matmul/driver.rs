@@ -148,6 +148,8 @@ pub(crate) fn run(
         GgmlType::Q5_K => run_kernel::<Q5_K>(m, exec, x, n_tokens, y),
         GgmlType::Q6_K => run_kernel::<Q6_K>(m, exec, x, n_tokens, y),
         GgmlType::IQ4_XS => run_kernel::<IQ4_XS>(m, exec, x, n_tokens, y),
+        GgmlType::IQ4_NL if repacked(m) => run_kernel::<IQ4_NLPacked>(m, exec, x, n_tokens, y),
+        GgmlType::IQ4_NL => run_kernel::<IQ4_NL>(m, exec, x, n_tokens, y),
         ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())
@@ -237,10 +239,11 @@ fn run_kernel<K: Kernel>(
     }
 }
 
-/// Whether llama.cpp would repack `m` on an AVX2 machine (a `Q4_0` or `Q4_K` matrix
-/// whose row count is a multiple of 8) and multiply it with its repacked kernels.
+/// Whether llama.cpp would repack `m` on an AVX2 machine (a `Q4_0`, `Q4_K` or `IQ4_NL`
+/// matrix whose row count is a multiple of 8) and multiply it with its repacked kernels.
 fn repacked(m: &QuantizedMatrix<'_>) -> bool {
-    matches!(m.ty(), GgmlType::Q4_0 | GgmlType::Q4_K) && m.rows().is_multiple_of(8)
+    matches!(m.ty(), GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::IQ4_NL)
+        && m.rows().is_multiple_of(8)
 }
 
 /// One token against several matrices of one type and width (validated, non-empty),
@@ -278,6 +281,8 @@ pub(crate) fn run_many(
         GgmlType::Q5_K => run_many_kernel::<Q5_K>(ms, exec, x, ys),
         GgmlType::Q6_K => run_many_kernel::<Q6_K>(ms, exec, x, ys),
         GgmlType::IQ4_XS => run_many_kernel::<IQ4_XS>(ms, exec, x, ys),
+        GgmlType::IQ4_NL if repacked(&ms[0]) => run_many_kernel::<IQ4_NLPacked>(ms, exec, x, ys),
+        GgmlType::IQ4_NL => run_many_kernel::<IQ4_NL>(ms, exec, x, ys),
         ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())

@@ -68,6 +68,20 @@ kernel!(Q4_1, Q8_1Acts, portable::dot_q4_1, avx2::legacy::dot_q4_1);
 kernel!(Q5_0, Q8_0Acts, portable::dot_q5_0, avx2::legacy::dot_q5_0);
 kernel!(Q5_1, Q8_1Acts, portable::dot_q5_1, avx2::legacy::dot_q5_1);
 kernel!(Q8_0, Q8_0Acts, portable::dot_q8_0, avx2::legacy::dot_q8_0);
+kernel!(
+    IQ4_NL,
+    Q8_0Acts,
+    portable::dot_iq4_nl,
+    avx2::legacy::dot_iq4_nl
+);
+// `IQ4_NL` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
+// machines and multiplies block by block.
+kernel!(
+    IQ4_NLPacked,
+    Q8_0Acts,
+    portable::dot_iq4_nl_packed,
+    avx2::legacy::dot_iq4_nl_packed
+);
 kernel!(Q4_K, Q8KActs, portable::dot_q4_k, avx2::kquants::dot_q4_k);
 // `Q4_K` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
 // machines.

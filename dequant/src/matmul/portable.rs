@@ -12,8 +12,8 @@
 use std::mem::size_of;
 
 use crate::blocks::{
-    cast_blocks, Block, BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K,
-    BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
+    cast_blocks, Block, BlockIQ4_NL, BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1,
+    BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
 };
 use crate::decode::grids::KVALUES_IQ4NL;
 use crate::decode::scalar::q3_k_scales;
@@ -241,6 +241,69 @@ pub(crate) fn dot_q8_0(row: &[u8], act: Q8Row<'_>) -> f32 {
         let ints = lanes::<32>(|i| i32::from(q[i]) * i32::from(x[i]));
         (blocks[b].d.to_f32(), 0.0, ints)
     })
+}
+
+/// The 32 signed values of an `IQ4_NL` block: the table's entries for the low nibbles,
+/// then for the high ones.
+#[inline]
+fn iq4_nl_values(qs: &[u8; 16]) -> [i8; 32] {
+    nibbles(qs).map(|n| KVALUES_IQ4NL[usize::from(n)])
+}
+
+/// `IQ4_NL` block in lanes: `Σ kvalues[q] · qx`.
+#[inline]
+fn iq4_nl_lanes(block: &BlockIQ4_NL, qx: &[i8]) -> [i32; 8] {
+    let q = iq4_nl_values(&block.qs);
+    lanes::<32>(|i| i32::from(q[i]) * i32::from(qx[i]))
+}
+
+#[cfg(test)]
+/// `IQ4_NL` block: `Σ kvalues[q] · qx`.
+pub(crate) fn iq4_nl_block(block: &BlockIQ4_NL, qx: &[i8]) -> i32 {
+    iq4_nl_lanes(block, qx).iter().sum()
+}
+
+/// `IQ4_NL` of a matrix llama.cpp does not repack. A batch as its GEMM (llamafile's)
+/// multiplies it, which is [`legacy_dot`]; a single token as its dot product does: the
+/// eight lanes of even blocks fused into one set of accumulators and those of odd
+/// blocks into another, the two added lane by lane and reduced, and a last odd block's
+/// integer total fused on at `d · dx`.
+pub(crate) fn dot_iq4_nl(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let blocks = whole_blocks::<BlockIQ4_NL>(row);
+    let lanes_of = |b: usize| iq4_nl_lanes(&blocks[b], &act.qs[b * QK8..]);
+    if !act.single {
+        return legacy_dot(blocks.len(), act, |b| {
+            (blocks[b].d.to_f32(), 0.0, lanes_of(b))
+        });
+    }
+    let mut acc = [[0.0f32; 8]; 2];
+    let pairs = blocks.len() / 2 * 2;
+    for b in 0..pairs {
+        let scale = act.ds[b][0] * blocks[b].d.to_f32();
+        for (acc, &int) in acc[b % 2].iter_mut().zip(&lanes_of(b)) {
+            *acc = (int as f32).mul_add(scale, *acc);
+        }
+    }
+    let sum: [f32; 8] = std::array::from_fn(|l| acc[0][l] + acc[1][l]);
+    let mut total = reduce8(&sum);
+    if pairs < blocks.len() {
+        let b = pairs;
+        let scale = act.ds[b][0] * blocks[b].d.to_f32();
+        let int: i32 = lanes_of(b).iter().sum();
+        total = scale.mul_add(int as f32, total);
+    }
+    total
+}
+
+/// `IQ4_NL` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8
+/// rows): as [`dot_q4_0_packed`], with the table's values.
+pub(crate) fn dot_iq4_nl_packed(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, block) in whole_blocks::<BlockIQ4_NL>(row).iter().enumerate() {
+        let total: i32 = iq4_nl_lanes(block, &act.qs[b * QK8..]).iter().sum();
+        acc = (total as f32).mul_add(block.d.to_f32() * act.ds[b][0], acc);
+    }
+    acc
 }
 
 /// The eight 6-bit scales and eight 6-bit mins packed in the 12 bytes of a

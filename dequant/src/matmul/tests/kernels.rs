@@ -100,10 +100,12 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
             GgmlType::Q5_0,
             GgmlType::Q5_1,
             GgmlType::Q8_0,
+            GgmlType::IQ4_NL,
         ] {
             for block in block_cases(ty, &mut rng) {
                 for qx in activation_cases(QK8, &mut rng) {
                     let expected = match ty {
+                        GgmlType::IQ4_NL => portable::iq4_nl_block(&one(&block), &qx),
                         GgmlType::Q4_0 => portable::q4_0_block(&one(&block), &qx),
                         GgmlType::Q4_1 => portable::q4_1_block(&one(&block), &qx),
                         GgmlType::Q5_0 => portable::q5_0_block(&one(&block), &qx),
@@ -219,8 +221,10 @@ fn lane_integers_sum_to_the_plain_integer_product() {
 /// multiply them with the same kernel (and so do ours): below [`GEMM_MIN_TOKENS`] a
 /// batch gives each token the bits of a single-token product, except that `Q4_K`
 /// tokens in a whole group of four, against a matrix llama.cpp repacks, get the bits of
-/// a batch of four (its repacked GEMM); from [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other
-/// k-quants to its tiled GEMM) a batch gives the bits of each of its halves.
+/// a batch of four (its repacked GEMM), and `IQ4_NL` tokens against a matrix it does
+/// not repack those of any batch (its GEMM, from two tokens on); from
+/// [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other k-quants to its tiled GEMM)
+/// a batch gives the bits of each of its halves.
 #[test]
 fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -232,6 +236,7 @@ fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
             let x = random_x(n_tokens * cols, 5 + i as u64);
             let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
             let grouped = ty == GgmlType::Q4_K && rows % 8 == 0;
+            let batched = ty == GgmlType::IQ4_NL && rows % 8 != 0;
             for path in paths() {
                 let small = GEMM_MIN_TOKENS - 1;
                 let mut batch = vec![0.0; small * rows];
@@ -247,8 +252,16 @@ fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
                     matrix
                         .matvec_with(path, &x[t * cols..(t + 1) * cols], &mut single)
                         .unwrap();
+                    // Token t twice: a batch of two.
+                    let twice = [&x[t * cols..(t + 1) * cols], &x[t * cols..(t + 1) * cols]];
+                    let mut pair = vec![0.0; 2 * rows];
+                    matrix
+                        .matmul_with(path, &twice.concat(), 2, &mut pair)
+                        .unwrap();
                     let expected = if grouped && t < 4 {
                         &four[t * rows..(t + 1) * rows]
+                    } else if batched {
+                        &pair[..rows]
                     } else {
                         &single[..]
                     };
@@ -340,10 +353,18 @@ fn portable_and_avx2_products_agree_bit_for_bit() {
         if !ty.is_quantized() {
             continue;
         }
-        // 16 rows: llama.cpp repacks Q4_0 (and Q4_K) matrices of a multiple of 8 rows;
-        // 1 and 13: fewer than, and not a multiple of, the single-token kernels' 4 rows.
-        for rows in [1, 13, 16] {
-            let cols = 2 * QK_K;
+        // 16 rows: llama.cpp repacks Q4_0, Q4_K and IQ4_NL matrices of a multiple of 8
+        // rows; 1 and 13: fewer than, and not a multiple of, the single-token kernels' 4
+        // rows. For blocks of 32, an odd number of blocks too (IQ4_NL's dot product takes
+        // them in pairs).
+        let widths: &[usize] = match ty.block_size() {
+            32 => &[2 * QK_K, 2 * QK_K + 32],
+            _ => &[2 * QK_K],
+        };
+        let shapes = [1, 13, 16]
+            .into_iter()
+            .flat_map(|rows| widths.iter().map(move |&cols| (rows, cols)));
+        for (rows, cols) in shapes {
             let bytes = random_matrix(ty, rows, cols, 500 + i as u64);
             let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
             for n_tokens in [1, 4, 5, GEMM_MIN_TOKENS, GEMM_MIN_TOKENS + 1] {
@@ -356,7 +377,7 @@ fn portable_and_avx2_products_agree_bit_for_bit() {
                 matrix
                     .matmul_with(DecodePath::Avx2, &x, n_tokens, &mut avx2)
                     .unwrap();
-                let context = format!("{ty}, {rows} rows, {n_tokens} tokens");
+                let context = format!("{ty}, {rows}x{cols}, {n_tokens} tokens");
                 assert_eq!(bits(&portable), bits(&avx2), "{context}");
             }
         }

@@ -28,7 +28,7 @@ use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
-pub(super) const TYPES: [GgmlType; 14] = [
+pub(super) const TYPES: [GgmlType; 15] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -42,6 +42,7 @@ pub(super) const TYPES: [GgmlType; 14] = [
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
 ];
 
@@ -126,6 +127,7 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                 GgmlType::Q6_K => &[(offset_of!(BlockQ6_K, d), true)],
                 GgmlType::Q3_K => &[(offset_of!(BlockQ3_K, d), true)],
                 GgmlType::IQ4_XS => &[(offset_of!(BlockIQ4_XS, d), true)],
+                GgmlType::IQ4_NL => &[(offset_of!(BlockIQ4_NL, d), true)],
                 GgmlType::Q2_K => &[
                     (offset_of!(BlockQ2_K, d), false),
                     (offset_of!(BlockQ2_K, dmin), false),
