@@ -9,7 +9,8 @@
 //!
 //! The quantizers follow the block layouts of ggml (which llama.cpp and our kernels both
 //! decode): each picks its block scale from the block's range and rounds every value to
-//! the nearest level (the nearest entry of the table, for the non-linear `IQ4_XS`). They do not search for the error-minimizing scale as llama.cpp's
+//! the nearest level (the nearest entry of the table, for the non-linear `IQ4_NL` and
+//! `IQ4_XS`). They do not search for the error-minimizing scale as llama.cpp's
 //! quantizers do; that changes which levels are chosen, not how the blocks decode.
 
 use gguf_format::GgmlType;
@@ -88,6 +89,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::Q5_K => values.chunks_exact(256).for_each(|b| q5_k(b, &mut out)),
         GgmlType::Q6_K => values.chunks_exact(256).for_each(|b| q6_k(b, &mut out)),
         GgmlType::IQ4_XS => values.chunks_exact(256).for_each(|b| iq4_xs(b, &mut out)),
+        GgmlType::IQ4_NL => values.chunks_exact(32).for_each(|b| iq4_nl(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -435,4 +437,11 @@ fn iq4_xs(block: &[f32], out: &mut Vec<u8>) {
         let q: Vec<u8> = group.iter().map(|&v| nearest_iq4(v, scale)).collect();
         pack_nibbles(&q, out);
     }
+}
+
+/// Non-linear 4-bit: `x = d * kvalues[q]`, the extreme value mapped to -127.
+fn iq4_nl(block: &[f32], out: &mut Vec<u8>) {
+    let d = push_f16(out, signed_max(block) / -127.0);
+    let q: Vec<u8> = block.iter().map(|&v| nearest_iq4(v, d)).collect();
+    pack_nibbles(&q, out);
 }
