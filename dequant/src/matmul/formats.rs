@@ -99,5 +99,6 @@ kernel!(
     portable::dot_iq4_xs,
     avx2::lanes::dot_iq4_xs
 );
+kernel!(IQ3_S, Q8KActs, portable::dot_iq3_s, avx2::lanes::dot_iq3_s);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

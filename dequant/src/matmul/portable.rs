@@ -12,12 +12,13 @@
 use std::mem::size_of;
 
 use crate::blocks::{
-    cast_blocks, Block, BlockIQ4_NL, BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1,
-    BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
+    cast_blocks, Block, BlockIQ3_S, BlockIQ4_NL, BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0,
+    BlockQ4_1, BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
 };
 use crate::decode::grids::KVALUES_IQ4NL;
 use crate::decode::scalar::q3_k_scales;
 use crate::matmul::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
+use crate::matmul::grids::Grid;
 
 /// The whole blocks at the start of `bytes` (all of a validated row).
 pub(crate) fn whole_blocks<B: Block>(bytes: &[u8]) -> &[B] {
@@ -591,11 +592,14 @@ pub(crate) struct LaneScales {
 /// `−dx · dmin`, then the eight lanes at `dx · d`, reduced at the end), in batches of
 /// [`GEMM_MIN_TOKENS`](super::activation::GEMM_MIN_TOKENS) or more its tiled GEMM (per
 /// super-block `d · Σ` rounded, `dmin · Σmin` fused off it, the result fused at `dx`
-/// into one accumulator). `HAS_MIN` says whether the format has mins.
+/// into one accumulator). `HAS_MIN` says whether the format has mins; `factor` is a
+/// power of two that the dot product multiplies the reduced sum by and the GEMM `d`
+/// (1 for the k-quants).
 #[inline]
 fn lane_dot<B: Block, const HAS_MIN: bool>(
     row: &[u8],
     act: Q8KRow<'_>,
+    factor: f32,
     block: impl Fn(&B, &[i8], &[i16]) -> (LaneScales, LaneInts),
 ) -> f32 {
     let mut acc = [0.0f32; 8];
@@ -604,7 +608,7 @@ fn lane_dot<B: Block, const HAS_MIN: bool>(
         let (w, ints) = block(blk, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
         let dx = act.d[b];
         if act.gemm {
-            let mut res = w.d * ints.dots.iter().sum::<i32>() as f32;
+            let mut res = (w.d * factor) * ints.dots.iter().sum::<i32>() as f32;
             if HAS_MIN {
                 res = (-w.dmin).mul_add(ints.mins.iter().sum::<i32>() as f32, res);
             }
@@ -625,7 +629,7 @@ fn lane_dot<B: Block, const HAS_MIN: bool>(
     if act.gemm {
         gemm
     } else {
-        reduce8(&acc)
+        factor * reduce8(&acc)
     }
 }
 
@@ -650,7 +654,7 @@ pub(crate) fn q2_k_lanes(block: &BlockQ2_K, qx: &[i8], bsums: &[i16]) -> LaneInt
 
 /// `Q2_K`: see [`lane_dot`].
 pub(crate) fn dot_q2_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    lane_dot::<BlockQ2_K, true>(row, act, |block, qx, bsums| {
+    lane_dot::<BlockQ2_K, true>(row, act, 1.0, |block, qx, bsums| {
         let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
         (LaneScales { d, dmin }, q2_k_lanes(block, qx, bsums))
     })
@@ -684,7 +688,7 @@ pub(crate) fn q3_k_lanes(block: &BlockQ3_K, qx: &[i8]) -> LaneInts {
 
 /// `Q3_K`: see [`lane_dot`].
 pub(crate) fn dot_q3_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    lane_dot::<BlockQ3_K, false>(row, act, |block, qx, _| {
+    lane_dot::<BlockQ3_K, false>(row, act, 1.0, |block, qx, _| {
         let d = block.d.to_f32();
         (LaneScales { d, dmin: 0.0 }, q3_k_lanes(block, qx))
     })
@@ -715,10 +719,48 @@ pub(crate) fn iq4_xs_lanes(block: &BlockIQ4_XS, qx: &[i8]) -> LaneInts {
 
 /// `IQ4_XS`: see [`lane_dot`].
 pub(crate) fn dot_iq4_xs(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    lane_dot::<BlockIQ4_XS, false>(row, act, |block, qx, _| {
+    lane_dot::<BlockIQ4_XS, false>(row, act, 1.0, |block, qx, _| {
         let d = block.d.to_f32();
         (LaneScales { d, dmin: 0.0 }, iq4_xs_lanes(block, qx))
     })
+}
+
+/// A grid format's super-block in lanes: per sub-block of 32, `scale · Σ ±grid · qx`
+/// (lane `l` the values `4l .. 4l + 4`, in the half of 16 whose scale it takes).
+pub(crate) fn grid_lanes(grid: Grid, block: &[u8], qx: &[i8]) -> LaneInts {
+    let mut dots = [0i32; 8];
+    for s in 0..8 {
+        let sub = grid.sub(block, s);
+        let value = |i: usize| {
+            let magnitude = ((sub.grid[i / 8] >> (8 * (i % 8))) & 0xFF) as i32;
+            if (sub.signs[i / 8] >> (i % 8)) & 1 == 1 {
+                -magnitude
+            } else {
+                magnitude
+            }
+        };
+        let x = &qx[32 * s..32 * s + 32];
+        for (l, lane) in dots.iter_mut().enumerate() {
+            let dot: i32 = (4 * l..4 * l + 4).map(|i| value(i) * i32::from(x[i])).sum();
+            *lane += i32::from(sub.scales[l / 4]) * dot;
+        }
+    }
+    LaneInts { dots, mins: [0; 8] }
+}
+
+/// A row of grid format `grid` (blocks of type `B`, whose first field is the f16 `d`):
+/// see [`lane_dot`].
+fn grid_dot<B: Block>(grid: Grid, row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<B, false>(row, act, grid.factor(), |block, qx, _| {
+        let bytes = bytemuck::bytes_of(block);
+        let d = half::f16::from_le_bytes([bytes[0], bytes[1]]).to_f32();
+        (LaneScales { d, dmin: 0.0 }, grid_lanes(grid, bytes, qx))
+    })
+}
+
+/// `IQ3_S`: see [`lane_dot`].
+pub(crate) fn dot_iq3_s(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    grid_dot::<BlockIQ3_S>(Grid::IQ3S, row, act)
 }
 
 /// `Σ w_i · x_i` with the weights decoded by `weight(i)`, eight at a time into eight

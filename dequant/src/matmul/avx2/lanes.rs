@@ -1,5 +1,5 @@
 //! AVX2 kernels of the super-block formats that llama.cpp's AVX2 build multiplies lane
-//! by lane: `Q2_K`, `Q3_K`, `IQ4_XS`.
+//! by lane: `Q2_K`, `Q3_K`, `IQ4_XS` and the grid formats (`IQ3_S`).
 //!
 //! For each super-block and token the integers come out as llama.cpp's dot products
 //! hold them: the weights unpacked 32 at a time into bytes, `maddubs` against the
@@ -18,12 +18,30 @@ use super::{hsum_epi32, hsum_ps, load32, load_f16};
 use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
 use crate::decode::grids::KVALUES_IQ4NL;
 use crate::matmul::activation::Q8KRow;
+use crate::matmul::grids::Grid;
 
 /// The formats of this module, as the const parameter of [`dot_lanes`].
 pub(crate) mod format {
     pub const Q2_K: u8 = 0;
     pub const Q3_K: u8 = 1;
     pub const IQ4_XS: u8 = 2;
+    pub const IQ3_S: u8 = 3;
+}
+
+/// The grid format of `F`, if it is one.
+const fn grid_of(f: u8) -> Option<Grid> {
+    match f {
+        format::IQ3_S => Some(Grid::IQ3S),
+        _ => None,
+    }
+}
+
+/// The power of two folded into `d` (see [`Grid::factor`]); 1 for the others.
+const fn factor(f: u8) -> f32 {
+    match grid_of(f) {
+        Some(grid) => grid.factor(),
+        None => 1.0,
+    }
 }
 
 /// Bytes of one super-block of `format` `F`.
@@ -32,7 +50,10 @@ const fn block_bytes(f: u8) -> usize {
         format::Q2_K => size_of::<BlockQ2_K>(),
         format::Q3_K => size_of::<BlockQ3_K>(),
         format::IQ4_XS => size_of::<BlockIQ4_XS>(),
-        _ => panic!("not a lane format"),
+        _ => match grid_of(f) {
+            Some(grid) => grid.block_bytes(),
+            None => panic!("not a lane format"),
+        },
     }
 }
 
@@ -203,6 +224,54 @@ unsafe fn iq4_xs_ints<const N: usize>(block: *const u8, qx: [*const i8; N]) -> [
     dots
 }
 
+/// A grid format's super-block for each token: per sub-block of 32, the four runs'
+/// magnitudes in one register, their sign bits spread to byte masks that negate the
+/// activations (`(x ^ m) − m`, as llama.cpp does), one `maddubs` and a `madd` against
+/// the halves' scales. Magnitudes are below 64, so no pair saturates.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations behind
+/// each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn grid_ints<const N: usize>(
+    grid: Grid,
+    block: *const u8,
+    qx: [*const i8; N],
+) -> [__m256i; N] {
+    // SAFETY: the whole super-block is readable per the contract.
+    let bytes = unsafe { std::slice::from_raw_parts(block, grid.block_bytes()) };
+    // Byte j of run k (byte 8k + j of the register) tests bit j of sign byte k.
+    let spread = _mm256_setr_epi64x(
+        0,
+        0x0101_0101_0101_0101,
+        0x0202_0202_0202_0202,
+        0x0303_0303_0303_0303,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let mut dots = [_mm256_setzero_si256(); N];
+    for s in 0..8 {
+        let sub = grid.sub(bytes, s);
+        let magnitudes = _mm256_setr_epi64x(
+            sub.grid[0] as i64,
+            sub.grid[1] as i64,
+            sub.grid[2] as i64,
+            sub.grid[3] as i64,
+        );
+        let signs = _mm256_shuffle_epi8(_mm256_set1_epi32(i32::from_le_bytes(sub.signs)), spread);
+        let negate = _mm256_cmpeq_epi8(_mm256_and_si256(signs, bit), bit);
+        let scale = _mm256_set_m128i(_mm_set1_epi16(sub.scales[1]), _mm_set1_epi16(sub.scales[0]));
+        for t in 0..N {
+            // SAFETY: 256 activations are readable behind each pointer.
+            let x = unsafe { load32(qx[t].add(32 * s).cast()) };
+            let x = _mm256_sub_epi8(_mm256_xor_si256(x, negate), negate);
+            let p = _mm256_maddubs_epi16(magnitudes, x);
+            dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(p, scale));
+        }
+    }
+    dots
+}
+
 /// The integer lanes of format `F` for each token: the dot products and the min terms
 /// (zeros without mins).
 ///
@@ -223,7 +292,10 @@ unsafe fn lane_ints<const F: u8, const N: usize>(
             format::Q2_K => q2_k_ints::<N>(block, qx, bsums),
             format::Q3_K => (q3_k_ints::<N>(block, qx), zeros),
             format::IQ4_XS => (iq4_xs_ints::<N>(block, qx), zeros),
-            _ => unreachable!("not a lane format"),
+            _ => match grid_of(F) {
+                Some(grid) => (grid_ints::<N>(grid, block, qx), zeros),
+                None => unreachable!("not a lane format"),
+            },
         }
     }
 }
@@ -244,7 +316,8 @@ unsafe fn lane_scales<const F: u8>(block: *const u8) -> (f32, f32) {
             ),
             format::Q3_K => (load_f16(block.add(offset_of!(BlockQ3_K, d))), 0.0),
             format::IQ4_XS => (load_f16(block.add(offset_of!(BlockIQ4_XS, d))), 0.0),
-            _ => unreachable!("not a lane format"),
+            // Every grid format starts with its f16 `d` (checked in `grids`).
+            _ => (load_f16(block), 0.0),
         }
     }
 }
@@ -281,7 +354,7 @@ unsafe fn dot_lanes<const F: u8, const R: usize, const N: usize>(
             for t in 0..N {
                 let dx = acts[t].d[b];
                 if acts[t].gemm {
-                    let mut res = d * hsum_epi32(dots[t]) as f32;
+                    let mut res = (d * factor(F)) * hsum_epi32(dots[t]) as f32;
                     if has_min(F) {
                         res = (-dmin).mul_add(hsum_epi32(mins[t]) as f32, res);
                     }
@@ -300,7 +373,7 @@ unsafe fn dot_lanes<const F: u8, const R: usize, const N: usize>(
             out[r][t] = if acts[t].gemm {
                 gemm[t]
             } else {
-                hsum_ps(acc[t])
+                factor(F) * hsum_ps(acc[t])
             };
         }
     }
@@ -349,6 +422,20 @@ pub(crate) unsafe fn dot_iq4_xs<const R: usize, const N: usize>(
     unsafe { dot_lanes::<{ format::IQ4_XS }, R, N>(rows, acts) }
 }
 
+/// `R` `IQ3_S` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq3_s<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ3_S }, R, N>(rows, acts) }
+}
+
 /// The integer lanes of one super-block of `ty`: what the portable `*_lanes` functions
 /// return.
 #[cfg(test)]
@@ -377,6 +464,7 @@ pub(crate) fn block_lanes(
             T::Q2_K => ints::<{ format::Q2_K }>(block, qx, bsums),
             T::Q3_K => ints::<{ format::Q3_K }>(block, qx, bsums),
             T::IQ4_XS => ints::<{ format::IQ4_XS }>(block, qx, bsums),
+            T::IQ3_S => ints::<{ format::IQ3_S }>(block, qx, bsums),
             other => panic!("{other} is not a lane format"),
         }
     };

@@ -154,7 +154,12 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 }
 
 /// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
-const LANE_TYPES: [GgmlType; 3] = [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::IQ4_XS];
+const LANE_TYPES: [GgmlType; 4] = [
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ4_XS,
+    GgmlType::IQ3_S,
+];
 
 /// The portable integer lanes of one super-block of a [`LANE_TYPES`] format.
 fn portable_lanes(ty: GgmlType, block: &[u8], qx: &[i8], bsums: &[i16]) -> portable::LaneInts {
@@ -162,6 +167,7 @@ fn portable_lanes(ty: GgmlType, block: &[u8], qx: &[i8], bsums: &[i16]) -> porta
         GgmlType::Q2_K => portable::q2_k_lanes(&one(block), qx, bsums),
         GgmlType::Q3_K => portable::q3_k_lanes(&one(block), qx),
         GgmlType::IQ4_XS => portable::iq4_xs_lanes(&one(block), qx),
+        GgmlType::IQ3_S => portable::grid_lanes(crate::matmul::grids::Grid::IQ3S, block, qx),
         other => panic!("{other} is not a lane format"),
     }
 }
@@ -176,12 +182,13 @@ fn lane_integers_sum_to_the_plain_integer_product() {
         for block in block_cases(ty, &mut rng).into_iter().take(60) {
             let mut block = block;
             // d = dmin = 1: the decoded values are the integers `scale · q − min`.
-            use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
+            use crate::blocks::{BlockIQ3_S, BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
             use std::mem::offset_of;
             let scales: &[usize] = match ty {
                 GgmlType::Q2_K => &[offset_of!(BlockQ2_K, d), offset_of!(BlockQ2_K, dmin)],
                 GgmlType::Q3_K => &[offset_of!(BlockQ3_K, d)],
                 GgmlType::IQ4_XS => &[offset_of!(BlockIQ4_XS, d)],
+                GgmlType::IQ3_S => &[offset_of!(BlockIQ3_S, d)],
                 _ => unreachable!(),
             };
             for &at in scales {
