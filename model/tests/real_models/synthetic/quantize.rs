@@ -10,7 +10,8 @@
 //! The quantizers follow the block layouts of ggml (which llama.cpp and our kernels both
 //! decode): each picks its block scale from the block's range and rounds every value to
 //! the nearest level (the nearest entry of the table, for the non-linear `IQ4_NL` and
-//! `IQ4_XS`). They do not search for the error-minimizing scale as llama.cpp's
+//! `IQ4_XS`; for the grid formats the signs of the values and the grid entry nearest to
+//! their magnitudes, found by trying every entry). They do not search for the error-minimizing scale as llama.cpp's
 //! quantizers do; that changes which levels are chosen, not how the blocks decode.
 
 use gguf_format::GgmlType;
@@ -90,6 +91,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::Q6_K => values.chunks_exact(256).for_each(|b| q6_k(b, &mut out)),
         GgmlType::IQ4_XS => values.chunks_exact(256).for_each(|b| iq4_xs(b, &mut out)),
         GgmlType::IQ4_NL => values.chunks_exact(32).for_each(|b| iq4_nl(b, &mut out)),
+        GgmlType::IQ3_S => values.chunks_exact(256).for_each(|b| iq3_s(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -444,4 +446,72 @@ fn iq4_nl(block: &[f32], out: &mut Vec<u8>) {
     let d = push_f16(out, signed_max(block) / -127.0);
     let q: Vec<u8> = block.iter().map(|&v| nearest_iq4(v, d)).collect();
     pack_nibbles(&q, out);
+}
+
+/// The index of the entry of `grid` (entries of `run.len()` magnitudes, byte `j` of an
+/// entry the magnitude of value `j`) nearest to `|run| / scale` (the lower index on a
+/// tie).
+fn nearest_entry(run: &[f32], scale: f32, grid: impl Iterator<Item = u64>) -> usize {
+    let inv = inverse(scale);
+    let mut best = (f32::MAX, 0);
+    for (index, entry) in grid.enumerate() {
+        let err: f32 = run
+            .iter()
+            .enumerate()
+            .map(|(j, &v)| {
+                let e = v.abs() * inv - ((entry >> (8 * j)) & 0xFF) as f32;
+                e * e
+            })
+            .sum();
+        if err < best.0 {
+            best = (err, index);
+        }
+    }
+    best.1
+}
+
+/// The sign bits of `run`: bit `j` set where value `j` is negative.
+fn sign_bits(run: &[f32]) -> u8 {
+    run.iter()
+        .enumerate()
+        .fold(0, |bits, (j, &v)| bits | (u8::from(v < 0.0) << j))
+}
+
+/// Odd 4-bit scales `2 ls + 1` for groups whose largest magnitudes are `groups`: writes
+/// and returns the f16 `d`, and the `ls`, such that `d (2 ls + 1) max_grid` is about each
+/// group's largest magnitude (`max_grid`: the grid's largest value times any constant
+/// factor of the format).
+fn odd_scales(groups: &[f32], max_grid: f32, out: &mut Vec<u8>) -> (f32, Vec<u8>) {
+    let wanted: Vec<f32> = groups.iter().map(|&m| m / max_grid).collect();
+    let d = push_f16(out, wanted.iter().fold(0f32, |m, &v| m.max(v)) / 31.0);
+    let inv_d = inverse(d);
+    let ls = wanted
+        .iter()
+        .map(|&w| ((w * inv_d - 1.0) / 2.0).round().clamp(0.0, 15.0) as u8)
+        .collect();
+    (d, ls)
+}
+
+/// `IQ3_S`: per 32 values a scale `d (2 ls + 1)`, each 4 values the `IQ3S_GRID` entry
+/// nearest to their magnitudes (9-bit indices), one sign bit per value.
+fn iq3_s(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ3S_GRID;
+    let amax: Vec<f32> = block
+        .chunks_exact(32)
+        .map(|g| g.iter().fold(0f32, |m, v| m.max(v.abs())))
+        .collect();
+    let mut header = Vec::new();
+    let (d, ls) = odd_scales(&amax, 15.0, &mut header);
+    let mut indices = [0usize; 64];
+    for (i, run) in block.chunks_exact(4).enumerate() {
+        let scale = d * f32::from(2 * ls[i / 8] + 1);
+        indices[i] = nearest_entry(run, scale, IQ3S_GRID.iter().map(|&e| u64::from(e)));
+    }
+    out.extend_from_slice(&header);
+    out.extend(indices.iter().map(|&i| i as u8));
+    out.extend(
+        (0..8).map(|k| (0..8).fold(0u8, |h, j| h | (((indices[8 * k + j] >> 8) as u8) << j))),
+    );
+    out.extend(block.chunks_exact(8).map(sign_bits));
+    out.extend((0..4).map(|k| ls[2 * k] | (ls[2 * k + 1] << 4)));
 }
