@@ -100,5 +100,11 @@ kernel!(
     avx2::lanes::dot_iq4_xs
 );
 kernel!(IQ3_S, Q8KActs, portable::dot_iq3_s, avx2::lanes::dot_iq3_s);
+kernel!(
+    IQ3_XXS,
+    Q8KActs,
+    portable::dot_iq3_xxs,
+    avx2::lanes::dot_iq3_xxs
+);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

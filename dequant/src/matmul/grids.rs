@@ -1,4 +1,4 @@
-//! The grid formats' blocks unpacked for the products: `IQ3_S`.
+//! The grid formats' blocks unpacked for the products: `IQ3_S`, `IQ3_XXS`.
 //!
 //! Each sub-block of 32 values is four runs of 8 grid magnitudes with a sign byte per
 //! run, and a scale per half of 16 values, all small integers: what both the portable
@@ -8,11 +8,11 @@
 
 use std::mem::offset_of;
 
-use crate::blocks::{cast_blocks, Block, BlockIQ3_S};
-use crate::decode::grids::IQ3S_GRID;
+use crate::blocks::{cast_blocks, Block, BlockIQ3_S, BlockIQ3_XXS};
+use crate::decode::grids::{IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 
 // The kernels read every grid format's f16 super-block scale `d` from its first bytes.
-const _: () = assert!(offset_of!(BlockIQ3_S, d) == 0);
+const _: () = assert!(offset_of!(BlockIQ3_S, d) == 0 && offset_of!(BlockIQ3_XXS, d) == 0);
 
 /// One sub-block of 32 values of a grid format.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,6 +29,7 @@ pub(crate) struct GridSub {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Grid {
     IQ3S,
+    IQ3XXS,
 }
 
 impl Grid {
@@ -36,6 +37,7 @@ impl Grid {
     pub(crate) const fn block_bytes(self) -> usize {
         match self {
             Grid::IQ3S => size_of::<BlockIQ3_S>(),
+            Grid::IQ3XXS => size_of::<BlockIQ3_XXS>(),
         }
     }
 
@@ -44,6 +46,7 @@ impl Grid {
     pub(crate) const fn factor(self) -> f32 {
         match self {
             Grid::IQ3S => 1.0,
+            Grid::IQ3XXS => 0.25,
         }
     }
 
@@ -53,6 +56,7 @@ impl Grid {
     pub(crate) fn sub(self, block: &[u8], s: usize) -> GridSub {
         match self {
             Grid::IQ3S => iq3_s(one(block), s),
+            Grid::IQ3XXS => iq3_xxs(one(block), s),
         }
     }
 }
@@ -84,6 +88,31 @@ fn iq3_s(b: &BlockIQ3_S, s: usize) -> GridSub {
             entry(i) | (entry(i + 1) << 32)
         }),
         signs: std::array::from_fn(|k| b.signs[4 * s + k]),
+        scales: [scale, scale],
+    }
+}
+
+/// The u32 of sign indices and scale of sub-block `s` of the formats that keep one per
+/// 32 values (`IQ2_XXS`, `IQ3_XXS`): run `k`'s signs are `KSIGNS_IQ2XS` at bits
+/// `7k .. 7k + 7` (seven signs, the eighth their parity), the 4-bit scale in the top bits.
+#[inline]
+fn signs_and_scale(aux: u32) -> ([u8; 4], i16) {
+    let signs = std::array::from_fn(|k| KSIGNS_IQ2XS[((aux >> (7 * k)) & 0x7F) as usize]);
+    (signs, odd((aux >> 28) as u8))
+}
+
+/// `IQ3_XXS`: run `k` of sub-block `s` is the two 4-value entries of `IQ3XXS_GRID` at
+/// `qs[8s + 2k]` and `qs[8s + 2k + 1]`; the u32 at `qs[64 + 4s]` holds the signs and
+/// the scale.
+#[inline]
+fn iq3_xxs(b: &BlockIQ3_XXS, s: usize) -> GridSub {
+    let at = 64 + 4 * s;
+    let aux = u32::from_le_bytes([b.qs[at], b.qs[at + 1], b.qs[at + 2], b.qs[at + 3]]);
+    let (signs, scale) = signs_and_scale(aux);
+    let entry = |i: usize| u64::from(IQ3XXS_GRID[usize::from(b.qs[i])]);
+    GridSub {
+        grid: std::array::from_fn(|k| entry(8 * s + 2 * k) | (entry(8 * s + 2 * k + 1) << 32)),
+        signs,
         scales: [scale, scale],
     }
 }

@@ -154,12 +154,23 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 }
 
 /// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
-const LANE_TYPES: [GgmlType; 4] = [
+const LANE_TYPES: [GgmlType; 5] = [
     GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::IQ4_XS,
     GgmlType::IQ3_S,
+    GgmlType::IQ3_XXS,
 ];
+
+/// The grid format of `ty`, for the grid formats among [`LANE_TYPES`].
+fn grid_of(ty: GgmlType) -> Option<crate::matmul::grids::Grid> {
+    use crate::matmul::grids::Grid;
+    match ty {
+        GgmlType::IQ3_S => Some(Grid::IQ3S),
+        GgmlType::IQ3_XXS => Some(Grid::IQ3XXS),
+        _ => None,
+    }
+}
 
 /// The portable integer lanes of one super-block of a [`LANE_TYPES`] format.
 fn portable_lanes(ty: GgmlType, block: &[u8], qx: &[i8], bsums: &[i16]) -> portable::LaneInts {
@@ -167,8 +178,10 @@ fn portable_lanes(ty: GgmlType, block: &[u8], qx: &[i8], bsums: &[i16]) -> porta
         GgmlType::Q2_K => portable::q2_k_lanes(&one(block), qx, bsums),
         GgmlType::Q3_K => portable::q3_k_lanes(&one(block), qx),
         GgmlType::IQ4_XS => portable::iq4_xs_lanes(&one(block), qx),
-        GgmlType::IQ3_S => portable::grid_lanes(crate::matmul::grids::Grid::IQ3S, block, qx),
-        other => panic!("{other} is not a lane format"),
+        other => match grid_of(other) {
+            Some(grid) => portable::grid_lanes(grid, block, qx),
+            None => panic!("{other} is not a lane format"),
+        },
     }
 }
 
@@ -182,19 +195,24 @@ fn lane_integers_sum_to_the_plain_integer_product() {
         for block in block_cases(ty, &mut rng).into_iter().take(60) {
             let mut block = block;
             // d = dmin = 1: the decoded values are the integers `scale · q − min`.
-            use crate::blocks::{BlockIQ3_S, BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
+            // (The grid formats keep `d` first; their decoded values carry the format's
+            // power of two, which the integers leave out.)
+            use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
             use std::mem::offset_of;
             let scales: &[usize] = match ty {
                 GgmlType::Q2_K => &[offset_of!(BlockQ2_K, d), offset_of!(BlockQ2_K, dmin)],
                 GgmlType::Q3_K => &[offset_of!(BlockQ3_K, d)],
                 GgmlType::IQ4_XS => &[offset_of!(BlockIQ4_XS, d)],
-                GgmlType::IQ3_S => &[offset_of!(BlockIQ3_S, d)],
-                _ => unreachable!(),
+                _ => &[0],
             };
+            let factor = grid_of(ty).map_or(1.0, |grid| grid.factor());
             for &at in scales {
                 block[at..at + 2].copy_from_slice(&half::f16::ONE.to_bits().to_le_bytes());
             }
-            let w = super::dequantize_row(ty, &block);
+            let w: Vec<f32> = super::dequantize_row(ty, &block)
+                .iter()
+                .map(|&w| w / factor)
+                .collect();
             for qx in activation_cases(QK_K, &mut rng) {
                 let bsums: Vec<i16> = qx
                     .chunks_exact(BSUM_GROUP)
