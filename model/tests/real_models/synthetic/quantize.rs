@@ -92,6 +92,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::IQ4_XS => values.chunks_exact(256).for_each(|b| iq4_xs(b, &mut out)),
         GgmlType::IQ4_NL => values.chunks_exact(32).for_each(|b| iq4_nl(b, &mut out)),
         GgmlType::IQ3_S => values.chunks_exact(256).for_each(|b| iq3_s(b, &mut out)),
+        GgmlType::IQ3_XXS => values.chunks_exact(256).for_each(|b| iq3_xxs(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -514,4 +515,55 @@ fn iq3_s(block: &[f32], out: &mut Vec<u8>) {
     );
     out.extend(block.chunks_exact(8).map(sign_bits));
     out.extend((0..4).map(|k| ls[2 * k] | (ls[2 * k + 1] << 4)));
+}
+
+/// The sign bits of a run of 8 with an even number of them set, as `KSIGNS_IQ2XS` can
+/// hold them (seven stored, the eighth their parity): with an odd count, the value of
+/// smallest magnitude takes the other sign. Returns the 7-bit index.
+fn even_signs(run: &[f32]) -> u32 {
+    let mut bits = sign_bits(run);
+    if bits.count_ones() % 2 == 1 {
+        let smallest = (0..8)
+            .min_by(|&a, &b| run[a].abs().total_cmp(&run[b].abs()))
+            .unwrap_or(0);
+        bits ^= 1 << smallest;
+    }
+    u32::from(bits & 0x7F)
+}
+
+/// Each sub-block's largest magnitude.
+fn group_amax(block: &[f32], group: usize) -> Vec<f32> {
+    block
+        .chunks_exact(group)
+        .map(|g| g.iter().fold(0f32, |m, v| m.max(v.abs())))
+        .collect()
+}
+
+/// `IQ3_XXS`: per 32 values a scale `d (2 ls + 1) / 4`, each 4 values the `IQ3XXS_GRID`
+/// entry nearest to their magnitudes, signs with even parity per 8 values.
+fn iq3_xxs(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ3XXS_GRID;
+    let mut header = Vec::new();
+    let (d, ls) = odd_scales(&group_amax(block, 32), 62.0 * 0.25, &mut header);
+    out.extend_from_slice(&header);
+    let mut signed = block.to_vec();
+    let mut aux = [0u32; 8];
+    for (r, run) in block.chunks_exact(8).enumerate() {
+        let signs = even_signs(run);
+        aux[r / 4] |= signs << (7 * (r % 4));
+        // The sign a value gets, for its magnitude's sake: flipped ones count as 0.
+        for j in 0..8 {
+            let negative = (u32::from(dequant::grids::KSIGNS_IQ2XS[signs as usize]) >> j) & 1 == 1;
+            if negative != (run[j] < 0.0) {
+                signed[8 * r + j] = 0.0;
+            }
+        }
+    }
+    for (i, run) in signed.chunks_exact(4).enumerate() {
+        let scale = d * f32::from(2 * ls[i / 8] + 1) * 0.25;
+        out.push(nearest_entry(run, scale, IQ3XXS_GRID.iter().map(|&e| u64::from(e))) as u8);
+    }
+    for (s, &a) in aux.iter().enumerate() {
+        out.extend_from_slice(&(a | (u32::from(ls[s]) << 28)).to_le_bytes());
+    }
 }
