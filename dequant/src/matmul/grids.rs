@@ -1,4 +1,4 @@
-//! The grid formats' blocks unpacked for the products: `IQ3_S`, `IQ3_XXS`.
+//! The grid formats' blocks unpacked for the products: `IQ3_S`, `IQ3_XXS`, `IQ2_XXS`.
 //!
 //! Each sub-block of 32 values is four runs of 8 grid magnitudes with a sign byte per
 //! run, and a scale per half of 16 values, all small integers: what both the portable
@@ -8,11 +8,12 @@
 
 use std::mem::offset_of;
 
-use crate::blocks::{cast_blocks, Block, BlockIQ3_S, BlockIQ3_XXS};
-use crate::decode::grids::{IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
+use crate::blocks::{cast_blocks, Block, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS};
+use crate::decode::grids::{IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 
 // The kernels read every grid format's f16 super-block scale `d` from its first bytes.
 const _: () = assert!(offset_of!(BlockIQ3_S, d) == 0 && offset_of!(BlockIQ3_XXS, d) == 0);
+const _: () = assert!(offset_of!(BlockIQ2_XXS, d) == 0);
 
 /// One sub-block of 32 values of a grid format.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -30,6 +31,7 @@ pub(crate) struct GridSub {
 pub(crate) enum Grid {
     IQ3S,
     IQ3XXS,
+    IQ2XXS,
 }
 
 impl Grid {
@@ -38,6 +40,7 @@ impl Grid {
         match self {
             Grid::IQ3S => size_of::<BlockIQ3_S>(),
             Grid::IQ3XXS => size_of::<BlockIQ3_XXS>(),
+            Grid::IQ2XXS => size_of::<BlockIQ2_XXS>(),
         }
     }
 
@@ -47,6 +50,7 @@ impl Grid {
         match self {
             Grid::IQ3S => 1.0,
             Grid::IQ3XXS => 0.25,
+            Grid::IQ2XXS => 0.125,
         }
     }
 
@@ -57,6 +61,7 @@ impl Grid {
         match self {
             Grid::IQ3S => iq3_s(one(block), s),
             Grid::IQ3XXS => iq3_xxs(one(block), s),
+            Grid::IQ2XXS => iq2_xxs(one(block), s),
         }
     }
 }
@@ -112,6 +117,20 @@ fn iq3_xxs(b: &BlockIQ3_XXS, s: usize) -> GridSub {
     let entry = |i: usize| u64::from(IQ3XXS_GRID[usize::from(b.qs[i])]);
     GridSub {
         grid: std::array::from_fn(|k| entry(8 * s + 2 * k) | (entry(8 * s + 2 * k + 1) << 32)),
+        signs,
+        scales: [scale, scale],
+    }
+}
+
+/// `IQ2_XXS`: sub-block `s` is the 8 bytes of `qs[4s .. 4s + 4]`: four indices into
+/// `IQ2XXS_GRID` (8 magnitudes each, one per run), then the u32 of signs and scale.
+#[inline]
+fn iq2_xxs(b: &BlockIQ2_XXS, s: usize) -> GridSub {
+    let bytes: [u8; 8] = std::array::from_fn(|i| b.qs[4 * s + i / 2].0[i % 2]);
+    let aux = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+    let (signs, scale) = signs_and_scale(aux);
+    GridSub {
+        grid: std::array::from_fn(|k| IQ2XXS_GRID[usize::from(bytes[k])]),
         signs,
         scales: [scale, scale],
     }

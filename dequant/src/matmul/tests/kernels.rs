@@ -154,12 +154,13 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 }
 
 /// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
-const LANE_TYPES: [GgmlType; 5] = [
+const LANE_TYPES: [GgmlType; 6] = [
     GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::IQ4_XS,
     GgmlType::IQ3_S,
     GgmlType::IQ3_XXS,
+    GgmlType::IQ2_XXS,
 ];
 
 /// The grid format of `ty`, for the grid formats among [`LANE_TYPES`].
@@ -168,6 +169,7 @@ fn grid_of(ty: GgmlType) -> Option<crate::matmul::grids::Grid> {
     match ty {
         GgmlType::IQ3_S => Some(Grid::IQ3S),
         GgmlType::IQ3_XXS => Some(Grid::IQ3XXS),
+        GgmlType::IQ2_XXS => Some(Grid::IQ2XXS),
         _ => None,
     }
 }
