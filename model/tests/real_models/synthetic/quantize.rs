@@ -93,6 +93,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::IQ4_NL => values.chunks_exact(32).for_each(|b| iq4_nl(b, &mut out)),
         GgmlType::IQ3_S => values.chunks_exact(256).for_each(|b| iq3_s(b, &mut out)),
         GgmlType::IQ3_XXS => values.chunks_exact(256).for_each(|b| iq3_xxs(b, &mut out)),
+        GgmlType::IQ2_XXS => values.chunks_exact(256).for_each(|b| iq2_xxs(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -565,5 +566,41 @@ fn iq3_xxs(block: &[f32], out: &mut Vec<u8>) {
     }
     for (s, &a) in aux.iter().enumerate() {
         out.extend_from_slice(&(a | (u32::from(ls[s]) << 28)).to_le_bytes());
+    }
+}
+
+/// `run` with the values whose sign `signs` (a 7-bit `KSIGNS_IQ2XS` index) does not
+/// give them set to 0: the magnitude that serves them best.
+fn with_signs(run: &[f32], signs: u32) -> Vec<f32> {
+    let bits = u32::from(dequant::grids::KSIGNS_IQ2XS[signs as usize]);
+    run.iter()
+        .enumerate()
+        .map(|(j, &v)| {
+            if ((bits >> j) & 1 == 1) == (v < 0.0) {
+                v
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+/// `IQ2_XXS`: per 32 values a scale `d (2 ls + 1) / 8`, each 8 values the
+/// `IQ2XXS_GRID` entry nearest to their magnitudes, signs with even parity.
+fn iq2_xxs(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ2XXS_GRID;
+    let (d, ls) = odd_scales(&group_amax(block, 32), 43.0 * 0.125, out);
+    for (s, sub) in block.chunks_exact(32).enumerate() {
+        let scale = d * f32::from(2 * ls[s] + 1) * 0.125;
+        let mut aux = u32::from(ls[s]) << 28;
+        let mut indices = [0u8; 4];
+        for (k, run) in sub.chunks_exact(8).enumerate() {
+            let signs = even_signs(run);
+            aux |= signs << (7 * k);
+            indices[k] =
+                nearest_entry(&with_signs(run, signs), scale, IQ2XXS_GRID.iter().copied()) as u8;
+        }
+        out.extend_from_slice(&indices);
+        out.extend_from_slice(&aux.to_le_bytes());
     }
 }
