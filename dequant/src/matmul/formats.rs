@@ -112,5 +112,11 @@ kernel!(
     portable::dot_iq2_xxs,
     avx2::lanes::dot_iq2_xxs
 );
+kernel!(
+    IQ2_XS,
+    Q8KActs,
+    portable::dot_iq2_xs,
+    avx2::lanes::dot_iq2_xs
+);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

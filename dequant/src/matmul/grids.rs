@@ -1,4 +1,5 @@
-//! The grid formats' blocks unpacked for the products: `IQ3_S`, `IQ3_XXS`, `IQ2_XXS`.
+//! The grid formats' blocks unpacked for the products: `IQ3_S`, `IQ3_XXS`, `IQ2_XXS`,
+//! `IQ2_XS`.
 //!
 //! Each sub-block of 32 values is four runs of 8 grid magnitudes with a sign byte per
 //! run, and a scale per half of 16 values, all small integers: what both the portable
@@ -8,12 +9,13 @@
 
 use std::mem::offset_of;
 
-use crate::blocks::{cast_blocks, Block, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS};
-use crate::decode::grids::{IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
+use crate::blocks::{cast_blocks, Block, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS};
+use crate::decode::grids::{IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 
 // The kernels read every grid format's f16 super-block scale `d` from its first bytes.
 const _: () = assert!(offset_of!(BlockIQ3_S, d) == 0 && offset_of!(BlockIQ3_XXS, d) == 0);
 const _: () = assert!(offset_of!(BlockIQ2_XXS, d) == 0);
+const _: () = assert!(offset_of!(BlockIQ2_XS, d) == 0);
 
 /// One sub-block of 32 values of a grid format.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,6 +34,7 @@ pub(crate) enum Grid {
     IQ3S,
     IQ3XXS,
     IQ2XXS,
+    IQ2XS,
 }
 
 impl Grid {
@@ -41,6 +44,7 @@ impl Grid {
             Grid::IQ3S => size_of::<BlockIQ3_S>(),
             Grid::IQ3XXS => size_of::<BlockIQ3_XXS>(),
             Grid::IQ2XXS => size_of::<BlockIQ2_XXS>(),
+            Grid::IQ2XS => size_of::<BlockIQ2_XS>(),
         }
     }
 
@@ -51,6 +55,7 @@ impl Grid {
             Grid::IQ3S => 1.0,
             Grid::IQ3XXS => 0.25,
             Grid::IQ2XXS => 0.125,
+            Grid::IQ2XS => 0.125,
         }
     }
 
@@ -62,6 +67,7 @@ impl Grid {
             Grid::IQ3S => iq3_s(one(block), s),
             Grid::IQ3XXS => iq3_xxs(one(block), s),
             Grid::IQ2XXS => iq2_xxs(one(block), s),
+            Grid::IQ2XS => iq2_xs(one(block), s),
         }
     }
 }
@@ -133,5 +139,24 @@ fn iq2_xxs(b: &BlockIQ2_XXS, s: usize) -> GridSub {
         grid: std::array::from_fn(|k| IQ2XXS_GRID[usize::from(bytes[k])]),
         signs,
         scales: [scale, scale],
+    }
+}
+
+/// The odd scales of the halves of sub-block `s` of the formats with a scale per 16
+/// values (`IQ2_XS`, `IQ2_S`): the nibbles of `scales[s]`, low one first.
+#[inline]
+fn half_scales(scales: &[u8; 8], s: usize) -> [i16; 2] {
+    [odd(scales[s]), odd(scales[s] >> 4)]
+}
+
+/// `IQ2_XS`: run `k` of sub-block `s` is the u16 `qs[4s + k]`: a 9-bit index into
+/// `IQ2XS_GRID` and a 7-bit `KSIGNS_IQ2XS` index.
+#[inline]
+fn iq2_xs(b: &BlockIQ2_XS, s: usize) -> GridSub {
+    let q = |k: usize| b.qs[4 * s + k].get();
+    GridSub {
+        grid: std::array::from_fn(|k| IQ2XS_GRID[usize::from(q(k) & 511)]),
+        signs: std::array::from_fn(|k| KSIGNS_IQ2XS[usize::from(q(k) >> 9)]),
+        scales: half_scales(&b.scales, s),
     }
 }
