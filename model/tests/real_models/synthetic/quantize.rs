@@ -94,6 +94,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::IQ3_S => values.chunks_exact(256).for_each(|b| iq3_s(b, &mut out)),
         GgmlType::IQ3_XXS => values.chunks_exact(256).for_each(|b| iq3_xxs(b, &mut out)),
         GgmlType::IQ2_XXS => values.chunks_exact(256).for_each(|b| iq2_xxs(b, &mut out)),
+        GgmlType::IQ2_XS => values.chunks_exact(256).for_each(|b| iq2_xs(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -603,4 +604,18 @@ fn iq2_xxs(block: &[f32], out: &mut Vec<u8>) {
         out.extend_from_slice(&indices);
         out.extend_from_slice(&aux.to_le_bytes());
     }
+}
+
+/// `IQ2_XS`: per 16 values a scale `d (2 ls + 1) / 8`, each 8 values a u16 of the
+/// nearest `IQ2XS_GRID` entry (9 bits) and a 7-bit sign index (even parity).
+fn iq2_xs(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ2XS_GRID;
+    let (d, ls) = odd_scales(&group_amax(block, 16), 43.0 * 0.125, out);
+    for (r, run) in block.chunks_exact(8).enumerate() {
+        let scale = d * f32::from(2 * ls[r / 2] + 1) * 0.125;
+        let signs = even_signs(run);
+        let index = nearest_entry(&with_signs(run, signs), scale, IQ2XS_GRID.iter().copied());
+        out.extend_from_slice(&(index as u16 | ((signs as u16) << 9)).to_le_bytes());
+    }
+    out.extend((0..8).map(|s| ls[2 * s] | (ls[2 * s + 1] << 4)));
 }
