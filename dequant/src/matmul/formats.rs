@@ -118,5 +118,6 @@ kernel!(
     portable::dot_iq2_xs,
     avx2::lanes::dot_iq2_xs
 );
+kernel!(IQ2_S, Q8KActs, portable::dot_iq2_s, avx2::lanes::dot_iq2_s);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

@@ -1,5 +1,5 @@
 //! The grid formats' blocks unpacked for the products: `IQ3_S`, `IQ3_XXS`, `IQ2_XXS`,
-//! `IQ2_XS`.
+//! `IQ2_XS`, `IQ2_S`.
 //!
 //! Each sub-block of 32 values is four runs of 8 grid magnitudes with a sign byte per
 //! run, and a scale per half of 16 values, all small integers: what both the portable
@@ -9,12 +9,17 @@
 
 use std::mem::offset_of;
 
-use crate::blocks::{cast_blocks, Block, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS};
-use crate::decode::grids::{IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
+use crate::blocks::{
+    cast_blocks, Block, BlockIQ2_S, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS,
+};
+use crate::decode::grids::{
+    IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
+};
 
 // The kernels read every grid format's f16 super-block scale `d` from its first bytes.
 const _: () = assert!(offset_of!(BlockIQ3_S, d) == 0 && offset_of!(BlockIQ3_XXS, d) == 0);
 const _: () = assert!(offset_of!(BlockIQ2_XXS, d) == 0);
+const _: () = assert!(offset_of!(BlockIQ2_S, d) == 0);
 const _: () = assert!(offset_of!(BlockIQ2_XS, d) == 0);
 
 /// One sub-block of 32 values of a grid format.
@@ -35,6 +40,7 @@ pub(crate) enum Grid {
     IQ3XXS,
     IQ2XXS,
     IQ2XS,
+    IQ2S,
 }
 
 impl Grid {
@@ -45,6 +51,7 @@ impl Grid {
             Grid::IQ3XXS => size_of::<BlockIQ3_XXS>(),
             Grid::IQ2XXS => size_of::<BlockIQ2_XXS>(),
             Grid::IQ2XS => size_of::<BlockIQ2_XS>(),
+            Grid::IQ2S => size_of::<BlockIQ2_S>(),
         }
     }
 
@@ -56,6 +63,7 @@ impl Grid {
             Grid::IQ3XXS => 0.25,
             Grid::IQ2XXS => 0.125,
             Grid::IQ2XS => 0.125,
+            Grid::IQ2S => 0.125,
         }
     }
 
@@ -68,6 +76,7 @@ impl Grid {
             Grid::IQ3XXS => iq3_xxs(one(block), s),
             Grid::IQ2XXS => iq2_xxs(one(block), s),
             Grid::IQ2XS => iq2_xs(one(block), s),
+            Grid::IQ2S => iq2_s(one(block), s),
         }
     }
 }
@@ -157,6 +166,19 @@ fn iq2_xs(b: &BlockIQ2_XS, s: usize) -> GridSub {
     GridSub {
         grid: std::array::from_fn(|k| IQ2XS_GRID[usize::from(q(k) & 511)]),
         signs: std::array::from_fn(|k| KSIGNS_IQ2XS[usize::from(q(k) >> 9)]),
+        scales: half_scales(&b.scales, s),
+    }
+}
+
+/// `IQ2_S`: run `k` of sub-block `s` is the `IQ2S_GRID` entry at `qs[4s + k]` (low 8
+/// bits) and bits `2k, 2k + 1` of `qh[s]` (high 2), signed by `qs[32 + 4s + k]`.
+#[inline]
+fn iq2_s(b: &BlockIQ2_S, s: usize) -> GridSub {
+    let index =
+        |k: usize| usize::from(b.qs[4 * s + k]) | (usize::from((b.qh[s] >> (2 * k)) & 3) << 8);
+    GridSub {
+        grid: std::array::from_fn(|k| IQ2S_GRID[index(k)]),
+        signs: std::array::from_fn(|k| b.qs[32 + 4 * s + k]),
         scales: half_scales(&b.scales, s),
     }
 }

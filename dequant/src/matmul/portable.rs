@@ -12,9 +12,9 @@
 use std::mem::size_of;
 
 use crate::blocks::{
-    cast_blocks, Block, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS, BlockIQ4_NL,
-    BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0, BlockQ5_1,
-    BlockQ5_K, BlockQ6_K, BlockQ8_0,
+    cast_blocks, Block, BlockIQ2_S, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS,
+    BlockIQ4_NL, BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0,
+    BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
 };
 use crate::decode::grids::KVALUES_IQ4NL;
 use crate::decode::scalar::q3_k_scales;
@@ -767,6 +767,11 @@ pub(crate) fn dot_iq3_s(row: &[u8], act: Q8KRow<'_>) -> f32 {
 /// `IQ3_XXS`: see [`lane_dot`].
 pub(crate) fn dot_iq3_xxs(row: &[u8], act: Q8KRow<'_>) -> f32 {
     grid_dot::<BlockIQ3_XXS>(Grid::IQ3XXS, row, act)
+}
+
+/// `IQ2_S`: see [`lane_dot`].
+pub(crate) fn dot_iq2_s(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    grid_dot::<BlockIQ2_S>(Grid::IQ2S, row, act)
 }
 
 /// `IQ2_XS`: see [`lane_dot`].

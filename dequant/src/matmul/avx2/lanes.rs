@@ -1,6 +1,6 @@
 //! AVX2 kernels of the super-block formats that llama.cpp's AVX2 build multiplies lane
 //! by lane: `Q2_K`, `Q3_K`, `IQ4_XS` and the grid formats (`IQ3_S`, `IQ3_XXS`,
-//! `IQ2_XXS`, `IQ2_XS`).
+//! `IQ2_XXS`, `IQ2_XS`, `IQ2_S`).
 //!
 //! For each super-block and token the integers come out as llama.cpp's dot products
 //! hold them: the weights unpacked 32 at a time into bytes, `maddubs` against the
@@ -28,6 +28,7 @@ pub(crate) mod format {
     pub const IQ4_XS: u8 = 2;
     pub const IQ3_S: u8 = 3;
     pub const IQ3_XXS: u8 = 4;
+    pub const IQ2_S: u8 = 7;
     pub const IQ2_XS: u8 = 6;
     pub const IQ2_XXS: u8 = 5;
 }
@@ -39,6 +40,7 @@ const fn grid_of(f: u8) -> Option<Grid> {
         format::IQ3_XXS => Some(Grid::IQ3XXS),
         format::IQ2_XXS => Some(Grid::IQ2XXS),
         format::IQ2_XS => Some(Grid::IQ2XS),
+        format::IQ2_S => Some(Grid::IQ2S),
         _ => None,
     }
 }
@@ -485,6 +487,20 @@ pub(crate) unsafe fn dot_iq2_xs<const R: usize, const N: usize>(
     unsafe { dot_lanes::<{ format::IQ2_XS }, R, N>(rows, acts) }
 }
 
+/// `R` `IQ2_S` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq2_s<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ2_S }, R, N>(rows, acts) }
+}
+
 /// The integer lanes of one super-block of `ty`: what the portable `*_lanes` functions
 /// return.
 #[cfg(test)]
@@ -517,6 +533,7 @@ pub(crate) fn block_lanes(
             T::IQ3_XXS => ints::<{ format::IQ3_XXS }>(block, qx, bsums),
             T::IQ2_XXS => ints::<{ format::IQ2_XXS }>(block, qx, bsums),
             T::IQ2_XS => ints::<{ format::IQ2_XS }>(block, qx, bsums),
+            T::IQ2_S => ints::<{ format::IQ2_S }>(block, qx, bsums),
             other => panic!("{other} is not a lane format"),
         }
     };

@@ -154,7 +154,7 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 }
 
 /// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
-const LANE_TYPES: [GgmlType; 7] = [
+const LANE_TYPES: [GgmlType; 8] = [
     GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::IQ4_XS,
@@ -162,6 +162,7 @@ const LANE_TYPES: [GgmlType; 7] = [
     GgmlType::IQ3_XXS,
     GgmlType::IQ2_XXS,
     GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
 ];
 
 /// The grid format of `ty`, for the grid formats among [`LANE_TYPES`].
@@ -172,6 +173,7 @@ fn grid_of(ty: GgmlType) -> Option<crate::matmul::grids::Grid> {
         GgmlType::IQ3_XXS => Some(Grid::IQ3XXS),
         GgmlType::IQ2_XXS => Some(Grid::IQ2XXS),
         GgmlType::IQ2_XS => Some(Grid::IQ2XS),
+        GgmlType::IQ2_S => Some(Grid::IQ2S),
         _ => None,
     }
 }

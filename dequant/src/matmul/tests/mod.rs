@@ -28,7 +28,7 @@ use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
-pub(super) const TYPES: [GgmlType; 19] = [
+pub(super) const TYPES: [GgmlType; 20] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -48,6 +48,7 @@ pub(super) const TYPES: [GgmlType; 19] = [
     GgmlType::IQ3_XXS,
     GgmlType::IQ2_XXS,
     GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
 ];
 
 /// splitmix64: small, seedable, good enough for test data.
@@ -136,6 +137,7 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                 GgmlType::IQ3_XXS => &[(offset_of!(BlockIQ3_XXS, d), true)],
                 GgmlType::IQ2_XXS => &[(offset_of!(BlockIQ2_XXS, d), true)],
                 GgmlType::IQ2_XS => &[(offset_of!(BlockIQ2_XS, d), true)],
+                GgmlType::IQ2_S => &[(offset_of!(BlockIQ2_S, d), true)],
                 GgmlType::Q2_K => &[
                     (offset_of!(BlockQ2_K, d), false),
                     (offset_of!(BlockQ2_K, dmin), false),
