@@ -95,6 +95,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::IQ3_XXS => values.chunks_exact(256).for_each(|b| iq3_xxs(b, &mut out)),
         GgmlType::IQ2_XXS => values.chunks_exact(256).for_each(|b| iq2_xxs(b, &mut out)),
         GgmlType::IQ2_XS => values.chunks_exact(256).for_each(|b| iq2_xs(b, &mut out)),
+        GgmlType::IQ2_S => values.chunks_exact(256).for_each(|b| iq2_s(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -617,5 +618,28 @@ fn iq2_xs(block: &[f32], out: &mut Vec<u8>) {
         let index = nearest_entry(&with_signs(run, signs), scale, IQ2XS_GRID.iter().copied());
         out.extend_from_slice(&(index as u16 | ((signs as u16) << 9)).to_le_bytes());
     }
+    out.extend((0..8).map(|s| ls[2 * s] | (ls[2 * s + 1] << 4)));
+}
+
+/// `IQ2_S`: per 16 values a scale `d (2 ls + 1) / 8`, each 8 values the nearest of the
+/// 1024 `IQ2S_GRID` entries (10-bit indices), one sign bit per value.
+fn iq2_s(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ2S_GRID;
+    let (d, ls) = odd_scales(&group_amax(block, 16), 43.0 * 0.125, out);
+    let indices: Vec<usize> = block
+        .chunks_exact(8)
+        .enumerate()
+        .map(|(r, run)| {
+            let scale = d * f32::from(2 * ls[r / 2] + 1) * 0.125;
+            nearest_entry(run, scale, IQ2S_GRID.iter().copied())
+        })
+        .collect();
+    out.extend(indices.iter().map(|&i| i as u8));
+    out.extend(block.chunks_exact(8).map(sign_bits));
+    out.extend((0..8).map(|s| {
+        (0..4).fold(0u8, |h, k| {
+            h | (((indices[4 * s + k] >> 8) as u8) << (2 * k))
+        })
+    }));
     out.extend((0..8).map(|s| ls[2 * s] | (ls[2 * s + 1] << 4)));
 }
