@@ -35,6 +35,9 @@ pub mod matmul;
 use gguf_format::GgmlType;
 use half::f16;
 
+/// The lookup tables of the IQ formats (grids, sign patterns, non-linear levels), for
+/// writers and quantizers that need ggml's exact entries.
+pub use decode::grids;
 pub use error::DequantError;
 
 /// Which kernels run: for decoding, and for the [`matmul`] products.

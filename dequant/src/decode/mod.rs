@@ -4,7 +4,7 @@
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 #[rustfmt::skip]
-pub(crate) mod grids;
+pub mod grids;
 pub(crate) mod scalar;
 #[cfg(test)]
 mod tests;

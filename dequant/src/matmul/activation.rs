@@ -106,6 +106,8 @@ fn isum(qs: &[i8]) -> i32 {
 /// llama.cpp stores them; without it (`Q8_0`) the sums are exact products.
 pub(crate) struct Q8Acts<const ROUND_SUM: bool> {
     cols: usize,
+    /// Whether the set holds one token.
+    single: bool,
     qs: Vec<i8>,
     ds: Vec<[f32; 2]>,
 }
@@ -119,6 +121,10 @@ pub(crate) struct Q8Row<'a> {
     /// times the sum of the quantized values); side by side so that one 8-byte load
     /// fetches both.
     pub ds: &'a [[f32; 2]],
+    /// Whether the set holds one token: llama.cpp multiplies single tokens with its dot
+    /// products and batches with its GEMM, whose float order differs for some formats
+    /// (`IQ4_NL`).
+    pub single: bool,
 }
 
 /// Activations for the weight formats llama.cpp multiplies with `Q8_0` blocks.
@@ -135,6 +141,7 @@ impl<const ROUND_SUM: bool> ActSet for Q8Acts<ROUND_SUM> {
         let n_blocks = x.len() / QK8;
         let mut acts = Q8Acts {
             cols,
+            single: n_tokens == 1,
             qs: vec![0; x.len()],
             ds: vec![[0.0; 2]; n_blocks],
         };
@@ -156,6 +163,7 @@ impl<const ROUND_SUM: bool> ActSet for Q8Acts<ROUND_SUM> {
         Q8Row {
             qs: &self.qs[t * self.cols..(t + 1) * self.cols],
             ds: &self.ds[t * nb..(t + 1) * nb],
+            single: self.single,
         }
     }
 

@@ -141,10 +141,20 @@ pub(crate) fn run(
         GgmlType::Q5_0 => run_kernel::<Q5_0>(m, exec, x, n_tokens, y),
         GgmlType::Q5_1 => run_kernel::<Q5_1>(m, exec, x, n_tokens, y),
         GgmlType::Q8_0 => run_kernel::<Q8_0>(m, exec, x, n_tokens, y),
+        GgmlType::Q2_K => run_kernel::<Q2_K>(m, exec, x, n_tokens, y),
+        GgmlType::Q3_K => run_kernel::<Q3_K>(m, exec, x, n_tokens, y),
         GgmlType::Q4_K if repacked(m) => run_kernel::<Q4_KPacked>(m, exec, x, n_tokens, y),
         GgmlType::Q4_K => run_kernel::<Q4_K>(m, exec, x, n_tokens, y),
         GgmlType::Q5_K => run_kernel::<Q5_K>(m, exec, x, n_tokens, y),
         GgmlType::Q6_K => run_kernel::<Q6_K>(m, exec, x, n_tokens, y),
+        GgmlType::IQ4_XS => run_kernel::<IQ4_XS>(m, exec, x, n_tokens, y),
+        GgmlType::IQ3_S => run_kernel::<IQ3_S>(m, exec, x, n_tokens, y),
+        GgmlType::IQ3_XXS => run_kernel::<IQ3_XXS>(m, exec, x, n_tokens, y),
+        GgmlType::IQ2_XXS => run_kernel::<IQ2_XXS>(m, exec, x, n_tokens, y),
+        GgmlType::IQ2_XS => run_kernel::<IQ2_XS>(m, exec, x, n_tokens, y),
+        GgmlType::IQ2_S => run_kernel::<IQ2_S>(m, exec, x, n_tokens, y),
+        GgmlType::IQ4_NL if repacked(m) => run_kernel::<IQ4_NLPacked>(m, exec, x, n_tokens, y),
+        GgmlType::IQ4_NL => run_kernel::<IQ4_NL>(m, exec, x, n_tokens, y),
         ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())
@@ -234,10 +244,11 @@ fn run_kernel<K: Kernel>(
     }
 }
 
-/// Whether llama.cpp would repack `m` on an AVX2 machine (a `Q4_0` or `Q4_K` matrix
-/// whose row count is a multiple of 8) and multiply it with its repacked kernels.
+/// Whether llama.cpp would repack `m` on an AVX2 machine (a `Q4_0`, `Q4_K` or `IQ4_NL`
+/// matrix whose row count is a multiple of 8) and multiply it with its repacked kernels.
 fn repacked(m: &QuantizedMatrix<'_>) -> bool {
-    matches!(m.ty(), GgmlType::Q4_0 | GgmlType::Q4_K) && m.rows().is_multiple_of(8)
+    matches!(m.ty(), GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::IQ4_NL)
+        && m.rows().is_multiple_of(8)
 }
 
 /// One token against several matrices of one type and width (validated, non-empty),
@@ -268,10 +279,20 @@ pub(crate) fn run_many(
         GgmlType::Q5_0 => run_many_kernel::<Q5_0>(ms, exec, x, ys),
         GgmlType::Q5_1 => run_many_kernel::<Q5_1>(ms, exec, x, ys),
         GgmlType::Q8_0 => run_many_kernel::<Q8_0>(ms, exec, x, ys),
+        GgmlType::Q2_K => run_many_kernel::<Q2_K>(ms, exec, x, ys),
+        GgmlType::Q3_K => run_many_kernel::<Q3_K>(ms, exec, x, ys),
         GgmlType::Q4_K if repacked(&ms[0]) => run_many_kernel::<Q4_KPacked>(ms, exec, x, ys),
         GgmlType::Q4_K => run_many_kernel::<Q4_K>(ms, exec, x, ys),
         GgmlType::Q5_K => run_many_kernel::<Q5_K>(ms, exec, x, ys),
         GgmlType::Q6_K => run_many_kernel::<Q6_K>(ms, exec, x, ys),
+        GgmlType::IQ4_XS => run_many_kernel::<IQ4_XS>(ms, exec, x, ys),
+        GgmlType::IQ3_S => run_many_kernel::<IQ3_S>(ms, exec, x, ys),
+        GgmlType::IQ3_XXS => run_many_kernel::<IQ3_XXS>(ms, exec, x, ys),
+        GgmlType::IQ2_XXS => run_many_kernel::<IQ2_XXS>(ms, exec, x, ys),
+        GgmlType::IQ2_XS => run_many_kernel::<IQ2_XS>(ms, exec, x, ys),
+        GgmlType::IQ2_S => run_many_kernel::<IQ2_S>(ms, exec, x, ys),
+        GgmlType::IQ4_NL if repacked(&ms[0]) => run_many_kernel::<IQ4_NLPacked>(ms, exec, x, ys),
+        GgmlType::IQ4_NL => run_many_kernel::<IQ4_NL>(ms, exec, x, ys),
         ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())

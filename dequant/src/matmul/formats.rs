@@ -68,6 +68,20 @@ kernel!(Q4_1, Q8_1Acts, portable::dot_q4_1, avx2::legacy::dot_q4_1);
 kernel!(Q5_0, Q8_0Acts, portable::dot_q5_0, avx2::legacy::dot_q5_0);
 kernel!(Q5_1, Q8_1Acts, portable::dot_q5_1, avx2::legacy::dot_q5_1);
 kernel!(Q8_0, Q8_0Acts, portable::dot_q8_0, avx2::legacy::dot_q8_0);
+kernel!(
+    IQ4_NL,
+    Q8_0Acts,
+    portable::dot_iq4_nl,
+    avx2::legacy::dot_iq4_nl
+);
+// `IQ4_NL` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
+// machines and multiplies block by block.
+kernel!(
+    IQ4_NLPacked,
+    Q8_0Acts,
+    portable::dot_iq4_nl_packed,
+    avx2::legacy::dot_iq4_nl_packed
+);
 kernel!(Q4_K, Q8KActs, portable::dot_q4_k, avx2::kquants::dot_q4_k);
 // `Q4_K` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
 // machines.
@@ -77,5 +91,33 @@ kernel!(
     portable::dot_q4_k_packed,
     avx2::kquants::dot_q4_k_packed
 );
+kernel!(Q2_K, Q8KActs, portable::dot_q2_k, avx2::lanes::dot_q2_k);
+kernel!(Q3_K, Q8KActs, portable::dot_q3_k, avx2::lanes::dot_q3_k);
+kernel!(
+    IQ4_XS,
+    Q8KActs,
+    portable::dot_iq4_xs,
+    avx2::lanes::dot_iq4_xs
+);
+kernel!(IQ3_S, Q8KActs, portable::dot_iq3_s, avx2::lanes::dot_iq3_s);
+kernel!(
+    IQ3_XXS,
+    Q8KActs,
+    portable::dot_iq3_xxs,
+    avx2::lanes::dot_iq3_xxs
+);
+kernel!(
+    IQ2_XXS,
+    Q8KActs,
+    portable::dot_iq2_xxs,
+    avx2::lanes::dot_iq2_xxs
+);
+kernel!(
+    IQ2_XS,
+    Q8KActs,
+    portable::dot_iq2_xs,
+    avx2::lanes::dot_iq2_xs
+);
+kernel!(IQ2_S, Q8KActs, portable::dot_iq2_s, avx2::lanes::dot_iq2_s);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

@@ -23,14 +23,16 @@
 //! work to the pool and waits, which costs 10–20 µs on a small VM, as much as a
 //! 576×576 product; products too small to pay for that run on the calling thread.
 //!
-//! Supported weight types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
-//! Q6_K ([`is_supported`]).
+//! Supported weight types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
+//! Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS and IQ2_S
+//! ([`is_supported`]).
 
 mod activation;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod driver;
 mod formats;
+mod grids;
 mod portable;
 #[cfg(test)]
 mod tests;
@@ -59,7 +61,25 @@ pub fn is_supported(ty: GgmlType) -> bool {
     use GgmlType::*;
     matches!(
         ty,
-        F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K
+        F32 | F16
+            | BF16
+            | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+            | IQ4_NL
+            | IQ4_XS
+            | IQ3_S
+            | IQ3_XXS
+            | IQ2_XXS
+            | IQ2_XS
+            | IQ2_S
     )
 }
 

@@ -12,10 +12,14 @@
 use std::mem::size_of;
 
 use crate::blocks::{
-    cast_blocks, Block, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K,
-    BlockQ6_K, BlockQ8_0,
+    cast_blocks, Block, BlockIQ2_S, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS,
+    BlockIQ4_NL, BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0,
+    BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
 };
+use crate::decode::grids::KVALUES_IQ4NL;
+use crate::decode::scalar::q3_k_scales;
 use crate::matmul::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
+use crate::matmul::grids::Grid;
 
 /// The whole blocks at the start of `bytes` (all of a validated row).
 pub(crate) fn whole_blocks<B: Block>(bytes: &[u8]) -> &[B] {
@@ -239,6 +243,69 @@ pub(crate) fn dot_q8_0(row: &[u8], act: Q8Row<'_>) -> f32 {
         let ints = lanes::<32>(|i| i32::from(q[i]) * i32::from(x[i]));
         (blocks[b].d.to_f32(), 0.0, ints)
     })
+}
+
+/// The 32 signed values of an `IQ4_NL` block: the table's entries for the low nibbles,
+/// then for the high ones.
+#[inline]
+fn iq4_nl_values(qs: &[u8; 16]) -> [i8; 32] {
+    nibbles(qs).map(|n| KVALUES_IQ4NL[usize::from(n)])
+}
+
+/// `IQ4_NL` block in lanes: `Σ kvalues[q] · qx`.
+#[inline]
+fn iq4_nl_lanes(block: &BlockIQ4_NL, qx: &[i8]) -> [i32; 8] {
+    let q = iq4_nl_values(&block.qs);
+    lanes::<32>(|i| i32::from(q[i]) * i32::from(qx[i]))
+}
+
+#[cfg(test)]
+/// `IQ4_NL` block: `Σ kvalues[q] · qx`.
+pub(crate) fn iq4_nl_block(block: &BlockIQ4_NL, qx: &[i8]) -> i32 {
+    iq4_nl_lanes(block, qx).iter().sum()
+}
+
+/// `IQ4_NL` of a matrix llama.cpp does not repack. A batch as its GEMM (llamafile's)
+/// multiplies it, which is [`legacy_dot`]; a single token as its dot product does: the
+/// eight lanes of even blocks fused into one set of accumulators and those of odd
+/// blocks into another, the two added lane by lane and reduced, and a last odd block's
+/// integer total fused on at `d · dx`.
+pub(crate) fn dot_iq4_nl(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let blocks = whole_blocks::<BlockIQ4_NL>(row);
+    let lanes_of = |b: usize| iq4_nl_lanes(&blocks[b], &act.qs[b * QK8..]);
+    if !act.single {
+        return legacy_dot(blocks.len(), act, |b| {
+            (blocks[b].d.to_f32(), 0.0, lanes_of(b))
+        });
+    }
+    let mut acc = [[0.0f32; 8]; 2];
+    let pairs = blocks.len() / 2 * 2;
+    for b in 0..pairs {
+        let scale = act.ds[b][0] * blocks[b].d.to_f32();
+        for (acc, &int) in acc[b % 2].iter_mut().zip(&lanes_of(b)) {
+            *acc = (int as f32).mul_add(scale, *acc);
+        }
+    }
+    let sum: [f32; 8] = std::array::from_fn(|l| acc[0][l] + acc[1][l]);
+    let mut total = reduce8(&sum);
+    if pairs < blocks.len() {
+        let b = pairs;
+        let scale = act.ds[b][0] * blocks[b].d.to_f32();
+        let int: i32 = lanes_of(b).iter().sum();
+        total = scale.mul_add(int as f32, total);
+    }
+    total
+}
+
+/// `IQ4_NL` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8
+/// rows): as [`dot_q4_0_packed`], with the table's values.
+pub(crate) fn dot_iq4_nl_packed(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, block) in whole_blocks::<BlockIQ4_NL>(row).iter().enumerate() {
+        let total: i32 = iq4_nl_lanes(block, &act.qs[b * QK8..]).iter().sum();
+        acc = (total as f32).mul_add(block.d.to_f32() * act.ds[b][0], acc);
+    }
+    acc
 }
 
 /// The eight 6-bit scales and eight 6-bit mins packed in the 12 bytes of a
@@ -500,6 +567,221 @@ pub(crate) fn dot_q6_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
     } else {
         reduce8(&acc)
     }
+}
+
+/// The integers of one super-block as llama.cpp's AVX2 dot products hold them, for the
+/// formats that [`lane_dot`] multiplies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LaneInts {
+    /// The scaled dot product `Σ scale · q · qx`, lane `l` holding values `4l .. 4l + 4`
+    /// of every 32.
+    pub dots: [i32; 8],
+    /// The min terms `Σ min · Σ qx` of the formats with mins (lane `l` holding groups
+    /// `2l` and `2l + 1` of 16), zeros for the others.
+    pub mins: [i32; 8],
+}
+
+/// A super-block's scales as [`lane_dot`] applies them: `d` (with any constant factor
+/// of the format folded in) and `dmin` (0 without mins).
+pub(crate) struct LaneScales {
+    pub d: f32,
+    pub dmin: f32,
+}
+
+/// A row of a super-block format that llama.cpp's AVX2 build multiplies lane by lane:
+/// one token at a time its dot product (for each super-block the min lanes fused at
+/// `−dx · dmin`, then the eight lanes at `dx · d`, reduced at the end), in batches of
+/// [`GEMM_MIN_TOKENS`](super::activation::GEMM_MIN_TOKENS) or more its tiled GEMM (per
+/// super-block `d · Σ` rounded, `dmin · Σmin` fused off it, the result fused at `dx`
+/// into one accumulator). `HAS_MIN` says whether the format has mins; `factor` is a
+/// power of two that the dot product multiplies the reduced sum by and the GEMM `d`
+/// (1 for the k-quants).
+#[inline]
+fn lane_dot<B: Block, const HAS_MIN: bool>(
+    row: &[u8],
+    act: Q8KRow<'_>,
+    factor: f32,
+    block: impl Fn(&B, &[i8], &[i16]) -> (LaneScales, LaneInts),
+) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let mut gemm = 0.0f32;
+    for (b, blk) in whole_blocks::<B>(row).iter().enumerate() {
+        let (w, ints) = block(blk, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
+        let dx = act.d[b];
+        if act.gemm {
+            let mut res = (w.d * factor) * ints.dots.iter().sum::<i32>() as f32;
+            if HAS_MIN {
+                res = (-w.dmin).mul_add(ints.mins.iter().sum::<i32>() as f32, res);
+            }
+            gemm = res.mul_add(dx, gemm);
+            continue;
+        }
+        if HAS_MIN {
+            let dmin = -dx * w.dmin;
+            for (acc, &int) in acc.iter_mut().zip(&ints.mins) {
+                *acc = (int as f32).mul_add(dmin, *acc);
+            }
+        }
+        let d = dx * w.d;
+        for (acc, &int) in acc.iter_mut().zip(&ints.dots) {
+            *acc = (int as f32).mul_add(d, *acc);
+        }
+    }
+    if act.gemm {
+        gemm
+    } else {
+        factor * reduce8(&acc)
+    }
+}
+
+/// `Q2_K` in lanes: `Σ scale_g · q · qx` over the sixteen groups of 16 (value
+/// `128c + 32s + l` in bits `2s, 2s + 1` of `qs[32c + l]`, group scales in the low
+/// nibbles of `scales`), and the min terms `min_g · Σ qx` (mins in the high nibbles),
+/// lane `l` holding groups `2l` and `2l + 1`.
+pub(crate) fn q2_k_lanes(block: &BlockQ2_K, qx: &[i8], bsums: &[i16]) -> LaneInts {
+    let value = |i: usize| {
+        let (c, s, l) = (i / 128, i % 128 / 32, i % 32);
+        i32::from((block.qs[32 * c + l] >> (2 * s)) & 3)
+    };
+    let scale = |g: usize| i32::from(block.scales[g] & 0x0F);
+    let min = |g: usize| i32::from(block.scales[g] >> 4);
+    let dots = lanes::<QK_K>(|i| scale(i / BSUM_GROUP) * value(i) * i32::from(qx[i]));
+    let mut mins = [0i32; 8];
+    for (l, lane) in mins.iter_mut().enumerate() {
+        *lane = min(2 * l) * i32::from(bsums[2 * l]) + min(2 * l + 1) * i32::from(bsums[2 * l + 1]);
+    }
+    LaneInts { dots, mins }
+}
+
+/// `Q2_K`: see [`lane_dot`].
+pub(crate) fn dot_q2_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<BlockQ2_K, true>(row, act, 1.0, |block, qx, bsums| {
+        let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
+        (LaneScales { d, dmin }, q2_k_lanes(block, qx, bsums))
+    })
+}
+
+/// The 256 signed values of a `Q3_K` super-block in element order (`-4..=3`): value
+/// `128c + 32s + l` takes bits `2s, 2s + 1` of `qs[32c + l]` and, inverted, bit `4c + s`
+/// of `hmask[l]` as its sign (a clear bit subtracts 4).
+fn q3_k_values(block: &BlockQ3_K) -> [i8; QK_K] {
+    let mut values = [0i8; QK_K];
+    for c in 0..2 {
+        for s in 0..4 {
+            for l in 0..32 {
+                let low = ((block.qs[32 * c + l] >> (2 * s)) & 3) as i8;
+                let high = (block.hmask[l] >> (4 * c + s)) & 1;
+                values[128 * c + 32 * s + l] = low - 4 * (1 - high as i8);
+            }
+        }
+    }
+    values
+}
+
+/// `Q3_K` in lanes: `Σ scale_g · q · qx` over the sixteen groups of 16.
+pub(crate) fn q3_k_lanes(block: &BlockQ3_K, qx: &[i8]) -> LaneInts {
+    let (scales, values) = (q3_k_scales(&block.scales), q3_k_values(block));
+    let dots = lanes::<QK_K>(|i| {
+        i32::from(scales[i / BSUM_GROUP]) * i32::from(values[i]) * i32::from(qx[i])
+    });
+    LaneInts { dots, mins: [0; 8] }
+}
+
+/// `Q3_K`: see [`lane_dot`].
+pub(crate) fn dot_q3_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<BlockQ3_K, false>(row, act, 1.0, |block, qx, _| {
+        let d = block.d.to_f32();
+        (LaneScales { d, dmin: 0.0 }, q3_k_lanes(block, qx))
+    })
+}
+
+/// `IQ4_XS` in lanes: `Σ (ls_g − 32) · kvalues[q] · qx` over the eight groups of 32
+/// (value `j < 16` of group `g` in the low nibble of `qs[16g + j]`, value `j + 16` in
+/// its high nibble; the 6-bit `ls_g` from a nibble of `scales_l` and two bits of
+/// `scales_h`).
+pub(crate) fn iq4_xs_lanes(block: &BlockIQ4_XS, qx: &[i8]) -> LaneInts {
+    let scales_h = block.scales_h.get();
+    let scale = |g: usize| {
+        let low = (block.scales_l[g / 2] >> (4 * (g % 2))) & 0x0F;
+        let high = ((scales_h >> (2 * g)) & 3) as u8;
+        i32::from(low | (high << 4)) - 32
+    };
+    let value = |i: usize| {
+        let (g, j) = (i / 32, i % 32);
+        let byte = block.qs[16 * g + j % 16];
+        let nibble = if j < 16 { byte & 0x0F } else { byte >> 4 };
+        i32::from(KVALUES_IQ4NL[usize::from(nibble)])
+    };
+    LaneInts {
+        dots: lanes::<QK_K>(|i| scale(i / 32) * value(i) * i32::from(qx[i])),
+        mins: [0; 8],
+    }
+}
+
+/// `IQ4_XS`: see [`lane_dot`].
+pub(crate) fn dot_iq4_xs(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<BlockIQ4_XS, false>(row, act, 1.0, |block, qx, _| {
+        let d = block.d.to_f32();
+        (LaneScales { d, dmin: 0.0 }, iq4_xs_lanes(block, qx))
+    })
+}
+
+/// A grid format's super-block in lanes: per sub-block of 32, `scale · Σ ±grid · qx`
+/// (lane `l` the values `4l .. 4l + 4`, in the half of 16 whose scale it takes).
+pub(crate) fn grid_lanes(grid: Grid, block: &[u8], qx: &[i8]) -> LaneInts {
+    let mut dots = [0i32; 8];
+    for s in 0..8 {
+        let sub = grid.sub(block, s);
+        let value = |i: usize| {
+            let magnitude = ((sub.grid[i / 8] >> (8 * (i % 8))) & 0xFF) as i32;
+            if (sub.signs[i / 8] >> (i % 8)) & 1 == 1 {
+                -magnitude
+            } else {
+                magnitude
+            }
+        };
+        let x = &qx[32 * s..32 * s + 32];
+        for (l, lane) in dots.iter_mut().enumerate() {
+            let dot: i32 = (4 * l..4 * l + 4).map(|i| value(i) * i32::from(x[i])).sum();
+            *lane += i32::from(sub.scales[l / 4]) * dot;
+        }
+    }
+    LaneInts { dots, mins: [0; 8] }
+}
+
+/// A row of grid format `grid` (blocks of type `B`, whose first field is the f16 `d`):
+/// see [`lane_dot`].
+fn grid_dot<B: Block>(grid: Grid, row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<B, false>(row, act, grid.factor(), |block, qx, _| {
+        let bytes = bytemuck::bytes_of(block);
+        let d = half::f16::from_le_bytes([bytes[0], bytes[1]]).to_f32();
+        (LaneScales { d, dmin: 0.0 }, grid_lanes(grid, bytes, qx))
+    })
+}
+
+/// `IQ3_S`: see [`lane_dot`].
+pub(crate) fn dot_iq3_s(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    grid_dot::<BlockIQ3_S>(Grid::IQ3S, row, act)
+}
+
+/// `IQ3_XXS`: see [`lane_dot`].
+pub(crate) fn dot_iq3_xxs(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    grid_dot::<BlockIQ3_XXS>(Grid::IQ3XXS, row, act)
+}
+
+/// `IQ2_S`: see [`lane_dot`].
+pub(crate) fn dot_iq2_s(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    grid_dot::<BlockIQ2_S>(Grid::IQ2S, row, act)
+}
+
+/// `IQ2_XS`: see [`lane_dot`].
+pub(crate) fn dot_iq2_xs(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    grid_dot::<BlockIQ2_XS>(Grid::IQ2XS, row, act)
+}
+
+/// `IQ2_XXS`: see [`lane_dot`].
+pub(crate) fn dot_iq2_xxs(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    grid_dot::<BlockIQ2_XXS>(Grid::IQ2XXS, row, act)
 }
 
 /// `Σ w_i · x_i` with the weights decoded by `weight(i)`, eight at a time into eight

@@ -295,9 +295,18 @@ matches_llama_cpp! {
     llama_q5_0_matches_llama_cpp => "llama-q5_0",
     llama_q5_1_matches_llama_cpp => "llama-q5_1",
     llama_q8_0_matches_llama_cpp => "llama-q8_0",
+    llama_q2_k_matches_llama_cpp => "llama-q2_k",
+    llama_q3_k_matches_llama_cpp => "llama-q3_k",
     llama_q4_k_matches_llama_cpp => "llama-q4_k",
     llama_q5_k_matches_llama_cpp => "llama-q5_k",
     llama_q6_k_matches_llama_cpp => "llama-q6_k",
+    llama_iq4_xs_matches_llama_cpp => "llama-iq4_xs",
+    llama_iq4_nl_matches_llama_cpp => "llama-iq4_nl",
+    llama_iq3_s_matches_llama_cpp => "llama-iq3_s",
+    llama_iq3_xxs_matches_llama_cpp => "llama-iq3_xxs",
+    llama_iq2_xxs_matches_llama_cpp => "llama-iq2_xxs",
+    llama_iq2_xs_matches_llama_cpp => "llama-iq2_xs",
+    llama_iq2_s_matches_llama_cpp => "llama-iq2_s",
     llama_f16_matches_llama_cpp => "llama-f16",
     llama_bf16_matches_llama_cpp => "llama-bf16",
     llama_f32_matches_llama_cpp => "llama-f32",
@@ -353,9 +362,18 @@ fn synthetic_quantizers_round_trip_within_their_precision() {
         (GgmlType::Q5_0, 0.06),
         (GgmlType::Q5_1, 0.05),
         (GgmlType::Q8_0, 0.006),
+        (GgmlType::Q2_K, 0.35),
+        (GgmlType::Q3_K, 0.17),
         (GgmlType::Q4_K, 0.10),
         (GgmlType::Q5_K, 0.05),
         (GgmlType::Q6_K, 0.03),
+        (GgmlType::IQ4_NL, 0.09),
+        (GgmlType::IQ4_XS, 0.09),
+        (GgmlType::IQ3_S, 0.15),
+        (GgmlType::IQ3_XXS, 0.21),
+        (GgmlType::IQ2_XXS, 0.38),
+        (GgmlType::IQ2_XS, 0.34),
+        (GgmlType::IQ2_S, 0.29),
         (GgmlType::F16, 0.001),
         (GgmlType::BF16, 0.005),
         (GgmlType::F32, 0.0),
@@ -568,9 +586,13 @@ mod gpu {
         gpu_llama_q5_0 => "llama-q5_0",
         gpu_llama_q5_1 => "llama-q5_1",
         gpu_llama_q8_0 => "llama-q8_0",
+        gpu_llama_q2_k => "llama-q2_k",
+        gpu_llama_q3_k => "llama-q3_k",
         gpu_llama_q4_k => "llama-q4_k",
         gpu_llama_q5_k => "llama-q5_k",
         gpu_llama_q6_k => "llama-q6_k",
+        gpu_llama_iq4_xs => "llama-iq4_xs",
+        gpu_llama_iq4_nl => "llama-iq4_nl",
         gpu_llama_f16 => "llama-f16",
         gpu_llama_bf16 => "llama-bf16",
         gpu_llama_f32 => "llama-f32",
@@ -616,6 +638,48 @@ mod gpu {
                 refuses($name);
             }
         )*};
+    }
+
+    /// A model with weights of a type the GPU does not multiply (the CPU does) is
+    /// refused before any device work, with an error naming the type.
+    fn refuses_type(name: &str, ty: &str) {
+        let spec = spec(name).expect("a spec");
+        let bytes = build(spec).expect("the generator writes a valid file");
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join(format!("{name}.gguf"));
+        std::fs::write(&path, &bytes).expect("writing the model");
+        let store = TensorStore::open(&path).expect("model opens");
+        let model = Model::load(&store).expect("model loads");
+        assert!(
+            model.check_gpu_support().is_err(),
+            "{name}: reported as supported"
+        );
+        let options = GpuOptions {
+            device: 0,
+            mode: UploadMode::Background,
+            budget: None,
+            context_size: 16,
+        };
+        match GpuModel::new(&model, &options) {
+            Err(model::ModelError::GpuUnsupported { what, .. }) => {
+                assert!(what.contains(ty), "{name}: {what}")
+            }
+            Err(other) => panic!("{name}: refused for another reason: {other}"),
+            Ok(_) => panic!("{name}: the GPU accepted {ty} weights it does not multiply"),
+        }
+    }
+
+    #[test]
+    fn gpu_refuses_the_types_it_does_not_multiply() {
+        for (name, ty) in [
+            ("llama-iq3_s", "IQ3_S"),
+            ("llama-iq3_xxs", "IQ3_XXS"),
+            ("llama-iq2_xxs", "IQ2_XXS"),
+            ("llama-iq2_xs", "IQ2_XS"),
+            ("llama-iq2_s", "IQ2_S"),
+        ] {
+            refuses_type(name, ty);
+        }
     }
 
     gpu_refuses! {

@@ -42,7 +42,7 @@ const _: () = assert!(offset_of!(BlockQ5_K, d) == 0 && offset_of!(BlockQ5_K, dmi
 const GROUPS: usize = QK_K / BSUM_GROUP;
 
 /// Super-blocks that every row and activation row can supply.
-fn blocks<const R: usize, const N: usize>(
+pub(crate) fn blocks<const R: usize, const N: usize>(
     rows: &[&[u8]; R],
     bytes: usize,
     acts: &[Q8KRow<'_>; N],
@@ -62,7 +62,7 @@ fn blocks<const R: usize, const N: usize>(
 /// # Safety
 /// `b` must be below [`blocks`] for these rows.
 #[inline]
-unsafe fn act_ptrs<const N: usize>(
+pub(crate) unsafe fn act_ptrs<const N: usize>(
     acts: &[Q8KRow<'_>; N],
     b: usize,
 ) -> ([*const i8; N], [*const i16; N]) {
@@ -82,7 +82,7 @@ unsafe fn act_ptrs<const N: usize>(
 /// the low half's eight lanes and i16 lane `hi` to the high half's.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn pick_i16(lo: usize, hi: usize) -> __m256i {
+pub(crate) fn pick_i16(lo: usize, hi: usize) -> __m256i {
     let lo = (0x0100 + 0x0202 * lo as i16) as i64 * 0x0001_0001_0001_0001;
     let hi = (0x0100 + 0x0202 * hi as i16) as i64 * 0x0001_0001_0001_0001;
     _mm256_setr_epi64x(lo, lo, hi, hi)

@@ -15,18 +15,21 @@
 //!
 //! This is llama.cpp's x86 arithmetic to the last bit (eight lanes, one fused
 //! multiply-add per block, the lanes reduced at the end, the offsets summed apart), so
-//! products agree with it exactly.
+//! products agree with it exactly. `IQ4_NL` looks its 16 levels up with one `pshufb` and
+//! is multiplied as a symmetric format; a single token's product takes its dot
+//! product's two sets of lanes (even and odd blocks) and a last odd block apart.
 
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
 use super::{hsum_epi32, hsum_ps, lanes_of, load32, mul_sum_u8_i8};
-use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
+use crate::blocks::{BlockIQ4_NL, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
+use crate::decode::grids::KVALUES_IQ4NL;
 use crate::matmul::activation::{Q8Row, QK8};
 
 // `scales` reads d (and m) from the first four bytes of every legacy block.
 const _: () = assert!(offset_of!(BlockQ4_0, d) == 0 && offset_of!(BlockQ5_0, d) == 0);
-const _: () = assert!(offset_of!(BlockQ8_0, d) == 0);
+const _: () = assert!(offset_of!(BlockQ8_0, d) == 0 && offset_of!(BlockIQ4_NL, d) == 0);
 const _: () = assert!(offset_of!(BlockQ4_1, d) == 0 && offset_of!(BlockQ4_1, m) == 2);
 const _: () = assert!(offset_of!(BlockQ5_1, d) == 0 && offset_of!(BlockQ5_1, m) == 2);
 
@@ -49,6 +52,10 @@ trait Legacy {
     /// Each block's integers are reduced to one value and fused into one accumulator
     /// (llama.cpp's repacked kernels) instead of eight lanes reduced at the end.
     const TOTALS: bool = false;
+    /// A single token's product takes two sets of lanes, for even and odd blocks, and
+    /// a last odd block's total apart (llama.cpp's `IQ4_NL` dot product); batches take
+    /// the one set of lanes.
+    const PAIRED: bool = false;
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `block..block + BYTES` must be readable.
@@ -107,6 +114,9 @@ struct Q4_1;
 struct Q5_0;
 struct Q5_1;
 struct Q8_0;
+struct IQ4NL;
+/// `IQ4_NL` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8 rows).
+struct IQ4NLPacked;
 
 impl Legacy for Q4_0 {
     const BYTES: usize = size_of::<BlockQ4_0>();
@@ -224,6 +234,53 @@ impl Legacy for Q8_0 {
     }
 }
 
+impl Legacy for IQ4NL {
+    const BYTES: usize = size_of::<BlockIQ4_NL>();
+    const HAS_M: bool = false;
+    const PAIRED: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(block: *const u8) -> Quants {
+        // SAFETY: the block is readable per the contract; qs lies inside it. The table
+        // holds 16 bytes.
+        let (q, table) = unsafe {
+            (
+                nibbles(block.add(offset_of!(BlockIQ4_NL, qs))),
+                _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()),
+            )
+        };
+        // |value| ≤ 127: the magnitudes and signs of `signed` fit maddubs.
+        signed(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), q))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
+        signed_int(w, qx)
+    }
+}
+
+impl Legacy for IQ4NLPacked {
+    const BYTES: usize = size_of::<BlockIQ4_NL>();
+    const HAS_M: bool = false;
+    const TOTALS: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(block: *const u8) -> Quants {
+        // SAFETY: the contract is IQ4_NL's.
+        unsafe { IQ4NL::quants(block) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
+        // SAFETY: the contract is IQ4_NL's.
+        unsafe { IQ4NL::int(w, qx) }
+    }
+}
+
 /// Signed weights as [`Quants`]: their magnitudes, and themselves for the signs.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -317,8 +374,13 @@ fn odd_lanes<L: Legacy>(offsets: __m256) -> [f32; 4] {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) -> [f32; R] {
     let nb = blocks(&rows, L::BYTES, &[act]);
+    let paired = L::PAIRED && act.single;
+    // The blocks that go into lanes: all, or with `paired`, the whole pairs.
+    let laned = if paired { nb / 2 * 2 } else { nb };
     let mut acc = [_mm256_setzero_ps(); R];
+    let mut odd = [_mm256_setzero_ps(); R];
     let mut totals = [0.0f32; R];
+    let mut tails = [(0.0f32, 0.0f32); R];
     let mut offsets = _mm256_setzero_ps();
     for b in 0..nb {
         // SAFETY: `b < nb` bounds every index by the rows' and the activations' lengths;
@@ -339,9 +401,16 @@ unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) 
             let int = unsafe { L::int(&L::quants(rows[r].as_ptr().add(b * L::BYTES)), qx) };
             if L::TOTALS {
                 totals[r] = (hsum_epi32(int) as f32).mul_add(scales[2 * r], totals[r]);
+            } else if b >= laned {
+                tails[r] = (scales[2 * r], hsum_epi32(int) as f32);
             } else {
                 let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * r as i32));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[r]);
+                let acc = if paired && b % 2 == 1 {
+                    &mut odd[r]
+                } else {
+                    &mut acc[r]
+                };
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, *acc);
             }
         }
     }
@@ -350,6 +419,13 @@ unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) 
     for r in 0..R {
         out[r] = if L::TOTALS {
             totals[r]
+        } else if paired {
+            let sum = hsum_ps(_mm256_add_ps(acc[r], odd[r]));
+            if laned < nb {
+                tails[r].0.mul_add(tails[r].1, sum)
+            } else {
+                sum
+            }
         } else {
             hsum_ps(acc[r]) + offsets[r]
         };
@@ -366,6 +442,8 @@ unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]) -> [f32; N] {
     const { assert!(N <= 4) };
+    // Several tokens come from a set of several: a batch, never paired.
+    debug_assert!(acts.iter().all(|a| !a.single));
     let rows = [row];
     let nb = blocks(&rows, L::BYTES, &acts);
     let mut acc = [_mm256_setzero_ps(); N];
@@ -467,6 +545,8 @@ entry!(dot_q4_1, Q4_1);
 entry!(dot_q5_0, Q5_0);
 entry!(dot_q5_1, Q5_1);
 entry!(dot_q8_0, Q8_0);
+entry!(dot_iq4_nl, IQ4NL);
+entry!(dot_iq4_nl_packed, IQ4NLPacked);
 
 /// The integer dot product `Σ q · qx` of one block with 32 activations, summed over
 /// the lanes: the quantity the portable `*_block` functions compute.
@@ -498,6 +578,7 @@ pub(crate) fn block_int(
             T::Q5_0 => int::<Q5_0>(block, qx),
             T::Q5_1 => int::<Q5_1>(block, qx),
             T::Q8_0 => int::<Q8_0>(block, qx),
+            T::IQ4_NL => int::<IQ4NL>(block, qx),
             other => panic!("{other} is not a legacy format"),
         }
     }

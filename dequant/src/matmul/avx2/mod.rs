@@ -10,6 +10,7 @@
 
 pub(crate) mod float;
 pub(crate) mod kquants;
+pub(crate) mod lanes;
 pub(crate) mod legacy;
 
 use std::arch::x86_64::*;

@@ -100,10 +100,12 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
             GgmlType::Q5_0,
             GgmlType::Q5_1,
             GgmlType::Q8_0,
+            GgmlType::IQ4_NL,
         ] {
             for block in block_cases(ty, &mut rng) {
                 for qx in activation_cases(QK8, &mut rng) {
                     let expected = match ty {
+                        GgmlType::IQ4_NL => portable::iq4_nl_block(&one(&block), &qx),
                         GgmlType::Q4_0 => portable::q4_0_block(&one(&block), &qx),
                         GgmlType::Q4_1 => portable::q4_1_block(&one(&block), &qx),
                         GgmlType::Q5_0 => portable::q5_0_block(&one(&block), &qx),
@@ -133,6 +135,116 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
                 }
             }
         }
+        // The formats multiplied lane by lane: every lane, not only the total.
+        for ty in LANE_TYPES {
+            for block in block_cases(ty, &mut rng) {
+                for qx in activation_cases(QK_K, &mut rng) {
+                    let bsums: Vec<i16> = qx
+                        .chunks_exact(BSUM_GROUP)
+                        .map(|g| g.iter().map(|&q| i16::from(q)).sum())
+                        .collect();
+                    let expected = portable_lanes(ty, &block, &qx, &bsums);
+                    let got =
+                        crate::matmul::avx2::lanes::block_lanes(proof, ty, &block, &qx, &bsums);
+                    assert_eq!(got, expected, "{ty} block {block:?} activations {qx:?}");
+                }
+            }
+        }
+    }
+}
+
+/// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
+const LANE_TYPES: [GgmlType; 8] = [
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ4_XS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+];
+
+/// The grid format of `ty`, for the grid formats among [`LANE_TYPES`].
+fn grid_of(ty: GgmlType) -> Option<crate::matmul::grids::Grid> {
+    use crate::matmul::grids::Grid;
+    match ty {
+        GgmlType::IQ3_S => Some(Grid::IQ3S),
+        GgmlType::IQ3_XXS => Some(Grid::IQ3XXS),
+        GgmlType::IQ2_XXS => Some(Grid::IQ2XXS),
+        GgmlType::IQ2_XS => Some(Grid::IQ2XS),
+        GgmlType::IQ2_S => Some(Grid::IQ2S),
+        _ => None,
+    }
+}
+
+/// The portable integer lanes of one super-block of a [`LANE_TYPES`] format.
+fn portable_lanes(ty: GgmlType, block: &[u8], qx: &[i8], bsums: &[i16]) -> portable::LaneInts {
+    match ty {
+        GgmlType::Q2_K => portable::q2_k_lanes(&one(block), qx, bsums),
+        GgmlType::Q3_K => portable::q3_k_lanes(&one(block), qx),
+        GgmlType::IQ4_XS => portable::iq4_xs_lanes(&one(block), qx),
+        other => match grid_of(other) {
+            Some(grid) => portable::grid_lanes(grid, block, qx),
+            None => panic!("{other} is not a lane format"),
+        },
+    }
+}
+
+/// The integer lanes of a super-block are exact sums: the portable ones against a
+/// plain sum over the block's decoded values (the scale times the value, read back
+/// from the f32 decoder through the block's `d`).
+#[test]
+fn lane_integers_sum_to_the_plain_integer_product() {
+    let mut rng = Rng(7);
+    for ty in LANE_TYPES {
+        for block in block_cases(ty, &mut rng).into_iter().take(60) {
+            let mut block = block;
+            // d = dmin = 1: the decoded values are the integers `scale · q − min`.
+            // (The grid formats keep `d` first; their decoded values carry the format's
+            // power of two, which the integers leave out.)
+            use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
+            use std::mem::offset_of;
+            let scales: &[usize] = match ty {
+                GgmlType::Q2_K => &[offset_of!(BlockQ2_K, d), offset_of!(BlockQ2_K, dmin)],
+                GgmlType::Q3_K => &[offset_of!(BlockQ3_K, d)],
+                GgmlType::IQ4_XS => &[offset_of!(BlockIQ4_XS, d)],
+                _ => &[0],
+            };
+            let factor = grid_of(ty).map_or(1.0, |grid| grid.factor());
+            for &at in scales {
+                block[at..at + 2].copy_from_slice(&half::f16::ONE.to_bits().to_le_bytes());
+            }
+            let w: Vec<f32> = super::dequantize_row(ty, &block)
+                .iter()
+                .map(|&w| w / factor)
+                .collect();
+            for qx in activation_cases(QK_K, &mut rng) {
+                let bsums: Vec<i16> = qx
+                    .chunks_exact(BSUM_GROUP)
+                    .map(|g| g.iter().map(|&q| i16::from(q)).sum())
+                    .collect();
+                let ints = portable_lanes(ty, &block, &qx, &bsums);
+                let plain: i64 = w
+                    .iter()
+                    .zip(&qx)
+                    .map(|(&w, &x)| w as i64 * i64::from(x))
+                    .sum();
+                let lanes: i64 = ints.dots.iter().map(|&l| i64::from(l)).sum::<i64>()
+                    - ints.mins.iter().map(|&l| i64::from(l)).sum::<i64>();
+                assert_eq!(lanes, plain, "{ty} block {block:?}");
+                // Lane l holds values 4l .. 4l + 4 of every 32.
+                for (l, &lane) in ints.dots.iter().enumerate() {
+                    let part: i64 = (0..QK_K)
+                        .filter(|i| i % 32 / 4 == l)
+                        .map(|i| w[i] as i64 * i64::from(qx[i]))
+                        .sum();
+                    if ints.mins == [0; 8] {
+                        assert_eq!(i64::from(lane), part, "{ty} lane {l}");
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -140,8 +252,10 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 /// multiply them with the same kernel (and so do ours): below [`GEMM_MIN_TOKENS`] a
 /// batch gives each token the bits of a single-token product, except that `Q4_K`
 /// tokens in a whole group of four, against a matrix llama.cpp repacks, get the bits of
-/// a batch of four (its repacked GEMM); from [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other
-/// k-quants to its tiled GEMM) a batch gives the bits of each of its halves.
+/// a batch of four (its repacked GEMM), and `IQ4_NL` tokens against a matrix it does
+/// not repack those of any batch (its GEMM, from two tokens on); from
+/// [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other k-quants to its tiled GEMM)
+/// a batch gives the bits of each of its halves.
 #[test]
 fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -153,6 +267,7 @@ fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
             let x = random_x(n_tokens * cols, 5 + i as u64);
             let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
             let grouped = ty == GgmlType::Q4_K && rows % 8 == 0;
+            let batched = ty == GgmlType::IQ4_NL && rows % 8 != 0;
             for path in paths() {
                 let small = GEMM_MIN_TOKENS - 1;
                 let mut batch = vec![0.0; small * rows];
@@ -168,8 +283,16 @@ fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
                     matrix
                         .matvec_with(path, &x[t * cols..(t + 1) * cols], &mut single)
                         .unwrap();
+                    // Token t twice: a batch of two.
+                    let twice = [&x[t * cols..(t + 1) * cols], &x[t * cols..(t + 1) * cols]];
+                    let mut pair = vec![0.0; 2 * rows];
+                    matrix
+                        .matmul_with(path, &twice.concat(), 2, &mut pair)
+                        .unwrap();
                     let expected = if grouped && t < 4 {
                         &four[t * rows..(t + 1) * rows]
+                    } else if batched {
+                        &pair[..rows]
                     } else {
                         &single[..]
                     };
@@ -261,12 +384,21 @@ fn portable_and_avx2_products_agree_bit_for_bit() {
         if !ty.is_quantized() {
             continue;
         }
-        // 16 rows: llama.cpp repacks Q4_0 (and Q4_K) matrices of a multiple of 8 rows.
-        for rows in [13, 16] {
-            let cols = 2 * QK_K;
+        // 16 rows: llama.cpp repacks Q4_0, Q4_K and IQ4_NL matrices of a multiple of 8
+        // rows; 1 and 13: fewer than, and not a multiple of, the single-token kernels' 4
+        // rows. For blocks of 32, an odd number of blocks too (IQ4_NL's dot product takes
+        // them in pairs).
+        let widths: &[usize] = match ty.block_size() {
+            32 => &[2 * QK_K, 2 * QK_K + 32],
+            _ => &[2 * QK_K],
+        };
+        let shapes = [1, 13, 16]
+            .into_iter()
+            .flat_map(|rows| widths.iter().map(move |&cols| (rows, cols)));
+        for (rows, cols) in shapes {
             let bytes = random_matrix(ty, rows, cols, 500 + i as u64);
             let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
-            for n_tokens in [1, 5, GEMM_MIN_TOKENS + 1] {
+            for n_tokens in [1, 4, 5, GEMM_MIN_TOKENS, GEMM_MIN_TOKENS + 1] {
                 let x = random_x(n_tokens * cols, 50 + i as u64);
                 let mut portable = vec![0.0; n_tokens * rows];
                 let mut avx2 = vec![0.0; n_tokens * rows];
@@ -276,7 +408,7 @@ fn portable_and_avx2_products_agree_bit_for_bit() {
                 matrix
                     .matmul_with(DecodePath::Avx2, &x, n_tokens, &mut avx2)
                     .unwrap();
-                let context = format!("{ty}, {rows} rows, {n_tokens} tokens");
+                let context = format!("{ty}, {rows}x{cols}, {n_tokens} tokens");
                 assert_eq!(bits(&portable), bits(&avx2), "{context}");
             }
         }

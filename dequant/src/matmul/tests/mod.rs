@@ -28,7 +28,7 @@ use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
-pub(super) const TYPES: [GgmlType; 11] = [
+pub(super) const TYPES: [GgmlType; 20] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -37,9 +37,18 @@ pub(super) const TYPES: [GgmlType; 11] = [
     GgmlType::Q5_0,
     GgmlType::Q5_1,
     GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
 ];
 
 /// splitmix64: small, seedable, good enough for test data.
@@ -121,6 +130,18 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                     (offset_of!(BlockQ5_K, dmin), false),
                 ],
                 GgmlType::Q6_K => &[(offset_of!(BlockQ6_K, d), true)],
+                GgmlType::Q3_K => &[(offset_of!(BlockQ3_K, d), true)],
+                GgmlType::IQ4_XS => &[(offset_of!(BlockIQ4_XS, d), true)],
+                GgmlType::IQ4_NL => &[(offset_of!(BlockIQ4_NL, d), true)],
+                GgmlType::IQ3_S => &[(offset_of!(BlockIQ3_S, d), true)],
+                GgmlType::IQ3_XXS => &[(offset_of!(BlockIQ3_XXS, d), true)],
+                GgmlType::IQ2_XXS => &[(offset_of!(BlockIQ2_XXS, d), true)],
+                GgmlType::IQ2_XS => &[(offset_of!(BlockIQ2_XS, d), true)],
+                GgmlType::IQ2_S => &[(offset_of!(BlockIQ2_S, d), true)],
+                GgmlType::Q2_K => &[
+                    (offset_of!(BlockQ2_K, d), false),
+                    (offset_of!(BlockQ2_K, dmin), false),
+                ],
                 other => panic!("no generator for {other}"),
             };
             for b in bytes.chunks_exact_mut(block) {

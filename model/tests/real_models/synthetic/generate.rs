@@ -1,8 +1,9 @@
 //! Small synthetic models with random weights, written through our own GGUF writer.
 //!
-//! Every model is 256 wide (a multiple of the k-quants' 256-value super-blocks) with a
-//! 512-wide feed-forward, a few layers and a vocabulary of a few hundred tokens; what
-//! varies is the architecture, the head layout and the weight types. Weights are drawn
+//! Every model is 256 wide (a multiple of the k-quants' 256-value super-blocks; one
+//! `IQ4_NL` model is 288 wide) with a 512-wide feed-forward, a few layers and a
+//! vocabulary of a few hundred tokens; what varies is the architecture, the head layout
+//! and the weight types. Weights are drawn
 //! with variances chosen so that activations stay of order one through the layers,
 //! attention is neither uniform nor one-hot, and the logits spread over several units,
 //! so that the argmax is well defined. Quantized tensors are quantized from those f32
@@ -47,6 +48,9 @@ pub struct Spec {
     pub name: &'static str,
     pub arch: Arch,
     pub vocab: VocabStyle,
+    /// Model width: [`N_EMBD`] but for one model whose rows are an odd number of blocks
+    /// of 32.
+    pub n_embd: usize,
     pub n_layers: usize,
     pub n_heads: usize,
     pub n_kv_heads: usize,
@@ -85,6 +89,7 @@ const LLAMA: Spec = Spec {
     name: "",
     arch: Arch::Llama,
     vocab: VocabStyle::SmolLm,
+    n_embd: N_EMBD,
     n_layers: 2,
     n_heads: 4,
     n_kv_heads: 2,
@@ -129,9 +134,31 @@ pub const SPECS: &[Spec] = &[
     llama_typed("llama-q5_0", GgmlType::Q5_0, GgmlType::Q8_0, 3),
     llama_typed("llama-q5_1", GgmlType::Q5_1, GgmlType::Q8_0, 4),
     llama_typed("llama-q8_0", GgmlType::Q8_0, GgmlType::Q8_0, 5),
+    llama_typed("llama-q2_k", GgmlType::Q2_K, GgmlType::Q8_0, 20),
+    llama_typed("llama-q3_k", GgmlType::Q3_K, GgmlType::Q8_0, 19),
     llama_typed("llama-q4_k", GgmlType::Q4_K, GgmlType::Q8_0, 6),
     llama_typed("llama-q5_k", GgmlType::Q5_K, GgmlType::Q8_0, 7),
     llama_typed("llama-q6_k", GgmlType::Q6_K, GgmlType::Q8_0, 8),
+    llama_typed("llama-iq4_xs", GgmlType::IQ4_XS, GgmlType::Q8_0, 21),
+    llama_typed("llama-iq3_s", GgmlType::IQ3_S, GgmlType::Q8_0, 23),
+    llama_typed("llama-iq3_xxs", GgmlType::IQ3_XXS, GgmlType::Q8_0, 24),
+    llama_typed("llama-iq2_xxs", GgmlType::IQ2_XXS, GgmlType::Q8_0, 25),
+    llama_typed("llama-iq2_xs", GgmlType::IQ2_XS, GgmlType::Q8_0, 26),
+    llama_typed("llama-iq2_s", GgmlType::IQ2_S, GgmlType::Q8_0, 27),
+    // IQ4_NL: 288 wide (rows of 9 blocks, which llama.cpp's single-token dot product
+    // takes in pairs and one apart), 9 heads of 32 on 3 KV heads; every matrix but the
+    // output (300 rows) has a multiple of 8 rows, which llama.cpp repacks.
+    Spec {
+        name: "llama-iq4_nl",
+        n_embd: 288,
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 32,
+        matrices: GgmlType::IQ4_NL,
+        output: Some(GgmlType::IQ4_NL),
+        seed: 22,
+        ..LLAMA
+    },
     llama_typed("llama-f16", GgmlType::F16, GgmlType::F16, 9),
     llama_typed("llama-bf16", GgmlType::BF16, GgmlType::BF16, 10),
     llama_typed("llama-f32", GgmlType::F32, GgmlType::F32, 11),
@@ -428,7 +455,7 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
     w.add_metadata("general.architecture", arch)?;
     w.add_metadata("general.name", spec.name)?;
     w.add_metadata(&key("context_length"), CONTEXT_LENGTH)?;
-    w.add_metadata(&key("embedding_length"), N_EMBD as u32)?;
+    w.add_metadata(&key("embedding_length"), spec.n_embd as u32)?;
     w.add_metadata(&key("block_count"), spec.n_layers as u32)?;
     w.add_metadata(&key("feed_forward_length"), N_FF as u32)?;
     w.add_metadata(&key("attention.head_count"), spec.n_heads as u32)?;
@@ -500,7 +527,7 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
     t.add(
         "token_embd.weight",
         spec.token_embd,
-        &[N_EMBD, n_vocab],
+        &[spec.n_embd, n_vocab],
         0.0,
         embd_std,
     )?;
@@ -546,32 +573,38 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
     };
     for i in 0..spec.n_layers {
         let n = |s: &str| format!("blk.{i}.{s}");
-        t.add(&n("attn_norm.weight"), GgmlType::F32, &[N_EMBD], 1.0, 0.1)?;
+        t.add(
+            &n("attn_norm.weight"),
+            GgmlType::F32,
+            &[spec.n_embd],
+            1.0,
+            0.1,
+        )?;
         if phi3 {
-            let qk = QK_GAIN * std(N_EMBD);
-            let parts = [(q_dim, qk), (kv_dim, qk), (kv_dim, std(N_EMBD))];
-            t.add_fused(&n("attn_qkv.weight"), ty("attn_qkv"), N_EMBD, &parts)?;
+            let qk = QK_GAIN * std(spec.n_embd);
+            let parts = [(q_dim, qk), (kv_dim, qk), (kv_dim, std(spec.n_embd))];
+            t.add_fused(&n("attn_qkv.weight"), ty("attn_qkv"), spec.n_embd, &parts)?;
         } else {
             t.add(
                 &n("attn_q.weight"),
                 ty("attn_q"),
-                &[N_EMBD, q_dim],
+                &[spec.n_embd, q_dim],
                 0.0,
-                QK_GAIN * std(N_EMBD),
+                QK_GAIN * std(spec.n_embd),
             )?;
             t.add(
                 &n("attn_k.weight"),
                 ty("attn_k"),
-                &[N_EMBD, kv_dim],
+                &[spec.n_embd, kv_dim],
                 0.0,
-                QK_GAIN * std(N_EMBD),
+                QK_GAIN * std(spec.n_embd),
             )?;
             t.add(
                 &n("attn_v.weight"),
                 ty("attn_v"),
-                &[N_EMBD, kv_dim],
+                &[spec.n_embd, kv_dim],
                 0.0,
-                std(N_EMBD),
+                std(spec.n_embd),
             )?;
         }
         if spec.arch == Arch::Qwen2 {
@@ -598,7 +631,7 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
         t.add(
             &n("attn_output.weight"),
             ty("attn_output"),
-            &[q_dim, N_EMBD],
+            &[q_dim, spec.n_embd],
             0.0,
             std(q_dim),
         )?;
@@ -606,36 +639,42 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
             t.add(
                 &n("post_attention_norm.weight"),
                 GgmlType::F32,
-                &[N_EMBD],
+                &[spec.n_embd],
                 1.0,
                 0.1,
             )?;
         }
-        t.add(&n("ffn_norm.weight"), GgmlType::F32, &[N_EMBD], 1.0, 0.1)?;
+        t.add(
+            &n("ffn_norm.weight"),
+            GgmlType::F32,
+            &[spec.n_embd],
+            1.0,
+            0.1,
+        )?;
         if phi3 {
             // The gate's rows first, then the up projection's.
-            let parts = [(N_FF, std(N_EMBD)), (N_FF, std(N_EMBD))];
-            t.add_fused(&n("ffn_up.weight"), ty("ffn_up"), N_EMBD, &parts)?;
+            let parts = [(N_FF, std(spec.n_embd)), (N_FF, std(spec.n_embd))];
+            t.add_fused(&n("ffn_up.weight"), ty("ffn_up"), spec.n_embd, &parts)?;
         } else {
             t.add(
                 &n("ffn_gate.weight"),
                 ty("ffn_gate"),
-                &[N_EMBD, N_FF],
+                &[spec.n_embd, N_FF],
                 0.0,
-                std(N_EMBD),
+                std(spec.n_embd),
             )?;
             t.add(
                 &n("ffn_up.weight"),
                 ty("ffn_up"),
-                &[N_EMBD, N_FF],
+                &[spec.n_embd, N_FF],
                 0.0,
-                std(N_EMBD),
+                std(spec.n_embd),
             )?;
         }
         t.add(
             &n("ffn_down.weight"),
             ty("ffn_down"),
-            &[N_FF, N_EMBD],
+            &[N_FF, spec.n_embd],
             0.0,
             std(N_FF),
         )?;
@@ -643,7 +682,7 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
             t.add(
                 &n("post_ffw_norm.weight"),
                 GgmlType::F32,
-                &[N_EMBD],
+                &[spec.n_embd],
                 1.0,
                 0.1,
             )?;
@@ -652,12 +691,12 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
     t.add(
         "output_norm.weight",
         GgmlType::F32,
-        &[N_EMBD],
+        &[spec.n_embd],
         out_norm,
         0.1 * out_norm,
     )?;
     if let Some(ty) = spec.output {
-        t.add("output.weight", ty, &[N_EMBD, n_vocab], 0.0, EMBD_STD)?;
+        t.add("output.weight", ty, &[spec.n_embd, n_vocab], 0.0, EMBD_STD)?;
     }
     let data: Vec<&[u8]> = t.data.iter().map(Vec::as_slice).collect();
     t.writer.to_bytes(&data)

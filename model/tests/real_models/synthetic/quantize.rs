@@ -9,7 +9,9 @@
 //!
 //! The quantizers follow the block layouts of ggml (which llama.cpp and our kernels both
 //! decode): each picks its block scale from the block's range and rounds every value to
-//! the nearest level. They do not search for the error-minimizing scale as llama.cpp's
+//! the nearest level (the nearest entry of the table, for the non-linear `IQ4_NL` and
+//! `IQ4_XS`; for the grid formats the signs of the values and the grid entry nearest to
+//! their magnitudes, found by trying every entry). They do not search for the error-minimizing scale as llama.cpp's
 //! quantizers do; that changes which levels are chosen, not how the blocks decode.
 
 use gguf_format::GgmlType;
@@ -82,9 +84,18 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::Q5_0 => values.chunks_exact(32).for_each(|b| q5_0(b, &mut out)),
         GgmlType::Q5_1 => values.chunks_exact(32).for_each(|b| q5_1(b, &mut out)),
         GgmlType::Q8_0 => values.chunks_exact(32).for_each(|b| q8_0(b, &mut out)),
+        GgmlType::Q2_K => values.chunks_exact(256).for_each(|b| q2_k(b, &mut out)),
+        GgmlType::Q3_K => values.chunks_exact(256).for_each(|b| q3_k(b, &mut out)),
         GgmlType::Q4_K => values.chunks_exact(256).for_each(|b| q4_k(b, &mut out)),
         GgmlType::Q5_K => values.chunks_exact(256).for_each(|b| q5_k(b, &mut out)),
         GgmlType::Q6_K => values.chunks_exact(256).for_each(|b| q6_k(b, &mut out)),
+        GgmlType::IQ4_XS => values.chunks_exact(256).for_each(|b| iq4_xs(b, &mut out)),
+        GgmlType::IQ4_NL => values.chunks_exact(32).for_each(|b| iq4_nl(b, &mut out)),
+        GgmlType::IQ3_S => values.chunks_exact(256).for_each(|b| iq3_s(b, &mut out)),
+        GgmlType::IQ3_XXS => values.chunks_exact(256).for_each(|b| iq3_xxs(b, &mut out)),
+        GgmlType::IQ2_XXS => values.chunks_exact(256).for_each(|b| iq2_xxs(b, &mut out)),
+        GgmlType::IQ2_XS => values.chunks_exact(256).for_each(|b| iq2_xs(b, &mut out)),
+        GgmlType::IQ2_S => values.chunks_exact(256).for_each(|b| iq2_s(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -183,6 +194,93 @@ fn pack_five_bits(q: &[u8], out: &mut Vec<u8>) {
         .fold(0u32, |h, (j, &v)| h | (u32::from(v >> 4) << j));
     out.extend_from_slice(&high.to_le_bytes());
     pack_nibbles(q, out);
+}
+
+/// 2-bit: sixteen groups of 16, `x = d * sc * q - dmin * m` with 4-bit `sc` and `m` and
+/// `q` in `0..=3`.
+fn q2_k(block: &[f32], out: &mut Vec<u8>) {
+    let mut scales = [0f32; 16];
+    let mut mins = [0f32; 16];
+    for (g, group) in block.chunks_exact(16).enumerate() {
+        let (lo, hi) = min_max(group);
+        let lo = lo.min(0.0);
+        scales[g] = (hi - lo) / 3.0;
+        mins[g] = -lo;
+    }
+    let max_scale = scales.iter().fold(0f32, |m, &v| m.max(v));
+    let max_min = mins.iter().fold(0f32, |m, &v| m.max(v));
+    let d = f16::from_f32(max_scale / 15.0).to_f32();
+    let dmin = f16::from_f32(max_min / 15.0).to_f32();
+    let (inv_d, inv_dmin) = (inverse(d), inverse(dmin));
+    let mut q = [0u8; 256];
+    for (g, group) in block.chunks_exact(16).enumerate() {
+        let sc = level(scales[g], inv_d, 0.0, 15);
+        let m = level(mins[g], inv_dmin, 0.0, 15);
+        out.push(sc | (m << 4));
+        let (scale, min) = (d * f32::from(sc), dmin * f32::from(m));
+        let inv = inverse(scale);
+        for (l, &v) in group.iter().enumerate() {
+            q[g * 16 + l] = level(v + min, inv, 0.0, 3);
+        }
+    }
+    // Values l, l + 32, l + 64, l + 96 of each 128 in the four crumbs of one byte.
+    for half in q.chunks_exact(128) {
+        out.extend(
+            (0..32)
+                .map(|l| half[l] | (half[l + 32] << 2) | (half[l + 64] << 4) | (half[l + 96] << 6)),
+        );
+    }
+    push_f16(out, d);
+    push_f16(out, dmin);
+}
+
+/// 3-bit: sixteen groups of 16 with 6-bit signed scales, `x = d * sc * q`, `sc` in
+/// `-32..=31` and `q` in `-4..=3` (each group's extreme value mapped to -4, the scale of
+/// largest magnitude to -32).
+fn q3_k(block: &[f32], out: &mut Vec<u8>) {
+    let group_scales: Vec<f32> = block
+        .chunks_exact(16)
+        .map(|g| signed_max(g) / -4.0)
+        .collect();
+    let d = f16::from_f32(signed_max(&group_scales) / -32.0).to_f32();
+    let inv_d = inverse(d);
+    let sc: Vec<i8> = group_scales
+        .iter()
+        .map(|&s| (s * inv_d).round().clamp(-32.0, 31.0) as i8)
+        .collect();
+    // Levels 0..=7 (q + 4).
+    let mut q = [0u8; 256];
+    for (g, group) in block.chunks_exact(16).enumerate() {
+        let inv = inverse(d * f32::from(sc[g]));
+        for (l, &v) in group.iter().enumerate() {
+            q[g * 16 + l] = level(v, inv, 4.0, 7);
+        }
+    }
+    // The third bit of value j in bit j / 32 of hmask[j % 32]; the low two bits of values
+    // l, l + 32, l + 64, l + 96 of each 128 in the four crumbs of one byte.
+    let mut hmask = [0u8; 32];
+    for (j, &v) in q.iter().enumerate() {
+        hmask[j % 32] |= (v >> 2) << (j / 32);
+    }
+    out.extend_from_slice(&hmask);
+    for half in q.chunks_exact(128) {
+        out.extend((0..32).map(|l| {
+            (half[l] & 3)
+                | ((half[l + 32] & 3) << 2)
+                | ((half[l + 64] & 3) << 4)
+                | ((half[l + 96] & 3) << 6)
+        }));
+    }
+    // Scale k (stored + 32, six bits): its low nibble in byte k % 8 (high nibble for
+    // k >= 8), its top two bits in byte 8 + k % 4 at bits 2 (k / 4).
+    let mut packed = [0u8; 12];
+    for (k, &s) in sc.iter().enumerate() {
+        let l = (s + 32) as u8;
+        packed[k % 8] |= (l & 0xF) << (4 * (k / 8));
+        packed[8 + k % 4] |= (l >> 4) << (2 * (k / 4));
+    }
+    out.extend_from_slice(&packed);
+    push_f16(out, d);
 }
 
 /// 6-bit sub-block scales and minimums of the 4- and 5-bit k-quants, quantized against
@@ -300,4 +398,248 @@ fn q6_k(block: &[f32], out: &mut Vec<u8>) {
     out.extend_from_slice(&qh);
     out.extend(sc.iter().map(|&s| s as u8));
     push_f16(out, d);
+}
+
+/// The non-linear 4-bit levels of `IQ4_NL` and `IQ4_XS` (ggml's `kvalues_iq4nl`).
+const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// The index of the entry of [`KVALUES_IQ4NL`] times `scale` nearest to `v` (the lower
+/// index on a tie).
+fn nearest_iq4(v: f32, scale: f32) -> u8 {
+    let mut best = 0;
+    for (k, &level) in KVALUES_IQ4NL.iter().enumerate() {
+        let err = (v - scale * f32::from(level)).abs();
+        if err < (v - scale * f32::from(KVALUES_IQ4NL[best])).abs() {
+            best = k;
+        }
+    }
+    best as u8
+}
+
+/// Non-linear 4-bit with 6-bit group scales: eight groups of 32, `x = d * (ls - 32) *
+/// kvalues[q]`, each group's extreme value mapped to -127 and the scale of largest
+/// magnitude to -32.
+fn iq4_xs(block: &[f32], out: &mut Vec<u8>) {
+    let group_scales: Vec<f32> = block
+        .chunks_exact(32)
+        .map(|g| signed_max(g) / -127.0)
+        .collect();
+    let d = push_f16(out, signed_max(&group_scales) / -32.0);
+    let inv_d = inverse(d);
+    let ls: Vec<u8> = group_scales
+        .iter()
+        .map(|&s| ((s * inv_d).round().clamp(-32.0, 31.0) + 32.0) as u8)
+        .collect();
+    let scales_h = ls
+        .iter()
+        .enumerate()
+        .fold(0u16, |h, (g, &l)| h | (u16::from(l >> 4) << (2 * g)));
+    out.extend_from_slice(&scales_h.to_le_bytes());
+    out.extend((0..4).map(|k| (ls[2 * k] & 0xF) | ((ls[2 * k + 1] & 0xF) << 4)));
+    for (g, group) in block.chunks_exact(32).enumerate() {
+        let scale = d * (f32::from(ls[g]) - 32.0);
+        let q: Vec<u8> = group.iter().map(|&v| nearest_iq4(v, scale)).collect();
+        pack_nibbles(&q, out);
+    }
+}
+
+/// Non-linear 4-bit: `x = d * kvalues[q]`, the extreme value mapped to -127.
+fn iq4_nl(block: &[f32], out: &mut Vec<u8>) {
+    let d = push_f16(out, signed_max(block) / -127.0);
+    let q: Vec<u8> = block.iter().map(|&v| nearest_iq4(v, d)).collect();
+    pack_nibbles(&q, out);
+}
+
+/// The index of the entry of `grid` (entries of `run.len()` magnitudes, byte `j` of an
+/// entry the magnitude of value `j`) nearest to `|run| / scale` (the lower index on a
+/// tie).
+fn nearest_entry(run: &[f32], scale: f32, grid: impl Iterator<Item = u64>) -> usize {
+    let inv = inverse(scale);
+    let mut best = (f32::MAX, 0);
+    for (index, entry) in grid.enumerate() {
+        let err: f32 = run
+            .iter()
+            .enumerate()
+            .map(|(j, &v)| {
+                let e = v.abs() * inv - ((entry >> (8 * j)) & 0xFF) as f32;
+                e * e
+            })
+            .sum();
+        if err < best.0 {
+            best = (err, index);
+        }
+    }
+    best.1
+}
+
+/// The sign bits of `run`: bit `j` set where value `j` is negative.
+fn sign_bits(run: &[f32]) -> u8 {
+    run.iter()
+        .enumerate()
+        .fold(0, |bits, (j, &v)| bits | (u8::from(v < 0.0) << j))
+}
+
+/// Odd 4-bit scales `2 ls + 1` for groups whose largest magnitudes are `groups`: writes
+/// and returns the f16 `d`, and the `ls`, such that `d (2 ls + 1) max_grid` is about each
+/// group's largest magnitude (`max_grid`: the grid's largest value times any constant
+/// factor of the format).
+fn odd_scales(groups: &[f32], max_grid: f32, out: &mut Vec<u8>) -> (f32, Vec<u8>) {
+    let wanted: Vec<f32> = groups.iter().map(|&m| m / max_grid).collect();
+    let d = push_f16(out, wanted.iter().fold(0f32, |m, &v| m.max(v)) / 31.0);
+    let inv_d = inverse(d);
+    let ls = wanted
+        .iter()
+        .map(|&w| ((w * inv_d - 1.0) / 2.0).round().clamp(0.0, 15.0) as u8)
+        .collect();
+    (d, ls)
+}
+
+/// `IQ3_S`: per 32 values a scale `d (2 ls + 1)`, each 4 values the `IQ3S_GRID` entry
+/// nearest to their magnitudes (9-bit indices), one sign bit per value.
+fn iq3_s(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ3S_GRID;
+    let amax: Vec<f32> = block
+        .chunks_exact(32)
+        .map(|g| g.iter().fold(0f32, |m, v| m.max(v.abs())))
+        .collect();
+    let mut header = Vec::new();
+    let (d, ls) = odd_scales(&amax, 15.0, &mut header);
+    let mut indices = [0usize; 64];
+    for (i, run) in block.chunks_exact(4).enumerate() {
+        let scale = d * f32::from(2 * ls[i / 8] + 1);
+        indices[i] = nearest_entry(run, scale, IQ3S_GRID.iter().map(|&e| u64::from(e)));
+    }
+    out.extend_from_slice(&header);
+    out.extend(indices.iter().map(|&i| i as u8));
+    out.extend(
+        (0..8).map(|k| (0..8).fold(0u8, |h, j| h | (((indices[8 * k + j] >> 8) as u8) << j))),
+    );
+    out.extend(block.chunks_exact(8).map(sign_bits));
+    out.extend((0..4).map(|k| ls[2 * k] | (ls[2 * k + 1] << 4)));
+}
+
+/// The sign bits of a run of 8 with an even number of them set, as `KSIGNS_IQ2XS` can
+/// hold them (seven stored, the eighth their parity): with an odd count, the value of
+/// smallest magnitude takes the other sign. Returns the 7-bit index.
+fn even_signs(run: &[f32]) -> u32 {
+    let mut bits = sign_bits(run);
+    if bits.count_ones() % 2 == 1 {
+        let smallest = (0..8)
+            .min_by(|&a, &b| run[a].abs().total_cmp(&run[b].abs()))
+            .unwrap_or(0);
+        bits ^= 1 << smallest;
+    }
+    u32::from(bits & 0x7F)
+}
+
+/// Each sub-block's largest magnitude.
+fn group_amax(block: &[f32], group: usize) -> Vec<f32> {
+    block
+        .chunks_exact(group)
+        .map(|g| g.iter().fold(0f32, |m, v| m.max(v.abs())))
+        .collect()
+}
+
+/// `IQ3_XXS`: per 32 values a scale `d (2 ls + 1) / 4`, each 4 values the `IQ3XXS_GRID`
+/// entry nearest to their magnitudes, signs with even parity per 8 values.
+fn iq3_xxs(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ3XXS_GRID;
+    let mut header = Vec::new();
+    let (d, ls) = odd_scales(&group_amax(block, 32), 62.0 * 0.25, &mut header);
+    out.extend_from_slice(&header);
+    let mut signed = block.to_vec();
+    let mut aux = [0u32; 8];
+    for (r, run) in block.chunks_exact(8).enumerate() {
+        let signs = even_signs(run);
+        aux[r / 4] |= signs << (7 * (r % 4));
+        // The sign a value gets, for its magnitude's sake: flipped ones count as 0.
+        for j in 0..8 {
+            let negative = (u32::from(dequant::grids::KSIGNS_IQ2XS[signs as usize]) >> j) & 1 == 1;
+            if negative != (run[j] < 0.0) {
+                signed[8 * r + j] = 0.0;
+            }
+        }
+    }
+    for (i, run) in signed.chunks_exact(4).enumerate() {
+        let scale = d * f32::from(2 * ls[i / 8] + 1) * 0.25;
+        out.push(nearest_entry(run, scale, IQ3XXS_GRID.iter().map(|&e| u64::from(e))) as u8);
+    }
+    for (s, &a) in aux.iter().enumerate() {
+        out.extend_from_slice(&(a | (u32::from(ls[s]) << 28)).to_le_bytes());
+    }
+}
+
+/// `run` with the values whose sign `signs` (a 7-bit `KSIGNS_IQ2XS` index) does not
+/// give them set to 0: the magnitude that serves them best.
+fn with_signs(run: &[f32], signs: u32) -> Vec<f32> {
+    let bits = u32::from(dequant::grids::KSIGNS_IQ2XS[signs as usize]);
+    run.iter()
+        .enumerate()
+        .map(|(j, &v)| {
+            if ((bits >> j) & 1 == 1) == (v < 0.0) {
+                v
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+/// `IQ2_XXS`: per 32 values a scale `d (2 ls + 1) / 8`, each 8 values the
+/// `IQ2XXS_GRID` entry nearest to their magnitudes, signs with even parity.
+fn iq2_xxs(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ2XXS_GRID;
+    let (d, ls) = odd_scales(&group_amax(block, 32), 43.0 * 0.125, out);
+    for (s, sub) in block.chunks_exact(32).enumerate() {
+        let scale = d * f32::from(2 * ls[s] + 1) * 0.125;
+        let mut aux = u32::from(ls[s]) << 28;
+        let mut indices = [0u8; 4];
+        for (k, run) in sub.chunks_exact(8).enumerate() {
+            let signs = even_signs(run);
+            aux |= signs << (7 * k);
+            indices[k] =
+                nearest_entry(&with_signs(run, signs), scale, IQ2XXS_GRID.iter().copied()) as u8;
+        }
+        out.extend_from_slice(&indices);
+        out.extend_from_slice(&aux.to_le_bytes());
+    }
+}
+
+/// `IQ2_XS`: per 16 values a scale `d (2 ls + 1) / 8`, each 8 values a u16 of the
+/// nearest `IQ2XS_GRID` entry (9 bits) and a 7-bit sign index (even parity).
+fn iq2_xs(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ2XS_GRID;
+    let (d, ls) = odd_scales(&group_amax(block, 16), 43.0 * 0.125, out);
+    for (r, run) in block.chunks_exact(8).enumerate() {
+        let scale = d * f32::from(2 * ls[r / 2] + 1) * 0.125;
+        let signs = even_signs(run);
+        let index = nearest_entry(&with_signs(run, signs), scale, IQ2XS_GRID.iter().copied());
+        out.extend_from_slice(&(index as u16 | ((signs as u16) << 9)).to_le_bytes());
+    }
+    out.extend((0..8).map(|s| ls[2 * s] | (ls[2 * s + 1] << 4)));
+}
+
+/// `IQ2_S`: per 16 values a scale `d (2 ls + 1) / 8`, each 8 values the nearest of the
+/// 1024 `IQ2S_GRID` entries (10-bit indices), one sign bit per value.
+fn iq2_s(block: &[f32], out: &mut Vec<u8>) {
+    use dequant::grids::IQ2S_GRID;
+    let (d, ls) = odd_scales(&group_amax(block, 16), 43.0 * 0.125, out);
+    let indices: Vec<usize> = block
+        .chunks_exact(8)
+        .enumerate()
+        .map(|(r, run)| {
+            let scale = d * f32::from(2 * ls[r / 2] + 1) * 0.125;
+            nearest_entry(run, scale, IQ2S_GRID.iter().copied())
+        })
+        .collect();
+    out.extend(indices.iter().map(|&i| i as u8));
+    out.extend(block.chunks_exact(8).map(sign_bits));
+    out.extend((0..8).map(|s| {
+        (0..4).fold(0u8, |h, k| {
+            h | (((indices[4 * s + k] >> 8) as u8) << (2 * k))
+        })
+    }));
+    out.extend((0..8).map(|s| ls[2 * s] | (ls[2 * s + 1] << 4)));
 }

@@ -1,0 +1,550 @@
+//! AVX2 kernels of the super-block formats that llama.cpp's AVX2 build multiplies lane
+//! by lane: `Q2_K`, `Q3_K`, `IQ4_XS` and the grid formats (`IQ3_S`, `IQ3_XXS`,
+//! `IQ2_XXS`, `IQ2_XS`, `IQ2_S`).
+//!
+//! For each super-block and token the integers come out as llama.cpp's dot products
+//! hold them: the weights unpacked 32 at a time into bytes, `maddubs` against the
+//! activations, a `madd` against the group's scale (broadcast by one `pshufb`), so that
+//! lane `l` of one i32 vector covers values `4l .. 4l + 4` of every 32. What follows is
+//! shared by the formats ([`dot_lanes`]) and repeats llama.cpp's float operations: one
+//! token at a time its dot product (eight lanes fused at `dx · d`, reduced at the end),
+//! in batches of [`GEMM_MIN_TOKENS`](crate::matmul::activation::GEMM_MIN_TOKENS) or more
+//! its tiled GEMM (per super-block `d · Σ` rounded, then fused at `dx`).
+
+use std::arch::x86_64::*;
+use std::mem::{offset_of, size_of};
+
+use super::kquants::{act_ptrs, blocks, pick_i16};
+use super::{hsum_epi32, hsum_ps, load32, load_f16};
+use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
+use crate::decode::grids::KVALUES_IQ4NL;
+use crate::matmul::activation::Q8KRow;
+use crate::matmul::grids::Grid;
+
+/// The formats of this module, as the const parameter of [`dot_lanes`].
+pub(crate) mod format {
+    pub const Q2_K: u8 = 0;
+    pub const Q3_K: u8 = 1;
+    pub const IQ4_XS: u8 = 2;
+    pub const IQ3_S: u8 = 3;
+    pub const IQ3_XXS: u8 = 4;
+    pub const IQ2_S: u8 = 7;
+    pub const IQ2_XS: u8 = 6;
+    pub const IQ2_XXS: u8 = 5;
+}
+
+/// The grid format of `F`, if it is one.
+const fn grid_of(f: u8) -> Option<Grid> {
+    match f {
+        format::IQ3_S => Some(Grid::IQ3S),
+        format::IQ3_XXS => Some(Grid::IQ3XXS),
+        format::IQ2_XXS => Some(Grid::IQ2XXS),
+        format::IQ2_XS => Some(Grid::IQ2XS),
+        format::IQ2_S => Some(Grid::IQ2S),
+        _ => None,
+    }
+}
+
+/// The power of two folded into `d` (see [`Grid::factor`]); 1 for the others.
+const fn factor(f: u8) -> f32 {
+    match grid_of(f) {
+        Some(grid) => grid.factor(),
+        None => 1.0,
+    }
+}
+
+/// Bytes of one super-block of `format` `F`.
+const fn block_bytes(f: u8) -> usize {
+    match f {
+        format::Q2_K => size_of::<BlockQ2_K>(),
+        format::Q3_K => size_of::<BlockQ3_K>(),
+        format::IQ4_XS => size_of::<BlockIQ4_XS>(),
+        _ => match grid_of(f) {
+            Some(grid) => grid.block_bytes(),
+            None => panic!("not a lane format"),
+        },
+    }
+}
+
+/// Whether format `F` has mins, fused apart before the dot product's lanes.
+const fn has_min(f: u8) -> bool {
+    f == format::Q2_K
+}
+
+/// `Q2_K` super-block for each token: `Σ scale_g Σ q qx` in eight i32 lanes, and the
+/// min terms `min_g · Σ qx` in eight more (lane `l` holding groups `2l`, `2l + 1`, one
+/// `madd` of the mins against the activations' sums per 16).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations and 16
+/// sums behind each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q2_k_ints<const N: usize>(
+    block: *const u8,
+    qx: [*const i8; N],
+    bsums: [*const i16; N],
+) -> ([__m256i; N], [__m256i; N]) {
+    // SAFETY: the 16 scale bytes lie inside the readable block.
+    let packed = unsafe { _mm_loadu_si128(block.add(offset_of!(BlockQ2_K, scales)).cast()) };
+    let m4 = _mm_set1_epi8(0x0F);
+    let scales = _mm256_cvtepi8_epi16(_mm_and_si128(packed, m4));
+    let mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(packed), m4));
+    let mut min_terms = [_mm256_setzero_si256(); N];
+    for t in 0..N {
+        // SAFETY: 16 sums are readable behind each pointer per the contract.
+        let sums = unsafe { _mm256_loadu_si256(bsums[t].cast()) };
+        min_terms[t] = _mm256_madd_epi16(mins, sums);
+    }
+    let halves = [
+        _mm256_permute2x128_si256::<0x00>(scales, scales),
+        _mm256_permute2x128_si256::<0x11>(scales, scales),
+    ];
+    let m3 = _mm256_set1_epi8(3);
+    let mut dots = [_mm256_setzero_si256(); N];
+    for (c, &scales) in halves.iter().enumerate() {
+        // SAFETY: the 32 bytes of qs for values 128c .. 128c + 128 lie inside the block.
+        let bits = unsafe { load32(block.add(offset_of!(BlockQ2_K, qs) + 32 * c)) };
+        for s in 0..4 {
+            let q = _mm256_and_si256(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(2 * s)), m3);
+            let scale = _mm256_shuffle_epi8(scales, pick_i16(2 * s as usize, 2 * s as usize + 1));
+            for t in 0..N {
+                // SAFETY: 256 activations are readable behind each pointer.
+                let x = unsafe { load32(qx[t].add(128 * c + 32 * s as usize).cast()) };
+                let p = _mm256_maddubs_epi16(q, x);
+                dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(scale, p));
+            }
+        }
+    }
+    (dots, min_terms)
+}
+
+/// The sixteen 6-bit scales of a `Q3_K` super-block minus 32, as i16: scale `k` has its
+/// low four bits in byte `k % 8` (low nibble for `k < 8`) and its top two bits in byte
+/// `8 + k % 4` (bits `2 (k / 4)`).
+///
+/// # Safety
+/// `p..p + 12` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3_k_scales(p: *const u8) -> __m256i {
+    // SAFETY: readable per the contract; `read_unaligned` has no alignment requirement.
+    let [a0, a1, a2] = unsafe { [0, 4, 8].map(|at| p.add(at).cast::<u32>().read_unaligned()) };
+    let (low2, low4) = (0x0303_0303u32, 0x0F0F_0F0Fu32);
+    let s0 = (a0 & low4) | ((a2 & low2) << 4);
+    let s1 = (a1 & low4) | (((a2 >> 2) & low2) << 4);
+    let s2 = ((a0 >> 4) & low4) | (((a2 >> 4) & low2) << 4);
+    let s3 = ((a1 >> 4) & low4) | (((a2 >> 6) & low2) << 4);
+    let packed = _mm_setr_epi32(s0 as i32, s1 as i32, s2 as i32, s3 as i32);
+    _mm256_cvtepi8_epi16(_mm_sub_epi8(packed, _mm_set1_epi8(32)))
+}
+
+/// `Q3_K` super-block for each token: `Σ scale_g Σ q qx` in eight i32 lanes, `q` the
+/// value in `-4..=3`. As llama.cpp does, the low two bits and the inverted high bit
+/// (4 where it is clear) meet the activations in two `maddubs`, whose difference is
+/// the signed product.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations behind
+/// each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q3_k_ints<const N: usize>(block: *const u8, qx: [*const i8; N]) -> [__m256i; N] {
+    // SAFETY: the scales and hmask lie inside the readable block.
+    let (scales, hbits) = unsafe {
+        (
+            q3_k_scales(block.add(offset_of!(BlockQ3_K, scales))),
+            load32(block.add(offset_of!(BlockQ3_K, hmask))),
+        )
+    };
+    let halves = [
+        _mm256_permute2x128_si256::<0x00>(scales, scales),
+        _mm256_permute2x128_si256::<0x11>(scales, scales),
+    ];
+    let (m3, four) = (_mm256_set1_epi8(3), _mm256_set1_epi8(4));
+    let mut dots = [_mm256_setzero_si256(); N];
+    for (c, &scales) in halves.iter().enumerate() {
+        // SAFETY: the 32 bytes of qs for values 128c .. 128c + 128 lie inside the block.
+        let bits = unsafe { load32(block.add(offset_of!(BlockQ3_K, qs) + 32 * c)) };
+        for s in 0..4 {
+            let low = _mm256_and_si256(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(2 * s)), m3);
+            let bit = _mm256_set1_epi8((1u8 << (4 * c as i32 + s)) as i8);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(hbits, bit), bit);
+            let high = _mm256_andnot_si256(set, four);
+            let scale = _mm256_shuffle_epi8(scales, pick_i16(2 * s as usize, 2 * s as usize + 1));
+            for t in 0..N {
+                // SAFETY: 256 activations are readable behind each pointer.
+                let x = unsafe { load32(qx[t].add(128 * c + 32 * s as usize).cast()) };
+                let p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(low, x), _mm256_maddubs_epi16(high, x));
+                dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(scale, p));
+            }
+        }
+    }
+    dots
+}
+
+/// `IQ4_XS` super-block for each token: `Σ (ls_g − 32) Σ kvalues[q] qx` in eight i32
+/// lanes. As llama.cpp does, one `pshufb` looks the table up for 16 nibbles, and the
+/// signed values meet the activations as `maddubs(|w|, sign(qx, w))`: `|w| ≤ 127`, so
+/// the pairwise i16 sums cannot saturate.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations behind
+/// each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn iq4_xs_ints<const N: usize>(block: *const u8, qx: [*const i8; N]) -> [__m256i; N] {
+    // SAFETY: the table holds 16 bytes; the scales lie inside the readable block.
+    let (table, scales_h, scales_l) = unsafe {
+        (
+            _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()),
+            block
+                .add(offset_of!(BlockIQ4_XS, scales_h))
+                .cast::<u16>()
+                .read_unaligned(),
+            block
+                .add(offset_of!(BlockIQ4_XS, scales_l))
+                .cast::<[u8; 4]>()
+                .read_unaligned(),
+        )
+    };
+    let m4 = _mm_set1_epi8(0x0F);
+    let mut dots = [_mm256_setzero_si256(); N];
+    for g in 0..8 {
+        // SAFETY: the 16 bytes of group g lie inside the readable block.
+        let bits =
+            unsafe { _mm_loadu_si128(block.add(offset_of!(BlockIQ4_XS, qs) + 16 * g).cast()) };
+        let w = _mm256_set_m128i(
+            _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(bits), m4)),
+            _mm_shuffle_epi8(table, _mm_and_si128(bits, m4)),
+        );
+        let low = (scales_l[g / 2] >> (4 * (g % 2))) & 0x0F;
+        let high = ((scales_h >> (2 * g)) & 3) as u8;
+        let scale = _mm256_set1_epi16(i16::from(low | (high << 4)) - 32);
+        let magnitude = _mm256_sign_epi8(w, w);
+        for t in 0..N {
+            // SAFETY: 256 activations are readable behind each pointer.
+            let x = unsafe { load32(qx[t].add(32 * g).cast()) };
+            let p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w));
+            dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(p, scale));
+        }
+    }
+    dots
+}
+
+/// A grid format's super-block for each token: per sub-block of 32, the four runs'
+/// magnitudes in one register, their sign bits spread to byte masks that negate the
+/// activations (`(x ^ m) − m`, as llama.cpp does), one `maddubs` and a `madd` against
+/// the halves' scales. Magnitudes are below 64, so no pair saturates.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations behind
+/// each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn grid_ints<const N: usize>(
+    grid: Grid,
+    block: *const u8,
+    qx: [*const i8; N],
+) -> [__m256i; N] {
+    // SAFETY: the whole super-block is readable per the contract.
+    let bytes = unsafe { std::slice::from_raw_parts(block, grid.block_bytes()) };
+    // Byte j of run k (byte 8k + j of the register) tests bit j of sign byte k.
+    let spread = _mm256_setr_epi64x(
+        0,
+        0x0101_0101_0101_0101,
+        0x0202_0202_0202_0202,
+        0x0303_0303_0303_0303,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let mut dots = [_mm256_setzero_si256(); N];
+    for s in 0..8 {
+        let sub = grid.sub(bytes, s);
+        let magnitudes = _mm256_setr_epi64x(
+            sub.grid[0] as i64,
+            sub.grid[1] as i64,
+            sub.grid[2] as i64,
+            sub.grid[3] as i64,
+        );
+        let signs = _mm256_shuffle_epi8(_mm256_set1_epi32(i32::from_le_bytes(sub.signs)), spread);
+        let negate = _mm256_cmpeq_epi8(_mm256_and_si256(signs, bit), bit);
+        let scale = _mm256_set_m128i(_mm_set1_epi16(sub.scales[1]), _mm_set1_epi16(sub.scales[0]));
+        for t in 0..N {
+            // SAFETY: 256 activations are readable behind each pointer.
+            let x = unsafe { load32(qx[t].add(32 * s).cast()) };
+            let x = _mm256_sub_epi8(_mm256_xor_si256(x, negate), negate);
+            let p = _mm256_maddubs_epi16(magnitudes, x);
+            dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(p, scale));
+        }
+    }
+    dots
+}
+
+/// The integer lanes of format `F` for each token: the dot products and the min terms
+/// (zeros without mins).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations and 16
+/// sums behind each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_ints<const F: u8, const N: usize>(
+    block: *const u8,
+    qx: [*const i8; N],
+    bsums: [*const i16; N],
+) -> ([__m256i; N], [__m256i; N]) {
+    let zeros = [_mm256_setzero_si256(); N];
+    // SAFETY: forwarded contract.
+    unsafe {
+        match F {
+            format::Q2_K => q2_k_ints::<N>(block, qx, bsums),
+            format::Q3_K => (q3_k_ints::<N>(block, qx), zeros),
+            format::IQ4_XS => (iq4_xs_ints::<N>(block, qx), zeros),
+            _ => match grid_of(F) {
+                Some(grid) => (grid_ints::<N>(grid, block, qx), zeros),
+                None => unreachable!("not a lane format"),
+            },
+        }
+    }
+}
+
+/// A super-block's `d` (with the format's constant factor) and `dmin` (0 without).
+///
+/// # Safety
+/// The super-block at `block` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lane_scales<const F: u8>(block: *const u8) -> (f32, f32) {
+    // SAFETY: the scales lie inside the readable block.
+    unsafe {
+        match F {
+            format::Q2_K => (
+                load_f16(block.add(offset_of!(BlockQ2_K, d))),
+                load_f16(block.add(offset_of!(BlockQ2_K, dmin))),
+            ),
+            format::Q3_K => (load_f16(block.add(offset_of!(BlockQ3_K, d))), 0.0),
+            format::IQ4_XS => (load_f16(block.add(offset_of!(BlockIQ4_XS, d))), 0.0),
+            // Every grid format starts with its f16 `d` (checked in `grids`).
+            _ => (load_f16(block), 0.0),
+        }
+    }
+}
+
+/// `R` rows of format `F` against `N` tokens: per super-block, one token at a time the
+/// min lanes (if any) fused at `−dx · dmin` and the dot product's lanes at `dx · d`,
+/// reduced at the end; in batches of
+/// [`GEMM_MIN_TOKENS`](crate::matmul::activation::GEMM_MIN_TOKENS) or more `d · Σ`
+/// rounded, `dmin · Σmin` fused off it, the result fused at `dx` into one accumulator.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_lanes<const F: u8, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    let bytes = block_bytes(F);
+    let nb = blocks(&rows, bytes, &acts);
+    let mut out = [[0.0f32; N]; R];
+    // One row after another: interleaving rows would run out of registers.
+    for r in 0..R {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut gemm = [0.0f32; N];
+        for b in 0..nb {
+            // SAFETY: b < nb bounds the block and the activations; the features are
+            // present per this function's contract.
+            let ((d, dmin), (dots, mins)) = unsafe {
+                let (qx, bsums) = act_ptrs(&acts, b);
+                let block = rows[r].as_ptr().add(b * bytes);
+                (lane_scales::<F>(block), lane_ints::<F, N>(block, qx, bsums))
+            };
+            for t in 0..N {
+                let dx = acts[t].d[b];
+                if acts[t].gemm {
+                    let mut res = (d * factor(F)) * hsum_epi32(dots[t]) as f32;
+                    if has_min(F) {
+                        res = (-dmin).mul_add(hsum_epi32(mins[t]) as f32, res);
+                    }
+                    gemm[t] = res.mul_add(dx, gemm[t]);
+                    continue;
+                }
+                if has_min(F) {
+                    let scale = _mm256_set1_ps(-dx * dmin);
+                    acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(mins[t]), acc[t]);
+                }
+                let scale = _mm256_set1_ps(dx * d);
+                acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots[t]), acc[t]);
+            }
+        }
+        for t in 0..N {
+            out[r][t] = if acts[t].gemm {
+                gemm[t]
+            } else {
+                factor(F) * hsum_ps(acc[t])
+            };
+        }
+    }
+    out
+}
+
+/// `R` `Q2_K` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q2_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::Q2_K }, R, N>(rows, acts) }
+}
+
+/// `R` `Q3_K` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q3_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::Q3_K }, R, N>(rows, acts) }
+}
+
+/// `R` `IQ4_XS` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq4_xs<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ4_XS }, R, N>(rows, acts) }
+}
+
+/// `R` `IQ3_S` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq3_s<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ3_S }, R, N>(rows, acts) }
+}
+
+/// `R` `IQ3_XXS` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq3_xxs<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ3_XXS }, R, N>(rows, acts) }
+}
+
+/// `R` `IQ2_XXS` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq2_xxs<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ2_XXS }, R, N>(rows, acts) }
+}
+
+/// `R` `IQ2_XS` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq2_xs<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ2_XS }, R, N>(rows, acts) }
+}
+
+/// `R` `IQ2_S` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq2_s<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ2_S }, R, N>(rows, acts) }
+}
+
+/// The integer lanes of one super-block of `ty`: what the portable `*_lanes` functions
+/// return.
+#[cfg(test)]
+pub(crate) fn block_lanes(
+    _proof: super::Avx2,
+    ty: gguf_format::GgmlType,
+    block: &[u8],
+    qx: &[i8],
+    bsums: &[i16],
+) -> crate::matmul::portable::LaneInts {
+    use crate::matmul::activation::{BSUM_GROUP, QK_K};
+    use gguf_format::GgmlType as T;
+    assert!(qx.len() >= QK_K && bsums.len() >= QK_K / BSUM_GROUP);
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn ints<const F: u8>(block: &[u8], qx: &[i8], bsums: &[i16]) -> (__m256i, __m256i) {
+        assert!(block.len() >= block_bytes(F));
+        // SAFETY: the lengths were checked; the features are present, as calling this
+        // function requires.
+        let ([dots], [mins]) =
+            unsafe { lane_ints::<F, 1>(block.as_ptr(), [qx.as_ptr()], [bsums.as_ptr()]) };
+        (dots, mins)
+    }
+    // SAFETY: `_proof` shows the CPU has the features.
+    let (dots, mins) = unsafe {
+        match ty {
+            T::Q2_K => ints::<{ format::Q2_K }>(block, qx, bsums),
+            T::Q3_K => ints::<{ format::Q3_K }>(block, qx, bsums),
+            T::IQ4_XS => ints::<{ format::IQ4_XS }>(block, qx, bsums),
+            T::IQ3_S => ints::<{ format::IQ3_S }>(block, qx, bsums),
+            T::IQ3_XXS => ints::<{ format::IQ3_XXS }>(block, qx, bsums),
+            T::IQ2_XXS => ints::<{ format::IQ2_XXS }>(block, qx, bsums),
+            T::IQ2_XS => ints::<{ format::IQ2_XS }>(block, qx, bsums),
+            T::IQ2_S => ints::<{ format::IQ2_S }>(block, qx, bsums),
+            other => panic!("{other} is not a lane format"),
+        }
+    };
+    let lanes = |v: __m256i| {
+        let mut out = [0i32; 8];
+        // SAFETY: `out` holds eight i32; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
+        out
+    };
+    crate::matmul::portable::LaneInts {
+        dots: lanes(dots),
+        mins: lanes(mins),
+    }
+}
