@@ -669,17 +669,21 @@ mod gpu {
         }
     }
 
-    #[test]
-    fn gpu_refuses_the_types_it_does_not_multiply() {
-        for (name, ty) in [
-            ("llama-iq3_s", "IQ3_S"),
-            ("llama-iq3_xxs", "IQ3_XXS"),
-            ("llama-iq2_xxs", "IQ2_XXS"),
-            ("llama-iq2_xs", "IQ2_XS"),
-            ("llama-iq2_s", "IQ2_S"),
-        ] {
-            refuses_type(name, ty);
-        }
+    macro_rules! gpu_refuses_type {
+        ($($test:ident => $name:literal: $ty:literal),* $(,)?) => {$(
+            #[test]
+            fn $test() {
+                refuses_type($name, $ty);
+            }
+        )*};
+    }
+
+    gpu_refuses_type! {
+        gpu_llama_iq3_s => "llama-iq3_s": "IQ3_S",
+        gpu_llama_iq3_xxs => "llama-iq3_xxs": "IQ3_XXS",
+        gpu_llama_iq2_xxs => "llama-iq2_xxs": "IQ2_XXS",
+        gpu_llama_iq2_xs => "llama-iq2_xs": "IQ2_XS",
+        gpu_llama_iq2_s => "llama-iq2_s": "IQ2_S",
     }
 
     gpu_refuses! {
