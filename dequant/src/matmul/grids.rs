@@ -11,8 +11,7 @@
 use std::mem::offset_of;
 
 use crate::blocks::{
-    cast_blocks, Block, BlockIQ1_M, BlockIQ1_S, BlockIQ2_S, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S,
-    BlockIQ3_XXS,
+    Block, BlockIQ1_M, BlockIQ1_S, BlockIQ2_S, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS,
 };
 use crate::decode::grids::{
     IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
@@ -90,7 +89,7 @@ impl Grid {
 
     /// Sub-block `s` (of 8) of the super-block `block` (at least
     /// [`Grid::block_bytes`] long).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn sub(self, block: &[u8], s: usize) -> GridSub {
         match self {
             Grid::IQ3S => iq3_s(one(block), s),
@@ -104,10 +103,10 @@ impl Grid {
     }
 }
 
-/// The block at the start of `bytes`.
-#[inline]
+/// The block at the start of `bytes` (at least one block long).
+#[inline(always)]
 fn one<B: Block>(bytes: &[u8]) -> &B {
-    &cast_blocks::<B>(&bytes[..size_of::<B>()]).expect("a whole block")[0]
+    bytemuck::from_bytes(&bytes[..size_of::<B>()])
 }
 
 /// `2 · ls + 1` for a 4-bit `ls`: the odd scales of the IQ2 and IQ3 formats.
@@ -120,7 +119,7 @@ fn odd(ls: u8) -> i16 {
 /// indices `8s + 2k` and `8s + 2k + 1` (the low 8 bits in `qs`, the ninth bit `i % 8`
 /// of `qh[i / 8]`), signed by `signs[4s + k]`; one scale per 32 values, a nibble of
 /// `scales[s / 2]`.
-#[inline]
+#[inline(always)]
 fn iq3_s(b: &BlockIQ3_S, s: usize) -> GridSub {
     let index = |i: usize| usize::from(b.qs[i]) | (usize::from((b.qh[i / 8] >> (i % 8)) & 1) << 8);
     let entry = |i: usize| u64::from(IQ3S_GRID[index(i)]);
@@ -148,7 +147,7 @@ fn signs_and_scale(aux: u32) -> ([u8; 4], i16) {
 /// `IQ3_XXS`: run `k` of sub-block `s` is the two 4-value entries of `IQ3XXS_GRID` at
 /// `qs[8s + 2k]` and `qs[8s + 2k + 1]`; the u32 at `qs[64 + 4s]` holds the signs and
 /// the scale.
-#[inline]
+#[inline(always)]
 fn iq3_xxs(b: &BlockIQ3_XXS, s: usize) -> GridSub {
     let at = 64 + 4 * s;
     let aux = u32::from_le_bytes([b.qs[at], b.qs[at + 1], b.qs[at + 2], b.qs[at + 3]]);
@@ -164,7 +163,7 @@ fn iq3_xxs(b: &BlockIQ3_XXS, s: usize) -> GridSub {
 
 /// `IQ2_XXS`: sub-block `s` is the 8 bytes of `qs[4s .. 4s + 4]`: four indices into
 /// `IQ2XXS_GRID` (8 magnitudes each, one per run), then the u32 of signs and scale.
-#[inline]
+#[inline(always)]
 fn iq2_xxs(b: &BlockIQ2_XXS, s: usize) -> GridSub {
     let bytes: [u8; 8] = std::array::from_fn(|i| b.qs[4 * s + i / 2].0[i % 2]);
     let aux = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
@@ -186,7 +185,7 @@ fn half_scales(scales: &[u8; 8], s: usize) -> [i16; 2] {
 
 /// `IQ2_XS`: run `k` of sub-block `s` is the u16 `qs[4s + k]`: a 9-bit index into
 /// `IQ2XS_GRID` and a 7-bit `KSIGNS_IQ2XS` index.
-#[inline]
+#[inline(always)]
 fn iq2_xs(b: &BlockIQ2_XS, s: usize) -> GridSub {
     let q = |k: usize| b.qs[4 * s + k].get();
     GridSub {
@@ -199,7 +198,7 @@ fn iq2_xs(b: &BlockIQ2_XS, s: usize) -> GridSub {
 
 /// `IQ2_S`: run `k` of sub-block `s` is the `IQ2S_GRID` entry at `qs[4s + k]` (low 8
 /// bits) and bits `2k, 2k + 1` of `qh[s]` (high 2), signed by `qs[32 + 4s + k]`.
-#[inline]
+#[inline(always)]
 fn iq2_s(b: &BlockIQ2_S, s: usize) -> GridSub {
     let index =
         |k: usize| usize::from(b.qs[4 * s + k]) | (usize::from((b.qh[s] >> (2 * k)) & 3) << 8);
@@ -212,12 +211,12 @@ fn iq2_s(b: &BlockIQ2_S, s: usize) -> GridSub {
 }
 
 /// An `IQ1S_GRID` entry (values -1, 0, 1, one per byte) as magnitudes and sign bits.
-#[inline]
+#[inline(always)]
 fn ternary(entry: u64) -> (u64, u8) {
     let magnitudes = entry & 0x0101_0101_0101_0101;
-    let signs = (0..8).fold(0u8, |bits, j| {
-        bits | (u8::from((entry >> (8 * j)) & 0xFF == 0xFF) << j)
-    });
+    // The top bit of each byte (set for -1), gathered into one byte: bit j from byte j.
+    let tops = (entry >> 7) & 0x0101_0101_0101_0101;
+    let signs = (tops.wrapping_mul(0x0102_0408_1020_4080) >> 56) as u8;
     (magnitudes, signs)
 }
 
@@ -234,7 +233,7 @@ fn shift(negative: bool) -> i8 {
 /// `IQ1_S`: the u16 `qh[s]` holds the high 3 bits of the four runs' 11-bit indices
 /// (bits `3k .. 3k + 3`), a 3-bit scale (bits 12–14) and the sign of the shift (bit
 /// 15); the low 8 bits are `qs[4s + k]`.
-#[inline]
+#[inline(always)]
 fn iq1_s(b: &BlockIQ1_S, s: usize) -> GridSub {
     let hw = b.qh[s].get();
     let runs = std::array::from_fn(|k| {
@@ -253,7 +252,7 @@ fn iq1_s(b: &BlockIQ1_S, s: usize) -> GridSub {
 /// `qs[4s + k]` and a nibble of `qh[2s + k / 2]` (low nibble for even `k`): three high
 /// index bits and the sign of its shift; the 3-bit scales of the two halves sit at bits
 /// `6 (s % 2)` and `6 (s % 2) + 3` of the u16 `scales[s / 2]`.
-#[inline]
+#[inline(always)]
 fn iq1_m(b: &BlockIQ1_M, s: usize) -> GridSub {
     let nibble = |k: usize| (b.qh[2 * s + k / 2] >> (4 * (k % 2))) & 0x0F;
     let runs = std::array::from_fn(|k| {
