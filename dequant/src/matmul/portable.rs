@@ -13,11 +13,11 @@ use std::mem::size_of;
 
 use crate::blocks::{
     cast_blocks, Block, BlockIQ1_M, BlockIQ1_S, BlockIQ2_S, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S,
-    BlockIQ3_XXS, BlockIQ4_NL, BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K,
-    BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
+    BlockIQ3_XXS, BlockIQ4_NL, BlockIQ4_XS, BlockMXFP4, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1,
+    BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
 };
-use crate::decode::grids::KVALUES_IQ4NL;
-use crate::decode::scalar::q3_k_scales;
+use crate::decode::grids::{KVALUES_IQ4NL, KVALUES_MXFP4};
+use crate::decode::scalar::{e8m0_to_f32_half, q3_k_scales};
 use crate::matmul::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
 use crate::matmul::grids::Grid;
 
@@ -266,35 +266,81 @@ pub(crate) fn iq4_nl_block(block: &BlockIQ4_NL, qx: &[i8]) -> i32 {
 }
 
 /// `IQ4_NL` of a matrix llama.cpp does not repack. A batch as its GEMM (llamafile's)
-/// multiplies it, which is [`legacy_dot`]; a single token as its dot product does: the
-/// eight lanes of even blocks fused into one set of accumulators and those of odd
-/// blocks into another, the two added lane by lane and reduced, and a last odd block's
-/// integer total fused on at `d · dx`.
+/// multiplies it, which is [`legacy_dot`]; a single token as its dot product does:
+/// [`paired_dot`].
 pub(crate) fn dot_iq4_nl(row: &[u8], act: Q8Row<'_>) -> f32 {
     let blocks = whole_blocks::<BlockIQ4_NL>(row);
     let lanes_of = |b: usize| iq4_nl_lanes(&blocks[b], &act.qs[b * QK8..]);
+    let d = |b: usize| blocks[b].d.to_f32();
     if !act.single {
-        return legacy_dot(blocks.len(), act, |b| {
-            (blocks[b].d.to_f32(), 0.0, lanes_of(b))
-        });
+        return legacy_dot(blocks.len(), act, |b| (d(b), 0.0, lanes_of(b)));
     }
+    paired_dot(blocks.len(), act, d, lanes_of)
+}
+
+/// llama.cpp's dot products of `IQ4_NL` and `MXFP4`: the eight lanes of even blocks
+/// fused at `d · dx` into one set of accumulators and those of odd blocks into another,
+/// the two added lane by lane and reduced, and a last odd block's integer total fused
+/// on at `d · dx`.
+#[inline]
+fn paired_dot(
+    n_blocks: usize,
+    act: Q8Row<'_>,
+    d: impl Fn(usize) -> f32,
+    lanes_of: impl Fn(usize) -> [i32; 8],
+) -> f32 {
     let mut acc = [[0.0f32; 8]; 2];
-    let pairs = blocks.len() / 2 * 2;
+    let pairs = n_blocks / 2 * 2;
     for b in 0..pairs {
-        let scale = act.ds[b][0] * blocks[b].d.to_f32();
+        let scale = act.ds[b][0] * d(b);
         for (acc, &int) in acc[b % 2].iter_mut().zip(&lanes_of(b)) {
             *acc = (int as f32).mul_add(scale, *acc);
         }
     }
     let sum: [f32; 8] = std::array::from_fn(|l| acc[0][l] + acc[1][l]);
     let mut total = reduce8(&sum);
-    if pairs < blocks.len() {
+    if pairs < n_blocks {
         let b = pairs;
-        let scale = act.ds[b][0] * blocks[b].d.to_f32();
+        let scale = act.ds[b][0] * d(b);
         let int: i32 = lanes_of(b).iter().sum();
         total = scale.mul_add(int as f32, total);
     }
     total
+}
+
+/// `MXFP4` block in lanes: `Σ kvalues_mxfp4[q] · qx` (the FP4 values doubled, as
+/// integers; the E8M0 scale is halved to match).
+#[inline]
+fn mxfp4_lanes(block: &BlockMXFP4, qx: &[i8]) -> [i32; 8] {
+    let q = nibbles(&block.qs).map(|n| KVALUES_MXFP4[usize::from(n)]);
+    lanes::<32>(|i| i32::from(q[i]) * i32::from(qx[i]))
+}
+
+#[cfg(test)]
+/// `MXFP4` block: `Σ kvalues_mxfp4[q] · qx`.
+pub(crate) fn mxfp4_block(block: &BlockMXFP4, qx: &[i8]) -> i32 {
+    mxfp4_lanes(block, qx).iter().sum()
+}
+
+/// `MXFP4` of a matrix llama.cpp does not repack: its dot product for every batch
+/// ([`paired_dot`]), having no GEMM for the format.
+pub(crate) fn dot_mxfp4(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let blocks = whole_blocks::<BlockMXFP4>(row);
+    let d = |b: usize| e8m0_to_f32_half(blocks[b].e);
+    paired_dot(blocks.len(), act, d, |b| {
+        mxfp4_lanes(&blocks[b], &act.qs[b * QK8..])
+    })
+}
+
+/// `MXFP4` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8
+/// rows): as [`dot_q4_0_packed`], with its table and scale.
+pub(crate) fn dot_mxfp4_packed(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, block) in whole_blocks::<BlockMXFP4>(row).iter().enumerate() {
+        let total: i32 = mxfp4_lanes(block, &act.qs[b * QK8..]).iter().sum();
+        acc = (total as f32).mul_add(e8m0_to_f32_half(block.e) * act.ds[b][0], acc);
+    }
+    acc
 }
 
 /// `IQ4_NL` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8

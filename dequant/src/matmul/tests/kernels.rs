@@ -101,10 +101,12 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
             GgmlType::Q5_1,
             GgmlType::Q8_0,
             GgmlType::IQ4_NL,
+            GgmlType::MXFP4,
         ] {
             for block in block_cases(ty, &mut rng) {
                 for qx in activation_cases(QK8, &mut rng) {
                     let expected = match ty {
+                        GgmlType::MXFP4 => portable::mxfp4_block(&one(&block), &qx),
                         GgmlType::IQ4_NL => portable::iq4_nl_block(&one(&block), &qx),
                         GgmlType::Q4_0 => portable::q4_0_block(&one(&block), &qx),
                         GgmlType::Q4_1 => portable::q4_1_block(&one(&block), &qx),
@@ -273,7 +275,8 @@ fn lane_integers_sum_to_the_plain_integer_product() {
 /// batch gives each token the bits of a single-token product, except that `Q4_K`
 /// tokens in a whole group of four, against a matrix llama.cpp repacks, get the bits of
 /// a batch of four (its repacked GEMM), and `IQ4_NL` tokens against a matrix it does
-/// not repack those of any batch (its GEMM, from two tokens on); from
+/// not repack those of any batch (its GEMM, from two tokens on), and `MXFP4` tokens
+/// always the single-token bits (it has no GEMM); from
 /// [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other k-quants to its tiled GEMM)
 /// a batch gives the bits of each of its halves.
 #[test]

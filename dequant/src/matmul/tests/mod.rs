@@ -28,7 +28,7 @@ use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
-pub(super) const TYPES: [GgmlType; 22] = [
+pub(super) const TYPES: [GgmlType; 23] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -51,6 +51,7 @@ pub(super) const TYPES: [GgmlType; 22] = [
     GgmlType::IQ2_S,
     GgmlType::IQ1_S,
     GgmlType::IQ1_M,
+    GgmlType::MXFP4,
 ];
 
 /// splitmix64: small, seedable, good enough for test data.
@@ -154,6 +155,8 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                 GgmlType::IQ1_S => &[(offset_of!(BlockIQ1_S, d), true)],
                 // IQ1_M's scale is in the top nibbles of its scales: set apart below.
                 GgmlType::IQ1_M => &[],
+                // MXFP4's E8M0 exponent: set apart below.
+                GgmlType::MXFP4 => &[],
                 GgmlType::Q2_K => &[
                     (offset_of!(BlockQ2_K, d), false),
                     (offset_of!(BlockQ2_K, dmin), false),
@@ -171,6 +174,10 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                 }
                 if ty == GgmlType::IQ1_M {
                     put_iq1_m_scale(b, rng.uniform(0.001, 0.05));
+                }
+                if ty == GgmlType::MXFP4 {
+                    // Half of 2^(e - 127): 2^-12 .. 2^-5.
+                    b[0] = 116 + (rng.next_u64() % 8) as u8;
                 }
             }
         }
