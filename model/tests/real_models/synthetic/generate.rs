@@ -115,6 +115,19 @@ pub const SPECS: &[Spec] = &[
     llama_typed("llama-q5_k", GgmlType::Q5_K, GgmlType::Q8_0, 7),
     llama_typed("llama-q6_k", GgmlType::Q6_K, GgmlType::Q8_0, 8),
     llama_typed("llama-iq4_xs", GgmlType::IQ4_XS, GgmlType::Q8_0, 21),
+    // MXFP4: as IQ4_NL (288 wide, the layers' matrices repacked by llama.cpp, the
+    // output not, rows of 9 blocks).
+    Spec {
+        name: "llama-mxfp4",
+        n_embd: 288,
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 32,
+        matrices: GgmlType::MXFP4,
+        output: Some(GgmlType::MXFP4),
+        seed: 30,
+        ..LLAMA
+    },
     llama_typed("llama-iq3_s", GgmlType::IQ3_S, GgmlType::Q8_0, 23),
     llama_typed("llama-iq3_xxs", GgmlType::IQ3_XXS, GgmlType::Q8_0, 24),
     llama_typed("llama-iq2_xxs", GgmlType::IQ2_XXS, GgmlType::Q8_0, 25),

@@ -91,6 +91,7 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::Q6_K => values.chunks_exact(256).for_each(|b| q6_k(b, &mut out)),
         GgmlType::IQ4_XS => values.chunks_exact(256).for_each(|b| iq4_xs(b, &mut out)),
         GgmlType::IQ4_NL => values.chunks_exact(32).for_each(|b| iq4_nl(b, &mut out)),
+        GgmlType::MXFP4 => values.chunks_exact(32).for_each(|b| mxfp4(b, &mut out)),
         GgmlType::IQ3_S => values.chunks_exact(256).for_each(|b| iq3_s(b, &mut out)),
         GgmlType::IQ3_XXS => values.chunks_exact(256).for_each(|b| iq3_xxs(b, &mut out)),
         GgmlType::IQ2_XXS => values.chunks_exact(256).for_each(|b| iq2_xxs(b, &mut out)),
@@ -739,4 +740,36 @@ fn iq1_m(block: &[f32], out: &mut Vec<u8>) {
         let word = scales | (((bits >> (4 * w)) & 0xF) << 12);
         out.extend_from_slice(&word.to_le_bytes());
     }
+}
+
+/// `MXFP4`: 32 values `2^(e - 128) · kvalues[q]` (the FP4 values doubled, the E8M0
+/// exponent `e` the smallest whose largest value 12 covers the block), each the nearest
+/// level (the lower index on a tie).
+fn mxfp4(block: &[f32], out: &mut Vec<u8>) {
+    let levels = dequant::grids::KVALUES_MXFP4;
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (mut e, mut scale) = (128u8, 1.0f32);
+    while e > 2 && 12.0 * scale * 0.5 >= amax {
+        e -= 1;
+        scale *= 0.5;
+    }
+    while e < 254 && 12.0 * scale < amax {
+        e += 1;
+        scale *= 2.0;
+    }
+    out.push(e);
+    let q: Vec<u8> = block
+        .iter()
+        .map(|&v| {
+            let mut best = 0;
+            for (k, &level) in levels.iter().enumerate() {
+                let err = (v - scale * f32::from(level)).abs();
+                if err < (v - scale * f32::from(levels[best])).abs() {
+                    best = k;
+                }
+            }
+            best as u8
+        })
+        .collect();
+    pack_nibbles(&q, out);
 }
