@@ -516,16 +516,19 @@ pub(crate) fn dot_q4_k_packed(row: &[u8], act: Q8KRow<'_>) -> f32 {
 }
 
 /// A `Q4_K` or `Q5_K` row as llama.cpp multiplies matrices it does not repack: one
-/// token at a time its dot product (eight lanes fused at `d · dx`, four lanes of mins at
-/// `dmin · dx`, each reduced at the end), in batches of eight or more its tiled GEMM
-/// (per super-block `d · Σ`, `dmin · Σmin` fused off it, the result fused at `dx`).
-fn k_dot<B: Block>(
+/// token at a time its dot product (eight lanes fused at `d · dx`, reduced at the end;
+/// the mins of `Q4_K` in four lanes fused at `dmin · dx` and reduced apart, those of
+/// `Q5_K` (`SCALAR_MINS`) summed per super-block and fused at `−dx · dmin` into one
+/// scalar added at the end), in batches of eight or more its tiled GEMM (per
+/// super-block `d · Σ`, `dmin · Σmin` fused off it, the result fused at `dx`).
+fn k_dot<B: Block, const SCALAR_MINS: bool>(
     row: &[u8],
     act: Q8KRow<'_>,
     parts: impl Fn(&B) -> (f32, f32, [u8; 8], [u8; 8], &[u8; 128], Option<&[u8; 32]>),
 ) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut acc_min = [0.0f32; 4];
+    let mut sum_min = 0.0f32;
     let mut gemm = 0.0f32;
     for (b, block) in whole_blocks::<B>(row).iter().enumerate() {
         let (dw, dminw, scales, mins, qs, qh) = parts(block);
@@ -543,12 +546,20 @@ fn k_dot<B: Block>(
             let int = dots[0][l] + dots[1][l] + dots[2][l] + dots[3][l];
             acc[l] = (int as f32).mul_add(d, acc[l]);
         }
+        if SCALAR_MINS {
+            let min_total: i32 = min_terms.iter().sum();
+            sum_min = (-dmin).mul_add(min_total as f32, sum_min);
+            continue;
+        }
         for c in 0..4 {
             acc_min[c] = (min_terms[c] as f32).mul_add(dmin, acc_min[c]);
         }
     }
     if act.gemm {
         return gemm;
+    }
+    if SCALAR_MINS {
+        return reduce8(&acc) + sum_min;
     }
     let mins = [
         acc_min[0], acc_min[1], acc_min[2], acc_min[3], 0.0, 0.0, 0.0, 0.0,
@@ -558,7 +569,7 @@ fn k_dot<B: Block>(
 
 /// `Q4_K` of a matrix llama.cpp does not repack: see [`k_dot`].
 pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    k_dot::<BlockQ4_K>(row, act, |block| {
+    k_dot::<BlockQ4_K, false>(row, act, |block| {
         let (scales, mins) = k_scales_mins(&block.scales);
         let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
         (d, dmin, scales, mins, &block.qs, None)
@@ -567,7 +578,7 @@ pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
 
 /// `Q5_K`: see [`k_dot`].
 pub(crate) fn dot_q5_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    k_dot::<BlockQ5_K>(row, act, |block| {
+    k_dot::<BlockQ5_K, true>(row, act, |block| {
         let (scales, mins) = k_scales_mins(&block.scales);
         let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
         (d, dmin, scales, mins, &block.qs, Some(&block.qh))
