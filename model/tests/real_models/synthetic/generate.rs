@@ -115,6 +115,37 @@ pub const SPECS: &[Spec] = &[
     llama_typed("llama-q5_k", GgmlType::Q5_K, GgmlType::Q8_0, 7),
     llama_typed("llama-q6_k", GgmlType::Q6_K, GgmlType::Q8_0, 8),
     llama_typed("llama-iq4_xs", GgmlType::IQ4_XS, GgmlType::Q8_0, 21),
+    // The per-tensor mixes of llama-quantize's Q2_K and Q3_K_M presets for this model
+    // (llama-quant.cpp: two layers, two query heads per KV head): Q3_K for attn_v,
+    // ffn_down and attn_output in Q2_K; Q5_K for attn_v (the first layers) and Q4_K
+    // for ffn_down and attn_output in Q3_K_M; the output in Q6_K, the embeddings in the
+    // base type.
+    Spec {
+        name: "llama-q2_k-mix",
+        matrices: GgmlType::Q2_K,
+        overrides: &[
+            ("attn_v", GgmlType::Q3_K),
+            ("ffn_down", GgmlType::Q3_K),
+            ("attn_output", GgmlType::Q3_K),
+        ],
+        token_embd: GgmlType::Q2_K,
+        output: Some(GgmlType::Q6_K),
+        seed: 31,
+        ..LLAMA
+    },
+    Spec {
+        name: "llama-q3_k_m-mix",
+        matrices: GgmlType::Q3_K,
+        overrides: &[
+            ("attn_v", GgmlType::Q5_K),
+            ("ffn_down", GgmlType::Q4_K),
+            ("attn_output", GgmlType::Q4_K),
+        ],
+        token_embd: GgmlType::Q3_K,
+        output: Some(GgmlType::Q6_K),
+        seed: 32,
+        ..LLAMA
+    },
     // MXFP4: as IQ4_NL (288 wide, the layers' matrices repacked by llama.cpp, the
     // output not, rows of 9 blocks).
     Spec {
