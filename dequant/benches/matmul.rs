@@ -99,6 +99,19 @@ fn random_weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q6_K => &[208],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::IQ4_XS
+        | GgmlType::IQ4_NL
+        | GgmlType::IQ3_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ1_S => &[0],
+        // IQ1_M's scale lies in the top nibbles of its scales; random bytes there are a
+        // random f16, made finite and small below.
+        GgmlType::IQ1_M => &[],
         GgmlType::F16 => &[0],
         GgmlType::BF16 => &[],
         GgmlType::F32 => {
@@ -117,6 +130,11 @@ fn random_weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
     for block in bytes.chunks_exact_mut(ty.type_size() as usize) {
         for &at in scale_fields {
             block[at..at + 2].copy_from_slice(&f16(0.001 + 0.02 * rng.unit()));
+        }
+        if ty == GgmlType::IQ1_M {
+            // The f16 scale's nibble k in the top nibble of byte 49 + 2k (the scales
+            // start at 48): exponent nibble 0x1 keeps it small and finite.
+            block[55] = (block[55] & 0x0F) | 0x10;
         }
     }
     bytes
@@ -183,12 +201,23 @@ const GEMMA3_LAYER: [Shape; 7] = [
 const GEMMA3_OUTPUT: Shape = ("output", GgmlType::Q8_0, 262144, 640);
 
 /// The other types, on one square shape.
-const OTHER_TYPES: [GgmlType; 8] = [
+const OTHER_TYPES: [GgmlType; 19] = [
     GgmlType::Q4_0,
     GgmlType::Q5_1,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+    GgmlType::IQ3_S,
+    GgmlType::IQ3_XXS,
+    GgmlType::IQ2_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::F32,

@@ -31,7 +31,7 @@ tasks:
   bench-cpu [--llama-bench PATH] [--rocmforge PATH] [--threads N] [--gguf FILE]… [--json]
                       CPU prefill/decode tokens/s and first-token process time,
                       next to llama.cpp's when its llama-bench path is given
-  synth-model --preset 7b-q4k|1b-q4k|135m-q4_1 --out FILE [--seed N]
+  synth-model --preset 7b-q4k|7b-q2_k|7b-q3_k_m|1b-q4k|135m-q4_1 --out FILE [--seed N]
                       a synthetic llama GGUF with real shapes and random weights
   bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
              [--json [FILE]]  time to make a model resident on the device, per mode

@@ -36,6 +36,39 @@ pub struct Preset {
     pub output_type: Option<GgmlType>,
     /// `general.file_type` (llama.cpp's `LLAMA_FTYPE_*`).
     pub file_type: u32,
+    /// Per-tensor exceptions of a llama-quantize preset.
+    pub mix: Mix,
+}
+
+/// How a preset's layer matrices depart from `matrix_type` and `ffn_down_type`, as
+/// llama-quantize's presets do (`llama-quant.cpp`, for a llama whose query heads each
+/// have their own KV head).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mix {
+    /// No exceptions.
+    Plain,
+    /// `Q2_K`: attn_v and attn_output in Q3_K (ffn_down's Q3_K is `ffn_down_type`).
+    Q2K,
+    /// `Q3_K_M`: attn_v in Q5_K for the first two layers, Q4_K after; ffn_down in Q5_K
+    /// for the first sixteenth of the layers, `ffn_down_type` after; attn_output in
+    /// Q4_K.
+    Q3KM,
+}
+
+impl Preset {
+    /// The type of layer `layer`'s matrix `role` (`attn_q`, `ffn_down`, ...).
+    pub fn layer_type(&self, role: &str, layer: u32) -> GgmlType {
+        match (self.mix, role) {
+            (_, "ffn_down") if self.mix == Mix::Q3KM && layer < self.n_layers / 16 => {
+                GgmlType::Q5_K
+            }
+            (_, "ffn_down") => self.ffn_down_type,
+            (Mix::Q2K, "attn_v" | "attn_output") => GgmlType::Q3_K,
+            (Mix::Q3KM, "attn_v") if layer < 2 => GgmlType::Q5_K,
+            (Mix::Q3KM, "attn_v" | "attn_output") => GgmlType::Q4_K,
+            _ => self.matrix_type,
+        }
+    }
 }
 
 pub const PRESETS: &[Preset] = &[
@@ -55,6 +88,7 @@ pub const PRESETS: &[Preset] = &[
         ffn_down_type: GgmlType::Q6_K,
         output_type: Some(GgmlType::Q6_K),
         file_type: 15,
+        mix: Mix::Plain,
     },
     // TinyLlama-1.1B's shapes (grouped-query attention, 4 KV heads).
     Preset {
@@ -72,6 +106,7 @@ pub const PRESETS: &[Preset] = &[
         ffn_down_type: GgmlType::Q6_K,
         output_type: Some(GgmlType::Q6_K),
         file_type: 15,
+        mix: Mix::Plain,
     },
     // SmolLM2-135M's shapes and types: Q4_1, Q8_0 embeddings, tied output.
     Preset {
@@ -89,10 +124,49 @@ pub const PRESETS: &[Preset] = &[
         ffn_down_type: GgmlType::Q4_1,
         output_type: None,
         file_type: 3,
+        mix: Mix::Plain,
+    },
+    // Llama-2-7B's shapes in llama-quantize's Q2_K mix (LLAMA_FTYPE_MOSTLY_Q2_K).
+    Preset {
+        name: "7b-q2_k",
+        n_layers: 32,
+        n_embd: 4096,
+        n_ff: 11008,
+        n_heads: 32,
+        n_kv_heads: 32,
+        context_length: 4096,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q2_K,
+        matrix_type: GgmlType::Q2_K,
+        ffn_down_type: GgmlType::Q3_K,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 10,
+        mix: Mix::Q2K,
+    },
+    // Llama-2-7B's shapes in llama-quantize's Q3_K_M mix (LLAMA_FTYPE_MOSTLY_Q3_K_M).
+    Preset {
+        name: "7b-q3_k_m",
+        n_layers: 32,
+        n_embd: 4096,
+        n_ff: 11008,
+        n_heads: 32,
+        n_kv_heads: 32,
+        context_length: 4096,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q3_K,
+        matrix_type: GgmlType::Q3_K,
+        ffn_down_type: GgmlType::Q4_K,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 12,
+        mix: Mix::Q3KM,
     },
 ];
 
-const USAGE: &str = "usage: cargo xtask synth-model --preset 7b-q4k|1b-q4k|135m-q4_1 --out FILE \
+const USAGE: &str =
+    "usage: cargo xtask synth-model --preset 7b-q4k|7b-q2_k|7b-q3_k_m|1b-q4k|135m-q4_1 \
+                     --out FILE \
                      [--seed N] [--tokenizer-from GGUF]\n       \
                      cargo xtask synth-model --tokenizer-only --out FILE [--tokenizer-from GGUF]";
 
@@ -178,17 +252,17 @@ pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<Ggu
     let (d, ff) = (preset.n_embd, preset.n_ff);
     w.add_tensor("token_embd.weight", preset.embd_type, &[d, n_vocab])?;
     for l in 0..preset.n_layers {
-        let m = preset.matrix_type;
+        let m = |role: &str| preset.layer_type(role, l);
         let name = |s: &str| format!("blk.{l}.{s}.weight");
         w.add_tensor(&name("attn_norm"), GgmlType::F32, &[d])?;
-        w.add_tensor(&name("attn_q"), m, &[d, d])?;
-        w.add_tensor(&name("attn_k"), m, &[d, kv_dim])?;
-        w.add_tensor(&name("attn_v"), m, &[d, kv_dim])?;
-        w.add_tensor(&name("attn_output"), m, &[d, d])?;
+        w.add_tensor(&name("attn_q"), m("attn_q"), &[d, d])?;
+        w.add_tensor(&name("attn_k"), m("attn_k"), &[d, kv_dim])?;
+        w.add_tensor(&name("attn_v"), m("attn_v"), &[d, kv_dim])?;
+        w.add_tensor(&name("attn_output"), m("attn_output"), &[d, d])?;
         w.add_tensor(&name("ffn_norm"), GgmlType::F32, &[d])?;
-        w.add_tensor(&name("ffn_gate"), m, &[d, ff])?;
-        w.add_tensor(&name("ffn_up"), m, &[d, ff])?;
-        w.add_tensor(&name("ffn_down"), preset.ffn_down_type, &[ff, d])?;
+        w.add_tensor(&name("ffn_gate"), m("ffn_gate"), &[d, ff])?;
+        w.add_tensor(&name("ffn_up"), m("ffn_up"), &[d, ff])?;
+        w.add_tensor(&name("ffn_down"), m("ffn_down"), &[ff, d])?;
     }
     w.add_tensor("output_norm.weight", GgmlType::F32, &[d])?;
     if let Some(ty) = preset.output_type {
@@ -469,6 +543,32 @@ mod tests {
                 store.metadata().get_u32(key).unwrap(),
                 "{key}"
             );
+        }
+    }
+
+    #[test]
+    fn the_mixed_presets_follow_llama_quantize_per_tensor() {
+        let preset = |name: &str| PRESETS.iter().find(|p| p.name == name).unwrap();
+        let q2 = preset("7b-q2_k");
+        for l in [0, 31] {
+            assert_eq!(q2.layer_type("attn_q", l), GgmlType::Q2_K);
+            assert_eq!(q2.layer_type("ffn_up", l), GgmlType::Q2_K);
+            for role in ["attn_v", "attn_output", "ffn_down"] {
+                assert_eq!(q2.layer_type(role, l), GgmlType::Q3_K, "{role} {l}");
+            }
+        }
+        let q3 = preset("7b-q3_k_m");
+        for (l, v, down) in [
+            (0, GgmlType::Q5_K, GgmlType::Q5_K),
+            (1, GgmlType::Q5_K, GgmlType::Q5_K),
+            (2, GgmlType::Q4_K, GgmlType::Q4_K),
+            (31, GgmlType::Q4_K, GgmlType::Q4_K),
+        ] {
+            assert_eq!(q3.layer_type("attn_v", l), v, "attn_v {l}");
+            assert_eq!(q3.layer_type("ffn_down", l), down, "ffn_down {l}");
+            assert_eq!(q3.layer_type("attn_output", l), GgmlType::Q4_K);
+            assert_eq!(q3.layer_type("attn_k", l), GgmlType::Q3_K);
+            assert_eq!(q3.layer_type("ffn_gate", l), GgmlType::Q3_K);
         }
     }
 

@@ -153,8 +153,12 @@ pub(crate) fn run(
         GgmlType::IQ2_XXS => run_kernel::<IQ2_XXS>(m, exec, x, n_tokens, y),
         GgmlType::IQ2_XS => run_kernel::<IQ2_XS>(m, exec, x, n_tokens, y),
         GgmlType::IQ2_S => run_kernel::<IQ2_S>(m, exec, x, n_tokens, y),
+        GgmlType::IQ1_S => run_kernel::<IQ1_S>(m, exec, x, n_tokens, y),
+        GgmlType::IQ1_M => run_kernel::<IQ1_M>(m, exec, x, n_tokens, y),
         GgmlType::IQ4_NL if repacked(m) => run_kernel::<IQ4_NLPacked>(m, exec, x, n_tokens, y),
         GgmlType::IQ4_NL => run_kernel::<IQ4_NL>(m, exec, x, n_tokens, y),
+        GgmlType::MXFP4 if repacked(m) => run_kernel::<MXFP4Packed>(m, exec, x, n_tokens, y),
+        GgmlType::MXFP4 => run_kernel::<MXFP4>(m, exec, x, n_tokens, y),
         ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())
@@ -244,11 +248,12 @@ fn run_kernel<K: Kernel>(
     }
 }
 
-/// Whether llama.cpp would repack `m` on an AVX2 machine (a `Q4_0`, `Q4_K` or `IQ4_NL`
-/// matrix whose row count is a multiple of 8) and multiply it with its repacked kernels.
+/// Whether llama.cpp would repack `m` on an AVX2 machine (a `Q4_0`, `Q4_K`, `IQ4_NL` or
+/// `MXFP4` matrix whose row count is a multiple of 8) and multiply it with its repacked
+/// kernels.
 fn repacked(m: &QuantizedMatrix<'_>) -> bool {
-    matches!(m.ty(), GgmlType::Q4_0 | GgmlType::Q4_K | GgmlType::IQ4_NL)
-        && m.rows().is_multiple_of(8)
+    use GgmlType::*;
+    matches!(m.ty(), Q4_0 | Q4_K | IQ4_NL | MXFP4) && m.rows().is_multiple_of(8)
 }
 
 /// One token against several matrices of one type and width (validated, non-empty),
@@ -291,8 +296,12 @@ pub(crate) fn run_many(
         GgmlType::IQ2_XXS => run_many_kernel::<IQ2_XXS>(ms, exec, x, ys),
         GgmlType::IQ2_XS => run_many_kernel::<IQ2_XS>(ms, exec, x, ys),
         GgmlType::IQ2_S => run_many_kernel::<IQ2_S>(ms, exec, x, ys),
+        GgmlType::IQ1_S => run_many_kernel::<IQ1_S>(ms, exec, x, ys),
+        GgmlType::IQ1_M => run_many_kernel::<IQ1_M>(ms, exec, x, ys),
         GgmlType::IQ4_NL if repacked(&ms[0]) => run_many_kernel::<IQ4_NLPacked>(ms, exec, x, ys),
         GgmlType::IQ4_NL => run_many_kernel::<IQ4_NL>(ms, exec, x, ys),
+        GgmlType::MXFP4 if repacked(&ms[0]) => run_many_kernel::<MXFP4Packed>(ms, exec, x, ys),
+        GgmlType::MXFP4 => run_many_kernel::<MXFP4>(ms, exec, x, ys),
         ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())

@@ -82,6 +82,20 @@ kernel!(
     portable::dot_iq4_nl_packed,
     avx2::legacy::dot_iq4_nl_packed
 );
+kernel!(
+    MXFP4,
+    Q8_0Acts,
+    portable::dot_mxfp4,
+    avx2::legacy::dot_mxfp4
+);
+// `MXFP4` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
+// machines and multiplies block by block.
+kernel!(
+    MXFP4Packed,
+    Q8_0Acts,
+    portable::dot_mxfp4_packed,
+    avx2::legacy::dot_mxfp4_packed
+);
 kernel!(Q4_K, Q8KActs, portable::dot_q4_k, avx2::kquants::dot_q4_k);
 // `Q4_K` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
 // machines.
@@ -119,5 +133,7 @@ kernel!(
     avx2::lanes::dot_iq2_xs
 );
 kernel!(IQ2_S, Q8KActs, portable::dot_iq2_s, avx2::lanes::dot_iq2_s);
+kernel!(IQ1_S, Q8KActs, portable::dot_iq1_s, avx2::lanes::dot_iq1_s);
+kernel!(IQ1_M, Q8KActs, portable::dot_iq1_m, avx2::lanes::dot_iq1_m);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

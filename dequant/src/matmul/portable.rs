@@ -12,12 +12,12 @@
 use std::mem::size_of;
 
 use crate::blocks::{
-    cast_blocks, Block, BlockIQ2_S, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S, BlockIQ3_XXS,
-    BlockIQ4_NL, BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1, BlockQ4_K, BlockQ5_0,
-    BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
+    cast_blocks, Block, BlockIQ1_M, BlockIQ1_S, BlockIQ2_S, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S,
+    BlockIQ3_XXS, BlockIQ4_NL, BlockIQ4_XS, BlockMXFP4, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1,
+    BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
 };
-use crate::decode::grids::KVALUES_IQ4NL;
-use crate::decode::scalar::q3_k_scales;
+use crate::decode::grids::{KVALUES_IQ4NL, KVALUES_MXFP4};
+use crate::decode::scalar::{e8m0_to_f32_half, q3_k_scales};
 use crate::matmul::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
 use crate::matmul::grids::Grid;
 
@@ -266,35 +266,81 @@ pub(crate) fn iq4_nl_block(block: &BlockIQ4_NL, qx: &[i8]) -> i32 {
 }
 
 /// `IQ4_NL` of a matrix llama.cpp does not repack. A batch as its GEMM (llamafile's)
-/// multiplies it, which is [`legacy_dot`]; a single token as its dot product does: the
-/// eight lanes of even blocks fused into one set of accumulators and those of odd
-/// blocks into another, the two added lane by lane and reduced, and a last odd block's
-/// integer total fused on at `d · dx`.
+/// multiplies it, which is [`legacy_dot`]; a single token as its dot product does:
+/// [`paired_dot`].
 pub(crate) fn dot_iq4_nl(row: &[u8], act: Q8Row<'_>) -> f32 {
     let blocks = whole_blocks::<BlockIQ4_NL>(row);
     let lanes_of = |b: usize| iq4_nl_lanes(&blocks[b], &act.qs[b * QK8..]);
+    let d = |b: usize| blocks[b].d.to_f32();
     if !act.single {
-        return legacy_dot(blocks.len(), act, |b| {
-            (blocks[b].d.to_f32(), 0.0, lanes_of(b))
-        });
+        return legacy_dot(blocks.len(), act, |b| (d(b), 0.0, lanes_of(b)));
     }
+    paired_dot(blocks.len(), act, d, lanes_of)
+}
+
+/// llama.cpp's dot products of `IQ4_NL` and `MXFP4`: the eight lanes of even blocks
+/// fused at `d · dx` into one set of accumulators and those of odd blocks into another,
+/// the two added lane by lane and reduced, and a last odd block's integer total fused
+/// on at `d · dx`.
+#[inline]
+fn paired_dot(
+    n_blocks: usize,
+    act: Q8Row<'_>,
+    d: impl Fn(usize) -> f32,
+    lanes_of: impl Fn(usize) -> [i32; 8],
+) -> f32 {
     let mut acc = [[0.0f32; 8]; 2];
-    let pairs = blocks.len() / 2 * 2;
+    let pairs = n_blocks / 2 * 2;
     for b in 0..pairs {
-        let scale = act.ds[b][0] * blocks[b].d.to_f32();
+        let scale = act.ds[b][0] * d(b);
         for (acc, &int) in acc[b % 2].iter_mut().zip(&lanes_of(b)) {
             *acc = (int as f32).mul_add(scale, *acc);
         }
     }
     let sum: [f32; 8] = std::array::from_fn(|l| acc[0][l] + acc[1][l]);
     let mut total = reduce8(&sum);
-    if pairs < blocks.len() {
+    if pairs < n_blocks {
         let b = pairs;
-        let scale = act.ds[b][0] * blocks[b].d.to_f32();
+        let scale = act.ds[b][0] * d(b);
         let int: i32 = lanes_of(b).iter().sum();
         total = scale.mul_add(int as f32, total);
     }
     total
+}
+
+/// `MXFP4` block in lanes: `Σ kvalues_mxfp4[q] · qx` (the FP4 values doubled, as
+/// integers; the E8M0 scale is halved to match).
+#[inline]
+fn mxfp4_lanes(block: &BlockMXFP4, qx: &[i8]) -> [i32; 8] {
+    let q = nibbles(&block.qs).map(|n| KVALUES_MXFP4[usize::from(n)]);
+    lanes::<32>(|i| i32::from(q[i]) * i32::from(qx[i]))
+}
+
+#[cfg(test)]
+/// `MXFP4` block: `Σ kvalues_mxfp4[q] · qx`.
+pub(crate) fn mxfp4_block(block: &BlockMXFP4, qx: &[i8]) -> i32 {
+    mxfp4_lanes(block, qx).iter().sum()
+}
+
+/// `MXFP4` of a matrix llama.cpp does not repack: its dot product for every batch
+/// ([`paired_dot`]), having no GEMM for the format.
+pub(crate) fn dot_mxfp4(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let blocks = whole_blocks::<BlockMXFP4>(row);
+    let d = |b: usize| e8m0_to_f32_half(blocks[b].e);
+    paired_dot(blocks.len(), act, d, |b| {
+        mxfp4_lanes(&blocks[b], &act.qs[b * QK8..])
+    })
+}
+
+/// `MXFP4` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8
+/// rows): as [`dot_q4_0_packed`], with its table and scale.
+pub(crate) fn dot_mxfp4_packed(row: &[u8], act: Q8Row<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (b, block) in whole_blocks::<BlockMXFP4>(row).iter().enumerate() {
+        let total: i32 = mxfp4_lanes(block, &act.qs[b * QK8..]).iter().sum();
+        acc = (total as f32).mul_add(e8m0_to_f32_half(block.e) * act.ds[b][0], acc);
+    }
+    acc
 }
 
 /// `IQ4_NL` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8
@@ -470,16 +516,19 @@ pub(crate) fn dot_q4_k_packed(row: &[u8], act: Q8KRow<'_>) -> f32 {
 }
 
 /// A `Q4_K` or `Q5_K` row as llama.cpp multiplies matrices it does not repack: one
-/// token at a time its dot product (eight lanes fused at `d · dx`, four lanes of mins at
-/// `dmin · dx`, each reduced at the end), in batches of eight or more its tiled GEMM
-/// (per super-block `d · Σ`, `dmin · Σmin` fused off it, the result fused at `dx`).
-fn k_dot<B: Block>(
+/// token at a time its dot product (eight lanes fused at `d · dx`, reduced at the end;
+/// the mins of `Q4_K` in four lanes fused at `dmin · dx` and reduced apart, those of
+/// `Q5_K` (`SCALAR_MINS`) summed per super-block and fused at `−dx · dmin` into one
+/// scalar added at the end), in batches of eight or more its tiled GEMM (per
+/// super-block `d · Σ`, `dmin · Σmin` fused off it, the result fused at `dx`).
+fn k_dot<B: Block, const SCALAR_MINS: bool>(
     row: &[u8],
     act: Q8KRow<'_>,
     parts: impl Fn(&B) -> (f32, f32, [u8; 8], [u8; 8], &[u8; 128], Option<&[u8; 32]>),
 ) -> f32 {
     let mut acc = [0.0f32; 8];
     let mut acc_min = [0.0f32; 4];
+    let mut sum_min = 0.0f32;
     let mut gemm = 0.0f32;
     for (b, block) in whole_blocks::<B>(row).iter().enumerate() {
         let (dw, dminw, scales, mins, qs, qh) = parts(block);
@@ -497,12 +546,20 @@ fn k_dot<B: Block>(
             let int = dots[0][l] + dots[1][l] + dots[2][l] + dots[3][l];
             acc[l] = (int as f32).mul_add(d, acc[l]);
         }
+        if SCALAR_MINS {
+            let min_total: i32 = min_terms.iter().sum();
+            sum_min = (-dmin).mul_add(min_total as f32, sum_min);
+            continue;
+        }
         for c in 0..4 {
             acc_min[c] = (min_terms[c] as f32).mul_add(dmin, acc_min[c]);
         }
     }
     if act.gemm {
         return gemm;
+    }
+    if SCALAR_MINS {
+        return reduce8(&acc) + sum_min;
     }
     let mins = [
         acc_min[0], acc_min[1], acc_min[2], acc_min[3], 0.0, 0.0, 0.0, 0.0,
@@ -512,7 +569,7 @@ fn k_dot<B: Block>(
 
 /// `Q4_K` of a matrix llama.cpp does not repack: see [`k_dot`].
 pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    k_dot::<BlockQ4_K>(row, act, |block| {
+    k_dot::<BlockQ4_K, false>(row, act, |block| {
         let (scales, mins) = k_scales_mins(&block.scales);
         let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
         (d, dmin, scales, mins, &block.qs, None)
@@ -521,7 +578,7 @@ pub(crate) fn dot_q4_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
 
 /// `Q5_K`: see [`k_dot`].
 pub(crate) fn dot_q5_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    k_dot::<BlockQ5_K>(row, act, |block| {
+    k_dot::<BlockQ5_K, true>(row, act, |block| {
         let (scales, mins) = k_scales_mins(&block.scales);
         let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
         (d, dmin, scales, mins, &block.qs, Some(&block.qh))
@@ -579,6 +636,24 @@ pub(crate) struct LaneInts {
     /// The min terms `Σ min · Σ qx` of the formats with mins (lane `l` holding groups
     /// `2l` and `2l + 1` of 16), zeros for the others.
     pub mins: [i32; 8],
+    /// The IQ1 formats' shift terms `Σ scale · δ · qx` (`δ = ±1` per run), in the lanes
+    /// of `dots`; zeros for the others.
+    pub deltas: [i32; 8],
+}
+
+/// What a lane format adds to its dot product's lanes (the const parameter of
+/// [`lane_dot`]).
+pub(crate) mod kind {
+    /// Nothing.
+    pub const PLAIN: u8 = 0;
+    /// Mins, fused apart before the lanes (`Q2_K`).
+    pub const MINS: u8 = 1;
+    /// A shift per run whose terms the dot product sums to one integer per super-block
+    /// and fuses into a scalar (`IQ1_S`).
+    pub const DELTA_SUM: u8 = 2;
+    /// A shift per run whose terms the dot product keeps in lanes of their own
+    /// (`IQ1_M`).
+    pub const DELTA_LANES: u8 = 3;
 }
 
 /// A super-block's scales as [`lane_dot`] applies them: `d` (with any constant factor
@@ -593,30 +668,37 @@ pub(crate) struct LaneScales {
 /// `−dx · dmin`, then the eight lanes at `dx · d`, reduced at the end), in batches of
 /// [`GEMM_MIN_TOKENS`](super::activation::GEMM_MIN_TOKENS) or more its tiled GEMM (per
 /// super-block `d · Σ` rounded, `dmin · Σmin` fused off it, the result fused at `dx`
-/// into one accumulator). `HAS_MIN` says whether the format has mins; `factor` is a
-/// power of two that the dot product multiplies the reduced sum by and the GEMM `d`
-/// (1 for the k-quants).
+/// into one accumulator). `KIND` says what the format adds to its lanes ([`kind`]);
+/// `factor` is a power of two that the dot product multiplies the reduced sum by (for
+/// the IQ1 formats, the reduced shift terms) and the GEMM `d` (1 for the k-quants). The
+/// IQ1 formats' GEMM takes `8 Σ + Σδ` (values `8 g + δ`, `factor` 1/8).
 #[inline]
-fn lane_dot<B: Block, const HAS_MIN: bool>(
+fn lane_dot<B: Block, const KIND: u8>(
     row: &[u8],
     act: Q8KRow<'_>,
     factor: f32,
     block: impl Fn(&B, &[i8], &[i16]) -> (LaneScales, LaneInts),
 ) -> f32 {
+    let delta = KIND == kind::DELTA_SUM || KIND == kind::DELTA_LANES;
     let mut acc = [0.0f32; 8];
+    let mut acc_delta = [0.0f32; 8];
+    let mut sum_delta = 0.0f32;
     let mut gemm = 0.0f32;
     for (b, blk) in whole_blocks::<B>(row).iter().enumerate() {
         let (w, ints) = block(blk, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
         let dx = act.d[b];
+        let dots: i32 = ints.dots.iter().sum();
+        let deltas: i32 = ints.deltas.iter().sum();
         if act.gemm {
-            let mut res = (w.d * factor) * ints.dots.iter().sum::<i32>() as f32;
-            if HAS_MIN {
+            let total = if delta { 8 * dots + deltas } else { dots };
+            let mut res = (w.d * factor) * total as f32;
+            if KIND == kind::MINS {
                 res = (-w.dmin).mul_add(ints.mins.iter().sum::<i32>() as f32, res);
             }
             gemm = res.mul_add(dx, gemm);
             continue;
         }
-        if HAS_MIN {
+        if KIND == kind::MINS {
             let dmin = -dx * w.dmin;
             for (acc, &int) in acc.iter_mut().zip(&ints.mins) {
                 *acc = (int as f32).mul_add(dmin, *acc);
@@ -626,9 +708,20 @@ fn lane_dot<B: Block, const HAS_MIN: bool>(
         for (acc, &int) in acc.iter_mut().zip(&ints.dots) {
             *acc = (int as f32).mul_add(d, *acc);
         }
+        if KIND == kind::DELTA_SUM {
+            sum_delta = d.mul_add(deltas as f32, sum_delta);
+        } else if KIND == kind::DELTA_LANES {
+            for (acc, &int) in acc_delta.iter_mut().zip(&ints.deltas) {
+                *acc = (int as f32).mul_add(d, *acc);
+            }
+        }
     }
     if act.gemm {
         gemm
+    } else if KIND == kind::DELTA_SUM {
+        reduce8(&acc) + factor * sum_delta
+    } else if KIND == kind::DELTA_LANES {
+        reduce8(&acc) + factor * reduce8(&acc_delta)
     } else {
         factor * reduce8(&acc)
     }
@@ -650,12 +743,16 @@ pub(crate) fn q2_k_lanes(block: &BlockQ2_K, qx: &[i8], bsums: &[i16]) -> LaneInt
     for (l, lane) in mins.iter_mut().enumerate() {
         *lane = min(2 * l) * i32::from(bsums[2 * l]) + min(2 * l + 1) * i32::from(bsums[2 * l + 1]);
     }
-    LaneInts { dots, mins }
+    LaneInts {
+        dots,
+        mins,
+        deltas: [0; 8],
+    }
 }
 
 /// `Q2_K`: see [`lane_dot`].
 pub(crate) fn dot_q2_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    lane_dot::<BlockQ2_K, true>(row, act, 1.0, |block, qx, bsums| {
+    lane_dot::<BlockQ2_K, { kind::MINS }>(row, act, 1.0, |block, qx, bsums| {
         let (d, dmin) = (block.d.to_f32(), block.dmin.to_f32());
         (LaneScales { d, dmin }, q2_k_lanes(block, qx, bsums))
     })
@@ -684,12 +781,16 @@ pub(crate) fn q3_k_lanes(block: &BlockQ3_K, qx: &[i8]) -> LaneInts {
     let dots = lanes::<QK_K>(|i| {
         i32::from(scales[i / BSUM_GROUP]) * i32::from(values[i]) * i32::from(qx[i])
     });
-    LaneInts { dots, mins: [0; 8] }
+    LaneInts {
+        dots,
+        mins: [0; 8],
+        deltas: [0; 8],
+    }
 }
 
 /// `Q3_K`: see [`lane_dot`].
 pub(crate) fn dot_q3_k(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    lane_dot::<BlockQ3_K, false>(row, act, 1.0, |block, qx, _| {
+    lane_dot::<BlockQ3_K, { kind::PLAIN }>(row, act, 1.0, |block, qx, _| {
         let d = block.d.to_f32();
         (LaneScales { d, dmin: 0.0 }, q3_k_lanes(block, qx))
     })
@@ -715,12 +816,13 @@ pub(crate) fn iq4_xs_lanes(block: &BlockIQ4_XS, qx: &[i8]) -> LaneInts {
     LaneInts {
         dots: lanes::<QK_K>(|i| scale(i / 32) * value(i) * i32::from(qx[i])),
         mins: [0; 8],
+        deltas: [0; 8],
     }
 }
 
 /// `IQ4_XS`: see [`lane_dot`].
 pub(crate) fn dot_iq4_xs(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    lane_dot::<BlockIQ4_XS, false>(row, act, 1.0, |block, qx, _| {
+    lane_dot::<BlockIQ4_XS, { kind::PLAIN }>(row, act, 1.0, |block, qx, _| {
         let d = block.d.to_f32();
         (LaneScales { d, dmin: 0.0 }, iq4_xs_lanes(block, qx))
     })
@@ -730,6 +832,7 @@ pub(crate) fn dot_iq4_xs(row: &[u8], act: Q8KRow<'_>) -> f32 {
 /// (lane `l` the values `4l .. 4l + 4`, in the half of 16 whose scale it takes).
 pub(crate) fn grid_lanes(grid: Grid, block: &[u8], qx: &[i8]) -> LaneInts {
     let mut dots = [0i32; 8];
+    let mut deltas = [0i32; 8];
     for s in 0..8 {
         let sub = grid.sub(block, s);
         let value = |i: usize| {
@@ -741,47 +844,67 @@ pub(crate) fn grid_lanes(grid: Grid, block: &[u8], qx: &[i8]) -> LaneInts {
             }
         };
         let x = &qx[32 * s..32 * s + 32];
-        for (l, lane) in dots.iter_mut().enumerate() {
-            let dot: i32 = (4 * l..4 * l + 4).map(|i| value(i) * i32::from(x[i])).sum();
-            *lane += i32::from(sub.scales[l / 4]) * dot;
+        for l in 0..8 {
+            let scale = i32::from(sub.scales[l / 4]);
+            let values = 4 * l..4 * l + 4;
+            dots[l] += scale
+                * values
+                    .clone()
+                    .map(|i| value(i) * i32::from(x[i]))
+                    .sum::<i32>();
+            let shift = i32::from(sub.deltas[l / 2]);
+            deltas[l] += scale * shift * values.map(|i| i32::from(x[i])).sum::<i32>();
         }
     }
-    LaneInts { dots, mins: [0; 8] }
+    LaneInts {
+        dots,
+        mins: [0; 8],
+        deltas,
+    }
 }
 
-/// A row of grid format `grid` (blocks of type `B`, whose first field is the f16 `d`):
-/// see [`lane_dot`].
-fn grid_dot<B: Block>(grid: Grid, row: &[u8], act: Q8KRow<'_>) -> f32 {
-    lane_dot::<B, false>(row, act, grid.factor(), |block, qx, _| {
+/// A row of grid format `grid` (blocks of type `B`): see [`lane_dot`].
+fn grid_dot<B: Block, const KIND: u8>(grid: Grid, row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<B, KIND>(row, act, grid.factor(), |block, qx, _| {
         let bytes = bytemuck::bytes_of(block);
-        let d = half::f16::from_le_bytes([bytes[0], bytes[1]]).to_f32();
+        let d = grid.d(bytes);
         (LaneScales { d, dmin: 0.0 }, grid_lanes(grid, bytes, qx))
     })
 }
 
+/// `IQ1_S`: see [`lane_dot`].
+pub(crate) fn dot_iq1_s(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    grid_dot::<BlockIQ1_S, { kind::DELTA_SUM }>(Grid::IQ1S, row, act)
+}
+
+/// `IQ1_M`: see [`lane_dot`].
+pub(crate) fn dot_iq1_m(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    grid_dot::<BlockIQ1_M, { kind::DELTA_LANES }>(Grid::IQ1M, row, act)
+}
+
 /// `IQ3_S`: see [`lane_dot`].
 pub(crate) fn dot_iq3_s(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    grid_dot::<BlockIQ3_S>(Grid::IQ3S, row, act)
+    grid_dot::<BlockIQ3_S, { kind::PLAIN }>(Grid::IQ3S, row, act)
 }
 
 /// `IQ3_XXS`: see [`lane_dot`].
 pub(crate) fn dot_iq3_xxs(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    grid_dot::<BlockIQ3_XXS>(Grid::IQ3XXS, row, act)
+    grid_dot::<BlockIQ3_XXS, { kind::PLAIN }>(Grid::IQ3XXS, row, act)
 }
 
 /// `IQ2_S`: see [`lane_dot`].
 pub(crate) fn dot_iq2_s(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    grid_dot::<BlockIQ2_S>(Grid::IQ2S, row, act)
+    grid_dot::<BlockIQ2_S, { kind::PLAIN }>(Grid::IQ2S, row, act)
 }
 
 /// `IQ2_XS`: see [`lane_dot`].
 pub(crate) fn dot_iq2_xs(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    grid_dot::<BlockIQ2_XS>(Grid::IQ2XS, row, act)
+    grid_dot::<BlockIQ2_XS, { kind::PLAIN }>(Grid::IQ2XS, row, act)
 }
 
 /// `IQ2_XXS`: see [`lane_dot`].
 pub(crate) fn dot_iq2_xxs(row: &[u8], act: Q8KRow<'_>) -> f32 {
-    grid_dot::<BlockIQ2_XXS>(Grid::IQ2XXS, row, act)
+    grid_dot::<BlockIQ2_XXS, { kind::PLAIN }>(Grid::IQ2XXS, row, act)
 }
 
 /// `Σ w_i · x_i` with the weights decoded by `weight(i)`, eight at a time into eight

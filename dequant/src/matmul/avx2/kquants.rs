@@ -19,8 +19,9 @@
 //!   reduced at the end; and for batches of
 //!   [`GEMM_MIN_TOKENS`](crate::matmul::activation::GEMM_MIN_TOKENS) or more as its tiled
 //!   GEMM: per super-block `d · Σ` rounded, then fused at `dx` into one accumulator;
-//! - `Q5_K` one token at a time as its dot product (the eight lanes, the mins apart),
-//!   in batches of eight or more as its tiled GEMM (per super-block `d · Σ` rounded,
+//! - `Q5_K` one token at a time as its dot product (the eight lanes; the mins summed
+//!   per super-block and fused at `−dx · dmin` into one scalar, added at the end), in
+//!   batches of eight or more as its tiled GEMM (per super-block `d · Σ` rounded,
 //!   `dmin · Σmin` fused off it, the result fused at `dx` into one accumulator).
 
 use std::arch::x86_64::*;
@@ -299,6 +300,7 @@ unsafe fn dot_q45_k<const FIVE: bool, const PACKED: bool, const R: usize, const 
         let mut acc_min = [_mm_setzero_ps(); N];
         // The repacked kernels' and the tiled GEMM's single accumulators.
         let mut sum = [0.0f32; N];
+        // The repacked kernels' mins and `Q5_K`'s dot product's scalar of mins.
         let mut sum_min = [0.0f32; N];
         for b in 0..nb {
             // SAFETY: b < nb bounds the block and the activations; the features are
@@ -322,9 +324,18 @@ unsafe fn dot_q45_k<const FIVE: bool, const PACKED: bool, const R: usize, const 
                 }
                 if !PACKED {
                     let d = _mm256_broadcastss_ps(scaled);
-                    let dmin = _mm_permute_ps::<0b01_01_01_01>(scaled);
                     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), d, acc[t]);
-                    acc_min[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(min_sums[t]), dmin, acc_min[t]);
+                    if FIVE {
+                        // Q5_K's dot product sums each super-block's mins and fuses
+                        // them at −dx · dmin into one scalar.
+                        let dmin = -lanes_of_128(scaled)[1];
+                        let total = hsum_epi32_128(min_sums[t]) as f32;
+                        sum_min[t] = dmin.mul_add(total, sum_min[t]);
+                    } else {
+                        let dmin = _mm_permute_ps::<0b01_01_01_01>(scaled);
+                        let mins = _mm_cvtepi32_ps(min_sums[t]);
+                        acc_min[t] = _mm_fmadd_ps(mins, dmin, acc_min[t]);
+                    }
                     continue;
                 }
                 let d = lanes_of_128(scaled);
@@ -347,6 +358,8 @@ unsafe fn dot_q45_k<const FIVE: bool, const PACKED: bool, const R: usize, const 
                 sum[t] - sum_min[t]
             } else if acts[t].gemm {
                 sum[t]
+            } else if FIVE {
+                hsum_ps(acc[t]) + sum_min[t]
             } else {
                 let mins =
                     _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(acc_min[t]), _mm_setzero_ps());

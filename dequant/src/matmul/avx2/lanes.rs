@@ -1,6 +1,6 @@
 //! AVX2 kernels of the super-block formats that llama.cpp's AVX2 build multiplies lane
 //! by lane: `Q2_K`, `Q3_K`, `IQ4_XS` and the grid formats (`IQ3_S`, `IQ3_XXS`,
-//! `IQ2_XXS`, `IQ2_XS`, `IQ2_S`).
+//! `IQ2_XXS`, `IQ2_XS`, `IQ2_S`, `IQ1_S`, `IQ1_M`).
 //!
 //! For each super-block and token the integers come out as llama.cpp's dot products
 //! hold them: the weights unpacked 32 at a time into bytes, `maddubs` against the
@@ -20,6 +20,7 @@ use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
 use crate::decode::grids::KVALUES_IQ4NL;
 use crate::matmul::activation::Q8KRow;
 use crate::matmul::grids::Grid;
+use crate::matmul::portable::kind;
 
 /// The formats of this module, as the const parameter of [`dot_lanes`].
 pub(crate) mod format {
@@ -28,6 +29,8 @@ pub(crate) mod format {
     pub const IQ4_XS: u8 = 2;
     pub const IQ3_S: u8 = 3;
     pub const IQ3_XXS: u8 = 4;
+    pub const IQ1_S: u8 = 8;
+    pub const IQ1_M: u8 = 9;
     pub const IQ2_S: u8 = 7;
     pub const IQ2_XS: u8 = 6;
     pub const IQ2_XXS: u8 = 5;
@@ -41,6 +44,8 @@ const fn grid_of(f: u8) -> Option<Grid> {
         format::IQ2_XXS => Some(Grid::IQ2XXS),
         format::IQ2_XS => Some(Grid::IQ2XS),
         format::IQ2_S => Some(Grid::IQ2S),
+        format::IQ1_S => Some(Grid::IQ1S),
+        format::IQ1_M => Some(Grid::IQ1M),
         _ => None,
     }
 }
@@ -66,9 +71,14 @@ const fn block_bytes(f: u8) -> usize {
     }
 }
 
-/// Whether format `F` has mins, fused apart before the dot product's lanes.
-const fn has_min(f: u8) -> bool {
-    f == format::Q2_K
+/// What format `F` adds to its lanes ([`kind`]).
+const fn kind_of(f: u8) -> u8 {
+    match f {
+        format::Q2_K => kind::MINS,
+        format::IQ1_S => kind::DELTA_SUM,
+        format::IQ1_M => kind::DELTA_LANES,
+        _ => kind::PLAIN,
+    }
 }
 
 /// `Q2_K` super-block for each token: `Σ scale_g Σ q qx` in eight i32 lanes, and the
@@ -236,7 +246,9 @@ unsafe fn iq4_xs_ints<const N: usize>(block: *const u8, qx: [*const i8; N]) -> [
 /// A grid format's super-block for each token: per sub-block of 32, the four runs'
 /// magnitudes in one register, their sign bits spread to byte masks that negate the
 /// activations (`(x ^ m) − m`, as llama.cpp does), one `maddubs` and a `madd` against
-/// the halves' scales. Magnitudes are below 64, so no pair saturates.
+/// the halves' scales. Magnitudes are below 64, so no pair saturates. For the IQ1
+/// formats also the shift terms: the activations signed by each run's `δ`, summed in
+/// pairs by a `maddubs` against ones, and the same `madd`.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations behind
@@ -247,7 +259,7 @@ unsafe fn grid_ints<const N: usize>(
     grid: Grid,
     block: *const u8,
     qx: [*const i8; N],
-) -> [__m256i; N] {
+) -> ([__m256i; N], [__m256i; N]) {
     // SAFETY: the whole super-block is readable per the contract.
     let bytes = unsafe { std::slice::from_raw_parts(block, grid.block_bytes()) };
     // Byte j of run k (byte 8k + j of the register) tests bit j of sign byte k.
@@ -258,7 +270,10 @@ unsafe fn grid_ints<const N: usize>(
         0x0303_0303_0303_0303,
     );
     let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let ones = _mm256_set1_epi8(1);
+    let shifted = matches!(grid, Grid::IQ1S | Grid::IQ1M);
     let mut dots = [_mm256_setzero_si256(); N];
+    let mut deltas = [_mm256_setzero_si256(); N];
     for s in 0..8 {
         let sub = grid.sub(bytes, s);
         let magnitudes = _mm256_setr_epi64x(
@@ -270,15 +285,22 @@ unsafe fn grid_ints<const N: usize>(
         let signs = _mm256_shuffle_epi8(_mm256_set1_epi32(i32::from_le_bytes(sub.signs)), spread);
         let negate = _mm256_cmpeq_epi8(_mm256_and_si256(signs, bit), bit);
         let scale = _mm256_set_m128i(_mm_set1_epi16(sub.scales[1]), _mm_set1_epi16(sub.scales[0]));
+        // Each run's δ (±1) in its 8 bytes.
+        let run = |k: usize| i64::from(sub.deltas[k] as u8) * 0x0101_0101_0101_0101;
+        let shifts = _mm256_setr_epi64x(run(0), run(1), run(2), run(3));
         for t in 0..N {
             // SAFETY: 256 activations are readable behind each pointer.
             let x = unsafe { load32(qx[t].add(32 * s).cast()) };
-            let x = _mm256_sub_epi8(_mm256_xor_si256(x, negate), negate);
-            let p = _mm256_maddubs_epi16(magnitudes, x);
+            let signed = _mm256_sub_epi8(_mm256_xor_si256(x, negate), negate);
+            let p = _mm256_maddubs_epi16(magnitudes, signed);
             dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(p, scale));
+            if shifted {
+                let p = _mm256_maddubs_epi16(ones, _mm256_sign_epi8(x, shifts));
+                deltas[t] = _mm256_add_epi32(deltas[t], _mm256_madd_epi16(p, scale));
+            }
         }
     }
-    dots
+    (dots, deltas)
 }
 
 /// The integer lanes of format `F` for each token: the dot products and the min terms
@@ -302,7 +324,7 @@ unsafe fn lane_ints<const F: u8, const N: usize>(
             format::Q3_K => (q3_k_ints::<N>(block, qx), zeros),
             format::IQ4_XS => (iq4_xs_ints::<N>(block, qx), zeros),
             _ => match grid_of(F) {
-                Some(grid) => (grid_ints::<N>(grid, block, qx), zeros),
+                Some(grid) => grid_ints::<N>(grid, block, qx),
                 None => unreachable!("not a lane format"),
             },
         }
@@ -325,7 +347,11 @@ unsafe fn lane_scales<const F: u8>(block: *const u8) -> (f32, f32) {
             ),
             format::Q3_K => (load_f16(block.add(offset_of!(BlockQ3_K, d))), 0.0),
             format::IQ4_XS => (load_f16(block.add(offset_of!(BlockIQ4_XS, d))), 0.0),
-            // Every grid format starts with its f16 `d` (checked in `grids`).
+            format::IQ1_M => (
+                Grid::IQ1M.d(std::slice::from_raw_parts(block, Grid::IQ1M.block_bytes())),
+                0.0,
+            ),
+            // Every other grid format starts with its f16 `d` (checked in `grids`).
             _ => (load_f16(block), 0.0),
         }
     }
@@ -347,15 +373,19 @@ unsafe fn dot_lanes<const F: u8, const R: usize, const N: usize>(
 ) -> [[f32; N]; R] {
     let bytes = block_bytes(F);
     let nb = blocks(&rows, bytes, &acts);
+    let kind = kind_of(F);
+    let delta = kind == kind::DELTA_SUM || kind == kind::DELTA_LANES;
     let mut out = [[0.0f32; N]; R];
     // One row after another: interleaving rows would run out of registers.
     for r in 0..R {
         let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc_delta = [_mm256_setzero_ps(); N];
+        let mut sum_delta = [0.0f32; N];
         let mut gemm = [0.0f32; N];
         for b in 0..nb {
             // SAFETY: b < nb bounds the block and the activations; the features are
             // present per this function's contract.
-            let ((d, dmin), (dots, mins)) = unsafe {
+            let ((d, dmin), (dots, extra)) = unsafe {
                 let (qx, bsums) = act_ptrs(&acts, b);
                 let block = rows[r].as_ptr().add(b * bytes);
                 (lane_scales::<F>(block), lane_ints::<F, N>(block, qx, bsums))
@@ -363,24 +393,40 @@ unsafe fn dot_lanes<const F: u8, const R: usize, const N: usize>(
             for t in 0..N {
                 let dx = acts[t].d[b];
                 if acts[t].gemm {
-                    let mut res = (d * factor(F)) * hsum_epi32(dots[t]) as f32;
-                    if has_min(F) {
-                        res = (-dmin).mul_add(hsum_epi32(mins[t]) as f32, res);
+                    let total = if delta {
+                        8 * hsum_epi32(dots[t]) + hsum_epi32(extra[t])
+                    } else {
+                        hsum_epi32(dots[t])
+                    };
+                    let mut res = (d * factor(F)) * total as f32;
+                    if kind == kind::MINS {
+                        res = (-dmin).mul_add(hsum_epi32(extra[t]) as f32, res);
                     }
                     gemm[t] = res.mul_add(dx, gemm[t]);
                     continue;
                 }
-                if has_min(F) {
+                if kind == kind::MINS {
                     let scale = _mm256_set1_ps(-dx * dmin);
-                    acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(mins[t]), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(extra[t]), acc[t]);
                 }
-                let scale = _mm256_set1_ps(dx * d);
-                acc[t] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots[t]), acc[t]);
+                let scale = dx * d;
+                let vscale = _mm256_set1_ps(scale);
+                acc[t] = _mm256_fmadd_ps(vscale, _mm256_cvtepi32_ps(dots[t]), acc[t]);
+                if kind == kind::DELTA_SUM {
+                    sum_delta[t] = scale.mul_add(hsum_epi32(extra[t]) as f32, sum_delta[t]);
+                } else if kind == kind::DELTA_LANES {
+                    let ints = _mm256_cvtepi32_ps(extra[t]);
+                    acc_delta[t] = _mm256_fmadd_ps(vscale, ints, acc_delta[t]);
+                }
             }
         }
         for t in 0..N {
             out[r][t] = if acts[t].gemm {
                 gemm[t]
+            } else if kind == kind::DELTA_SUM {
+                hsum_ps(acc[t]) + factor(F) * sum_delta[t]
+            } else if kind == kind::DELTA_LANES {
+                hsum_ps(acc[t]) + factor(F) * hsum_ps(acc_delta[t])
             } else {
                 factor(F) * hsum_ps(acc[t])
             };
@@ -501,6 +547,34 @@ pub(crate) unsafe fn dot_iq2_s<const R: usize, const N: usize>(
     unsafe { dot_lanes::<{ format::IQ2_S }, R, N>(rows, acts) }
 }
 
+/// `R` `IQ1_S` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq1_s<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ1_S }, R, N>(rows, acts) }
+}
+
+/// `R` `IQ1_M` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_iq1_m<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::IQ1_M }, R, N>(rows, acts) }
+}
+
 /// The integer lanes of one super-block of `ty`: what the portable `*_lanes` functions
 /// return.
 #[cfg(test)]
@@ -515,16 +589,16 @@ pub(crate) fn block_lanes(
     use gguf_format::GgmlType as T;
     assert!(qx.len() >= QK_K && bsums.len() >= QK_K / BSUM_GROUP);
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn ints<const F: u8>(block: &[u8], qx: &[i8], bsums: &[i16]) -> (__m256i, __m256i) {
+    fn ints<const F: u8>(block: &[u8], qx: &[i8], bsums: &[i16]) -> (__m256i, __m256i, u8) {
         assert!(block.len() >= block_bytes(F));
         // SAFETY: the lengths were checked; the features are present, as calling this
         // function requires.
-        let ([dots], [mins]) =
+        let ([dots], [extra]) =
             unsafe { lane_ints::<F, 1>(block.as_ptr(), [qx.as_ptr()], [bsums.as_ptr()]) };
-        (dots, mins)
+        (dots, extra, kind_of(F))
     }
     // SAFETY: `_proof` shows the CPU has the features.
-    let (dots, mins) = unsafe {
+    let (dots, extra, kind) = unsafe {
         match ty {
             T::Q2_K => ints::<{ format::Q2_K }>(block, qx, bsums),
             T::Q3_K => ints::<{ format::Q3_K }>(block, qx, bsums),
@@ -534,6 +608,8 @@ pub(crate) fn block_lanes(
             T::IQ2_XXS => ints::<{ format::IQ2_XXS }>(block, qx, bsums),
             T::IQ2_XS => ints::<{ format::IQ2_XS }>(block, qx, bsums),
             T::IQ2_S => ints::<{ format::IQ2_S }>(block, qx, bsums),
+            T::IQ1_S => ints::<{ format::IQ1_S }>(block, qx, bsums),
+            T::IQ1_M => ints::<{ format::IQ1_M }>(block, qx, bsums),
             other => panic!("{other} is not a lane format"),
         }
     };
@@ -543,8 +619,14 @@ pub(crate) fn block_lanes(
         unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
         out
     };
+    let (mins, deltas) = match kind {
+        kind::MINS => (lanes(extra), [0; 8]),
+        kind::DELTA_SUM | kind::DELTA_LANES => ([0; 8], lanes(extra)),
+        _ => ([0; 8], [0; 8]),
+    };
     crate::matmul::portable::LaneInts {
         dots: lanes(dots),
-        mins: lanes(mins),
+        mins,
+        deltas,
     }
 }

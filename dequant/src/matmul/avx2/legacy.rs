@@ -18,13 +18,18 @@
 //! products agree with it exactly. `IQ4_NL` looks its 16 levels up with one `pshufb` and
 //! is multiplied as a symmetric format; a single token's product takes its dot
 //! product's two sets of lanes (even and odd blocks) and a last odd block apart.
+//! `MXFP4` is multiplied the same way (its table, its E8M0 scale), paired in batches
+//! too, since llama.cpp has no GEMM for it.
 
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
 use super::{hsum_epi32, hsum_ps, lanes_of, load32, mul_sum_u8_i8};
-use crate::blocks::{BlockIQ4_NL, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0};
-use crate::decode::grids::KVALUES_IQ4NL;
+use crate::blocks::{
+    BlockIQ4_NL, BlockMXFP4, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0,
+};
+use crate::decode::grids::{KVALUES_IQ4NL, KVALUES_MXFP4};
+use crate::decode::scalar::e8m0_to_f32_half;
 use crate::matmul::activation::{Q8Row, QK8};
 
 // `scales` reads d (and m) from the first four bytes of every legacy block.
@@ -56,6 +61,11 @@ trait Legacy {
     /// a last odd block's total apart (llama.cpp's `IQ4_NL` dot product); batches take
     /// the one set of lanes.
     const PAIRED: bool = false;
+    /// Batches are paired too: llama.cpp has no GEMM for the format (`MXFP4`).
+    const PAIRED_BATCH: bool = false;
+    /// The block starts with an E8M0 exponent, whose scale is half its power of two
+    /// (`MXFP4`), instead of an f16 `d`.
+    const E8M0: bool = false;
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `block..block + BYTES` must be readable.
@@ -117,6 +127,9 @@ struct Q8_0;
 struct IQ4NL;
 /// `IQ4_NL` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8 rows).
 struct IQ4NLPacked;
+struct MXFP4;
+/// `MXFP4` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8 rows).
+struct MXFP4Packed;
 
 impl Legacy for Q4_0 {
     const BYTES: usize = size_of::<BlockQ4_0>();
@@ -242,16 +255,8 @@ impl Legacy for IQ4NL {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn quants(block: *const u8) -> Quants {
-        // SAFETY: the block is readable per the contract; qs lies inside it. The table
-        // holds 16 bytes.
-        let (q, table) = unsafe {
-            (
-                nibbles(block.add(offset_of!(BlockIQ4_NL, qs))),
-                _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()),
-            )
-        };
-        // |value| ≤ 127: the magnitudes and signs of `signed` fit maddubs.
-        signed(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), q))
+        // SAFETY: the block is readable per the contract; qs lies inside it.
+        unsafe { lookup(block.add(offset_of!(BlockIQ4_NL, qs)), &KVALUES_IQ4NL) }
     }
 
     #[inline]
@@ -278,6 +283,61 @@ impl Legacy for IQ4NLPacked {
     unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
         // SAFETY: the contract is IQ4_NL's.
         unsafe { IQ4NL::int(w, qx) }
+    }
+}
+
+/// The 32 values of a block of 16 nibble bytes at `p` looked up in the 16-entry
+/// `table`, as signed weights.
+///
+/// # Safety
+/// `p..p + 16` must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn lookup(p: *const u8, table: &[i8; 16]) -> Quants {
+    // SAFETY: readable per the contract; the table holds 16 bytes.
+    let (q, table) = unsafe { (nibbles(p), _mm_loadu_si128(table.as_ptr().cast())) };
+    // |value| ≤ 127: the magnitudes and signs of `signed` fit maddubs.
+    signed(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), q))
+}
+
+impl Legacy for MXFP4 {
+    const BYTES: usize = size_of::<BlockMXFP4>();
+    const HAS_M: bool = false;
+    const PAIRED: bool = true;
+    const PAIRED_BATCH: bool = true;
+    const E8M0: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(block: *const u8) -> Quants {
+        // SAFETY: the block is readable per the contract; qs lies inside it.
+        unsafe { lookup(block.add(offset_of!(BlockMXFP4, qs)), &KVALUES_MXFP4) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
+        signed_int(w, qx)
+    }
+}
+
+impl Legacy for MXFP4Packed {
+    const BYTES: usize = size_of::<BlockMXFP4>();
+    const HAS_M: bool = false;
+    const TOTALS: bool = true;
+    const E8M0: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(block: *const u8) -> Quants {
+        // SAFETY: the contract is MXFP4's.
+        unsafe { MXFP4::quants(block) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int(w: &Quants, qx: __m256i) -> __m256i {
+        signed_int(w, qx)
     }
 }
 
@@ -322,6 +382,16 @@ fn blocks<const R: usize, const N: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scales<L: Legacy, const R: usize>(rows: &[&[u8]; R], b: usize) -> __m256 {
     const { assert!(R <= 4) };
+    if L::E8M0 {
+        let mut scales = [0.0f32; 8];
+        for r in 0..R {
+            // SAFETY: block b lies inside row r per the contract; its first byte is the
+            // exponent.
+            scales[2 * r] = e8m0_to_f32_half(unsafe { *rows[r].as_ptr().add(b * L::BYTES) });
+        }
+        // SAFETY: `scales` holds eight f32; `loadu` has no alignment requirement.
+        return unsafe { _mm256_loadu_ps(scales.as_ptr()) };
+    }
     let mut words = [0i32; 4];
     for r in 0..R {
         // SAFETY: block b lies inside row r per the contract, and every block is longer
@@ -374,7 +444,7 @@ fn odd_lanes<L: Legacy>(offsets: __m256) -> [f32; 4] {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) -> [f32; R] {
     let nb = blocks(&rows, L::BYTES, &[act]);
-    let paired = L::PAIRED && act.single;
+    let paired = L::PAIRED && (act.single || L::PAIRED_BATCH);
     // The blocks that go into lanes: all, or with `paired`, the whole pairs.
     let laned = if paired { nb / 2 * 2 } else { nb };
     let mut acc = [_mm256_setzero_ps(); R];
@@ -442,11 +512,16 @@ unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]) -> [f32; N] {
     const { assert!(N <= 4) };
-    // Several tokens come from a set of several: a batch, never paired.
+    // Several tokens come from a set of several: a batch, paired only for the formats
+    // llama.cpp has no GEMM for.
     debug_assert!(acts.iter().all(|a| !a.single));
+    let paired = L::PAIRED && L::PAIRED_BATCH;
     let rows = [row];
     let nb = blocks(&rows, L::BYTES, &acts);
+    let laned = if paired { nb / 2 * 2 } else { nb };
     let mut acc = [_mm256_setzero_ps(); N];
+    let mut odd = [_mm256_setzero_ps(); N];
+    let mut tails = [(0.0f32, 0.0f32); N];
     let mut totals = [0.0f32; N];
     let mut offsets = _mm256_setzero_ps();
     for b in 0..nb {
@@ -478,9 +553,16 @@ unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]
             let int = unsafe { L::int(&quants, load32(acts[t].qs.as_ptr().add(b * QK8).cast())) };
             if L::TOTALS {
                 totals[t] = (hsum_epi32(int) as f32).mul_add(scales[2 * t], totals[t]);
+            } else if b >= laned {
+                tails[t] = (scales[2 * t], hsum_epi32(int) as f32);
             } else {
                 let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * t as i32));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, acc[t]);
+                let acc = if paired && b % 2 == 1 {
+                    &mut odd[t]
+                } else {
+                    &mut acc[t]
+                };
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, *acc);
             }
         }
     }
@@ -489,6 +571,13 @@ unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]
     for t in 0..N {
         out[t] = if L::TOTALS {
             totals[t]
+        } else if paired {
+            let sum = hsum_ps(_mm256_add_ps(acc[t], odd[t]));
+            if laned < nb {
+                tails[t].0.mul_add(tails[t].1, sum)
+            } else {
+                sum
+            }
         } else {
             hsum_ps(acc[t]) + offsets[t]
         };
@@ -547,6 +636,8 @@ entry!(dot_q5_1, Q5_1);
 entry!(dot_q8_0, Q8_0);
 entry!(dot_iq4_nl, IQ4NL);
 entry!(dot_iq4_nl_packed, IQ4NLPacked);
+entry!(dot_mxfp4, MXFP4);
+entry!(dot_mxfp4_packed, MXFP4Packed);
 
 /// The integer dot product `Σ q · qx` of one block with 32 activations, summed over
 /// the lanes: the quantity the portable `*_block` functions compute.
@@ -579,6 +670,7 @@ pub(crate) fn block_int(
             T::Q5_1 => int::<Q5_1>(block, qx),
             T::Q8_0 => int::<Q8_0>(block, qx),
             T::IQ4_NL => int::<IQ4NL>(block, qx),
+            T::MXFP4 => int::<MXFP4>(block, qx),
             other => panic!("{other} is not a legacy format"),
         }
     }

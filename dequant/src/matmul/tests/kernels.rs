@@ -101,10 +101,12 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
             GgmlType::Q5_1,
             GgmlType::Q8_0,
             GgmlType::IQ4_NL,
+            GgmlType::MXFP4,
         ] {
             for block in block_cases(ty, &mut rng) {
                 for qx in activation_cases(QK8, &mut rng) {
                     let expected = match ty {
+                        GgmlType::MXFP4 => portable::mxfp4_block(&one(&block), &qx),
                         GgmlType::IQ4_NL => portable::iq4_nl_block(&one(&block), &qx),
                         GgmlType::Q4_0 => portable::q4_0_block(&one(&block), &qx),
                         GgmlType::Q4_1 => portable::q4_1_block(&one(&block), &qx),
@@ -154,7 +156,7 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 }
 
 /// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
-const LANE_TYPES: [GgmlType; 8] = [
+const LANE_TYPES: [GgmlType; 10] = [
     GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::IQ4_XS,
@@ -163,6 +165,8 @@ const LANE_TYPES: [GgmlType; 8] = [
     GgmlType::IQ2_XXS,
     GgmlType::IQ2_XS,
     GgmlType::IQ2_S,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
 ];
 
 /// The grid format of `ty`, for the grid formats among [`LANE_TYPES`].
@@ -174,6 +178,8 @@ fn grid_of(ty: GgmlType) -> Option<crate::matmul::grids::Grid> {
         GgmlType::IQ2_XXS => Some(Grid::IQ2XXS),
         GgmlType::IQ2_XS => Some(Grid::IQ2XS),
         GgmlType::IQ2_S => Some(Grid::IQ2S),
+        GgmlType::IQ1_S => Some(Grid::IQ1S),
+        GgmlType::IQ1_M => Some(Grid::IQ1M),
         _ => None,
     }
 }
@@ -209,8 +215,14 @@ fn lane_integers_sum_to_the_plain_integer_product() {
                 GgmlType::Q2_K => &[offset_of!(BlockQ2_K, d), offset_of!(BlockQ2_K, dmin)],
                 GgmlType::Q3_K => &[offset_of!(BlockQ3_K, d)],
                 GgmlType::IQ4_XS => &[offset_of!(BlockIQ4_XS, d)],
+                GgmlType::IQ1_M => {
+                    super::put_iq1_m_scale(&mut block, 1.0);
+                    &[]
+                }
                 _ => &[0],
             };
+            // The IQ1 formats' values are `g + δ/8`: in units of 1/8, `8 g + δ`.
+            let shifted = matches!(ty, GgmlType::IQ1_S | GgmlType::IQ1_M);
             let factor = grid_of(ty).map_or(1.0, |grid| grid.factor());
             for &at in scales {
                 block[at..at + 2].copy_from_slice(&half::f16::ONE.to_bits().to_le_bytes());
@@ -230,17 +242,27 @@ fn lane_integers_sum_to_the_plain_integer_product() {
                     .zip(&qx)
                     .map(|(&w, &x)| w as i64 * i64::from(x))
                     .sum();
-                let lanes: i64 = ints.dots.iter().map(|&l| i64::from(l)).sum::<i64>()
+                let lane_total: Vec<i64> = (0..8)
+                    .map(|l| {
+                        let dots = i64::from(ints.dots[l]);
+                        if shifted {
+                            8 * dots + i64::from(ints.deltas[l])
+                        } else {
+                            dots
+                        }
+                    })
+                    .collect();
+                let lanes: i64 = lane_total.iter().sum::<i64>()
                     - ints.mins.iter().map(|&l| i64::from(l)).sum::<i64>();
                 assert_eq!(lanes, plain, "{ty} block {block:?}");
                 // Lane l holds values 4l .. 4l + 4 of every 32.
-                for (l, &lane) in ints.dots.iter().enumerate() {
+                for (l, &lane) in lane_total.iter().enumerate() {
                     let part: i64 = (0..QK_K)
                         .filter(|i| i % 32 / 4 == l)
                         .map(|i| w[i] as i64 * i64::from(qx[i]))
                         .sum();
                     if ints.mins == [0; 8] {
-                        assert_eq!(i64::from(lane), part, "{ty} lane {l}");
+                        assert_eq!(lane, part, "{ty} lane {l}");
                     }
                 }
             }
@@ -253,7 +275,8 @@ fn lane_integers_sum_to_the_plain_integer_product() {
 /// batch gives each token the bits of a single-token product, except that `Q4_K`
 /// tokens in a whole group of four, against a matrix llama.cpp repacks, get the bits of
 /// a batch of four (its repacked GEMM), and `IQ4_NL` tokens against a matrix it does
-/// not repack those of any batch (its GEMM, from two tokens on); from
+/// not repack those of any batch (its GEMM, from two tokens on), and `MXFP4` tokens
+/// always the single-token bits (it has no GEMM); from
 /// [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other k-quants to its tiled GEMM)
 /// a batch gives the bits of each of its halves.
 #[test]

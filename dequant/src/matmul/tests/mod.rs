@@ -28,7 +28,7 @@ use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
-pub(super) const TYPES: [GgmlType; 20] = [
+pub(super) const TYPES: [GgmlType; 23] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -49,6 +49,9 @@ pub(super) const TYPES: [GgmlType; 20] = [
     GgmlType::IQ2_XXS,
     GgmlType::IQ2_XS,
     GgmlType::IQ2_S,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
+    GgmlType::MXFP4,
 ];
 
 /// splitmix64: small, seedable, good enough for test data.
@@ -78,6 +81,17 @@ impl Rng {
 
 fn put_f16(bytes: &mut [u8], at: usize, v: f32) {
     bytes[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes());
+}
+
+/// Stores `v` as `IQ1_M`'s f16 super-block scale: nibble `k` of its bits in the top
+/// nibble of the block's u16 scale word `k`.
+pub(super) fn put_iq1_m_scale(block: &mut [u8], v: f32) {
+    let at = std::mem::offset_of!(crate::blocks::BlockIQ1_M, scales);
+    let bits = half::f16::from_f32(v).to_bits();
+    for k in 0..4 {
+        let byte = &mut block[at + 2 * k + 1];
+        *byte = (*byte & 0x0F) | ((((bits >> (4 * k)) & 0xF) as u8) << 4);
+    }
 }
 
 /// A random `rows × cols` matrix of `ty`: random quantized values, small finite scales.
@@ -138,6 +152,11 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                 GgmlType::IQ2_XXS => &[(offset_of!(BlockIQ2_XXS, d), true)],
                 GgmlType::IQ2_XS => &[(offset_of!(BlockIQ2_XS, d), true)],
                 GgmlType::IQ2_S => &[(offset_of!(BlockIQ2_S, d), true)],
+                GgmlType::IQ1_S => &[(offset_of!(BlockIQ1_S, d), true)],
+                // IQ1_M's scale is in the top nibbles of its scales: set apart below.
+                GgmlType::IQ1_M => &[],
+                // MXFP4's E8M0 exponent: set apart below.
+                GgmlType::MXFP4 => &[],
                 GgmlType::Q2_K => &[
                     (offset_of!(BlockQ2_K, d), false),
                     (offset_of!(BlockQ2_K, dmin), false),
@@ -152,6 +171,13 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                         1.0
                     };
                     put_f16(b, at, sign * rng.uniform(0.001, 0.05));
+                }
+                if ty == GgmlType::IQ1_M {
+                    put_iq1_m_scale(b, rng.uniform(0.001, 0.05));
+                }
+                if ty == GgmlType::MXFP4 {
+                    // Half of 2^(e - 127): 2^-12 .. 2^-5.
+                    b[0] = 116 + (rng.next_u64() % 8) as u8;
                 }
             }
         }

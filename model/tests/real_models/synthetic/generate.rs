@@ -140,11 +140,57 @@ pub const SPECS: &[Spec] = &[
     llama_typed("llama-q5_k", GgmlType::Q5_K, GgmlType::Q8_0, 7),
     llama_typed("llama-q6_k", GgmlType::Q6_K, GgmlType::Q8_0, 8),
     llama_typed("llama-iq4_xs", GgmlType::IQ4_XS, GgmlType::Q8_0, 21),
+    // The per-tensor mixes of llama-quantize's Q2_K and Q3_K_M presets for this model
+    // (llama-quant.cpp: two layers, two query heads per KV head): Q3_K for attn_v,
+    // ffn_down and attn_output in Q2_K; Q5_K for attn_v (the first layers) and Q4_K
+    // for ffn_down and attn_output in Q3_K_M; the output in Q6_K, the embeddings in the
+    // base type.
+    Spec {
+        name: "llama-q2_k-mix",
+        matrices: GgmlType::Q2_K,
+        overrides: &[
+            ("attn_v", GgmlType::Q3_K),
+            ("ffn_down", GgmlType::Q3_K),
+            ("attn_output", GgmlType::Q3_K),
+        ],
+        token_embd: GgmlType::Q2_K,
+        output: Some(GgmlType::Q6_K),
+        seed: 31,
+        ..LLAMA
+    },
+    Spec {
+        name: "llama-q3_k_m-mix",
+        matrices: GgmlType::Q3_K,
+        overrides: &[
+            ("attn_v", GgmlType::Q5_K),
+            ("ffn_down", GgmlType::Q4_K),
+            ("attn_output", GgmlType::Q4_K),
+        ],
+        token_embd: GgmlType::Q3_K,
+        output: Some(GgmlType::Q6_K),
+        seed: 32,
+        ..LLAMA
+    },
+    // MXFP4: as IQ4_NL (288 wide, the layers' matrices repacked by llama.cpp, the
+    // output not, rows of 9 blocks).
+    Spec {
+        name: "llama-mxfp4",
+        n_embd: 288,
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 32,
+        matrices: GgmlType::MXFP4,
+        output: Some(GgmlType::MXFP4),
+        seed: 30,
+        ..LLAMA
+    },
     llama_typed("llama-iq3_s", GgmlType::IQ3_S, GgmlType::Q8_0, 23),
     llama_typed("llama-iq3_xxs", GgmlType::IQ3_XXS, GgmlType::Q8_0, 24),
     llama_typed("llama-iq2_xxs", GgmlType::IQ2_XXS, GgmlType::Q8_0, 25),
     llama_typed("llama-iq2_xs", GgmlType::IQ2_XS, GgmlType::Q8_0, 26),
     llama_typed("llama-iq2_s", GgmlType::IQ2_S, GgmlType::Q8_0, 27),
+    llama_typed("llama-iq1_s", GgmlType::IQ1_S, GgmlType::Q8_0, 28),
+    llama_typed("llama-iq1_m", GgmlType::IQ1_M, GgmlType::Q8_0, 29),
     // IQ4_NL: 288 wide (rows of 9 blocks, which llama.cpp's single-token dot product
     // takes in pairs and one apart), 9 heads of 32 on 3 KV heads; every matrix but the
     // output (300 rows) has a multiple of 8 rows, which llama.cpp repacks.

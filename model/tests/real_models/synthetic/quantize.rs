@@ -91,11 +91,14 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::Q6_K => values.chunks_exact(256).for_each(|b| q6_k(b, &mut out)),
         GgmlType::IQ4_XS => values.chunks_exact(256).for_each(|b| iq4_xs(b, &mut out)),
         GgmlType::IQ4_NL => values.chunks_exact(32).for_each(|b| iq4_nl(b, &mut out)),
+        GgmlType::MXFP4 => values.chunks_exact(32).for_each(|b| mxfp4(b, &mut out)),
         GgmlType::IQ3_S => values.chunks_exact(256).for_each(|b| iq3_s(b, &mut out)),
         GgmlType::IQ3_XXS => values.chunks_exact(256).for_each(|b| iq3_xxs(b, &mut out)),
         GgmlType::IQ2_XXS => values.chunks_exact(256).for_each(|b| iq2_xxs(b, &mut out)),
         GgmlType::IQ2_XS => values.chunks_exact(256).for_each(|b| iq2_xs(b, &mut out)),
         GgmlType::IQ2_S => values.chunks_exact(256).for_each(|b| iq2_s(b, &mut out)),
+        GgmlType::IQ1_S => values.chunks_exact(256).for_each(|b| iq1_s(b, &mut out)),
+        GgmlType::IQ1_M => values.chunks_exact(256).for_each(|b| iq1_m(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -642,4 +645,131 @@ fn iq2_s(block: &[f32], out: &mut Vec<u8>) {
         })
     }));
     out.extend((0..8).map(|s| ls[2 * s] | (ls[2 * s + 1] << 4)));
+}
+
+/// The shift of an IQ1 group: the sign of its mean, as -1/8 or +1/8 of a unit.
+fn iq1_shift(group: &[f32]) -> f32 {
+    if group.iter().sum::<f32>() < 0.0 {
+        -1.0
+    } else {
+        1.0
+    }
+}
+
+/// The index of the `IQ1S_GRID` entry (values -1, 0, 1) nearest to `run / unit − δ/8`.
+fn nearest_iq1(run: &[f32], unit: f32, delta: f32) -> usize {
+    let inv = inverse(unit);
+    let mut best = (f32::MAX, 0);
+    for (index, &entry) in dequant::grids::IQ1S_GRID.iter().enumerate() {
+        let err: f32 = run
+            .iter()
+            .enumerate()
+            .map(|(j, &v)| {
+                let g = ((entry >> (8 * j)) & 0xFF) as u8 as i8;
+                let e = v * inv - delta * 0.125 - f32::from(g);
+                e * e
+            })
+            .sum();
+        if err < best.0 {
+            best = (err, index);
+        }
+    }
+    best.1
+}
+
+/// The unit an IQ1 group's ternary values scale: 1.3 times its mean magnitude (the
+/// largest values would leave most of a normal group at 0).
+fn iq1_units(block: &[f32], group: usize) -> Vec<f32> {
+    block
+        .chunks_exact(group)
+        .map(|g| 1.3 * g.iter().map(|v| v.abs()).sum::<f32>() / group as f32)
+        .collect()
+}
+
+/// 3-bit odd scales `2 ls + 1` against `d` for groups of units `units`.
+fn iq1_scales(units: &[f32], d: f32) -> Vec<u16> {
+    let inv_d = inverse(d);
+    units
+        .iter()
+        .map(|&u| ((u * inv_d - 1.0) / 2.0).round().clamp(0.0, 7.0) as u16)
+        .collect()
+}
+
+/// `IQ1_S`: per 32 values a unit `d (2 ls + 1)` and a shift `δ = ±1/8` of it, each 8
+/// values the nearest entry of the 2048 ternary `IQ1S_GRID` entries (11-bit indices).
+fn iq1_s(block: &[f32], out: &mut Vec<u8>) {
+    let units = iq1_units(block, 32);
+    let d = push_f16(out, units.iter().fold(0f32, |m, &v| m.max(v)) / 15.0);
+    let ls = iq1_scales(&units, d);
+    let mut qh = [0u16; 8];
+    for (s, sub) in block.chunks_exact(32).enumerate() {
+        let unit = d * f32::from(2 * ls[s] + 1);
+        let delta = iq1_shift(sub);
+        qh[s] = (ls[s] << 12) | if delta < 0.0 { 0x8000 } else { 0 };
+        for (k, run) in sub.chunks_exact(8).enumerate() {
+            let index = nearest_iq1(run, unit, delta);
+            out.push(index as u8);
+            qh[s] |= ((index >> 8) as u16) << (3 * k);
+        }
+    }
+    qh.iter()
+        .for_each(|h| out.extend_from_slice(&h.to_le_bytes()));
+}
+
+/// `IQ1_M`: per 16 values a unit `d (2 ls + 1)`, per 8 values a shift `δ = ±1/8` and the
+/// nearest ternary grid entry; the f16 `d` spread over the top nibbles of the scales.
+fn iq1_m(block: &[f32], out: &mut Vec<u8>) {
+    let units = iq1_units(block, 16);
+    let d = f16::from_f32(units.iter().fold(0f32, |m, &v| m.max(v)) / 15.0);
+    let ls = iq1_scales(&units, d.to_f32());
+    let mut qh = [0u8; 16];
+    let mut qs = [0u8; 32];
+    for (r, run) in block.chunks_exact(8).enumerate() {
+        let unit = d.to_f32() * f32::from(2 * ls[r / 2] + 1);
+        let delta = iq1_shift(run);
+        let index = nearest_iq1(run, unit, delta);
+        qs[r] = index as u8;
+        let nibble = ((index >> 8) as u8) | if delta < 0.0 { 0x08 } else { 0 };
+        qh[r / 2] |= nibble << (4 * (r % 2));
+    }
+    out.extend_from_slice(&qs);
+    out.extend_from_slice(&qh);
+    let bits = d.to_bits();
+    for w in 0..4 {
+        let scales = (0..4).fold(0u16, |acc, k| acc | (ls[4 * w + k] << (3 * k)));
+        let word = scales | (((bits >> (4 * w)) & 0xF) << 12);
+        out.extend_from_slice(&word.to_le_bytes());
+    }
+}
+
+/// `MXFP4`: 32 values `2^(e - 128) · kvalues[q]` (the FP4 values doubled, the E8M0
+/// exponent `e` the smallest whose largest value 12 covers the block), each the nearest
+/// level (the lower index on a tie).
+fn mxfp4(block: &[f32], out: &mut Vec<u8>) {
+    let levels = dequant::grids::KVALUES_MXFP4;
+    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (mut e, mut scale) = (128u8, 1.0f32);
+    while e > 2 && 12.0 * scale * 0.5 >= amax {
+        e -= 1;
+        scale *= 0.5;
+    }
+    while e < 254 && 12.0 * scale < amax {
+        e += 1;
+        scale *= 2.0;
+    }
+    out.push(e);
+    let q: Vec<u8> = block
+        .iter()
+        .map(|&v| {
+            let mut best = 0;
+            for (k, &level) in levels.iter().enumerate() {
+                let err = (v - scale * f32::from(level)).abs();
+                if err < (v - scale * f32::from(levels[best])).abs() {
+                    best = k;
+                }
+            }
+            best as u8
+        })
+        .collect();
+    pack_nibbles(&q, out);
 }
