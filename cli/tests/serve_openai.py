@@ -348,6 +348,17 @@ def _():
     error_of(*http("POST", main.base + "/detokenize", {"tokens": [10**9]}, auth)[::2], 400)
 
 
+@check("metrics carry the device cache's counters, 0 while the CPU computes")
+def _():
+    _, _, body = http("GET", main.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    text = body.decode()
+    assert main.metric("device_cache_enabled") == 0
+    for name in ["hits", "misses", "evictions", "uploaded_bytes"]:
+        full = f"device_cache_{name}_total"
+        assert f"# TYPE rocmforge_{full} counter" in text, text
+        assert main.metric(full) == 0, full
+
+
 @check("a bounded load test: 4 clients x 6 requests, no failure")
 def _():
     failures, done = [], []

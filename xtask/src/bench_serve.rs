@@ -5,7 +5,13 @@
 //! 128 generated tokens with the official `openai` client (`xtask/scripts/bench_serve.py`),
 //! and reports time to first token (p50, p99), time per output token and aggregate
 //! tokens/s. With `--llama-batched-bench PATH`, llama.cpp's engine-level reference for the
-//! same model, shapes and threads is run beside it.
+//! same model, shapes and threads is run in the same invocation, and its aggregate
+//! tokens/s (prompt and generated tokens of all sequences over the whole run) is printed
+//! beside ours with the ratio (ours / llama.cpp, above 1 when we are faster).
+//!
+//! The two do not measure quite the same thing: ours is end to end, through HTTP and the
+//! Python client (which shares the CPU), `--requests` requests at each client count;
+//! `llama-batched-bench` runs exactly one batch of N sequences inside the library.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -131,6 +137,12 @@ pub fn run(args: &[String]) -> Result<()> {
     );
     let rocmforge = binary(&o)?;
     let python = crate::openai_client::python()?;
+    // The same thread count on both sides, also when none was asked for (the server's
+    // default is one per core, llama.cpp's is its own).
+    let threads = match o.threads {
+        Some(t) => t,
+        None => std::thread::available_parallelism().map_or(1, usize::from),
+    };
     let max_clients = o.clients.iter().copied().max().unwrap_or(1);
     let context = o.prompt_tokens + o.gen_tokens;
 
@@ -145,9 +157,7 @@ pub fn run(args: &[String]) -> Result<()> {
         .args(["--ctx-size", &context.to_string()])
         .args(["--kv-pool", &(context * max_clients).to_string()])
         .stderr(Stdio::piped());
-    if let Some(t) = o.threads {
-        command.args(["--threads", &t.to_string()]);
-    }
+    command.args(["--threads", &threads.to_string()]);
     let mut server = Server(command.spawn().context("starting rocmforge serve")?);
     let stderr = server.0.stderr.take().context("the server's stderr")?;
     let mut lines = BufReader::new(stderr).lines();
@@ -198,15 +208,34 @@ pub fn run(args: &[String]) -> Result<()> {
         .collect::<Result<_, _>>()
         .context("the benchmark client's output")?;
     let llama = match &o.llama_batched_bench {
-        Some(path) => Some(llama_batched_bench(path, &model, &o)?),
+        Some(path) => Some(llama_batched_bench(path, &model, &o, threads)?),
         None => None,
     };
+    let comparison: Option<Vec<Value>> = llama.as_ref().map(|rows| {
+        ours.iter()
+            .map(|level| {
+                let theirs = rows
+                    .iter()
+                    .find(|r| r["pl"] == level["clients"])
+                    .and_then(|r| r["speed"].as_f64());
+                let mine = level["total_tokens_per_s"].as_f64();
+                json!({
+                    "clients": level["clients"],
+                    "rocmforge_tokens_per_s": mine,
+                    "llama_cpp_tokens_per_s": theirs,
+                    "ratio": mine.zip(theirs).map(|(m, t)| m / t),
+                })
+            })
+            .collect()
+    });
     let report = json!({
         "model": model_id,
         "prompt_tokens": o.prompt_tokens,
         "gen_tokens": o.gen_tokens,
+        "threads": threads,
         "rocmforge": ours,
         "llama_batched_bench": llama,
+        "comparison": comparison,
     });
     if o.json {
         println!("{report:#}");
@@ -220,7 +249,12 @@ pub fn run(args: &[String]) -> Result<()> {
 
 /// llama.cpp's `llama-batched-bench` on the same model and shapes: one line per
 /// parallel-sequence count, with its prompt and generation speeds.
-fn llama_batched_bench(path: &Path, model: &Path, o: &Options) -> Result<Vec<Value>> {
+fn llama_batched_bench(
+    path: &Path,
+    model: &Path,
+    o: &Options,
+    threads: usize,
+) -> Result<Vec<Value>> {
     let levels = o
         .clients
         .iter()
@@ -236,11 +270,11 @@ fn llama_batched_bench(path: &Path, model: &Path, o: &Options) -> Result<Vec<Val
         .args(["-npp", &o.prompt_tokens.to_string()])
         .args(["-ntg", &o.gen_tokens.to_string()])
         .args(["-npl", &levels])
-        .args(["--output-format", "jsonl"]);
-    if let Some(t) = o.threads {
-        command.args(["-t", &t.to_string()]);
-    }
-    let output = command.output().context("running llama-batched-bench")?;
+        .args(["--output-format", "jsonl"])
+        .args(["-t", &threads.to_string(), "-tb", &threads.to_string()]);
+    let output = command
+        .output()
+        .with_context(|| format!("running {}", path.display()))?;
     ensure!(
         output.status.success(),
         "llama-batched-bench failed: {}",
@@ -259,13 +293,14 @@ fn print_table(report: &Value) {
             .map_or_else(|| "-".to_owned(), |x| format!("{x:.1}"))
     };
     println!(
-        "{} — prompt {} + generated {} tokens per request",
+        "{} — prompt {} + generated {} tokens per request, {} threads",
         report["model"].as_str().unwrap_or("?"),
         report["prompt_tokens"],
-        report["gen_tokens"]
+        report["gen_tokens"],
+        report["threads"]
     );
     println!(
-        "{:>7} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12} {:>14}",
+        "{:>7} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12} {:>15} {:>7} {:>14}",
         "clients",
         "requests",
         "ttft p50 ms",
@@ -273,15 +308,20 @@ fn print_table(report: &Value) {
         "tpot p50 ms",
         "out tok/s",
         "total tok/s",
+        "llama total t/s",
+        "ratio",
         "llama S_TG t/s"
     );
     let llama = report["llama_batched_bench"].as_array();
     for level in report["rocmforge"].as_array().into_iter().flatten() {
-        let reference = llama
-            .and_then(|rows| rows.iter().find(|r| r["pl"] == level["clients"]))
-            .map_or(Value::Null, |r| r["speed_tg"].clone());
+        let row = llama.and_then(|rows| rows.iter().find(|r| r["pl"] == level["clients"]));
+        let field = |name: &str| row.map_or(Value::Null, |r| r[name].clone());
+        let ratio = level["total_tokens_per_s"]
+            .as_f64()
+            .zip(field("speed").as_f64())
+            .map_or_else(|| "-".to_owned(), |(m, t)| format!("{:.2}x", m / t));
         println!(
-            "{:>7} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12} {:>14}",
+            "{:>7} {:>8} {:>12} {:>12} {:>12} {:>12} {:>12} {:>15} {:>7} {:>14}",
             level["clients"].as_u64().unwrap_or(0),
             level["completed"].as_u64().unwrap_or(0),
             num(&level["ttft_p50_ms"]),
@@ -289,7 +329,15 @@ fn print_table(report: &Value) {
             num(&level["tpot_p50_ms"]),
             num(&level["output_tokens_per_s"]),
             num(&level["total_tokens_per_s"]),
-            num(&reference),
+            num(&field("speed")),
+            ratio,
+            num(&field("speed_tg")),
+        );
+    }
+    if llama.is_some() {
+        println!(
+            "total t/s: prompt and generated tokens of every request over the wall time; \
+             ratio: ours / llama-batched-bench (one batch of N sequences, in-process)"
         );
     }
 }

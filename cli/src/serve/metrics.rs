@@ -25,6 +25,45 @@ pub fn render(state: &AppState) -> String {
         "gauge",
         state.started.elapsed().as_secs_f64(),
     );
+    // Stable names whether or not a device cache exists: without one (the CPU computes)
+    // every value is 0 and `device_cache_enabled` says why.
+    let cache = state
+        .loaded
+        .get()
+        .and_then(|loaded| loaded.device_cache.as_ref())
+        .map(|stats| stats());
+    gauge(
+        "device_cache_enabled",
+        "1 when the weights are served from a device cache, 0 on the CPU.",
+        "gauge",
+        if cache.is_some() { 1.0 } else { 0.0 },
+    );
+    let cache = cache.unwrap_or_default();
+    let device_counters = [
+        (
+            "device_cache_hits_total",
+            "Weight requests answered by a tensor already on the device.",
+            cache.hits,
+        ),
+        (
+            "device_cache_misses_total",
+            "Weight requests that started or waited for an upload.",
+            cache.misses,
+        ),
+        (
+            "device_cache_evictions_total",
+            "Tensors evicted from the device to make room.",
+            cache.evictions,
+        ),
+        (
+            "device_cache_uploaded_bytes_total",
+            "Bytes of weights uploaded to the device.",
+            cache.uploaded_bytes,
+        ),
+    ];
+    for (name, help, value) in device_counters {
+        gauge(name, help, "counter", value as f64);
+    }
     let Some(loaded) = state.loaded.get() else {
         return out;
     };

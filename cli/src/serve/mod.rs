@@ -18,6 +18,7 @@ use model::chat::ChatTemplate;
 use model::serve::{Scheduler, SchedulerConfig};
 use model::tokenizer::Tokenizer;
 use model::Model;
+use tensor_store::device::CacheStats;
 use tensor_store::TensorStore;
 
 use crate::generate::model_path;
@@ -85,7 +86,13 @@ pub struct Loaded {
     pub model_id: String,
     pub context_size: usize,
     pub n_vocab: usize,
+    /// The counters of the device cache holding the weights, when the model computes on
+    /// a device; `None` on the CPU (its metrics then read 0).
+    pub device_cache: Option<DeviceCacheStats>,
 }
+
+/// Reads a device cache's counters (the cache's target type stays out of [`Loaded`]).
+pub type DeviceCacheStats = Box<dyn Fn() -> CacheStats + Send + Sync>;
 
 /// Shared by every handler.
 pub struct AppState {
@@ -319,5 +326,6 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         model_id,
         context_size,
         n_vocab,
+        device_cache: None,
     })
 }

@@ -83,11 +83,14 @@ impl<T: DeviceTarget> std::fmt::Debug for DeviceTensor<T> {
     }
 }
 
-/// The cache's counters.
+/// The cache's counters: a snapshot taken under the cache's lock (one short critical
+/// section), cheap enough for every scrape of a metrics endpoint.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
     /// Uploads completed (a tensor evicted and loaded again counts twice).
     pub uploads: u64,
+    /// Bytes of the completed uploads (an evicted tensor loaded again counts twice).
+    pub uploaded_bytes: u64,
     pub evictions: u64,
     /// Requests answered by a resident tensor.
     pub hits: u64,
@@ -282,6 +285,7 @@ impl<T: DeviceTarget> Cache<T> {
         );
         inner.loading -= size;
         inner.stats.uploads += 1;
+        inner.stats.uploaded_bytes += size;
         inner.stats.resident_tensors += 1;
         inner.stats.resident_bytes += size;
         match previous {

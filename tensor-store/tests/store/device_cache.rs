@@ -122,6 +122,7 @@ fn eager_upload_puts_every_tensor_on_the_device_byte_for_byte() {
         (stats.uploads, stats.evictions, stats.loading_bytes),
         (10, 0, 0)
     );
+    assert_eq!(stats.uploaded_bytes, 10 * 20_000);
     assert_eq!(cache.target().stats().allocations, 10);
 }
 
@@ -245,6 +246,38 @@ fn the_budget_evicts_the_least_recently_used_and_evicted_tensors_upload_again() 
     assert_eq!((stats.uploads, stats.evictions), (5, 2));
     assert_eq!(stats.reserved_bytes, 3 * 4096);
     assert_eq!(cache.target().stats().live_bytes, 3 * 4096);
+}
+
+#[test]
+fn the_counters_move_with_hits_misses_evictions_and_uploaded_bytes() {
+    let m = model(2, 4096);
+    let all = handles(&m);
+    let cfg = CacheConfig {
+        budget: Some(2 * 4096),
+        ..config(UploadMode::Lazy)
+    };
+    let cache = DeviceCache::new(HostTarget::new(), &m.store, UploadOrder::empty(), cfg).unwrap();
+    let stats = cache.stats();
+    assert_eq!(
+        (
+            stats.hits,
+            stats.misses,
+            stats.evictions,
+            stats.uploaded_bytes
+        ),
+        (0, 0, 0, 0)
+    );
+    let (a, b, c) = (&all[0], &all[1], &all[2]);
+    cache.get(a).unwrap(); // miss: uploads a
+    cache.get(a).unwrap(); // hit
+    cache.get(b).unwrap(); // miss: uploads b, the budget is now full
+    cache.get(c).unwrap(); // miss: evicts a, uploads c
+    cache.get(a).unwrap(); // miss: evicts b, uploads a again
+    let stats = cache.stats();
+    assert_eq!((stats.hits, stats.misses), (1, 4), "{stats:?}");
+    assert_eq!((stats.uploads, stats.evictions), (4, 2), "{stats:?}");
+    assert_eq!(stats.uploaded_bytes, 4 * 4096, "{stats:?}");
+    assert_eq!(stats.resident_bytes, 2 * 4096, "{stats:?}");
 }
 
 #[test]
