@@ -286,7 +286,7 @@ unsafe fn grid_ints<const N: usize>(
         let negate = _mm256_cmpeq_epi8(_mm256_and_si256(signs, bit), bit);
         let scale = _mm256_set_m128i(_mm_set1_epi16(sub.scales[1]), _mm_set1_epi16(sub.scales[0]));
         // Each run's δ (±1) in its 8 bytes.
-        let run = |k: usize| i64::from(sub.deltas[k] as u8) * 0x0101_0101_0101_0101;
+        let run = |k: usize| (u64::from(sub.deltas[k] as u8) * 0x0101_0101_0101_0101) as i64;
         let shifts = _mm256_setr_epi64x(run(0), run(1), run(2), run(3));
         for t in 0..N {
             // SAFETY: 256 activations are readable behind each pointer.
