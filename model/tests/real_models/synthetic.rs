@@ -615,9 +615,10 @@ mod gpu {
         gpu_gemma3_f16 => "gemma3-f16",
     }
 
-    /// A model the GPU does not run is refused before any device work, with an error
-    /// naming its architecture, rather than computed wrongly.
-    fn refuses(name: &str) {
+    /// A model the GPU does not run (its architecture, or a weight type the CPU
+    /// multiplies and the GPU does not) is refused before any device work, with an error
+    /// naming `named` (the architecture when `None`), rather than computed wrongly.
+    fn refuses(name: &str, named: Option<&str>) {
         let spec = spec(name).expect("a spec");
         let bytes = build(spec).expect("the generator writes a valid file");
         let dir = tempfile::tempdir().expect("a temporary directory");
@@ -625,41 +626,7 @@ mod gpu {
         std::fs::write(&path, &bytes).expect("writing the model");
         let store = TensorStore::open(&path).expect("model opens");
         let model = Model::load(&store).expect("model loads");
-        let options = GpuOptions {
-            device: 0,
-            mode: UploadMode::Background,
-            budget: None,
-            context_size: 16,
-        };
-        let architecture = model.config().architecture.name();
-        match GpuModel::new(&model, &options) {
-            Err(model::ModelError::GpuUnsupported { what, .. }) => {
-                assert!(what.contains(architecture), "{name}: {what}")
-            }
-            Err(other) => panic!("{name}: refused for another reason: {other}"),
-            Ok(_) => panic!("{name}: the GPU accepted an architecture it does not run"),
-        }
-    }
-
-    macro_rules! gpu_refuses {
-        ($($test:ident => $name:literal),* $(,)?) => {$(
-            #[test]
-            fn $test() {
-                refuses($name);
-            }
-        )*};
-    }
-
-    /// A model with weights of a type the GPU does not multiply (the CPU does) is
-    /// refused before any device work, with an error naming the type.
-    fn refuses_type(name: &str, ty: &str) {
-        let spec = spec(name).expect("a spec");
-        let bytes = build(spec).expect("the generator writes a valid file");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join(format!("{name}.gguf"));
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let named = named.unwrap_or(model.config().architecture.name());
         assert!(
             model.check_gpu_support().is_err(),
             "{name}: reported as supported"
@@ -672,18 +639,27 @@ mod gpu {
         };
         match GpuModel::new(&model, &options) {
             Err(model::ModelError::GpuUnsupported { what, .. }) => {
-                assert!(what.contains(ty), "{name}: {what}")
+                assert!(what.contains(named), "{name}: {what}")
             }
             Err(other) => panic!("{name}: refused for another reason: {other}"),
-            Ok(_) => panic!("{name}: the GPU accepted {ty} weights it does not multiply"),
+            Ok(_) => panic!("{name}: the GPU accepted {named}, which it does not run"),
         }
+    }
+
+    macro_rules! gpu_refuses {
+        ($($test:ident => $name:literal),* $(,)?) => {$(
+            #[test]
+            fn $test() {
+                refuses($name, None);
+            }
+        )*};
     }
 
     macro_rules! gpu_refuses_type {
         ($($test:ident => $name:literal: $ty:literal),* $(,)?) => {$(
             #[test]
             fn $test() {
-                refuses_type($name, $ty);
+                refuses($name, Some($ty));
             }
         )*};
     }
