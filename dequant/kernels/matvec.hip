@@ -511,54 +511,69 @@ __global__ void __launch_bounds__(kMatvecThreads)
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[rr][j] = 0.0f;
     }
-    if (any) {
-        const uint8_t* rows[RPT];
+    const uint8_t* rows[RPT];
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) {
+        // A row past the end reads the first live row again (its result is dropped).
+        const RowOf& src = live[rr] ? r[rr] : r[0];
+        rows[rr] = src.w + (size_t)src.local * blocks * W::kBytes;
+    }
+    // A task's weights, decoded into w, a, b, xb.
+    int w[RPT][8 * W::kX], xb[W::kX];
+    float a[RPT][2 * W::kX], b[RPT][2 * W::kX];
+    auto decode = [&](int task) {
+        const int blk = task / W::kTasks;
 #pragma unroll
         for (int rr = 0; rr < RPT; ++rr) {
-            // A row past the end reads the first live row again (its result is dropped).
-            const RowOf& src = live[rr] ? r[rr] : r[0];
-            rows[rr] = src.w + (size_t)src.local * blocks * W::kBytes;
+            W::task(rows[rr] + (size_t)blk * W::kBytes, task % W::kTasks, w[rr], a[rr], b[rr],
+                    xb);
         }
-        for (int task = lane; task < tasks; task += tpr) {
-            const int blk = task / W::kTasks;
-            int w[RPT][8 * W::kX], xb[W::kX];
-            float a[RPT][2 * W::kX], b[RPT][2 * W::kX];
+    };
+    // The decoded task meets every token's activations.
+    auto consume = [&](int task) {
+        const int blk = task / W::kTasks;
 #pragma unroll
-            for (int rr = 0; rr < RPT; ++rr) {
-                W::task(rows[rr] + (size_t)blk * W::kBytes, task % W::kTasks, w[rr], a[rr],
-                        b[rr], xb);
-            }
+        for (int j = 0; j < NT; ++j) {
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
+            for (int x = 0; x < W::kX; ++x) {
+                const int xi = blk * kXPerBlock + xb[x];
+                int v[8];
+                load_words16<8>(
+                    reinterpret_cast<const uint8_t*>(xqs + (size_t)j * n_cols + 32 * xi), v);
+                const float dx = xd[(size_t)j * xblocks + xi];
+                int sum[2] = {0, 0};
 #pragma unroll
-                for (int x = 0; x < W::kX; ++x) {
-                    const int xi = blk * kXPerBlock + xb[x];
-                    int v[8];
-                    load_words16<8>(
-                        reinterpret_cast<const uint8_t*>(xqs + (size_t)j * n_cols + 32 * xi), v);
-                    const float dx = xd[(size_t)j * xblocks + xi];
-                    int sum[2] = {0, 0};
+                for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) sum[h] = dot4(0x01010101, v[4 * h + i], sum[h]);
+                }
+#pragma unroll
+                for (int rr = 0; rr < RPT; ++rr) {
+                    float part = 0.0f;
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
+                        int dot = 0;
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) sum[h] = dot4(0x01010101, v[4 * h + i], sum[h]);
-                    }
-#pragma unroll
-                    for (int rr = 0; rr < RPT; ++rr) {
-                        float part = 0.0f;
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            int dot = 0;
-#pragma unroll
-                            for (int i = 0; i < 4; ++i) {
-                                dot = dot4(w[rr][8 * x + 4 * h + i], v[4 * h + i], dot);
-                            }
-                            part += a[rr][2 * x + h] * (float)dot + b[rr][2 * x + h] * (float)sum[h];
+                        for (int i = 0; i < 4; ++i) {
+                            dot = dot4(w[rr][8 * x + 4 * h + i], v[4 * h + i], dot);
                         }
-                        acc[rr][j] += dx * part;
+                        part += a[rr][2 * x + h] * (float)dot + b[rr][2 * x + h] * (float)sum[h];
                     }
+                    acc[rr][j] += dx * part;
                 }
             }
+        }
+    };
+    // The first task's weights (which no kernel writes) are loaded before the chained
+    // wait, while the kernel before this one finishes; activations and outputs after it.
+    const bool work = any && lane < tasks;
+    if (work) decode(lane);
+    rf_chain_wait();
+    if (work) {
+        consume(lane);
+        for (int task = lane + tpr; task < tasks; task += tpr) {
+            decode(task);
+            consume(task);
         }
     }
 #pragma unroll
@@ -598,6 +613,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
                     int accumulate) {
     constexpr int tpr = kMatvecThreads / kRows;
     const int sub = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+    rf_chain_wait();
     RowOf r;
     const bool live = locate(mats, n_mats, blockIdx.x * kRows + sub, r);
     float acc[NT];
@@ -622,6 +638,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
 // Layout: all int8 values first (token by token), then one f32 scale per block.
 __global__ void quantize_q8_kernel(const float* __restrict__ x, size_t n_blocks,
                                    int8_t* __restrict__ qs, float* __restrict__ ds) {
+    rf_chain_wait();
     const size_t blk = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x & 31;
     if (blk >= n_blocks) return;  // whole 32-lane groups leave together
@@ -643,10 +660,10 @@ void launch_kernel(unsigned grid, const MatvecMats& mats, int n_mats, int n_cols
     if constexpr (std::is_same<X, uint8_t>::value) {
         // One token: two rows a thread (see matvec_q_kernel).
         constexpr int rpt = NT == 1 ? 2 : 1;
-        hipLaunchKernelGGL((matvec_q_kernel<T, NT, kRows, rpt>), dim3((grid + rpt - 1) / rpt),
+        rfLaunchChained((matvec_q_kernel<T, NT, kRows, rpt>), dim3((grid + rpt - 1) / rpt),
                            dim3(kMatvecThreads), 0, stream, mats, n_mats, n_cols, x, accumulate);
     } else {
-        hipLaunchKernelGGL((matvec_f_kernel<T, NT, kRows>), dim3(grid), dim3(kMatvecThreads), 0,
+        rfLaunchChained((matvec_f_kernel<T, NT, kRows>), dim3(grid), dim3(kMatvecThreads), 0,
                            stream, mats, n_mats, n_cols, x, accumulate);
     }
 }
@@ -736,7 +753,7 @@ int rf_quantize_q8(const void* x, size_t n_tokens, size_t n_cols, void* out, int
     const size_t grid = (n_blocks * 32 + threads - 1) / threads;
     int8_t* qs = (int8_t*)out;
     float* ds = (float*)(qs + n_blocks * 32);
-    hipLaunchKernelGGL(rf::quantize_q8_kernel, dim3((unsigned)grid), dim3(threads), 0,
+    rfLaunchChained(rf::quantize_q8_kernel, dim3((unsigned)grid), dim3(threads), 0,
                        (hipStream_t)stream, (const float*)x, n_blocks, qs, ds);
     return (int)hipGetLastError();
 }

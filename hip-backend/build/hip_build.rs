@@ -208,6 +208,21 @@ pub fn filter_amd_archs(requested: &[String], supported: &[String]) -> (Vec<Stri
     })
 }
 
+/// Whether every NVIDIA target is sm_90 or later, so that every kernel of the build has
+/// the wait that chained launches need (see `rocmforge_hip.h`): a build that also holds
+/// sm_80 code may run that code on a newer device through its PTX, without the wait.
+pub fn chained_launch_archs(archs: &[String]) -> bool {
+    !archs.is_empty()
+        && archs.iter().all(|arch| {
+            let digits: String = arch
+                .trim_start_matches("sm_")
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits.parse::<u32>().is_ok_and(|number| number >= 90)
+        })
+}
+
 /// Checks an NVIDIA architecture list (`sm_90`, `sm_90a`, or a bare `90`) and returns it
 /// in `sm_…` form.
 pub fn normalize_cuda_archs(requested: &[String]) -> Result<Vec<String>, String> {
@@ -379,6 +394,9 @@ impl GpuConfig {
                     flags.push(format!(
                         "-gencode=arch=compute_{number},code=[sm_{number},compute_{number}]"
                     ));
+                }
+                if chained_launch_archs(&self.archs) {
+                    flags.push("-DRF_CHAINED_LAUNCH=1".to_string());
                 }
             }
             Platform::None => {}
@@ -609,5 +627,21 @@ mod tests {
         assert!(nvidia
             .compile_flags()
             .contains(&"-Xcompiler=-fPIC".to_string()));
+        let chained = "-DRF_CHAINED_LAUNCH=1".to_string();
+        assert!(nvidia.compile_flags().contains(&chained));
+        let mixed = GpuConfig {
+            archs: strings(&["sm_80", "sm_90"]),
+            ..nvidia
+        };
+        assert!(!mixed.compile_flags().contains(&chained));
+    }
+
+    #[test]
+    fn chained_launches_need_every_target_at_sm_90() {
+        assert!(chained_launch_archs(&strings(&["sm_90"])));
+        assert!(chained_launch_archs(&strings(&["sm_90a", "sm_100"])));
+        assert!(!chained_launch_archs(&strings(&["sm_86", "sm_90"])));
+        assert!(!chained_launch_archs(&strings(&["sm_"])));
+        assert!(!chained_launch_archs(&[]));
     }
 }

@@ -13,6 +13,21 @@
 //   ROCMFORGE_HIP_AMD or ROCMFORGE_HIP_NVIDIA   which platform this is built for
 //   RF_WARP_SIZE                                threads per warp (wavefront) on the target
 //   rf_shfl_xor(value, lane_mask)               butterfly shuffle across the whole warp
+//   rfLaunchChained(kernel, grid, block, shared_bytes, stream, args...)
+//   rf_chain_wait()                             chained launches, below
+//
+// Chained launches. A kernel launched with rfLaunchChained may start while the kernel
+// before it in its stream is still finishing (NVIDIA's programmatic dependent launch, on
+// devices of compute capability 9.0 and later, in builds whose every target is sm_90 or
+// later). It may do first whatever depends on no earlier work (loading weights, which no
+// kernel writes), and must then call rf_chain_wait(), on every path and before it reads or
+// writes any memory that earlier kernels read or write: that waits until the kernel before
+// it has finished and its writes are visible, then lets the next chained kernel start.
+// Since every chained kernel finishes only after that wait, each one still finishes after
+// everything before it in the stream, as plain launches do; what is saved is the launch
+// latency and the tail of the kernel before. Everywhere else (AMD, older NVIDIA devices or
+// targets, ROCMFORGE_CHAINED_LAUNCH=0 in the environment) rfLaunchChained is a plain
+// launch and rf_chain_wait() does nothing: the stream orders the kernels by itself.
 #ifndef ROCMFORGE_HIP_H
 #define ROCMFORGE_HIP_H
 
@@ -100,6 +115,67 @@ __device__ __forceinline__ T rf_shfl_xor(T value, int lane_mask) {
     return __shfl_xor_sync(0xffffffffu, value, lane_mask, RF_WARP_SIZE);
 }
 
+// Chained launches (see the top of this file). RF_CHAINED_LAUNCH is defined by the build
+// when every target it compiles for is sm_90 or later, so that no kernel of the binary
+// lacks the wait.
+#if defined(RF_CHAINED_LAUNCH)
+#include <cstdlib>
+#include <cstring>
+
+__device__ __forceinline__ void rf_chain_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether the current device takes chained launches: compute capability 9.0 or later, and
+// not switched off by ROCMFORGE_CHAINED_LAUNCH=0. Asked once per device.
+inline bool rf_chained_launch_enabled() {
+    static int state[64];  // per device: 0 not asked yet, 1 on, 2 off
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+    int s = __atomic_load_n(&state[device], __ATOMIC_RELAXED);
+    if (s == 0) {
+        const char* env = std::getenv("ROCMFORGE_CHAINED_LAUNCH");
+        int major = 0;
+        const bool on = !(env && std::strcmp(env, "0") == 0) &&
+                        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                               device) == cudaSuccess &&
+                        major >= 9;
+        s = on ? 1 : 2;
+        __atomic_store_n(&state[device], s, __ATOMIC_RELAXED);
+    }
+    return s == 1;
+}
+
+// A launch error is left for cudaGetLastError, as with <<<...>>>.
+template <typename... Params, typename... Args>
+inline void rf_launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block,
+                              size_t shared_bytes, cudaStream_t stream, Args... args) {
+    if (!rf_chained_launch_enabled()) {
+        kernel<<<grid, block, shared_bytes, stream>>>(args...);
+        return;
+    }
+    cudaLaunchAttribute attribute[1] = {};
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = shared_bytes;
+    config.stream = stream;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    (void)cudaLaunchKernelEx(&config, kernel, args...);
+}
+#define rfLaunchChained(kernel, grid, block, shared_bytes, stream, ...) \
+    rf_launch_chained((kernel), dim3(grid), dim3(block), (shared_bytes), (stream), __VA_ARGS__)
+#else
+__device__ __forceinline__ void rf_chain_wait() {}
+#define rfLaunchChained hipLaunchKernelGGL
+#endif
+
 #else
 // ---------------------------------------------------------------- AMD (hipcc) ------------
 #define ROCMFORGE_HIP_AMD 1
@@ -116,6 +192,10 @@ template <typename T>
 __device__ __forceinline__ T rf_shfl_xor(T value, int lane_mask) {
     return __shfl_xor(value, lane_mask, RF_WARP_SIZE);
 }
+
+// Chained launches (see the top of this file): plain launches on AMD.
+__device__ __forceinline__ void rf_chain_wait() {}
+#define rfLaunchChained hipLaunchKernelGGL
 
 #endif
 #endif  // ROCMFORGE_HIP_H

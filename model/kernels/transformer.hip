@@ -11,7 +11,8 @@
 //
 // Warp-size agnostic: reductions are done in groups of 32 lanes with xor shuffles (which
 // stay inside a 32-lane group of a 64-lane wavefront too) and across groups in shared
-// memory. Every launcher returns the platform's native status (0 on success); the Rust
+// memory. Every kernel is launched chained (rocmforge_hip.h) and calls rf_chain_wait()
+// first, before touching memory that other kernels write. Every launcher returns the platform's native status (0 on success); the Rust
 // wrappers in src/gpu/kernels.rs are their only callers and check every length.
 #include "rocmforge_hip.h"
 
@@ -97,14 +98,19 @@ __global__ void __launch_bounds__(kNormMaxThreads)
                     int dim, float eps, float* out, int add, void* __restrict__ out_q8) {
     const float* row = x + (size_t)blockIdx.x * dim;
     // The row and the weights are loaded before the reduction, so that no global read
-    // waits behind it.
+    // waits behind it; the weights (which no kernel writes) before the chained wait.
     float v[kNormPer], wv[kNormPer];
+#pragma unroll
+    for (int k = 0; k < kNormPer; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        wv[k] = i < dim ? weight_at(w, w_type, i) : 0.0f;
+    }
+    rf_chain_wait();
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < kNormPer; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         v[k] = i < dim ? row[i] : 0.0f;
-        wv[k] = i < dim ? weight_at(w, w_type, i) : 0.0f;
         ss += v[k] * v[k];
     }
     for (int i = threadIdx.x + kNormPer * blockDim.x; i < dim; i += blockDim.x) {
@@ -157,6 +163,7 @@ __global__ void __launch_bounds__(kHeadThreads)
                       const void* __restrict__ q_norm, const void* __restrict__ k_norm,
                       int norm_type, RopeArgs a, const int* __restrict__ pos,
                       __half* __restrict__ k_cache, __half* __restrict__ v_cache) {
+    rf_chain_wait();
     __shared__ float head[512];
     const int token = blockIdx.y;
     const int h = blockIdx.x;
@@ -215,7 +222,9 @@ __global__ void __launch_bounds__(kHeadThreads)
 }
 
 constexpr int kAttnThreads = 128;
-constexpr int kAttnChunk = 256;
+// Most keys a chunk may hold (the chunk size is an argument, chosen by the caller from
+// the cache's capacity: small chunks give short contexts more workgroups).
+constexpr int kAttnMaxChunk = 256;
 // Widest head the attention kernels take (values of q and of v per head).
 constexpr int kAttnMaxHead = 256;
 
@@ -223,7 +232,8 @@ struct AttnArgs {
     int n_heads, n_kv_heads, head_dim, head_dim_v;
     int window;  // 0: none
     float scale;
-    int n_chunks;
+    int n_chunks;  // chunks of `chunk` keys the cache holds
+    int chunk;
 };
 
 // Sum over groups of `width` lanes (a power of two up to 32) of a 32-lane group.
@@ -232,22 +242,27 @@ __device__ __forceinline__ float sum_lanes(float v, int width) {
     return v;
 }
 
-// Partial attention of one query (token, head) over one chunk of kAttnChunk keys: the
-// chunk's largest score m, the sum l of exp(score - m), and Σ exp(score - m)·v; when one
-// chunk covers every key, the output itself (and its Q8 blocks).
+// Attention of one query (token, head) over one chunk of keys (a workgroup per chunk, so
+// that even a short context spreads over many workgroups). A chunk that sees no key of
+// the query leaves at once. When one chunk holds every key the query sees, it writes the
+// output (and its Q8 blocks) itself. Otherwise each chunk writes its largest score m, the
+// sum l of exp(score - m) and Σ exp(score - m)·v, and the last of the query's chunks to
+// finish (counted in `done`, which it sets back to zero for the next launch) merges them
+// into the output: no second kernel.
 //
 // Scores: each key's dot product is taken by a few lanes (8 halves, 16 bytes, a lane at a
 // time), so a 128-thread workgroup scores many keys at once. Values: each thread takes
 // two dimensions (half2) of every G-th key, G = 128 / (head_dim_v / 2), and the G partial
 // sums meet in shared memory.
 __global__ void __launch_bounds__(kAttnThreads)
-    attention_chunk_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
-                           const __half* __restrict__ v_cache, AttnArgs a,
-                           const int* __restrict__ pos, float* __restrict__ part_ml,
-                           float* __restrict__ part_acc, float* __restrict__ out,
-                           void* __restrict__ out_q8) {
+    attention_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
+                     const __half* __restrict__ v_cache, AttnArgs a, const int* __restrict__ pos,
+                     float* part_ml, float* part_acc, unsigned* done, float* __restrict__ out,
+                     void* __restrict__ out_q8) {
+    rf_chain_wait();
     __shared__ float qs[kAttnMaxHead];
-    __shared__ float scores[kAttnChunk];
+    __shared__ float scores[kAttnMaxChunk];
+    __shared__ int merges;
     __shared__ float red[kAttnThreads / 32];
     __shared__ float pv[kAttnThreads * 2];
     const int chunk = blockIdx.x, h = blockIdx.y, token = blockIdx.z;
@@ -255,16 +270,12 @@ __global__ void __launch_bounds__(kAttnThreads)
     const int kv_dim = a.n_kv_heads * a.head_dim, v_dim = a.n_kv_heads * a.head_dim_v;
     const int p = pos[0] + token;
     const int lo_visible = a.window > 0 ? max(0, p - a.window + 1) : 0;
-    const int lo = max(chunk * kAttnChunk, lo_visible);
-    const int hi = min((chunk + 1) * kAttnChunk, p + 1);  // exclusive
-    const size_t slot = ((size_t)token * a.n_heads + h) * a.n_chunks + chunk;
-    if (lo >= hi) {
-        if (threadIdx.x == 0) {
-            part_ml[2 * slot] = -INFINITY;
-            part_ml[2 * slot + 1] = 0.0f;
-        }
-        return;
-    }
+    const int first_chunk = lo_visible / a.chunk, last_chunk = p / a.chunk;
+    if (chunk < first_chunk || chunk > last_chunk) return;  // sees none of the keys
+    const int lo = max(chunk * a.chunk, lo_visible);
+    const int hi = min((chunk + 1) * a.chunk, p + 1);  // exclusive, > lo
+    const size_t query = (size_t)token * a.n_heads + h;
+    const size_t slot = query * a.n_chunks + chunk;
     const float* qh = q + ((size_t)token * a.n_heads + h) * a.head_dim;
     for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) qs[i] = qh[i];
     __syncthreads();
@@ -330,7 +341,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
     __syncthreads();
     // One chunk covers every key: this is the output, and no merge follows.
-    const bool alone = a.n_chunks == 1;
+    const bool alone = first_chunk == last_chunk;
     const size_t first = ((size_t)token * a.n_heads + h) * a.head_dim_v;
     const Q8Out q8 = q8_layout(out_q8, (size_t)gridDim.z * a.n_heads * a.head_dim_v);
     for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
@@ -344,34 +355,36 @@ __global__ void __launch_bounds__(kAttnThreads)
             part_acc[slot * a.head_dim_v + d] = total;
         }
     }
+    if (alone) return;
     if (threadIdx.x == 0) {
         part_ml[2 * slot] = m;
         part_ml[2 * slot + 1] = l;
     }
-}
-
-// Merges the chunks of one query (token, head) into its output.
-__global__ void __launch_bounds__(kAttnThreads)
-    attention_merge_kernel(AttnArgs a, const float* __restrict__ part_ml,
-                           const float* __restrict__ part_acc, float* __restrict__ out,
-                           void* __restrict__ out_q8) {
-    const int h = blockIdx.x, token = blockIdx.y;
-    const size_t base = ((size_t)token * a.n_heads + h) * a.n_chunks;
-    float m = -INFINITY;
-    for (int c = 0; c < a.n_chunks; ++c) m = fmaxf(m, part_ml[2 * (base + c)]);
-    float l = 0.0f;
-    for (int c = 0; c < a.n_chunks; ++c) {
-        const float mc = part_ml[2 * (base + c)];
-        if (mc != -INFINITY) l += expf(mc - m) * part_ml[2 * (base + c) + 1];
+    // Publish this chunk's results, then count it; the last chunk merges.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned seen = (unsigned)(last_chunk - first_chunk + 1);
+        const unsigned before = atomicAdd(&done[query], 1u);
+        merges = before == seen - 1;
+        if (merges) done[query] = 0u;
     }
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const size_t first = ((size_t)token * a.n_heads + h) * a.head_dim_v;
-    const Q8Out q8 = q8_layout(out_q8, (size_t)gridDim.y * a.n_heads * a.head_dim_v);
+    __syncthreads();
+    if (!merges) return;
+    __threadfence();
+    // The other chunks' results, read past this workgroup's cache (they were written by
+    // other workgroups during this launch).
+    const volatile float* ml = part_ml + 2 * query * a.n_chunks;
+    const volatile float* accs = part_acc + query * a.n_chunks * a.head_dim_v;
+    float mm = -INFINITY;
+    for (int c = first_chunk; c <= last_chunk; ++c) mm = fmaxf(mm, ml[2 * c]);
+    float ll = 0.0f;
+    for (int c = first_chunk; c <= last_chunk; ++c) ll += expf(ml[2 * c] - mm) * ml[2 * c + 1];
+    const float inv = 1.0f / ll;
     for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
         float acc = 0.0f;
-        for (int c = 0; c < a.n_chunks; ++c) {
-            const float mc = part_ml[2 * (base + c)];
-            if (mc != -INFINITY) acc += expf(mc - m) * part_acc[(base + c) * a.head_dim_v + d];
+        for (int c = first_chunk; c <= last_chunk; ++c) {
+            acc += expf(ml[2 * c] - mm) * accs[(size_t)c * a.head_dim_v + d];
         }
         out[first + d] = acc * inv;
         if (out_q8) quantize32(acc * inv, q8, first + d);
@@ -382,6 +395,7 @@ __global__ void __launch_bounds__(kAttnThreads)
 __global__ void gated_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                              size_t n, int gelu, float* __restrict__ out,
                              void* __restrict__ out_q8) {
+    rf_chain_wait();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;  // n is a multiple of 32: whole groups leave together
     const float g = gate[i];
@@ -402,6 +416,7 @@ __global__ void gated_kernel(const float* __restrict__ gate, const float* __rest
 __global__ void gather_rows_kernel(const uint8_t* __restrict__ table, size_t row_bytes,
                                    size_t n_rows, const uint32_t* __restrict__ tokens,
                                    uint8_t* __restrict__ out, int* __restrict__ bad) {
+    rf_chain_wait();
     const uint32_t id = tokens[blockIdx.x];
     if (id >= n_rows) {
         if (threadIdx.x == 0) *bad = 1;
@@ -413,6 +428,7 @@ __global__ void gather_rows_kernel(const uint8_t* __restrict__ table, size_t row
 }
 
 __global__ void scale_kernel(float* __restrict__ x, size_t n, float s) {
+    rf_chain_wait();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= s;
 }
@@ -423,6 +439,7 @@ constexpr int kArgmaxThreads = 1024;
 // a NaN or +inf anywhere writes UINT32_MAX instead.
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const float* __restrict__ x, int n, uint32_t* __restrict__ token) {
+    rf_chain_wait();
     __shared__ float best_v[kArgmaxThreads / 32];
     __shared__ int best_i[kArgmaxThreads / 32];
     __shared__ int bad;
@@ -466,7 +483,10 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     }
 }
 
-__global__ void advance_kernel(int* pos, int n) { *pos += n; }
+__global__ void advance_kernel(int* pos, int n) {
+    rf_chain_wait();
+    *pos += n;
+}
 
 }  // namespace rf
 
@@ -484,7 +504,7 @@ int rf_rms_norm(const void* x, const void* w, int w_type, int n_tokens, int dim,
     if (status != hipSuccess) return (int)status;
     // About four values a thread, in whole 32-lane groups.
     const int threads = min(kNormMaxThreads, max(32, ((dim + 3) / 4 + 31) / 32 * 32));
-    hipLaunchKernelGGL(rms_norm_kernel, dim3(n_tokens), dim3(threads), 0, (hipStream_t)stream,
+    rfLaunchChained(rms_norm_kernel, dim3(n_tokens), dim3(threads), 0, (hipStream_t)stream,
                        (const float*)x, w, w_type, dim, eps, (float*)out, add, out_q8);
     return (int)hipGetLastError();
 }
@@ -499,7 +519,7 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
     if (status != hipSuccess) return (int)status;
     RopeArgs a = {head_dim, head_dim_v, n_heads, n_kv_heads, rope_dims, neox,
                   theta_scale, freq_scale, (const float*)freq_factors, q_scale, eps};
-    hipLaunchKernelGGL(qk_rope_kv_kernel, dim3(n_heads + n_kv_heads, n_tokens),
+    rfLaunchChained(qk_rope_kv_kernel, dim3(n_heads + n_kv_heads, n_tokens),
                        dim3(kHeadThreads), 0, (hipStream_t)stream, (float*)q, (const float*)k,
                        (const float*)v, (const float*)bq, (const float*)bk, (const float*)bv,
                        q_norm, k_norm, norm_type, a, (const int*)pos, (__half*)k_cache,
@@ -509,20 +529,17 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
 
 int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                  int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                 float scale, int n_chunks, const void* pos, void* part_ml, void* part_acc,
-                 void* out, void* out_q8, int device, void* stream) {
+                 float scale, int n_chunks, int chunk, const void* pos, void* part_ml,
+                 void* part_acc, void* done, void* out, void* out_q8, int device,
+                 void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, n_chunks};
-    hipStream_t s = (hipStream_t)stream;
-    hipLaunchKernelGGL(attention_chunk_kernel, dim3(n_chunks, n_heads, n_tokens),
-                       dim3(kAttnThreads), 0, s, (const float*)q, (const __half*)k_cache,
-                       (const __half*)v_cache, a, (const int*)pos, (float*)part_ml,
-                       (float*)part_acc, (float*)out, out_q8);
-    status = hipGetLastError();
-    if (status != hipSuccess || n_chunks == 1) return (int)status;
-    hipLaunchKernelGGL(attention_merge_kernel, dim3(n_heads, n_tokens), dim3(kAttnThreads), 0,
-                       s, a, (const float*)part_ml, (const float*)part_acc, (float*)out, out_q8);
+    if (chunk < 1 || chunk > kAttnMaxChunk) return (int)hipErrorInvalidValue;
+    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, n_chunks, chunk};
+    rfLaunchChained(attention_kernel, dim3(n_chunks, n_heads, n_tokens), dim3(kAttnThreads), 0,
+                    (hipStream_t)stream, (const float*)q, (const __half*)k_cache,
+                    (const __half*)v_cache, a, (const int*)pos, (float*)part_ml,
+                    (float*)part_acc, (unsigned*)done, (float*)out, out_q8);
     return (int)hipGetLastError();
 }
 
@@ -530,7 +547,7 @@ int rf_gated(const void* gate, const void* up, size_t n, int gelu, void* out, vo
              int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    hipLaunchKernelGGL(gated_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
+    rfLaunchChained(gated_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
                        (hipStream_t)stream, (const float*)gate, (const float*)up, n, gelu,
                        (float*)out, out_q8);
     return (int)hipGetLastError();
@@ -540,7 +557,7 @@ int rf_gather_rows(const void* table, size_t row_bytes, size_t n_rows, const voi
                    int n_tokens, void* out, void* bad, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    hipLaunchKernelGGL(gather_rows_kernel, dim3(n_tokens), dim3(256), 0, (hipStream_t)stream,
+    rfLaunchChained(gather_rows_kernel, dim3(n_tokens), dim3(256), 0, (hipStream_t)stream,
                        (const uint8_t*)table, row_bytes, n_rows, (const uint32_t*)tokens,
                        (uint8_t*)out, (int*)bad);
     return (int)hipGetLastError();
@@ -549,7 +566,7 @@ int rf_gather_rows(const void* table, size_t row_bytes, size_t n_rows, const voi
 int rf_scale(void* x, size_t n, float s, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    hipLaunchKernelGGL(scale_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
+    rfLaunchChained(scale_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
                        (hipStream_t)stream, (float*)x, n, s);
     return (int)hipGetLastError();
 }
@@ -557,7 +574,7 @@ int rf_scale(void* x, size_t n, float s, int device, void* stream) {
 int rf_argmax(const void* x, int n, void* token, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    hipLaunchKernelGGL(argmax_kernel, dim3(1), dim3(kArgmaxThreads), 0, (hipStream_t)stream,
+    rfLaunchChained(argmax_kernel, dim3(1), dim3(kArgmaxThreads), 0, (hipStream_t)stream,
                        (const float*)x, n, (uint32_t*)token);
     return (int)hipGetLastError();
 }
@@ -565,7 +582,7 @@ int rf_argmax(const void* x, int n, void* token, int device, void* stream) {
 int rf_advance(void* pos, int n, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    hipLaunchKernelGGL(advance_kernel, dim3(1), dim3(1), 0, (hipStream_t)stream, (int*)pos, n);
+    rfLaunchChained(advance_kernel, dim3(1), dim3(1), 0, (hipStream_t)stream, (int*)pos, n);
     return (int)hipGetLastError();
 }
 

@@ -5,7 +5,7 @@ use dequant::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stream};
 
-use super::kernels::{self, AttentionShape, HeadExtras, HeadShape, ATTENTION_CHUNK};
+use super::kernels::{self, attention_chunk, AttentionShape, HeadExtras, HeadShape};
 use super::weights::{Globals, LayerWeights, Matrix};
 use super::{arena, MAX_BATCH};
 use crate::config::{Activation, ModelConfig, RopeStyle};
@@ -36,6 +36,8 @@ pub(super) struct Buffers {
     logits: ArenaBuffer,
     part_ml: ArenaBuffer,
     part_acc: ArenaBuffer,
+    /// The attention's counters of finished chunks: zero between launches.
+    done: ArenaBuffer,
     raw: ArenaBuffer,
     tokens: ArenaBuffer,
     pos: ArenaBuffer,
@@ -59,7 +61,8 @@ impl Buffers {
         let kv_dim = c.n_kv_heads * c.head_dim;
         let v_dim = c.n_kv_heads * c.head_dim_v;
         let attn_dim = c.n_heads * c.head_dim_v;
-        let n_chunks = capacity.div_ceil(ATTENTION_CHUNK);
+        let chunk = attention_chunk(capacity);
+        let n_chunks = capacity.div_ceil(chunk);
         let attention = AttentionShape {
             n_heads: c.n_heads,
             n_kv_heads: c.n_kv_heads,
@@ -72,12 +75,13 @@ impl Buffers {
                 c.attention_scale
             },
             n_chunks,
+            chunk,
         };
         let embd_ty = plan.token_embd.weight.ggml_type();
         let row_bytes = embd_ty.row_bytes(c.n_embd as u64).unwrap_or(0) as usize;
         let width = c.n_embd.max(attn_dim).max(c.n_ff);
         // Positions the cache keeps, rounded up to whole chunks of the attention kernel.
-        let positions = n_chunks * ATTENTION_CHUNK;
+        let positions = attention.positions();
         let f32s = |n: usize| n * 4;
         let sizes = [
             f32s(b * c.n_embd),                   // x
@@ -94,6 +98,7 @@ impl Buffers {
             f32s(b * c.n_vocab),                  // logits
             f32s(attention.ml_len(b)),            // part_ml
             f32s(attention.acc_len(b)),           // part_acc
+            4 * attention.done_len(b),            // done
             b * row_bytes,                        // raw embedding rows
             4 * b,                                // tokens
             4,                                    // pos
@@ -130,6 +135,7 @@ impl Buffers {
             logits: next()?,
             part_ml: next()?,
             part_acc: next()?,
+            done: next()?,
             raw: next()?,
             tokens: next()?,
             pos: next()?,
@@ -161,12 +167,17 @@ impl Buffers {
         view::<f32>(&self.logits, len)
     }
 
-    /// Sets the position counter (and waits for it: `len` is a host value).
+    /// Sets the position counter (and waits for it: `len` is a host value), and clears
+    /// the attention's chunk counters (which a failed launch may have left midway).
     pub fn set_position(&mut self, stream: &Stream, len: usize) -> Result<(), ModelError> {
         let value = [i32::try_from(len).map_err(|_| ModelError::ContextFull {
             needed: len,
             capacity: i32::MAX as usize,
         })?];
+        let counters = self.attention.done_len(MAX_BATCH);
+        stream
+            .memset_async(view_mut::<u32>(&mut self.done, counters)?, 0)
+            .map_err(gpu("clearing the attention counters"))?;
         let dst = view_mut::<i32>(&mut self.pos, 1)?;
         stream
             .write_from_host(&value, dst)
@@ -393,7 +404,7 @@ pub(super) fn layer(
         k_norm: w.k_norm.as_ref().map(|n| n.weight()),
         freq_factors: w.rope_freqs.as_ref().map(|f| f.view()).transpose()?,
     };
-    let cache_len = bufs.attention.n_chunks * ATTENTION_CHUNK;
+    let cache_len = bufs.attention.positions();
     kernels::qk_rope_kv(
         view_mut::<f32>(&mut bufs.q, n * q_dim)?,
         view(&bufs.k, n * kv_dim)?,
@@ -422,6 +433,7 @@ pub(super) fn layer(
         view(&bufs.pos, 1)?,
         view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(n))?,
         view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(n))?,
+        view_mut::<u32>(&mut bufs.done, shape.done_len(n))?,
         view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
         fused_q8
             .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, attn_dim)))

@@ -183,9 +183,11 @@ mod sys {
             window: c_int,
             scale: f32,
             n_chunks: c_int,
+            chunk: c_int,
             pos: *const c_void,
             part_ml: *mut c_void,
             part_acc: *mut c_void,
+            done: *mut c_void,
             out: *mut c_void,
             out_q8: *mut c_void,
             device: c_int,
@@ -443,8 +445,19 @@ pub fn qk_rope_kv(
     )
 }
 
-/// Keys per chunk of [`attention`]'s split along the cache.
-pub const ATTENTION_CHUNK: usize = 256;
+/// Most keys a chunk of [`attention`]'s split along the cache may hold.
+pub const MAX_ATTENTION_CHUNK: usize = 256;
+
+/// Keys per chunk of [`attention`] for a cache of `capacity` positions: the smallest of
+/// 32, 64, 128 and 256 that splits it into at most 64 chunks. A query is computed by one
+/// workgroup per chunk that holds its keys, so small chunks spread a short context over
+/// many workgroups, while the merge of a long context's chunks stays short.
+pub fn attention_chunk(capacity: usize) -> usize {
+    [32, 64, 128]
+        .into_iter()
+        .find(|&chunk| capacity.div_ceil(chunk) <= 64)
+        .unwrap_or(MAX_ATTENTION_CHUNK)
+}
 
 /// Shapes of [`attention`].
 #[derive(Clone, Copy, Debug)]
@@ -456,8 +469,10 @@ pub struct AttentionShape {
     /// Keys more than `window - 1` positions back are masked; `None`: causal only.
     pub window: Option<usize>,
     pub scale: f32,
-    /// Chunks of [`ATTENTION_CHUNK`] keys the cache can hold.
+    /// Chunks the cache can hold, of `chunk` keys each.
     pub n_chunks: usize,
+    /// Keys per chunk (at most [`MAX_ATTENTION_CHUNK`]).
+    pub chunk: usize,
 }
 
 impl AttentionShape {
@@ -470,12 +485,22 @@ impl AttentionShape {
     pub fn acc_len(&self, n_tokens: usize) -> usize {
         n_tokens * self.n_heads * self.n_chunks * self.head_dim_v
     }
+
+    /// Counters of finished chunks, one per query (token and head).
+    pub fn done_len(&self, n_tokens: usize) -> usize {
+        n_tokens * self.n_heads
+    }
+
+    /// Positions the caches hold: whole chunks.
+    pub fn positions(&self) -> usize {
+        self.n_chunks * self.chunk
+    }
 }
 
 /// Attention of `n_tokens` queries at positions `pos[0]..` (each seeing the keys up to
 /// its own position) against the f16 caches; `out` gets `n_tokens × n_heads ×
 /// head_dim_v` values, and `out_q8` (when given; `head_dim_v` a multiple of 32) the same
-/// as Q8 activation blocks.
+/// as Q8 activation blocks. `done` must hold zeros, and is left so.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: DeviceView<'_, f32>,
@@ -486,6 +511,7 @@ pub fn attention(
     pos: DeviceView<'_, i32>,
     mut part_ml: DeviceViewMut<'_, f32>,
     mut part_acc: DeviceViewMut<'_, f32>,
+    mut done: DeviceViewMut<'_, u32>,
     mut out: DeviceViewMut<'_, f32>,
     mut out_q8: Option<DeviceViewMut<'_, u8>>,
     stream: &Stream,
@@ -498,7 +524,9 @@ pub fn attention(
     expect(K, "the value head's width modulo 2", s.head_dim_v % 2, 0)?;
     expect(K, "heads per key head", s.n_heads % s.n_kv_heads.max(1), 0)?;
     expect(K, "the queries", q.len(), n_tokens * s.n_heads * s.head_dim)?;
-    let positions = s.n_chunks * ATTENTION_CHUNK;
+    expect_at_least(K, "256 keys per chunk", MAX_ATTENTION_CHUNK, s.chunk)?;
+    expect_at_least(K, "keys per chunk", s.chunk, 1)?;
+    let positions = s.positions();
     expect_at_least(
         K,
         "the key cache",
@@ -514,6 +542,7 @@ pub fn attention(
     expect(K, "the position", pos.len(), 1)?;
     expect(K, "the chunk maxima", part_ml.len(), s.ml_len(n_tokens))?;
     expect(K, "the chunk sums", part_acc.len(), s.acc_len(n_tokens))?;
+    expect(K, "the chunk counters", done.len(), s.done_len(n_tokens))?;
     expect(
         K,
         "the output",
@@ -527,6 +556,7 @@ pub fn attention(
         pos.device_ordinal(),
         part_ml.device_ordinal(),
         part_acc.device_ordinal(),
+        done.device_ordinal(),
         out.device_ordinal(),
     ];
     if let Some(q8) = &out_q8 {
@@ -558,9 +588,11 @@ pub fn attention(
         c("window", s.window.unwrap_or(0))?,
         s.scale,
         c("chunks", s.n_chunks)?,
+        c("keys per chunk", s.chunk)?,
         pos.as_ptr(),
         part_ml.as_mut_ptr(),
         part_acc.as_mut_ptr(),
+        done.as_mut_ptr(),
         out.as_mut_ptr(),
         q8_ptr,
         device,
@@ -711,4 +743,25 @@ pub fn advance(
         device,
         stream.as_raw(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_chunks_grow_with_the_context_up_to_the_kernel_limit() {
+        assert_eq!(attention_chunk(1), 32);
+        assert_eq!(attention_chunk(129), 32);
+        assert_eq!(attention_chunk(2048), 32);
+        assert_eq!(attention_chunk(2049), 64);
+        assert_eq!(attention_chunk(4096), 64);
+        assert_eq!(attention_chunk(8192), 128);
+        assert_eq!(attention_chunk(16384), 256);
+        assert_eq!(attention_chunk(1 << 20), MAX_ATTENTION_CHUNK);
+        for capacity in [1, 100, 5000, 40000] {
+            let chunk = attention_chunk(capacity);
+            assert!(capacity.div_ceil(chunk) <= 64 || chunk == MAX_ATTENTION_CHUNK);
+        }
+    }
 }

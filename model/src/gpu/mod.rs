@@ -125,7 +125,7 @@ impl GpuModel {
         let host_logits = device
             .alloc_pinned::<f32>(MAX_BATCH * config.n_vocab)
             .map_err(gpu("pinned"))?;
-        Ok(GpuModel {
+        let mut gpu_model = GpuModel {
             config,
             plan,
             stream,
@@ -140,7 +140,10 @@ impl GpuModel {
             host_logits,
             uploaded,
             device,
-        })
+        };
+        // The position and the attention's counters start at zero.
+        gpu_model.set_position(0)?;
+        Ok(gpu_model)
     }
 
     pub fn config(&self) -> &ModelConfig {
