@@ -37,6 +37,7 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/decode_kquants.h",
     "kernels/decode_iquants.h",
     "kernels/matvec.hip",
+    "kernels/matmul.hip",
 ];
 
 fn main() {

@@ -6,8 +6,10 @@
 //!     [--json FILE] [--products]
 //! ```
 //!
-//! `--products` times the one-token and four-token products instead, on a 7B Llama's
-//! matrix shapes: microseconds per product and the weights' bytes per second. Each timed run cycles through copies of the
+//! `--products` times the one-token and four-token products instead, and the 512-token
+//! batch product (a prompt's, on the matrix units), on a 7B Llama's matrix shapes:
+//! microseconds per product, the weights' bytes per second and the arithmetic rate
+//! (TFLOP/s, two operations per weight and token). Each timed run cycles through copies of the
 //! matrix that together exceed the GPU's L2 cache, so every product reads its weights
 //! from device memory as in a forward pass.
 //!
@@ -25,6 +27,7 @@
 use std::fmt::Write as _;
 use std::io::Write as _;
 
+use dequant::gpu::matmul;
 use dequant::gpu::matvec::{self, GpuActivations, GpuMatrix};
 use dequant::gpu::{decode_f16, decode_f32};
 use gguf_format::GgmlType;
@@ -180,6 +183,13 @@ struct ProductRow {
     weight_bytes: usize,
 }
 
+impl ProductRow {
+    /// Multiply-adds counted as two operations each, per second, in units of 10^12.
+    fn tflops(&self) -> f64 {
+        2.0 * (self.rows * self.cols * self.tokens) as f64 / (self.us * 1e-6) / 1e12
+    }
+}
+
 /// A 7B Llama's products: q/k/v and gate/up as one matrix each, the FFN's down
 /// projection, the attention output and the vocabulary.
 const SHAPES: [(&str, usize, usize); 5] = [
@@ -228,7 +238,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                 .map(|b| GpuMatrix::new(ty, rows, cols, b.view()))
                 .collect::<Result<_, _>>()
                 .map_err(|x| e(&x))?;
-            for tokens in [1, 4] {
+            for tokens in [1, 4, 512] {
                 let x: Vec<f32> = (0..tokens * cols)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
@@ -244,6 +254,11 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                 let mut out: DeviceBuffer<f32> = device.alloc(tokens * rows).map_err(|x| e(&x))?;
                 let ms = time_ms(device, &stream, options.iters, || {
                     for m in &mats {
+                        if tokens > matvec::MAX_TOKENS {
+                            matmul::matmul(m, x_dev.view(), tokens, out.view_mut(), false, &stream)
+                                .map_err(|x| format!("{ty} {name}: {x}"))?;
+                            continue;
+                        }
                         matvec::matvec(
                             std::slice::from_ref(m),
                             GpuActivations::Q8(q8.view()),
@@ -265,7 +280,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                     weight_bytes: bytes,
                 };
                 println!(
-                    "{:<6} {:<8} {:>6}x{:<6} {:>2} {:>9.2} {:>8.0}",
+                    "{:<6} {:<8} {:>6}x{:<6} {:>3} {:>9.2} {:>8.0} {:>7.1}",
                     ty.name(),
                     name,
                     rows,
@@ -273,6 +288,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                     tokens,
                     row.us,
                     Row::gbps(bytes, row.us * 1e-3),
+                    row.tflops(),
                 );
                 results.push(row);
             }
@@ -291,7 +307,7 @@ fn products_json(device: &Device, rows: &[ProductRow]) -> String {
     for (i, r) in rows.iter().enumerate() {
         let _ = write!(
             json,
-            "{}{{\"type\":{},\"rows\":{},\"cols\":{},\"tokens\":{},\"us\":{:.3},\"gbps\":{:.1}}}",
+            "{}{{\"type\":{},\"rows\":{},\"cols\":{},\"tokens\":{},\"us\":{:.3},\"gbps\":{:.1},\"tflops\":{:.2}}}",
             if i == 0 { "" } else { "," },
             json_string(r.ty.name()),
             r.rows,
@@ -299,6 +315,7 @@ fn products_json(device: &Device, rows: &[ProductRow]) -> String {
             r.tokens,
             r.us,
             Row::gbps(r.weight_bytes, r.us * 1e-3),
+            r.tflops(),
         );
     }
     json.push_str("]}");
@@ -397,8 +414,8 @@ fn main() {
             options.iters
         );
         println!(
-            "{:<6} {:<8} {:>13} {:>2} {:>9} {:>8}",
-            "type", "matrix", "rows x cols", "n", "us", "GB/s"
+            "{:<6} {:<8} {:>13} {:>3} {:>9} {:>8} {:>7}",
+            "type", "matrix", "rows x cols", "n", "us", "GB/s", "TFLOP/s"
         );
         let rows = bench_products(&device, &options).unwrap_or_else(|error| {
             eprintln!("gpu_decode: {error}");

@@ -35,7 +35,7 @@ tasks:
                       a synthetic llama GGUF with real shapes and random weights
   bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
              [--json [FILE]]  time to make a model resident on the device, per mode
-  bench-gpu --gguf FILE… [--llama-bench PATH] [--tokens N] [--repeat N] [--json FILE]
+  bench-gpu --gguf FILE… [--llama-bench PATH] [--tokens N] [--prompt N] [--repeat N] [--json FILE]
                       GPU decode tokens/s (tg N) and achieved bandwidth, next to
                       llama.cpp's llama-bench when its path is given
   bench-serve [--clients 1,8,32] [--requests N] [--prompt-tokens 128] [--gen-tokens 128]

@@ -133,6 +133,11 @@ impl<'a> GpuMatrix<'a> {
     pub fn cols(&self) -> usize {
         self.cols
     }
+
+    /// The matrix's blocks.
+    pub fn bytes(&self) -> DeviceView<'a, u8> {
+        self.bytes
+    }
 }
 
 /// The input of a product: Q8 activation blocks for quantized weights, f32 values for

@@ -2,7 +2,8 @@
 //! bytes already in device memory into a device buffer, queued on a [`Stream`].
 //!
 //! Products on the blocks live in [`matvec`]: quantized weights against Q8 activation
-//! blocks in integer dot products, for decoding and short batches.
+//! blocks in integer dot products, for decoding and short batches; and in [`matmul`]:
+//! weight tiles decoded to f16 in shared memory on the matrix units, for many tokens.
 //!
 //! Two layers:
 //! - one typed wrapper per kernel ([`q4_k_to_f32`], [`iq2_xs_to_f16`], [`bf16_to_f32`] …),
@@ -25,6 +26,7 @@
 //! arguments.
 
 mod kernels;
+pub mod matmul;
 pub mod matvec;
 #[cfg(test)]
 mod tests;

@@ -11,6 +11,7 @@ use half::f16;
 use hip_backend::{Device, Stream};
 
 use super::tests::gpu_or_skip;
+use crate::gpu::matmul;
 use crate::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
 use crate::matmul::QuantizedMatrix;
 
@@ -368,4 +369,133 @@ fn mismatched_products_are_refused_before_any_launch() {
         &stream,
     );
     assert!(error.is_err());
+}
+
+/// `x · Wᵀ` in f64 with weights and activations first rounded to f16, as the batch
+/// kernel rounds them: then only the order of its f32 sums differs.
+fn reference_f16(
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+) -> Vec<f64> {
+    let mut decoded = vec![0f32; rows * cols];
+    crate::decode_f32(ty, w, &mut decoded).expect("weights decode");
+    let round = |v: f32| f16::from_f32(v).to_f32();
+    let decoded: Vec<f32> = decoded.into_iter().map(round).collect();
+    let x: Vec<f32> = x.iter().map(|&v| round(v)).collect();
+    let mut out = vec![0f64; n * rows];
+    for t in 0..n {
+        for r in 0..rows {
+            let row = &decoded[r * cols..(r + 1) * cols];
+            let xs = &x[t * cols..(t + 1) * cols];
+            out[t * rows + r] = row
+                .iter()
+                .zip(xs)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum();
+        }
+    }
+    out
+}
+
+/// The batch product of one matrix on `n` tokens, added to `initial` when given.
+#[allow(clippy::too_many_arguments)]
+fn gpu_matmul(
+    device: &Device,
+    stream: &Stream,
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    initial: Option<&[f32]>,
+) -> Vec<f32> {
+    let wb = upload(device, stream, w);
+    let m = GpuMatrix::new(ty, rows, cols, wb.view()).expect("matrix");
+    let x_dev = upload(device, stream, x);
+    let start = initial.map_or(vec![f32::NAN; n * rows], <[f32]>::to_vec);
+    let mut out = upload(device, stream, &start);
+    matmul::matmul(
+        &m,
+        x_dev.view(),
+        n,
+        out.view_mut(),
+        initial.is_some(),
+        stream,
+    )
+    .expect("batch product");
+    let mut host = vec![0f32; n * rows];
+    stream
+        .read_to_host(out.view(), &mut host)
+        .expect("read back");
+    host
+}
+
+#[test]
+fn batch_products_match_the_reference_for_every_type_and_shape() {
+    let Some((device, stream)) =
+        gpu_or_skip("batch_products_match_the_reference_for_every_type_and_shape")
+    else {
+        return;
+    };
+    for (i, &ty) in TYPES.iter().enumerate() {
+        assert!(matmul::is_supported_for_matmul(ty), "{ty}");
+        // One row; rows and tokens that leave a tile partly empty; several token tiles.
+        for (rows, cols, n) in [(1, 256, 9), (70, 512, 130), (130, 2816, 33)] {
+            let mut rng = Rng((5000 + i as u64 * 11 + rows as u64) | 1);
+            let w = random_matrix(ty, rows, cols, &mut rng);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+            let got = gpu_matmul(&device, &stream, ty, &w, rows, cols, &x, n, None);
+            assert!(
+                got.iter().all(|v| v.is_finite()),
+                "{ty}: every output written"
+            );
+            let err = relative_error(&got, &reference_f16(ty, &w, rows, cols, &x, n));
+            assert!(
+                err <= 1e-4,
+                "{ty} {rows}x{cols}, {n} tokens: relative error {err:.2e} against the \
+                 f16-rounded operands"
+            );
+            // Against the exact product: f16's 11 significant bits on both operands.
+            let err = relative_error(&got, &reference(ty, &w, rows, cols, &x, n));
+            assert!(
+                err <= 2e-3,
+                "{ty} {rows}x{cols}, {n} tokens: relative error {err:.2e}"
+            );
+        }
+    }
+    // Accumulation adds the same products to what the output holds.
+    let mut rng = Rng(99);
+    let (rows, cols, n) = (96, 512, 20);
+    let w = random_matrix(GgmlType::Q4_K, rows, cols, &mut rng);
+    let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+    let alone = gpu_matmul(
+        &device,
+        &stream,
+        GgmlType::Q4_K,
+        &w,
+        rows,
+        cols,
+        &x,
+        n,
+        None,
+    );
+    let initial = vec![1.5f32; n * rows];
+    let added = gpu_matmul(
+        &device,
+        &stream,
+        GgmlType::Q4_K,
+        &w,
+        rows,
+        cols,
+        &x,
+        n,
+        Some(&initial),
+    );
+    let expected: Vec<f32> = alone.iter().map(|v| v + 1.5).collect();
+    assert_eq!(added, expected, "accumulated batch product");
 }

@@ -1,13 +1,14 @@
 //! The layer's work on the GPU, queued on a stream: the buffers it runs in and the
 //! sequence of kernels, the same for a captured decode step and for a prompt's chunks.
 
+use dequant::gpu::matmul;
 use dequant::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stream};
 
 use super::kernels::{self, attention_chunk, AttentionShape, HeadExtras, HeadShape};
 use super::weights::{Globals, LayerWeights, Matrix};
-use super::{arena, MAX_BATCH};
+use super::{arena, MAX_BATCH, PROMPT_BATCH};
 use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
@@ -55,7 +56,9 @@ impl Buffers {
         plan: &ExecutionPlan,
         capacity: usize,
     ) -> Result<Buffers, ModelError> {
-        let b = MAX_BATCH;
+        // Activations for a prompt's chunk; Q8 blocks, logits and the attention's scratch
+        // for the few tokens of the decode products and attention launches.
+        let (b, w) = (PROMPT_BATCH, MAX_BATCH);
         let c = config;
         let q_dim = c.n_heads * c.head_dim;
         let kv_dim = c.n_kv_heads * c.head_dim;
@@ -86,7 +89,7 @@ impl Buffers {
         let sizes = [
             f32s(b * c.n_embd),                   // x
             f32s(b * c.n_embd),                   // h
-            q8_bytes(b, width.div_ceil(32) * 32), // q8
+            q8_bytes(w, width.div_ceil(32) * 32), // q8
             f32s(b * q_dim),                      // q
             f32s(b * kv_dim),                     // k
             f32s(b * v_dim),                      // v
@@ -95,10 +98,10 @@ impl Buffers {
             f32s(b * c.n_ff),                     // gate
             f32s(b * c.n_ff),                     // up
             f32s(b * c.n_ff),                     // act
-            f32s(b * c.n_vocab),                  // logits
-            f32s(attention.ml_len(b)),            // part_ml
-            f32s(attention.acc_len(b)),           // part_acc
-            4 * attention.done_len(b),            // done
+            f32s(w * c.n_vocab),                  // logits
+            f32s(attention.ml_len(w)),            // part_ml
+            f32s(attention.acc_len(w)),           // part_acc
+            4 * attention.done_len(w),            // done
             b * row_bytes,                        // raw embedding rows
             4 * b,                                // tokens
             4,                                    // pos
@@ -204,8 +207,15 @@ fn view_mut<T: bytemuck::Pod>(
     buf: &mut ArenaBuffer,
     len: usize,
 ) -> Result<DeviceViewMut<'_, T>, ModelError> {
+    view_mut_at(buf, 0..len)
+}
+
+fn view_mut_at<T: bytemuck::Pod>(
+    buf: &mut ArenaBuffer,
+    range: std::ops::Range<usize>,
+) -> Result<DeviceViewMut<'_, T>, ModelError> {
     buf.view_mut::<T>()
-        .and_then(|v| v.slice_mut(0..len))
+        .and_then(|v| v.slice_mut(range))
         .map_err(gpu("viewing a buffer"))
 }
 
@@ -235,16 +245,28 @@ fn matvec_error<'a>(
     }
 }
 
-/// What the products of some matrices need from a norm: f32 rows, Q8 blocks, or both.
-fn needs(mats: &[&Matrix]) -> (bool, bool) {
-    let q8 = mats.iter().any(|m| takes_q8(m.ty));
-    let f32 = mats.iter().any(|m| !takes_q8(m.ty));
+/// Whether `n` tokens go through the batch products ([`matmul`], f32 input) rather than
+/// the decode products (Q8 blocks for quantized weights).
+fn batched(n: usize) -> bool {
+    n > MAX_BATCH
+}
+
+/// Whether the products of `m` on `n` tokens take Q8 blocks.
+fn takes_q8_for(m: &Matrix, n: usize) -> bool {
+    takes_q8(m.ty) && !batched(n)
+}
+
+/// What the products of some matrices on `n` tokens need from a norm: f32 rows, Q8
+/// blocks, or both.
+fn needs(mats: &[&Matrix], n: usize) -> (bool, bool) {
+    let q8 = mats.iter().any(|m| takes_q8_for(m, n));
+    let f32 = mats.iter().any(|m| !takes_q8_for(m, n));
     (f32, q8)
 }
 
-/// `outs[i] (+)= input · mats[i]ᵀ`, one launch per run of matrices of one type.
-/// `f32_in`/`q8_in` hold the input in the two forms (each present when some matrix
-/// takes it).
+/// `outs[i] (+)= input · mats[i]ᵀ`: for a few tokens one launch per run of matrices of
+/// one type, for more one batch product per matrix. `f32_in`/`q8_in` hold the input in
+/// the two forms (each present when some matrix takes it).
 #[allow(clippy::too_many_arguments)]
 fn products(
     mats: &[&Matrix],
@@ -255,6 +277,14 @@ fn products(
     accumulate: bool,
     stream: &Stream,
 ) -> Result<(), ModelError> {
+    if batched(n) {
+        let input = f32_in.expect("f32 input prepared for the batch products");
+        for (m, out) in mats.iter().zip(outs) {
+            let gm = gpu_matrix(m)?;
+            matmul::matmul(&gm, input, n, out, accumulate, stream).map_err(matvec_error(&[m]))?;
+        }
+        return Ok(());
+    }
     let mut outs: Vec<Option<DeviceViewMut<'_, f32>>> = outs.into_iter().map(Some).collect();
     let mut start = 0;
     while start < mats.len() {
@@ -349,7 +379,7 @@ pub(super) fn layer(
 
     // Attention block.
     let qkv = [&w.wq, &w.wk, &w.wv];
-    let (want_f32, want_q8) = needs(&qkv);
+    let (want_f32, want_q8) = needs(&qkv, n);
     kernels::rms_norm(
         view(&bufs.x, n * d)?,
         w.attn_norm.weight(),
@@ -423,23 +453,29 @@ pub(super) fn layer(
     };
     // The attention's output goes to the output projection quantized when it takes Q8
     // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
-    let fused_q8 = takes_q8(w.wo.ty) && c.head_dim_v.is_multiple_of(32);
-    kernels::attention(
-        view(&bufs.q, n * q_dim)?,
-        view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
-        view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
-        &shape,
-        n,
-        view(&bufs.pos, 1)?,
-        view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(n))?,
-        view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(n))?,
-        view_mut::<u32>(&mut bufs.done, shape.done_len(n))?,
-        view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
-        fused_q8
-            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, attn_dim)))
-            .transpose()?,
-        stream,
-    )?;
+    let fused_q8 = takes_q8_for(&w.wo, n) && c.head_dim_v.is_multiple_of(32);
+    // Queries in groups of at most MAX_BATCH, the scratch the attention has room for.
+    for first in (0..n).step_by(MAX_BATCH) {
+        let m = MAX_BATCH.min(n - first);
+        kernels::attention(
+            view_at(&bufs.q, first * q_dim..(first + m) * q_dim)?,
+            view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
+            view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
+            &shape,
+            m,
+            first,
+            view(&bufs.pos, 1)?,
+            view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(m))?,
+            view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(m))?,
+            view_mut::<u32>(&mut bufs.done, shape.done_len(m))?,
+            view_mut_at::<f32>(&mut bufs.attn, first * attn_dim..(first + m) * attn_dim)?,
+            // Fused only for a few tokens, which one group holds.
+            fused_q8
+                .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, attn_dim)))
+                .transpose()?,
+            stream,
+        )?;
+    }
     let post_attn = w.post_attn_norm.as_ref();
     project(
         &w.wo,
@@ -454,7 +490,7 @@ pub(super) fn layer(
 
     // Feed-forward block.
     let gate_up = [&w.gate, &w.up];
-    let (want_f32, want_q8) = needs(&gate_up);
+    let (want_f32, want_q8) = needs(&gate_up, n);
     kernels::rms_norm(
         view(&bufs.x, n * d)?,
         w.ffn_norm.weight(),
@@ -484,7 +520,7 @@ pub(super) fn layer(
         false,
         stream,
     )?;
-    let down_q8 = takes_q8(w.down.ty);
+    let down_q8 = takes_q8_for(&w.down, n);
     kernels::gated(
         view(&bufs.gate, n * c.n_ff)?,
         view(&bufs.up, n * c.n_ff)?,
@@ -523,7 +559,7 @@ fn project(
     eps: f32,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    if takes_q8(m.ty) {
+    if takes_q8_for(m, n) {
         if !quantized {
             matvec::quantize_q8(
                 view(&bufs.attn, n * width)?,
@@ -625,7 +661,7 @@ pub(super) fn finish(
     let d = config.n_embd;
     let (first, rows) = if last_only { (n - 1, 1) } else { (0, n) };
     let out = &globals.output;
-    let (want_f32, want_q8) = needs(&[out]);
+    let (want_f32, want_q8) = needs(&[out], rows);
     kernels::rms_norm(
         view_at(&bufs.x, first * d..(first + rows) * d)?,
         globals.output_norm.weight(),

@@ -1,6 +1,7 @@
 //! The forward pass on a GPU: the same plan of lazy handles as the CPU path, its weights
 //! obtained through [`tensor_store::device::DeviceCache`] (single-flight, raw GGUF
-//! blocks, never expanded), multiplied on their blocks by `dequant::gpu::matvec`, with
+//! blocks, never expanded), multiplied on their blocks by `dequant::gpu::matvec` (a few
+//! tokens) or `dequant::gpu::matmul` (a prompt's chunk, on the matrix units), with
 //! the layer's other operations in this crate's kernels (`kernels/transformer.hip`).
 //!
 //! - [`GpuModel::new`] opens the device cache in the chosen [`UploadMode`] (eager,
@@ -38,8 +39,13 @@ use forward::Buffers;
 pub(crate) use weights::check_plan;
 use weights::{Held, LayerWeights};
 
-/// Most tokens one forward call on the GPU takes; longer inputs run in chunks.
+/// Most tokens the decode products and one attention launch take, and the chunk of
+/// [`GpuModel::forward_all_logits`]; longer prompts take the batch products.
 pub const MAX_BATCH: usize = dequant::gpu::matvec::MAX_TOKENS;
+/// Most tokens of a prompt one forward pass takes: longer prompts run in chunks of this
+/// many. Past [`MAX_BATCH`] tokens the products run on the matrix units
+/// (`dequant::gpu::matmul`).
+pub const PROMPT_BATCH: usize = 512;
 
 /// How a [`GpuModel`] is set up.
 #[derive(Clone, Debug)]
@@ -120,7 +126,7 @@ impl GpuModel {
         })?;
         let stream = device.new_stream().map_err(gpu("stream"))?;
         let host_tokens = device
-            .alloc_pinned::<u32>(MAX_BATCH)
+            .alloc_pinned::<u32>(PROMPT_BATCH)
             .map_err(gpu("pinned"))?;
         let host_logits = device
             .alloc_pinned::<f32>(MAX_BATCH * config.n_vocab)
@@ -240,7 +246,7 @@ impl GpuModel {
         Ok(&all[..n * self.config.n_vocab])
     }
 
-    /// Runs `tokens` (in chunks of [`MAX_BATCH`]) after the positions already cached and
+    /// Runs `tokens` (in chunks of [`PROMPT_BATCH`]) after the positions already cached and
     /// leaves what `want` asks for in the pinned host buffers, the copy finished.
     fn eval(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
         if tokens.is_empty() {
@@ -274,7 +280,7 @@ impl GpuModel {
     }
 
     fn run_chunks(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
-        let chunks: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
+        let chunks: Vec<&[u32]> = tokens.chunks(PROMPT_BATCH).collect();
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.into_iter().enumerate() {
             self.write_tokens(chunk)?;

@@ -505,7 +505,9 @@ mod gpu {
             .expect("prompt encodes");
         let n_vocab = model.config().n_vocab;
         let greedy_len = 32;
-        let context = tokens.len() + greedy_len;
+        // A prompt long enough for the batch products (more than one tile of tokens).
+        let long: Vec<u32> = tokens.iter().copied().cycle().take(150).collect();
+        let context = (tokens.len() + greedy_len).max(long.len());
         let Some(mut gpu) = gpu_model(&test, &model, UploadMode::Background, context) else {
             return;
         };
@@ -551,6 +553,23 @@ mod gpu {
             "{name}: argmax agrees at {agree}/{positions}"
         );
 
+        // The long prompt in one call (the batch products): its last logits.
+        let mut cache = model.new_cache(context);
+        let c = model.forward(&long, &mut cache).expect("cpu long prompt");
+        gpu.clear().expect("clear");
+        let g = gpu.forward(&long).expect("gpu long prompt");
+        let sigma = spread(&c).max(f32::MIN_POSITIVE);
+        let diff = c
+            .iter()
+            .zip(&g)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff <= tolerance(&c) && (argmax(&c) == argmax(&g) || margin(&c) <= tolerance(&c)),
+            "{name}: after a {}-token prompt, logits differ by {:.3} of their spread",
+            long.len(),
+            diff / sigma
+        );
+
         // Greedy text: the GPU (device argmax, the captured decode step) against the CPU,
         // identical until the CPU's top two come within the tolerance.
         gpu.clear().expect("clear");
@@ -574,7 +593,10 @@ mod gpu {
         }
         eprintln!(
             "gpu {name:<15} argmax {agree}/{positions} ({near} near ties), largest |Δ| {worst:.3} \
-             and rms {worst_rms:.3} of the spread, greedy {same}/{} tokens identical",
+             and rms {worst_rms:.3} of the spread, {}-token prompt {:.3}, greedy {same}/{} \
+             tokens identical",
+            long.len(),
+            diff / sigma,
             greedy_len - 1
         );
     }

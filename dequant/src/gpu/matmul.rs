@@ -1,0 +1,176 @@
+//! Products of a weight matrix in device memory with many tokens' activations (a prompt,
+//! or one token of each of several sequences), on the GPU's matrix units: the batch twin
+//! of [`super::matvec`], for any number of tokens.
+//!
+//! Each workgroup decodes a tile of the weights' blocks to f16 in shared memory (never
+//! outside it), converts the tokens' f32 activations to f16 beside it, and multiplies the
+//! two with f32 sums (`kernels/matmul.hip`). Every type the GPU decoders handle works.
+//! Results agree with the CPU kernels to rounding: weights and activations are rounded
+//! to f16 (11 significant bits) where the CPU quantizes activations to 8 bits.
+
+use gguf_format::GgmlType;
+#[cfg(hip_platform = "none")]
+use hip_backend::HipError;
+use hip_backend::{DeviceView, DeviceViewMut, Stream};
+
+use super::check_device;
+use super::matvec::GpuMatrix;
+use super::GpuDequantError;
+use crate::DequantError;
+
+/// Whether [`matmul`] multiplies weights of type `ty`.
+pub fn is_supported_for_matmul(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(
+        ty,
+        F32 | F16
+            | BF16
+            | Q4_0
+            | Q4_1
+            | Q5_0
+            | Q5_1
+            | Q8_0
+            | Q2_K
+            | Q3_K
+            | Q4_K
+            | Q5_K
+            | Q6_K
+            | IQ2_XXS
+            | IQ2_XS
+            | IQ2_S
+            | IQ3_XXS
+            | IQ3_S
+            | IQ1_S
+            | IQ1_M
+            | IQ4_NL
+            | IQ4_XS
+            | MXFP4
+    )
+}
+
+/// `out (+)= x · mᵀ` for `n_tokens` tokens (any number from 1), queued on `stream`. `x`
+/// holds `n_tokens × cols` f32 values and `out` `n_tokens × rows`, token by token; with
+/// `accumulate` the products are added to what `out` holds. The matrix's width must be a
+/// multiple of 8.
+pub fn matmul(
+    m: &GpuMatrix<'_>,
+    x: DeviceView<'_, f32>,
+    n_tokens: usize,
+    mut out: DeviceViewMut<'_, f32>,
+    accumulate: bool,
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    if !is_supported_for_matmul(m.ty()) {
+        return Err(DequantError::NoProductKernel { ty: m.ty() }.into());
+    }
+    if !m.cols().is_multiple_of(8) {
+        return Err(DequantError::PartialRow {
+            ty: m.ty(),
+            cols: m.cols(),
+            block_size: 8,
+        }
+        .into());
+    }
+    let too_large = DequantError::MatrixTooLarge {
+        ty: m.ty(),
+        rows: m.rows(),
+        cols: m.cols(),
+    };
+    if n_tokens == 0 || n_tokens > i32::MAX as usize {
+        return Err(DequantError::InputLength {
+            n_tokens,
+            cols: m.cols(),
+            expected: m.cols(),
+            actual: x.len(),
+        }
+        .into());
+    }
+    let expected = n_tokens.checked_mul(m.cols()).ok_or(too_large)?;
+    if x.len() != expected {
+        return Err(DequantError::InputLength {
+            n_tokens,
+            cols: m.cols(),
+            expected,
+            actual: x.len(),
+        }
+        .into());
+    }
+    let expected = n_tokens * m.rows();
+    if out.len() != expected {
+        return Err(DequantError::ProductOutputLength {
+            n_tokens,
+            rows: m.rows(),
+            expected,
+            actual: out.len(),
+        }
+        .into());
+    }
+    let device = check_device(stream, x.device_ordinal(), out.device_ordinal())?;
+    check_device(stream, m.bytes().device_ordinal(), out.device_ordinal())?;
+    launch(m, x, n_tokens, &mut out, accumulate, device, stream)
+}
+
+#[cfg(not(hip_platform = "none"))]
+mod sys {
+    use std::ffi::{c_int, c_void};
+    extern "C" {
+        #[allow(clippy::too_many_arguments)]
+        pub(super) fn rf_matmul(
+            ty: c_int,
+            w: *const c_void,
+            rows: c_int,
+            cols: c_int,
+            x: *const c_void,
+            n_tokens: c_int,
+            y: *mut c_void,
+            accumulate: c_int,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+    }
+}
+
+#[cfg(not(hip_platform = "none"))]
+fn launch(
+    m: &GpuMatrix<'_>,
+    x: DeviceView<'_, f32>,
+    n_tokens: usize,
+    out: &mut DeviceViewMut<'_, f32>,
+    accumulate: bool,
+    device: i32,
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    use std::ffi::c_int;
+    // SAFETY: `matmul` checked every length: the weight view holds exactly the matrix
+    // (`GpuMatrix::new`), `x` `n_tokens × cols` f32 and `out` `n_tokens × rows` f32, all on
+    // the stream's device and borrowed (alive) while the kernel is queued. Rows, columns
+    // and tokens fit in `c_int`. The kernel reads and writes only those ranges.
+    let status = unsafe {
+        sys::rf_matmul(
+            m.ty() as u32 as c_int,
+            m.bytes().as_ptr(),
+            m.rows() as c_int,
+            m.cols() as c_int,
+            x.as_ptr(),
+            n_tokens as c_int,
+            out.as_mut_ptr(),
+            c_int::from(accumulate),
+            device,
+            stream.as_raw(),
+        )
+    };
+    hip_backend::check_status("rf_matmul", status).map_err(GpuDequantError::from)
+}
+
+#[cfg(hip_platform = "none")]
+fn launch(
+    _: &GpuMatrix<'_>,
+    _: DeviceView<'_, f32>,
+    _: usize,
+    _: &mut DeviceViewMut<'_, f32>,
+    _: bool,
+    _: i32,
+    _: &Stream,
+) -> Result<(), GpuDequantError> {
+    Err(HipError::BuiltWithoutGpu.into())
+}
