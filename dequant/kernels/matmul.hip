@@ -17,11 +17,14 @@
 // plain loop of f32 multiply-adds) the result is the same function, slower.
 //
 // Precision: weights and activations are rounded to f16 (11 significant bits) before
-// the product, sums are f32. Activations beyond f16's range (65504) would overflow: the
-// inputs of a transformer's products (normalised, or gated activations) stay far below.
+// the product, sums are f32. So that no activation overflows f16's range (65504), each
+// token's activations are first divided by a power of two (rf_row_scales: the one that
+// brings the token's largest magnitude into [2^14, 2^15)), and its results multiplied
+// by it: both exact.
 //
-// Launcher (returns the platform's native status):
-//   rf_matmul(type, w, rows, cols, x, n_tokens, y, accumulate, device, stream)
+// Launchers (return the platform's native status):
+//   rf_row_scales(x, n_tokens, cols, scales, device, stream)
+//   rf_matmul(type, w, rows, cols, x, scales, n_tokens, y, accumulate, device, stream)
 // y: n_tokens × rows f32, token-major, as rf_matvec writes it.
 #include "common.h"
 
@@ -65,7 +68,8 @@ struct PlainBlocks {
 template <typename F>
 __global__ void __launch_bounds__(kMmThreads)
     matmul_kernel(const uint8_t* __restrict__ w, int rows, int cols, const float* __restrict__ x,
-                  int n_tokens, float* __restrict__ y, int accumulate) {
+                  const float* __restrict__ scales, int n_tokens, float* __restrict__ y,
+                  int accumulate) {
     static_assert(kMmK % kGroup == 0 && kMmK % 16 == 0, "whole groups and matrix steps");
     __shared__ __align__(16) uint8_t smem[kMmSharedBytes];
     __half* wt = reinterpret_cast<__half*>(smem);   // kMmRows × kMmPitch
@@ -114,6 +118,8 @@ __global__ void __launch_bounds__(kMmThreads)
             float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (tok < n_tokens && k < cols) {
                 v = *reinterpret_cast<const float4*>(x + (size_t)tok * cols + k);
+                const float inv = 1.0f / scales[tok];  // a power of two: exact
+                v = make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
             }
             __half* d = xt + t * kMmPitch + kk;
             d[0] = __float2half(v.x);
@@ -162,27 +168,62 @@ __global__ void __launch_bounds__(kMmThreads)
         const int tok = tok0 + t, row = row0 + r;
         if (tok < n_tokens && row < rows) {
             float* dst = y + (size_t)tok * rows + row;
-            const float v = out[t * kMmOutPitch + r];
+            const float v = out[t * kMmOutPitch + r] * scales[tok];
             *dst = accumulate ? *dst + v : v;
         }
     }
 }
 
 template <typename F>
-hipError_t launch_matmul(const uint8_t* w, int rows, int cols, const float* x, int n_tokens,
-                         float* y, int accumulate, hipStream_t stream) {
+hipError_t launch_matmul(const uint8_t* w, int rows, int cols, const float* x,
+                         const float* scales, int n_tokens, float* y, int accumulate,
+                         hipStream_t stream) {
     const dim3 grid((unsigned)((rows + kMmRows - 1) / kMmRows),
                     (unsigned)((n_tokens + kMmTokens - 1) / kMmTokens));
     rfLaunchChained(matmul_kernel<F>, grid, dim3(kMmThreads), 0, stream, w, rows, cols, x,
-                    n_tokens, y, accumulate);
+                    scales, n_tokens, y, accumulate);
     return hipGetLastError();
+}
+
+// One workgroup per token: the power of two 2^e with the token's largest magnitude in
+// [2^14, 2^15) once divided by it; 1 for a token of zeros or with a non-finite value
+// (which then reaches the results as it is).
+__global__ void __launch_bounds__(256)
+    row_scales_kernel(const float* __restrict__ x, int cols, float* __restrict__ scales) {
+    rf_chain_wait();
+    __shared__ float partial[256 / 32];
+    const float* row = x + (size_t)blockIdx.x * cols;
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) amax = fmaxf(amax, fabsf(row[i]));
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) amax = fmaxf(amax, rf_shfl_xor(amax, mask));
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = amax;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = 0.0f;
+        for (int g = 0; g < (int)(blockDim.x / 32); ++g) m = fmaxf(m, partial[g]);
+        float scale = 1.0f;
+        if (m > 0.0f && m <= 3.4e38f) scale = ldexpf(1.0f, ilogbf(m) - 14);
+        scales[blockIdx.x] = scale;
+    }
 }
 
 }  // namespace rf
 
 // Weight type codes as ggml numbers them (GgmlType in gguf-format).
+extern "C" int rf_row_scales(const void* x, int n_tokens, int cols, void* scales, int device,
+                             void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_tokens < 1 || cols < 1) return (int)hipErrorInvalidValue;
+    rfLaunchChained(rf::row_scales_kernel, dim3((unsigned)n_tokens), dim3(256), 0,
+                    (hipStream_t)stream, (const float*)x, cols, (float*)scales);
+    return (int)hipGetLastError();
+}
+
 extern "C" int rf_matmul(int type, const void* w, int rows, int cols, const void* x,
-                         int n_tokens, void* y, int accumulate, int device, void* stream) {
+                         const void* scales, int n_tokens, void* y, int accumulate, int device,
+                         void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (rows < 1 || cols < 1 || n_tokens < 1 || cols % rf::kGroup != 0) {
@@ -190,11 +231,12 @@ extern "C" int rf_matmul(int type, const void* w, int rows, int cols, const void
     }
     const uint8_t* wb = (const uint8_t*)w;
     const float* xf = (const float*)x;
+    const float* sf = (const float*)scales;
     float* yf = (float*)y;
     hipStream_t s = (hipStream_t)stream;
     using namespace rf;
 #define RF_MM_CASE(code, Format) \
-    case code: return (int)launch_matmul<Format>(wb, rows, cols, xf, n_tokens, yf, accumulate, s);
+    case code: return (int)launch_matmul<Format>(wb, rows, cols, xf, sf, n_tokens, yf, accumulate, s);
     switch (type) {
         RF_MM_CASE(0, PlainBlocks<PlainF32>)
         RF_MM_CASE(1, PlainBlocks<PlainF16>)

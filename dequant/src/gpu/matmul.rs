@@ -6,7 +6,9 @@
 //! outside it), converts the tokens' f32 activations to f16 beside it, and multiplies the
 //! two with f32 sums (`kernels/matmul.hip`). Every type the GPU decoders handle works.
 //! Results agree with the CPU kernels to rounding: weights and activations are rounded
-//! to f16 (11 significant bits) where the CPU quantizes activations to 8 bits.
+//! to f16 (11 significant bits) where the CPU quantizes activations to 8 bits. So that no
+//! activation overflows f16, each token's are divided by a power of two first
+//! ([`row_scales`]) and its results multiplied by it, both exactly.
 
 use gguf_format::GgmlType;
 #[cfg(hip_platform = "none")]
@@ -48,13 +50,47 @@ pub fn is_supported_for_matmul(ty: GgmlType) -> bool {
     )
 }
 
+/// Each of `n_tokens` rows of `cols` f32 values' scale for [`matmul`]: the power of two
+/// that brings the row's largest magnitude into [2^14, 2^15) once divided by it (1 for a
+/// row of zeros or with a non-finite value), into `out` (`n_tokens` values).
+pub fn row_scales(
+    x: DeviceView<'_, f32>,
+    n_tokens: usize,
+    cols: usize,
+    mut out: DeviceViewMut<'_, f32>,
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    let expected = n_tokens.saturating_mul(cols);
+    if n_tokens == 0 || cols == 0 || x.len() != expected || n_tokens > i32::MAX as usize {
+        return Err(DequantError::InputLength {
+            n_tokens,
+            cols,
+            expected,
+            actual: x.len(),
+        }
+        .into());
+    }
+    if out.len() != n_tokens || cols > i32::MAX as usize {
+        return Err(DequantError::ProductOutputLength {
+            n_tokens,
+            rows: 1,
+            expected: n_tokens,
+            actual: out.len(),
+        }
+        .into());
+    }
+    let device = check_device(stream, x.device_ordinal(), out.device_ordinal())?;
+    launch_scales(x, n_tokens, cols, &mut out, device, stream)
+}
+
 /// `out (+)= x · mᵀ` for `n_tokens` tokens (any number from 1), queued on `stream`. `x`
-/// holds `n_tokens × cols` f32 values and `out` `n_tokens × rows`, token by token; with
-/// `accumulate` the products are added to what `out` holds. The matrix's width must be a
-/// multiple of 8.
+/// holds `n_tokens × cols` f32 values, `scales` their [`row_scales`], and `out` `n_tokens
+/// × rows`, token by token; with `accumulate` the products are added to what `out`
+/// holds. The matrix's width must be a multiple of 8.
 pub fn matmul(
     m: &GpuMatrix<'_>,
     x: DeviceView<'_, f32>,
+    scales: DeviceView<'_, f32>,
     n_tokens: usize,
     mut out: DeviceViewMut<'_, f32>,
     accumulate: bool,
@@ -95,6 +131,15 @@ pub fn matmul(
         }
         .into());
     }
+    if scales.len() != n_tokens {
+        return Err(DequantError::InputLength {
+            n_tokens,
+            cols: 1,
+            expected: n_tokens,
+            actual: scales.len(),
+        }
+        .into());
+    }
     let expected = n_tokens * m.rows();
     if out.len() != expected {
         return Err(DequantError::ProductOutputLength {
@@ -106,14 +151,22 @@ pub fn matmul(
         .into());
     }
     let device = check_device(stream, x.device_ordinal(), out.device_ordinal())?;
-    check_device(stream, m.bytes().device_ordinal(), out.device_ordinal())?;
-    launch(m, x, n_tokens, &mut out, accumulate, device, stream)
+    check_device(stream, m.bytes().device_ordinal(), scales.device_ordinal())?;
+    launch(m, x, scales, n_tokens, &mut out, accumulate, device, stream)
 }
 
 #[cfg(not(hip_platform = "none"))]
 mod sys {
     use std::ffi::{c_int, c_void};
     extern "C" {
+        pub(super) fn rf_row_scales(
+            x: *const c_void,
+            n_tokens: c_int,
+            cols: c_int,
+            scales: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
         #[allow(clippy::too_many_arguments)]
         pub(super) fn rf_matmul(
             ty: c_int,
@@ -121,6 +174,7 @@ mod sys {
             rows: c_int,
             cols: c_int,
             x: *const c_void,
+            scales: *const c_void,
             n_tokens: c_int,
             y: *mut c_void,
             accumulate: c_int,
@@ -131,9 +185,37 @@ mod sys {
 }
 
 #[cfg(not(hip_platform = "none"))]
+fn launch_scales(
+    x: DeviceView<'_, f32>,
+    n_tokens: usize,
+    cols: usize,
+    out: &mut DeviceViewMut<'_, f32>,
+    device: i32,
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    use std::ffi::c_int;
+    // SAFETY: `row_scales` checked that `x` holds `n_tokens × cols` f32 and `out`
+    // `n_tokens`, both on the stream's device and borrowed while the kernel is queued;
+    // both counts fit in `c_int`. The kernel reads and writes only those ranges.
+    let status = unsafe {
+        sys::rf_row_scales(
+            x.as_ptr(),
+            n_tokens as c_int,
+            cols as c_int,
+            out.as_mut_ptr(),
+            device,
+            stream.as_raw(),
+        )
+    };
+    hip_backend::check_status("rf_row_scales", status).map_err(GpuDequantError::from)
+}
+
+#[cfg(not(hip_platform = "none"))]
+#[allow(clippy::too_many_arguments)]
 fn launch(
     m: &GpuMatrix<'_>,
     x: DeviceView<'_, f32>,
+    scales: DeviceView<'_, f32>,
     n_tokens: usize,
     out: &mut DeviceViewMut<'_, f32>,
     accumulate: bool,
@@ -142,7 +224,8 @@ fn launch(
 ) -> Result<(), GpuDequantError> {
     use std::ffi::c_int;
     // SAFETY: `matmul` checked every length: the weight view holds exactly the matrix
-    // (`GpuMatrix::new`), `x` `n_tokens × cols` f32 and `out` `n_tokens × rows` f32, all on
+    // (`GpuMatrix::new`), `x` `n_tokens × cols` f32, `scales` `n_tokens` f32 and `out`
+    // `n_tokens × rows` f32, all on
     // the stream's device and borrowed (alive) while the kernel is queued. Rows, columns
     // and tokens fit in `c_int`. The kernel reads and writes only those ranges.
     let status = unsafe {
@@ -152,6 +235,7 @@ fn launch(
             m.rows() as c_int,
             m.cols() as c_int,
             x.as_ptr(),
+            scales.as_ptr(),
             n_tokens as c_int,
             out.as_mut_ptr(),
             c_int::from(accumulate),
@@ -163,8 +247,22 @@ fn launch(
 }
 
 #[cfg(hip_platform = "none")]
+fn launch_scales(
+    _: DeviceView<'_, f32>,
+    _: usize,
+    _: usize,
+    _: &mut DeviceViewMut<'_, f32>,
+    _: i32,
+    _: &Stream,
+) -> Result<(), GpuDequantError> {
+    Err(HipError::BuiltWithoutGpu.into())
+}
+
+#[cfg(hip_platform = "none")]
+#[allow(clippy::too_many_arguments)]
 fn launch(
     _: &GpuMatrix<'_>,
+    _: DeviceView<'_, f32>,
     _: DeviceView<'_, f32>,
     _: usize,
     _: &mut DeviceViewMut<'_, f32>,

@@ -417,11 +417,14 @@ fn gpu_matmul(
     let wb = upload(device, stream, w);
     let m = GpuMatrix::new(ty, rows, cols, wb.view()).expect("matrix");
     let x_dev = upload(device, stream, x);
+    let mut scales = upload(device, stream, &vec![f32::NAN; n]);
+    matmul::row_scales(x_dev.view(), n, cols, scales.view_mut(), stream).expect("scales");
     let start = initial.map_or(vec![f32::NAN; n * rows], <[f32]>::to_vec);
     let mut out = upload(device, stream, &start);
     matmul::matmul(
         &m,
         x_dev.view(),
+        scales.view(),
         n,
         out.view_mut(),
         initial.is_some(),
@@ -498,4 +501,22 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
     );
     let expected: Vec<f32> = alone.iter().map(|v| v + 1.5).collect();
     assert_eq!(added, expected, "accumulated batch product");
+    // Activations far past f16's range (65504), and a token of zeros: each token is
+    // scaled by a power of two first, so nothing overflows.
+    let mut x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 1e6).collect();
+    x[..cols].fill(0.0);
+    let got = gpu_matmul(
+        &device,
+        &stream,
+        GgmlType::Q4_K,
+        &w,
+        rows,
+        cols,
+        &x,
+        n,
+        None,
+    );
+    assert!(got[..rows].iter().all(|&v| v == 0.0), "a token of zeros");
+    let err = relative_error(&got, &reference(GgmlType::Q4_K, &w, rows, cols, &x, n));
+    assert!(err <= 2e-3, "large activations: relative error {err:.2e}");
 }

@@ -39,6 +39,8 @@ pub(super) struct Buffers {
     part_acc: ArenaBuffer,
     /// The attention's counters of finished chunks: zero between launches.
     done: ArenaBuffer,
+    /// Per-token scales of the batch products' input.
+    scales: ArenaBuffer,
     raw: ArenaBuffer,
     tokens: ArenaBuffer,
     pos: ArenaBuffer,
@@ -102,6 +104,7 @@ impl Buffers {
             f32s(attention.ml_len(w)),            // part_ml
             f32s(attention.acc_len(w)),           // part_acc
             4 * attention.done_len(w),            // done
+            f32s(b),                              // scales
             b * row_bytes,                        // raw embedding rows
             4 * b,                                // tokens
             4,                                    // pos
@@ -139,6 +142,7 @@ impl Buffers {
             part_ml: next()?,
             part_acc: next()?,
             done: next()?,
+            scales: next()?,
             raw: next()?,
             tokens: next()?,
             pos: next()?,
@@ -275,13 +279,18 @@ fn products(
     n: usize,
     outs: Vec<DeviceViewMut<'_, f32>>,
     accumulate: bool,
+    scales: &mut ArenaBuffer,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     if batched(n) {
         let input = f32_in.expect("f32 input prepared for the batch products");
+        let cols = mats[0].cols;
+        matmul::row_scales(input, n, cols, view_mut::<f32>(scales, n)?, stream)
+            .map_err(matvec_error(mats))?;
         for (m, out) in mats.iter().zip(outs) {
             let gm = gpu_matrix(m)?;
-            matmul::matmul(&gm, input, n, out, accumulate, stream).map_err(matvec_error(&[m]))?;
+            matmul::matmul(&gm, input, view(scales, n)?, n, out, accumulate, stream)
+                .map_err(matvec_error(&[m]))?;
         }
         return Ok(());
     }
@@ -408,6 +417,7 @@ pub(super) fn layer(
             view_mut::<f32>(&mut bufs.v, n * v_dim)?,
         ],
         false,
+        &mut bufs.scales,
         stream,
     )?;
     let head_shape = HeadShape {
@@ -518,6 +528,7 @@ pub(super) fn layer(
             view_mut::<f32>(&mut bufs.up, n * c.n_ff)?,
         ],
         false,
+        &mut bufs.scales,
         stream,
     )?;
     let down_q8 = takes_q8_for(&w.down, n);
@@ -535,14 +546,14 @@ pub(super) fn layer(
         stream,
     )?;
     let post_ffn = w.post_ffn_norm.as_ref().map(|n| n.weight());
-    let (x, proj) = (&mut bufs.x, &mut bufs.proj);
-    if down_q8 {
-        let q8 = view(&bufs.q8, q8_bytes(n, c.n_ff))?;
-        residual(&w.down, None, Some(q8), post_ffn, x, proj, n, eps, stream)
+    let (x, proj, scales) = (&mut bufs.x, &mut bufs.proj, &mut bufs.scales);
+    let (f32_in, q8_in) = if down_q8 {
+        (None, Some(view(&bufs.q8, q8_bytes(n, c.n_ff))?))
     } else {
-        let act = view(&bufs.act, n * c.n_ff)?;
-        residual(&w.down, Some(act), None, post_ffn, x, proj, n, eps, stream)
-    }
+        (Some(view(&bufs.act, n * c.n_ff)?), None)
+    };
+    let into = Residual { x, proj, scales };
+    residual(&w.down, f32_in, q8_in, post_ffn, into, n, eps, stream)
 }
 
 /// The output projection of attention: quantizes `attn` (`width` per token) when the
@@ -559,7 +570,7 @@ fn project(
     eps: f32,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    if takes_q8_for(m, n) {
+    let q8_in = if takes_q8_for(m, n) {
         if !quantized {
             matvec::quantize_q8(
                 view(&bufs.attn, n * width)?,
@@ -570,32 +581,28 @@ fn project(
             )
             .map_err(matvec_error(&[m]))?;
         }
-        let q8 = view(&bufs.q8, q8_bytes(n, width))?;
-        residual(
-            m,
-            None,
-            Some(q8),
-            post_norm,
-            &mut bufs.x,
-            &mut bufs.proj,
-            n,
-            eps,
-            stream,
-        )
+        Some(view(&bufs.q8, q8_bytes(n, width))?)
     } else {
-        let input = view(&bufs.attn, n * width)?;
-        residual(
-            m,
-            Some(input),
-            None,
-            post_norm,
-            &mut bufs.x,
-            &mut bufs.proj,
-            n,
-            eps,
-            stream,
-        )
-    }
+        None
+    };
+    let f32_in = match q8_in {
+        Some(_) => None,
+        None => Some(view(&bufs.attn, n * width)?),
+    };
+    let into = Residual {
+        x: &mut bufs.x,
+        proj: &mut bufs.proj,
+        scales: &mut bufs.scales,
+    };
+    residual(m, f32_in, q8_in, post_norm, into, n, eps, stream)
+}
+
+/// Where a residual product writes: the residual stream `x`, `proj` for a post-norm's
+/// input, and the batch products' scales.
+struct Residual<'a> {
+    x: &'a mut ArenaBuffer,
+    proj: &'a mut ArenaBuffer,
+    scales: &'a mut ArenaBuffer,
 }
 
 /// `x += input · mᵀ`, or with a post-norm `x += rms_norm(input · mᵀ)` (through `proj`).
@@ -605,13 +612,13 @@ fn residual(
     f32_in: Option<DeviceView<'_, f32>>,
     q8_in: Option<DeviceView<'_, u8>>,
     post_norm: Option<super::kernels::NormWeight<'_>>,
-    x: &mut ArenaBuffer,
-    proj: &mut ArenaBuffer,
+    into: Residual<'_>,
     n: usize,
     eps: f32,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = m.rows;
+    let Residual { x, proj, scales } = into;
     match post_norm {
         None => products(
             &[m],
@@ -620,6 +627,7 @@ fn residual(
             n,
             vec![view_mut::<f32>(x, n * d)?],
             true,
+            scales,
             stream,
         ),
         Some(norm) => {
@@ -630,6 +638,7 @@ fn residual(
                 n,
                 vec![view_mut::<f32>(proj, n * d)?],
                 false,
+                scales,
                 stream,
             )?;
             kernels::rms_norm(
@@ -686,6 +695,7 @@ pub(super) fn finish(
         rows,
         vec![view_mut::<f32>(&mut bufs.logits, rows * config.n_vocab)?],
         false,
+        &mut bufs.scales,
         stream,
     )
 }
