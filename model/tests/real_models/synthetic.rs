@@ -354,6 +354,47 @@ fn every_spec_has_a_reference_and_a_test() {
     }
 }
 
+/// Every `-mix` model has the types llama-quantize's preset gives its tensors:
+/// `tests/data/mixes/NAME.txt` is llama.cpp's own choice for each tensor (its
+/// `llama_tensor_get_type`, run by `tests/data/mixref.cpp` on the generated file), and
+/// every matrix of the file must be listed there with the same type.
+#[test]
+fn every_mix_has_llama_quantize_s_types() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/mixes");
+    let mixes: Vec<_> = SPECS.iter().filter(|s| s.name.ends_with("-mix")).collect();
+    assert!(mixes.len() >= 2, "the mixes are found by name");
+    for spec in mixes {
+        let name = spec.name;
+        let path = dir.join(format!("{name}.txt"));
+        let listing = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        let mut expected: Vec<(String, GgmlType)> = listing
+            .lines()
+            .map(|line| {
+                let (tensor, ty) = line
+                    .split_once(' ')
+                    .unwrap_or_else(|| panic!("{name}: bad line {line:?}"));
+                let ty = GgmlType::ALL
+                    .into_iter()
+                    .find(|t| t.name().eq_ignore_ascii_case(ty))
+                    .unwrap_or_else(|| panic!("{name}: unknown type {ty}"));
+                (tensor.to_owned(), ty)
+            })
+            .collect();
+        let bytes = build(spec).expect("the generator writes a valid file");
+        let file = gguf_format::parse(&bytes).expect("the generated file parses");
+        let mut ours: Vec<(String, GgmlType)> = file
+            .tensors
+            .iter()
+            .filter(|t| t.shape.len() >= 2)
+            .map(|t| (t.name.clone(), t.ggml_type))
+            .collect();
+        expected.sort();
+        ours.sort();
+        assert_eq!(ours, expected, "{name}: types differ from llama-quantize's");
+    }
+}
+
 /// The reference quantizers make blocks that decode (with the dequant crate, which is
 /// checked against gguf-py's decoders) close to the values they were made from: the
 /// synthetic weights are realistic, not random bits.
