@@ -312,6 +312,12 @@ matches_llama_cpp! {
     llama_mxfp4_matches_llama_cpp => "llama-mxfp4",
     llama_q2_k_mix_matches_llama_cpp => "llama-q2_k-mix",
     llama_q3_k_m_mix_matches_llama_cpp => "llama-q3_k_m-mix",
+    llama_q3_k_s_mix_matches_llama_cpp => "llama-q3_k_s-mix",
+    llama_q3_k_l_mix_matches_llama_cpp => "llama-q3_k_l-mix",
+    llama_q4_k_s_mix_matches_llama_cpp => "llama-q4_k_s-mix",
+    llama_iq4_xs_mix_matches_llama_cpp => "llama-iq4_xs-mix",
+    llama_iq3_m_mix_matches_llama_cpp => "llama-iq3_m-mix",
+    llama_iq2_m_mix_matches_llama_cpp => "llama-iq2_m-mix",
     llama_f16_matches_llama_cpp => "llama-f16",
     llama_bf16_matches_llama_cpp => "llama-bf16",
     llama_f32_matches_llama_cpp => "llama-f32",
@@ -644,6 +650,10 @@ mod gpu {
         gpu_llama_iq4_nl => "llama-iq4_nl",
         gpu_llama_q2_k_mix => "llama-q2_k-mix",
         gpu_llama_q3_k_m_mix => "llama-q3_k_m-mix",
+        gpu_llama_q3_k_s_mix => "llama-q3_k_s-mix",
+        gpu_llama_q3_k_l_mix => "llama-q3_k_l-mix",
+        gpu_llama_q4_k_s_mix => "llama-q4_k_s-mix",
+        gpu_llama_iq4_xs_mix => "llama-iq4_xs-mix",
         gpu_llama_f16 => "llama-f16",
         gpu_llama_bf16 => "llama-bf16",
         gpu_llama_f32 => "llama-f32",
@@ -714,6 +724,8 @@ mod gpu {
         gpu_llama_iq1_s => "llama-iq1_s": "IQ1_S",
         gpu_llama_iq1_m => "llama-iq1_m": "IQ1_M",
         gpu_llama_mxfp4 => "llama-mxfp4": "MXFP4",
+        gpu_llama_iq3_m_mix => "llama-iq3_m-mix": "IQ3_S",
+        gpu_llama_iq2_m_mix => "llama-iq2_m-mix": "IQ2_S",
     }
 
     gpu_refuses! {
