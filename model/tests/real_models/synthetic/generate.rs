@@ -268,6 +268,8 @@ pub const SPECS: &[Spec] = &[
     llama_typed("llama-iq2_s", GgmlType::IQ2_S, GgmlType::Q8_0, 27),
     llama_typed("llama-iq1_s", GgmlType::IQ1_S, GgmlType::Q8_0, 28),
     llama_typed("llama-iq1_m", GgmlType::IQ1_M, GgmlType::Q8_0, 29),
+    llama_typed("llama-tq1_0", GgmlType::TQ1_0, GgmlType::Q8_0, 39),
+    llama_typed("llama-tq2_0", GgmlType::TQ2_0, GgmlType::Q8_0, 40),
     // IQ4_NL: 288 wide (rows of 9 blocks, which llama.cpp's single-token dot product
     // takes in pairs and one apart), 9 heads of 32 on 3 KV heads; every matrix but the
     // output (300 rows) has a multiple of 8 rows, which llama.cpp repacks.
