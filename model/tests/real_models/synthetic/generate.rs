@@ -146,9 +146,9 @@ pub const SPECS: &[Spec] = &[
     // no importance matrix, and rows of 256 and 512 values (whole k-quant blocks, so no
     // fallback type applies). Each preset starts from its base type (the matrices and,
     // with no rule of their own but in IQ2_M, the embeddings); the output takes Q6_K
-    // (Q5_K in the IQ2/IQ1 presets). With two layers, the rules for the first eighth or
-    // sixteenth of the layers (n_layer/8 = 0) never apply, and those for the first 2 or 4
-    // attn_v tensors take both layers:
+    // (Q5_K in the IQ1, IQ2 and IQ3_XXS presets). With two layers, the rules for the
+    // first eighth or sixteenth of the layers (n_layer/8 = 0) never apply, and those for
+    // the first 2 or 4 attn_v tensors take both layers:
     //   Q2_K    attn_v Q3_K (Q4_K from n_gqa 4), ffn_down Q3_K, attn_output Q3_K
     //   Q3_K_S  no exceptions
     //   Q3_K_M  attn_v Q5_K (the first 2), ffn_down Q4_K (Q5_K in the first 1/16),
