@@ -112,6 +112,8 @@ fn random_weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
         // IQ1_M's scale lies in the top nibbles of its scales; random bytes there are a
         // random f16, made finite and small below.
         GgmlType::IQ1_M => &[],
+        GgmlType::TQ1_0 => &[52],
+        GgmlType::TQ2_0 => &[64],
         GgmlType::F16 => &[0],
         GgmlType::BF16 => &[],
         GgmlType::F32 => {
@@ -201,7 +203,7 @@ const GEMMA3_LAYER: [Shape; 7] = [
 const GEMMA3_OUTPUT: Shape = ("output", GgmlType::Q8_0, 262144, 640);
 
 /// The other types, on one square shape.
-const OTHER_TYPES: [GgmlType; 19] = [
+const OTHER_TYPES: [GgmlType; 21] = [
     GgmlType::Q4_0,
     GgmlType::Q5_1,
     GgmlType::Q4_K,
@@ -218,6 +220,8 @@ const OTHER_TYPES: [GgmlType; 19] = [
     GgmlType::IQ2_S,
     GgmlType::IQ1_S,
     GgmlType::IQ1_M,
+    GgmlType::TQ1_0,
+    GgmlType::TQ2_0,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::F32,

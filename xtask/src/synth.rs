@@ -28,11 +28,13 @@ pub struct Preset {
     pub context_length: u32,
     pub rope_freq_base: f32,
     pub rms_eps: f32,
+    /// Before [`fallback`] ([`Preset::embd_tensor_type`]).
     pub embd_type: GgmlType,
     /// Attention matrices, gate and up.
     pub matrix_type: GgmlType,
     pub ffn_down_type: GgmlType,
-    /// `None`: the output reuses the token embeddings (tied).
+    /// `None`: the output reuses the token embeddings (tied). Before llama-quantize's
+    /// output rule and [`fallback`] ([`Preset::output_tensor_type`]).
     pub output_type: Option<GgmlType>,
     /// `general.file_type` (llama.cpp's `LLAMA_FTYPE_*`).
     pub file_type: u32,
@@ -41,33 +43,107 @@ pub struct Preset {
 }
 
 /// How a preset's layer matrices depart from `matrix_type` and `ffn_down_type`, as
-/// llama-quantize's presets do (`llama-quant.cpp`, for a llama whose query heads each
-/// have their own KV head).
+/// llama-quantize's presets do: the rules of `llama_tensor_get_type` in `llama-quant.cpp`
+/// for a dense llama (no experts, not the 70B size, whose attn_v gets more bits) without
+/// an importance matrix. "The first k" counts layers (llama.cpp counts attn_v tensors,
+/// one a layer); "the first 1/8" is the first `n_layers / 8` layers; "gqa4" is four or
+/// more query heads per KV head. Any type whose blocks do not divide a row falls back
+/// as [`fallback`] says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mix {
-    /// No exceptions.
+    /// No exceptions (also `Q3_K_S`, whose only exception is its Q6_K output).
     Plain,
-    /// `Q2_K`: attn_v and attn_output in Q3_K (ffn_down's Q3_K is `ffn_down_type`).
+    /// `Q2_K`: attn_v Q3_K (Q4_K with gqa4), attn_output Q3_K (ffn_down's Q3_K is
+    /// `ffn_down_type`).
     Q2K,
-    /// `Q3_K_M`: attn_v in Q5_K for the first two layers, Q4_K after; ffn_down in Q5_K
-    /// for the first sixteenth of the layers, `ffn_down_type` after; attn_output in
-    /// Q4_K.
+    /// `Q3_K_M`: attn_v Q5_K in the first 2, Q4_K after; ffn_down Q5_K in the first 1/16,
+    /// `ffn_down_type` (Q4_K) after; attn_output Q4_K.
     Q3KM,
+    /// `Q3_K_L`: attn_v and attn_output Q5_K (ffn_down's Q5_K is `ffn_down_type`).
+    Q3KL,
+    /// `Q4_K_S`: attn_v Q5_K in the first 4; ffn_down Q5_K in the first 1/8.
+    Q4KS,
+    /// `IQ4_XS`: attn_v Q5_K only with gqa4; ffn_down Q5_K in the first 1/8 (an
+    /// importance matrix would keep it IQ4_XS).
+    IQ4XS,
+    /// `IQ3_M`: attn_v and attn_output Q4_K; ffn_down Q4_K in the first 1/8.
+    IQ3M,
+    /// `IQ2_M`: attn_v IQ3_S (Q4_K with gqa4); attn_output IQ3_S; ffn_down IQ3_S in the
+    /// first 1/8.
+    IQ2M,
 }
 
 impl Preset {
     /// The type of layer `layer`'s matrix `role` (`attn_q`, `ffn_down`, ...).
     pub fn layer_type(&self, role: &str, layer: u32) -> GgmlType {
-        match (self.mix, role) {
-            (_, "ffn_down") if self.mix == Mix::Q3KM && layer < self.n_layers / 16 => {
-                GgmlType::Q5_K
-            }
-            (_, "ffn_down") => self.ffn_down_type,
-            (Mix::Q2K, "attn_v" | "attn_output") => GgmlType::Q3_K,
-            (Mix::Q3KM, "attn_v") if layer < 2 => GgmlType::Q5_K,
-            (Mix::Q3KM, "attn_v" | "attn_output") => GgmlType::Q4_K,
-            _ => self.matrix_type,
-        }
+        use GgmlType::*;
+        let first = |part: u32| layer < self.n_layers / part;
+        let gqa4 = self.n_heads / self.n_kv_heads >= 4;
+        let rule = match (self.mix, role) {
+            (Mix::Q2K, "attn_v") => Some(if gqa4 { Q4_K } else { Q3_K }),
+            (Mix::Q2K, "attn_output") => Some(Q3_K),
+            (Mix::Q3KM, "attn_v") => Some(if layer < 2 { Q5_K } else { Q4_K }),
+            (Mix::Q3KM, "ffn_down") if first(16) => Some(Q5_K),
+            (Mix::Q3KM, "attn_output") => Some(Q4_K),
+            (Mix::Q3KL, "attn_v" | "attn_output") => Some(Q5_K),
+            (Mix::Q4KS, "attn_v") if layer < 4 => Some(Q5_K),
+            (Mix::Q4KS | Mix::IQ4XS, "ffn_down") if first(8) => Some(Q5_K),
+            (Mix::IQ4XS, "attn_v") if gqa4 => Some(Q5_K),
+            (Mix::IQ3M, "attn_v" | "attn_output") => Some(Q4_K),
+            (Mix::IQ3M, "ffn_down") if first(8) => Some(Q4_K),
+            (Mix::IQ2M, "attn_v") => Some(if gqa4 { Q4_K } else { IQ3_S }),
+            (Mix::IQ2M, "attn_output") => Some(IQ3_S),
+            (Mix::IQ2M, "ffn_down") if first(8) => Some(IQ3_S),
+            _ => None,
+        };
+        let ty = rule.unwrap_or(if role == "ffn_down" {
+            self.ffn_down_type
+        } else {
+            self.matrix_type
+        });
+        // Rows are `n_ff` wide for ffn_down, `n_embd` for every other matrix.
+        let cols = if role == "ffn_down" {
+            self.n_ff
+        } else {
+            self.n_embd
+        };
+        fallback(ty, cols)
+    }
+
+    /// The token embeddings' type (rows of `n_embd`).
+    pub fn embd_tensor_type(&self) -> GgmlType {
+        fallback(self.embd_type, self.n_embd)
+    }
+
+    /// The output's type, `None` when tied: Q8_0 where the base type's blocks do not
+    /// divide a row (llama-quant.cpp's output rule), before the fallback.
+    pub fn output_tensor_type(&self) -> Option<GgmlType> {
+        let whole = self.n_embd.is_multiple_of(self.matrix_type.block_size());
+        self.output_type
+            .map(|ty| fallback(if whole { ty } else { GgmlType::Q8_0 }, self.n_embd))
+    }
+}
+
+/// llama-quantize's type for rows of `cols` values that are not whole blocks of `ty`
+/// (`tensor_type_fallback`): the i-quants go to IQ4_NL, Q2_K, Q3_K and the ternary types
+/// to Q4_0, Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0; F16 where even that does not fit.
+pub fn fallback(ty: GgmlType, cols: u64) -> GgmlType {
+    use GgmlType::*;
+    if cols.is_multiple_of(ty.block_size()) {
+        return ty;
+    }
+    let to = match ty {
+        IQ1_S | IQ1_M | IQ2_XXS | IQ2_XS | IQ2_S | IQ3_XXS | IQ3_S | IQ4_XS => IQ4_NL,
+        Q2_K | Q3_K | TQ1_0 | TQ2_0 => Q4_0,
+        Q4_K => Q5_0,
+        Q5_K => Q5_1,
+        Q6_K => Q8_0,
+        other => other,
+    };
+    if cols.is_multiple_of(to.block_size()) {
+        to
+    } else {
+        F16
     }
 }
 
@@ -161,14 +237,122 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 12,
         mix: Mix::Q3KM,
+    }, // Llama-2-7B's shapes in llama-quantize's Q3_K_S mix (LLAMA_FTYPE_MOSTLY_Q3_K_S).
+    Preset {
+        name: "7b-q3_k_s",
+        n_layers: 32,
+        n_embd: 4096,
+        n_ff: 11008,
+        n_heads: 32,
+        n_kv_heads: 32,
+        context_length: 4096,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q3_K,
+        matrix_type: GgmlType::Q3_K,
+        ffn_down_type: GgmlType::Q3_K,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 11,
+        mix: Mix::Plain,
+    },
+    // Llama-2-7B's shapes in llama-quantize's Q3_K_L mix (LLAMA_FTYPE_MOSTLY_Q3_K_L).
+    Preset {
+        name: "7b-q3_k_l",
+        n_layers: 32,
+        n_embd: 4096,
+        n_ff: 11008,
+        n_heads: 32,
+        n_kv_heads: 32,
+        context_length: 4096,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q3_K,
+        matrix_type: GgmlType::Q3_K,
+        ffn_down_type: GgmlType::Q5_K,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 13,
+        mix: Mix::Q3KL,
+    },
+    // Llama-2-7B's shapes in llama-quantize's Q4_K_S mix (LLAMA_FTYPE_MOSTLY_Q4_K_S).
+    Preset {
+        name: "7b-q4_k_s",
+        n_layers: 32,
+        n_embd: 4096,
+        n_ff: 11008,
+        n_heads: 32,
+        n_kv_heads: 32,
+        context_length: 4096,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q4_K,
+        matrix_type: GgmlType::Q4_K,
+        ffn_down_type: GgmlType::Q4_K,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 14,
+        mix: Mix::Q4KS,
+    },
+    // Llama-2-7B's shapes in llama-quantize's IQ4_XS mix (LLAMA_FTYPE_MOSTLY_IQ4_XS).
+    Preset {
+        name: "7b-iq4_xs",
+        n_layers: 32,
+        n_embd: 4096,
+        n_ff: 11008,
+        n_heads: 32,
+        n_kv_heads: 32,
+        context_length: 4096,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::IQ4_XS,
+        matrix_type: GgmlType::IQ4_XS,
+        ffn_down_type: GgmlType::IQ4_XS,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 30,
+        mix: Mix::IQ4XS,
+    },
+    // Llama-2-7B's shapes in llama-quantize's IQ3_M mix (LLAMA_FTYPE_MOSTLY_IQ3_M).
+    Preset {
+        name: "7b-iq3_m",
+        n_layers: 32,
+        n_embd: 4096,
+        n_ff: 11008,
+        n_heads: 32,
+        n_kv_heads: 32,
+        context_length: 4096,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::IQ3_S,
+        matrix_type: GgmlType::IQ3_S,
+        ffn_down_type: GgmlType::IQ3_S,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 27,
+        mix: Mix::IQ3M,
+    },
+    // Llama-2-7B's shapes in llama-quantize's IQ2_M mix (LLAMA_FTYPE_MOSTLY_IQ2_M):
+    // IQ3_S embeddings, a Q5_K output.
+    Preset {
+        name: "7b-iq2_m",
+        n_layers: 32,
+        n_embd: 4096,
+        n_ff: 11008,
+        n_heads: 32,
+        n_kv_heads: 32,
+        context_length: 4096,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::IQ3_S,
+        matrix_type: GgmlType::IQ2_S,
+        ffn_down_type: GgmlType::IQ2_S,
+        output_type: Some(GgmlType::Q5_K),
+        file_type: 29,
+        mix: Mix::IQ2M,
     },
 ];
 
-const USAGE: &str =
-    "usage: cargo xtask synth-model --preset 7b-q4k|7b-q2_k|7b-q3_k_m|1b-q4k|135m-q4_1 \
-                     --out FILE \
+const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
                      [--seed N] [--tokenizer-from GGUF]\n       \
-                     cargo xtask synth-model --tokenizer-only --out FILE [--tokenizer-from GGUF]";
+                     cargo xtask synth-model --tokenizer-only --out FILE [--tokenizer-from GGUF]\n\
+     PRESET: 7b-q4k, 1b-q4k, 135m-q4_1, or Llama-2-7B's shapes in a llama-quantize mix:\n        \
+     7b-q2_k, 7b-q3_k_s, 7b-q3_k_m, 7b-q3_k_l, 7b-q4_k_s, 7b-iq4_xs, 7b-iq3_m, 7b-iq2_m";
 
 /// Parses the task's arguments and writes the model.
 pub fn run(args: &[String]) -> Result<()> {
@@ -250,7 +434,11 @@ pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<Ggu
         }
     }
     let (d, ff) = (preset.n_embd, preset.n_ff);
-    w.add_tensor("token_embd.weight", preset.embd_type, &[d, n_vocab])?;
+    w.add_tensor(
+        "token_embd.weight",
+        preset.embd_tensor_type(),
+        &[d, n_vocab],
+    )?;
     for l in 0..preset.n_layers {
         let m = |role: &str| preset.layer_type(role, l);
         let name = |s: &str| format!("blk.{l}.{s}.weight");
@@ -265,7 +453,7 @@ pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<Ggu
         w.add_tensor(&name("ffn_down"), m("ffn_down"), &[ff, d])?;
     }
     w.add_tensor("output_norm.weight", GgmlType::F32, &[d])?;
-    if let Some(ty) = preset.output_type {
+    if let Some(ty) = preset.output_tensor_type() {
         w.add_tensor("output.weight", ty, &[d, n_vocab])?;
     }
     Ok(w)
@@ -435,7 +623,17 @@ fn small_f16(bits: u64) -> u16 {
 /// (stored negative, as real models' minima are).
 fn f16_fields(ty: GgmlType) -> &'static [(usize, bool)] {
     match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[(0, false)],
+        GgmlType::Q4_0
+        | GgmlType::Q5_0
+        | GgmlType::Q8_0
+        | GgmlType::IQ4_NL
+        | GgmlType::IQ4_XS
+        | GgmlType::IQ3_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_XXS
+        | GgmlType::IQ1_S => &[(0, false)],
         GgmlType::Q4_1 | GgmlType::Q5_1 => &[(0, false), (2, true)],
         GgmlType::Q2_K => &[(80, false), (82, false)],
         GgmlType::Q3_K => &[(108, false)],
@@ -478,6 +676,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn both_usages_name_every_preset() {
+        for p in PRESETS {
+            assert!(
+                USAGE.contains(p.name),
+                "{} missing from synth.rs's usage",
+                p.name
+            );
+            assert!(
+                crate::USAGE.contains(p.name),
+                "{} missing from main.rs's usage",
+                p.name
+            );
+        }
+    }
+
+    #[test]
     fn scales_are_small_finite_halves() {
         for bits in [0u64, 1, 4, 0x3ff00, u64::MAX, 0x1234_5678_9abc_def0] {
             let h = small_f16(bits);
@@ -494,6 +708,9 @@ mod tests {
             GgmlType::Q6_K,
             GgmlType::Q4_1,
             GgmlType::Q8_0,
+            GgmlType::IQ4_XS,
+            GgmlType::IQ3_S,
+            GgmlType::IQ2_S,
         ] {
             let block = ty.type_size() as usize;
             let mut data = vec![0xffu8; block * 3];
@@ -546,30 +763,156 @@ mod tests {
         }
     }
 
+    /// Every mixed preset's types at the layers where llama-quantize's rules change (the
+    /// first 2 and 4, the first sixteenth and eighth of 32 layers), with its embeddings and
+    /// output, as `llama_tensor_get_type` assigns them to Llama-2-7B's tensors.
     #[test]
     fn the_mixed_presets_follow_llama_quantize_per_tensor() {
-        let preset = |name: &str| PRESETS.iter().find(|p| p.name == name).unwrap();
-        let q2 = preset("7b-q2_k");
-        for l in [0, 31] {
-            assert_eq!(q2.layer_type("attn_q", l), GgmlType::Q2_K);
-            assert_eq!(q2.layer_type("ffn_up", l), GgmlType::Q2_K);
-            for role in ["attn_v", "attn_output", "ffn_down"] {
-                assert_eq!(q2.layer_type(role, l), GgmlType::Q3_K, "{role} {l}");
+        use GgmlType::*;
+        // Per preset: embeddings, output, and for each of layers 0, 1, 2, 3, 4, 31 the
+        // types of attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down.
+        type Layer = [GgmlType; 7];
+        let same = |rest: GgmlType, v: GgmlType, o: GgmlType, down: GgmlType| -> Layer {
+            [rest, rest, v, o, rest, rest, down]
+        };
+        let cases: [(&str, GgmlType, GgmlType, [Layer; 6]); 8] = [
+            ("7b-q2_k", Q2_K, Q6_K, [same(Q2_K, Q3_K, Q3_K, Q3_K); 6]),
+            ("7b-q3_k_s", Q3_K, Q6_K, [same(Q3_K, Q3_K, Q3_K, Q3_K); 6]),
+            (
+                "7b-q3_k_m",
+                Q3_K,
+                Q6_K,
+                [
+                    same(Q3_K, Q5_K, Q4_K, Q5_K),
+                    same(Q3_K, Q5_K, Q4_K, Q5_K),
+                    same(Q3_K, Q4_K, Q4_K, Q4_K),
+                    same(Q3_K, Q4_K, Q4_K, Q4_K),
+                    same(Q3_K, Q4_K, Q4_K, Q4_K),
+                    same(Q3_K, Q4_K, Q4_K, Q4_K),
+                ],
+            ),
+            ("7b-q3_k_l", Q3_K, Q6_K, [same(Q3_K, Q5_K, Q5_K, Q5_K); 6]),
+            (
+                "7b-q4_k_s",
+                Q4_K,
+                Q6_K,
+                [
+                    same(Q4_K, Q5_K, Q4_K, Q5_K),
+                    same(Q4_K, Q5_K, Q4_K, Q5_K),
+                    same(Q4_K, Q5_K, Q4_K, Q5_K),
+                    same(Q4_K, Q5_K, Q4_K, Q5_K),
+                    same(Q4_K, Q4_K, Q4_K, Q4_K),
+                    same(Q4_K, Q4_K, Q4_K, Q4_K),
+                ],
+            ),
+            (
+                "7b-iq4_xs",
+                IQ4_XS,
+                Q6_K,
+                [
+                    same(IQ4_XS, IQ4_XS, IQ4_XS, Q5_K),
+                    same(IQ4_XS, IQ4_XS, IQ4_XS, Q5_K),
+                    same(IQ4_XS, IQ4_XS, IQ4_XS, Q5_K),
+                    same(IQ4_XS, IQ4_XS, IQ4_XS, Q5_K),
+                    same(IQ4_XS, IQ4_XS, IQ4_XS, IQ4_XS),
+                    same(IQ4_XS, IQ4_XS, IQ4_XS, IQ4_XS),
+                ],
+            ),
+            (
+                "7b-iq3_m",
+                IQ3_S,
+                Q6_K,
+                [
+                    same(IQ3_S, Q4_K, Q4_K, Q4_K),
+                    same(IQ3_S, Q4_K, Q4_K, Q4_K),
+                    same(IQ3_S, Q4_K, Q4_K, Q4_K),
+                    same(IQ3_S, Q4_K, Q4_K, Q4_K),
+                    same(IQ3_S, Q4_K, Q4_K, IQ3_S),
+                    same(IQ3_S, Q4_K, Q4_K, IQ3_S),
+                ],
+            ),
+            (
+                "7b-iq2_m",
+                IQ3_S,
+                Q5_K,
+                [
+                    same(IQ2_S, IQ3_S, IQ3_S, IQ3_S),
+                    same(IQ2_S, IQ3_S, IQ3_S, IQ3_S),
+                    same(IQ2_S, IQ3_S, IQ3_S, IQ3_S),
+                    same(IQ2_S, IQ3_S, IQ3_S, IQ3_S),
+                    same(IQ2_S, IQ3_S, IQ3_S, IQ2_S),
+                    same(IQ2_S, IQ3_S, IQ3_S, IQ2_S),
+                ],
+            ),
+        ];
+        let roles = [
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ];
+        for (name, embd, output, layers) in cases {
+            let p = PRESETS.iter().find(|p| p.name == name).unwrap();
+            assert_eq!(p.embd_tensor_type(), embd, "{name} token_embd");
+            assert_eq!(p.output_tensor_type(), Some(output), "{name} output");
+            for (layer, types) in [0, 1, 2, 3, 4, 31].into_iter().zip(layers) {
+                for (role, ty) in roles.into_iter().zip(types) {
+                    assert_eq!(p.layer_type(role, layer), ty, "{name} {role} {layer}");
+                }
             }
         }
-        let q3 = preset("7b-q3_k_m");
-        for (l, v, down) in [
-            (0, GgmlType::Q5_K, GgmlType::Q5_K),
-            (1, GgmlType::Q5_K, GgmlType::Q5_K),
-            (2, GgmlType::Q4_K, GgmlType::Q4_K),
-            (31, GgmlType::Q4_K, GgmlType::Q4_K),
-        ] {
-            assert_eq!(q3.layer_type("attn_v", l), v, "attn_v {l}");
-            assert_eq!(q3.layer_type("ffn_down", l), down, "ffn_down {l}");
-            assert_eq!(q3.layer_type("attn_output", l), GgmlType::Q4_K);
-            assert_eq!(q3.layer_type("attn_k", l), GgmlType::Q3_K);
-            assert_eq!(q3.layer_type("ffn_gate", l), GgmlType::Q3_K);
+    }
+
+    /// Four query heads per KV head move attn_v up in Q2_K, IQ4_XS and IQ2_M; rows that
+    /// are not whole 256-value blocks take llama-quantize's fallback types, and the
+    /// output then Q8_0.
+    #[test]
+    fn the_mixes_follow_grouped_heads_and_fall_back_on_partial_blocks() {
+        use GgmlType::*;
+        let preset = |name: &str| PRESETS.iter().find(|p| p.name == name).unwrap();
+        for (name, v) in [("7b-q2_k", Q4_K), ("7b-iq4_xs", Q5_K), ("7b-iq2_m", Q4_K)] {
+            let grouped = Preset {
+                n_kv_heads: 8,
+                ..*preset(name)
+            };
+            assert_eq!(grouped.layer_type("attn_v", 10), v, "{name}");
+            let fewer = Preset {
+                n_kv_heads: 16,
+                ..*preset(name)
+            };
+            assert_eq!(
+                fewer.layer_type("attn_v", 10),
+                preset(name).layer_type("attn_v", 10)
+            );
         }
+        // SmolLM2-135M's widths: 576 (2.25 blocks of 256) and 1536 (6 blocks).
+        let narrow = |name: &str| Preset {
+            n_embd: 576,
+            n_ff: 1536,
+            n_heads: 9,
+            n_kv_heads: 3,
+            ..*preset(name)
+        };
+        let q3l = narrow("7b-q3_k_l");
+        assert_eq!(q3l.layer_type("attn_q", 5), Q4_0);
+        assert_eq!(q3l.layer_type("attn_v", 5), Q5_1);
+        assert_eq!(q3l.layer_type("ffn_down", 5), Q5_K);
+        assert_eq!(q3l.embd_tensor_type(), Q4_0);
+        assert_eq!(q3l.output_tensor_type(), Some(Q8_0));
+        let q4s = narrow("7b-q4_k_s");
+        assert_eq!(q4s.layer_type("ffn_up", 5), Q5_0);
+        assert_eq!(q4s.layer_type("ffn_down", 5), Q4_K);
+        let iq2 = narrow("7b-iq2_m");
+        assert_eq!(iq2.layer_type("attn_q", 5), IQ4_NL);
+        assert_eq!(iq2.layer_type("ffn_down", 5), IQ2_S);
+        assert_eq!(iq2.embd_tensor_type(), IQ4_NL);
+        assert_eq!(iq2.output_tensor_type(), Some(Q8_0));
+        assert_eq!(fallback(Q6_K, 576), Q8_0);
+        assert_eq!(fallback(Q4_K, 100), F16);
+        assert_eq!(fallback(Q4_K, 512), Q4_K);
     }
 
     #[test]

@@ -135,5 +135,7 @@ kernel!(
 kernel!(IQ2_S, Q8KActs, portable::dot_iq2_s, avx2::lanes::dot_iq2_s);
 kernel!(IQ1_S, Q8KActs, portable::dot_iq1_s, avx2::lanes::dot_iq1_s);
 kernel!(IQ1_M, Q8KActs, portable::dot_iq1_m, avx2::lanes::dot_iq1_m);
+kernel!(TQ1_0, Q8KActs, portable::dot_tq1_0, avx2::lanes::dot_tq1_0);
+kernel!(TQ2_0, Q8KActs, portable::dot_tq2_0, avx2::lanes::dot_tq2_0);
 kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
 kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);

@@ -24,8 +24,8 @@
 //! 576×576 product; products too small to pay for that run on the calling thread.
 //!
 //! Supported weight types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K,
-//! Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M
-//! and MXFP4 ([`is_supported`]).
+//! Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M,
+//! TQ1_0, TQ2_0 and MXFP4 ([`is_supported`]).
 
 mod activation;
 #[cfg(target_arch = "x86_64")]
@@ -82,6 +82,8 @@ pub fn is_supported(ty: GgmlType) -> bool {
             | IQ2_S
             | IQ1_S
             | IQ1_M
+            | TQ1_0
+            | TQ2_0
             | MXFP4
     )
 }

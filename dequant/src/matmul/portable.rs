@@ -14,10 +14,10 @@ use std::mem::size_of;
 use crate::blocks::{
     cast_blocks, Block, BlockIQ1_M, BlockIQ1_S, BlockIQ2_S, BlockIQ2_XS, BlockIQ2_XXS, BlockIQ3_S,
     BlockIQ3_XXS, BlockIQ4_NL, BlockIQ4_XS, BlockMXFP4, BlockQ2_K, BlockQ3_K, BlockQ4_0, BlockQ4_1,
-    BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0,
+    BlockQ4_K, BlockQ5_0, BlockQ5_1, BlockQ5_K, BlockQ6_K, BlockQ8_0, BlockTQ1_0, BlockTQ2_0,
 };
 use crate::decode::grids::{KVALUES_IQ4NL, KVALUES_MXFP4};
-use crate::decode::scalar::{e8m0_to_f32_half, q3_k_scales};
+use crate::decode::scalar::{e8m0_to_f32_half, q3_k_scales, trit};
 use crate::matmul::activation::{Q8KRow, Q8Row, BSUM_GROUP, QK8, QK_K};
 use crate::matmul::grids::Grid;
 
@@ -634,7 +634,8 @@ pub(crate) struct LaneInts {
     /// of every 32.
     pub dots: [i32; 8],
     /// The min terms `Σ min · Σ qx` of the formats with mins (lane `l` holding groups
-    /// `2l` and `2l + 1` of 16), zeros for the others.
+    /// `2l` and `2l + 1` of 16); for the ternary formats the activations' sums in those
+    /// lanes, which take their values' offset of 1 back off; zeros for the others.
     pub mins: [i32; 8],
     /// The IQ1 formats' shift terms `Σ scale · δ · qx` (`δ = ±1` per run), in the lanes
     /// of `dots`; zeros for the others.
@@ -654,6 +655,10 @@ pub(crate) mod kind {
     /// A shift per run whose terms the dot product keeps in lanes of their own
     /// (`IQ1_M`).
     pub const DELTA_LANES: u8 = 3;
+    /// The ternary formats (`TQ1_0`, `TQ2_0`): values stored with an offset of 1, the
+    /// activations' sums (the min lanes) subtracted in the integers. llama.cpp has no
+    /// tiled GEMM for them: every batch takes the dot product.
+    pub const TERNARY: u8 = 4;
 }
 
 /// A super-block's scales as [`lane_dot`] applies them: `d` (with any constant factor
@@ -671,7 +676,9 @@ pub(crate) struct LaneScales {
 /// into one accumulator). `KIND` says what the format adds to its lanes ([`kind`]);
 /// `factor` is a power of two that the dot product multiplies the reduced sum by (for
 /// the IQ1 formats, the reduced shift terms) and the GEMM `d` (1 for the k-quants). The
-/// IQ1 formats' GEMM takes `8 Σ + Σδ` (values `8 g + δ`, `factor` 1/8).
+/// IQ1 formats' GEMM takes `8 Σ + Σδ` (values `8 g + δ`, `factor` 1/8). The ternary
+/// formats' lanes are `Σ q · qx − Σ qx` (the mins subtracted), fused at `dx · d`, at
+/// every batch size.
 #[inline]
 fn lane_dot<B: Block, const KIND: u8>(
     row: &[u8],
@@ -680,16 +687,22 @@ fn lane_dot<B: Block, const KIND: u8>(
     block: impl Fn(&B, &[i8], &[i16]) -> (LaneScales, LaneInts),
 ) -> f32 {
     let delta = KIND == kind::DELTA_SUM || KIND == kind::DELTA_LANES;
+    let use_gemm = act.gemm && KIND != kind::TERNARY;
     let mut acc = [0.0f32; 8];
     let mut acc_delta = [0.0f32; 8];
     let mut sum_delta = 0.0f32;
     let mut gemm = 0.0f32;
     for (b, blk) in whole_blocks::<B>(row).iter().enumerate() {
-        let (w, ints) = block(blk, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
+        let (w, mut ints) = block(blk, &act.qs[b * QK_K..], &act.bsums[b * 16..]);
         let dx = act.d[b];
+        if KIND == kind::TERNARY {
+            for (dot, &sum) in ints.dots.iter_mut().zip(&ints.mins) {
+                *dot -= sum;
+            }
+        }
         let dots: i32 = ints.dots.iter().sum();
         let deltas: i32 = ints.deltas.iter().sum();
-        if act.gemm {
+        if use_gemm {
             let total = if delta { 8 * dots + deltas } else { dots };
             let mut res = (w.d * factor) * total as f32;
             if KIND == kind::MINS {
@@ -716,7 +729,7 @@ fn lane_dot<B: Block, const KIND: u8>(
             }
         }
     }
-    if act.gemm {
+    if use_gemm {
         gemm
     } else if KIND == kind::DELTA_SUM {
         reduce8(&acc) + factor * sum_delta
@@ -825,6 +838,65 @@ pub(crate) fn dot_iq4_xs(row: &[u8], act: Q8KRow<'_>) -> f32 {
     lane_dot::<BlockIQ4_XS, { kind::PLAIN }>(row, act, 1.0, |block, qx, _| {
         let d = block.d.to_f32();
         (LaneScales { d, dmin: 0.0 }, iq4_xs_lanes(block, qx))
+    })
+}
+
+/// A ternary super-block in lanes from its stored values `q` (0, 1, 2 for −1, 0, 1):
+/// `Σ q · qx`, and as mins the activations' sums per 16 (lane `l` holding groups `2l`
+/// and `2l + 1`), which llama.cpp subtracts from the lanes.
+fn ternary_lanes(values: &[u8; QK_K], qx: &[i8], bsums: &[i16]) -> LaneInts {
+    let mut mins = [0i32; 8];
+    for (l, lane) in mins.iter_mut().enumerate() {
+        *lane = i32::from(bsums[2 * l]) + i32::from(bsums[2 * l + 1]);
+    }
+    LaneInts {
+        dots: lanes::<QK_K>(|i| i32::from(values[i]) * i32::from(qx[i])),
+        mins,
+        deltas: [0; 8],
+    }
+}
+
+/// `TQ1_0` in lanes: digit `p` (base 3, [`trit`]) of byte `b` of the first 32 bytes of
+/// `qs` is value `32p + b`, of the next 16 value `160 + 16p + b`, and digit `p` of `qh[b]`
+/// value `240 + 4p + b`.
+pub(crate) fn tq1_0_lanes(block: &BlockTQ1_0, qx: &[i8], bsums: &[i16]) -> LaneInts {
+    let mut values = [0u8; QK_K];
+    let mut i = 0;
+    for (bytes, digits) in [
+        (&block.qs[..32], 5),
+        (&block.qs[32..], 5),
+        (&block.qh[..], 4),
+    ] {
+        for p in 0..digits {
+            for &byte in bytes {
+                values[i] = trit(byte, p) as u8;
+                i += 1;
+            }
+        }
+    }
+    ternary_lanes(&values, qx, bsums)
+}
+
+/// `TQ2_0` in lanes: value `128c + 32s + l` in bits `2s, 2s + 1` of `qs[32c + l]`.
+pub(crate) fn tq2_0_lanes(block: &BlockTQ2_0, qx: &[i8], bsums: &[i16]) -> LaneInts {
+    let values: [u8; QK_K] =
+        std::array::from_fn(|i| (block.qs[32 * (i / 128) + i % 32] >> (2 * (i % 128 / 32))) & 3);
+    ternary_lanes(&values, qx, bsums)
+}
+
+/// `TQ1_0`: see [`lane_dot`].
+pub(crate) fn dot_tq1_0(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<BlockTQ1_0, { kind::TERNARY }>(row, act, 1.0, |block, qx, bsums| {
+        let d = block.d.to_f32();
+        (LaneScales { d, dmin: 0.0 }, tq1_0_lanes(block, qx, bsums))
+    })
+}
+
+/// `TQ2_0`: see [`lane_dot`].
+pub(crate) fn dot_tq2_0(row: &[u8], act: Q8KRow<'_>) -> f32 {
+    lane_dot::<BlockTQ2_0, { kind::TERNARY }>(row, act, 1.0, |block, qx, bsums| {
+        let d = block.d.to_f32();
+        (LaneScales { d, dmin: 0.0 }, tq2_0_lanes(block, qx, bsums))
     })
 }
 

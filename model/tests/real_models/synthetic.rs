@@ -309,9 +309,17 @@ matches_llama_cpp! {
     llama_iq2_s_matches_llama_cpp => "llama-iq2_s",
     llama_iq1_s_matches_llama_cpp => "llama-iq1_s",
     llama_iq1_m_matches_llama_cpp => "llama-iq1_m",
+    llama_tq1_0_matches_llama_cpp => "llama-tq1_0",
+    llama_tq2_0_matches_llama_cpp => "llama-tq2_0",
     llama_mxfp4_matches_llama_cpp => "llama-mxfp4",
     llama_q2_k_mix_matches_llama_cpp => "llama-q2_k-mix",
     llama_q3_k_m_mix_matches_llama_cpp => "llama-q3_k_m-mix",
+    llama_q3_k_s_mix_matches_llama_cpp => "llama-q3_k_s-mix",
+    llama_q3_k_l_mix_matches_llama_cpp => "llama-q3_k_l-mix",
+    llama_q4_k_s_mix_matches_llama_cpp => "llama-q4_k_s-mix",
+    llama_iq4_xs_mix_matches_llama_cpp => "llama-iq4_xs-mix",
+    llama_iq3_m_mix_matches_llama_cpp => "llama-iq3_m-mix",
+    llama_iq2_m_mix_matches_llama_cpp => "llama-iq2_m-mix",
     llama_f16_matches_llama_cpp => "llama-f16",
     llama_bf16_matches_llama_cpp => "llama-bf16",
     llama_f32_matches_llama_cpp => "llama-f32",
@@ -354,6 +362,47 @@ fn every_spec_has_a_reference_and_a_test() {
     }
 }
 
+/// Every `-mix` model has the types llama-quantize's preset gives its tensors:
+/// `tests/data/mixes/NAME.txt` is llama.cpp's own choice for each tensor (its
+/// `llama_tensor_get_type`, run by `tests/data/mixref.cpp` on the generated file), and
+/// every matrix of the file must be listed there with the same type.
+#[test]
+fn every_mix_has_llama_quantize_s_types() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/mixes");
+    let mixes: Vec<_> = SPECS.iter().filter(|s| s.name.ends_with("-mix")).collect();
+    assert!(mixes.len() >= 2, "the mixes are found by name");
+    for spec in mixes {
+        let name = spec.name;
+        let path = dir.join(format!("{name}.txt"));
+        let listing = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        let mut expected: Vec<(String, GgmlType)> = listing
+            .lines()
+            .map(|line| {
+                let (tensor, ty) = line
+                    .split_once(' ')
+                    .unwrap_or_else(|| panic!("{name}: bad line {line:?}"));
+                let ty = GgmlType::ALL
+                    .into_iter()
+                    .find(|t| t.name().eq_ignore_ascii_case(ty))
+                    .unwrap_or_else(|| panic!("{name}: unknown type {ty}"));
+                (tensor.to_owned(), ty)
+            })
+            .collect();
+        let bytes = build(spec).expect("the generator writes a valid file");
+        let file = gguf_format::parse(&bytes).expect("the generated file parses");
+        let mut ours: Vec<(String, GgmlType)> = file
+            .tensors
+            .iter()
+            .filter(|t| t.shape.len() >= 2)
+            .map(|t| (t.name.clone(), t.ggml_type))
+            .collect();
+        expected.sort();
+        ours.sort();
+        assert_eq!(ours, expected, "{name}: types differ from llama-quantize's");
+    }
+}
+
 /// The reference quantizers make blocks that decode (with the dequant crate, which is
 /// checked against gguf-py's decoders) close to the values they were made from: the
 /// synthetic weights are realistic, not random bits.
@@ -381,6 +430,8 @@ fn synthetic_quantizers_round_trip_within_their_precision() {
         (GgmlType::IQ2_S, 0.29),
         (GgmlType::IQ1_S, 0.5),
         (GgmlType::IQ1_M, 0.48),
+        (GgmlType::TQ1_0, 0.52),
+        (GgmlType::TQ2_0, 0.52),
         (GgmlType::MXFP4, 0.13),
         (GgmlType::F16, 0.001),
         (GgmlType::BF16, 0.005),
@@ -625,6 +676,10 @@ mod gpu {
         gpu_llama_iq4_nl => "llama-iq4_nl",
         gpu_llama_q2_k_mix => "llama-q2_k-mix",
         gpu_llama_q3_k_m_mix => "llama-q3_k_m-mix",
+        gpu_llama_q3_k_s_mix => "llama-q3_k_s-mix",
+        gpu_llama_q3_k_l_mix => "llama-q3_k_l-mix",
+        gpu_llama_q4_k_s_mix => "llama-q4_k_s-mix",
+        gpu_llama_iq4_xs_mix => "llama-iq4_xs-mix",
         gpu_llama_f16 => "llama-f16",
         gpu_llama_bf16 => "llama-bf16",
         gpu_llama_f32 => "llama-f32",
@@ -694,7 +749,11 @@ mod gpu {
         gpu_llama_iq2_s => "llama-iq2_s": "IQ2_S",
         gpu_llama_iq1_s => "llama-iq1_s": "IQ1_S",
         gpu_llama_iq1_m => "llama-iq1_m": "IQ1_M",
+        gpu_llama_tq1_0 => "llama-tq1_0": "TQ1_0",
+        gpu_llama_tq2_0 => "llama-tq2_0": "TQ2_0",
         gpu_llama_mxfp4 => "llama-mxfp4": "MXFP4",
+        gpu_llama_iq3_m_mix => "llama-iq3_m-mix": "IQ3_S",
+        gpu_llama_iq2_m_mix => "llama-iq2_m-mix": "IQ2_S",
     }
 
     gpu_refuses! {

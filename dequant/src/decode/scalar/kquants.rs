@@ -152,7 +152,7 @@ const POW3: [u8; 5] = [1, 3, 9, 27, 81];
 /// `ceil(n * 256 / 243)` for a 5-digit base-3 number `n`; multiplying by `3^p` modulo
 /// 256 brings digit `p` to the top, and `* 3 >> 8` reads it.
 #[inline(always)]
-fn trit(byte: u8, p: usize) -> i8 {
+pub(crate) fn trit(byte: u8, p: usize) -> i8 {
     ((byte.wrapping_mul(POW3[p]) as u16 * 3) >> 8) as i8
 }
 

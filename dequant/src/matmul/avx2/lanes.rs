@@ -1,6 +1,7 @@
 //! AVX2 kernels of the super-block formats that llama.cpp's AVX2 build multiplies lane
-//! by lane: `Q2_K`, `Q3_K`, `IQ4_XS` and the grid formats (`IQ3_S`, `IQ3_XXS`,
-//! `IQ2_XXS`, `IQ2_XS`, `IQ2_S`, `IQ1_S`, `IQ1_M`).
+//! by lane: `Q2_K`, `Q3_K`, `IQ4_XS`, the grid formats (`IQ3_S`, `IQ3_XXS`, `IQ2_XXS`,
+//! `IQ2_XS`, `IQ2_S`, `IQ1_S`, `IQ1_M`) and the ternary formats (`TQ1_0`, `TQ2_0`, whose
+//! batches all take the dot product: llama.cpp has no GEMM for them).
 //!
 //! For each super-block and token the integers come out as llama.cpp's dot products
 //! hold them: the weights unpacked 32 at a time into bytes, `maddubs` against the
@@ -16,7 +17,7 @@ use std::mem::{offset_of, size_of};
 
 use super::kquants::{act_ptrs, blocks, pick_i16};
 use super::{hsum_epi32, hsum_ps, load32, load_f16};
-use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
+use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockTQ1_0, BlockTQ2_0};
 use crate::decode::grids::KVALUES_IQ4NL;
 use crate::matmul::activation::Q8KRow;
 use crate::matmul::grids::Grid;
@@ -34,6 +35,8 @@ pub(crate) mod format {
     pub const IQ2_S: u8 = 7;
     pub const IQ2_XS: u8 = 6;
     pub const IQ2_XXS: u8 = 5;
+    pub const TQ1_0: u8 = 10;
+    pub const TQ2_0: u8 = 11;
 }
 
 /// The grid format of `F`, if it is one.
@@ -64,6 +67,8 @@ const fn block_bytes(f: u8) -> usize {
         format::Q2_K => size_of::<BlockQ2_K>(),
         format::Q3_K => size_of::<BlockQ3_K>(),
         format::IQ4_XS => size_of::<BlockIQ4_XS>(),
+        format::TQ1_0 => size_of::<BlockTQ1_0>(),
+        format::TQ2_0 => size_of::<BlockTQ2_0>(),
         _ => match grid_of(f) {
             Some(grid) => grid.block_bytes(),
             None => panic!("not a lane format"),
@@ -77,6 +82,7 @@ const fn kind_of(f: u8) -> u8 {
         format::Q2_K => kind::MINS,
         format::IQ1_S => kind::DELTA_SUM,
         format::IQ1_M => kind::DELTA_LANES,
+        format::TQ1_0 | format::TQ2_0 => kind::TERNARY,
         _ => kind::PLAIN,
     }
 }
@@ -243,6 +249,143 @@ unsafe fn iq4_xs_ints<const N: usize>(block: *const u8, qx: [*const i8; N]) -> [
     dots
 }
 
+/// The activations' sums per 16 of each token in the lanes of the dot products (lane
+/// `l` holding groups `2l` and `2l + 1`), which the ternary formats subtract.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; 16 sums behind each pointer must be
+/// readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn sum_lanes<const N: usize>(bsums: [*const i16; N]) -> [__m256i; N] {
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: 16 sums are readable behind each pointer per the contract.
+    bsums.map(|p| _mm256_madd_epi16(unsafe { _mm256_loadu_si256(p.cast()) }, ones))
+}
+
+/// Stored ternary values (0, 1, 2) against 32 activations of each token: `maddubs`,
+/// then a `madd` against ones into the lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn ternary_madd(q: __m256i, x: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+}
+
+/// `TQ2_0` super-block for each token: `Σ q · qx` in eight i32 lanes (`q` the stored
+/// 0, 1 or 2, value `128c + 32s + l` in bits `2s, 2s + 1` of `qs[32c + l]`), and the
+/// activations' sums per 16 in eight more.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations and 16
+/// sums behind each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tq2_0_ints<const N: usize>(
+    block: *const u8,
+    qx: [*const i8; N],
+    bsums: [*const i16; N],
+) -> ([__m256i; N], [__m256i; N]) {
+    let m3 = _mm256_set1_epi8(3);
+    let mut dots = [_mm256_setzero_si256(); N];
+    for c in 0..2 {
+        // SAFETY: the 32 bytes of qs for values 128c .. 128c + 128 lie inside the block.
+        let bits = unsafe { load32(block.add(offset_of!(BlockTQ2_0, qs) + 32 * c)) };
+        for s in 0..4 {
+            let q = _mm256_and_si256(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(2 * s)), m3);
+            for t in 0..N {
+                // SAFETY: 256 activations are readable behind each pointer.
+                let x = unsafe { load32(qx[t].add(128 * c + 32 * s as usize).cast()) };
+                dots[t] = _mm256_add_epi32(dots[t], ternary_madd(q, x));
+            }
+        }
+    }
+    // SAFETY: forwarded contract.
+    (dots, unsafe { sum_lanes(bsums) })
+}
+
+/// The top base-3 digit (0, 1 or 2) of each byte, `b · 3 >> 8`, as llama.cpp computes
+/// it: one saturating decrement and two averages make `(3b) / 4` without overflow, of
+/// which the top two bits are the digit.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn top_trits(b: __m256i) -> __m256i {
+    let b = _mm256_subs_epu8(b, _mm256_set1_epi8(1));
+    let three_quarters = _mm256_avg_epu8(b, _mm256_avg_epu8(b, _mm256_setzero_si256()));
+    _mm256_and_si256(_mm256_srli_epi16::<6>(three_quarters), _mm256_set1_epi8(3))
+}
+
+/// Bytes times 3 and times 9, modulo 256.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn times3(b: __m256i) -> __m256i {
+    _mm256_add_epi8(b, _mm256_add_epi8(b, b))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn times9(b: __m256i) -> __m256i {
+    let eight = _mm256_and_si256(_mm256_slli_epi16::<3>(b), _mm256_set1_epi8(-8));
+    _mm256_add_epi8(eight, b)
+}
+
+/// `TQ1_0` super-block for each token: `Σ q · qx` in eight i32 lanes (`q` the stored
+/// 0, 1 or 2: digit `p` of byte `b` of the first 32 bytes of `qs` is value `32p + b`, of
+/// the next 16 value `160 + 16p + b`, digit `p` of `qh[b]` value `240 + 4p + b`; each
+/// byte times `3^p` brings digit `p` to the top), and the activations' sums per 16 in
+/// eight more.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block and 256 activations and 16
+/// sums behind each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tq1_0_ints<const N: usize>(
+    block: *const u8,
+    qx: [*const i8; N],
+    bsums: [*const i16; N],
+) -> ([__m256i; N], [__m256i; N]) {
+    // SAFETY: qs (48 bytes) and qh (4 bytes) lie inside the readable block.
+    let (wide, narrow, qh) = unsafe {
+        (
+            load32(block.add(offset_of!(BlockTQ1_0, qs))),
+            _mm_loadu_si128(block.add(offset_of!(BlockTQ1_0, qs) + 32).cast()),
+            block
+                .add(offset_of!(BlockTQ1_0, qh))
+                .cast::<[u8; 4]>()
+                .read_unaligned(),
+        )
+    };
+    let (w3, w9) = (times3(wide), times9(wide));
+    let narrow = _mm256_set_m128i(narrow, narrow);
+    let (n3, n9) = (times3(narrow), times9(narrow));
+    // qh's four bytes times 1, 3, 9 and 27, byte 4p + b holding qh[b] · 3^p.
+    let high: [u8; 16] = std::array::from_fn(|i| qh[i % 4].wrapping_mul([1, 3, 9, 27][i / 4]));
+    // SAFETY: `high` holds 16 bytes; `loadu` has no alignment requirement.
+    let high = unsafe { _mm_loadu_si128(high.as_ptr().cast()) };
+    // The 32 stored values meeting activations 32k .. 32k + 32, for each k.
+    let chunks = [
+        wide,
+        w3,
+        w9,
+        times9(w3),
+        times9(w9),
+        _mm256_blend_epi32::<0xF0>(narrow, n3),
+        _mm256_blend_epi32::<0xF0>(n9, times9(n3)),
+        _mm256_set_m128i(high, _mm256_castsi256_si128(times9(n9))),
+    ]
+    .map(|b| top_trits(b));
+    let mut dots = [_mm256_setzero_si256(); N];
+    for (k, &q) in chunks.iter().enumerate() {
+        for t in 0..N {
+            // SAFETY: 256 activations are readable behind each pointer.
+            let x = unsafe { load32(qx[t].add(32 * k).cast()) };
+            dots[t] = _mm256_add_epi32(dots[t], ternary_madd(q, x));
+        }
+    }
+    // SAFETY: forwarded contract.
+    (dots, unsafe { sum_lanes(bsums) })
+}
+
 /// A grid format's super-block for each token: per sub-block of 32, the four runs'
 /// magnitudes in one register, their sign bits spread to byte masks that negate the
 /// activations (`(x ^ m) − m`, as llama.cpp does), one `maddubs` and a `madd` against
@@ -323,6 +466,8 @@ unsafe fn lane_ints<const F: u8, const N: usize>(
             format::Q2_K => q2_k_ints::<N>(block, qx, bsums),
             format::Q3_K => (q3_k_ints::<N>(block, qx), zeros),
             format::IQ4_XS => (iq4_xs_ints::<N>(block, qx), zeros),
+            format::TQ1_0 => tq1_0_ints::<N>(block, qx, bsums),
+            format::TQ2_0 => tq2_0_ints::<N>(block, qx, bsums),
             _ => match grid_of(F) {
                 Some(grid) => grid_ints::<N>(grid, block, qx),
                 None => unreachable!("not a lane format"),
@@ -347,6 +492,8 @@ unsafe fn lane_scales<const F: u8>(block: *const u8) -> (f32, f32) {
             ),
             format::Q3_K => (load_f16(block.add(offset_of!(BlockQ3_K, d))), 0.0),
             format::IQ4_XS => (load_f16(block.add(offset_of!(BlockIQ4_XS, d))), 0.0),
+            format::TQ1_0 => (load_f16(block.add(offset_of!(BlockTQ1_0, d))), 0.0),
+            format::TQ2_0 => (load_f16(block.add(offset_of!(BlockTQ2_0, d))), 0.0),
             format::IQ1_M => (
                 Grid::IQ1M.d(std::slice::from_raw_parts(block, Grid::IQ1M.block_bytes())),
                 0.0,
@@ -362,6 +509,8 @@ unsafe fn lane_scales<const F: u8>(block: *const u8) -> (f32, f32) {
 /// reduced at the end; in batches of
 /// [`GEMM_MIN_TOKENS`](crate::matmul::activation::GEMM_MIN_TOKENS) or more `d · Σ`
 /// rounded, `dmin · Σmin` fused off it, the result fused at `dx` into one accumulator.
+/// The ternary formats subtract the activations' sums from the lanes and take the dot
+/// product at every batch size.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
@@ -375,24 +524,28 @@ unsafe fn dot_lanes<const F: u8, const R: usize, const N: usize>(
     let nb = blocks(&rows, bytes, &acts);
     let kind = kind_of(F);
     let delta = kind == kind::DELTA_SUM || kind == kind::DELTA_LANES;
+    let gemm = acts.map(|a| a.gemm && kind != kind::TERNARY);
     let mut out = [[0.0f32; N]; R];
     // One row after another: interleaving rows would run out of registers.
     for r in 0..R {
         let mut acc = [_mm256_setzero_ps(); N];
         let mut acc_delta = [_mm256_setzero_ps(); N];
         let mut sum_delta = [0.0f32; N];
-        let mut gemm = [0.0f32; N];
+        let mut gemm_acc = [0.0f32; N];
         for b in 0..nb {
             // SAFETY: b < nb bounds the block and the activations; the features are
             // present per this function's contract.
-            let ((d, dmin), (dots, extra)) = unsafe {
+            let ((d, dmin), (mut dots, extra)) = unsafe {
                 let (qx, bsums) = act_ptrs(&acts, b);
                 let block = rows[r].as_ptr().add(b * bytes);
                 (lane_scales::<F>(block), lane_ints::<F, N>(block, qx, bsums))
             };
             for t in 0..N {
                 let dx = acts[t].d[b];
-                if acts[t].gemm {
+                if kind == kind::TERNARY {
+                    dots[t] = _mm256_sub_epi32(dots[t], extra[t]);
+                }
+                if gemm[t] {
                     let total = if delta {
                         8 * hsum_epi32(dots[t]) + hsum_epi32(extra[t])
                     } else {
@@ -402,7 +555,7 @@ unsafe fn dot_lanes<const F: u8, const R: usize, const N: usize>(
                     if kind == kind::MINS {
                         res = (-dmin).mul_add(hsum_epi32(extra[t]) as f32, res);
                     }
-                    gemm[t] = res.mul_add(dx, gemm[t]);
+                    gemm_acc[t] = res.mul_add(dx, gemm_acc[t]);
                     continue;
                 }
                 if kind == kind::MINS {
@@ -421,8 +574,8 @@ unsafe fn dot_lanes<const F: u8, const R: usize, const N: usize>(
             }
         }
         for t in 0..N {
-            out[r][t] = if acts[t].gemm {
-                gemm[t]
+            out[r][t] = if gemm[t] {
+                gemm_acc[t]
             } else if kind == kind::DELTA_SUM {
                 hsum_ps(acc[t]) + factor(F) * sum_delta[t]
             } else if kind == kind::DELTA_LANES {
@@ -575,6 +728,34 @@ pub(crate) unsafe fn dot_iq1_m<const R: usize, const N: usize>(
     unsafe { dot_lanes::<{ format::IQ1_M }, R, N>(rows, acts) }
 }
 
+/// `R` `TQ1_0` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_tq1_0<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::TQ1_0 }, R, N>(rows, acts) }
+}
+
+/// `R` `TQ2_0` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_tq2_0<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_lanes::<{ format::TQ2_0 }, R, N>(rows, acts) }
+}
+
 /// The integer lanes of one super-block of `ty`: what the portable `*_lanes` functions
 /// return.
 #[cfg(test)]
@@ -610,6 +791,8 @@ pub(crate) fn block_lanes(
             T::IQ2_S => ints::<{ format::IQ2_S }>(block, qx, bsums),
             T::IQ1_S => ints::<{ format::IQ1_S }>(block, qx, bsums),
             T::IQ1_M => ints::<{ format::IQ1_M }>(block, qx, bsums),
+            T::TQ1_0 => ints::<{ format::TQ1_0 }>(block, qx, bsums),
+            T::TQ2_0 => ints::<{ format::TQ2_0 }>(block, qx, bsums),
             other => panic!("{other} is not a lane format"),
         }
     };
@@ -620,7 +803,7 @@ pub(crate) fn block_lanes(
         out
     };
     let (mins, deltas) = match kind {
-        kind::MINS => (lanes(extra), [0; 8]),
+        kind::MINS | kind::TERNARY => (lanes(extra), [0; 8]),
         kind::DELTA_SUM | kind::DELTA_LANES => ([0; 8], lanes(extra)),
         _ => ([0; 8], [0; 8]),
     };

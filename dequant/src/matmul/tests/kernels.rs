@@ -156,7 +156,7 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 }
 
 /// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
-const LANE_TYPES: [GgmlType; 10] = [
+const LANE_TYPES: [GgmlType; 12] = [
     GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::IQ4_XS,
@@ -167,6 +167,8 @@ const LANE_TYPES: [GgmlType; 10] = [
     GgmlType::IQ2_S,
     GgmlType::IQ1_S,
     GgmlType::IQ1_M,
+    GgmlType::TQ1_0,
+    GgmlType::TQ2_0,
 ];
 
 /// The grid format of `ty`, for the grid formats among [`LANE_TYPES`].
@@ -190,6 +192,8 @@ fn portable_lanes(ty: GgmlType, block: &[u8], qx: &[i8], bsums: &[i16]) -> porta
         GgmlType::Q2_K => portable::q2_k_lanes(&one(block), qx, bsums),
         GgmlType::Q3_K => portable::q3_k_lanes(&one(block), qx),
         GgmlType::IQ4_XS => portable::iq4_xs_lanes(&one(block), qx),
+        GgmlType::TQ1_0 => portable::tq1_0_lanes(&one(block), qx, bsums),
+        GgmlType::TQ2_0 => portable::tq2_0_lanes(&one(block), qx, bsums),
         other => match grid_of(other) {
             Some(grid) => portable::grid_lanes(grid, block, qx),
             None => panic!("{other} is not a lane format"),
@@ -209,12 +213,14 @@ fn lane_integers_sum_to_the_plain_integer_product() {
             // d = dmin = 1: the decoded values are the integers `scale · q − min`.
             // (The grid formats keep `d` first; their decoded values carry the format's
             // power of two, which the integers leave out.)
-            use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K};
+            use crate::blocks::{BlockIQ4_XS, BlockQ2_K, BlockQ3_K, BlockTQ1_0, BlockTQ2_0};
             use std::mem::offset_of;
             let scales: &[usize] = match ty {
                 GgmlType::Q2_K => &[offset_of!(BlockQ2_K, d), offset_of!(BlockQ2_K, dmin)],
                 GgmlType::Q3_K => &[offset_of!(BlockQ3_K, d)],
                 GgmlType::IQ4_XS => &[offset_of!(BlockIQ4_XS, d)],
+                GgmlType::TQ1_0 => &[offset_of!(BlockTQ1_0, d)],
+                GgmlType::TQ2_0 => &[offset_of!(BlockTQ2_0, d)],
                 GgmlType::IQ1_M => {
                     super::put_iq1_m_scale(&mut block, 1.0);
                     &[]
@@ -278,7 +284,8 @@ fn lane_integers_sum_to_the_plain_integer_product() {
 /// not repack those of any batch (its GEMM, from two tokens on), and `MXFP4` tokens
 /// always the single-token bits (it has no GEMM); from
 /// [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other k-quants to its tiled GEMM)
-/// a batch gives the bits of each of its halves.
+/// a batch gives the bits of each of its halves, and for the ternary formats (which
+/// llama.cpp only multiplies with its dot product) those of its tokens one at a time.
 #[test]
 fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -327,6 +334,19 @@ fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
                 }
                 let mut batch = vec![0.0; n_tokens * rows];
                 matrix.matmul_with(path, &x, n_tokens, &mut batch).unwrap();
+                if matches!(ty, GgmlType::TQ1_0 | GgmlType::TQ2_0) {
+                    for t in 0..n_tokens {
+                        let mut single = vec![0.0; rows];
+                        matrix
+                            .matvec_with(path, &x[t * cols..(t + 1) * cols], &mut single)
+                            .unwrap();
+                        assert_eq!(
+                            bits(&batch[t * rows..(t + 1) * rows]),
+                            bits(&single),
+                            "{ty} ({rows} rows) token {t} of {n_tokens} on {path:?}"
+                        );
+                    }
+                }
                 let half = n_tokens / 2;
                 for h in 0..2 {
                     let mut part = vec![0.0; half * rows];

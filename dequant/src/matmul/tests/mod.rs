@@ -28,7 +28,7 @@ use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
-pub(super) const TYPES: [GgmlType; 23] = [
+pub(super) const TYPES: [GgmlType; 25] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -51,6 +51,8 @@ pub(super) const TYPES: [GgmlType; 23] = [
     GgmlType::IQ2_S,
     GgmlType::IQ1_S,
     GgmlType::IQ1_M,
+    GgmlType::TQ1_0,
+    GgmlType::TQ2_0,
     GgmlType::MXFP4,
 ];
 
@@ -153,6 +155,8 @@ pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -
                 GgmlType::IQ2_XS => &[(offset_of!(BlockIQ2_XS, d), true)],
                 GgmlType::IQ2_S => &[(offset_of!(BlockIQ2_S, d), true)],
                 GgmlType::IQ1_S => &[(offset_of!(BlockIQ1_S, d), true)],
+                GgmlType::TQ1_0 => &[(offset_of!(BlockTQ1_0, d), true)],
+                GgmlType::TQ2_0 => &[(offset_of!(BlockTQ2_0, d), true)],
                 // IQ1_M's scale is in the top nibbles of its scales: set apart below.
                 GgmlType::IQ1_M => &[],
                 // MXFP4's E8M0 exponent: set apart below.

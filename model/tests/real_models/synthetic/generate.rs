@@ -140,11 +140,26 @@ pub const SPECS: &[Spec] = &[
     llama_typed("llama-q5_k", GgmlType::Q5_K, GgmlType::Q8_0, 7),
     llama_typed("llama-q6_k", GgmlType::Q6_K, GgmlType::Q8_0, 8),
     llama_typed("llama-iq4_xs", GgmlType::IQ4_XS, GgmlType::Q8_0, 21),
-    // The per-tensor mixes of llama-quantize's Q2_K and Q3_K_M presets for this model
-    // (llama-quant.cpp: two layers, two query heads per KV head): Q3_K for attn_v,
-    // ffn_down and attn_output in Q2_K; Q5_K for attn_v (the first layers) and Q4_K
-    // for ffn_down and attn_output in Q3_K_M; the output in Q6_K, the embeddings in the
-    // base type.
+    // The per-tensor mixes of llama-quantize's presets for this model, as
+    // llama_tensor_get_type (llama-quant.cpp) picks them for a dense llama of two layers
+    // with two query heads per KV head (n_gqa 2, below the rules' 4), an untied output,
+    // no importance matrix, and rows of 256 and 512 values (whole k-quant blocks, so no
+    // fallback type applies). Each preset starts from its base type (the matrices and,
+    // with no rule of their own but in IQ2_M, the embeddings); the output takes Q6_K
+    // (Q5_K in the IQ1, IQ2 and IQ3_XXS presets). With two layers, the rules for the
+    // first eighth or sixteenth of the layers (n_layer/8 = 0) never apply, and those for
+    // the first 2 or 4 attn_v tensors take both layers:
+    //   Q2_K    attn_v Q3_K (Q4_K from n_gqa 4), ffn_down Q3_K, attn_output Q3_K
+    //   Q3_K_S  no exceptions
+    //   Q3_K_M  attn_v Q5_K (the first 2), ffn_down Q4_K (Q5_K in the first 1/16),
+    //           attn_output Q4_K
+    //   Q3_K_L  attn_v, ffn_down and attn_output Q5_K
+    //   Q4_K_S  attn_v Q5_K (the first 4); ffn_down Q5_K in the first 1/8
+    //   IQ4_XS  attn_v Q5_K only from n_gqa 4; ffn_down Q5_K in the first 1/8 (without
+    //           an importance matrix)
+    //   IQ3_M   attn_v and attn_output Q4_K; ffn_down Q4_K in the first 1/8
+    //   IQ2_M   attn_v IQ3_S (Q4_K from n_gqa 4), attn_output IQ3_S, ffn_down IQ3_S in
+    //           the first 1/8; the embeddings IQ3_S, the output Q5_K
     Spec {
         name: "llama-q2_k-mix",
         matrices: GgmlType::Q2_K,
@@ -171,6 +186,68 @@ pub const SPECS: &[Spec] = &[
         seed: 32,
         ..LLAMA
     },
+    Spec {
+        name: "llama-q3_k_s-mix",
+        matrices: GgmlType::Q3_K,
+        token_embd: GgmlType::Q3_K,
+        output: Some(GgmlType::Q6_K),
+        seed: 33,
+        ..LLAMA
+    },
+    Spec {
+        name: "llama-q3_k_l-mix",
+        matrices: GgmlType::Q3_K,
+        overrides: &[
+            ("attn_v", GgmlType::Q5_K),
+            ("ffn_down", GgmlType::Q5_K),
+            ("attn_output", GgmlType::Q5_K),
+        ],
+        token_embd: GgmlType::Q3_K,
+        output: Some(GgmlType::Q6_K),
+        seed: 34,
+        ..LLAMA
+    },
+    Spec {
+        name: "llama-q4_k_s-mix",
+        matrices: GgmlType::Q4_K,
+        overrides: &[("attn_v", GgmlType::Q5_K)],
+        token_embd: GgmlType::Q4_K,
+        output: Some(GgmlType::Q6_K),
+        seed: 35,
+        ..LLAMA
+    },
+    Spec {
+        name: "llama-iq4_xs-mix",
+        matrices: GgmlType::IQ4_XS,
+        token_embd: GgmlType::IQ4_XS,
+        output: Some(GgmlType::Q6_K),
+        seed: 36,
+        ..LLAMA
+    },
+    Spec {
+        name: "llama-iq3_m-mix",
+        matrices: GgmlType::IQ3_S,
+        overrides: &[
+            ("attn_v", GgmlType::Q4_K),
+            ("attn_output", GgmlType::Q4_K),
+        ],
+        token_embd: GgmlType::IQ3_S,
+        output: Some(GgmlType::Q6_K),
+        seed: 37,
+        ..LLAMA
+    },
+    Spec {
+        name: "llama-iq2_m-mix",
+        matrices: GgmlType::IQ2_S,
+        overrides: &[
+            ("attn_v", GgmlType::IQ3_S),
+            ("attn_output", GgmlType::IQ3_S),
+        ],
+        token_embd: GgmlType::IQ3_S,
+        output: Some(GgmlType::Q5_K),
+        seed: 38,
+        ..LLAMA
+    },
     // MXFP4: as IQ4_NL (288 wide, the layers' matrices repacked by llama.cpp, the
     // output not, rows of 9 blocks).
     Spec {
@@ -191,6 +268,8 @@ pub const SPECS: &[Spec] = &[
     llama_typed("llama-iq2_s", GgmlType::IQ2_S, GgmlType::Q8_0, 27),
     llama_typed("llama-iq1_s", GgmlType::IQ1_S, GgmlType::Q8_0, 28),
     llama_typed("llama-iq1_m", GgmlType::IQ1_M, GgmlType::Q8_0, 29),
+    llama_typed("llama-tq1_0", GgmlType::TQ1_0, GgmlType::Q8_0, 39),
+    llama_typed("llama-tq2_0", GgmlType::TQ2_0, GgmlType::Q8_0, 40),
     // IQ4_NL: 288 wide (rows of 9 blocks, which llama.cpp's single-token dot product
     // takes in pairs and one apart), 9 heads of 32 on 3 KV heads; every matrix but the
     // output (300 rows) has a multiple of 8 rows, which llama.cpp repacks.

@@ -99,6 +99,8 @@ pub fn quantize(ty: GgmlType, values: &[f32]) -> Vec<u8> {
         GgmlType::IQ2_S => values.chunks_exact(256).for_each(|b| iq2_s(b, &mut out)),
         GgmlType::IQ1_S => values.chunks_exact(256).for_each(|b| iq1_s(b, &mut out)),
         GgmlType::IQ1_M => values.chunks_exact(256).for_each(|b| iq1_m(b, &mut out)),
+        GgmlType::TQ1_0 => values.chunks_exact(256).for_each(|b| tq1_0(b, &mut out)),
+        GgmlType::TQ2_0 => values.chunks_exact(256).for_each(|b| tq2_0(b, &mut out)),
         other => panic!("no reference quantizer for {other}"),
     }
     out
@@ -772,4 +774,54 @@ fn mxfp4(block: &[f32], out: &mut Vec<u8>) {
         })
         .collect();
     pack_nibbles(&q, out);
+}
+
+/// The ternary formats' scale and stored values: `x = d * (q - 1)`, `q` in `0..=2`,
+/// with `d` the block's mean magnitude (as ternary-trained models scale their weights),
+/// each value rounded to the nearest of `-d, 0, d`.
+fn ternary(block: &[f32]) -> (f16, Vec<u8>) {
+    let mean = block.iter().map(|v| v.abs()).sum::<f32>() / block.len() as f32;
+    let d = f16::from_f32(mean);
+    let inv = inverse(d.to_f32());
+    (d, block.iter().map(|&v| level(v, inv, 1.0, 2)).collect())
+}
+
+/// Ternary, 1.6 bits a value: five values a byte in base 3 (the first the most
+/// significant digit), stored as `ceil(n · 256 / 243)`: bytes `m < 32` hold values
+/// `m + 32k`, the next 16 bytes values `160 + m + 16k`, and `qh[j]` the four values
+/// `240 + j + 4k` (times 3, a fifth digit of 0); then `d`.
+fn tq1_0(block: &[f32], out: &mut Vec<u8>) {
+    let (d, q) = ternary(block);
+    let pack = |digits: &mut dyn Iterator<Item = u8>| -> u8 {
+        let n = digits.fold(0u16, |n, t| 3 * n + u16::from(t));
+        (n * 256).div_ceil(243) as u8
+    };
+    for m in 0..32 {
+        out.push(pack(&mut (0..5).map(|k| q[m + 32 * k])));
+    }
+    for m in 0..16 {
+        out.push(pack(&mut (0..5).map(|k| q[160 + m + 16 * k])));
+    }
+    for j in 0..4 {
+        out.push(pack(&mut (0..5).map(|k| {
+            if k < 4 {
+                q[240 + j + 4 * k]
+            } else {
+                0
+            }
+        })));
+    }
+    out.extend_from_slice(&d.to_le_bytes());
+}
+
+/// Ternary in two bits a value: value `128c + 32s + l` in bits `2s, 2s + 1` of byte
+/// `32c + l`; then `d`.
+fn tq2_0(block: &[f32], out: &mut Vec<u8>) {
+    let (d, q) = ternary(block);
+    for c in 0..2 {
+        out.extend(
+            (0..32).map(|l| (0..4).fold(0u8, |b, s| b | (q[128 * c + 32 * s + l] << (2 * s)))),
+        );
+    }
+    out.extend_from_slice(&d.to_le_bytes());
 }
