@@ -204,6 +204,8 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
         GgmlType::Q6_K,
         GgmlType::IQ4_NL,
         GgmlType::IQ4_XS,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ3_S,
     ]
     .into_iter()
     .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))
@@ -265,7 +267,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                     weight_bytes: bytes,
                 };
                 println!(
-                    "{:<6} {:<8} {:>6}x{:<6} {:>2} {:>9.2} {:>8.0}",
+                    "{:<7} {:<8} {:>6}x{:<6} {:>2} {:>9.2} {:>8.0}",
                     ty.name(),
                     name,
                     rows,
@@ -397,7 +399,7 @@ fn main() {
             options.iters
         );
         println!(
-            "{:<6} {:<8} {:>13} {:>2} {:>9} {:>8}",
+            "{:<7} {:<8} {:>13} {:>2} {:>9} {:>8}",
             "type", "matrix", "rows x cols", "n", "us", "GB/s"
         );
         let rows = bench_products(&device, &options).unwrap_or_else(|error| {

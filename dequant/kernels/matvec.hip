@@ -19,6 +19,12 @@
 // precomputed sums and stay exact in integers. Float weights (F32, F16, BF16) meet f32
 // activations in f32.
 //
+// The grid formats take w from lattice grids, one entry per run of 8 values (two of 4
+// for IQ3): the decoders' tables, which the build script writes into this file's
+// translation unit, in global memory.
+//   IQ3_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.5   b = 0
+//   IQ3_S    grid magnitudes, each run's signs applied   a = d·(1 + 2·ls)       b = 0
+//
 // Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
 // per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
 // multiple of 32), for NT tokens at once (1 to 8): a weight task is decoded once and
@@ -421,6 +427,82 @@ struct MIQ4_XS {
     }
 };
 
+// The grid formats pick each run of 8 values from a lattice grid: one entry of 8 bytes
+// (IQ2, IQ1) or two of 4 (IQ3). The grids rf_iq*_grid are the decoders' tables
+// (src/decode/grids.rs), which the build script writes into this file's translation unit
+// in global memory (a warp's lanes read different entries, which NVIDIA's constant cache
+// would serve one at a time). A task is one sub-block of 32 values: four runs.
+
+// Bits 0-3 of s to bit 0 of bytes 0-3 (the four shifted copies of s never overlap).
+__device__ __forceinline__ uint32_t bits_to_bytes(uint32_t s) {
+    return ((s & 0xFu) * 0x00204081u) & 0x01010101u;
+}
+
+// Four grid magnitudes (bytes of g, none of them 0) as int8, negated where bits 0-3 of s
+// are set: -g = (g ^ 0xFF) + 1 per byte, which for g ≥ 1 carries into no other byte.
+__device__ __forceinline__ int signed_grid4(uint32_t g, uint32_t s) {
+    const uint32_t ones = bits_to_bytes(s);
+    return (int)((g ^ (ones * 0xFFu)) + ones);
+}
+
+// The IQ2_XXS / IQ2_XS / IQ3_XXS sign byte of a 7-bit sign index: its seven bits and,
+// as the eighth, their parity (the decoders' table rf_ksigns_iq2xs, computed).
+__device__ __forceinline__ uint32_t ksigns(uint32_t s7) {
+    return s7 | (((uint32_t)__popc(s7) & 1u) << 7);
+}
+
+// IQ3_XXS: 98-byte super-blocks (2-byte aligned): d, 64 grid indices (4 values each),
+// then per sub-block a u32 of four 7-bit sign indices (one per run) and a 4-bit scale
+// ls in the top bits: values d·(0.5 + ls)·0.5·(±grid). Task t: indices 8t..8t+7, word t.
+struct MIQ3_XXS {
+    static constexpr int kValues = 256, kBytes = 98, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[2], s[1];
+        load_words<2>(blk + 2 + 8 * t, q);
+        load_words<1>(blk + 66 + 4 * t, s);
+        const uint32_t aux = (uint32_t)s[0];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t idx = (uint32_t)q[k / 2] >> (16 * (k % 2));
+            const uint32_t signs = ksigns((aux >> (7 * k)) & 0x7F);
+            w[2 * k] = signed_grid4(rf_iq3xxs_grid[idx & 0xFF], signs);
+            w[2 * k + 1] = signed_grid4(rf_iq3xxs_grid[(idx >> 8) & 0xFF], signs >> 4);
+        }
+        a[0] = a[1] = half_at(blk) * (0.5f + (float)(aux >> 28)) * 0.5f;
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
+// IQ3_S: 110-byte super-blocks (2-byte aligned): d, 64 low index bytes, 8 bytes of ninth
+// index bits (bit j of byte t for index 8t + j), 32 sign bytes (one per run), 4 bytes of
+// 4-bit scales ls: values d·(1 + 2·ls)·(±grid). Task t: index bytes 8t..8t+7, sign
+// bytes 4t..4t+3.
+struct MIQ3_S {
+    static constexpr int kValues = 256, kBytes = 110, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[2], s[1];
+        load_words<2>(blk + 2 + 8 * t, q);
+        load_words<1>(blk + 74 + 4 * t, s);
+        const uint32_t high = (uint32_t)blk[66 + t] << 8;  // bit j at bit 8 + j
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t idx = (uint32_t)q[k / 2] >> (16 * (k % 2));
+            const uint32_t i0 = (idx & 0xFF) | ((high >> (2 * k)) & 0x100);
+            const uint32_t i1 = ((idx >> 8) & 0xFF) | ((high >> (2 * k + 1)) & 0x100);
+            const uint32_t signs = (uint32_t)s[0] >> (8 * k);
+            w[2 * k] = signed_grid4(rf_iq3s_grid[i0], signs);
+            w[2 * k + 1] = signed_grid4(rf_iq3s_grid[i1], signs >> 4);
+        }
+        const uint32_t ls = (blk[106 + t / 2] >> (4 * (t % 2))) & 0xF;
+        a[0] = a[1] = half_at(blk) * (float)(1 + 2 * ls);
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
 // ------------------------------------------------------------------ reductions --------
 
 // Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
@@ -720,6 +802,8 @@ enum {
     RF_T_Q3_K = 11,
     RF_T_IQ4_NL = 20,
     RF_T_IQ4_XS = 23,
+    RF_T_IQ3_XXS = 18,
+    RF_T_IQ3_S = 21,
     RF_T_BF16 = 30,
 };
 
@@ -774,6 +858,8 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         case RF_T_Q3_K: return (int)launch_tokens<MQ3_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ4_NL: return (int)launch_tokens<MIQ4_NL>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ4_XS: return (int)launch_tokens<MIQ4_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ3_XXS: return (int)launch_tokens<MIQ3_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ3_S: return (int)launch_tokens<MIQ3_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);

@@ -54,6 +54,8 @@ pub fn is_supported_on_gpu(ty: GgmlType) -> bool {
             | Q6_K
             | IQ4_NL
             | IQ4_XS
+            | IQ3_XXS
+            | IQ3_S
     )
 }
 

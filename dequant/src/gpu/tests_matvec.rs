@@ -14,23 +14,12 @@ use super::tests::gpu_or_skip;
 use crate::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
 use crate::matmul::QuantizedMatrix;
 
-const TYPES: [GgmlType; 15] = [
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::F32,
-];
+/// Every type the GPU multiplies, so that a type made supported is tested here at once.
+fn types() -> impl Iterator<Item = GgmlType> {
+    GgmlType::ALL
+        .into_iter()
+        .filter(|&ty| matvec::is_supported_on_gpu(ty))
+}
 
 struct Rng(u64);
 
@@ -50,13 +39,14 @@ impl Rng {
 
 /// Offsets of the f16 scale fields in a block of `ty`.
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    use GgmlType::*;
     match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
-        GgmlType::Q2_K => &[80, 82],
-        GgmlType::Q3_K => &[108],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::Q6_K => &[208],
+        Q4_0 | Q5_0 | Q8_0 => &[0],
+        IQ4_NL | IQ4_XS | IQ3_XXS | IQ3_S => &[0],
+        Q2_K => &[80, 82],
+        Q3_K => &[108],
+        Q4_1 | Q5_1 | Q4_K | Q5_K => &[0, 2],
+        Q6_K => &[208],
         _ => &[],
     }
 }
@@ -266,7 +256,7 @@ fn products_match_the_reference_for_every_type_and_shape() {
     else {
         return;
     };
-    for (i, &ty) in TYPES.iter().enumerate() {
+    for ty in types() {
         // Narrow (4 rows a workgroup), middle (2) and wide (1) rows; row counts that
         // leave a workgroup half full; one row; 1, 3 and 8 tokens.
         for (rows, cols, n) in [
@@ -283,7 +273,7 @@ fn products_match_the_reference_for_every_type_and_shape() {
                 rows,
                 cols,
                 n,
-                1000 + i as u64 * 7 + rows as u64,
+                1000 + u64::from(ty.id()) * 7 + rows as u64,
             );
         }
     }
@@ -368,4 +358,38 @@ fn mismatched_products_are_refused_before_any_launch() {
         &stream,
     );
     assert!(error.is_err());
+}
+
+/// The products negate the IQ2 and IQ3 grid magnitudes four bytes at a time, as
+/// `(g ^ 0xFF) + 1` in one 32-bit add, which would carry into the next byte for a
+/// magnitude of 0: the grids hold none.
+#[test]
+fn the_grid_magnitudes_the_products_negate_are_never_zero() {
+    use crate::decode::grids;
+    fn bytes<T: bytemuck::Pod>(table: &[T]) -> &[u8] {
+        bytemuck::cast_slice(table)
+    }
+    for (name, table) in [
+        ("IQ3XXS_GRID", bytes(&grids::IQ3XXS_GRID)),
+        ("IQ3S_GRID", bytes(&grids::IQ3S_GRID)),
+    ] {
+        assert!(
+            table.iter().all(|&b| b != 0),
+            "{name} holds a magnitude of 0"
+        );
+    }
+}
+
+/// The products compute the sign bytes of IQ2_XXS, IQ2_XS and IQ3_XXS as the seven bits
+/// of the sign index and their parity, instead of reading `KSIGNS_IQ2XS`.
+#[test]
+fn sign_bytes_are_seven_bits_and_their_parity() {
+    use crate::decode::grids::KSIGNS_IQ2XS;
+    for (i, &signs) in (0u32..).zip(KSIGNS_IQ2XS.iter()) {
+        assert_eq!(
+            u32::from(signs),
+            i | ((i.count_ones() & 1) << 7),
+            "index {i}"
+        );
+    }
 }
