@@ -19,7 +19,7 @@ use hip_build::{fail, GpuConfig, Platform};
 /// The tables the kernels use: Rust name, C element type, length, and whether the
 /// products (`kernels/matvec.hip`) read it too (the decoders read them all).
 const TABLES: &[(&str, &str, usize, bool)] = &[
-    ("IQ2XXS_GRID", "uint64_t", 256, false),
+    ("IQ2XXS_GRID", "uint64_t", 256, true),
     ("IQ2XS_GRID", "uint64_t", 512, false),
     ("IQ2S_GRID", "uint64_t", 1024, false),
     ("IQ3XXS_GRID", "uint32_t", 256, true),

@@ -24,6 +24,7 @@
 // translation unit, in global memory.
 //   IQ3_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.5   b = 0
 //   IQ3_S    grid magnitudes, each run's signs applied   a = d·(1 + 2·ls)       b = 0
+//   IQ2_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.25  b = 0
 //
 // Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
 // per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
@@ -503,6 +504,33 @@ struct MIQ3_S {
     }
 };
 
+// A run of 8 grid magnitudes (bytes of g) with its sign byte applied, as two words.
+__device__ __forceinline__ void signed_grid8(uint64_t g, uint32_t signs, int& lo, int& hi) {
+    lo = signed_grid4((uint32_t)g, signs);
+    hi = signed_grid4((uint32_t)(g >> 32), signs >> 4);
+}
+
+// IQ2_XXS: 66-byte super-blocks (2-byte aligned): d, then per sub-block 8 bytes: four
+// grid indices (one per run), and a u32 of four 7-bit sign indices and a 4-bit scale ls
+// in the top bits: values d·(0.5 + ls)·0.25·(±grid). Task t: bytes 8t..8t+7.
+struct MIQ2_XXS {
+    static constexpr int kValues = 256, kBytes = 66, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[2];
+        load_words<2>(blk + 2 + 8 * t, q);
+        const uint32_t aux = (uint32_t)q[1];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint64_t g = rf_iq2xxs_grid[((uint32_t)q[0] >> (8 * k)) & 0xFF];
+            signed_grid8(g, ksigns((aux >> (7 * k)) & 0x7F), w[2 * k], w[2 * k + 1]);
+        }
+        a[0] = a[1] = half_at(blk) * (0.5f + (float)(aux >> 28)) * 0.25f;
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
 // ------------------------------------------------------------------ reductions --------
 
 // Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
@@ -804,6 +832,7 @@ enum {
     RF_T_IQ4_XS = 23,
     RF_T_IQ3_XXS = 18,
     RF_T_IQ3_S = 21,
+    RF_T_IQ2_XXS = 16,
     RF_T_BF16 = 30,
 };
 
@@ -860,6 +889,7 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         case RF_T_IQ4_XS: return (int)launch_tokens<MIQ4_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ3_XXS: return (int)launch_tokens<MIQ3_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ3_S: return (int)launch_tokens<MIQ3_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ2_XXS: return (int)launch_tokens<MIQ2_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);

@@ -56,6 +56,7 @@ pub fn is_supported_on_gpu(ty: GgmlType) -> bool {
             | IQ4_XS
             | IQ3_XXS
             | IQ3_S
+            | IQ2_XXS
     )
 }
 
