@@ -20,7 +20,7 @@ use hip_build::{fail, GpuConfig, Platform};
 /// products (`kernels/matvec.hip`) read it too (the decoders read them all).
 const TABLES: &[(&str, &str, usize, bool)] = &[
     ("IQ2XXS_GRID", "uint64_t", 256, true),
-    ("IQ2XS_GRID", "uint64_t", 512, false),
+    ("IQ2XS_GRID", "uint64_t", 512, true),
     ("IQ2S_GRID", "uint64_t", 1024, false),
     ("IQ3XXS_GRID", "uint32_t", 256, true),
     ("IQ3S_GRID", "uint32_t", 512, true),

@@ -25,6 +25,7 @@
 //   IQ3_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.5   b = 0
 //   IQ3_S    grid magnitudes, each run's signs applied   a = d·(1 + 2·ls)       b = 0
 //   IQ2_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.25  b = 0
+//   IQ2_XS   as IQ2_XXS, with a scale ls per 16 values
 //
 // Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
 // per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
@@ -531,6 +532,30 @@ struct MIQ2_XXS {
     }
 };
 
+// IQ2_XS: 74-byte super-blocks (2-byte aligned): d, 32 u16 (per run a 9-bit grid index
+// and a 7-bit sign index), 8 scale bytes (per sub-block, the low nibble ls for its first
+// 16 values, the high one for the rest): values d·(0.5 + ls)·0.25·(±grid). Task t: u16s
+// 4t..4t+3 and scale byte t.
+struct MIQ2_XS {
+    static constexpr int kValues = 256, kBytes = 74, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[2];
+        load_words<2>(blk + 2 + 8 * t, q);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t e = ((uint32_t)q[k / 2] >> (16 * (k % 2))) & 0xFFFF;
+            signed_grid8(rf_iq2xs_grid[e & 511], ksigns(e >> 9), w[2 * k], w[2 * k + 1]);
+        }
+        const float d = half_at(blk);
+        const uint32_t sc = blk[66 + t];
+        a[0] = d * (0.5f + (float)(sc & 0xF)) * 0.25f;
+        a[1] = d * (0.5f + (float)(sc >> 4)) * 0.25f;
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
 // ------------------------------------------------------------------ reductions --------
 
 // Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
@@ -833,6 +858,7 @@ enum {
     RF_T_IQ3_XXS = 18,
     RF_T_IQ3_S = 21,
     RF_T_IQ2_XXS = 16,
+    RF_T_IQ2_XS = 17,
     RF_T_BF16 = 30,
 };
 
@@ -890,6 +916,7 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         case RF_T_IQ3_XXS: return (int)launch_tokens<MIQ3_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ3_S: return (int)launch_tokens<MIQ3_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ2_XXS: return (int)launch_tokens<MIQ2_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ2_XS: return (int)launch_tokens<MIQ2_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);

@@ -57,6 +57,7 @@ pub fn is_supported_on_gpu(ty: GgmlType) -> bool {
             | IQ3_XXS
             | IQ3_S
             | IQ2_XXS
+            | IQ2_XS
     )
 }
 
