@@ -21,7 +21,7 @@ use hip_build::{fail, GpuConfig, Platform};
 const TABLES: &[(&str, &str, usize, bool)] = &[
     ("IQ2XXS_GRID", "uint64_t", 256, true),
     ("IQ2XS_GRID", "uint64_t", 512, true),
-    ("IQ2S_GRID", "uint64_t", 1024, false),
+    ("IQ2S_GRID", "uint64_t", 1024, true),
     ("IQ3XXS_GRID", "uint32_t", 256, true),
     ("IQ3S_GRID", "uint32_t", 512, true),
     ("IQ1S_GRID", "uint64_t", 2048, false),

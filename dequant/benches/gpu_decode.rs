@@ -208,6 +208,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
         GgmlType::IQ3_S,
         GgmlType::IQ2_XXS,
         GgmlType::IQ2_XS,
+        GgmlType::IQ2_S,
     ]
     .into_iter()
     .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))

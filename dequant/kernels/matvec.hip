@@ -26,6 +26,7 @@
 //   IQ3_S    grid magnitudes, each run's signs applied   a = d·(1 + 2·ls)       b = 0
 //   IQ2_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.25  b = 0
 //   IQ2_XS   as IQ2_XXS, with a scale ls per 16 values
+//   IQ2_S    as IQ2_XS
 //
 // Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
 // per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
@@ -556,6 +557,32 @@ struct MIQ2_XS {
     }
 };
 
+// IQ2_S: 82-byte super-blocks (2-byte aligned): d, 32 low index bytes, 32 sign bytes (one
+// per run), 8 bytes of high index bit pairs (bits 2k, 2k+1 of byte t for run k of
+// sub-block t), 8 scale bytes as IQ2_XS: values d·(0.5 + ls)·0.25·(±grid). Task t: index
+// and sign bytes 4t..4t+3, high-bit and scale byte t.
+struct MIQ2_S {
+    static constexpr int kValues = 256, kBytes = 82, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[1], s[1];
+        load_words<1>(blk + 2 + 4 * t, q);
+        load_words<1>(blk + 34 + 4 * t, s);
+        const uint32_t high = blk[66 + t];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t i = (((uint32_t)q[0] >> (8 * k)) & 0xFF) | (((high >> (2 * k)) & 3) << 8);
+            signed_grid8(rf_iq2s_grid[i], (uint32_t)s[0] >> (8 * k), w[2 * k], w[2 * k + 1]);
+        }
+        const float d = half_at(blk);
+        const uint32_t sc = blk[74 + t];
+        a[0] = d * (0.5f + (float)(sc & 0xF)) * 0.25f;
+        a[1] = d * (0.5f + (float)(sc >> 4)) * 0.25f;
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
 // ------------------------------------------------------------------ reductions --------
 
 // Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
@@ -859,6 +886,7 @@ enum {
     RF_T_IQ3_S = 21,
     RF_T_IQ2_XXS = 16,
     RF_T_IQ2_XS = 17,
+    RF_T_IQ2_S = 22,
     RF_T_BF16 = 30,
 };
 
@@ -917,6 +945,7 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         case RF_T_IQ3_S: return (int)launch_tokens<MIQ3_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ2_XXS: return (int)launch_tokens<MIQ2_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ2_XS: return (int)launch_tokens<MIQ2_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ2_S: return (int)launch_tokens<MIQ2_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);

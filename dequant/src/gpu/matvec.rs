@@ -58,6 +58,7 @@ pub fn is_supported_on_gpu(ty: GgmlType) -> bool {
             | IQ3_S
             | IQ2_XXS
             | IQ2_XS
+            | IQ2_S
     )
 }
 

@@ -42,7 +42,7 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
     use GgmlType::*;
     match ty {
         Q4_0 | Q5_0 | Q8_0 => &[0],
-        IQ4_NL | IQ4_XS | IQ3_XXS | IQ3_S | IQ2_XXS | IQ2_XS => &[0],
+        IQ4_NL | IQ4_XS | IQ3_XXS | IQ3_S | IQ2_XXS | IQ2_XS | IQ2_S => &[0],
         Q2_K => &[80, 82],
         Q3_K => &[108],
         Q4_1 | Q5_1 | Q4_K | Q5_K => &[0, 2],
@@ -374,6 +374,7 @@ fn the_grid_magnitudes_the_products_negate_are_never_zero() {
         ("IQ3S_GRID", bytes(&grids::IQ3S_GRID)),
         ("IQ2XXS_GRID", bytes(&grids::IQ2XXS_GRID)),
         ("IQ2XS_GRID", bytes(&grids::IQ2XS_GRID)),
+        ("IQ2S_GRID", bytes(&grids::IQ2S_GRID)),
     ] {
         assert!(
             table.iter().all(|&b| b != 0),
