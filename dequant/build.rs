@@ -24,13 +24,13 @@ const TABLES: &[(&str, &str, usize, bool)] = &[
     ("IQ2S_GRID", "uint64_t", 1024, true),
     ("IQ3XXS_GRID", "uint32_t", 256, true),
     ("IQ3S_GRID", "uint32_t", 512, true),
-    ("IQ1S_GRID", "uint64_t", 2048, false),
+    ("IQ1S_GRID", "uint64_t", 2048, true),
     ("KSIGNS_IQ2XS", "uint8_t", 128, false),
     ("KVALUES_IQ4NL", "int8_t", 16, false),
     ("KVALUES_MXFP4", "int8_t", 16, false),
 ];
 /// The f32 constants the kernels use, and whether the products use them too.
-const CONSTANTS: &[(&str, bool)] = &[("IQ1S_DELTA", false)];
+const CONSTANTS: &[(&str, bool)] = &[("IQ1S_DELTA", true)];
 
 /// A generated translation unit: its file name in OUT_DIR, the kernel source it
 /// includes, and how it declares the tables.

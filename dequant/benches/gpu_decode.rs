@@ -209,6 +209,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
         GgmlType::IQ2_XXS,
         GgmlType::IQ2_XS,
         GgmlType::IQ2_S,
+        GgmlType::IQ1_S,
     ]
     .into_iter()
     .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))

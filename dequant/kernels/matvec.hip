@@ -27,6 +27,7 @@
 //   IQ2_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.25  b = 0
 //   IQ2_XS   as IQ2_XXS, with a scale ls per 16 values
 //   IQ2_S    as IQ2_XS
+//   IQ1_S    the grid's values -1, 0, 1                  a = dl = d·(2·ls + 1)  b = dl·δ
 //
 // Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
 // per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
@@ -583,6 +584,32 @@ struct MIQ2_S {
     }
 };
 
+// IQ1_S: 50-byte super-blocks (2-byte aligned): d, 32 low index bytes, then per sub-block
+// a u16: four 3-bit high index parts (one per run), a 3-bit scale ls, the sign of the
+// shift δ = ±1/8. The grid's values are -1, 0 and 1 (int8 bytes), so w is the entry
+// itself: values dl·(g + δ) with dl = d·(2·ls + 1), a = dl, b = dl·δ. Task t: index
+// bytes 4t..4t+3, u16 t.
+struct MIQ1_S {
+    static constexpr int kValues = 256, kBytes = 50, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[1];
+        load_words<1>(blk + 2 + 4 * t, q);
+        const uint32_t qh = *reinterpret_cast<const uint16_t*>(blk + 34 + 2 * t);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t i = (((uint32_t)q[0] >> (8 * k)) & 0xFF) | (((qh >> (3 * k)) & 7) << 8);
+            const uint64_t g = rf_iq1s_grid[i];
+            w[2 * k] = (int)(uint32_t)g;
+            w[2 * k + 1] = (int)(uint32_t)(g >> 32);
+        }
+        const float dl = half_at(blk) * (float)(2 * ((qh >> 12) & 7) + 1);
+        a[0] = a[1] = dl;
+        b[0] = b[1] = dl * ((qh & 0x8000) ? -RF_IQ1S_DELTA : RF_IQ1S_DELTA);
+        xb[0] = t;
+    }
+};
+
 // ------------------------------------------------------------------ reductions --------
 
 // Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
@@ -887,6 +914,7 @@ enum {
     RF_T_IQ2_XXS = 16,
     RF_T_IQ2_XS = 17,
     RF_T_IQ2_S = 22,
+    RF_T_IQ1_S = 19,
     RF_T_BF16 = 30,
 };
 
@@ -946,6 +974,7 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         case RF_T_IQ2_XXS: return (int)launch_tokens<MIQ2_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ2_XS: return (int)launch_tokens<MIQ2_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ2_S: return (int)launch_tokens<MIQ2_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ1_S: return (int)launch_tokens<MIQ1_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);

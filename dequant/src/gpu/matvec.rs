@@ -59,6 +59,7 @@ pub fn is_supported_on_gpu(ty: GgmlType) -> bool {
             | IQ2_XXS
             | IQ2_XS
             | IQ2_S
+            | IQ1_S
     )
 }
 

@@ -42,7 +42,7 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
     use GgmlType::*;
     match ty {
         Q4_0 | Q5_0 | Q8_0 => &[0],
-        IQ4_NL | IQ4_XS | IQ3_XXS | IQ3_S | IQ2_XXS | IQ2_XS | IQ2_S => &[0],
+        IQ4_NL | IQ4_XS | IQ3_XXS | IQ3_S | IQ2_XXS | IQ2_XS | IQ2_S | IQ1_S => &[0],
         Q2_K => &[80, 82],
         Q3_K => &[108],
         Q4_1 | Q5_1 | Q4_K | Q5_K => &[0, 2],
