@@ -28,6 +28,7 @@
 //   IQ2_XS   as IQ2_XXS, with a scale ls per 16 values
 //   IQ2_S    as IQ2_XS
 //   IQ1_S    the grid's values -1, 0, 1                  a = dl = d·(2·ls + 1)  b = dl·δ
+//   IQ1_M    8g ± 1 (the shift δ = ±1/8 of each run)     a = dl/8               b = 0
 //
 // Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
 // per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
@@ -610,6 +611,48 @@ struct MIQ1_S {
     }
 };
 
+// Bytes a + b, each modulo 256 (no carry between bytes).
+__device__ __forceinline__ int add_bytes(uint32_t a, uint32_t b) {
+    const uint32_t low7 = (a & 0x7F7F7F7Fu) + (b & 0x7F7F7F7Fu);
+    return (int)(low7 ^ ((a ^ b) & 0x80808080u));
+}
+
+// IQ1_M: 56-byte super-blocks (8-byte aligned): 32 low index bytes, 16 bytes of nibbles
+// (per run: three high index bits, then the sign of its shift δ = ±1/8), 4 u16 of 3-bit
+// scales ls (per 16 values s: bits 3·(s % 4) of u16 s / 4) whose top nibbles hold the f16
+// d. The shift changes from run to run within 16 values, so it goes into w: dl·(g + δ) =
+// (dl/8)·(8g ± 1), so w = 8g ± 1, a = d·(2·ls + 1)/8, b = 0. Task t: index bytes
+// 4t..4t+3, nibble bytes 2t, 2t + 1, scales 2t, 2t + 1.
+struct MIQ1_M {
+    static constexpr int kValues = 256, kBytes = 56, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        const int* words = reinterpret_cast<const int*>(blk);
+        const uint32_t q = (uint32_t)words[t];
+        const uint32_t nibbles = *reinterpret_cast<const uint16_t*>(blk + 32 + 2 * t);
+        const uint32_t s01 = (uint32_t)words[12], s23 = (uint32_t)words[13];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t n = nibbles >> (4 * k);
+            const uint64_t g = rf_iq1s_grid[((q >> (8 * k)) & 0xFF) | ((n & 7) << 8)];
+            const uint32_t shift = (n & 8) ? 0xFFFFFFFFu : 0x01010101u;  // -1 or +1 a byte
+            // 8g a byte: the bits that leave a byte are masked off.
+            w[2 * k] = add_bytes(((uint32_t)g << 3) & 0xF8F8F8F8u, shift);
+            w[2 * k + 1] = add_bytes(((uint32_t)(g >> 32) << 3) & 0xF8F8F8F8u, shift);
+        }
+        const uint32_t bits = ((s01 >> 12) & 0xF) | ((s01 >> 24) & 0xF0) | ((s23 >> 4) & 0xF00) |
+                              ((s23 >> 16) & 0xF000);
+        const float d = __half2float(__ushort_as_half((unsigned short)bits));
+        const uint32_t sc = (t < 4 ? s01 : s23) >> (16 * ((t / 2) % 2) + 6 * (t % 2));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            a[h] = d * (float)(2 * ((sc >> (3 * h)) & 7) + 1) * 0.125f;
+            b[h] = 0.0f;
+        }
+        xb[0] = t;
+    }
+};
+
 // ------------------------------------------------------------------ reductions --------
 
 // Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
@@ -915,6 +958,7 @@ enum {
     RF_T_IQ2_XS = 17,
     RF_T_IQ2_S = 22,
     RF_T_IQ1_S = 19,
+    RF_T_IQ1_M = 29,
     RF_T_BF16 = 30,
 };
 
@@ -975,6 +1019,7 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         case RF_T_IQ2_XS: return (int)launch_tokens<MIQ2_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ2_S: return (int)launch_tokens<MIQ2_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ1_S: return (int)launch_tokens<MIQ1_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ1_M: return (int)launch_tokens<MIQ1_M>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);

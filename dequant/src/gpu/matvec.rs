@@ -60,6 +60,7 @@ pub fn is_supported_on_gpu(ty: GgmlType) -> bool {
             | IQ2_XS
             | IQ2_S
             | IQ1_S
+            | IQ1_M
     )
 }
 

@@ -51,6 +51,18 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
     }
 }
 
+/// Sets the f16 scale of a random IQ1_M block, spread over the top nibbles of its four
+/// u16 scales.
+fn set_other_scales(ty: GgmlType, block: &mut [u8], rng: &mut Rng) {
+    if ty == GgmlType::IQ1_M {
+        let bits = f16::from_f32(rng.unit() * 0.01).to_bits();
+        for (i, at) in [49, 51, 53, 55].into_iter().enumerate() {
+            let nibble = ((bits >> (4 * i)) & 0x0F) as u8;
+            block[at] = (block[at] & 0x0F) | (nibble << 4);
+        }
+    }
+}
+
 /// `rows × cols` weights of `ty`: random quantized bits with small finite scales, or
 /// random floats.
 fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
@@ -73,6 +85,7 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u
                     let scale = f16::from_f32(rng.unit() * 0.01);
                     block[at..at + 2].copy_from_slice(&scale.to_le_bytes());
                 }
+                set_other_scales(ty, block, rng);
             }
             bytes
         }

@@ -607,6 +607,7 @@ mod gpu {
         gpu_llama_iq2_xs => "llama-iq2_xs",
         gpu_llama_iq2_s => "llama-iq2_s",
         gpu_llama_iq1_s => "llama-iq1_s",
+        gpu_llama_iq1_m => "llama-iq1_m",
         gpu_llama_q2_k_mix => "llama-q2_k-mix",
         gpu_llama_q3_k_m_mix => "llama-q3_k_m-mix",
         gpu_llama_f16 => "llama-f16",
@@ -671,7 +672,6 @@ mod gpu {
     }
 
     gpu_refuses_type! {
-        gpu_llama_iq1_m => "llama-iq1_m": "IQ1_M",
         gpu_llama_mxfp4 => "llama-mxfp4": "MXFP4",
     }
 
