@@ -211,6 +211,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
         GgmlType::IQ2_S,
         GgmlType::IQ1_S,
         GgmlType::IQ1_M,
+        GgmlType::MXFP4,
     ]
     .into_iter()
     .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))

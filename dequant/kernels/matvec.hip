@@ -21,7 +21,7 @@
 //
 // The grid formats take w from lattice grids, one entry per run of 8 values (two of 4
 // for IQ3): the decoders' tables, which the build script writes into this file's
-// translation unit, in global memory.
+// translation unit, in global memory. MXFP4 takes it from a 16-entry table.
 //   IQ3_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.5   b = 0
 //   IQ3_S    grid magnitudes, each run's signs applied   a = d·(1 + 2·ls)       b = 0
 //   IQ2_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.25  b = 0
@@ -29,6 +29,7 @@
 //   IQ2_S    as IQ2_XS
 //   IQ1_S    the grid's values -1, 0, 1                  a = dl = d·(2·ls + 1)  b = dl·δ
 //   IQ1_M    8g ± 1 (the shift δ = ±1/8 of each run)     a = dl/8               b = 0
+//   MXFP4    the E2M1 values, doubled                    a = 2^(e - 128)        b = 0
 //
 // Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
 // per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
@@ -653,6 +654,39 @@ struct MIQ1_M {
     }
 };
 
+// MXFP4: 17-byte blocks (any alignment; load_words takes any byte offset and reads only
+// aligned words that hold bytes of the block): an E8M0 exponent e, then 16 bytes of
+// 4-bit indices (values 0-15 low nibbles, 16-31 high) into the E2M1 values, doubled to
+// integers (0 1 2 3 4 6 8 12, then their negatives): values 2^(e - 128)·w.
+__device__ __forceinline__ uint32_t mxfp4_value(uint32_t n) {
+    const uint64_t lo = 0x0C08060403020100ull;  //  0  1  2  3  4  6  8  12
+    const uint64_t hi = 0xF4F8FAFCFDFEFF00ull;  //  0 -1 -2 -3 -4 -6 -8 -12
+    return (uint32_t)(((n < 8 ? lo : hi) >> (8 * (n & 7))) & 0xFF);
+}
+
+__device__ __forceinline__ int mxfp4_word(uint32_t q, int high) {
+    const uint32_t n = high ? (q >> 4) & 0x0F0F0F0Fu : q & 0x0F0F0F0Fu;
+    return (int)(mxfp4_value(n & 0xF) | (mxfp4_value((n >> 8) & 0xF) << 8) |
+                 (mxfp4_value((n >> 16) & 0xF) << 16) | (mxfp4_value(n >> 24) << 24));
+}
+
+struct MMXFP4 {
+    static constexpr int kValues = 32, kBytes = 17, kTasks = 1, kX = 1;
+    __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[4];
+        load_words<4>(blk + 1, q);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = mxfp4_word((uint32_t)q[i], 0);
+            w[i + 4] = mxfp4_word((uint32_t)q[i], 1);
+        }
+        a[0] = a[1] = e8m0_to_f32_half(blk[0]);
+        b[0] = b[1] = 0.0f;
+        xb[0] = 0;
+    }
+};
+
 // ------------------------------------------------------------------ reductions --------
 
 // Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
@@ -959,6 +993,7 @@ enum {
     RF_T_IQ2_S = 22,
     RF_T_IQ1_S = 19,
     RF_T_IQ1_M = 29,
+    RF_T_MXFP4 = 39,
     RF_T_BF16 = 30,
 };
 
@@ -1020,6 +1055,7 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         case RF_T_IQ2_S: return (int)launch_tokens<MIQ2_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ1_S: return (int)launch_tokens<MIQ1_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ1_M: return (int)launch_tokens<MIQ1_M>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_MXFP4: return (int)launch_tokens<MMXFP4>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);

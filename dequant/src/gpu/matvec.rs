@@ -61,6 +61,7 @@ pub fn is_supported_on_gpu(ty: GgmlType) -> bool {
             | IQ2_S
             | IQ1_S
             | IQ1_M
+            | MXFP4
     )
 }
 

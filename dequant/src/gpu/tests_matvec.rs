@@ -51,15 +51,20 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
     }
 }
 
-/// Sets the f16 scale of a random IQ1_M block, spread over the top nibbles of its four
-/// u16 scales.
+/// Sets the scales of a random block of `ty` that has no plain f16 field: IQ1_M's f16,
+/// spread over the top nibbles of its four u16 scales, and MXFP4's power of two.
 fn set_other_scales(ty: GgmlType, block: &mut [u8], rng: &mut Rng) {
-    if ty == GgmlType::IQ1_M {
-        let bits = f16::from_f32(rng.unit() * 0.01).to_bits();
-        for (i, at) in [49, 51, 53, 55].into_iter().enumerate() {
-            let nibble = ((bits >> (4 * i)) & 0x0F) as u8;
-            block[at] = (block[at] & 0x0F) | (nibble << 4);
+    match ty {
+        GgmlType::IQ1_M => {
+            let bits = f16::from_f32(rng.unit() * 0.01).to_bits();
+            for (i, at) in [49, 51, 53, 55].into_iter().enumerate() {
+                let nibble = ((bits >> (4 * i)) & 0x0F) as u8;
+                block[at] = (block[at] & 0x0F) | (nibble << 4);
+            }
         }
+        // 2^(e - 128): 2^-10 to 2^1.
+        GgmlType::MXFP4 => block[0] = 118 + (rng.next() % 12) as u8,
+        _ => {}
     }
 }
 
@@ -271,14 +276,20 @@ fn products_match_the_reference_for_every_type_and_shape() {
     };
     for ty in types() {
         // Narrow (4 rows a workgroup), middle (2) and wide (1) rows; row counts that
-        // leave a workgroup half full; one row; 1, 3 and 8 tokens.
+        // leave a workgroup half full; one row; 1, 3 and 8 tokens. Types of 32-value
+        // blocks also take rows of 9 blocks, which start at every alignment their
+        // block size allows (MXFP4's 17-byte blocks at any byte).
+        let odd_rows = (ty.block_size() == 32).then_some((9, 288, 3));
         for (rows, cols, n) in [
             (1, 256, 1),
             (7, 256, 3),
             (130, 512, 1),
             (33, 768, 8),
             (65, 2816, 2),
-        ] {
+        ]
+        .into_iter()
+        .chain(odd_rows)
+        {
             check_type(
                 &device,
                 &stream,
@@ -407,5 +418,21 @@ fn sign_bytes_are_seven_bits_and_their_parity() {
             i | ((i.count_ones() & 1) << 7),
             "index {i}"
         );
+    }
+}
+
+/// The GPU multiplies every type the CPU does, so a model the CPU runs is refused by the
+/// GPU only for its architecture or features. A type multiplied on the CPU alone would
+/// be refused by `model`'s `check_plan`; it then needs a model-level refusal test
+/// (model/tests/real_models/synthetic.rs) before this one may change.
+#[test]
+fn the_gpu_multiplies_every_type_the_cpu_does() {
+    for ty in GgmlType::ALL {
+        if crate::matmul::is_supported(ty) {
+            assert!(
+                matvec::is_supported_on_gpu(ty),
+                "{ty}: multiplied on the CPU only"
+            );
+        }
     }
 }
