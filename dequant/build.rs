@@ -1,10 +1,12 @@
-//! dequant's build script: compiles the GPU decoders (`kernels/`) with hip-backend's GPU
-//! configuration, when that configuration has a platform.
+//! dequant's build script: compiles the GPU decoders and products (`kernels/`) with
+//! hip-backend's GPU configuration, when that configuration has a platform.
 //!
 //! The IQ lookup tables are not typed twice: this script reads the CPU decoders' own
 //! generated tables (`src/decode/grids.rs`, written by `tools/gen_grids.py`) and writes
-//! them as `__constant__` arrays into a generated translation unit, which then includes
-//! `kernels/dequant.hip`. A missing table or a table of the wrong length fails the build.
+//! them into two generated translation units: as `__constant__` arrays before
+//! `kernels/dequant.hip` (the decoders), and the grids the products read as `static const
+//! __device__` arrays in global memory before `kernels/matvec.hip`. A missing table or a
+//! table of the wrong length fails the build.
 
 #[path = "../hip-backend/build/hip_build.rs"]
 mod hip_build;
@@ -14,20 +16,54 @@ use std::path::{Path, PathBuf};
 
 use hip_build::{fail, GpuConfig, Platform};
 
-/// The tables the kernels use: Rust name, C element type, length.
-const TABLES: &[(&str, &str, usize)] = &[
-    ("IQ2XXS_GRID", "uint64_t", 256),
-    ("IQ2XS_GRID", "uint64_t", 512),
-    ("IQ2S_GRID", "uint64_t", 1024),
-    ("IQ3XXS_GRID", "uint32_t", 256),
-    ("IQ3S_GRID", "uint32_t", 512),
-    ("IQ1S_GRID", "uint64_t", 2048),
-    ("KSIGNS_IQ2XS", "uint8_t", 128),
-    ("KVALUES_IQ4NL", "int8_t", 16),
-    ("KVALUES_MXFP4", "int8_t", 16),
+/// The tables the kernels use: Rust name, C element type, length, and whether the
+/// products (`kernels/matvec.hip`) read it too (the decoders read them all).
+const TABLES: &[(&str, &str, usize, bool)] = &[
+    ("IQ2XXS_GRID", "uint64_t", 256, true),
+    ("IQ2XS_GRID", "uint64_t", 512, true),
+    ("IQ2S_GRID", "uint64_t", 1024, true),
+    ("IQ3XXS_GRID", "uint32_t", 256, true),
+    ("IQ3S_GRID", "uint32_t", 512, true),
+    ("IQ1S_GRID", "uint64_t", 2048, true),
+    ("KSIGNS_IQ2XS", "uint8_t", 128, false),
+    ("KVALUES_IQ4NL", "int8_t", 16, false),
+    ("KVALUES_MXFP4", "int8_t", 16, false),
 ];
-/// The f32 constants the kernels use.
-const CONSTANTS: &[&str] = &["IQ1S_DELTA"];
+/// The f32 constants the kernels use, and whether the products use them too.
+const CONSTANTS: &[(&str, bool)] = &[("IQ1S_DELTA", true)];
+
+/// A generated translation unit: its file name in OUT_DIR, the kernel source it
+/// includes, and how it declares the tables.
+struct Unit {
+    file: &'static str,
+    kernels: &'static str,
+    tables: Tables,
+}
+
+/// Where a unit keeps its tables.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tables {
+    /// Every table, in constant memory (the decoders).
+    Constant,
+    /// The products' tables, in global memory read through the L1 cache: the lanes of
+    /// a warp each read their own grid entries, which NVIDIA's constant cache serves
+    /// one address at a time. `static`, so that these copies (the units are separate
+    /// device modules) and their host-side shadows stay private to their unit.
+    Global,
+}
+
+const UNITS: &[Unit] = &[
+    Unit {
+        file: "rocmforge_dequant_kernels.hip",
+        kernels: "kernels/dequant.hip",
+        tables: Tables::Constant,
+    },
+    Unit {
+        file: "rocmforge_matvec_kernels.hip",
+        kernels: "kernels/matvec.hip",
+        tables: Tables::Global,
+    },
+];
 
 const GRIDS_RS: &str = "src/decode/grids.rs";
 const KERNEL_SOURCES: &[&str] = &[
@@ -53,20 +89,21 @@ fn main() {
     }
     let grids = std::fs::read_to_string(manifest_dir.join(GRIDS_RS))
         .unwrap_or_else(|error| fail(&format!("cannot read {GRIDS_RS}: {error}")));
-    let unit = translation_unit(&grids, &manifest_dir.join("kernels/dequant.hip"))
-        .unwrap_or_else(|error| fail(&format!("{GRIDS_RS}: {error}")));
-    let unit_path = out_dir.join("rocmforge_dequant_kernels.hip");
-    write_if_changed(&unit_path, &unit);
+    let mut sources = Vec::new();
+    for unit in UNITS {
+        let text = translation_unit(&grids, &manifest_dir.join(unit.kernels), unit.tables)
+            .unwrap_or_else(|error| fail(&format!("{GRIDS_RS}: {error}")));
+        let path = out_dir.join(unit.file);
+        write_if_changed(&path, &text);
+        sources.push(
+            path.to_str()
+                .unwrap_or_else(|| fail("OUT_DIR is not UTF-8"))
+                .to_owned(),
+        );
+    }
+    let sources: Vec<&str> = sources.iter().map(String::as_str).collect();
     config
-        .compile(
-            "rocmforge_dequant_kernels",
-            &[
-                unit_path
-                    .to_str()
-                    .unwrap_or_else(|| fail("OUT_DIR is not UTF-8")),
-                "kernels/matvec.hip",
-            ],
-        )
+        .compile("rocmforge_dequant_kernels", &sources)
         .unwrap_or_else(|error| fail(&error));
 }
 
@@ -84,19 +121,27 @@ fn write_if_changed(path: &Path, text: &str) {
         .unwrap_or_else(|error| fail(&format!("cannot write {}: {error}", path.display())));
 }
 
-/// The generated source: every table as a `__constant__` array, the constants, then
-/// the kernels.
-fn translation_unit(grids: &str, kernels: &Path) -> Result<String, String> {
+/// The generated source: the tables `tables` says (every one as a `__constant__` array,
+/// or the products' ones as `static const __device__` arrays), the constants, then the
+/// kernels. A unit holds only what its kernels read: nvcc warns of unused `static` ones.
+fn translation_unit(grids: &str, kernels: &Path, tables: Tables) -> Result<String, String> {
     let kernels = kernels
         .to_str()
         .filter(|path| !path.contains(['"', '\\', '\n']))
         .ok_or_else(|| format!("kernel path {} cannot be #included", kernels.display()))?;
-    let mut unit = String::from(
+    let (space, qualifier) = match tables {
+        Tables::Constant => ("constant", "__constant__"),
+        Tables::Global => ("global", "static const __device__"),
+    };
+    let mut unit = format!(
         "// Generated by dequant/build.rs from src/decode/grids.rs: do not edit.\n\
-         // The IQ lookup tables in constant memory, then the kernels that read them.\n\
+         // The IQ lookup tables in {space} memory, then the kernels that read them.\n\
          #include \"rocmforge_hip.h\"\n#include <stdint.h>\n\n",
     );
-    for &(name, c_type, len) in TABLES {
+    for &(name, c_type, len, products) in TABLES {
+        if tables == Tables::Global && !products {
+            continue;
+        }
         let values = static_array(grids, name)?;
         if values.len() != len {
             return Err(format!(
@@ -107,7 +152,7 @@ fn translation_unit(grids: &str, kernels: &Path) -> Result<String, String> {
         let suffix = if c_type == "uint64_t" { "ull" } else { "" };
         let _ = writeln!(
             unit,
-            "__constant__ {c_type} rf_{}[{len}] = {{",
+            "{qualifier} {c_type} rf_{}[{len}] = {{",
             name.to_lowercase()
         );
         for chunk in values.chunks(4) {
@@ -116,7 +161,10 @@ fn translation_unit(grids: &str, kernels: &Path) -> Result<String, String> {
         }
         unit.push_str("};\n");
     }
-    for &name in CONSTANTS {
+    for &(name, products) in CONSTANTS {
+        if tables == Tables::Global && !products {
+            continue;
+        }
         let value = f32_const(grids, name)?;
         let _ = writeln!(unit, "static constexpr float RF_{name} = {value:?}f;");
     }

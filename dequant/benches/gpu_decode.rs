@@ -214,6 +214,14 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
         GgmlType::Q6_K,
         GgmlType::IQ4_NL,
         GgmlType::IQ4_XS,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ3_S,
+        GgmlType::IQ2_XXS,
+        GgmlType::IQ2_XS,
+        GgmlType::IQ2_S,
+        GgmlType::IQ1_S,
+        GgmlType::IQ1_M,
+        GgmlType::MXFP4,
     ]
     .into_iter()
     .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))
@@ -291,7 +299,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                     weight_bytes: bytes,
                 };
                 println!(
-                    "{:<6} {:<8} {:>6}x{:<6} {:>3} {:>9.2} {:>8.0} {:>7.1}",
+                    "{:<7} {:<8} {:>6}x{:<6} {:>3} {:>9.2} {:>8.0} {:>7.1}",
                     ty.name(),
                     name,
                     rows,
@@ -425,7 +433,7 @@ fn main() {
             options.iters
         );
         println!(
-            "{:<6} {:<8} {:>13} {:>3} {:>9} {:>8} {:>7}",
+            "{:<7} {:<8} {:>13} {:>3} {:>9} {:>8} {:>7}",
             "type", "matrix", "rows x cols", "n", "us", "GB/s", "TFLOP/s"
         );
         let rows = bench_products(&device, &options).unwrap_or_else(|error| {

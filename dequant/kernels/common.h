@@ -76,6 +76,12 @@ __device__ __forceinline__ uint32_t f32_to_f16_bits(float v) {
     return (uint32_t)__half_as_ushort(__float2half_rn(v));
 }
 
+// Half of the MXFP4 E8M0 scale 2^(e - 127), built from its bits (exponents 0 and 1 give
+// subnormals), as the reference decoder builds it (the decoders and the products).
+__device__ __forceinline__ float e8m0_to_f32_half(uint32_t e) {
+    return __uint_as_float(e < 2 ? (0x00200000u << e) : ((e - 1) << 23));
+}
+
 // ------------------------------------------------------------------ tiles -------------
 // A kernel works in tiles of kTileValues output values: 256 threads, each decoding one
 // group of 8 consecutive values (every block holds a whole number of such groups, and

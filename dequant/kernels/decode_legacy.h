@@ -101,12 +101,6 @@ struct IQ4_NL {
     }
 };
 
-// Half of the E8M0 scale 2^(e - 127), built from its bits (exponents 0 and 1 give
-// subnormals), as the reference decoder builds it.
-__device__ __forceinline__ float e8m0_to_f32_half(uint32_t e) {
-    return __uint_as_float(e < 2 ? (0x00200000u << e) : ((e - 1) << 23));
-}
-
 // MXFP4 {e: u8, qs: [u8; 16]}: half of 2^(e - 127) times the doubled E2M1 value.
 struct MXFP4 {
     static constexpr int kValues = 32;

@@ -19,6 +19,18 @@
 // precomputed sums and stay exact in integers. Float weights (F32, F16, BF16) meet f32
 // activations in f32.
 //
+// The grid formats take w from lattice grids, one entry per run of 8 values (two of 4
+// for IQ3): the decoders' tables, which the build script writes into this file's
+// translation unit, in global memory. MXFP4 takes it from a 16-entry table.
+//   IQ3_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.5   b = 0
+//   IQ3_S    grid magnitudes, each run's signs applied   a = d·(1 + 2·ls)       b = 0
+//   IQ2_XXS  grid magnitudes, each run's signs applied   a = d·(0.5 + ls)·0.25  b = 0
+//   IQ2_XS   as IQ2_XXS, with a scale ls per 16 values
+//   IQ2_S    as IQ2_XS
+//   IQ1_S    the grid's values -1, 0, 1                  a = dl = d·(2·ls + 1)  b = dl·δ
+//   IQ1_M    8g ± 1 (the shift δ = ±1/8 of each run)     a = dl/8               b = 0
+//   MXFP4    the E2M1 values, doubled                    a = 2^(e - 128)        b = 0
+//
 // Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
 // per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
 // multiple of 32), for NT tokens at once (1 to 8): a weight task is decoded once and
@@ -421,6 +433,260 @@ struct MIQ4_XS {
     }
 };
 
+// The grid formats pick each run of 8 values from a lattice grid: one entry of 8 bytes
+// (IQ2, IQ1) or two of 4 (IQ3). The grids rf_iq*_grid are the decoders' tables
+// (src/decode/grids.rs), which the build script writes into this file's translation unit
+// in global memory (a warp's lanes read different entries, which NVIDIA's constant cache
+// would serve one at a time). A task is one sub-block of 32 values: four runs.
+
+// Bits 0-3 of s to bit 0 of bytes 0-3 (the four shifted copies of s never overlap).
+__device__ __forceinline__ uint32_t bits_to_bytes(uint32_t s) {
+    return ((s & 0xFu) * 0x00204081u) & 0x01010101u;
+}
+
+// Four grid magnitudes (bytes of g, none of them 0) as int8, negated where bits 0-3 of s
+// are set: -g = (g ^ 0xFF) + 1 per byte, which for g ≥ 1 carries into no other byte.
+__device__ __forceinline__ int signed_grid4(uint32_t g, uint32_t s) {
+    const uint32_t ones = bits_to_bytes(s);
+    return (int)((g ^ (ones * 0xFFu)) + ones);
+}
+
+// The IQ2_XXS / IQ2_XS / IQ3_XXS sign byte of a 7-bit sign index: its seven bits and,
+// as the eighth, their parity (the decoders' table rf_ksigns_iq2xs, computed).
+__device__ __forceinline__ uint32_t ksigns(uint32_t s7) {
+    return s7 | (((uint32_t)__popc(s7) & 1u) << 7);
+}
+
+// IQ3_XXS: 98-byte super-blocks (2-byte aligned): d, 64 grid indices (4 values each),
+// then per sub-block a u32 of four 7-bit sign indices (one per run) and a 4-bit scale
+// ls in the top bits: values d·(0.5 + ls)·0.5·(±grid). Task t: indices 8t..8t+7, word t.
+struct MIQ3_XXS {
+    static constexpr int kValues = 256, kBytes = 98, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[2], s[1];
+        load_words<2>(blk + 2 + 8 * t, q);
+        load_words<1>(blk + 66 + 4 * t, s);
+        const uint32_t aux = (uint32_t)s[0];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t idx = (uint32_t)q[k / 2] >> (16 * (k % 2));
+            const uint32_t signs = ksigns((aux >> (7 * k)) & 0x7F);
+            w[2 * k] = signed_grid4(rf_iq3xxs_grid[idx & 0xFF], signs);
+            w[2 * k + 1] = signed_grid4(rf_iq3xxs_grid[(idx >> 8) & 0xFF], signs >> 4);
+        }
+        a[0] = a[1] = half_at(blk) * (0.5f + (float)(aux >> 28)) * 0.5f;
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
+// IQ3_S: 110-byte super-blocks (2-byte aligned): d, 64 low index bytes, 8 bytes of ninth
+// index bits (bit j of byte t for index 8t + j), 32 sign bytes (one per run), 4 bytes of
+// 4-bit scales ls: values d·(1 + 2·ls)·(±grid). Task t: index bytes 8t..8t+7, sign
+// bytes 4t..4t+3.
+struct MIQ3_S {
+    static constexpr int kValues = 256, kBytes = 110, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[2], s[1];
+        load_words<2>(blk + 2 + 8 * t, q);
+        load_words<1>(blk + 74 + 4 * t, s);
+        const uint32_t high = (uint32_t)blk[66 + t] << 8;  // bit j at bit 8 + j
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t idx = (uint32_t)q[k / 2] >> (16 * (k % 2));
+            const uint32_t i0 = (idx & 0xFF) | ((high >> (2 * k)) & 0x100);
+            const uint32_t i1 = ((idx >> 8) & 0xFF) | ((high >> (2 * k + 1)) & 0x100);
+            const uint32_t signs = (uint32_t)s[0] >> (8 * k);
+            w[2 * k] = signed_grid4(rf_iq3s_grid[i0], signs);
+            w[2 * k + 1] = signed_grid4(rf_iq3s_grid[i1], signs >> 4);
+        }
+        const uint32_t ls = (blk[106 + t / 2] >> (4 * (t % 2))) & 0xF;
+        a[0] = a[1] = half_at(blk) * (float)(1 + 2 * ls);
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
+// A run of 8 grid magnitudes (bytes of g) with its sign byte applied, as two words.
+__device__ __forceinline__ void signed_grid8(uint64_t g, uint32_t signs, int& lo, int& hi) {
+    lo = signed_grid4((uint32_t)g, signs);
+    hi = signed_grid4((uint32_t)(g >> 32), signs >> 4);
+}
+
+// IQ2_XXS: 66-byte super-blocks (2-byte aligned): d, then per sub-block 8 bytes: four
+// grid indices (one per run), and a u32 of four 7-bit sign indices and a 4-bit scale ls
+// in the top bits: values d·(0.5 + ls)·0.25·(±grid). Task t: bytes 8t..8t+7.
+struct MIQ2_XXS {
+    static constexpr int kValues = 256, kBytes = 66, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[2];
+        load_words<2>(blk + 2 + 8 * t, q);
+        const uint32_t aux = (uint32_t)q[1];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint64_t g = rf_iq2xxs_grid[((uint32_t)q[0] >> (8 * k)) & 0xFF];
+            signed_grid8(g, ksigns((aux >> (7 * k)) & 0x7F), w[2 * k], w[2 * k + 1]);
+        }
+        a[0] = a[1] = half_at(blk) * (0.5f + (float)(aux >> 28)) * 0.25f;
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
+// IQ2_XS: 74-byte super-blocks (2-byte aligned): d, 32 u16 (per run a 9-bit grid index
+// and a 7-bit sign index), 8 scale bytes (per sub-block, the low nibble ls for its first
+// 16 values, the high one for the rest): values d·(0.5 + ls)·0.25·(±grid). Task t: u16s
+// 4t..4t+3 and scale byte t.
+struct MIQ2_XS {
+    static constexpr int kValues = 256, kBytes = 74, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[2];
+        load_words<2>(blk + 2 + 8 * t, q);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t e = ((uint32_t)q[k / 2] >> (16 * (k % 2))) & 0xFFFF;
+            signed_grid8(rf_iq2xs_grid[e & 511], ksigns(e >> 9), w[2 * k], w[2 * k + 1]);
+        }
+        const float d = half_at(blk);
+        const uint32_t sc = blk[66 + t];
+        a[0] = d * (0.5f + (float)(sc & 0xF)) * 0.25f;
+        a[1] = d * (0.5f + (float)(sc >> 4)) * 0.25f;
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
+// IQ2_S: 82-byte super-blocks (2-byte aligned): d, 32 low index bytes, 32 sign bytes (one
+// per run), 8 bytes of high index bit pairs (bits 2k, 2k+1 of byte t for run k of
+// sub-block t), 8 scale bytes as IQ2_XS: values d·(0.5 + ls)·0.25·(±grid). Task t: index
+// and sign bytes 4t..4t+3, high-bit and scale byte t.
+struct MIQ2_S {
+    static constexpr int kValues = 256, kBytes = 82, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[1], s[1];
+        load_words<1>(blk + 2 + 4 * t, q);
+        load_words<1>(blk + 34 + 4 * t, s);
+        const uint32_t high = blk[66 + t];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t i = (((uint32_t)q[0] >> (8 * k)) & 0xFF) | (((high >> (2 * k)) & 3) << 8);
+            signed_grid8(rf_iq2s_grid[i], (uint32_t)s[0] >> (8 * k), w[2 * k], w[2 * k + 1]);
+        }
+        const float d = half_at(blk);
+        const uint32_t sc = blk[74 + t];
+        a[0] = d * (0.5f + (float)(sc & 0xF)) * 0.25f;
+        a[1] = d * (0.5f + (float)(sc >> 4)) * 0.25f;
+        b[0] = b[1] = 0.0f;
+        xb[0] = t;
+    }
+};
+
+// IQ1_S: 50-byte super-blocks (2-byte aligned): d, 32 low index bytes, then per sub-block
+// a u16: four 3-bit high index parts (one per run), a 3-bit scale ls, the sign of the
+// shift δ = ±1/8. The grid's values are -1, 0 and 1 (int8 bytes), so w is the entry
+// itself: values dl·(g + δ) with dl = d·(2·ls + 1), a = dl, b = dl·δ. Task t: index
+// bytes 4t..4t+3, u16 t.
+struct MIQ1_S {
+    static constexpr int kValues = 256, kBytes = 50, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[1];
+        load_words<1>(blk + 2 + 4 * t, q);
+        const uint32_t qh = *reinterpret_cast<const uint16_t*>(blk + 34 + 2 * t);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t i = (((uint32_t)q[0] >> (8 * k)) & 0xFF) | (((qh >> (3 * k)) & 7) << 8);
+            const uint64_t g = rf_iq1s_grid[i];
+            w[2 * k] = (int)(uint32_t)g;
+            w[2 * k + 1] = (int)(uint32_t)(g >> 32);
+        }
+        const float dl = half_at(blk) * (float)(2 * ((qh >> 12) & 7) + 1);
+        a[0] = a[1] = dl;
+        b[0] = b[1] = dl * ((qh & 0x8000) ? -RF_IQ1S_DELTA : RF_IQ1S_DELTA);
+        xb[0] = t;
+    }
+};
+
+// Bytes a + b, each modulo 256 (no carry between bytes).
+__device__ __forceinline__ int add_bytes(uint32_t a, uint32_t b) {
+    const uint32_t low7 = (a & 0x7F7F7F7Fu) + (b & 0x7F7F7F7Fu);
+    return (int)(low7 ^ ((a ^ b) & 0x80808080u));
+}
+
+// IQ1_M: 56-byte super-blocks (8-byte aligned): 32 low index bytes, 16 bytes of nibbles
+// (per run: three high index bits, then the sign of its shift δ = ±1/8), 4 u16 of 3-bit
+// scales ls (per 16 values s: bits 3·(s % 4) of u16 s / 4) whose top nibbles hold the f16
+// d. The shift changes from run to run within 16 values, so it goes into w: dl·(g + δ) =
+// (dl/8)·(8g ± 1), so w = 8g ± 1, a = d·(2·ls + 1)/8, b = 0. Task t: index bytes
+// 4t..4t+3, nibble bytes 2t, 2t + 1, scales 2t, 2t + 1.
+struct MIQ1_M {
+    static constexpr int kValues = 256, kBytes = 56, kTasks = 8, kX = 1;
+    __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        const int* words = reinterpret_cast<const int*>(blk);
+        const uint32_t q = (uint32_t)words[t];
+        const uint32_t nibbles = *reinterpret_cast<const uint16_t*>(blk + 32 + 2 * t);
+        const uint32_t s01 = (uint32_t)words[12], s23 = (uint32_t)words[13];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const uint32_t n = nibbles >> (4 * k);
+            const uint64_t g = rf_iq1s_grid[((q >> (8 * k)) & 0xFF) | ((n & 7) << 8)];
+            const uint32_t shift = (n & 8) ? 0xFFFFFFFFu : 0x01010101u;  // -1 or +1 a byte
+            // 8g a byte: the bits that leave a byte are masked off.
+            w[2 * k] = add_bytes(((uint32_t)g << 3) & 0xF8F8F8F8u, shift);
+            w[2 * k + 1] = add_bytes(((uint32_t)(g >> 32) << 3) & 0xF8F8F8F8u, shift);
+        }
+        const uint32_t bits = ((s01 >> 12) & 0xF) | ((s01 >> 24) & 0xF0) | ((s23 >> 4) & 0xF00) |
+                              ((s23 >> 16) & 0xF000);
+        const float d = __half2float(__ushort_as_half((unsigned short)bits));
+        const uint32_t sc = (t < 4 ? s01 : s23) >> (16 * ((t / 2) % 2) + 6 * (t % 2));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            a[h] = d * (float)(2 * ((sc >> (3 * h)) & 7) + 1) * 0.125f;
+            b[h] = 0.0f;
+        }
+        xb[0] = t;
+    }
+};
+
+// MXFP4: 17-byte blocks (any alignment; load_words takes any byte offset and reads only
+// aligned words that hold bytes of the block): an E8M0 exponent e, then 16 bytes of
+// 4-bit indices (values 0-15 low nibbles, 16-31 high) into the E2M1 values, doubled to
+// integers (0 1 2 3 4 6 8 12, then their negatives): values 2^(e - 128)·w.
+__device__ __forceinline__ uint32_t mxfp4_value(uint32_t n) {
+    const uint64_t lo = 0x0C08060403020100ull;  //  0  1  2  3  4  6  8  12
+    const uint64_t hi = 0xF4F8FAFCFDFEFF00ull;  //  0 -1 -2 -3 -4 -6 -8 -12
+    return (uint32_t)(((n < 8 ? lo : hi) >> (8 * (n & 7))) & 0xFF);
+}
+
+__device__ __forceinline__ int mxfp4_word(uint32_t q, int high) {
+    const uint32_t n = high ? (q >> 4) & 0x0F0F0F0Fu : q & 0x0F0F0F0Fu;
+    return (int)(mxfp4_value(n & 0xF) | (mxfp4_value((n >> 8) & 0xF) << 8) |
+                 (mxfp4_value((n >> 16) & 0xF) << 16) | (mxfp4_value(n >> 24) << 24));
+}
+
+struct MMXFP4 {
+    static constexpr int kValues = 32, kBytes = 17, kTasks = 1, kX = 1;
+    __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
+                                float (&b)[2 * kX], int (&xb)[kX]) {
+        int q[4];
+        load_words<4>(blk + 1, q);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[i] = mxfp4_word((uint32_t)q[i], 0);
+            w[i + 4] = mxfp4_word((uint32_t)q[i], 1);
+        }
+        a[0] = a[1] = e8m0_to_f32_half(blk[0]);
+        b[0] = b[1] = 0.0f;
+        xb[0] = 0;
+    }
+};
+
 // ------------------------------------------------------------------ reductions --------
 
 // Sums v over the 32-lane group of the calling thread (lanes 0-31 or 32-63 of a wave64).
@@ -737,6 +1003,14 @@ enum {
     RF_T_Q3_K = 11,
     RF_T_IQ4_NL = 20,
     RF_T_IQ4_XS = 23,
+    RF_T_IQ3_XXS = 18,
+    RF_T_IQ3_S = 21,
+    RF_T_IQ2_XXS = 16,
+    RF_T_IQ2_XS = 17,
+    RF_T_IQ2_S = 22,
+    RF_T_IQ1_S = 19,
+    RF_T_IQ1_M = 29,
+    RF_T_MXFP4 = 39,
     RF_T_BF16 = 30,
 };
 
@@ -791,6 +1065,14 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         case RF_T_Q3_K: return (int)launch_tokens<MQ3_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ4_NL: return (int)launch_tokens<MIQ4_NL>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_IQ4_XS: return (int)launch_tokens<MIQ4_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ3_XXS: return (int)launch_tokens<MIQ3_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ3_S: return (int)launch_tokens<MIQ3_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ2_XXS: return (int)launch_tokens<MIQ2_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ2_XS: return (int)launch_tokens<MIQ2_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ2_S: return (int)launch_tokens<MIQ2_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ1_S: return (int)launch_tokens<MIQ1_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_IQ1_M: return (int)launch_tokens<MIQ1_M>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
+        case RF_T_MXFP4: return (int)launch_tokens<MMXFP4>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
         case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
         case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);

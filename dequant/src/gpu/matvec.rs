@@ -54,6 +54,14 @@ pub fn is_supported_on_gpu(ty: GgmlType) -> bool {
             | Q6_K
             | IQ4_NL
             | IQ4_XS
+            | IQ3_XXS
+            | IQ3_S
+            | IQ2_XXS
+            | IQ2_XS
+            | IQ2_S
+            | IQ1_S
+            | IQ1_M
+            | MXFP4
     )
 }
 

@@ -18,8 +18,9 @@
 //! into multiply-adds (`__fmul_rn` and friends on NVIDIA, `#pragma clang fp
 //! contract(off)` on AMD), denormals are kept, and f16 output rounds to nearest even. The
 //! one exception is NaN: a NaN decodes to a NaN, but its payload may differ from the CPU's.
-//! The IQ lookup tables live in constant memory and are generated at build time from the
-//! CPU decoders' tables (`src/decode/grids.rs`).
+//! The IQ lookup tables are generated at build time from the CPU decoders' tables
+//! (`src/decode/grids.rs`): in constant memory for the decoders, in global memory for the
+//! products (whose lanes read different entries at once).
 //!
 //! Built for platform `none` (see hip-backend), every function compiles and returns
 //! [`HipError::BuiltWithoutGpu`] (inside [`GpuDequantError::Hip`]) after checking its

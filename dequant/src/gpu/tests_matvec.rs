@@ -15,23 +15,12 @@ use crate::gpu::matmul;
 use crate::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
 use crate::matmul::QuantizedMatrix;
 
-const TYPES: [GgmlType; 15] = [
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::F32,
-];
+/// Every type the GPU multiplies, so that a type made supported is tested here at once.
+fn types() -> impl Iterator<Item = GgmlType> {
+    GgmlType::ALL
+        .into_iter()
+        .filter(|&ty| matvec::is_supported_on_gpu(ty))
+}
 
 struct Rng(u64);
 
@@ -51,14 +40,32 @@ impl Rng {
 
 /// Offsets of the f16 scale fields in a block of `ty`.
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    use GgmlType::*;
     match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
-        GgmlType::Q2_K => &[80, 82],
-        GgmlType::Q3_K => &[108],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::Q6_K => &[208],
+        Q4_0 | Q5_0 | Q8_0 => &[0],
+        IQ4_NL | IQ4_XS | IQ3_XXS | IQ3_S | IQ2_XXS | IQ2_XS | IQ2_S | IQ1_S => &[0],
+        Q2_K => &[80, 82],
+        Q3_K => &[108],
+        Q4_1 | Q5_1 | Q4_K | Q5_K => &[0, 2],
+        Q6_K => &[208],
         _ => &[],
+    }
+}
+
+/// Sets the scales of a random block of `ty` that has no plain f16 field: IQ1_M's f16,
+/// spread over the top nibbles of its four u16 scales, and MXFP4's power of two.
+fn set_other_scales(ty: GgmlType, block: &mut [u8], rng: &mut Rng) {
+    match ty {
+        GgmlType::IQ1_M => {
+            let bits = f16::from_f32(rng.unit() * 0.01).to_bits();
+            for (i, at) in [49, 51, 53, 55].into_iter().enumerate() {
+                let nibble = ((bits >> (4 * i)) & 0x0F) as u8;
+                block[at] = (block[at] & 0x0F) | (nibble << 4);
+            }
+        }
+        // 2^(e - 128): 2^-10 to 2^1.
+        GgmlType::MXFP4 => block[0] = 118 + (rng.next() % 12) as u8,
+        _ => {}
     }
 }
 
@@ -84,6 +91,7 @@ fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u
                     let scale = f16::from_f32(rng.unit() * 0.01);
                     block[at..at + 2].copy_from_slice(&scale.to_le_bytes());
                 }
+                set_other_scales(ty, block, rng);
             }
             bytes
         }
@@ -267,16 +275,22 @@ fn products_match_the_reference_for_every_type_and_shape() {
     else {
         return;
     };
-    for (i, &ty) in TYPES.iter().enumerate() {
+    for ty in types() {
         // Narrow (4 rows a workgroup), middle (2) and wide (1) rows; row counts that
-        // leave a workgroup half full; one row; 1, 3 and 8 tokens.
+        // leave a workgroup half full; one row; 1, 3 and 8 tokens. Types of 32-value
+        // blocks also take rows of 9 blocks, which start at every alignment their
+        // block size allows (MXFP4's 17-byte blocks at any byte).
+        let odd_rows = (ty.block_size() == 32).then_some((9, 288, 3));
         for (rows, cols, n) in [
             (1, 256, 1),
             (7, 256, 3),
             (130, 512, 1),
             (33, 768, 8),
             (65, 2816, 2),
-        ] {
+        ]
+        .into_iter()
+        .chain(odd_rows)
+        {
             check_type(
                 &device,
                 &stream,
@@ -284,7 +298,7 @@ fn products_match_the_reference_for_every_type_and_shape() {
                 rows,
                 cols,
                 n,
-                1000 + i as u64 * 7 + rows as u64,
+                1000 + u64::from(ty.id()) * 7 + rows as u64,
             );
         }
     }
@@ -445,7 +459,7 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
     else {
         return;
     };
-    for (i, &ty) in TYPES.iter().enumerate() {
+    for (i, ty) in types().enumerate() {
         assert!(matmul::is_supported_for_matmul(ty), "{ty}");
         // One row; rows and tokens that leave a tile partly empty; several token tiles.
         for (rows, cols, n) in [(1, 256, 9), (70, 512, 130), (130, 2816, 33)] {
@@ -519,4 +533,60 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
     assert!(got[..rows].iter().all(|&v| v == 0.0), "a token of zeros");
     let err = relative_error(&got, &reference(GgmlType::Q4_K, &w, rows, cols, &x, n));
     assert!(err <= 2e-3, "large activations: relative error {err:.2e}");
+}
+
+/// The products negate the IQ2 and IQ3 grid magnitudes four bytes at a time, as
+/// `(g ^ 0xFF) + 1` in one 32-bit add, which would carry into the next byte for a
+/// magnitude of 0: the grids hold none.
+#[test]
+fn the_grid_magnitudes_the_products_negate_are_never_zero() {
+    use crate::decode::grids;
+    fn bytes<T: bytemuck::Pod>(table: &[T]) -> &[u8] {
+        bytemuck::cast_slice(table)
+    }
+    for (name, table) in [
+        ("IQ3XXS_GRID", bytes(&grids::IQ3XXS_GRID)),
+        ("IQ3S_GRID", bytes(&grids::IQ3S_GRID)),
+        ("IQ2XXS_GRID", bytes(&grids::IQ2XXS_GRID)),
+        ("IQ2XS_GRID", bytes(&grids::IQ2XS_GRID)),
+        ("IQ2S_GRID", bytes(&grids::IQ2S_GRID)),
+    ] {
+        assert!(
+            table.iter().all(|&b| b != 0),
+            "{name} holds a magnitude of 0"
+        );
+    }
+}
+
+/// The products compute the sign bytes of IQ2_XXS, IQ2_XS and IQ3_XXS as the seven bits
+/// of the sign index and their parity, instead of reading `KSIGNS_IQ2XS`.
+#[test]
+fn sign_bytes_are_seven_bits_and_their_parity() {
+    use crate::decode::grids::KSIGNS_IQ2XS;
+    for (i, &signs) in (0u32..).zip(KSIGNS_IQ2XS.iter()) {
+        assert_eq!(
+            u32::from(signs),
+            i | ((i.count_ones() & 1) << 7),
+            "index {i}"
+        );
+    }
+}
+
+/// The GPU multiplies every type the CPU does but the ternary TQ1_0 and TQ2_0, so a
+/// model the CPU runs is refused by the GPU only for its architecture, its features or
+/// those two types. A type multiplied on the CPU alone is refused by `model`'s
+/// `check_plan` and needs a model-level refusal test (model/tests/real_models/
+/// synthetic.rs, `gpu_refuses_type!`) before it joins the list below.
+#[test]
+fn the_gpu_multiplies_every_type_the_cpu_does() {
+    const CPU_ONLY: [GgmlType; 2] = [GgmlType::TQ1_0, GgmlType::TQ2_0];
+    for ty in GgmlType::ALL {
+        if crate::matmul::is_supported(ty) {
+            assert_eq!(
+                matvec::is_supported_on_gpu(ty),
+                !CPU_ONLY.contains(&ty),
+                "{ty}: multiplied on the CPU only, or listed as such but on the GPU too"
+            );
+        }
+    }
 }

@@ -674,12 +674,22 @@ mod gpu {
         gpu_llama_q6_k => "llama-q6_k",
         gpu_llama_iq4_xs => "llama-iq4_xs",
         gpu_llama_iq4_nl => "llama-iq4_nl",
+        gpu_llama_iq3_s => "llama-iq3_s",
+        gpu_llama_iq3_xxs => "llama-iq3_xxs",
+        gpu_llama_iq2_xxs => "llama-iq2_xxs",
+        gpu_llama_iq2_xs => "llama-iq2_xs",
+        gpu_llama_iq2_s => "llama-iq2_s",
+        gpu_llama_iq1_s => "llama-iq1_s",
+        gpu_llama_iq1_m => "llama-iq1_m",
+        gpu_llama_mxfp4 => "llama-mxfp4",
         gpu_llama_q2_k_mix => "llama-q2_k-mix",
         gpu_llama_q3_k_m_mix => "llama-q3_k_m-mix",
         gpu_llama_q3_k_s_mix => "llama-q3_k_s-mix",
         gpu_llama_q3_k_l_mix => "llama-q3_k_l-mix",
         gpu_llama_q4_k_s_mix => "llama-q4_k_s-mix",
         gpu_llama_iq4_xs_mix => "llama-iq4_xs-mix",
+        gpu_llama_iq3_m_mix => "llama-iq3_m-mix",
+        gpu_llama_iq2_m_mix => "llama-iq2_m-mix",
         gpu_llama_f16 => "llama-f16",
         gpu_llama_bf16 => "llama-bf16",
         gpu_llama_f32 => "llama-f32",
@@ -692,10 +702,10 @@ mod gpu {
         gpu_gemma3_f16 => "gemma3-f16",
     }
 
-    /// A model the GPU does not run (its architecture, or a weight type the CPU
-    /// multiplies and the GPU does not) is refused before any device work, with an error
-    /// naming `named` (the architecture when `None`), rather than computed wrongly.
-    fn refuses(name: &str, named: Option<&str>) {
+    /// A model the GPU does not run (its architecture, or a weight type only the CPU
+    /// multiplies: `ty`) is refused before any device work, with an error naming it,
+    /// rather than computed wrongly.
+    fn refuses(name: &str, ty: Option<&str>) {
         let spec = spec(name).expect("a spec");
         let bytes = build(spec).expect("the generator writes a valid file");
         let dir = tempfile::tempdir().expect("a temporary directory");
@@ -703,7 +713,8 @@ mod gpu {
         std::fs::write(&path, &bytes).expect("writing the model");
         let store = TensorStore::open(&path).expect("model opens");
         let model = Model::load(&store).expect("model loads");
-        let named = named.unwrap_or(model.config().architecture.name());
+        let architecture = model.config().architecture.name();
+        let named = ty.unwrap_or(architecture);
         assert!(
             model.check_gpu_support().is_err(),
             "{name}: reported as supported"
@@ -742,18 +753,8 @@ mod gpu {
     }
 
     gpu_refuses_type! {
-        gpu_llama_iq3_s => "llama-iq3_s": "IQ3_S",
-        gpu_llama_iq3_xxs => "llama-iq3_xxs": "IQ3_XXS",
-        gpu_llama_iq2_xxs => "llama-iq2_xxs": "IQ2_XXS",
-        gpu_llama_iq2_xs => "llama-iq2_xs": "IQ2_XS",
-        gpu_llama_iq2_s => "llama-iq2_s": "IQ2_S",
-        gpu_llama_iq1_s => "llama-iq1_s": "IQ1_S",
-        gpu_llama_iq1_m => "llama-iq1_m": "IQ1_M",
         gpu_llama_tq1_0 => "llama-tq1_0": "TQ1_0",
         gpu_llama_tq2_0 => "llama-tq2_0": "TQ2_0",
-        gpu_llama_mxfp4 => "llama-mxfp4": "MXFP4",
-        gpu_llama_iq3_m_mix => "llama-iq3_m-mix": "IQ3_S",
-        gpu_llama_iq2_m_mix => "llama-iq2_m-mix": "IQ2_S",
     }
 
     gpu_refuses! {
