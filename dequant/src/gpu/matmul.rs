@@ -4,13 +4,13 @@
 //!
 //! Each workgroup decodes a tile of the weights' blocks to f16 in shared memory (never
 //! outside it), converts the tokens' f32 activations to f16 beside it, and multiplies the
-//! two with f32 sums (`kernels/matmul.hip`). Every type the GPU decoders handle works.
+//! two with f32 sums (`kernels/matmul.hip`). It takes every type a [`GpuMatrix`] may hold
+//! (`matvec::is_supported_on_gpu`, which `GpuMatrix::new` checks).
 //! Results agree with the CPU kernels to rounding: weights and activations are rounded
 //! to f16 (11 significant bits) where the CPU quantizes activations to 8 bits. So that no
 //! activation overflows f16, each token's are divided by a power of two first
 //! ([`row_scales`]) and its results multiplied by it, both exactly.
 
-use gguf_format::GgmlType;
 #[cfg(hip_platform = "none")]
 use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
@@ -19,36 +19,6 @@ use super::check_device;
 use super::matvec::GpuMatrix;
 use super::GpuDequantError;
 use crate::DequantError;
-
-/// Whether [`matmul`] multiplies weights of type `ty`.
-pub fn is_supported_for_matmul(ty: GgmlType) -> bool {
-    use GgmlType::*;
-    matches!(
-        ty,
-        F32 | F16
-            | BF16
-            | Q4_0
-            | Q4_1
-            | Q5_0
-            | Q5_1
-            | Q8_0
-            | Q2_K
-            | Q3_K
-            | Q4_K
-            | Q5_K
-            | Q6_K
-            | IQ2_XXS
-            | IQ2_XS
-            | IQ2_S
-            | IQ3_XXS
-            | IQ3_S
-            | IQ1_S
-            | IQ1_M
-            | IQ4_NL
-            | IQ4_XS
-            | MXFP4
-    )
-}
 
 /// Each of `n_tokens` rows of `cols` f32 values' scale for [`matmul`]: the power of two
 /// that brings the row's largest magnitude into [2^14, 2^15) once divided by it (1 for a
@@ -96,9 +66,6 @@ pub fn matmul(
     accumulate: bool,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
-    if !is_supported_for_matmul(m.ty()) {
-        return Err(DequantError::NoProductKernel { ty: m.ty() }.into());
-    }
     if !m.cols().is_multiple_of(8) {
         return Err(DequantError::PartialRow {
             ty: m.ty(),
