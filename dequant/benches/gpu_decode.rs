@@ -261,14 +261,22 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                     .map_err(|x| e(&x))?;
                 let mut out: DeviceBuffer<f32> = device.alloc(tokens * rows).map_err(|x| e(&x))?;
                 let mut scales: DeviceBuffer<f32> = device.alloc(tokens).map_err(|x| e(&x))?;
-                matmul::row_scales(x_dev.view(), tokens, cols, scales.view_mut(), &stream)
-                    .map_err(|x| e(&x))?;
+                let mut x16: DeviceBuffer<f16> = device.alloc(x.len()).map_err(|x| e(&x))?;
+                matmul::row_scales(
+                    x_dev.view(),
+                    tokens,
+                    cols,
+                    scales.view_mut(),
+                    x16.view_mut(),
+                    &stream,
+                )
+                .map_err(|x| e(&x))?;
                 let ms = time_ms(device, &stream, options.iters, || {
                     for m in &mats {
                         if tokens > matvec::MAX_TOKENS {
                             matmul::matmul(
                                 m,
-                                x_dev.view(),
+                                x16.view(),
                                 scales.view(),
                                 tokens,
                                 out.view_mut(),

@@ -5,48 +5,51 @@
 // Included by dequant.hip's translation unit, after the decoders and the IQ tables, so
 // every type the decoders handle multiplies here too.
 //
-// Tiles. A workgroup of kMmThreads threads computes kMmRows weight rows for kMmTokens
-// tokens. For each step of kMmK columns it decodes its rows' weights to f16 into shared
-// memory (each thread eight values at a time, with the type's decode8, straight from the
-// blocks: neighbouring threads read neighbouring bytes, which the cache serves) and
-// converts the tokens' f32 activations to f16 beside them, then multiplies the two tiles
-// with f32 accumulation. No weight is expanded outside shared memory.
+// Activations. rf_row_scales turns each token's f32 activations into f16 once per
+// product input (not once per weight tile): divided by a power of two per token (the one
+// that brings the token's largest magnitude into [2^14, 2^15)), so that nothing
+// overflows f16's range (65504), and rounded to f16. The products multiply their results
+// by the same power of two: both steps are exact apart from the f16 rounding.
 //
-// Matrix units. On NVIDIA, warp matrix instructions (16 × 16 × 16, f16 in, f32
-// accumulated; sm_70 and later). Elsewhere (AMD for now, where the same tiles feed a
-// plain loop of f32 multiply-adds) the result is the same function, slower.
+// Tiles. A workgroup of kMmThreads threads (8 warps) computes a tile of BM weight rows
+// (128, or 64 when the matrix gives too few tiles to fill the device) for kMmTokens
+// tokens, over steps of kMmK columns, through two shared-memory stages: while the matrix
+// units multiply one step's tiles, the next step's activations arrive by asynchronous
+// copies and its weights are decoded to f16 from their blocks (each thread eight values
+// at a time, with the type's decode8) into the other stage. No weight is expanded
+// outside shared memory. With the matrix units, the blocks themselves come ahead of
+// their decoding: the raw bytes of the tile's rows for a chunk of kChunk columns (a
+// super-block, or four blocks of 32) are copied asynchronously into shared memory one
+// chunk ahead, so the decoders read shared memory and no step waits for device memory.
+// The first weights are requested before the chained-launch wait: no kernel writes
+// weights.
 //
-// Precision: weights and activations are rounded to f16 (11 significant bits) before
-// the product, sums are f32. So that no activation overflows f16's range (65504), each
-// token's activations are first divided by a power of two (rf_row_scales: the one that
-// brings the token's largest magnitude into [2^14, 2^15)), and its results multiplied
-// by it: both exact.
+// Matrix units. On NVIDIA sm_80 and later: mma.sync m16n8k16 (f16 in, f32 accumulated),
+// operands loaded with ldmatrix; each warp holds a (BM/2) × 32 block of the results in
+// registers and writes it out itself. Elsewhere (AMD for now, older NVIDIA targets)
+// the same tiles feed a loop of f32 multiply-adds: the same function, slower.
 //
 // Launchers (return the platform's native status):
-//   rf_row_scales(x, n_tokens, cols, scales, device, stream)
-//   rf_matmul(type, w, rows, cols, x, scales, n_tokens, y, accumulate, device, stream)
+//   rf_row_scales(x, n_tokens, cols, scales, x16, device, stream)
+//   rf_matmul(type, w, rows, cols, x16, scales, n_tokens, y, accumulate, device, stream)
 // y: n_tokens × rows f32, token-major, as rf_matvec writes it.
 #include "common.h"
 
-#if defined(ROCMFORGE_HIP_NVIDIA) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700)
-#include <mma.h>
-#define RF_MM_WMMA 1
+#include <atomic>
+
+#if defined(ROCMFORGE_HIP_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define RF_MM_MMA 1
 #endif
 
 namespace rf {
 
 constexpr int kMmThreads = 256;
-constexpr int kMmRows = 64;
 constexpr int kMmTokens = 128;
-constexpr int kMmK = 64;
-// Row pitch of the f16 tiles (padding keeps the matrix loads off one bank).
+constexpr int kMmK = 32;
+// Row pitch of the f16 tiles in halves: 80 bytes, so the eight 16-byte rows a matrix
+// load reads fall in distinct banks.
 constexpr int kMmPitch = kMmK + 8;
-// Pitch of the f32 result tile (token-major: one token's kMmRows results together).
-constexpr int kMmOutPitch = kMmRows + 4;
-
-constexpr int kMmTileBytes = (kMmRows + kMmTokens) * kMmPitch * 2;
-constexpr int kMmOutBytes = kMmTokens * kMmOutPitch * 4;
-constexpr int kMmSharedBytes = kMmTileBytes > kMmOutBytes ? kMmTileBytes : kMmOutBytes;
+constexpr int kMmStages = 2;
 
 // Plain element types as blocks of eight values, for decode8.
 template <typename P>
@@ -65,136 +68,414 @@ struct PlainBlocks {
     }
 };
 
-template <typename F>
-__global__ void __launch_bounds__(kMmThreads)
-    matmul_kernel(const uint8_t* __restrict__ w, int rows, int cols, const float* __restrict__ x,
-                  const float* __restrict__ scales, int n_tokens, float* __restrict__ y,
-                  int accumulate) {
-    static_assert(kMmK % kGroup == 0 && kMmK % 16 == 0, "whole groups and matrix steps");
-    __shared__ __align__(16) uint8_t smem[kMmSharedBytes];
-    __half* wt = reinterpret_cast<__half*>(smem);   // kMmRows × kMmPitch
-    __half* xt = wt + kMmRows * kMmPitch;           // kMmTokens × kMmPitch
-    float* out = reinterpret_cast<float*>(smem);    // kMmTokens × kMmOutPitch, at the end
-    const int row0 = blockIdx.x * kMmRows, tok0 = blockIdx.y * kMmTokens;
-    const size_t row_bytes = (size_t)(cols / F::kValues) * F::kBytes;
-    rf_chain_wait();
+// Eight f32 values as eight f16 in one 16-byte word.
+__device__ __forceinline__ uint4 pack8(const float (&v)[kGroup]) {
+    uint4 out;
+    uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t lo = __half_as_ushort(__float2half(v[2 * i]));
+        const uint32_t hi = __half_as_ushort(__float2half(v[2 * i + 1]));
+        words[i] = lo | (hi << 16);
+    }
+    return out;
+}
 
-#if defined(RF_MM_WMMA) && defined(__CUDA_ARCH__)
-    using namespace nvcuda;
-    // Warp wp: rows 16·(wp % 4), tokens 64·(wp / 4) in four 16-token fragments.
-    const int wp = threadIdx.x / 32;
-    const int wr = (wp % 4) * 16, wc = (wp / 4) * 64;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4];
-#pragma unroll
-    for (int f = 0; f < 4; ++f) wmma::fill_fragment(acc[f], 0.0f);
-#else
-    // Thread t: row t % 64, tokens 32·(t / 64) .. + 32.
-    const int fr = threadIdx.x % kMmRows, fc = (threadIdx.x / kMmRows) * 32;
-    float acc[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+// How a type's blocks are staged in shared memory ahead of their decoding: chunks of
+// kChunk columns (one super-block, or four blocks of 32 values), kBytes a row, copied as
+// 16-byte pieces from the 16-byte boundary at or before the chunk's first byte, into a
+// row pitch of kPitch bytes. Plain element types are decoded from device memory.
+template <typename F>
+struct Staging {
+    static constexpr bool kBlocks = F::kValues >= 32;
+    static constexpr int kChunk = F::kValues > 128 ? F::kValues : 128;
+    static constexpr int kBytes = kChunk / F::kValues * F::kBytes;
+    static constexpr int kPitch = (kBytes + 15 + 15) / 16 * 16;
+    static_assert(!kBlocks || kChunk % kMmK == 0, "whole steps a chunk");
+};
+
+// Shared memory of a workgroup: the f16 weight and activation tiles of both stages,
+// then, when blocks are staged, two chunks of raw blocks.
+template <int BM>
+__host__ __device__ constexpr int tile_bytes() {
+    return kMmStages * (BM + kMmTokens) * kMmPitch * 2;
+}
+template <typename F, int BM>
+__host__ __device__ constexpr int shared_bytes(bool staged) {
+    return tile_bytes<BM>() + (staged && Staging<F>::kBlocks ? 2 * BM * Staging<F>::kPitch : 0);
+}
+
+#if defined(RF_MM_MMA)
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+// The first `bytes` (0 to 16) of 16 bytes from global to shared memory, asynchronously;
+// the rest of the 16 are zeros. Both addresses are 16-byte aligned.
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)),
+                 "l"(src), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void copies_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void copies_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Four 8 × 8 f16 matrices from shared memory; lane l gives the address of row l % 8 of
+// matrix l / 8.
+__device__ __forceinline__ void load_matrices(uint32_t (&r)[4], const __half* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// c += a · b for a 16 × 16 f16 tile a (row-major), a 16 × 8 tile b (column-major).
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 #endif
 
-    for (int k0 = 0; k0 < cols; k0 += kMmK) {
-        // Weights: kMmRows × kMmK values, eight a thread at a time.
-        for (int g = threadIdx.x; g < kMmRows * (kMmK / kGroup); g += kMmThreads) {
-            const int r = g / (kMmK / kGroup), kk = (g % (kMmK / kGroup)) * kGroup;
-            const int row = row0 + r, k = k0 + kk;
+// One result: y[token][row] = v · scale (+ what y holds).
+__device__ __forceinline__ void put(float* __restrict__ y, int rows, int row, int tok,
+                                    float v, const float* __restrict__ scales, int accumulate) {
+    float* dst = y + (size_t)tok * rows + row;
+    const float s = v * scales[tok];
+    *dst = accumulate ? *dst + s : s;
+}
+
+// BM rows (64 or 128) × kMmTokens tokens a workgroup. Grid: x = token tiles (so that the
+// workgroups sharing a weight tile run together and its blocks come from L2), y = row
+// tiles. Dynamic shared memory: shared_bytes<F, BM>(staged) with staged = the matrix
+// units' path (sm_80 and later).
+template <typename F, int BM>
+__global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
+    matmul_kernel(const uint8_t* __restrict__ w, int rows, int cols,
+                  const __half* __restrict__ x, const float* __restrict__ scales, int n_tokens,
+                  float* __restrict__ y, int accumulate) {
+    static_assert(kMmK % kGroup == 0 && kMmK % 16 == 0, "whole groups and matrix steps");
+    // Weight groups of eight a step, per thread.
+    constexpr int kWGroups = BM * (kMmK / kGroup) / kMmThreads;
+    static_assert(kWGroups * kMmThreads == BM * (kMmK / kGroup), "whole weight groups");
+    // 16-byte activation pieces a step, per thread.
+    constexpr int kXPieces = kMmTokens * (kMmK / 8) / kMmThreads;
+    static_assert(kXPieces * kMmThreads == kMmTokens * (kMmK / 8), "whole pieces");
+    extern __shared__ __align__(16) uint8_t smem[];
+    // Stage st's tiles (computed, not indexed: an array of pointers indexed at run time
+    // would live in local memory).
+    __half* const tiles = reinterpret_cast<__half*>(smem);
+    auto wt = [&](int st) { return tiles + st * BM * kMmPitch; };
+    auto xt = [&](int st) {
+        return tiles + kMmStages * BM * kMmPitch + st * kMmTokens * kMmPitch;
+    };
+
+    const int tok0 = blockIdx.x * kMmTokens, row0 = blockIdx.y * BM;
+    const size_t row_bytes = (size_t)(cols / F::kValues) * F::kBytes;
+    const int steps = (cols + kMmK - 1) / kMmK;
+
+#if defined(RF_MM_MMA)
+    using S = Staging<F>;
+    constexpr bool kStaged = S::kBlocks;
+    constexpr int kStepsPerChunk = kStaged ? S::kChunk / kMmK : 1;
+    // Chunk c's raw blocks: raw(c % 2).
+    auto raw = [&](int c) { return smem + tile_bytes<BM>() + (c & 1) * BM * S::kPitch; };
+    const uint8_t* w_end = w + (size_t)rows * row_bytes;
+    // The raw blocks of chunk c of the tile's rows into raw[c % 2], as one copy group.
+    auto request = [&](int c) {
+        if (kStaged && c * S::kChunk < cols) {
+            constexpr int kPieces = S::kPitch / 16;
+            for (int p = threadIdx.x; p < BM * kPieces; p += kMmThreads) {
+                const int r = p / kPieces, j = p % kPieces;
+                const uint8_t* first =
+                    w + (size_t)min(row0 + r, rows - 1) * row_bytes + (size_t)c * S::kBytes;
+                const uint8_t* src =
+                    reinterpret_cast<const uint8_t*>((uintptr_t)first & ~(uintptr_t)15) + 16 * j;
+                const long long left = (long long)(w_end - src);
+                const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : (int)left);
+                copy16_async(raw(c) + r * S::kPitch + 16 * j, bytes ? src : w, bytes);
+            }
+        }
+        copies_commit();
+    };
+#endif
+
+    // This thread's weight groups: row r, columns kk..kk+8 of each step.
+    const uint8_t* wrow[kWGroups];
+    int wr[kWGroups], wk[kWGroups];
+#pragma unroll
+    for (int i = 0; i < kWGroups; ++i) {
+        const int g = threadIdx.x + i * kMmThreads;
+        wr[i] = g / (kMmK / kGroup);
+        wk[i] = (g % (kMmK / kGroup)) * kGroup;
+        // A row past the end decodes the last row again; its results are dropped.
+        const int row = min(row0 + wr[i], rows - 1);
+        wrow[i] = w + (size_t)row * row_bytes;
+    }
+    uint4 staged[kWGroups];
+    auto decode = [&](int step) {
+#pragma unroll
+        for (int i = 0; i < kWGroups; ++i) {
+            const int k = step * kMmK + wk[i];
             float v[kGroup];
-            if (row < rows && k < cols) {
-                const uint8_t* blk = w + (size_t)row * row_bytes + (size_t)(k / F::kValues) * F::kBytes;
+            if (k < cols) {
+                const uint8_t* blk = wrow[i] + (size_t)(k / F::kValues) * F::kBytes;
+#if defined(RF_MM_MMA)
+                if (kStaged) {
+                    // The same block in its chunk's staged copy.
+                    const int c = k / S::kChunk;
+                    const uint8_t* first = wrow[i] + (size_t)c * S::kBytes;
+                    blk = raw(c) + wr[i] * S::kPitch + ((uintptr_t)first & 15) +
+                          (k % S::kChunk) / F::kValues * F::kBytes;
+                }
+#endif
                 F::decode8(blk, k % F::kValues, v);
             } else {
 #pragma unroll
-                for (int i = 0; i < kGroup; ++i) v[i] = 0.0f;
+                for (int j = 0; j < kGroup; ++j) v[j] = 0.0f;
             }
-#pragma unroll
-            for (int i = 0; i < kGroup; ++i) wt[r * kMmPitch + kk + i] = __float2half(v[i]);
+            staged[i] = pack8(v);
         }
-        // Activations: kMmTokens × kMmK values, four a thread at a time.
-        for (int g = threadIdx.x; g < kMmTokens * (kMmK / 4); g += kMmThreads) {
-            const int t = g / (kMmK / 4), kk = (g % (kMmK / 4)) * 4;
-            const int tok = tok0 + t, k = k0 + kk;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (tok < n_tokens && k < cols) {
-                v = *reinterpret_cast<const float4*>(x + (size_t)tok * cols + k);
-                const float inv = 1.0f / scales[tok];  // a power of two: exact
-                v = make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
-            }
-            __half* d = xt + t * kMmPitch + kk;
-            d[0] = __float2half(v.x);
-            d[1] = __float2half(v.y);
-            d[2] = __float2half(v.z);
-            d[3] = __float2half(v.w);
-        }
-        __syncthreads();
-#if defined(RF_MM_WMMA) && defined(__CUDA_ARCH__)
+    };
+    auto store = [&](int stage) {
 #pragma unroll
-        for (int ks = 0; ks < kMmK; ks += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
-            wmma::load_matrix_sync(a, wt + wr * kMmPitch + ks, kMmPitch);
-#pragma unroll
-            for (int f = 0; f < 4; ++f) {
-                // The activations tile is token-major: as k × tokens, column-major.
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
-                wmma::load_matrix_sync(b, xt + (wc + 16 * f) * kMmPitch + ks, kMmPitch);
-                wmma::mma_sync(acc[f], a, b, acc[f]);
-            }
+        for (int i = 0; i < kWGroups; ++i) {
+            *reinterpret_cast<uint4*>(&wt(stage)[wr[i] * kMmPitch + wk[i]]) = staged[i];
         }
+    };
+    // Activations: 16-byte pieces (eight values) of the step's kMmK columns per token.
+    auto fetch = [&](int step, int stage) {
+#pragma unroll
+        for (int i = 0; i < kXPieces; ++i) {
+            const int p = threadIdx.x + i * kMmThreads;
+            const int t = p / (kMmK / 8), kk = (p % (kMmK / 8)) * 8;
+            const int k = step * kMmK + kk;
+            const int tok = min(tok0 + t, n_tokens - 1);
+            const bool valid = k < cols;
+            const __half* src = x + (size_t)tok * cols + (valid ? k : 0);
+            __half* dst = &xt(stage)[t * kMmPitch + kk];
+#if defined(RF_MM_MMA)
+            copy16_async(dst, src, valid ? 16 : 0);
 #else
-        for (int kk = 0; kk < kMmK; ++kk) {
-            const float a = __half2float(wt[fr * kMmPitch + kk]);
-#pragma unroll
-            for (int i = 0; i < 32; ++i) acc[i] += a * __half2float(xt[(fc + i) * kMmPitch + kk]);
-        }
+            *reinterpret_cast<uint4*>(dst) =
+                valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
 #endif
-        __syncthreads();  // the tiles are read before the next step overwrites them
-    }
+        }
+    };
 
-    // Results through shared memory, token-major, then out to y row-contiguous.
-#if defined(RF_MM_WMMA) && defined(__CUDA_ARCH__)
+#if defined(RF_MM_MMA)
+    // Copy groups, in the order committed: chunk 0, chunk 1, the first activations; then
+    // each step the next step's activations and (maybe empty) the chunk after next. At the
+    // end of a step all but the newest group have landed: the next activations, and the
+    // chunk the next decode reads (requested a whole chunk of steps before).
+    request(0);
+    request(1);
+    copies_wait<1>();
+    __syncthreads();  // chunk 0, copied by every thread, is complete for all
+    decode(0);
+    rf_chain_wait();
+    store(0);
+    fetch(0, 0);
+    copies_commit();
+    copies_wait<0>();
+#else
+    decode(0);
+    rf_chain_wait();
+    store(0);
+    fetch(0, 0);
+#endif
+
+#if defined(RF_MM_MMA)
+    // Warp wp: rows wrow0 .. + BM/2, tokens wtok0 .. + 32; MT tiles of 16 rows × four of 8
+    // tokens.
+    constexpr int MT = BM / 32;
+    const int lane = threadIdx.x % 32, wp = threadIdx.x / 32;
+    const int wrow0 = (wp % 2) * (BM / 2), wtok0 = (wp / 2) * 32;
+    float acc[MT][4][4];
 #pragma unroll
-    for (int f = 0; f < 4; ++f) {
-        wmma::store_matrix_sync(out + (wc + 16 * f) * kMmOutPitch + wr, acc[f], kMmOutPitch,
-                                wmma::mem_col_major);
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+        }
     }
 #else
+    // Thread t: row t % BM, tokens (t / BM) · TPT .. + TPT.
+    constexpr int TPT = kMmTokens * BM / kMmThreads;
+    const int fr = threadIdx.x % BM, fc = (threadIdx.x / BM) * TPT;
+    float acc[TPT];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) out[(fc + i) * kMmOutPitch + fr] = acc[i];
+    for (int i = 0; i < TPT; ++i) acc[i] = 0.0f;
 #endif
     __syncthreads();
-    for (int i = threadIdx.x; i < kMmTokens * kMmRows; i += kMmThreads) {
-        const int t = i / kMmRows, r = i % kMmRows;
-        const int tok = tok0 + t, row = row0 + r;
-        if (tok < n_tokens && row < rows) {
-            float* dst = y + (size_t)tok * rows + row;
-            const float v = out[t * kMmOutPitch + r] * scales[tok];
-            *dst = accumulate ? *dst + v : v;
+
+    for (int step = 0; step < steps; ++step) {
+        const int cur = step & 1, next = cur ^ 1;
+        const bool more = step + 1 < steps;
+#if defined(RF_MM_MMA)
+        if (more) fetch(step + 1, next);
+        copies_commit();
+        // The step before a chunk's first requests the chunk after it, into the buffer
+        // of the chunk this step has finished decoding from.
+        if ((step + 1) % kStepsPerChunk == 0) {
+            request((step + 1) / kStepsPerChunk + 1);
+        } else {
+            copies_commit();
+        }
+        if (more) decode(step + 1);
+#pragma unroll
+        for (int ks = 0; ks < kMmK; ks += 16) {
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const int r = wrow0 + 16 * m + (lane & 15);
+                load_matrices(a[m], &wt(cur)[r * kMmPitch + ks + (lane >> 4) * 8]);
+            }
+#pragma unroll
+            for (int n = 0; n < 4; n += 2) {
+                // Tokens wtok0 + 8n .. + 16: (k 0-7, k 8-15) of the first 8, then of the next.
+                uint32_t b[4];
+                const int t = wtok0 + 8 * n + (lane & 7) + ((lane >> 4) << 3);
+                load_matrices(b, &xt(cur)[t * kMmPitch + ks + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    mma16816(acc[m][n], a[m], b[0], b[1]);
+                    mma16816(acc[m][n + 1], a[m], b[2], b[3]);
+                }
+            }
+        }
+        if (more) store(next);
+        copies_wait<1>();
+#else
+        if (more) {
+            fetch(step + 1, next);
+            decode(step + 1);
+        }
+        for (int kk = 0; kk < kMmK; ++kk) {
+            const float a = __half2float(wt(cur)[fr * kMmPitch + kk]);
+#pragma unroll
+            for (int i = 0; i < TPT; ++i) {
+                acc[i] += a * __half2float(xt(cur)[(fc + i) * kMmPitch + kk]);
+            }
+        }
+        if (more) store(next);
+#endif
+        // The next stage is complete, and this one read, before anyone goes on.
+        __syncthreads();
+    }
+
+#if defined(RF_MM_MMA)
+    // Fragment element e of tile (m, n): row + 8·(e / 2), token + e % 2.
+    const int g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row0 + wrow0 + 16 * m + g + 8 * (e / 2);
+                const int tok = tok0 + wtok0 + 8 * n + 2 * q + (e % 2);
+                if (row < rows && tok < n_tokens) {
+                    put(y, rows, row, tok, acc[m][n][e], scales, accumulate);
+                }
+            }
         }
     }
+#else
+    const int row = row0 + fr;
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+        const int tok = tok0 + fc + i;
+        if (row < rows && tok < n_tokens) put(y, rows, row, tok, acc[i], scales, accumulate);
+    }
+#endif
 }
 
-template <typename F>
-hipError_t launch_matmul(const uint8_t* w, int rows, int cols, const float* x,
-                         const float* scales, int n_tokens, float* y, int accumulate,
-                         hipStream_t stream) {
-    const dim3 grid((unsigned)((rows + kMmRows - 1) / kMmRows),
-                    (unsigned)((n_tokens + kMmTokens - 1) / kMmTokens));
-    rfLaunchChained(matmul_kernel<F>, grid, dim3(kMmThreads), 0, stream, w, rows, cols, x,
-                    scales, n_tokens, y, accumulate);
+// What the launches need to know of a device, asked once: its multiprocessors, and
+// whether its code takes the matrix units' path (NVIDIA compute capability 8.0 and later),
+// which stages the blocks in more shared memory.
+struct DeviceFacts {
+    int multiprocessors;
+    bool staged;
+};
+inline DeviceFacts device_facts(int device) {
+    static std::atomic<int> known[64];  // per device: 0 not asked, else facts + 1
+    if (device < 0 || device >= 64) return DeviceFacts{0, false};
+    int v = known[device].load(std::memory_order_relaxed);
+    if (v == 0) {
+        hipDeviceProp_t props;
+        if (hipGetDeviceProperties(&props, device) != hipSuccess) return DeviceFacts{0, false};
+        bool staged = false;
+#if defined(ROCMFORGE_HIP_NVIDIA)
+        staged = props.major >= 8;
+#endif
+        v = 1 + 2 * props.multiProcessorCount + (staged ? 1 : 0);
+        known[device].store(v, std::memory_order_relaxed);
+    }
+    return DeviceFacts{(v - 1) / 2, ((v - 1) & 1) != 0};
+}
+
+template <typename F, int BM>
+hipError_t launch_tiles(const uint8_t* w, int rows, int cols, const __half* x,
+                        const float* scales, int n_tokens, float* y, int accumulate,
+                        bool staged, hipStream_t stream) {
+    const int bytes = shared_bytes<F, BM>(staged);
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    // Past 48 KB a kernel's dynamic shared memory needs raising its limit, once (the
+    // limit holds for the process; setting it again is harmless).
+    static std::atomic<bool> raised{false};
+    if (bytes > 48 * 1024 && !raised.load(std::memory_order_relaxed)) {
+        const hipError_t status = hipFuncSetAttribute(
+            (const void*)matmul_kernel<F, BM>, hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+        if (status != hipSuccess) return status;
+        raised.store(true, std::memory_order_relaxed);
+    }
+#endif
+    const dim3 grid((unsigned)((n_tokens + kMmTokens - 1) / kMmTokens),
+                    (unsigned)((rows + BM - 1) / BM));
+    rfLaunchChained((matmul_kernel<F, BM>), grid, dim3(kMmThreads), (size_t)bytes, stream, w,
+                    rows, cols, x, scales, n_tokens, y, accumulate);
     return hipGetLastError();
 }
 
+template <typename F>
+hipError_t launch_matmul(const uint8_t* w, int rows, int cols, const __half* x,
+                         const float* scales, int n_tokens, float* y, int accumulate, int device,
+                         hipStream_t stream) {
+    const DeviceFacts facts = device_facts(device);
+    const long long token_tiles = (n_tokens + kMmTokens - 1) / kMmTokens;
+    // 128-row tiles when they give at least two workgroups per multiprocessor (each
+    // holds two), 64-row ones otherwise.
+    if ((long long)((rows + 127) / 128) * token_tiles >= 2LL * facts.multiprocessors) {
+        return launch_tiles<F, 128>(w, rows, cols, x, scales, n_tokens, y, accumulate,
+                                    facts.staged, stream);
+    }
+    return launch_tiles<F, 64>(w, rows, cols, x, scales, n_tokens, y, accumulate, facts.staged,
+                               stream);
+}
+
 // One workgroup per token: the power of two 2^e with the token's largest magnitude in
-// [2^14, 2^15) once divided by it; 1 for a token of zeros or with a non-finite value
-// (which then reaches the results as it is).
+// [2^14, 2^15) once divided by it (1 for a token of zeros or with a non-finite value,
+// which then reaches the results as it is), and the token's values divided by it, in f16.
 __global__ void __launch_bounds__(256)
-    row_scales_kernel(const float* __restrict__ x, int cols, float* __restrict__ scales) {
+    row_scales_kernel(const float* __restrict__ x, int cols, float* __restrict__ scales,
+                      __half* __restrict__ x16) {
     rf_chain_wait();
     __shared__ float partial[256 / 32];
+    __shared__ float shared_scale;
     const float* row = x + (size_t)blockIdx.x * cols;
     float amax = 0.0f;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) amax = fmaxf(amax, fabsf(row[i]));
+    // Groups of 32 lanes (a wave of 64 reduces as two).
 #pragma unroll
     for (int mask = 16; mask > 0; mask >>= 1) amax = fmaxf(amax, rf_shfl_xor(amax, mask));
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = amax;
@@ -205,23 +486,28 @@ __global__ void __launch_bounds__(256)
         float scale = 1.0f;
         if (m > 0.0f && m <= 3.4e38f) scale = ldexpf(1.0f, ilogbf(m) - 14);
         scales[blockIdx.x] = scale;
+        shared_scale = scale;
     }
+    __syncthreads();
+    const float inv = 1.0f / shared_scale;  // a power of two: exact
+    __half* out = x16 + (size_t)blockIdx.x * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[i] = __float2half(row[i] * inv);
 }
 
 }  // namespace rf
 
-// Weight type codes as ggml numbers them (GgmlType in gguf-format).
-extern "C" int rf_row_scales(const void* x, int n_tokens, int cols, void* scales, int device,
-                             void* stream) {
+extern "C" int rf_row_scales(const void* x, int n_tokens, int cols, void* scales, void* x16,
+                             int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (n_tokens < 1 || cols < 1) return (int)hipErrorInvalidValue;
     rfLaunchChained(rf::row_scales_kernel, dim3((unsigned)n_tokens), dim3(256), 0,
-                    (hipStream_t)stream, (const float*)x, cols, (float*)scales);
+                    (hipStream_t)stream, (const float*)x, cols, (float*)scales, (__half*)x16);
     return (int)hipGetLastError();
 }
 
-extern "C" int rf_matmul(int type, const void* w, int rows, int cols, const void* x,
+// Weight type codes as ggml numbers them (GgmlType in gguf-format).
+extern "C" int rf_matmul(int type, const void* w, int rows, int cols, const void* x16,
                          const void* scales, int n_tokens, void* y, int accumulate, int device,
                          void* stream) {
     hipError_t status = hipSetDevice(device);
@@ -230,13 +516,14 @@ extern "C" int rf_matmul(int type, const void* w, int rows, int cols, const void
         return (int)hipErrorInvalidValue;
     }
     const uint8_t* wb = (const uint8_t*)w;
-    const float* xf = (const float*)x;
+    const __half* xh = (const __half*)x16;
     const float* sf = (const float*)scales;
     float* yf = (float*)y;
     hipStream_t s = (hipStream_t)stream;
     using namespace rf;
 #define RF_MM_CASE(code, Format) \
-    case code: return (int)launch_matmul<Format>(wb, rows, cols, xf, sf, n_tokens, yf, accumulate, s);
+    case code:                   \
+        return (int)launch_matmul<Format>(wb, rows, cols, xh, sf, n_tokens, yf, accumulate, device, s);
     switch (type) {
         RF_MM_CASE(0, PlainBlocks<PlainF32>)
         RF_MM_CASE(1, PlainBlocks<PlainF16>)

@@ -57,6 +57,8 @@
 #define hipGetDevice cudaGetDevice
 #define hipSetDevice cudaSetDevice
 #define hipGetDeviceProperties cudaGetDeviceProperties
+#define hipFuncSetAttribute cudaFuncSetAttribute
+#define hipFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #define hipDeviceSynchronize cudaDeviceSynchronize
 #define hipMemGetInfo cudaMemGetInfo
 #define hipRuntimeGetVersion cudaRuntimeGetVersion

@@ -2,15 +2,17 @@
 //! or one token of each of several sequences), on the GPU's matrix units: the batch twin
 //! of [`super::matvec`], for any number of tokens.
 //!
-//! Each workgroup decodes a tile of the weights' blocks to f16 in shared memory (never
-//! outside it), converts the tokens' f32 activations to f16 beside it, and multiplies the
-//! two with f32 sums (`kernels/matmul.hip`). It takes every type a [`GpuMatrix`] may hold
+//! The activations go to f16 once per input ([`row_scales`]); each workgroup then decodes
+//! tiles of the weights' blocks to f16 in shared memory (never outside it), while the
+//! matrix units multiply the previous tile with the activations' tile, with f32 sums
+//! (`kernels/matmul.hip`). It takes every type a [`GpuMatrix`] may hold
 //! (`matvec::is_supported_on_gpu`, which `GpuMatrix::new` checks).
 //! Results agree with the CPU kernels to rounding: weights and activations are rounded
 //! to f16 (11 significant bits) where the CPU quantizes activations to 8 bits. So that no
 //! activation overflows f16, each token's are divided by a power of two first
 //! ([`row_scales`]) and its results multiplied by it, both exactly.
 
+use half::f16;
 #[cfg(hip_platform = "none")]
 use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
@@ -20,14 +22,17 @@ use super::matvec::GpuMatrix;
 use super::GpuDequantError;
 use crate::DequantError;
 
-/// Each of `n_tokens` rows of `cols` f32 values' scale for [`matmul`]: the power of two
-/// that brings the row's largest magnitude into [2^14, 2^15) once divided by it (1 for a
-/// row of zeros or with a non-finite value), into `out` (`n_tokens` values).
+/// The input of [`matmul`] from `n_tokens` rows of `cols` f32 values `x`: each row's scale
+/// into `out` (`n_tokens` values), the power of two that brings the row's largest
+/// magnitude into [2^14, 2^15) once divided by it (1 for a row of zeros or with a
+/// non-finite value), and the row divided by it, rounded to f16, into `x16` (`n_tokens ×
+/// cols` values).
 pub fn row_scales(
     x: DeviceView<'_, f32>,
     n_tokens: usize,
     cols: usize,
     mut out: DeviceViewMut<'_, f32>,
+    mut x16: DeviceViewMut<'_, f16>,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
     let expected = n_tokens.saturating_mul(cols);
@@ -49,17 +54,27 @@ pub fn row_scales(
         }
         .into());
     }
+    if x16.len() != expected {
+        return Err(DequantError::ProductOutputLength {
+            n_tokens,
+            rows: cols,
+            expected,
+            actual: x16.len(),
+        }
+        .into());
+    }
     let device = check_device(stream, x.device_ordinal(), out.device_ordinal())?;
-    launch_scales(x, n_tokens, cols, &mut out, device, stream)
+    check_device(stream, x16.device_ordinal(), out.device_ordinal())?;
+    launch_scales(x, n_tokens, cols, &mut out, &mut x16, device, stream)
 }
 
-/// `out (+)= x · mᵀ` for `n_tokens` tokens (any number from 1), queued on `stream`. `x`
-/// holds `n_tokens × cols` f32 values, `scales` their [`row_scales`], and `out` `n_tokens
-/// × rows`, token by token; with `accumulate` the products are added to what `out`
-/// holds. The matrix's width must be a multiple of 8.
+/// `out (+)= x · mᵀ` for `n_tokens` tokens (any number from 1), queued on `stream`: `x16`
+/// and `scales` are what [`row_scales`] made of the `n_tokens × cols` activations, and
+/// `out` holds `n_tokens × rows`, token by token; with `accumulate` the products are
+/// added to what `out` holds. The matrix's width must be a multiple of 8.
 pub fn matmul(
     m: &GpuMatrix<'_>,
-    x: DeviceView<'_, f32>,
+    x16: DeviceView<'_, f16>,
     scales: DeviceView<'_, f32>,
     n_tokens: usize,
     mut out: DeviceViewMut<'_, f32>,
@@ -84,17 +99,17 @@ pub fn matmul(
             n_tokens,
             cols: m.cols(),
             expected: m.cols(),
-            actual: x.len(),
+            actual: x16.len(),
         }
         .into());
     }
     let expected = n_tokens.checked_mul(m.cols()).ok_or(too_large)?;
-    if x.len() != expected {
+    if x16.len() != expected {
         return Err(DequantError::InputLength {
             n_tokens,
             cols: m.cols(),
             expected,
-            actual: x.len(),
+            actual: x16.len(),
         }
         .into());
     }
@@ -117,9 +132,11 @@ pub fn matmul(
         }
         .into());
     }
-    let device = check_device(stream, x.device_ordinal(), out.device_ordinal())?;
+    let device = check_device(stream, x16.device_ordinal(), out.device_ordinal())?;
     check_device(stream, m.bytes().device_ordinal(), scales.device_ordinal())?;
-    launch(m, x, scales, n_tokens, &mut out, accumulate, device, stream)
+    launch(
+        m, x16, scales, n_tokens, &mut out, accumulate, device, stream,
+    )
 }
 
 #[cfg(not(hip_platform = "none"))]
@@ -131,6 +148,7 @@ mod sys {
             n_tokens: c_int,
             cols: c_int,
             scales: *mut c_void,
+            x16: *mut c_void,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -140,7 +158,7 @@ mod sys {
             w: *const c_void,
             rows: c_int,
             cols: c_int,
-            x: *const c_void,
+            x16: *const c_void,
             scales: *const c_void,
             n_tokens: c_int,
             y: *mut c_void,
@@ -157,19 +175,22 @@ fn launch_scales(
     n_tokens: usize,
     cols: usize,
     out: &mut DeviceViewMut<'_, f32>,
+    x16: &mut DeviceViewMut<'_, f16>,
     device: i32,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
     use std::ffi::c_int;
-    // SAFETY: `row_scales` checked that `x` holds `n_tokens × cols` f32 and `out`
-    // `n_tokens`, both on the stream's device and borrowed while the kernel is queued;
-    // both counts fit in `c_int`. The kernel reads and writes only those ranges.
+    // SAFETY: `row_scales` checked that `x` and `x16` hold `n_tokens × cols` values (f32,
+    // f16) and `out` `n_tokens` f32, all on the stream's device and borrowed while the
+    // kernel is queued; both counts fit in `c_int`. The kernel reads and writes only those
+    // ranges.
     let status = unsafe {
         sys::rf_row_scales(
             x.as_ptr(),
             n_tokens as c_int,
             cols as c_int,
             out.as_mut_ptr(),
+            x16.as_mut_ptr(),
             device,
             stream.as_raw(),
         )
@@ -181,7 +202,7 @@ fn launch_scales(
 #[allow(clippy::too_many_arguments)]
 fn launch(
     m: &GpuMatrix<'_>,
-    x: DeviceView<'_, f32>,
+    x16: DeviceView<'_, f16>,
     scales: DeviceView<'_, f32>,
     n_tokens: usize,
     out: &mut DeviceViewMut<'_, f32>,
@@ -191,7 +212,7 @@ fn launch(
 ) -> Result<(), GpuDequantError> {
     use std::ffi::c_int;
     // SAFETY: `matmul` checked every length: the weight view holds exactly the matrix
-    // (`GpuMatrix::new`), `x` `n_tokens × cols` f32, `scales` `n_tokens` f32 and `out`
+    // (`GpuMatrix::new`), `x16` `n_tokens × cols` f16, `scales` `n_tokens` f32 and `out`
     // `n_tokens × rows` f32, all on
     // the stream's device and borrowed (alive) while the kernel is queued. Rows, columns
     // and tokens fit in `c_int`. The kernel reads and writes only those ranges.
@@ -201,7 +222,7 @@ fn launch(
             m.bytes().as_ptr(),
             m.rows() as c_int,
             m.cols() as c_int,
-            x.as_ptr(),
+            x16.as_ptr(),
             scales.as_ptr(),
             n_tokens as c_int,
             out.as_mut_ptr(),
@@ -219,6 +240,7 @@ fn launch_scales(
     _: usize,
     _: usize,
     _: &mut DeviceViewMut<'_, f32>,
+    _: &mut DeviceViewMut<'_, f16>,
     _: i32,
     _: &Stream,
 ) -> Result<(), GpuDequantError> {
@@ -229,7 +251,7 @@ fn launch_scales(
 #[allow(clippy::too_many_arguments)]
 fn launch(
     _: &GpuMatrix<'_>,
-    _: DeviceView<'_, f32>,
+    _: DeviceView<'_, f16>,
     _: DeviceView<'_, f32>,
     _: usize,
     _: &mut DeviceViewMut<'_, f32>,

@@ -417,12 +417,21 @@ fn gpu_matmul(
     let m = GpuMatrix::new(ty, rows, cols, wb.view()).expect("matrix");
     let x_dev = upload(device, stream, x);
     let mut scales = upload(device, stream, &vec![f32::NAN; n]);
-    matmul::row_scales(x_dev.view(), n, cols, scales.view_mut(), stream).expect("scales");
+    let mut x16 = upload(device, stream, &vec![f16::NAN; n * cols]);
+    matmul::row_scales(
+        x_dev.view(),
+        n,
+        cols,
+        scales.view_mut(),
+        x16.view_mut(),
+        stream,
+    )
+    .expect("scales");
     let start = initial.map_or(vec![f32::NAN; n * rows], <[f32]>::to_vec);
     let mut out = upload(device, stream, &start);
     matmul::matmul(
         &m,
-        x_dev.view(),
+        x16.view(),
         scales.view(),
         n,
         out.view_mut(),
@@ -471,6 +480,24 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
                 "{ty} {rows}x{cols}, {n} tokens: relative error {err:.2e}"
             );
         }
+    }
+    // Enough rows and tokens for the 128-row tiles (which need two workgroups per
+    // multiprocessor), with partial tiles of both.
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::F16] {
+        let (rows, cols, n) = (2200, 256, 2050);
+        let mut rng = Rng(777 + ty as u64);
+        let w = random_matrix(ty, rows, cols, &mut rng);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+        let got = gpu_matmul(&device, &stream, ty, &w, rows, cols, &x, n, None);
+        let err = relative_error(
+            &got,
+            &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
+        );
+        assert!(
+            err <= 1e-4,
+            "{ty} {rows}x{cols}, {n} tokens: relative error {err:.2e} against the f16-rounded \
+             operands"
+        );
     }
     // Accumulation adds the same products to what the output holds.
     let mut rng = Rng(99);

@@ -20,6 +20,9 @@ fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
 /// Alignment of every buffer in the arena.
 const ALIGN: usize = 256;
 
+/// Bytes of the batch products' per-token scales, ahead of their f16 input.
+const SCALES_BYTES: usize = (4 * PROMPT_BATCH).div_ceil(ALIGN) * ALIGN;
+
 /// The activations of up to [`MAX_BATCH`] tokens, the position counter and the f16 KV
 /// cache, all carved from one arena allocated once.
 pub(super) struct Buffers {
@@ -39,7 +42,8 @@ pub(super) struct Buffers {
     part_acc: ArenaBuffer,
     /// The attention's counters of finished chunks: zero between launches.
     done: ArenaBuffer,
-    /// Per-token scales of the batch products' input.
+    /// The batch products' input: per-token scales (the first [`SCALES_BYTES`]), then
+    /// the tokens' activations in f16 (`batch_input`).
     scales: ArenaBuffer,
     raw: ArenaBuffer,
     tokens: ArenaBuffer,
@@ -104,7 +108,7 @@ impl Buffers {
             f32s(attention.ml_len(w)),            // part_ml
             f32s(attention.acc_len(w)),           // part_acc
             4 * attention.done_len(w),            // done
-            f32s(b),                              // scales
+            SCALES_BYTES + 2 * b * width,         // scales, f16 input
             b * row_bytes,                        // raw embedding rows
             4 * b,                                // tokens
             4,                                    // pos
@@ -285,12 +289,31 @@ fn products(
     if batched(n) {
         let input = f32_in.expect("f32 input prepared for the batch products");
         let cols = mats[0].cols;
-        matmul::row_scales(input, n, cols, view_mut::<f32>(scales, n)?, stream)
-            .map_err(matvec_error(mats))?;
+        let cut = gpu("viewing the batch input");
+        let whole = scales.view_mut::<u8>().map_err(&cut)?;
+        let (s, x16) = whole.split_at_mut(SCALES_BYTES).map_err(&cut)?;
+        let s = s
+            .cast_mut::<f32>()
+            .and_then(|v| v.slice_mut(0..n))
+            .map_err(&cut)?;
+        let x16 = x16
+            .cast_mut::<f16>()
+            .and_then(|v| v.slice_mut(0..n * cols))
+            .map_err(&cut)?;
+        matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(mats))?;
+        let whole = scales.view::<u8>().map_err(&cut)?;
+        let s = whole
+            .slice(0..SCALES_BYTES)
+            .and_then(|v| v.cast::<f32>())
+            .and_then(|v| v.slice(0..n))
+            .map_err(&cut)?;
+        let x16 = whole
+            .slice(SCALES_BYTES..SCALES_BYTES + 2 * n * cols)
+            .and_then(|v| v.cast::<f16>())
+            .map_err(&cut)?;
         for (m, out) in mats.iter().zip(outs) {
             let gm = gpu_matrix(m)?;
-            matmul::matmul(&gm, input, view(scales, n)?, n, out, accumulate, stream)
-                .map_err(matvec_error(&[m]))?;
+            matmul::matmul(&gm, x16, s, n, out, accumulate, stream).map_err(matvec_error(&[m]))?;
         }
         return Ok(());
     }
