@@ -165,9 +165,11 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         LoadMode::Mmap
     };
     let store = TensorStore::open_with(&path, mode)?;
+    let parsed_at = Instant::now();
     let tokenizer = Tokenizer::from_metadata(store.metadata())
         .with_context(|| format!("{}: tokenizer", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
+    let planned_at = Instant::now();
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
     tracing::info!(
         layers = model.config().n_layers,
@@ -247,13 +249,22 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
             (output, report)
         }
     };
-    let first_token_ms = output.timings.first_token.map(since_start);
+    let moments = Moments {
+        parsed_ms: since_start(parsed_at),
+        planned_ms: since_start(planned_at),
+        prompt_start_ms: output
+            .timings
+            .first_token
+            .and_then(|t| t.checked_sub(output.timings.prompt))
+            .map(since_start),
+        first_token_ms: output.timings.first_token.map(since_start),
+    };
     if let Some(e) = write_error {
         return Err(e).context("writing to stdout");
     }
     log_timings(&output);
     if args.json {
-        let json = to_json(&output, load_ms, seed, &device, first_token_ms);
+        let json = to_json(&output, load_ms, seed, &device, &moments);
         serde_json::to_writer(&mut out, &json)?;
         writeln!(out)?;
     } else {
@@ -326,12 +337,24 @@ struct DeviceReport {
     upload_ms: Option<f64>,
 }
 
+/// The moments a run passed, in milliseconds from the process's start.
+struct Moments {
+    /// The file opened and its header parsed.
+    parsed_ms: f64,
+    /// The tokenizer and the execution plan built.
+    planned_ms: f64,
+    /// The prompt's forward pass began (on a GPU: once the device was set up).
+    prompt_start_ms: Option<f64>,
+    /// The first token chosen.
+    first_token_ms: Option<f64>,
+}
+
 fn to_json(
     output: &Generation,
     load_ms: f64,
     seed: u64,
     device: &DeviceReport,
-    first_token_ms: Option<f64>,
+    moments: &Moments,
 ) -> serde_json::Value {
     let t = &output.timings;
     json!({
@@ -345,7 +368,10 @@ fn to_json(
             "device": device.name,
             "context_ms": device.context_ms,
             "upload_ms": device.upload_ms,
-            "first_token_ms": first_token_ms,
+            "parsed_ms": moments.parsed_ms,
+            "planned_ms": moments.planned_ms,
+            "prompt_start_ms": moments.prompt_start_ms,
+            "first_token_ms": moments.first_token_ms,
             "load_ms": load_ms,
             "prompt_ms": t.prompt_ms(),
             "prompt_tokens_per_s": t.prompt_tokens_per_s(),

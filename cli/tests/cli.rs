@@ -848,4 +848,15 @@ fn the_device_is_chosen_and_reported() {
     assert!(timings["context_ms"].is_null() && timings["upload_ms"].is_null());
     let first = timings["first_token_ms"].as_f64().expect("first_token_ms");
     assert!(first > 0.0, "{timings}");
+    // Parse, plan, prompt, first token: in the order they happen.
+    let moments: Vec<f64> = [
+        "parsed_ms",
+        "planned_ms",
+        "prompt_start_ms",
+        "first_token_ms",
+    ]
+    .iter()
+    .map(|key| timings[key].as_f64().expect(key))
+    .collect();
+    assert!(moments.windows(2).all(|w| w[0] <= w[1]), "{timings}");
 }

@@ -18,7 +18,7 @@
 //! memory). `--cold` drops the page cache before every run (all caches as root, else the
 //! file's pages).
 
-mod measure;
+pub mod measure;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};

@@ -10,6 +10,7 @@ mod bench_cpu;
 mod bench_gpu;
 mod bench_load;
 mod bench_serve;
+mod bench_ttft;
 mod fetch;
 mod openai_client;
 mod synth;
@@ -45,6 +46,11 @@ tasks:
               [--threads N] [--gguf FILE] [--rocmforge PATH] [--llama-batched-bench PATH] [--json]
                       rocmforge serve on loopback under a bounded concurrency sweep:
                       time to first token, time per output token, aggregate tokens/s
+  bench-ttft --gguf FILE [--llama-completion PATH] [--rocmforge PATH] [--prompt-tokens 8,2048]
+             [--runs N] [--cold] [--load-modes background,eager] [--device gpu|cpu] [--json FILE]
+                      time to first token as a user sees it: whole `generate -n 1`
+                      processes next to llama-completion's, warm and with the page
+                      cache dropped (--cold, as root), against the file's read time
   test [ARGS…]        fetch-models, then `cargo test --workspace --release --no-fail-fast
                       [ARGS…]` (the pinned `openai` client installed for the server's
                       tests), and a summary counting failed and skipped tests
@@ -78,6 +84,7 @@ fn run(args: &[String]) -> Result<()> {
         "bench-load" => bench_load::run(rest),
         "bench-gpu" => bench_gpu::run(rest),
         "bench-serve" => bench_serve::run(rest),
+        "bench-ttft" => bench_ttft::run(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())
