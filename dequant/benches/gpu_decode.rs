@@ -275,11 +275,11 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                     for m in &mats {
                         if tokens > matvec::MAX_TOKENS {
                             matmul::matmul(
-                                m,
+                                std::slice::from_ref(m),
                                 x16.view(),
                                 scales.view(),
                                 tokens,
-                                out.view_mut(),
+                                &mut [out.view_mut()],
                                 false,
                                 &stream,
                             )

@@ -31,8 +31,9 @@
 //
 // Launchers (return the platform's native status):
 //   rf_row_scales(x, n_tokens, cols, scales, x16, device, stream)
-//   rf_matmul(type, w, rows, cols, x16, scales, n_tokens, y, accumulate, device, stream)
-// y: n_tokens × rows f32, token-major, as rf_matvec writes it.
+//   rf_matmul(type, weights, outs, rows, n_mats, cols, x16, scales, n_tokens, accumulate,
+//             device, stream)
+// Each output: n_tokens × rows f32, token-major, as rf_matvec writes it.
 #include "common.h"
 
 #include <atomic>
@@ -50,6 +51,16 @@ constexpr int kMmK = 32;
 // load reads fall in distinct banks.
 constexpr int kMmPitch = kMmK + 8;
 constexpr int kMmStages = 2;
+
+// Up to three matrices of one type and width multiplied in one launch (a layer's q, k
+// and v, or gate and up): their row tiles are numbered one matrix after the other.
+constexpr int kMmMaxMats = 3;
+struct MatmulMats {
+    const uint8_t* w[kMmMaxMats];
+    float* y[kMmMaxMats];
+    int rows[kMmMaxMats];
+    int n;
+};
 
 // Plain element types as blocks of eight values, for decode8.
 template <typename P>
@@ -159,9 +170,8 @@ __device__ __forceinline__ void put(float* __restrict__ y, int rows, int row, in
 // units' path (sm_80 and later).
 template <typename F, int BM>
 __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
-    matmul_kernel(const uint8_t* __restrict__ w, int rows, int cols,
-                  const __half* __restrict__ x, const float* __restrict__ scales, int n_tokens,
-                  float* __restrict__ y, int accumulate) {
+    matmul_kernel(MatmulMats mats, int cols, const __half* __restrict__ x,
+                  const float* __restrict__ scales, int n_tokens, int accumulate) {
     static_assert(kMmK % kGroup == 0 && kMmK % 16 == 0, "whole groups and matrix steps");
     // Weight groups of eight a step, per thread.
     constexpr int kWGroups = BM * (kMmK / kGroup) / kMmThreads;
@@ -178,7 +188,22 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
         return tiles + kMmStages * BM * kMmPitch + st * kMmTokens * kMmPitch;
     };
 
-    const int tok0 = blockIdx.x * kMmTokens, row0 = blockIdx.y * BM;
+    // The matrix this workgroup's row tile falls in, and the tile within it (chosen with
+    // constant indices only, so that the arguments stay in the parameter space).
+    int tile = (int)blockIdx.y, m = 0;
+    const int tiles0 = (mats.rows[0] + BM - 1) / BM, tiles1 = (mats.rows[1] + BM - 1) / BM;
+    if (mats.n > 1 && tile >= tiles0) {
+        tile -= tiles0;
+        m = 1;
+        if (mats.n > 2 && tile >= tiles1) {
+            tile -= tiles1;
+            m = 2;
+        }
+    }
+    const uint8_t* __restrict__ w = m == 0 ? mats.w[0] : (m == 1 ? mats.w[1] : mats.w[2]);
+    float* __restrict__ y = m == 0 ? mats.y[0] : (m == 1 ? mats.y[1] : mats.y[2]);
+    const int rows = m == 0 ? mats.rows[0] : (m == 1 ? mats.rows[1] : mats.rows[2]);
+    const int tok0 = blockIdx.x * kMmTokens, row0 = tile * BM;
     const size_t row_bytes = (size_t)(cols / F::kValues) * F::kBytes;
     const int steps = (cols + kMmK - 1) / kMmK;
 
@@ -425,9 +450,8 @@ inline DeviceFacts device_facts(int device) {
 }
 
 template <typename F, int BM>
-hipError_t launch_tiles(const uint8_t* w, int rows, int cols, const __half* x,
-                        const float* scales, int n_tokens, float* y, int accumulate,
-                        bool staged, hipStream_t stream) {
+hipError_t launch_tiles(const MatmulMats& mats, int cols, const __half* x, const float* scales,
+                        int n_tokens, int accumulate, bool staged, hipStream_t stream) {
     const int bytes = shared_bytes<F, BM>(staged);
 #if defined(ROCMFORGE_HIP_NVIDIA)
     // Past 48 KB a kernel's dynamic shared memory needs raising its limit, once (the
@@ -440,27 +464,28 @@ hipError_t launch_tiles(const uint8_t* w, int rows, int cols, const __half* x,
         raised.store(true, std::memory_order_relaxed);
     }
 #endif
-    const dim3 grid((unsigned)((n_tokens + kMmTokens - 1) / kMmTokens),
-                    (unsigned)((rows + BM - 1) / BM));
-    rfLaunchChained((matmul_kernel<F, BM>), grid, dim3(kMmThreads), (size_t)bytes, stream, w,
-                    rows, cols, x, scales, n_tokens, y, accumulate);
+    long long tiles = 0;
+    for (int m = 0; m < mats.n; ++m) tiles += (mats.rows[m] + BM - 1) / BM;
+    const dim3 grid((unsigned)((n_tokens + kMmTokens - 1) / kMmTokens), (unsigned)tiles);
+    rfLaunchChained((matmul_kernel<F, BM>), grid, dim3(kMmThreads), (size_t)bytes, stream, mats,
+                    cols, x, scales, n_tokens, accumulate);
     return hipGetLastError();
 }
 
 template <typename F>
-hipError_t launch_matmul(const uint8_t* w, int rows, int cols, const __half* x,
-                         const float* scales, int n_tokens, float* y, int accumulate, int device,
-                         hipStream_t stream) {
+hipError_t launch_matmul(const MatmulMats& mats, int cols, const __half* x, const float* scales,
+                         int n_tokens, int accumulate, int device, hipStream_t stream) {
     const DeviceFacts facts = device_facts(device);
     const long long token_tiles = (n_tokens + kMmTokens - 1) / kMmTokens;
+    long long big_tiles = 0;
+    for (int m = 0; m < mats.n; ++m) big_tiles += (mats.rows[m] + 127) / 128;
     // 128-row tiles when they give at least two workgroups per multiprocessor (each
     // holds two), 64-row ones otherwise.
-    if ((long long)((rows + 127) / 128) * token_tiles >= 2LL * facts.multiprocessors) {
-        return launch_tiles<F, 128>(w, rows, cols, x, scales, n_tokens, y, accumulate,
-                                    facts.staged, stream);
+    if (big_tiles * token_tiles >= 2LL * facts.multiprocessors) {
+        return launch_tiles<F, 128>(mats, cols, x, scales, n_tokens, accumulate, facts.staged,
+                                    stream);
     }
-    return launch_tiles<F, 64>(w, rows, cols, x, scales, n_tokens, y, accumulate, facts.staged,
-                               stream);
+    return launch_tiles<F, 64>(mats, cols, x, scales, n_tokens, accumulate, facts.staged, stream);
 }
 
 // One workgroup per token: the power of two 2^e with the token's largest magnitude in
@@ -506,24 +531,32 @@ extern "C" int rf_row_scales(const void* x, int n_tokens, int cols, void* scales
     return (int)hipGetLastError();
 }
 
-// Weight type codes as ggml numbers them (GgmlType in gguf-format).
-extern "C" int rf_matmul(int type, const void* w, int rows, int cols, const void* x16,
-                         const void* scales, int n_tokens, void* y, int accumulate, int device,
+// Weight type codes as ggml numbers them (GgmlType in gguf-format). `weights`, `outs`
+// and `rows` hold n_mats (1 to 3) matrices of one type and width.
+extern "C" int rf_matmul(int type, const void* const* weights, void* const* outs,
+                         const int* rows, int n_mats, int cols, const void* x16,
+                         const void* scales, int n_tokens, int accumulate, int device,
                          void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    if (rows < 1 || cols < 1 || n_tokens < 1 || cols % rf::kGroup != 0) {
+    if (n_mats < 1 || n_mats > rf::kMmMaxMats || cols < 1 || n_tokens < 1 ||
+        cols % rf::kGroup != 0) {
         return (int)hipErrorInvalidValue;
     }
-    const uint8_t* wb = (const uint8_t*)w;
+    rf::MatmulMats mats = {};
+    mats.n = n_mats;
+    for (int m = 0; m < n_mats; ++m) {
+        if (rows[m] < 1) return (int)hipErrorInvalidValue;
+        mats.w[m] = (const uint8_t*)weights[m];
+        mats.y[m] = (float*)outs[m];
+        mats.rows[m] = rows[m];
+    }
     const __half* xh = (const __half*)x16;
     const float* sf = (const float*)scales;
-    float* yf = (float*)y;
     hipStream_t s = (hipStream_t)stream;
     using namespace rf;
 #define RF_MM_CASE(code, Format) \
-    case code:                   \
-        return (int)launch_matmul<Format>(wb, rows, cols, xh, sf, n_tokens, yf, accumulate, device, s);
+    case code: return (int)launch_matmul<Format>(mats, cols, xh, sf, n_tokens, accumulate, device, s);
     switch (type) {
         RF_MM_CASE(0, PlainBlocks<PlainF32>)
         RF_MM_CASE(1, PlainBlocks<PlainF16>)

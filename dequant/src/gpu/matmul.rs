@@ -18,7 +18,7 @@ use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
 
 use super::check_device;
-use super::matvec::GpuMatrix;
+use super::matvec::{GpuMatrix, MAX_MATRICES};
 use super::GpuDequantError;
 use crate::DequantError;
 
@@ -68,46 +68,69 @@ pub fn row_scales(
     launch_scales(x, n_tokens, cols, &mut out, &mut x16, device, stream)
 }
 
-/// `out (+)= x · mᵀ` for `n_tokens` tokens (any number from 1), queued on `stream`: `x16`
-/// and `scales` are what [`row_scales`] made of the `n_tokens × cols` activations, and
-/// `out` holds `n_tokens × rows`, token by token; with `accumulate` the products are
-/// added to what `out` holds. The matrix's width must be a multiple of 8.
+/// `outs[i] (+)= x · mats[i]ᵀ` for `n_tokens` tokens (any number from 1), queued on
+/// `stream`, for one to [`MAX_MATRICES`] matrices of one type and width in one launch (a
+/// layer's q, k and v, or gate and up): `x16` and `scales` are what [`row_scales`] made of
+/// the `n_tokens × cols` activations, and each output holds `n_tokens × rows`, token by
+/// token; with `accumulate` the products are added to what the outputs hold. The width
+/// must be a multiple of 8.
 pub fn matmul(
-    m: &GpuMatrix<'_>,
+    mats: &[GpuMatrix<'_>],
     x16: DeviceView<'_, f16>,
     scales: DeviceView<'_, f32>,
     n_tokens: usize,
-    mut out: DeviceViewMut<'_, f32>,
+    outs: &mut [DeviceViewMut<'_, f32>],
     accumulate: bool,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
-    if !m.cols().is_multiple_of(8) {
+    let first = mats.first().ok_or(DequantError::ProductCount {
+        matrices: 0,
+        outputs: outs.len(),
+    })?;
+    if mats.len() != outs.len() || mats.len() > MAX_MATRICES {
+        return Err(DequantError::ProductCount {
+            matrices: mats.len(),
+            outputs: outs.len(),
+        }
+        .into());
+    }
+    for m in mats {
+        if m.ty() != first.ty() || m.cols() != first.cols() {
+            return Err(DequantError::MixedProducts {
+                first: (first.ty(), first.cols()),
+                other: (m.ty(), m.cols()),
+            }
+            .into());
+        }
+    }
+    let cols = first.cols();
+    if !cols.is_multiple_of(8) {
         return Err(DequantError::PartialRow {
-            ty: m.ty(),
-            cols: m.cols(),
+            ty: first.ty(),
+            cols,
             block_size: 8,
         }
         .into());
     }
     let too_large = DequantError::MatrixTooLarge {
-        ty: m.ty(),
-        rows: m.rows(),
-        cols: m.cols(),
+        ty: first.ty(),
+        rows: first.rows(),
+        cols,
     };
     if n_tokens == 0 || n_tokens > i32::MAX as usize {
         return Err(DequantError::InputLength {
             n_tokens,
-            cols: m.cols(),
-            expected: m.cols(),
+            cols,
+            expected: cols,
             actual: x16.len(),
         }
         .into());
     }
-    let expected = n_tokens.checked_mul(m.cols()).ok_or(too_large)?;
+    let expected = n_tokens.checked_mul(cols).ok_or(too_large)?;
     if x16.len() != expected {
         return Err(DequantError::InputLength {
             n_tokens,
-            cols: m.cols(),
+            cols,
             expected,
             actual: x16.len(),
         }
@@ -122,20 +145,22 @@ pub fn matmul(
         }
         .into());
     }
-    let expected = n_tokens * m.rows();
-    if out.len() != expected {
-        return Err(DequantError::ProductOutputLength {
-            n_tokens,
-            rows: m.rows(),
-            expected,
-            actual: out.len(),
+    let device = check_device(stream, x16.device_ordinal(), scales.device_ordinal())?;
+    for (m, out) in mats.iter().zip(outs.iter()) {
+        check_device(stream, m.bytes().device_ordinal(), out.device_ordinal())?;
+        let expected = n_tokens * m.rows();
+        if out.len() != expected {
+            return Err(DequantError::ProductOutputLength {
+                n_tokens,
+                rows: m.rows(),
+                expected,
+                actual: out.len(),
+            }
+            .into());
         }
-        .into());
     }
-    let device = check_device(stream, x16.device_ordinal(), out.device_ordinal())?;
-    check_device(stream, m.bytes().device_ordinal(), scales.device_ordinal())?;
     launch(
-        m, x16, scales, n_tokens, &mut out, accumulate, device, stream,
+        mats, x16, scales, n_tokens, outs, accumulate, device, stream,
     )
 }
 
@@ -155,13 +180,14 @@ mod sys {
         #[allow(clippy::too_many_arguments)]
         pub(super) fn rf_matmul(
             ty: c_int,
-            w: *const c_void,
-            rows: c_int,
+            weights: *const *const c_void,
+            outs: *const *mut c_void,
+            rows: *const c_int,
+            n_mats: c_int,
             cols: c_int,
             x16: *const c_void,
             scales: *const c_void,
             n_tokens: c_int,
-            y: *mut c_void,
             accumulate: c_int,
             device: c_int,
             stream: *mut c_void,
@@ -201,31 +227,36 @@ fn launch_scales(
 #[cfg(not(hip_platform = "none"))]
 #[allow(clippy::too_many_arguments)]
 fn launch(
-    m: &GpuMatrix<'_>,
+    mats: &[GpuMatrix<'_>],
     x16: DeviceView<'_, f16>,
     scales: DeviceView<'_, f32>,
     n_tokens: usize,
-    out: &mut DeviceViewMut<'_, f32>,
+    outs: &mut [DeviceViewMut<'_, f32>],
     accumulate: bool,
     device: i32,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
-    use std::ffi::c_int;
-    // SAFETY: `matmul` checked every length: the weight view holds exactly the matrix
-    // (`GpuMatrix::new`), `x16` `n_tokens × cols` f16, `scales` `n_tokens` f32 and `out`
-    // `n_tokens × rows` f32, all on
-    // the stream's device and borrowed (alive) while the kernel is queued. Rows, columns
-    // and tokens fit in `c_int`. The kernel reads and writes only those ranges.
+    use std::ffi::{c_int, c_void};
+    let weights: Vec<*const c_void> = mats.iter().map(|m| m.bytes().as_ptr()).collect();
+    let out_ptrs: Vec<*mut c_void> = outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
+    let rows: Vec<c_int> = mats.iter().map(|m| m.rows() as c_int).collect();
+    // SAFETY: `matmul` checked every length: each weight view holds exactly its matrix
+    // (`GpuMatrix::new`), `x16` `n_tokens × cols` f16, `scales` `n_tokens` f32 and each
+    // output `n_tokens × rows` f32, all on the stream's device and borrowed (alive) while
+    // the kernel is queued; the three arrays hold `mats.len()` (1 to 3) entries and are
+    // read during the call only. Rows, columns and tokens fit in `c_int`. The kernel
+    // reads and writes only those ranges.
     let status = unsafe {
         sys::rf_matmul(
-            m.ty() as u32 as c_int,
-            m.bytes().as_ptr(),
-            m.rows() as c_int,
-            m.cols() as c_int,
+            mats[0].ty() as u32 as c_int,
+            weights.as_ptr(),
+            out_ptrs.as_ptr(),
+            rows.as_ptr(),
+            mats.len() as c_int,
+            mats[0].cols() as c_int,
             x16.as_ptr(),
             scales.as_ptr(),
             n_tokens as c_int,
-            out.as_mut_ptr(),
             c_int::from(accumulate),
             device,
             stream.as_raw(),
@@ -250,11 +281,11 @@ fn launch_scales(
 #[cfg(hip_platform = "none")]
 #[allow(clippy::too_many_arguments)]
 fn launch(
-    _: &GpuMatrix<'_>,
+    _: &[GpuMatrix<'_>],
     _: DeviceView<'_, f16>,
     _: DeviceView<'_, f32>,
     _: usize,
-    _: &mut DeviceViewMut<'_, f32>,
+    _: &mut [DeviceViewMut<'_, f32>],
     _: bool,
     _: i32,
     _: &Stream,

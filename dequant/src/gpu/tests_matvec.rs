@@ -430,11 +430,11 @@ fn gpu_matmul(
     let start = initial.map_or(vec![f32::NAN; n * rows], <[f32]>::to_vec);
     let mut out = upload(device, stream, &start);
     matmul::matmul(
-        &m,
+        std::slice::from_ref(&m),
         x16.view(),
         scales.view(),
         n,
-        out.view_mut(),
+        &mut [out.view_mut()],
         initial.is_some(),
         stream,
     )
@@ -498,6 +498,58 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
             "{ty} {rows}x{cols}, {n} tokens: relative error {err:.2e} against the f16-rounded \
              operands"
         );
+    }
+    // Three matrices of one type and width in one launch give what each gives alone.
+    {
+        let (cols, n) = (512, 40);
+        let mut rng = Rng(4242);
+        let shapes = [70usize, 130, 200];
+        let ws: Vec<Vec<u8>> = shapes
+            .iter()
+            .map(|&rows| random_matrix(GgmlType::Q6_K, rows, cols, &mut rng))
+            .collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+        let bufs: Vec<_> = ws.iter().map(|w| upload(&device, &stream, w)).collect();
+        let mats: Vec<GpuMatrix<'_>> = bufs
+            .iter()
+            .zip(shapes)
+            .map(|(b, rows)| GpuMatrix::new(GgmlType::Q6_K, rows, cols, b.view()).expect("matrix"))
+            .collect();
+        let x_dev = upload(&device, &stream, &x);
+        let mut scales = upload(&device, &stream, &vec![0f32; n]);
+        let mut x16 = upload(&device, &stream, &vec![f16::ZERO; n * cols]);
+        matmul::row_scales(
+            x_dev.view(),
+            n,
+            cols,
+            scales.view_mut(),
+            x16.view_mut(),
+            &stream,
+        )
+        .expect("scales");
+        let mut outs: Vec<_> = shapes
+            .iter()
+            .map(|&rows| upload(&device, &stream, &vec![f32::NAN; n * rows]))
+            .collect();
+        let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
+        matmul::matmul(
+            &mats,
+            x16.view(),
+            scales.view(),
+            n,
+            &mut views,
+            false,
+            &stream,
+        )
+        .expect("three in one launch");
+        for ((o, w), rows) in outs.iter().zip(&ws).zip(shapes) {
+            let mut together = vec![0f32; n * rows];
+            stream
+                .read_to_host(o.view(), &mut together)
+                .expect("read back");
+            let alone = gpu_matmul(&device, &stream, GgmlType::Q6_K, w, rows, cols, &x, n, None);
+            assert_eq!(together, alone, "{rows} rows: in one launch with others");
+        }
     }
     // Accumulation adds the same products to what the output holds.
     let mut rng = Rng(99);

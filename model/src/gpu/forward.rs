@@ -272,6 +272,20 @@ fn needs(mats: &[&Matrix], n: usize) -> (bool, bool) {
     (f32, q8)
 }
 
+/// The end of the run of matrices from `start` that share its type and width (at most
+/// three, what one product launch takes).
+fn run_end(mats: &[&Matrix], start: usize) -> usize {
+    let mut end = start + 1;
+    while end < mats.len()
+        && end - start < matvec::MAX_MATRICES
+        && mats[end].ty == mats[start].ty
+        && mats[end].cols == mats[start].cols
+    {
+        end += 1;
+    }
+    end
+}
+
 /// `outs[i] (+)= input · mats[i]ᵀ`: for a few tokens one launch per run of matrices of
 /// one type, for more one batch product per matrix. `f32_in`/`q8_in` hold the input in
 /// the two forms (each present when some matrix takes it).
@@ -311,22 +325,27 @@ fn products(
             .slice(SCALES_BYTES..SCALES_BYTES + 2 * n * cols)
             .and_then(|v| v.cast::<f16>())
             .map_err(&cut)?;
-        for (m, out) in mats.iter().zip(outs) {
-            let gm = gpu_matrix(m)?;
-            matmul::matmul(&gm, x16, s, n, out, accumulate, stream).map_err(matvec_error(&[m]))?;
+        // Runs of matrices of one type and width in one launch each.
+        let mut outs = outs;
+        let mut start = 0;
+        while start < mats.len() {
+            let end = run_end(mats, start);
+            let group = &mats[start..end];
+            let gms = group
+                .iter()
+                .map(|m| gpu_matrix(m))
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs.drain(..end - start).collect();
+            matmul::matmul(&gms, x16, s, n, &mut group_outs, accumulate, stream)
+                .map_err(matvec_error(group))?;
+            start = end;
         }
         return Ok(());
     }
     let mut outs: Vec<Option<DeviceViewMut<'_, f32>>> = outs.into_iter().map(Some).collect();
     let mut start = 0;
     while start < mats.len() {
-        let mut end = start + 1;
-        while end < mats.len()
-            && mats[end].ty == mats[start].ty
-            && mats[end].cols == mats[start].cols
-        {
-            end += 1;
-        }
+        let end = run_end(mats, start);
         let group = &mats[start..end];
         let gms = group
             .iter()
