@@ -464,22 +464,33 @@ pub(super) fn layer(
     // The attention's output goes to the output projection quantized when it takes Q8
     // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
     let fused_q8 = takes_q8_for(&w.wo, n) && c.head_dim_v.is_multiple_of(32);
-    // Queries in groups of at most MAX_BATCH, the scratch the attention has room for.
-    for first in (0..n).step_by(MAX_BATCH) {
-        let m = MAX_BATCH.min(n - first);
-        kernels::attention(
-            view_at(&bufs.q, first * q_dim..(first + m) * q_dim)?,
+    if batched(n) {
+        // A prompt's chunk: one launch over every query, tiled over queries and keys.
+        kernels::flash_attention(
+            view(&bufs.q, n * q_dim)?,
             view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
             view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
             &shape,
-            m,
-            first,
+            n,
             view(&bufs.pos, 1)?,
-            view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(m))?,
-            view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(m))?,
-            view_mut::<u32>(&mut bufs.done, shape.done_len(m))?,
-            view_mut_at::<f32>(&mut bufs.attn, first * attn_dim..(first + m) * attn_dim)?,
-            // Fused only for a few tokens, which one group holds.
+            view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
+            stream,
+        )?;
+    } else {
+        // A few tokens (at most MAX_BATCH, the scratch the split attention has room for):
+        // each query split along the keys, so that a short chunk still fills the device.
+        kernels::attention(
+            view(&bufs.q, n * q_dim)?,
+            view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
+            view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
+            &shape,
+            n,
+            0,
+            view(&bufs.pos, 1)?,
+            view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(n))?,
+            view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(n))?,
+            view_mut::<u32>(&mut bufs.done, shape.done_len(n))?,
+            view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
             fused_q8
                 .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, attn_dim)))
                 .transpose()?,
