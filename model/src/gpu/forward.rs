@@ -8,7 +8,7 @@ use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stre
 
 use super::kernels::{self, attention_chunk, AttentionShape, HeadExtras, HeadShape};
 use super::weights::{Globals, LayerWeights, Matrix};
-use super::{arena, MAX_BATCH, PROMPT_BATCH};
+use super::{arena, MAX_BATCH};
 use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
@@ -20,8 +20,9 @@ fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
 /// Alignment of every buffer in the arena.
 const ALIGN: usize = 256;
 
-/// The activations of up to [`MAX_BATCH`] tokens, the position counter and the f16 KV
-/// cache, all carved from one arena allocated once.
+/// The activations of a prompt's chunk (and the Q8 blocks and logits of up to
+/// [`MAX_BATCH`] tokens), the position counter and the f16 KV cache, all carved from one
+/// arena allocated once.
 pub(super) struct Buffers {
     x: ArenaBuffer,
     h: ArenaBuffer,
@@ -57,10 +58,12 @@ impl Buffers {
         config: &ModelConfig,
         plan: &ExecutionPlan,
         capacity: usize,
+        batch: usize,
     ) -> Result<Buffers, ModelError> {
-        // Activations for a prompt's chunk; Q8 blocks, logits and the attention's scratch
-        // for the few tokens of the decode products and attention launches.
-        let (b, w) = (PROMPT_BATCH, MAX_BATCH);
+        // Activations for a prompt's chunk of `batch` tokens; Q8 blocks, logits and the
+        // split attention's scratch for the few tokens of the decode products and
+        // attention launches.
+        let (b, w) = (batch.max(MAX_BATCH), MAX_BATCH);
         let c = config;
         let q_dim = c.n_heads * c.head_dim;
         let kv_dim = c.n_kv_heads * c.head_dim;
