@@ -12,7 +12,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use model::chat::ChatTemplate;
 use model::generate::{generate, generate_with, GenerateOptions, Generation, StopReason};
-use model::gpu::{GpuModel, GpuOptions};
+use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
 use model::sampling::{defaults, SamplingParams, Xoshiro256};
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
@@ -101,9 +101,22 @@ pub struct GenerateArgs {
     /// size, layers are uploaded again as they are needed. Default: the whole model.
     #[arg(long, value_name = "MIB")]
     gpu_budget_mib: Option<u64>,
+    /// On a GPU, most prompt tokens one forward pass takes: longer prompts run in chunks
+    /// of this many (the device memory for activations grows with it).
+    #[arg(long, short = 'b', default_value_t = PROMPT_BATCH, value_parser = parse_batch_size)]
+    batch_size: usize,
     /// Show the prompt's progress on stderr even when it is not a terminal, however short.
     #[arg(long)]
     pub progress: bool,
+}
+
+/// `--batch-size`: a whole number of tokens, at least 1.
+fn parse_batch_size(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("a prompt chunk must hold at least 1 token".to_owned()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{text:?} is not a number of tokens (at least 1)")),
+    }
 }
 
 /// `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models`.
@@ -227,7 +240,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
                     .saturating_add(args.max_tokens.saturating_sub(1))
                     .clamp(1, context_size.max(1)),
             };
-            let mut gpu = GpuModel::new(&model, &gpu_options)
+            let mut gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.batch_size)
                 .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
             let output =
                 generate_with(&mut gpu, &tokenizer, &prompt, &options, &stop, &mut on_text)?;
@@ -442,4 +455,21 @@ fn install_ctrl_c() -> Result<Arc<AtomicBool>> {
     })
     .context("installing the Ctrl-C handler")?;
     Ok(stop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_batch_size;
+
+    #[test]
+    fn batch_size_is_a_positive_number_of_tokens() {
+        assert_eq!(parse_batch_size("1"), Ok(1));
+        assert_eq!(parse_batch_size("100"), Ok(100));
+        let zero = parse_batch_size("0").unwrap_err();
+        assert!(zero.contains("at least 1 token"), "{zero}");
+        for bad in ["-1", "", "1.5", "many"] {
+            let error = parse_batch_size(bad).unwrap_err();
+            assert!(error.contains("not a number of tokens"), "{bad}: {error}");
+        }
+    }
 }

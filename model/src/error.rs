@@ -45,6 +45,9 @@ pub enum ModelError {
     ContextFull { needed: usize, capacity: usize },
     #[error("no tokens to process")]
     EmptyInput,
+    /// A prompt chunk size that holds no token.
+    #[error("a prompt's chunks must hold at least 1 token, not {tokens}")]
+    InvalidPromptBatch { tokens: usize },
     /// A GPU operation failed: a kernel's launch, a copy, a graph.
     #[error("gpu {op}: {source}")]
     Gpu {

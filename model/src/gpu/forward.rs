@@ -8,7 +8,7 @@ use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stre
 
 use super::kernels::{self, attention_chunk, AttentionShape, HeadExtras, HeadShape};
 use super::weights::{Globals, LayerWeights, Matrix};
-use super::{arena, MAX_BATCH, PROMPT_BATCH};
+use super::{arena, MAX_BATCH};
 use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
@@ -20,11 +20,16 @@ fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
 /// Alignment of every buffer in the arena.
 const ALIGN: usize = 256;
 
-/// Bytes of the batch products' per-token scales, ahead of their f16 input.
-const SCALES_BYTES: usize = (4 * PROMPT_BATCH).div_ceil(ALIGN) * ALIGN;
+/// The batch products' input: per-token scales (the first `scales_bytes`), then the
+/// tokens' activations divided by them, in f16.
+pub(super) struct BatchInput {
+    buf: ArenaBuffer,
+    scales_bytes: usize,
+}
 
-/// The activations of up to [`MAX_BATCH`] tokens, the position counter and the f16 KV
-/// cache, all carved from one arena allocated once.
+/// The activations of a prompt's chunk (and the Q8 blocks and logits of up to
+/// [`MAX_BATCH`] tokens), the position counter and the f16 KV cache, all carved from one
+/// arena allocated once.
 pub(super) struct Buffers {
     x: ArenaBuffer,
     h: ArenaBuffer,
@@ -42,9 +47,8 @@ pub(super) struct Buffers {
     part_acc: ArenaBuffer,
     /// The attention's counters of finished chunks: zero between launches.
     done: ArenaBuffer,
-    /// The batch products' input: per-token scales (the first [`SCALES_BYTES`]), then
-    /// the tokens' activations in f16 (`batch_input`).
-    scales: ArenaBuffer,
+    /// The batch products' input.
+    scales: BatchInput,
     raw: ArenaBuffer,
     tokens: ArenaBuffer,
     pos: ArenaBuffer,
@@ -61,10 +65,12 @@ impl Buffers {
         config: &ModelConfig,
         plan: &ExecutionPlan,
         capacity: usize,
+        batch: usize,
     ) -> Result<Buffers, ModelError> {
-        // Activations for a prompt's chunk; Q8 blocks, logits and the attention's scratch
-        // for the few tokens of the decode products and attention launches.
-        let (b, w) = (PROMPT_BATCH, MAX_BATCH);
+        // Activations for a prompt's chunk of `batch` tokens; Q8 blocks, logits and the
+        // split attention's scratch for the few tokens of the decode products and
+        // attention launches.
+        let (b, w) = (batch.max(MAX_BATCH), MAX_BATCH);
         let c = config;
         let q_dim = c.n_heads * c.head_dim;
         let kv_dim = c.n_kv_heads * c.head_dim;
@@ -89,6 +95,7 @@ impl Buffers {
         let embd_ty = plan.token_embd.weight.ggml_type();
         let row_bytes = embd_ty.row_bytes(c.n_embd as u64).unwrap_or(0) as usize;
         let width = c.n_embd.max(attn_dim).max(c.n_ff);
+        let scales_bytes = (4 * b).div_ceil(ALIGN) * ALIGN;
         // Positions the cache keeps, rounded up to whole chunks of the attention kernel.
         let positions = attention.positions();
         let f32s = |n: usize| n * 4;
@@ -108,7 +115,7 @@ impl Buffers {
             f32s(attention.ml_len(w)),            // part_ml
             f32s(attention.acc_len(w)),           // part_acc
             4 * attention.done_len(w),            // done
-            SCALES_BYTES + 2 * b * width,         // scales, f16 input
+            scales_bytes + 2 * b * width,         // scales, f16 input
             b * row_bytes,                        // raw embedding rows
             4 * b,                                // tokens
             4,                                    // pos
@@ -146,7 +153,10 @@ impl Buffers {
             part_ml: next()?,
             part_acc: next()?,
             done: next()?,
-            scales: next()?,
+            scales: BatchInput {
+                buf: next()?,
+                scales_bytes,
+            },
             raw: next()?,
             tokens: next()?,
             pos: next()?,
@@ -297,15 +307,17 @@ fn products(
     n: usize,
     outs: Vec<DeviceViewMut<'_, f32>>,
     accumulate: bool,
-    scales: &mut ArenaBuffer,
+    scales: &mut BatchInput,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     if batched(n) {
+        let split = scales.scales_bytes;
+        let scales = &mut scales.buf;
         let input = f32_in.expect("f32 input prepared for the batch products");
         let cols = mats[0].cols;
         let cut = gpu("viewing the batch input");
         let whole = scales.view_mut::<u8>().map_err(&cut)?;
-        let (s, x16) = whole.split_at_mut(SCALES_BYTES).map_err(&cut)?;
+        let (s, x16) = whole.split_at_mut(split).map_err(&cut)?;
         let s = s
             .cast_mut::<f32>()
             .and_then(|v| v.slice_mut(0..n))
@@ -317,12 +329,12 @@ fn products(
         matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(mats))?;
         let whole = scales.view::<u8>().map_err(&cut)?;
         let s = whole
-            .slice(0..SCALES_BYTES)
+            .slice(0..split)
             .and_then(|v| v.cast::<f32>())
             .and_then(|v| v.slice(0..n))
             .map_err(&cut)?;
         let x16 = whole
-            .slice(SCALES_BYTES..SCALES_BYTES + 2 * n * cols)
+            .slice(split..split + 2 * n * cols)
             .and_then(|v| v.cast::<f16>())
             .map_err(&cut)?;
         // Runs of matrices of one type and width in one launch each.
@@ -506,22 +518,33 @@ pub(super) fn layer(
     // The attention's output goes to the output projection quantized when it takes Q8
     // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
     let fused_q8 = takes_q8_for(&w.wo, n) && c.head_dim_v.is_multiple_of(32);
-    // Queries in groups of at most MAX_BATCH, the scratch the attention has room for.
-    for first in (0..n).step_by(MAX_BATCH) {
-        let m = MAX_BATCH.min(n - first);
-        kernels::attention(
-            view_at(&bufs.q, first * q_dim..(first + m) * q_dim)?,
+    if batched(n) {
+        // A prompt's chunk: one launch over every query, tiled over queries and keys.
+        kernels::flash_attention(
+            view(&bufs.q, n * q_dim)?,
             view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
             view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
             &shape,
-            m,
-            first,
+            n,
             view(&bufs.pos, 1)?,
-            view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(m))?,
-            view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(m))?,
-            view_mut::<u32>(&mut bufs.done, shape.done_len(m))?,
-            view_mut_at::<f32>(&mut bufs.attn, first * attn_dim..(first + m) * attn_dim)?,
-            // Fused only for a few tokens, which one group holds.
+            view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
+            stream,
+        )?;
+    } else {
+        // A few tokens (at most MAX_BATCH, the scratch the split attention has room for):
+        // each query split along the keys, so that a short chunk still fills the device.
+        kernels::attention(
+            view(&bufs.q, n * q_dim)?,
+            view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
+            view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
+            &shape,
+            n,
+            0,
+            view(&bufs.pos, 1)?,
+            view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(n))?,
+            view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(n))?,
+            view_mut::<u32>(&mut bufs.done, shape.done_len(n))?,
+            view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
             fused_q8
                 .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, attn_dim)))
                 .transpose()?,
@@ -644,7 +667,7 @@ fn project(
 struct Residual<'a> {
     x: &'a mut ArenaBuffer,
     proj: &'a mut ArenaBuffer,
-    scales: &'a mut ArenaBuffer,
+    scales: &'a mut BatchInput,
 }
 
 /// `x += input · mᵀ`, or with a post-norm `x += rms_norm(input · mᵀ)` (through `proj`).

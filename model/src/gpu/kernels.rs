@@ -194,6 +194,22 @@ mod sys {
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
+        pub(super) fn rf_flash_attention(
+            q: *const c_void,
+            k_cache: *const c_void,
+            v_cache: *const c_void,
+            n_tokens: c_int,
+            n_heads: c_int,
+            n_kv_heads: c_int,
+            head_dim: c_int,
+            head_dim_v: c_int,
+            window: c_int,
+            scale: f32,
+            pos: *const c_void,
+            out: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
         pub(super) fn rf_gated(
             gate: *const c_void,
             up: *const c_void,
@@ -598,6 +614,89 @@ pub fn attention(
         done.as_mut_ptr(),
         out.as_mut_ptr(),
         q8_ptr,
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// Attention of a prompt's `n_tokens` queries at positions `pos[0]..` (each seeing the
+/// keys up to its own position, within `shape.window`) against the f16 caches, in one
+/// launch tiled over queries and keys (an online softmax: no scratch, whatever the
+/// number of queries). `out` gets `n_tokens × n_heads × head_dim_v` values, as
+/// [`attention`] writes them; the caches must hold the keys and values of every position
+/// up to the last query's.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention(
+    q: DeviceView<'_, f32>,
+    k_cache: DeviceView<'_, f16>,
+    v_cache: DeviceView<'_, f16>,
+    shape: &AttentionShape,
+    n_tokens: usize,
+    pos: DeviceView<'_, i32>,
+    mut out: DeviceViewMut<'_, f32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "flash_attention";
+    let s = shape;
+    expect_at_least(K, "256 values per query head", 256, s.head_dim)?;
+    expect_at_least(K, "256 values per value head", 256, s.head_dim_v)?;
+    expect_at_least(K, "values per query head", s.head_dim, 8)?;
+    expect_at_least(K, "values per value head", s.head_dim_v, 2)?;
+    expect(K, "the query head's width modulo 8", s.head_dim % 8, 0)?;
+    expect(K, "the value head's width modulo 2", s.head_dim_v % 2, 0)?;
+    expect_at_least(K, "key heads", s.n_kv_heads, 1)?;
+    expect(K, "heads per key head", s.n_heads % s.n_kv_heads, 0)?;
+    expect_at_least(K, "tokens", n_tokens, 1)?;
+    expect(K, "the queries", q.len(), n_tokens * s.n_heads * s.head_dim)?;
+    let positions = s.positions();
+    expect_at_least(K, "positions in the cache", positions, n_tokens)?;
+    expect_at_least(
+        K,
+        "the key cache",
+        k_cache.len(),
+        positions * s.n_kv_heads * s.head_dim,
+    )?;
+    expect_at_least(
+        K,
+        "the value cache",
+        v_cache.len(),
+        positions * s.n_kv_heads * s.head_dim_v,
+    )?;
+    expect(K, "the position", pos.len(), 1)?;
+    expect(
+        K,
+        "the output",
+        out.len(),
+        n_tokens * s.n_heads * s.head_dim_v,
+    )?;
+    let device = on_device(
+        stream,
+        &[
+            q.device_ordinal(),
+            k_cache.device_ordinal(),
+            v_cache.device_ordinal(),
+            pos.device_ordinal(),
+            out.device_ordinal(),
+        ],
+    )?;
+    let c = |what, value| small(K, what, value);
+    // Rows of the kernel's grid: queries times heads per key head.
+    c("query rows", n_tokens * (s.n_heads / s.n_kv_heads))?;
+    launch!(
+        rf_flash_attention,
+        "flash_attention",
+        q.as_ptr(),
+        k_cache.as_ptr(),
+        v_cache.as_ptr(),
+        c("tokens", n_tokens)?,
+        c("heads", s.n_heads)?,
+        c("key heads", s.n_kv_heads)?,
+        c("head width", s.head_dim)?,
+        c("value head width", s.head_dim_v)?,
+        c("window", s.window.unwrap_or(0))?,
+        s.scale,
+        pos.as_ptr(),
+        out.as_mut_ptr(),
         device,
         stream.as_raw(),
     )

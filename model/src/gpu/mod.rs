@@ -42,9 +42,10 @@ use weights::{Held, LayerWeights};
 /// Most tokens the decode products and one attention launch take, and the chunk of
 /// [`GpuModel::forward_all_logits`]; longer prompts take the batch products.
 pub const MAX_BATCH: usize = dequant::gpu::matvec::MAX_TOKENS;
-/// Most tokens of a prompt one forward pass takes: longer prompts run in chunks of this
-/// many. Past [`MAX_BATCH`] tokens the products run on the matrix units
-/// (`dequant::gpu::matmul`).
+/// Most tokens of a prompt one forward pass takes unless [`GpuModel::with_prompt_batch`]
+/// says otherwise: longer prompts run in chunks of this many. Past [`MAX_BATCH`] tokens
+/// the products run on the matrix units (`dequant::gpu::matmul`) and attention in one
+/// launch over the chunk's queries.
 pub const PROMPT_BATCH: usize = 512;
 
 /// How a [`GpuModel`] is set up.
@@ -82,6 +83,8 @@ pub struct GpuModel {
     hold_all: bool,
     bufs: Buffers,
     capacity: usize,
+    /// Most tokens of a prompt's chunk.
+    prompt_batch: usize,
     len: usize,
     /// The decode step, captured once every weight is held.
     step: Option<Graph>,
@@ -94,8 +97,24 @@ pub struct GpuModel {
 
 impl GpuModel {
     /// Opens `options.device`, starts the device cache of `model`'s weights and takes the
-    /// arena for activations and the KV cache.
+    /// arena for activations and the KV cache; prompts run in chunks of [`PROMPT_BATCH`].
     pub fn new(model: &Model, options: &GpuOptions) -> Result<GpuModel, ModelError> {
+        GpuModel::with_prompt_batch(model, options, PROMPT_BATCH)
+    }
+
+    /// As [`GpuModel::new`], with prompts run in chunks of `prompt_batch` tokens (at
+    /// least 1; the arena holds the activations of one chunk, so smaller chunks take less
+    /// device memory). A chunk is never longer than the context.
+    pub fn with_prompt_batch(
+        model: &Model,
+        options: &GpuOptions,
+        prompt_batch: usize,
+    ) -> Result<GpuModel, ModelError> {
+        if prompt_batch == 0 {
+            return Err(ModelError::InvalidPromptBatch {
+                tokens: prompt_batch,
+            });
+        }
         model.check_gpu_support()?;
         let gpu = |op| move |source| ModelError::Gpu { op, source };
         let device = Device::open(options.device).map_err(gpu("device"))?;
@@ -110,7 +129,10 @@ impl GpuModel {
         // Activations and the KV cache first: their size is known, and failing here
         // costs no upload.
         let capacity = options.context_size.max(1);
-        let bufs = Buffers::new(&device, &config, &plan, capacity)?;
+        let prompt_batch = prompt_batch.min(capacity);
+        // Room for a chunk, and for the few tokens of `forward_all_logits` in one pass.
+        let batch_room = prompt_batch.max(MAX_BATCH);
+        let bufs = Buffers::new(&device, &config, &plan, capacity, batch_room)?;
         let target = HipTarget::new(&device, arena_bytes.max(1))?;
         let cache_config = CacheConfig {
             mode: options.mode,
@@ -126,7 +148,7 @@ impl GpuModel {
         })?;
         let stream = device.new_stream().map_err(gpu("stream"))?;
         let host_tokens = device
-            .alloc_pinned::<u32>(PROMPT_BATCH)
+            .alloc_pinned::<u32>(batch_room)
             .map_err(gpu("pinned"))?;
         let host_logits = device
             .alloc_pinned::<f32>(MAX_BATCH * config.n_vocab)
@@ -140,6 +162,7 @@ impl GpuModel {
             hold_all,
             bufs,
             capacity,
+            prompt_batch,
             len: 0,
             step: None,
             host_tokens,
@@ -182,6 +205,11 @@ impl GpuModel {
     /// Most positions the KV cache holds.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Most tokens of a prompt's chunk.
+    pub fn prompt_batch(&self) -> usize {
+        self.prompt_batch
     }
 
     /// Forgets every position.
@@ -246,7 +274,7 @@ impl GpuModel {
         Ok(&all[..n * self.config.n_vocab])
     }
 
-    /// Runs `tokens` (in chunks of [`PROMPT_BATCH`]) after the positions already cached and
+    /// Runs `tokens` (in chunks of the prompt batch) after the positions already cached and
     /// leaves what `want` asks for in the pinned host buffers, the copy finished.
     fn eval(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
         if tokens.is_empty() {
@@ -280,7 +308,14 @@ impl GpuModel {
     }
 
     fn run_chunks(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
-        let chunks: Vec<&[u32]> = tokens.chunks(PROMPT_BATCH).collect();
+        // Every token's logits come from one pass (`eval` keeps those calls to
+        // MAX_BATCH tokens, which the buffers always hold).
+        let chunk_len = if want == Want::AllLogits {
+            tokens.len()
+        } else {
+            self.prompt_batch
+        };
+        let chunks: Vec<&[u32]> = tokens.chunks(chunk_len).collect();
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.into_iter().enumerate() {
             self.write_tokens(chunk)?;

@@ -469,10 +469,15 @@ fn synthetic_quantizers_round_trip_within_their_precision() {
 /// square; the argmax must agree wherever the CPU's top two are further apart than the
 /// first bound. A wrong head layout, a wrong RoPE pair or a missing norm moves logits by
 /// the order of the spread itself.
+///
+/// Prompts of every length class are held to the same bound ([`PREFILL_LENGTHS`]), also
+/// in chunks smaller than the prompt ([`SMALL_BATCHES`]). The synthetic models are small
+/// (a few layers of 256 values, vocabularies of a few hundred tokens): the CPU computes
+/// even the 2048-token prompt of each in seconds, so no length is skipped.
 mod gpu {
     use std::io::Write;
 
-    use model::gpu::{GpuModel, GpuOptions};
+    use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
     use model::tokenizer::{EncodeOptions, Tokenizer};
     use model::Model;
     use tensor_store::device::UploadMode;
@@ -514,6 +519,45 @@ mod gpu {
         row[best] - second
     }
 
+    /// Prompt lengths whose last logits are held against the CPU's: one token (the
+    /// captured decode step), a few (the decode products and the split attention), and
+    /// past `MAX_BATCH` (the batch products and the tiled prompt attention) within one
+    /// chunk, one token short of a chunk, and four chunks of [`PROMPT_BATCH`] (chunks
+    /// that start past position 0 and see the keys of the chunks before).
+    const PREFILL_LENGTHS: [usize; 6] = [1, 7, 64, 150, 511, 2048];
+
+    /// (chunk size, prompt length) pairs run with a chunk smaller than the prompt: chunks
+    /// that start at positions no multiple of a tile, short last chunks past `MAX_BATCH`
+    /// (511 = 5·100 + 11, 2048 = 20·100 + 48), and chunks of the decode path (64 =
+    /// 12·5 + 4).
+    const SMALL_BATCHES: [(usize, usize); 3] = [(100, 511), (100, 2048), (5, 64)];
+
+    /// The last logits of a prompt, GPU against CPU, under the rule of the teacher-forced
+    /// rows: every logit within the tolerance, the same argmax unless the CPU's top two
+    /// are within it. Returns the largest difference as a fraction of the spread.
+    fn check_prefill(name: &str, len: usize, batch: usize, cpu: &[f32], gpu: &[f32]) -> f32 {
+        assert_eq!(
+            gpu.len(),
+            cpu.len(),
+            "{name}: logits of a {len}-token prompt"
+        );
+        let sigma = spread(cpu).max(f32::MIN_POSITIVE);
+        let tol = tolerance(cpu);
+        let diff = cpu
+            .iter()
+            .zip(gpu)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff <= tol && (argmax(cpu) == argmax(gpu) || margin(cpu) <= tol),
+            "{name}: after a {len}-token prompt in chunks of {batch}, logits differ by {:.3} \
+             of their spread (bound {MAX_OF_SPREAD}), argmax {} vs {}",
+            diff / sigma,
+            argmax(cpu),
+            argmax(gpu)
+        );
+        diff / sigma
+    }
+
     fn skip(test: &str, why: &str) {
         let line = format!("SKIPPED {test}: {why}\n");
         let _ = std::io::stderr().write_all(line.as_bytes());
@@ -521,13 +565,24 @@ mod gpu {
 
     /// A GPU model of `model`, or `None` after saying why the test is skipped.
     fn gpu_model(test: &str, model: &Model, mode: UploadMode, context: usize) -> Option<GpuModel> {
+        gpu_model_with_batch(test, model, mode, context, PROMPT_BATCH)
+    }
+
+    /// As [`gpu_model`], with prompts in chunks of `batch` tokens.
+    fn gpu_model_with_batch(
+        test: &str,
+        model: &Model,
+        mode: UploadMode,
+        context: usize,
+        batch: usize,
+    ) -> Option<GpuModel> {
         let options = GpuOptions {
             device: 0,
             mode,
             budget: None,
             context_size: context,
         };
-        match GpuModel::new(model, &options) {
+        match GpuModel::with_prompt_batch(model, &options, batch) {
             Ok(gpu) => Some(gpu),
             Err(model::ModelError::Gpu { source, .. }) if source.is_unavailable() => {
                 skip(test, &source.to_string());
@@ -556,9 +611,10 @@ mod gpu {
             .expect("prompt encodes");
         let n_vocab = model.config().n_vocab;
         let greedy_len = 32;
-        // A prompt long enough for the batch products (more than one tile of tokens).
-        let long: Vec<u32> = tokens.iter().copied().cycle().take(150).collect();
-        let context = (tokens.len() + greedy_len).max(long.len());
+        // The prompts of PREFILL_LENGTHS are the first tokens of the prompt repeated.
+        let longest = PREFILL_LENGTHS.into_iter().max().expect("lengths");
+        let sequence: Vec<u32> = tokens.iter().copied().cycle().take(longest).collect();
+        let context = (tokens.len() + greedy_len).max(longest + 1);
         let Some(mut gpu) = gpu_model(&test, &model, UploadMode::Background, context) else {
             return;
         };
@@ -604,22 +660,35 @@ mod gpu {
             "{name}: argmax agrees at {agree}/{positions}"
         );
 
-        // The long prompt in one call (the batch products): its last logits.
-        let mut cache = model.new_cache(context);
-        let c = model.forward(&long, &mut cache).expect("cpu long prompt");
-        gpu.clear().expect("clear");
-        let g = gpu.forward(&long).expect("gpu long prompt");
-        let sigma = spread(&c).max(f32::MIN_POSITIVE);
-        let diff = c
-            .iter()
-            .zip(&g)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            diff <= tolerance(&c) && (argmax(&c) == argmax(&g) || margin(&c) <= tolerance(&c)),
-            "{name}: after a {}-token prompt, logits differ by {:.3} of their spread",
-            long.len(),
-            diff / sigma
-        );
+        // Prompts of each length in one call: their last logits.
+        let mut cpu_last = Vec::new();
+        let mut worst_prefill = 0f32;
+        for len in PREFILL_LENGTHS {
+            let prompt = &sequence[..len];
+            let mut cache = model.new_cache(context);
+            let c = model.forward(prompt, &mut cache).expect("cpu prompt");
+            gpu.clear().expect("clear");
+            let g = gpu.forward(prompt).expect("gpu prompt");
+            worst_prefill = worst_prefill.max(check_prefill(name, len, PROMPT_BATCH, &c, &g));
+            cpu_last.push((len, c));
+        }
+        // The same prompts in chunks smaller than themselves.
+        for (batch, len) in SMALL_BATCHES {
+            let Some(mut chunked) =
+                gpu_model_with_batch(&test, &model, UploadMode::Eager, context, batch)
+            else {
+                return;
+            };
+            assert_eq!(chunked.prompt_batch(), batch, "{name}: chunk size");
+            let (_, c) = cpu_last
+                .iter()
+                .find(|(l, _)| *l == len)
+                .expect("a length of PREFILL_LENGTHS");
+            let g = chunked
+                .forward(&sequence[..len])
+                .expect("gpu chunked prompt");
+            worst_prefill = worst_prefill.max(check_prefill(name, len, batch, c, &g));
+        }
 
         // Greedy text: the GPU (device argmax, the captured decode step) against the CPU,
         // identical until the CPU's top two come within the tolerance.
@@ -644,10 +713,9 @@ mod gpu {
         }
         eprintln!(
             "gpu {name:<15} argmax {agree}/{positions} ({near} near ties), largest |Δ| {worst:.3} \
-             and rms {worst_rms:.3} of the spread, {}-token prompt {:.3}, greedy {same}/{} \
-             tokens identical",
-            long.len(),
-            diff / sigma,
+             and rms {worst_rms:.3} of the spread, prompts of 1 to {longest} tokens {:.3}, \
+             greedy {same}/{} tokens identical",
+            worst_prefill,
             greedy_len - 1
         );
     }
@@ -778,6 +846,30 @@ mod gpu {
                 "{} has no GPU test in synthetic.rs",
                 spec.name
             );
+        }
+    }
+
+    /// A prompt chunk of no token is refused, before any device work (so also without a
+    /// GPU).
+    #[test]
+    fn gpu_prompt_batch_of_zero_is_refused() {
+        let spec = spec("llama-q4_0").expect("a spec");
+        let bytes = build(spec).expect("a model");
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, &bytes).expect("writing the model");
+        let store = TensorStore::open(&path).expect("model opens");
+        let model = Model::load(&store).expect("model loads");
+        let options = GpuOptions {
+            device: 0,
+            mode: UploadMode::Lazy,
+            budget: None,
+            context_size: 16,
+        };
+        match GpuModel::with_prompt_batch(&model, &options, 0) {
+            Err(model::ModelError::InvalidPromptBatch { tokens: 0 }) => {}
+            Err(other) => panic!("refused for another reason: {other}"),
+            Ok(_) => panic!("a prompt chunk of 0 tokens was accepted"),
         }
     }
 
