@@ -18,7 +18,7 @@ use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
 
 use super::check_device;
-use super::matvec::{GpuMatrix, MAX_MATRICES};
+use super::matvec::{check_group, GpuMatrix};
 use super::GpuDequantError;
 use crate::DequantError;
 
@@ -69,11 +69,11 @@ pub fn row_scales(
 }
 
 /// `outs[i] (+)= x · mats[i]ᵀ` for `n_tokens` tokens (any number from 1), queued on
-/// `stream`, for one to [`MAX_MATRICES`] matrices of one type and width in one launch (a
-/// layer's q, k and v, or gate and up): `x16` and `scales` are what [`row_scales`] made of
-/// the `n_tokens × cols` activations, and each output holds `n_tokens × rows`, token by
-/// token; with `accumulate` the products are added to what the outputs hold. The width
-/// must be a multiple of 8.
+/// `stream`, for one to [`MAX_MATRICES`](super::matvec::MAX_MATRICES) matrices of one
+/// type and width in one launch (a layer's q, k and v, or gate and up): `x16` and
+/// `scales` are what [`row_scales`] made of the `n_tokens × cols` activations, and each
+/// output holds `n_tokens × rows`, token by token; with `accumulate` the products are
+/// added to what the outputs hold. The width must be a multiple of 8.
 pub fn matmul(
     mats: &[GpuMatrix<'_>],
     x16: DeviceView<'_, f16>,
@@ -83,26 +83,7 @@ pub fn matmul(
     accumulate: bool,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
-    let first = mats.first().ok_or(DequantError::ProductCount {
-        matrices: 0,
-        outputs: outs.len(),
-    })?;
-    if mats.len() != outs.len() || mats.len() > MAX_MATRICES {
-        return Err(DequantError::ProductCount {
-            matrices: mats.len(),
-            outputs: outs.len(),
-        }
-        .into());
-    }
-    for m in mats {
-        if m.ty() != first.ty() || m.cols() != first.cols() {
-            return Err(DequantError::MixedProducts {
-                first: (first.ty(), first.cols()),
-                other: (m.ty(), m.cols()),
-            }
-            .into());
-        }
-    }
+    let first = check_group(mats, outs.len())?;
     let cols = first.cols();
     if !cols.is_multiple_of(8) {
         return Err(DequantError::PartialRow {

@@ -200,6 +200,33 @@ fn input_length(actual: usize, n_tokens: usize, cols: usize) -> Result<(), Dequa
     Ok(())
 }
 
+/// The first of one launch's matrices, once they are 1 to [`MAX_MATRICES`] of one type
+/// and width with one output each.
+pub(super) fn check_group<'m, 'a>(
+    mats: &'m [GpuMatrix<'a>],
+    outputs: usize,
+) -> Result<&'m GpuMatrix<'a>, DequantError> {
+    let first = mats.first().ok_or(DequantError::ProductCount {
+        matrices: 0,
+        outputs,
+    })?;
+    if mats.len() != outputs || mats.len() > MAX_MATRICES {
+        return Err(DequantError::ProductCount {
+            matrices: mats.len(),
+            outputs,
+        });
+    }
+    for m in mats {
+        if m.ty != first.ty || m.cols != first.cols {
+            return Err(DequantError::MixedProducts {
+                first: (first.ty, first.cols),
+                other: (m.ty, m.cols),
+            });
+        }
+    }
+    Ok(first)
+}
+
 /// `outs[i] (+)= x · mats[i]ᵀ` for `n_tokens` tokens (1 to [`MAX_TOKENS`]), every matrix
 /// of one type and width, queued on `stream`. `outs[i]` holds `n_tokens × rows` values,
 /// token by token; with `accumulate` the products are added to what it holds (a residual
@@ -212,26 +239,7 @@ pub fn matvec(
     accumulate: bool,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
-    let first = mats.first().ok_or(DequantError::ProductCount {
-        matrices: 0,
-        outputs: outs.len(),
-    })?;
-    if mats.len() != outs.len() || mats.len() > MAX_MATRICES {
-        return Err(DequantError::ProductCount {
-            matrices: mats.len(),
-            outputs: outs.len(),
-        }
-        .into());
-    }
-    for m in mats {
-        if m.ty != first.ty || m.cols != first.cols {
-            return Err(DequantError::MixedProducts {
-                first: (first.ty, first.cols),
-                other: (m.ty, m.cols),
-            }
-            .into());
-        }
-    }
+    let first = check_group(mats, outs.len())?;
     if n_tokens == 0 || n_tokens > MAX_TOKENS {
         return Err(DequantError::InputLength {
             n_tokens,

@@ -296,8 +296,8 @@ fn run_end(mats: &[&Matrix], start: usize) -> usize {
     end
 }
 
-/// `outs[i] (+)= input · mats[i]ᵀ`: for a few tokens one launch per run of matrices of
-/// one type, for more one batch product per matrix. `f32_in`/`q8_in` hold the input in
+/// `outs[i] (+)= input · mats[i]ᵀ`, one launch per run of matrices of one type and width:
+/// decode products for a few tokens, batch products for more. `f32_in`/`q8_in` hold the input in
 /// the two forms (each present when some matrix takes it).
 #[allow(clippy::too_many_arguments)]
 fn products(
@@ -310,7 +310,8 @@ fn products(
     scales: &mut BatchInput,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    if batched(n) {
+    // For a batch, the input once in f16 with its per-token scales.
+    let batch_input = if batched(n) {
         let split = scales.scales_bytes;
         let scales = &mut scales.buf;
         let input = f32_in.expect("f32 input prepared for the batch products");
@@ -337,24 +338,12 @@ fn products(
             .slice(split..split + 2 * n * cols)
             .and_then(|v| v.cast::<f16>())
             .map_err(&cut)?;
-        // Runs of matrices of one type and width in one launch each.
-        let mut outs = outs;
-        let mut start = 0;
-        while start < mats.len() {
-            let end = run_end(mats, start);
-            let group = &mats[start..end];
-            let gms = group
-                .iter()
-                .map(|m| gpu_matrix(m))
-                .collect::<Result<Vec<_>, _>>()?;
-            let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs.drain(..end - start).collect();
-            matmul::matmul(&gms, x16, s, n, &mut group_outs, accumulate, stream)
-                .map_err(matvec_error(group))?;
-            start = end;
-        }
-        return Ok(());
-    }
-    let mut outs: Vec<Option<DeviceViewMut<'_, f32>>> = outs.into_iter().map(Some).collect();
+        Some((x16, s))
+    } else {
+        None
+    };
+    // Runs of matrices of one type and width in one launch each.
+    let mut outs = outs;
     let mut start = 0;
     while start < mats.len() {
         let end = run_end(mats, start);
@@ -363,17 +352,19 @@ fn products(
             .iter()
             .map(|m| gpu_matrix(m))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs[start..end]
-            .iter_mut()
-            .map(|o| o.take().expect("each output used once"))
-            .collect();
-        let x = if takes_q8(group[0].ty) {
-            GpuActivations::Q8(q8_in.expect("Q8 input prepared for quantized weights"))
-        } else {
-            GpuActivations::F32(f32_in.expect("f32 input prepared for float weights"))
-        };
-        matvec::matvec(&gms, x, n, &mut group_outs, accumulate, stream)
-            .map_err(matvec_error(group))?;
+        let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs.drain(..end - start).collect();
+        match batch_input {
+            Some((x16, s)) => matmul::matmul(&gms, x16, s, n, &mut group_outs, accumulate, stream),
+            None => {
+                let x = if takes_q8(group[0].ty) {
+                    GpuActivations::Q8(q8_in.expect("Q8 input prepared for quantized weights"))
+                } else {
+                    GpuActivations::F32(f32_in.expect("f32 input prepared for float weights"))
+                };
+                matvec::matvec(&gms, x, n, &mut group_outs, accumulate, stream)
+            }
+        }
+        .map_err(matvec_error(group))?;
         start = end;
     }
     Ok(())

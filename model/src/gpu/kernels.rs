@@ -514,6 +514,32 @@ impl AttentionShape {
     }
 }
 
+/// The checks both attention kernels make of the caches (`positions` whole positions of
+/// every key head) and of the position counter.
+fn check_caches(
+    k: &'static str,
+    s: &AttentionShape,
+    k_cache: usize,
+    v_cache: usize,
+    pos: usize,
+) -> Result<(), KernelError> {
+    let positions = s.positions();
+    expect_at_least(
+        k,
+        "the key cache",
+        k_cache,
+        positions * s.n_kv_heads * s.head_dim,
+    )?;
+    expect_at_least(
+        k,
+        "the value cache",
+        v_cache,
+        positions * s.n_kv_heads * s.head_dim_v,
+    )?;
+    expect(k, "the position", pos, 1)?;
+    Ok(())
+}
+
 /// Attention of `n_tokens` queries at positions `pos[0] + first..` (each seeing the keys
 /// up to its own position) against the f16 caches; `out` gets `n_tokens × n_heads ×
 /// head_dim_v` values, and `out_q8` (when given; `head_dim_v` a multiple of 32) the same
@@ -544,20 +570,7 @@ pub fn attention(
     expect(K, "the queries", q.len(), n_tokens * s.n_heads * s.head_dim)?;
     expect_at_least(K, "256 keys per chunk", MAX_ATTENTION_CHUNK, s.chunk)?;
     expect_at_least(K, "keys per chunk", s.chunk, 1)?;
-    let positions = s.positions();
-    expect_at_least(
-        K,
-        "the key cache",
-        k_cache.len(),
-        positions * s.n_kv_heads * s.head_dim,
-    )?;
-    expect_at_least(
-        K,
-        "the value cache",
-        v_cache.len(),
-        positions * s.n_kv_heads * s.head_dim_v,
-    )?;
-    expect(K, "the position", pos.len(), 1)?;
+    check_caches(K, s, k_cache.len(), v_cache.len(), pos.len())?;
     expect(K, "the chunk maxima", part_ml.len(), s.ml_len(n_tokens))?;
     expect(K, "the chunk sums", part_acc.len(), s.acc_len(n_tokens))?;
     expect(K, "the chunk counters", done.len(), s.done_len(n_tokens))?;
@@ -650,19 +663,7 @@ pub fn flash_attention(
     expect(K, "the queries", q.len(), n_tokens * s.n_heads * s.head_dim)?;
     let positions = s.positions();
     expect_at_least(K, "positions in the cache", positions, n_tokens)?;
-    expect_at_least(
-        K,
-        "the key cache",
-        k_cache.len(),
-        positions * s.n_kv_heads * s.head_dim,
-    )?;
-    expect_at_least(
-        K,
-        "the value cache",
-        v_cache.len(),
-        positions * s.n_kv_heads * s.head_dim_v,
-    )?;
-    expect(K, "the position", pos.len(), 1)?;
+    check_caches(K, s, k_cache.len(), v_cache.len(), pos.len())?;
     expect(
         K,
         "the output",
