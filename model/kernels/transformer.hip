@@ -235,7 +235,6 @@ struct AttnArgs {
     float scale;
     int n_chunks;  // chunks of `chunk` keys the cache holds
     int chunk;
-    int first;  // the first query's token in the batch: query z sits at pos[0] + first + z
 };
 
 // Sum over groups of `width` lanes (a power of two up to 32) of a 32-lane group.
@@ -270,7 +269,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     const int chunk = blockIdx.x, h = blockIdx.y, token = blockIdx.z;
     const int kvh = h / (a.n_heads / a.n_kv_heads);
     const int kv_dim = a.n_kv_heads * a.head_dim, v_dim = a.n_kv_heads * a.head_dim_v;
-    const int p = pos[0] + a.first + token;
+    const int p = pos[0] + token;
     const int lo_visible = a.window > 0 ? max(0, p - a.window + 1) : 0;
     const int first_chunk = lo_visible / a.chunk, last_chunk = p / a.chunk;
     if (chunk < first_chunk || chunk > last_chunk) return;  // sees none of the keys
@@ -742,14 +741,13 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
 
 int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                  int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                 float scale, int n_chunks, int chunk, int first, const void* pos, void* part_ml,
+                 float scale, int n_chunks, int chunk, const void* pos, void* part_ml,
                  void* part_acc, void* done, void* out, void* out_q8, int device,
                  void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (chunk < 1 || chunk > kAttnMaxChunk) return (int)hipErrorInvalidValue;
-    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, n_chunks, chunk,
-                  first};
+    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, n_chunks, chunk};
     rfLaunchChained(attention_kernel, dim3(n_chunks, n_heads, n_tokens), dim3(kAttnThreads), 0,
                     (hipStream_t)stream, (const float*)q, (const __half*)k_cache,
                     (const __half*)v_cache, a, (const int*)pos, (float*)part_ml,

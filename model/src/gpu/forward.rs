@@ -27,6 +27,43 @@ pub(super) struct BatchInput {
     scales_bytes: usize,
 }
 
+impl BatchInput {
+    /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
+    /// the f16 activations and their per-token scales ([`matmul::row_scales`]).
+    fn prepare(
+        &mut self,
+        input: DeviceView<'_, f32>,
+        n: usize,
+        mats: &[&Matrix],
+        stream: &Stream,
+    ) -> Result<(DeviceView<'_, f16>, DeviceView<'_, f32>), ModelError> {
+        let (split, cols) = (self.scales_bytes, mats[0].cols);
+        let cut = gpu("viewing the batch input");
+        let whole = self.buf.view_mut::<u8>().map_err(&cut)?;
+        let (s, x16) = whole.split_at_mut(split).map_err(&cut)?;
+        let s = s
+            .cast_mut::<f32>()
+            .and_then(|v| v.slice_mut(0..n))
+            .map_err(&cut)?;
+        let x16 = x16
+            .cast_mut::<f16>()
+            .and_then(|v| v.slice_mut(0..n * cols))
+            .map_err(&cut)?;
+        matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(mats))?;
+        let whole = self.buf.view::<u8>().map_err(&cut)?;
+        let s = whole
+            .slice(0..split)
+            .and_then(|v| v.cast::<f32>())
+            .and_then(|v| v.slice(0..n))
+            .map_err(&cut)?;
+        let x16 = whole
+            .slice(split..split + 2 * n * cols)
+            .and_then(|v| v.cast::<f16>())
+            .map_err(&cut)?;
+        Ok((x16, s))
+    }
+}
+
 /// The activations of a prompt's chunk (and the Q8 blocks and logits of up to
 /// [`MAX_BATCH`] tokens), the position counter and the f16 KV cache, all carved from one
 /// arena allocated once.
@@ -48,7 +85,7 @@ pub(super) struct Buffers {
     /// The attention's counters of finished chunks: zero between launches.
     done: ArenaBuffer,
     /// The batch products' input.
-    scales: BatchInput,
+    batch_in: BatchInput,
     raw: ArenaBuffer,
     tokens: ArenaBuffer,
     pos: ArenaBuffer,
@@ -153,7 +190,7 @@ impl Buffers {
             part_ml: next()?,
             part_acc: next()?,
             done: next()?,
-            scales: BatchInput {
+            batch_in: BatchInput {
                 buf: next()?,
                 scales_bytes,
             },
@@ -307,38 +344,13 @@ fn products(
     n: usize,
     outs: Vec<DeviceViewMut<'_, f32>>,
     accumulate: bool,
-    scales: &mut BatchInput,
+    batch_in: &mut BatchInput,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     // For a batch, the input once in f16 with its per-token scales.
     let batch_input = if batched(n) {
-        let split = scales.scales_bytes;
-        let scales = &mut scales.buf;
         let input = f32_in.expect("f32 input prepared for the batch products");
-        let cols = mats[0].cols;
-        let cut = gpu("viewing the batch input");
-        let whole = scales.view_mut::<u8>().map_err(&cut)?;
-        let (s, x16) = whole.split_at_mut(split).map_err(&cut)?;
-        let s = s
-            .cast_mut::<f32>()
-            .and_then(|v| v.slice_mut(0..n))
-            .map_err(&cut)?;
-        let x16 = x16
-            .cast_mut::<f16>()
-            .and_then(|v| v.slice_mut(0..n * cols))
-            .map_err(&cut)?;
-        matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(mats))?;
-        let whole = scales.view::<u8>().map_err(&cut)?;
-        let s = whole
-            .slice(0..split)
-            .and_then(|v| v.cast::<f32>())
-            .and_then(|v| v.slice(0..n))
-            .map_err(&cut)?;
-        let x16 = whole
-            .slice(split..split + 2 * n * cols)
-            .and_then(|v| v.cast::<f16>())
-            .map_err(&cut)?;
-        Some((x16, s))
+        Some(batch_in.prepare(input, n, mats, stream)?)
     } else {
         None
     };
@@ -462,7 +474,7 @@ pub(super) fn layer(
             view_mut::<f32>(&mut bufs.v, n * v_dim)?,
         ],
         false,
-        &mut bufs.scales,
+        &mut bufs.batch_in,
         stream,
     )?;
     let head_shape = HeadShape {
@@ -530,7 +542,6 @@ pub(super) fn layer(
             view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
             &shape,
             n,
-            0,
             view(&bufs.pos, 1)?,
             view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(n))?,
             view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(n))?,
@@ -584,7 +595,7 @@ pub(super) fn layer(
             view_mut::<f32>(&mut bufs.up, n * c.n_ff)?,
         ],
         false,
-        &mut bufs.scales,
+        &mut bufs.batch_in,
         stream,
     )?;
     let down_q8 = takes_q8_for(&w.down, n);
@@ -602,13 +613,13 @@ pub(super) fn layer(
         stream,
     )?;
     let post_ffn = w.post_ffn_norm.as_ref().map(|n| n.weight());
-    let (x, proj, scales) = (&mut bufs.x, &mut bufs.proj, &mut bufs.scales);
+    let (x, proj, batch_in) = (&mut bufs.x, &mut bufs.proj, &mut bufs.batch_in);
     let (f32_in, q8_in) = if down_q8 {
         (None, Some(view(&bufs.q8, q8_bytes(n, c.n_ff))?))
     } else {
         (Some(view(&bufs.act, n * c.n_ff)?), None)
     };
-    let into = Residual { x, proj, scales };
+    let into = Residual { x, proj, batch_in };
     residual(&w.down, f32_in, q8_in, post_ffn, into, n, eps, stream)
 }
 
@@ -648,17 +659,17 @@ fn project(
     let into = Residual {
         x: &mut bufs.x,
         proj: &mut bufs.proj,
-        scales: &mut bufs.scales,
+        batch_in: &mut bufs.batch_in,
     };
     residual(m, f32_in, q8_in, post_norm, into, n, eps, stream)
 }
 
 /// Where a residual product writes: the residual stream `x`, `proj` for a post-norm's
-/// input, and the batch products' scales.
+/// input, and the batch products' input.
 struct Residual<'a> {
     x: &'a mut ArenaBuffer,
     proj: &'a mut ArenaBuffer,
-    scales: &'a mut BatchInput,
+    batch_in: &'a mut BatchInput,
 }
 
 /// `x += input · mᵀ`, or with a post-norm `x += rms_norm(input · mᵀ)` (through `proj`).
@@ -674,7 +685,7 @@ fn residual(
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = m.rows;
-    let Residual { x, proj, scales } = into;
+    let Residual { x, proj, batch_in } = into;
     match post_norm {
         None => products(
             &[m],
@@ -683,7 +694,7 @@ fn residual(
             n,
             vec![view_mut::<f32>(x, n * d)?],
             true,
-            scales,
+            batch_in,
             stream,
         ),
         Some(norm) => {
@@ -694,7 +705,7 @@ fn residual(
                 n,
                 vec![view_mut::<f32>(proj, n * d)?],
                 false,
-                scales,
+                batch_in,
                 stream,
             )?;
             kernels::rms_norm(
@@ -751,7 +762,7 @@ pub(super) fn finish(
         rows,
         vec![view_mut::<f32>(&mut bufs.logits, rows * config.n_vocab)?],
         false,
-        &mut bufs.scales,
+        &mut bufs.batch_in,
         stream,
     )
 }

@@ -184,7 +184,6 @@ mod sys {
             scale: f32,
             n_chunks: c_int,
             chunk: c_int,
-            first: c_int,
             pos: *const c_void,
             part_ml: *mut c_void,
             part_acc: *mut c_void,
@@ -540,7 +539,7 @@ fn check_caches(
     Ok(())
 }
 
-/// Attention of `n_tokens` queries at positions `pos[0] + first..` (each seeing the keys
+/// Attention of `n_tokens` queries at positions `pos[0]..` (each seeing the keys
 /// up to its own position) against the f16 caches; `out` gets `n_tokens × n_heads ×
 /// head_dim_v` values, and `out_q8` (when given; `head_dim_v` a multiple of 32) the same
 /// as Q8 activation blocks. `done` must hold zeros, and is left so.
@@ -551,7 +550,6 @@ pub fn attention(
     v_cache: DeviceView<'_, f16>,
     shape: &AttentionShape,
     n_tokens: usize,
-    first: usize,
     pos: DeviceView<'_, i32>,
     mut part_ml: DeviceViewMut<'_, f32>,
     mut part_acc: DeviceViewMut<'_, f32>,
@@ -620,7 +618,6 @@ pub fn attention(
         s.scale,
         c("chunks", s.n_chunks)?,
         c("keys per chunk", s.chunk)?,
-        c("first query", first)?,
         pos.as_ptr(),
         part_ml.as_mut_ptr(),
         part_acc.as_mut_ptr(),
