@@ -217,10 +217,8 @@ fn launch(
     device: i32,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
-    use std::ffi::{c_int, c_void};
-    let weights: Vec<*const c_void> = mats.iter().map(|m| m.bytes().as_ptr()).collect();
-    let out_ptrs: Vec<*mut c_void> = outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
-    let rows: Vec<c_int> = mats.iter().map(|m| m.rows() as c_int).collect();
+    use std::ffi::c_int;
+    let arrays = super::matvec::MatrixArrays::new(mats, outs);
     // SAFETY: `matmul` checked every length: each weight view holds exactly its matrix
     // (`GpuMatrix::new`), `x16` `n_tokens × cols` f16, `scales` `n_tokens` f32 and each
     // output `n_tokens × rows` f32, all on the stream's device and borrowed (alive) while
@@ -230,9 +228,9 @@ fn launch(
     let status = unsafe {
         sys::rf_matmul(
             mats[0].ty() as u32 as c_int,
-            weights.as_ptr(),
-            out_ptrs.as_ptr(),
-            rows.as_ptr(),
+            arrays.weights.as_ptr(),
+            arrays.outs.as_ptr(),
+            arrays.rows.as_ptr(),
             mats.len() as c_int,
             mats[0].cols() as c_int,
             x16.as_ptr(),

@@ -343,6 +343,26 @@ fn launch_quantize(
     hip_backend::check_status("rf_quantize_q8", status).map_err(GpuDequantError::from)
 }
 
+/// The arrays of weights, outputs and row counts that the launchers of several matrices
+/// in one launch take (`mats` and `outs` of one length, checked by `check_group`).
+#[cfg(not(hip_platform = "none"))]
+pub(super) struct MatrixArrays {
+    pub(super) weights: Vec<*const std::ffi::c_void>,
+    pub(super) outs: Vec<*mut std::ffi::c_void>,
+    pub(super) rows: Vec<std::ffi::c_int>,
+}
+
+#[cfg(not(hip_platform = "none"))]
+impl MatrixArrays {
+    pub(super) fn new(mats: &[GpuMatrix<'_>], outs: &mut [DeviceViewMut<'_, f32>]) -> Self {
+        MatrixArrays {
+            weights: mats.iter().map(|m| m.bytes.as_ptr()).collect(),
+            outs: outs.iter_mut().map(|o| o.as_mut_ptr()).collect(),
+            rows: mats.iter().map(|m| m.rows as std::ffi::c_int).collect(),
+        }
+    }
+}
+
 #[cfg(not(hip_platform = "none"))]
 fn launch_matvec(
     mats: &[GpuMatrix<'_>],
@@ -353,10 +373,8 @@ fn launch_matvec(
     device: i32,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
-    use std::ffi::{c_int, c_void};
-    let weights: Vec<*const c_void> = mats.iter().map(|m| m.bytes.as_ptr()).collect();
-    let out_ptrs: Vec<*mut c_void> = outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
-    let rows: Vec<c_int> = mats.iter().map(|m| m.rows as c_int).collect();
+    use std::ffi::c_int;
+    let arrays = MatrixArrays::new(mats, outs);
     let x_ptr = match x {
         GpuActivations::Q8(q) => q.as_ptr(),
         GpuActivations::F32(f) => f.as_ptr(),
@@ -370,9 +388,9 @@ fn launch_matvec(
     let status = unsafe {
         sys::rf_matvec(
             first.ty as u32 as c_int,
-            weights.as_ptr(),
-            out_ptrs.as_ptr(),
-            rows.as_ptr(),
+            arrays.weights.as_ptr(),
+            arrays.outs.as_ptr(),
+            arrays.rows.as_ptr(),
             mats.len() as c_int,
             first.cols as c_int,
             x_ptr,

@@ -400,21 +400,28 @@ fn mismatched_products_are_refused_before_any_launch() {
     assert!(error.is_err());
 }
 
-/// The batch product of one matrix on `n` tokens, added to `initial` when given.
+/// The batch products of matrices `mats` (their blocks and rows) of one type and width
+/// on `n` tokens, in one launch, each added to outputs filled with `initial` when given.
 #[allow(clippy::too_many_arguments)]
-fn gpu_matmul(
+fn gpu_matmul_many(
     device: &Device,
     stream: &Stream,
     ty: GgmlType,
-    w: &[u8],
-    rows: usize,
+    mats: &[(&[u8], usize)],
     cols: usize,
     x: &[f32],
     n: usize,
-    initial: Option<&[f32]>,
-) -> Vec<f32> {
-    let wb = upload(device, stream, w);
-    let m = GpuMatrix::new(ty, rows, cols, wb.view()).expect("matrix");
+    initial: Option<f32>,
+) -> Vec<Vec<f32>> {
+    let bufs: Vec<_> = mats
+        .iter()
+        .map(|(w, _)| upload(device, stream, w))
+        .collect();
+    let gms: Vec<GpuMatrix<'_>> = bufs
+        .iter()
+        .zip(mats)
+        .map(|(b, &(_, rows))| GpuMatrix::new(ty, rows, cols, b.view()).expect("matrix"))
+        .collect();
     let x_dev = upload(device, stream, x);
     let mut scales = upload(device, stream, &vec![f32::NAN; n]);
     let mut x16 = upload(device, stream, &vec![f16::NAN; n * cols]);
@@ -427,23 +434,46 @@ fn gpu_matmul(
         stream,
     )
     .expect("scales");
-    let start = initial.map_or(vec![f32::NAN; n * rows], <[f32]>::to_vec);
-    let mut out = upload(device, stream, &start);
+    let mut outs: Vec<_> = mats
+        .iter()
+        .map(|&(_, rows)| upload(device, stream, &vec![initial.unwrap_or(f32::NAN); n * rows]))
+        .collect();
+    let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
     matmul::matmul(
-        std::slice::from_ref(&m),
+        &gms,
         x16.view(),
         scales.view(),
         n,
-        &mut [out.view_mut()],
+        &mut views,
         initial.is_some(),
         stream,
     )
     .expect("batch product");
-    let mut host = vec![0f32; n * rows];
-    stream
-        .read_to_host(out.view(), &mut host)
-        .expect("read back");
-    host
+    outs.iter()
+        .zip(mats)
+        .map(|(o, &(_, rows))| {
+            let mut host = vec![0f32; n * rows];
+            stream.read_to_host(o.view(), &mut host).expect("read back");
+            host
+        })
+        .collect()
+}
+
+/// The batch product of one matrix on `n` tokens, added to `initial` when given.
+#[allow(clippy::too_many_arguments)]
+fn gpu_matmul(
+    device: &Device,
+    stream: &Stream,
+    ty: GgmlType,
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    initial: Option<f32>,
+) -> Vec<f32> {
+    let mut outs = gpu_matmul_many(device, stream, ty, &[(w, rows)], cols, x, n, initial);
+    outs.pop().expect("one output")
 }
 
 #[test]
@@ -500,102 +530,46 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
         );
     }
     // Three matrices of one type and width in one launch give what each gives alone.
-    {
-        let (cols, n) = (512, 40);
-        let mut rng = Rng(4242);
-        let shapes = [70usize, 130, 200];
-        let ws: Vec<Vec<u8>> = shapes
-            .iter()
-            .map(|&rows| random_matrix(GgmlType::Q6_K, rows, cols, &mut rng))
-            .collect();
-        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
-        let bufs: Vec<_> = ws.iter().map(|w| upload(&device, &stream, w)).collect();
-        let mats: Vec<GpuMatrix<'_>> = bufs
-            .iter()
-            .zip(shapes)
-            .map(|(b, rows)| GpuMatrix::new(GgmlType::Q6_K, rows, cols, b.view()).expect("matrix"))
-            .collect();
-        let x_dev = upload(&device, &stream, &x);
-        let mut scales = upload(&device, &stream, &vec![0f32; n]);
-        let mut x16 = upload(&device, &stream, &vec![f16::ZERO; n * cols]);
-        matmul::row_scales(
-            x_dev.view(),
-            n,
-            cols,
-            scales.view_mut(),
-            x16.view_mut(),
-            &stream,
-        )
-        .expect("scales");
-        let mut outs: Vec<_> = shapes
-            .iter()
-            .map(|&rows| upload(&device, &stream, &vec![f32::NAN; n * rows]))
-            .collect();
-        let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
-        matmul::matmul(
-            &mats,
-            x16.view(),
-            scales.view(),
-            n,
-            &mut views,
-            false,
-            &stream,
-        )
-        .expect("three in one launch");
-        for ((o, w), rows) in outs.iter().zip(&ws).zip(shapes) {
-            let mut together = vec![0f32; n * rows];
-            stream
-                .read_to_host(o.view(), &mut together)
-                .expect("read back");
-            let alone = gpu_matmul(&device, &stream, GgmlType::Q6_K, w, rows, cols, &x, n, None);
-            assert_eq!(together, alone, "{rows} rows: in one launch with others");
-        }
+    let (cols, n) = (512, 40);
+    let mut rng = Rng(4242);
+    let ws: Vec<(Vec<u8>, usize)> = [70usize, 130, 200]
+        .into_iter()
+        .map(|rows| (random_matrix(GgmlType::Q6_K, rows, cols, &mut rng), rows))
+        .collect();
+    let mats: Vec<(&[u8], usize)> = ws.iter().map(|(w, rows)| (w.as_slice(), *rows)).collect();
+    let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+    let together = gpu_matmul_many(&device, &stream, GgmlType::Q6_K, &mats, cols, &x, n, None);
+    for (got, &(w, rows)) in together.iter().zip(&mats) {
+        let alone = gpu_matmul(&device, &stream, GgmlType::Q6_K, w, rows, cols, &x, n, None);
+        assert_eq!(got, &alone, "{rows} rows: in one launch with others");
     }
     // Accumulation adds the same products to what the output holds.
     let mut rng = Rng(99);
     let (rows, cols, n) = (96, 512, 20);
     let w = random_matrix(GgmlType::Q4_K, rows, cols, &mut rng);
+    let q4_k = |x: &[f32], initial| {
+        gpu_matmul(
+            &device,
+            &stream,
+            GgmlType::Q4_K,
+            &w,
+            rows,
+            cols,
+            x,
+            n,
+            initial,
+        )
+    };
     let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
-    let alone = gpu_matmul(
-        &device,
-        &stream,
-        GgmlType::Q4_K,
-        &w,
-        rows,
-        cols,
-        &x,
-        n,
-        None,
-    );
-    let initial = vec![1.5f32; n * rows];
-    let added = gpu_matmul(
-        &device,
-        &stream,
-        GgmlType::Q4_K,
-        &w,
-        rows,
-        cols,
-        &x,
-        n,
-        Some(&initial),
-    );
+    let alone = q4_k(&x, None);
+    let added = q4_k(&x, Some(1.5));
     let expected: Vec<f32> = alone.iter().map(|v| v + 1.5).collect();
     assert_eq!(added, expected, "accumulated batch product");
     // Activations far past f16's range (65504), and a token of zeros: each token is
     // scaled by a power of two first, so nothing overflows.
     let mut x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 1e6).collect();
     x[..cols].fill(0.0);
-    let got = gpu_matmul(
-        &device,
-        &stream,
-        GgmlType::Q4_K,
-        &w,
-        rows,
-        cols,
-        &x,
-        n,
-        None,
-    );
+    let got = q4_k(&x, None);
     assert!(got[..rows].iter().all(|&v| v == 0.0), "a token of zeros");
     let err = relative_error(&got, &reference(GgmlType::Q4_K, &w, rows, cols, &x, n));
     assert!(err <= 2e-3, "large activations: relative error {err:.2e}");
