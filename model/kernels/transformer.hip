@@ -9,6 +9,8 @@
 // Positions live in device memory (`pos`, one int: the position of the batch's first
 // token). Kernels read it instead of taking it as an argument, so one captured decode
 // step replays for every position; the step ends with rf_advance adding its tokens.
+// Several sequences at once (a server's step) use the paged layout instead (`Pages`):
+// each token carries its own position and its sequence's table of cache blocks.
 //
 // Warp-size agnostic: reductions are done in groups of 32 lanes with xor shuffles (which
 // stay inside a 32-lane group of a 64-lane wavefront too) and across groups in shared
@@ -144,6 +146,33 @@ __global__ void __launch_bounds__(kNormMaxThreads)
     }
 }
 
+// Where a token's keys and values live. Contiguous (`positions` null): token t is at
+// position pos[0] + t of the one sequence, whose key j is row j of the cache. Paged:
+// token t is at positions[t] of the sequence whose block table starts at
+// tables + table_start[t], and that sequence's key j is row
+// tables[j >> shift] << shift | (j & (2^shift - 1)) of the cache (blocks of 2^shift rows).
+struct Pages {
+    const int* positions;
+    const int* table_start;
+    const int* tables;
+    int shift;
+};
+
+__device__ __forceinline__ int token_position(const Pages& pg, const int* pos, int token) {
+    return pg.positions ? pg.positions[token] : pos[0] + token;
+}
+
+// The token's sequence's block table (null in the contiguous layout).
+__device__ __forceinline__ const int* token_table(const Pages& pg, int token) {
+    return pg.positions ? pg.tables + pg.table_start[token] : nullptr;
+}
+
+// The cache row of key j of a sequence with block table `table` (null: row j).
+__device__ __forceinline__ size_t cache_row(const int* table, int shift, int j) {
+    if (!table) return (size_t)j;
+    return ((size_t)table[j >> shift] << shift) | (size_t)(j & ((1 << shift) - 1));
+}
+
 constexpr int kHeadThreads = 128;
 
 // One workgroup per (token, head) of the queries and of the keys (heads n_heads..n_heads +
@@ -162,7 +191,7 @@ __global__ void __launch_bounds__(kHeadThreads)
                       const float* __restrict__ v, const float* __restrict__ bq,
                       const float* __restrict__ bk, const float* __restrict__ bv,
                       const void* __restrict__ q_norm, const void* __restrict__ k_norm,
-                      int norm_type, RopeArgs a, const int* __restrict__ pos,
+                      int norm_type, RopeArgs a, const int* __restrict__ pos, Pages pg,
                       __half* __restrict__ k_cache, __half* __restrict__ v_cache) {
     rf_chain_wait();
     __shared__ float head[512];
@@ -172,7 +201,7 @@ __global__ void __launch_bounds__(kHeadThreads)
     const int hh = is_key ? h - a.n_heads : h;
     const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
     const int v_dim = a.n_kv_heads * a.head_dim_v;
-    const int p = pos[0] + token;
+    const int p = token_position(pg, pos, token);
     const float* src = is_key ? k + (size_t)token * kv_dim + hh * a.head_dim
                               : q + (size_t)token * q_dim + hh * a.head_dim;
     const float* bias = is_key ? bk : bq;
@@ -209,10 +238,11 @@ __global__ void __launch_bounds__(kHeadThreads)
     }
     __syncthreads();
     if (is_key) {
-        __half* kc = k_cache + (size_t)p * kv_dim + hh * a.head_dim;
+        const size_t row = cache_row(token_table(pg, token), pg.shift, p);
+        __half* kc = k_cache + row * kv_dim + hh * a.head_dim;
         for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) kc[i] = __float2half(head[i]);
         const float* vs = v + (size_t)token * v_dim + hh * a.head_dim_v;
-        __half* vc = v_cache + (size_t)p * v_dim + hh * a.head_dim_v;
+        __half* vc = v_cache + row * v_dim + hh * a.head_dim_v;
         for (int i = threadIdx.x; i < a.head_dim_v; i += blockDim.x) {
             vc[i] = __float2half(vs[i] + (bv ? bv[hh * a.head_dim_v + i] : 0.0f));
         }
@@ -244,7 +274,9 @@ __device__ __forceinline__ float sum_lanes(float v, int width) {
 }
 
 // Attention of one query (token, head) over one chunk of keys (a workgroup per chunk, so
-// that even a short context spreads over many workgroups). A chunk that sees no key of
+// that even a short context spreads over many workgroups; kPaged: the tokens' caches as
+// `Pages` says, else contiguous)
+// A chunk that sees no key of
 // the query leaves at once. When one chunk holds every key the query sees, it writes the
 // output (and its Q8 blocks) itself. Otherwise each chunk writes its largest score m, the
 // sum l of exp(score - m) and Σ exp(score - m)·v, and the last of the query's chunks to
@@ -255,10 +287,11 @@ __device__ __forceinline__ float sum_lanes(float v, int width) {
 // time), so a 128-thread workgroup scores many keys at once. Values: each thread takes
 // two dimensions (half2) of every G-th key, G = 128 / (head_dim_v / 2), and the G partial
 // sums meet in shared memory.
+template <bool kPaged>
 __global__ void __launch_bounds__(kAttnThreads)
     attention_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
                      const __half* __restrict__ v_cache, AttnArgs a, const int* __restrict__ pos,
-                     float* part_ml, float* part_acc, unsigned* done, float* __restrict__ out,
+                     Pages pg, float* part_ml, float* part_acc, unsigned* done, float* __restrict__ out,
                      void* __restrict__ out_q8) {
     rf_chain_wait();
     __shared__ float qs[kAttnMaxHead];
@@ -269,7 +302,8 @@ __global__ void __launch_bounds__(kAttnThreads)
     const int chunk = blockIdx.x, h = blockIdx.y, token = blockIdx.z;
     const int kvh = h / (a.n_heads / a.n_kv_heads);
     const int kv_dim = a.n_kv_heads * a.head_dim, v_dim = a.n_kv_heads * a.head_dim_v;
-    const int p = pos[0] + token;
+    const int p = kPaged ? pg.positions[token] : pos[0] + token;
+    const int* table = kPaged ? pg.tables + pg.table_start[token] : nullptr;
     const int lo_visible = a.window > 0 ? max(0, p - a.window + 1) : 0;
     const int first_chunk = lo_visible / a.chunk, last_chunk = p / a.chunk;
     if (chunk < first_chunk || chunk > last_chunk) return;  // sees none of the keys
@@ -291,7 +325,8 @@ __global__ void __launch_bounds__(kAttnThreads)
         const int i = base + slot_in_pass;
         float s = 0.0f;
         if (i < n) {
-            const __half* kr = k_cache + (size_t)(lo + i) * kv_dim + kvh * a.head_dim;
+            const size_t row = kPaged ? cache_row(table, pg.shift, lo + i) : (size_t)(lo + i);
+            const __half* kr = k_cache + row * kv_dim + kvh * a.head_dim;
             for (int c = sub; c < pieces; c += lanes) {
                 const uint4 raw = *reinterpret_cast<const uint4*>(kr + 8 * c);
                 const __half2* k2 = reinterpret_cast<const __half2*>(&raw);
@@ -330,10 +365,11 @@ __global__ void __launch_bounds__(kAttnThreads)
     const int d2 = threadIdx.x % pairs, g = threadIdx.x / pairs;
     float2 acc = make_float2(0.0f, 0.0f);
     if (g < groups) {
-        const __half* vbase = v_cache + (size_t)lo * v_dim + kvh * a.head_dim_v + 2 * d2;
+        const __half* vbase = v_cache + kvh * a.head_dim_v + 2 * d2;
         for (int i = g; i < n; i += groups) {
+            const size_t row = kPaged ? cache_row(table, pg.shift, lo + i) : (size_t)(lo + i);
             const float2 vf =
-                __half22float2(*reinterpret_cast<const __half2*>(vbase + (size_t)i * v_dim));
+                __half22float2(*reinterpret_cast<const __half2*>(vbase + row * v_dim));
             acc.x += scores[i] * vf.x;
             acc.y += scores[i] * vf.y;
         }
@@ -410,6 +446,9 @@ __global__ void __launch_bounds__(kAttnThreads)
 // Masks. Row r at position p = pos[0] + token sees keys lo..p, lo = p - window + 1 with a
 // window, else 0, as attention_kernel. Keys past the tile's last position are loaded as
 // zeros and masked, so a partial tile needs no other care.
+//
+// Paging. Every token of a launch belongs to one sequence: with `table` (its block
+// table, blocks of 2^shift rows) key j is read from cache_row(table, shift, j).
 constexpr int kFlashThreads = 128;
 constexpr int kFlashGroups = kFlashThreads / 32;
 constexpr int kFlashKeys = 32;  // keys per tile: one per lane of a group
@@ -420,16 +459,21 @@ struct FlashArgs {
     float scale;
 };
 
-// Copies `n_keys` rows of `width` halves (a multiple of 2) of a cache, `stride` halves
-// apart, into shared words `pitch` apart; rows at or past `valid` become zeros.
-__device__ __forceinline__ void flash_stage(const __half* __restrict__ src, int stride,
-                                            int width, int valid, uint32_t* dst, int pitch) {
+// Copies keys k0.. (kFlashKeys of them) of `width` halves (a multiple of 2) from a cache
+// whose rows are `stride` halves apart (row of key j: cache_row(table, shift, j)) into
+// shared words `pitch` apart; keys at or past k0 + `valid` become zeros.
+__device__ __forceinline__ void flash_stage(const __half* __restrict__ src, const int* table,
+                                            int shift, int k0, int stride, int width,
+                                            int valid, uint32_t* dst, int pitch) {
     if (width % 8 == 0) {
         const int pieces = width / 8;
         for (int idx = threadIdx.x; idx < kFlashKeys * pieces; idx += blockDim.x) {
             const int j = idx / pieces, c = idx % pieces;
             uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-            if (j < valid) raw = *reinterpret_cast<const uint4*>(src + (size_t)j * stride + 8 * c);
+            if (j < valid) {
+                const size_t row = cache_row(table, shift, k0 + j);
+                raw = *reinterpret_cast<const uint4*>(src + row * stride + 8 * c);
+            }
             uint32_t* d = dst + j * pitch + 4 * c;
             d[0] = raw.x;
             d[1] = raw.y;
@@ -441,7 +485,10 @@ __device__ __forceinline__ void flash_stage(const __half* __restrict__ src, int 
         for (int idx = threadIdx.x; idx < kFlashKeys * words; idx += blockDim.x) {
             const int j = idx / words, c = idx % words;
             uint32_t w = 0u;
-            if (j < valid) w = *reinterpret_cast<const uint32_t*>(src + (size_t)j * stride + 2 * c);
+            if (j < valid) {
+                const size_t row = cache_row(table, shift, k0 + j);
+                w = *reinterpret_cast<const uint32_t*>(src + row * stride + 2 * c);
+            }
             dst[j * pitch + c] = w;
         }
     }
@@ -457,7 +504,8 @@ template <int kRows, int kPairs>
 __global__ void __launch_bounds__(kFlashThreads)
     flash_attention_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
                            const __half* __restrict__ v_cache, FlashArgs a,
-                           const int* __restrict__ pos, float* __restrict__ out) {
+                           const int* __restrict__ pos, const int* __restrict__ table,
+                           int shift, float* __restrict__ out) {
     constexpr int kTileRows = kRows * kFlashGroups;
     constexpr int kMaxHead = 64 * kPairs;
     // Odd pitch (in words): lane j reading key j's word c hits bank (j·pitch + c) % 32,
@@ -510,8 +558,8 @@ __global__ void __launch_bounds__(kFlashThreads)
     for (int k0 = lo_tile; k0 <= last_pos; k0 += kFlashKeys) {
         const int valid = min(kFlashKeys, last_pos - k0 + 1);
         __syncthreads();  // the last tile's values (and, first, the queries) are done with
-        flash_stage(k_cache + (size_t)k0 * kv_dim + kvh * a.head_dim, kv_dim, a.head_dim, valid,
-                    kv, kPitch);
+        flash_stage(k_cache + kvh * a.head_dim, table, shift, k0, kv_dim, a.head_dim, valid, kv,
+                    kPitch);
         __syncthreads();
         // Scores of key k0 + lane against this group's rows, 4 pairs of dimensions a step
         // (head_dim is a multiple of 8).
@@ -553,8 +601,8 @@ __global__ void __launch_bounds__(kFlashThreads)
             ps[(g * kRows + i) * kFlashKeys + lane] = p;
         }
         __syncthreads();  // every group is done with the keys; the probabilities are out
-        flash_stage(v_cache + (size_t)k0 * v_dim + kvh * a.head_dim_v, v_dim, a.head_dim_v,
-                    valid, kv, kPitch);
+        flash_stage(v_cache + kvh * a.head_dim_v, table, shift, k0, v_dim, a.head_dim_v, valid,
+                    kv, kPitch);
         __syncthreads();
         // Values: Σ_j p[i][j] · v[j], keys 4 at a time (the probabilities and values past
         // `valid` are zeros).
@@ -647,11 +695,14 @@ __global__ void scale_kernel(float* __restrict__ x, size_t n, float s) {
 
 constexpr int kArgmaxThreads = 1024;
 
-// The index of the largest value (the smallest index among equals), written to *token;
-// a NaN or +inf anywhere writes UINT32_MAX instead.
+// For each row (a workgroup each) of n values: the index of the largest value (the
+// smallest index among equals), written to token[row]; a NaN or +inf anywhere in the row
+// writes UINT32_MAX instead.
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const float* __restrict__ x, int n, uint32_t* __restrict__ token) {
     rf_chain_wait();
+    x += (size_t)blockIdx.x * n;
+    token += blockIdx.x;
     __shared__ float best_v[kArgmaxThreads / 32];
     __shared__ int best_i[kArgmaxThreads / 32];
     __shared__ int bad;
@@ -695,6 +746,15 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     }
 }
 
+// dst row r = src row rows[r], `dim` values each (a workgroup per row).
+__global__ void select_rows_kernel(const float* __restrict__ src, int dim,
+                                   const int* __restrict__ rows, float* __restrict__ dst) {
+    rf_chain_wait();
+    const float* s = src + (size_t)rows[blockIdx.x] * dim;
+    float* d = dst + (size_t)blockIdx.x * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) d[i] = s[i];
+}
+
 __global__ void advance_kernel(int* pos, int n) {
     rf_chain_wait();
     *pos += n;
@@ -726,38 +786,51 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
                   int n_tokens, int head_dim, int head_dim_v, int n_heads, int n_kv_heads,
                   int rope_dims, int neox, float theta_scale, float freq_scale,
                   const void* freq_factors, float q_scale, float eps, const void* pos,
-                  void* k_cache, void* v_cache, int device, void* stream) {
+                  const void* positions, const void* table_start, const void* tables,
+                  int shift, void* k_cache, void* v_cache, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     RopeArgs a = {head_dim, head_dim_v, n_heads, n_kv_heads, rope_dims, neox,
                   theta_scale, freq_scale, (const float*)freq_factors, q_scale, eps};
+    const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
     rfLaunchChained(qk_rope_kv_kernel, dim3(n_heads + n_kv_heads, n_tokens),
                        dim3(kHeadThreads), 0, (hipStream_t)stream, (float*)q, (const float*)k,
                        (const float*)v, (const float*)bq, (const float*)bk, (const float*)bv,
-                       q_norm, k_norm, norm_type, a, (const int*)pos, (__half*)k_cache,
+                       q_norm, k_norm, norm_type, a, (const int*)pos, pg, (__half*)k_cache,
                        (__half*)v_cache);
     return (int)hipGetLastError();
 }
 
 int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                  int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                 float scale, int n_chunks, int chunk, const void* pos, void* part_ml,
+                 float scale, int n_chunks, int chunk, const void* pos, const void* positions,
+                 const void* table_start, const void* tables, int shift, void* part_ml,
                  void* part_acc, void* done, void* out, void* out_q8, int device,
                  void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (chunk < 1 || chunk > kAttnMaxChunk) return (int)hipErrorInvalidValue;
     AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, n_chunks, chunk};
-    rfLaunchChained(attention_kernel, dim3(n_chunks, n_heads, n_tokens), dim3(kAttnThreads), 0,
-                    (hipStream_t)stream, (const float*)q, (const __half*)k_cache,
-                    (const __half*)v_cache, a, (const int*)pos, (float*)part_ml,
-                    (float*)part_acc, (unsigned*)done, (float*)out, out_q8);
+    const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
+    const dim3 grid(n_chunks, n_heads, n_tokens);
+    if (positions) {
+        rfLaunchChained(attention_kernel<true>, grid, dim3(kAttnThreads), 0, (hipStream_t)stream,
+                        (const float*)q, (const __half*)k_cache, (const __half*)v_cache, a,
+                        (const int*)pos, pg, (float*)part_ml, (float*)part_acc,
+                        (unsigned*)done, (float*)out, out_q8);
+    } else {
+        rfLaunchChained(attention_kernel<false>, grid, dim3(kAttnThreads), 0, (hipStream_t)stream,
+                        (const float*)q, (const __half*)k_cache, (const __half*)v_cache, a,
+                        (const int*)pos, pg, (float*)part_ml, (float*)part_acc,
+                        (unsigned*)done, (float*)out, out_q8);
+    }
     return (int)hipGetLastError();
 }
 
 int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                        int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                       float scale, const void* pos, void* out, int device, void* stream) {
+                       float scale, const void* pos, const void* table, int shift, void* out,
+                       int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     const int widest = max(head_dim, head_dim_v);
@@ -775,13 +848,13 @@ int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, 
     // 64 wide, 32 up to 128, 16 up to 256.
     if (widest <= 64) {
         rfLaunchChained((flash_attention_kernel<16, 1>), dim3((rows + 63) / 64, n_kv_heads), block,
-                        0, s, (const float*)q, kc, vc, a, (const int*)pos, (float*)out);
+                        0, s, (const float*)q, kc, vc, a, (const int*)pos, (const int*)table, shift, (float*)out);
     } else if (widest <= 128) {
         rfLaunchChained((flash_attention_kernel<8, 2>), dim3((rows + 31) / 32, n_kv_heads), block,
-                        0, s, (const float*)q, kc, vc, a, (const int*)pos, (float*)out);
+                        0, s, (const float*)q, kc, vc, a, (const int*)pos, (const int*)table, shift, (float*)out);
     } else {
         rfLaunchChained((flash_attention_kernel<4, 4>), dim3((rows + 15) / 16, n_kv_heads), block,
-                        0, s, (const float*)q, kc, vc, a, (const int*)pos, (float*)out);
+                        0, s, (const float*)q, kc, vc, a, (const int*)pos, (const int*)table, shift, (float*)out);
     }
     return (int)hipGetLastError();
 }
@@ -814,11 +887,20 @@ int rf_scale(void* x, size_t n, float s, int device, void* stream) {
     return (int)hipGetLastError();
 }
 
-int rf_argmax(const void* x, int n, void* token, int device, void* stream) {
+int rf_argmax(const void* x, int n, int n_rows, void* token, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    rfLaunchChained(argmax_kernel, dim3(1), dim3(kArgmaxThreads), 0, (hipStream_t)stream,
+    rfLaunchChained(argmax_kernel, dim3(n_rows), dim3(kArgmaxThreads), 0, (hipStream_t)stream,
                        (const float*)x, n, (uint32_t*)token);
+    return (int)hipGetLastError();
+}
+
+int rf_select_rows(const void* src, int dim, const void* rows, int n_rows, void* dst, int device,
+                   void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    rfLaunchChained(select_rows_kernel, dim3(n_rows), dim3(256), 0, (hipStream_t)stream,
+                    (const float*)src, dim, (const int*)rows, (float*)dst);
     return (int)hipGetLastError();
 }
 

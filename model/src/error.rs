@@ -48,6 +48,9 @@ pub enum ModelError {
     /// A prompt chunk size that holds no token.
     #[error("a prompt's chunks must hold at least 1 token, not {tokens}")]
     InvalidPromptBatch { tokens: usize },
+    /// A batch of several sequences that the paged cache cannot take as given.
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
     /// A GPU operation failed: a kernel's launch, a copy, a graph.
     #[error("gpu {op}: {source}")]
     Gpu {

@@ -6,7 +6,7 @@ use dequant::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stream};
 
-use super::kernels::{self, attention_chunk, AttentionShape, HeadExtras, HeadShape};
+use super::kernels::{self, attention_chunk, AttentionShape, HeadExtras, HeadShape, Pages};
 use super::weights::{Globals, LayerWeights, Matrix};
 use super::{arena, MAX_BATCH};
 use crate::config::{Activation, ModelConfig, RopeStyle};
@@ -64,9 +64,88 @@ impl BatchInput {
     }
 }
 
+/// How many sequences a paged batch holds at most, and the cache's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct PageShape {
+    /// Blocks of the cache (its rows: `n_blocks << block_shift`).
+    pub n_blocks: usize,
+    /// log2 of the positions per block.
+    pub block_shift: u32,
+    /// Most sequences (and rows of logits) in one batch.
+    pub max_sequences: usize,
+    /// Most blocks of one sequence's table.
+    pub table_len: usize,
+}
+
+impl PageShape {
+    /// The i32 values of a batch's layout: positions and table starts of every token,
+    /// the rows that get logits, and every sequence's table.
+    pub fn meta_len(&self, batch: usize) -> usize {
+        2 * batch + self.max_sequences + self.max_sequences * self.table_len
+    }
+}
+
+/// One sequence's rows of a paged batch.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PagedSegment {
+    /// Its first row among the batch's tokens, and how many.
+    pub first_row: usize,
+    pub len: usize,
+    /// Where its block table starts among the batch's tables, and its length.
+    pub table_at: usize,
+    pub table_len: usize,
+}
+
+/// A batch of tokens of several sequences, as laid out in `Buffers::meta`:
+/// `[positions (n) | table starts (n) | logit rows (m) | tables]`.
+#[derive(Clone, Debug)]
+pub(super) struct PagedBatch {
+    pub segments: Vec<PagedSegment>,
+    pub n_tokens: usize,
+    pub n_logits: usize,
+    pub block_shift: u32,
+}
+
+impl PagedBatch {
+    fn tables_at(&self) -> usize {
+        2 * self.n_tokens + self.n_logits
+    }
+}
+
+/// How the tokens of a forward pass find their positions and their keys and values.
+#[derive(Clone, Copy)]
+pub(super) enum Layout<'a> {
+    /// One sequence: tokens at positions `pos[0]..`, its cache rows in position order.
+    Contiguous,
+    /// Several sequences in the cache's blocks, as `Buffers::meta` lays them out.
+    Paged(&'a PagedBatch),
+}
+
+/// The paged layout of rows `rows` of `batch`, viewed in `meta`.
+fn pages<'a>(
+    meta: &'a ArenaBuffer,
+    batch: &PagedBatch,
+    rows: std::ops::Range<usize>,
+) -> Result<Pages<'a>, ModelError> {
+    let n = batch.n_tokens;
+    let tables_at = batch.tables_at();
+    let tables_end = batch
+        .segments
+        .iter()
+        .map(|s| s.table_at + s.table_len)
+        .max()
+        .unwrap_or(0);
+    Ok(Pages {
+        positions: view_at::<i32>(meta, rows.clone())?,
+        table_start: view_at::<i32>(meta, n + rows.start..n + rows.end)?,
+        tables: view_at::<i32>(meta, tables_at..tables_at + tables_end.max(1))?,
+        block_shift: batch.block_shift,
+    })
+}
+
 /// The activations of a prompt's chunk (and the Q8 blocks and logits of up to
-/// [`MAX_BATCH`] tokens), the position counter and the f16 KV cache, all carved from one
-/// arena allocated once.
+/// [`MAX_BATCH`] tokens, or of a paged batch's sequences), the position counter and the
+/// f16 KV cache, all carved from one arena allocated once.
 pub(super) struct Buffers {
     x: ArenaBuffer,
     h: ArenaBuffer,
@@ -90,10 +169,16 @@ pub(super) struct Buffers {
     tokens: ArenaBuffer,
     pos: ArenaBuffer,
     bad: ArenaBuffer,
+    /// A paged batch's layout (`PagedBatch`); empty without pages.
+    meta: ArenaBuffer,
     k_cache: Vec<ArenaBuffer>,
     v_cache: Vec<ArenaBuffer>,
     attention: AttentionShape,
     row_bytes: usize,
+    /// Most queries of one launch of the split attention (its scratch's rows).
+    attn_rows: usize,
+    /// Most rows of logits.
+    logit_rows: usize,
 }
 
 impl Buffers {
@@ -103,11 +188,13 @@ impl Buffers {
         plan: &ExecutionPlan,
         capacity: usize,
         batch: usize,
+        paged: Option<&PageShape>,
     ) -> Result<Buffers, ModelError> {
-        // Activations for a prompt's chunk of `batch` tokens; Q8 blocks, logits and the
-        // split attention's scratch for the few tokens of the decode products and
-        // attention launches.
+        // Activations for a prompt's chunk of `batch` tokens; Q8 blocks for the few
+        // tokens of the decode products; logits and the split attention's scratch for
+        // those, or for one token of each sequence of a paged batch.
         let (b, w) = (batch.max(MAX_BATCH), MAX_BATCH);
+        let rows = paged.map_or(w, |p| p.max_sequences.max(w));
         let c = config;
         let q_dim = c.n_heads * c.head_dim;
         let kv_dim = c.n_kv_heads * c.head_dim;
@@ -133,39 +220,41 @@ impl Buffers {
         let row_bytes = embd_ty.row_bytes(c.n_embd as u64).unwrap_or(0) as usize;
         let width = c.n_embd.max(attn_dim).max(c.n_ff);
         let scales_bytes = (4 * b).div_ceil(ALIGN) * ALIGN;
-        // Positions the cache keeps, rounded up to whole chunks of the attention kernel.
-        let positions = attention.positions();
+        // Positions the cache keeps: whole chunks of the attention kernel, and every
+        // block of a paged cache.
+        let positions = attention
+            .positions()
+            .max(paged.map_or(0, |p| p.n_blocks << p.block_shift));
         let f32s = |n: usize| n * 4;
         let sizes = [
-            f32s(b * c.n_embd),                   // x
-            f32s(b * c.n_embd),                   // h
-            q8_bytes(w, width.div_ceil(32) * 32), // q8
-            f32s(b * q_dim),                      // q
-            f32s(b * kv_dim),                     // k
-            f32s(b * v_dim),                      // v
-            f32s(b * attn_dim),                   // attn
-            f32s(b * c.n_embd),                   // proj
-            f32s(b * c.n_ff),                     // gate
-            f32s(b * c.n_ff),                     // up
-            f32s(b * c.n_ff),                     // act
-            f32s(w * c.n_vocab),                  // logits
-            f32s(attention.ml_len(w)),            // part_ml
-            f32s(attention.acc_len(w)),           // part_acc
-            4 * attention.done_len(w),            // done
-            scales_bytes + 2 * b * width,         // scales, f16 input
-            b * row_bytes,                        // raw embedding rows
-            4 * b,                                // tokens
-            4,                                    // pos
-            4,                                    // bad
+            f32s(b * c.n_embd),                     // x
+            f32s(b * c.n_embd),                     // h
+            q8_bytes(w, width.div_ceil(32) * 32),   // q8
+            f32s(b * q_dim),                        // q
+            f32s(b * kv_dim),                       // k
+            f32s(b * v_dim),                        // v
+            f32s(b * attn_dim),                     // attn
+            f32s(b * c.n_embd),                     // proj
+            f32s(b * c.n_ff),                       // gate
+            f32s(b * c.n_ff),                       // up
+            f32s(b * c.n_ff),                       // act
+            f32s(rows * c.n_vocab),                 // logits
+            f32s(attention.ml_len(rows)),           // part_ml
+            f32s(attention.acc_len(rows)),          // part_acc
+            4 * attention.done_len(rows),           // done
+            scales_bytes + 2 * b * width,           // scales, f16 input
+            b * row_bytes,                          // raw embedding rows
+            4 * b,                                  // tokens
+            4,                                      // pos
+            4,                                      // bad
+            4 * paged.map_or(0, |p| p.meta_len(b)), // meta
         ];
-        let cache_bytes = 2 * positions * (kv_dim + v_dim);
         let total = sizes
             .iter()
             .map(|s| s.div_ceil(ALIGN) * ALIGN)
             .sum::<usize>()
             + c.n_layers * (2 * positions * kv_dim).div_ceil(ALIGN) * ALIGN
             + c.n_layers * (2 * positions * v_dim).div_ceil(ALIGN) * ALIGN;
-        let _ = cache_bytes;
         let arena = arena(device, total)?;
         let alloc = |bytes: usize| {
             arena
@@ -198,6 +287,7 @@ impl Buffers {
             tokens: next()?,
             pos: next()?,
             bad: next()?,
+            meta: next()?,
             k_cache: (0..c.n_layers)
                 .map(|_| alloc(2 * positions * kv_dim))
                 .collect::<Result<_, _>>()?,
@@ -206,6 +296,8 @@ impl Buffers {
                 .collect::<Result<_, _>>()?,
             attention,
             row_bytes,
+            attn_rows: rows,
+            logit_rows: rows,
         };
         // The arena's buffers free their ranges when dropped; the allocation itself
         // lives as long as any of them.
@@ -225,6 +317,19 @@ impl Buffers {
         view::<f32>(&self.logits, len)
     }
 
+    pub fn tokens_view(&self, n: usize) -> Result<DeviceView<'_, u32>, ModelError> {
+        view::<u32>(&self.tokens, n)
+    }
+
+    pub fn meta_mut(&mut self, len: usize) -> Result<DeviceViewMut<'_, i32>, ModelError> {
+        view_mut::<i32>(&mut self.meta, len)
+    }
+
+    /// Most rows of logits one pass computes.
+    pub fn logit_rows(&self) -> usize {
+        self.logit_rows
+    }
+
     /// Sets the position counter (and waits for it: `len` is a host value), and clears
     /// the attention's chunk counters (which a failed launch may have left midway).
     pub fn set_position(&mut self, stream: &Stream, len: usize) -> Result<(), ModelError> {
@@ -232,7 +337,7 @@ impl Buffers {
             needed: len,
             capacity: i32::MAX as usize,
         })?];
-        let counters = self.attention.done_len(MAX_BATCH);
+        let counters = self.attention.done_len(self.attn_rows);
         stream
             .memset_async(view_mut::<u32>(&mut self.done, counters)?, 0)
             .map_err(gpu("clearing the attention counters"))?;
@@ -432,6 +537,7 @@ pub(super) fn layer(
     w: &LayerWeights,
     bufs: &mut Buffers,
     n: usize,
+    layout: Layout<'_>,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let c = config;
@@ -501,7 +607,11 @@ pub(super) fn layer(
         k_norm: w.k_norm.as_ref().map(|n| n.weight()),
         freq_factors: w.rope_freqs.as_ref().map(|f| f.view()).transpose()?,
     };
-    let cache_len = bufs.attention.positions();
+    let cache_len = bufs.k_cache[layer_idx].len() / 2 / kv_dim.max(1);
+    let token_pages = match layout {
+        Layout::Contiguous => None,
+        Layout::Paged(batch) => Some(pages(&bufs.meta, batch, 0..n)?),
+    };
     kernels::qk_rope_kv(
         view_mut::<f32>(&mut bufs.q, n * q_dim)?,
         view(&bufs.k, n * kv_dim)?,
@@ -510,6 +620,7 @@ pub(super) fn layer(
         &head_shape,
         n,
         view(&bufs.pos, 1)?,
+        token_pages,
         view_mut::<f16>(&mut bufs.k_cache[layer_idx], cache_len * kv_dim)?,
         view_mut::<f16>(&mut bufs.v_cache[layer_idx], cache_len * v_dim)?,
         stream,
@@ -521,7 +632,9 @@ pub(super) fn layer(
     // The attention's output goes to the output projection quantized when it takes Q8
     // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
     let fused_q8 = takes_q8_for(&w.wo, n) && c.head_dim_v.is_multiple_of(32);
-    if batched(n) {
+    if let Layout::Paged(batch) = layout {
+        paged_attention(batch, layer_idx, &shape, fused_q8, bufs, stream)?;
+    } else if batched(n) {
         // A prompt's chunk: one launch over every query, tiled over queries and keys.
         kernels::flash_attention(
             view(&bufs.q, n * q_dim)?,
@@ -530,6 +643,7 @@ pub(super) fn layer(
             &shape,
             n,
             view(&bufs.pos, 1)?,
+            None,
             view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
             stream,
         )?;
@@ -543,6 +657,7 @@ pub(super) fn layer(
             &shape,
             n,
             view(&bufs.pos, 1)?,
+            None,
             view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(n))?,
             view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(n))?,
             view_mut::<u32>(&mut bufs.done, shape.done_len(n))?,
@@ -621,6 +736,88 @@ pub(super) fn layer(
     };
     let into = Residual { x, proj, batch_in };
     residual(&w.down, f32_in, q8_in, post_ffn, into, n, eps, stream)
+}
+
+/// Attention of a paged batch: a sequence with more than [`MAX_BATCH`] tokens in one
+/// launch tiled over its queries; the others' rows together, split along the keys, in
+/// launches of at most `attn_rows` rows. `fused_q8` (the Q8 blocks of the output too)
+/// only when every row fits one launch.
+fn paged_attention(
+    batch: &PagedBatch,
+    layer_idx: usize,
+    shape: &AttentionShape,
+    fused_q8: bool,
+    bufs: &mut Buffers,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let n = batch.n_tokens;
+    let q_dim = shape.n_heads * shape.head_dim;
+    let attn_dim = shape.n_heads * shape.head_dim_v;
+    let cache_len = bufs.k_cache[layer_idx].len() / 2;
+    let v_cache_len = bufs.v_cache[layer_idx].len() / 2;
+    let tables_at = batch.tables_at();
+    if fused_q8 && n > bufs.attn_rows {
+        return Err(ModelError::InvalidBatch(format!(
+            "{n} rows with their attention quantized in one launch, which takes {}",
+            bufs.attn_rows
+        )));
+    }
+    // Rows of the split kernel waiting for a launch.
+    let mut pending: Option<std::ops::Range<usize>> = None;
+    let split = |rows: std::ops::Range<usize>, bufs: &mut Buffers| -> Result<(), ModelError> {
+        let m = rows.len();
+        kernels::attention(
+            view_at(&bufs.q, rows.start * q_dim..rows.end * q_dim)?,
+            view::<f16>(&bufs.k_cache[layer_idx], cache_len)?,
+            view::<f16>(&bufs.v_cache[layer_idx], v_cache_len)?,
+            shape,
+            m,
+            view(&bufs.pos, 1)?,
+            Some(pages(&bufs.meta, batch, rows.clone())?),
+            view_mut::<f32>(&mut bufs.part_ml, shape.ml_len(m))?,
+            view_mut::<f32>(&mut bufs.part_acc, shape.acc_len(m))?,
+            view_mut::<u32>(&mut bufs.done, shape.done_len(m))?,
+            view_mut_at::<f32>(&mut bufs.attn, rows.start * attn_dim..rows.end * attn_dim)?,
+            fused_q8
+                .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, attn_dim)))
+                .transpose()?,
+            stream,
+        )?;
+        Ok(())
+    };
+    for seg in &batch.segments {
+        let rows = seg.first_row..seg.first_row + seg.len;
+        if seg.len <= MAX_BATCH {
+            pending = Some(match pending.take() {
+                Some(p) if rows.end - p.start <= bufs.attn_rows => p.start..rows.end,
+                Some(p) => {
+                    split(p, bufs)?;
+                    rows
+                }
+                None => rows,
+            });
+            continue;
+        }
+        if let Some(p) = pending.take() {
+            split(p, bufs)?;
+        }
+        let table = seg.table_at + tables_at..seg.table_at + tables_at + seg.table_len;
+        kernels::flash_attention(
+            view_at(&bufs.q, rows.start * q_dim..rows.end * q_dim)?,
+            view::<f16>(&bufs.k_cache[layer_idx], cache_len)?,
+            view::<f16>(&bufs.v_cache[layer_idx], v_cache_len)?,
+            shape,
+            seg.len,
+            view_at::<i32>(&bufs.meta, rows.start..rows.start + 1)?,
+            Some((view_at::<i32>(&bufs.meta, table)?, batch.block_shift)),
+            view_mut_at::<f32>(&mut bufs.attn, rows.start * attn_dim..rows.end * attn_dim)?,
+            stream,
+        )?;
+    }
+    if let Some(p) = pending {
+        split(p, bufs)?;
+    }
+    Ok(())
 }
 
 /// The output projection of attention: quantizes `attn` (`width` per token) when the
@@ -767,6 +964,68 @@ pub(super) fn finish(
     )
 }
 
+/// The final norm and the output product of a paged batch's rows that get logits (its
+/// logit rows, in `meta`), into the first rows of `logits`; with `argmax`, each row's
+/// greedy token into `tokens`.
+pub(super) fn finish_rows(
+    config: &ModelConfig,
+    globals: &Globals,
+    bufs: &mut Buffers,
+    batch: &PagedBatch,
+    argmax: bool,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let d = config.n_embd;
+    let (n, m) = (batch.n_tokens, batch.n_logits);
+    if m == 0 {
+        return Ok(());
+    }
+    kernels::select_rows(
+        view(&bufs.x, n * d)?,
+        d,
+        view_at::<i32>(&bufs.meta, 2 * n..2 * n + m)?,
+        view_mut::<f32>(&mut bufs.proj, m * d)?,
+        stream,
+    )?;
+    let out = &globals.output;
+    let (want_f32, want_q8) = needs(&[out], m);
+    kernels::rms_norm(
+        view(&bufs.proj, m * d)?,
+        globals.output_norm.weight(),
+        m,
+        d,
+        config.rms_norm_eps,
+        want_f32
+            .then(|| view_mut::<f32>(&mut bufs.h, m * d))
+            .transpose()?,
+        false,
+        want_q8
+            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(m, d)))
+            .transpose()?,
+        stream,
+    )?;
+    products(
+        &[out],
+        want_f32.then(|| view(&bufs.h, m * d)).transpose()?,
+        want_q8
+            .then(|| view(&bufs.q8, q8_bytes(m, d)))
+            .transpose()?,
+        m,
+        vec![view_mut::<f32>(&mut bufs.logits, m * config.n_vocab)?],
+        false,
+        &mut bufs.batch_in,
+        stream,
+    )?;
+    if argmax {
+        kernels::argmax(
+            view(&bufs.logits, m * config.n_vocab)?,
+            view_mut::<u32>(&mut bufs.tokens, m)?,
+            stream,
+        )?;
+    }
+    Ok(())
+}
+
 /// After the logits: the greedy token of the last row into `tokens[0]` (when only the
 /// last row was computed), and the position advanced past the `n` tokens.
 pub(super) fn tail(
@@ -799,7 +1058,7 @@ pub(super) fn step(
 ) -> Result<(), ModelError> {
     embed(config, globals, bufs, n, stream)?;
     for (layer_idx, w) in layers.iter().enumerate() {
-        layer(config, layer_idx, w, bufs, n, stream)?;
+        layer(config, layer_idx, w, bufs, n, Layout::Contiguous, stream)?;
     }
     finish(config, globals, bufs, n, last_only, stream)?;
     tail(config, bufs, n, last_only, stream)

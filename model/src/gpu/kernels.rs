@@ -166,6 +166,10 @@ mod sys {
             q_scale: f32,
             eps: f32,
             pos: *const c_void,
+            positions: *const c_void,
+            table_start: *const c_void,
+            tables: *const c_void,
+            shift: c_int,
             k_cache: *mut c_void,
             v_cache: *mut c_void,
             device: c_int,
@@ -185,6 +189,10 @@ mod sys {
             n_chunks: c_int,
             chunk: c_int,
             pos: *const c_void,
+            positions: *const c_void,
+            table_start: *const c_void,
+            tables: *const c_void,
+            shift: c_int,
             part_ml: *mut c_void,
             part_acc: *mut c_void,
             done: *mut c_void,
@@ -205,6 +213,8 @@ mod sys {
             window: c_int,
             scale: f32,
             pos: *const c_void,
+            table: *const c_void,
+            shift: c_int,
             out: *mut c_void,
             device: c_int,
             stream: *mut c_void,
@@ -240,7 +250,17 @@ mod sys {
         pub(super) fn rf_argmax(
             x: *const c_void,
             n: c_int,
+            n_rows: c_int,
             token: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_select_rows(
+            src: *const c_void,
+            dim: c_int,
+            rows: *const c_void,
+            n_rows: c_int,
+            dst: *mut c_void,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -331,6 +351,50 @@ pub fn rms_norm(
     )
 }
 
+/// The paged layout of a batch of tokens from several sequences: token `t` is at
+/// position `positions[t]` of the sequence whose block table starts at
+/// `tables[table_start[t]]`; key `j` of that sequence lives in cache row
+/// `table[j >> block_shift] << block_shift | j % 2^block_shift`.
+///
+/// The views' lengths are checked by each wrapper; their contents by whoever fills them
+/// (the forward pass checks every table against the cache's blocks on the host before
+/// it copies them over): every position must be covered by its table, and every block id
+/// must lie within the cache.
+#[derive(Clone, Copy)]
+pub struct Pages<'a> {
+    pub positions: DeviceView<'a, i32>,
+    pub table_start: DeviceView<'a, i32>,
+    pub tables: DeviceView<'a, i32>,
+    pub block_shift: u32,
+}
+
+impl Pages<'_> {
+    fn check(&self, kernel: &'static str, n_tokens: usize) -> Result<[usize; 3], ShapeError> {
+        expect(kernel, "the positions", self.positions.len(), n_tokens)?;
+        expect(kernel, "the table starts", self.table_start.len(), n_tokens)?;
+        expect_at_least(
+            kernel,
+            "31 bits of block shift",
+            31,
+            self.block_shift as usize,
+        )?;
+        Ok([
+            self.positions.device_ordinal(),
+            self.table_start.device_ordinal(),
+            self.tables.device_ordinal(),
+        ])
+    }
+
+    /// The launchers' four arguments (nulls and 0 for the contiguous layout).
+    fn raw(pages: Option<Pages<'_>>) -> [*const std::ffi::c_void; 3] {
+        [
+            ptr_or_null(pages.map(|p| p.positions)),
+            ptr_or_null(pages.map(|p| p.table_start)),
+            ptr_or_null(pages.map(|p| p.tables)),
+        ]
+    }
+}
+
 /// Shapes and constants of [`qk_rope_kv`].
 #[derive(Clone, Copy, Debug)]
 pub struct HeadShape {
@@ -360,9 +424,10 @@ pub struct HeadExtras<'a> {
     pub freq_factors: Option<DeviceView<'a, f32>>,
 }
 
-/// For `n_tokens` tokens at positions `pos[0]..`: biases, per-head norms, RoPE and the
-/// query scale on `q` (in place) and `k`; keys and values (with bias) written to the f16
-/// caches at their positions. The caches must hold those positions.
+/// For `n_tokens` tokens at positions `pos[0]..` (or, with `pages`, at the positions and
+/// in the blocks it gives): biases, per-head norms, RoPE and the query scale on `q` (in
+/// place) and `k`; keys and values (with bias) written to the f16 caches at their
+/// positions. The caches must hold those positions.
 #[allow(clippy::too_many_arguments)]
 pub fn qk_rope_kv(
     mut q: DeviceViewMut<'_, f32>,
@@ -372,6 +437,7 @@ pub fn qk_rope_kv(
     shape: &HeadShape,
     n_tokens: usize,
     pos: DeviceView<'_, i32>,
+    pages: Option<Pages<'_>>,
     mut k_cache: DeviceViewMut<'_, f16>,
     mut v_cache: DeviceViewMut<'_, f16>,
     stream: &Stream,
@@ -398,6 +464,9 @@ pub fn qk_rope_kv(
         k_cache.device_ordinal(),
         v_cache.device_ordinal(),
     ];
+    if let Some(p) = &pages {
+        devices.extend(p.check(K, n_tokens)?);
+    }
     for (bias, len, what) in [
         (extras.bq, q_dim, "the query bias"),
         (extras.bk, kv_dim, "the key bias"),
@@ -454,6 +523,10 @@ pub fn qk_rope_kv(
         s.q_scale,
         s.eps,
         pos.as_ptr(),
+        Pages::raw(pages)[0],
+        Pages::raw(pages)[1],
+        Pages::raw(pages)[2],
+        pages.map_or(0, |p| p.block_shift as i32),
         k_cache.as_mut_ptr(),
         v_cache.as_mut_ptr(),
         device,
@@ -539,8 +612,9 @@ fn check_caches(
     Ok(())
 }
 
-/// Attention of `n_tokens` queries at positions `pos[0]..` (each seeing the keys
-/// up to its own position) against the f16 caches; `out` gets `n_tokens × n_heads ×
+/// Attention of `n_tokens` queries at positions `pos[0]..` (or, with `pages`, at the
+/// positions and against the blocks it gives; each query sees the keys up to its own
+/// position) against the f16 caches; `out` gets `n_tokens × n_heads ×
 /// head_dim_v` values, and `out_q8` (when given; `head_dim_v` a multiple of 32) the same
 /// as Q8 activation blocks. `done` must hold zeros, and is left so.
 #[allow(clippy::too_many_arguments)]
@@ -551,6 +625,7 @@ pub fn attention(
     shape: &AttentionShape,
     n_tokens: usize,
     pos: DeviceView<'_, i32>,
+    pages: Option<Pages<'_>>,
     mut part_ml: DeviceViewMut<'_, f32>,
     mut part_acc: DeviceViewMut<'_, f32>,
     mut done: DeviceViewMut<'_, u32>,
@@ -588,6 +663,9 @@ pub fn attention(
         done.device_ordinal(),
         out.device_ordinal(),
     ];
+    if let Some(p) = &pages {
+        devices.extend(p.check(K, n_tokens)?);
+    }
     if let Some(q8) = &out_q8 {
         expect(K, "the value head's width modulo 32", s.head_dim_v % 32, 0)?;
         expect(
@@ -619,6 +697,10 @@ pub fn attention(
         c("chunks", s.n_chunks)?,
         c("keys per chunk", s.chunk)?,
         pos.as_ptr(),
+        Pages::raw(pages)[0],
+        Pages::raw(pages)[1],
+        Pages::raw(pages)[2],
+        pages.map_or(0, |p| p.block_shift as i32),
         part_ml.as_mut_ptr(),
         part_acc.as_mut_ptr(),
         done.as_mut_ptr(),
@@ -634,7 +716,8 @@ pub fn attention(
 /// launch tiled over queries and keys (an online softmax: no scratch, whatever the
 /// number of queries). `out` gets `n_tokens × n_heads × head_dim_v` values, as
 /// [`attention`] writes them; the caches must hold the keys and values of every position
-/// up to the last query's.
+/// up to the last query's. With `table` (one sequence's block table and its block shift,
+/// as in [`Pages`]), key `j` is read from the cache row the table gives.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
     q: DeviceView<'_, f32>,
@@ -643,6 +726,7 @@ pub fn flash_attention(
     shape: &AttentionShape,
     n_tokens: usize,
     pos: DeviceView<'_, i32>,
+    table: Option<(DeviceView<'_, i32>, u32)>,
     mut out: DeviceViewMut<'_, f32>,
     stream: &Stream,
 ) -> Result<(), KernelError> {
@@ -667,16 +751,18 @@ pub fn flash_attention(
         out.len(),
         n_tokens * s.n_heads * s.head_dim_v,
     )?;
-    let device = on_device(
-        stream,
-        &[
-            q.device_ordinal(),
-            k_cache.device_ordinal(),
-            v_cache.device_ordinal(),
-            pos.device_ordinal(),
-            out.device_ordinal(),
-        ],
-    )?;
+    let mut devices = vec![
+        q.device_ordinal(),
+        k_cache.device_ordinal(),
+        v_cache.device_ordinal(),
+        pos.device_ordinal(),
+        out.device_ordinal(),
+    ];
+    if let Some((t, shift)) = &table {
+        expect_at_least(K, "31 bits of block shift", 31, *shift as usize)?;
+        devices.push(t.device_ordinal());
+    }
+    let device = on_device(stream, &devices)?;
     let c = |what, value| small(K, what, value);
     // Rows of the kernel's grid: queries times heads per key head.
     c("query rows", n_tokens * (s.n_heads / s.n_kv_heads))?;
@@ -694,6 +780,8 @@ pub fn flash_attention(
         c("window", s.window.unwrap_or(0))?,
         s.scale,
         pos.as_ptr(),
+        ptr_or_null(table.map(|t| t.0)),
+        table.map_or(0, |t| t.1 as i32),
         out.as_mut_ptr(),
         device,
         stream.as_raw(),
@@ -805,22 +893,60 @@ pub fn scale(mut x: DeviceViewMut<'_, f32>, s: f32, stream: &Stream) -> Result<(
     )
 }
 
-/// The index of the largest of `x` (the first among equals) into `token[0]`; `u32::MAX`
-/// when `x` holds a NaN or +inf.
+/// For each of the `token.len()` rows that `x` holds, the index of its largest value (the
+/// first among equals) into `token[row]`; `u32::MAX` for a row holding a NaN or +inf.
 pub fn argmax(
     x: DeviceView<'_, f32>,
     mut token: DeviceViewMut<'_, u32>,
     stream: &Stream,
 ) -> Result<(), KernelError> {
     const K: &str = "argmax";
-    expect(K, "the output", token.len(), 1)?;
+    let rows = token.len();
+    expect_at_least(K, "rows", rows, 1)?;
+    expect(K, "the values modulo the rows", x.len() % rows, 0)?;
     let device = on_device(stream, &[x.device_ordinal(), token.device_ordinal()])?;
     launch!(
         rf_argmax,
         "argmax",
         x.as_ptr(),
-        small(K, "values", x.len())?,
+        small(K, "values", x.len() / rows)?,
+        small(K, "rows", rows)?,
         token.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `dst` row `r` = `src` row `rows[r]`, rows of `dim` values. The row indices are the
+/// caller's to keep within `src` (the forward pass checks them on the host before it
+/// copies them over).
+pub fn select_rows(
+    src: DeviceView<'_, f32>,
+    dim: usize,
+    rows: DeviceView<'_, i32>,
+    mut dst: DeviceViewMut<'_, f32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "select_rows";
+    expect(K, "the output", dst.len(), rows.len() * dim)?;
+    expect(K, "the input modulo the width", src.len() % dim.max(1), 0)?;
+    expect_at_least(K, "rows", rows.len(), 1)?;
+    let device = on_device(
+        stream,
+        &[
+            src.device_ordinal(),
+            rows.device_ordinal(),
+            dst.device_ordinal(),
+        ],
+    )?;
+    launch!(
+        rf_select_rows,
+        "select_rows",
+        src.as_ptr(),
+        small(K, "width", dim)?,
+        rows.as_ptr(),
+        small(K, "rows", rows.len())?,
+        dst.as_mut_ptr(),
         device,
         stream.as_raw(),
     )

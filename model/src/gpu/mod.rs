@@ -15,6 +15,11 @@
 //!   its argmax on the device and copies back one token id.
 //! - When it does not fit, each layer's tensors are held only while that layer runs
 //!   (the cache evicts and uploads again as needed), without a graph.
+//! - Set up with [`GpuModel::with_pages`], the KV cache is also a pool of fixed-size
+//!   blocks that several sequences share, each through its own table of blocks, and
+//!   [`GpuModel::forward_batch`] runs the new tokens of many sequences in one pass (a
+//!   server's step): one token of each decoding sequence and chunks of new prompts
+//!   through the same products, each sequence's attention on its own blocks.
 //!
 //! This module calls no HIP runtime function directly: it goes through `hip-backend`'s
 //! safe types and the typed wrappers of [`kernels`].
@@ -35,7 +40,7 @@ pub use kernels::{KernelError, ShapeError};
 use crate::config::ModelConfig;
 use crate::plan::ExecutionPlan;
 use crate::{Model, ModelError};
-use forward::Buffers;
+use forward::{Buffers, Layout, PageShape, PagedBatch, PagedSegment};
 pub(crate) use weights::check_plan;
 use weights::{Held, LayerWeights};
 
@@ -59,6 +64,31 @@ pub struct GpuOptions {
     pub budget: Option<u64>,
     /// Most positions the KV cache holds.
     pub context_size: usize,
+}
+
+/// A KV cache shared in blocks by several sequences, for [`GpuModel::forward_batch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageOptions {
+    /// Positions per block: a power of two.
+    pub block_size: usize,
+    /// Blocks of the cache.
+    pub n_blocks: usize,
+    /// Most sequences in one batch (and rows of logits it returns).
+    pub max_sequences: usize,
+}
+
+/// One sequence's part of a [`GpuModel::forward_batch`] call.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchSegment<'a> {
+    /// Tokens at positions `first_pos..first_pos + tokens.len()` of the sequence.
+    pub tokens: &'a [u32],
+    pub first_pos: usize,
+    /// The sequence's blocks (ids below [`PageOptions::n_blocks`]), position `p` in
+    /// block `table[p / block_size]`, covering every position up to its last token.
+    /// The keys and values of the positions before `first_pos` must already be there.
+    pub table: &'a [u32],
+    /// Whether its last token gets logits.
+    pub logits: bool,
 }
 
 /// What one forward call hands back.
@@ -92,6 +122,8 @@ pub struct GpuModel {
     host_logits: PinnedBuffer<f32>,
     /// When the last tensor of the upload order first became resident.
     uploaded: Arc<OnceLock<Instant>>,
+    /// The paged cache's shape, and the host side of a batch's layout.
+    pages: Option<(PageShape, PinnedBuffer<i32>)>,
     device: Device,
 }
 
@@ -109,6 +141,57 @@ impl GpuModel {
         model: &Model,
         options: &GpuOptions,
         prompt_batch: usize,
+    ) -> Result<GpuModel, ModelError> {
+        GpuModel::build(model, options, prompt_batch, None)
+    }
+
+    /// As [`GpuModel::with_prompt_batch`], with the KV cache also a pool of `pages`'
+    /// blocks for [`GpuModel::forward_batch`] (`options.context_size`: the most positions
+    /// of one sequence). A batch holds at most `prompt_batch` tokens (at least
+    /// [`MAX_BATCH`]).
+    pub fn with_pages(
+        model: &Model,
+        options: &GpuOptions,
+        prompt_batch: usize,
+        pages: PageOptions,
+    ) -> Result<GpuModel, ModelError> {
+        let bad = |what: String| Err(ModelError::InvalidBatch(what));
+        if !pages.block_size.is_power_of_two() {
+            return bad(format!(
+                "the cache's blocks hold {} positions, not a power of two",
+                pages.block_size
+            ));
+        }
+        if pages.n_blocks == 0 || pages.max_sequences == 0 {
+            return bad(format!(
+                "a paged cache of {} blocks for {} sequences holds nothing",
+                pages.n_blocks, pages.max_sequences
+            ));
+        }
+        if pages
+            .n_blocks
+            .checked_mul(pages.block_size)
+            .is_none_or(|p| p > i32::MAX as usize)
+        {
+            return bad(format!(
+                "{} blocks of {} positions are more than a cache row index holds",
+                pages.n_blocks, pages.block_size
+            ));
+        }
+        let shape = PageShape {
+            n_blocks: pages.n_blocks,
+            block_shift: pages.block_size.trailing_zeros(),
+            max_sequences: pages.max_sequences,
+            table_len: options.context_size.max(1).div_ceil(pages.block_size),
+        };
+        GpuModel::build(model, options, prompt_batch, Some(shape))
+    }
+
+    fn build(
+        model: &Model,
+        options: &GpuOptions,
+        prompt_batch: usize,
+        pages: Option<PageShape>,
     ) -> Result<GpuModel, ModelError> {
         if prompt_batch == 0 {
             return Err(ModelError::InvalidPromptBatch {
@@ -132,7 +215,14 @@ impl GpuModel {
         let prompt_batch = prompt_batch.min(capacity);
         // Room for a chunk, and for the few tokens of `forward_all_logits` in one pass.
         let batch_room = prompt_batch.max(MAX_BATCH);
-        let bufs = Buffers::new(&device, &config, &plan, capacity, batch_room)?;
+        let bufs = Buffers::new(
+            &device,
+            &config,
+            &plan,
+            capacity,
+            batch_room,
+            pages.as_ref(),
+        )?;
         let target = HipTarget::new(&device, arena_bytes.max(1))?;
         let cache_config = CacheConfig {
             mode: options.mode,
@@ -151,8 +241,17 @@ impl GpuModel {
             .alloc_pinned::<u32>(batch_room)
             .map_err(gpu("pinned"))?;
         let host_logits = device
-            .alloc_pinned::<f32>(MAX_BATCH * config.n_vocab)
+            .alloc_pinned::<f32>(bufs.logit_rows() * config.n_vocab)
             .map_err(gpu("pinned"))?;
+        let pages = match pages {
+            Some(shape) => {
+                let meta = device
+                    .alloc_pinned::<i32>(shape.meta_len(batch_room).max(1))
+                    .map_err(gpu("pinned"))?;
+                Some((shape, meta))
+            }
+            None => None,
+        };
         let mut gpu_model = GpuModel {
             config,
             plan,
@@ -168,6 +267,7 @@ impl GpuModel {
             host_tokens,
             host_logits,
             uploaded,
+            pages,
             device,
         };
         // The position and the attention's counters start at zero.
@@ -260,6 +360,179 @@ impl GpuModel {
             return Err(ModelError::BadLogits);
         }
         Ok(token)
+    }
+
+    /// Runs the new tokens of several sequences in one pass over the paged cache (see
+    /// [`GpuModel::with_pages`]), writing their keys and values into their blocks, and
+    /// returns the logits of each segment that asks for them (`n_vocab` each, in the
+    /// segments' order). At most `prompt_batch` tokens and `max_sequences` segments;
+    /// every table must cover its segment's positions with blocks of the cache.
+    pub fn forward_batch(&mut self, segments: &[BatchSegment<'_>]) -> Result<&[f32], ModelError> {
+        let m = self.eval_batch(segments, false)?;
+        self.logits(m)
+    }
+
+    /// As [`GpuModel::forward_batch`], returning the greedy token (the first highest
+    /// logit, taken on the device) of each segment that asks for logits.
+    pub fn forward_batch_argmax(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+    ) -> Result<Vec<u32>, ModelError> {
+        let m = self.eval_batch(segments, true)?;
+        let tokens = self
+            .host_tokens
+            .as_slice()
+            .map_err(|source| ModelError::Gpu {
+                op: "reading the tokens",
+                source,
+            })?[..m]
+            .to_vec();
+        if tokens.contains(&u32::MAX) {
+            return Err(ModelError::BadLogits);
+        }
+        Ok(tokens)
+    }
+
+    /// Checks a batch against the cache, lays it out in device memory, runs it and
+    /// copies back its logits (or greedy tokens): returns how many rows.
+    fn eval_batch(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+        argmax: bool,
+    ) -> Result<usize, ModelError> {
+        let bad = |what: String| Err(ModelError::InvalidBatch(what));
+        let Some((shape, _)) = &self.pages else {
+            return bad("the model was set up without a paged cache (GpuModel::with_pages)".into());
+        };
+        let shape = *shape;
+        let bs = 1usize << shape.block_shift;
+        let n: usize = segments.iter().map(|s| s.tokens.len()).sum();
+        let room = self.prompt_batch.max(MAX_BATCH);
+        if n == 0 {
+            return Err(ModelError::EmptyInput);
+        }
+        if n > room {
+            return bad(format!("{n} tokens, but a batch holds at most {room}"));
+        }
+        let live = segments.iter().filter(|s| !s.tokens.is_empty()).count();
+        if live > shape.max_sequences {
+            return bad(format!(
+                "{live} sequences, but a batch holds at most {}",
+                shape.max_sequences
+            ));
+        }
+        let mut batch = PagedBatch {
+            segments: Vec::with_capacity(live),
+            n_tokens: n,
+            n_logits: 0,
+            block_shift: shape.block_shift,
+        };
+        let (mut positions, mut starts, mut rows, mut tables) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::new(),
+            Vec::new(),
+        );
+        for (i, seg) in segments.iter().enumerate() {
+            if seg.tokens.is_empty() {
+                continue;
+            }
+            let end = seg.first_pos + seg.tokens.len();
+            if end > self.capacity {
+                return Err(ModelError::ContextFull {
+                    needed: end,
+                    capacity: self.capacity,
+                });
+            }
+            let blocks = end.div_ceil(bs);
+            if seg.table.len() < blocks {
+                return bad(format!(
+                    "sequence {i} reaches position {} but its table holds {} blocks of {bs}",
+                    end - 1,
+                    seg.table.len()
+                ));
+            }
+            if let Some(&id) = seg.table[..blocks]
+                .iter()
+                .find(|&&id| id as usize >= shape.n_blocks)
+            {
+                return bad(format!(
+                    "sequence {i}'s table names block {id}, but the cache has {}",
+                    shape.n_blocks
+                ));
+            }
+            if let Some(&token) = seg
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.config.n_vocab)
+            {
+                return Err(ModelError::TokenOutOfRange {
+                    token,
+                    n_vocab: self.config.n_vocab,
+                });
+            }
+            let first_row = positions.len();
+            batch.segments.push(PagedSegment {
+                first_row,
+                len: seg.tokens.len(),
+                table_at: tables.len(),
+                table_len: blocks,
+            });
+            for p in seg.first_pos..end {
+                positions.push(p as i32);
+                starts.push(tables.len() as i32);
+            }
+            if seg.logits {
+                rows.push((first_row + seg.tokens.len() - 1) as i32);
+            }
+            tables.extend(seg.table[..blocks].iter().map(|&id| id as i32));
+        }
+        batch.n_logits = rows.len();
+        // Host-side layout: [positions | table starts | logit rows | tables].
+        let meta_len = 2 * n + rows.len() + tables.len();
+        let gpu = |op| move |source| ModelError::Gpu { op, source };
+        {
+            let (_, host_meta) = self.pages.as_mut().expect("checked above");
+            let host = host_meta.as_mut_slice().map_err(gpu("writing the batch"))?;
+            let parts = [&positions[..], &starts[..], &rows[..], &tables[..]];
+            let mut at = 0;
+            for part in parts {
+                host[at..at + part.len()].copy_from_slice(part);
+                at += part.len();
+            }
+        }
+        let tokens: Vec<u32> = segments
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        self.write_tokens(&tokens)?;
+        {
+            let (_, host_meta) = self.pages.as_mut().expect("checked above");
+            let dst = self.bufs.meta_mut(meta_len)?;
+            self.stream
+                .copy_h2d_async(host_meta, 0..meta_len, dst)
+                .map_err(gpu("copying the batch"))?;
+        }
+        self.run_layers(n, Layout::Paged(&batch), End::Rows { argmax })?;
+        let m = batch.n_logits;
+        if m == 0 {
+            return self.sync().map(|()| 0);
+        }
+        if argmax {
+            let src = self.bufs.tokens_view(m)?;
+            self.stream
+                .copy_d2h_async(src, &mut self.host_tokens, 0..m)
+                .map_err(gpu("copying results"))?;
+            self.host_tokens.wait().map_err(gpu("copying results"))?;
+        } else {
+            let len = m * self.config.n_vocab;
+            let src = self.bufs.logits_view(len)?;
+            self.stream
+                .copy_d2h_async(src, &mut self.host_logits, 0..len)
+                .map_err(gpu("copying results"))?;
+            self.host_logits.wait().map_err(gpu("copying results"))?;
+        }
+        Ok(m)
     }
 
     /// The logits copied back by the last call, `n` rows.
@@ -402,18 +675,36 @@ impl GpuModel {
     /// the last token only.
     fn run_direct(&mut self, n: usize, want: Want) -> Result<(), ModelError> {
         let last_only = want != Want::AllLogits;
+        self.run_layers(n, Layout::Contiguous, End::Last { last_only })
+    }
+
+    /// `n` tokens laid out as `layout` through launches queued one by one, ending as
+    /// `end` says.
+    fn run_layers(&mut self, n: usize, layout: Layout<'_>, end: End) -> Result<(), ModelError> {
+        let finish = |config: &ModelConfig,
+                      globals: &weights::Globals,
+                      bufs: &mut Buffers,
+                      stream: &Stream| match end {
+            End::Last { last_only } => {
+                forward::finish(config, globals, bufs, n, last_only, stream)?;
+                forward::tail(config, bufs, n, last_only, stream)
+            }
+            End::Rows { argmax } => {
+                let Layout::Paged(batch) = layout else {
+                    unreachable!("rows of logits are a paged batch's")
+                };
+                forward::finish_rows(config, globals, bufs, batch, argmax, stream)
+            }
+        };
         if self.held.is_some() || (self.hold_all && self.all_resident()) {
             self.ensure_held()?;
             let held = self.held.as_ref().expect("just ensured");
-            return forward::step(
-                &self.config,
-                held.layers(),
-                held.globals(),
-                &mut self.bufs,
-                n,
-                last_only,
-                &self.stream,
-            );
+            let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
+            forward::embed(config, held.globals(), bufs, n, stream)?;
+            for (layer_idx, w) in held.layers().iter().enumerate() {
+                forward::layer(config, layer_idx, w, bufs, n, layout, stream)?;
+            }
+            return finish(config, held.globals(), bufs, stream);
         }
         // Layer by layer: each layer's tensors are asked for (waiting for that layer
         // only) and released once its work has run.
@@ -427,6 +718,7 @@ impl GpuModel {
                 &layer,
                 &mut self.bufs,
                 n,
+                layout,
                 &self.stream,
             )?;
             if !self.hold_all {
@@ -435,15 +727,7 @@ impl GpuModel {
                 self.sync()?;
             }
         }
-        forward::finish(
-            &self.config,
-            &globals,
-            &mut self.bufs,
-            n,
-            last_only,
-            &self.stream,
-        )?;
-        forward::tail(&self.config, &mut self.bufs, n, last_only, &self.stream)?;
+        finish(&self.config, &globals, &mut self.bufs, &self.stream)?;
         if !self.hold_all {
             // `globals` is released on return: its readers must have finished.
             self.sync()?;
@@ -471,6 +755,14 @@ impl GpuModel {
         self.len = len;
         Ok(())
     }
+}
+
+/// How a forward pass ends: the logits (and greedy token) of one sequence's last token or
+/// of all its tokens, or the logit rows of a paged batch.
+#[derive(Clone, Copy)]
+enum End {
+    Last { last_only: bool },
+    Rows { argmax: bool },
 }
 
 /// The arena of activations and KV cache could not be made: say what and how much.
