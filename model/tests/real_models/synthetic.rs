@@ -833,6 +833,175 @@ mod gpu {
         gpu_phi3_long => "phi3-long",
     }
 
+    /// Several sequences of different lengths in one paged cache, run together as a
+    /// server's steps run them, each against the same sequence run alone (the contiguous
+    /// cache, its decode step captured): prompts of 1 to 40 tokens (the split attention
+    /// and, past `MAX_BATCH`, the tiled one), a prompt that arrives while the others
+    /// decode, one that starts on a block another sequence computed (a shared prefix), and
+    /// blocks handed out out of order. Teacher-forced with the tokens each sequence chose
+    /// alone, every row of logits is held to the tolerance rule above.
+    fn batched(name: &str) {
+        use model::gpu::{BatchSegment, PageOptions};
+        let test = format!("gpu_batched_{name}");
+        let spec = spec(name).expect("a spec");
+        let bytes = build(spec).expect("the generator writes a valid file");
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join(format!("{name}.gguf"));
+        std::fs::write(&path, &bytes).expect("writing the model");
+        let store = TensorStore::open(&path).expect("model opens");
+        let model = Model::load(&store).expect("model loads");
+        let n_vocab = model.config().n_vocab as u32;
+        let (context, block, steps) = (96usize, 16usize, 12usize);
+        let stream = |seed: u32, len: usize| -> Vec<u32> {
+            (0..len as u32)
+                .map(|i| (seed.wrapping_mul(7919) + i * 31 + i * i) % n_vocab)
+                .collect()
+        };
+        // (prompt, the step it arrives at, positions already in the pool (shared)).
+        let long = stream(5, 40);
+        let mut shared = long[..block].to_vec();
+        shared.extend(stream(6, 6));
+        let seqs: Vec<(Vec<u32>, usize, usize)> = vec![
+            (stream(1, 3), 0, 0),
+            (stream(2, 9), 0, 0),
+            (stream(3, 20), 0, 0),
+            (stream(4, 1), 0, 0),
+            (long, 2, 0),
+            (shared, 4, block),
+        ];
+        let Some(mut alone) = gpu_model(&test, &model, UploadMode::Eager, context) else {
+            return;
+        };
+        // Alone: the logits after the prompt and after each greedy token.
+        let mut expected: Vec<(Vec<u32>, Vec<Vec<f32>>)> = Vec::new();
+        for (prompt, _, _) in &seqs {
+            alone.clear().expect("clear");
+            let mut rows = vec![alone.forward(prompt).expect("prompt alone")];
+            let mut fed = Vec::new();
+            for _ in 0..steps {
+                let token = argmax(rows.last().expect("a row")) as u32;
+                fed.push(token);
+                rows.push(alone.forward(&[token]).expect("decode alone"));
+            }
+            expected.push((fed, rows));
+        }
+        drop(alone);
+        let options = GpuOptions {
+            device: 0,
+            mode: UploadMode::Eager,
+            budget: None,
+            context_size: context,
+        };
+        let pages = PageOptions {
+            block_size: block,
+            n_blocks: 64,
+            max_sequences: 8,
+        };
+        let mut gpu = GpuModel::with_pages(&model, &options, PROMPT_BATCH, pages)
+            .unwrap_or_else(|e| panic!("{test}: {e}"));
+        // Blocks out of order (7 is prime to 64); the shared sequence's first block is
+        // the long one's.
+        let mut tables: Vec<Vec<u32>> = (0..seqs.len())
+            .map(|i| {
+                (0..context / block)
+                    .map(|j| ((i * 6 + j) * 7 % 64) as u32)
+                    .collect()
+            })
+            .collect();
+        tables[5][0] = tables[4][0];
+        let (mut worst, mut rows_checked) = (0f32, 0);
+        for step in 0..steps + 6 {
+            // Each sequence's feed at this step: its prompt, then one token a step.
+            let mut feeds = Vec::new();
+            for (i, (prompt, arrives, skip)) in seqs.iter().enumerate() {
+                let Some(k) = step.checked_sub(*arrives) else {
+                    continue;
+                };
+                if k > steps {
+                    continue;
+                }
+                let fed = &expected[i].0;
+                let (first_pos, tokens) = if k == 0 {
+                    (*skip, &prompt[*skip..])
+                } else {
+                    (prompt.len() + k - 1, &fed[k - 1..k])
+                };
+                feeds.push((i, k, first_pos, tokens));
+            }
+            if feeds.is_empty() {
+                break;
+            }
+            let segments: Vec<BatchSegment<'_>> = feeds
+                .iter()
+                .map(|&(i, _, first_pos, tokens)| BatchSegment {
+                    tokens,
+                    first_pos,
+                    table: &tables[i],
+                    logits: true,
+                })
+                .collect();
+            let logits = gpu
+                .forward_batch(&segments)
+                .unwrap_or_else(|e| panic!("{test}: step {step}: {e}"))
+                .to_vec();
+            assert_eq!(logits.len(), feeds.len() * n_vocab as usize, "{test}: rows");
+            for (row, &(i, k, _, _)) in logits.chunks(n_vocab as usize).zip(&feeds) {
+                let want = &expected[i].1[k];
+                let sigma = spread(want).max(f32::MIN_POSITIVE);
+                let tol = tolerance(want);
+                let diff = want
+                    .iter()
+                    .zip(row)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    diff <= tol && (argmax(want) == argmax(row) || margin(want) <= tol),
+                    "{test}: step {step}, sequence {i}, row {k}: logits differ by {:.3} of \
+                     their spread from the sequence alone, argmax {} vs {}",
+                    diff / sigma,
+                    argmax(want),
+                    argmax(row)
+                );
+                worst = worst.max(diff / sigma);
+                rows_checked += 1;
+            }
+            // The same step again (it writes the same keys and values), greedy on the
+            // device: each row's first highest logit.
+            let tokens = gpu.forward_batch_argmax(&segments).expect("argmax batch");
+            let want: Vec<u32> = logits
+                .chunks(n_vocab as usize)
+                .map(|r| argmax(r) as u32)
+                .collect();
+            assert_eq!(tokens, want, "{test}: step {step}: device argmax");
+        }
+        assert_eq!(
+            rows_checked,
+            seqs.len() * (steps + 1),
+            "{test}: rows checked"
+        );
+        eprintln!(
+            "gpu batched {name:<13} {rows_checked} rows of {} sequences, largest |Δ| {worst:.3} \
+             of the spread from each alone",
+            seqs.len()
+        );
+    }
+
+    macro_rules! gpu_batched_matches_alone {
+        ($($test:ident => $name:literal),* $(,)?) => {$(
+            #[test]
+            fn $test() {
+                batched($name);
+            }
+        )*};
+    }
+
+    gpu_batched_matches_alone! {
+        gpu_batched_llama_q4_k => "llama-q4_k",
+        gpu_batched_llama_q8_0 => "llama-q8_0",
+        gpu_batched_qwen2_gqa4 => "qwen2-gqa4",
+        gpu_batched_gemma3 => "gemma3",
+        gpu_batched_llama_mqa => "llama-mqa",
+    }
+
     #[test]
     fn gpu_every_spec_has_a_test() {
         let source = include_str!("synthetic.rs");
