@@ -10,6 +10,14 @@
 //! skips it): the tokens/s of one N-token prompt in one call, as `llama-bench -p N`
 //! measures it, and the arithmetic rate of the layers' products it implies.
 //!
+//! With `--parallel 8,32,64`: batched decoding, as `llama-batched-bench -npp P -ntg T
+//! -npl 8,32,64` measures it (`--npp`, `--ntg`, default 128 each): N sequences' prompts
+//! run together (`GpuModel::forward_batch`, batches of up to 512 tokens over one paged
+//! KV cache), then T steps that each decode one token of every sequence, greedy on the
+//! device. It prints the prompt, generation and overall tokens/s of all sequences
+//! together (S_PP, S_TG, S), beside `llama-batched-bench`'s (`--llama-batched-bench
+//! PATH`, run with every layer on the GPU, flash attention on, `-b 2048 -ub 512`).
+//!
 //! Without a usable GPU it says why in one line and exits non-zero.
 
 use std::path::{Path, PathBuf};
@@ -18,7 +26,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use hip_backend::Device;
-use model::gpu::{GpuModel, GpuOptions};
+use model::gpu::{BatchSegment, GpuModel, GpuOptions, PageOptions};
 use model::Model;
 use serde_json::{json, Value};
 use tensor_store::device::UploadMode;
@@ -31,6 +39,10 @@ struct Options {
     prompt: usize,
     repeat: usize,
     json: Option<PathBuf>,
+    parallel: Vec<usize>,
+    npp: usize,
+    ntg: usize,
+    llama_batched_bench: Option<PathBuf>,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -41,6 +53,10 @@ fn parse(args: &[String]) -> Result<Options> {
         prompt: 512,
         repeat: 3,
         json: None,
+        parallel: Vec::new(),
+        npp: 128,
+        ntg: 128,
+        llama_batched_bench: None,
     };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
@@ -52,6 +68,16 @@ fn parse(args: &[String]) -> Result<Options> {
             "--prompt" => o.prompt = value()?.parse().context("--prompt")?,
             "--repeat" => o.repeat = value()?.parse().context("--repeat")?,
             "--json" => o.json = Some(value()?.into()),
+            "--parallel" => {
+                o.parallel = value()?
+                    .split(',')
+                    .map(|n| n.trim().parse::<usize>())
+                    .collect::<Result<_, _>>()
+                    .context("--parallel takes counts like 8,32,64")?;
+            }
+            "--npp" => o.npp = value()?.parse().context("--npp")?,
+            "--ntg" => o.ntg = value()?.parse().context("--ntg")?,
+            "--llama-batched-bench" => o.llama_batched_bench = Some(value()?.into()),
             other => bail!("bench-gpu: unknown option {other:?}"),
         }
     }
@@ -60,6 +86,9 @@ fn parse(args: &[String]) -> Result<Options> {
     }
     if o.tokens == 0 || o.repeat == 0 {
         bail!("bench-gpu: --tokens and --repeat must be positive");
+    }
+    if o.parallel.contains(&0) || (!o.parallel.is_empty() && (o.npp == 0 || o.ntg == 0)) {
+        bail!("bench-gpu: --parallel, --npp and --ntg must be positive");
     }
     Ok(o)
 }
@@ -125,6 +154,9 @@ pub fn run(args: &[String]) -> Result<()> {
                 "achieved_gb_per_s": gbs,
                 "copy_gb_per_s": copy_gbs,
             }));
+        }
+        if !o.parallel.is_empty() {
+            rows.extend(parallel_rows(&o, path, &name)?);
         }
     }
     if let Some(out) = &o.json {
@@ -218,6 +250,167 @@ fn ours(path: &Path, tokens: usize, prompt: usize, repeat: usize) -> Result<Ours
         weight_values,
         prompt: prompt_result,
     })
+}
+
+/// Batched decoding of each of `o.parallel` sequence counts, ours beside
+/// llama-batched-bench's: printed, and returned as JSON rows.
+fn parallel_rows(o: &Options, path: &Path, name: &str) -> Result<Vec<Value>> {
+    let ours = ours_parallel(path, &o.parallel, o.npp, o.ntg, o.repeat)?;
+    let theirs = match &o.llama_batched_bench {
+        Some(bench) => crate::bench_serve::run_llama_batched_bench(
+            bench,
+            path,
+            o.npp,
+            o.ntg,
+            &o.parallel,
+            &["-ngl", "99", "-fa", "on", "-b", "2048", "-ub", "512"],
+        )?,
+        None => Vec::new(),
+    };
+    let mut rows = Vec::new();
+    for (&n, speeds) in o.parallel.iter().zip(&ours) {
+        let line = theirs.iter().find(|r| r["pl"].as_u64() == Some(n as u64));
+        for (test, mine, key) in [
+            ("S_PP", speeds.pp, "speed_pp"),
+            ("S_TG", speeds.tg, "speed_tg"),
+            ("S", speeds.all, "speed"),
+        ] {
+            let llama = line.and_then(|r| r[key].as_f64());
+            let label = format!("npl{n} {test}");
+            println!(
+                "{name:<32} {label:<10} ours {mine:>8.1} t/s  llama.cpp {:>10}  ratio {:>6}  \
+                 {n} sequences of {} + {} tokens",
+                llama.map_or_else(|| "-".into(), |t| format!("{t:.1} t/s")),
+                llama.map_or_else(|| "-".into(), |t| format!("{:.2}x", mine / t)),
+                o.npp,
+                o.ntg
+            );
+            rows.push(json!({
+                "model": path.display().to_string(),
+                "test": label,
+                "sequences": n,
+                "ours_tokens_per_s": mine,
+                "llama_cpp_tokens_per_s": llama,
+                "ratio": llama.map(|t| mine / t),
+            }));
+        }
+    }
+    Ok(rows)
+}
+
+/// Aggregate tokens/s of one batched run: prompts, generation, and the whole run.
+#[derive(Clone, Copy, Debug)]
+struct Speeds {
+    pp: f64,
+    tg: f64,
+    all: f64,
+}
+
+/// For each count in `levels`: that many sequences of `npp` prompt tokens, run together
+/// in batches of at most 512 tokens, then `ntg` steps of one token each, greedy on the
+/// device, on one paged cache; the run with the median overall time of `repeat`.
+fn ours_parallel(
+    path: &Path,
+    levels: &[usize],
+    npp: usize,
+    ntg: usize,
+    repeat: usize,
+) -> Result<Vec<Speeds>> {
+    const BLOCK: usize = 32;
+    const BATCH: usize = 512;
+    let store = TensorStore::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
+    let most = levels.iter().copied().max().unwrap_or(1);
+    let context = npp + ntg;
+    let per_seq = context.div_ceil(BLOCK);
+    let options = GpuOptions {
+        device: 0,
+        mode: UploadMode::Eager,
+        budget: None,
+        context_size: context,
+    };
+    let pages = PageOptions {
+        block_size: BLOCK,
+        n_blocks: most * per_seq,
+        max_sequences: most,
+    };
+    let mut gpu = GpuModel::with_pages(&model, &options, BATCH, pages)
+        .context("setting the model up on the GPU with a paged cache")?;
+    let n_vocab = model.config().n_vocab as u64;
+    let mut out = Vec::new();
+    for &n in levels {
+        let tables: Vec<Vec<u32>> = (0..n)
+            .map(|s| (0..per_seq).map(|j| (s * per_seq + j) as u32).collect())
+            .collect();
+        let prompts: Vec<Vec<u32>> = (0..n as u64)
+            .map(|s| {
+                (0..npp as u64)
+                    .map(|i| (1 + (s * 104_729 + i * 7919) % (n_vocab - 1)) as u32)
+                    .collect()
+            })
+            .collect();
+        let mut runs = Vec::new();
+        // One run more than asked: the first warms up (weights used once, kernels loaded).
+        for _ in 0..=repeat {
+            let start = Instant::now();
+            // Prompts: whole sequences, or pieces of one, filling batches of BATCH tokens.
+            let mut next = vec![0u32; n];
+            let (mut seq, mut done) = (0, 0);
+            while seq < n {
+                let mut segments = Vec::new();
+                let mut room = BATCH;
+                while seq < n && room > 0 {
+                    let take = (npp - done).min(room);
+                    segments.push((seq, done, take));
+                    room -= take;
+                    done += take;
+                    if done == npp {
+                        seq += 1;
+                        done = 0;
+                    }
+                }
+                let batch: Vec<BatchSegment<'_>> = segments
+                    .iter()
+                    .map(|&(s, first, len)| BatchSegment {
+                        tokens: &prompts[s][first..first + len],
+                        first_pos: first,
+                        table: &tables[s],
+                        logits: first + len == npp,
+                    })
+                    .collect();
+                let tokens = gpu.forward_batch_argmax(&batch)?;
+                let finished = segments.iter().filter(|&&(_, f, l)| f + l == npp);
+                for (&(s, _, _), token) in finished.zip(tokens) {
+                    next[s] = token;
+                }
+            }
+            let prompt_done = Instant::now();
+            for step in 0..ntg {
+                let fed = next.clone();
+                let batch: Vec<BatchSegment<'_>> = (0..n)
+                    .map(|s| BatchSegment {
+                        tokens: std::slice::from_ref(&fed[s]),
+                        first_pos: npp + step,
+                        table: &tables[s],
+                        logits: true,
+                    })
+                    .collect();
+                next = gpu.forward_batch_argmax(&batch)?;
+            }
+            let end = Instant::now();
+            let t_pp = (prompt_done - start).as_secs_f64();
+            let t_tg = (end - prompt_done).as_secs_f64();
+            runs.push(Speeds {
+                pp: (n * npp) as f64 / t_pp,
+                tg: (n * ntg) as f64 / t_tg,
+                all: (n * (npp + ntg)) as f64 / (t_pp + t_tg),
+            });
+        }
+        runs.remove(0);
+        runs.sort_by(|a, b| a.all.total_cmp(&b.all));
+        out.push(runs[runs.len() / 2]);
+    }
+    Ok(out)
 }
 
 /// llama-bench's average tokens/s for `-n tokens` (generation after an empty context)

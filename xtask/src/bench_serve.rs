@@ -255,23 +255,44 @@ fn llama_batched_bench(
     o: &Options,
     threads: usize,
 ) -> Result<Vec<Value>> {
-    let levels = o
-        .clients
+    let threads = threads.to_string();
+    run_llama_batched_bench(
+        path,
+        model,
+        o.prompt_tokens,
+        o.gen_tokens,
+        &o.clients,
+        &["-t", &threads, "-tb", &threads],
+    )
+}
+
+/// Runs `llama-batched-bench` for `levels` parallel sequences of `prompt_tokens` +
+/// `gen_tokens` each, with `extra` arguments, and returns its JSON lines (`pl`,
+/// `speed_pp`, `speed_tg`, `speed`, …), one per level.
+pub(crate) fn run_llama_batched_bench(
+    path: &Path,
+    model: &Path,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    levels: &[usize],
+    extra: &[&str],
+) -> Result<Vec<Value>> {
+    let max = levels.iter().copied().max().unwrap_or(1);
+    let levels = levels
         .iter()
         .map(usize::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    let max = o.clients.iter().copied().max().unwrap_or(1);
     let mut command = Command::new(path);
     command
         .arg("-m")
         .arg(model)
-        .args(["-c", &((o.prompt_tokens + o.gen_tokens) * max).to_string()])
-        .args(["-npp", &o.prompt_tokens.to_string()])
-        .args(["-ntg", &o.gen_tokens.to_string()])
+        .args(["-c", &((prompt_tokens + gen_tokens) * max).to_string()])
+        .args(["-npp", &prompt_tokens.to_string()])
+        .args(["-ntg", &gen_tokens.to_string()])
         .args(["-npl", &levels])
         .args(["--output-format", "jsonl"])
-        .args(["-t", &threads.to_string(), "-tb", &threads.to_string()]);
+        .args(extra);
     let output = command
         .output()
         .with_context(|| format!("running {}", path.display()))?;
