@@ -251,7 +251,7 @@ impl Buffers {
         ];
         let total = sizes
             .iter()
-            .map(|s| s.div_ceil(ALIGN) * ALIGN)
+            .map(|&s| s.max(4).div_ceil(ALIGN) * ALIGN)
             .sum::<usize>()
             + c.n_layers * (2 * positions * kv_dim).div_ceil(ALIGN) * ALIGN
             + c.n_layers * (2 * positions * v_dim).div_ceil(ALIGN) * ALIGN;
