@@ -148,7 +148,7 @@ impl GpuModel {
     /// As [`GpuModel::with_prompt_batch`], with the KV cache also a pool of `pages`'
     /// blocks for [`GpuModel::forward_batch`] (`options.context_size`: the most positions
     /// of one sequence). A batch holds at most `prompt_batch` tokens (at least
-    /// [`MAX_BATCH`]).
+    /// [`MAX_BATCH`]), however short the context.
     pub fn with_pages(
         model: &Model,
         options: &GpuOptions,
@@ -212,7 +212,13 @@ impl GpuModel {
         // Activations and the KV cache first: their size is known, and failing here
         // costs no upload.
         let capacity = options.context_size.max(1);
-        let prompt_batch = prompt_batch.min(capacity);
+        // One sequence's chunk never outgrows its context; a paged batch holds the
+        // tokens of many sequences.
+        let prompt_batch = if pages.is_some() {
+            prompt_batch
+        } else {
+            prompt_batch.min(capacity)
+        };
         // Room for a chunk, and for the few tokens of `forward_all_logits` in one pass.
         let batch_room = prompt_batch.max(MAX_BATCH);
         let bufs = Buffers::new(
