@@ -818,6 +818,29 @@ fn serve_answers_the_openai_client() {
     assert!(out.contains(" passed, 0 failed"), "{out}\n{err}");
 }
 
+/// `serve --device gpu` without a usable GPU is one line saying why and exit 1, before
+/// it listens.
+#[test]
+fn serve_on_a_missing_gpu_is_refused() {
+    if hip_backend::Device::open(0).is_ok() {
+        let line = "SKIPPED serve_on_a_missing_gpu_is_refused: a GPU is present\n";
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        return;
+    }
+    let model = model_path(SMOLLM2);
+    let output = run(&[
+        "serve",
+        "--gguf",
+        model.to_str().unwrap(),
+        "--port",
+        "0",
+        "--device",
+        "gpu",
+    ]);
+    assert_fails_with(&output, "--device gpu: no usable GPU");
+    assert_eq!(output.status.code(), Some(1));
+}
+
 /// `--device`: without a usable GPU (no device here, or a build without GPU support),
 /// `gpu` is one line saying why and exit 1, `auto` computes on the CPU and says so, and
 /// the JSON timings carry the device and the times from the process's start.

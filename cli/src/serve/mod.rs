@@ -15,10 +15,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use model::chat::ChatTemplate;
+use model::gpu::GpuOptions;
 use model::serve::{Scheduler, SchedulerConfig};
 use model::tokenizer::Tokenizer;
 use model::Model;
-use tensor_store::device::CacheStats;
+use tensor_store::device::{CacheStats, UploadMode};
 use tensor_store::TensorStore;
 
 use crate::generate::model_path;
@@ -37,7 +38,8 @@ pub struct ServeArgs {
     /// Port to listen on; 0 picks a free one (printed on stderr).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Where to compute: auto (the CPU until the GPU forward pass exists), cpu or gpu.
+    /// Where to compute: auto (a GPU when one is usable and runs the model, else the
+    /// CPU), cpu or gpu.
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "gpu"])]
     device: String,
     /// Most positions of one request (prompt and generated tokens); 0 means the model's
@@ -119,7 +121,10 @@ impl AppState {
 
 pub fn run(args: &ServeArgs) -> Result<()> {
     if args.device == "gpu" {
-        bail!("--device gpu: the GPU forward pass is not available yet; use --device cpu");
+        // Said before listening: nothing could be served.
+        if let Err(e) = hip_backend::Device::open(0) {
+            bail!("--device gpu: no usable GPU: {e}");
+        }
     }
     if args.max_sequences == 0 || args.step_tokens == 0 {
         bail!("--max-sequences and --step-tokens must be at least 1");
@@ -177,6 +182,7 @@ async fn serve(args: &ServeArgs, path: PathBuf, state: Arc<AppState>) -> Result<
         max_sequences: args.max_sequences,
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
+        device: args.device.clone(),
         delay: Duration::from_millis(args.debug_load_delay_ms),
     };
     {
@@ -264,7 +270,17 @@ struct LoadConfig {
     max_sequences: usize,
     max_queue: usize,
     step_tokens: usize,
+    /// `auto`, `cpu` or `gpu`.
+    device: String,
     delay: Duration,
+}
+
+/// Whether `model` can run on the first GPU: the reason when not.
+fn gpu_usable(model: &Model) -> std::result::Result<(), String> {
+    model.check_gpu_support().map_err(|e| e.to_string())?;
+    hip_backend::Device::open(0)
+        .map(drop)
+        .map_err(|e| e.to_string())
 }
 
 /// Opens the model, reads every weight page once (so the first requests do not wait on
@@ -276,7 +292,24 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     let model = Model::load(&store)?;
     let template = ChatTemplate::from_metadata(store.metadata()).ok();
     state.set_progress(0.05);
-    let handles: Vec<_> = store.tensors().collect();
+    let on_gpu = match config.device.as_str() {
+        "cpu" => false,
+        device => match gpu_usable(&model) {
+            Ok(()) => true,
+            Err(why) if device == "auto" => {
+                tracing::info!(%why, "serving on the CPU");
+                false
+            }
+            Err(why) => bail!("--device gpu: {why}"),
+        },
+    };
+    // On the CPU every weight page is read once, so that the first requests do not wait
+    // on the disk; on a GPU the upload reads them.
+    let handles: Vec<_> = if on_gpu {
+        Vec::new()
+    } else {
+        store.tensors().collect()
+    };
     let total = store.tensor_bytes().max(1);
     let mut done = 0u64;
     let mut checksum = 0u8;
@@ -307,18 +340,31 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         .map(|n| n.trim_end_matches(".gguf").to_owned())
         .unwrap_or_else(|| "model".to_owned());
     let n_vocab = model.config().n_vocab;
-    let scheduler = Scheduler::start(
-        model,
-        Arc::clone(&tokenizer),
-        SchedulerConfig {
-            max_sequences: config.max_sequences,
-            max_queue: config.max_queue,
-            step_tokens: config.step_tokens,
+    let scheduler_config = SchedulerConfig {
+        max_sequences: config.max_sequences,
+        max_queue: config.max_queue,
+        step_tokens: config.step_tokens,
+        context_size,
+        pool_positions: pool,
+        block_size: 16,
+    };
+    let tokens = Arc::clone(&tokenizer);
+    let (scheduler, device_cache) = if on_gpu {
+        let options = GpuOptions {
+            device: 0,
+            mode: UploadMode::Background,
+            budget: None,
             context_size,
-            pool_positions: pool,
-            block_size: 16,
-        },
-    )?;
+        };
+        let scheduler = Scheduler::start_on_gpu(model, tokens, scheduler_config, options)?;
+        tracing::info!(device = "gpu", "serving");
+        let metrics = Arc::clone(scheduler.metrics());
+        let stats: DeviceCacheStats = Box::new(move || metrics.device_cache().unwrap_or_default());
+        (scheduler, Some(stats))
+    } else {
+        tracing::info!(device = "cpu", "serving");
+        (Scheduler::start(model, tokens, scheduler_config)?, None)
+    };
     Ok(Loaded {
         scheduler,
         tokenizer,
@@ -326,6 +372,6 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         model_id,
         context_size,
         n_vocab,
-        device_cache: None,
+        device_cache,
     })
 }

@@ -101,6 +101,8 @@ pub struct SchedulerMetrics {
     pub inter_token: Histogram,
     /// From arrival to the end.
     pub request_duration: Histogram,
+    /// The counters of the device cache holding the weights, when a GPU computes.
+    device_cache: std::sync::Mutex<Option<tensor_store::device::CacheStats>>,
 }
 
 impl SchedulerMetrics {
@@ -114,6 +116,18 @@ impl SchedulerMetrics {
 
     pub(crate) fn set(gauge: &AtomicU64, n: u64) {
         gauge.store(n, Ordering::Relaxed);
+    }
+
+    /// The device cache's counters as last published by the scheduler (`None` while the
+    /// model computes on the CPU).
+    pub fn device_cache(&self) -> Option<tensor_store::device::CacheStats> {
+        self.device_cache.lock().map_or(None, |c| *c)
+    }
+
+    pub(crate) fn set_device_cache(&self, stats: tensor_store::device::CacheStats) {
+        if let Ok(mut c) = self.device_cache.lock() {
+            *c = Some(stats);
+        }
     }
 }
 

@@ -19,6 +19,11 @@
 //!
 //! The scheduler is plain threads and channels; requests come with a callback that
 //! receives their text, so any front end (the HTTP server in `cli`) can drive it.
+//!
+//! The step's forward pass runs on the CPU ([`batch`], the pool holding the keys and
+//! values) or, started with [`Scheduler::start_on_gpu`], on a GPU: a
+//! [`GpuModel`] whose paged KV cache has the pool's blocks, so the pool only keeps the
+//! books (which block holds what) and the tables go to the device as they are.
 
 mod batch;
 mod metrics;
@@ -32,9 +37,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::gpu::{BatchSegment, GpuModel, GpuOptions, PageOptions, MAX_BATCH, PROMPT_BATCH};
 use crate::sampling::{Sampler, SamplingConfig};
 use crate::tokenizer::{StreamDecoder, TokenId, Tokenizer};
-use crate::Model;
+use crate::{Model, ModelError};
 
 pub use metrics::{Histogram, HistogramSnapshot, SchedulerMetrics, LATENCY_BUCKETS};
 
@@ -60,6 +66,8 @@ pub enum ServeError {
     InvalidConfig(String),
     #[error("token id {token} is outside the vocabulary of {n_vocab}")]
     TokenOutOfRange { token: TokenId, n_vocab: usize },
+    #[error("setting the model up on the GPU: {0}")]
+    Gpu(String),
 }
 
 /// How the scheduler shares the machine between requests.
@@ -185,17 +193,41 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// Starts the scheduler thread with `model`.
+    /// Starts the scheduler thread with `model`, computing on the CPU.
     pub fn start(
         model: Model,
         tokenizer: Arc<Tokenizer>,
         config: SchedulerConfig,
+    ) -> Result<Scheduler, ServeError> {
+        Scheduler::start_with(model, tokenizer, config, None)
+    }
+
+    /// Starts the scheduler thread with `model` computing on a GPU (`options`; its
+    /// context size is `config.context_size`), its KV cache the pool's blocks (whose
+    /// size must be a power of two). Returns once every weight is on the device, or
+    /// with the reason the model cannot run there.
+    pub fn start_on_gpu(
+        model: Model,
+        tokenizer: Arc<Tokenizer>,
+        config: SchedulerConfig,
+        options: GpuOptions,
+    ) -> Result<Scheduler, ServeError> {
+        Scheduler::start_with(model, tokenizer, config, Some(options))
+    }
+
+    fn start_with(
+        model: Model,
+        tokenizer: Arc<Tokenizer>,
+        config: SchedulerConfig,
+        gpu: Option<GpuOptions>,
     ) -> Result<Scheduler, ServeError> {
         config.validate()?;
         let (sender, receiver) = mpsc::channel();
         let metrics = Arc::new(SchedulerMetrics::default());
         let waiting = Arc::new(AtomicUsize::new(0));
         let n_vocab = model.config().n_vocab;
+        // The thread says whether its engine is ready before it serves.
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<(), ServeError>>(1);
         let thread = {
             let metrics = Arc::clone(&metrics);
             let waiting = Arc::clone(&waiting);
@@ -203,10 +235,31 @@ impl Scheduler {
                 .name("scheduler".into())
                 .spawn(move || {
                     let mut looper = Loop::new(&model, &tokenizer, config, metrics, waiting);
+                    if let Some(options) = gpu {
+                        match looper.start_gpu(options) {
+                            Ok(()) => {}
+                            Err(e) => {
+                                let _ = ready_tx.send(Err(ServeError::Gpu(e.to_string())));
+                                return;
+                            }
+                        }
+                    }
+                    let _ = ready_tx.send(Ok(()));
                     looper.run(&receiver);
                 })
                 .map_err(|e| ServeError::InvalidConfig(format!("starting the thread: {e}")))?
         };
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(ServeError::Gpu("the scheduler thread ended".into()));
+            }
+        }
         Ok(Scheduler {
             sender: Mutex::new(sender),
             metrics,
@@ -348,6 +401,8 @@ struct Loop<'m> {
     metrics: Arc<SchedulerMetrics>,
     waiting_count: Arc<AtomicUsize>,
     pool: KvPool,
+    /// The GPU that computes the steps (the CPU when `None`).
+    gpu: Option<GpuModel>,
     waiting: VecDeque<Sequence<'m>>,
     running: Vec<Sequence<'m>>,
     /// Set by a shutdown: when the running sequences are cut off.
@@ -372,10 +427,31 @@ impl<'m> Loop<'m> {
             metrics,
             waiting_count,
             pool,
+            gpu: None,
             waiting: VecDeque::new(),
             running: Vec::new(),
             deadline: None,
         }
+    }
+
+    /// Moves the steps to a GPU whose paged cache has the pool's blocks, and waits for
+    /// every weight to be there. The pool then keeps only the books.
+    fn start_gpu(&mut self, options: GpuOptions) -> Result<(), ModelError> {
+        let options = GpuOptions {
+            context_size: self.config.context_size,
+            ..options
+        };
+        let pages = PageOptions {
+            block_size: self.pool.block_size(),
+            n_blocks: self.pool.n_blocks(),
+            max_sequences: self.config.max_sequences,
+        };
+        let gpu = GpuModel::with_pages(self.model, &options, PROMPT_BATCH, pages)?;
+        gpu.wait_loaded()?;
+        self.pool.drop_storage();
+        self.gpu = Some(gpu);
+        self.update_gauges();
+        Ok(())
     }
 
     fn run(&mut self, receiver: &mpsc::Receiver<Message>) {
@@ -617,13 +693,16 @@ impl<'m> Loop<'m> {
             return;
         }
         let computed: usize = feed.iter().sum();
-        let result = batch::forward_batch(
-            self.model.config(),
-            self.model.plan(),
-            &mut self.pool,
-            &segments,
-            self.config.context_size,
-        );
+        let result = match &mut self.gpu {
+            Some(gpu) => gpu_step(gpu, &segments),
+            None => batch::forward_batch(
+                self.model.config(),
+                self.model.plan(),
+                &mut self.pool,
+                &segments,
+                self.config.context_size,
+            ),
+        };
         let wants: Vec<bool> = segments.iter().map(|s| s.logits).collect();
         drop(segments);
         SchedulerMetrics::add(&self.metrics.steps, 1);
@@ -784,5 +863,40 @@ impl<'m> Loop<'m> {
         SchedulerMetrics::set(&m.running, self.running.len() as u64);
         SchedulerMetrics::set(&m.kv_blocks_used, self.pool.blocks_in_use() as u64);
         SchedulerMetrics::set(&m.kv_blocks_cached, self.pool.blocks_cached() as u64);
+        if let Some(gpu) = &self.gpu {
+            m.set_device_cache(gpu.cache().stats());
+        }
     }
+}
+
+/// A step on the GPU: the segments in batches of at most the model's batch of tokens (a
+/// long prompt in pieces, each after the ones before it), their logits in order.
+fn gpu_step(gpu: &mut GpuModel, segments: &[Segment<'_>]) -> Result<Vec<f32>, ModelError> {
+    let room = gpu.prompt_batch().max(MAX_BATCH);
+    let mut logits = Vec::new();
+    let mut batch: Vec<BatchSegment<'_>> = Vec::new();
+    let mut used = 0;
+    for seg in segments {
+        let mut first = 0;
+        while first < seg.tokens.len() {
+            if used == room {
+                logits.extend_from_slice(gpu.forward_batch(&batch)?);
+                batch.clear();
+                used = 0;
+            }
+            let take = (seg.tokens.len() - first).min(room - used);
+            batch.push(BatchSegment {
+                tokens: &seg.tokens[first..first + take],
+                first_pos: seg.first_pos + first,
+                table: seg.table,
+                logits: seg.logits && first + take == seg.tokens.len(),
+            });
+            used += take;
+            first += take;
+        }
+    }
+    if !batch.is_empty() {
+        logits.extend_from_slice(gpu.forward_batch(&batch)?);
+    }
+    Ok(logits)
 }

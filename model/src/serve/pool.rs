@@ -89,6 +89,13 @@ impl KvPool {
         }
     }
 
+    /// Frees the keys and values held in host memory, when another device holds them
+    /// (the block books stay: the same ids name the same blocks there).
+    pub(crate) fn drop_storage(&mut self) {
+        self.keys = Vec::new();
+        self.values = Vec::new();
+    }
+
     pub(crate) fn block_size(&self) -> usize {
         self.block_size
     }

@@ -985,6 +985,159 @@ mod gpu {
         );
     }
 
+    /// The continuous-batching scheduler on a GPU (the steps through
+    /// `GpuModel::forward_batch`, the pool's blocks its paged cache): eight concurrent
+    /// greedy requests of different lengths, sharing a prefix, each give the text of the
+    /// same prompt run alone on the GPU's contiguous cache, or part ways at a near tie of
+    /// the alone run (its top two within the tolerance rule); the device cache's counters
+    /// reach the scheduler's metrics.
+    fn scheduler_on_gpu(name: &str) {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::{mpsc, Arc};
+        use std::time::Duration;
+
+        use model::sampling::SamplingParams;
+        use model::serve::{Event, Request, Scheduler, SchedulerConfig};
+        use model::tokenizer::DecodeOptions;
+
+        let test = format!("gpu_scheduler_{name}");
+        let spec = spec(name).expect("a spec");
+        let bytes = build(spec).expect("the generator writes a valid file");
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join(format!("{name}.gguf"));
+        std::fs::write(&path, &bytes).expect("writing the model");
+        let store = TensorStore::open(&path).expect("model opens");
+        let model = Model::load(&store).expect("model loads");
+        let tokenizer = Arc::new(Tokenizer::from_metadata(store.metadata()).expect("tokenizer"));
+        let n_vocab = model.config().n_vocab as u32;
+        let (context, max_tokens) = (160usize, 24usize);
+        let stream = |seed: u32, len: usize| -> Vec<u32> {
+            (0..len as u32)
+                .map(|i| 1 + (seed.wrapping_mul(7919) + i * 31 + i * i) % (n_vocab - 1))
+                .collect()
+        };
+        let shared = stream(9, 40);
+        let mut prompts: Vec<Vec<u32>> = [1, 5, 9, 17, 33, 70]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| stream(i as u32 + 1, len))
+            .collect();
+        for tail in [3, 11] {
+            let mut p = shared.clone();
+            p.extend(stream(20 + tail, tail as usize));
+            prompts.push(p);
+        }
+        // Alone: greedy tokens (to the first end-of-generation token) and the logits
+        // each was chosen from.
+        let Some(mut alone) = gpu_model(&test, &model, UploadMode::Eager, context) else {
+            return;
+        };
+        let mut expected = Vec::new();
+        for prompt in &prompts {
+            alone.clear().expect("clear");
+            let mut logits = alone.forward(prompt).expect("prompt alone");
+            let (mut tokens, mut rows) = (Vec::new(), Vec::new());
+            while tokens.len() < max_tokens {
+                let token = argmax(&logits) as u32;
+                rows.push(logits.clone());
+                tokens.push(token);
+                if tokenizer.is_end_of_generation(token) {
+                    break;
+                }
+                logits = alone.forward(&[token]).expect("decode alone");
+            }
+            expected.push((tokens, rows));
+        }
+        drop(alone);
+        let config = SchedulerConfig {
+            max_sequences: 8,
+            max_queue: 16,
+            step_tokens: 64,
+            context_size: context,
+            pool_positions: 4 * context,
+            block_size: 16,
+        };
+        let options = GpuOptions {
+            device: 0,
+            mode: UploadMode::Background,
+            budget: None,
+            context_size: context,
+        };
+        let scheduler =
+            Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
+                .unwrap_or_else(|e| panic!("{test}: {e}"));
+        let receivers: Vec<_> = prompts
+            .iter()
+            .map(|prompt| {
+                let (tx, rx) = mpsc::channel();
+                let request = Request {
+                    prompt: prompt.clone(),
+                    max_tokens,
+                    sampling: SamplingParams::greedy().validate().expect("greedy"),
+                    stop: Vec::new(),
+                    presence_penalty: 0.0,
+                    frequency_penalty: 0.0,
+                    logit_bias: Vec::new(),
+                    cancel: Arc::new(AtomicBool::new(false)),
+                    events: Box::new(move |event| tx.send(event).is_ok()),
+                };
+                scheduler.submit(request).expect("submitted");
+                rx
+            })
+            .collect();
+        let decode = |ids: &[u32]| tokenizer.decode(ids, DecodeOptions::TEXT).expect("decodes");
+        let mut identical = 0;
+        for (i, (rx, (tokens, rows))) in receivers.iter().zip(&expected).enumerate() {
+            let mut got = String::new();
+            loop {
+                match rx.recv_timeout(Duration::from_secs(120)).expect("an event") {
+                    Event::Text(piece) => got.push_str(&piece),
+                    Event::Done(_) => break,
+                    Event::Error(e) => panic!("{test}: request {i} failed: {e}"),
+                }
+            }
+            let want = decode(tokens);
+            // The end-of-generation token ends the text without adding to it.
+            if want.starts_with(&got) && decode(&tokens[..tokens.len() - 1]).len() <= got.len() {
+                identical += 1;
+                continue;
+            }
+            let same = got
+                .bytes()
+                .zip(want.bytes())
+                .take_while(|(a, b)| a == b)
+                .count();
+            let k = (0..tokens.len())
+                .find(|&k| decode(&tokens[..=k]).len() > same)
+                .unwrap_or_else(|| panic!("{test}: request {i}: {got:?} vs {want:?}"));
+            assert!(
+                margin(&rows[k]) <= tolerance(&rows[k]),
+                "{test}: request {i}: batched {got:?} vs alone {want:?}: token {k} was no \
+                 near tie"
+            );
+        }
+        let metrics = scheduler.metrics();
+        let cache = metrics.device_cache().expect("the device cache's counters");
+        assert!(
+            cache.hits > 0 && cache.uploaded_bytes > 0,
+            "{test}: device cache counters {cache:?}"
+        );
+        eprintln!(
+            "gpu scheduler {name:<12} {identical} of {} texts identical to alone",
+            prompts.len()
+        );
+    }
+
+    #[test]
+    fn gpu_scheduler_llama_q4_k() {
+        scheduler_on_gpu("llama-q4_k");
+    }
+
+    #[test]
+    fn gpu_scheduler_gemma3() {
+        scheduler_on_gpu("gemma3");
+    }
+
     macro_rules! gpu_batched_matches_alone {
         ($($test:ident => $name:literal),* $(,)?) => {$(
             #[test]
