@@ -17,14 +17,14 @@ __device__ __forceinline__ void put_signed(float (&y)[kGroup], float scale, uint
                                            uint32_t signs) {
 #pragma unroll
     for (int k = 0; k < kGroup; ++k) {
-        const float v = mul(scale, (float)(uint32_t)((grid >> (8 * k)) & 0xFF));
+        const float v = mul(scale, small_int_f32((int)((grid >> (8 * k)) & 0xFF)));
         y[k] = (signs >> k) & 1 ? -v : v;
     }
 }
 
 // (d * (0.5 + ls)) * step: the group scale of the IQ2 (step 0.25) and IQ3_XXS (0.5) formats.
 __device__ __forceinline__ float half_step_scale(float d, uint32_t ls, float step) {
-    return mul(mul(d, add(0.5f, (float)ls)), step);
+    return mul(mul(d, add(0.5f, small_int_f32((int)ls))), step);
 }
 
 // IQ2_XXS {d: f16, qs: [u16; 32]}: per 32 values, a u32 of four grid indices and a u32
@@ -104,7 +104,7 @@ struct IQ3_S {
         const int ib = j / 32;
         const int k = (j % 32) / 8;
         const uint32_t ls = (b[106 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
-        const float db = mul(f16_at(b), (float)(1 + 2 * ls));
+        const float db = mul(f16_at(b), small_int_f32((int)(1 + 2 * ls)));
         const int i = 8 * ib + 2 * k;
         const uint64_t grid =
             (uint64_t)rf_iq3s_grid[index(b, i)] | ((uint64_t)rf_iq3s_grid[index(b, i + 1)] << 32);
@@ -118,7 +118,7 @@ __device__ __forceinline__ void put_iq1(float (&y)[kGroup], float scale, uint64_
 #pragma unroll
     for (int k = 0; k < kGroup; ++k) {
         const int g = (int8_t)(uint8_t)((grid >> (8 * k)) & 0xFF);
-        y[k] = mul(scale, add((float)g, delta));
+        y[k] = mul(scale, add(small_int_f32(g), delta));
     }
 }
 
@@ -131,7 +131,7 @@ struct IQ1_S {
         const int ib = j / 32;
         const int k = (j % 32) / 8;
         const uint32_t qh = u16_at(b + 34 + 2 * ib);
-        const float dl = mul(f16_at(b), (float)(2 * ((qh >> 12) & 7) + 1));
+        const float dl = mul(f16_at(b), small_int_f32((int)(2 * ((qh >> 12) & 7) + 1)));
         const float delta = (qh & 0x8000) ? -RF_IQ1S_DELTA : RF_IQ1S_DELTA;
         const uint32_t index = b[2 + 4 * ib + k] | (((qh >> (3 * k)) & 7) << 8);
         put_iq1(y, dl, rf_iq1s_grid[index], delta);
@@ -151,7 +151,7 @@ struct IQ1_M {
         const float d = f16_bits_to_f32(bits);
         const int s = j / 16;
         const uint32_t word = u16_at(scales + 2 * (s / 4));
-        const float dl = mul(d, (float)(2 * ((word >> (3 * (s % 4))) & 7) + 1));
+        const float dl = mul(d, small_int_f32((int)(2 * ((word >> (3 * (s % 4))) & 7) + 1)));
         const int k = j / 8;
         const uint32_t nib = (b[32 + k / 2] >> (4 * (k % 2))) & 0x0F;
         const uint32_t index = b[k] | ((nib & 7) << 8);

@@ -22,10 +22,10 @@ struct Q2_K {
     static constexpr int kBytes = 84;
     static __device__ __forceinline__ void decode8(const uint8_t* b, int j, float (&y)[kGroup]) {
         const uint32_t sc = b[j / 16];
-        const float dl = mul(f16_at(b + 80), (float)(sc & 0x0F));
-        const float ml = mul(f16_at(b + 82), (float)(sc >> 4));
+        const float dl = mul(f16_at(b + 80), small_int_f32((int)(sc & 0x0F)));
+        const float ml = mul(f16_at(b + 82), small_int_f32((int)(sc >> 4)));
 #pragma unroll
-        for (int k = 0; k < kGroup; ++k) y[k] = sub(mul(dl, (float)crumb(b + 16, j + k)), ml);
+        for (int k = 0; k < kGroup; ++k) y[k] = sub(mul(dl, small_int_f32((int)crumb(b + 16, j + k))), ml);
     }
 };
 
@@ -39,13 +39,13 @@ struct Q3_K {
         const int s = j / 16;
         const uint32_t low = (scales[s % 8] >> (4 * (s / 8))) & 0x0F;
         const uint32_t high = (scales[8 + s % 4] >> (2 * (s / 4))) & 0x03;
-        const float dl = mul(f16_at(b + 108), (float)((int)(low | (high << 4)) - 32));
+        const float dl = mul(f16_at(b + 108), small_int_f32((int)(low | (high << 4)) - 32));
 #pragma unroll
         for (int k = 0; k < kGroup; ++k) {
             const int i = j + k;
             const int hbit = ((b[i % 32] >> (i / 32)) & 1) ^ 1;
             const int q = (int)crumb(b + 32, i) - 4 * hbit;
-            y[k] = mul(dl, (float)q);
+            y[k] = mul(dl, small_int_f32(q));
         }
     }
 };
@@ -73,8 +73,8 @@ struct KQuant {
         const int g = j / 32;
         uint32_t sc, m;
         k_scale_min(b + 4, g, sc, m);
-        const float dl = mul(f16_at(b), (float)sc);
-        const float ml = mul(f16_at(b + 2), (float)m);
+        const float dl = mul(f16_at(b), small_int_f32((int)sc));
+        const float ml = mul(f16_at(b + 2), small_int_f32((int)m));
         const uint8_t* qs = b + (kFifthBit ? 48 : 16) + 32 * (g / 2);
         const int shift = 4 * (g % 2);
 #pragma unroll
@@ -82,7 +82,7 @@ struct KQuant {
             const int l = (j % 32) + k;
             uint32_t q = (qs[l] >> shift) & 0x0F;
             if (kFifthBit) q |= ((b[16 + l] >> g) & 1) << 4;
-            y[k] = sub(mul(dl, (float)q), ml);
+            y[k] = sub(mul(dl, small_int_f32((int)q)), ml);
         }
     }
 };
@@ -95,7 +95,7 @@ struct Q6_K {
     static constexpr int kValues = 256;
     static constexpr int kBytes = 210;
     static __device__ __forceinline__ void decode8(const uint8_t* b, int j, float (&y)[kGroup]) {
-        const float dl = mul(f16_at(b + 208), (float)(int8_t)b[192 + j / 16]);
+        const float dl = mul(f16_at(b + 208), small_int_f32((int8_t)b[192 + j / 16]));
         const int h = j / 128;
         const int quarter = (j % 128) / 32;
         const uint8_t* ql = b + 64 * h + 32 * (quarter % 2);
@@ -105,7 +105,7 @@ struct Q6_K {
             const int l = (j % 32) + k;
             const uint32_t low = (ql[l] >> (4 * (quarter / 2))) & 0x0F;
             const uint32_t high = (qh[l] >> (2 * quarter)) & 0x03;
-            y[k] = mul(dl, (float)((int)(low | (high << 4)) - 32));
+            y[k] = mul(dl, small_int_f32((int)(low | (high << 4)) - 32));
         }
     }
 };
@@ -117,7 +117,7 @@ struct Q8_K {
     static __device__ __forceinline__ void decode8(const uint8_t* b, int j, float (&y)[kGroup]) {
         const float d = __uint_as_float(u32_at(b));
 #pragma unroll
-        for (int k = 0; k < kGroup; ++k) y[k] = mul(d, (float)(int8_t)b[4 + j + k]);
+        for (int k = 0; k < kGroup; ++k) y[k] = mul(d, small_int_f32((int8_t)b[4 + j + k]));
     }
 };
 
@@ -130,12 +130,12 @@ struct IQ4_XS {
         const int g = j / 32;
         const uint32_t low = (b[4 + g / 2] >> (4 * (g % 2))) & 0x0F;
         const uint32_t high = (u16_at(b + 2) >> (2 * g)) & 0x03;
-        const float dl = mul(f16_at(b), (float)((int)(low | (high << 4)) - 32));
+        const float dl = mul(f16_at(b), small_int_f32((int)(low | (high << 4)) - 32));
         const uint8_t* qs = b + 8 + 16 * g + (j & 15);
         const int shift = (j & 16) ? 4 : 0;
 #pragma unroll
         for (int k = 0; k < kGroup; ++k)
-            y[k] = mul(dl, (float)rf_kvalues_iq4nl[(qs[k] >> shift) & 0x0F]);
+            y[k] = mul(dl, small_int_f32(rf_kvalues_iq4nl[(qs[k] >> shift) & 0x0F]));
     }
 };
 
@@ -164,7 +164,7 @@ struct TQ1_0 {
             const uint32_t pow3 = digit == 0 ? 1 : digit == 1 ? 3 : digit == 2 ? 9 : digit == 3 ? 27 : 81;
             // The product wraps to a byte, as ggml's uint8_t arithmetic does.
             const uint32_t t = (((byte * pow3) & 0xFF) * 3) >> 8;
-            y[k] = mul(d, (float)((int)t - 1));
+            y[k] = mul(d, small_int_f32((int)t - 1));
         }
     }
 };
@@ -176,7 +176,7 @@ struct TQ2_0 {
     static __device__ __forceinline__ void decode8(const uint8_t* b, int j, float (&y)[kGroup]) {
         const float d = f16_at(b + 64);
 #pragma unroll
-        for (int k = 0; k < kGroup; ++k) y[k] = mul(d, (float)((int)crumb(b, j + k) - 1));
+        for (int k = 0; k < kGroup; ++k) y[k] = mul(d, small_int_f32((int)crumb(b, j + k) - 1));
     }
 };
 

@@ -28,7 +28,7 @@ struct Q4_0 {
     static __device__ __forceinline__ void decode8(const uint8_t* b, int j, float (&y)[kGroup]) {
         const float d = f16_at(b);
 #pragma unroll
-        for (int k = 0; k < kGroup; ++k) y[k] = mul(d, (float)((int)nibble(b + 2, j, k) - 8));
+        for (int k = 0; k < kGroup; ++k) y[k] = mul(d, small_int_f32((int)nibble(b + 2, j, k) - 8));
     }
 };
 
@@ -40,7 +40,7 @@ struct Q4_1 {
         const float d = f16_at(b);
         const float m = f16_at(b + 2);
 #pragma unroll
-        for (int k = 0; k < kGroup; ++k) y[k] = add(mul(d, (float)nibble(b + 4, j, k)), m);
+        for (int k = 0; k < kGroup; ++k) y[k] = add(mul(d, small_int_f32((int)nibble(b + 4, j, k))), m);
     }
 };
 
@@ -58,7 +58,7 @@ struct Q5_0 {
         const uint32_t qh = u32_at(b + 2);
 #pragma unroll
         for (int k = 0; k < kGroup; ++k)
-            y[k] = mul(d, (float)((int)five_bit(b + 6, qh, j, k) - 16));
+            y[k] = mul(d, small_int_f32((int)five_bit(b + 6, qh, j, k) - 16));
     }
 };
 
@@ -71,7 +71,7 @@ struct Q5_1 {
         const float m = f16_at(b + 2);
         const uint32_t qh = u32_at(b + 4);
 #pragma unroll
-        for (int k = 0; k < kGroup; ++k) y[k] = add(mul(d, (float)five_bit(b + 8, qh, j, k)), m);
+        for (int k = 0; k < kGroup; ++k) y[k] = add(mul(d, small_int_f32((int)five_bit(b + 8, qh, j, k))), m);
     }
 };
 
@@ -83,7 +83,7 @@ struct Q8Legacy {
     static __device__ __forceinline__ void decode8(const uint8_t* b, int j, float (&y)[kGroup]) {
         const float d = f16_at(b);
 #pragma unroll
-        for (int k = 0; k < kGroup; ++k) y[k] = mul((float)(int8_t)b[kQsOffset + j + k], d);
+        for (int k = 0; k < kGroup; ++k) y[k] = mul(small_int_f32((int8_t)b[kQsOffset + j + k]), d);
     }
 };
 using Q8_0 = Q8Legacy<2, 34>;
@@ -97,7 +97,7 @@ struct IQ4_NL {
         const float d = f16_at(b);
 #pragma unroll
         for (int k = 0; k < kGroup; ++k)
-            y[k] = mul(d, (float)rf_kvalues_iq4nl[nibble(b + 2, j, k)]);
+            y[k] = mul(d, small_int_f32(rf_kvalues_iq4nl[nibble(b + 2, j, k)]));
     }
 };
 
@@ -109,7 +109,7 @@ struct MXFP4 {
         const float d = e8m0_to_f32_half(b[0]);
 #pragma unroll
         for (int k = 0; k < kGroup; ++k)
-            y[k] = mul(d, (float)rf_kvalues_mxfp4[nibble(b + 1, j, k)]);
+            y[k] = mul(d, small_int_f32(rf_kvalues_mxfp4[nibble(b + 1, j, k)]));
     }
 };
 
