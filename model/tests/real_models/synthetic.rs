@@ -766,6 +766,7 @@ mod gpu {
         gpu_llama3 => "llama3",
         gpu_qwen2_tied => "qwen2-tied",
         gpu_qwen2_gqa4 => "qwen2-gqa4",
+        gpu_qwen3 => "qwen3",
         gpu_gemma3 => "gemma3",
         gpu_gemma3_f16 => "gemma3-f16",
     }
@@ -826,7 +827,6 @@ mod gpu {
     }
 
     gpu_refuses! {
-        gpu_qwen3 => "qwen3",
         gpu_gemma2 => "gemma2",
         gpu_gemma3_keys => "gemma3-keys",
         gpu_phi3 => "phi3",
