@@ -213,6 +213,7 @@ impl Buffers {
             } else {
                 c.attention_scale
             },
+            softcap: c.attn_logit_softcap,
             n_chunks,
             chunk,
         };
@@ -961,7 +962,25 @@ pub(super) fn finish(
         false,
         &mut bufs.batch_in,
         stream,
-    )
+    )?;
+    cap_logits(config, bufs, rows, stream)
+}
+
+/// The final soft cap of the first `rows` rows of logits, for models that have one.
+fn cap_logits(
+    config: &ModelConfig,
+    bufs: &mut Buffers,
+    rows: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    if let Some(cap) = config.final_logit_softcap {
+        kernels::softcap(
+            view_mut::<f32>(&mut bufs.logits, rows * config.n_vocab)?,
+            cap,
+            stream,
+        )?;
+    }
+    Ok(())
 }
 
 /// The final norm and the output product of a paged batch's rows that get logits (its
@@ -1016,6 +1035,7 @@ pub(super) fn finish_rows(
         &mut bufs.batch_in,
         stream,
     )?;
+    cap_logits(config, bufs, m, stream)?;
     if argmax {
         kernels::argmax(
             view(&bufs.logits, m * config.n_vocab)?,

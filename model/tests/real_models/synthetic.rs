@@ -767,7 +767,9 @@ mod gpu {
         gpu_qwen2_tied => "qwen2-tied",
         gpu_qwen2_gqa4 => "qwen2-gqa4",
         gpu_qwen3 => "qwen3",
+        gpu_gemma2 => "gemma2",
         gpu_gemma3 => "gemma3",
+        gpu_gemma3_keys => "gemma3-keys",
         gpu_gemma3_f16 => "gemma3-f16",
     }
 
@@ -827,8 +829,6 @@ mod gpu {
     }
 
     gpu_refuses! {
-        gpu_gemma2 => "gemma2",
-        gpu_gemma3_keys => "gemma3-keys",
         gpu_phi3 => "phi3",
         gpu_phi3_long => "phi3-long",
     }
