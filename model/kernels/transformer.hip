@@ -183,6 +183,7 @@ struct RopeArgs {
     int head_dim, head_dim_v, n_heads, n_kv_heads;
     int rope_dims, neox;
     float theta_scale, freq_scale;
+    float attn_factor;  // multiplies the cosines and sines (Phi-3's long-context models)
     const float* freq_factors;
     float q_scale, eps;
 };
@@ -222,7 +223,8 @@ __global__ void __launch_bounds__(kHeadThreads)
         __syncthreads();
     }
     // RoPE: pair i (of rope_dims/2) turns by p·theta_scale^i / factor_i · freq_scale,
-    // the angle accumulated by multiplication as the CPU path (and ggml) does.
+    // the angle accumulated by multiplication as the CPU path (and ggml) does; the
+    // cosine and sine are multiplied by attn_factor, as the CPU path's table holds them.
     const int pairs = a.rope_dims / 2;
     // Pairs are disjoint: each thread reads and writes only its own.
     for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
@@ -230,7 +232,7 @@ __global__ void __launch_bounds__(kHeadThreads)
         for (int j = 0; j < i; ++j) theta *= a.theta_scale;
         const float factor = a.freq_factors ? a.freq_factors[i] : 1.0f;
         const float angle = a.freq_scale * (theta / factor);
-        const float c = cosf(angle), s = sinf(angle);
+        const float c = cosf(angle) * a.attn_factor, s = sinf(angle) * a.attn_factor;
         const int i0 = a.neox ? i : 2 * i;
         const int i1 = a.neox ? i + pairs : 2 * i + 1;
         const float x0 = head[i0], x1 = head[i1];
@@ -802,13 +804,14 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
                   const void* bv, const void* q_norm, const void* k_norm, int norm_type,
                   int n_tokens, int head_dim, int head_dim_v, int n_heads, int n_kv_heads,
                   int rope_dims, int neox, float theta_scale, float freq_scale,
-                  const void* freq_factors, float q_scale, float eps, const void* pos,
+                  float attn_factor, const void* freq_factors, float q_scale, float eps,
+                  const void* pos,
                   const void* positions, const void* table_start, const void* tables,
                   int shift, void* k_cache, void* v_cache, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    RopeArgs a = {head_dim, head_dim_v, n_heads, n_kv_heads, rope_dims, neox,
-                  theta_scale, freq_scale, (const float*)freq_factors, q_scale, eps};
+    RopeArgs a = {head_dim, head_dim_v, n_heads, n_kv_heads, rope_dims, neox, theta_scale,
+                  freq_scale, attn_factor, (const float*)freq_factors, q_scale, eps};
     const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
     rfLaunchChained(qk_rope_kv_kernel, dim3(n_heads + n_kv_heads, n_tokens),
                        dim3(kHeadThreads), 0, (hipStream_t)stream, (float*)q, (const float*)k,

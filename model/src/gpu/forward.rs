@@ -381,7 +381,7 @@ fn view_mut_at<T: bytemuck::Pod>(
 }
 
 fn gpu_matrix<'a>(m: &'a Matrix) -> Result<GpuMatrix<'a>, ModelError> {
-    GpuMatrix::new(m.ty, m.rows, m.cols, m.bytes()).map_err(|source| ModelError::Matmul {
+    GpuMatrix::new(m.ty, m.rows, m.cols, m.bytes()?).map_err(|source| ModelError::Matmul {
         name: m.name().to_owned(),
         source,
     })
@@ -498,7 +498,7 @@ pub(super) fn embed(
 ) -> Result<(), ModelError> {
     let table = &globals.token_embd;
     kernels::gather_rows(
-        table.bytes(),
+        table.bytes()?,
         bufs.row_bytes,
         view::<u32>(&bufs.tokens, n)?,
         view_mut::<u8>(&mut bufs.raw, n * bufs.row_bytes)?,
@@ -593,6 +593,7 @@ pub(super) fn layer(
         neox: c.rope_style == RopeStyle::Halves,
         theta_scale: layer_cfg.rope_freq_base.powf(-2.0 / c.rope_dims as f32),
         freq_scale: 1.0 / layer_cfg.rope_scale,
+        attn_factor: c.rope_attn_factor,
         q_scale: if c.scale_queries {
             c.attention_scale
         } else {

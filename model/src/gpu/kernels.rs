@@ -182,6 +182,7 @@ mod sys {
             neox: c_int,
             theta_scale: f32,
             freq_scale: f32,
+            attn_factor: f32,
             freq_factors: *const c_void,
             q_scale: f32,
             eps: f32,
@@ -437,6 +438,8 @@ pub struct HeadShape {
     pub theta_scale: f32,
     /// `1 / rope_scale`.
     pub freq_scale: f32,
+    /// Multiplies the rotary cosines and sines (`rope.scaling.attn_factor`; usually 1).
+    pub attn_factor: f32,
     /// Multiplies the queries after RoPE (1 when the scores are scaled instead).
     pub q_scale: f32,
     pub eps: f32,
@@ -454,7 +457,8 @@ pub struct HeadExtras<'a> {
 }
 
 /// For `n_tokens` tokens at positions `pos[0]..` (or, with `pages`, at the positions and
-/// in the blocks it gives): biases, per-head norms, RoPE and the query scale on `q` (in
+/// in the blocks it gives): biases, per-head norms, RoPE (its cosines and sines times
+/// `shape.attn_factor`) and the query scale on `q` (in
 /// place) and `k`; keys and values (with bias) written to the f16 caches at their
 /// positions. The caches must hold those positions.
 #[allow(clippy::too_many_arguments)]
@@ -548,6 +552,7 @@ pub fn qk_rope_kv(
         i32::from(s.neox),
         s.theta_scale,
         s.freq_scale,
+        s.attn_factor,
         ptr_or_null(extras.freq_factors),
         s.q_scale,
         s.eps,
