@@ -2,7 +2,8 @@
 // products (which live in dequant's kernels/matvec.hip): RMSNorm fused with the
 // quantization of its output, per-head Q/K norms, biases, RoPE and the KV-cache write in
 // one kernel, attention of a few queries against the f16 KV cache split along the keys,
-// attention of a prompt's chunk tiled over queries and keys (online softmax),
+// attention of a prompt's chunk tiled over queries and keys (online softmax), both with
+// Gemma 2's optional soft cap on the scores, the final logits' soft cap,
 // the gated activations fused with quantization, the embedding row gather, greedy argmax
 // on the device, and the position counter.
 //
@@ -182,6 +183,7 @@ struct RopeArgs {
     int head_dim, head_dim_v, n_heads, n_kv_heads;
     int rope_dims, neox;
     float theta_scale, freq_scale;
+    float attn_factor;  // multiplies the cosines and sines (Phi-3's long-context models)
     const float* freq_factors;
     float q_scale, eps;
 };
@@ -221,7 +223,8 @@ __global__ void __launch_bounds__(kHeadThreads)
         __syncthreads();
     }
     // RoPE: pair i (of rope_dims/2) turns by p·theta_scale^i / factor_i · freq_scale,
-    // the angle accumulated by multiplication as the CPU path (and ggml) does.
+    // the angle accumulated by multiplication as the CPU path (and ggml) does; the
+    // cosine and sine are multiplied by attn_factor, as the CPU path's table holds them.
     const int pairs = a.rope_dims / 2;
     // Pairs are disjoint: each thread reads and writes only its own.
     for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
@@ -229,7 +232,7 @@ __global__ void __launch_bounds__(kHeadThreads)
         for (int j = 0; j < i; ++j) theta *= a.theta_scale;
         const float factor = a.freq_factors ? a.freq_factors[i] : 1.0f;
         const float angle = a.freq_scale * (theta / factor);
-        const float c = cosf(angle), s = sinf(angle);
+        const float c = cosf(angle) * a.attn_factor, s = sinf(angle) * a.attn_factor;
         const int i0 = a.neox ? i : 2 * i;
         const int i1 = a.neox ? i + pairs : 2 * i + 1;
         const float x0 = head[i0], x1 = head[i1];
@@ -263,9 +266,17 @@ struct AttnArgs {
     int n_heads, n_kv_heads, head_dim, head_dim_v;
     int window;  // 0: none
     float scale;
+    float softcap;  // 0: none
     int n_chunks;  // chunks of `chunk` keys the cache holds
     int chunk;
 };
+
+// A score as the softmax takes it: `cap · tanh(s · (1/cap))` with a soft cap (Gemma 2),
+// then times the scale, in the CPU path's order.
+__device__ __forceinline__ float scaled_score(float s, float cap, float scale) {
+    if (cap > 0.0f) s = tanhf(s * (1.0f / cap)) * cap;
+    return s * scale;
+}
 
 // Sum over groups of `width` lanes (a power of two up to 32) of a 32-lane group.
 __device__ __forceinline__ float sum_lanes(float v, int width) {
@@ -339,7 +350,7 @@ __global__ void __launch_bounds__(kAttnThreads)
         }
         // Every lane of a 32-lane group takes part in the shuffles.
         s = sum_lanes(s, lanes);
-        if (i < n && sub == 0) scores[i] = s * a.scale;
+        if (i < n && sub == 0) scores[i] = scaled_score(s, a.softcap, a.scale);
     }
     __syncthreads();
     const int group = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -457,6 +468,7 @@ struct FlashArgs {
     int n_tokens, n_heads, n_kv_heads, head_dim, head_dim_v;
     int window;  // 0: none
     float scale;
+    float softcap;  // 0: none
 };
 
 // Copies keys k0.. (kFlashKeys of them) of `width` halves (a multiple of 2) from a cache
@@ -586,7 +598,7 @@ __global__ void __launch_bounds__(kFlashThreads)
 #pragma unroll
         for (int i = 0; i < kRows; ++i) {
             const bool seen = key >= lo[i] && key <= hi[i];
-            const float sv = seen ? s[i] * a.scale : -INFINITY;
+            const float sv = seen ? scaled_score(s[i], a.softcap, a.scale) : -INFINITY;
             const float m_new = fmaxf(m[i], max32(sv));
             // No key of this row yet (m_new = -inf): nothing to rescale.
             const float corr = m_new == -INFINITY ? 1.0f : expf(m[i] - m_new);
@@ -693,6 +705,13 @@ __global__ void scale_kernel(float* __restrict__ x, size_t n, float s) {
     if (i < n) x[i] *= s;
 }
 
+// x = cap · tanh(x · (1/cap)): the final logits' soft cap (Gemma 2, some Gemma 3).
+__global__ void softcap_kernel(float* __restrict__ x, size_t n, float cap) {
+    rf_chain_wait();
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = tanhf(x[i] * (1.0f / cap)) * cap;
+}
+
 constexpr int kArgmaxThreads = 1024;
 
 // For each row (a workgroup each) of n values: the index of the largest value (the
@@ -785,13 +804,14 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
                   const void* bv, const void* q_norm, const void* k_norm, int norm_type,
                   int n_tokens, int head_dim, int head_dim_v, int n_heads, int n_kv_heads,
                   int rope_dims, int neox, float theta_scale, float freq_scale,
-                  const void* freq_factors, float q_scale, float eps, const void* pos,
+                  float attn_factor, const void* freq_factors, float q_scale, float eps,
+                  const void* pos,
                   const void* positions, const void* table_start, const void* tables,
                   int shift, void* k_cache, void* v_cache, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    RopeArgs a = {head_dim, head_dim_v, n_heads, n_kv_heads, rope_dims, neox,
-                  theta_scale, freq_scale, (const float*)freq_factors, q_scale, eps};
+    RopeArgs a = {head_dim, head_dim_v, n_heads, n_kv_heads, rope_dims, neox, theta_scale,
+                  freq_scale, attn_factor, (const float*)freq_factors, q_scale, eps};
     const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
     rfLaunchChained(qk_rope_kv_kernel, dim3(n_heads + n_kv_heads, n_tokens),
                        dim3(kHeadThreads), 0, (hipStream_t)stream, (float*)q, (const float*)k,
@@ -803,14 +823,16 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
 
 int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                  int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                 float scale, int n_chunks, int chunk, const void* pos, const void* positions,
+                 float scale, float softcap, int n_chunks, int chunk, const void* pos,
+                 const void* positions,
                  const void* table_start, const void* tables, int shift, void* part_ml,
                  void* part_acc, void* done, void* out, void* out_q8, int device,
                  void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (chunk < 1 || chunk > kAttnMaxChunk) return (int)hipErrorInvalidValue;
-    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, n_chunks, chunk};
+    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, softcap, n_chunks,
+                  chunk};
     const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
     const dim3 grid(n_chunks, n_heads, n_tokens);
     if (positions) {
@@ -829,7 +851,8 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_
 
 int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                        int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                       float scale, const void* pos, const void* table, int shift, void* out,
+                       float scale, float softcap, const void* pos, const void* table, int shift,
+                       void* out,
                        int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
@@ -838,7 +861,7 @@ int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, 
         head_dim_v % 2 != 0 || head_dim < 8 || head_dim_v < 2 || widest > kAttnMaxHead) {
         return (int)hipErrorInvalidValue;
     }
-    FlashArgs a = {n_tokens, n_heads, n_kv_heads, head_dim, head_dim_v, window, scale};
+    FlashArgs a = {n_tokens, n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, softcap};
     const int rows = n_tokens * (n_heads / n_kv_heads);
     const hipStream_t s = (hipStream_t)stream;
     const dim3 block(kFlashThreads);
@@ -884,6 +907,15 @@ int rf_scale(void* x, size_t n, float s, int device, void* stream) {
     if (status != hipSuccess) return (int)status;
     rfLaunchChained(scale_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
                        (hipStream_t)stream, (float*)x, n, s);
+    return (int)hipGetLastError();
+}
+
+int rf_softcap(void* x, size_t n, float cap, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (!(cap > 0.0f)) return (int)hipErrorInvalidValue;
+    rfLaunchChained(softcap_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
+                    (hipStream_t)stream, (float*)x, n, cap);
     return (int)hipGetLastError();
 }
 

@@ -213,6 +213,7 @@ impl Buffers {
             } else {
                 c.attention_scale
             },
+            softcap: c.attn_logit_softcap,
             n_chunks,
             chunk,
         };
@@ -380,7 +381,7 @@ fn view_mut_at<T: bytemuck::Pod>(
 }
 
 fn gpu_matrix<'a>(m: &'a Matrix) -> Result<GpuMatrix<'a>, ModelError> {
-    GpuMatrix::new(m.ty, m.rows, m.cols, m.bytes()).map_err(|source| ModelError::Matmul {
+    GpuMatrix::new(m.ty, m.rows, m.cols, m.bytes()?).map_err(|source| ModelError::Matmul {
         name: m.name().to_owned(),
         source,
     })
@@ -497,7 +498,7 @@ pub(super) fn embed(
 ) -> Result<(), ModelError> {
     let table = &globals.token_embd;
     kernels::gather_rows(
-        table.bytes(),
+        table.bytes()?,
         bufs.row_bytes,
         view::<u32>(&bufs.tokens, n)?,
         view_mut::<u8>(&mut bufs.raw, n * bufs.row_bytes)?,
@@ -592,6 +593,7 @@ pub(super) fn layer(
         neox: c.rope_style == RopeStyle::Halves,
         theta_scale: layer_cfg.rope_freq_base.powf(-2.0 / c.rope_dims as f32),
         freq_scale: 1.0 / layer_cfg.rope_scale,
+        attn_factor: c.rope_attn_factor,
         q_scale: if c.scale_queries {
             c.attention_scale
         } else {
@@ -961,7 +963,25 @@ pub(super) fn finish(
         false,
         &mut bufs.batch_in,
         stream,
-    )
+    )?;
+    cap_logits(config, bufs, rows, stream)
+}
+
+/// The final soft cap of the first `rows` rows of logits, for models that have one.
+fn cap_logits(
+    config: &ModelConfig,
+    bufs: &mut Buffers,
+    rows: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    if let Some(cap) = config.final_logit_softcap {
+        kernels::softcap(
+            view_mut::<f32>(&mut bufs.logits, rows * config.n_vocab)?,
+            cap,
+            stream,
+        )?;
+    }
+    Ok(())
 }
 
 /// The final norm and the output product of a paged batch's rows that get logits (its
@@ -1016,6 +1036,7 @@ pub(super) fn finish_rows(
         &mut bufs.batch_in,
         stream,
     )?;
+    cap_logits(config, bufs, m, stream)?;
     if argmax {
         kernels::argmax(
             view(&bufs.logits, m * config.n_vocab)?,

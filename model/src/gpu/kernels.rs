@@ -28,6 +28,26 @@ pub enum KernelError {
     Shape(#[from] ShapeError),
     #[error(transparent)]
     Hip(#[from] HipError),
+    #[error("{kernel}: {what} is {value}, not a positive number")]
+    NotPositive {
+        kernel: &'static str,
+        what: &'static str,
+        value: f32,
+    },
+}
+
+/// A soft cap as the kernels take it: the cap, or 0 for none; a cap that is not a
+/// positive number is refused.
+fn soft_cap(kernel: &'static str, cap: Option<f32>) -> Result<f32, KernelError> {
+    match cap {
+        None => Ok(0.0),
+        Some(c) if c.is_finite() && c > 0.0 => Ok(c),
+        Some(value) => Err(KernelError::NotPositive {
+            kernel,
+            what: "the soft cap",
+            value,
+        }),
+    }
 }
 
 fn expect(
@@ -162,6 +182,7 @@ mod sys {
             neox: c_int,
             theta_scale: f32,
             freq_scale: f32,
+            attn_factor: f32,
             freq_factors: *const c_void,
             q_scale: f32,
             eps: f32,
@@ -186,6 +207,7 @@ mod sys {
             head_dim_v: c_int,
             window: c_int,
             scale: f32,
+            softcap: f32,
             n_chunks: c_int,
             chunk: c_int,
             pos: *const c_void,
@@ -212,6 +234,7 @@ mod sys {
             head_dim_v: c_int,
             window: c_int,
             scale: f32,
+            softcap: f32,
             pos: *const c_void,
             table: *const c_void,
             shift: c_int,
@@ -244,6 +267,13 @@ mod sys {
             x: *mut c_void,
             n: usize,
             s: f32,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_softcap(
+            x: *mut c_void,
+            n: usize,
+            cap: f32,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -408,6 +438,8 @@ pub struct HeadShape {
     pub theta_scale: f32,
     /// `1 / rope_scale`.
     pub freq_scale: f32,
+    /// Multiplies the rotary cosines and sines (`rope.scaling.attn_factor`; usually 1).
+    pub attn_factor: f32,
     /// Multiplies the queries after RoPE (1 when the scores are scaled instead).
     pub q_scale: f32,
     pub eps: f32,
@@ -425,7 +457,8 @@ pub struct HeadExtras<'a> {
 }
 
 /// For `n_tokens` tokens at positions `pos[0]..` (or, with `pages`, at the positions and
-/// in the blocks it gives): biases, per-head norms, RoPE and the query scale on `q` (in
+/// in the blocks it gives): biases, per-head norms, RoPE (its cosines and sines times
+/// `shape.attn_factor`) and the query scale on `q` (in
 /// place) and `k`; keys and values (with bias) written to the f16 caches at their
 /// positions. The caches must hold those positions.
 #[allow(clippy::too_many_arguments)]
@@ -519,6 +552,7 @@ pub fn qk_rope_kv(
         i32::from(s.neox),
         s.theta_scale,
         s.freq_scale,
+        s.attn_factor,
         ptr_or_null(extras.freq_factors),
         s.q_scale,
         s.eps,
@@ -558,6 +592,8 @@ pub struct AttentionShape {
     /// Keys more than `window - 1` positions back are masked; `None`: causal only.
     pub window: Option<usize>,
     pub scale: f32,
+    /// Scores `s` become `cap · tanh(s · (1/cap))` before the scale (Gemma 2).
+    pub softcap: Option<f32>,
     /// Chunks the cache can hold, of `chunk` keys each.
     pub n_chunks: usize,
     /// Keys per chunk (at most [`MAX_ATTENTION_CHUNK`]).
@@ -677,6 +713,7 @@ pub fn attention(
         devices.push(q8.device_ordinal());
     }
     let device = on_device(stream, &devices)?;
+    let softcap = soft_cap(K, s.softcap)?;
     let q8_ptr = out_q8
         .as_mut()
         .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
@@ -694,6 +731,7 @@ pub fn attention(
         c("value head width", s.head_dim_v)?,
         c("window", s.window.unwrap_or(0))?,
         s.scale,
+        softcap,
         c("chunks", s.n_chunks)?,
         c("keys per chunk", s.chunk)?,
         pos.as_ptr(),
@@ -763,6 +801,7 @@ pub fn flash_attention(
         devices.push(t.device_ordinal());
     }
     let device = on_device(stream, &devices)?;
+    let softcap = soft_cap(K, s.softcap)?;
     let c = |what, value| small(K, what, value);
     // Rows of the kernel's grid: queries times heads per key head.
     c("query rows", n_tokens * (s.n_heads / s.n_kv_heads))?;
@@ -779,6 +818,7 @@ pub fn flash_attention(
         c("value head width", s.head_dim_v)?,
         c("window", s.window.unwrap_or(0))?,
         s.scale,
+        softcap,
         pos.as_ptr(),
         ptr_or_null(table.map(|t| t.0)),
         table.map_or(0, |t| t.1 as i32),
@@ -888,6 +928,27 @@ pub fn scale(mut x: DeviceViewMut<'_, f32>, s: f32, stream: &Stream) -> Result<(
         x.as_mut_ptr(),
         n,
         s,
+        device,
+        stream.as_raw()
+    )
+}
+
+/// `x = cap · tanh(x · (1/cap))`: the final logits' soft cap (`cap` a positive number).
+pub fn softcap(
+    mut x: DeviceViewMut<'_, f32>,
+    cap: f32,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "softcap";
+    let cap = soft_cap(K, Some(cap))?;
+    let device = on_device(stream, &[x.device_ordinal()])?;
+    let n = x.len();
+    launch!(
+        rf_softcap,
+        "softcap",
+        x.as_mut_ptr(),
+        n,
+        cap,
         device,
         stream.as_raw()
     )

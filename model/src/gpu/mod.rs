@@ -42,7 +42,7 @@ use crate::plan::ExecutionPlan;
 use crate::{Model, ModelError};
 use forward::{Buffers, Layout, PageShape, PagedBatch, PagedSegment};
 pub(crate) use weights::check_plan;
-use weights::{Held, LayerWeights};
+use weights::{Held, LayerWeights, RopeContext};
 
 /// Most tokens the decode products and one attention launch take, and the chunk of
 /// [`GpuModel::forward_all_logits`]; longer prompts take the batch products.
@@ -124,6 +124,8 @@ pub struct GpuModel {
     uploaded: Arc<OnceLock<Instant>>,
     /// The paged cache's shape, and the host side of a batch's layout.
     pages: Option<(PageShape, PinnedBuffer<i32>)>,
+    /// Which RoPE factors the cache's size takes (Phi-3).
+    rope_context: RopeContext,
     device: Device,
 }
 
@@ -274,6 +276,7 @@ impl GpuModel {
             host_logits,
             uploaded,
             pages,
+            rope_context: RopeContext::for_cache(model.config(), capacity),
             device,
         };
         // The position and the attention's counters start at zero.
@@ -653,7 +656,7 @@ impl GpuModel {
     /// Pins every weight once the budget allows it; true when all are held.
     fn ensure_held(&mut self) -> Result<bool, ModelError> {
         if self.held.is_none() && self.hold_all {
-            self.held = Some(Held::fetch(&self.cache, &self.plan)?);
+            self.held = Some(Held::fetch(&self.cache, &self.plan, self.rope_context)?);
         }
         Ok(self.held.is_some())
     }
@@ -717,7 +720,8 @@ impl GpuModel {
         let globals = weights::Globals::fetch(&self.cache, &self.plan)?;
         forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
         for layer_idx in 0..self.plan.layers.len() {
-            let layer = LayerWeights::fetch(&self.cache, &self.plan.layers[layer_idx])?;
+            let layer =
+                LayerWeights::fetch(&self.cache, &self.plan.layers[layer_idx], self.rope_context)?;
             forward::layer(
                 &self.config,
                 layer_idx,

@@ -1,42 +1,78 @@
 //! A layer's weights on the device, obtained from the cache through the plan's handles.
 //! Holding these keeps the tensors pinned (the cache evicts only tensors nobody holds).
 
+use std::ops::Range;
+
 use gguf_format::GgmlType;
 use hip_backend::DeviceView;
 use tensor_store::device::{DeviceCache, DeviceTensor, HipTarget};
 use tensor_store::TensorHandle;
 
 use super::kernels::{norm_type_code, NormWeight};
+use crate::config::ModelConfig;
 use crate::plan::{ExecutionPlan, LayerPlan, Linear, Vector};
 use crate::ModelError;
 
 type Tensor = DeviceTensor<HipTarget>;
 
-/// A matrix on the device with its shape.
+/// A matrix on the device with its shape: the rows of its tensor that the plan names,
+/// a range of the tensor's bytes (a part of a fused tensor such as Phi-3's `attn_qkv`
+/// is a view of the one device tensor, never a copy).
 pub(super) struct Matrix {
     pub tensor: Tensor,
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
+    /// The matrix's bytes within the tensor's.
+    range: Range<usize>,
 }
 
 impl Matrix {
     fn fetch(cache: &DeviceCache<HipTarget>, lin: &Linear) -> Result<Matrix, ModelError> {
+        let ty = lin.weight.ggml_type();
+        let range = row_range(lin).ok_or_else(|| ModelError::TensorShape {
+            name: lin.weight.name().to_owned(),
+            expected: vec![
+                lin.cols as u64,
+                lin.first_row.saturating_add(lin.rows) as u64,
+            ],
+            found: lin.weight.shape().to_vec(),
+        })?;
         Ok(Matrix {
             tensor: cache.get(&lin.weight)?,
-            ty: lin.weight.ggml_type(),
+            ty,
             rows: lin.rows,
             cols: lin.cols,
+            range,
         })
     }
 
-    pub fn bytes(&self) -> DeviceView<'_, u8> {
-        self.tensor.buffer().bytes()
+    /// The matrix's bytes: its rows of the device tensor. A part of a fused tensor starts
+    /// at a whole row, so its blocks keep the alignment they have in the whole tensor.
+    pub fn bytes(&self) -> Result<DeviceView<'_, u8>, ModelError> {
+        self.tensor
+            .buffer()
+            .bytes()
+            .slice(self.range.clone())
+            .map_err(|source| ModelError::Gpu {
+                op: "viewing a matrix's rows",
+                source,
+            })
     }
 
     pub fn name(&self) -> &str {
         self.tensor.name()
     }
+}
+
+/// The bytes of `lin`'s rows within its tensor's: rows `first_row..first_row + rows` of
+/// whole blocks; `None` when they do not lie within the tensor.
+fn row_range(lin: &Linear) -> Option<Range<usize>> {
+    let row_bytes = usize::try_from(lin.weight.ggml_type().row_bytes(lin.cols as u64)?).ok()?;
+    let start = lin.first_row.checked_mul(row_bytes)?;
+    let end = lin.rows.checked_mul(row_bytes)?.checked_add(start)?;
+    let total = usize::try_from(lin.weight.size()).ok()?;
+    (end <= total).then_some(start..end)
 }
 
 /// A norm vector on the device.
@@ -103,6 +139,8 @@ pub(super) struct LayerWeights {
     pub bv: Option<Floats>,
     pub q_norm: Option<Norm>,
     pub k_norm: Option<Norm>,
+    /// Divisors of the rotary angles: Llama 3's `rope_freqs`, or Phi-3's long or short
+    /// factors (see [`RopeContext`]).
     pub rope_freqs: Option<Floats>,
     pub wo: Matrix,
     pub post_attn_norm: Option<Norm>,
@@ -113,11 +151,41 @@ pub(super) struct LayerWeights {
     pub post_ffn_norm: Option<Norm>,
 }
 
+/// Which of Phi-3's RoPE factors a KV cache takes: the long ones when it holds more
+/// positions than the model's original context, as the CPU path (and llama.cpp's context)
+/// chooses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum RopeContext {
+    Short,
+    Long,
+}
+
+impl RopeContext {
+    pub fn for_cache(config: &ModelConfig, capacity: usize) -> RopeContext {
+        if capacity > config.rope_original_context {
+            RopeContext::Long
+        } else {
+            RopeContext::Short
+        }
+    }
+}
+
+/// The divisors of `layer`'s rotary angles for a cache of `context`, as the CPU path's
+/// `rope_table` picks them.
+fn rope_factors(layer: &LayerPlan, context: RopeContext) -> Option<&Vector> {
+    layer.rope_freqs.as_ref().or(match context {
+        RopeContext::Long => layer.rope_factors_long.as_ref(),
+        RopeContext::Short => layer.rope_factors_short.as_ref(),
+    })
+}
+
 impl LayerWeights {
-    /// Asks the cache for every tensor of `layer`, in the order the layer reads them.
+    /// Asks the cache for every tensor of `layer`, in the order the layer reads them,
+    /// with the RoPE factors of a cache of `context`.
     pub fn fetch(
         cache: &DeviceCache<HipTarget>,
         layer: &LayerPlan,
+        context: RopeContext,
     ) -> Result<LayerWeights, ModelError> {
         let norm = |v: &Option<Vector>| v.as_ref().map(|v| Norm::fetch(cache, v)).transpose();
         let bias = |l: &Linear| l.bias.as_ref().map(|h| Floats::fetch(cache, h)).transpose();
@@ -131,9 +199,7 @@ impl LayerWeights {
             bv: bias(&layer.wv)?,
             q_norm: norm(&layer.q_norm)?,
             k_norm: norm(&layer.k_norm)?,
-            rope_freqs: layer
-                .rope_freqs
-                .as_ref()
+            rope_freqs: rope_factors(layer, context)
                 .map(|v| Floats::fetch(cache, &v.handle))
                 .transpose()?,
             wo: Matrix::fetch(cache, &layer.wo)?,
@@ -174,12 +240,16 @@ pub(super) struct Held {
 }
 
 impl Held {
-    pub fn fetch(cache: &DeviceCache<HipTarget>, plan: &ExecutionPlan) -> Result<Held, ModelError> {
+    pub fn fetch(
+        cache: &DeviceCache<HipTarget>,
+        plan: &ExecutionPlan,
+        context: RopeContext,
+    ) -> Result<Held, ModelError> {
         let globals = Globals::fetch(cache, plan)?;
         let layers = plan
             .layers
             .iter()
-            .map(|l| LayerWeights::fetch(cache, l))
+            .map(|l| LayerWeights::fetch(cache, l, context))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Held { layers, globals })
     }
@@ -229,7 +299,12 @@ pub(crate) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
                 }
             }
         }
-        if let Some(f) = &layer.rope_freqs {
+        let factors = [
+            &layer.rope_freqs,
+            &layer.rope_factors_long,
+            &layer.rope_factors_short,
+        ];
+        for f in factors.into_iter().flatten() {
             if f.handle.ggml_type() != GgmlType::F32 {
                 return Err(refuse(&f.handle));
             }
