@@ -92,6 +92,122 @@ __device__ __forceinline__ uint4 pack8(const float (&v)[kGroup]) {
     return out;
 }
 
+// ------------------------------------------------------------ f16 decoders -------------
+// The formats of most downloaded files decode straight to f16 pairs: four bytes of
+// quants become two pairs of halves 1024 + q (the byte under the exponent of 1024, whose
+// unit in the last place is 1: exact), the offset comes off exactly, and one half-pair
+// multiply (or multiply-add) applies the scale. A value costs about a quarter of the
+// instructions of decode8 and pack8, and the decode is what bounds these products.
+//
+// Q8_0 and Q4_0 give decode8's values, bit for bit: q · d is exact in f32 and rounds once
+// to f16 on either path. Q4_K and Q6_K may differ from decode8's rounded value by a unit
+// in the last place: Q4_K's minimum (dmin · m) is rounded to f16 before it is taken off,
+// Q6_K's scale (d · sc) before it multiplies.
+template <typename F>
+struct HalfDecode {
+    static constexpr bool kHas = false;
+};
+
+// Eight bytes at p (any alignment), little-endian words.
+__device__ __forceinline__ uint2 load8(const uint8_t* p) {
+    if (((uintptr_t)p & 3) == 0) {
+        return make_uint2(*reinterpret_cast<const uint32_t*>(p),
+                          *reinterpret_cast<const uint32_t*>(p + 4));
+    }
+    return make_uint2(u32_at(p), u32_at(p + 4));
+}
+
+// The four bytes of `bytes` (each below 1024) as halves 1024 + byte, two pairs.
+__device__ __forceinline__ void bytes_to_halves(uint32_t bytes, __half2& lo, __half2& hi) {
+    const uint32_t a = __byte_perm(bytes, 0x64646464u, 0x4140);
+    const uint32_t b = __byte_perm(bytes, 0x64646464u, 0x4342);
+    lo = *reinterpret_cast<const __half2*>(&a);
+    hi = *reinterpret_cast<const __half2*>(&b);
+}
+
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) {
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Eight quant bytes (two words) as f16 pairs (q - offset) · scale.
+__device__ __forceinline__ uint4 scaled_halves(uint2 q, float offset, __half2 scale) {
+    const __half2 off = __float2half2_rn(1024.0f + offset);
+    __half2 h[4];
+    bytes_to_halves(q.x, h[0], h[1]);
+    bytes_to_halves(q.y, h[2], h[3]);
+    uint4 out;
+    out.x = half2_bits(__hmul2(__hsub2(h[0], off), scale));
+    out.y = half2_bits(__hmul2(__hsub2(h[1], off), scale));
+    out.z = half2_bits(__hmul2(__hsub2(h[2], off), scale));
+    out.w = half2_bits(__hmul2(__hsub2(h[3], off), scale));
+    return out;
+}
+
+template <>
+struct HalfDecode<Q8_0> {
+    static constexpr bool kHas = true;
+    static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
+        const __half2 d = __half2half2(__ushort_as_half((unsigned short)u16_at(b)));
+        // Signed bytes as q + 128.
+        const uint2 q = load8(b + 2 + j);
+        return scaled_halves(make_uint2(q.x ^ 0x80808080u, q.y ^ 0x80808080u), 128.0f, d);
+    }
+};
+
+template <>
+struct HalfDecode<Q4_0> {
+    static constexpr bool kHas = true;
+    static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
+        const __half2 d = __half2half2(__ushort_as_half((unsigned short)u16_at(b)));
+        const uint2 raw = load8(b + 2 + (j & 15));
+        const int shift = (j & 16) ? 4 : 0;
+        const uint2 q = make_uint2((raw.x >> shift) & 0x0F0F0F0Fu, (raw.y >> shift) & 0x0F0F0F0Fu);
+        return scaled_halves(q, 8.0f, d);
+    }
+};
+
+template <>
+struct HalfDecode<Q6_K> {
+    static constexpr bool kHas = true;
+    static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
+        const float dl = mul(f16_at(b + 208), small_int_f32((int8_t)b[192 + j / 16]));
+        const int h = j / 128, quarter = (j % 128) / 32, l = j % 32;
+        const uint2 low = load8(b + 64 * h + 32 * (quarter % 2) + l);
+        const uint2 high = load8(b + 128 + 32 * h + l);
+        const int s1 = 4 * (quarter / 2), s2 = 2 * quarter;
+        const uint2 q = make_uint2(
+            ((low.x >> s1) & 0x0F0F0F0Fu) | (((high.x >> s2) & 0x03030303u) << 4),
+            ((low.y >> s1) & 0x0F0F0F0Fu) | (((high.y >> s2) & 0x03030303u) << 4));
+        return scaled_halves(q, 32.0f, __float2half2_rn(dl));
+    }
+};
+
+template <>
+struct HalfDecode<Q4_K> {
+    static constexpr bool kHas = true;
+    static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
+        const int g = j / 32;
+        uint32_t sc, m;
+        k_scale_min(b + 4, g, sc, m);
+        const __half2 d = __half2half2(__ushort_as_half((unsigned short)u16_at(b)));
+        // sc · q is an integer below 2^10: exact in f16; d · (sc · q) - ml rounds once.
+        const __half2 scale = __float2half2_rn(small_int_f32((int)sc));
+        const __half2 neg_min = __float2half2_rn(-mul(f16_at(b + 2), small_int_f32((int)m)));
+        const uint2 raw = load8(b + 16 + 32 * (g / 2) + (j % 32));
+        const int shift = 4 * (g % 2);
+        const __half2 k1024 = __float2half2_rn(1024.0f);
+        __half2 h[4];
+        bytes_to_halves((raw.x >> shift) & 0x0F0F0F0Fu, h[0], h[1]);
+        bytes_to_halves((raw.y >> shift) & 0x0F0F0F0Fu, h[2], h[3]);
+        uint4 out;
+        out.x = half2_bits(__hfma2(__hmul2(__hsub2(h[0], k1024), scale), d, neg_min));
+        out.y = half2_bits(__hfma2(__hmul2(__hsub2(h[1], k1024), scale), d, neg_min));
+        out.z = half2_bits(__hfma2(__hmul2(__hsub2(h[2], k1024), scale), d, neg_min));
+        out.w = half2_bits(__hfma2(__hmul2(__hsub2(h[3], k1024), scale), d, neg_min));
+        return out;
+    }
+};
+
 // How a type's blocks are staged in shared memory ahead of their decoding: chunks of
 // kChunk columns (one super-block, or four blocks of 32 values), kBytes a row, copied as
 // 16-byte pieces from the 16-byte boundary at or before the chunk's first byte, into a
@@ -262,6 +378,10 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
                           (k % S::kChunk) / F::kValues * F::kBytes;
                 }
 #endif
+                if constexpr (HalfDecode<F>::kHas) {
+                    staged[i] = HalfDecode<F>::decode8h(blk, k % F::kValues);
+                    continue;
+                }
                 F::decode8(blk, k % F::kValues, v);
             } else {
 #pragma unroll

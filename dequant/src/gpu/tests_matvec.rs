@@ -476,6 +476,20 @@ fn gpu_matmul(
     outs.pop().expect("one output")
 }
 
+/// How far the batch product may be from the product of the f16-rounded decoded weights
+/// and activations (relative, root mean square). Most types' f16 weights are exactly the
+/// rounded decoded values, so only the sum order separates them. Q4_K and Q6_K decode in
+/// f16 arithmetic, rounding their minimum or their scale to f16 first: a weight may land
+/// one unit in the last place (2^-11 relative) from the rounded value, independently of
+/// its neighbours, so their results spread by a fraction of 2^-11 (1e-3 leaves room, and
+/// the check against the exact product below still holds them to 2e-3).
+fn rounded_bound(ty: GgmlType) -> f64 {
+    match ty {
+        GgmlType::Q4_K | GgmlType::Q6_K => 1e-3,
+        _ => 1e-4,
+    }
+}
+
 #[test]
 fn batch_products_match_the_reference_for_every_type_and_shape() {
     let Some((device, stream)) =
@@ -499,7 +513,7 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
                 &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
             );
             assert!(
-                err <= 1e-4,
+                err <= rounded_bound(ty),
                 "{ty} {rows}x{cols}, {n} tokens: relative error {err:.2e} against the \
                  f16-rounded operands"
             );
@@ -524,7 +538,7 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
             &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
         );
         assert!(
-            err <= 1e-4,
+            err <= rounded_bound(ty),
             "{ty} {rows}x{cols}, {n} tokens: relative error {err:.2e} against the f16-rounded \
              operands"
         );
