@@ -111,6 +111,11 @@ pub struct GpuModel {
     /// Every weight pinned, once all have been used and the budget holds them all.
     held: Option<Held>,
     hold_all: bool,
+    /// When the budget is smaller than the model: how many of the first layers stay
+    /// resident (held once fetched), and those layers; the others pass through the
+    /// cache's remaining room, layer by layer.
+    keep_layers: usize,
+    kept: Vec<LayerWeights>,
     bufs: Buffers,
     capacity: usize,
     /// Most tokens of a prompt's chunk.
@@ -210,6 +215,11 @@ impl GpuModel {
         let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
         let arena_bytes = options.budget.map_or(model_bytes, |b| b.min(model_bytes));
         let hold_all = arena_bytes >= model_bytes;
+        let keep_layers = if hold_all {
+            0
+        } else {
+            layers_to_keep(&plan, arena_bytes)
+        };
 
         // Activations and the KV cache first: their size is known, and failing here
         // costs no upload.
@@ -267,6 +277,8 @@ impl GpuModel {
             cache,
             held: None,
             hold_all,
+            keep_layers,
+            kept: Vec::new(),
             bufs,
             capacity,
             prompt_batch,
@@ -716,22 +728,36 @@ impl GpuModel {
             return finish(config, held.globals(), bufs, stream);
         }
         // Layer by layer: each layer's tensors are asked for (waiting for that layer
-        // only) and released once its work has run.
+        // only) and released once its work has run, except the first `keep_layers` of a
+        // model larger than its budget, held from their first use on so that only the
+        // others pass through the cache again every pass.
         let globals = weights::Globals::fetch(&self.cache, &self.plan)?;
         forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
         for layer_idx in 0..self.plan.layers.len() {
-            let layer =
-                LayerWeights::fetch(&self.cache, &self.plan.layers[layer_idx], self.rope_context)?;
+            let kept = layer_idx < self.keep_layers;
+            if kept && layer_idx == self.kept.len() {
+                let layer = &self.plan.layers[layer_idx];
+                self.kept
+                    .push(LayerWeights::fetch(&self.cache, layer, self.rope_context)?);
+            }
+            let fetched;
+            let layer = if kept {
+                &self.kept[layer_idx]
+            } else {
+                let layer = &self.plan.layers[layer_idx];
+                fetched = LayerWeights::fetch(&self.cache, layer, self.rope_context)?;
+                &fetched
+            };
             forward::layer(
                 &self.config,
                 layer_idx,
-                &layer,
+                layer,
                 &mut self.bufs,
                 n,
                 layout,
                 &self.stream,
             )?;
-            if !self.hold_all {
+            if !self.hold_all && !kept {
                 // The cache may evict these tensors once dropped: their readers must
                 // have finished.
                 self.sync()?;
@@ -773,6 +799,38 @@ impl GpuModel {
 enum End {
     Last { last_only: bool },
     Rows { argmax: bool },
+}
+
+/// How many of the first layers of `plan` stay resident within `budget` device bytes,
+/// leaving room for the tensors outside the layers and for two more layers (the one
+/// running and the next arriving) to pass through, with a margin for the arena's
+/// alignment.
+fn layers_to_keep(plan: &ExecutionPlan, budget: u64) -> usize {
+    let n_layers = plan.layers.len();
+    let mut per_layer = vec![0u64; n_layers];
+    let mut shared = 0u64;
+    for handle in plan.handles() {
+        let layer = handle
+            .name()
+            .strip_prefix("blk.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|index| index.parse::<usize>().ok())
+            .filter(|&index| index < n_layers);
+        match layer {
+            Some(index) => per_layer[index] += handle.size(),
+            None => shared += handle.size(),
+        }
+    }
+    let largest = per_layer.iter().copied().max().unwrap_or(0);
+    let mut room = (budget - budget / 32).saturating_sub(shared + 2 * largest);
+    per_layer
+        .iter()
+        .take_while(|&&bytes| {
+            let fits = bytes <= room;
+            room = room.saturating_sub(bytes);
+            fits
+        })
+        .count()
 }
 
 /// The arena of activations and KV cache could not be made: say what and how much.
