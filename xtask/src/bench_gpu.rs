@@ -137,12 +137,7 @@ pub fn run(args: &[String]) -> Result<()> {
             ));
         }
         for (test, tokens_per_s, runs, llama, note) in tests {
-            println!(
-                "{name:<32} {test:<6} ours {:>8.1} t/s  llama.cpp {:>10}  ratio {:>6}  {note}",
-                tokens_per_s,
-                llama.map_or_else(|| "-".into(), |t| format!("{t:.1} t/s")),
-                llama.map_or_else(|| "-".into(), |t| format!("{:.2}x", tokens_per_s / t)),
-            );
+            print_row(&name, &test, tokens_per_s, llama, &note);
             rows.push(json!({
                 "model": path.display().to_string(),
                 "test": test,
@@ -277,14 +272,8 @@ fn parallel_rows(o: &Options, path: &Path, name: &str) -> Result<Vec<Value>> {
         ] {
             let llama = line.and_then(|r| r[key].as_f64());
             let label = format!("npl{n} {test}");
-            println!(
-                "{name:<32} {label:<10} ours {mine:>8.1} t/s  llama.cpp {:>10}  ratio {:>6}  \
-                 {n} sequences of {} + {} tokens",
-                llama.map_or_else(|| "-".into(), |t| format!("{t:.1} t/s")),
-                llama.map_or_else(|| "-".into(), |t| format!("{:.2}x", mine / t)),
-                o.npp,
-                o.ntg
-            );
+            let note = format!("{n} sequences of {} + {} tokens", o.npp, o.ntg);
+            print_row(name, &label, mine, llama, &note);
             rows.push(json!({
                 "model": path.display().to_string(),
                 "test": label,
@@ -296,6 +285,15 @@ fn parallel_rows(o: &Options, path: &Path, name: &str) -> Result<Vec<Value>> {
         }
     }
     Ok(rows)
+}
+
+/// One line of the table: our tokens/s, llama.cpp's and the ratio, and a note.
+fn print_row(model: &str, test: &str, ours: f64, llama: Option<f64>, note: &str) {
+    println!(
+        "{model:<32} {test:<10} ours {ours:>8.1} t/s  llama.cpp {:>10}  ratio {:>6}  {note}",
+        llama.map_or_else(|| "-".into(), |t| format!("{t:.1} t/s")),
+        llama.map_or_else(|| "-".into(), |t| format!("{:.2}x", ours / t)),
+    );
 }
 
 /// Aggregate tokens/s of one batched run: prompts, generation, and the whole run.

@@ -558,6 +558,19 @@ mod gpu {
         diff / sigma
     }
 
+    /// The synthetic model `name`, written to a temporary folder (kept while the guard
+    /// lives), opened and loaded.
+    fn open_spec(name: &str) -> (tempfile::TempDir, TensorStore, Model) {
+        let spec = spec(name).expect("a spec");
+        let bytes = build(spec).expect("the generator writes a valid file");
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join(format!("{name}.gguf"));
+        std::fs::write(&path, &bytes).expect("writing the model");
+        let store = TensorStore::open(&path).expect("model opens");
+        let model = Model::load(&store).expect("model loads");
+        (dir, store, model)
+    }
+
     fn skip(test: &str, why: &str) {
         let line = format!("SKIPPED {test}: {why}\n");
         let _ = std::io::stderr().write_all(line.as_bytes());
@@ -594,20 +607,14 @@ mod gpu {
 
     fn check(name: &str) {
         let test = format!("gpu_{name}");
-        let spec = spec(name).expect("a spec");
-        let bytes = build(spec).expect("the generator writes a valid file");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join(format!("{name}.gguf"));
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let (_dir, store, model) = open_spec(name);
         let tokenizer = Tokenizer::from_metadata(store.metadata()).expect("tokenizer");
         let options = EncodeOptions {
             add_special: true,
             parse_special: true,
         };
         let tokens = tokenizer
-            .encode(spec.prompt, options)
+            .encode(spec(name).expect("a spec").prompt, options)
             .expect("prompt encodes");
         let n_vocab = model.config().n_vocab;
         let greedy_len = 32;
@@ -779,13 +786,7 @@ mod gpu {
     /// refused before any device work, with an error naming it, rather than computed
     /// wrongly.
     fn refuses(name: &str, ty: &str) {
-        let spec = spec(name).expect("a spec");
-        let bytes = build(spec).expect("the generator writes a valid file");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join(format!("{name}.gguf"));
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let (_dir, _store, model) = open_spec(name);
         let named = ty;
         assert!(
             model.check_gpu_support().is_err(),
@@ -830,13 +831,7 @@ mod gpu {
     fn batched(name: &str) {
         use model::gpu::{BatchSegment, PageOptions};
         let test = format!("gpu_batched_{name}");
-        let spec = spec(name).expect("a spec");
-        let bytes = build(spec).expect("the generator writes a valid file");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join(format!("{name}.gguf"));
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let (_dir, _store, model) = open_spec(name);
         let n_vocab = model.config().n_vocab as u32;
         let (context, block, steps) = (96usize, 16usize, 12usize);
         let stream = |seed: u32, len: usize| -> Vec<u32> {
@@ -987,13 +982,7 @@ mod gpu {
         use model::serve::{Event, Request, Scheduler, SchedulerConfig};
 
         let test = format!("gpu_scheduler_{name}");
-        let spec = spec(name).expect("a spec");
-        let bytes = build(spec).expect("the generator writes a valid file");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join(format!("{name}.gguf"));
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let (_dir, store, model) = open_spec(name);
         let tokenizer = Arc::new(Tokenizer::from_metadata(store.metadata()).expect("tokenizer"));
         let n_vocab = model.config().n_vocab as u32;
         let (context, max_tokens) = (160usize, 24usize);
@@ -1181,13 +1170,7 @@ mod gpu {
     /// GPU).
     #[test]
     fn gpu_prompt_batch_of_zero_is_refused() {
-        let spec = spec("llama-q4_0").expect("a spec");
-        let bytes = build(spec).expect("a model");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join("m.gguf");
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let (_dir, _store, model) = open_spec("llama-q4_0");
         let options = GpuOptions {
             device: 0,
             mode: UploadMode::Lazy,
@@ -1207,13 +1190,7 @@ mod gpu {
     #[test]
     fn gpu_over_budget_gives_the_full_uploads_logits() {
         let test = "gpu_over_budget_gives_the_full_uploads_logits";
-        let spec = spec("llama-q4_k").expect("a spec");
-        let bytes = build(spec).expect("a model");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join("m.gguf");
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let (_dir, _store, model) = open_spec("llama-q4_k");
         let weights: u64 = model.plan().handles().iter().map(|h| h.size()).sum();
         let tokens: Vec<u32> = (1..40).collect();
         let mut runs = Vec::new();
@@ -1256,13 +1233,7 @@ mod gpu {
     #[test]
     fn gpu_upload_modes_give_the_same_logits() {
         let test = "gpu_upload_modes_give_the_same_logits";
-        let spec = spec("llama-q4_k").expect("a spec");
-        let bytes = build(spec).expect("a model");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join("m.gguf");
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let (_dir, _store, model) = open_spec("llama-q4_k");
         let tokens: Vec<u32> = (1..12).collect();
         let mut results = Vec::new();
         for mode in [UploadMode::Eager, UploadMode::Background, UploadMode::Lazy] {
