@@ -310,10 +310,6 @@ impl Buffers {
         view_mut::<u32>(&mut self.tokens, n)
     }
 
-    pub fn token_view(&self) -> Result<DeviceView<'_, u32>, ModelError> {
-        view::<u32>(&self.tokens, 1)
-    }
-
     pub fn logits_view(&self, len: usize) -> Result<DeviceView<'_, f32>, ModelError> {
         view::<f32>(&self.logits, len)
     }
@@ -933,12 +929,37 @@ pub(super) fn finish(
     last_only: bool,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    let d = config.n_embd;
     let (first, rows) = if last_only { (n - 1, 1) } else { (0, n) };
+    output_logits(config, globals, bufs, Rows::OfX(first), rows, stream)
+}
+
+/// Where the rows that get logits are: consecutive rows of the residual stream `x` from
+/// the one given, or gathered into `proj` first.
+#[derive(Clone, Copy)]
+enum Rows {
+    OfX(usize),
+    InProj,
+}
+
+/// The final norm, the output product and the final soft cap of `rows` rows, into the
+/// first rows of `logits`.
+fn output_logits(
+    config: &ModelConfig,
+    globals: &Globals,
+    bufs: &mut Buffers,
+    from: Rows,
+    rows: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let d = config.n_embd;
+    let input = match from {
+        Rows::OfX(first) => view_at(&bufs.x, first * d..(first + rows) * d)?,
+        Rows::InProj => view(&bufs.proj, rows * d)?,
+    };
     let out = &globals.output;
     let (want_f32, want_q8) = needs(&[out], rows);
     kernels::rms_norm(
-        view_at(&bufs.x, first * d..(first + rows) * d)?,
+        input,
         globals.output_norm.weight(),
         rows,
         d,
@@ -1007,36 +1028,7 @@ pub(super) fn finish_rows(
         view_mut::<f32>(&mut bufs.proj, m * d)?,
         stream,
     )?;
-    let out = &globals.output;
-    let (want_f32, want_q8) = needs(&[out], m);
-    kernels::rms_norm(
-        view(&bufs.proj, m * d)?,
-        globals.output_norm.weight(),
-        m,
-        d,
-        config.rms_norm_eps,
-        want_f32
-            .then(|| view_mut::<f32>(&mut bufs.h, m * d))
-            .transpose()?,
-        false,
-        want_q8
-            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(m, d)))
-            .transpose()?,
-        stream,
-    )?;
-    products(
-        &[out],
-        want_f32.then(|| view(&bufs.h, m * d)).transpose()?,
-        want_q8
-            .then(|| view(&bufs.q8, q8_bytes(m, d)))
-            .transpose()?,
-        m,
-        vec![view_mut::<f32>(&mut bufs.logits, m * config.n_vocab)?],
-        false,
-        &mut bufs.batch_in,
-        stream,
-    )?;
-    cap_logits(config, bufs, m, stream)?;
+    output_logits(config, globals, bufs, Rows::InProj, m, stream)?;
     if argmax {
         kernels::argmax(
             view(&bufs.logits, m * config.n_vocab)?,
@@ -1077,10 +1069,25 @@ pub(super) fn step(
     last_only: bool,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    embed(config, globals, bufs, n, stream)?;
-    for (layer_idx, w) in layers.iter().enumerate() {
-        layer(config, layer_idx, w, bufs, n, Layout::Contiguous, stream)?;
-    }
+    body(config, layers, globals, bufs, n, Layout::Contiguous, stream)?;
     finish(config, globals, bufs, n, last_only, stream)?;
     tail(config, bufs, n, last_only, stream)
+}
+
+/// The embeddings and every transformer block of `n` tokens laid out as `layout`, with
+/// every weight held.
+pub(super) fn body(
+    config: &ModelConfig,
+    layers: &[LayerWeights],
+    globals: &Globals,
+    bufs: &mut Buffers,
+    n: usize,
+    layout: Layout<'_>,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    embed(config, globals, bufs, n, stream)?;
+    for (layer_idx, w) in layers.iter().enumerate() {
+        layer(config, layer_idx, w, bufs, n, layout, stream)?;
+    }
+    Ok(())
 }

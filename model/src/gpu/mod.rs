@@ -218,7 +218,7 @@ impl GpuModel {
         let keep_layers = if hold_all {
             0
         } else {
-            layers_to_keep(&plan, arena_bytes)
+            layers_to_keep(&order, arena_bytes)
         };
 
         // Activations and the KV cache first: their size is known, and failing here
@@ -370,17 +370,34 @@ impl GpuModel {
     /// device (the first highest logit).
     pub fn forward_argmax(&mut self, tokens: &[u32]) -> Result<u32, ModelError> {
         self.eval(tokens, Want::Argmax)?;
-        let token = self
+        Ok(self.greedy_tokens(1)?[0])
+    }
+
+    /// The first `n` greedy tokens copied back by the last call; an error when a row's
+    /// logits held a NaN or +inf (the argmax kernel's `u32::MAX`).
+    fn greedy_tokens(&self, n: usize) -> Result<&[u32], ModelError> {
+        let tokens = &self
             .host_tokens
             .as_slice()
             .map_err(|source| ModelError::Gpu {
-                op: "reading the token",
+                op: "reading the tokens",
                 source,
-            })?[0];
-        if token == u32::MAX {
+            })?[..n];
+        if tokens.contains(&u32::MAX) {
             return Err(ModelError::BadLogits);
         }
-        Ok(token)
+        Ok(tokens)
+    }
+
+    /// Every token id within the vocabulary.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), ModelError> {
+        match tokens.iter().find(|&&t| t as usize >= self.config.n_vocab) {
+            Some(&token) => Err(ModelError::TokenOutOfRange {
+                token,
+                n_vocab: self.config.n_vocab,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Runs the new tokens of several sequences in one pass over the paged cache (see
@@ -400,18 +417,7 @@ impl GpuModel {
         segments: &[BatchSegment<'_>],
     ) -> Result<Vec<u32>, ModelError> {
         let m = self.eval_batch(segments, true)?;
-        let tokens = self
-            .host_tokens
-            .as_slice()
-            .map_err(|source| ModelError::Gpu {
-                op: "reading the tokens",
-                source,
-            })?[..m]
-            .to_vec();
-        if tokens.contains(&u32::MAX) {
-            return Err(ModelError::BadLogits);
-        }
-        Ok(tokens)
+        Ok(self.greedy_tokens(m)?.to_vec())
     }
 
     /// Checks a batch against the cache, lays it out in device memory, runs it and
@@ -482,16 +488,7 @@ impl GpuModel {
                     shape.n_blocks
                 ));
             }
-            if let Some(&token) = seg
-                .tokens
-                .iter()
-                .find(|&&t| t as usize >= self.config.n_vocab)
-            {
-                return Err(ModelError::TokenOutOfRange {
-                    token,
-                    n_vocab: self.config.n_vocab,
-                });
-            }
+            self.check_tokens(seg.tokens)?;
             let first_row = positions.len();
             batch.segments.push(PagedSegment {
                 first_row,
@@ -539,20 +536,7 @@ impl GpuModel {
         if m == 0 {
             return self.sync().map(|()| 0);
         }
-        if argmax {
-            let src = self.bufs.tokens_view(m)?;
-            self.stream
-                .copy_d2h_async(src, &mut self.host_tokens, 0..m)
-                .map_err(gpu("copying results"))?;
-            self.host_tokens.wait().map_err(gpu("copying results"))?;
-        } else {
-            let len = m * self.config.n_vocab;
-            let src = self.bufs.logits_view(len)?;
-            self.stream
-                .copy_d2h_async(src, &mut self.host_logits, 0..len)
-                .map_err(gpu("copying results"))?;
-            self.host_logits.wait().map_err(gpu("copying results"))?;
-        }
+        self.copy_rows_back(m, argmax)?;
         Ok(m)
     }
 
@@ -584,14 +568,7 @@ impl GpuModel {
         if want == Want::AllLogits && tokens.len() > MAX_BATCH {
             return Err(ModelError::EmptyInput);
         }
-        for &token in tokens {
-            if token as usize >= self.config.n_vocab {
-                return Err(ModelError::TokenOutOfRange {
-                    token,
-                    n_vocab: self.config.n_vocab,
-                });
-            }
-        }
+        self.check_tokens(tokens)?;
         let start = self.len;
         let result = self.run_chunks(tokens, want);
         if result.is_err() {
@@ -641,27 +618,33 @@ impl GpuModel {
     }
 
     fn copy_back(&mut self, n: usize, want: Want) -> Result<(), ModelError> {
+        match want {
+            Want::Argmax => self.copy_rows_back(1, true),
+            Want::Logits => self.copy_rows_back(1, false),
+            Want::AllLogits => self.copy_rows_back(n, false),
+        }
+    }
+
+    /// Copies the first `rows` greedy tokens (`tokens`) or rows of logits to the pinned
+    /// host buffers, and waits for them.
+    fn copy_rows_back(&mut self, rows: usize, tokens: bool) -> Result<(), ModelError> {
         let gpu = |source| ModelError::Gpu {
             op: "copying results",
             source,
         };
-        match want {
-            Want::Argmax => {
-                let src = self.bufs.token_view()?;
-                self.stream
-                    .copy_d2h_async(src, &mut self.host_tokens, 0..1)
-                    .map_err(gpu)?;
-                self.host_tokens.wait().map_err(gpu)
-            }
-            Want::Logits | Want::AllLogits => {
-                let rows = if want == Want::Logits { 1 } else { n };
-                let len = rows * self.config.n_vocab;
-                let src = self.bufs.logits_view(len)?;
-                self.stream
-                    .copy_d2h_async(src, &mut self.host_logits, 0..len)
-                    .map_err(gpu)?;
-                self.host_logits.wait().map_err(gpu)
-            }
+        if tokens {
+            let src = self.bufs.tokens_view(rows)?;
+            self.stream
+                .copy_d2h_async(src, &mut self.host_tokens, 0..rows)
+                .map_err(gpu)?;
+            self.host_tokens.wait().map_err(gpu)
+        } else {
+            let len = rows * self.config.n_vocab;
+            let src = self.bufs.logits_view(len)?;
+            self.stream
+                .copy_d2h_async(src, &mut self.host_logits, 0..len)
+                .map_err(gpu)?;
+            self.host_logits.wait().map_err(gpu)
         }
     }
 
@@ -721,10 +704,15 @@ impl GpuModel {
             self.ensure_held()?;
             let held = self.held.as_ref().expect("just ensured");
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
-            forward::embed(config, held.globals(), bufs, n, stream)?;
-            for (layer_idx, w) in held.layers().iter().enumerate() {
-                forward::layer(config, layer_idx, w, bufs, n, layout, stream)?;
-            }
+            forward::body(
+                config,
+                held.layers(),
+                held.globals(),
+                bufs,
+                n,
+                layout,
+                stream,
+            )?;
             return finish(config, held.globals(), bufs, stream);
         }
         // Layer by layer: each layer's tensors are asked for (waiting for that layer
@@ -801,26 +789,23 @@ enum End {
     Rows { argmax: bool },
 }
 
-/// How many of the first layers of `plan` stay resident within `budget` device bytes,
-/// leaving room for the tensors outside the layers and for two more layers (the one
-/// running and the next arriving) to pass through, with a margin for the arena's
-/// alignment.
-fn layers_to_keep(plan: &ExecutionPlan, budget: u64) -> usize {
-    let n_layers = plan.layers.len();
-    let mut per_layer = vec![0u64; n_layers];
-    let mut shared = 0u64;
-    for handle in plan.handles() {
-        let layer = handle
-            .name()
-            .strip_prefix("blk.")
-            .and_then(|rest| rest.split('.').next())
-            .and_then(|index| index.parse::<usize>().ok())
-            .filter(|&index| index < n_layers);
-        match layer {
-            Some(index) => per_layer[index] += handle.size(),
-            None => shared += handle.size(),
-        }
-    }
+/// How many of the first layers of `order` (its `blk.N` groups, in layer order) stay
+/// resident within `budget` device bytes, leaving room for the tensors outside the
+/// layers and for two more layers (the one running and the next arriving) to pass
+/// through, with a margin for the arena's alignment.
+fn layers_to_keep(order: &UploadOrder, budget: u64) -> usize {
+    let bytes = |group: &tensor_store::device::UploadGroup| -> u64 {
+        order.tensors()[group.tensors.clone()]
+            .iter()
+            .map(|t| t.size())
+            .sum()
+    };
+    let (layers, shared): (Vec<_>, Vec<_>) = order
+        .groups()
+        .iter()
+        .partition(|g| g.name.starts_with("blk."));
+    let per_layer: Vec<u64> = layers.into_iter().map(bytes).collect();
+    let shared: u64 = shared.into_iter().map(bytes).sum();
     let largest = per_layer.iter().copied().max().unwrap_or(0);
     let mut room = (budget - budget / 32).saturating_sub(shared + 2 * largest);
     per_layer
