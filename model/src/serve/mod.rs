@@ -235,14 +235,9 @@ impl Scheduler {
                 .name("scheduler".into())
                 .spawn(move || {
                     let mut looper = Loop::new(&model, &tokenizer, config, metrics, waiting);
-                    if let Some(options) = gpu {
-                        match looper.start_gpu(options) {
-                            Ok(()) => {}
-                            Err(e) => {
-                                let _ = ready_tx.send(Err(ServeError::Gpu(e.to_string())));
-                                return;
-                            }
-                        }
+                    if let Some(Err(e)) = gpu.map(|options| looper.start_gpu(options)) {
+                        let _ = ready_tx.send(Err(ServeError::Gpu(e.to_string())));
+                        return;
                     }
                     let _ = ready_tx.send(Ok(()));
                     looper.run(&receiver);
