@@ -32,11 +32,13 @@
 // Launchers (return the platform's native status):
 //   rf_row_scales(x, n_tokens, cols, scales, x16, device, stream)
 //   rf_matmul(type, weights, outs, rows, n_mats, cols, x16, scales, n_tokens, accumulate,
-//             device, stream)
+//             partials, partial_floats, counters, n_counters, device, stream)
+//             (partials/counters: room to split the columns, or null)
 // Each output: n_tokens × rows f32, token-major, as rf_matvec writes it.
 #include "common.h"
 
 #include <atomic>
+#include <type_traits>
 
 #if defined(ROCMFORGE_HIP_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define RF_MM_MMA 1
@@ -284,10 +286,24 @@ __device__ __forceinline__ void put(float* __restrict__ y, int rows, int row, in
 // workgroups sharing a weight tile run together and its blocks come from L2), y = row
 // tiles. Dynamic shared memory: shared_bytes<F, BM>(staged) with staged = the matrix
 // units' path (sm_80 and later).
+//
+// Split columns. With too few tiles to fill the device (a few tokens against a matrix of
+// few rows), grid.z = `splits` workgroups share each tile, each over its own run of
+// whole chunks of columns. They leave their sums in `partials` (one slot of kMmThreads ×
+// the sums a thread holds, per split and tile, laid out so that each thread finds its
+// own), count themselves in `counters[tile]` (zero between launches; the last resets
+// it), and the last of a tile to finish adds the splits' sums in split order, so the
+// result does not depend on which finished when, and writes the tile.
+template <typename F>
+__host__ __device__ constexpr int split_cols() {
+    return Staging<F>::kBlocks ? Staging<F>::kChunk : kMmK;
+}
+
 template <typename F, int BM>
 __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
     matmul_kernel(MatmulMats mats, int cols, const __half* __restrict__ x,
-                  const float* __restrict__ scales, int n_tokens, int accumulate) {
+                  const float* __restrict__ scales, int n_tokens, int accumulate, int splits,
+                  float* partials, unsigned* counters) {
     static_assert(kMmK % kGroup == 0 && kMmK % 16 == 0, "whole groups and matrix steps");
     // Weight groups of eight a step, per thread.
     constexpr int kWGroups = BM * (kMmK / kGroup) / kMmThreads;
@@ -322,6 +338,12 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
     const int tok0 = blockIdx.x * kMmTokens, row0 = tile * BM;
     const size_t row_bytes = (size_t)(cols / F::kValues) * F::kBytes;
     const int steps = (cols + kMmK - 1) / kMmK;
+    // This workgroup's steps: its split's run of whole units of split_cols columns.
+    constexpr int kUnitSteps = split_cols<F>() / kMmK;
+    const int units = (cols + split_cols<F>() - 1) / split_cols<F>();
+    const int split = (int)blockIdx.z;
+    const int s0 = min(steps, split * units / splits * kUnitSteps);
+    const int s1 = min(steps, (split + 1) * units / splits * kUnitSteps);
 
 #if defined(RF_MM_MMA)
     using S = Staging<F>;
@@ -403,9 +425,12 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
             const int p = threadIdx.x + i * kMmThreads;
             const int t = p / (kMmK / 8), kk = (p % (kMmK / 8)) * 8;
             const int k = step * kMmK + kk;
-            const int tok = min(tok0 + t, n_tokens - 1);
-            const bool valid = k < cols;
-            const __half* src = x + (size_t)tok * cols + (valid ? k : 0);
+            // A token past the batch reads as zeros, not as a copy of the last token's
+            // values: every workgroup reading that one row for all its empty places
+            // would queue them all on one slice of the L2 cache (a batch of 16 took
+            // three times as long as one of 128).
+            const bool valid = k < cols && tok0 + t < n_tokens;
+            const __half* src = valid ? x + (size_t)(tok0 + t) * cols + k : x;
             __half* dst = &xt(stage)[t * kMmPitch + kk];
 #if defined(RF_MM_MMA)
             copy16_async(dst, src, valid ? 16 : 0);
@@ -417,25 +442,25 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
     };
 
 #if defined(RF_MM_MMA)
-    // Copy groups, in the order committed: chunk 0, chunk 1, the first activations; then
-    // each step the next step's activations and (maybe empty) the chunk after next. At the
-    // end of a step all but the newest group have landed: the next activations, and the
-    // chunk the next decode reads (requested a whole chunk of steps before).
-    request(0);
-    request(1);
+    // Copy groups, in the order committed: the first two chunks, the first activations;
+    // then each step the next step's activations and (maybe empty) the chunk after next.
+    // At the end of a step all but the newest group have landed: the next activations,
+    // and the chunk the next decode reads (requested a whole chunk of steps before).
+    request(s0 / kStepsPerChunk);
+    request(s0 / kStepsPerChunk + 1);
     copies_wait<1>();
-    __syncthreads();  // chunk 0, copied by every thread, is complete for all
-    decode(0);
+    __syncthreads();  // the first chunk, copied by every thread, is complete for all
+    decode(s0);
     rf_chain_wait();
     store(0);
-    fetch(0, 0);
+    fetch(s0, 0);
     copies_commit();
     copies_wait<0>();
 #else
-    decode(0);
+    decode(s0);
     rf_chain_wait();
     store(0);
-    fetch(0, 0);
+    fetch(s0, 0);
 #endif
 
 #if defined(RF_MM_MMA)
@@ -463,9 +488,9 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
 #endif
     __syncthreads();
 
-    for (int step = 0; step < steps; ++step) {
-        const int cur = step & 1, next = cur ^ 1;
-        const bool more = step + 1 < steps;
+    for (int step = s0; step < s1; ++step) {
+        const int cur = (step - s0) & 1, next = cur ^ 1;
+        const bool more = step + 1 < s1;
 #if defined(RF_MM_MMA)
         if (more) fetch(step + 1, next);
         copies_commit();
@@ -477,26 +502,39 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
             copies_commit();
         }
         if (more) decode(step + 1);
+        // A warp whose tokens are all past the batch has nothing to multiply (the decode
+        // above is the whole workgroup's, so it still takes part in that), and one whose
+        // tokens end inside its 32 multiplies the groups of 16 that hold any. The loops
+        // of a warp with all 32 carry no test, so that they unroll whole.
+        auto multiply = [&](auto whole) {
 #pragma unroll
-        for (int ks = 0; ks < kMmK; ks += 16) {
-            uint32_t a[MT][4];
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const int r = wrow0 + 16 * m + (lane & 15);
-                load_matrices(a[m], &wt(cur)[r * kMmPitch + ks + (lane >> 4) * 8]);
-            }
-#pragma unroll
-            for (int n = 0; n < 4; n += 2) {
-                // Tokens wtok0 + 8n .. + 16: (k 0-7, k 8-15) of the first 8, then of the next.
-                uint32_t b[4];
-                const int t = wtok0 + 8 * n + (lane & 7) + ((lane >> 4) << 3);
-                load_matrices(b, &xt(cur)[t * kMmPitch + ks + ((lane >> 3) & 1) * 8]);
+            for (int ks = 0; ks < kMmK; ks += 16) {
+                uint32_t a[MT][4];
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
-                    mma16816(acc[m][n], a[m], b[0], b[1]);
-                    mma16816(acc[m][n + 1], a[m], b[2], b[3]);
+                    const int r = wrow0 + 16 * m + (lane & 15);
+                    load_matrices(a[m], &wt(cur)[r * kMmPitch + ks + (lane >> 4) * 8]);
+                }
+#pragma unroll
+                for (int n = 0; n < 4; n += 2) {
+                    if (!decltype(whole)::value && tok0 + wtok0 + 8 * n >= n_tokens) break;
+                    // Tokens wtok0 + 8n .. + 16: (k 0-7, k 8-15) of the first 8, then of
+                    // the next.
+                    uint32_t b[4];
+                    const int t = wtok0 + 8 * n + (lane & 7) + ((lane >> 4) << 3);
+                    load_matrices(b, &xt(cur)[t * kMmPitch + ks + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma16816(acc[m][n], a[m], b[0], b[1]);
+                        mma16816(acc[m][n + 1], a[m], b[2], b[3]);
+                    }
                 }
             }
+        };
+        if (tok0 + wtok0 + 32 <= n_tokens) {
+            multiply(std::true_type{});
+        } else if (tok0 + wtok0 < n_tokens) {
+            multiply(std::false_type{});
         }
         if (more) store(next);
         copies_wait<1>();
@@ -516,6 +554,56 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
 #endif
         // The next stage is complete, and this one read, before anyone goes on.
         __syncthreads();
+    }
+
+    if (splits > 1) {
+        // Each thread's sums, visited in one fixed order with constant indices (so that
+        // they stay in registers).
+        auto each_sum = [&](auto&& f) {
+#if defined(RF_MM_MMA)
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) f(acc[m][n][e], (m * 4 + n) * 4 + e);
+                }
+            }
+#else
+#pragma unroll
+            for (int i = 0; i < TPT; ++i) f(acc[i], i);
+#endif
+        };
+#if defined(RF_MM_MMA)
+        constexpr int kSums = MT * 16;
+#else
+        constexpr int kSums = TPT;
+#endif
+        const int n_tiles = (int)(gridDim.x * gridDim.y);
+        const int tile_id = (int)(blockIdx.y * gridDim.x + blockIdx.x);
+        const size_t slot = (size_t)kMmThreads * kSums;
+        float* mine = partials + ((size_t)split * n_tiles + tile_id) * slot + threadIdx.x;
+        each_sum([&](float& v, int i) { mine[(size_t)i * kMmThreads] = v; });
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned before = atomicAdd(&counters[tile_id], 1u);
+            last = before == (unsigned)(splits - 1);
+            if (last) counters[tile_id] = 0u;
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        // The other splits' sums were written by other workgroups during this launch:
+        // read them past this workgroup's cache, in split order.
+        const volatile float* all = partials + (size_t)tile_id * slot + threadIdx.x;
+        const size_t split_stride = (size_t)n_tiles * slot;
+        each_sum([&](float& v, int i) {
+            float sum = 0.0f;
+            for (int z = 0; z < splits; ++z) sum += all[z * split_stride + (size_t)i * kMmThreads];
+            v = sum;
+        });
     }
 
 #if defined(RF_MM_MMA)
@@ -569,9 +657,47 @@ inline DeviceFacts device_facts(int device) {
     return DeviceFacts{(v - 1) / 2, ((v - 1) & 1) != 0};
 }
 
+// Room for split columns that a launch was given: partial sums and tile counters.
+struct SplitRoom {
+    float* partials;
+    long long partial_floats;
+    unsigned* counters;
+    int n_counters;
+};
+
+// A launch's grid: row tiles × token tiles × column splits.
+struct TileGrid {
+    long long tiles, token_tiles, splits;
+    long long workgroups() const { return tiles * token_tiles * splits; }
+};
+
+// The grid of BM-row tiles for a launch. The columns are split when the tiles alone
+// leave the device short of two workgroups a multiprocessor: into as many runs as fill
+// it, each of at least kSplitUnits units of columns, within the room given. Shorter runs
+// lose more to the round trip of the partial sums than the extra workgroups bring
+// (measured on the H100: a 576-column matrix split three ways took longer than unsplit).
+template <typename F, int BM>
+TileGrid tile_grid(const MatmulMats& mats, int cols, int n_tokens, int multiprocessors,
+                   const SplitRoom& room) {
+    constexpr long long kSplitUnits = 8;
+    TileGrid g = {0, (n_tokens + kMmTokens - 1) / kMmTokens, 1};
+    for (int m = 0; m < mats.n; ++m) g.tiles += (mats.rows[m] + BM - 1) / BM;
+    const long long wgs = g.tiles * g.token_tiles;
+    const long long units = (cols + split_cols<F>() - 1) / split_cols<F>();
+    if (room.partials && room.counters && wgs <= room.n_counters) {
+        const long long want = (2LL * multiprocessors + wgs - 1) / wgs;
+        const long long fit =
+            room.partial_floats / (wgs * kMmThreads * (long long)(BM * kMmTokens / kMmThreads));
+        const long long splits = min(min(want, units / kSplitUnits), min(fit, 16LL));
+        if (splits >= 2) g.splits = splits;
+    }
+    return g;
+}
+
 template <typename F, int BM>
 hipError_t launch_tiles(const MatmulMats& mats, int cols, const __half* x, const float* scales,
-                        int n_tokens, int accumulate, bool staged, hipStream_t stream) {
+                        int n_tokens, int accumulate, bool staged, const TileGrid& g,
+                        SplitRoom room, hipStream_t stream) {
     const int bytes = shared_bytes<F, BM>(staged);
 #if defined(ROCMFORGE_HIP_NVIDIA)
     // Past 48 KB a kernel's dynamic shared memory needs raising its limit, once (the
@@ -584,28 +710,31 @@ hipError_t launch_tiles(const MatmulMats& mats, int cols, const __half* x, const
         raised.store(true, std::memory_order_relaxed);
     }
 #endif
-    long long tiles = 0;
-    for (int m = 0; m < mats.n; ++m) tiles += (mats.rows[m] + BM - 1) / BM;
-    const dim3 grid((unsigned)((n_tokens + kMmTokens - 1) / kMmTokens), (unsigned)tiles);
+    const dim3 grid((unsigned)g.token_tiles, (unsigned)g.tiles, (unsigned)g.splits);
     rfLaunchChained((matmul_kernel<F, BM>), grid, dim3(kMmThreads), (size_t)bytes, stream, mats,
-                    cols, x, scales, n_tokens, accumulate);
+                    cols, x, scales, n_tokens, accumulate, (int)g.splits, room.partials,
+                    room.counters);
     return hipGetLastError();
 }
 
 template <typename F>
 hipError_t launch_matmul(const MatmulMats& mats, int cols, const __half* x, const float* scales,
-                         int n_tokens, int accumulate, int device, hipStream_t stream) {
+                         int n_tokens, int accumulate, SplitRoom room, int device,
+                         hipStream_t stream) {
     const DeviceFacts facts = device_facts(device);
-    const long long token_tiles = (n_tokens + kMmTokens - 1) / kMmTokens;
-    long long big_tiles = 0;
-    for (int m = 0; m < mats.n; ++m) big_tiles += (mats.rows[m] + 127) / 128;
-    // 128-row tiles when they give at least two workgroups per multiprocessor (each
-    // holds two), 64-row ones otherwise.
-    if (big_tiles * token_tiles >= 2LL * facts.multiprocessors) {
+    const int sms = facts.multiprocessors;
+    const TileGrid big = tile_grid<F, 128>(mats, cols, n_tokens, sms, room);
+    const TileGrid small = tile_grid<F, 64>(mats, cols, n_tokens, sms, room);
+    // 128-row tiles (each thread decodes twice the weights of a step, against the same
+    // fixed cost of the step) when they, split or not, give two workgroups per
+    // multiprocessor (each holds two), or as many as 64-row tiles would; 64-row ones
+    // otherwise.
+    if (big.workgroups() >= min(2LL * sms, small.workgroups())) {
         return launch_tiles<F, 128>(mats, cols, x, scales, n_tokens, accumulate, facts.staged,
-                                    stream);
+                                    big, room, stream);
     }
-    return launch_tiles<F, 64>(mats, cols, x, scales, n_tokens, accumulate, facts.staged, stream);
+    return launch_tiles<F, 64>(mats, cols, x, scales, n_tokens, accumulate, facts.staged, small,
+                               room, stream);
 }
 
 // One workgroup per token: the power of two 2^e with the token's largest magnitude in
@@ -655,7 +784,8 @@ extern "C" int rf_row_scales(const void* x, int n_tokens, int cols, void* scales
 // and `rows` hold n_mats (1 to 3) matrices of one type and width.
 extern "C" int rf_matmul(int type, const void* const* weights, void* const* outs,
                          const int* rows, int n_mats, int cols, const void* x16,
-                         const void* scales, int n_tokens, int accumulate, int device,
+                         const void* scales, int n_tokens, int accumulate, void* partials,
+                         long long partial_floats, void* counters, int n_counters, int device,
                          void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
@@ -674,9 +804,11 @@ extern "C" int rf_matmul(int type, const void* const* weights, void* const* outs
     const __half* xh = (const __half*)x16;
     const float* sf = (const float*)scales;
     hipStream_t s = (hipStream_t)stream;
+    const rf::SplitRoom room = {(float*)partials, partial_floats, (unsigned*)counters,
+                                n_counters};
     using namespace rf;
 #define RF_MM_CASE(code, Format) \
-    case code: return (int)launch_matmul<Format>(mats, cols, xh, sf, n_tokens, accumulate, device, s);
+    case code: return (int)launch_matmul<Format>(mats, cols, xh, sf, n_tokens, accumulate, room, device, s);
     switch (type) {
         RF_MM_CASE(0, PlainBlocks<PlainF32>)
         RF_MM_CASE(1, PlainBlocks<PlainF16>)

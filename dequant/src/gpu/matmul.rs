@@ -68,6 +68,24 @@ pub fn row_scales(
     launch_scales(x, n_tokens, cols, &mut out, &mut x16, device, stream)
 }
 
+/// Device memory a batch product may split its columns in, when its tiles alone would
+/// leave the device idle (a few tokens against a matrix of few rows): the splits' partial
+/// sums, and one counter per tile, which must hold zeros (the product leaves them so).
+/// [`SPLIT_PARTIALS`] and [`SPLIT_COUNTERS`] are sizes that let every product split as
+/// far as it would; with less, products split less or not at all.
+pub struct SplitScratch<'a> {
+    pub partials: DeviceViewMut<'a, f32>,
+    pub counters: DeviceViewMut<'a, u32>,
+}
+
+/// Partial sums that let a split product fill a device of up to 128 multiprocessors and
+/// more: a split product keeps at most about four workgroups' tiles (of 128 × 128 sums)
+/// per multiprocessor.
+pub const SPLIT_PARTIALS: usize = 8 << 20;
+/// Tile counters a split product may use at most (it splits only grids of fewer
+/// workgroups than twice the multiprocessors).
+pub const SPLIT_COUNTERS: usize = 512;
+
 /// `outs[i] (+)= x · mats[i]ᵀ` for `n_tokens` tokens (any number from 1), queued on
 /// `stream`, for one to [`MAX_MATRICES`](super::matvec::MAX_MATRICES) matrices of one
 /// type and width in one launch (a layer's q, k and v, or gate and up): `x16` and
@@ -81,6 +99,24 @@ pub fn matmul(
     n_tokens: usize,
     outs: &mut [DeviceViewMut<'_, f32>],
     accumulate: bool,
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    matmul_split(mats, x16, scales, n_tokens, outs, accumulate, None, stream)
+}
+
+/// As [`matmul`], splitting the columns over several workgroups per tile when the tiles
+/// alone would leave the device idle and `scratch` has room: the same products, summed
+/// in a fixed order (so repeated calls give the same bits), in a different order from
+/// the unsplit product's.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_split(
+    mats: &[GpuMatrix<'_>],
+    x16: DeviceView<'_, f16>,
+    scales: DeviceView<'_, f32>,
+    n_tokens: usize,
+    outs: &mut [DeviceViewMut<'_, f32>],
+    accumulate: bool,
+    mut scratch: Option<SplitScratch<'_>>,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
     let first = check_group(mats, outs.len())?;
@@ -140,8 +176,23 @@ pub fn matmul(
             .into());
         }
     }
+    if let Some(room) = &scratch {
+        check_device(
+            stream,
+            room.partials.device_ordinal(),
+            room.counters.device_ordinal(),
+        )?;
+    }
     launch(
-        mats, x16, scales, n_tokens, outs, accumulate, device, stream,
+        mats,
+        x16,
+        scales,
+        n_tokens,
+        outs,
+        accumulate,
+        scratch.as_mut(),
+        device,
+        stream,
     )
 }
 
@@ -170,6 +221,10 @@ mod sys {
             scales: *const c_void,
             n_tokens: c_int,
             accumulate: c_int,
+            partials: *mut c_void,
+            partial_floats: i64,
+            counters: *mut c_void,
+            n_counters: c_int,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -214,17 +269,29 @@ fn launch(
     n_tokens: usize,
     outs: &mut [DeviceViewMut<'_, f32>],
     accumulate: bool,
+    scratch: Option<&mut SplitScratch<'_>>,
     device: i32,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
     use std::ffi::c_int;
     let arrays = super::matvec::MatrixArrays::new(mats, outs);
+    let (partials, partial_floats, counters, n_counters) = match scratch {
+        Some(room) => (
+            room.partials.as_mut_ptr(),
+            i64::try_from(room.partials.len()).unwrap_or(i64::MAX),
+            room.counters.as_mut_ptr(),
+            c_int::try_from(room.counters.len()).unwrap_or(c_int::MAX),
+        ),
+        None => (std::ptr::null_mut(), 0, std::ptr::null_mut(), 0),
+    };
     // SAFETY: `matmul` checked every length: each weight view holds exactly its matrix
     // (`GpuMatrix::new`), `x16` `n_tokens × cols` f16, `scales` `n_tokens` f32 and each
     // output `n_tokens × rows` f32, all on the stream's device and borrowed (alive) while
     // the kernel is queued; the three arrays hold `mats.len()` (1 to 3) entries and are
-    // read during the call only. Rows, columns and tokens fit in `c_int`. The kernel
-    // reads and writes only those ranges.
+    // read during the call only. Rows, columns and tokens fit in `c_int`. The split
+    // scratch, when given, is `partial_floats` f32 and `n_counters` u32 on the same device,
+    // borrowed while the kernel is queued; the launcher splits only as far as they hold.
+    // The kernel reads and writes only those ranges.
     let status = unsafe {
         sys::rf_matmul(
             mats[0].ty() as u32 as c_int,
@@ -237,6 +304,10 @@ fn launch(
             scales.as_ptr(),
             n_tokens as c_int,
             c_int::from(accumulate),
+            partials,
+            partial_floats,
+            counters,
+            n_counters,
             device,
             stream.as_raw(),
         )
@@ -266,6 +337,7 @@ fn launch(
     _: usize,
     _: &mut [DeviceViewMut<'_, f32>],
     _: bool,
+    _: Option<&mut SplitScratch<'_>>,
     _: i32,
     _: &Stream,
 ) -> Result<(), GpuDequantError> {

@@ -401,7 +401,9 @@ fn mismatched_products_are_refused_before_any_launch() {
 }
 
 /// The batch products of matrices `mats` (their blocks and rows) of one type and width
-/// on `n` tokens, in one launch, each added to outputs filled with `initial` when given.
+/// on `n` tokens, in one launch, each added to outputs filled with `initial` when given;
+/// with `split`, given room to split their columns (whose counters it checks are left at
+/// zero).
 #[allow(clippy::too_many_arguments)]
 fn gpu_matmul_many(
     device: &Device,
@@ -412,6 +414,7 @@ fn gpu_matmul_many(
     x: &[f32],
     n: usize,
     initial: Option<f32>,
+    split: bool,
 ) -> Vec<Vec<f32>> {
     let bufs: Vec<_> = mats
         .iter()
@@ -439,16 +442,28 @@ fn gpu_matmul_many(
         .map(|&(_, rows)| upload(device, stream, &vec![initial.unwrap_or(f32::NAN); n * rows]))
         .collect();
     let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
-    matmul::matmul(
+    let mut partials = upload(device, stream, &vec![f32::NAN; matmul::SPLIT_PARTIALS]);
+    let mut counters = upload(device, stream, &vec![0u32; matmul::SPLIT_COUNTERS]);
+    let room = split.then(|| matmul::SplitScratch {
+        partials: partials.view_mut(),
+        counters: counters.view_mut(),
+    });
+    matmul::matmul_split(
         &gms,
         x16.view(),
         scales.view(),
         n,
         &mut views,
         initial.is_some(),
+        room,
         stream,
     )
     .expect("batch product");
+    let mut left = vec![1u32; matmul::SPLIT_COUNTERS];
+    stream
+        .read_to_host(counters.view(), &mut left)
+        .expect("read back");
+    assert!(left.iter().all(|&c| c == 0), "split counters left at zero");
     outs.iter()
         .zip(mats)
         .map(|(o, &(_, rows))| {
@@ -472,7 +487,7 @@ fn gpu_matmul(
     n: usize,
     initial: Option<f32>,
 ) -> Vec<f32> {
-    let mut outs = gpu_matmul_many(device, stream, ty, &[(w, rows)], cols, x, n, initial);
+    let mut outs = gpu_matmul_many(device, stream, ty, &[(w, rows)], cols, x, n, initial, false);
     outs.pop().expect("one output")
 }
 
@@ -552,7 +567,17 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
         .collect();
     let mats: Vec<(&[u8], usize)> = ws.iter().map(|(w, rows)| (w.as_slice(), *rows)).collect();
     let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
-    let together = gpu_matmul_many(&device, &stream, GgmlType::Q6_K, &mats, cols, &x, n, None);
+    let together = gpu_matmul_many(
+        &device,
+        &stream,
+        GgmlType::Q6_K,
+        &mats,
+        cols,
+        &x,
+        n,
+        None,
+        false,
+    );
     for (got, &(w, rows)) in together.iter().zip(&mats) {
         let alone = gpu_matmul(&device, &stream, GgmlType::Q6_K, w, rows, cols, &x, n, None);
         assert_eq!(got, &alone, "{rows} rows: in one launch with others");
@@ -587,6 +612,61 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
     assert!(got[..rows].iter().all(|&v| v == 0.0), "a token of zeros");
     let err = relative_error(&got, &reference(GgmlType::Q4_K, &w, rows, cols, &x, n));
     assert!(err <= 2e-3, "large activations: relative error {err:.2e}");
+}
+
+/// Products of few tokens against matrices of few rows split their columns over several
+/// workgroups per tile when given room: the same function as unsplit (to the f16-rounded
+/// reference's bound), the same bits on every call, accumulation included, and the tile
+/// counters left at zero (checked by `gpu_matmul_many`).
+#[test]
+fn split_batch_products_match_and_repeat_exactly() {
+    let Some((device, stream)) = gpu_or_skip("split_batch_products_match_and_repeat_exactly")
+    else {
+        return;
+    };
+    for (i, ty) in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::F16,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // 4096 columns: 16 super-blocks (or 32 chunks of four blocks) to split.
+        for (rows, n) in [(200, 9), (1000, 40), (64, 130)] {
+            let cols = 4096;
+            let mut rng = Rng(9000 + i as u64 * 7 + rows as u64);
+            let w = random_matrix(ty, rows, cols, &mut rng);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+            let run = |initial| {
+                let mats = [(w.as_slice(), rows)];
+                gpu_matmul_many(&device, &stream, ty, &mats, cols, &x, n, initial, true)
+                    .pop()
+                    .expect("one output")
+            };
+            let split = run(None);
+            let err = relative_error(
+                &split,
+                &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
+            );
+            assert!(
+                err <= rounded_bound(ty),
+                "{ty} {rows}x{cols}, {n} tokens, split: relative error {err:.2e}"
+            );
+            assert_eq!(
+                split,
+                run(None),
+                "{ty} {rows}x{cols}, {n} tokens: split repeats"
+            );
+            let added = run(Some(0.25));
+            let expected: Vec<f32> = split.iter().map(|v| v + 0.25).collect();
+            assert_eq!(
+                added, expected,
+                "{ty} {rows}x{cols}, {n} tokens: split accumulates"
+            );
+        }
+    }
 }
 
 /// The products negate the IQ2 and IQ3 grid magnitudes four bytes at a time, as
