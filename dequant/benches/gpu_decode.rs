@@ -3,15 +3,17 @@
 //!
 //! ```text
 //! cargo bench -p dequant --bench gpu_decode -- [--mvalues 64] [--iters 10] [--only Q4_K]
-//!     [--json FILE] [--products]
+//!     [--json FILE] [--products [--tokens 1,4,512]]
 //! ```
 //!
-//! `--products` times the one-token and four-token products instead, and the 512-token
-//! batch product (a prompt's, on the matrix units), on a 7B Llama's matrix shapes:
-//! microseconds per product, the weights' bytes per second and the arithmetic rate
-//! (TFLOP/s, two operations per weight and token). Each timed run cycles through copies of the
-//! matrix that together exceed the GPU's L2 cache, so every product reads its weights
-//! from device memory as in a forward pass.
+//! `--products` times the products instead, for each count of `--tokens` (default 1, 4
+//! and 512), on a 7B Llama's matrix shapes: microseconds per product, the weights' bytes
+//! per second and the arithmetic rate (TFLOP/s, two operations per weight and token),
+//! for each kernel that takes the count: `decode` (up to its limit of tokens), `batch`
+//! (f16 on the matrix units), and `split` (the batch products given room to split the
+//! columns, which they use only where their tiles alone leave the device idle), so that
+//! the switch-over between them can be read off. Each timed run cycles through copies of the matrix that together exceed the GPU's L2 cache, so every
+//! product reads its weights from device memory as in a forward pass.
 //!
 //! Each type decodes `--mvalues` Mi values (default 64 Mi: 256 MiB of f32 output) from
 //! random blocks already in device memory. A figure is the median of `--iters` runs,
@@ -40,6 +42,7 @@ struct Options {
     only: Option<String>,
     json: Option<String>,
     products: bool,
+    tokens: Vec<usize>,
 }
 
 fn options() -> Result<Options, String> {
@@ -49,6 +52,7 @@ fn options() -> Result<Options, String> {
         only: None,
         json: None,
         products: false,
+        tokens: vec![1, 4, 512],
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -67,6 +71,12 @@ fn options() -> Result<Options, String> {
             "--only" => options.only = Some(value()?),
             "--json" => options.json = Some(value()?),
             "--products" => options.products = true,
+            "--tokens" => {
+                options.tokens = value()?
+                    .split(',')
+                    .map(|t| number(t.trim().to_owned()))
+                    .collect::<Result<_, _>>()?;
+            }
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -173,12 +183,34 @@ fn bench(device: &Device, options: &Options) -> Result<Vec<Row>, String> {
     Ok(rows)
 }
 
+/// Which product kernel a row times.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    /// The decode products (`matvec`, Q8 activations), up to `matvec::MAX_TOKENS`.
+    Decode,
+    /// The batch products (`matmul`, f16 activations on the matrix units).
+    Batch,
+    /// The batch products given room to split their columns.
+    Split,
+}
+
+impl Kernel {
+    fn name(self) -> &'static str {
+        match self {
+            Kernel::Decode => "decode",
+            Kernel::Batch => "batch",
+            Kernel::Split => "split",
+        }
+    }
+}
+
 /// One product's figures.
 struct ProductRow {
     ty: GgmlType,
     rows: usize,
     cols: usize,
     tokens: usize,
+    kernel: Kernel,
     us: f64,
     weight_bytes: usize,
 }
@@ -246,7 +278,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                 .map(|b| GpuMatrix::new(ty, rows, cols, b.view()))
                 .collect::<Result<_, _>>()
                 .map_err(|x| e(&x))?;
-            for tokens in [1, 4, 512] {
+            for &tokens in &options.tokens {
                 let x: Vec<f32> = (0..tokens * cols)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                     .collect();
@@ -271,53 +303,77 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                     &stream,
                 )
                 .map_err(|x| e(&x))?;
-                let ms = time_ms(device, &stream, options.iters, || {
-                    for m in &mats {
-                        if tokens > matvec::MAX_TOKENS {
-                            matmul::matmul(
+                // Up to the decode products' limit, those first; then the batch products
+                // twice: as they are, and given room to split their columns (which they
+                // use only where their tiles leave the device idle).
+                let mut partials: DeviceBuffer<f32> =
+                    device.alloc(matmul::SPLIT_PARTIALS).map_err(|x| e(&x))?;
+                let mut counters: DeviceBuffer<u32> =
+                    device.alloc(matmul::SPLIT_COUNTERS).map_err(|x| e(&x))?;
+                stream
+                    .memset_async(counters.view_mut(), 0)
+                    .map_err(|x| e(&x))?;
+                let decode = [Kernel::Decode].into_iter();
+                let kernels = decode
+                    .filter(|_| tokens <= matvec::MAX_TOKENS)
+                    .chain([Kernel::Batch, Kernel::Split]);
+                for kernel in kernels {
+                    let ms = time_ms(device, &stream, options.iters, || {
+                        for m in &mats {
+                            if kernel != Kernel::Decode {
+                                let room =
+                                    (kernel == Kernel::Split).then(|| matmul::SplitScratch {
+                                        partials: partials.view_mut(),
+                                        counters: counters.view_mut(),
+                                    });
+                                matmul::matmul_split(
+                                    std::slice::from_ref(m),
+                                    x16.view(),
+                                    scales.view(),
+                                    tokens,
+                                    &mut [out.view_mut()],
+                                    false,
+                                    room,
+                                    &stream,
+                                )
+                                .map_err(|x| format!("{ty} {name}: {x}"))?;
+                                continue;
+                            }
+                            matvec::matvec(
                                 std::slice::from_ref(m),
-                                x16.view(),
-                                scales.view(),
+                                GpuActivations::Q8(q8.view()),
                                 tokens,
                                 &mut [out.view_mut()],
                                 false,
                                 &stream,
                             )
                             .map_err(|x| format!("{ty} {name}: {x}"))?;
-                            continue;
                         }
-                        matvec::matvec(
-                            std::slice::from_ref(m),
-                            GpuActivations::Q8(q8.view()),
-                            tokens,
-                            &mut [out.view_mut()],
-                            false,
-                            &stream,
-                        )
-                        .map_err(|x| format!("{ty} {name}: {x}"))?;
-                    }
-                    Ok(())
-                })?;
-                let row = ProductRow {
-                    ty,
-                    rows,
-                    cols,
-                    tokens,
-                    us: ms * 1e3 / copies as f64,
-                    weight_bytes: bytes,
-                };
-                println!(
-                    "{:<7} {:<8} {:>6}x{:<6} {:>3} {:>9.2} {:>8.0} {:>7.1}",
-                    ty.name(),
-                    name,
-                    rows,
-                    cols,
-                    tokens,
-                    row.us,
-                    Row::gbps(bytes, row.us * 1e-3),
-                    row.tflops(),
-                );
-                results.push(row);
+                        Ok(())
+                    })?;
+                    let row = ProductRow {
+                        ty,
+                        rows,
+                        cols,
+                        tokens,
+                        kernel,
+                        us: ms * 1e3 / copies as f64,
+                        weight_bytes: bytes,
+                    };
+                    println!(
+                        "{:<7} {:<8} {:>6}x{:<6} {:>3} {:<6} {:>9.2} {:>8.0} {:>7.1}",
+                        ty.name(),
+                        name,
+                        rows,
+                        cols,
+                        tokens,
+                        kernel.name(),
+                        row.us,
+                        Row::gbps(bytes, row.us * 1e-3),
+                        row.tflops(),
+                    );
+                    results.push(row);
+                }
             }
         }
     }
@@ -334,12 +390,13 @@ fn products_json(device: &Device, rows: &[ProductRow]) -> String {
     for (i, r) in rows.iter().enumerate() {
         let _ = write!(
             json,
-            "{}{{\"type\":{},\"rows\":{},\"cols\":{},\"tokens\":{},\"us\":{:.3},\"gbps\":{:.1},\"tflops\":{:.2}}}",
+            "{}{{\"type\":{},\"rows\":{},\"cols\":{},\"tokens\":{},\"kernel\":{},\"us\":{:.3},\"gbps\":{:.1},\"tflops\":{:.2}}}",
             if i == 0 { "" } else { "," },
             json_string(r.ty.name()),
             r.rows,
             r.cols,
             r.tokens,
+            json_string(r.kernel.name()),
             r.us,
             Row::gbps(r.weight_bytes, r.us * 1e-3),
             r.tflops(),
@@ -441,8 +498,8 @@ fn main() {
             options.iters
         );
         println!(
-            "{:<7} {:<8} {:>13} {:>3} {:>9} {:>8} {:>7}",
-            "type", "matrix", "rows x cols", "n", "us", "GB/s", "TFLOP/s"
+            "{:<7} {:<8} {:>13} {:>3} {:<6} {:>9} {:>8} {:>7}",
+            "type", "matrix", "rows x cols", "n", "kernel", "us", "GB/s", "TFLOP/s"
         );
         let rows = bench_products(&device, &options).unwrap_or_else(|error| {
             eprintln!("gpu_decode: {error}");
