@@ -21,22 +21,33 @@ fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
 const ALIGN: usize = 256;
 
 /// The batch products' input: per-token scales (the first `scales_bytes`), then the
-/// tokens' activations divided by them, in f16.
+/// tokens' activations divided by them, in f16; and the room their products split
+/// their columns in (partial sums, and tile counters that hold zeros between products).
 pub(super) struct BatchInput {
     buf: ArenaBuffer,
     scales_bytes: usize,
+    partials: ArenaBuffer,
+    counters: ArenaBuffer,
 }
 
 impl BatchInput {
     /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
-    /// the f16 activations and their per-token scales ([`matmul::row_scales`]).
+    /// the f16 activations and their per-token scales ([`matmul::row_scales`]), with the
+    /// room to split the products.
     fn prepare(
         &mut self,
         input: DeviceView<'_, f32>,
         n: usize,
         mats: &[&Matrix],
         stream: &Stream,
-    ) -> Result<(DeviceView<'_, f16>, DeviceView<'_, f32>), ModelError> {
+    ) -> Result<
+        (
+            DeviceView<'_, f16>,
+            DeviceView<'_, f32>,
+            matmul::SplitScratch<'_>,
+        ),
+        ModelError,
+    > {
         let (split, cols) = (self.scales_bytes, mats[0].cols);
         let cut = gpu("viewing the batch input");
         let whole = self.buf.view_mut::<u8>().map_err(&cut)?;
@@ -60,7 +71,11 @@ impl BatchInput {
             .slice(split..split + 2 * n * cols)
             .and_then(|v| v.cast::<f16>())
             .map_err(&cut)?;
-        Ok((x16, s))
+        let room = matmul::SplitScratch {
+            partials: view_mut::<f32>(&mut self.partials, matmul::SPLIT_PARTIALS)?,
+            counters: view_mut::<u32>(&mut self.counters, matmul::SPLIT_COUNTERS)?,
+        };
+        Ok((x16, s, room))
     }
 }
 
@@ -244,6 +259,8 @@ impl Buffers {
             f32s(attention.acc_len(rows)),          // part_acc
             4 * attention.done_len(rows),           // done
             scales_bytes + 2 * b * width,           // scales, f16 input
+            4 * matmul::SPLIT_PARTIALS,             // split partial sums
+            4 * matmul::SPLIT_COUNTERS,             // split counters
             b * row_bytes,                          // raw embedding rows
             4 * b,                                  // tokens
             4,                                      // pos
@@ -283,6 +300,8 @@ impl Buffers {
             batch_in: BatchInput {
                 buf: next()?,
                 scales_bytes,
+                partials: next()?,
+                counters: next()?,
             },
             raw: next()?,
             tokens: next()?,
@@ -338,6 +357,12 @@ impl Buffers {
         stream
             .memset_async(view_mut::<u32>(&mut self.done, counters)?, 0)
             .map_err(gpu("clearing the attention counters"))?;
+        stream
+            .memset_async(
+                view_mut::<u32>(&mut self.batch_in.counters, matmul::SPLIT_COUNTERS)?,
+                0,
+            )
+            .map_err(gpu("clearing the products' counters"))?;
         let dst = view_mut::<i32>(&mut self.pos, 1)?;
         stream
             .write_from_host(&value, dst)
@@ -449,8 +474,9 @@ fn products(
     batch_in: &mut BatchInput,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    // For a batch, the input once in f16 with its per-token scales.
-    let batch_input = if batched(n) {
+    // For a batch, the input once in f16 with its per-token scales, and the room to
+    // split the products.
+    let mut batch_input = if batched(n) {
         let input = f32_in.expect("f32 input prepared for the batch products");
         Some(batch_in.prepare(input, n, mats, stream)?)
     } else {
@@ -467,8 +493,23 @@ fn products(
             .map(|m| gpu_matrix(m))
             .collect::<Result<Vec<_>, _>>()?;
         let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs.drain(..end - start).collect();
-        match batch_input {
-            Some((x16, s)) => matmul::matmul(&gms, x16, s, n, &mut group_outs, accumulate, stream),
+        match &mut batch_input {
+            Some((x16, s, room)) => {
+                let room = matmul::SplitScratch {
+                    partials: room.partials.reborrow(),
+                    counters: room.counters.reborrow(),
+                };
+                matmul::matmul_split(
+                    &gms,
+                    *x16,
+                    *s,
+                    n,
+                    &mut group_outs,
+                    accumulate,
+                    Some(room),
+                    stream,
+                )
+            }
             None => {
                 let x = if takes_q8(group[0].ty) {
                     GpuActivations::Q8(q8_in.expect("Q8 input prepared for quantized weights"))
