@@ -27,7 +27,7 @@ use tensor_store::TensorStore;
 
 use super::{open_spec, skip};
 
-/// How soon a stop must be honoured once the work in hand is done: the bound.
+/// How soon a stop must be honoured once the work in hand (a layer) is done.
 const PROMPT: Duration = Duration::from_millis(100);
 
 /// Device 0, or `None` after saying why the test is skipped.
