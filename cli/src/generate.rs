@@ -5,7 +5,6 @@ use std::num::NonZeroUsize;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,6 +19,7 @@ use serde_json::json;
 use tensor_store::{LoadMode, TensorStore};
 
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
+use crate::interrupt::{install_ctrl_c, EXIT_INTERRUPTED};
 use crate::load::LoadModeArg;
 use crate::options;
 
@@ -27,8 +27,6 @@ use crate::options;
 pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// llama.cpp's default context size.
 const DEFAULT_CTX_SIZE: usize = 4096;
-/// The conventional exit status of a process stopped by SIGINT.
-const EXIT_INTERRUPTED: u8 = 130;
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
@@ -239,6 +237,9 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
                     .len()
                     .saturating_add(args.max_tokens.saturating_sub(1))
                     .clamp(1, context_size.max(1)),
+                // Ctrl-C during the upload, or during a prompt's pass, stops it between
+                // two layers (an error `main` turns into status 130).
+                stop: Some(Arc::clone(&stop)),
             };
             let mut gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.batch_size)
                 .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
@@ -439,22 +440,6 @@ fn random_seed() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64);
     let mixed = nanos ^ (u64::from(std::process::id()) << 32);
     Xoshiro256::seed_from_u64(mixed).next_u64()
-}
-
-/// The first Ctrl-C sets the returned flag, so generation ends cleanly after the current
-/// token; a second one exits at once.
-fn install_ctrl_c() -> Result<Arc<AtomicBool>> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let presses = AtomicUsize::new(0);
-    let flag = Arc::clone(&stop);
-    ctrlc::set_handler(move || {
-        if presses.fetch_add(1, Ordering::SeqCst) > 0 {
-            std::process::exit(i32::from(EXIT_INTERRUPTED));
-        }
-        flag.store(true, Ordering::SeqCst);
-    })
-    .context("installing the Ctrl-C handler")?;
-    Ok(stop)
 }
 
 #[cfg(test)]

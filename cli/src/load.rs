@@ -18,6 +18,7 @@ use tensor_store::device::{
 use tensor_store::TensorStore;
 
 use crate::generate::model_path;
+use crate::interrupt::install_ctrl_c;
 
 #[derive(clap::Args)]
 pub struct LoadArgs {
@@ -71,6 +72,9 @@ impl From<LoadModeArg> for UploadMode {
 const QUIET_MS: u64 = 250;
 
 pub fn run(args: &LoadArgs) -> Result<()> {
+    // Ctrl-C stops the upload between two chunks and frees what it took; `main` turns
+    // the interruption into status 130.
+    let stop = install_ctrl_c()?;
     let path = model_path(args.gguf.as_deref())?;
     let start = Instant::now();
     let ms = move || start.elapsed().as_secs_f64() * 1e3;
@@ -102,6 +106,7 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         mode: args.load_mode.into(),
         budget: args.budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
         direct_io: args.direct_io,
+        stop: Some(stop),
         ..CacheConfig::default()
     };
     if let Some(readers) = args.readers {
@@ -113,28 +118,33 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         .filter_map(|name| order.groups().iter().position(|g| g.name == *name))
         .collect();
     let bar_in_callback = bar.clone();
-    let cache = DeviceCache::with_progress(target, &store, order, cache_config, move |p| {
-        bar_in_callback.update(p, start);
-    })?;
-    // What a forward pass needs first: the embeddings and the first block.
-    for &g in &first_groups {
-        drop(cache.get_group(g)?);
-    }
-    let first_layer_ms = ms();
-    if let LoadModeArg::Lazy = args.load_mode {
-        // Each layer asked for in turn, as a forward pass would.
-        for g in 0..cache.order().groups().len() {
+    let loaded = (|| -> Result<_> {
+        let cache = DeviceCache::with_progress(target, &store, order, cache_config, move |p| {
+            bar_in_callback.update(p, start);
+        })?;
+        // What a forward pass needs first: the embeddings and the first block.
+        for &g in &first_groups {
             drop(cache.get_group(g)?);
         }
-    }
-    cache.wait_idle()?;
+        let first_layer_ms = ms();
+        if let LoadModeArg::Lazy = args.load_mode {
+            // Each layer asked for in turn, as a forward pass would.
+            for g in 0..cache.order().groups().len() {
+                drop(cache.get_group(g)?);
+            }
+        }
+        cache.wait_idle()?;
+        Ok((cache, first_layer_ms))
+    })();
+    // The bar's line ends before anything else is printed, error or report.
+    bar.finish();
+    let (cache, first_layer_ms) = loaded?;
     let all_ms = ms();
     tracing::info!(
         first_layer_ms = format_args!("{first_layer_ms:.1}"),
         all_ms = format_args!("{all_ms:.1}"),
         "loaded"
     );
-    bar.finish();
 
     let progress = cache.progress();
     let stats = cache.stats();

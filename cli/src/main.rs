@@ -7,6 +7,7 @@ mod device_choice;
 mod devices;
 mod generate;
 mod inspect;
+mod interrupt;
 mod load;
 mod options;
 mod progress;
@@ -77,6 +78,10 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(error) if is_broken_pipe(&error) => ExitCode::SUCCESS,
+        Err(error) if interrupt::is_interrupted(&error) => {
+            eprintln!("interrupted: {}", one_line(&error));
+            ExitCode::from(interrupt::EXIT_INTERRUPTED)
+        }
         Err(error) => {
             eprintln!("error: {}", one_line(&error));
             ExitCode::FAILURE

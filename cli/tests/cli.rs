@@ -384,6 +384,45 @@ fn ctrl_c_stops_cleanly_with_status_130() {
     assert!(text.starts_with(" Paris"), "{text:?}");
 }
 
+/// Ctrl-C while `load` sets up the device or uploads: it stops, frees what it took, says
+/// so in one line and exits 130. Without a usable GPU, `load` fails first, saying why.
+#[test]
+fn ctrl_c_during_a_load_exits_130() {
+    use std::io::BufRead;
+    let model = model_path(SMOLLM2);
+    let mut child = rocmforge()
+        .args(["load", "--gguf", model.to_str().unwrap()])
+        .args(["--load-mode", "eager", "--no-progress"])
+        .env("ROCMFORGE_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("rocmforge starts");
+    // The handler is in place before the first log line: interrupt once it appears.
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut err = String::new();
+    while stderr.read_line(&mut err).expect("stderr") > 0 && !err.contains("model file") {}
+    let interrupt = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(interrupt.success());
+    stderr.read_to_string(&mut err).unwrap();
+    let start = Instant::now();
+    let status = child.wait().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(30));
+    assert!(!err.contains("panicked"), "{err}");
+    if err.contains("cannot use GPU") {
+        assert_eq!(status.code(), Some(1), "{err}");
+        let line = "SKIPPED ctrl_c_during_a_load_exits_130: no usable GPU\n";
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        return;
+    }
+    assert_eq!(status.code(), Some(130), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.starts_with("interrupted: "), "{err}");
+}
+
 /// `load` on a machine where this build can use no GPU says why, in one line, and
 /// fails; on a machine with one it loads and reports. (A GPU is needed for the success
 /// path: it runs in the GPU suite on the device machine.)

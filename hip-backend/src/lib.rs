@@ -32,7 +32,10 @@
 //!   [`HipError::BuiltWithoutGpu`].
 //!
 //! With a platform but no usable device (no GPU, no driver), entry points return
-//! [`HipError::NoDevice`]. Nothing panics in either case. Code can test the platform with
+//! [`HipError::NoDevice`]. Nothing panics in either case.
+//!
+//! [`fault`] is a testing hook: it makes a chosen device or page-locked allocation fail,
+//! as a full device would, so the paths that clean up after one can be tested. Code can test the platform with
 //! `cfg(hip_platform = "amd" | "nvidia" | "none")`, which the build script sets.
 //! `README.md` says how to build and test each variant, and how to run the tests on a GPU
 //! machine that has no Rust toolchain (`scripts/collect-gpu-binaries.sh`,
@@ -75,6 +78,8 @@
 mod arena;
 mod device;
 mod error;
+#[doc(hidden)]
+pub mod fault;
 mod graph;
 mod memory;
 mod pinned;

@@ -159,6 +159,7 @@ fn allocation_error(call: &'static str, bytes: usize, code: c_int) -> HipError {
 
 /// Allocates `bytes` (> 0) of device memory on the current device.
 pub(crate) fn malloc(bytes: usize) -> Result<NonNull<c_void>> {
+    crate::fault::check(crate::fault::Kind::Device, "hipMalloc", bytes)?;
     let mut raw: *mut c_void = ptr::null_mut();
     // SAFETY: `raw` is a live local the call writes once.
     let code = unsafe { sys::rfhip_malloc(&mut raw, bytes) };
@@ -183,6 +184,7 @@ pub(crate) unsafe fn free(raw: NonNull<c_void>) -> Result<()> {
 
 /// Allocates `bytes` (> 0) of page-locked host memory, pinned for every device.
 pub(crate) fn host_alloc(bytes: usize) -> Result<NonNull<c_void>> {
+    crate::fault::check(crate::fault::Kind::Pinned, "hipHostMalloc", bytes)?;
     let mut raw: *mut c_void = ptr::null_mut();
     // SAFETY: `raw` is a live local the call writes once.
     let code = unsafe { sys::rfhip_host_alloc(&mut raw, bytes) };

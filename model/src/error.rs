@@ -9,7 +9,12 @@ pub enum ModelError {
     #[error(transparent)]
     Metadata(#[from] GgufError),
     #[error(transparent)]
-    Store(#[from] tensor_store::StoreError),
+    Store(tensor_store::StoreError),
+    /// The stop flag ([`crate::gpu::GpuOptions::stop`]) was set: the load or the forward
+    /// pass stopped between two layers, and what it had done is undone (the KV cache is
+    /// as it was before the call).
+    #[error("stopped on request")]
+    Interrupted,
     #[error("architecture {name:?} is not supported (supported: {supported})")]
     UnsupportedArchitecture { name: String, supported: String },
     /// The model runs on the CPU but not on the GPU.
@@ -75,6 +80,17 @@ pub enum ModelError {
     /// The logits of a GPU step held a NaN or +inf.
     #[error("the logits hold a NaN or infinite value")]
     BadLogits,
+}
+
+impl From<tensor_store::StoreError> for ModelError {
+    /// A load the stop flag ended is an interruption, not a failure of the store.
+    fn from(error: tensor_store::StoreError) -> ModelError {
+        if error.is_interrupted() {
+            ModelError::Interrupted
+        } else {
+            ModelError::Store(error)
+        }
+    }
 }
 
 impl From<hip_backend::HipError> for ModelError {

@@ -256,9 +256,13 @@ where
     let stop_reason = loop {
         let token = {
             let _span = tracing::trace_span!("forward", n_tokens = input.len()).entered();
-            match session.eval(&input, greedy)? {
-                Next::Token(token) => token,
-                Next::Logits(logits) => sampler.sample(logits)?,
+            match session.eval(&input, greedy) {
+                Ok(Next::Token(token)) => token,
+                Ok(Next::Logits(logits)) => sampler.sample(logits)?,
+                // A back end that honours the stop flag itself (the GPU's, between
+                // layers) stopped within the pass: the cache is as before it.
+                Err(ModelError::Interrupted) => break StopReason::Interrupted,
+                Err(error) => return Err(error.into()),
             }
         };
         positions += input.len();

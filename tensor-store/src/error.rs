@@ -84,6 +84,10 @@ pub enum StoreError {
     /// The upload of `tensor` was cancelled before it completed.
     #[error("loading tensor {tensor:?} was cancelled")]
     LoadCancelled { tensor: String },
+    /// The cache's stop flag ([`crate::device::CacheConfig::stop`]) was set while a load
+    /// was waited for: every upload was cancelled.
+    #[error("loading was stopped on request")]
+    Interrupted,
     /// The upload another request started for `tensor` failed; `source` is its error.
     #[error("loading tensor {tensor:?} failed: {source}")]
     LoadFailed {
@@ -110,6 +114,11 @@ impl StoreError {
             StoreError::LoadFailed { source, .. } => source.root(),
             other => other,
         }
+    }
+
+    /// True when a stop request, not a failure, ended the load.
+    pub fn is_interrupted(&self) -> bool {
+        matches!(self.root(), StoreError::Interrupted)
     }
 
     /// True when the root cause is a tensor that did not fit on the device.

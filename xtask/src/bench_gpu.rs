@@ -197,6 +197,7 @@ fn ours(path: &Path, tokens: usize, prompt: usize, repeat: usize) -> Result<Ours
         mode: UploadMode::Eager,
         budget: None,
         context_size: tokens.max(prompt) + 1,
+        stop: None,
     };
     let mut gpu = GpuModel::new(&model, &options).context("setting the model up on the GPU")?;
     // Warm-up: every weight used once (and the decode step captured).
@@ -326,6 +327,7 @@ fn ours_parallel(
         mode: UploadMode::Eager,
         budget: None,
         context_size: context,
+        stop: None,
     };
     let pages = PageOptions {
         block_size: BLOCK,

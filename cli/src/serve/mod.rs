@@ -355,6 +355,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
             mode: UploadMode::Background,
             budget: None,
             context_size,
+            stop: None,
         };
         let scheduler = Scheduler::start_on_gpu(model, tokens, scheduler_config, options)?;
         tracing::info!(device = "gpu", "serving");

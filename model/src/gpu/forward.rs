@@ -1,6 +1,8 @@
 //! The layer's work on the GPU, queued on a stream: the buffers it runs in and the
 //! sequence of kernels, the same for a captured decode step and for a prompt's chunks.
 
+use std::sync::atomic::AtomicBool;
+
 use dequant::gpu::matmul;
 use dequant::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
 use half::f16;
@@ -1110,13 +1112,24 @@ pub(super) fn step(
     last_only: bool,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    body(config, layers, globals, bufs, n, Layout::Contiguous, stream)?;
+    // Captured once and replayed whole: no stop between its layers.
+    body(
+        config,
+        layers,
+        globals,
+        bufs,
+        n,
+        Layout::Contiguous,
+        stream,
+        None,
+    )?;
     finish(config, globals, bufs, n, last_only, stream)?;
     tail(config, bufs, n, last_only, stream)
 }
 
 /// The embeddings and every transformer block of `n` tokens laid out as `layout`, with
-/// every weight held.
+/// every weight held; stopping before a layer once `stop` is set.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn body(
     config: &ModelConfig,
     layers: &[LayerWeights],
@@ -1125,9 +1138,11 @@ pub(super) fn body(
     n: usize,
     layout: Layout<'_>,
     stream: &Stream,
+    stop: Option<&AtomicBool>,
 ) -> Result<(), ModelError> {
     embed(config, globals, bufs, n, stream)?;
     for (layer_idx, w) in layers.iter().enumerate() {
+        super::check_stop(stop)?;
         layer(config, layer_idx, w, bufs, n, layout, stream)?;
     }
     Ok(())

@@ -28,12 +28,13 @@ mod forward;
 mod kernels;
 mod weights;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use hip_backend::{Device, DeviceArena, Graph, HipError, PinnedBuffer, Stream};
 use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadMode, UploadOrder};
-use tensor_store::TensorStore;
+use tensor_store::{StoreError, TensorStore};
 
 pub use kernels::{KernelError, ShapeError};
 
@@ -64,6 +65,12 @@ pub struct GpuOptions {
     pub budget: Option<u64>,
     /// Most positions the KV cache holds.
     pub context_size: usize,
+    /// A stop request (a Ctrl-C handler's flag, say). Once it is set, the eager upload
+    /// and waits for a background upload cancel the uploads, and a forward pass stops at
+    /// its next layer (or prompt chunk), all within about 10 ms of the work in hand;
+    /// each fails with [`ModelError::Interrupted`]. Looked at with one relaxed load per
+    /// layer: nothing measurable per token.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 /// A KV cache shared in blocks by several sequences, for [`GpuModel::forward_batch`].
@@ -131,6 +138,8 @@ pub struct GpuModel {
     pages: Option<(PageShape, PinnedBuffer<i32>)>,
     /// Which RoPE factors the cache's size takes (Phi-3).
     rope_context: RopeContext,
+    /// [`GpuOptions::stop`].
+    stop: Option<Arc<AtomicBool>>,
     device: Device,
 }
 
@@ -206,6 +215,7 @@ impl GpuModel {
             });
         }
         model.check_gpu_support()?;
+        check_stop(options.stop.as_deref())?;
         let gpu = |op| move |source| ModelError::Gpu { op, source };
         let device = Device::open(options.device).map_err(gpu("device"))?;
         let config = model.config().clone();
@@ -241,10 +251,16 @@ impl GpuModel {
             batch_room,
             pages.as_ref(),
         )?;
-        let target = HipTarget::new(&device, arena_bytes.max(1))?;
+        let target = HipTarget::new(&device, arena_bytes.max(1)).map_err(|error| match error {
+            StoreError::DeviceAlloc { requested, .. } => {
+                out_of_memory(&device, "the weights", requested)
+            }
+            other => other.into(),
+        })?;
         let cache_config = CacheConfig {
             mode: options.mode,
             budget: options.budget,
+            stop: options.stop.clone(),
             ..CacheConfig::default()
         };
         let uploaded = Arc::new(OnceLock::new());
@@ -289,6 +305,7 @@ impl GpuModel {
             uploaded,
             pages,
             rope_context: RopeContext::for_cache(model.config(), capacity),
+            stop: options.stop.clone(),
             device,
         };
         // The position and the attention's counters start at zero.
@@ -589,6 +606,7 @@ impl GpuModel {
         let chunks: Vec<&[u32]> = tokens.chunks(chunk_len).collect();
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.into_iter().enumerate() {
+            check_stop(self.stop.as_deref())?;
             self.write_tokens(chunk)?;
             let output = if i == last { want } else { Want::Logits };
             let wants_output = i == last;
@@ -712,6 +730,7 @@ impl GpuModel {
                 n,
                 layout,
                 stream,
+                self.stop.as_deref(),
             )?;
             return finish(config, held.globals(), bufs, stream);
         }
@@ -722,6 +741,11 @@ impl GpuModel {
         let globals = weights::Globals::fetch(&self.cache, &self.plan)?;
         forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
         for layer_idx in 0..self.plan.layers.len() {
+            if let Err(stopped) = check_stop(self.stop.as_deref()) {
+                // `globals` is released on return: its readers must have finished.
+                self.sync().ok();
+                return Err(stopped);
+            }
             let kept = layer_idx < self.keep_layers;
             if kept && layer_idx == self.kept.len() {
                 let layer = &self.plan.layers[layer_idx];
@@ -787,6 +811,15 @@ impl GpuModel {
 enum End {
     Last { last_only: bool },
     Rows { argmax: bool },
+}
+
+/// [`ModelError::Interrupted`] once `stop` is set: one relaxed load, between layers.
+#[inline]
+pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
+    match stop {
+        Some(stop) if stop.load(Ordering::Relaxed) => Err(ModelError::Interrupted),
+        _ => Ok(()),
+    }
 }
 
 /// How many of the first layers of `order` (its `blk.N` groups, in layer order) stay

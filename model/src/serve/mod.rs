@@ -434,6 +434,7 @@ impl<'m> Loop<'m> {
     fn start_gpu(&mut self, options: GpuOptions) -> Result<(), ModelError> {
         let options = GpuOptions {
             context_size: self.config.context_size,
+            stop: None,
             ..options
         };
         let pages = PageOptions {

@@ -477,6 +477,10 @@ fn synthetic_quantizers_round_trip_within_their_precision() {
 mod gpu {
     use std::io::Write;
 
+    /// Stop requests, injected allocation failures and budgets beyond the device.
+    #[path = "faults.rs"]
+    mod faults;
+
     use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
     use model::tokenizer::{EncodeOptions, Tokenizer};
     use model::Model;
@@ -594,6 +598,7 @@ mod gpu {
             mode,
             budget: None,
             context_size: context,
+            stop: None,
         };
         match GpuModel::with_prompt_batch(model, &options, batch) {
             Ok(gpu) => Some(gpu),
@@ -797,6 +802,7 @@ mod gpu {
             mode: UploadMode::Background,
             budget: None,
             context_size: 16,
+            stop: None,
         };
         match GpuModel::new(&model, &options) {
             Err(model::ModelError::GpuUnsupported { what, .. }) => {
@@ -873,6 +879,7 @@ mod gpu {
             mode: UploadMode::Eager,
             budget: None,
             context_size: context,
+            stop: None,
         };
         let pages = PageOptions {
             block_size: block,
@@ -1037,6 +1044,7 @@ mod gpu {
             mode: UploadMode::Background,
             budget: None,
             context_size: context,
+            stop: None,
         };
         let scheduler =
             Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
@@ -1176,6 +1184,7 @@ mod gpu {
             mode: UploadMode::Lazy,
             budget: None,
             context_size: 16,
+            stop: None,
         };
         match GpuModel::with_prompt_batch(&model, &options, 0) {
             Err(model::ModelError::InvalidPromptBatch { tokens: 0 }) => {}
@@ -1202,6 +1211,7 @@ mod gpu {
                 mode: UploadMode::Background,
                 budget,
                 context_size: 64,
+                stop: None,
             };
             let mut gpu = match GpuModel::new(&model, &options) {
                 Ok(gpu) => gpu,

@@ -2,9 +2,9 @@
 //! GPU, for tests and for `bench-load --device cpu`.
 //!
 //! Copies are plain `memcpy`s done at once, so every fence is already passed. The target
-//! can imitate a small device (a capacity beyond which allocations fail) and a slow link
-//! (a delay per copy), which the tests use to reach the out-of-memory and cancellation
-//! paths.
+//! can imitate a small device (a capacity beyond which allocations fail), a slow link
+//! (a delay per copy) and an allocation that fails whatever the room left, which the
+//! tests use to reach the out-of-memory, allocation-failure and cancellation paths.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,11 +22,16 @@ struct Counters {
     copied_bytes: AtomicU64,
 }
 
-/// Host memory standing in for a device.
+/// Host memory standing in for a device. Clones are views of the same imagined device:
+/// they share its capacity's accounting and its counters (a test keeps one to read
+/// [`HostTarget::stats`] after the cache that owned the other is gone).
+#[derive(Clone)]
 pub struct HostTarget {
     capacity: u64,
     copy_delay: Option<Duration>,
     counters: Arc<Counters>,
+    /// 0: no failure planned; n > 0: the n-th allocation from now fails.
+    fail_countdown: Arc<AtomicU64>,
 }
 
 /// What a [`HostTarget`] has done so far.
@@ -48,6 +53,7 @@ impl HostTarget {
             capacity: u64::MAX,
             copy_delay: None,
             counters: Arc::default(),
+            fail_countdown: Arc::default(),
         }
     }
 
@@ -62,6 +68,13 @@ impl HostTarget {
     pub fn with_copy_delay(mut self, delay: Duration) -> HostTarget {
         self.copy_delay = Some(delay);
         self
+    }
+
+    /// Makes the `nth` allocation from now (1: the next one) fail with
+    /// [`StoreError::DeviceAlloc`] whatever the room left, as a device whose memory
+    /// another user took would.
+    pub fn fail_allocation(&self, nth: u64) {
+        self.fail_countdown.store(nth, Ordering::Relaxed);
     }
 
     pub fn stats(&self) -> HostTargetStats {
@@ -124,6 +137,15 @@ impl DeviceTarget for HostTarget {
     }
 
     fn alloc(&self, bytes: u64) -> Result<HostBuffer, StoreError> {
+        let planned = self
+            .fail_countdown
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if planned == Ok(1) {
+            return Err(StoreError::DeviceAlloc {
+                requested: bytes,
+                reason: "an injected allocation failure".to_owned(),
+            });
+        }
         let live = &self.counters.live_bytes;
         let reserved = live.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
             now.checked_add(bytes)
@@ -232,6 +254,23 @@ mod tests {
         assert_eq!(b.as_slice().len(), 100);
         assert_eq!(target.stats().live_bytes, 100);
         assert_eq!(target.device_allocations(), 2);
+    }
+
+    #[test]
+    fn a_planned_failure_fails_that_allocation_only() {
+        let target = HostTarget::new();
+        let view = target.clone();
+        view.fail_allocation(2);
+        let a = target.alloc(10).unwrap();
+        assert!(matches!(
+            target.alloc(20),
+            Err(StoreError::DeviceAlloc { requested: 20, .. })
+        ));
+        let b = target.alloc(30).unwrap();
+        assert_eq!(view.stats().live_bytes, 40);
+        assert_eq!(view.stats().allocations, 2);
+        drop((a, b));
+        assert_eq!(view.stats().live_bytes, 0);
     }
 
     #[test]

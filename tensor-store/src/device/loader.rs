@@ -3,9 +3,11 @@
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use super::cache::{Cache, CacheStats, DeviceTensor, Lookup};
 use super::files::{ShardFiles, DIRECT_SLACK};
@@ -44,7 +46,18 @@ pub struct CacheConfig {
     /// Read with O_DIRECT, past the page cache (faster from a cold disk; falls back to
     /// ordinary reads where the file system refuses it).
     pub direct_io: bool,
+    /// A stop request (a Ctrl-C handler's flag, say). A cache is not built once it is
+    /// set, and from then on the cache's waits give up within [`STOP_POLL`]: the eager load in [`DeviceCache::new`], a request
+    /// waiting for an upload ([`DeviceCache::get`], [`DeviceCache::get_many`],
+    /// [`DeviceCache::get_group`]) and [`DeviceCache::wait_idle`] cancel every upload, as
+    /// [`DeviceCache::cancel`] does, and fail with [`StoreError::Interrupted`]. Only a
+    /// wait looks at it (a relaxed load each [`STOP_POLL`]): a resident tensor is handed
+    /// out without it.
+    pub stop: Option<Arc<AtomicBool>>,
 }
+
+/// How often a wait looks at [`CacheConfig::stop`].
+pub const STOP_POLL: Duration = Duration::from_millis(10);
 
 impl Default for CacheConfig {
     fn default() -> CacheConfig {
@@ -61,6 +74,7 @@ impl Default for CacheConfig {
             staging_buffers: 16,
             chunk_bytes: 4 << 20,
             direct_io: false,
+            stop: None,
         }
     }
 }
@@ -143,6 +157,9 @@ impl<T: DeviceTarget> DeviceCache<T> {
         callback: Option<ProgressCallback>,
     ) -> Result<DeviceCache<T>, StoreError> {
         config.validate()?;
+        if config.stop.as_deref().is_some_and(stop_requested) {
+            return Err(StoreError::Interrupted);
+        }
         let handles: Vec<TensorHandle> = store.tensors().collect();
         for handle in order.tensors() {
             check_member(&handles, handle)?;
@@ -177,6 +194,7 @@ impl<T: DeviceTarget> DeviceCache<T> {
             staging,
             prefetch,
             progress: ProgressTracker::new(&order, n_tensors, callback),
+            stop: config.stop,
         };
         let (sender, receiver) = mpsc::channel();
         let shared = Arc::new(Shared::new(parts, sender));
@@ -246,7 +264,7 @@ impl<T: DeviceTarget> DeviceCache<T> {
                 Ok(tensor) => return Ok(tensor),
                 Err(slot) => slot,
             };
-            match slot.wait() {
+            match self.shared.wait_slot(&slot)? {
                 Ok(tensor) => return Ok(tensor),
                 Err(Failure::Retry) => continue,
                 Err(failure) => return Err(failure.into_error(handle.name())),
@@ -276,7 +294,7 @@ impl<T: DeviceTarget> DeviceCache<T> {
         for (handle, request) in handles.iter().zip(pending) {
             match request {
                 Ok(tensor) => out.push(tensor),
-                Err(slot) => match slot.wait() {
+                Err(slot) => match self.shared.wait_slot(&slot)? {
                     Ok(tensor) => out.push(tensor),
                     Err(Failure::Retry) => out.push(self.get(handle)?),
                     Err(failure) => return Err(failure.into_error(handle.name())),
@@ -322,7 +340,8 @@ impl<T: DeviceTarget> DeviceCache<T> {
     }
 
     /// Blocks until no upload is queued or running. Fails with the background upload's
-    /// first error, if it had one.
+    /// first error, if it had one, or with [`StoreError::Interrupted`] when the stop flag
+    /// ([`CacheConfig::stop`]) is set meanwhile.
     pub fn wait_idle(&self) -> Result<(), StoreError> {
         self.shared.wait_idle()
     }
@@ -367,6 +386,10 @@ impl<T: DeviceTarget> Drop for DeviceCache<T> {
     }
 }
 
+fn stop_requested(stop: &AtomicBool) -> bool {
+    stop.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The index of `handle` in `handles` (the store's tensors), or an error if it belongs
 /// to another store.
 fn check_member(handles: &[TensorHandle], handle: &TensorHandle) -> Result<usize, StoreError> {
@@ -387,6 +410,18 @@ fn check_member(handles: &[TensorHandle], handle: &TensorHandle) -> Result<usize
 }
 
 impl<T: DeviceTarget> Shared<T> {
+    /// Waits for an upload's outcome; when the stop flag is set meanwhile, cancels every
+    /// upload and fails.
+    fn wait_slot(&self, slot: &Slot<T>) -> Result<super::slot::Outcome<T>, StoreError> {
+        match slot.wait_or_stop(self.stop.as_deref(), STOP_POLL) {
+            Some(outcome) => Ok(outcome),
+            None => {
+                self.cancel();
+                Err(StoreError::Interrupted)
+            }
+        }
+    }
+
     /// Finds a tensor, or makes sure its upload is queued at the front, returning the
     /// slot to wait on. Never blocks on an upload.
     pub(crate) fn request(&self, idx: usize) -> Result<DeviceTensor<T>, Arc<Slot<T>>> {

@@ -12,6 +12,11 @@
 //!   order of an [`UploadOrder`] (layer by layer). A tensor is published only once its
 //!   copies have finished; [`DeviceCache::get_group`] waits for one layer while later
 //!   ones are still in flight; a request moves a tensor to the front.
+//! - A stop flag ([`CacheConfig::stop`]) makes every blocking wait (the eager load, a
+//!   request for a tensor still uploading, [`DeviceCache::wait_idle`]) cancel the
+//!   uploads and fail with [`crate::StoreError::Interrupted`] within [`STOP_POLL`].
+//!   Dropping the cache, interrupted or not, waits for the copies in flight and frees
+//!   every buffer it allocated.
 //! - [`DeviceTarget`] is all it needs from a device: [`HipTarget`] is a GPU (one arena,
 //!   one copy stream, page-locked staging), [`HostTarget`] is host memory, for tests and
 //!   CPU benchmarks, through exactly the same cache code.
@@ -34,7 +39,7 @@ mod worker;
 pub use cache::{CacheStats, DeviceTensor};
 pub use hip::{HipTarget, TENSOR_ALIGN};
 pub use host::{HostBuffer, HostStaging, HostTarget, HostTargetStats};
-pub use loader::{CacheConfig, DeviceCache, GroupFuture, TensorFuture, UploadMode};
+pub use loader::{CacheConfig, DeviceCache, GroupFuture, TensorFuture, UploadMode, STOP_POLL};
 pub use order::{UploadGroup, UploadOrder};
 pub use progress::{Progress, ProgressCallback};
 pub use target::{DeviceTarget, STAGING_ALIGN};

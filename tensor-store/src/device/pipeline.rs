@@ -19,6 +19,7 @@
 //! `Absent`, and its buffer is dropped only after a fence proves no copy into it runs.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
@@ -127,6 +128,8 @@ pub(crate) struct Shared<T: DeviceTarget> {
     pub(super) signal: Condvar,
     publisher: Mutex<Option<Sender<Message<T>>>>,
     pub(crate) progress: ProgressTracker,
+    /// The stop request waits look at (`CacheConfig::stop`).
+    pub(crate) stop: Option<Arc<AtomicBool>>,
 }
 
 pub(crate) struct SharedParts<T: DeviceTarget> {
@@ -138,6 +141,7 @@ pub(crate) struct SharedParts<T: DeviceTarget> {
     pub(crate) staging: Vec<T::Staging>,
     pub(crate) prefetch: Vec<usize>,
     pub(crate) progress: ProgressTracker,
+    pub(crate) stop: Option<Arc<AtomicBool>>,
 }
 
 impl<T: DeviceTarget> Shared<T> {
@@ -172,6 +176,7 @@ impl<T: DeviceTarget> Shared<T> {
             signal: Condvar::new(),
             publisher: Mutex::new(Some(publisher)),
             progress: parts.progress,
+            stop: parts.stop,
         }
     }
 
@@ -276,7 +281,20 @@ impl<T: DeviceTarget> Shared<T> {
     pub(crate) fn wait_idle(&self) -> Result<(), StoreError> {
         let mut q = self.lock();
         while !q.is_idle() {
-            q = self.wait(q);
+            q = match self.stop.as_deref() {
+                None => self.wait(q),
+                Some(stop) if stop.load(Ordering::Relaxed) => {
+                    drop(q);
+                    self.cancel();
+                    return Err(StoreError::Interrupted);
+                }
+                Some(_) => {
+                    self.signal
+                        .wait_timeout(q, super::loader::STOP_POLL)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0
+                }
+            };
         }
         match &q.prefetch_error {
             Some(error) => Err(StoreError::LoadFailed {

@@ -3,8 +3,10 @@
 //! waker list, is never held across an `.await` (futures take it inside `poll` and drop
 //! it before returning), and is never held while waking anyone.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use super::cache::DeviceTensor;
 use super::target::DeviceTarget;
@@ -112,6 +114,32 @@ impl<T: DeviceTarget> Slot<T> {
                 .done
                 .wait(state)
                 .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// As [`Slot::wait`], looking at `stop` every `poll` as well: `None` once it is set
+    /// (before the outcome is published).
+    pub(crate) fn wait_or_stop(
+        &self,
+        stop: Option<&AtomicBool>,
+        poll: Duration,
+    ) -> Option<Outcome<T>> {
+        let Some(stop) = stop else {
+            return Some(self.wait());
+        };
+        let mut state = self.lock();
+        loop {
+            if let Some(outcome) = &state.outcome {
+                return Some(outcome.clone());
+            }
+            if stop.load(Ordering::Relaxed) {
+                return None;
+            }
+            state = self
+                .done
+                .wait_timeout(state, poll)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
         }
     }
 
