@@ -54,6 +54,10 @@ pub const MAX_BATCH: usize = dequant::gpu::matvec::MAX_TOKENS;
 /// launch over the chunk's queries.
 pub const PROMPT_BATCH: usize = 512;
 
+/// Device bytes left to the runtime (its kernels' code, captured graphs) when the
+/// weights' budget is taken from the device's free memory.
+pub const RUNTIME_RESERVE: u64 = 512 << 20;
+
 /// How a [`GpuModel`] is set up.
 #[derive(Clone, Debug)]
 pub struct GpuOptions {
@@ -61,7 +65,9 @@ pub struct GpuOptions {
     pub device: usize,
     /// When the weights go to the device.
     pub mode: UploadMode,
-    /// Device bytes the weights may take; `None`: the whole model.
+    /// Device bytes the weights may take; `None`: the whole model, or, should the
+    /// device not hold it, what the device has free beside the rest, less
+    /// [`RUNTIME_RESERVE`].
     pub budget: Option<u64>,
     /// Most positions the KV cache holds.
     pub context_size: usize,
@@ -223,13 +229,6 @@ impl GpuModel {
         let store: &TensorStore = model.store();
         let order = UploadOrder::by_layer(plan.handles());
         let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
-        let arena_bytes = options.budget.map_or(model_bytes, |b| b.min(model_bytes));
-        let hold_all = arena_bytes >= model_bytes;
-        let keep_layers = if hold_all {
-            0
-        } else {
-            layers_to_keep(&order, arena_bytes)
-        };
 
         // Activations and the KV cache first: their size is known, and failing here
         // costs no upload.
@@ -251,6 +250,23 @@ impl GpuModel {
             batch_room,
             pages.as_ref(),
         )?;
+        // Without a budget, the weights take what the device has left once the
+        // activations and the cache are in, less a reserve for the runtime: a model larger
+        // than that runs with its first layers held and the rest passing through.
+        let budget = match options.budget {
+            Some(budget) => budget,
+            None => {
+                let free = device.memory_info().map_err(gpu("memory info"))?.free as u64;
+                free.saturating_sub(RUNTIME_RESERVE).max(1)
+            }
+        };
+        let arena_bytes = budget.min(model_bytes);
+        let hold_all = arena_bytes >= model_bytes;
+        let keep_layers = if hold_all {
+            0
+        } else {
+            layers_to_keep(&order, arena_bytes)
+        };
         let target = HipTarget::new(&device, arena_bytes.max(1)).map_err(|error| match error {
             StoreError::DeviceAlloc { requested, .. } => {
                 out_of_memory(&device, "the weights", requested)
@@ -259,7 +275,7 @@ impl GpuModel {
         })?;
         let cache_config = CacheConfig {
             mode: options.mode,
-            budget: options.budget,
+            budget: (!hold_all).then_some(arena_bytes),
             stop: options.stop.clone(),
             ..CacheConfig::default()
         };
