@@ -724,15 +724,16 @@ hipError_t launch_matmul(const MatmulMats& mats, int cols, const __half* x, cons
     const DeviceFacts facts = device_facts(device);
     const int sms = facts.multiprocessors;
     const TileGrid big = tile_grid<F, 128>(mats, cols, n_tokens, sms, room);
-    const TileGrid small = tile_grid<F, 64>(mats, cols, n_tokens, sms, room);
-    // 128-row tiles (each thread decodes twice the weights of a step, against the same
-    // fixed cost of the step) when they, split or not, give two workgroups per
-    // multiprocessor (each holds two), or as many as 64-row tiles would; 64-row ones
-    // otherwise.
-    if (big.workgroups() >= min(2LL * sms, small.workgroups())) {
+    // 128-row tiles when they alone give two workgroups per multiprocessor (each holds
+    // two); 64-row ones otherwise, split when those too leave it short. (128-row tiles
+    // split instead gave the same time where 64-row ones are split too, and took 1.4x
+    // as long where 64-row ones fill the device unsplit: a 7B's gate and up at 32
+    // tokens on the H100.)
+    if (big.tiles * big.token_tiles >= 2LL * sms) {
         return launch_tiles<F, 128>(mats, cols, x, scales, n_tokens, accumulate, facts.staged,
                                     big, room, stream);
     }
+    const TileGrid small = tile_grid<F, 64>(mats, cols, n_tokens, sms, room);
     return launch_tiles<F, 64>(mats, cols, x, scales, n_tokens, accumulate, facts.staged, small,
                                room, stream);
 }

@@ -3,11 +3,11 @@
 //! allocation a `GpuModel` makes, and a model larger than the device. Each ends in a
 //! clear error, never a panic, and leaves the device's free memory as it found it.
 //!
-//! Free memory is compared exactly. The runtime takes device memory of its own on first
-//! use (its context, and the code of each kernel when it first runs, since kernels are
-//! loaded lazily), so every test first builds and runs the model it will test once, and
-//! measures only after that: from there on every byte is ours, and every byte must come
-//! back.
+//! Free memory must come back whole. The runtime takes device memory of its own on
+//! first use (its context, and the code of each kernel when it first runs, since kernels
+//! are loaded lazily), so every test first builds and runs the model it will test once,
+//! and measures only after that: from there on every byte taken is ours, and every byte
+//! must come back.
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -46,6 +46,19 @@ fn device(test: &str) -> Option<Device> {
 fn free_memory(device: &Device) -> usize {
     device.synchronize().expect("device idle");
     device.memory_info().expect("memory info").free
+}
+
+/// Free device memory at least `before`: all of ours came back. (Not exactly `before`:
+/// the runtime may release memory of its own meanwhile; it did, 2 MiB, after a failed
+/// arena allocation on the H100.)
+#[track_caller]
+fn assert_no_leak(device: &Device, before: usize, what: impl std::fmt::Display) {
+    let after = free_memory(device);
+    assert!(
+        after >= before,
+        "{what}: {} bytes of device memory not given back",
+        before - after
+    );
 }
 
 fn options(mode: UploadMode, stop: Option<&Arc<AtomicBool>>) -> GpuOptions {
@@ -175,7 +188,11 @@ fn gpu_stop_before_or_during_an_eager_load_frees_everything() {
     let result = GpuModel::new(&zeros.model, &options(UploadMode::Eager, Some(&stop)));
     assert!(matches!(result, Err(ModelError::Interrupted)), "{test}");
     assert!(start.elapsed() < PROMPT, "{test}: {:?}", start.elapsed());
-    assert_eq!(free_memory(&device), before, "{test}: stop before the load");
+    assert_no_leak(
+        &device,
+        before,
+        format_args!("{test}: stop before the load"),
+    );
 
     // Set during: the weights' arena is the second device allocation of the build.
     let stop = Arc::new(AtomicBool::new(false));
@@ -199,7 +216,11 @@ fn gpu_stop_before_or_during_an_eager_load_frees_everything() {
     let late = returned.saturating_duration_since(stopped_at);
     eprintln!("gpu stop during an eager load: returned {late:?} after the flag");
     assert!(late < PROMPT, "{test}: returned {late:?} after the flag");
-    assert_eq!(free_memory(&device), before, "{test}: stop during the load");
+    assert_no_leak(
+        &device,
+        before,
+        format_args!("{test}: stop during the load"),
+    );
 }
 
 #[test]
@@ -244,7 +265,7 @@ fn gpu_stop_during_a_background_load_and_its_forward_pass_frees_everything() {
         assert!(matches!(gpu.forward(&[3]), Err(ModelError::Interrupted)));
         assert_eq!(gpu.len(), tokens.len(), "{test}");
     }
-    assert_eq!(free_memory(&device), before, "{test}");
+    assert_no_leak(&device, before, format_args!("{test}"));
 }
 
 /// Every device allocation, then every page-locked one, that building and running a
@@ -289,15 +310,19 @@ fn gpu_injected_allocation_failures_are_clear_errors_and_leak_nothing() {
                     assert_eq!(len, tokens.len());
                     if !fired {
                         // Past the last allocation: every one has been tried.
-                        assert_eq!(free_memory(&device), before, "{test}: {kind}: a clean run");
+                        assert_no_leak(
+                            &device,
+                            before,
+                            format_args!("{test}: {kind}: a clean run"),
+                        );
                         break;
                     }
                 }
             }
-            assert_eq!(
-                free_memory(&device),
+            assert_no_leak(
+                &device,
                 before,
-                "{test}: {kind} allocation {nth} failed and leaked"
+                "{test}: {kind} allocation {nth} failed and leaked",
             );
             assert!(nth < 64, "{test}: {kind}: more allocations than expected");
         }
@@ -325,7 +350,7 @@ fn gpu_a_budget_or_a_model_beyond_the_device_is_a_clear_error_or_works() {
         let mut gpu = GpuModel::new(&model, &options).expect("a budget beyond the device");
         assert!(gpu.forward(&[1, 2, 3]).is_ok(), "{test}");
     }
-    assert_eq!(free_memory(&device), before, "{test}: a large budget");
+    assert_no_leak(&device, before, format_args!("{test}: a large budget"));
 
     // 70B-shaped layers of about 0.9 GB, enough of them to outgrow the device.
     let per_layer = zero_llama(1, 8192, 28672).bytes;
@@ -345,10 +370,10 @@ fn gpu_a_budget_or_a_model_beyond_the_device_is_a_clear_error_or_works() {
             start.elapsed()
         );
     }
-    assert_eq!(
-        free_memory(&device),
+    assert_no_leak(
+        &device,
         before,
-        "{test}: a model beyond the device"
+        format_args!("{test}: a model beyond the device"),
     );
     let options = GpuOptions {
         budget: Some(total.saturating_mul(2)),
@@ -364,10 +389,10 @@ fn gpu_a_budget_or_a_model_beyond_the_device_is_a_clear_error_or_works() {
         Err(error) => panic!("{test}: a budget beyond the device: unexpected {error}"),
         Ok(_) => panic!("{test}: {} bytes fit in {total}", huge.bytes),
     }
-    assert_eq!(
-        free_memory(&device),
+    assert_no_leak(
+        &device,
         before,
-        "{test}: a budget beyond the device"
+        format_args!("{test}: a budget beyond the device"),
     );
 }
 
