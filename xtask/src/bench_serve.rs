@@ -9,6 +9,11 @@
 //! tokens/s (prompt and generated tokens of all sequences over the whole run) is printed
 //! beside ours with the ratio (ours / llama.cpp, above 1 when we are faster).
 //!
+//! `--device gpu` serves on the GPU (and runs llama.cpp with every layer there, with
+//! flash attention); the default is the CPU. `--python PATH` runs the client with an
+//! interpreter that already has `openai` (on a machine without the package registry)
+//! instead of the pinned virtual environment made under `target/`.
+//!
 //! The two do not measure quite the same thing: ours is end to end, through HTTP and the
 //! Python client (which shares the CPU), `--requests` requests at each client count;
 //! `llama-batched-bench` runs exactly one batch of N sequences inside the library.
@@ -31,6 +36,8 @@ struct Options {
     gen_tokens: usize,
     threads: Option<usize>,
     llama_batched_bench: Option<PathBuf>,
+    python: Option<PathBuf>,
+    gpu: bool,
     json: bool,
 }
 
@@ -44,6 +51,8 @@ fn parse_options(args: &[String]) -> Result<Options> {
         gen_tokens: 128,
         threads: None,
         llama_batched_bench: None,
+        python: None,
+        gpu: false,
         json: false,
     };
     let mut it = args.iter();
@@ -67,6 +76,14 @@ fn parse_options(args: &[String]) -> Result<Options> {
             "--gen-tokens" => o.gen_tokens = value()?.parse().context("--gen-tokens")?,
             "--threads" => o.threads = Some(value()?.parse().context("--threads")?),
             "--llama-batched-bench" => o.llama_batched_bench = Some(value()?.into()),
+            "--python" => o.python = Some(value()?.into()),
+            "--device" => {
+                o.gpu = match value()?.as_str() {
+                    "cpu" => false,
+                    "gpu" => true,
+                    other => bail!("--device: cpu or gpu, not {other:?}"),
+                }
+            }
             "--json" => o.json = true,
             other => bail!("bench-serve: unknown option {other:?}"),
         }
@@ -87,13 +104,6 @@ fn parse_options(args: &[String]) -> Result<Options> {
     Ok(o)
 }
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_owned)
-        .unwrap_or_default()
-}
-
 /// `--rocmforge`, or the release binary, built now.
 fn binary(o: &Options) -> Result<PathBuf> {
     if let Some(path) = &o.rocmforge {
@@ -102,13 +112,13 @@ fn binary(o: &Options) -> Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = Command::new(cargo)
         .args(["build", "--release", "-p", "rocmforge"])
-        .current_dir(workspace_root())
+        .current_dir(crate::workspace_root())
         .status()
         .context("building rocmforge")?;
     ensure!(status.success(), "cargo build failed ({status})");
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target"));
+        .unwrap_or_else(|| crate::workspace_root().join("target"));
     Ok(target.join("release/rocmforge"))
 }
 
@@ -136,7 +146,10 @@ pub fn run(args: &[String]) -> Result<()> {
         model.display()
     );
     let rocmforge = binary(&o)?;
-    let python = crate::openai_client::python()?;
+    let python = match &o.python {
+        Some(python) => python.clone(),
+        None => crate::openai_client::python()?,
+    };
     // The same thread count on both sides, also when none was asked for (the server's
     // default is one per core, llama.cpp's is its own).
     let threads = match o.threads {
@@ -154,6 +167,7 @@ pub fn run(args: &[String]) -> Result<()> {
         .args(["--host", "127.0.0.1", "--port", "0"])
         .args(["--max-sequences", &max_clients.to_string()])
         .args(["--max-queue", &o.requests.max(max_clients).to_string()])
+        .args(["--device", if o.gpu { "gpu" } else { "cpu" }])
         .args(["--ctx-size", &context.to_string()])
         .args(["--kv-pool", &(context * max_clients).to_string()])
         .stderr(Stdio::piped());
@@ -184,7 +198,7 @@ pub fn run(args: &[String]) -> Result<()> {
         .map(usize::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    let script = workspace_root().join("xtask/scripts/bench_serve.py");
+    let script = crate::workspace_root().join("xtask/scripts/bench_serve.py");
     let output = Command::new(&python)
         .arg(&script)
         .args([&base, &model_id, &levels])
@@ -256,13 +270,19 @@ fn llama_batched_bench(
     threads: usize,
 ) -> Result<Vec<Value>> {
     let threads = threads.to_string();
+    // On the GPU, every layer there and flash attention, as `bench-gpu` runs it.
+    let extra: &[&str] = if o.gpu {
+        &["-ngl", "99", "-fa", "on"]
+    } else {
+        &["-t", &threads, "-tb", &threads]
+    };
     run_llama_batched_bench(
         path,
         model,
         o.prompt_tokens,
         o.gen_tokens,
         &o.clients,
-        &["-t", &threads, "-tb", &threads],
+        extra,
     )
 }
 

@@ -19,6 +19,7 @@ mod testdata;
 #[cfg(test)]
 mod tidy;
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Result};
@@ -44,6 +45,7 @@ tasks:
                       llama.cpp's llama-bench when its path is given
   bench-serve [--clients 1,8,32] [--requests N] [--prompt-tokens 128] [--gen-tokens 128]
               [--threads N] [--gguf FILE] [--rocmforge PATH] [--llama-batched-bench PATH] [--json]
+              [--device cpu|gpu] [--python PATH]
                       rocmforge serve on loopback under a bounded concurrency sweep:
                       time to first token, time per output token, aggregate tokens/s
   bench-ttft --gguf FILE [--llama-completion PATH] [--rocmforge PATH] [--prompt-tokens 8,2048]
@@ -103,4 +105,18 @@ fn test(extra: &[String]) -> Result<()> {
     let python = openai_client::python()?;
     std::env::set_var("ROCMFORGE_PYTHON", python);
     test_run::run(extra)
+}
+
+/// The workspace this xtask was built in; or, for a binary carried to another machine
+/// (where that path is absent), the current directory, which must then be a checkout's
+/// root.
+pub(crate) fn workspace_root() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_owned)
+        .unwrap_or_default();
+    if built.join("xtask").is_dir() {
+        return built;
+    }
+    std::env::current_dir().unwrap_or(built)
 }

@@ -2,7 +2,7 @@
 //! as their client: installed by package name, at a pinned version, into a virtual
 //! environment of its own under `target/`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
@@ -10,17 +10,10 @@ use anyhow::{ensure, Context, Result};
 /// The version the tests are written against.
 pub const OPENAI_VERSION: &str = "3.57.0";
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_owned)
-        .unwrap_or_default()
-}
-
 /// The Python of a virtual environment with `openai` at [`OPENAI_VERSION`], made or
 /// updated as needed.
 pub fn python() -> Result<PathBuf> {
-    let venv = workspace_root().join("target/openai-venv");
+    let venv = crate::workspace_root().join("target/openai-venv");
     let python = venv.join("bin/python");
     if !python.exists() {
         eprintln!("creating {}", venv.display());

@@ -49,17 +49,9 @@ fn parse(args: &[String]) -> Result<Options> {
     Ok(o)
 }
 
-/// The workspace root (this crate's parent folder).
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_owned()
-}
-
 pub fn run(args: &[String]) -> Result<()> {
     let o = parse(args)?;
-    let root = workspace_root();
+    let root = crate::workspace_root();
     let testdata = root.join("testdata");
     let scripts = testdata.join("scripts");
     let python = venv(&root.join("target/testdata-venv"))?;

@@ -43,13 +43,6 @@ const ALLOWED_EDGES: &[(&str, &[&str])] = &[
 /// Third-party crates only the binaries may use.
 const BINARY_ONLY: &[&str] = &["tokio", "axum", "tracing-subscriber", "anyhow", "clap"];
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace root")
-        .to_owned()
-}
-
 /// Normal (non-dev, non-build) dependency names of every workspace package.
 fn dependency_graph() -> BTreeMap<String, Vec<String>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -61,7 +54,7 @@ fn dependency_graph() -> BTreeMap<String, Vec<String>> {
             "--no-deps",
             "--offline",
         ])
-        .current_dir(workspace_root())
+        .current_dir(crate::workspace_root())
         .output()
         .expect("cargo metadata runs");
     assert!(out.status.success(), "cargo metadata failed");
@@ -133,7 +126,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 #[test]
 fn every_library_opens_with_crate_docs() {
     for (name, _) in ALLOWED_EDGES {
-        let lib = workspace_root().join(name).join("src/lib.rs");
+        let lib = crate::workspace_root().join(name).join("src/lib.rs");
         if !lib.exists() {
             continue; // a binary crate
         }
@@ -151,7 +144,7 @@ fn sources_hold_no_debugging_leftovers() {
     let mut files = Vec::new();
     for (name, _) in ALLOWED_EDGES {
         let dir = if *name == "rocmforge" { "cli" } else { name };
-        rust_files(&workspace_root().join(dir), &mut files);
+        rust_files(&crate::workspace_root().join(dir), &mut files);
     }
     assert!(files.len() > 10, "found only {} source files", files.len());
     let needle = ["dbg", "!("].concat();
@@ -177,7 +170,7 @@ fn only_binaries_start_runtimes_or_subscribers() {
             continue;
         }
         let mut files = Vec::new();
-        rust_files(&workspace_root().join(name).join("src"), &mut files);
+        rust_files(&crate::workspace_root().join(name).join("src"), &mut files);
         for file in files {
             let text = std::fs::read_to_string(&file).expect("readable");
             for f in &forbidden {
@@ -193,8 +186,8 @@ fn only_binaries_start_runtimes_or_subscribers() {
 #[test]
 fn model_never_calls_hip_ffi_directly() {
     let mut files = Vec::new();
-    rust_files(&workspace_root().join("model/src"), &mut files);
-    let launchers = workspace_root().join("model/src/gpu/kernels.rs");
+    rust_files(&crate::workspace_root().join("model/src"), &mut files);
+    let launchers = crate::workspace_root().join("model/src/gpu/kernels.rs");
     assert!(
         files.contains(&launchers),
         "{} is missing",
@@ -220,7 +213,7 @@ fn build_features(package: &str) -> BTreeMap<String, String> {
         .args(["tree", "--offline", "-p", package])
         .args(["-e", "features,normal,build", "--prefix", "none"])
         .args(["-f", "{p}|{f}"])
-        .current_dir(workspace_root())
+        .current_dir(crate::workspace_root())
         .output()
         .expect("cargo tree runs");
     assert!(out.status.success(), "cargo tree -p {package} failed");
@@ -258,7 +251,7 @@ fn the_build_features_agree_with_the_binarys() {
 /// nor the model download may hide its progress.
 #[test]
 fn long_work_is_not_run_quietly() {
-    let root = workspace_root();
+    let root = crate::workspace_root();
     let config = std::fs::read_to_string(root.join(".cargo/config.toml")).unwrap();
     let alias = config
         .lines()
