@@ -196,7 +196,8 @@ fn ours(path: &Path, tokens: usize, prompt: usize, repeat: usize) -> Result<Ours
         device: 0,
         mode: UploadMode::Eager,
         budget: None,
-        context_size: tokens.max(prompt) + 1,
+        // Room for the warm-up's four positions too.
+        context_size: tokens.max(prompt).max(4) + 1,
         stop: None,
     };
     let mut gpu = GpuModel::new(&model, &options).context("setting the model up on the GPU")?;
