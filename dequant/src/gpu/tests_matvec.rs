@@ -724,3 +724,72 @@ fn the_gpu_multiplies_every_type_the_cpu_does() {
         }
     }
 }
+
+/// The batch products' input: each token's power-of-two scale and its values divided by
+/// it in f16, against the host's, for few tokens (the most threads each) and many, widths
+/// that are and are not multiples of four, and an input and output that start off the
+/// 16- and 8-byte boundaries the wide loads and stores need.
+#[test]
+fn row_scales_match_the_host() {
+    let Some((device, stream)) = gpu_or_skip("row_scales_match_the_host") else {
+        return;
+    };
+    let mut rng = Rng(4242);
+    for (n, cols, offset) in [
+        (3, 4096, 0),
+        (200, 1030, 0),
+        (5, 6, 0),
+        (7, 512, 1),
+        (1, 9, 3),
+    ] {
+        let mut x: Vec<f32> = (0..n * cols + offset)
+            .map(|_| 3000.0 * rng.unit())
+            .collect();
+        x[offset] = 0.5; // a first token of small values
+        let zeros = offset + cols..offset + 2 * cols;
+        if n > 2 {
+            x[zeros].fill(0.0); // and a second of zeros
+        }
+        let x_dev = upload(&device, &stream, &x);
+        let mut scales = upload(&device, &stream, &vec![f32::NAN; n]);
+        let mut x16 = upload(&device, &stream, &vec![f16::NAN; n * cols + offset]);
+        let input = x_dev
+            .view()
+            .slice(offset..offset + n * cols)
+            .expect("input");
+        let output = x16
+            .view_mut()
+            .slice_mut(offset..offset + n * cols)
+            .expect("output");
+        matmul::row_scales(input, n, cols, scales.view_mut(), output, &stream).expect("scales");
+        let mut got_scales = vec![0f32; n];
+        stream
+            .read_to_host(scales.view(), &mut got_scales)
+            .expect("read back");
+        let mut got = vec![f16::ZERO; n * cols + offset];
+        stream
+            .read_to_host(x16.view(), &mut got)
+            .expect("read back");
+        for t in 0..n {
+            let row = &x[offset + t * cols..offset + (t + 1) * cols];
+            let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = if amax > 0.0 {
+                // ilogb of a normal number: its exponent field, unbiased.
+                2f32.powi(((amax.to_bits() >> 23) & 0xff) as i32 - 127 - 14)
+            } else {
+                1.0
+            };
+            assert_eq!(
+                got_scales[t], scale,
+                "{n}x{cols}+{offset}: token {t}'s scale"
+            );
+            for (j, &v) in row.iter().enumerate() {
+                assert_eq!(
+                    got[offset + t * cols + j],
+                    f16::from_f32(v / scale),
+                    "{n}x{cols}+{offset}: token {t}, value {j}"
+                );
+            }
+        }
+    }
+}
