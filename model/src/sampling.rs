@@ -257,6 +257,12 @@ impl Sampler {
         self.recent.push_back(token);
     }
 
+    /// True when [`sample`](Sampler::sample) is the first highest logit as it is: greedy,
+    /// without a repeat penalty (so a device's argmax of the logits is the same token).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.config.mode == SamplingMode::Greedy && self.config.penalty.is_none()
+    }
+
     /// Chooses the next token from `logits` (one per vocabulary entry). Does not
     /// [`accept`](Sampler::accept) it.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {

@@ -375,6 +375,15 @@ struct Sequence<'t> {
 }
 
 impl Sequence<'_> {
+    /// Whether its next token is the first highest logit as the model gives it: greedy,
+    /// with no penalty and no bias.
+    fn takes_plain_argmax(&self) -> bool {
+        self.sampler.is_plain_greedy()
+            && self.logit_bias.is_empty()
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
+
     fn send(&mut self, event: Event) -> bool {
         (self.events)(event)
     }
@@ -689,15 +698,26 @@ impl<'m> Loop<'m> {
             return;
         }
         let computed: usize = feed.iter().sum();
+        // On the GPU, when every sequence that takes a token this step takes the first
+        // highest logit as it is, the device picks them and only the tokens come back.
+        let argmax = self.gpu.is_some()
+            && self
+                .running
+                .iter()
+                .zip(&segments)
+                .filter(|(_, s)| s.logits)
+                .all(|(seq, _)| seq.takes_plain_argmax());
         let result = match &mut self.gpu {
-            Some(gpu) => gpu_step(gpu, &segments),
+            Some(gpu) if argmax => gpu_step_argmax(gpu, &segments).map(StepOut::Tokens),
+            Some(gpu) => gpu_step(gpu, &segments).map(StepOut::Logits),
             None => batch::forward_batch(
                 self.model.config(),
                 self.model.plan(),
                 &mut self.pool,
                 &segments,
                 self.config.context_size,
-            ),
+            )
+            .map(StepOut::Logits),
         };
         let wants: Vec<bool> = segments.iter().map(|s| s.logits).collect();
         drop(segments);
@@ -715,7 +735,10 @@ impl<'m> Loop<'m> {
         };
         let n_vocab = self.model.config().n_vocab;
         let bs = self.pool.block_size();
-        let mut rows = logits.chunks_exact(n_vocab);
+        let (mut rows, mut tokens) = match &logits {
+            StepOut::Logits(l) => (Some(l.chunks_exact(n_vocab)), None),
+            StepOut::Tokens(t) => (None, Some(t.iter())),
+        };
         let mut finished = Vec::new();
         for (i, (&n, &want)) in feed.iter().zip(&wants).enumerate() {
             let seq = &mut self.running[i];
@@ -731,8 +754,18 @@ impl<'m> Loop<'m> {
             if !want {
                 continue;
             }
-            let Some(row) = rows.next() else { break };
-            if let Some(reason) = self.next_token(i, row) {
+            let ends = match (&mut rows, &mut tokens) {
+                (Some(rows), _) => match rows.next() {
+                    Some(row) => self.next_token(i, row),
+                    None => break,
+                },
+                (_, Some(tokens)) => match tokens.next() {
+                    Some(&token) => self.take_token(i, token),
+                    None => break,
+                },
+                (None, None) => break,
+            };
+            if let Some(reason) = ends {
                 finished.push((i, reason));
             }
         }
@@ -748,9 +781,6 @@ impl<'m> Loop<'m> {
     /// Samples `running[i]`'s next token from `logits` and hands out its text. Returns
     /// how the sequence ends, if it does.
     fn next_token(&mut self, i: usize, logits: &[f32]) -> Option<Result<FinishReason, String>> {
-        let context_size = self.config.context_size;
-        let metrics = Arc::clone(&self.metrics);
-        let tokenizer = self.tokenizer;
         let seq = &mut self.running[i];
         let adjusted;
         let logits = if seq.logit_bias.is_empty()
@@ -773,6 +803,16 @@ impl<'m> Loop<'m> {
             Ok(token) => token,
             Err(e) => return Some(Err(e.to_string())),
         };
+        self.take_token(i, token)
+    }
+
+    /// Takes `token` as `running[i]`'s next and hands out its text. Returns how the
+    /// sequence ends, if it does.
+    fn take_token(&mut self, i: usize, token: u32) -> Option<Result<FinishReason, String>> {
+        let context_size = self.config.context_size;
+        let metrics = Arc::clone(&self.metrics);
+        let tokenizer = self.tokenizer;
+        let seq = &mut self.running[i];
         seq.sampler.accept(token);
         let now = Instant::now();
         match seq.last_token {
@@ -865,18 +905,49 @@ impl<'m> Loop<'m> {
     }
 }
 
+/// What a step gives the sequences that take a token: rows of logits, or (the device's
+/// argmax) the tokens themselves.
+enum StepOut {
+    Logits(Vec<f32>),
+    Tokens(Vec<u32>),
+}
+
 /// A step on the GPU: the segments in batches of at most the model's batch of tokens (a
 /// long prompt in pieces, each after the ones before it), their logits in order.
 fn gpu_step(gpu: &mut GpuModel, segments: &[Segment<'_>]) -> Result<Vec<f32>, ModelError> {
-    let room = gpu.prompt_batch().max(MAX_BATCH);
     let mut logits = Vec::new();
+    in_batches(gpu, segments, |gpu, batch| {
+        logits.extend_from_slice(gpu.forward_batch(batch)?);
+        Ok(())
+    })?;
+    Ok(logits)
+}
+
+/// As [`gpu_step`], the greedy tokens taken on the device instead of the logits.
+fn gpu_step_argmax(gpu: &mut GpuModel, segments: &[Segment<'_>]) -> Result<Vec<u32>, ModelError> {
+    let mut tokens = Vec::new();
+    in_batches(gpu, segments, |gpu, batch| {
+        tokens.extend(gpu.forward_batch_argmax(batch)?);
+        Ok(())
+    })?;
+    Ok(tokens)
+}
+
+/// Runs `segments` through `run` in batches of at most the model's batch of tokens, in
+/// order.
+fn in_batches(
+    gpu: &mut GpuModel,
+    segments: &[Segment<'_>],
+    mut run: impl FnMut(&mut GpuModel, &[BatchSegment<'_>]) -> Result<(), ModelError>,
+) -> Result<(), ModelError> {
+    let room = gpu.prompt_batch().max(MAX_BATCH);
     let mut batch: Vec<BatchSegment<'_>> = Vec::new();
     let mut used = 0;
     for seg in segments {
         let mut first = 0;
         while first < seg.tokens.len() {
             if used == room {
-                logits.extend_from_slice(gpu.forward_batch(&batch)?);
+                run(gpu, &batch)?;
                 batch.clear();
                 used = 0;
             }
@@ -892,7 +963,7 @@ fn gpu_step(gpu: &mut GpuModel, segments: &[Segment<'_>]) -> Result<Vec<f32>, Mo
         }
     }
     if !batch.is_empty() {
-        logits.extend_from_slice(gpu.forward_batch(&batch)?);
+        run(gpu, &batch)?;
     }
-    Ok(logits)
+    Ok(())
 }
