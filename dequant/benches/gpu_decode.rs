@@ -12,8 +12,9 @@
 //! for each kernel that takes the count: `decode` (up to its limit of tokens), `batch`
 //! (f16 on the matrix units), and `split` (the batch products given room to split the
 //! columns, which they use only where their tiles alone leave the device idle), so that
-//! the switch-over between them can be read off. Each timed run cycles through copies of the matrix that together exceed the GPU's L2 cache, so every
-//! product reads its weights from device memory as in a forward pass.
+//! the switch-over between them can be read off. Each timed run cycles through copies
+//! of the matrix that together exceed the GPU's L2 cache, so every product reads its
+//! weights from device memory as in a forward pass.
 //!
 //! Each type decodes `--mvalues` Mi values (default 64 Mi: 256 MiB of f32 output) from
 //! random blocks already in device memory. A figure is the median of `--iters` runs,
@@ -258,6 +259,14 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
     .into_iter()
     .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))
     .collect();
+    // The split products' room, their counters left at zero by every product.
+    let mut partials: DeviceBuffer<f32> =
+        device.alloc(matmul::SPLIT_PARTIALS).map_err(|x| e(&x))?;
+    let mut counters: DeviceBuffer<u32> =
+        device.alloc(matmul::SPLIT_COUNTERS).map_err(|x| e(&x))?;
+    stream
+        .memset_async(counters.view_mut(), 0)
+        .map_err(|x| e(&x))?;
     let mut results = Vec::new();
     for ty in types {
         for (name, rows, cols) in SHAPES {
@@ -306,18 +315,12 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                 // Up to the decode products' limit, those first; then the batch products
                 // twice: as they are, and given room to split their columns (which they
                 // use only where their tiles leave the device idle).
-                let mut partials: DeviceBuffer<f32> =
-                    device.alloc(matmul::SPLIT_PARTIALS).map_err(|x| e(&x))?;
-                let mut counters: DeviceBuffer<u32> =
-                    device.alloc(matmul::SPLIT_COUNTERS).map_err(|x| e(&x))?;
-                stream
-                    .memset_async(counters.view_mut(), 0)
-                    .map_err(|x| e(&x))?;
-                let decode = [Kernel::Decode].into_iter();
-                let kernels = decode
-                    .filter(|_| tokens <= matvec::MAX_TOKENS)
-                    .chain([Kernel::Batch, Kernel::Split]);
-                for kernel in kernels {
+                let kernels: &[Kernel] = if tokens <= matvec::MAX_TOKENS {
+                    &[Kernel::Decode, Kernel::Batch, Kernel::Split]
+                } else {
+                    &[Kernel::Batch, Kernel::Split]
+                };
+                for &kernel in kernels {
                     let ms = time_ms(device, &stream, options.iters, || {
                         for m in &mats {
                             if kernel != Kernel::Decode {
@@ -326,7 +329,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                                         partials: partials.view_mut(),
                                         counters: counters.view_mut(),
                                     });
-                                matmul::matmul_split(
+                                matmul::matmul(
                                     std::slice::from_ref(m),
                                     x16.view(),
                                     scales.view(),

@@ -668,7 +668,6 @@ struct SplitRoom {
 // A launch's grid: row tiles × token tiles × column splits.
 struct TileGrid {
     long long tiles, token_tiles, splits;
-    long long workgroups() const { return tiles * token_tiles * splits; }
 };
 
 // The grid of BM-row tiles for a launch. The columns are split when the tiles alone

@@ -32,14 +32,14 @@
 //!   [`HipError::BuiltWithoutGpu`].
 //!
 //! With a platform but no usable device (no GPU, no driver), entry points return
-//! [`HipError::NoDevice`]. Nothing panics in either case.
-//!
-//! [`fault`] is a testing hook: it makes a chosen device or page-locked allocation fail,
-//! as a full device would, so the paths that clean up after one can be tested. Code can test the platform with
-//! `cfg(hip_platform = "amd" | "nvidia" | "none")`, which the build script sets.
+//! [`HipError::NoDevice`]. Nothing panics in either case. Code can test the platform
+//! with `cfg(hip_platform = "amd" | "nvidia" | "none")`, which the build script sets.
 //! `README.md` says how to build and test each variant, and how to run the tests on a GPU
 //! machine that has no Rust toolchain (`scripts/collect-gpu-binaries.sh`,
 //! `scripts/gpu-suite.sh`).
+//!
+//! [`fault`] is a testing hook: it makes a chosen device or page-locked allocation fail,
+//! as a full device would, so the paths that clean up after one can be tested.
 //!
 //! # Kernels in other crates
 //! A crate with HIP kernels (`dequant`, later `model`) reuses this configuration rather

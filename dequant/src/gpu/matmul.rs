@@ -78,6 +78,16 @@ pub struct SplitScratch<'a> {
     pub counters: DeviceViewMut<'a, u32>,
 }
 
+impl SplitScratch<'_> {
+    /// The same room, lent again for one more launch.
+    pub fn reborrow(&mut self) -> SplitScratch<'_> {
+        SplitScratch {
+            partials: self.partials.reborrow(),
+            counters: self.counters.reborrow(),
+        }
+    }
+}
+
 /// Partial sums that let a split product fill a device of up to 128 multiprocessors and
 /// more: a split product keeps at most about four workgroups' tiles (of 128 × 128 sums)
 /// per multiprocessor.
@@ -92,24 +102,13 @@ pub const SPLIT_COUNTERS: usize = 512;
 /// `scales` are what [`row_scales`] made of the `n_tokens × cols` activations, and each
 /// output holds `n_tokens × rows`, token by token; with `accumulate` the products are
 /// added to what the outputs hold. The width must be a multiple of 8.
-pub fn matmul(
-    mats: &[GpuMatrix<'_>],
-    x16: DeviceView<'_, f16>,
-    scales: DeviceView<'_, f32>,
-    n_tokens: usize,
-    outs: &mut [DeviceViewMut<'_, f32>],
-    accumulate: bool,
-    stream: &Stream,
-) -> Result<(), GpuDequantError> {
-    matmul_split(mats, x16, scales, n_tokens, outs, accumulate, None, stream)
-}
-
-/// As [`matmul`], splitting the columns over several workgroups per tile when the tiles
-/// alone would leave the device idle and `scratch` has room: the same products, summed
-/// in a fixed order (so repeated calls give the same bits), in a different order from
-/// the unsplit product's.
+///
+/// Given `scratch` with room, a launch whose tiles alone would leave the device idle
+/// splits its columns over several workgroups per tile: the same products, summed in a
+/// fixed order (so repeated calls give the same bits), in a different order from the
+/// unsplit product's.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul_split(
+pub fn matmul(
     mats: &[GpuMatrix<'_>],
     x16: DeviceView<'_, f16>,
     scales: DeviceView<'_, f32>,

@@ -448,7 +448,7 @@ fn gpu_matmul_many(
         partials: partials.view_mut(),
         counters: counters.view_mut(),
     });
-    matmul::matmul_split(
+    matmul::matmul(
         &gms,
         x16.view(),
         scales.view(),

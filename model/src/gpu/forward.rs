@@ -349,7 +349,8 @@ impl Buffers {
     }
 
     /// Sets the position counter (and waits for it: `len` is a host value), and clears
-    /// the attention's chunk counters (which a failed launch may have left midway).
+    /// the attention's chunk counters and the split products' tile counters (which a
+    /// failed launch may have left midway).
     pub fn set_position(&mut self, stream: &Stream, len: usize) -> Result<(), ModelError> {
         let value = [i32::try_from(len).map_err(|_| ModelError::ContextFull {
             needed: len,
@@ -496,22 +497,16 @@ fn products(
             .collect::<Result<Vec<_>, _>>()?;
         let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs.drain(..end - start).collect();
         match &mut batch_input {
-            Some((x16, s, room)) => {
-                let room = matmul::SplitScratch {
-                    partials: room.partials.reborrow(),
-                    counters: room.counters.reborrow(),
-                };
-                matmul::matmul_split(
-                    &gms,
-                    *x16,
-                    *s,
-                    n,
-                    &mut group_outs,
-                    accumulate,
-                    Some(room),
-                    stream,
-                )
-            }
+            Some((x16, s, room)) => matmul::matmul(
+                &gms,
+                *x16,
+                *s,
+                n,
+                &mut group_outs,
+                accumulate,
+                Some(room.reborrow()),
+                stream,
+            ),
             None => {
                 let x = if takes_q8(group[0].ty) {
                     GpuActivations::Q8(q8_in.expect("Q8 input prepared for quantized weights"))

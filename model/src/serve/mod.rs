@@ -735,10 +735,7 @@ impl<'m> Loop<'m> {
         };
         let n_vocab = self.model.config().n_vocab;
         let bs = self.pool.block_size();
-        let (mut rows, mut tokens) = match &logits {
-            StepOut::Logits(l) => (Some(l.chunks_exact(n_vocab)), None),
-            StepOut::Tokens(t) => (None, Some(t.iter())),
-        };
+        let mut taken = 0;
         let mut finished = Vec::new();
         for (i, (&n, &want)) in feed.iter().zip(&wants).enumerate() {
             let seq = &mut self.running[i];
@@ -754,17 +751,12 @@ impl<'m> Loop<'m> {
             if !want {
                 continue;
             }
-            let ends = match (&mut rows, &mut tokens) {
-                (Some(rows), _) => match rows.next() {
-                    Some(row) => self.next_token(i, row),
-                    None => break,
-                },
-                (_, Some(tokens)) => match tokens.next() {
-                    Some(&token) => self.take_token(i, token),
-                    None => break,
-                },
-                (None, None) => break,
+            let ends = match logits.row(taken, n_vocab) {
+                Some(Choice::Logits(row)) => self.next_token(i, row),
+                Some(Choice::Token(token)) => self.take_token(i, token),
+                None => break,
             };
+            taken += 1;
             if let Some(reason) = ends {
                 finished.push((i, reason));
             }
@@ -910,6 +902,22 @@ impl<'m> Loop<'m> {
 enum StepOut {
     Logits(Vec<f32>),
     Tokens(Vec<u32>),
+}
+
+/// What the `k`-th sequence taking a token gets from a step.
+enum Choice<'a> {
+    Logits(&'a [f32]),
+    Token(u32),
+}
+
+impl StepOut {
+    /// The `k`-th sequence's logits (rows of `n_vocab`) or token; `None` past the last.
+    fn row(&self, k: usize, n_vocab: usize) -> Option<Choice<'_>> {
+        match self {
+            StepOut::Logits(l) => l.get(k * n_vocab..(k + 1) * n_vocab).map(Choice::Logits),
+            StepOut::Tokens(t) => t.get(k).map(|&t| Choice::Token(t)),
+        }
+    }
 }
 
 /// A step on the GPU: the segments in batches of at most the model's batch of tokens (a

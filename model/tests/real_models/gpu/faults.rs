@@ -174,6 +174,31 @@ fn set_when(
     })
 }
 
+/// Runs `work` while `setter` sets the stop flag: it must end in
+/// [`ModelError::Interrupted`] within [`PROMPT`] of the flag. `what` names the work.
+fn stops_in_time<T>(
+    test: &str,
+    what: &str,
+    setter: std::thread::JoinHandle<Instant>,
+    work: impl FnOnce() -> Result<T, ModelError>,
+) {
+    let start = Instant::now();
+    let result = work();
+    let returned = Instant::now();
+    let stopped_at = setter.join().unwrap();
+    match result {
+        Err(ModelError::Interrupted) => {}
+        Err(error) => panic!("{test}: {error}"),
+        Ok(_) => panic!(
+            "{test}: {what} ended in {:?}, before the stop: make the model larger",
+            start.elapsed()
+        ),
+    }
+    let late = returned.saturating_duration_since(stopped_at);
+    eprintln!("gpu stop during {what}: returned {late:?} after the flag");
+    assert!(late < PROMPT, "{test}: returned {late:?} after the flag");
+}
+
 #[test]
 fn gpu_stop_before_or_during_an_eager_load_frees_everything() {
     let test = "gpu_stop_before_or_during_an_eager_load_frees_everything";
@@ -200,22 +225,9 @@ fn gpu_stop_before_or_during_an_eager_load_frees_everything() {
     let setter = set_when(&stop, Duration::from_millis(5), move || {
         hip_backend::allocation_counters().device_allocations >= allocations + 2
     });
-    let start = Instant::now();
-    let result = GpuModel::new(&zeros.model, &options(UploadMode::Eager, Some(&stop)));
-    let returned = Instant::now();
-    let stopped_at = setter.join().unwrap();
-    match result {
-        Err(ModelError::Interrupted) => {}
-        Err(error) => panic!("{test}: {error}"),
-        Ok(_) => panic!(
-            "{test}: {} bytes uploaded in {:?}, before the stop: make the model larger",
-            zeros.bytes,
-            start.elapsed()
-        ),
-    }
-    let late = returned.saturating_duration_since(stopped_at);
-    eprintln!("gpu stop during an eager load: returned {late:?} after the flag");
-    assert!(late < PROMPT, "{test}: returned {late:?} after the flag");
+    stops_in_time(test, "an eager load", setter, || {
+        GpuModel::new(&zeros.model, &options(UploadMode::Eager, Some(&stop)))
+    });
     assert_no_leak(
         &device,
         before,
@@ -237,21 +249,9 @@ fn gpu_stop_during_a_background_load_and_its_forward_pass_frees_everything() {
             .expect("a background load starts");
         // The prompt's pass waits for each layer's upload; the flag comes meanwhile.
         let setter = set_when(&stop, Duration::from_millis(5), || true);
-        let start = Instant::now();
-        let result = gpu.forward(&tokens);
-        let returned = Instant::now();
-        let stopped_at = setter.join().unwrap();
-        match result {
-            Err(ModelError::Interrupted) => {}
-            Err(error) => panic!("{test}: {error}"),
-            Ok(_) => panic!(
-                "{test}: the pass ended in {:?}, before the stop: make the model larger",
-                start.elapsed()
-            ),
-        }
-        let late = returned.saturating_duration_since(stopped_at);
-        eprintln!("gpu stop during a background load's pass: returned {late:?} after the flag");
-        assert!(late < PROMPT, "{test}: returned {late:?} after the flag");
+        stops_in_time(test, "a background load's pass", setter, || {
+            gpu.forward(&tokens)
+        });
         // The KV cache is as before the call, and the model still works once the flag
         // is cleared: what was cancelled uploads again.
         assert_eq!(gpu.len(), 0, "{test}");
