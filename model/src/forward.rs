@@ -102,6 +102,39 @@ fn run_layers(
     Ok(x)
 }
 
+/// Runs the residual stream `x` (`n_embd` values per token) of tokens at positions
+/// `cache.len()..` through the transformer blocks `layers`, appending their keys and
+/// values to those layers of `cache` without committing them: the caller commits once
+/// every layer of the batch has its rows. Every position's row comes out (no layer drops
+/// rows), stopping before a layer once `stop` is set. A GPU model whose budget is smaller than its weights computes the blocks it
+/// does not hold with this, on the mapped file, for a few tokens at a time.
+pub(crate) fn layers_on_host(
+    config: &ModelConfig,
+    plan: &ExecutionPlan,
+    layers: std::ops::Range<usize>,
+    x: &mut Vec<f32>,
+    cache: &mut KvCache,
+    stop: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<(), ModelError> {
+    let n = x.len() / config.n_embd.max(1);
+    cache.check_room(n)?;
+    let batch = Batch {
+        first_pos: cache.len(),
+        rows: Rows::All,
+    };
+    on_the_pool(|| {
+        let mut scratch = Scratch::default();
+        for layer_idx in layers {
+            if stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
+                return Err(ModelError::Interrupted);
+            }
+            let layer = &plan.layers[layer_idx];
+            layer_forward(config, layer, layer_idx, x, cache, batch, &mut scratch)?;
+        }
+        Ok(())
+    })
+}
+
 /// Where a batch stands and what a layer keeps of it.
 #[derive(Clone, Copy)]
 struct Batch {

@@ -18,6 +18,12 @@
 //! together (S_PP, S_TG, S), beside `llama-batched-bench`'s (`--llama-batched-bench
 //! PATH`, run with every layer on the GPU, flash attention on, `-b 2048 -ub 512`).
 //!
+//! With `--budgets 25,50,75`: the same tg and pp with the weights' device budget
+//! (`GpuOptions::budget`) at those percentages of the model's size, beside `llama-bench`
+//! with `-ngl` at the same share of the layers (rounded). The layers the budget does not
+//! hold are computed on the host while decoding and streamed through the budget's room for
+//! a prompt; llama.cpp computes its other layers on the CPU.
+//!
 //! Without a usable GPU it says why in one line and exits non-zero.
 
 use std::path::{Path, PathBuf};
@@ -43,6 +49,7 @@ struct Options {
     npp: usize,
     ntg: usize,
     llama_batched_bench: Option<PathBuf>,
+    budgets: Vec<u64>,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -57,6 +64,7 @@ fn parse(args: &[String]) -> Result<Options> {
         npp: 128,
         ntg: 128,
         llama_batched_bench: None,
+        budgets: Vec::new(),
     };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
@@ -78,6 +86,13 @@ fn parse(args: &[String]) -> Result<Options> {
             "--npp" => o.npp = value()?.parse().context("--npp")?,
             "--ntg" => o.ntg = value()?.parse().context("--ntg")?,
             "--llama-batched-bench" => o.llama_batched_bench = Some(value()?.into()),
+            "--budgets" => {
+                o.budgets = value()?
+                    .split(',')
+                    .map(|n| n.trim().parse::<u64>())
+                    .collect::<Result<_, _>>()
+                    .context("--budgets takes percentages like 25,50,75")?;
+            }
             other => bail!("bench-gpu: unknown option {other:?}"),
         }
     }
@@ -86,6 +101,9 @@ fn parse(args: &[String]) -> Result<Options> {
     }
     if o.tokens == 0 || o.repeat == 0 {
         bail!("bench-gpu: --tokens and --repeat must be positive");
+    }
+    if o.budgets.iter().any(|&p| p == 0 || p >= 100) {
+        bail!("bench-gpu: --budgets are percentages of the model, between 1 and 99");
     }
     if o.parallel.contains(&0) || (!o.parallel.is_empty() && (o.npp == 0 || o.ntg == 0)) {
         bail!("bench-gpu: --parallel, --npp and --ntg must be positive");
@@ -105,9 +123,9 @@ pub fn run(args: &[String]) -> Result<()> {
     );
     let mut rows = Vec::new();
     for path in &o.models {
-        let ours = ours(path, o.tokens, o.prompt, o.repeat)?;
+        let ours = ours(path, o.tokens, o.prompt, o.repeat, None)?;
         let theirs = match &o.llama_bench {
-            Some(bench) => Some(llama_bench(bench, path, o.tokens, o.prompt, o.repeat)?),
+            Some(bench) => Some(llama_bench(bench, path, o.tokens, o.prompt, o.repeat, 99)?),
             None => None,
         };
         let name = path
@@ -153,6 +171,9 @@ pub fn run(args: &[String]) -> Result<()> {
         if !o.parallel.is_empty() {
             rows.extend(parallel_rows(&o, path, &name)?);
         }
+        for &percent in &o.budgets {
+            rows.extend(budget_rows(&o, path, &name, percent)?);
+        }
     }
     if let Some(out) = &o.json {
         let doc = json!({ "device": device.name(), "results": rows });
@@ -170,6 +191,9 @@ struct Ours {
     weight_values: u64,
     /// Prompt tokens/s (median) and every run's.
     prompt: Option<(f64, Vec<f64>)>,
+    n_layers: usize,
+    /// Layers a decode step computed on the host (over budget).
+    host_layers: usize,
 }
 
 /// llama-bench's figures for one model.
@@ -179,7 +203,14 @@ struct Theirs {
     pp: Option<f64>,
 }
 
-fn ours(path: &Path, tokens: usize, prompt: usize, repeat: usize) -> Result<Ours> {
+/// Our tg and pp, the weights held within `budget` device bytes (`None`: all of them).
+fn ours(
+    path: &Path,
+    tokens: usize,
+    prompt: usize,
+    repeat: usize,
+    budget: Option<u64>,
+) -> Result<Ours> {
     let store = TensorStore::open(path).with_context(|| format!("opening {}", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
     let weight_bytes = model.plan().handles().iter().map(|h| h.size()).sum();
@@ -195,7 +226,7 @@ fn ours(path: &Path, tokens: usize, prompt: usize, repeat: usize) -> Result<Ours
     let options = GpuOptions {
         device: 0,
         mode: UploadMode::Eager,
-        budget: None,
+        budget,
         // Room for the warm-up's four positions too.
         context_size: tokens.max(prompt).max(4) + 1,
         stop: None,
@@ -246,7 +277,59 @@ fn ours(path: &Path, tokens: usize, prompt: usize, repeat: usize) -> Result<Ours
         weight_bytes,
         weight_values,
         prompt: prompt_result,
+        n_layers: model.config().n_layers,
+        host_layers: gpu.host_layers(),
     })
+}
+
+/// tg and pp with the weights' budget at `percent` of the model, beside llama-bench with
+/// that share of the layers on the GPU: printed, and returned as JSON rows.
+fn budget_rows(o: &Options, path: &Path, name: &str, percent: u64) -> Result<Vec<Value>> {
+    let store = TensorStore::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let bytes: u64 = Model::load(&store)?
+        .plan()
+        .handles()
+        .iter()
+        .map(|h| h.size())
+        .sum();
+    drop(store);
+    let budget = bytes * percent / 100;
+    let ours = ours(path, o.tokens, o.prompt, o.repeat, Some(budget))?;
+    let ngl = ((ours.n_layers as u64 * percent + 50) / 100) as usize;
+    let theirs = match &o.llama_bench {
+        Some(bench) => Some(llama_bench(bench, path, o.tokens, o.prompt, o.repeat, ngl)?),
+        None => None,
+    };
+    let note = format!(
+        "budget {} MiB: {} of {} layers on the host; llama.cpp -ngl {ngl}",
+        budget >> 20,
+        ours.host_layers,
+        ours.n_layers
+    );
+    let mut tests = vec![(
+        format!("tg{}", o.tokens),
+        ours.tokens_per_s,
+        theirs.map(|t| t.tg),
+    )];
+    if let Some((pp, _)) = ours.prompt {
+        tests.push((format!("pp{}", o.prompt), pp, theirs.and_then(|t| t.pp)));
+    }
+    let mut rows = Vec::new();
+    for (test, mine, llama) in tests {
+        let label = format!("{test}@{percent}%");
+        print_row(name, &label, mine, llama, &note);
+        rows.push(json!({
+            "model": path.display().to_string(),
+            "test": label,
+            "budget_bytes": budget,
+            "host_layers": ours.host_layers,
+            "llama_cpp_gpu_layers": ngl,
+            "ours_tokens_per_s": mine,
+            "llama_cpp_tokens_per_s": llama,
+            "ratio": llama.map(|t| mine / t),
+        }));
+    }
+    Ok(rows)
 }
 
 /// Batched decoding of each of `o.parallel` sequence counts, ours beside
@@ -415,21 +498,22 @@ fn ours_parallel(
 }
 
 /// llama-bench's average tokens/s for `-n tokens` (generation after an empty context)
-/// and, unless `prompt` is 0, `-p prompt` (one batch of prompt tokens), all layers on
-/// the GPU.
+/// and, unless `prompt` is 0, `-p prompt` (one batch of prompt tokens), `ngl` layers on
+/// the GPU (99: all).
 fn llama_bench(
     bench: &Path,
     model: &Path,
     tokens: usize,
     prompt: usize,
     repeat: usize,
+    ngl: usize,
 ) -> Result<Theirs> {
     let output = Command::new(bench)
         .args(["-m"])
         .arg(model)
         .args([
             "-ngl",
-            "99",
+            &ngl.to_string(),
             "-p",
             &prompt.to_string(),
             "-n",

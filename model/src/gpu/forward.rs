@@ -343,6 +343,50 @@ impl Buffers {
         view_mut::<i32>(&mut self.meta, len)
     }
 
+    /// The residual stream: `len` values from the first token's.
+    pub fn x_view(&self, len: usize) -> Result<DeviceView<'_, f32>, ModelError> {
+        view::<f32>(&self.x, len)
+    }
+
+    pub fn x_mut(&mut self, len: usize) -> Result<DeviceViewMut<'_, f32>, ModelError> {
+        view_mut::<f32>(&mut self.x, len)
+    }
+
+    /// Values per position of a layer's cached keys, and of its values.
+    pub fn kv_dims(&self) -> (usize, usize) {
+        let a = &self.attention;
+        (a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim_v)
+    }
+
+    /// `layer`'s cached keys and values of `positions`, in the contiguous layout of one
+    /// sequence (position `p`'s row at `p`).
+    pub fn kv_view(
+        &self,
+        layer: usize,
+        positions: std::ops::Range<usize>,
+    ) -> Result<(DeviceView<'_, f16>, DeviceView<'_, f16>), ModelError> {
+        let (kd, vd) = self.kv_dims();
+        let (s, e) = (positions.start, positions.end);
+        Ok((
+            view_at::<f16>(&self.k_cache[layer], s * kd..e * kd)?,
+            view_at::<f16>(&self.v_cache[layer], s * vd..e * vd)?,
+        ))
+    }
+
+    /// As [`Buffers::kv_view`], to write.
+    pub fn kv_mut(
+        &mut self,
+        layer: usize,
+        positions: std::ops::Range<usize>,
+    ) -> Result<(DeviceViewMut<'_, f16>, DeviceViewMut<'_, f16>), ModelError> {
+        let (kd, vd) = self.kv_dims();
+        let (s, e) = (positions.start, positions.end);
+        Ok((
+            view_mut_at::<f16>(&mut self.k_cache[layer], s * kd..e * kd)?,
+            view_mut_at::<f16>(&mut self.v_cache[layer], s * vd..e * vd)?,
+        ))
+    }
+
     /// Most rows of logits one pass computes.
     pub fn logit_rows(&self) -> usize {
         self.logit_rows

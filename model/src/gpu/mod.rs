@@ -25,6 +25,7 @@
 //! safe types and the typed wrappers of [`kernels`].
 
 mod forward;
+mod host;
 mod kernels;
 mod weights;
 
@@ -36,12 +37,14 @@ use hip_backend::{Device, DeviceArena, Graph, HipError, PinnedBuffer, Stream};
 use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadMode, UploadOrder};
 use tensor_store::{StoreError, TensorStore};
 
+pub use host::HOST_TOKENS;
 pub use kernels::{KernelError, ShapeError};
 
 use crate::config::ModelConfig;
 use crate::plan::ExecutionPlan;
 use crate::{Model, ModelError};
 use forward::{Buffers, Layout, PageShape, PagedBatch, PagedSegment};
+use host::HostLayers;
 pub(crate) use weights::check_plan;
 use weights::{Held, LayerWeights, RopeContext};
 
@@ -129,6 +132,9 @@ pub struct GpuModel {
     /// cache's remaining room, layer by layer.
     keep_layers: usize,
     kept: Vec<LayerWeights>,
+    /// Over budget, for one sequence: the layers past `keep_layers`, computed on the host
+    /// in passes of a few tokens.
+    host: Option<HostLayers>,
     bufs: Buffers,
     capacity: usize,
     /// Most tokens of a prompt's chunk.
@@ -293,6 +299,20 @@ impl GpuModel {
         let host_logits = device
             .alloc_pinned::<f32>(bufs.logit_rows() * config.n_vocab)
             .map_err(gpu("pinned"))?;
+        // One sequence over budget: its decode steps compute the layers that are not held
+        // on the host rather than upload them every token.
+        let host = if keep_layers < config.n_layers && !hold_all && pages.is_none() {
+            Some(HostLayers::new(
+                &device,
+                &config,
+                keep_layers..config.n_layers,
+                capacity,
+                prompt_batch,
+                options.stop.clone(),
+            )?)
+        } else {
+            None
+        };
         let pages = match pages {
             Some(shape) => {
                 let meta = device
@@ -311,6 +331,7 @@ impl GpuModel {
             hold_all,
             keep_layers,
             kept: Vec::new(),
+            host,
             bufs,
             capacity,
             prompt_batch,
@@ -359,6 +380,15 @@ impl GpuModel {
     /// Most positions the KV cache holds.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// How many of the last layers a pass of at most [`HOST_TOKENS`] tokens computes on
+    /// the host: those the budget does not hold (zero when it holds every layer, and for
+    /// a paged batch, which streams them).
+    pub fn host_layers(&self) -> usize {
+        self.host
+            .as_ref()
+            .map_or(0, |h| self.config.n_layers - h.first())
     }
 
     /// Most tokens of a prompt's chunk.
@@ -754,9 +784,23 @@ impl GpuModel {
         // only) and released once its work has run, except the first `keep_layers` of a
         // model larger than its budget, held from their first use on so that only the
         // others pass through the cache again every pass.
+        //
+        // Over budget, a pass of a few tokens of one sequence runs the layers that are
+        // not held on the host instead (`host.rs`); a longer one streams them, once the
+        // device has the keys and values the host computed.
+        let first_pos = self.len;
+        let on_host = match (&mut self.host, layout) {
+            (Some(host), Layout::Contiguous) if n <= HOST_TOKENS => Some(host.first()),
+            (Some(host), _) => {
+                host.before_device_pass(&mut self.bufs, &self.stream, first_pos)?;
+                None
+            }
+            (None, _) => None,
+        };
+        let device_layers = on_host.unwrap_or(self.plan.layers.len());
         let globals = weights::Globals::fetch(&self.cache, &self.plan)?;
         forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
-        for layer_idx in 0..self.plan.layers.len() {
+        for layer_idx in 0..device_layers {
             if let Err(stopped) = check_stop(self.stop.as_deref()) {
                 // `globals` is released on return: its readers must have finished.
                 self.sync().ok();
@@ -791,6 +835,14 @@ impl GpuModel {
                 self.sync()?;
             }
         }
+        if let Some(host) = &mut self.host {
+            if on_host.is_some() {
+                let (config, plan) = (&self.config, &self.plan);
+                host.run(config, plan, &mut self.bufs, &self.stream, first_pos, n)?;
+            } else {
+                host.after_device_pass(first_pos + n);
+            }
+        }
         finish(&self.config, &globals, &mut self.bufs, &self.stream)?;
         if !self.hold_all {
             // `globals` is released on return: its readers must have finished.
@@ -816,6 +868,9 @@ impl GpuModel {
     fn set_position(&mut self, len: usize) -> Result<(), ModelError> {
         self.sync().ok();
         self.bufs.set_position(&self.stream, len)?;
+        if let Some(host) = &mut self.host {
+            host.truncate(len);
+        }
         self.len = len;
         Ok(())
     }

@@ -1193,16 +1193,24 @@ mod gpu {
         }
     }
 
-    /// A budget smaller than the model: the first layers stay, the others pass through
-    /// the rest of the budget every pass, and the logits are the full upload's, bit for
-    /// bit (the same kernels on the same bytes), for a prompt and for decoded tokens.
+    /// A budget smaller than the model: the first layers stay, and the others pass
+    /// through the rest of the budget for a long chunk, whose logits are the full
+    /// upload's bit for bit (the same kernels on the same bytes). A pass of a few tokens
+    /// computes those layers on the host instead, within the GPU's tolerance of the full
+    /// upload's logits. The keys and values each side computed reach the other: decode
+    /// steps after a prompt read the prompt's from the device, a chunk after decode steps
+    /// reads theirs from the host, and decode steps follow again.
     #[test]
     fn gpu_over_budget_gives_the_full_uploads_logits() {
         let test = "gpu_over_budget_gives_the_full_uploads_logits";
         let (_dir, _store, model) = open_spec("llama-q4_k");
         let weights: u64 = model.plan().handles().iter().map(|h| h.size()).sum();
-        let tokens: Vec<u32> = (1..40).collect();
-        let mut runs = Vec::new();
+        let prompt: Vec<u32> = (1..40).collect();
+        let chunk: Vec<u32> = (50..70).collect();
+        assert!(prompt.len().min(chunk.len()) > model::gpu::HOST_TOKENS);
+        // The full upload's passes, and the tokens it decoded (the others decode the same).
+        let mut full: Vec<Vec<f32>> = Vec::new();
+        let mut decoded: Vec<u32> = Vec::new();
         // Below the model's size, above what the shared tensors (this small model's
         // embeddings are most of it) and two passing layers take.
         for budget in [None, Some(weights * 9 / 10), Some(weights * 3 / 4)] {
@@ -1210,7 +1218,7 @@ mod gpu {
                 device: 0,
                 mode: UploadMode::Background,
                 budget,
-                context_size: 64,
+                context_size: 96,
                 stop: None,
             };
             let mut gpu = match GpuModel::new(&model, &options) {
@@ -1221,21 +1229,47 @@ mod gpu {
                 }
                 Err(error) => panic!("{test}: budget {budget:?}: {error}"),
             };
-            let mut logits = gpu.forward(&tokens).expect("prompt");
-            for _ in 0..4 {
-                let next = argmax(&logits) as u32;
-                logits.extend(gpu.forward(&[next]).expect("decode"));
+            let host_layers = gpu.host_layers();
+            let mut passes = vec![gpu.forward(&prompt).expect("prompt")];
+            let mut step = 0;
+            let mut decode = |gpu: &mut GpuModel, passes: &mut Vec<Vec<f32>>, steps: usize| {
+                for _ in 0..steps {
+                    if budget.is_none() {
+                        decoded.push(argmax(passes.last().expect("a pass")) as u32);
+                    }
+                    passes.push(gpu.forward(&[decoded[step]]).expect("decode"));
+                    step += 1;
+                }
+            };
+            decode(&mut gpu, &mut passes, 4);
+            passes.push(gpu.forward(&chunk).expect("a chunk after decoding"));
+            decode(&mut gpu, &mut passes, 3);
+            // A few tokens with the logits of each.
+            passes.push(gpu.forward_all_logits(&[7, 8, 9]).expect("all logits"));
+            let evictions = gpu.cache().stats().evictions;
+            if budget.is_none() {
+                assert_eq!(host_layers, 0, "{test}: the full upload holds every layer");
+                full = passes;
+                continue;
             }
-            let stats = gpu.cache().stats();
-            runs.push((budget, logits, stats.evictions));
-        }
-        let (_, full, _) = &runs[0];
-        for (budget, logits, evictions) in &runs[1..] {
-            assert!(*evictions > 0, "{test}: budget {budget:?} evicted nothing");
+            assert!(evictions > 0, "{test}: budget {budget:?} evicted nothing");
             assert!(
-                logits == full,
-                "{test}: budget {budget:?}: logits differ from the full upload's"
+                host_layers > 0,
+                "{test}: budget {budget:?}: no layer on the host"
             );
+            assert!(
+                passes[0] == full[0],
+                "{test}: budget {budget:?}: the streamed prompt's logits differ from the \
+                 full upload's"
+            );
+            let n_vocab = model.config().n_vocab;
+            for (i, (got, want)) in passes.iter().zip(&full).enumerate().skip(1) {
+                assert_eq!(got.len(), want.len(), "{test}: pass {i}");
+                for (row, (g, w)) in got.chunks(n_vocab).zip(want.chunks(n_vocab)).enumerate() {
+                    let name = format!("{test}: budget {budget:?}, pass {i}, row {row}");
+                    check_prefill(&name, i, 1, w, g);
+                }
+            }
         }
     }
 
