@@ -271,7 +271,12 @@ impl GpuModel {
         let keep_layers = if hold_all {
             0
         } else {
-            layers_to_keep(&order, arena_bytes)
+            // A paged batch streams every layer it does not hold, so the next one can
+            // arrive while one runs; one sequence streams only long chunks, and its
+            // decode steps run those layers on the host: each layer held more is one
+            // the host no longer computes for every token.
+            let passing = if pages.is_some() { 2 } else { 1 };
+            layers_to_keep(&order, arena_bytes, passing)
         };
         let target = HipTarget::new(&device, arena_bytes.max(1)).map_err(|error| match error {
             StoreError::DeviceAlloc { requested, .. } => {
@@ -895,9 +900,9 @@ pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
 
 /// How many of the first layers of `order` (its `blk.N` groups, in layer order) stay
 /// resident within `budget` device bytes, leaving room for the tensors outside the
-/// layers and for two more layers (the one running and the next arriving) to pass
-/// through, with a margin for the arena's alignment.
-fn layers_to_keep(order: &UploadOrder, budget: u64) -> usize {
+/// layers and for `passing` more layers to pass through (two: the one running and the
+/// next arriving), with a margin for the arena's alignment.
+fn layers_to_keep(order: &UploadOrder, budget: u64, passing: u64) -> usize {
     let bytes = |group: &tensor_store::device::UploadGroup| -> u64 {
         order.tensors()[group.tensors.clone()]
             .iter()
@@ -911,7 +916,7 @@ fn layers_to_keep(order: &UploadOrder, budget: u64) -> usize {
     let per_layer: Vec<u64> = layers.into_iter().map(bytes).collect();
     let shared: u64 = shared.into_iter().map(bytes).sum();
     let largest = per_layer.iter().copied().max().unwrap_or(0);
-    let mut room = (budget - budget / 32).saturating_sub(shared + 2 * largest);
+    let mut room = (budget - budget / 32).saturating_sub(shared + passing * largest);
     per_layer
         .iter()
         .take_while(|&&bytes| {

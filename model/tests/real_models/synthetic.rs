@@ -1212,7 +1212,7 @@ mod gpu {
         let mut full: Vec<Vec<f32>> = Vec::new();
         let mut decoded: Vec<u32> = Vec::new();
         // Below the model's size, above what the shared tensors (this small model's
-        // embeddings are most of it) and two passing layers take.
+        // embeddings are most of it) and a passing layer take.
         for budget in [None, Some(weights * 9 / 10), Some(weights * 3 / 4)] {
             let options = GpuOptions {
                 device: 0,
