@@ -306,6 +306,20 @@ impl GpuModel {
             .map_err(gpu("pinned"))?;
         // One sequence over budget: its decode steps compute the layers that are not held
         // on the host rather than upload them every token.
+        if !hold_all {
+            tracing::info!(
+                budget_mib = arena_bytes >> 20,
+                model_mib = model_bytes >> 20,
+                held_layers = keep_layers,
+                layers = config.n_layers,
+                "the weights do not fit the budget: {}",
+                if pages.is_none() {
+                    "the layers not held run on the host for a few tokens, streamed for more"
+                } else {
+                    "the layers not held are streamed through the budget every pass"
+                }
+            );
+        }
         let host = if keep_layers < config.n_layers && !hold_all && pages.is_none() {
             Some(HostLayers::new(
                 &device,
