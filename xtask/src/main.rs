@@ -41,8 +41,12 @@ tasks:
   bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
              [--json [FILE]]  time to make a model resident on the device, per mode
   bench-gpu --gguf FILE… [--llama-bench PATH] [--tokens N] [--prompt N] [--repeat N] [--json FILE]
-                      GPU decode tokens/s (tg N) and achieved bandwidth, next to
-                      llama.cpp's llama-bench when its path is given
+            [--parallel 8,32,64 [--npp N] [--ntg N] [--llama-batched-bench PATH]]
+            [--budgets 25,50,75]
+                      GPU decode tokens/s (tg N) and achieved bandwidth, prompt tokens/s,
+                      batched decoding, and decoding with the weights' budget at those
+                      percentages of the model (llama-bench -ngl at the same share),
+                      next to llama.cpp's when its paths are given
   bench-serve [--clients 1,8,32] [--requests N] [--prompt-tokens 128] [--gen-tokens 128]
               [--threads N] [--gguf FILE] [--rocmforge PATH] [--llama-batched-bench PATH] [--json]
               [--device cpu|gpu] [--python PATH]
