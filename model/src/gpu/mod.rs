@@ -131,6 +131,10 @@ pub struct GpuModel {
     /// resident (held once fetched), and those layers; the others pass through the
     /// cache's remaining room, layer by layer.
     keep_layers: usize,
+    /// How many of those a pass that streams the others holds: one sequence keeps no room
+    /// for a passing layer beside its kept ones, so its long chunks first let go of the
+    /// last kept layers until a layer can pass (its decode steps fetch them again).
+    stream_keep: usize,
     kept: Vec<LayerWeights>,
     /// Over budget, for one sequence: the layers past `keep_layers`, computed on the host
     /// in passes of a few tokens.
@@ -268,15 +272,21 @@ impl GpuModel {
         };
         let arena_bytes = budget.min(model_bytes);
         let hold_all = arena_bytes >= model_bytes;
-        let keep_layers = if hold_all {
-            0
-        } else {
-            // A paged batch streams every layer it does not hold, so the next one can
-            // arrive while one runs; one sequence streams only long chunks, and its
-            // decode steps run those layers on the host: each layer held more is one
-            // the host no longer computes for every token.
-            let passing = if pages.is_some() { 2 } else { 1 };
-            layers_to_keep(&order, arena_bytes, passing)
+        // A paged batch streams every layer it does not hold, with room for two so that
+        // the next arrives while one runs. One sequence streams only its long chunks, and
+        // its decode steps run those layers on the host: every layer held is one the host
+        // no longer computes for every token, so it keeps no room for passing layers
+        // and lends its last kept layers' to a long chunk.
+        let (keep_layers, stream_keep) = match (hold_all, pages.is_some()) {
+            (true, _) => (0, 0),
+            (false, true) => {
+                let keep = layers_to_keep(&order, arena_bytes, 2);
+                (keep, keep)
+            }
+            (false, false) => (
+                layers_to_keep(&order, arena_bytes, 0),
+                layers_to_keep(&order, arena_bytes, 1),
+            ),
         };
         let target = HipTarget::new(&device, arena_bytes.max(1)).map_err(|error| match error {
             StoreError::DeviceAlloc { requested, .. } => {
@@ -349,6 +359,7 @@ impl GpuModel {
             held: None,
             hold_all,
             keep_layers,
+            stream_keep,
             kept: Vec::new(),
             host,
             bufs,
@@ -817,6 +828,13 @@ impl GpuModel {
             (None, _) => None,
         };
         let device_layers = on_host.unwrap_or(self.plan.layers.len());
+        let keep = if on_host.is_some() {
+            self.keep_layers
+        } else {
+            // The layers let go of are no longer in use: every pass ends synchronized.
+            self.kept.truncate(self.stream_keep);
+            self.stream_keep
+        };
         let globals = weights::Globals::fetch(&self.cache, &self.plan)?;
         forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
         for layer_idx in 0..device_layers {
@@ -825,7 +843,7 @@ impl GpuModel {
                 self.sync().ok();
                 return Err(stopped);
             }
-            let kept = layer_idx < self.keep_layers;
+            let kept = layer_idx < keep;
             if kept && layer_idx == self.kept.len() {
                 let layer = &self.plan.layers[layer_idx];
                 self.kept
@@ -915,7 +933,8 @@ pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
 /// How many of the first layers of `order` (its `blk.N` groups, in layer order) stay
 /// resident within `budget` device bytes, leaving room for the tensors outside the
 /// layers and for `passing` more layers to pass through (two: the one running and the
-/// next arriving), with a margin for the arena's alignment.
+/// next arriving; none: the pass frees room first), with a margin for the arena's
+/// alignment.
 fn layers_to_keep(order: &UploadOrder, budget: u64, passing: u64) -> usize {
     let bytes = |group: &tensor_store::device::UploadGroup| -> u64 {
         order.tensors()[group.tensors.clone()]
