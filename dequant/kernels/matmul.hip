@@ -40,7 +40,7 @@
 #include <atomic>
 #include <type_traits>
 
-#if defined(ROCMFORGE_HIP_NVIDIA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(ROCMFORGE_HIP_MMA)
 #define RF_MM_MMA 1
 #endif
 
@@ -235,14 +235,10 @@ __host__ __device__ constexpr int shared_bytes(bool staged) {
 }
 
 #if defined(RF_MM_MMA)
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
 // The first `bytes` (0 to 16) of 16 bytes from global to shared memory, asynchronously;
 // the rest of the 16 are zeros. Both addresses are 16-byte aligned.
 __device__ __forceinline__ void copy16_async(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)),
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(rf_smem_addr(dst)),
                  "l"(src), "r"(bytes)
                  : "memory");
 }
@@ -255,23 +251,6 @@ __device__ __forceinline__ void copies_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Four 8 × 8 f16 matrices from shared memory; lane l gives the address of row l % 8 of
-// matrix l / 8.
-__device__ __forceinline__ void load_matrices(uint32_t (&r)[4], const __half* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
-}
-
-// c += a · b for a 16 × 16 f16 tile a (row-major), a 16 × 8 tile b (column-major).
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 #endif
 
 // One result: y[token][row] = v · scale (+ what y holds).
@@ -513,7 +492,7 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     const int r = wrow0 + 16 * m + (lane & 15);
-                    load_matrices(a[m], &wt(cur)[r * kMmPitch + ks + (lane >> 4) * 8]);
+                    rf_ldmatrix_x4(a[m], &wt(cur)[r * kMmPitch + ks + (lane >> 4) * 8]);
                 }
 #pragma unroll
                 for (int n = 0; n < 4; n += 2) {
@@ -522,11 +501,11 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
                     // the next.
                     uint32_t b[4];
                     const int t = wtok0 + 8 * n + (lane & 7) + ((lane >> 4) << 3);
-                    load_matrices(b, &xt(cur)[t * kMmPitch + ks + ((lane >> 3) & 1) * 8]);
+                    rf_ldmatrix_x4(b, &xt(cur)[t * kMmPitch + ks + ((lane >> 3) & 1) * 8]);
 #pragma unroll
                     for (int m = 0; m < MT; ++m) {
-                        mma16816(acc[m][n], a[m], b[0], b[1]);
-                        mma16816(acc[m][n + 1], a[m], b[2], b[3]);
+                        rf_mma_16816(acc[m][n], a[m], b[0], b[1]);
+                        rf_mma_16816(acc[m][n + 1], a[m], b[2], b[3]);
                     }
                 }
             }

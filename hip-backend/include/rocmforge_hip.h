@@ -36,6 +36,7 @@
 #define ROCMFORGE_HIP_NVIDIA 1
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
+#include <stdint.h>
 
 // Status codes.
 #define hipError_t cudaError_t
@@ -151,6 +152,25 @@ inline bool rf_chained_launch_enabled() {
     return s == 1;
 }
 
+// Whether the current device has the matrix instructions of ROCMFORGE_HIP_MMA (compute
+// capability 8.0 or later), for launchers that pick a kernel written for them. Asked
+// once per device.
+inline bool rf_mma_available() {
+    static int state[64];  // per device: 0 not asked yet, 1 yes, 2 no
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
+    int s = __atomic_load_n(&state[device], __ATOMIC_RELAXED);
+    if (s == 0) {
+        int major = 0;
+        const bool yes = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                                device) == cudaSuccess &&
+                         major >= 8;
+        s = yes ? 1 : 2;
+        __atomic_store_n(&state[device], s, __ATOMIC_RELAXED);
+    }
+    return s == 1;
+}
+
 // A launch error is left for cudaGetLastError, as with <<<...>>>.
 template <typename... Params, typename... Args>
 inline void rf_launch_chained(void (*kernel)(Params...), dim3 grid, dim3 block,
@@ -178,6 +198,40 @@ __device__ __forceinline__ void rf_chain_wait() {}
 #define rfLaunchChained hipLaunchKernelGGL
 #endif
 
+// Matrix units, in the device pass for sm_80 and later: ROCMFORGE_HIP_MMA is defined and
+// these wrap the instructions the kernels tile with.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define ROCMFORGE_HIP_MMA 1
+// The shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t rf_smem_addr(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+// Four 8 × 8 f16 matrices from shared memory; lane l gives the address of row l % 8 of
+// matrix l / 8 (16 bytes, 16-byte aligned).
+__device__ __forceinline__ void rf_ldmatrix_x4(uint32_t (&r)[4], const __half* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(rf_smem_addr(p)));
+}
+// As rf_ldmatrix_x4, each matrix transposed: rows stored in memory become columns.
+__device__ __forceinline__ void rf_ldmatrix_x4_trans(uint32_t (&r)[4], const __half* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(rf_smem_addr(p)));
+}
+// c += a · b for a 16 × 16 f16 tile a (row-major) and a 16 × 8 tile b (column-major),
+// f32 accumulated. Lane l holds c at rows l / 4 (c[0], c[1]) and l / 4 + 8 (c[2], c[3]),
+// columns 2·(l % 4) and 2·(l % 4) + 1; a in the same pattern over its two 16 × 8 halves.
+__device__ __forceinline__ void rf_mma_16816(float (&c)[4], const uint32_t (&a)[4],
+                                             uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+
 #else
 // ---------------------------------------------------------------- AMD (hipcc) ------------
 #define ROCMFORGE_HIP_AMD 1
@@ -198,6 +252,8 @@ __device__ __forceinline__ T rf_shfl_xor(T value, int lane_mask) {
 // Chained launches (see the top of this file): plain launches on AMD.
 __device__ __forceinline__ void rf_chain_wait() {}
 #define rfLaunchChained hipLaunchKernelGGL
+// No kernel is written for AMD's matrix instructions yet.
+inline bool rf_mma_available() { return false; }
 
 #endif
 #endif  // ROCMFORGE_HIP_H

@@ -23,6 +23,8 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 namespace rf {
 
@@ -663,6 +665,199 @@ __global__ void __launch_bounds__(kFlashThreads)
     }
 }
 
+// The same attention on the matrix units (sm_80 and later), for heads of D values (keys
+// and values alike, D a multiple of 16 up to 128). A workgroup takes kFmRows rows of one
+// key head (the layout above), a warp 16 of them, and walks the keys in tiles of 32 staged
+// in shared memory as f16, the queries staged once as f16. Per tile a warp computes its
+// 16 × 32 scores with mma m16n8k16 (queries the row-major operand, keys the column-major
+// one), applies the masks and the online softmax to them in registers (the four lanes
+// that hold one row meet through shuffles), and multiplies the probabilities, turned to
+// f16 in place (a score tile's registers are the next product's row-major operand), with
+// the value tile (loaded transposed) into its 16 × D accumulators.
+constexpr int kFmWarps = 4;
+constexpr int kFmRows = 16 * kFmWarps;
+
+__device__ __forceinline__ uint32_t pack_half2(float x, float y) {
+    const __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kFmWarps * 32)
+    flash_mma_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
+                     const __half* __restrict__ v_cache, FlashArgs a,
+                     const int* __restrict__ pos, const int* __restrict__ table, int shift,
+                     float* __restrict__ out) {
+#if defined(ROCMFORGE_HIP_MMA)
+    static_assert(D % 16 == 0 && D <= 128, "heads of whole k-steps");
+    // Rows 16-byte aligned for the matrix loads, eight rows in distinct banks.
+    constexpr int kPitch = D + 8;
+    __shared__ __align__(16) __half qs[kFmRows * kPitch];
+    __shared__ __align__(16) __half ks[kFlashKeys * kPitch];
+    __shared__ __align__(16) __half vs[kFlashKeys * kPitch];
+    rf_chain_wait();
+    const int group = a.n_heads / a.n_kv_heads;
+    const int kvh = blockIdx.y;
+    const int row0 = blockIdx.x * kFmRows;
+    const int rows_here = min(kFmRows, a.n_tokens * group - row0);
+    const int kv_dim = a.n_kv_heads * D;
+    const int base = pos[0];
+    const int first_pos = base + row0 / group;
+    const int last_pos = base + (row0 + rows_here - 1) / group;
+    const int lo_tile = a.window > 0 ? max(0, first_pos - a.window + 1) : 0;
+
+    for (int idx = threadIdx.x; idx < kFmRows * (D / 2); idx += blockDim.x) {
+        const int r = idx / (D / 2), c = idx % (D / 2);
+        float2 v = make_float2(0.0f, 0.0f);
+        if (r < rows_here) {
+            const int row = row0 + r;
+            const int token = row / group, h = kvh * group + row % group;
+            v = *reinterpret_cast<const float2*>(q + ((size_t)token * a.n_heads + h) * D + 2 * c);
+        }
+        *reinterpret_cast<__half2*>(&qs[r * kPitch + 2 * c]) = __floats2half2_rn(v.x, v.y);
+    }
+    __syncthreads();
+    const int w = threadIdx.x / 32, lane = threadIdx.x & 31;
+    uint32_t qa[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        rf_ldmatrix_x4(qa[kk], &qs[(16 * w + (lane & 15)) * kPitch + 16 * kk + (lane >> 4) * 8]);
+    }
+    // This lane's two rows (16w + lane/4, and 8 below): their visible keys, running maxima
+    // and this lane's share of their sums.
+    int lo[2], hi[2];
+    float m[2], l[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int r = 16 * w + lane / 4 + 8 * e;
+        const int p = r < rows_here ? base + (row0 + r) / group : -1;
+        hi[e] = p;
+        lo[e] = a.window > 0 ? max(0, p - a.window + 1) : 0;
+        m[e] = -INFINITY;
+        l[e] = 0.0f;
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+    }
+
+    for (int k0 = lo_tile; k0 <= last_pos; k0 += kFlashKeys) {
+        const int valid = min(kFlashKeys, last_pos - k0 + 1);
+        __syncthreads();  // every warp is done with the last tile
+        flash_stage(k_cache + kvh * D, table, shift, k0, kv_dim, D, valid,
+                    reinterpret_cast<uint32_t*>(ks), kPitch / 2);
+        flash_stage(v_cache + kvh * D, table, shift, k0, kv_dim, D, valid,
+                    reinterpret_cast<uint32_t*>(vs), kPitch / 2);
+        __syncthreads();
+        // Scores: keys 8n .. 8n + 7 of the tile in s[n].
+        float s[4][4];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int n = 0; n < 4; n += 2) {
+                uint32_t b[4];
+                const int key = 8 * n + (lane & 7) + ((lane >> 4) << 3);
+                rf_ldmatrix_x4(b, &ks[key * kPitch + 16 * kk + ((lane >> 3) & 1) * 8]);
+                rf_mma_16816(s[n], qa[kk], b[0], b[1]);
+                rf_mma_16816(s[n + 1], qa[kk], b[2], b[3]);
+            }
+        }
+        // Online softmax of each of the two rows over the tile.
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int key = k0 + 8 * n + 2 * (lane & 3) + c;
+                    const bool seen = key >= lo[e] && key <= hi[e];
+                    const float v = seen ? scaled_score(s[n][2 * e + c], a.softcap, a.scale)
+                                         : -INFINITY;
+                    s[n][2 * e + c] = v;
+                    tile_max = fmaxf(tile_max, v);
+                }
+            }
+            tile_max = fmaxf(tile_max, rf_shfl_xor(tile_max, 1));
+            tile_max = fmaxf(tile_max, rf_shfl_xor(tile_max, 2));
+            const float m_new = fmaxf(m[e], tile_max);
+            // No key of this row yet (m_new = -inf): nothing to rescale, nothing to add.
+            const float corr = m_new == -INFINITY ? 1.0f : expf(m[e] - m_new);
+            float sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float v = s[n][2 * e + c];
+                    const float p = v == -INFINITY ? 0.0f : expf(v - m_new);
+                    s[n][2 * e + c] = p;
+                    sum += p;
+                }
+            }
+            l[e] = l[e] * corr + sum;
+            m[e] = m_new;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                o[n][2 * e] *= corr;
+                o[n][2 * e + 1] *= corr;
+            }
+        }
+        // Values: keys 16j .. 16j + 15 a step, the probabilities of score tiles 2j and
+        // 2j + 1 as the row-major operand.
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            uint32_t pa[4];
+            pa[0] = pack_half2(s[2 * j][0], s[2 * j][1]);
+            pa[1] = pack_half2(s[2 * j][2], s[2 * j][3]);
+            pa[2] = pack_half2(s[2 * j + 1][0], s[2 * j + 1][1]);
+            pa[3] = pack_half2(s[2 * j + 1][2], s[2 * j + 1][3]);
+#pragma unroll
+            for (int n = 0; n < D / 8; n += 2) {
+                uint32_t b[4];
+                const int key = 16 * j + (lane & 7) + ((lane >> 3) & 1) * 8;
+                rf_ldmatrix_x4_trans(b, &vs[key * kPitch + 8 * n + (lane >> 4) * 8]);
+                rf_mma_16816(o[n], pa, b[0], b[1]);
+                rf_mma_16816(o[n + 1], pa, b[2], b[3]);
+            }
+        }
+    }
+
+    // The row sums over their four lanes; every row that exists saw its own key.
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        float total = l[e];
+        total += rf_shfl_xor(total, 1);
+        total += rf_shfl_xor(total, 2);
+        const int r = 16 * w + lane / 4 + 8 * e;
+        if (r >= rows_here) continue;
+        const int row = row0 + r;
+        const int token = row / group, h = kvh * group + row % group;
+        float* dst = out + ((size_t)token * a.n_heads + h) * D;
+        const float inv = 1.0f / total;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            const float2 v = make_float2(o[n][2 * e] * inv, o[n][2 * e + 1] * inv);
+            *reinterpret_cast<float2*>(dst + 8 * n + 2 * (lane & 3)) = v;
+        }
+    }
+#else
+    // Launched only where rf_mma_available() says the device has the instructions; code
+    // built for an older target that still lands here stops rather than return nothing.
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    __trap();
+#else
+    __builtin_trap();
+#endif
+#endif
+}
+
 // silu(g)·u or gelu_tanh(g)·u, element-wise; f32 out and/or Q8 blocks (32 lanes a block).
 __global__ void gated_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                              size_t n, int gelu, float* __restrict__ out,
@@ -849,6 +1044,16 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_
     return (int)hipGetLastError();
 }
 
+// Whether prompt attention may take the matrix units where the device has them; set
+// ROCMFORGE_FLASH_MMA=0 to measure or test the other kernel on such a device.
+static bool flash_mma_allowed() {
+    static const bool allowed = [] {
+        const char* env = getenv("ROCMFORGE_FLASH_MMA");
+        return !(env && strcmp(env, "0") == 0);
+    }();
+    return allowed;
+}
+
 int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                        int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
                        float scale, float softcap, const void* pos, const void* table, int shift,
@@ -867,6 +1072,28 @@ int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, 
     const dim3 block(kFlashThreads);
     const __half* kc = (const __half*)k_cache;
     const __half* vc = (const __half*)v_cache;
+    // On the matrix units where the device has them and the keys and values are heads
+    // of the same whole k-steps.
+    if (flash_mma_allowed() && rf_mma_available() && head_dim == head_dim_v &&
+        (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
+        const dim3 grid((rows + kFmRows - 1) / kFmRows, n_kv_heads);
+        const dim3 mma_block(kFmWarps * 32);
+        const int* pp = (const int*)pos;
+        const int* tp = (const int*)table;
+        float* o = (float*)out;
+        const float* qp = (const float*)q;
+        if (head_dim == 32) {
+            rfLaunchChained(flash_mma_kernel<32>, grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
+                            shift, o);
+        } else if (head_dim == 64) {
+            rfLaunchChained(flash_mma_kernel<64>, grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
+                            shift, o);
+        } else {
+            rfLaunchChained(flash_mma_kernel<128>, grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
+                            shift, o);
+        }
+        return (int)hipGetLastError();
+    }
     // The instance whose rows are the widest head's: 64 rows a workgroup for heads up to
     // 64 wide, 32 up to 128, 16 up to 256.
     if (widest <= 64) {
