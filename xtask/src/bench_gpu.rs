@@ -569,3 +569,28 @@ fn copy_bandwidth(device: &Device) -> Result<f64> {
     let ms = f64::from(end.elapsed_ms_since(&start)?);
     Ok(5.0 * 2.0 * len as f64 / (ms / 1e3) / 1e9)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn budgets_are_percentages_below_the_whole_model() {
+        let o = parse(&args(&["--gguf", "m.gguf", "--budgets", "25, 50,75"])).expect("parses");
+        assert_eq!(o.budgets, [25, 50, 75]);
+        assert!(parse(&args(&["--gguf", "m.gguf"]))
+            .expect("parses")
+            .budgets
+            .is_empty());
+        for bad in ["0", "100", "25,120", "half"] {
+            assert!(
+                parse(&args(&["--gguf", "m.gguf", "--budgets", bad])).is_err(),
+                "--budgets {bad} should be refused"
+            );
+        }
+    }
+}
