@@ -5,7 +5,8 @@
 // blocks of 32 values (x ≈ d·q), by rf_quantize_q8 or by a kernel that fuses it (a norm,
 // an activation function). Layout for n tokens of n_cols values: the n·n_cols int8
 // values first, token by token (so each block's 32 bytes are 16-byte aligned), then one
-// f32 scale d per block.
+// f32 scale d per block, then per block the sums of its two halves' q (16 values each,
+// |sum| ≤ 2032) packed in one int: the first half's in the low 16 bits.
 //
 // Weights. Every thread takes tasks of 32 or 64 weights of a row (see "weight tasks"),
 // read with the widest loads the block's alignment allows. Each weight type describes a
@@ -15,8 +16,10 @@
 // the same columns, d_x·q_x, in integer dot products of four lanes (dp4a on NVIDIA,
 // sdot4 on AMD):
 //     Σ (a·w + b)·d_x·q_x = d_x · (a · Σ w·q_x + b · Σ q_x).
-// The sum of q_x is itself a dot product with ones, so offsets and minimums cost no
-// precomputed sums and stay exact in integers. Float weights (F32, F16, BF16) meet f32
+// The sums of q_x come with the activations, computed once where they are quantized, so
+// offsets and minimums cost no dot products of their own (with several tokens a thread
+// would otherwise take those sums for every task of every row) and stay exact in
+// integers. Float weights (F32, F16, BF16) meet f32
 // activations in f32.
 //
 // The grid formats take w from lattice grids, one entry per run of 8 values (two of 4
@@ -771,6 +774,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
     const int8_t* xqs = reinterpret_cast<const int8_t*>(xq);
     const float* xd = reinterpret_cast<const float*>(xq + (size_t)NT * n_cols);
     const int xblocks = n_cols / 32;
+    const int* xsums = reinterpret_cast<const int*>(xd + (size_t)NT * xblocks);
     float acc[RPT][NT];
 #pragma unroll
     for (int rr = 0; rr < RPT; ++rr) {
@@ -807,12 +811,8 @@ __global__ void __launch_bounds__(kMatvecThreads)
                 load_words16<8>(
                     reinterpret_cast<const uint8_t*>(xqs + (size_t)j * n_cols + 32 * xi), v);
                 const float dx = xd[(size_t)j * xblocks + xi];
-                int sum[2] = {0, 0};
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) sum[h] = dot4(0x01010101, v[4 * h + i], sum[h]);
-                }
+                const int packed = xsums[(size_t)j * xblocks + xi];
+                const int sum[2] = {(int)(int16_t)(packed & 0xFFFF), packed >> 16};
 #pragma unroll
                 for (int rr = 0; rr < RPT; ++rr) {
                     float part = 0.0f;
@@ -903,7 +903,8 @@ __global__ void __launch_bounds__(kMatvecThreads)
 // One 32-lane group per Q8 activation block: amax by shuffles, then each lane its value.
 // Layout: all int8 values first (token by token), then one f32 scale per block.
 __global__ void quantize_q8_kernel(const float* __restrict__ x, size_t n_blocks,
-                                   int8_t* __restrict__ qs, float* __restrict__ ds) {
+                                   int8_t* __restrict__ qs, float* __restrict__ ds,
+                                   int* __restrict__ sums) {
     rf_chain_wait();
     const size_t blk = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x & 31;
@@ -914,8 +915,13 @@ __global__ void quantize_q8_kernel(const float* __restrict__ x, size_t n_blocks,
     for (int mask = 16; mask > 0; mask >>= 1) amax = fmaxf(amax, rf_shfl_xor(amax, mask));
     const float d = amax / 127.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    qs[blk * 32 + lane] = (int8_t)__float2int_rn(v * id);
-    if (lane == 0) ds[blk] = d;
+    const int q = __float2int_rn(v * id);
+    qs[blk * 32 + lane] = (int8_t)q;
+    const int packed = rf_q8_half_sums(q);
+    if (lane == 0) {
+        ds[blk] = d;
+        sums[blk] = packed;
+    }
 }
 
 // Launches the quantized (Q8 activations) or float kernel for NT tokens with kRows rows
@@ -1027,8 +1033,9 @@ int rf_quantize_q8(const void* x, size_t n_tokens, size_t n_cols, void* out, int
     const size_t grid = (n_blocks * 32 + threads - 1) / threads;
     int8_t* qs = (int8_t*)out;
     float* ds = (float*)(qs + n_blocks * 32);
+    int* sums = (int*)(ds + n_blocks);
     rfLaunchChained(rf::quantize_q8_kernel, dim3((unsigned)grid), dim3(threads), 0,
-                       (hipStream_t)stream, (const float*)x, n_blocks, qs, ds);
+                       (hipStream_t)stream, (const float*)x, n_blocks, qs, ds, sums);
     return (int)hipGetLastError();
 }
 

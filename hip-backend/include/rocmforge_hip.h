@@ -256,4 +256,18 @@ __device__ __forceinline__ void rf_chain_wait() {}
 inline bool rf_mma_available() { return false; }
 
 #endif
+
+// The half sums of a Q8 activation block (dequant's kernels/matvec.hip reads them after
+// the blocks' scales): each lane of a 32-lane group gives its block's quantized value;
+// every lane gets the sums of lanes 0–15 and 16–31 packed in one int, the first in the
+// low 16 bits (|sum| ≤ 16 · 127 fits).
+__device__ __forceinline__ int rf_q8_half_sums(int q) {
+    int s = q;
+#pragma unroll
+    for (int mask = 1; mask < 16; mask <<= 1) s += rf_shfl_xor(s, mask);
+    const int other = rf_shfl_xor(s, 16);
+    const bool upper = (threadIdx.x & 16) != 0;
+    const int lo = upper ? other : s, hi = upper ? s : other;
+    return (int)(((uint32_t)lo & 0xFFFFu) | ((uint32_t)hi << 16));
+}
 #endif  // ROCMFORGE_HIP_H

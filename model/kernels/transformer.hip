@@ -29,15 +29,18 @@
 namespace rf {
 
 // Q8 activation blocks (dequant's kernels/matvec.hip reads them): for n tokens of `dim`
-// values, the n·dim int8 values first, then one f32 scale per block of 32.
+// values, the n·dim int8 values first, then one f32 scale per block of 32, then per block
+// its two half sums in one int (rf_q8_half_sums).
 struct Q8Out {
     int8_t* qs;
     float* ds;
+    int* sums;
 };
 
 __device__ __forceinline__ Q8Out q8_layout(void* out, size_t n_values) {
     int8_t* qs = reinterpret_cast<int8_t*>(out);
-    return Q8Out{qs, reinterpret_cast<float*>(qs + n_values)};
+    float* ds = reinterpret_cast<float*>(qs + n_values);
+    return Q8Out{qs, ds, reinterpret_cast<int*>(ds + n_values / 32)};
 }
 
 // Weight element types of norm vectors, as ggml numbers them.
@@ -89,8 +92,13 @@ __device__ __forceinline__ void quantize32(float v, Q8Out out, size_t i) {
     const float amax = max32(fabsf(v));
     const float d = amax / 127.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    out.qs[i] = (int8_t)__float2int_rn(v * id);
-    if ((threadIdx.x & 31) == 0) out.ds[i / 32] = d;
+    const int q = __float2int_rn(v * id);
+    out.qs[i] = (int8_t)q;
+    const int sums = rf_q8_half_sums(q);
+    if ((threadIdx.x & 31) == 0) {
+        out.ds[i / 32] = d;
+        out.sums[i / 32] = sums;
+    }
 }
 
 constexpr int kNormMaxThreads = 1024;

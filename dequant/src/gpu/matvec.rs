@@ -3,9 +3,10 @@
 //! decoding (one token) and short batches (up to [`MAX_TOKENS`]).
 //!
 //! Quantized weights meet activations quantized once per product to Q8 activation blocks
-//! ([`quantize_q8`]: 32 int8 values and an f32 scale, [`Q8_BLOCK_BYTES`] bytes) in
-//! integer dot products (the blocks' int8 values first, token by token, then one f32 scale
-//! per block); float weights (F32, F16, BF16) meet f32 activations. The kernels
+//! ([`quantize_q8`]: 32 int8 values, an f32 scale and the sums of the two halves' values,
+//! [`Q8_BLOCK_BYTES`] bytes) in integer dot products (the blocks' int8 values first, token
+//! by token, then one f32 scale per block, then one int of half sums per block); float
+//! weights (F32, F16, BF16) meet f32 activations. The kernels
 //! (`kernels/matvec.hip`) say how each block type is read. Results agree with the CPU
 //! kernels to rounding, not bit for bit: the GPU sums in another order and quantizes the
 //! activations of every type in blocks of 32.
@@ -21,8 +22,10 @@ use hip_backend::{DeviceView, DeviceViewMut, Stream};
 use super::{check_device, GpuDequantError};
 use crate::DequantError;
 
-/// Bytes of one Q8 activation block: 32 int8 values and their f32 scale.
-pub const Q8_BLOCK_BYTES: usize = 36;
+/// Bytes of one Q8 activation block: 32 int8 values, their f32 scale, and the sums of
+/// each half's values (two i16 in one 32-bit word) that weights with offsets or minimums
+/// take.
+pub const Q8_BLOCK_BYTES: usize = 40;
 /// Values per Q8 activation block.
 pub const Q8_BLOCK_VALUES: usize = 32;
 /// Most tokens one product takes.
