@@ -394,6 +394,10 @@ def _():
         assert f'rocmforge_{name}_bucket{{le="+Inf"}}' in text, text
     steps = main.metric("steps_total")
     assert steps > 0
+    # A step is timed once its text is handed out, a moment after the client has it.
+    deadline = time.time() + 10
+    while main.metric("step_seconds_count") != steps and time.time() < deadline:
+        time.sleep(0.01)
     assert main.metric("step_seconds_count") == steps
     assert main.metric("forward_seconds_count") == steps
     assert 0 < main.metric("forward_seconds_sum") <= main.metric("step_seconds_sum")

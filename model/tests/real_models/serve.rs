@@ -185,6 +185,8 @@ fn smollm2_batched_requests_give_their_text_alone() {
                 "pool {pool}, step {step}: {text:?}: {got:?} vs {expected:?}"
             );
         }
+        // A step is timed once its text is handed out: stop the thread before reading.
+        scheduler.shutdown(Duration::ZERO);
         let m = scheduler.metrics();
         assert!(SchedulerMetrics::get(&m.steps) > 0);
         // Every step is timed whole and in its forward pass, which is a part of it.
