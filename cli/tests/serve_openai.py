@@ -386,6 +386,23 @@ def _():
     assert len(done) == 24
 
 
+@check("metrics time the scheduler's steps and the forward passes within them")
+def _():
+    text = http("GET", main.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"})[2].decode()
+    for name in ["step_seconds", "forward_seconds"]:
+        assert f"# TYPE rocmforge_{name} histogram" in text, text
+        assert f'rocmforge_{name}_bucket{{le="+Inf"}}' in text, text
+    steps = main.metric("steps_total")
+    assert steps > 0
+    # A step is timed once its text is handed out, a moment after the client has it.
+    deadline = time.time() + 10
+    while main.metric("step_seconds_count") != steps and time.time() < deadline:
+        time.sleep(0.01)
+    assert main.metric("step_seconds_count") == steps
+    assert main.metric("forward_seconds_count") == steps
+    assert 0 < main.metric("forward_seconds_sum") <= main.metric("step_seconds_sum")
+
+
 # A second server with a queue of one, to fill it, then stopped with SIGTERM mid-stream.
 small = Server("--max-sequences", "1", "--max-queue", "1", "--ctx-size", "512", "--shutdown-grace", "30")
 small.wait_ready()

@@ -267,6 +267,11 @@ impl Sampler {
     /// [`accept`](Sampler::accept) it.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
         check_logits(logits)?;
+        if self.is_plain_greedy() {
+            // Nothing changes the logits: no copy (a whole vocabulary per token, for
+            // every sequence of a batch).
+            return Ok(argmax(logits));
+        }
         self.scratch.clear();
         self.scratch.extend_from_slice(logits);
         if let Some(penalty) = self.config.penalty {

@@ -1,21 +1,37 @@
-"""The client side of `cargo xtask bench-serve`: for each concurrency level, a fixed
-number of streamed completions (a prompt of exactly P token ids, exactly G generated
-tokens) sent by C client threads with the official `openai` client to a server on
-loopback. Prints one JSON object per level on stdout.
+"""The client side of `cargo xtask bench-serve`: for each concurrency level, a number
+of streamed completions (a prompt of exactly P token ids, exactly G generated tokens)
+sent by C client threads with the official `openai` client to a server on loopback.
+Prints one JSON object per level on stdout.
 
-usage: bench_serve.py BASE_URL MODEL_ID LEVELS REQUESTS PROMPT_TOKENS GEN_TOKENS
+REQUESTS is the number per level; 0 means 4 per client, so that every client sends
+several in a row and the server spends most of the run with C streams at once instead
+of in the ramp-up and the ramp-down.
+
+The clients are threads of several processes, at most CLIENTS_PER_PROCESS threads each:
+the `openai` client spends a few hundred microseconds of CPU on every streamed chunk, and
+the threads of one process share an interpreter lock, so one process of many streams
+would measure the client instead of the server. The clock starts once every thread has
+its client and waits at a barrier, so the clients' set-up is not in the wall time. Besides the end-to-end figures, a level
+reports the steady state, while all C clients are streaming (from the moment every
+one of them has had its first token to the moment the first runs out of requests),
+and the server's own account from `/metrics`: how much of the wall time its scheduler
+spent in steps, and in the model's forward passes within them.
+
+usage: bench_serve.py BASE_URL MODEL_ID LEVELS REQUESTS PROMPT_TOKENS GEN_TOKENS CLIENTS_PER_PROCESS
 """
 
 import json
+import multiprocessing
 import sys
 import threading
 import time
 
 import openai
 
-base, model_id, levels, requests, prompt_tokens, gen_tokens = sys.argv[1:7]
+base, model_id, levels, requests, prompt_tokens, gen_tokens, per_process = sys.argv[1:8]
 levels = [int(x) for x in levels.split(",")]
 requests, prompt_tokens, gen_tokens = int(requests), int(prompt_tokens), int(gen_tokens)
+per_process = int(per_process)
 
 
 def percentile(values, p):
@@ -34,6 +50,20 @@ def prompt(i):
 serial = [0]
 
 
+def metrics():
+    """The server's counters and histogram sums, by name (without `rocmforge_`)."""
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("rocmforge_") and "{" not in line:
+            name, value = line.split()
+            values[name[len("rocmforge_") :]] = float(value)
+    return values
+
+
 def wait_ready(timeout=300):
     import urllib.request
 
@@ -49,20 +79,24 @@ def wait_ready(timeout=300):
     raise SystemExit("the server did not get ready")
 
 
-def run_level(clients, count):
-    lock = threading.Lock()
-    next_request = [0]
+def client_process(threads, count, serial_base, counter, barrier, out):
+    """C threads of one client process; puts what they saw on `out`."""
     results, failures = [], []
+    # Per client: the time of each text chunk, of its first, and when it ran out of work.
+    chunk_times = [[] for _ in range(threads)]
+    first_token = [None] * threads
+    out_of_work = [None] * threads
 
-    def worker():
+    def worker(w):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+        barrier.wait()
         while True:
-            with lock:
-                if next_request[0] >= count:
+            with counter.get_lock():
+                if counter.value >= count:
+                    out_of_work[w] = time.perf_counter()
                     return
-                next_request[0] += 1
-                serial[0] += 1
-                i = serial[0]
+                counter.value += 1
+                i = serial_base + counter.value
             start = time.perf_counter()
             first = last = None
             usage = None
@@ -83,6 +117,9 @@ def run_level(clients, count):
                     if chunk.choices and chunk.choices[0].text:
                         first = first or now
                         last = now
+                        chunk_times[w].append(now)
+                        if first_token[w] is None:
+                            first_token[w] = now
             except Exception as e:  # noqa: BLE001 - every failure is counted and shown
                 failures.append(repr(e))
                 continue
@@ -95,16 +132,89 @@ def run_level(clients, count):
                 }
             )
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for t in threads:
+    pool = [threading.Thread(target=worker, args=(w,)) for w in range(threads)]
+    for t in pool:
         t.start()
-    for t in threads:
+    # Once every thread has its client: their set-up is not counted.
+    barrier.wait()
+    cpu_before = time.process_time()
+    for t in pool:
         t.join(timeout=3600)
+    out.put(
+        {
+            "results": results,
+            "failures": failures,
+            "chunk_times": chunk_times,
+            "first_token": first_token,
+            "out_of_work": out_of_work,
+            "cpu_s": time.process_time() - cpu_before,
+        }
+    )
+
+
+def run_level(clients, count, processes):
+    # The clients are threads of `processes` processes (forked, so that they share no
+    # interpreter lock), as evenly spread as they go.
+    ctx = multiprocessing.get_context("fork")
+    counter = ctx.Value("l", 0)
+    processes = max(1, min(processes, clients))
+    # Every client thread, the main thread of every process, and this one.
+    barrier = ctx.Barrier(clients + processes + 1, timeout=600)
+    out = ctx.Queue()
+    spread = [clients // processes + (p < clients % processes) for p in range(processes)]
+    children = []
+    for threads in spread:
+        child = ctx.Process(
+            target=client_process,
+            args=(threads, count, serial[0], counter, barrier, out),
+        )
+        child.start()
+        children.append(child)
+    before = metrics()
+    barrier.wait()
+    start = time.perf_counter()
+    parts = [out.get(timeout=3600) for _ in children]
     wall = time.perf_counter() - start
+    for child in children:
+        child.join()
+    serial[0] += count
+    after = metrics()
+    results = [r for part in parts for r in part["results"]]
+    failures = [f for part in parts for f in part["failures"]]
+    chunk_times = [c for part in parts for c in part["chunk_times"]]
+    first_token = [t for part in parts for t in part["first_token"]]
+    out_of_work = [t for part in parts for t in part["out_of_work"]]
+    client_cpu = sum(part["cpu_s"] for part in parts)
     ttft = [r["ttft"] for r in results]
     tpot = [r["tpot"] for r in results if r["tpot"] is not None]
     out_tokens = sum(r["tokens"] for r in results)
+
+    # The steady state: every client streaming. Chunks count tokens in the ratio of the
+    # whole level (a chunk holds more than one token only where a character spans them).
+    chunks = sum(len(c) for c in chunk_times)
+    steady = None
+    if None not in first_token and None not in out_of_work and chunks:
+        begin, end = max(first_token), min(out_of_work)
+        if end > begin:
+            inside = sum(1 for c in chunk_times for t in c if begin <= t <= end)
+            steady = {
+                "steady_s": end - begin,
+                "steady_output_tokens_per_s": inside * (out_tokens / chunks) / (end - begin),
+            }
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("step_seconds_count")
+    server = {
+        "steps": int(steps),
+        "tokens_per_step": delta("computed_tokens_total") / steps if steps else None,
+        "step_ms_mean": delta("step_seconds_sum") / steps * 1e3 if steps else None,
+        "forward_ms_mean": delta("forward_seconds_sum") / steps * 1e3 if steps else None,
+        # Shares of the client's wall time: the rest is the scheduler waiting for work.
+        "step_share": delta("step_seconds_sum") / wall,
+        "forward_share": delta("forward_seconds_sum") / wall,
+    }
     return {
         "clients": clients,
         "requests": count,
@@ -118,9 +228,19 @@ def run_level(clients, count):
         "tpot_mean_ms": sum(tpot) / len(tpot) * 1e3 if tpot else None,
         "output_tokens_per_s": out_tokens / wall,
         "total_tokens_per_s": (out_tokens + len(results) * prompt_tokens) / wall,
+        "steady_s": steady and steady["steady_s"],
+        "steady_output_tokens_per_s": steady and steady["steady_output_tokens_per_s"],
+        "client_processes": processes,
+        "client_cpu_s": client_cpu,
+        # The client's own CPU time per streamed chunk: one process, whose threads share
+        # an interpreter lock, takes at most 1 / this many chunks a second.
+        "client_cpu_us_per_chunk": client_cpu / chunks * 1e6 if chunks else None,
+        **server,
     }
 
 
 wait_ready()
 for level in levels:
-    print(json.dumps(run_level(level, max(requests, level))), flush=True)
+    count = requests if requests > 0 else 4 * level
+    processes = -(-level // per_process)
+    print(json.dumps(run_level(level, max(count, level), processes)), flush=True)

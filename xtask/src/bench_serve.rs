@@ -1,10 +1,20 @@
 //! `cargo xtask bench-serve`: `rocmforge serve` under a bounded concurrency sweep.
 //!
 //! Starts the server on a free loopback port, then for each number of clients (1, 8 and
-//! 32 by default) sends a fixed number of streamed completions of a 128-token prompt and
-//! 128 generated tokens with the official `openai` client (`xtask/scripts/bench_serve.py`),
-//! and reports time to first token (p50, p99), time per output token and aggregate
-//! tokens/s. With `--llama-batched-bench PATH`, llama.cpp's engine-level reference for the
+//! 32 by default) sends streamed completions of a 128-token prompt and 128 generated
+//! tokens with the official `openai` client (`xtask/scripts/bench_serve.py`): 4 per
+//! client by default (`--requests N`: N per level), so that each client sends several
+//! in a row and most of the run has every client streaming, not only the ramp-up of the
+//! connections and the prompts. It reports time to first token (p50, p99), time per
+//! output token, aggregate tokens/s over the whole run, the output tokens/s of the
+//! steady state (while every client streams), and from the server's `/metrics` how much
+//! of the wall time its scheduler spent in steps and in the model's forward passes (the
+//! rest of the wall time the scheduler waited for requests: time spent in HTTP, in the
+//! client, or on the CPU they share). The clients are threads of several Python
+//! processes, 8 at most in each (`--clients-per-process`): the `openai` client spends a
+//! few hundred microseconds of CPU on each streamed chunk under one interpreter lock per
+//! process, so 32 streams in one process cap the tokens/s of a fast server by
+//! themselves; the client's CPU time per chunk is printed. With `--llama-batched-bench PATH`, llama.cpp's engine-level reference for the
 //! same model, shapes and threads is run in the same invocation, and its aggregate
 //! tokens/s (prompt and generated tokens of all sequences over the whole run) is printed
 //! beside ours with the ratio (ours / llama.cpp, above 1 when we are faster).
@@ -15,7 +25,7 @@
 //! instead of the pinned virtual environment made under `target/`.
 //!
 //! The two do not measure quite the same thing: ours is end to end, through HTTP and the
-//! Python client (which shares the CPU), `--requests` requests at each client count;
+//! Python client (which shares the CPU), requests arriving as clients are free;
 //! `llama-batched-bench` runs exactly one batch of N sequences inside the library.
 
 use std::io::{BufRead, BufReader};
@@ -31,7 +41,10 @@ struct Options {
     rocmforge: Option<PathBuf>,
     gguf: Option<PathBuf>,
     clients: Vec<usize>,
-    requests: usize,
+    /// Requests per level; `None`: 4 per client.
+    requests: Option<usize>,
+    /// Most client threads in one Python process.
+    clients_per_process: usize,
     prompt_tokens: usize,
     gen_tokens: usize,
     threads: Option<usize>,
@@ -46,7 +59,8 @@ fn parse_options(args: &[String]) -> Result<Options> {
         rocmforge: None,
         gguf: None,
         clients: vec![1, 8, 32],
-        requests: 32,
+        requests: None,
+        clients_per_process: 8,
         prompt_tokens: 128,
         gen_tokens: 128,
         threads: None,
@@ -71,7 +85,10 @@ fn parse_options(args: &[String]) -> Result<Options> {
                     })
                     .collect::<Result<_>>()?
             }
-            "--requests" => o.requests = value()?.parse().context("--requests")?,
+            "--requests" => o.requests = Some(value()?.parse().context("--requests")?),
+            "--clients-per-process" => {
+                o.clients_per_process = value()?.parse().context("--clients-per-process")?
+            }
             "--prompt-tokens" => o.prompt_tokens = value()?.parse().context("--prompt-tokens")?,
             "--gen-tokens" => o.gen_tokens = value()?.parse().context("--gen-tokens")?,
             "--threads" => o.threads = Some(value()?.parse().context("--threads")?),
@@ -94,7 +111,11 @@ fn parse_options(args: &[String]) -> Result<Options> {
         "--clients: between 1 and 256 each"
     );
     ensure!(
-        (1..=4096).contains(&o.requests),
+        (1..=256).contains(&o.clients_per_process),
+        "--clients-per-process: between 1 and 256"
+    );
+    ensure!(
+        o.requests.is_none_or(|r| (1..=4096).contains(&r)),
         "--requests: between 1 and 4096"
     );
     ensure!(
@@ -166,7 +187,13 @@ pub fn run(args: &[String]) -> Result<()> {
         .arg(&model)
         .args(["--host", "127.0.0.1", "--port", "0"])
         .args(["--max-sequences", &max_clients.to_string()])
-        .args(["--max-queue", &o.requests.max(max_clients).to_string()])
+        .args([
+            "--max-queue",
+            &o.requests
+                .unwrap_or(4 * max_clients)
+                .max(max_clients)
+                .to_string(),
+        ])
         .args(["--device", if o.gpu { "gpu" } else { "cpu" }])
         .args(["--ctx-size", &context.to_string()])
         .args(["--kv-pool", &(context * max_clients).to_string()])
@@ -203,9 +230,11 @@ pub fn run(args: &[String]) -> Result<()> {
         .arg(&script)
         .args([&base, &model_id, &levels])
         .args([
-            o.requests.to_string(),
+            // 0: 4 per client.
+            o.requests.unwrap_or(0).to_string(),
             o.prompt_tokens.to_string(),
             o.gen_tokens.to_string(),
+            o.clients_per_process.to_string(),
         ])
         .stderr(Stdio::inherit())
         .output()
@@ -381,4 +410,41 @@ fn print_table(report: &Value) {
              ratio: ours / llama-batched-bench (one batch of N sequences, in-process)"
         );
     }
+    println!();
+    println!(
+        "{:>7} {:>8} {:>16} {:>8} {:>12} {:>12} {:>12} {:>8} {:>8} {:>15}",
+        "clients",
+        "wall s",
+        "steady out t/s",
+        "steps",
+        "tok/step",
+        "step ms",
+        "forward ms",
+        "step %",
+        "fwd %",
+        "client us/chunk"
+    );
+    let pct = |v: &Value| {
+        v.as_f64()
+            .map_or_else(|| "-".to_owned(), |x| format!("{:.1}", 100.0 * x))
+    };
+    for level in report["rocmforge"].as_array().into_iter().flatten() {
+        println!(
+            "{:>7} {:>8} {:>16} {:>8} {:>12} {:>12} {:>12} {:>8} {:>8} {:>15}",
+            level["clients"].as_u64().unwrap_or(0),
+            num(&level["wall_s"]),
+            num(&level["steady_output_tokens_per_s"]),
+            level["steps"].as_u64().unwrap_or(0),
+            num(&level["tokens_per_step"]),
+            num(&level["step_ms_mean"]),
+            num(&level["forward_ms_mean"]),
+            pct(&level["step_share"]),
+            pct(&level["forward_share"]),
+            num(&level["client_cpu_us_per_chunk"]),
+        );
+    }
+    println!(
+        "steady: while every client streams; step % / fwd %: the scheduler's time in steps / \
+         in forward passes, of the wall time (from the server's /metrics)"
+    );
 }

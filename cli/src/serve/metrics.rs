@@ -186,6 +186,19 @@ pub fn render(state: &AppState) -> String {
         "From a request's arrival to its end.",
         &m.request_duration.snapshot(),
     );
+    histogram(
+        &mut out,
+        "step_seconds",
+        "Scheduler steps that ran a forward pass, whole: admitting, the forward pass, \
+         sampling and handing the text out.",
+        &m.step_duration.snapshot(),
+    );
+    histogram(
+        &mut out,
+        "forward_seconds",
+        "The forward passes alone, a part of each step.",
+        &m.forward_duration.snapshot(),
+    );
     out
 }
 

@@ -101,6 +101,12 @@ pub struct SchedulerMetrics {
     pub inter_token: Histogram,
     /// From arrival to the end.
     pub request_duration: Histogram,
+    /// Each scheduler step that ran a forward pass, whole: taking new requests,
+    /// admitting them, the forward pass, sampling and handing the text out. Their sum
+    /// over a stretch of wall time is how busy the scheduler thread was.
+    pub step_duration: Histogram,
+    /// The forward pass alone, a part of each step: the model's share of the steps.
+    pub forward_duration: Histogram,
     /// The counters of the device cache holding the weights, when a GPU computes.
     device_cache: std::sync::Mutex<Option<tensor_store::device::CacheStats>>,
 }

@@ -461,12 +461,17 @@ impl<'m> Loop<'m> {
 
     fn run(&mut self, receiver: &mpsc::Receiver<Message>) {
         loop {
+            let mut began = Instant::now();
             if self.running.is_empty() && self.waiting.is_empty() {
                 if self.deadline.is_some() {
                     break;
                 }
                 match receiver.recv() {
-                    Ok(message) => self.handle(message),
+                    Ok(message) => {
+                        // The wait for work is not part of the step.
+                        began = Instant::now();
+                        self.handle(message);
+                    }
                     Err(_) => break,
                 }
             }
@@ -480,8 +485,11 @@ impl<'m> Loop<'m> {
                 }
             }
             self.admit();
-            self.step();
+            let stepped = self.step();
             self.update_gauges();
+            if stepped {
+                self.metrics.step_duration.observe(began.elapsed());
+            }
         }
         self.update_gauges();
     }
@@ -637,10 +645,10 @@ impl<'m> Loop<'m> {
         Ok(true)
     }
 
-    /// One forward pass over every running sequence.
-    fn step(&mut self) {
+    /// One forward pass over every running sequence; whether it ran one.
+    fn step(&mut self) -> bool {
         if self.running.is_empty() {
-            return;
+            return false;
         }
         // Decoding sequences first (one token each), then prompt chunks, oldest first.
         let mut feed = vec![0usize; self.running.len()];
@@ -695,7 +703,7 @@ impl<'m> Loop<'m> {
             })
             .collect();
         if segments.iter().all(|s| s.tokens.is_empty()) {
-            return;
+            return false;
         }
         let computed: usize = feed.iter().sum();
         // On the GPU, when every sequence that takes a token this step takes the first
@@ -707,6 +715,7 @@ impl<'m> Loop<'m> {
                 .zip(&segments)
                 .filter(|(_, s)| s.logits)
                 .all(|(seq, _)| seq.takes_plain_argmax());
+        let forward_began = Instant::now();
         let result = match &mut self.gpu {
             Some(gpu) if argmax => gpu_step_argmax(gpu, &segments).map(StepOut::Tokens),
             Some(gpu) => gpu_step(gpu, &segments).map(StepOut::Logits),
@@ -719,6 +728,9 @@ impl<'m> Loop<'m> {
             )
             .map(StepOut::Logits),
         };
+        self.metrics
+            .forward_duration
+            .observe(forward_began.elapsed());
         let wants: Vec<bool> = segments.iter().map(|s| s.logits).collect();
         drop(segments);
         SchedulerMetrics::add(&self.metrics.steps, 1);
@@ -730,7 +742,7 @@ impl<'m> Loop<'m> {
                 for seq in std::mem::take(&mut self.running) {
                     self.end_with_error(seq, &e.to_string());
                 }
-                return;
+                return true;
             }
         };
         let n_vocab = self.model.config().n_vocab;
@@ -768,6 +780,7 @@ impl<'m> Loop<'m> {
                 Err(message) => self.end_with_error(seq, &message),
             }
         }
+        true
     }
 
     /// Samples `running[i]`'s next token from `logits` and hands out its text. Returns

@@ -185,8 +185,15 @@ fn smollm2_batched_requests_give_their_text_alone() {
                 "pool {pool}, step {step}: {text:?}: {got:?} vs {expected:?}"
             );
         }
+        // A step is timed once its text is handed out: stop the thread before reading.
+        scheduler.shutdown(Duration::ZERO);
         let m = scheduler.metrics();
         assert!(SchedulerMetrics::get(&m.steps) > 0);
+        // Every step is timed whole and in its forward pass, which is a part of it.
+        let (step, forward) = (m.step_duration.snapshot(), m.forward_duration.snapshot());
+        assert_eq!(step.count, SchedulerMetrics::get(&m.steps));
+        assert_eq!(forward.count, step.count);
+        assert!(forward.sum_seconds > 0.0 && forward.sum_seconds <= step.sum_seconds);
         if pool == 80 {
             assert!(
                 SchedulerMetrics::get(&m.preemptions) > 0,
