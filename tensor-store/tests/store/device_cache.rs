@@ -793,13 +793,18 @@ fn a_failed_allocation_leaves_the_cache_consistent_and_leaks_nothing() {
     )
     .unwrap();
     // With a tensor nobody uses, the cache makes room by evicting it and tries again.
+    // (A request returns once its tensor is published, while the pipeline may still be
+    // retiring the upload; a refusal meanwhile is taken as passing, and retried. Each
+    // injected failure waits for the pipeline to be idle, so that it is final.)
     cache.get(&all[0]).unwrap();
+    cache.wait_idle().unwrap();
     device.fail_allocation(1);
     let b = cache.get(&all[1]).unwrap();
     assert_eq!(b.buffer().as_slice(), &file_bytes(&m, &all[1])[..]);
     assert!(!cache.is_resident(&all[0]));
     // With every tensor in use there is nothing to evict: a clear out-of-memory error,
     // and the same request works once the device has room again.
+    cache.wait_idle().unwrap();
     device.fail_allocation(1);
     let error = cache.get(&all[2]).unwrap_err();
     assert!(error.is_out_of_memory(), "{error}");
