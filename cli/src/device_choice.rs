@@ -46,8 +46,8 @@ impl GpuStart {
 
     /// Waits for the runtime and decides: `gpu` without a usable GPU is an error that
     /// says why; `auto` falls back to the CPU quietly (the reason goes to the log).
-    pub fn finish(self) -> Result<Chosen> {
-        let Some(thread) = self.thread else {
+    pub fn finish(mut self) -> Result<Chosen> {
+        let Some(thread) = self.thread.take() else {
             return Ok(Chosen::Cpu {
                 reason: "--device cpu".to_owned(),
             });
@@ -62,6 +62,18 @@ impl GpuStart {
             (Err(error), _) => Ok(Chosen::Cpu {
                 reason: format!("no usable GPU ({error})"),
             }),
+        }
+    }
+}
+
+impl Drop for GpuStart {
+    /// A command that fails before it asks for the device (a missing model, say) still
+    /// waits for the runtime's start: the process must not exit, and run the runtime's
+    /// teardown, while another thread is inside its initialization (the C heap was
+    /// corrupted that way now and then).
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
         }
     }
 }
