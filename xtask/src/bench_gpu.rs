@@ -77,21 +77,14 @@ fn parse(args: &[String]) -> Result<Options> {
             "--repeat" => o.repeat = value()?.parse().context("--repeat")?,
             "--json" => o.json = Some(value()?.into()),
             "--parallel" => {
-                o.parallel = value()?
-                    .split(',')
-                    .map(|n| n.trim().parse::<usize>())
-                    .collect::<Result<_, _>>()
-                    .context("--parallel takes counts like 8,32,64")?;
+                o.parallel = numbers(value()?).context("--parallel takes counts like 8,32,64")?;
             }
             "--npp" => o.npp = value()?.parse().context("--npp")?,
             "--ntg" => o.ntg = value()?.parse().context("--ntg")?,
             "--llama-batched-bench" => o.llama_batched_bench = Some(value()?.into()),
             "--budgets" => {
-                o.budgets = value()?
-                    .split(',')
-                    .map(|n| n.trim().parse::<u64>())
-                    .collect::<Result<_, _>>()
-                    .context("--budgets takes percentages like 25,50,75")?;
+                o.budgets =
+                    numbers(value()?).context("--budgets takes percentages like 25,50,75")?;
             }
             other => bail!("bench-gpu: unknown option {other:?}"),
         }
@@ -109,6 +102,11 @@ fn parse(args: &[String]) -> Result<Options> {
         bail!("bench-gpu: --parallel, --npp and --ntg must be positive");
     }
     Ok(o)
+}
+
+/// A comma-separated list of numbers, spaces allowed around each.
+fn numbers<T: std::str::FromStr>(list: &str) -> Result<Vec<T>, T::Err> {
+    list.split(',').map(|n| n.trim().parse::<T>()).collect()
 }
 
 pub fn run(args: &[String]) -> Result<()> {
