@@ -110,7 +110,9 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         ..CacheConfig::default()
     };
     if let Some(readers) = args.readers {
+        // However much of the file the page cache holds.
         cache_config.readers = readers.max(1);
+        cache_config.cold_readers = cache_config.readers;
     }
     let bar = ProgressBar::new(!args.no_progress && !args.json && std::io::stderr().is_terminal());
     let first_groups: Vec<usize> = ["input", "blk.0"]

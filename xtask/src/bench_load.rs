@@ -100,7 +100,12 @@ fn parse(args: &[String]) -> Result<Options> {
                 Some(file) => (o.json, took) = (Some(Some(PathBuf::from(file))), 2),
                 None => o.json = Some(None),
             },
-            "--readers" => (o.config.readers, took) = (number(i)?, 2),
+            "--readers" => {
+                // However much of the file the page cache holds.
+                o.config.readers = number(i)?;
+                o.config.cold_readers = o.config.readers;
+                took = 2;
+            }
             "--staging" => (o.config.staging_buffers, took) = (number(i)?, 2),
             "--chunk-mib" => (o.config.chunk_bytes, took) = (number(i)? << 20, 2),
             "--direct" => o.config.direct_io = true,
@@ -163,6 +168,7 @@ pub fn run(args: &[String]) -> Result<()> {
         "context_ms": context_ms,
         "config": {
             "readers": o.config.readers,
+            "cold_readers": o.config.cold_readers,
             "staging_buffers": o.config.staging_buffers,
             "chunk_bytes": o.config.chunk_bytes,
             "direct_io": o.config.direct_io,
@@ -386,8 +392,10 @@ fn print_table(report: &Value) {
     );
     let c = &report["config"];
     println!(
-        "config: {} readers, {} staging buffers of {} MiB, direct io {}, context start {} ms",
+        "config: {} readers ({} when the page cache holds less than half of the file), {} \
+         staging buffers of {} MiB, direct io {}, context start {} ms",
         c["readers"],
+        c["cold_readers"],
         c["staging_buffers"],
         mib(&c["chunk_bytes"]),
         c["direct_io"],

@@ -63,6 +63,21 @@ impl ShardFiles {
             .all(|f| f.direct_ok.load(Ordering::Relaxed))
     }
 
+    /// The share of the files' pages that the page cache holds (0 to 1, weighted by the
+    /// files' sizes), from a sample of [`RESIDENCY_SAMPLES`] windows spread over each
+    /// file; `None` when the kernel does not say for some file (an empty file, a failed
+    /// mapping or query). For a file the process neither owns nor may write, Linux counts
+    /// only the pages this process has mapped, so such a file reads as cold.
+    pub(crate) fn page_cache_share(&self) -> Option<f64> {
+        let (mut held, mut total) = (0.0, 0.0);
+        for file in &self.files {
+            let len = file.buffered.metadata().ok()?.len();
+            held += page_cache_share(&file.buffered, len)? * len as f64;
+            total += len as f64;
+        }
+        (total > 0.0).then(|| held / total)
+    }
+
     /// Reads `len` bytes at `offset` of shard `shard` into `dst` and returns where in
     /// `dst` they start (0 for buffered reads; up to [`DIRECT_ALIGN`] − 1 for direct
     /// ones, which read whole aligned blocks). `dst` must hold `len` +
@@ -100,6 +115,53 @@ impl ShardFiles {
         file.buffered.read_exact_at(dst, offset).map_err(io)?;
         Ok(0)
     }
+}
+
+/// Windows of a file sampled by [`ShardFiles::page_cache_share`], and their pages each.
+const RESIDENCY_SAMPLES: u64 = 64;
+const RESIDENCY_WINDOW_PAGES: u64 = 16;
+
+/// The share of the sampled pages of `file`'s first `len` bytes in the page cache.
+fn page_cache_share(file: &File, len: u64) -> Option<f64> {
+    if len == 0 {
+        return None;
+    }
+    // SAFETY: sysconf has no preconditions.
+    let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+    let pages = len.div_ceil(page);
+    // SAFETY: the mapping is only passed to mincore, never read: a change of the file
+    // while it is mapped cannot reach any memory we touch. It is unmapped on return.
+    let map = unsafe { memmap2::Mmap::map(file) }.ok()?;
+    let window = RESIDENCY_WINDOW_PAGES.min(pages);
+    let samples = RESIDENCY_SAMPLES.min(pages / window);
+    let mut flags = vec![0u8; window as usize];
+    let (mut held, mut seen) = (0u64, 0u64);
+    for i in 0..samples {
+        // Evenly spread, the first window at the start, the last at the end.
+        let first = match samples {
+            1 => 0,
+            _ => (pages - window) * i / (samples - 1),
+        };
+        let offset = usize::try_from(first * page).ok()?;
+        let bytes = usize::try_from(window * page).ok()?.min(map.len() - offset);
+        // SAFETY: `offset..offset + bytes` lies inside the mapping (`first` is at most
+        // `pages - window`, and `bytes` is cut at the mapping's end); `flags` holds one
+        // byte for each of its `window` pages, the most mincore writes.
+        let status = unsafe {
+            libc::mincore(
+                map.as_ptr().add(offset) as *mut libc::c_void,
+                bytes,
+                flags.as_mut_ptr(),
+            )
+        };
+        if status != 0 {
+            return None;
+        }
+        let counted = bytes.div_ceil(page as usize);
+        held += flags[..counted].iter().filter(|&&f| f & 1 != 0).count() as u64;
+        seen += counted as u64;
+    }
+    (seen > 0).then(|| held as f64 / seen as f64)
 }
 
 fn open_direct(path: &Path) -> Option<File> {
@@ -162,6 +224,32 @@ mod tests {
         let mut storage = vec![0u8; len + STAGING_ALIGN];
         let start = storage.as_mut_ptr().align_offset(STAGING_ALIGN);
         (storage, start)
+    }
+
+    /// A file just written is in the page cache; once its pages are dropped (written
+    /// back first), it is not.
+    #[test]
+    fn the_page_cache_share_follows_the_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data.bin");
+        std::fs::write(&path, vec![7u8; 8 << 20]).unwrap();
+        let files = ShardFiles::open(std::slice::from_ref(&path), false).unwrap();
+        let warm = files.page_cache_share().expect("mincore answers");
+        assert!(warm > 0.9, "a file just written: {warm}");
+        let file = File::open(&path).unwrap();
+        file.sync_all().unwrap();
+        // SAFETY: advice on an open file descriptor over its whole length.
+        let status = unsafe {
+            use std::os::fd::AsRawFd;
+            libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED)
+        };
+        assert_eq!(status, 0);
+        let cold = files.page_cache_share().expect("mincore answers");
+        assert!(cold < 0.1, "after the pages were dropped: {cold}");
+        let empty = dir.path().join("empty.bin");
+        std::fs::write(&empty, b"").unwrap();
+        let files = ShardFiles::open(std::slice::from_ref(&empty), false).unwrap();
+        assert_eq!(files.page_cache_share(), None);
     }
 
     #[test]

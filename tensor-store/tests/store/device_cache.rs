@@ -625,6 +625,13 @@ fn foreign_handles_and_bad_settings_are_refused() {
         ),
         (
             CacheConfig {
+                cold_readers: 300,
+                ..CacheConfig::default()
+            },
+            "cold_readers",
+        ),
+        (
+            CacheConfig {
                 staging_buffers: 0,
                 ..CacheConfig::default()
             },
