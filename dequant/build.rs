@@ -74,6 +74,7 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/decode_iquants.h",
     "kernels/matvec.hip",
     "kernels/matmul.hip",
+    "kernels/skinny.hip",
 ];
 
 fn main() {

@@ -10,8 +10,10 @@
 //! and 512), on a 7B Llama's matrix shapes: microseconds per product, the weights' bytes
 //! per second and the arithmetic rate (TFLOP/s, two operations per weight and token),
 //! for each kernel that takes the count: `decode` (up to its limit of tokens), `batch`
-//! (f16 on the matrix units), and `split` (the batch products given room to split the
-//! columns, which they use only where their tiles alone leave the device idle), so that
+//! (the tiled f16 products on the matrix units), `split` (the tiled products given room
+//! to split the columns, which they use only where their tiles alone leave the device
+//! idle), and `skinny` (up to its limit of tokens, where the device runs it, given room
+//! to split the columns too), so that
 //! the switch-over between them can be read off. Each timed run cycles through copies
 //! of the matrix that together exceed the GPU's L2 cache, so every product reads its
 //! weights from device memory as in a forward pass.
@@ -193,6 +195,10 @@ enum Kernel {
     Batch,
     /// The batch products given room to split their columns.
     Split,
+    /// The skinny batch products (weights decoded straight into the matrix
+    /// instructions' registers), up to `matmul::SKINNY_MAX_TOKENS`, given room to
+    /// split their columns.
+    Skinny,
 }
 
 impl Kernel {
@@ -201,6 +207,7 @@ impl Kernel {
             Kernel::Decode => "decode",
             Kernel::Batch => "batch",
             Kernel::Split => "split",
+            Kernel::Skinny => "skinny",
         }
     }
 }
@@ -267,6 +274,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
     stream
         .memset_async(counters.view_mut(), 0)
         .map_err(|x| e(&x))?;
+    let skinny = matmul::skinny_available(device);
     let mut results = Vec::new();
     for ty in types {
         for (name, rows, cols) in SHAPES {
@@ -315,45 +323,55 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                 // Up to the decode products' limit, those first; then the batch products
                 // twice: as they are, and given room to split their columns (which they
                 // use only where their tiles leave the device idle).
-                let kernels: &[Kernel] = if tokens <= matvec::MAX_TOKENS {
-                    &[Kernel::Decode, Kernel::Batch, Kernel::Split]
-                } else {
-                    &[Kernel::Batch, Kernel::Split]
-                };
-                for &kernel in kernels {
-                    let ms = time_ms(device, &stream, options.iters, || {
-                        for m in &mats {
-                            if kernel != Kernel::Decode {
-                                let room =
-                                    (kernel == Kernel::Split).then(|| matmul::SplitScratch {
-                                        partials: partials.view_mut(),
-                                        counters: counters.view_mut(),
-                                    });
-                                matmul::matmul(
+                let mut kernels = Vec::new();
+                if tokens <= matvec::MAX_TOKENS {
+                    kernels.push(Kernel::Decode);
+                }
+                kernels.extend([Kernel::Batch, Kernel::Split]);
+                if tokens <= matmul::SKINNY_MAX_TOKENS && skinny {
+                    kernels.push(Kernel::Skinny);
+                }
+                for &kernel in &kernels {
+                    let ms =
+                        time_ms(device, &stream, options.iters, || {
+                            for m in &mats {
+                                if kernel != Kernel::Decode {
+                                    let room = matches!(kernel, Kernel::Split | Kernel::Skinny)
+                                        .then(|| matmul::SplitScratch {
+                                            partials: partials.view_mut(),
+                                            counters: counters.view_mut(),
+                                        });
+                                    let which = if kernel == Kernel::Skinny {
+                                        matmul::BatchKernel::Skinny
+                                    } else {
+                                        matmul::BatchKernel::Tiles
+                                    };
+                                    matmul::matmul_with(
+                                        which,
+                                        std::slice::from_ref(m),
+                                        x16.view(),
+                                        scales.view(),
+                                        tokens,
+                                        &mut [out.view_mut()],
+                                        false,
+                                        room,
+                                        &stream,
+                                    )
+                                    .map_err(|x| format!("{ty} {name}: {x}"))?;
+                                    continue;
+                                }
+                                matvec::matvec(
                                     std::slice::from_ref(m),
-                                    x16.view(),
-                                    scales.view(),
+                                    GpuActivations::Q8(q8.view()),
                                     tokens,
                                     &mut [out.view_mut()],
                                     false,
-                                    room,
                                     &stream,
                                 )
                                 .map_err(|x| format!("{ty} {name}: {x}"))?;
-                                continue;
                             }
-                            matvec::matvec(
-                                std::slice::from_ref(m),
-                                GpuActivations::Q8(q8.view()),
-                                tokens,
-                                &mut [out.view_mut()],
-                                false,
-                                &stream,
-                            )
-                            .map_err(|x| format!("{ty} {name}: {x}"))?;
-                        }
-                        Ok(())
-                    })?;
+                            Ok(())
+                        })?;
                     let row = ProductRow {
                         ty,
                         rows,

@@ -32,8 +32,10 @@
 // Launchers (return the platform's native status):
 //   rf_row_scales(x, n_tokens, cols, scales, x16, device, stream)
 //   rf_matmul(type, weights, outs, rows, n_mats, cols, x16, scales, n_tokens, accumulate,
-//             partials, partial_floats, counters, n_counters, device, stream)
-//             (partials/counters: room to split the columns, or null)
+//             partials, partial_floats, counters, n_counters, kernel, device, stream)
+//             (partials/counters: room to split the columns, or null; kernel: 0 the
+//             fastest for the type and count, 1 the tiled kernel, 2 the skinny one of
+//             skinny.hip, refused where it does not apply)
 // Each output: n_tokens × rows f32, token-major, as rf_matvec writes it.
 #include "common.h"
 
@@ -636,6 +638,12 @@ inline DeviceFacts device_facts(int device) {
     return DeviceFacts{(v - 1) / 2, ((v - 1) & 1) != 0};
 }
 
+}  // namespace rf
+
+#include "skinny.hip"
+
+namespace rf {
+
 // Room for split columns that a launch was given: partial sums and tile counters.
 struct SplitRoom {
     float* partials;
@@ -695,12 +703,24 @@ hipError_t launch_tiles(const MatmulMats& mats, int cols, const __half* x, const
     return hipGetLastError();
 }
 
+// Which kernel a product takes (rf_matmul's `kernel`): the one measured fastest for its
+// type and count, the tiled kernel, or the skinny one (refused where it does not apply).
+enum MatmulKernel { kMatmulAuto = 0, kMatmulTiles = 1, kMatmulSkinny = 2 };
+
 template <typename F>
 hipError_t launch_matmul(const MatmulMats& mats, int cols, const __half* x, const float* scales,
-                         int n_tokens, int accumulate, SplitRoom room, int device,
+                         int n_tokens, int accumulate, SplitRoom room, int kernel, int device,
                          hipStream_t stream) {
     const DeviceFacts facts = device_facts(device);
     const int sms = facts.multiprocessors;
+    if (kernel != kMatmulTiles) {
+        if (skinny_takes<F>(mats, n_tokens, facts.staged, kernel == kMatmulSkinny)) {
+            return launch_skinny<F>(mats, cols, x, scales, n_tokens, accumulate, sms,
+                                    room.partials, room.partial_floats, room.counters,
+                                    room.n_counters, stream);
+        }
+        if (kernel == kMatmulSkinny) return hipErrorInvalidValue;
+    }
     const TileGrid big = tile_grid<F, 128>(mats, cols, n_tokens, sms, room);
     // 128-row tiles when they alone give two workgroups per multiprocessor (each holds
     // two); 64-row ones otherwise, split when those too leave it short. (128-row tiles
@@ -782,17 +802,28 @@ extern "C" int rf_row_scales(const void* x, int n_tokens, int cols, void* scales
     return (int)hipGetLastError();
 }
 
+// Whether the skinny kernels run on `device` (1) or not (0): NVIDIA, compute capability
+// 8.0 and later.
+extern "C" int rf_matmul_skinny_available(int device) {
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    return rf::device_facts(device).staged ? 1 : 0;
+#else
+    (void)device;
+    return 0;
+#endif
+}
+
 // Weight type codes as ggml numbers them (GgmlType in gguf-format). `weights`, `outs`
 // and `rows` hold n_mats (1 to 3) matrices of one type and width.
 extern "C" int rf_matmul(int type, const void* const* weights, void* const* outs,
                          const int* rows, int n_mats, int cols, const void* x16,
                          const void* scales, int n_tokens, int accumulate, void* partials,
-                         long long partial_floats, void* counters, int n_counters, int device,
-                         void* stream) {
+                         long long partial_floats, void* counters, int n_counters, int kernel,
+                         int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (n_mats < 1 || n_mats > rf::kMmMaxMats || cols < 1 || n_tokens < 1 ||
-        cols % rf::kGroup != 0) {
+        cols % rf::kGroup != 0 || kernel < rf::kMatmulAuto || kernel > rf::kMatmulSkinny) {
         return (int)hipErrorInvalidValue;
     }
     rf::MatmulMats mats = {};
@@ -810,7 +841,7 @@ extern "C" int rf_matmul(int type, const void* const* weights, void* const* outs
                                 n_counters};
     using namespace rf;
 #define RF_MM_CASE(code, Format) \
-    case code: return (int)launch_matmul<Format>(mats, cols, xh, sf, n_tokens, accumulate, room, device, s);
+    case code: return (int)launch_matmul<Format>(mats, cols, xh, sf, n_tokens, accumulate, room, kernel, device, s);
     switch (type) {
         RF_MM_CASE(0, PlainBlocks<PlainF32>)
         RF_MM_CASE(1, PlainBlocks<PlainF16>)

@@ -12,6 +12,7 @@
 //! activation overflows f16, each token's are divided by a power of two first
 //! ([`row_scales`]) and its results multiplied by it, both exactly.
 
+use gguf_format::GgmlType;
 use half::f16;
 #[cfg(hip_platform = "none")]
 use hip_backend::HipError;
@@ -96,6 +97,56 @@ pub const SPLIT_PARTIALS: usize = 8 << 20;
 /// workgroups than twice the multiprocessors).
 pub const SPLIT_COUNTERS: usize = 512;
 
+/// Which kernel a batch product runs ([`matmul_with`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchKernel {
+    /// The one measured fastest for the type and the count of tokens: the skinny
+    /// kernel up to [`SKINNY_MAX_TOKENS`] tokens for the types it prefers
+    /// ([`skinny_prefers`]) where it runs, the tiled one otherwise. What [`matmul`]
+    /// runs.
+    Fastest,
+    /// The tiled kernel: shared-memory stages of 64 or 128 rows × 128 tokens, for any
+    /// count (split when given room and its tiles leave the device idle).
+    Tiles,
+    /// The skinny kernel: each warp decodes its rows' blocks straight into the matrix
+    /// instructions' registers, for up to [`SKINNY_MAX_TOKENS`] tokens of any type, on
+    /// NVIDIA devices of compute capability 8.0 and later, from weights aligned as its
+    /// loads need (16 bytes for `Q4_K` and `Q5_K`, 8 for `Q5_1`, 4 for `Q4_1`).
+    /// Elsewhere the launch is refused.
+    Skinny,
+}
+
+/// The most tokens the skinny kernel takes in one launch (`kSkinnyMaxTokens` in
+/// `kernels/skinny.hip`).
+pub const SKINNY_MAX_TOKENS: usize = 64;
+
+/// Whether [`BatchKernel::Fastest`] takes the skinny kernel for a matrix of `ty` (up to
+/// [`SKINNY_MAX_TOKENS`] tokens, where it runs): the types it reads with loads of their
+/// own (`SkinnyFast` in `kernels/skinny.hip`). The others it decodes a byte at a time,
+/// slower than the tiled kernel.
+pub fn skinny_prefers(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K)
+}
+
+/// Whether [`BatchKernel::Skinny`] runs on `device`.
+pub fn skinny_available(device: &hip_backend::Device) -> bool {
+    #[cfg(not(hip_platform = "none"))]
+    {
+        let Ok(ordinal) = std::ffi::c_int::try_from(device.ordinal()) else {
+            return false;
+        };
+        // SAFETY: a query of the device's properties by ordinal; it touches no memory of
+        // ours.
+        unsafe { sys::rf_matmul_skinny_available(ordinal) == 1 }
+    }
+    #[cfg(hip_platform = "none")]
+    {
+        let _ = device;
+        false
+    }
+}
+
 /// `outs[i] (+)= x · mats[i]ᵀ` for `n_tokens` tokens (any number from 1), queued on
 /// `stream`, for one to [`MAX_MATRICES`](super::matvec::MAX_MATRICES) matrices of one
 /// type and width in one launch (a layer's q, k and v, or gate and up): `x16` and
@@ -109,6 +160,34 @@ pub const SPLIT_COUNTERS: usize = 512;
 /// unsplit product's.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
+    mats: &[GpuMatrix<'_>],
+    x16: DeviceView<'_, f16>,
+    scales: DeviceView<'_, f32>,
+    n_tokens: usize,
+    outs: &mut [DeviceViewMut<'_, f32>],
+    accumulate: bool,
+    scratch: Option<SplitScratch<'_>>,
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    matmul_with(
+        BatchKernel::Fastest,
+        mats,
+        x16,
+        scales,
+        n_tokens,
+        outs,
+        accumulate,
+        scratch,
+        stream,
+    )
+}
+
+/// [`matmul`] on a chosen kernel (for comparisons and tests): the same function, summed
+/// in another order. A kernel that does not apply to the product (see [`BatchKernel`])
+/// fails with the launch's error.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_with(
+    kernel: BatchKernel,
     mats: &[GpuMatrix<'_>],
     x16: DeviceView<'_, f16>,
     scales: DeviceView<'_, f32>,
@@ -183,6 +262,7 @@ pub fn matmul(
         )?;
     }
     launch(
+        kernel,
         mats,
         x16,
         scales,
@@ -199,6 +279,7 @@ pub fn matmul(
 mod sys {
     use std::ffi::{c_int, c_void};
     extern "C" {
+        pub(super) fn rf_matmul_skinny_available(device: c_int) -> c_int;
         pub(super) fn rf_row_scales(
             x: *const c_void,
             n_tokens: c_int,
@@ -224,6 +305,7 @@ mod sys {
             partial_floats: i64,
             counters: *mut c_void,
             n_counters: c_int,
+            kernel: c_int,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -262,6 +344,7 @@ fn launch_scales(
 #[cfg(not(hip_platform = "none"))]
 #[allow(clippy::too_many_arguments)]
 fn launch(
+    kernel: BatchKernel,
     mats: &[GpuMatrix<'_>],
     x16: DeviceView<'_, f16>,
     scales: DeviceView<'_, f32>,
@@ -307,6 +390,11 @@ fn launch(
             partial_floats,
             counters,
             n_counters,
+            match kernel {
+                BatchKernel::Fastest => 0,
+                BatchKernel::Tiles => 1,
+                BatchKernel::Skinny => 2,
+            },
             device,
             stream.as_raw(),
         )
@@ -330,6 +418,7 @@ fn launch_scales(
 #[cfg(hip_platform = "none")]
 #[allow(clippy::too_many_arguments)]
 fn launch(
+    _: BatchKernel,
     _: &[GpuMatrix<'_>],
     _: DeviceView<'_, f16>,
     _: DeviceView<'_, f32>,

@@ -415,6 +415,7 @@ fn gpu_matmul_many(
     n: usize,
     initial: Option<f32>,
     split: bool,
+    kernel: matmul::BatchKernel,
 ) -> Vec<Vec<f32>> {
     let bufs: Vec<_> = mats
         .iter()
@@ -448,7 +449,8 @@ fn gpu_matmul_many(
         partials: partials.view_mut(),
         counters: counters.view_mut(),
     });
-    matmul::matmul(
+    matmul::matmul_with(
+        kernel,
         &gms,
         x16.view(),
         scales.view(),
@@ -474,7 +476,7 @@ fn gpu_matmul_many(
         .collect()
 }
 
-/// The batch product of one matrix on `n` tokens, added to `initial` when given.
+/// The tiled batch product of one matrix on `n` tokens, added to `initial` when given.
 #[allow(clippy::too_many_arguments)]
 fn gpu_matmul(
     device: &Device,
@@ -487,7 +489,18 @@ fn gpu_matmul(
     n: usize,
     initial: Option<f32>,
 ) -> Vec<f32> {
-    let mut outs = gpu_matmul_many(device, stream, ty, &[(w, rows)], cols, x, n, initial, false);
+    let mut outs = gpu_matmul_many(
+        device,
+        stream,
+        ty,
+        &[(w, rows)],
+        cols,
+        x,
+        n,
+        initial,
+        false,
+        matmul::BatchKernel::Tiles,
+    );
     outs.pop().expect("one output")
 }
 
@@ -577,6 +590,7 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
         n,
         None,
         false,
+        matmul::BatchKernel::Tiles,
     );
     for (got, &(w, rows)) in together.iter().zip(&mats) {
         let alone = gpu_matmul(&device, &stream, GgmlType::Q6_K, w, rows, cols, &x, n, None);
@@ -641,9 +655,20 @@ fn split_batch_products_match_and_repeat_exactly() {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
             let run = |initial| {
                 let mats = [(w.as_slice(), rows)];
-                gpu_matmul_many(&device, &stream, ty, &mats, cols, &x, n, initial, true)
-                    .pop()
-                    .expect("one output")
+                gpu_matmul_many(
+                    &device,
+                    &stream,
+                    ty,
+                    &mats,
+                    cols,
+                    &x,
+                    n,
+                    initial,
+                    true,
+                    matmul::BatchKernel::Tiles,
+                )
+                .pop()
+                .expect("one output")
             };
             let split = run(None);
             let err = relative_error(
@@ -664,6 +689,162 @@ fn split_batch_products_match_and_repeat_exactly() {
             assert_eq!(
                 added, expected,
                 "{ty} {rows}x{cols}, {n} tokens: split accumulates"
+            );
+        }
+    }
+}
+
+/// The skinny batch products (few tokens, weights decoded straight into the matrix
+/// instructions' registers) compute every type's product to the f16-rounded reference's
+/// bound: one row and partial 16-row tiles, widths that end inside a 64-column step,
+/// token counts inside and at the ends of each token-group size (8, 16, 32, 64), several
+/// matrices in one launch, accumulation, and the same bits on every call.
+#[test]
+fn skinny_batch_products_match_the_reference_and_repeat_exactly() {
+    let Some((device, stream)) =
+        gpu_or_skip("skinny_batch_products_match_the_reference_and_repeat_exactly")
+    else {
+        return;
+    };
+    if !matmul::skinny_available(&device) {
+        eprintln!(
+            "SKIPPED skinny_batch_products_match_the_reference_and_repeat_exactly: \
+             the skinny kernel needs an NVIDIA GPU of compute capability 8.0 or later"
+        );
+        return;
+    }
+    let skinny = |ty, mats: &[(&[u8], usize)], cols, x: &[f32], n, initial| {
+        gpu_matmul_many(
+            &device,
+            &stream,
+            ty,
+            mats,
+            cols,
+            x,
+            n,
+            initial,
+            false,
+            matmul::BatchKernel::Skinny,
+        )
+    };
+    let split = |ty, mats: &[(&[u8], usize)], cols, x: &[f32], n, initial| {
+        gpu_matmul_many(
+            &device,
+            &stream,
+            ty,
+            mats,
+            cols,
+            x,
+            n,
+            initial,
+            true,
+            matmul::BatchKernel::Skinny,
+        )
+    };
+    for (i, ty) in types().enumerate() {
+        let mut shapes = vec![(1, 256, 1), (70, 512, 9), (33, 768, 64), (130, 2816, 17)];
+        if ty.block_size() <= 32 {
+            // 96 columns: the second step of 64 ends half way.
+            shapes.extend([(20, 96, 5), (17, 160, 33)]);
+        }
+        for (rows, cols, n) in shapes {
+            let mut rng = Rng((7000 + i as u64 * 13 + rows as u64) | 1);
+            let w = random_matrix(ty, rows, cols, &mut rng);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+            let mats = [(w.as_slice(), rows)];
+            let got = skinny(ty, &mats, cols, &x, n, None)
+                .pop()
+                .expect("one output");
+            assert!(
+                got.iter().all(|v| v.is_finite()),
+                "{ty} {rows}x{cols}, {n} tokens: every output written"
+            );
+            let err = relative_error(
+                &got,
+                &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
+            );
+            assert!(
+                err <= rounded_bound(ty),
+                "{ty} {rows}x{cols}, {n} tokens: skinny relative error {err:.2e} against the \
+                 f16-rounded operands"
+            );
+            let again = skinny(ty, &mats, cols, &x, n, None)
+                .pop()
+                .expect("one output");
+            assert_eq!(got, again, "{ty} {rows}x{cols}, {n} tokens: skinny repeats");
+        }
+    }
+    // Three matrices in one launch, and accumulation, for the types with loads of their
+    // own and a general one.
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+        let (cols, n) = (1024, 24);
+        let mut rng = Rng(31337 + ty as u64);
+        let ws: Vec<(Vec<u8>, usize)> = [48usize, 70, 200]
+            .into_iter()
+            .map(|rows| (random_matrix(ty, rows, cols, &mut rng), rows))
+            .collect();
+        let mats: Vec<(&[u8], usize)> = ws.iter().map(|(w, rows)| (w.as_slice(), *rows)).collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+        let together = skinny(ty, &mats, cols, &x, n, None);
+        for (got, &(w, rows)) in together.iter().zip(&mats) {
+            let err = relative_error(
+                got,
+                &reference_rounded(ty, w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
+            );
+            assert!(
+                err <= rounded_bound(ty),
+                "{ty} {rows}x{cols}, {n} tokens, three in one launch: relative error {err:.2e}"
+            );
+        }
+        let added = skinny(ty, &mats, cols, &x, n, Some(0.5));
+        for (sum, alone) in added.iter().zip(&together) {
+            let expected: Vec<f32> = alone.iter().map(|v| v + 0.5).collect();
+            assert_eq!(sum, &expected, "{ty}: skinny accumulates");
+        }
+    }
+    // Given room, a few row tiles split their columns: the same function, the same bits
+    // on every call, accumulation included, the tile counters left at zero (checked by
+    // `gpu_matmul_many`).
+    for (i, ty) in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::Q4_1,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for (rows, n) in [(200, 9), (1000, 40), (64, 2)] {
+            let cols = 4096;
+            let mut rng = Rng(11_000 + i as u64 * 7 + rows as u64);
+            let w = random_matrix(ty, rows, cols, &mut rng);
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+            let mats = [(w.as_slice(), rows)];
+            let got = split(ty, &mats, cols, &x, n, None)
+                .pop()
+                .expect("one output");
+            let err = relative_error(
+                &got,
+                &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
+            );
+            assert!(
+                err <= rounded_bound(ty),
+                "{ty} {rows}x{cols}, {n} tokens, skinny split: relative error {err:.2e}"
+            );
+            let again = split(ty, &mats, cols, &x, n, None)
+                .pop()
+                .expect("one output");
+            assert_eq!(
+                got, again,
+                "{ty} {rows}x{cols}, {n} tokens: skinny split repeats"
+            );
+            let added = split(ty, &mats, cols, &x, n, Some(0.25))
+                .pop()
+                .expect("one output");
+            let expected: Vec<f32> = got.iter().map(|v| v + 0.25).collect();
+            assert_eq!(
+                added, expected,
+                "{ty} {rows}x{cols}, {n} tokens: skinny split accumulates"
             );
         }
     }

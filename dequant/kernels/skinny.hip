@@ -1,0 +1,699 @@
+// skinny.hip: batch products of few tokens (a decode step of several sequences, up to a
+// few dozen tokens) on the matrix units, straight from the weights' blocks into the
+// matrix instructions' registers.
+//
+// Included by matmul.hip, which launches these kernels for batches of up to
+// kSkinnyMaxTokens tokens on NVIDIA sm_80 and later, for the types with loads of their
+// own below (skinny_takes); its inputs (the f16 activations and per-token scales of
+// rf_row_scales), its outputs and its room to split the columns are the tiled kernel's.
+//
+// Why another kernel. With few tokens a product is bound by reading its weights once,
+// not by arithmetic: the tiled kernel's barrier and decode into shared memory every 32
+// columns, with two stages and 128-token tiles (mostly empty), leave the device waiting
+// on each step's chain of copies. Here a workgroup of kSkWarps warps takes kSkRows rows
+// (16 a warp, one m16n8k16 tile) and walks their columns in chunks of a super-block (or
+// of eight 32-value blocks) with one barrier a chunk: the raw blocks of each chunk and
+// the activations of its columns arrive in shared memory by asynchronous copies, two
+// chunks ahead where there is room (kSkStages), while each warp decodes the chunk before
+// them from shared memory straight to f16 in registers, in the very places the matrix
+// instruction wants them: no f16 weight tile, no second pass through shared memory.
+//
+// Layout. A warp computes its 16 rows × 8·NT tokens over steps of 64 columns, four to a
+// chunk. The grid is token groups × row tiles × column splits: when the row tiles alone
+// would leave the device idle (a matrix of few rows) and the caller gives room, each
+// split takes its own run of chunks, leaves its sums in the room, and the last of a
+// tile to finish adds them in split order, as the tiled kernel does: results repeat bit
+// for bit.
+//
+// Columns in any order. A sum over k does not care in which order k is visited, as long
+// as both operands visit it in the same one. Lane (g, q) of an m16n8k16 instruction holds
+// the weights of rows g and g + 8 at k-slots {2q, 2q+1, 2q+8, 2q+9} and the activations
+// of token g at the same slots; here those slots mean the columns 4i + {0, 1, 2, 3} of
+// the 16 consecutive columns 16q … 16q + 15 of the step (instruction i = 0 … 3). So each
+// lane decodes 16 consecutive values of each of its two rows (a block's natural unit),
+// and reads 32 consecutive bytes of each token's activations.
+#include <type_traits>
+
+namespace rf {
+
+// Tokens a launch of the skinny kernel takes at most: the switch-over from the tiled
+// kernel (measured on the H100 and H200: bench gpu_decode --products).
+constexpr int kSkinnyMaxTokens = 64;
+constexpr int kSkinnyK = 64;
+constexpr int kSkWarps = 8;
+constexpr int kSkThreads = 32 * kSkWarps;
+constexpr int kSkRows = 16 * kSkWarps;
+
+// The types with loads and decoders of their own here (SkinnyRow), and the alignment in
+// bytes their loads need of the matrices (a row's size is a multiple of it).
+template <typename F>
+struct SkinnyFast : std::false_type {};
+template <typename F>
+struct SkinnyAlign : std::integral_constant<int, 2> {};
+template <>
+struct SkinnyFast<Q4_0> : std::true_type {};
+template <>
+struct SkinnyFast<Q4_1> : std::true_type {};
+template <>
+struct SkinnyFast<Q5_0> : std::true_type {};
+template <>
+struct SkinnyFast<Q5_1> : std::true_type {};
+template <>
+struct SkinnyFast<Q8_0> : std::true_type {};
+template <>
+struct SkinnyFast<Q4_K> : std::true_type {};
+template <>
+struct SkinnyFast<Q5_K> : std::true_type {};
+template <>
+struct SkinnyFast<Q6_K> : std::true_type {};
+template <>
+struct SkinnyAlign<Q4_1> : std::integral_constant<int, 4> {};
+template <>
+struct SkinnyAlign<Q5_1> : std::integral_constant<int, 8> {};
+template <>
+struct SkinnyAlign<Q4_K> : std::integral_constant<int, 16> {};
+template <>
+struct SkinnyAlign<Q5_K> : std::integral_constant<int, 16> {};
+
+#if defined(RF_MM_MMA)
+// The loads below read a chunk's blocks from shared memory, where each row's copy keeps
+// the alignment its bytes have in device memory (modulo 16).
+
+// 16 bytes at a 2-byte aligned address, as four words: aligned 32-bit loads shifted into
+// place, never reading past the aligned word that holds the last byte.
+__device__ __forceinline__ uint4 load16_a2(const uint8_t* p) {
+    const uint32_t* base = reinterpret_cast<const uint32_t*>((uintptr_t)p & ~(uintptr_t)3);
+    const int shift = ((uintptr_t)p & 3) * 8;  // 0 or 16
+    const uint32_t w0 = base[0], w1 = base[1], w2 = base[2], w3 = base[3];
+    const uint32_t w4 = shift ? base[4] : 0u;
+    auto at = [&](uint32_t lo, uint32_t hi) {
+        return (uint32_t)((((uint64_t)hi << 32) | lo) >> shift);
+    };
+    return make_uint4(at(w0, w1), at(w1, w2), at(w2, w3), at(w3, w4));
+}
+
+// 16 bytes at a 4-, 8- or 16-byte aligned address.
+__device__ __forceinline__ uint4 load16_a4(const uint8_t* p) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(p);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ uint4 load16_a8(const uint8_t* p) {
+    const uint2* w = reinterpret_cast<const uint2*>(p);
+    const uint2 a = w[0], b = w[1];
+    return make_uint4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ uint4 load16_a16(const uint8_t* p) {
+    return *reinterpret_cast<const uint4*>(p);
+}
+// The two bytes at a 2-byte aligned address.
+__device__ __forceinline__ uint32_t load2(const uint8_t* p) {
+    return *reinterpret_cast<const unsigned short*>(p);
+}
+
+__device__ __forceinline__ __half2 half2_of_bits(uint32_t bits) {
+    return __half2half2(__ushort_as_half((unsigned short)(bits & 0xFFFF)));
+}
+
+// Sixteen small integers q (one a byte) as f16 pairs: ((q - offset) · scale) · d + add,
+// or (q - offset) · scale without the multiply-add; eight pairs, values 0..7 in `lo`,
+// 8..15 in `hi`. `off` is 1024 + offset: each byte becomes the half 1024 + q first.
+__device__ __forceinline__ void halves16(uint4 q, __half2 off, __half2 scale, __half2 d,
+                                         __half2 add, bool fma, uint4& lo, uint4& hi) {
+    uint32_t out[8];
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        __half2 a, b;
+        bytes_to_halves(words[i], a, b);
+        a = __hmul2(__hsub2(a, off), scale);
+        b = __hmul2(__hsub2(b, off), scale);
+        if (fma) {
+            a = __hfma2(a, d, add);
+            b = __hfma2(b, d, add);
+        }
+        out[2 * i] = half2_bits(a);
+        out[2 * i + 1] = half2_bits(b);
+    }
+    lo = make_uint4(out[0], out[1], out[2], out[3]);
+    hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// The low (shift 0) or high (shift 4) nibbles of 16 bytes.
+__device__ __forceinline__ uint4 nibbles(uint4 v, int shift) {
+    return make_uint4((v.x >> shift) & 0x0F0F0F0Fu, (v.y >> shift) & 0x0F0F0F0Fu,
+                      (v.z >> shift) & 0x0F0F0F0Fu, (v.w >> shift) & 0x0F0F0F0Fu);
+}
+
+// Bits v .. v + 3 of a mask, to bit 4 of bytes 0..3.
+__device__ __forceinline__ uint32_t fifth_bits(uint32_t mask, int v) {
+    const uint32_t b = mask >> v;
+    return ((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25);
+}
+
+// How a lane reads and decodes its 16 values of a row for a step, from the row's copy in
+// shared memory (`row`: the chunk's first block; `k`: the column within the chunk):
+// `load` takes the raw bytes with the widest loads their alignment allows, `decode`
+// turns them into f16 pairs: for Q8_0, Q4_0, Q4_K and Q6_K the values HalfDecode gives,
+// for the others decode8's values rounded to f16 (but for a rare double rounding: Q4_1
+// and Q5_1 take d·q + m in one f16 multiply-add). Values past the row's end (`cols`,
+// counted from the chunk's start too; a multiple of 8) read as zeros. The general form
+// serves forced launches (comparisons, tests) of the types without a form of their own,
+// with the tiled kernel's decoders.
+template <typename F, typename Enable = void>
+struct SkinnyRow {
+    struct Raw {
+        const uint8_t* row;
+        int k;
+    };
+    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int) {
+        return Raw{row, k};
+    }
+    static __device__ __forceinline__ uint4 eight(const uint8_t* row, int k) {
+        const uint8_t* blk = row + (size_t)(k / F::kValues) * F::kBytes;
+        if constexpr (HalfDecode<F>::kHas) {
+            return HalfDecode<F>::decode8h(blk, k % F::kValues);
+        } else {
+            float v[kGroup];
+            F::decode8(blk, k % F::kValues, v);
+            return pack8(v);
+        }
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int cols, uint4& lo, uint4& hi) {
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        lo = r.k < cols ? eight(r.row, r.k) : zero;
+        hi = r.k + 8 < cols ? eight(r.row, r.k + 8) : zero;
+    }
+};
+
+// The legacy 32-value blocks: a lane's 16 values are the low (first half of the block)
+// or high (second half) nibbles of the block's 16 quant bytes, or half of Q8_0's 32.
+// `head` holds d (and m, above it), `qh` the fifth bits of Q5_0/Q5_1. Rows of 32-value
+// blocks end on a whole block, so a lane's values are all inside the row or all past it.
+struct LegacyRaw {
+    uint4 q;
+    uint32_t head, qh;
+    int half;  // 0: values 0..15 of the block, 1: 16..31; -1: past the row's end
+};
+
+template <>
+struct SkinnyRow<Q4_0> {
+    using Raw = LegacyRaw;
+    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
+        Raw r{};
+        r.half = k < cols ? (k % 32) / 16 : -1;
+        if (r.half < 0) return r;
+        const uint8_t* blk = row + (size_t)(k / 32) * 18;
+        r.head = load2(blk);
+        r.q = load16_a2(blk + 2);
+        return r;
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
+        const __half2 d = half2_of_bits(r.head), zero = __float2half2_rn(0.0f);
+        halves16(nibbles(r.q, r.half > 0 ? 4 : 0), __float2half2_rn(1024.0f + 8.0f), d, zero,
+                 zero, false, lo, hi);
+        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+
+template <>
+struct SkinnyRow<Q4_1> {
+    using Raw = LegacyRaw;
+    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
+        Raw r{};
+        r.half = k < cols ? (k % 32) / 16 : -1;
+        if (r.half < 0) return r;
+        const uint8_t* blk = row + (size_t)(k / 32) * 20;
+        r.head = *reinterpret_cast<const uint32_t*>(blk);
+        r.q = load16_a4(blk + 4);
+        return r;
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
+        const __half2 one = __float2half2_rn(1.0f);
+        halves16(nibbles(r.q, r.half > 0 ? 4 : 0), __float2half2_rn(1024.0f), one,
+                 half2_of_bits(r.head), half2_of_bits(r.head >> 16), true, lo, hi);
+        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+
+template <>
+struct SkinnyRow<Q5_0> {
+    using Raw = LegacyRaw;
+    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
+        Raw r{};
+        r.half = k < cols ? (k % 32) / 16 : -1;
+        if (r.half < 0) return r;
+        const uint8_t* blk = row + (size_t)(k / 32) * 22;
+        r.head = load2(blk);
+        r.qh = load2(blk + 2) | (load2(blk + 4) << 16);
+        r.q = load16_a2(blk + 6);
+        return r;
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
+        const int v = r.half > 0 ? 16 : 0;
+        uint4 q = nibbles(r.q, r.half > 0 ? 4 : 0);
+        q.x |= fifth_bits(r.qh, v);
+        q.y |= fifth_bits(r.qh, v + 4);
+        q.z |= fifth_bits(r.qh, v + 8);
+        q.w |= fifth_bits(r.qh, v + 12);
+        const __half2 zero = __float2half2_rn(0.0f);
+        halves16(q, __float2half2_rn(1024.0f + 16.0f), half2_of_bits(r.head), zero, zero, false,
+                 lo, hi);
+        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+
+template <>
+struct SkinnyRow<Q5_1> {
+    using Raw = LegacyRaw;
+    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
+        Raw r{};
+        r.half = k < cols ? (k % 32) / 16 : -1;
+        if (r.half < 0) return r;
+        const uint8_t* blk = row + (size_t)(k / 32) * 24;
+        const uint2 head = *reinterpret_cast<const uint2*>(blk);
+        r.head = head.x;
+        r.qh = head.y;
+        r.q = load16_a8(blk + 8);
+        return r;
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
+        const int v = r.half > 0 ? 16 : 0;
+        uint4 q = nibbles(r.q, r.half > 0 ? 4 : 0);
+        q.x |= fifth_bits(r.qh, v);
+        q.y |= fifth_bits(r.qh, v + 4);
+        q.z |= fifth_bits(r.qh, v + 8);
+        q.w |= fifth_bits(r.qh, v + 12);
+        const __half2 one = __float2half2_rn(1.0f);
+        halves16(q, __float2half2_rn(1024.0f), one, half2_of_bits(r.head),
+                 half2_of_bits(r.head >> 16), true, lo, hi);
+        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+
+template <>
+struct SkinnyRow<Q8_0> {
+    using Raw = LegacyRaw;
+    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
+        Raw r{};
+        r.half = k < cols ? (k % 32) / 16 : -1;
+        if (r.half < 0) return r;
+        const uint8_t* blk = row + (size_t)(k / 32) * 34;
+        r.head = load2(blk);
+        r.q = load16_a2(blk + 2 + 16 * r.half);
+        return r;
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
+        // Signed bytes as q + 128.
+        const uint4 q = make_uint4(r.q.x ^ 0x80808080u, r.q.y ^ 0x80808080u,
+                                   r.q.z ^ 0x80808080u, r.q.w ^ 0x80808080u);
+        const __half2 zero = __float2half2_rn(0.0f);
+        halves16(q, __float2half2_rn(1024.0f + 128.0f), half2_of_bits(r.head), zero, zero, false,
+                 lo, hi);
+        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
+    }
+};
+
+// Q4_K and Q5_K: 144- and 176-byte super-blocks, 16-byte aligned when the row is. The 16
+// values of a lane are one half of a sub-block: 16 bytes of qs, one nibble each (and
+// Q5_K's fifth bits, bit `sub` of 16 bytes of qh).
+template <bool kFive>
+struct KRaw {
+    uint4 head;  // d, dmin, the 12 scale bytes
+    uint4 qs;
+    uint4 qh;  // Q5_K only
+    int sub;   // the sub-block (0..7)
+};
+
+template <bool kFive>
+struct SkinnyKRow {
+    using Raw = KRaw<kFive>;
+    static constexpr int kBytes = kFive ? 176 : 144;
+    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int) {
+        const uint8_t* blk = row + (size_t)(k / 256) * kBytes;
+        const int v = k % 256, c = v / 64, part = (v % 64) / 16;
+        Raw r;
+        r.head = load16_a16(blk);
+        r.qs = load16_a16(blk + (kFive ? 48 : 16) + 32 * c + 16 * (part % 2));
+        if (kFive) r.qh = load16_a16(blk + 16 + 16 * (part % 2));
+        r.sub = 2 * c + part / 2;
+        return r;
+    }
+    static __device__ __forceinline__ uint32_t scale_byte(const uint4& h, int i) {
+        const uint32_t word = i < 4 ? h.y : (i < 8 ? h.z : h.w);
+        return (word >> (8 * (i & 3))) & 0xFF;
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
+        const int g = r.sub;
+        uint32_t sc, m;
+        if (g < 4) {
+            sc = scale_byte(r.head, g) & 0x3F;
+            m = scale_byte(r.head, g + 4) & 0x3F;
+        } else {
+            sc = (scale_byte(r.head, g + 4) & 0x0F) | ((scale_byte(r.head, g - 4) >> 2) & 0x30);
+            m = (scale_byte(r.head, g + 4) >> 4) | ((scale_byte(r.head, g) >> 2) & 0x30);
+        }
+        const __half2 d = half2_of_bits(r.head.x);
+        const float dmin = f16_bits_to_f32(r.head.x >> 16);
+        // As HalfDecode<Q4_K>: sc · q exact in f16, then d · (sc · q) - dmin·m rounded once.
+        const __half2 scale = __float2half2_rn(small_int_f32((int)sc));
+        const __half2 neg_min = __float2half2_rn(-mul(dmin, small_int_f32((int)m)));
+        uint4 q = nibbles(r.qs, 4 * (g % 2));
+        if (kFive) {
+            auto bit = [&](uint32_t h) { return ((h >> g) & 0x01010101u) << 4; };
+            q = make_uint4(q.x | bit(r.qh.x), q.y | bit(r.qh.y), q.z | bit(r.qh.z),
+                           q.w | bit(r.qh.w));
+        }
+        halves16(q, __float2half2_rn(1024.0f), scale, d, neg_min, true, lo, hi);
+    }
+};
+template <>
+struct SkinnyRow<Q4_K> : SkinnyKRow<false> {};
+template <>
+struct SkinnyRow<Q5_K> : SkinnyKRow<true> {};
+
+// Q6_K: 210-byte super-blocks (2-byte aligned). The 16 values of a lane share one scale;
+// their low four bits are 16 bytes of ql (one nibble each), their high two 16 bytes of qh.
+template <>
+struct SkinnyRow<Q6_K> {
+    struct Raw {
+        uint4 ql, qh;
+        uint32_t tail;  // d (low 16 bits) and the scale byte (bits 16..23)
+        int quarter;
+    };
+    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int) {
+        const uint8_t* blk = row + (size_t)(k / 256) * 210;
+        const int v = k % 256, h = v / 128, l = v % 128, quarter = l / 32, i0 = l % 32;
+        Raw r;
+        r.ql = load16_a2(blk + 64 * h + 32 * (quarter % 2) + i0);
+        r.qh = load16_a2(blk + 128 + 32 * h + i0);
+        r.tail = load2(blk + 208) | ((uint32_t)blk[192 + v / 16] << 16);
+        r.quarter = quarter;
+        return r;
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
+        // As HalfDecode<Q6_K>: d · sc rounded to f16 once, then (q - 32) times it.
+        const float dl = mul(f16_bits_to_f32(r.tail & 0xFFFF),
+                             small_int_f32((int)(int8_t)(uint8_t)(r.tail >> 16)));
+        const int s1 = 4 * (r.quarter / 2), s2 = 2 * r.quarter;
+        auto six = [&](uint32_t low, uint32_t high) {
+            return ((low >> s1) & 0x0F0F0F0Fu) | (((high >> s2) & 0x03030303u) << 4);
+        };
+        const uint4 q = make_uint4(six(r.ql.x, r.qh.x), six(r.ql.y, r.qh.y), six(r.ql.z, r.qh.z),
+                                   six(r.ql.w, r.qh.w));
+        const __half2 zero = __float2half2_rn(0.0f);
+        halves16(q, __float2half2_rn(1024.0f + 32.0f), __float2half2_rn(dl), zero, zero, false, lo,
+                 hi);
+    }
+};
+#endif
+
+// A chunk of a type: the columns a workgroup stages at a time (a super-block, or eight
+// blocks of 32, or 128 plain values), their bytes in a row, and the pitch of a row's copy
+// in shared memory (room for the chunk from the 16-byte boundary at or before its first
+// byte, in whole 16-byte pieces).
+template <typename F>
+struct SkChunk {
+    static constexpr int kValues = F::kValues >= 32 ? 256 : 128;
+    static constexpr int kBytes = kValues / F::kValues * F::kBytes;
+    static constexpr int kPitch = (kBytes + 15 + 15) / 16 * 16;
+    static constexpr int kSteps = kValues / kSkinnyK;
+};
+
+// Shared memory of a workgroup: kSkStages stages, each the chunk's blocks of kSkRows rows
+// and its activations for 8·NT tokens (a row of kValues + 8 halves each, so that the
+// eight tokens a quarter-warp reads fall in distinct banks). Three stages where they fit
+// in a third of a multiprocessor's shared memory (about 113 KB), else two.
+template <typename F, int NT>
+struct SkLayout {
+    static constexpr int kXPitch = SkChunk<F>::kValues + 8;
+    static constexpr int kWBytes = kSkRows * SkChunk<F>::kPitch;
+    static constexpr int kXBytes = 8 * NT * kXPitch * 2;
+    static constexpr int kStageBytes = kWBytes + kXBytes;
+    static constexpr int kStages = 3 * kStageBytes <= 113 * 1024 ? 3 : 2;
+    static constexpr int kBytes = kStages * kStageBytes;
+};
+
+// The skinny product. Grid: x = token groups of 8·NT, y = tiles of kSkRows rows of the
+// matrices (numbered one matrix after the other), z = column splits; kSkThreads threads;
+// dynamic shared memory SkLayout<F, NT>::kBytes.
+template <typename F, int NT>
+__global__ void __launch_bounds__(kSkThreads)
+    skinny_kernel(MatmulMats mats, int cols, const __half* __restrict__ x,
+                  const float* __restrict__ scales, int n_tokens, int accumulate, int splits,
+                  float* partials, unsigned* counters) {
+#if defined(RF_MM_MMA)
+    using R = SkinnyRow<F>;
+    using C = SkChunk<F>;
+    using L = SkLayout<F, NT>;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, q = lane % 4;
+
+    int tile = (int)blockIdx.y, m = 0;
+    const int tiles0 = (mats.rows[0] + kSkRows - 1) / kSkRows;
+    const int tiles1 = (mats.rows[1] + kSkRows - 1) / kSkRows;
+    if (mats.n > 1 && tile >= tiles0) {
+        tile -= tiles0;
+        m = 1;
+        if (mats.n > 2 && tile >= tiles1) {
+            tile -= tiles1;
+            m = 2;
+        }
+    }
+    const uint8_t* __restrict__ w = m == 0 ? mats.w[0] : (m == 1 ? mats.w[1] : mats.w[2]);
+    float* __restrict__ y = m == 0 ? mats.y[0] : (m == 1 ? mats.y[1] : mats.y[2]);
+    const int rows = m == 0 ? mats.rows[0] : (m == 1 ? mats.rows[1] : mats.rows[2]);
+    const int tile_row0 = tile * kSkRows, row0 = tile_row0 + 16 * warp;
+    const int tok0 = (int)blockIdx.x * 8 * NT;
+    const size_t row_bytes = (size_t)(cols / F::kValues) * F::kBytes;
+    const uint8_t* w_end = w + (size_t)rows * row_bytes;
+    const int chunks = (cols + C::kValues - 1) / C::kValues;
+    const int split = (int)blockIdx.z;
+    const int c0 = split * chunks / splits, c1 = (split + 1) * chunks / splits;
+
+    auto w_stage = [&](int st) { return smem + st * L::kStageBytes; };
+    auto x_stage = [&](int st) {
+        return reinterpret_cast<__half*>(smem + st * L::kStageBytes + L::kWBytes);
+    };
+    // The raw blocks of chunk c of the tile's rows (rows past the end copy the last row
+    // again; bytes past the matrix read as zeros), 16-byte pieces from the boundary at or
+    // before each row's first byte of the chunk.
+    auto copy_weights = [&](int c, int st) {
+        if (c >= c1) return;
+        constexpr int kPieces = C::kPitch / 16;
+        for (int p = threadIdx.x; p < kSkRows * kPieces; p += kSkThreads) {
+            const int r = p / kPieces, j = p % kPieces;
+            const uint8_t* first = w + (size_t)min(tile_row0 + r, rows - 1) * row_bytes +
+                                   (size_t)c * C::kBytes;
+            const uint8_t* src =
+                reinterpret_cast<const uint8_t*>((uintptr_t)first & ~(uintptr_t)15) + 16 * j;
+            const long long left = (long long)(w_end - src);
+            const int bytes = left <= 0 ? 0 : (left >= 16 ? 16 : (int)left);
+            copy16_async(w_stage(st) + r * C::kPitch + 16 * j, bytes ? src : w, bytes);
+        }
+    };
+    // The activations of chunk c's columns: eight values a piece, zeros past the batch
+    // and past the row.
+    auto copy_acts = [&](int c, int st) {
+        if (c >= c1) return;
+        constexpr int kPieces = C::kValues / 8;
+        for (int p = threadIdx.x; p < 8 * NT * kPieces; p += kSkThreads) {
+            const int t = p / kPieces, kk = (p % kPieces) * 8;
+            const int k = c * C::kValues + kk;
+            const bool valid = k < cols && tok0 + t < n_tokens;
+            const __half* src = valid ? x + (size_t)(tok0 + t) * cols + k : x;
+            copy16_async(x_stage(st) + t * L::kXPitch + kk, src, valid ? 16 : 0);
+        }
+    };
+
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+    }
+    // The token groups of 8 this workgroup has any of (the others skip their work), and
+    // whether this warp has any rows (the others only copy and keep the books).
+    const int live = min(NT, (n_tokens - tok0 + 7) / 8);
+    const bool busy = row0 < rows;
+
+    // Copy groups, one per chunk, in order: chunk c's activations (and, in the first
+    // group, the weights of the first kSkStages - 1 chunks, requested before the
+    // chained-launch wait: no kernel writes weights).
+#pragma unroll
+    for (int i = 0; i < L::kStages - 1; ++i) copy_weights(c0 + i, i);
+    rf_chain_wait();
+#pragma unroll
+    for (int i = 0; i < L::kStages - 1; ++i) {
+        copy_acts(c0 + i, i);
+        copies_commit();
+    }
+    for (int c = c0; c < c1; ++c) {
+        const int st = (c - c0) % L::kStages;
+        // Chunk c has landed for every thread, and every warp is done with chunk c - 1,
+        // whose stage the next request refills.
+        copies_wait<L::kStages - 2>();
+        __syncthreads();
+        const int next = c + L::kStages - 1, next_st = (next - c0) % L::kStages;
+        copy_weights(next, next_st);
+        copy_acts(next, next_st);
+        copies_commit();
+        if (!busy) continue;
+        const uint8_t* wst = w_stage(st);
+        const uint8_t* first_lo = w + (size_t)min(row0 + g, rows - 1) * row_bytes +
+                                  (size_t)c * C::kBytes;
+        const uint8_t* first_hi = w + (size_t)min(row0 + g + 8, rows - 1) * row_bytes +
+                                  (size_t)c * C::kBytes;
+        const uint8_t* s_lo = wst + (16 * warp + g) * C::kPitch + ((uintptr_t)first_lo & 15);
+        const uint8_t* s_hi = wst + (16 * warp + g + 8) * C::kPitch + ((uintptr_t)first_hi & 15);
+        const __half* xs = x_stage(st);
+        const int cols_left = cols - c * C::kValues;
+#pragma unroll
+        for (int j = 0; j < C::kSteps; ++j) {
+            const int k = j * kSkinnyK + 16 * q;
+            uint4 a_lo0, a_lo1, a_hi0, a_hi1;  // rows g and g + 8: values k..k+7, k+8..k+15
+            R::decode(R::load(s_lo, k, cols_left), cols_left, a_lo0, a_lo1);
+            R::decode(R::load(s_hi, k, cols_left), cols_left, a_hi0, a_hi1);
+            const uint32_t a0[4] = {a_lo0.x, a_hi0.x, a_lo0.y, a_hi0.y};
+            const uint32_t a1[4] = {a_lo0.z, a_hi0.z, a_lo0.w, a_hi0.w};
+            const uint32_t a2[4] = {a_lo1.x, a_hi1.x, a_lo1.y, a_hi1.y};
+            const uint32_t a3[4] = {a_lo1.z, a_hi1.z, a_lo1.w, a_hi1.w};
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                if (n >= live) break;
+                const __half* xr = xs + (8 * n + g) * L::kXPitch + k;
+                const uint4 b0 = *reinterpret_cast<const uint4*>(xr);
+                const uint4 b1 = *reinterpret_cast<const uint4*>(xr + 8);
+                rf_mma_16816(acc[n], a0, b0.x, b0.y);
+                rf_mma_16816(acc[n], a1, b0.z, b0.w);
+                rf_mma_16816(acc[n], a2, b1.x, b1.y);
+                rf_mma_16816(acc[n], a3, b1.z, b1.w);
+            }
+        }
+    }
+    copies_wait<0>();
+
+    if (splits > 1) {
+        // Each thread's sums into its slot of this split's room, then the last workgroup
+        // of the tile to finish adds every split's, in split order.
+        const int n_tiles = (int)(gridDim.x * gridDim.y);
+        const int tile_id = (int)(blockIdx.y * gridDim.x + blockIdx.x);
+        const size_t slot = (size_t)kSkThreads * NT * 4;
+        float* mine = partials + ((size_t)split * n_tiles + tile_id) * slot + threadIdx.x;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mine[(size_t)(n * 4 + e) * kSkThreads] = acc[n][e];
+        }
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned before = atomicAdd(&counters[tile_id], 1u);
+            last = before == (unsigned)(splits - 1);
+            if (last) counters[tile_id] = 0u;
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        // The other splits' sums were written by other workgroups during this launch:
+        // read them past this workgroup's cache, in split order.
+        const volatile float* all = partials + (size_t)tile_id * slot + threadIdx.x;
+        const size_t split_stride = (size_t)n_tiles * slot;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float sum = 0.0f;
+                for (int z = 0; z < splits; ++z) {
+                    sum += all[z * split_stride + (size_t)(n * 4 + e) * kSkThreads];
+                }
+                acc[n][e] = sum;
+            }
+        }
+    }
+    // Element e of token tile n: row g + 8·(e / 2), token 2q + e % 2.
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = row0 + g + 8 * (e / 2);
+            const int tok = tok0 + 8 * n + 2 * q + (e % 2);
+            if (row < rows && tok < n_tokens) put(y, rows, row, tok, acc[n][e], scales, accumulate);
+        }
+    }
+#endif
+}
+
+// Whether the skinny kernel takes a product of `n_tokens` tokens of this type: on the
+// matrix units' path (`mma`), up to kSkinnyMaxTokens tokens, with rows of the alignment
+// the type's loads need; and, unless `forced`, for the types with loads of their own
+// (the others decode from device memory a byte at a time: slower than the tiled kernel).
+template <typename F>
+bool skinny_takes(const MatmulMats& mats, int n_tokens, bool mma, bool forced) {
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    if (!mma || n_tokens > kSkinnyMaxTokens || !(forced || SkinnyFast<F>::value)) return false;
+    for (int m = 0; m < mats.n; ++m) {
+        if ((uintptr_t)mats.w[m] % SkinnyAlign<F>::value != 0) return false;
+    }
+    return true;
+#else
+    (void)mats;
+    (void)n_tokens;
+    (void)mma;
+    (void)forced;
+    return false;
+#endif
+}
+
+template <typename F, int NT>
+hipError_t launch_skinny_nt(const MatmulMats& mats, int cols, const __half* x,
+                            const float* scales, int n_tokens, int accumulate, int multiprocessors,
+                            float* partials, long long partial_floats, unsigned* counters,
+                            int n_counters, hipStream_t stream) {
+    long long tiles = 0;
+    for (int m = 0; m < mats.n; ++m) tiles += (mats.rows[m] + kSkRows - 1) / kSkRows;
+    const long long groups = (n_tokens + 8 * NT - 1) / (8 * NT);
+    const long long chunks = (cols + SkChunk<F>::kValues - 1) / SkChunk<F>::kValues;
+    // Splits: enough workgroups for two a multiprocessor, each split a run of at least
+    // two chunks, within the room given.
+    long long splits = 1;
+    const long long wgs = tiles * groups;
+    if (partials && counters && wgs <= n_counters) {
+        const long long want = (2LL * multiprocessors + wgs - 1) / wgs;
+        const long long fit = partial_floats / (wgs * kSkThreads * NT * 4);
+        splits = max(1LL, min(min(want, chunks / 2), min(fit, 16LL)));
+    }
+    const int bytes = SkLayout<F, NT>::kBytes;
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    // Past 48 KB a kernel's dynamic shared memory needs raising its limit, once.
+    static std::atomic<bool> raised{false};
+    if (bytes > 48 * 1024 && !raised.load(std::memory_order_relaxed)) {
+        const hipError_t status = hipFuncSetAttribute(
+            (const void*)skinny_kernel<F, NT>, hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+        if (status != hipSuccess) return status;
+        raised.store(true, std::memory_order_relaxed);
+    }
+#endif
+    const dim3 grid((unsigned)groups, (unsigned)tiles, (unsigned)splits);
+    rfLaunchChained((skinny_kernel<F, NT>), grid, dim3(kSkThreads), (size_t)bytes, stream, mats,
+                    cols, x, scales, n_tokens, accumulate, (int)splits, partials, counters);
+    return hipGetLastError();
+}
+
+template <typename F>
+hipError_t launch_skinny(const MatmulMats& mats, int cols, const __half* x, const float* scales,
+                         int n_tokens, int accumulate, int multiprocessors, float* partials,
+                         long long partial_floats, unsigned* counters, int n_counters,
+                         hipStream_t stream) {
+#define RF_SKINNY_NT(nt)                                                                       \
+    return launch_skinny_nt<F, nt>(mats, cols, x, scales, n_tokens, accumulate, multiprocessors, \
+                                   partials, partial_floats, counters, n_counters, stream)
+    if (n_tokens <= 8) RF_SKINNY_NT(1);
+    if (n_tokens <= 16) RF_SKINNY_NT(2);
+    if (n_tokens <= 32) RF_SKINNY_NT(4);
+    RF_SKINNY_NT(8);
+#undef RF_SKINNY_NT
+}
+
+}  // namespace rf
