@@ -5,6 +5,7 @@ use std::sync::atomic::AtomicBool;
 
 use dequant::gpu::matmul;
 use dequant::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
+use gguf_format::GgmlType;
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stream};
 
@@ -30,9 +31,22 @@ pub(super) struct BatchInput {
     scales_bytes: usize,
     partials: ArenaBuffer,
     counters: ArenaBuffer,
+    /// Whether the device runs the skinny batch products
+    /// ([`matmul::skinny_available`]).
+    skinny: bool,
 }
 
 impl BatchInput {
+    /// Whether the products of a matrix of type `ty` on `n` tokens take the batch
+    /// products ([`matmul`], f32 input) rather than the decode products (Q8 blocks for
+    /// quantized weights): past [`MAX_BATCH`] tokens always; from
+    /// [`SKINNY_FROM`] tokens where the device runs the skinny products and they take the
+    /// type (`matmul::skinny_prefers`), which are faster there (ARCHITECTURE.md says by
+    /// how much).
+    fn takes(&self, ty: GgmlType, n: usize) -> bool {
+        batched(n) || (self.skinny && n >= SKINNY_FROM && matmul::skinny_prefers(ty))
+    }
+
     /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
     /// the f16 activations and their per-token scales ([`matmul::row_scales`]), with the
     /// room to split the products.
@@ -304,6 +318,7 @@ impl Buffers {
                 scales_bytes,
                 partials: next()?,
                 counters: next()?,
+                skinny: matmul::skinny_available(device),
             },
             raw: next()?,
             tokens: next()?,
@@ -474,22 +489,29 @@ fn matvec_error<'a>(
     }
 }
 
-/// Whether `n` tokens go through the batch products ([`matmul`], f32 input) rather than
-/// the decode products (Q8 blocks for quantized weights).
+/// Whether `n` tokens are a prompt's chunk (tiled attention, batch products for every
+/// matrix) rather than a few tokens (split attention, decode products where
+/// [`BatchInput::takes`] says so).
 fn batched(n: usize) -> bool {
     n > MAX_BATCH
 }
 
+/// The fewest tokens whose products take the skinny batch products rather than the
+/// decode products, for the types the skinny products take: at 2 tokens the decode
+/// products are as fast or faster on every type measured, from 3 on the skinny ones are
+/// faster (ARCHITECTURE.md, `dequant`).
+const SKINNY_FROM: usize = 3;
+
 /// Whether the products of `m` on `n` tokens take Q8 blocks.
-fn takes_q8_for(m: &Matrix, n: usize) -> bool {
-    takes_q8(m.ty) && !batched(n)
+fn takes_q8_for(m: &Matrix, n: usize, batch_in: &BatchInput) -> bool {
+    takes_q8(m.ty) && !batch_in.takes(m.ty, n)
 }
 
 /// What the products of some matrices on `n` tokens need from a norm: f32 rows, Q8
 /// blocks, or both.
-fn needs(mats: &[&Matrix], n: usize) -> (bool, bool) {
-    let q8 = mats.iter().any(|m| takes_q8_for(m, n));
-    let f32 = mats.iter().any(|m| !takes_q8_for(m, n));
+fn needs(mats: &[&Matrix], n: usize, batch_in: &BatchInput) -> (bool, bool) {
+    let q8 = mats.iter().any(|m| takes_q8_for(m, n, batch_in));
+    let f32 = mats.iter().any(|m| !takes_q8_for(m, n, batch_in));
     (f32, q8)
 }
 
@@ -521,9 +543,10 @@ fn products(
     batch_in: &mut BatchInput,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    // For a batch, the input once in f16 with its per-token scales, and the room to
-    // split the products.
-    let mut batch_input = if batched(n) {
+    // For the batch products, the input once in f16 with its per-token scales, and the
+    // room to split the products.
+    let batch_of: Vec<bool> = mats.iter().map(|m| batch_in.takes(m.ty, n)).collect();
+    let mut batch_input = if batch_of.iter().any(|&b| b) {
         let input = f32_in.expect("f32 input prepared for the batch products");
         Some(batch_in.prepare(input, n, mats, stream)?)
     } else {
@@ -540,7 +563,7 @@ fn products(
             .map(|m| gpu_matrix(m))
             .collect::<Result<Vec<_>, _>>()?;
         let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs.drain(..end - start).collect();
-        match &mut batch_input {
+        match batch_input.as_mut().filter(|_| batch_of[start]) {
             Some((x16, s, room)) => matmul::matmul(
                 &gms,
                 *x16,
@@ -630,7 +653,7 @@ pub(super) fn layer(
 
     // Attention block.
     let qkv = [&w.wq, &w.wk, &w.wv];
-    let (want_f32, want_q8) = needs(&qkv, n);
+    let (want_f32, want_q8) = needs(&qkv, n, &bufs.batch_in);
     kernels::rms_norm(
         view(&bufs.x, n * d)?,
         w.attn_norm.weight(),
@@ -711,7 +734,7 @@ pub(super) fn layer(
     };
     // The attention's output goes to the output projection quantized when it takes Q8
     // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
-    let fused_q8 = takes_q8_for(&w.wo, n) && c.head_dim_v.is_multiple_of(32);
+    let fused_q8 = takes_q8_for(&w.wo, n, &bufs.batch_in) && c.head_dim_v.is_multiple_of(32);
     if let Layout::Paged(batch) = layout {
         paged_attention(batch, layer_idx, &shape, fused_q8, bufs, stream)?;
     } else if batched(n) {
@@ -762,7 +785,7 @@ pub(super) fn layer(
 
     // Feed-forward block.
     let gate_up = [&w.gate, &w.up];
-    let (want_f32, want_q8) = needs(&gate_up, n);
+    let (want_f32, want_q8) = needs(&gate_up, n, &bufs.batch_in);
     kernels::rms_norm(
         view(&bufs.x, n * d)?,
         w.ffn_norm.weight(),
@@ -793,7 +816,7 @@ pub(super) fn layer(
         &mut bufs.batch_in,
         stream,
     )?;
-    let down_q8 = takes_q8_for(&w.down, n);
+    let down_q8 = takes_q8_for(&w.down, n, &bufs.batch_in);
     kernels::gated(
         view(&bufs.gate, n * c.n_ff)?,
         view(&bufs.up, n * c.n_ff)?,
@@ -914,7 +937,7 @@ fn project(
     eps: f32,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    let q8_in = if takes_q8_for(m, n) {
+    let q8_in = if takes_q8_for(m, n, &bufs.batch_in) {
         if !quantized {
             matvec::quantize_q8(
                 view(&bufs.attn, n * width)?,
@@ -1039,7 +1062,7 @@ fn output_logits(
         Rows::InProj => view(&bufs.proj, rows * d)?,
     };
     let out = &globals.output;
-    let (want_f32, want_q8) = needs(&[out], rows);
+    let (want_f32, want_q8) = needs(&[out], rows, &bufs.batch_in);
     kernels::rms_norm(
         input,
         globals.output_norm.weight(),
