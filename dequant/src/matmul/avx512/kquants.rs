@@ -1,0 +1,350 @@
+//! AVX-512 kernels of `Q4_K` (the matrices llama.cpp repacks) and `Q6_K`: the AVX2
+//! kernels' integers with half the instructions, then their float operations.
+//!
+//! A 512-bit step covers 64 weights: for `Q4_K` the low nibbles of 32 bytes (in the low
+//! 256 bits) and their high nibbles (in the high 256 bits), which are 64 consecutive
+//! weights, from one broadcast load and a variable shift; for `Q6_K` 64 consecutive
+//! weights from 64 bytes of `ql` and 32 of `qh`. `maddubs` multiplies them with 64
+//! consecutive activations into i16 pair sums, as the AVX2 kernels do, and `vpdpwssd`
+//! multiplies those by the sub-block's scale (one per 128-bit part for `Q6_K`'s groups
+//! of 16, one per 256-bit half for `Q4_K`'s sub-blocks of 32) and adds them into i32
+//! lanes. Lane `l` and lane `l + 8` then cover values `4l .. 4l + 4` of their 32 each,
+//! so their sum is the AVX2 kernels' lane `l`.
+
+use std::arch::x86_64::*;
+use std::mem::offset_of;
+
+use super::{hsum4_epi32_512, hsum_epi32_512, spread_i16};
+use crate::blocks::{BlockQ4_K, BlockQ6_K};
+use crate::matmul::activation::Q8KRow;
+use crate::matmul::avx2::kquants::{
+    act_ptrs, blocks, f16_pair, k_scales_mins_bytes, Q4_K_BYTES, Q6_K_BYTES,
+};
+use crate::matmul::avx2::{hsum_epi32, hsum_epi32_128, hsum_ps, lanes_of_128, lanes_of_epi32_128};
+
+/// `Q4_K` super-block for each token: the scaled dot product `Σ scale_j Σ q qx` in 16
+/// i32 lanes (zeros with `SPLIT`), the min term `Σ min_j Σ qx` in four, lane `k` the
+/// sub-blocks `2k` and `2k + 1`, and with `SPLIT` the dot product of each 64 values
+/// (sub-blocks `2k`, `2k + 1`) in lane `k` (zeros without).
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features; the super-block and 256
+/// activations and 16 sums behind each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4_k_ints<const SPLIT: bool, const N: usize>(
+    block: *const u8,
+    qx: [*const i8; N],
+    bsums: [*const i16; N],
+) -> ([__m512i; N], [__m128i; N], [__m128i; N]) {
+    // SAFETY: the 12 scale bytes lie inside the readable block.
+    let (scales, mins) = unsafe { k_scales_mins_bytes(block.add(offset_of!(BlockQ4_K, scales))) };
+    let scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64)));
+    let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
+    let mut min_sums = [_mm_setzero_si128(); N];
+    for t in 0..N {
+        // SAFETY: 16 sums are readable behind each pointer per the contract.
+        let sums = unsafe { _mm256_loadu_si256(bsums[t].cast()) };
+        // Sums of 32 values of |q| ≤ 127 fit an i16.
+        let pairs = _mm_hadd_epi16(
+            _mm256_castsi256_si128(sums),
+            _mm256_extracti128_si256::<1>(sums),
+        );
+        min_sums[t] = _mm_madd_epi16(mins, pairs);
+    }
+    let low4 = _mm512_set1_epi8(0x0F);
+    // The low nibbles stay in the low 256 bits; the high ones come down in the high.
+    let nibbles = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+    let mut dots = [_mm512_setzero_si512(); N];
+    let mut parts = [[_mm512_setzero_si512(); 4]; N];
+    #[allow(clippy::needless_range_loop)] // j picks the scales and the activations too
+    for j in 0..4 {
+        // SAFETY: the 32 bytes of chunk j lie inside the readable block.
+        let packed =
+            unsafe { _mm256_loadu_si256(block.add(offset_of!(BlockQ4_K, qs) + 32 * j).cast()) };
+        // Values 64j .. 64j + 64: sub-block 2j low, 2j + 1 high.
+        let q = _mm512_and_si512(
+            _mm512_srlv_epi16(_mm512_broadcast_i64x4(packed), nibbles),
+            low4,
+        );
+        let (lo, hi) = (2 * j as i16, 2 * j as i16 + 1);
+        let scale = _mm512_permutexvar_epi16(spread_i16([lo, lo, hi, hi]), scales);
+        for t in 0..N {
+            // SAFETY: 256 activations are readable behind each pointer per the contract.
+            let x = unsafe { _mm512_loadu_si512(qx[t].add(64 * j).cast()) };
+            let pairs = _mm512_maddubs_epi16(q, x);
+            if SPLIT {
+                parts[t][j] = _mm512_madd_epi16(pairs, scale);
+            } else {
+                dots[t] = _mm512_dpwssd_epi32(dots[t], pairs, scale);
+            }
+        }
+    }
+    let split = parts.map(|p| {
+        if SPLIT {
+            hsum4_epi32_512(p)
+        } else {
+            _mm_setzero_si128()
+        }
+    });
+    (dots, min_sums, split)
+}
+
+/// `R` `Q4_K` rows against `N` tokens, of a matrix llama.cpp repacks (a multiple of 8
+/// rows): `avx2::kquants::dot_q4_k_packed`'s float operations on the same integers.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_k_packed<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    if acts.iter().any(|a| a.packed_gemm) {
+        // SAFETY: the features are present per this function's contract.
+        unsafe { q4_k_packed::<true, R, N>(rows, acts) }
+    } else {
+        // SAFETY: the features are present per this function's contract.
+        unsafe { q4_k_packed::<false, R, N>(rows, acts) }
+    }
+}
+
+/// [`dot_q4_k_packed`], with each 64 values' sums apart (`SPLIT`, which the tokens of
+/// the repacked GEMM need) or not (the GEMV's tokens only).
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4_k_packed<const SPLIT: bool, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    let nb = blocks(&rows, Q4_K_BYTES, &acts);
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        let mut sum = [0.0f32; N];
+        let mut sum_min = [0.0f32; N];
+        for b in 0..nb {
+            // SAFETY: b < nb bounds the block and the activations; the features are
+            // present per this function's contract.
+            let (d_dmin, (dots, min_sums, parts)) = unsafe {
+                let (qx, bsums) = act_ptrs(&acts, b);
+                let block = rows[r].as_ptr().add(b * Q4_K_BYTES);
+                (f16_pair(block), q4_k_ints::<SPLIT, N>(block, qx, bsums))
+            };
+            for t in 0..N {
+                let d = lanes_of_128(_mm_mul_ps(d_dmin, _mm_set1_ps(acts[t].d[b])));
+                if acts[t].packed_gemm {
+                    // The GEMM adds each 64 values' sums on their own.
+                    let (parts, mins) = (
+                        lanes_of_epi32_128(parts[t]),
+                        lanes_of_epi32_128(min_sums[t]),
+                    );
+                    for j in 0..4 {
+                        sum[t] = (parts[j] as f32).mul_add(d[0], sum[t]);
+                        sum_min[t] = (mins[j] as f32).mul_add(d[1], sum_min[t]);
+                    }
+                } else {
+                    // The GEMV adds each super-block's sums at once.
+                    let total = if SPLIT {
+                        hsum_epi32_128(parts[t])
+                    } else {
+                        hsum_epi32_512(dots[t])
+                    };
+                    sum[t] = (total as f32).mul_add(d[0], sum[t]);
+                    sum_min[t] = (hsum_epi32_128(min_sums[t]) as f32).mul_add(d[1], sum_min[t]);
+                }
+            }
+        }
+        for t in 0..N {
+            out[r][t] = sum[t] - sum_min[t];
+        }
+    }
+    out
+}
+
+/// `Q6_K` super-block for each token: `Σ scale_g Σ (q - 32) qx` in the AVX2 kernel's
+/// eight i32 lanes.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features; the super-block and 256
+/// activations and 16 sums behind each pointer must be readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6_k_ints<const N: usize>(
+    block: *const u8,
+    qx: [*const i8; N],
+    bsums: [*const i16; N],
+) -> [__m256i; N] {
+    let (ql_at, qh_at) = (offset_of!(BlockQ6_K, ql), offset_of!(BlockQ6_K, qh));
+    // SAFETY: the 16 signed scales lie inside the readable block.
+    let scales = unsafe { _mm_loadu_si128(block.add(offset_of!(BlockQ6_K, scales)).cast()) };
+    let scales = _mm256_cvtepi8_epi16(scales);
+    let scales32 = _mm256_slli_epi16::<5>(scales);
+    let scales = _mm512_castsi256_si512(scales);
+    let mut dots = [_mm512_setzero_si512(); N];
+    let low4 = _mm512_set1_epi8(0x0F);
+    let bits45 = _mm512_set1_epi8(0x30);
+    // qh's bits for values 0..32 and 32..64 of each 128 (shifted left), and for values
+    // 64..96 and 96..128 (shifted right), in the low and high 256 bits.
+    let halves = |lo: i16, hi: i16| {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
+            _mm256_set1_epi16(hi),
+        )
+    };
+    let (left, right) = (halves(4, 2), halves(0, 2));
+    for half in 0..2 {
+        // SAFETY: ql and qh lie inside the readable block.
+        let (ql, qh) = unsafe {
+            (
+                _mm512_loadu_si512(block.add(ql_at + 64 * half).cast()),
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(qh_at + 32 * half).cast())),
+            )
+        };
+        // Values 32k + l take the low or high nibble of ql and bits 2k, 2k + 1 of qh[l].
+        let values = [
+            _mm512_or_si512(
+                _mm512_and_si512(ql, low4),
+                _mm512_and_si512(_mm512_sllv_epi16(qh, left), bits45),
+            ),
+            _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
+                _mm512_and_si512(_mm512_srlv_epi16(qh, right), bits45),
+            ),
+        ];
+        for (k, &q) in values.iter().enumerate() {
+            // Values 64k .. 64k + 64 of this half: groups 8·half + 4k .. + 4, one a
+            // 128-bit part.
+            let g = (8 * half + 4 * k) as i16;
+            let scale = _mm512_permutexvar_epi16(spread_i16([g, g + 1, g + 2, g + 3]), scales);
+            for t in 0..N {
+                // SAFETY: 256 activations are readable behind each pointer.
+                let x = unsafe { _mm512_loadu_si512(qx[t].add(128 * half + 64 * k).cast()) };
+                dots[t] = _mm512_dpwssd_epi32(dots[t], _mm512_maddubs_epi16(q, x), scale);
+            }
+        }
+    }
+    let mut lanes = [_mm256_setzero_si256(); N];
+    for t in 0..N {
+        // The offset: -32 Σ scale_g bsum_g, spread over the lanes by pairs of groups
+        // (as the AVX2 kernel spreads it).
+        // SAFETY: 16 sums are readable behind each pointer per the contract.
+        let sums = unsafe { _mm256_loadu_si256(bsums[t].cast()) };
+        let folded = _mm256_add_epi32(
+            _mm512_castsi512_si256(dots[t]),
+            _mm512_extracti64x4_epi64::<1>(dots[t]),
+        );
+        lanes[t] = _mm256_sub_epi32(folded, _mm256_madd_epi16(scales32, sums));
+    }
+    lanes
+}
+
+/// `R` `Q6_K` rows against `N` tokens: `avx2::kquants::dot_q6_k`'s float operations on
+/// the same integer lanes.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q6_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    let nb = blocks(&rows, Q6_K_BYTES, &acts);
+    let mut out = [[0.0f32; N]; R];
+    // One row after another, as the AVX2 kernel.
+    for r in 0..R {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut gemm = [0.0f32; N];
+        for b in 0..nb {
+            // SAFETY: b < nb bounds the block and the activations; the features are
+            // present per this function's contract.
+            let (d, dots) = unsafe {
+                let (qx, bsums) = act_ptrs(&acts, b);
+                let block = rows[r].as_ptr().add(b * Q6_K_BYTES);
+                (
+                    crate::matmul::avx2::load_f16(block.add(offset_of!(BlockQ6_K, d))),
+                    q6_k_ints::<N>(block, qx, bsums),
+                )
+            };
+            for t in 0..N {
+                if acts[t].gemm {
+                    let scaled = d * hsum_epi32(dots[t]) as f32;
+                    gemm[t] = scaled.mul_add(acts[t].d[b], gemm[t]);
+                } else {
+                    let scale = _mm256_set1_ps(d * acts[t].d[b]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), scale, acc[t]);
+                }
+            }
+        }
+        for t in 0..N {
+            out[r][t] = if acts[t].gemm {
+                gemm[t]
+            } else {
+                hsum_ps(acc[t])
+            };
+        }
+    }
+    out
+}
+
+/// The integers of one `Q4_K` super-block, summed over the lanes, as the AVX2 kernel's
+/// `block_ints` returns them: `(dot, min)`, from the GEMV's single sum, checked against
+/// the GEMM's sums of each 64 values, whose totals must agree.
+#[cfg(test)]
+pub(crate) fn q4_k_block_ints(
+    _proof: super::Avx512,
+    block: &[u8],
+    qx: &[i8],
+    bsums: &[i16],
+) -> (i32, i32) {
+    use crate::matmul::activation::QK_K;
+    use crate::matmul::avx2::kquants::GROUPS;
+    assert!(qx.len() >= QK_K && bsums.len() >= GROUPS && block.len() >= Q4_K_BYTES);
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn ints(block: *const u8, qx: *const i8, bsums: *const i16) -> (i32, i32) {
+        // SAFETY: the caller checked the lengths; the features are present, as calling
+        // this function requires.
+        let (([dot], [min], _), (_, [min_split], [parts])) = unsafe {
+            (
+                q4_k_ints::<false, 1>(block, [qx], [bsums]),
+                q4_k_ints::<true, 1>(block, [qx], [bsums]),
+            )
+        };
+        let (dot, min) = (hsum_epi32_512(dot), hsum_epi32_128(min));
+        assert_eq!(hsum_epi32_128(parts), dot, "the GEMM's parts");
+        assert_eq!(hsum_epi32_128(min_split), min, "the GEMM's mins");
+        (dot, min)
+    }
+    // SAFETY: `_proof` shows the CPU has the features.
+    unsafe { ints(block.as_ptr(), qx.as_ptr(), bsums.as_ptr()) }
+}
+
+/// The eight integer lanes of one `Q6_K` super-block, which the AVX2 kernel's must
+/// equal one by one (its single-token products fuse them lane by lane).
+#[cfg(test)]
+pub(crate) fn q6_k_block_lanes(
+    _proof: super::Avx512,
+    block: &[u8],
+    qx: &[i8],
+    bsums: &[i16],
+) -> [i32; 8] {
+    use crate::matmul::activation::QK_K;
+    use crate::matmul::avx2::kquants::GROUPS;
+    assert!(qx.len() >= QK_K && bsums.len() >= GROUPS && block.len() >= Q6_K_BYTES);
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn lanes(block: *const u8, qx: *const i8, bsums: *const i16) -> [i32; 8] {
+        // SAFETY: the caller checked the lengths; the features are present, as calling
+        // this function requires.
+        let [lanes] = unsafe { q6_k_ints::<1>(block, [qx], [bsums]) };
+        let mut out = [0i32; 8];
+        // SAFETY: `out` holds eight i32; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), lanes) };
+        out
+    }
+    // SAFETY: `_proof` shows the CPU has the features.
+    unsafe { lanes(block.as_ptr(), qx.as_ptr(), bsums.as_ptr()) }
+}
