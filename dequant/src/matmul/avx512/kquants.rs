@@ -14,7 +14,7 @@
 use std::arch::x86_64::*;
 use std::mem::offset_of;
 
-use super::{hsum4_epi32_512, hsum_epi32_512, spread_i16};
+use super::{hsum4_epi32_128, hsum4_epi32_512, hsum_epi32_512, spread_i16};
 use crate::blocks::{BlockQ4_K, BlockQ6_K};
 use crate::matmul::activation::Q8KRow;
 use crate::matmul::avx2::kquants::{
@@ -101,6 +101,17 @@ pub(crate) unsafe fn dot_q4_k_packed<const R: usize, const N: usize>(
     rows: [&[u8]; R],
     acts: [Q8KRow<'_>; N],
 ) -> [[f32; N]; R] {
+    if let (Ok(four), [act]) = (<[&[u8]; 4]>::try_from(&rows[..]), &acts[..]) {
+        if !act.packed_gemm {
+            // SAFETY: the features are present per this function's contract.
+            let dots = unsafe { q4_k_gemv4(four, *act) };
+            let mut out = [[0.0f32; N]; R];
+            for (out, dot) in out.iter_mut().zip(dots) {
+                out[0] = dot;
+            }
+            return out;
+        }
+    }
     if acts.iter().any(|a| a.packed_gemm) {
         // SAFETY: the features are present per this function's contract.
         unsafe { q4_k_packed::<true, R, N>(rows, acts) }
@@ -163,6 +174,95 @@ unsafe fn q4_k_packed<const SPLIT: bool, const R: usize, const N: usize>(
         }
     }
     out
+}
+
+/// Four `Q4_K` rows (of a matrix llama.cpp repacks) against one token of its GEMV: each
+/// super-block's integers for the four rows side by side, its activations loaded once
+/// for them, and the GEMV's float operations on the four lanes of one vector (for each
+/// row, its super-block's sums fused at `d · dx` and its mins at `dmin · dx`, in block
+/// order, then one subtracted from the other), each lane the single row's operations.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4_k_gemv4(rows: [&[u8]; 4], act: Q8KRow<'_>) -> [f32; 4] {
+    let acts = [act];
+    let nb = blocks(&rows, Q4_K_BYTES, &acts);
+    let low4 = _mm512_set1_epi8(0x0F);
+    // The 32 values of a sub-block in each 256-bit half: sub-blocks (0, 2), (1, 3),
+    // (4, 6), (5, 7), as the low and high nibbles of 64 bytes of qs hold them.
+    let picks = [(0, 2), (1, 3), (4, 6), (5, 7)].map(|(a, b)| spread_i16([a, a, b, b]));
+    // Each lane's d · dx, then dmin · dx, from the interleaved pairs of the four rows.
+    let deinterleave = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    let (mut sums, mut sum_mins) = (_mm_setzero_ps(), _mm_setzero_ps());
+    for b in 0..nb {
+        // SAFETY: b < nb bounds the activations.
+        let ([qx], [bsums]) = unsafe { act_ptrs(&acts, b) };
+        // SAFETY: 256 activations and 16 sums are readable behind the pointers.
+        let (x, sums16) = unsafe {
+            (
+                [0, 64, 128, 192].map(|at| _mm512_loadu_si512(qx.add(at).cast())),
+                _mm256_loadu_si256(bsums.cast()),
+            )
+        };
+        // Sub-blocks (0, 2), (1, 3), (4, 6), (5, 7) of the activations.
+        let x = [
+            _mm512_shuffle_i64x2::<0x44>(x[0], x[1]),
+            _mm512_shuffle_i64x2::<0xEE>(x[0], x[1]),
+            _mm512_shuffle_i64x2::<0x44>(x[2], x[3]),
+            _mm512_shuffle_i64x2::<0xEE>(x[2], x[3]),
+        ];
+        // Sums of 32 values of |q| ≤ 127 fit an i16.
+        let pairs = _mm_hadd_epi16(
+            _mm256_castsi256_si128(sums16),
+            _mm256_extracti128_si256::<1>(sums16),
+        );
+        let mut dots = [_mm512_setzero_si512(); 4];
+        let mut min_sums = [_mm_setzero_si128(); 4];
+        let mut d_dmin = [0i32; 4];
+        for r in 0..4 {
+            // SAFETY: b < nb bounds the block, whose fields these read.
+            let ((scales, mins), q) = unsafe {
+                let block = rows[r].as_ptr().add(b * Q4_K_BYTES);
+                let qs = block.add(offset_of!(BlockQ4_K, qs));
+                d_dmin[r] = block.cast::<i32>().read_unaligned();
+                (
+                    k_scales_mins_bytes(block.add(offset_of!(BlockQ4_K, scales))),
+                    [
+                        _mm512_loadu_si512(qs.cast()),
+                        _mm512_loadu_si512(qs.add(64).cast()),
+                    ],
+                )
+            };
+            let scales =
+                _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64)));
+            let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
+            min_sums[r] = _mm_madd_epi16(mins, pairs);
+            let values = [
+                _mm512_and_si512(q[0], low4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(q[0]), low4),
+                _mm512_and_si512(q[1], low4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(q[1]), low4),
+            ];
+            for k in 0..4 {
+                let scale = _mm512_permutexvar_epi16(picks[k], scales);
+                let pairs = _mm512_maddubs_epi16(values[k], x[k]);
+                dots[r] = _mm512_dpwssd_epi32(dots[r], pairs, scale);
+            }
+        }
+        let totals = _mm_cvtepi32_ps(hsum4_epi32_512(dots));
+        let mins = _mm_cvtepi32_ps(hsum4_epi32_128(min_sums));
+        // The rows' (d, dmin) · dx, as the single-row kernel's one product each.
+        let d_dmin = _mm256_cvtph_ps(_mm_setr_epi32(d_dmin[0], d_dmin[1], d_dmin[2], d_dmin[3]));
+        let scaled = _mm256_permutevar8x32_ps(
+            _mm256_mul_ps(d_dmin, _mm256_set1_ps(act.d[b])),
+            deinterleave,
+        );
+        sums = _mm_fmadd_ps(totals, _mm256_castps256_ps128(scaled), sums);
+        sum_mins = _mm_fmadd_ps(mins, _mm256_extractf128_ps::<1>(scaled), sum_mins);
+    }
+    lanes_of_128(_mm_sub_ps(sums, sum_mins))
 }
 
 /// `Q6_K` super-block for each token: `Σ scale_g Σ (q - 32) qx` in the AVX2 kernel's

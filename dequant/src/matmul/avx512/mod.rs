@@ -103,6 +103,21 @@ pub(crate) fn hsum4_epi32_512(v: [__m512i; 4]) -> __m128i {
     )
 }
 
+/// The sums of four vectors' i32 lanes: lane `k` of the result is `Σ v[k]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) fn hsum4_epi32_128(v: [__m128i; 4]) -> __m128i {
+    let a = _mm_add_epi32(
+        _mm_unpacklo_epi32(v[0], v[1]),
+        _mm_unpackhi_epi32(v[0], v[1]),
+    );
+    let b = _mm_add_epi32(
+        _mm_unpacklo_epi32(v[2], v[3]),
+        _mm_unpackhi_epi32(v[2], v[3]),
+    );
+    _mm_add_epi32(_mm_unpacklo_epi64(a, b), _mm_unpackhi_epi64(a, b))
+}
+
 /// `_mm512_permutexvar_epi16` control that copies i16 lane `lanes[k]` into every i16 of
 /// the 128-bit part `k`.
 #[inline]
