@@ -112,6 +112,15 @@ pub(crate) unsafe fn dot_q4_k_packed<const R: usize, const N: usize>(
             return out;
         }
     }
+    if let ([row], Ok(four)) = (&rows[..], <[Q8KRow<'_>; 4]>::try_from(&acts[..])) {
+        if four.iter().all(|a| a.packed_gemm) {
+            // SAFETY: the features are present per this function's contract.
+            let dots = unsafe { q4_k_gemm4(row, four) };
+            let mut out = [[0.0f32; N]; R];
+            out[0].copy_from_slice(&dots);
+            return out;
+        }
+    }
     if acts.iter().any(|a| a.packed_gemm) {
         // SAFETY: the features are present per this function's contract.
         unsafe { q4_k_packed::<true, R, N>(rows, acts) }
@@ -261,6 +270,90 @@ unsafe fn q4_k_gemv4(rows: [&[u8]; 4], act: Q8KRow<'_>) -> [f32; 4] {
         );
         sums = _mm_fmadd_ps(totals, _mm256_castps256_ps128(scaled), sums);
         sum_mins = _mm_fmadd_ps(mins, _mm256_extractf128_ps::<1>(scaled), sum_mins);
+    }
+    lanes_of_128(_mm_sub_ps(sums, sum_mins))
+}
+
+/// One `Q4_K` row (of a matrix llama.cpp repacks) against a group of four tokens of its
+/// GEMM: the GEMM's float operations (for each token, each 64 values' sums fused at
+/// `d · dx` in order, the mins at `dmin · dx`, then one subtracted from the other) on
+/// the four lanes of one vector, each lane a token's operations.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q4_k_gemm4(row: &[u8], acts: [Q8KRow<'_>; 4]) -> [f32; 4] {
+    let nb = blocks(&[row], Q4_K_BYTES, &acts);
+    let low4 = _mm512_set1_epi8(0x0F);
+    // The low nibbles stay in the low 256 bits; the high ones come down in the high.
+    let nibbles = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+    let picks = [0, 1, 2, 3].map(|j| spread_i16([2 * j, 2 * j, 2 * j + 1, 2 * j + 1]));
+    let (mut sums, mut sum_mins) = (_mm_setzero_ps(), _mm_setzero_ps());
+    for b in 0..nb {
+        // SAFETY: b < nb bounds the block and the activations; the block's fields and
+        // 256 activations and 16 sums behind each pointer are readable.
+        let (d_dmin, (scales, mins), qs, (qx, bsums)) = unsafe {
+            let block = row.as_ptr().add(b * Q4_K_BYTES);
+            (
+                lanes_of_128(f16_pair(block)),
+                k_scales_mins_bytes(block.add(offset_of!(BlockQ4_K, scales))),
+                block.add(offset_of!(BlockQ4_K, qs)),
+                act_ptrs(&acts, b),
+            )
+        };
+        let dx = _mm_setr_ps(acts[0].d[b], acts[1].d[b], acts[2].d[b], acts[3].d[b]);
+        let (d, dmin) = (
+            _mm_mul_ps(_mm_set1_ps(d_dmin[0]), dx),
+            _mm_mul_ps(_mm_set1_ps(d_dmin[1]), dx),
+        );
+        let scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64)));
+        let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
+        let min_sums = bsums.map(|bsums| {
+            // SAFETY: 16 sums are readable behind each pointer.
+            let sums16 = unsafe { _mm256_loadu_si256(bsums.cast()) };
+            // Sums of 32 values of |q| ≤ 127 fit an i16.
+            let pairs = _mm_hadd_epi16(
+                _mm256_castsi256_si128(sums16),
+                _mm256_extracti128_si256::<1>(sums16),
+            );
+            _mm_madd_epi16(mins, pairs)
+        });
+        for (j, pick) in picks.iter().enumerate() {
+            // SAFETY: the 32 bytes of chunk j lie inside the block.
+            let packed = unsafe { _mm256_loadu_si256(qs.add(32 * j).cast()) };
+            let q = _mm512_and_si512(
+                _mm512_srlv_epi16(_mm512_broadcast_i64x4(packed), nibbles),
+                low4,
+            );
+            let scale = _mm512_permutexvar_epi16(*pick, scales);
+            let parts = qx.map(|qx| {
+                // SAFETY: 256 activations are readable behind each pointer.
+                let x = unsafe { _mm512_loadu_si512(qx.add(64 * j).cast()) };
+                _mm512_madd_epi16(_mm512_maddubs_epi16(q, x), scale)
+            });
+            let part = _mm_cvtepi32_ps(hsum4_epi32_512(parts));
+            sums = _mm_fmadd_ps(part, d, sums);
+        }
+        // The mins of sub-blocks 2j and 2j + 1 for each token: min_sums' lanes j.
+        let (lo, hi) = (
+            [
+                _mm_unpacklo_epi32(min_sums[0], min_sums[1]),
+                _mm_unpacklo_epi32(min_sums[2], min_sums[3]),
+            ],
+            [
+                _mm_unpackhi_epi32(min_sums[0], min_sums[1]),
+                _mm_unpackhi_epi32(min_sums[2], min_sums[3]),
+            ],
+        );
+        for m in [
+            _mm_unpacklo_epi64(lo[0], lo[1]),
+            _mm_unpackhi_epi64(lo[0], lo[1]),
+            _mm_unpacklo_epi64(hi[0], hi[1]),
+            _mm_unpackhi_epi64(hi[0], hi[1]),
+        ] {
+            sum_mins = _mm_fmadd_ps(_mm_cvtepi32_ps(m), dmin, sum_mins);
+        }
     }
     lanes_of_128(_mm_sub_ps(sums, sum_mins))
 }
