@@ -121,7 +121,13 @@ kernel!(
     portable::dot_mxfp4_packed,
     avx2::legacy::dot_mxfp4_packed
 );
-kernel!(Q4_K, Q8KActs, portable::dot_q4_k, avx2::kquants::dot_q4_k);
+kernel!(
+    Q4_K,
+    Q8KActs,
+    portable::dot_q4_k,
+    avx2::kquants::dot_q4_k,
+    avx512::kquants::dot_q4_k
+);
 // `Q4_K` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
 // machines.
 kernel!(
@@ -163,7 +169,13 @@ kernel!(IQ1_S, Q8KActs, portable::dot_iq1_s, avx2::lanes::dot_iq1_s);
 kernel!(IQ1_M, Q8KActs, portable::dot_iq1_m, avx2::lanes::dot_iq1_m);
 kernel!(TQ1_0, Q8KActs, portable::dot_tq1_0, avx2::lanes::dot_tq1_0);
 kernel!(TQ2_0, Q8KActs, portable::dot_tq2_0, avx2::lanes::dot_tq2_0);
-kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
+kernel!(
+    Q5_K,
+    Q8KActs,
+    portable::dot_q5_k,
+    avx2::kquants::dot_q5_k,
+    avx512::kquants::dot_q5_k
+);
 kernel!(
     Q6_K,
     Q8KActs,

@@ -10,7 +10,7 @@
 //!
 //! Three implementations exist, chosen by [`DecodePath`], and all give the same bits:
 //! AVX2 (with FMA and F16C) when the CPU has those features, AVX-512 with VNNI for the
-//! hot k-quant kernels (and AVX2 for the rest) when it has those, and plain Rust
+//! `Q4_K`, `Q5_K` and `Q6_K` kernels (and AVX2 for the rest) when it has those, and plain Rust
 //! ([`DecodePath::Scalar`]) everywhere. [`QuantizedMatrix::matvec`] and
 //! [`QuantizedMatrix::matmul`] use [`best_path`]; the `*_with` variants force one.
 //!

@@ -32,7 +32,7 @@ use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
 use crate::matmul::activation::{Q8KRow, BSUM_GROUP, QK_K};
 
 pub(crate) const Q4_K_BYTES: usize = size_of::<BlockQ4_K>();
-const Q5_K_BYTES: usize = size_of::<BlockQ5_K>();
+pub(crate) const Q5_K_BYTES: usize = size_of::<BlockQ5_K>();
 pub(crate) const Q6_K_BYTES: usize = size_of::<BlockQ6_K>();
 
 // `f16_pair` reads d and dmin together from the start of a Q4_K/Q5_K block.
@@ -544,4 +544,41 @@ pub(crate) fn q6_k_block_lanes(
     }
     // SAFETY: `_proof` shows the CPU has the features.
     unsafe { lanes(block.as_ptr(), qx.as_ptr(), bsums.as_ptr()) }
+}
+
+/// The integer lanes of one `Q4_K` (`five` false) or `Q5_K` super-block: the dot
+/// product's eight and the mins' four.
+#[cfg(test)]
+pub(crate) fn q45_k_block_lanes(
+    _proof: super::Avx2,
+    five: bool,
+    block: &[u8],
+    qx: &[i8],
+    bsums: &[i16],
+) -> ([i32; 8], [i32; 4]) {
+    let bytes = if five { Q5_K_BYTES } else { Q4_K_BYTES };
+    assert!(qx.len() >= QK_K && bsums.len() >= GROUPS && block.len() >= bytes);
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn lanes(
+        five: bool,
+        block: *const u8,
+        qx: *const i8,
+        bsums: *const i16,
+    ) -> ([i32; 8], [i32; 4]) {
+        // SAFETY: the caller checked the lengths; the features are present, as calling
+        // this function requires.
+        let ([dots], [mins], _) = unsafe {
+            if five {
+                q45_k_ints::<true, false, 1>(block, [qx], [bsums])
+            } else {
+                q45_k_ints::<false, false, 1>(block, [qx], [bsums])
+            }
+        };
+        let mut out = [0i32; 8];
+        // SAFETY: `out` holds eight i32; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), dots) };
+        (out, super::lanes_of_epi32_128(mins))
+    }
+    // SAFETY: `_proof` shows the CPU has the features.
+    unsafe { lanes(five, block.as_ptr(), qx.as_ptr(), bsums.as_ptr()) }
 }

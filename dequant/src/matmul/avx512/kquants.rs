@@ -1,5 +1,5 @@
-//! AVX-512 kernels of `Q4_K` (the matrices llama.cpp repacks) and `Q6_K`: the AVX2
-//! kernels' integers with half the instructions, then their float operations.
+//! AVX-512 kernels of `Q4_K`, `Q5_K` and `Q6_K`: the AVX2 kernels' integers with half
+//! the instructions, then their float operations.
 //!
 //! A 512-bit step covers 64 weights: for `Q4_K` the low nibbles of 32 bytes (in the low
 //! 256 bits) and their high nibbles (in the high 256 bits), which are 64 consecutive
@@ -15,28 +15,32 @@ use std::arch::x86_64::*;
 use std::mem::offset_of;
 
 use super::{hsum4_epi32_128, hsum4_epi32_512, hsum_epi32_512, spread_i16};
-use crate::blocks::{BlockQ4_K, BlockQ6_K};
+use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
 use crate::matmul::activation::Q8KRow;
 use crate::matmul::avx2::kquants::{
-    act_ptrs, blocks, f16_pair, k_scales_mins_bytes, Q4_K_BYTES, Q6_K_BYTES,
+    act_ptrs, blocks, f16_pair, k_scales_mins_bytes, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
 };
 use crate::matmul::avx2::{hsum_epi32, hsum_epi32_128, hsum_ps, lanes_of_128, lanes_of_epi32_128};
 
-/// `Q4_K` super-block for each token: the scaled dot product `Σ scale_j Σ q qx` in 16
-/// i32 lanes (zeros with `SPLIT`), the min term `Σ min_j Σ qx` in four, lane `k` the
-/// sub-blocks `2k` and `2k + 1`, and with `SPLIT` the dot product of each 64 values
-/// (sub-blocks `2k`, `2k + 1`) in lane `k` (zeros without).
+/// `Q4_K`/`Q5_K` super-block for each token: the scaled dot product
+/// `Σ scale_j Σ q qx` in 16 i32 lanes (zeros with `SPLIT`; lanes `l` and `l + 8`
+/// together are the AVX2 kernel's lane `l`), the min term `Σ min_j Σ qx` in four,
+/// lane `k` the sub-blocks `2k` and `2k + 1`, and with `SPLIT` the dot product of each
+/// 64 values (sub-blocks `2k`, `2k + 1`) in lane `k` (zeros without).
 ///
 /// # Safety
-/// The CPU must support the AVX-512 path's features; the super-block and 256
-/// activations and 16 sums behind each pointer must be readable.
+/// The CPU must support the AVX-512 path's features; the super-block (`Q5_K` when
+/// `FIVE`, else `Q4_K`) and 256 activations and 16 sums behind each pointer must be
+/// readable.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn q4_k_ints<const SPLIT: bool, const N: usize>(
+unsafe fn q45_k_ints<const FIVE: bool, const SPLIT: bool, const N: usize>(
     block: *const u8,
     qx: [*const i8; N],
     bsums: [*const i16; N],
 ) -> ([__m512i; N], [__m128i; N], [__m128i; N]) {
+    // The scales, qh and qs sit at the same offsets in both formats but qs.
+    const _: () = assert!(offset_of!(BlockQ4_K, scales) == offset_of!(BlockQ5_K, scales));
     // SAFETY: the 12 scale bytes lie inside the readable block.
     let (scales, mins) = unsafe { k_scales_mins_bytes(block.add(offset_of!(BlockQ4_K, scales))) };
     let scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64)));
@@ -53,20 +57,38 @@ unsafe fn q4_k_ints<const SPLIT: bool, const N: usize>(
         min_sums[t] = _mm_madd_epi16(mins, pairs);
     }
     let low4 = _mm512_set1_epi8(0x0F);
+    let halves = |lo: i16, hi: i16| {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
+            _mm256_set1_epi16(hi),
+        )
+    };
     // The low nibbles stay in the low 256 bits; the high ones come down in the high.
-    let nibbles = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+    let nibbles = halves(0, 4);
+    // Bit 2j of qh[l] is the fifth bit of low value l, bit 2j + 1 of the high one.
+    let (fifth, bit4) = (halves(4, 3), _mm512_set1_epi8(0x10));
+    let (qs_at, mut high) = if FIVE {
+        // SAFETY: Q5_K's qh (32 bytes) lies inside the readable block.
+        let qh = unsafe { _mm256_loadu_si256(block.add(offset_of!(BlockQ5_K, qh)).cast()) };
+        (offset_of!(BlockQ5_K, qs), _mm512_broadcast_i64x4(qh))
+    } else {
+        (offset_of!(BlockQ4_K, qs), _mm512_setzero_si512())
+    };
     let mut dots = [_mm512_setzero_si512(); N];
     let mut parts = [[_mm512_setzero_si512(); 4]; N];
     #[allow(clippy::needless_range_loop)] // j picks the scales and the activations too
     for j in 0..4 {
         // SAFETY: the 32 bytes of chunk j lie inside the readable block.
-        let packed =
-            unsafe { _mm256_loadu_si256(block.add(offset_of!(BlockQ4_K, qs) + 32 * j).cast()) };
+        let packed = unsafe { _mm256_loadu_si256(block.add(qs_at + 32 * j).cast()) };
         // Values 64j .. 64j + 64: sub-block 2j low, 2j + 1 high.
-        let q = _mm512_and_si512(
+        let mut q = _mm512_and_si512(
             _mm512_srlv_epi16(_mm512_broadcast_i64x4(packed), nibbles),
             low4,
         );
+        if FIVE {
+            q = _mm512_or_si512(q, _mm512_and_si512(_mm512_sllv_epi16(high, fifth), bit4));
+            high = _mm512_srli_epi16::<2>(high);
+        }
         let (lo, hi) = (2 * j as i16, 2 * j as i16 + 1);
         let scale = _mm512_permutexvar_epi16(spread_i16([lo, lo, hi, hi]), scales);
         for t in 0..N {
@@ -152,7 +174,10 @@ unsafe fn q4_k_packed<const SPLIT: bool, const R: usize, const N: usize>(
             let (d_dmin, (dots, min_sums, parts)) = unsafe {
                 let (qx, bsums) = act_ptrs(&acts, b);
                 let block = rows[r].as_ptr().add(b * Q4_K_BYTES);
-                (f16_pair(block), q4_k_ints::<SPLIT, N>(block, qx, bsums))
+                (
+                    f16_pair(block),
+                    q45_k_ints::<false, SPLIT, N>(block, qx, bsums),
+                )
             };
             for t in 0..N {
                 let d = lanes_of_128(_mm_mul_ps(d_dmin, _mm_set1_ps(acts[t].d[b])));
@@ -358,6 +383,111 @@ unsafe fn q4_k_gemm4(row: &[u8], acts: [Q8KRow<'_>; 4]) -> [f32; 4] {
     lanes_of_128(_mm_sub_ps(sums, sum_mins))
 }
 
+/// `R` `Q4_K`/`Q5_K` rows against `N` tokens, of matrices llama.cpp does not repack:
+/// `avx2::kquants::dot_q45_k`'s float operations on the same integers (its dot
+/// product's eight lanes for single tokens, its tiled GEMM's per super-block sums for
+/// batches of [`GEMM_MIN_TOKENS`](crate::matmul::activation::GEMM_MIN_TOKENS) or more).
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_q45_k<const FIVE: bool, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    let bytes = if FIVE { Q5_K_BYTES } else { Q4_K_BYTES };
+    let nb = blocks(&rows, bytes, &acts);
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut acc_min = [_mm_setzero_ps(); N];
+        // The tiled GEMM's single accumulator.
+        let mut sum = [0.0f32; N];
+        // `Q5_K`'s dot product's scalar of mins.
+        let mut sum_min = [0.0f32; N];
+        for b in 0..nb {
+            // SAFETY: b < nb bounds the block and the activations; the features are
+            // present per this function's contract.
+            let (d_dmin, (dots, min_sums, _)) = unsafe {
+                let (qx, bsums) = act_ptrs(&acts, b);
+                let block = rows[r].as_ptr().add(b * bytes);
+                (
+                    f16_pair(block),
+                    q45_k_ints::<FIVE, false, N>(block, qx, bsums),
+                )
+            };
+            for t in 0..N {
+                if acts[t].gemm {
+                    let w = lanes_of_128(d_dmin);
+                    let main = w[0] * hsum_epi32_512(dots[t]) as f32;
+                    let res = (-w[1]).mul_add(hsum_epi32_128(min_sums[t]) as f32, main);
+                    sum[t] = res.mul_add(acts[t].d[b], sum[t]);
+                    continue;
+                }
+                let scaled = _mm_mul_ps(d_dmin, _mm_set1_ps(acts[t].d[b]));
+                let d = _mm256_broadcastss_ps(scaled);
+                let lanes = _mm256_add_epi32(
+                    _mm512_castsi512_si256(dots[t]),
+                    _mm512_extracti64x4_epi64::<1>(dots[t]),
+                );
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), d, acc[t]);
+                if FIVE {
+                    // Q5_K's dot product sums each super-block's mins and fuses them
+                    // at −dx · dmin into one scalar.
+                    let dmin = -lanes_of_128(scaled)[1];
+                    let total = hsum_epi32_128(min_sums[t]) as f32;
+                    sum_min[t] = dmin.mul_add(total, sum_min[t]);
+                } else {
+                    let dmin = _mm_permute_ps::<0b01_01_01_01>(scaled);
+                    let mins = _mm_cvtepi32_ps(min_sums[t]);
+                    acc_min[t] = _mm_fmadd_ps(mins, dmin, acc_min[t]);
+                }
+            }
+        }
+        for t in 0..N {
+            out[r][t] = if acts[t].gemm {
+                sum[t]
+            } else if FIVE {
+                hsum_ps(acc[t]) + sum_min[t]
+            } else {
+                let mins =
+                    _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(acc_min[t]), _mm_setzero_ps());
+                hsum_ps(acc[t]) - hsum_ps(mins)
+            };
+        }
+    }
+    out
+}
+
+/// `R` `Q4_K` rows against `N` tokens, of a matrix llama.cpp does not repack.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q4_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_q45_k::<false, R, N>(rows, acts) }
+}
+
+/// `R` `Q5_K` rows against `N` tokens.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn dot_q5_k<const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8KRow<'_>; N],
+) -> [[f32; N]; R] {
+    // SAFETY: the features are present per this function's contract.
+    unsafe { dot_q45_k::<true, R, N>(rows, acts) }
+}
+
 /// `Q6_K` super-block for each token: `Σ scale_g Σ (q - 32) qx` in the AVX2 kernel's
 /// eight i32 lanes.
 ///
@@ -503,8 +633,8 @@ pub(crate) fn q4_k_block_ints(
         // this function requires.
         let (([dot], [min], _), (_, [min_split], [parts])) = unsafe {
             (
-                q4_k_ints::<false, 1>(block, [qx], [bsums]),
-                q4_k_ints::<true, 1>(block, [qx], [bsums]),
+                q45_k_ints::<false, false, 1>(block, [qx], [bsums]),
+                q45_k_ints::<false, true, 1>(block, [qx], [bsums]),
             )
         };
         let (dot, min) = (hsum_epi32_512(dot), hsum_epi32_128(min));
@@ -540,4 +670,49 @@ pub(crate) fn q6_k_block_lanes(
     }
     // SAFETY: `_proof` shows the CPU has the features.
     unsafe { lanes(block.as_ptr(), qx.as_ptr(), bsums.as_ptr()) }
+}
+
+/// The integer lanes of one `Q4_K` (`five` false) or `Q5_K` super-block, folded as the
+/// plain kernels fold them: the dot product's eight lanes and the mins' four, which
+/// the AVX2 kernel's must equal one by one (its single-token products fuse them lane
+/// by lane).
+#[cfg(test)]
+pub(crate) fn q45_k_block_lanes(
+    _proof: super::Avx512,
+    five: bool,
+    block: &[u8],
+    qx: &[i8],
+    bsums: &[i16],
+) -> ([i32; 8], [i32; 4]) {
+    use crate::matmul::activation::QK_K;
+    use crate::matmul::avx2::kquants::GROUPS;
+    let bytes = if five { Q5_K_BYTES } else { Q4_K_BYTES };
+    assert!(qx.len() >= QK_K && bsums.len() >= GROUPS && block.len() >= bytes);
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn lanes(
+        five: bool,
+        block: *const u8,
+        qx: *const i8,
+        bsums: *const i16,
+    ) -> ([i32; 8], [i32; 4]) {
+        // SAFETY: the caller checked the lengths; the features are present, as calling
+        // this function requires.
+        let ([dots], [mins], _) = unsafe {
+            if five {
+                q45_k_ints::<true, false, 1>(block, [qx], [bsums])
+            } else {
+                q45_k_ints::<false, false, 1>(block, [qx], [bsums])
+            }
+        };
+        let folded = _mm256_add_epi32(
+            _mm512_castsi512_si256(dots),
+            _mm512_extracti64x4_epi64::<1>(dots),
+        );
+        let mut out = [0i32; 8];
+        // SAFETY: `out` holds eight i32; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), folded) };
+        (out, lanes_of_epi32_128(mins))
+    }
+    // SAFETY: `_proof` shows the CPU has the features.
+    unsafe { lanes(five, block.as_ptr(), qx.as_ptr(), bsums.as_ptr()) }
 }

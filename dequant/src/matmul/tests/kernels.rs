@@ -156,9 +156,10 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
 }
 
 /// The AVX-512 kernels compute the AVX2 kernels' integers: each super-block's sums for
-/// `Q4_K` (whose float operations see only those), each of the eight lanes for `Q6_K`
-/// (whose single-token products fuse them lane by lane), on blocks and activations at
-/// the extremes of their ranges (where `maddubs` would saturate first) and random ones.
+/// the repacked `Q4_K` kernels (whose float operations see only those), each lane for
+/// the plain `Q4_K`, `Q5_K` and `Q6_K` kernels (whose single-token products fuse them
+/// lane by lane), on blocks and activations at the extremes of their ranges (where
+/// `maddubs` would saturate first) and random ones.
 #[test]
 fn avx512_block_integers_equal_the_avx2_ones_exactly() {
     #[cfg(target_arch = "x86_64")]
@@ -170,7 +171,7 @@ fn avx512_block_integers_equal_the_avx2_ones_exactly() {
             return;
         };
         let mut rng = Rng(512);
-        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
             for block in block_cases(ty, &mut rng) {
                 for qx in activation_cases(QK_K, &mut rng) {
                     let bsums: Vec<i16> = qx
@@ -178,12 +179,20 @@ fn avx512_block_integers_equal_the_avx2_ones_exactly() {
                         .map(|g| g.iter().map(|&q| i16::from(q)).sum())
                         .collect();
                     let context = format!("{ty} block {block:?} activations {qx:?}");
+                    if ty != GgmlType::Q6_K {
+                        let five = ty == GgmlType::Q5_K;
+                        let expected =
+                            avx2::kquants::q45_k_block_lanes(avx2_proof, five, &block, &qx, &bsums);
+                        let got =
+                            avx512::kquants::q45_k_block_lanes(proof, five, &block, &qx, &bsums);
+                        assert_eq!(got, expected, "{context}");
+                    }
                     if ty == GgmlType::Q4_K {
                         let expected =
                             avx2::kquants::block_ints(avx2_proof, ty, &block, &qx, &bsums);
                         let got = avx512::kquants::q4_k_block_ints(proof, &block, &qx, &bsums);
                         assert_eq!(got, expected, "{context}");
-                    } else {
+                    } else if ty == GgmlType::Q6_K {
                         let expected =
                             avx2::kquants::q6_k_block_lanes(avx2_proof, &block, &qx, &bsums);
                         let got = avx512::kquants::q6_k_block_lanes(proof, &block, &qx, &bsums);
