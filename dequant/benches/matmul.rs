@@ -1,19 +1,26 @@
 //! Throughput of the quantized matrix products.
 //!
 //! `cargo bench -p dequant --bench matmul -- [--quick] [--threads N] [--scalar]
-//! [--only matvec|decode|matmul] [--outside-pool] [--json FILE]`
+//! [--only matvec|decode|matmul] [--shapes TEXT] [--outside-pool] [--json FILE]`
 //!
-//! - matvec (decode): GB/s of weights read, both with the matrix hot in cache and
-//!   streamed from memory (cycling over copies that together far exceed the last-level
-//!   cache), next to the machine's own memory read bandwidth measured here;
+//! - matvec (decode): GB/s of weights read and microseconds per product, both with the
+//!   matrix hot in cache and streamed from memory (cycling over copies that together
+//!   far exceed the last-level cache), next to the machine's own memory read bandwidth
+//!   measured here;
 //! - a whole model's decode step: every layer's matrices as distinct copies, multiplied
 //!   in forward order, giving the matvec time per token and the tokens/s it allows;
-//! - matmul (prefill): GFLOP/s (2 · rows · cols · tokens) for batches of 64 and 512.
+//! - matmul (prefill): GFLOP/s (2 · rows · cols · tokens) for batches of 4 (a few
+//!   sequences decoded together), 64 and 512.
+//!
+//! `--shapes TEXT` keeps the matrices whose label contains `TEXT` (`llama7b`, `Q4_K`).
+//! The products take the fastest path this CPU has: set `ROCMFORGE_CPU_AVX512=0` to time
+//! the AVX2 kernels on an AVX-512 machine.
 //!
 //! The products are called from one of rayon's pool threads, as a forward pass running
 //! inside the pool calls them (`--outside-pool`: from the main thread instead).
 //!
-//! Shapes and types are those of SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M; weights are
+//! Shapes and types are those of SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M and a 7B Llama
+//! Q4_K_M (matrices only: its whole decode step is `rocmforge generate`'s); weights are
 //! random blocks with finite scales. Each figure is from the fastest of many calls
 //! timed one by one (see `best_time`).
 
@@ -38,6 +45,8 @@ struct Options {
     outside_pool: bool,
     /// Run only the sections whose name contains this (`matvec`, `decode`, `matmul`).
     only: Option<String>,
+    /// Keep only the matrices whose label (with the type's name) contains this.
+    shapes: Option<String>,
 }
 
 impl Options {
@@ -55,6 +64,7 @@ fn options() -> Options {
         scalar: false,
         json: None,
         only: None,
+        shapes: None,
         outside_pool: false,
     };
     let mut args = std::env::args().skip(1);
@@ -66,6 +76,7 @@ fn options() -> Options {
             "--threads" => opts.threads = args.next().and_then(|v| v.parse().ok()),
             "--json" => opts.json = args.next(),
             "--only" => opts.only = args.next(),
+            "--shapes" => opts.shapes = args.next(),
             _ => {} // `cargo bench` passes `--bench`
         }
     }
@@ -202,6 +213,19 @@ const GEMMA3_LAYER: [Shape; 7] = [
 ];
 const GEMMA3_OUTPUT: Shape = ("output", GgmlType::Q8_0, 262144, 640);
 
+/// A 7B Llama in Q4_K_M (`xtask synth-model --preset 7b-q4k`): its decode step is
+/// mostly these products.
+const LLAMA7B_LAYER: [Shape; 7] = [
+    ("attn_q", GgmlType::Q4_K, 4096, 4096),
+    ("attn_k", GgmlType::Q4_K, 4096, 4096),
+    ("attn_v", GgmlType::Q4_K, 4096, 4096),
+    ("attn_output", GgmlType::Q4_K, 4096, 4096),
+    ("ffn_gate", GgmlType::Q4_K, 11008, 4096),
+    ("ffn_up", GgmlType::Q4_K, 11008, 4096),
+    ("ffn_down", GgmlType::Q6_K, 4096, 11008),
+];
+const LLAMA7B_OUTPUT: Shape = ("output", GgmlType::Q6_K, 49152, 4096);
+
 /// The other types, on one square shape.
 const OTHER_TYPES: [GgmlType; 21] = [
     GgmlType::Q4_0,
@@ -227,12 +251,14 @@ const OTHER_TYPES: [GgmlType; 21] = [
     GgmlType::F32,
 ];
 
-/// The distinct (type, shape) pairs of both models, then the other types.
-fn bench_shapes() -> Vec<(String, Shape)> {
+/// The distinct (type, shape) pairs of the models, then the other types; only those
+/// whose label or type contains `filter`, when given.
+fn bench_shapes(filter: Option<&str>) -> Vec<(String, Shape)> {
     let mut shapes: Vec<(String, Shape)> = Vec::new();
     for (model, layer, output) in [
         ("smollm2", &SMOLLM2_LAYER, SMOLLM2_OUTPUT),
         ("gemma3", &GEMMA3_LAYER, GEMMA3_OUTPUT),
+        ("llama7b", &LLAMA7B_LAYER, LLAMA7B_OUTPUT),
     ] {
         let mut names: Vec<(Vec<&str>, Shape)> = Vec::new();
         for &s in layer.iter().chain([&output]) {
@@ -251,6 +277,9 @@ fn bench_shapes() -> Vec<(String, Shape)> {
     for ty in OTHER_TYPES {
         shapes.push(("square 2048x2048".to_string(), ("square", ty, 2048, 2048)));
     }
+    shapes.retain(|(label, shape)| {
+        filter.is_none_or(|f| label.contains(f) || shape.1.name().contains(f))
+    });
     shapes
 }
 
@@ -258,8 +287,8 @@ struct Row {
     label: String,
     ty: GgmlType,
     bytes: usize,
-    cached: f64,
-    streamed: f64,
+    cached: Duration,
+    streamed: Duration,
 }
 
 /// Matvec GB/s of one shape, hot in cache and streamed over copies.
@@ -301,8 +330,8 @@ fn bench_matvec(
         label: label.to_string(),
         ty,
         bytes: one.len(),
-        cached: gb_per_s(one.len(), cached),
-        streamed: gb_per_s(one.len(), streamed),
+        cached,
+        streamed,
     }
 }
 
@@ -343,51 +372,76 @@ fn bench_model(
     (weights.iter().map(Vec::len).sum(), t)
 }
 
-/// Matmul GFLOP/s of one shape for a batch of `n_tokens`.
+/// Matmul time of one shape for a batch of `n_tokens`.
 fn bench_matmul(
     backend: DecodePath,
     (_, ty, rows, cols): Shape,
     n_tokens: usize,
     budget: Duration,
-) -> f64 {
+) -> Duration {
     let w = random_weights(ty, rows, cols, 7);
     let m = QuantizedMatrix::new(ty, rows, cols, &w).expect("valid shape");
     let x: Vec<f32> = (0..n_tokens * cols)
         .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
         .collect();
     let mut y = vec![0.0f32; n_tokens * rows];
-    let t = best_time(budget, || {
+    best_time(budget, || {
         m.matmul_with(backend, &x, n_tokens, &mut y)
             .expect("shapes match")
-    });
+    })
+}
+
+fn gflop_per_s((_, _, rows, cols): Shape, n_tokens: usize, t: Duration) -> f64 {
     2.0 * (rows * cols * n_tokens) as f64 / t.as_secs_f64() / 1e9
 }
 
-fn matvec_section(backend: DecodePath, memory: f64, budget: Duration, json: &mut Vec<String>) {
-    println!("\nmatvec (decode): GB/s of weights read");
+fn micros(t: Duration) -> f64 {
+    t.as_secs_f64() * 1e6
+}
+
+fn matvec_section(
+    backend: DecodePath,
+    shapes: &[(String, Shape)],
+    memory: f64,
+    budget: Duration,
+    json: &mut Vec<String>,
+) {
+    println!("\nmatvec (decode): GB/s of weights read, µs per product");
     println!(
-        "{:<36} {:<5} {:>7} {:>12} {:>14} {:>9}",
-        "matrix", "type", "KiB", "cached GB/s", "streamed GB/s", "% of mem"
+        "{:<36} {:<5} {:>7} {:>12} {:>10} {:>14} {:>12} {:>9}",
+        "matrix",
+        "type",
+        "KiB",
+        "cached GB/s",
+        "cached µs",
+        "streamed GB/s",
+        "streamed µs",
+        "% of mem"
     );
-    for (label, shape) in &bench_shapes() {
+    for (label, shape) in shapes {
         let r = bench_matvec(backend, label, *shape, budget);
+        let (cached, streamed) = (gb_per_s(r.bytes, r.cached), gb_per_s(r.bytes, r.streamed));
         println!(
-            "{:<36} {:<5} {:>7} {:>12.1} {:>14.1} {:>8.0}%",
+            "{:<36} {:<5} {:>7} {:>12.1} {:>10.1} {:>14.1} {:>12.1} {:>8.0}%",
             r.label,
             r.ty.name(),
             r.bytes / 1024,
-            r.cached,
-            r.streamed,
-            100.0 * r.streamed / memory
+            cached,
+            micros(r.cached),
+            streamed,
+            micros(r.streamed),
+            100.0 * streamed / memory
         );
         json.push(format!(
-            r#"{{"bench":"matvec","backend":"{}","matrix":"{}","type":"{}","bytes":{},"cached_gb_s":{:.2},"streamed_gb_s":{:.2}}}"#,
+            r#"{{"bench":"matvec","backend":"{}","matrix":"{}","type":"{}","bytes":{},"cached_gb_s":{:.2},"cached_us":{:.2},"streamed_gb_s":{:.2},"streamed_us":{:.2}}}"#,
             backend.name(),
             r.label,
             r.ty.name(),
             r.bytes,
-            r.cached,
-            r.streamed
+            cached,
+            micros(r.cached),
+            streamed,
+            micros(r.streamed)
         ));
     }
 }
@@ -421,26 +475,36 @@ fn decode_section(backend: DecodePath, memory: f64, budget: Duration, json: &mut
     }
 }
 
-fn matmul_section(backend: DecodePath, budget: Duration, json: &mut Vec<String>) {
-    println!("\nmatmul (prefill): GFLOP/s");
+fn matmul_section(
+    backend: DecodePath,
+    shapes: &[(String, Shape)],
+    budget: Duration,
+    json: &mut Vec<String>,
+) {
+    println!("\nmatmul (prefill): GFLOP/s, and µs per product of 4 tokens");
     println!(
-        "{:<36} {:<5} {:>10} {:>10}",
-        "matrix", "type", "64 tokens", "512 tokens"
+        "{:<36} {:<5} {:>10} {:>10} {:>10} {:>10}",
+        "matrix", "type", "4 tokens", "4 tok µs", "64 tokens", "512 tokens"
     );
-    for (label, shape) in bench_shapes().iter().filter(|(_, s)| s.2 <= 4096) {
-        let small = bench_matmul(backend, *shape, 64, budget);
-        let large = bench_matmul(backend, *shape, 512, budget);
+    for (label, shape) in shapes.iter().filter(|(_, s)| s.2 <= 4096) {
+        let four = bench_matmul(backend, *shape, 4, budget);
+        let small = gflop_per_s(*shape, 64, bench_matmul(backend, *shape, 64, budget));
+        let large = gflop_per_s(*shape, 512, bench_matmul(backend, *shape, 512, budget));
         println!(
-            "{:<36} {:<5} {:>10.1} {:>10.1}",
+            "{:<36} {:<5} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
             label,
             shape.1.name(),
+            gflop_per_s(*shape, 4, four),
+            micros(four),
             small,
             large
         );
         json.push(format!(
-            r#"{{"bench":"matmul","backend":"{}","matrix":"{label}","type":"{}","gflop_s_64":{small:.2},"gflop_s_512":{large:.2}}}"#,
+            r#"{{"bench":"matmul","backend":"{}","matrix":"{label}","type":"{}","gflop_s_4":{:.2},"us_4":{:.2},"gflop_s_64":{small:.2},"gflop_s_512":{large:.2}}}"#,
             backend.name(),
-            shape.1.name()
+            shape.1.name(),
+            gflop_per_s(*shape, 4, four),
+            micros(four)
         ));
     }
 }
@@ -470,17 +534,18 @@ fn main() {
          memory read bandwidth {memory:.1} GB/s (sum over 1 GiB)"
     );
     let mut json = Vec::new();
+    let shapes = bench_shapes(opts.shapes.as_deref());
     let sections = |json: &mut Vec<String>| {
         for &backend in &backends {
             println!("\n== path {} ==", backend.name());
             if opts.wants("matvec") {
-                matvec_section(backend, memory, budget, json);
+                matvec_section(backend, &shapes, memory, budget, json);
             }
             if opts.wants("decode") {
                 decode_section(backend, memory, budget, json);
             }
             if opts.wants("matmul") {
-                matmul_section(backend, budget, json);
+                matmul_section(backend, &shapes, budget, json);
             }
         }
     };

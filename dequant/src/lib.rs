@@ -48,10 +48,16 @@ pub enum DecodePath {
     /// x86-64 AVX2 with F16C for the types that have such kernels (the reference
     /// decoders for the others), when the CPU has them. The products also need FMA.
     Avx2,
+    /// x86-64 AVX-512 (F, BW, VL) with VNNI, besides AVX2, FMA and F16C: the
+    /// [`matmul`] products of the types that have such kernels, which give the AVX2
+    /// kernels' bits (the AVX2 kernels for the others). Decoding has no AVX-512
+    /// kernels: on this path it runs the AVX2 ones.
+    Avx512,
 }
 
 impl DecodePath {
-    /// The fastest path this CPU supports.
+    /// The fastest path this CPU supports for decoding (AVX2 at best: the decoders
+    /// have no AVX-512 kernels; [`matmul::best_path`] is the products' choice).
     pub fn detect() -> DecodePath {
         if DecodePath::Avx2.is_available() {
             DecodePath::Avx2
@@ -66,16 +72,19 @@ impl DecodePath {
             DecodePath::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             DecodePath::Avx2 => decode::avx2::Avx2::detect().is_some(),
+            #[cfg(target_arch = "x86_64")]
+            DecodePath::Avx512 => matmul::is_path_available(DecodePath::Avx512),
             #[cfg(not(target_arch = "x86_64"))]
-            DecodePath::Avx2 => false,
+            DecodePath::Avx2 | DecodePath::Avx512 => false,
         }
     }
 
-    /// A short lower-case name (`"avx2"`, `"scalar"`).
+    /// A short lower-case name (`"avx2"`, `"avx512"`, `"scalar"`).
     pub fn name(self) -> &'static str {
         match self {
             DecodePath::Scalar => "scalar",
             DecodePath::Avx2 => "avx2",
+            DecodePath::Avx512 => "avx512",
         }
     }
 }
@@ -117,7 +126,10 @@ impl Decoder {
         match path {
             DecodePath::Scalar => Ok(Decoder::scalar()),
             #[cfg(target_arch = "x86_64")]
-            DecodePath::Avx2 => {
+            DecodePath::Avx2 | DecodePath::Avx512 => {
+                if !path.is_available() {
+                    return Err(DequantError::PathUnavailable { path });
+                }
                 let avx2 =
                     decode::avx2::Avx2::detect().ok_or(DequantError::PathUnavailable { path })?;
                 Ok(Decoder {
@@ -129,7 +141,7 @@ impl Decoder {
                 })
             }
             #[cfg(not(target_arch = "x86_64"))]
-            DecodePath::Avx2 => Err(DequantError::PathUnavailable { path }),
+            DecodePath::Avx2 | DecodePath::Avx512 => Err(DequantError::PathUnavailable { path }),
         }
     }
 

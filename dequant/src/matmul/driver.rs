@@ -33,6 +33,8 @@ pub(crate) enum Exec {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2(super::avx2::Avx2),
+    #[cfg(target_arch = "x86_64")]
+    Avx512(super::avx512::Avx512),
 }
 
 impl Exec {
@@ -42,8 +44,10 @@ impl Exec {
             DecodePath::Scalar => Some(Exec::Portable),
             #[cfg(target_arch = "x86_64")]
             DecodePath::Avx2 => super::avx2::Avx2::detect().map(Exec::Avx2),
+            #[cfg(target_arch = "x86_64")]
+            DecodePath::Avx512 => super::avx512::Avx512::detect().map(Exec::Avx512),
             #[cfg(not(target_arch = "x86_64"))]
-            DecodePath::Avx2 => None,
+            DecodePath::Avx2 | DecodePath::Avx512 => None,
         }
     }
 }
@@ -366,6 +370,8 @@ fn rows<K: Kernel>(
         Exec::Portable => rows_portable::<K>(w, row_bytes, acts, tokens, out),
         #[cfg(target_arch = "x86_64")]
         Exec::Avx2(features) => features.rows::<K>(w, row_bytes, acts, tokens, out),
+        #[cfg(target_arch = "x86_64")]
+        Exec::Avx512(features) => features.rows::<K>(w, row_bytes, acts, tokens, out),
     }
 }
 

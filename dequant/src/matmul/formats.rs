@@ -1,9 +1,9 @@
 //! One zero-sized type per weight format, tying its activation set to its kernels.
 
 use super::activation::{ActSet, BF16Acts, F16Acts, F32Acts, Q8KActs, Q8_0Acts, Q8_1Acts};
-#[cfg(target_arch = "x86_64")]
-use super::avx2;
 use super::portable;
+#[cfg(target_arch = "x86_64")]
+use super::{avx2, avx512};
 
 /// The row kernels of one weight format.
 pub(crate) trait Kernel {
@@ -23,10 +23,24 @@ pub(crate) trait Kernel {
         rows: [&[u8]; R],
         acts: [<Self::Acts as ActSet>::Row<'_>; N],
     ) -> [[f32; N]; R];
+
+    /// As [`Kernel::dot_avx2`], with the same bits, for CPUs with AVX-512 F, BW, VL
+    /// and VNNI: the format's AVX-512 kernel where it has one, else its AVX2 kernel.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA, F16C and AVX-512 F, BW, VL and VNNI.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_avx512<const R: usize, const N: usize>(
+        rows: [&[u8]; R],
+        acts: [<Self::Acts as ActSet>::Row<'_>; N],
+    ) -> [[f32; N]; R];
 }
 
 macro_rules! kernel {
     ($name:ident, $acts:ty, $portable:path, $avx2:path) => {
+        kernel!($name, $acts, $portable, $avx2, $avx2);
+    };
+    ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path) => {
         #[allow(non_camel_case_types)]
         pub(crate) struct $name;
 
@@ -47,6 +61,17 @@ macro_rules! kernel {
                 // SAFETY: the caller upholds this function's contract, which is the
                 // callee's.
                 unsafe { $avx2(rows, acts) }
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn dot_avx512<const R: usize, const N: usize>(
+                rows: [&[u8]; R],
+                acts: [<Self::Acts as ActSet>::Row<'_>; N],
+            ) -> [[f32; N]; R] {
+                // SAFETY: the caller upholds this function's contract, which covers the
+                // callee's (an AVX-512 kernel's, or an AVX2 kernel's).
+                unsafe { $avx512(rows, acts) }
             }
         }
     };
@@ -96,14 +121,21 @@ kernel!(
     portable::dot_mxfp4_packed,
     avx2::legacy::dot_mxfp4_packed
 );
-kernel!(Q4_K, Q8KActs, portable::dot_q4_k, avx2::kquants::dot_q4_k);
+kernel!(
+    Q4_K,
+    Q8KActs,
+    portable::dot_q4_k,
+    avx2::kquants::dot_q4_k,
+    avx512::kquants::dot_q4_k
+);
 // `Q4_K` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
 // machines.
 kernel!(
     Q4_KPacked,
     Q8KActs,
     portable::dot_q4_k_packed,
-    avx2::kquants::dot_q4_k_packed
+    avx2::kquants::dot_q4_k_packed,
+    avx512::kquants::dot_q4_k_packed
 );
 kernel!(Q2_K, Q8KActs, portable::dot_q2_k, avx2::lanes::dot_q2_k);
 kernel!(Q3_K, Q8KActs, portable::dot_q3_k, avx2::lanes::dot_q3_k);
@@ -137,5 +169,17 @@ kernel!(IQ1_S, Q8KActs, portable::dot_iq1_s, avx2::lanes::dot_iq1_s);
 kernel!(IQ1_M, Q8KActs, portable::dot_iq1_m, avx2::lanes::dot_iq1_m);
 kernel!(TQ1_0, Q8KActs, portable::dot_tq1_0, avx2::lanes::dot_tq1_0);
 kernel!(TQ2_0, Q8KActs, portable::dot_tq2_0, avx2::lanes::dot_tq2_0);
-kernel!(Q5_K, Q8KActs, portable::dot_q5_k, avx2::kquants::dot_q5_k);
-kernel!(Q6_K, Q8KActs, portable::dot_q6_k, avx2::kquants::dot_q6_k);
+kernel!(
+    Q5_K,
+    Q8KActs,
+    portable::dot_q5_k,
+    avx2::kquants::dot_q5_k,
+    avx512::kquants::dot_q5_k
+);
+kernel!(
+    Q6_K,
+    Q8KActs,
+    portable::dot_q6_k,
+    avx2::kquants::dot_q6_k,
+    avx512::kquants::dot_q6_k
+);

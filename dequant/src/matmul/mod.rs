@@ -8,10 +8,11 @@
 //! block meets them in an integer dot product whose result is scaled and accumulated in
 //! f32. Float weights (F32, F16, BF16) are multiplied with f32 activations.
 //!
-//! Two implementations exist, chosen by [`DecodePath`]: AVX2 (with FMA and F16C) when
-//! the CPU has those features, and plain Rust ([`DecodePath::Scalar`]) everywhere.
-//! [`QuantizedMatrix::matvec`] and [`QuantizedMatrix::matmul`] use [`best_path`]; the
-//! `*_with` variants force one.
+//! Three implementations exist, chosen by [`DecodePath`], and all give the same bits:
+//! AVX2 (with FMA and F16C) when the CPU has those features, AVX-512 with VNNI for the
+//! `Q4_K`, `Q5_K` and `Q6_K` kernels (and AVX2 for the rest) when it has those, and plain Rust
+//! ([`DecodePath::Scalar`]) everywhere. [`QuantizedMatrix::matvec`] and
+//! [`QuantizedMatrix::matmul`] use [`best_path`]; the `*_with` variants force one.
 //!
 //! Work is shared out over rayon's global pool: a single token by chunks of rows (four
 //! rows per kernel call, the next rows prefetched), a batch by rows or by tokens,
@@ -30,6 +31,8 @@
 mod activation;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod driver;
 mod formats;
 mod grids;
@@ -41,17 +44,30 @@ use gguf_format::GgmlType;
 
 use crate::{DecodePath, DequantError};
 
-/// The fastest path the products can take on this CPU: [`DecodePath::Avx2`] when it
-/// has AVX2, FMA and F16C, else [`DecodePath::Scalar`].
+/// The environment variable that, set to `0`, keeps [`best_path`] off the AVX-512
+/// kernels (to time the AVX2 ones on the same machine).
+pub const AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
+
+/// The fastest path the products can take on this CPU: [`DecodePath::Avx512`] when it
+/// has AVX-512 F, BW, VL and VNNI (unless [`AVX512_ENV`] is `0`), else
+/// [`DecodePath::Avx2`] when it has AVX2, FMA and F16C, else [`DecodePath::Scalar`].
+/// Every path gives the same bits. Decided once per process.
 pub fn best_path() -> DecodePath {
-    if is_path_available(DecodePath::Avx2) {
-        DecodePath::Avx2
-    } else {
-        DecodePath::Scalar
-    }
+    static BEST: std::sync::OnceLock<DecodePath> = std::sync::OnceLock::new();
+    *BEST.get_or_init(|| {
+        let avx512_allowed = std::env::var_os(AVX512_ENV).is_none_or(|v| v != "0");
+        if avx512_allowed && is_path_available(DecodePath::Avx512) {
+            DecodePath::Avx512
+        } else if is_path_available(DecodePath::Avx2) {
+            DecodePath::Avx2
+        } else {
+            DecodePath::Scalar
+        }
+    })
 }
 
-/// Whether the products can take `path` on this CPU (AVX2 also needs FMA here).
+/// Whether the products can take `path` on this CPU (AVX2 also needs FMA here, AVX-512
+/// VNNI besides F, BW and VL).
 pub fn is_path_available(path: DecodePath) -> bool {
     driver::Exec::new(path).is_some()
 }

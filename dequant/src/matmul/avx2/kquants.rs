@@ -31,16 +31,16 @@ use super::{hsum_epi32, hsum_epi32_128, hsum_ps, lanes_of_128, lanes_of_epi32_12
 use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
 use crate::matmul::activation::{Q8KRow, BSUM_GROUP, QK_K};
 
-const Q4_K_BYTES: usize = size_of::<BlockQ4_K>();
-const Q5_K_BYTES: usize = size_of::<BlockQ5_K>();
-const Q6_K_BYTES: usize = size_of::<BlockQ6_K>();
+pub(crate) const Q4_K_BYTES: usize = size_of::<BlockQ4_K>();
+pub(crate) const Q5_K_BYTES: usize = size_of::<BlockQ5_K>();
+pub(crate) const Q6_K_BYTES: usize = size_of::<BlockQ6_K>();
 
 // `f16_pair` reads d and dmin together from the start of a Q4_K/Q5_K block.
 const _: () = assert!(offset_of!(BlockQ4_K, d) == 0 && offset_of!(BlockQ4_K, dmin) == 2);
 const _: () = assert!(offset_of!(BlockQ5_K, d) == 0 && offset_of!(BlockQ5_K, dmin) == 2);
 
 /// Groups of 16 per super-block.
-const GROUPS: usize = QK_K / BSUM_GROUP;
+pub(crate) const GROUPS: usize = QK_K / BSUM_GROUP;
 
 /// Super-blocks that every row and activation row can supply.
 pub(crate) fn blocks<const R: usize, const N: usize>(
@@ -90,15 +90,27 @@ pub(crate) fn pick_i16(lo: usize, hi: usize) -> __m256i {
 }
 
 /// The eight 6-bit scales and eight 6-bit mins packed in the 12 bytes at `p`, as i16:
-/// scales in lanes 0–7, mins in lanes 8–15. Bytes 0–3 hold scales 0–3 in their low six
-/// bits, bytes 4–7 mins 0–3; bytes 8–11 hold scales 4–7 (low nibbles) and mins 4–7
-/// (high nibbles), whose top two bits sit in the spare bits of bytes 0–3 and 4–7.
+/// scales in lanes 0–7, mins in lanes 8–15.
 ///
 /// # Safety
 /// `p..p + 12` must be readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn k_scales_mins(p: *const u8) -> __m256i {
+    // SAFETY: readable per the contract.
+    let (scales, mins) = unsafe { k_scales_mins_bytes(p) };
+    _mm256_cvtepu8_epi16(_mm_set_epi64x(mins as i64, scales as i64))
+}
+
+/// The eight 6-bit scales and eight 6-bit mins packed in the 12 bytes at `p`, one a
+/// byte: (scales, mins). Bytes 0–3 hold scales 0–3 in their low six bits, bytes 4–7
+/// mins 0–3; bytes 8–11 hold scales 4–7 (low nibbles) and mins 4–7 (high nibbles),
+/// whose top two bits sit in the spare bits of bytes 0–3 and 4–7.
+///
+/// # Safety
+/// `p..p + 12` must be readable.
+#[inline(always)]
+pub(crate) unsafe fn k_scales_mins_bytes(p: *const u8) -> (u64, u64) {
     // SAFETY: readable per the contract; `read_unaligned` has no alignment requirement.
     let [w0, w1, w2] = unsafe { [0, 4, 8].map(|at| p.add(at).cast::<u32>().read_unaligned()) };
     let (low6, low4, low2) = (0x3F3F_3F3Fu32, 0x0F0F_0F0Fu32, 0x0303_0303u32);
@@ -106,7 +118,7 @@ unsafe fn k_scales_mins(p: *const u8) -> __m256i {
     let mins_hi = ((w2 >> 4) & low4) | (((w1 >> 6) & low2) << 4);
     let scales = u64::from(w0 & low6) | (u64::from(scales_hi) << 32);
     let mins = u64::from(w1 & low6) | (u64::from(mins_hi) << 32);
-    _mm256_cvtepu8_epi16(_mm_set_epi64x(mins as i64, scales as i64))
+    (scales, mins)
 }
 
 /// `Q4_K`/`Q5_K` super-block for each token: the scaled dot product `Σ scale_j Σ q qx`
@@ -270,7 +282,7 @@ unsafe fn q6_k_ints<const N: usize>(
 /// `p..p + 4` must be readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_pair(p: *const u8) -> __m128 {
+pub(crate) unsafe fn f16_pair(p: *const u8) -> __m128 {
     // SAFETY: readable per the contract; `read_unaligned` has no alignment requirement.
     _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
         p.cast::<i32>().read_unaligned()
@@ -509,4 +521,64 @@ pub(crate) fn block_ints(
     }
     // SAFETY: `_proof` shows the CPU has the features.
     unsafe { ints(ty, block.as_ptr(), qx.as_ptr(), bsums.as_ptr()) }
+}
+
+/// The eight integer lanes of one `Q6_K` super-block.
+#[cfg(test)]
+pub(crate) fn q6_k_block_lanes(
+    _proof: super::Avx2,
+    block: &[u8],
+    qx: &[i8],
+    bsums: &[i16],
+) -> [i32; 8] {
+    assert!(qx.len() >= QK_K && bsums.len() >= GROUPS && block.len() >= Q6_K_BYTES);
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn lanes(block: *const u8, qx: *const i8, bsums: *const i16) -> [i32; 8] {
+        // SAFETY: the caller checked the lengths; the features are present, as calling
+        // this function requires.
+        let [lanes] = unsafe { q6_k_ints::<1>(block, [qx], [bsums]) };
+        let mut out = [0i32; 8];
+        // SAFETY: `out` holds eight i32; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), lanes) };
+        out
+    }
+    // SAFETY: `_proof` shows the CPU has the features.
+    unsafe { lanes(block.as_ptr(), qx.as_ptr(), bsums.as_ptr()) }
+}
+
+/// The integer lanes of one `Q4_K` (`five` false) or `Q5_K` super-block: the dot
+/// product's eight and the mins' four.
+#[cfg(test)]
+pub(crate) fn q45_k_block_lanes(
+    _proof: super::Avx2,
+    five: bool,
+    block: &[u8],
+    qx: &[i8],
+    bsums: &[i16],
+) -> ([i32; 8], [i32; 4]) {
+    let bytes = if five { Q5_K_BYTES } else { Q4_K_BYTES };
+    assert!(qx.len() >= QK_K && bsums.len() >= GROUPS && block.len() >= bytes);
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn lanes(
+        five: bool,
+        block: *const u8,
+        qx: *const i8,
+        bsums: *const i16,
+    ) -> ([i32; 8], [i32; 4]) {
+        // SAFETY: the caller checked the lengths; the features are present, as calling
+        // this function requires.
+        let ([dots], [mins], _) = unsafe {
+            if five {
+                q45_k_ints::<true, false, 1>(block, [qx], [bsums])
+            } else {
+                q45_k_ints::<false, false, 1>(block, [qx], [bsums])
+            }
+        };
+        let mut out = [0i32; 8];
+        // SAFETY: `out` holds eight i32; `storeu` has no alignment requirement.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), dots) };
+        (out, super::lanes_of_epi32_128(mins))
+    }
+    // SAFETY: `_proof` shows the CPU has the features.
+    unsafe { lanes(five, block.as_ptr(), qx.as_ptr(), bsums.as_ptr()) }
 }

@@ -2,7 +2,8 @@
 //!
 //! Every function here is compiled for those features and may run only on a CPU that
 //! has them. [`Avx2`] is the proof: it is made only by [`Avx2::detect`], and the safe
-//! entry point [`Avx2::rows`] takes it by value.
+//! entry point [`Avx2::rows`] takes it by value. The loops (`rows`) also drive the
+//! AVX-512 path's kernels (`super::avx512`).
 //!
 //! Each kernel computes one weight row against `N` tokens at once (`N` ≤ 4), so a
 //! block's weights are unpacked once and meet every token of the batch while they sit
@@ -43,21 +44,47 @@ impl Avx2 {
         out: Out<'_>,
     ) {
         // SAFETY: `self` exists only when `detect` found AVX2, FMA and F16C on this CPU,
-        // the only requirement of `rows`.
-        unsafe { rows::<K>(w, row_bytes, acts, tokens, out) }
+        // the only requirement of `rows` and of the AVX2 kernels.
+        unsafe { rows::<K, Self>(self, w, row_bytes, acts, tokens, out) }
     }
 }
 
-/// The loops of [`Avx2::rows`]. One token: four rows per kernel call, which shares
-/// each activation load between them and keeps four independent accumulations in
-/// flight. A batch: blocks of rows small enough to stay in L2, and for each, tiles of
+/// A set of row kernels that [`rows`] can drive, a proof that the CPU can run them:
+/// the AVX2 kernels ([`Avx2`]) or the AVX-512 ones
+/// ([`Avx512`](crate::matmul::avx512::Avx512)).
+pub(crate) trait RowKernels: Copy {
+    /// `K`'s `R` rows · `N` tokens in this set.
+    fn dot<K: Kernel, const R: usize, const N: usize>(
+        self,
+        rows: [&[u8]; R],
+        acts: [<K::Acts as ActSet>::Row<'_>; N],
+    ) -> [[f32; N]; R];
+}
+
+impl RowKernels for Avx2 {
+    #[inline(always)]
+    fn dot<K: Kernel, const R: usize, const N: usize>(
+        self,
+        rows: [&[u8]; R],
+        acts: [<K::Acts as ActSet>::Row<'_>; N],
+    ) -> [[f32; N]; R] {
+        // SAFETY: `self` exists only when `detect` found AVX2, FMA and F16C on this CPU,
+        // the kernels' only requirement (they bound every access by their slices).
+        unsafe { K::dot_avx2::<R, N>(rows, acts) }
+    }
+}
+
+/// The loops of [`Avx2::rows`], and of the AVX-512 path's: `P` is the kernels' set. One
+/// token: four rows per kernel call, which shares each activation load between them and
+/// keeps four independent accumulations in flight. A batch: blocks of rows small enough to stay in L2, and for each, tiles of
 /// tokens small enough to stay in L1 passing over every row, four tokens per kernel
 /// call, so each weight block is unpacked once for four tokens.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C.
+/// The CPU must support AVX2, FMA and F16C (which every `P` proves).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows<K: Kernel>(
+pub(crate) unsafe fn rows<K: Kernel, P: RowKernels>(
+    kernels: P,
     w: &[u8],
     row_bytes: usize,
     acts: &K::Acts,
@@ -69,11 +96,12 @@ unsafe fn rows<K: Kernel>(
     }
     let act_rows: Vec<_> = tokens.map(|t| acts.row(t)).collect();
     let (n_rows, n_tokens) = (w.len() / row_bytes, act_rows.len());
-    let mut at = Tile::<K> {
+    let mut at = Tile::<K, P> {
         w,
         row_bytes,
         acts: &act_rows,
         out,
+        kernels,
     };
     if n_tokens == 1 {
         let (mut r, mut fetched) = (0, 0);
@@ -132,15 +160,16 @@ fn prefetch(w: &[u8], from: usize, to: usize) -> usize {
     at.max(from)
 }
 
-/// A task's weights, activations and output.
-struct Tile<'a, 'r, 'o, K: Kernel> {
+/// A task's weights, activations and output, multiplied by the kernels `P`.
+struct Tile<'a, 'r, 'o, K: Kernel, P> {
     w: &'a [u8],
     row_bytes: usize,
     acts: &'r [<K::Acts as ActSet>::Row<'a>],
     out: Out<'o>,
+    kernels: P,
 }
 
-impl<K: Kernel> Tile<'_, '_, '_, K> {
+impl<K: Kernel, P: RowKernels> Tile<'_, '_, '_, K, P> {
     /// Rows `r0..r0 + R` · tokens `t0..t0 + N` into the output.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -151,9 +180,7 @@ impl<K: Kernel> Tile<'_, '_, '_, K> {
         }
         let mut acts = [self.acts[t0]; N];
         acts.copy_from_slice(&self.acts[t0..t0 + N]);
-        // SAFETY: the features are present, as calling this function requires; that is
-        // the kernels' only requirement (they bound every access by their slices).
-        let dots = unsafe { K::dot_avx2::<R, N>(rows, acts) };
+        let dots = self.kernels.dot::<K, R, N>(rows, acts);
         let Out {
             data,
             row_stride,

@@ -123,16 +123,16 @@ fn wrong_input_and_output_lengths_are_refused() {
 fn a_missing_path_is_a_typed_error() {
     let bytes = random_matrix(GgmlType::Q8_0, 1, 32, 1);
     let m = QuantizedMatrix::new(GgmlType::Q8_0, 1, 32, &bytes).unwrap();
-    let result = m.matvec_with(DecodePath::Avx2, &[0.5; 32], &mut [0.0]);
-    if is_path_available(DecodePath::Avx2) {
-        assert!(result.is_ok());
-    } else {
-        assert!(matches!(
-            result,
-            Err(DequantError::PathUnavailable {
-                path: DecodePath::Avx2
-            })
-        ));
+    for path in [DecodePath::Avx2, DecodePath::Avx512] {
+        let result = m.matvec_with(path, &[0.5; 32], &mut [0.0]);
+        if is_path_available(path) {
+            assert!(result.is_ok());
+        } else {
+            assert!(matches!(
+                result,
+                Err(DequantError::PathUnavailable { path: p }) if p == path
+            ));
+        }
     }
 }
 

@@ -155,6 +155,55 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
     }
 }
 
+/// The AVX-512 kernels compute the AVX2 kernels' integers: each super-block's sums for
+/// the repacked `Q4_K` kernels (whose float operations see only those), each lane for
+/// the plain `Q4_K`, `Q5_K` and `Q6_K` kernels (whose single-token products fuse them
+/// lane by lane), on blocks and activations at the extremes of their ranges (where
+/// `maddubs` would saturate first) and random ones.
+#[test]
+fn avx512_block_integers_equal_the_avx2_ones_exactly() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::matmul::{avx2, avx512};
+        let (Some(avx2_proof), Some(proof)) = (avx2::Avx2::detect(), avx512::Avx512::detect())
+        else {
+            eprintln!("SKIPPED: this cpu has no avx-512 f, bw, vl and vnni");
+            return;
+        };
+        let mut rng = Rng(512);
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+            for block in block_cases(ty, &mut rng) {
+                for qx in activation_cases(QK_K, &mut rng) {
+                    let bsums: Vec<i16> = qx
+                        .chunks_exact(BSUM_GROUP)
+                        .map(|g| g.iter().map(|&q| i16::from(q)).sum())
+                        .collect();
+                    let context = format!("{ty} block {block:?} activations {qx:?}");
+                    if ty != GgmlType::Q6_K {
+                        let five = ty == GgmlType::Q5_K;
+                        let expected =
+                            avx2::kquants::q45_k_block_lanes(avx2_proof, five, &block, &qx, &bsums);
+                        let got =
+                            avx512::kquants::q45_k_block_lanes(proof, five, &block, &qx, &bsums);
+                        assert_eq!(got, expected, "{context}");
+                    }
+                    if ty == GgmlType::Q4_K {
+                        let expected =
+                            avx2::kquants::block_ints(avx2_proof, ty, &block, &qx, &bsums);
+                        let got = avx512::kquants::q4_k_block_ints(proof, &block, &qx, &bsums);
+                        assert_eq!(got, expected, "{context}");
+                    } else if ty == GgmlType::Q6_K {
+                        let expected =
+                            avx2::kquants::q6_k_block_lanes(avx2_proof, &block, &qx, &bsums);
+                        let got = avx512::kquants::q6_k_block_lanes(proof, &block, &qx, &bsums);
+                        assert_eq!(got, expected, "{context}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
 const LANE_TYPES: [GgmlType; 12] = [
     GgmlType::Q2_K,
@@ -412,13 +461,19 @@ fn every_split_gives_the_serial_results_exactly() {
     }
 }
 
-/// The portable kernels repeat the AVX2 kernels' float operations one for one, so whole
-/// products agree bit for bit on every quantized format: for single tokens, a batch
-/// with a group of four and a remainder, and a batch past [`GEMM_MIN_TOKENS`]. (The
-/// float formats sum in orders of their own.)
+/// The portable kernels repeat the AVX2 kernels' float operations one for one, and the
+/// AVX-512 kernels compute the AVX2 kernels' integers before the same float
+/// operations, so whole products agree bit for bit on every quantized format and path:
+/// for single tokens, batches of every size up to past [`GEMM_MIN_TOKENS`] (groups of
+/// four and remainders, llama.cpp's GEMV, GEMM and tiled GEMM), on matrices it repacks
+/// and matrices it does not. (The float formats sum in orders of their own.)
 #[test]
-fn portable_and_avx2_products_agree_bit_for_bit() {
-    if !crate::matmul::is_path_available(DecodePath::Avx2) {
+fn every_path_gives_the_portable_products_bit_for_bit() {
+    let fast: Vec<DecodePath> = paths()
+        .into_iter()
+        .filter(|&p| p != DecodePath::Scalar)
+        .collect();
+    if fast.is_empty() {
         eprintln!("SKIPPED: this cpu has no avx2, fma and f16c");
         return;
     }
@@ -427,32 +482,32 @@ fn portable_and_avx2_products_agree_bit_for_bit() {
         if !ty.is_quantized() {
             continue;
         }
-        // 16 rows: llama.cpp repacks Q4_0, Q4_K and IQ4_NL matrices of a multiple of 8
-        // rows; 1 and 13: fewer than, and not a multiple of, the single-token kernels' 4
-        // rows. For blocks of 32, an odd number of blocks too (IQ4_NL's dot product takes
-        // them in pairs).
+        // 8 and 16 rows: llama.cpp repacks Q4_0, Q4_K and IQ4_NL matrices of a multiple
+        // of 8 rows; 1 and 13: fewer than, and not a multiple of, the single-token
+        // kernels' 4 rows. For blocks of 32, an odd number of blocks too (IQ4_NL's dot
+        // product takes them in pairs).
         let widths: &[usize] = match ty.block_size() {
             32 => &[2 * QK_K, 2 * QK_K + 32],
-            _ => &[2 * QK_K],
+            _ => &[2 * QK_K, 3 * QK_K],
         };
-        let shapes = [1, 13, 16]
+        let shapes = [1, 8, 13, 16]
             .into_iter()
             .flat_map(|rows| widths.iter().map(move |&cols| (rows, cols)));
         for (rows, cols) in shapes {
             let bytes = random_matrix(ty, rows, cols, 500 + i as u64);
             let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
-            for n_tokens in [1, 4, 5, GEMM_MIN_TOKENS, GEMM_MIN_TOKENS + 1] {
+            for n_tokens in 1..=GEMM_MIN_TOKENS + 1 {
                 let x = random_x(n_tokens * cols, 50 + i as u64);
                 let mut portable = vec![0.0; n_tokens * rows];
-                let mut avx2 = vec![0.0; n_tokens * rows];
                 matrix
                     .matmul_with(DecodePath::Scalar, &x, n_tokens, &mut portable)
                     .unwrap();
-                matrix
-                    .matmul_with(DecodePath::Avx2, &x, n_tokens, &mut avx2)
-                    .unwrap();
-                let context = format!("{ty}, {rows}x{cols}, {n_tokens} tokens");
-                assert_eq!(bits(&portable), bits(&avx2), "{context}");
+                for &path in &fast {
+                    let mut y = vec![0.0; n_tokens * rows];
+                    matrix.matmul_with(path, &x, n_tokens, &mut y).unwrap();
+                    let context = format!("{ty}, {rows}x{cols}, {n_tokens} tokens on {path:?}");
+                    assert_eq!(bits(&portable), bits(&y), "{context}");
+                }
             }
         }
     }

@@ -13,9 +13,9 @@
 //! the weights' offsets. [`sum_rounding`] computes what it adds, and both references
 //! include it.
 //!
-//! Where both paths must compute the same integers (the block dot products), AVX2 and
-//! portable results are compared exactly, and so are a batch's rows and the same
-//! tokens multiplied one at a time.
+//! Where the paths must compute the same integers (the block dot products), AVX-512,
+//! AVX2 and portable results are compared exactly, and so are whole products, a
+//! batch's rows and the same tokens multiplied one at a time.
 
 mod api;
 mod kernels;
@@ -292,7 +292,7 @@ pub(super) fn sum_rounding(ty: GgmlType, row: &[u8], x_t: &[f32]) -> f64 {
 }
 
 pub(super) fn paths() -> Vec<DecodePath> {
-    [DecodePath::Scalar, DecodePath::Avx2]
+    [DecodePath::Scalar, DecodePath::Avx2, DecodePath::Avx512]
         .into_iter()
         .filter(|&p| is_path_available(p))
         .collect()
