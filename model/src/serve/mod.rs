@@ -44,7 +44,7 @@ use crate::sampling::{Sampler, SamplingConfig};
 use crate::tokenizer::{StreamDecoder, TokenId, Tokenizer};
 use crate::{Model, ModelError};
 
-pub use metrics::{Histogram, HistogramSnapshot, SchedulerMetrics, LATENCY_BUCKETS};
+pub use metrics::{Histogram, HistogramSnapshot, SchedulerMetrics, StepPhase, LATENCY_BUCKETS};
 
 use batch::Segment;
 use pool::{BlockId, KvPool};
@@ -440,6 +440,13 @@ struct Loop<'m> {
     logits: Vec<f32>,
 }
 
+/// When a step's forward pass ran, and how long its sampling took.
+struct StepTimes {
+    forward_began: Instant,
+    forward_ended: Instant,
+    sample: Duration,
+}
+
 impl<'m> Loop<'m> {
     fn new(
         model: &'m Model,
@@ -513,10 +520,21 @@ impl<'m> Loop<'m> {
                 }
             }
             self.admit();
+            let admitted = Instant::now();
             let stepped = self.step();
             self.update_gauges();
-            if stepped {
-                self.metrics.step_duration.observe(began.elapsed());
+            if let Some(times) = stepped {
+                let ended = Instant::now();
+                let m = &self.metrics;
+                m.add_step_phase(StepPhase::Admit, admitted - began);
+                m.add_step_phase(StepPhase::Schedule, times.forward_began - admitted);
+                m.add_step_phase(StepPhase::Sample, times.sample);
+                m.add_step_phase(
+                    StepPhase::Deliver,
+                    (ended - times.forward_ended).saturating_sub(times.sample),
+                );
+                // Last: a reader that sees the step counted sees all of it.
+                m.step_duration.observe(ended - began);
             }
         }
         self.update_gauges();
@@ -677,10 +695,10 @@ impl<'m> Loop<'m> {
         Ok(true)
     }
 
-    /// One forward pass over every running sequence; whether it ran one.
-    fn step(&mut self) -> bool {
+    /// One forward pass over every running sequence; when it ran one, its times.
+    fn step(&mut self) -> Option<StepTimes> {
         if self.running.is_empty() {
-            return false;
+            return None;
         }
         // Decoding sequences first (one token each), then prompt chunks, oldest first.
         let mut feed = vec![0usize; self.running.len()];
@@ -735,7 +753,7 @@ impl<'m> Loop<'m> {
             })
             .collect();
         if segments.iter().all(|s| s.tokens.is_empty()) {
-            return false;
+            return None;
         }
         let computed: usize = feed.iter().sum();
         // On the GPU, when every sequence that takes a token this step takes the first
@@ -762,9 +780,15 @@ impl<'m> Loop<'m> {
             )
             .map(|()| StepOut::Logits),
         };
+        let forward_ended = Instant::now();
         self.metrics
             .forward_duration
-            .observe(forward_began.elapsed());
+            .observe(forward_ended - forward_began);
+        let mut times = StepTimes {
+            forward_began,
+            forward_ended,
+            sample: Duration::ZERO,
+        };
         let wants: Vec<bool> = segments.iter().map(|s| s.logits).collect();
         drop(segments);
         SchedulerMetrics::add(&self.metrics.steps, 1);
@@ -776,7 +800,7 @@ impl<'m> Loop<'m> {
                 for seq in std::mem::take(&mut self.running) {
                     self.end_with_error(seq, &e.to_string());
                 }
-                return true;
+                return Some(times);
             }
         };
         let bs = self.pool.block_size();
@@ -799,6 +823,7 @@ impl<'m> Loop<'m> {
         let tokens = match out {
             StepOut::Tokens(tokens) => tokens.into_iter().map(Ok).collect(),
             StepOut::Logits => {
+                let began = Instant::now();
                 let n_vocab = self.model.config().n_vocab;
                 let mut rows: Vec<(&mut Sequence<'m>, &mut [f32])> = self
                     .running
@@ -807,7 +832,9 @@ impl<'m> Loop<'m> {
                     .filter_map(|(seq, &want)| want.then_some(seq))
                     .zip(self.logits.chunks_exact_mut(n_vocab))
                     .collect();
-                choose_all(&mut rows)
+                let tokens = choose_all(&mut rows);
+                times.sample = began.elapsed();
+                tokens
             }
         };
         let mut finished = Vec::new();
@@ -827,7 +854,7 @@ impl<'m> Loop<'m> {
                 Err(message) => self.end_with_error(seq, &message),
             }
         }
-        true
+        Some(times)
     }
 
     /// Takes `token` as `running[i]`'s next and hands out its text. Returns how the

@@ -13,6 +13,7 @@ use model::generate::{generate, GenerateOptions};
 use model::sampling::{SamplingConfig, SamplingParams};
 use model::serve::{
     Event, Finish, FinishReason, Request, Scheduler, SchedulerConfig, SchedulerMetrics, ServeError,
+    StepPhase,
 };
 use model::tokenizer::{EncodeOptions, Tokenizer};
 use model::Model;
@@ -270,6 +271,21 @@ fn smollm2_sampled_requests_give_their_text_alone_and_batched() {
     })
     .expect("generation runs");
     assert_eq!(alone[0], generated.text);
+    // The parts of the steps outside their forward passes add up to the rest of them
+    // (the histograms' sums count whole microseconds).
+    scheduler.shutdown(Duration::ZERO);
+    let m = scheduler.metrics();
+    let (step, forward) = (m.step_duration.snapshot(), m.forward_duration.snapshot());
+    let parts: f64 = StepPhase::ALL
+        .iter()
+        .map(|&p| m.step_phase_seconds(p))
+        .sum();
+    let rest = step.sum_seconds - forward.sum_seconds;
+    assert!(
+        (parts - rest).abs() <= 2e-6 * step.count as f64 + 1e-6,
+        "parts {parts} s, steps less forward passes {rest} s"
+    );
+    assert!(m.step_phase_seconds(StepPhase::Sample) > 0.0);
 }
 
 #[test]
