@@ -200,4 +200,17 @@ mod tests {
         assert_eq!(s.buckets.last(), Some(&(30.0, 2)));
         assert!((s.sum_seconds - 100.063).abs() < 1e-9);
     }
+
+    #[test]
+    fn step_phases_sum_nanoseconds_apart() {
+        let m = SchedulerMetrics::default();
+        m.add_step_phase(StepPhase::Sample, Duration::from_nanos(1_500));
+        m.add_step_phase(StepPhase::Sample, Duration::from_nanos(700));
+        m.add_step_phase(StepPhase::Deliver, Duration::from_millis(3));
+        assert!((m.step_phase_seconds(StepPhase::Sample) - 2.2e-6).abs() < 1e-15);
+        assert!((m.step_phase_seconds(StepPhase::Deliver) - 3e-3).abs() < 1e-15);
+        assert_eq!(m.step_phase_seconds(StepPhase::Admit), 0.0);
+        let names: Vec<&str> = StepPhase::ALL.iter().map(|p| p.as_str()).collect();
+        assert_eq!(names, ["admit", "schedule", "sample", "deliver"]);
+    }
 }
