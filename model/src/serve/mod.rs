@@ -970,9 +970,9 @@ const PARALLEL_SAMPLING: usize = 4;
 
 /// Each sequence's next token from its row of logits, in order. The sequences sample
 /// independently (each its own sampler, biases and row), so many of them share the
-/// worker threads: the same tokens as one after the other.
+/// worker threads when there are several: the same tokens as one after the other.
 fn choose_all(rows: &mut [(&mut Sequence<'_>, &mut [f32])]) -> Vec<Result<TokenId, String>> {
-    if rows.len() < PARALLEL_SAMPLING {
+    if rows.len() < PARALLEL_SAMPLING || rayon::current_num_threads() < 2 {
         return rows.iter_mut().map(|(seq, row)| seq.choose(row)).collect();
     }
     crate::forward::on_the_pool(|| {
