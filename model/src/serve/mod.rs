@@ -963,16 +963,18 @@ enum StepOut {
     Tokens(Vec<u32>),
 }
 
-/// Below this many sequences taking a token, their sampling runs on the scheduler
-/// thread; from it on, on the worker threads too (waking them costs a few microseconds;
-/// a row of a large vocabulary takes about as long to scan from memory).
+/// Below this many sequences taking a token, or worker threads, their sampling runs on
+/// the scheduler thread alone. From it on, the rows go to the worker threads: a row of a
+/// large vocabulary takes microseconds to scan from memory, about what waking a worker
+/// costs. With fewer workers (a small CPU, where the forward pass and the clients take
+/// every core) the hand-over measured slower than one row after the other.
 const PARALLEL_SAMPLING: usize = 4;
 
 /// Each sequence's next token from its row of logits, in order. The sequences sample
 /// independently (each its own sampler, biases and row), so many of them share the
-/// worker threads when there are several: the same tokens as one after the other.
+/// worker threads when there are enough: the same tokens as one after the other.
 fn choose_all(rows: &mut [(&mut Sequence<'_>, &mut [f32])]) -> Vec<Result<TokenId, String>> {
-    if rows.len() < PARALLEL_SAMPLING || rayon::current_num_threads() < 2 {
+    if rows.len() < PARALLEL_SAMPLING || rayon::current_num_threads() < PARALLEL_SAMPLING {
         return rows.iter_mut().map(|(seq, row)| seq.choose(row)).collect();
     }
     crate::forward::on_the_pool(|| {
