@@ -401,6 +401,15 @@ def _():
     assert main.metric("step_seconds_count") == steps
     assert main.metric("forward_seconds_count") == steps
     assert 0 < main.metric("forward_seconds_sum") <= main.metric("step_seconds_sum")
+    # The parts outside the forward passes add up to the rest of the steps (the
+    # histograms' sums count whole microseconds, the parts nanoseconds).
+    assert "# TYPE rocmforge_step_phase_seconds_total counter" in text, text
+    phases = {p: main.metric(f'step_phase_seconds_total{{phase="{p}"}}') for p in ["admit", "schedule", "sample", "deliver"]}
+    assert all(v >= 0 for v in phases.values()), phases
+    # Requests above sampled at temperature 0.7 on the scheduler thread.
+    assert phases["sample"] > 0 and phases["deliver"] > 0, phases
+    rest = main.metric("step_seconds_sum") - main.metric("forward_seconds_sum")
+    assert abs(sum(phases.values()) - rest) <= steps * 2e-6 + 1e-4, (phases, rest)
 
 
 # A second server with a queue of one, to fill it, then stopped with SIGTERM mid-stream.

@@ -39,7 +39,9 @@ pub(crate) fn forward(
     match result {
         Ok(mut x) => {
             cache.commit(tokens.len());
-            output_logits(config, plan, &mut x)
+            let mut logits = Vec::new();
+            output_logits(config, plan, &mut x, &mut logits)?;
+            Ok(logits)
         }
         Err(e) => {
             // Leave the cache as it was before the failed batch.
@@ -353,18 +355,18 @@ pub(crate) fn output_logits(
     config: &ModelConfig,
     plan: &ExecutionPlan,
     x: &mut [f32],
-) -> Result<Vec<f32>, ModelError> {
+    logits: &mut Vec<f32>,
+) -> Result<(), ModelError> {
     let n = x.len() / config.n_embd;
     ops::rms_norm_in_place(x, &vector(&plan.output_norm)?, config.rms_norm_eps);
-    let mut logits = Vec::new();
-    linear(&plan.output, x, n, &mut logits)?;
+    linear(&plan.output, x, n, logits)?;
     if let Some(cap) = config.final_logit_softcap {
         let inv = 1.0 / cap;
-        for l in &mut logits {
+        for l in logits.iter_mut() {
             *l = (*l * inv).tanh() * cap;
         }
     }
-    Ok(logits)
+    Ok(())
 }
 
 /// `out = x · Wᵀ (+ bias)` for `n` tokens.

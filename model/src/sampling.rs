@@ -19,6 +19,14 @@
 //!
 //! The RNG is xoshiro256** seeded through SplitMix64: a given seed draws the same numbers
 //! on every run and platform, so a seeded run reproduces its tokens.
+//!
+//! A server samples for every sequence of a batch at every step, so the cost per token
+//! matters: the logits are checked and their maximum found in passes that the compiler
+//! vectorizes; nothing copies the row unless a repetition penalty must change it (and
+//! [`Sampler::sample_in_place`] changes the caller's row instead); top-k keeps its
+//! candidates in one pass that skips any run of logits below the `k`-th best so far; a
+//! whole vocabulary (no top-k) is ordered by a radix sort. Each of these gives the
+//! order, the sums and therefore the tokens that a plain sort of every candidate gives.
 
 use std::collections::VecDeque;
 
@@ -221,8 +229,11 @@ pub struct Sampler {
     config: SamplingConfig,
     rng: Xoshiro256,
     recent: VecDeque<u32>,
+    /// A copy of the logits for the repetition penalty to change ([`Sampler::sample`]).
     scratch: Vec<f32>,
     candidates: Vec<Candidate>,
+    /// The radix sort's second buffer.
+    spare: Vec<Candidate>,
     probs: Vec<f64>,
 }
 
@@ -238,6 +249,7 @@ impl Sampler {
             recent: VecDeque::new(),
             scratch: Vec::new(),
             candidates: Vec::new(),
+            spare: Vec::new(),
             probs: Vec::new(),
         }
     }
@@ -266,55 +278,80 @@ impl Sampler {
     /// Chooses the next token from `logits` (one per vocabulary entry). Does not
     /// [`accept`](Sampler::accept) it.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
-        check_logits(logits)?;
-        if self.is_plain_greedy() {
-            // Nothing changes the logits: no copy (a whole vocabulary per token, for
-            // every sequence of a batch).
-            return Ok(argmax(logits));
+        if self.config.penalty.is_none() {
+            // Nothing changes the logits: read them where they are.
+            let best = scan(logits)?;
+            return self.choose(logits, best);
         }
-        self.scratch.clear();
-        self.scratch.extend_from_slice(logits);
-        if let Some(penalty) = self.config.penalty {
-            apply_repeat_penalty(&mut self.scratch, &self.recent, penalty.penalty);
-        }
-        match self.config.mode {
-            SamplingMode::Greedy => Ok(argmax(&self.scratch)),
-            SamplingMode::Random {
-                temperature,
-                top_k,
-                top_p,
-                min_p,
-                ..
-            } => {
-                self.candidates.clear();
-                self.candidates
-                    .extend(
-                        self.scratch
-                            .iter()
-                            .enumerate()
-                            .map(|(id, &logit)| Candidate {
-                                id: id as u32,
-                                logit,
-                            }),
-                    );
-                match top_k {
-                    Some(k) => top_k_sorted(&mut self.candidates, k),
-                    None => sort_descending(&mut self.candidates),
-                }
-                if let Some(p) = top_p {
-                    top_p_filter(&mut self.candidates, p, &mut self.probs);
-                }
-                if let Some(p) = min_p {
-                    min_p_filter(&mut self.candidates, p);
-                }
-                Ok(draw(
-                    &self.candidates,
-                    temperature,
-                    &mut self.probs,
-                    &mut self.rng,
-                ))
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        scratch.extend_from_slice(logits);
+        let token = self.sample_in_place(&mut scratch);
+        self.scratch = scratch;
+        token
+    }
+
+    /// As [`sample`](Sampler::sample), the same token, for a caller that is done with
+    /// `logits`: the repetition penalty changes them in place instead of a copy (a whole
+    /// vocabulary per token, for every sequence of a batch).
+    pub fn sample_in_place(&mut self, logits: &mut [f32]) -> Result<u32, SamplingError> {
+        // The checks see the logits as they come, before the penalty.
+        let best = scan(logits)?;
+        match self.config.penalty {
+            None => self.choose(logits, best),
+            Some(penalty) => {
+                apply_repeat_penalty(logits, &self.recent, penalty.penalty);
+                let best = first_max(logits).index;
+                self.choose(logits, best)
             }
         }
+    }
+
+    /// The token from checked, penalized `logits` whose first highest is `best`.
+    fn choose(&mut self, logits: &[f32], best: usize) -> Result<u32, SamplingError> {
+        let SamplingMode::Random {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            ..
+        } = self.config.mode
+        else {
+            return Ok(best as u32);
+        };
+        match top_k {
+            Some(k) if k < logits.len() => top_k_of(logits, k, &mut self.candidates),
+            _ => {
+                self.candidates.clear();
+                let all = logits.iter().enumerate().map(|(id, &logit)| Candidate {
+                    id: id as u32,
+                    logit,
+                });
+                match (top_p, min_p) {
+                    // Min-p alone keeps the logits above a line drawn from the highest:
+                    // only those need ordering.
+                    (None, Some(p)) => {
+                        let threshold = min_p_threshold(logits[best], p);
+                        self.candidates
+                            .extend(all.filter(|c| f64::from(c.logit) >= threshold));
+                    }
+                    _ => self.candidates.extend(all),
+                }
+                sort_descending(&mut self.candidates, &mut self.spare);
+            }
+        }
+        if let Some(p) = top_p {
+            top_p_filter(&mut self.candidates, p, &mut self.probs);
+        }
+        if let Some(p) = min_p {
+            min_p_filter(&mut self.candidates, p);
+        }
+        Ok(draw(
+            &self.candidates,
+            temperature,
+            &mut self.probs,
+            &mut self.rng,
+        ))
     }
 }
 
@@ -339,15 +376,75 @@ fn check_logits(logits: &[f32]) -> Result<(), SamplingError> {
     Ok(())
 }
 
-/// The index of the highest value; the first one on ties.
-fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in values.iter().enumerate().skip(1) {
-        if v > values[best] {
-            best = i;
+/// Checks `logits` as [`check_logits`] does and returns the index of the first highest,
+/// in one pass over the row.
+fn scan(logits: &[f32]) -> Result<usize, SamplingError> {
+    if logits.is_empty() {
+        return Err(SamplingError::EmptyLogits);
+    }
+    let found = first_max(logits);
+    if found.unusable {
+        // Rare: the plain check names the first bad logit.
+        check_logits(logits)?;
+    }
+    if found.value == f32::NEG_INFINITY {
+        return Err(SamplingError::AllMasked);
+    }
+    Ok(found.index)
+}
+
+/// What [`first_max`] finds.
+struct FirstMax {
+    /// The first index of the highest value (0 when there is none: a NaN).
+    index: usize,
+    value: f32,
+    /// Whether a NaN or +inf was seen.
+    unusable: bool,
+}
+
+/// Values compared at once by [`first_max`] and [`top_k_of`]: lanes of the vector
+/// registers.
+const LANES: usize = 16;
+
+/// The first index of the highest value, as a scan that keeps the first of equals finds
+/// it, and whether any value is NaN or +inf. Two passes without a dependence from one
+/// value to the next, so that both compile to vector instructions: each of [`LANES`]
+/// lanes keeps its highest, then the first value equal to the highest of the lanes is
+/// looked for, a run of [`LANES`] at a time.
+fn first_max(values: &[f32]) -> FirstMax {
+    let mut high = [f32::NEG_INFINITY; LANES];
+    let mut unusable = [false; LANES];
+    let chunks = values.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for j in 0..LANES {
+            let v = chunk[j];
+            unusable[j] |= v.is_nan() | (v == f32::INFINITY);
+            high[j] = if v > high[j] { v } else { high[j] };
         }
     }
-    best as u32
+    let mut value = f32::NEG_INFINITY;
+    for &v in high.iter().chain(tail) {
+        value = if v > value { v } else { value };
+    }
+    let bad = unusable.iter().any(|&u| u) || tail.iter().any(|v| v.is_nan() || *v == f32::INFINITY);
+    // A NaN equals nothing: with one there is no index to find, and the caller fails.
+    let index = values
+        .chunks(LANES)
+        .position(|c| c.iter().fold(false, |any, &v| any | (v == value)))
+        .and_then(|c| {
+            let at = c * LANES;
+            values[at..]
+                .iter()
+                .position(|&v| v == value)
+                .map(|j| at + j)
+        })
+        .unwrap_or(0);
+    FirstMax {
+        index,
+        value,
+        unusable: bad,
+    }
 }
 
 /// Penalizes each distinct token of `recent` once, as llama.cpp does.
@@ -371,17 +468,104 @@ fn by_logit_descending(a: &Candidate, b: &Candidate) -> std::cmp::Ordering {
     b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id))
 }
 
-fn sort_descending(candidates: &mut [Candidate]) {
-    candidates.sort_unstable_by(by_logit_descending);
+/// `logit`'s place in [`f32::total_cmp`]'s order as an unsigned number: higher logits
+/// give higher numbers, -0 below +0.
+fn order_key(logit: f32) -> u32 {
+    let bits = logit.to_bits();
+    // Negative: every bit flipped (a larger magnitude is lower); positive: the sign set.
+    let sign = ((bits as i32) >> 31) as u32;
+    bits ^ (sign | 1 << 31)
 }
 
-/// Keeps the `k` highest, sorted.
-fn top_k_sorted(candidates: &mut Vec<Candidate>, k: usize) {
-    if k < candidates.len() {
-        candidates.select_nth_unstable_by(k - 1, by_logit_descending);
-        candidates.truncate(k);
+/// Below this many candidates a comparison sort beats the radix sort's passes.
+const RADIX_MIN: usize = 512;
+
+/// Sorts in [`by_logit_descending`]'s order. Many candidates in ascending id order (a
+/// whole row) take a stable radix sort on the logits' order keys, which keeps equal
+/// logits in id order: the same order.
+fn sort_descending(candidates: &mut Vec<Candidate>, spare: &mut Vec<Candidate>) {
+    let ascending_ids = candidates.windows(2).all(|w| w[0].id < w[1].id);
+    if candidates.len() < RADIX_MIN || !ascending_ids {
+        candidates.sort_unstable_by(by_logit_descending);
+        return;
     }
-    sort_descending(candidates);
+    // Three passes of 11 bits over the inverted keys (ascending there is descending in
+    // the logits), least significant first.
+    const BITS: u32 = 11;
+    const DIGITS: usize = 1 << BITS;
+    let key = |c: &Candidate| !order_key(c.logit);
+    let mut counts = [[0u32; DIGITS]; 3];
+    for c in candidates.iter() {
+        let k = key(c);
+        for (pass, count) in counts.iter_mut().enumerate() {
+            count[(k >> (BITS * pass as u32)) as usize % DIGITS] += 1;
+        }
+    }
+    let n = candidates.len();
+    spare.clear();
+    spare.resize(n, Candidate { id: 0, logit: 0.0 });
+    for (pass, count) in counts.iter().enumerate() {
+        // A digit every key shares moves nothing.
+        if count.iter().any(|&c| c as usize == n) {
+            continue;
+        }
+        let mut next = [0u32; DIGITS];
+        let mut at = 0;
+        for (slot, &c) in next.iter_mut().zip(count.iter()) {
+            *slot = at;
+            at += c;
+        }
+        let shift = BITS * pass as u32;
+        for c in candidates.iter() {
+            let digit = (key(c) >> shift) as usize % DIGITS;
+            spare[next[digit] as usize] = *c;
+            next[digit] += 1;
+        }
+        std::mem::swap(candidates, spare);
+    }
+}
+
+/// The `k` highest of `logits` (`0 < k < logits.len()`, no NaN) into `out`, sorted as
+/// [`by_logit_descending`] sorts them. One pass keeps candidates in a buffer of `2k`;
+/// when it fills, the best `k` stay and the `k`-th becomes a floor. A later logit at or
+/// below the floor can never be among the best `k` (at the floor, its id is higher than
+/// the `k`-th's), so it is skipped, a run of [`LANES`] at a time when all of them are
+/// below it.
+fn top_k_of(logits: &[f32], k: usize, out: &mut Vec<Candidate>) {
+    out.clear();
+    let room = 2 * k.max(LANES);
+    // The `k`-th best so far, as a logit and as its order key.
+    let mut floor: Option<(f32, u32)> = None;
+    let mut base = 0u32;
+    for chunk in logits.chunks(LANES) {
+        // Below in the float order is below in the total order (-0 is not below +0,
+        // and the exact test below sorts that out).
+        let skip =
+            floor.is_some_and(|(low, _)| !chunk.iter().fold(false, |any, &l| any | (l >= low)));
+        if !skip {
+            for (j, &logit) in chunk.iter().enumerate() {
+                if floor.is_some_and(|(_, key)| order_key(logit) <= key) {
+                    continue;
+                }
+                out.push(Candidate {
+                    id: base + j as u32,
+                    logit,
+                });
+                if out.len() >= room {
+                    out.select_nth_unstable_by(k - 1, by_logit_descending);
+                    out.truncate(k);
+                    let low = out[k - 1].logit;
+                    floor = Some((low, order_key(low)));
+                }
+            }
+        }
+        base = base.wrapping_add(LANES as u32);
+    }
+    if k < out.len() {
+        out.select_nth_unstable_by(k - 1, by_logit_descending);
+        out.truncate(k);
+    }
+    out.sort_unstable_by(by_logit_descending);
 }
 
 /// Softmax of `scale` × the logits of sorted candidates into `probs`, in f64 (the
@@ -416,12 +600,17 @@ fn top_p_filter(candidates: &mut Vec<Candidate>, p: f32, probs: &mut Vec<f64>) {
 /// Keeps candidates with probability >= `p` × the top probability, i.e. logit >= top
 /// logit + ln p. The sorted order keeps the top candidate.
 fn min_p_filter(candidates: &mut Vec<Candidate>, p: f32) {
-    let threshold = f64::from(candidates[0].logit) + f64::from(p).ln();
+    let threshold = min_p_threshold(candidates[0].logit, p);
     let keep = candidates
         .iter()
         .take_while(|c| f64::from(c.logit) >= threshold)
         .count();
     candidates.truncate(keep.max(1));
+}
+
+/// The lowest logit min-p keeps beside `top`, the highest.
+fn min_p_threshold(top: f32, p: f32) -> f64 {
+    f64::from(top) + f64::from(p).ln()
 }
 
 /// Draws one of the sorted candidates with probability softmax(logit / temperature).

@@ -191,16 +191,41 @@ fn greedy_takes_the_first_highest_logit() {
 
 #[test]
 fn top_k_keeps_the_k_highest_sorted() {
-    let mut c = candidates(&[1.0, 5.0, 3.0, 4.0, 2.0]);
-    top_k_sorted(&mut c, 2);
+    let mut c = Vec::new();
+    top_k_of(&[1.0, 5.0, 3.0, 4.0, 2.0], 2, &mut c);
     assert_eq!(ids(&c), vec![1, 3]);
     let mut c = candidates(&[1.0, 5.0, 3.0]);
-    top_k_sorted(&mut c, 10);
+    sort_descending(&mut c, &mut Vec::new());
     assert_eq!(ids(&c), vec![1, 2, 0]);
     // Ties are broken by id, whatever the partial sort did.
-    let mut c = candidates(&[1.0, 1.0, 1.0, 1.0]);
-    top_k_sorted(&mut c, 3);
+    top_k_of(&[1.0, 1.0, 1.0, 1.0], 3, &mut c);
     assert_eq!(ids(&c), vec![0, 1, 2]);
+    // Past the buffer's first fill, with the floor in use.
+    let logits: Vec<f32> = (0..1000).map(|i| ((i * 7919) % 1000) as f32).collect();
+    top_k_of(&logits, 5, &mut c);
+    let tops: Vec<f32> = c.iter().map(|c| c.logit).collect();
+    assert_eq!(tops, [999.0, 998.0, 997.0, 996.0, 995.0]);
+}
+
+#[test]
+fn the_radix_sort_orders_as_the_comparison_sort() {
+    let mut rng = Xoshiro256::seed_from_u64(11);
+    for n in [RADIX_MIN, 3000] {
+        let logits: Vec<f32> = (0..n)
+            .map(|_| match rng.next_u64() % 8 {
+                0 => 0.0,
+                1 => -0.0,
+                2 => f32::NEG_INFINITY,
+                3 => (rng.next_u64() % 5) as f32 - 2.0,
+                _ => (rng.next_f64() * 40.0 - 20.0) as f32,
+            })
+            .collect();
+        let mut fast = candidates(&logits);
+        sort_descending(&mut fast, &mut Vec::new());
+        let mut plain = candidates(&logits);
+        plain.sort_by(by_logit_descending);
+        assert_eq!(fast, plain, "n = {n}");
+    }
 }
 
 #[test]
@@ -347,5 +372,197 @@ fn bad_logits_are_errors() {
             s.sample(&[f32::NEG_INFINITY; 3]),
             Err(SamplingError::AllMasked)
         );
+    }
+}
+
+/// The sampler as it was before its fast paths: a copy of the row, every candidate
+/// built and sorted (or partly selected for top-k), plain scans. Every fast path must
+/// draw exactly its tokens.
+mod plain {
+    use super::super::*;
+
+    pub struct PlainSampler {
+        pub config: SamplingConfig,
+        pub rng: Xoshiro256,
+        pub recent: VecDeque<u32>,
+    }
+
+    impl PlainSampler {
+        pub fn new(config: SamplingConfig) -> PlainSampler {
+            let seed = match config.mode {
+                SamplingMode::Random { seed, .. } => seed,
+                SamplingMode::Greedy => 0,
+            };
+            PlainSampler {
+                config,
+                rng: Xoshiro256::seed_from_u64(seed),
+                recent: VecDeque::new(),
+            }
+        }
+
+        pub fn accept(&mut self, token: u32) {
+            let Some(penalty) = self.config.penalty else {
+                return;
+            };
+            if self.recent.len() == penalty.last_n {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(token);
+        }
+
+        pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {
+            check_logits(logits)?;
+            let mut scratch = logits.to_vec();
+            if let Some(penalty) = self.config.penalty {
+                apply_repeat_penalty(&mut scratch, &self.recent, penalty.penalty);
+            }
+            match self.config.mode {
+                SamplingMode::Greedy => Ok(argmax(&scratch)),
+                SamplingMode::Random {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    ..
+                } => {
+                    let mut candidates: Vec<Candidate> = scratch
+                        .iter()
+                        .enumerate()
+                        .map(|(id, &logit)| Candidate {
+                            id: id as u32,
+                            logit,
+                        })
+                        .collect();
+                    if let Some(k) = top_k {
+                        if k < candidates.len() {
+                            candidates.select_nth_unstable_by(k - 1, by_logit_descending);
+                            candidates.truncate(k);
+                        }
+                    }
+                    candidates.sort_unstable_by(by_logit_descending);
+                    let mut probs = Vec::new();
+                    if let Some(p) = top_p {
+                        top_p_filter(&mut candidates, p, &mut probs);
+                    }
+                    if let Some(p) = min_p {
+                        min_p_filter(&mut candidates, p);
+                    }
+                    Ok(draw(&candidates, temperature, &mut probs, &mut self.rng))
+                }
+            }
+        }
+    }
+
+    pub fn argmax(values: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &v) in values.iter().enumerate().skip(1) {
+            if v > values[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+}
+
+/// A row of `n` logits of one of several shapes: spread out, a few levels (many ties),
+/// signed zeros, masked tokens, a peak far above the rest.
+fn test_row(rng: &mut Xoshiro256, n: usize, shape: u64) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let u = rng.next_f64();
+            match shape % 5 {
+                0 => (u * 30.0 - 15.0) as f32,
+                1 => (rng.next_u64() % 6) as f32 * 0.5,
+                2 => [0.0, -0.0, 1.0, -1.0][(rng.next_u64() % 4) as usize],
+                3 if rng.next_u64().is_multiple_of(3) => f32::NEG_INFINITY,
+                3 => (u * 8.0) as f32,
+                _ if i == n / 3 => 40.0,
+                _ => (u * 60.0 - 50.0) as f32,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn greedy_finds_the_first_highest_as_a_plain_scan() {
+    let mut rng = Xoshiro256::seed_from_u64(3);
+    for n in (1..70).chain([1000, 49_152, 49_153]) {
+        for shape in 0..5 {
+            let mut row = test_row(&mut rng, n, shape);
+            let mut greedy = Sampler::new(SamplingParams::greedy().validate().unwrap());
+            let mut plain = plain::PlainSampler::new(SamplingParams::greedy().validate().unwrap());
+            assert_eq!(
+                greedy.sample(&row),
+                plain.sample(&row),
+                "n {n}, shape {shape}"
+            );
+            // A bad logit anywhere (the first one is named).
+            let at = (rng.next_u64() % n as u64) as usize;
+            row[at] = if shape % 2 == 0 {
+                f32::NAN
+            } else {
+                f32::INFINITY
+            };
+            if n > 3 {
+                row[n - 1] = f32::NAN;
+            }
+            assert_eq!(
+                format!("{:?}", greedy.sample(&row)),
+                format!("{:?}", plain.sample(&row)),
+                "n {n}, shape {shape}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_setting_draws_the_tokens_of_a_full_sort() {
+    let mut rng = Xoshiro256::seed_from_u64(5);
+    let n = 3000;
+    let mut settings = Vec::new();
+    for temperature in [0.0, 0.8, 1.5] {
+        for top_k in [0, 1, 7, 40, 1000, n - 1, n, n + 5] {
+            for (top_p, min_p) in [
+                (1.0, 0.0),
+                (0.95, 0.05),
+                (0.5, 0.0),
+                (1.0, 0.2),
+                (0.999_999, 0.0),
+            ] {
+                for repeat_penalty in [1.0, 1.3] {
+                    settings.push(SamplingParams {
+                        temperature,
+                        top_k,
+                        top_p,
+                        min_p,
+                        repeat_penalty,
+                        repeat_last_n: 16,
+                        seed: rng.next_u64(),
+                    });
+                }
+            }
+        }
+    }
+    for (s, params) in settings.iter().enumerate() {
+        let config = params.validate().unwrap();
+        let mut fast = Sampler::new(config);
+        let mut in_place = Sampler::new(config);
+        let mut plain = plain::PlainSampler::new(config);
+        for step in 0..6u64 {
+            let row = test_row(&mut rng, n, s as u64 + step);
+            let expected = plain.sample(&row);
+            assert_eq!(fast.sample(&row), expected, "{params:?}, step {step}");
+            let mut owned = row.clone();
+            assert_eq!(
+                in_place.sample_in_place(&mut owned),
+                expected,
+                "{params:?}, step {step}"
+            );
+            if let Ok(token) = expected {
+                fast.accept(token);
+                in_place.accept(token);
+                plain.accept(token);
+            }
+        }
     }
 }

@@ -15,7 +15,8 @@ its client and waits at a barrier, so the clients' set-up is not in the wall tim
 reports the steady state, while all C clients are streaming (from the moment every
 one of them has had its first token to the moment the first runs out of requests),
 and the server's own account from `/metrics`: how much of the wall time its scheduler
-spent in steps, and in the model's forward passes within them.
+spent in steps, and in the model's forward passes within them, and where the rest of a
+step (its host work) went.
 
 usage: bench_serve.py BASE_URL MODEL_ID LEVELS REQUESTS PROMPT_TOKENS GEN_TOKENS CLIENTS_PER_PROCESS
 """
@@ -57,10 +58,14 @@ def metrics():
     with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
         text = r.read().decode()
     values = {}
+    phase = 'rocmforge_step_phase_seconds_total{phase="'
     for line in text.splitlines():
         if line.startswith("rocmforge_") and "{" not in line:
             name, value = line.split()
             values[name[len("rocmforge_") :]] = float(value)
+        elif line.startswith(phase):
+            name, value = line[len(phase) :].split('"} ')
+            values["phase_" + name] = float(value)
     return values
 
 
@@ -211,6 +216,12 @@ def run_level(clients, count, processes):
         "tokens_per_step": delta("computed_tokens_total") / steps if steps else None,
         "step_ms_mean": delta("step_seconds_sum") / steps * 1e3 if steps else None,
         "forward_ms_mean": delta("forward_seconds_sum") / steps * 1e3 if steps else None,
+        # The step outside its forward pass (the scheduler's host work), whole and by part.
+        "host_ms_mean": (delta("step_seconds_sum") - delta("forward_seconds_sum")) / steps * 1e3 if steps else None,
+        **{
+            f"{p}_ms_mean": delta("phase_" + p) / steps * 1e3 if steps else None
+            for p in ["admit", "schedule", "sample", "deliver"]
+        },
         # Shares of the client's wall time: the rest is the scheduler waiting for work.
         "step_share": delta("step_seconds_sum") / wall,
         "forward_share": delta("forward_seconds_sum") / wall,

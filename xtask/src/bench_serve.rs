@@ -10,7 +10,8 @@
 //! steady state (while every client streams), and from the server's `/metrics` how much
 //! of the wall time its scheduler spent in steps and in the model's forward passes (the
 //! rest of the wall time the scheduler waited for requests: time spent in HTTP, in the
-//! client, or on the CPU they share). The clients are threads of several Python
+//! client, or on the CPU they share), and a step's host work (its time outside the
+//! forward pass) by part. The clients are threads of several Python
 //! processes, 8 at most in each (`--clients-per-process`): the `openai` client spends a
 //! few hundred microseconds of CPU on each streamed chunk under one interpreter lock per
 //! process, so 32 streams in one process cap the tokens/s of a fast server by
@@ -446,5 +447,29 @@ fn print_table(report: &Value) {
     println!(
         "steady: while every client streams; step % / fwd %: the scheduler's time in steps / \
          in forward passes, of the wall time (from the server's /metrics)"
+    );
+    println!();
+    println!(
+        "{:>7} {:>12} {:>10} {:>12} {:>10} {:>11}",
+        "clients", "host ms", "admit", "schedule", "sample", "deliver"
+    );
+    let ms = |v: &Value| {
+        v.as_f64()
+            .map_or_else(|| "-".to_owned(), |x| format!("{x:.3}"))
+    };
+    for level in report["rocmforge"].as_array().into_iter().flatten() {
+        println!(
+            "{:>7} {:>12} {:>10} {:>12} {:>10} {:>11}",
+            level["clients"].as_u64().unwrap_or(0),
+            ms(&level["host_ms_mean"]),
+            ms(&level["admit_ms_mean"]),
+            ms(&level["schedule_ms_mean"]),
+            ms(&level["sample_ms_mean"]),
+            ms(&level["deliver_ms_mean"]),
+        );
+    }
+    println!(
+        "host ms: a step's mean time outside its forward pass, and its parts (/metrics' \
+         rocmforge_step_phase_seconds_total)"
     );
 }

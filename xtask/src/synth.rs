@@ -202,6 +202,25 @@ pub const PRESETS: &[Preset] = &[
         file_type: 3,
         mix: Mix::Plain,
     },
+    // Two layers of 64 with SmolLM2's vocabulary: a forward pass that costs little but
+    // the output projection, so that a server's host work per step shows on a CPU.
+    Preset {
+        name: "tiny-q4_1",
+        n_layers: 2,
+        n_embd: 64,
+        n_ff: 256,
+        n_heads: 2,
+        n_kv_heads: 1,
+        context_length: 8192,
+        rope_freq_base: 10_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q8_0,
+        matrix_type: GgmlType::Q4_1,
+        ffn_down_type: GgmlType::Q4_1,
+        output_type: None,
+        file_type: 3,
+        mix: Mix::Plain,
+    },
     // Llama-2-7B's shapes in llama-quantize's Q2_K mix (LLAMA_FTYPE_MOSTLY_Q2_K).
     Preset {
         name: "7b-q2_k",
@@ -351,8 +370,9 @@ pub const PRESETS: &[Preset] = &[
 const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
                      [--seed N] [--tokenizer-from GGUF]\n       \
                      cargo xtask synth-model --tokenizer-only --out FILE [--tokenizer-from GGUF]\n\
-     PRESET: 7b-q4k, 1b-q4k, 135m-q4_1, or Llama-2-7B's shapes in a llama-quantize mix:\n        \
-     7b-q2_k, 7b-q3_k_s, 7b-q3_k_m, 7b-q3_k_l, 7b-q4_k_s, 7b-iq4_xs, 7b-iq3_m, 7b-iq2_m";
+     PRESET: 7b-q4k, 1b-q4k, 135m-q4_1, tiny-q4_1, or Llama-2-7B's shapes in a\n        \
+     llama-quantize mix: 7b-q2_k, 7b-q3_k_s, 7b-q3_k_m, 7b-q3_k_l, 7b-q4_k_s,\n        \
+     7b-iq4_xs, 7b-iq3_m, 7b-iq2_m";
 
 /// Parses the task's arguments and writes the model.
 pub fn run(args: &[String]) -> Result<()> {

@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use model::serve::{HistogramSnapshot, SchedulerMetrics};
+use model::serve::{HistogramSnapshot, SchedulerMetrics, StepPhase};
 
 use super::AppState;
 
@@ -199,6 +199,22 @@ pub fn render(state: &AppState) -> String {
         "The forward passes alone, a part of each step.",
         &m.forward_duration.snapshot(),
     );
+    let _ = writeln!(
+        out,
+        "# HELP rocmforge_step_phase_seconds_total The steps' time outside their forward \
+         passes, by part: admit (new requests, cancellations, the queue), schedule (the \
+         batch's layout and KV blocks), sample (choosing tokens from the logits), deliver \
+         (detokenizing, stop strings, the requests' events).\n\
+         # TYPE rocmforge_step_phase_seconds_total counter"
+    );
+    for phase in StepPhase::ALL {
+        let _ = writeln!(
+            out,
+            "rocmforge_step_phase_seconds_total{{phase=\"{}\"}} {}",
+            phase.as_str(),
+            m.step_phase_seconds(phase)
+        );
+    }
     out
 }
 

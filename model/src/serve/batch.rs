@@ -30,8 +30,9 @@ pub(crate) struct Segment<'a> {
     pub logits: bool,
 }
 
-/// Runs every segment's tokens and returns `n_vocab` logits for each segment that asks,
-/// in segment order.
+/// Runs every segment's tokens and leaves in `logits` (a buffer kept from step to step,
+/// so that its pages stay mapped) `n_vocab` logits for each segment that asks, in
+/// segment order.
 /// `context_size` is the most positions of one sequence (what a KV cache of
 /// [`crate::Model::forward`] holds), which chooses Phi-3's RoPE factors.
 pub(crate) fn forward_batch(
@@ -40,11 +41,13 @@ pub(crate) fn forward_batch(
     pool: &mut KvPool,
     segments: &[Segment<'_>],
     context_size: usize,
-) -> Result<Vec<f32>, ModelError> {
+    logits: &mut Vec<f32>,
+) -> Result<(), ModelError> {
+    logits.clear();
     if segments.iter().all(|s| s.tokens.is_empty()) {
         return Err(ModelError::EmptyInput);
     }
-    on_the_pool(|| run(config, plan, pool, segments, context_size))
+    on_the_pool(|| run(config, plan, pool, segments, context_size, logits))
 }
 
 #[derive(Default)]
@@ -66,7 +69,8 @@ fn run(
     pool: &mut KvPool,
     segments: &[Segment<'_>],
     context_size: usize,
-) -> Result<Vec<f32>, ModelError> {
+    logits: &mut Vec<f32>,
+) -> Result<(), ModelError> {
     let tokens: Vec<u32> = segments
         .iter()
         .flat_map(|s| s.tokens.iter().copied())
@@ -95,9 +99,9 @@ fn run(
     }
     let n = x.len() / config.n_embd;
     if n == 0 {
-        return Ok(Vec::new());
+        return Ok(());
     }
-    output_logits(config, plan, &mut x)
+    output_logits(config, plan, &mut x, logits)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -59,6 +59,38 @@ impl Histogram {
     }
 }
 
+/// The parts of a scheduler step outside its forward pass, in the order they run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepPhase {
+    /// Taking new requests and cancellations, admitting waiting requests.
+    Admit,
+    /// Laying the batch out: tokens per sequence, KV blocks, the segments.
+    Schedule,
+    /// Choosing tokens from the logits: biases, penalties, the sampler.
+    Sample,
+    /// Handing the tokens out (detokenizing, stop strings, the requests' events), ending
+    /// finished sequences, the gauges.
+    Deliver,
+}
+
+impl StepPhase {
+    pub const ALL: [StepPhase; 4] = [
+        StepPhase::Admit,
+        StepPhase::Schedule,
+        StepPhase::Sample,
+        StepPhase::Deliver,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepPhase::Admit => "admit",
+            StepPhase::Schedule => "schedule",
+            StepPhase::Sample => "sample",
+            StepPhase::Deliver => "deliver",
+        }
+    }
+}
+
 /// Everything the scheduler counts.
 #[derive(Debug, Default)]
 pub struct SchedulerMetrics {
@@ -107,6 +139,9 @@ pub struct SchedulerMetrics {
     pub step_duration: Histogram,
     /// The forward pass alone, a part of each step: the model's share of the steps.
     pub forward_duration: Histogram,
+    /// Nanoseconds of the steps outside their forward passes, by [`StepPhase`]: with the
+    /// forward passes they add up to the steps' time.
+    step_phase_ns: [AtomicU64; StepPhase::ALL.len()],
     /// The counters of the device cache holding the weights, when a GPU computes.
     device_cache: std::sync::Mutex<Option<tensor_store::device::CacheStats>>,
 }
@@ -122,6 +157,16 @@ impl SchedulerMetrics {
 
     pub(crate) fn set(gauge: &AtomicU64, n: u64) {
         gauge.store(n, Ordering::Relaxed);
+    }
+
+    /// Seconds the steps spent in `phase`, summed.
+    pub fn step_phase_seconds(&self, phase: StepPhase) -> f64 {
+        self.step_phase_ns[phase as usize].load(Ordering::Relaxed) as f64 / 1e9
+    }
+
+    pub(crate) fn add_step_phase(&self, phase: StepPhase, time: Duration) {
+        let ns = u64::try_from(time.as_nanos()).unwrap_or(u64::MAX);
+        self.step_phase_ns[phase as usize].fetch_add(ns, Ordering::Relaxed);
     }
 
     /// The device cache's counters as last published by the scheduler (`None` while the
@@ -154,5 +199,18 @@ mod tests {
         assert_eq!(s.buckets[4], (0.075, 2));
         assert_eq!(s.buckets.last(), Some(&(30.0, 2)));
         assert!((s.sum_seconds - 100.063).abs() < 1e-9);
+    }
+
+    #[test]
+    fn step_phases_sum_nanoseconds_apart() {
+        let m = SchedulerMetrics::default();
+        m.add_step_phase(StepPhase::Sample, Duration::from_nanos(1_500));
+        m.add_step_phase(StepPhase::Sample, Duration::from_nanos(700));
+        m.add_step_phase(StepPhase::Deliver, Duration::from_millis(3));
+        assert!((m.step_phase_seconds(StepPhase::Sample) - 2.2e-6).abs() < 1e-15);
+        assert!((m.step_phase_seconds(StepPhase::Deliver) - 3e-3).abs() < 1e-15);
+        assert_eq!(m.step_phase_seconds(StepPhase::Admit), 0.0);
+        let names: Vec<&str> = StepPhase::ALL.iter().map(|p| p.as_str()).collect();
+        assert_eq!(names, ["admit", "schedule", "sample", "deliver"]);
     }
 }

@@ -37,12 +37,14 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use rayon::prelude::*;
+
 use crate::gpu::{BatchSegment, GpuModel, GpuOptions, PageOptions, MAX_BATCH, PROMPT_BATCH};
 use crate::sampling::{Sampler, SamplingConfig};
 use crate::tokenizer::{StreamDecoder, TokenId, Tokenizer};
 use crate::{Model, ModelError};
 
-pub use metrics::{Histogram, HistogramSnapshot, SchedulerMetrics, LATENCY_BUCKETS};
+pub use metrics::{Histogram, HistogramSnapshot, SchedulerMetrics, StepPhase, LATENCY_BUCKETS};
 
 use batch::Segment;
 use pool::{BlockId, KvPool};
@@ -388,6 +390,28 @@ impl Sequence<'_> {
         (self.events)(event)
     }
 
+    /// Its next token from its row of the step's logits, which it changes in place (the
+    /// step is done with them): the biases, then the OpenAI penalties, then the sampler.
+    fn choose(&mut self, logits: &mut [f32]) -> Result<TokenId, String> {
+        for &(token, bias) in &self.logit_bias {
+            logits[token as usize] += bias;
+        }
+        // With a bias, as without one, the penalties' subtractions are as they always
+        // were (even of a zero: -0 - 0 stays -0, but x - -0 does not).
+        if !self.logit_bias.is_empty()
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+        {
+            for (&token, &count) in &self.counts {
+                logits[token as usize] -=
+                    self.presence_penalty + self.frequency_penalty * count as f32;
+            }
+        }
+        self.sampler
+            .sample_in_place(logits)
+            .map_err(|e| e.to_string())
+    }
+
     fn finish(&self, reason: FinishReason) -> Finish {
         Finish {
             reason,
@@ -411,6 +435,16 @@ struct Loop<'m> {
     running: Vec<Sequence<'m>>,
     /// Set by a shutdown: when the running sequences are cut off.
     deadline: Option<Instant>,
+    /// The step's logits, kept from step to step: its pages stay mapped, and each
+    /// sequence's biases, penalties and sampling work on its row in place.
+    logits: Vec<f32>,
+}
+
+/// When a step's forward pass ran, and how long its sampling took.
+struct StepTimes {
+    forward_began: Instant,
+    forward_ended: Instant,
+    sample: Duration,
 }
 
 impl<'m> Loop<'m> {
@@ -435,6 +469,7 @@ impl<'m> Loop<'m> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             deadline: None,
+            logits: Vec::new(),
         }
     }
 
@@ -485,10 +520,21 @@ impl<'m> Loop<'m> {
                 }
             }
             self.admit();
+            let admitted = Instant::now();
             let stepped = self.step();
             self.update_gauges();
-            if stepped {
-                self.metrics.step_duration.observe(began.elapsed());
+            if let Some(times) = stepped {
+                let ended = Instant::now();
+                let m = &self.metrics;
+                m.add_step_phase(StepPhase::Admit, admitted - began);
+                m.add_step_phase(StepPhase::Schedule, times.forward_began - admitted);
+                m.add_step_phase(StepPhase::Sample, times.sample);
+                m.add_step_phase(
+                    StepPhase::Deliver,
+                    (ended - times.forward_ended).saturating_sub(times.sample),
+                );
+                // Last: a reader that sees the step counted sees all of it.
+                m.step_duration.observe(ended - began);
             }
         }
         self.update_gauges();
@@ -556,6 +602,10 @@ impl<'m> Loop<'m> {
 
     fn drop_cancelled(&mut self) {
         let cancelled = |s: &Sequence<'_>| s.cancel.load(Ordering::Relaxed);
+        // Most steps have none: then nothing moves.
+        if !self.running.iter().chain(&self.waiting).any(cancelled) {
+            return;
+        }
         let mut gone = Vec::new();
         let (out, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
             .into_iter()
@@ -645,10 +695,10 @@ impl<'m> Loop<'m> {
         Ok(true)
     }
 
-    /// One forward pass over every running sequence; whether it ran one.
-    fn step(&mut self) -> bool {
+    /// One forward pass over every running sequence; when it ran one, its times.
+    fn step(&mut self) -> Option<StepTimes> {
         if self.running.is_empty() {
-            return false;
+            return None;
         }
         // Decoding sequences first (one token each), then prompt chunks, oldest first.
         let mut feed = vec![0usize; self.running.len()];
@@ -703,7 +753,7 @@ impl<'m> Loop<'m> {
             })
             .collect();
         if segments.iter().all(|s| s.tokens.is_empty()) {
-            return false;
+            return None;
         }
         let computed: usize = feed.iter().sum();
         // On the GPU, when every sequence that takes a token this step takes the first
@@ -716,39 +766,45 @@ impl<'m> Loop<'m> {
                 .filter(|(_, s)| s.logits)
                 .all(|(seq, _)| seq.takes_plain_argmax());
         let forward_began = Instant::now();
+        let logits = &mut self.logits;
         let result = match &mut self.gpu {
             Some(gpu) if argmax => gpu_step_argmax(gpu, &segments).map(StepOut::Tokens),
-            Some(gpu) => gpu_step(gpu, &segments).map(StepOut::Logits),
+            Some(gpu) => gpu_step(gpu, &segments, logits).map(|()| StepOut::Logits),
             None => batch::forward_batch(
                 self.model.config(),
                 self.model.plan(),
                 &mut self.pool,
                 &segments,
                 self.config.context_size,
+                logits,
             )
-            .map(StepOut::Logits),
+            .map(|()| StepOut::Logits),
         };
+        let forward_ended = Instant::now();
         self.metrics
             .forward_duration
-            .observe(forward_began.elapsed());
+            .observe(forward_ended - forward_began);
+        let mut times = StepTimes {
+            forward_began,
+            forward_ended,
+            sample: Duration::ZERO,
+        };
         let wants: Vec<bool> = segments.iter().map(|s| s.logits).collect();
         drop(segments);
         SchedulerMetrics::add(&self.metrics.steps, 1);
         SchedulerMetrics::add(&self.metrics.computed_tokens, computed as u64);
-        let logits = match result {
-            Ok(logits) => logits,
+        let out = match result {
+            Ok(out) => out,
             Err(e) => {
                 SchedulerMetrics::add(&self.metrics.failed, self.running.len() as u64);
                 for seq in std::mem::take(&mut self.running) {
                     self.end_with_error(seq, &e.to_string());
                 }
-                return true;
+                return Some(times);
             }
         };
-        let n_vocab = self.model.config().n_vocab;
         let bs = self.pool.block_size();
-        let mut taken = 0;
-        let mut finished = Vec::new();
+        let mut takers = Vec::new();
         for (i, (&n, &want)) in feed.iter().zip(&wants).enumerate() {
             let seq = &mut self.running[i];
             seq.computed += n;
@@ -760,15 +816,33 @@ impl<'m> Loop<'m> {
                     .register(seq.table[j], parent, &seq.tokens[j * bs..(j + 1) * bs]);
                 seq.offered += 1;
             }
-            if !want {
-                continue;
+            if want {
+                takers.push(i);
             }
-            let ends = match logits.row(taken, n_vocab) {
-                Some(Choice::Logits(row)) => self.next_token(i, row),
-                Some(Choice::Token(token)) => self.take_token(i, token),
-                None => break,
+        }
+        let tokens = match out {
+            StepOut::Tokens(tokens) => tokens.into_iter().map(Ok).collect(),
+            StepOut::Logits => {
+                let began = Instant::now();
+                let n_vocab = self.model.config().n_vocab;
+                let mut rows: Vec<(&mut Sequence<'m>, &mut [f32])> = self
+                    .running
+                    .iter_mut()
+                    .zip(&wants)
+                    .filter_map(|(seq, &want)| want.then_some(seq))
+                    .zip(self.logits.chunks_exact_mut(n_vocab))
+                    .collect();
+                let tokens = choose_all(&mut rows);
+                times.sample = began.elapsed();
+                tokens
+            }
+        };
+        let mut finished = Vec::new();
+        for (&i, token) in takers.iter().zip(tokens) {
+            let ends = match token {
+                Ok(token) => self.take_token(i, token),
+                Err(message) => Some(Err(message)),
             };
-            taken += 1;
             if let Some(reason) = ends {
                 finished.push((i, reason));
             }
@@ -780,35 +854,7 @@ impl<'m> Loop<'m> {
                 Err(message) => self.end_with_error(seq, &message),
             }
         }
-        true
-    }
-
-    /// Samples `running[i]`'s next token from `logits` and hands out its text. Returns
-    /// how the sequence ends, if it does.
-    fn next_token(&mut self, i: usize, logits: &[f32]) -> Option<Result<FinishReason, String>> {
-        let seq = &mut self.running[i];
-        let adjusted;
-        let logits = if seq.logit_bias.is_empty()
-            && (seq.counts.is_empty()
-                || (seq.presence_penalty == 0.0 && seq.frequency_penalty == 0.0))
-        {
-            logits
-        } else {
-            let mut l = logits.to_vec();
-            for &(token, bias) in &seq.logit_bias {
-                l[token as usize] += bias;
-            }
-            for (&token, &count) in &seq.counts {
-                l[token as usize] -= seq.presence_penalty + seq.frequency_penalty * count as f32;
-            }
-            adjusted = l;
-            &adjusted
-        };
-        let token = match seq.sampler.sample(logits) {
-            Ok(token) => token,
-            Err(e) => return Some(Err(e.to_string())),
-        };
-        self.take_token(i, token)
+        Some(times)
     }
 
     /// Takes `token` as `running[i]`'s next and hands out its text. Returns how the
@@ -910,38 +956,47 @@ impl<'m> Loop<'m> {
     }
 }
 
-/// What a step gives the sequences that take a token: rows of logits, or (the device's
-/// argmax) the tokens themselves.
+/// What a step gives the sequences that take a token: rows of logits (in the loop's
+/// buffer), or (the device's argmax) the tokens themselves.
 enum StepOut {
-    Logits(Vec<f32>),
+    Logits,
     Tokens(Vec<u32>),
 }
 
-/// What the `k`-th sequence taking a token gets from a step.
-enum Choice<'a> {
-    Logits(&'a [f32]),
-    Token(u32),
-}
+/// Below this many sequences taking a token, or worker threads, their sampling runs on
+/// the scheduler thread alone. From it on, the rows go to the worker threads: a row of a
+/// large vocabulary takes microseconds to scan from memory, about what waking a worker
+/// costs. With fewer workers (a small CPU, where the forward pass and the clients take
+/// every core) the hand-over measured slower than one row after the other.
+const PARALLEL_SAMPLING: usize = 4;
 
-impl StepOut {
-    /// The `k`-th sequence's logits (rows of `n_vocab`) or token; `None` past the last.
-    fn row(&self, k: usize, n_vocab: usize) -> Option<Choice<'_>> {
-        match self {
-            StepOut::Logits(l) => l.get(k * n_vocab..(k + 1) * n_vocab).map(Choice::Logits),
-            StepOut::Tokens(t) => t.get(k).map(|&t| Choice::Token(t)),
-        }
+/// Each sequence's next token from its row of logits, in order. The sequences sample
+/// independently (each its own sampler, biases and row), so many of them share the
+/// worker threads when there are enough: the same tokens as one after the other.
+fn choose_all(rows: &mut [(&mut Sequence<'_>, &mut [f32])]) -> Vec<Result<TokenId, String>> {
+    if rows.len() < PARALLEL_SAMPLING || rayon::current_num_threads() < PARALLEL_SAMPLING {
+        return rows.iter_mut().map(|(seq, row)| seq.choose(row)).collect();
     }
+    crate::forward::on_the_pool(|| {
+        rows.par_iter_mut()
+            .map(|(seq, row)| seq.choose(row))
+            .collect()
+    })
 }
 
 /// A step on the GPU: the segments in batches of at most the model's batch of tokens (a
-/// long prompt in pieces, each after the ones before it), their logits in order.
-fn gpu_step(gpu: &mut GpuModel, segments: &[Segment<'_>]) -> Result<Vec<f32>, ModelError> {
-    let mut logits = Vec::new();
+/// long prompt in pieces, each after the ones before it), their logits in order into
+/// `logits`.
+fn gpu_step(
+    gpu: &mut GpuModel,
+    segments: &[Segment<'_>],
+    logits: &mut Vec<f32>,
+) -> Result<(), ModelError> {
+    logits.clear();
     in_batches(gpu, segments, |gpu, batch| {
         logits.extend_from_slice(gpu.forward_batch(batch)?);
         Ok(())
-    })?;
-    Ok(logits)
+    })
 }
 
 /// As [`gpu_step`], the greedy tokens taken on the device instead of the logits.

@@ -13,6 +13,7 @@ use model::generate::{generate, GenerateOptions};
 use model::sampling::{SamplingConfig, SamplingParams};
 use model::serve::{
     Event, Finish, FinishReason, Request, Scheduler, SchedulerConfig, SchedulerMetrics, ServeError,
+    StepPhase,
 };
 use model::tokenizer::{EncodeOptions, Tokenizer};
 use model::Model;
@@ -201,6 +202,90 @@ fn smollm2_batched_requests_give_their_text_alone() {
             );
         }
     }
+}
+
+/// Sampled requests (seeded draws with and without top-k, a repetition penalty, the
+/// OpenAI penalties, biases, a banned end of text) each give their text alone and batched
+/// with the others, where their tokens are chosen on several threads; and a seeded draw
+/// alone gives `generate`'s text for the same settings.
+#[test]
+fn smollm2_sampled_requests_give_their_text_alone_and_batched() {
+    let (model, tokenizer) = load(SMOLLM2);
+    let params = |temperature, top_k, top_p, repeat_penalty, seed| {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            repeat_penalty,
+            seed,
+            ..SamplingParams::default()
+        }
+        .validate()
+        .unwrap()
+    };
+    let eos = tokenizer.end_of_generation_tokens().to_vec();
+    /// Sampling, presence and frequency penalties, biases.
+    type Setting = (SamplingConfig, f32, f32, Vec<(u32, f32)>);
+    let settings: Vec<Setting> = vec![
+        (params(0.8, 40, 0.95, 1.0, 1), 0.0, 0.0, Vec::new()),
+        (params(1.2, 0, 0.9, 1.0, 2), 0.0, 0.0, Vec::new()),
+        (params(0.7, 0, 1.0, 1.1, 3), 0.5, 0.3, Vec::new()),
+        (
+            greedy(),
+            0.0,
+            0.0,
+            eos.iter().map(|&t| (t, f32::NEG_INFINITY)).collect(),
+        ),
+        (params(0.0, 40, 0.95, 1.3, 0), 0.0, 0.0, vec![(13, 2.5)]),
+        (params(0.9, 5, 1.0, 1.0, 4), -0.5, 0.8, vec![(28, -4.0)]),
+    ];
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| encode(&tokenizer, p)).collect();
+    let scheduler = Scheduler::start(
+        model.clone(),
+        Arc::clone(&tokenizer),
+        config(512, 4096, 256),
+    )
+    .expect("scheduler starts");
+    let submit = |i: usize| {
+        let (sampling, presence, frequency, bias) = settings[i].clone();
+        let (mut req, rx, _) = request(prompts[i].clone(), 24, sampling);
+        req.presence_penalty = presence;
+        req.frequency_penalty = frequency;
+        req.logit_bias = bias;
+        scheduler.submit(req).unwrap();
+        rx
+    };
+    let alone: Vec<String> = (0..settings.len()).map(|i| collect(&submit(i)).0).collect();
+    let batched: Vec<_> = (0..settings.len()).map(submit).collect();
+    for (i, rx) in batched.iter().enumerate() {
+        assert_eq!(collect(rx).0, alone[i], "{:?}", settings[i]);
+    }
+    let options = GenerateOptions {
+        sampling: settings[0].0,
+        max_tokens: 24,
+        context_size: 4096,
+    };
+    let stop = AtomicBool::new(false);
+    let generated = generate(&model, &tokenizer, &prompts[0], &options, &stop, |_| {
+        ControlFlow::Continue(())
+    })
+    .expect("generation runs");
+    assert_eq!(alone[0], generated.text);
+    // The parts of the steps outside their forward passes add up to the rest of them
+    // (the histograms' sums count whole microseconds).
+    scheduler.shutdown(Duration::ZERO);
+    let m = scheduler.metrics();
+    let (step, forward) = (m.step_duration.snapshot(), m.forward_duration.snapshot());
+    let parts: f64 = StepPhase::ALL
+        .iter()
+        .map(|&p| m.step_phase_seconds(p))
+        .sum();
+    let rest = step.sum_seconds - forward.sum_seconds;
+    assert!(
+        (parts - rest).abs() <= 2e-6 * step.count as f64 + 1e-6,
+        "parts {parts} s, steps less forward passes {rest} s"
+    );
+    assert!(m.step_phase_seconds(StepPhase::Sample) > 0.0);
 }
 
 #[test]
