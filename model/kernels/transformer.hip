@@ -266,6 +266,12 @@ __global__ void __launch_bounds__(kHeadThreads)
 }
 
 constexpr int kAttnThreads = 128;
+// Keys whose loads a lane issues together before using any (attention_kernel).
+constexpr int kAttnUnroll = 4;
+// Workgroups an attention launch aims at, at most: a launch of many queries (a paged
+// batch of many sequences) takes longer chunks of keys than its cache's, so that each
+// workgroup has loads enough to keep in flight rather than many workgroups of few.
+constexpr long long kAttnTargetWorkgroups = 4096;
 // Most keys a chunk may hold (the chunk size is an argument, chosen by the caller from
 // the cache's capacity: small chunks give short contexts more workgroups).
 constexpr int kAttnMaxChunk = 256;
@@ -305,9 +311,12 @@ __device__ __forceinline__ float sum_lanes(float v, int width) {
 // into the output: no second kernel.
 //
 // Scores: each key's dot product is taken by a few lanes (8 halves, 16 bytes, a lane at a
-// time), so a 128-thread workgroup scores many keys at once. Values: each thread takes
-// two dimensions (half2) of every G-th key, G = 128 / (head_dim_v / 2), and the G partial
-// sums meet in shared memory.
+// time), so a 128-thread workgroup scores many keys at once; where a lane takes one piece
+// of each key (heads of 64, 128 or 256), it loads the pieces of kAttnUnroll keys before
+// it multiplies any, so that their loads are in flight together. Values: each thread
+// takes eight dimensions (16 bytes) of every G-th key, G = 128 / (head_dim_v / 8), again
+// kAttnUnroll keys' loads ahead (heads of other widths: two dimensions, one key at a
+// time), and the G partial sums meet in shared memory.
 template <bool kPaged>
 __global__ void __launch_bounds__(kAttnThreads)
     attention_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
@@ -319,7 +328,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     __shared__ float scores[kAttnMaxChunk];
     __shared__ int merges;
     __shared__ float red[kAttnThreads / 32];
-    __shared__ float pv[kAttnThreads * 2];
+    __shared__ float pv[kAttnThreads * 8];
     const int chunk = blockIdx.x, h = blockIdx.y, token = blockIdx.z;
     const int kvh = h / (a.n_heads / a.n_kv_heads);
     const int kv_dim = a.n_kv_heads * a.head_dim, v_dim = a.n_kv_heads * a.head_dim_v;
@@ -342,25 +351,51 @@ __global__ void __launch_bounds__(kAttnThreads)
     while (lanes * 2 <= pieces && lanes < 32) lanes *= 2;
     const int per_pass = blockDim.x / lanes;
     const int sub = threadIdx.x % lanes, slot_in_pass = threadIdx.x / lanes;
-    for (int base = 0; base < n; base += per_pass) {
-        const int i = base + slot_in_pass;
+    // The dot product of this lane's piece(s) of key row `row` with the query.
+    auto piece_dot = [&](uint4 raw, int c) {
+        const __half2* k2 = reinterpret_cast<const __half2*>(&raw);
         float s = 0.0f;
-        if (i < n) {
-            const size_t row = kPaged ? cache_row(table, pg.shift, lo + i) : (size_t)(lo + i);
-            const __half* kr = k_cache + row * kv_dim + kvh * a.head_dim;
-            for (int c = sub; c < pieces; c += lanes) {
-                const uint4 raw = *reinterpret_cast<const uint4*>(kr + 8 * c);
-                const __half2* k2 = reinterpret_cast<const __half2*>(&raw);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 kf = __half22float2(k2[e]);
-                    s += qs[8 * c + 2 * e] * kf.x + qs[8 * c + 2 * e + 1] * kf.y;
-                }
+        for (int e = 0; e < 4; ++e) {
+            const float2 kf = __half22float2(k2[e]);
+            s += qs[8 * c + 2 * e] * kf.x + qs[8 * c + 2 * e + 1] * kf.y;
+        }
+        return s;
+    };
+    auto key_at = [&](int i) {
+        const size_t row = kPaged ? cache_row(table, pg.shift, lo + i) : (size_t)(lo + i);
+        return k_cache + row * kv_dim + kvh * a.head_dim;
+    };
+    if (pieces == lanes) {
+        for (int base = 0; base < n; base += per_pass * kAttnUnroll) {
+            uint4 raw[kAttnUnroll];
+#pragma unroll
+            for (int u = 0; u < kAttnUnroll; ++u) {
+                const int i = base + u * per_pass + slot_in_pass;
+                raw[u] = i < n ? *reinterpret_cast<const uint4*>(key_at(i) + 8 * sub)
+                               : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < kAttnUnroll; ++u) {
+                const int i = base + u * per_pass + slot_in_pass;
+                // Every lane of a 32-lane group takes part in the shuffles.
+                const float s = sum_lanes(piece_dot(raw[u], sub), lanes);
+                if (i < n && sub == 0) scores[i] = scaled_score(s, a.softcap, a.scale);
             }
         }
-        // Every lane of a 32-lane group takes part in the shuffles.
-        s = sum_lanes(s, lanes);
-        if (i < n && sub == 0) scores[i] = scaled_score(s, a.softcap, a.scale);
+    } else {
+        for (int base = 0; base < n; base += per_pass) {
+            const int i = base + slot_in_pass;
+            float s = 0.0f;
+            if (i < n) {
+                const __half* kr = key_at(i);
+                for (int c = sub; c < pieces; c += lanes) {
+                    s += piece_dot(*reinterpret_cast<const uint4*>(kr + 8 * c), c);
+                }
+            }
+            s = sum_lanes(s, lanes);
+            if (i < n && sub == 0) scores[i] = scaled_score(s, a.softcap, a.scale);
+        }
     }
     __syncthreads();
     const int group = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -380,22 +415,50 @@ __global__ void __launch_bounds__(kAttnThreads)
         l += e;
     }
     l = block_sum(l);  // also orders the writes to scores before the reads below
-    // Values: thread (pair d2, key group g).
-    const int pairs = a.head_dim_v / 2;
-    const int groups = blockDim.x / pairs;
-    const int d2 = threadIdx.x % pairs, g = threadIdx.x / pairs;
-    float2 acc = make_float2(0.0f, 0.0f);
-    if (g < groups) {
-        const __half* vbase = v_cache + kvh * a.head_dim_v + 2 * d2;
+    // Values: thread (run of `width` dimensions d, key group g): eight dimensions of
+    // 16-byte rows, else two.
+    const int width = a.head_dim_v % 8 == 0 ? 8 : 2;
+    const int runs = a.head_dim_v / width;
+    const int groups = blockDim.x / runs;
+    const int d0 = (threadIdx.x % runs) * width, g = threadIdx.x / runs;
+    auto value_at = [&](int i) {
+        const size_t row = kPaged ? cache_row(table, pg.shift, lo + i) : (size_t)(lo + i);
+        return v_cache + row * v_dim + kvh * a.head_dim_v + d0;
+    };
+    if (g < groups && width == 8) {
+        float acc[8] = {};
+        for (int base = g; base < n; base += groups * kAttnUnroll) {
+            uint4 raw[kAttnUnroll];
+#pragma unroll
+            for (int u = 0; u < kAttnUnroll; ++u) {
+                const int i = base + u * groups;
+                raw[u] = i < n ? *reinterpret_cast<const uint4*>(value_at(i))
+                               : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < kAttnUnroll; ++u) {
+                const int i = base + u * groups;
+                const float p_i = i < n ? scores[i] : 0.0f;
+                const __half2* v2 = reinterpret_cast<const __half2*>(&raw[u]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float2 vf = __half22float2(v2[e]);
+                    acc[2 * e] += p_i * vf.x;
+                    acc[2 * e + 1] += p_i * vf.y;
+                }
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) pv[8 * threadIdx.x + e] = acc[e];
+    } else if (g < groups) {
+        float2 acc = make_float2(0.0f, 0.0f);
         for (int i = g; i < n; i += groups) {
-            const size_t row = kPaged ? cache_row(table, pg.shift, lo + i) : (size_t)(lo + i);
-            const float2 vf =
-                __half22float2(*reinterpret_cast<const __half2*>(vbase + row * v_dim));
+            const float2 vf = __half22float2(*reinterpret_cast<const __half2*>(value_at(i)));
             acc.x += scores[i] * vf.x;
             acc.y += scores[i] * vf.y;
         }
-        pv[2 * threadIdx.x] = acc.x;
-        pv[2 * threadIdx.x + 1] = acc.y;
+        pv[8 * threadIdx.x] = acc.x;
+        pv[8 * threadIdx.x + 1] = acc.y;
     }
     __syncthreads();
     // One chunk covers every key: this is the output, and no merge follows.
@@ -404,7 +467,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     const Q8Out q8 = q8_layout(out_q8, (size_t)gridDim.z * a.n_heads * a.head_dim_v);
     for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
         float total = 0.0f;
-        for (int gg = 0; gg < groups; ++gg) total += pv[2 * (gg * pairs + d / 2) + (d & 1)];
+        for (int gg = 0; gg < groups; ++gg) total += pv[8 * (gg * runs + d / width) + d % width];
         if (alone) {
             const float y = total / l;
             out[first + d] = y;
@@ -1034,6 +1097,14 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (chunk < 1 || chunk > kAttnMaxChunk) return (int)hipErrorInvalidValue;
+    // Chunks twice as long (each query's scratch then holds fewer) while the launch
+    // would have more workgroups than it aims at.
+    const long long keys = (long long)n_chunks * chunk;
+    while (2 * chunk <= kAttnMaxChunk &&
+           (long long)n_tokens * n_heads * n_chunks > kAttnTargetWorkgroups) {
+        chunk *= 2;
+        n_chunks = (int)((keys + chunk - 1) / chunk);
+    }
     AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, softcap, n_chunks,
                   chunk};
     const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
