@@ -153,6 +153,9 @@ fn warm_up(model: &Model) {
     gpu.forward(&tokens).expect("warm-up prompt");
     gpu.forward(&[1]).expect("warm-up decode");
     gpu.forward(&[2]).expect("warm-up replay");
+    // A few tokens: the kernels of short chunks (the skinny batch products), which the
+    // runtime loads on their first launch.
+    gpu.forward(&[3, 4, 5]).expect("warm-up few tokens");
 }
 
 /// Sets `flag` from another thread once `ready` says so, `delay` later; returns when it
