@@ -629,67 +629,60 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
 }
 
 /// Products of few tokens against matrices of few rows split their columns over several
-/// workgroups per tile when given room: the same function as unsplit (to the f16-rounded
-/// reference's bound), the same bits on every call, accumulation included, and the tile
-/// counters left at zero (checked by `gpu_matmul_many`).
+/// workgroups per tile when given room, in the tiled kernel and (up to its limit of
+/// tokens, where the device runs it) the skinny one: the same function as unsplit (to the
+/// f16-rounded reference's bound), the same bits on every call, accumulation included,
+/// and the tile counters left at zero (checked by `gpu_matmul_many`).
 #[test]
 fn split_batch_products_match_and_repeat_exactly() {
     let Some((device, stream)) = gpu_or_skip("split_batch_products_match_and_repeat_exactly")
     else {
         return;
     };
+    let mut kernels = vec![matmul::BatchKernel::Tiles];
+    if matmul::skinny_available(&device) {
+        kernels.push(matmul::BatchKernel::Skinny);
+    }
     for (i, ty) in [
         GgmlType::Q4_K,
         GgmlType::Q6_K,
         GgmlType::Q8_0,
+        GgmlType::Q4_1,
         GgmlType::F16,
     ]
     .into_iter()
     .enumerate()
     {
         // 4096 columns: 16 super-blocks (or 32 chunks of four blocks) to split.
-        for (rows, n) in [(200, 9), (1000, 40), (64, 130)] {
+        for (rows, n) in [(200, 9), (1000, 40), (64, 2), (64, 130)] {
             let cols = 4096;
             let mut rng = Rng(9000 + i as u64 * 7 + rows as u64);
             let w = random_matrix(ty, rows, cols, &mut rng);
             let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
-            let run = |initial| {
-                let mats = [(w.as_slice(), rows)];
-                gpu_matmul_many(
-                    &device,
-                    &stream,
-                    ty,
-                    &mats,
-                    cols,
-                    &x,
-                    n,
-                    initial,
-                    true,
-                    matmul::BatchKernel::Tiles,
-                )
-                .pop()
-                .expect("one output")
-            };
-            let split = run(None);
-            let err = relative_error(
-                &split,
-                &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
-            );
-            assert!(
-                err <= rounded_bound(ty),
-                "{ty} {rows}x{cols}, {n} tokens, split: relative error {err:.2e}"
-            );
-            assert_eq!(
-                split,
-                run(None),
-                "{ty} {rows}x{cols}, {n} tokens: split repeats"
-            );
-            let added = run(Some(0.25));
-            let expected: Vec<f32> = split.iter().map(|v| v + 0.25).collect();
-            assert_eq!(
-                added, expected,
-                "{ty} {rows}x{cols}, {n} tokens: split accumulates"
-            );
+            for &kernel in &kernels {
+                if kernel == matmul::BatchKernel::Skinny && n > matmul::SKINNY_MAX_TOKENS {
+                    continue;
+                }
+                let run = |initial| {
+                    let mats = [(w.as_slice(), rows)];
+                    gpu_matmul_many(
+                        &device, &stream, ty, &mats, cols, &x, n, initial, true, kernel,
+                    )
+                    .pop()
+                    .expect("one output")
+                };
+                let what = format!("{ty} {rows}x{cols}, {n} tokens, {kernel:?} split");
+                let split = run(None);
+                let err = relative_error(
+                    &split,
+                    &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
+                );
+                assert!(err <= rounded_bound(ty), "{what}: relative error {err:.2e}");
+                assert_eq!(split, run(None), "{what}: repeats");
+                let added = run(Some(0.25));
+                let expected: Vec<f32> = split.iter().map(|v| v + 0.25).collect();
+                assert_eq!(added, expected, "{what}: accumulates");
+            }
         }
     }
 }
@@ -698,7 +691,8 @@ fn split_batch_products_match_and_repeat_exactly() {
 /// instructions' registers) compute every type's product to the f16-rounded reference's
 /// bound: one row and partial 16-row tiles, widths that end inside a 64-column step,
 /// token counts inside and at the ends of each token-group size (8, 16, 32, 64), several
-/// matrices in one launch, accumulation, and the same bits on every call.
+/// matrices in one launch, accumulation, and the same bits on every call (split columns:
+/// `split_batch_products_match_and_repeat_exactly`).
 #[test]
 fn skinny_batch_products_match_the_reference_and_repeat_exactly() {
     let Some((device, stream)) =
@@ -724,20 +718,6 @@ fn skinny_batch_products_match_the_reference_and_repeat_exactly() {
             n,
             initial,
             false,
-            matmul::BatchKernel::Skinny,
-        )
-    };
-    let split = |ty, mats: &[(&[u8], usize)], cols, x: &[f32], n, initial| {
-        gpu_matmul_many(
-            &device,
-            &stream,
-            ty,
-            mats,
-            cols,
-            x,
-            n,
-            initial,
-            true,
             matmul::BatchKernel::Skinny,
         )
     };
@@ -774,9 +754,9 @@ fn skinny_batch_products_match_the_reference_and_repeat_exactly() {
             assert_eq!(got, again, "{ty} {rows}x{cols}, {n} tokens: skinny repeats");
         }
     }
-    // Three matrices in one launch, and accumulation, for the types with loads of their
-    // own and a general one.
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0] {
+    // Three matrices in one launch, and accumulation, for two types with loads of their
+    // own and one through the general decoders.
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::IQ4_XS] {
         let (cols, n) = (1024, 24);
         let mut rng = Rng(31337 + ty as u64);
         let ws: Vec<(Vec<u8>, usize)> = [48usize, 70, 200]
@@ -800,52 +780,6 @@ fn skinny_batch_products_match_the_reference_and_repeat_exactly() {
         for (sum, alone) in added.iter().zip(&together) {
             let expected: Vec<f32> = alone.iter().map(|v| v + 0.5).collect();
             assert_eq!(sum, &expected, "{ty}: skinny accumulates");
-        }
-    }
-    // Given room, a few row tiles split their columns: the same function, the same bits
-    // on every call, accumulation included, the tile counters left at zero (checked by
-    // `gpu_matmul_many`).
-    for (i, ty) in [
-        GgmlType::Q4_K,
-        GgmlType::Q6_K,
-        GgmlType::Q8_0,
-        GgmlType::Q4_1,
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        for (rows, n) in [(200, 9), (1000, 40), (64, 2)] {
-            let cols = 4096;
-            let mut rng = Rng(11_000 + i as u64 * 7 + rows as u64);
-            let w = random_matrix(ty, rows, cols, &mut rng);
-            let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
-            let mats = [(w.as_slice(), rows)];
-            let got = split(ty, &mats, cols, &x, n, None)
-                .pop()
-                .expect("one output");
-            let err = relative_error(
-                &got,
-                &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
-            );
-            assert!(
-                err <= rounded_bound(ty),
-                "{ty} {rows}x{cols}, {n} tokens, skinny split: relative error {err:.2e}"
-            );
-            let again = split(ty, &mats, cols, &x, n, None)
-                .pop()
-                .expect("one output");
-            assert_eq!(
-                got, again,
-                "{ty} {rows}x{cols}, {n} tokens: skinny split repeats"
-            );
-            let added = split(ty, &mats, cols, &x, n, Some(0.25))
-                .pop()
-                .expect("one output");
-            let expected: Vec<f32> = got.iter().map(|v| v + 0.25).collect();
-            assert_eq!(
-                added, expected,
-                "{ty} {rows}x{cols}, {n} tokens: skinny split accumulates"
-            );
         }
     }
 }
