@@ -1,5 +1,6 @@
 // common.h: what every decoder of dequant.hip shares: byte loads, f16 conversions, f32
-// arithmetic that is never contracted, and the staging and store helpers of the kernels.
+// arithmetic that is never contracted, and the staging and store helpers of the kernels;
+// and what the products share: blocks read as 32-bit words.
 //
 // Exactness. The CPU reference decoders (src/decode/scalar) compute every value with a
 // fixed sequence of rounded f32 operations: products such as `d * q`, then at most one
@@ -90,6 +91,50 @@ __device__ __forceinline__ uint32_t f32_to_f16_bits(float v) {
 // subnormals), as the reference decoder builds it (the decoders and the products).
 __device__ __forceinline__ float e8m0_to_f32_half(uint32_t e) {
     return __uint_as_float(e < 2 ? (0x00200000u << e) : ((e - 1) << 23));
+}
+
+// ------------------------------------------------------------------ words -------------
+// Blocks read as 32-bit words, for the products (matvec.hip's tasks, skinny.hip's rows),
+// from device or shared memory.
+
+// n consecutive 32-bit words starting at p (any alignment): aligned words shifted into
+// place, never reading past the aligned word that holds the last byte.
+template <int N>
+__device__ __forceinline__ void load_words(const uint8_t* p, int (&out)[N]) {
+    const uint32_t* base = reinterpret_cast<const uint32_t*>((uintptr_t)p & ~(uintptr_t)3);
+    const int shift = ((uintptr_t)p & 3) * 8;
+    uint32_t w[N + 1];
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = base[i];
+    w[N] = shift ? base[N] : 0u;  // the last word only when it holds wanted bytes
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        out[i] = (int)(uint32_t)((((uint64_t)w[i + 1] << 32) | w[i]) >> shift);
+    }
+}
+
+// Bits (v..v+3) of a 32-bit mask, to bit 4 of bytes 0..3.
+__device__ __forceinline__ int spread4(uint32_t mask, int v) {
+    const uint32_t b = mask >> v;
+    return (int)(((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25));
+}
+
+// Byte i of the 12 scale bytes of a Q4_K/Q5_K super-block, held as three words (chosen
+// by comparisons: a run-time index into a register array would move it to memory).
+__device__ __forceinline__ int scale_byte(const int (&sw)[3], int i) {
+    const uint32_t word = (uint32_t)(i < 4 ? sw[0] : (i < 8 ? sw[1] : sw[2]));
+    return (int)((word >> (8 * (i & 3))) & 0xFF);
+}
+
+// The 6-bit scale and minimum of sub-block j of a Q4_K/Q5_K super-block.
+__device__ __forceinline__ void k_scale_min(const int (&s)[3], int j, int& sc, int& m) {
+    if (j < 4) {
+        sc = scale_byte(s, j) & 63;
+        m = scale_byte(s, j + 4) & 63;
+    } else {
+        sc = (scale_byte(s, j + 4) & 0xF) | ((scale_byte(s, j - 4) >> 6) << 4);
+        m = (scale_byte(s, j + 4) >> 4) | ((scale_byte(s, j) >> 6) << 4);
+    }
 }
 
 // ------------------------------------------------------------------ tiles -------------

@@ -89,22 +89,8 @@ __device__ __forceinline__ int dot4(int a, int b, int acc) {
 // of the weight block the task's i-th 32 weights meet.
 //
 // Blocks of 18, 22, 34 or 210 bytes sit at 2-byte aligned addresses: their bytes are read
-// as aligned 32-bit words and shifted into place (load_words), never past the block.
-
-// n consecutive 32-bit words starting at the 2-byte aligned address p.
-template <int N>
-__device__ __forceinline__ void load_words(const uint8_t* p, int (&out)[N]) {
-    const uint32_t* base = reinterpret_cast<const uint32_t*>((uintptr_t)p & ~(uintptr_t)3);
-    const int shift = ((uintptr_t)p & 3) * 8;  // 0 or 16
-    uint32_t w[N + 1];
-#pragma unroll
-    for (int i = 0; i < N; ++i) w[i] = base[i];
-    w[N] = shift ? base[N] : 0u;  // the last word only when it holds wanted bytes
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        out[i] = (int)(uint32_t)((((uint64_t)w[i + 1] << 32) | w[i]) >> shift);
-    }
-}
+// as aligned 32-bit words and shifted into place (common.h's load_words), never past the
+// block.
 
 // n consecutive 32-bit words at a 16-byte aligned address.
 template <int N>
@@ -123,12 +109,6 @@ __device__ __forceinline__ void load_words16(const uint8_t* p, int (&out)[N]) {
 
 __device__ __forceinline__ float half_at(const uint8_t* p) {
     return __half2float(*reinterpret_cast<const __half*>(p));
-}
-
-// Bits (v..v+3) of a 32-bit mask, to bit 4 of bytes 0..3.
-__device__ __forceinline__ int spread4(uint32_t mask, int v) {
-    const uint32_t b = mask >> v;
-    return (int)(((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25));
 }
 
 // Legacy 4-bit blocks: 16 bytes of nibbles, values 0-15 low, 16-31 high.
@@ -211,24 +191,6 @@ struct MQ8_0 {
         xb[0] = 0;
     }
 };
-
-// Byte i of the 12 scale bytes of a Q4_K/Q5_K super-block, held as three words (chosen
-// by comparisons: a run-time index into a register array would move it to memory).
-__device__ __forceinline__ int scale_byte(const int (&sw)[3], int i) {
-    const uint32_t word = (uint32_t)(i < 4 ? sw[0] : (i < 8 ? sw[1] : sw[2]));
-    return (int)((word >> (8 * (i & 3))) & 0xFF);
-}
-
-// The 6-bit scale and minimum of sub-block j of a Q4_K/Q5_K super-block.
-__device__ __forceinline__ void k_scale_min(const int (&s)[3], int j, int& sc, int& m) {
-    if (j < 4) {
-        sc = scale_byte(s, j) & 63;
-        m = scale_byte(s, j + 4) & 63;
-    } else {
-        sc = (scale_byte(s, j + 4) & 0xF) | ((scale_byte(s, j - 4) >> 6) << 4);
-        m = (scale_byte(s, j + 4) >> 4) | ((scale_byte(s, j) >> 6) << 4);
-    }
-}
 
 // Q4_K and Q5_K: a task is one 64-weight chunk c, whose 32 bytes hold sub-block 2c in
 // their low nibbles and 2c+1 in their high ones.

@@ -79,17 +79,11 @@ struct SkinnyAlign<Q5_K> : std::integral_constant<int, 16> {};
 // The loads below read a chunk's blocks from shared memory, where each row's copy keeps
 // the alignment its bytes have in device memory (modulo 16).
 
-// 16 bytes at a 2-byte aligned address, as four words: aligned 32-bit loads shifted into
-// place, never reading past the aligned word that holds the last byte.
+// 16 bytes at a 2-byte aligned address (common.h's load_words).
 __device__ __forceinline__ uint4 load16_a2(const uint8_t* p) {
-    const uint32_t* base = reinterpret_cast<const uint32_t*>((uintptr_t)p & ~(uintptr_t)3);
-    const int shift = ((uintptr_t)p & 3) * 8;  // 0 or 16
-    const uint32_t w0 = base[0], w1 = base[1], w2 = base[2], w3 = base[3];
-    const uint32_t w4 = shift ? base[4] : 0u;
-    auto at = [&](uint32_t lo, uint32_t hi) {
-        return (uint32_t)((((uint64_t)hi << 32) | lo) >> shift);
-    };
-    return make_uint4(at(w0, w1), at(w1, w2), at(w2, w3), at(w3, w4));
+    int w[4];
+    load_words<4>(p, w);
+    return make_uint4((uint32_t)w[0], (uint32_t)w[1], (uint32_t)w[2], (uint32_t)w[3]);
 }
 
 // 16 bytes at a 4-, 8- or 16-byte aligned address.
@@ -144,12 +138,6 @@ __device__ __forceinline__ uint4 nibbles(uint4 v, int shift) {
                       (v.z >> shift) & 0x0F0F0F0Fu, (v.w >> shift) & 0x0F0F0F0Fu);
 }
 
-// Bits v .. v + 3 of a mask, to bit 4 of bytes 0..3.
-__device__ __forceinline__ uint32_t fifth_bits(uint32_t mask, int v) {
-    const uint32_t b = mask >> v;
-    return ((b & 1u) << 4) | ((b & 2u) << 11) | ((b & 4u) << 18) | ((b & 8u) << 25);
-}
-
 // How a lane reads and decodes its 16 values of a row for a step, from the row's copy in
 // shared memory (`row`: the chunk's first block; `k`: the column within the chunk):
 // `load` takes the raw bytes with the widest loads their alignment allows, `decode`
@@ -194,6 +182,14 @@ struct LegacyRaw {
     uint32_t head, qh;
     int half;  // 0: values 0..15 of the block, 1: 16..31; -1: past the row's end
 };
+
+// The 5-bit values of a Q5_0/Q5_1 lane: its nibbles, and bits v .. v + 15 of qh.
+__device__ __forceinline__ uint4 five_bit_values(const LegacyRaw& r) {
+    const int v = r.half > 0 ? 16 : 0;
+    const uint4 q = nibbles(r.q, r.half > 0 ? 4 : 0);
+    return make_uint4(q.x | (uint32_t)spread4(r.qh, v), q.y | (uint32_t)spread4(r.qh, v + 4),
+                      q.z | (uint32_t)spread4(r.qh, v + 8), q.w | (uint32_t)spread4(r.qh, v + 12));
+}
 
 template <>
 struct SkinnyRow<Q4_0> {
@@ -249,12 +245,7 @@ struct SkinnyRow<Q5_0> {
         return r;
     }
     static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
-        const int v = r.half > 0 ? 16 : 0;
-        uint4 q = nibbles(r.q, r.half > 0 ? 4 : 0);
-        q.x |= fifth_bits(r.qh, v);
-        q.y |= fifth_bits(r.qh, v + 4);
-        q.z |= fifth_bits(r.qh, v + 8);
-        q.w |= fifth_bits(r.qh, v + 12);
+        const uint4 q = five_bit_values(r);
         const __half2 zero = __float2half2_rn(0.0f);
         halves16(q, __float2half2_rn(1024.0f + 16.0f), half2_of_bits(r.head), zero, zero, false,
                  lo, hi);
@@ -277,12 +268,7 @@ struct SkinnyRow<Q5_1> {
         return r;
     }
     static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
-        const int v = r.half > 0 ? 16 : 0;
-        uint4 q = nibbles(r.q, r.half > 0 ? 4 : 0);
-        q.x |= fifth_bits(r.qh, v);
-        q.y |= fifth_bits(r.qh, v + 4);
-        q.z |= fifth_bits(r.qh, v + 8);
-        q.w |= fifth_bits(r.qh, v + 12);
+        const uint4 q = five_bit_values(r);
         const __half2 one = __float2half2_rn(1.0f);
         halves16(q, __float2half2_rn(1024.0f), one, half2_of_bits(r.head),
                  half2_of_bits(r.head >> 16), true, lo, hi);
@@ -338,25 +324,16 @@ struct SkinnyKRow {
         r.sub = 2 * c + part / 2;
         return r;
     }
-    static __device__ __forceinline__ uint32_t scale_byte(const uint4& h, int i) {
-        const uint32_t word = i < 4 ? h.y : (i < 8 ? h.z : h.w);
-        return (word >> (8 * (i & 3))) & 0xFF;
-    }
     static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
         const int g = r.sub;
-        uint32_t sc, m;
-        if (g < 4) {
-            sc = scale_byte(r.head, g) & 0x3F;
-            m = scale_byte(r.head, g + 4) & 0x3F;
-        } else {
-            sc = (scale_byte(r.head, g + 4) & 0x0F) | ((scale_byte(r.head, g - 4) >> 2) & 0x30);
-            m = (scale_byte(r.head, g + 4) >> 4) | ((scale_byte(r.head, g) >> 2) & 0x30);
-        }
+        const int words[3] = {(int)r.head.y, (int)r.head.z, (int)r.head.w};
+        int sc, m;
+        k_scale_min(words, g, sc, m);
         const __half2 d = half2_of_bits(r.head.x);
         const float dmin = f16_bits_to_f32(r.head.x >> 16);
         // As HalfDecode<Q4_K>: sc · q exact in f16, then d · (sc · q) - dmin·m rounded once.
-        const __half2 scale = __float2half2_rn(small_int_f32((int)sc));
-        const __half2 neg_min = __float2half2_rn(-mul(dmin, small_int_f32((int)m)));
+        const __half2 scale = __float2half2_rn(small_int_f32(sc));
+        const __half2 neg_min = __float2half2_rn(-mul(dmin, small_int_f32(m)));
         uint4 q = nibbles(r.qs, 4 * (g % 2));
         if (kFive) {
             auto bit = [&](uint32_t h) { return ((h >> g) & 0x01010101u) << 4; };
