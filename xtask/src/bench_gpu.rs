@@ -17,6 +17,8 @@
 //! device. It prints the prompt, generation and overall tokens/s of all sequences
 //! together (S_PP, S_TG, S), beside `llama-batched-bench`'s (`--llama-batched-bench
 //! PATH`, run with every layer on the GPU, flash attention on, `-b 2048 -ub 512`).
+//! The decoding steps replay a graph captured per number of sequences;
+//! `--no-batch-graphs` queues their launches one by one (for comparisons).
 //!
 //! With `--budgets 25,50,75`: the same tg and pp with the weights' device budget
 //! (`GpuOptions::budget`) at those percentages of the model's size, beside `llama-bench`
@@ -50,6 +52,8 @@ struct Options {
     ntg: usize,
     llama_batched_bench: Option<PathBuf>,
     budgets: Vec<u64>,
+    /// `--no-batch-graphs`: the batched decoding steps' launches queued one by one.
+    batch_graphs: bool,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -65,6 +69,7 @@ fn parse(args: &[String]) -> Result<Options> {
         ntg: 128,
         llama_batched_bench: None,
         budgets: Vec::new(),
+        batch_graphs: true,
     };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
@@ -86,6 +91,7 @@ fn parse(args: &[String]) -> Result<Options> {
                 o.budgets =
                     numbers(value()?).context("--budgets takes percentages like 25,50,75")?;
             }
+            "--no-batch-graphs" => o.batch_graphs = false,
             other => bail!("bench-gpu: unknown option {other:?}"),
         }
     }
@@ -333,7 +339,7 @@ fn budget_rows(o: &Options, path: &Path, name: &str, percent: u64) -> Result<Vec
 /// Batched decoding of each of `o.parallel` sequence counts, ours beside
 /// llama-batched-bench's: printed, and returned as JSON rows.
 fn parallel_rows(o: &Options, path: &Path, name: &str) -> Result<Vec<Value>> {
-    let ours = ours_parallel(path, &o.parallel, o.npp, o.ntg, o.repeat)?;
+    let ours = ours_parallel(path, o)?;
     let theirs = match &o.llama_batched_bench {
         Some(bench) => crate::bench_serve::run_llama_batched_bench(
             bench,
@@ -390,14 +396,9 @@ struct Speeds {
 /// For each count in `levels`: that many sequences of `npp` prompt tokens, run together
 /// in batches of at most 512 tokens, then `ntg` steps of one token each, greedy on the
 /// device, on one paged cache; the run with the median overall time of `repeat`.
-fn ours_parallel(
-    path: &Path,
-    levels: &[usize],
-    npp: usize,
-    ntg: usize,
-    repeat: usize,
-) -> Result<Vec<Speeds>> {
+fn ours_parallel(path: &Path, o: &Options) -> Result<Vec<Speeds>> {
     const BLOCK: usize = 32;
+    let (levels, npp, ntg, repeat) = (&o.parallel, o.npp, o.ntg, o.repeat);
     const BATCH: usize = 512;
     let store = TensorStore::open(path).with_context(|| format!("opening {}", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
@@ -418,9 +419,10 @@ fn ours_parallel(
     };
     let mut gpu = GpuModel::with_pages(&model, &options, BATCH, pages)
         .context("setting the model up on the GPU with a paged cache")?;
+    gpu.set_batch_graphs(o.batch_graphs);
     let n_vocab = model.config().n_vocab as u64;
     let mut out = Vec::new();
-    for &n in levels {
+    for &n in levels.iter() {
         let tables: Vec<Vec<u32>> = (0..n)
             .map(|s| (0..per_seq).map(|j| (s * per_seq + j) as u32).collect())
             .collect();

@@ -41,8 +41,8 @@ tasks:
   bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
              [--json [FILE]]  time to make a model resident on the device, per mode
   bench-gpu --gguf FILE… [--llama-bench PATH] [--tokens N] [--prompt N] [--repeat N] [--json FILE]
-            [--parallel 8,32,64 [--npp N] [--ntg N] [--llama-batched-bench PATH]]
-            [--budgets 25,50,75]
+            [--parallel 8,32,64 [--npp N] [--ntg N] [--llama-batched-bench PATH]
+            [--no-batch-graphs]] [--budgets 25,50,75]
                       GPU decode tokens/s (tg N) and achieved bandwidth, prompt tokens/s,
                       batched decoding, and decoding with the weights' budget at those
                       percentages of the model (llama-bench -ngl at the same share),

@@ -19,7 +19,9 @@
 //!   blocks that several sequences share, each through its own table of blocks, and
 //!   [`GpuModel::forward_batch`] runs the new tokens of many sequences in one pass (a
 //!   server's step): one token of each decoding sequence and chunks of new prompts
-//!   through the same products, each sequence's attention on its own blocks.
+//!   through the same products, each sequence's attention on its own blocks. A step of
+//!   one token per sequence (decoding only) is captured as a graph too, once per number
+//!   of sequences: the positions, tables and rows it reads live in device memory.
 //!
 //! This module calls no HIP runtime function directly: it goes through `hip-backend`'s
 //! safe types and the typed wrappers of [`kernels`].
@@ -29,6 +31,7 @@ mod host;
 mod kernels;
 mod weights;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
@@ -146,6 +149,11 @@ pub struct GpuModel {
     len: usize,
     /// The decode step, captured once every weight is held.
     step: Option<Graph>,
+    /// Paged decode steps (one token of each of `n` sequences, every row's logits, with
+    /// the greedy tokens or not), captured once per shape once every weight is held.
+    batch_steps: HashMap<(usize, bool), Graph>,
+    /// Whether paged decode steps replay captured graphs ([`GpuModel::set_batch_graphs`]).
+    batch_graphs: bool,
     host_tokens: PinnedBuffer<u32>,
     host_logits: PinnedBuffer<f32>,
     /// When the last tensor of the upload order first became resident.
@@ -367,6 +375,8 @@ impl GpuModel {
             prompt_batch,
             len: 0,
             step: None,
+            batch_steps: HashMap::new(),
+            batch_graphs: true,
             host_tokens,
             host_logits,
             uploaded,
@@ -424,6 +434,14 @@ impl GpuModel {
     /// Most tokens of a prompt's chunk.
     pub fn prompt_batch(&self) -> usize {
         self.prompt_batch
+    }
+
+    /// Whether a paged batch of one token per sequence, every one asking for logits (a
+    /// server's decode step), replays a graph captured for its number of sequences once
+    /// every weight is held (the default), or queues its launches one by one. Both run the
+    /// same kernels on the same buffers: the results are the same bits.
+    pub fn set_batch_graphs(&mut self, on: bool) {
+        self.batch_graphs = on;
     }
 
     /// Forgets every position.
@@ -624,7 +642,18 @@ impl GpuModel {
                 .copy_h2d_async(host_meta, 0..meta_len, dst)
                 .map_err(gpu("copying the batch"))?;
         }
-        self.run_layers(n, Layout::Paged(&batch), End::Rows { argmax })?;
+        // A decode step's layout depends on its number of sequences only: the positions,
+        // tables and rows are read from device memory, so one graph serves every step of
+        // that many sequences.
+        let decode_step = self.batch_graphs
+            && batch.n_logits == n
+            && batch.segments.iter().all(|s| s.len == 1)
+            && self.can_hold()?;
+        if decode_step {
+            self.replay_batch_step(&batch, argmax)?;
+        } else {
+            self.run_layers(n, Layout::Paged(&batch), End::Rows { argmax })?;
+        }
         let m = batch.n_logits;
         if m == 0 {
             return self.sync().map(|()| 0);
@@ -765,6 +794,49 @@ impl GpuModel {
             .launch(&self.stream)
             .map_err(|source| ModelError::Gpu {
                 op: "replaying the decode step",
+                source,
+            })
+    }
+
+    /// Whether every weight is held, or can be now: all resident in a budget that holds
+    /// them (pins them if so).
+    fn can_hold(&mut self) -> Result<bool, ModelError> {
+        if self.held.is_some() || (self.hold_all && self.all_resident()) {
+            return self.ensure_held();
+        }
+        Ok(false)
+    }
+
+    /// A paged decode step (`batch`: one token of each sequence, every row's logits)
+    /// through the graph captured for its number of sequences (capturing it the first
+    /// time).
+    fn replay_batch_step(&mut self, batch: &PagedBatch, argmax: bool) -> Result<(), ModelError> {
+        let key = (batch.n_tokens, argmax);
+        if !self.batch_steps.contains_key(&key) {
+            let held = self.held.as_ref().expect("can_hold returned true");
+            let (config, bufs) = (&self.config, &mut self.bufs);
+            let graph = self.stream.capture(|stream| {
+                let n = batch.n_tokens;
+                let layout = Layout::Paged(batch);
+                let globals = held.globals();
+                forward::body(
+                    config,
+                    held.layers(),
+                    globals,
+                    bufs,
+                    n,
+                    layout,
+                    stream,
+                    None,
+                )?;
+                forward::finish_rows(config, globals, bufs, batch, argmax, stream)
+            })?;
+            self.batch_steps.insert(key, graph);
+        }
+        self.batch_steps[&key]
+            .launch(&self.stream)
+            .map_err(|source| ModelError::Gpu {
+                op: "replaying a batch's decode step",
                 source,
             })
     }

@@ -833,7 +833,8 @@ mod gpu {
     /// and, past `MAX_BATCH`, the tiled one), a prompt that arrives while the others
     /// decode, one that starts on a block another sequence computed (a shared prefix), and
     /// blocks handed out out of order. Teacher-forced with the tokens each sequence chose
-    /// alone, every row of logits is held to the tolerance rule above.
+    /// alone, every row of logits is held to the tolerance rule above. The decoding
+    /// steps' captured graphs give the bits of the same launches queued one by one.
     fn batched(name: &str) {
         use model::gpu::{BatchSegment, PageOptions};
         let test = format!("gpu_batched_{name}");
@@ -934,6 +935,21 @@ mod gpu {
                 .unwrap_or_else(|e| panic!("{test}: step {step}: {e}"))
                 .to_vec();
             assert_eq!(logits.len(), feeds.len() * n_vocab as usize, "{test}: rows");
+            // A step of one token per sequence replays the graph captured for that many
+            // sequences (at other positions, over other blocks, the first time it met
+            // them); the same launches queued one by one give the same bits.
+            gpu.set_batch_graphs(false);
+            let direct = gpu
+                .forward_batch(&segments)
+                .unwrap_or_else(|e| panic!("{test}: step {step}, launched one by one: {e}"));
+            assert!(
+                direct
+                    .iter()
+                    .zip(&logits)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{test}: step {step}: the captured step's logits differ from its launches'"
+            );
+            gpu.set_batch_graphs(true);
             for (row, &(i, k, _, _)) in logits.chunks(n_vocab as usize).zip(&feeds) {
                 let want = &expected[i].1[k];
                 let sigma = spread(want).max(f32::MIN_POSITIVE);
