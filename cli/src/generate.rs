@@ -16,6 +16,7 @@ use model::sampling::{defaults, SamplingParams, Xoshiro256};
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
 use serde_json::json;
+use tensor_store::device::{ReadAhead, UploadOrder};
 use tensor_store::{LoadMode, TensorStore};
 
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
@@ -108,6 +109,36 @@ pub struct GenerateArgs {
     pub progress: bool,
 }
 
+/// Set to `0`, a GPU's upload reads a cold model file with its readers alone.
+pub const READ_AHEAD_ENV: &str = "ROCMFORGE_READ_AHEAD";
+
+/// Starts reading the model's weights into the page cache in upload order when the GPU
+/// may compute, the upload runs ahead of use (eager or background) and the page cache
+/// holds less than half of the file ([`ReadAhead::when_cold`]). It only helps: a failure
+/// to start it is logged, not returned.
+fn read_ahead(args: &GenerateArgs, model: &Model) -> Option<ReadAhead> {
+    let off = std::env::var_os(READ_AHEAD_ENV).is_some_and(|v| v == "0");
+    if off || args.device == DeviceArg::Cpu || args.load_mode == LoadModeArg::Lazy {
+        return None;
+    }
+    let order = UploadOrder::by_layer(model.plan().handles());
+    match ReadAhead::when_cold(&order) {
+        Ok(ahead) => {
+            if let Some(ahead) = &ahead {
+                tracing::info!(
+                    bytes = ahead.total_bytes(),
+                    "reading the cold model file ahead"
+                );
+            }
+            ahead
+        }
+        Err(error) => {
+            tracing::warn!(%error, "no read-ahead");
+            None
+        }
+    }
+}
+
 /// `--batch-size`: a whole number of tokens, at least 1.
 fn parse_batch_size(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
@@ -180,6 +211,9 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let tokenizer = Tokenizer::from_metadata(store.metadata())
         .with_context(|| format!("{}: tokenizer", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
+    // A cold file streams into the page cache, in upload order, while the GPU runtime
+    // starts; the upload's readers then find it there.
+    let _read_ahead = read_ahead(args, &model);
     let planned_at = Instant::now();
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
     tracing::info!(

@@ -51,7 +51,7 @@ pub struct LoadArgs {
     json: bool,
 }
 
-#[derive(Clone, Copy, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LoadModeArg {
     Eager,
     Background,

@@ -17,6 +17,9 @@
 //!   uploads and fail with [`crate::StoreError::Interrupted`] within [`STOP_POLL`].
 //!   Dropping the cache, interrupted or not, waits for the copies in flight and frees
 //!   every buffer it allocated.
+//! - [`ReadAhead`] reads a cold file into the page cache in upload order from a thread
+//!   of its own, from before the device is ready, so that the readers find most pages
+//!   there.
 //! - [`DeviceTarget`] is all it needs from a device: [`HipTarget`] is a GPU (one arena,
 //!   one copy stream, page-locked staging), [`HostTarget`] is host memory, for tests and
 //!   CPU benchmarks, through exactly the same cache code.
@@ -32,6 +35,7 @@ mod loader;
 mod order;
 mod pipeline;
 mod progress;
+mod read_ahead;
 mod slot;
 mod target;
 mod worker;
@@ -42,4 +46,5 @@ pub use host::{HostBuffer, HostStaging, HostTarget, HostTargetStats};
 pub use loader::{CacheConfig, DeviceCache, GroupFuture, TensorFuture, UploadMode, STOP_POLL};
 pub use order::{UploadGroup, UploadOrder};
 pub use progress::{Progress, ProgressCallback};
+pub use read_ahead::ReadAhead;
 pub use target::{DeviceTarget, STAGING_ALIGN};
