@@ -3,17 +3,19 @@
 //!
 //! ```text
 //! cargo bench -p dequant --bench gpu_decode -- [--mvalues 64] [--iters 10] [--only Q4_K]
-//!     [--json FILE] [--products [--tokens 1,4,512]]
+//!     [--json FILE] [--products [--tokens 1,4,512] [--shapes 7b|135m]]
 //! ```
 //!
 //! `--products` times the products instead, for each count of `--tokens` (default 1, 4
-//! and 512), on a 7B Llama's matrix shapes: microseconds per product, the weights' bytes
+//! and 512), on a 7B Llama's matrix shapes (or, with `--shapes 135m`, SmolLM2-135M's):
+//! microseconds per product, the weights' bytes
 //! per second and the arithmetic rate (TFLOP/s, two operations per weight and token),
 //! for each kernel that takes the count: `decode` (up to its limit of tokens), `batch`
 //! (the tiled f16 products on the matrix units), `split` (the tiled products given room
 //! to split the columns, which they use only where their tiles alone leave the device
-//! idle), and `skinny` (up to its limit of tokens, where the device runs it, given room
-//! to split the columns too), so that
+//! idle), `skinny` (up to its limit of tokens, where the device runs it, given room
+//! to split the columns too) and, past that limit, `fastest` (what `matmul::matmul`
+//! runs, given room: the tokens past whole tiles take the skinny kernel), so that
 //! the switch-over between them can be read off. Each timed run cycles through copies
 //! of the matrix that together exceed the GPU's L2 cache, so every product reads its
 //! weights from device memory as in a forward pass.
@@ -46,6 +48,7 @@ struct Options {
     json: Option<String>,
     products: bool,
     tokens: Vec<usize>,
+    shapes: &'static [(&'static str, usize, usize)],
 }
 
 fn options() -> Result<Options, String> {
@@ -56,6 +59,7 @@ fn options() -> Result<Options, String> {
         json: None,
         products: false,
         tokens: vec![1, 4, 512],
+        shapes: &SHAPES,
     };
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
@@ -74,6 +78,13 @@ fn options() -> Result<Options, String> {
             "--only" => options.only = Some(value()?),
             "--json" => options.json = Some(value()?),
             "--products" => options.products = true,
+            "--shapes" => {
+                options.shapes = match value()?.as_str() {
+                    "7b" => &SHAPES,
+                    "135m" => &SMALL_SHAPES,
+                    other => return Err(format!("--shapes: {other:?} is not 7b or 135m")),
+                }
+            }
             "--tokens" => {
                 options.tokens = value()?
                     .split(',')
@@ -199,6 +210,9 @@ enum Kernel {
     /// instructions' registers), up to `matmul::SKINNY_MAX_TOKENS`, given room to
     /// split their columns.
     Skinny,
+    /// What `matmul::matmul` runs, given room: past whole tiles of tokens, the tiled
+    /// products and the skinny ones for the tokens left.
+    Fastest,
 }
 
 impl Kernel {
@@ -208,6 +222,7 @@ impl Kernel {
             Kernel::Batch => "batch",
             Kernel::Split => "split",
             Kernel::Skinny => "skinny",
+            Kernel::Fastest => "fastest",
         }
     }
 }
@@ -238,6 +253,16 @@ const SHAPES: [(&str, usize, usize); 5] = [
     ("down", 4_096, 11_008),
     ("wo", 4_096, 4_096),
     ("output", 32_000, 4_096),
+];
+
+/// SmolLM2-135M's: 9 heads of 64 and 3 key heads, a feed-forward width of 1536 and a
+/// vocabulary of 49152.
+const SMALL_SHAPES: [(&str, usize, usize); 5] = [
+    ("qkv", 960, 576),
+    ("gate_up", 3_072, 576),
+    ("down", 576, 1_536),
+    ("wo", 576, 576),
+    ("output", 49_152, 576),
 ];
 
 fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>, String> {
@@ -277,8 +302,12 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
     let skinny = matmul::skinny_available(device);
     let mut results = Vec::new();
     for ty in types {
-        for (name, rows, cols) in SHAPES {
-            let bytes = ty.row_bytes(cols as u64).ok_or("row size")? as usize * rows;
+        for &(name, rows, cols) in options.shapes {
+            // A width that is not whole blocks of the type (576 for a k-quant): skipped.
+            let Some(row_bytes) = ty.row_bytes(cols as u64) else {
+                continue;
+            };
+            let bytes = row_bytes as usize * rows;
             // Copies enough to leave none of them in a 50 MB L2 between its uses.
             let copies = (256 << 20) / bytes + 2;
             let host = random_bytes(bytes);
@@ -331,47 +360,49 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                 if tokens <= matmul::SKINNY_MAX_TOKENS && skinny {
                     kernels.push(Kernel::Skinny);
                 }
+                if tokens > matmul::SKINNY_MAX_TOKENS {
+                    kernels.push(Kernel::Fastest);
+                }
                 for &kernel in &kernels {
-                    let ms =
-                        time_ms(device, &stream, options.iters, || {
-                            for m in &mats {
-                                if kernel != Kernel::Decode {
-                                    let room = matches!(kernel, Kernel::Split | Kernel::Skinny)
-                                        .then(|| matmul::SplitScratch {
-                                            partials: partials.view_mut(),
-                                            counters: counters.view_mut(),
-                                        });
-                                    let which = if kernel == Kernel::Skinny {
-                                        matmul::BatchKernel::Skinny
-                                    } else {
-                                        matmul::BatchKernel::Tiles
-                                    };
-                                    matmul::matmul_with(
-                                        which,
-                                        std::slice::from_ref(m),
-                                        x16.view(),
-                                        scales.view(),
-                                        tokens,
-                                        &mut [out.view_mut()],
-                                        false,
-                                        room,
-                                        &stream,
-                                    )
-                                    .map_err(|x| format!("{ty} {name}: {x}"))?;
-                                    continue;
-                                }
-                                matvec::matvec(
+                    let ms = time_ms(device, &stream, options.iters, || {
+                        for m in &mats {
+                            if kernel != Kernel::Decode {
+                                let room =
+                                    (kernel != Kernel::Batch).then(|| matmul::SplitScratch {
+                                        partials: partials.view_mut(),
+                                        counters: counters.view_mut(),
+                                    });
+                                let which = match kernel {
+                                    Kernel::Skinny => matmul::BatchKernel::Skinny,
+                                    Kernel::Fastest => matmul::BatchKernel::Fastest,
+                                    _ => matmul::BatchKernel::Tiles,
+                                };
+                                matmul::matmul_with(
+                                    which,
                                     std::slice::from_ref(m),
-                                    GpuActivations::Q8(q8.view()),
+                                    x16.view(),
+                                    scales.view(),
                                     tokens,
                                     &mut [out.view_mut()],
                                     false,
+                                    room,
                                     &stream,
                                 )
                                 .map_err(|x| format!("{ty} {name}: {x}"))?;
+                                continue;
                             }
-                            Ok(())
-                        })?;
+                            matvec::matvec(
+                                std::slice::from_ref(m),
+                                GpuActivations::Q8(q8.view()),
+                                tokens,
+                                &mut [out.view_mut()],
+                                false,
+                                &stream,
+                            )
+                            .map_err(|x| format!("{ty} {name}: {x}"))?;
+                        }
+                        Ok(())
+                    })?;
                     let row = ProductRow {
                         ty,
                         rows,

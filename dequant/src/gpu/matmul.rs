@@ -102,8 +102,10 @@ pub const SPLIT_COUNTERS: usize = 512;
 pub enum BatchKernel {
     /// The one measured fastest for the type and the count of tokens: the skinny
     /// kernel up to [`SKINNY_MAX_TOKENS`] tokens for the types it prefers
-    /// ([`skinny_prefers`]) where it runs, the tiled one otherwise. What [`matmul`]
-    /// runs.
+    /// ([`skinny_prefers`]) where it runs, the tiled one otherwise; past whole tiles of
+    /// 128 tokens, up to 32 tokens left over take the skinny kernel (a second launch)
+    /// rather than a mostly empty tile, for matrices of at least 16 MiB together. What
+    /// [`matmul`] runs.
     Fastest,
     /// The tiled kernel: shared-memory stages of 64 or 128 rows × 128 tokens, for any
     /// count (split when given room and its tiles leave the device idle).

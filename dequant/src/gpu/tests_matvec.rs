@@ -908,3 +908,60 @@ fn row_scales_match_the_host() {
         }
     }
 }
+
+/// Past whole tiles of 128 tokens, `matmul` runs the tiles on those tokens and, for up to
+/// 32 tokens left on matrices of 16 MiB and more where the device runs the skinny
+/// kernel, that kernel on the rest: bit for bit what each kernel gives on its tokens
+/// alone. Smaller matrices, and more tokens left, take the tiles whole.
+#[test]
+fn tokens_past_whole_tiles_take_the_tiled_and_the_skinny_products() {
+    let Some((device, stream)) =
+        gpu_or_skip("tokens_past_whole_tiles_take_the_tiled_and_the_skinny_products")
+    else {
+        return;
+    };
+    let skinny = matmul::skinny_available(&device);
+    let ty = GgmlType::Q4_K;
+    let cols = 4096;
+    let mut rng = Rng(31337);
+    // 7,400 rows of 2,304 bytes: 17 MB; 1,000 rows: 2.3 MB.
+    for (rows, n) in [(7400, 133), (7400, 160), (7400, 200), (1000, 133)] {
+        let w = random_matrix(ty, rows, cols, &mut rng);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+        let run = |x: &[f32], n: usize, kernel| {
+            gpu_matmul_many(
+                &device,
+                &stream,
+                ty,
+                &[(&w, rows)],
+                cols,
+                x,
+                n,
+                None,
+                true,
+                kernel,
+            )
+            .pop()
+            .expect("one output")
+        };
+        let fastest = run(&x, n, matmul::BatchKernel::Fastest);
+        let rest = n % 128;
+        let what = format!("{rows}x{cols}, {n} tokens");
+        if skinny && rows == 7400 && rest <= 32 {
+            let whole = n - rest;
+            let tiles = run(&x[..whole * cols], whole, matmul::BatchKernel::Tiles);
+            let tail = run(&x[whole * cols..], rest, matmul::BatchKernel::Skinny);
+            assert!(
+                fastest[..whole * rows] == tiles[..],
+                "{what}: the whole tiles' tokens differ from the tiled products'"
+            );
+            assert!(
+                fastest[whole * rows..] == tail[..],
+                "{what}: the {rest} tokens left differ from the skinny products'"
+            );
+        } else {
+            let tiles = run(&x, n, matmul::BatchKernel::Tiles);
+            assert!(fastest == tiles, "{what}: differ from the tiled products");
+        }
+    }
+}
