@@ -5,7 +5,6 @@ use std::sync::atomic::AtomicBool;
 
 use dequant::gpu::matmul;
 use dequant::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
-use gguf_format::GgmlType;
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stream};
 
@@ -37,14 +36,18 @@ pub(super) struct BatchInput {
 }
 
 impl BatchInput {
-    /// Whether the products of a matrix of type `ty` on `n` tokens take the batch
-    /// products ([`matmul`], f32 input) rather than the decode products (Q8 blocks for
-    /// quantized weights): past [`MAX_BATCH`] tokens always; from
-    /// [`SKINNY_FROM`] tokens where the device runs the skinny products and they take the
-    /// type (`matmul::skinny_prefers`), which are faster there (ARCHITECTURE.md says by
-    /// how much).
-    fn takes(&self, ty: GgmlType, n: usize) -> bool {
-        batched(n) || (self.skinny && n >= SKINNY_FROM && matmul::skinny_prefers(ty))
+    /// Whether the products of `m` on `n` tokens take the batch products ([`matmul`],
+    /// f32 input) rather than the decode products (Q8 blocks for quantized weights): past
+    /// [`MAX_BATCH`] tokens always; from [`SKINNY_FROM`] tokens where the device runs the
+    /// skinny products, they take the type (`matmul::skinny_prefers`) and the matrix holds
+    /// at least [`SKINNY_MIN_BYTES`], where they are faster (ARCHITECTURE.md says by how
+    /// much).
+    fn takes(&self, m: &Matrix, n: usize) -> bool {
+        batched(n)
+            || (self.skinny
+                && n >= SKINNY_FROM
+                && matmul::skinny_prefers(m.ty)
+                && matrix_bytes(m) >= SKINNY_MIN_BYTES)
     }
 
     /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
@@ -502,9 +505,22 @@ fn batched(n: usize) -> bool {
 /// faster (ARCHITECTURE.md, `dequant`).
 const SKINNY_FROM: usize = 3;
 
+/// The smallest matrix whose products of a few tokens take the skinny batch products:
+/// their shortest launch takes 5.7-9 µs, where the decode products multiply a matrix of
+/// about a megabyte (a SmolLM2-135M's) by 8 tokens in 2.7-4.5 µs (H200). A 135M's
+/// output matrix (18 MB in Q4_1) is already faster in the skinny products from 3 tokens,
+/// a 7B's (9 MB and more) from 3 as well.
+const SKINNY_MIN_BYTES: usize = 4 << 20;
+
+/// The bytes of `m`'s blocks.
+fn matrix_bytes(m: &Matrix) -> usize {
+    m.ty.row_bytes(m.cols as u64)
+        .map_or(usize::MAX, |row| row as usize * m.rows)
+}
+
 /// Whether the products of `m` on `n` tokens take Q8 blocks.
 fn takes_q8_for(m: &Matrix, n: usize, batch_in: &BatchInput) -> bool {
-    takes_q8(m.ty) && !batch_in.takes(m.ty, n)
+    takes_q8(m.ty) && !batch_in.takes(m, n)
 }
 
 /// What the products of some matrices on `n` tokens need from a norm: f32 rows, Q8
@@ -515,14 +531,15 @@ fn needs(mats: &[&Matrix], n: usize, batch_in: &BatchInput) -> (bool, bool) {
     (f32, q8)
 }
 
-/// The end of the run of matrices from `start` that share its type and width (at most
-/// three, what one product launch takes).
-fn run_end(mats: &[&Matrix], start: usize) -> usize {
+/// The end of the run of matrices from `start` that share its type, its width and its
+/// kind of product (`batch_of`) (at most three, what one product launch takes).
+fn run_end(mats: &[&Matrix], batch_of: &[bool], start: usize) -> usize {
     let mut end = start + 1;
     while end < mats.len()
         && end - start < matvec::MAX_MATRICES
         && mats[end].ty == mats[start].ty
         && mats[end].cols == mats[start].cols
+        && batch_of[end] == batch_of[start]
     {
         end += 1;
     }
@@ -545,7 +562,7 @@ fn products(
 ) -> Result<(), ModelError> {
     // For the batch products, the input once in f16 with its per-token scales, and the
     // room to split the products.
-    let batch_of: Vec<bool> = mats.iter().map(|m| batch_in.takes(m.ty, n)).collect();
+    let batch_of: Vec<bool> = mats.iter().map(|m| batch_in.takes(m, n)).collect();
     let mut batch_input = if batch_of.iter().any(|&b| b) {
         let input = f32_in.expect("f32 input prepared for the batch products");
         Some(batch_in.prepare(input, n, mats, stream)?)
@@ -556,7 +573,7 @@ fn products(
     let mut outs = outs;
     let mut start = 0;
     while start < mats.len() {
-        let end = run_end(mats, start);
+        let end = run_end(mats, &batch_of, start);
         let group = &mats[start..end];
         let gms = group
             .iter()
