@@ -370,6 +370,11 @@ impl Buffers {
         view_mut::<f32>(&mut self.x, len)
     }
 
+    /// The position counter of the contiguous layout.
+    pub fn pos_mut(&mut self) -> Result<DeviceViewMut<'_, i32>, ModelError> {
+        view_mut::<i32>(&mut self.pos, 1)
+    }
+
     /// Values per position of a layer's cached keys, and of its values.
     pub fn kv_dims(&self) -> (usize, usize) {
         let a = &self.attention;

@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use hip_backend::{Device, DeviceArena, Graph, HipError, PinnedBuffer, Stream};
+use hip_backend::{Device, DeviceArena, DeviceBuffer, Graph, HipError, PinnedBuffer, Stream};
 use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadMode, UploadOrder};
 use tensor_store::{StoreError, TensorStore};
 
@@ -708,6 +708,13 @@ impl GpuModel {
         } else {
             self.prompt_batch
         };
+        if tokens.len() > chunk_len
+            && want != Want::AllLogits
+            && self.still_arriving()
+            && self.run_by_layer(tokens, chunk_len, want)?
+        {
+            return Ok(());
+        }
         let chunks: Vec<&[u32]> = tokens.chunks(chunk_len).collect();
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.into_iter().enumerate() {
@@ -725,6 +732,130 @@ impl GpuModel {
                 self.copy_back(chunk.len(), want)?;
             }
         }
+        Ok(())
+    }
+
+    /// Whether the weights are still being uploaded into a budget that holds them all,
+    /// with every layer on the device.
+    fn still_arriving(&self) -> bool {
+        self.hold_all && self.held.is_none() && self.host.is_none() && !self.all_resident()
+    }
+
+    /// A prompt of several chunks while its weights still arrive: each layer, once
+    /// resident, runs every chunk before the next layer is waited for (a chunk's
+    /// attention needs only the keys and values of the chunks before it, which that layer
+    /// has just written). Run chunk by chunk instead, every chunk after the first would
+    /// wait for the whole upload and then run all the layers: the prompt's work would
+    /// not hide under the upload. The residual streams of the chunks wait in a device
+    /// buffer of the whole prompt, taken for this pass only; without room for it, this
+    /// returns false having run nothing.
+    fn run_by_layer(
+        &mut self,
+        tokens: &[u32],
+        chunk_len: usize,
+        want: Want,
+    ) -> Result<bool, ModelError> {
+        let d = self.config.n_embd;
+        let n_chunks = tokens.len().div_ceil(chunk_len);
+        // Without room for them, the prompt runs chunk by chunk.
+        let (Ok(mut streams), Ok(mut firsts)) = (
+            self.device.alloc::<f32>(tokens.len() * d),
+            self.device.alloc::<i32>(n_chunks),
+        ) else {
+            tracing::debug!(
+                tokens = tokens.len(),
+                "no room for the prompt's residual streams"
+            );
+            return Ok(false);
+        };
+        let result = self.layers_over_chunks(tokens, chunk_len, &mut streams, &mut firsts);
+        // Whatever happened, nothing may still use the buffers when they are freed.
+        let done = self.sync();
+        result?;
+        done?;
+        let n_last = tokens.len() - (n_chunks - 1) * chunk_len;
+        self.copy_back(n_last, want)?;
+        Ok(true)
+    }
+
+    fn layers_over_chunks(
+        &mut self,
+        tokens: &[u32],
+        chunk_len: usize,
+        streams: &mut DeviceBuffer<f32>,
+        firsts: &mut DeviceBuffer<i32>,
+    ) -> Result<(), ModelError> {
+        let gpu = |op| move |source| ModelError::Gpu { op, source };
+        let d = self.config.n_embd;
+        let chunks: Vec<&[u32]> = tokens.chunks(chunk_len).collect();
+        let start = self.len;
+        let positions: Vec<i32> = (0..chunks.len())
+            .map(|c| i32::try_from(start + c * chunk_len).unwrap_or(i32::MAX))
+            .collect();
+        self.stream
+            .write_from_host(&positions, firsts.view_mut())
+            .map_err(gpu("positions"))?;
+        let at = |c: usize, n: usize| c * chunk_len * d..(c * chunk_len + n) * d;
+        let globals = weights::Globals::fetch(&self.cache, &self.plan)?;
+        for (c, chunk) in chunks.iter().enumerate() {
+            self.write_tokens(chunk)?;
+            let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
+            forward::embed(config, &globals, bufs, chunk.len(), stream)?;
+            let dst = streams
+                .view_mut()
+                .slice_mut(at(c, chunk.len()))
+                .map_err(gpu("residual"))?;
+            stream
+                .copy_d2d_async(bufs.x_view(chunk.len() * d)?, dst)
+                .map_err(gpu("residual"))?;
+        }
+        for layer_idx in 0..self.plan.layers.len() {
+            check_stop(self.stop.as_deref())?;
+            let layer = &self.plan.layers[layer_idx];
+            let weights = LayerWeights::fetch(&self.cache, layer, self.rope_context)?;
+            let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
+            for (c, chunk) in chunks.iter().enumerate() {
+                let n = chunk.len();
+                let first = firsts.view().slice(c..c + 1).map_err(gpu("positions"))?;
+                stream
+                    .copy_d2d_async(first, bufs.pos_mut()?)
+                    .map_err(gpu("positions"))?;
+                let x = streams.view().slice(at(c, n)).map_err(gpu("residual"))?;
+                stream
+                    .copy_d2d_async(x, bufs.x_mut(n * d)?)
+                    .map_err(gpu("residual"))?;
+                forward::layer(
+                    config,
+                    layer_idx,
+                    &weights,
+                    bufs,
+                    n,
+                    Layout::Contiguous,
+                    stream,
+                )?;
+                let x = streams
+                    .view_mut()
+                    .slice_mut(at(c, n))
+                    .map_err(gpu("residual"))?;
+                stream
+                    .copy_d2d_async(bufs.x_view(n * d)?, x)
+                    .map_err(gpu("residual"))?;
+            }
+        }
+        // The last chunk's stream is still in `x`: its logits, and the position past it.
+        let last = chunks.len() - 1;
+        let n = chunks[last].len();
+        let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
+        let first = firsts
+            .view()
+            .slice(last..last + 1)
+            .map_err(gpu("positions"))?;
+        stream
+            .copy_d2d_async(first, bufs.pos_mut()?)
+            .map_err(gpu("positions"))?;
+        forward::finish(config, &globals, bufs, n, true, stream)?;
+        forward::tail(config, bufs, n, true, stream)?;
+        self.len += tokens.len();
         Ok(())
     }
 

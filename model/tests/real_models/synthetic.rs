@@ -1304,4 +1304,34 @@ mod gpu {
         }
         assert!(results.windows(2).all(|w| w[0] == w[1]), "modes differ");
     }
+
+    /// A prompt of several chunks whose weights are still to arrive (lazy: none is on the
+    /// device yet) runs layer by layer over its chunks; with every weight resident (eager)
+    /// chunk by chunk. Both run the same launches on the same values: the prompt's logits
+    /// and the decoding after it are the same bits.
+    #[test]
+    fn gpu_prompt_chunks_by_layer_give_the_chunks_bits() {
+        let test = "gpu_prompt_chunks_by_layer_give_the_chunks_bits";
+        let (_dir, _store, model) = open_spec("llama-q4_k");
+        // Four chunks of 16, the last of 3: the split attention's few-token path too.
+        let prompt: Vec<u32> = (0..51).map(|i| 1 + (i * 37) % 200).collect();
+        let mut results = Vec::new();
+        for mode in [UploadMode::Eager, UploadMode::Lazy] {
+            let Some(mut gpu) = gpu_model_with_batch(test, &model, mode, 64, 16) else {
+                return;
+            };
+            let mut rows = vec![gpu.forward(&prompt).expect("prompt")];
+            let mut token = argmax(&rows[0]) as u32;
+            for _ in 0..3 {
+                rows.push(gpu.forward(&[token]).expect("decode"));
+                token = argmax(rows.last().expect("a row")) as u32;
+            }
+            assert_eq!(gpu.len(), prompt.len() + 3, "{test}: {mode:?}: positions");
+            results.push(rows);
+        }
+        assert!(
+            results[0] == results[1],
+            "{test}: the prompt run layer by layer differs from its chunks run one by one"
+        );
+    }
 }
