@@ -978,6 +978,15 @@ __global__ void softcap_kernel(float* __restrict__ x, size_t n, float cap) {
     if (i < n) x[i] = tanhf(x[i] * (1.0f / cap)) * cap;
 }
 
+// x[at[i]] += values[i] for i < count: a sparse addition (a request's logit biases),
+// one thread an entry. The indices are distinct, so no two threads touch one value.
+__global__ void add_at_kernel(float* __restrict__ x, const int* __restrict__ at,
+                              const float* __restrict__ values, int count) {
+    rf_chain_wait();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) x[at[i]] += values[i];
+}
+
 constexpr int kArgmaxThreads = 1024;
 
 // For each row (a workgroup each) of n values: the index of the largest value (the
@@ -1230,6 +1239,15 @@ int rf_argmax(const void* x, int n, int n_rows, void* token, int device, void* s
     if (status != hipSuccess) return (int)status;
     rfLaunchChained(argmax_kernel, dim3(n_rows), dim3(kArgmaxThreads), 0, (hipStream_t)stream,
                        (const float*)x, n, (uint32_t*)token);
+    return (int)hipGetLastError();
+}
+
+int rf_add_at(void* x, const void* at, const void* values, int count, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (count < 1) return (int)hipErrorInvalidValue;
+    rfLaunchChained(add_at_kernel, dim3(blocks_for((size_t)count, 256)), dim3(256), 0,
+                    (hipStream_t)stream, (float*)x, (const int*)at, (const float*)values, count);
     return (int)hipGetLastError();
 }
 

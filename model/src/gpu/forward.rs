@@ -349,6 +349,10 @@ impl Buffers {
         view_mut::<u32>(&mut self.tokens, n)
     }
 
+    pub fn logits_mut(&mut self, len: usize) -> Result<DeviceViewMut<'_, f32>, ModelError> {
+        view_mut::<f32>(&mut self.logits, len)
+    }
+
     pub fn logits_view(&self, len: usize) -> Result<DeviceView<'_, f32>, ModelError> {
         view::<f32>(&self.logits, len)
     }
@@ -1157,12 +1161,23 @@ pub(super) fn finish_rows(
     )?;
     output_logits(config, globals, bufs, Rows::InProj, m, stream)?;
     if argmax {
-        kernels::argmax(
-            view(&bufs.logits, m * config.n_vocab)?,
-            view_mut::<u32>(&mut bufs.tokens, m)?,
-            stream,
-        )?;
+        argmax_rows(config, bufs, m, stream)?;
     }
+    Ok(())
+}
+
+/// The greedy token of each of the first `m` rows of logits into `tokens`.
+pub(super) fn argmax_rows(
+    config: &ModelConfig,
+    bufs: &mut Buffers,
+    m: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    kernels::argmax(
+        view(&bufs.logits, m * config.n_vocab)?,
+        view_mut::<u32>(&mut bufs.tokens, m)?,
+        stream,
+    )?;
     Ok(())
 }
 

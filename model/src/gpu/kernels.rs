@@ -285,6 +285,14 @@ mod sys {
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
+        pub(super) fn rf_add_at(
+            x: *mut c_void,
+            at: *const c_void,
+            values: *const c_void,
+            count: c_int,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
         pub(super) fn rf_select_rows(
             src: *const c_void,
             dim: c_int,
@@ -973,6 +981,38 @@ pub fn argmax(
         small(K, "values", x.len() / rows)?,
         small(K, "rows", rows)?,
         token.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `x[at[i]] += values[i]` for every entry: a sparse addition (logit biases). The
+/// indices are the caller's to keep within `x` and distinct (the forward pass checks
+/// them on the host before it copies them over).
+pub fn add_at(
+    mut x: DeviceViewMut<'_, f32>,
+    at: DeviceView<'_, i32>,
+    values: DeviceView<'_, f32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "add_at";
+    expect(K, "the values", values.len(), at.len())?;
+    expect_at_least(K, "entries", at.len(), 1)?;
+    let device = on_device(
+        stream,
+        &[
+            x.device_ordinal(),
+            at.device_ordinal(),
+            values.device_ordinal(),
+        ],
+    )?;
+    launch!(
+        rf_add_at,
+        "add_at",
+        x.as_mut_ptr(),
+        at.as_ptr(),
+        values.as_ptr(),
+        small(K, "entries", at.len())?,
         device,
         stream.as_raw(),
     )

@@ -154,6 +154,9 @@ pub struct GpuModel {
     batch_steps: HashMap<(usize, bool), Graph>,
     /// Whether paged decode steps replay captured graphs ([`GpuModel::set_batch_graphs`]).
     batch_graphs: bool,
+    /// [`GpuModel::forward_batch_argmax_biased`]'s entries (indices, then the values'
+    /// bits), staged and on the device; grown as needed.
+    bias_room: Option<(PinnedBuffer<i32>, DeviceBuffer<i32>)>,
     host_tokens: PinnedBuffer<u32>,
     host_logits: PinnedBuffer<f32>,
     /// When the last tensor of the upload order first became resident.
@@ -377,6 +380,7 @@ impl GpuModel {
             step: None,
             batch_steps: HashMap::new(),
             batch_graphs: true,
+            bias_room: None,
             host_tokens,
             host_logits,
             uploaded,
@@ -517,7 +521,7 @@ impl GpuModel {
     /// segments' order). At most `prompt_batch` tokens and `max_sequences` segments;
     /// every table must cover its segment's positions with blocks of the cache.
     pub fn forward_batch(&mut self, segments: &[BatchSegment<'_>]) -> Result<&[f32], ModelError> {
-        let m = self.eval_batch(segments, false)?;
+        let m = self.eval_batch(segments, BatchOut::Logits)?;
         self.logits(m)
     }
 
@@ -527,17 +531,87 @@ impl GpuModel {
         &mut self,
         segments: &[BatchSegment<'_>],
     ) -> Result<Vec<u32>, ModelError> {
-        let m = self.eval_batch(segments, true)?;
+        let m = self.eval_batch(segments, BatchOut::Tokens)?;
+        Ok(self.greedy_tokens(m)?.to_vec())
+    }
+
+    /// As [`GpuModel::forward_batch_argmax`], each row's logits first added `biases`
+    /// on the device: `(row, token, bias)`, `row` counting the segments that ask for
+    /// logits, at most one entry per row and token. The greedy token of each biased row,
+    /// the same as adding the biases to [`GpuModel::forward_batch`]'s rows (f32 adds) and
+    /// taking their first highest logit; only the tokens come back.
+    pub fn forward_batch_argmax_biased(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+        biases: &[(usize, u32, f32)],
+    ) -> Result<Vec<u32>, ModelError> {
+        if biases.is_empty() {
+            return self.forward_batch_argmax(segments);
+        }
+        let n_vocab = self.config.n_vocab;
+        let rows = segments.iter().filter(|s| s.logits).count();
+        let mut at: Vec<i32> = Vec::with_capacity(biases.len());
+        for &(row, token, _) in biases {
+            let index = row * n_vocab + token as usize;
+            if row >= rows || token as usize >= n_vocab || index > i32::MAX as usize {
+                return Err(ModelError::InvalidBatch(format!(
+                    "a bias of token {token} in row {row}, but the batch has {rows} rows of                      {n_vocab} logits"
+                )));
+            }
+            at.push(index as i32);
+        }
+        let mut distinct = at.clone();
+        distinct.sort_unstable();
+        if distinct.windows(2).any(|w| w[0] == w[1]) {
+            return Err(ModelError::InvalidBatch(
+                "two biases of one token in one row".into(),
+            ));
+        }
+        let m = self.eval_batch(segments, BatchOut::OnDevice)?;
+        let gpu = |op| move |source| ModelError::Gpu { op, source };
+        let count = at.len();
+        let room = match self.bias_room.take() {
+            Some(room) if room.0.len() >= 2 * count => room,
+            _ => (
+                self.device
+                    .alloc_pinned::<i32>(2 * count)
+                    .map_err(gpu("pinned"))?,
+                self.device.alloc::<i32>(2 * count).map_err(gpu("biases"))?,
+            ),
+        };
+        let (host, device) = self.bias_room.insert(room);
+        {
+            let staged = host.as_mut_slice().map_err(gpu("writing the biases"))?;
+            staged[..count].copy_from_slice(&at);
+            for (dst, &(_, _, bias)) in staged[count..2 * count].iter_mut().zip(biases) {
+                *dst = bias.to_bits() as i32;
+            }
+        }
+        let view = device.view_mut();
+        let view = view.slice_mut(0..2 * count).map_err(gpu("biases"))?;
+        self.stream
+            .copy_h2d_async(host, 0..2 * count, view)
+            .map_err(gpu("copying the biases"))?;
+        let entries = device.view();
+        let at = entries.slice(0..count).map_err(gpu("biases"))?;
+        let values = entries
+            .slice(count..2 * count)
+            .and_then(|v| v.cast::<f32>())
+            .map_err(gpu("biases"))?;
+        kernels::add_at(self.bufs.logits_mut(m * n_vocab)?, at, values, &self.stream)?;
+        forward::argmax_rows(&self.config, &mut self.bufs, m, &self.stream)?;
+        self.copy_rows_back(m, true)?;
         Ok(self.greedy_tokens(m)?.to_vec())
     }
 
     /// Checks a batch against the cache, lays it out in device memory, runs it and
-    /// copies back its logits (or greedy tokens): returns how many rows.
+    /// copies back its logits or greedy tokens, as `out` says: returns how many rows.
     fn eval_batch(
         &mut self,
         segments: &[BatchSegment<'_>],
-        argmax: bool,
+        out: BatchOut,
     ) -> Result<usize, ModelError> {
+        let argmax = out == BatchOut::Tokens;
         let bad = |what: String| Err(ModelError::InvalidBatch(what));
         let Some((shape, _)) = &self.pages else {
             return bad("the model was set up without a paged cache (GpuModel::with_pages)".into());
@@ -658,7 +732,9 @@ impl GpuModel {
         if m == 0 {
             return self.sync().map(|()| 0);
         }
-        self.copy_rows_back(m, argmax)?;
+        if out != BatchOut::OnDevice {
+            self.copy_rows_back(m, argmax)?;
+        }
         Ok(m)
     }
 
@@ -1114,6 +1190,15 @@ impl GpuModel {
         self.len = len;
         Ok(())
     }
+}
+
+/// What a paged batch leaves: its rows of logits copied back, its greedy tokens copied
+/// back, or its logits on the device (for more work there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BatchOut {
+    Logits,
+    Tokens,
+    OnDevice,
 }
 
 /// How a forward pass ends: the logits (and greedy token) of one sequence's last token or

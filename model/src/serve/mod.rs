@@ -377,13 +377,14 @@ struct Sequence<'t> {
 }
 
 impl Sequence<'_> {
-    /// Whether its next token is the first highest logit as the model gives it: greedy,
-    /// with no penalty and no bias.
-    fn takes_plain_argmax(&self) -> bool {
+    /// Whether its next token is the first highest logit of the model's logits with its
+    /// biases added (as [`Sequence::choose`] adds them): greedy, with no penalty, and
+    /// biases of distinct tokens (the device adds them all at once).
+    fn takes_device_argmax(&self) -> bool {
         self.sampler.is_plain_greedy()
-            && self.logit_bias.is_empty()
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
+            && distinct_tokens(&self.logit_bias)
     }
 
     fn send(&mut self, event: Event) -> bool {
@@ -757,18 +758,26 @@ impl<'m> Loop<'m> {
         }
         let computed: usize = feed.iter().sum();
         // On the GPU, when every sequence that takes a token this step takes the first
-        // highest logit as it is, the device picks them and only the tokens come back.
+        // highest logit (its biases added), the device adds the biases and picks them,
+        // and only the tokens come back.
         let argmax = self.gpu.is_some()
             && self
                 .running
                 .iter()
                 .zip(&segments)
                 .filter(|(_, s)| s.logits)
-                .all(|(seq, _)| seq.takes_plain_argmax());
+                .all(|(seq, _)| seq.takes_device_argmax());
         let forward_began = Instant::now();
         let logits = &mut self.logits;
         let result = match &mut self.gpu {
-            Some(gpu) if argmax => gpu_step_argmax(gpu, &segments).map(StepOut::Tokens),
+            Some(gpu) if argmax => {
+                let biases: Vec<&[(TokenId, f32)]> = self
+                    .running
+                    .iter()
+                    .map(|seq| seq.logit_bias.as_slice())
+                    .collect();
+                gpu_step_argmax(gpu, &segments, &biases).map(StepOut::Tokens)
+            }
             Some(gpu) => gpu_step(gpu, &segments, logits).map(|()| StepOut::Logits),
             None => batch::forward_batch(
                 self.model.config(),
@@ -993,38 +1002,63 @@ fn gpu_step(
     logits: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
     logits.clear();
-    in_batches(gpu, segments, |gpu, batch| {
+    in_batches(gpu, segments, |gpu, batch, _| {
         logits.extend_from_slice(gpu.forward_batch(batch)?);
         Ok(())
     })
 }
 
-/// As [`gpu_step`], the greedy tokens taken on the device instead of the logits.
-fn gpu_step_argmax(gpu: &mut GpuModel, segments: &[Segment<'_>]) -> Result<Vec<u32>, ModelError> {
+/// As [`gpu_step`], the greedy tokens taken on the device instead of the logits, each
+/// segment's row first added its `biases` there.
+fn gpu_step_argmax(
+    gpu: &mut GpuModel,
+    segments: &[Segment<'_>],
+    biases: &[&[(TokenId, f32)]],
+) -> Result<Vec<u32>, ModelError> {
     let mut tokens = Vec::new();
-    in_batches(gpu, segments, |gpu, batch| {
-        tokens.extend(gpu.forward_batch_argmax(batch)?);
+    let mut entries = Vec::new();
+    in_batches(gpu, segments, |gpu, batch, origins| {
+        entries.clear();
+        let rows = batch.iter().zip(origins).filter(|(s, _)| s.logits);
+        for (row, (_, &origin)) in rows.enumerate() {
+            entries.extend(biases[origin].iter().map(|&(t, b)| (row, t, b)));
+        }
+        tokens.extend(gpu.forward_batch_argmax_biased(batch, &entries)?);
         Ok(())
     })?;
     Ok(tokens)
 }
 
+/// Whether no token appears twice among `biases`.
+fn distinct_tokens(biases: &[(TokenId, f32)]) -> bool {
+    match biases.len() {
+        0 | 1 => true,
+        _ => {
+            let mut tokens: Vec<TokenId> = biases.iter().map(|&(t, _)| t).collect();
+            tokens.sort_unstable();
+            tokens.windows(2).all(|w| w[0] != w[1])
+        }
+    }
+}
+
 /// Runs `segments` through `run` in batches of at most the model's batch of tokens, in
-/// order.
+/// order; `run` also gets, for each of the batch's pieces, the index of its segment.
 fn in_batches(
     gpu: &mut GpuModel,
     segments: &[Segment<'_>],
-    mut run: impl FnMut(&mut GpuModel, &[BatchSegment<'_>]) -> Result<(), ModelError>,
+    mut run: impl FnMut(&mut GpuModel, &[BatchSegment<'_>], &[usize]) -> Result<(), ModelError>,
 ) -> Result<(), ModelError> {
     let room = gpu.prompt_batch().max(MAX_BATCH);
     let mut batch: Vec<BatchSegment<'_>> = Vec::new();
+    let mut origins: Vec<usize> = Vec::new();
     let mut used = 0;
-    for seg in segments {
+    for (origin, seg) in segments.iter().enumerate() {
         let mut first = 0;
         while first < seg.tokens.len() {
             if used == room {
-                run(gpu, &batch)?;
+                run(gpu, &batch, &origins)?;
                 batch.clear();
+                origins.clear();
                 used = 0;
             }
             let take = (seg.tokens.len() - first).min(room - used);
@@ -1034,12 +1068,13 @@ fn in_batches(
                 table: seg.table,
                 logits: seg.logits && first + take == seg.tokens.len(),
             });
+            origins.push(origin);
             used += take;
             first += take;
         }
     }
     if !batch.is_empty() {
-        run(gpu, &batch)?;
+        run(gpu, &batch, &origins)?;
     }
     Ok(())
 }

@@ -977,6 +977,35 @@ mod gpu {
                 .map(|r| argmax(r) as u32)
                 .collect();
             assert_eq!(tokens, want, "{test}: step {step}: device argmax");
+            // And with biases added on the device (each row's best token banned, another
+            // raised): the first highest of the rows with the biases added here.
+            let nv = n_vocab as usize;
+            let biases: Vec<(usize, u32, f32)> = want
+                .iter()
+                .enumerate()
+                .flat_map(|(row, &top)| {
+                    let other = (top + 1 + 7 * row as u32) % n_vocab;
+                    [(row, top, f32::NEG_INFINITY), (row, other, 0.75)]
+                })
+                .collect();
+            let biased = gpu
+                .forward_batch_argmax_biased(&segments, &biases)
+                .expect("biased argmax batch");
+            let want: Vec<u32> = logits
+                .chunks(nv)
+                .enumerate()
+                .map(|(row, r)| {
+                    let mut r = r.to_vec();
+                    for &(_, t, b) in biases.iter().filter(|e| e.0 == row) {
+                        r[t as usize] += b;
+                    }
+                    argmax(&r) as u32
+                })
+                .collect();
+            assert_eq!(
+                biased, want,
+                "{test}: step {step}: device argmax of biased rows"
+            );
         }
         assert_eq!(
             rows_checked,
