@@ -121,7 +121,16 @@ fn read_ahead(args: &GenerateArgs, model: &Model) -> Option<ReadAhead> {
     if off || args.device == DeviceArg::Cpu || args.load_mode == LoadModeArg::Lazy {
         return None;
     }
-    let order = UploadOrder::by_layer(model.plan().handles());
+    // The forward pass asks for the embeddings, the final norm and the output matrix
+    // before its first layer, and the device cache uploads what is asked for first: in
+    // that order here too, so the readers find those in the page cache as well.
+    let plan = model.plan();
+    let globals = [
+        &plan.token_embd.weight,
+        &plan.output_norm.handle,
+        &plan.output.weight,
+    ];
+    let order = UploadOrder::by_layer(globals.into_iter().chain(plan.handles()));
     match ReadAhead::when_cold(&order) {
         Ok(ahead) => {
             if let Some(ahead) = &ahead {
