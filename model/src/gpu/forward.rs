@@ -615,7 +615,8 @@ fn products(
     Ok(())
 }
 
-/// The embedding rows of the `n` tokens in `bufs.tokens`, decoded into `x`.
+/// The embedding rows of the `n` tokens in `bufs.tokens`, decoded into `x` (the
+/// embeddings on the device: `globals.token_embd`).
 pub(super) fn embed(
     config: &ModelConfig,
     globals: &Globals,
@@ -623,7 +624,9 @@ pub(super) fn embed(
     n: usize,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    let table = &globals.token_embd;
+    let Some(table) = &globals.token_embd else {
+        unreachable!("the embeddings are fetched for every pass that embeds on the device")
+    };
     kernels::gather_rows(
         table.bytes()?,
         bufs.row_bytes,

@@ -130,6 +130,8 @@ pub struct GpuModel {
     /// Every weight pinned, once all have been used and the budget holds them all.
     held: Option<Held>,
     hold_all: bool,
+    /// Over budget: the embeddings are gathered from the file on the host, not uploaded.
+    embed_on_host: bool,
     /// When the budget is smaller than the model: how many of the first layers stay
     /// resident (held once fetched), and those layers; the others pass through the
     /// cache's remaining room, layer by layer.
@@ -283,6 +285,16 @@ impl GpuModel {
         };
         let arena_bytes = budget.min(model_bytes);
         let hold_all = arena_bytes >= model_bytes;
+        // Over budget, the embeddings stay in the file: a pass gathers its few rows on the
+        // host, and their room holds more layers (unless they are the output matrix too).
+        let embed_on_host =
+            !hold_all && plan.token_embd.weight.index() != plan.output.weight.index();
+        let order = if embed_on_host {
+            let embd = plan.token_embd.weight.index();
+            UploadOrder::by_layer(plan.handles().into_iter().filter(|h| h.index() != embd))
+        } else {
+            order
+        };
         // A paged batch streams every layer it does not hold, with room for two so that
         // the next arrives while one runs. One sequence streams only its long chunks, and
         // its decode steps run those layers on the host: every layer held is one the host
@@ -369,6 +381,7 @@ impl GpuModel {
             cache,
             held: None,
             hold_all,
+            embed_on_host,
             keep_layers,
             stream_keep,
             kept: Vec::new(),
@@ -872,7 +885,7 @@ impl GpuModel {
             .write_from_host(&positions, firsts.view_mut())
             .map_err(gpu("positions"))?;
         let at = |c: usize, n: usize| c * chunk_len * d..(c * chunk_len + n) * d;
-        let globals = weights::Globals::fetch(&self.cache, &self.plan)?;
+        let globals = weights::Globals::fetch(&self.cache, &self.plan, true)?;
         for (c, chunk) in chunks.iter().enumerate() {
             self.write_tokens(chunk)?;
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
@@ -1114,8 +1127,22 @@ impl GpuModel {
             self.kept.truncate(self.stream_keep);
             self.stream_keep
         };
-        let globals = weights::Globals::fetch(&self.cache, &self.plan)?;
-        forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
+        let globals = weights::Globals::fetch(&self.cache, &self.plan, !self.embed_on_host)?;
+        if self.embed_on_host {
+            // The tokens of this pass are the first `n` the host staged.
+            let gpu = |op| move |source| ModelError::Gpu { op, source };
+            let tokens = self
+                .host_tokens
+                .as_slice()
+                .map_err(gpu("reading the tokens"))?;
+            let x = crate::forward::embed(&self.config, &self.plan.token_embd, &tokens[..n])?;
+            let d = self.config.n_embd;
+            self.stream
+                .write_from_host(&x, self.bufs.x_mut(n * d)?)
+                .map_err(gpu("copying the embeddings"))?;
+        } else {
+            forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
+        }
         for layer_idx in 0..device_layers {
             if let Err(stopped) = check_stop(self.stop.as_deref()) {
                 // `globals` is released on return: its readers must have finished.

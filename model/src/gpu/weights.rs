@@ -215,18 +215,23 @@ impl LayerWeights {
 
 /// The weights outside the blocks.
 pub(super) struct Globals {
-    pub token_embd: Matrix,
+    /// `None` when the embeddings are gathered on the host (a model over its budget).
+    pub token_embd: Option<Matrix>,
     pub output_norm: Norm,
     pub output: Matrix,
 }
 
 impl Globals {
+    /// The shared tensors; the embeddings only when `embed_on_device`.
     pub fn fetch(
         cache: &DeviceCache<HipTarget>,
         plan: &ExecutionPlan,
+        embed_on_device: bool,
     ) -> Result<Globals, ModelError> {
         Ok(Globals {
-            token_embd: Matrix::fetch(cache, &plan.token_embd)?,
+            token_embd: embed_on_device
+                .then(|| Matrix::fetch(cache, &plan.token_embd))
+                .transpose()?,
             output_norm: Norm::fetch(cache, &plan.output_norm)?,
             output: Matrix::fetch(cache, &plan.output)?,
         })
@@ -245,7 +250,7 @@ impl Held {
         plan: &ExecutionPlan,
         context: RopeContext,
     ) -> Result<Held, ModelError> {
-        let globals = Globals::fetch(cache, plan)?;
+        let globals = Globals::fetch(cache, plan, true)?;
         let layers = plan
             .layers
             .iter()

@@ -1256,9 +1256,23 @@ mod gpu {
         // The full upload's passes, and the tokens it decoded (the others decode the same).
         let mut full: Vec<Vec<f32>> = Vec::new();
         let mut decoded: Vec<u32> = Vec::new();
-        // Below the model's size, above what the shared tensors (this small model's
-        // embeddings are most of it) and a passing layer take.
-        for budget in [None, Some(weights * 9 / 10), Some(weights * 3 / 4)] {
+        // Below the model's size, above what the shared tensors and a passing layer
+        // take. Over budget the embeddings (most of this small model) stay on the host,
+        // so the budgets hold the output and part of the layers.
+        let plan = model.plan();
+        let embd = plan.token_embd.weight.size();
+        let layers: u64 = plan
+            .handles()
+            .iter()
+            .filter(|h| h.name().starts_with("blk."))
+            .map(|h| h.size())
+            .sum();
+        let shared = weights - embd - layers;
+        for budget in [
+            None,
+            Some(shared + layers * 9 / 10),
+            Some(shared + layers * 3 / 4),
+        ] {
             let options = GpuOptions {
                 device: 0,
                 mode: UploadMode::Background,
