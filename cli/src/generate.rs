@@ -16,7 +16,7 @@ use model::sampling::{defaults, SamplingParams, Xoshiro256};
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
 use serde_json::json;
-use tensor_store::device::{ReadAhead, UploadOrder};
+use tensor_store::device::ReadAhead;
 use tensor_store::{LoadMode, TensorStore};
 
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
@@ -112,26 +112,17 @@ pub struct GenerateArgs {
 /// Set to `0`, a GPU's upload reads a cold model file with its readers alone.
 pub const READ_AHEAD_ENV: &str = "ROCMFORGE_READ_AHEAD";
 
-/// Starts reading the model's weights into the page cache in upload order when the GPU
-/// may compute, the upload runs ahead of use (eager or background) and the page cache
-/// holds less than half of the file ([`ReadAhead::when_cold`]). It only helps: a failure
-/// to start it is logged, not returned.
+/// Starts reading the model's weights into the page cache in the order a GPU pass first
+/// takes them ([`model::gpu::first_use_order`]) when the GPU may compute, the upload runs
+/// ahead of use (eager or background) and the page cache holds less than half of the
+/// file ([`ReadAhead::when_cold`]). It only helps: a failure to start it is logged, not
+/// returned.
 fn read_ahead(args: &GenerateArgs, model: &Model) -> Option<ReadAhead> {
     let off = std::env::var_os(READ_AHEAD_ENV).is_some_and(|v| v == "0");
     if off || args.device == DeviceArg::Cpu || args.load_mode == LoadModeArg::Lazy {
         return None;
     }
-    // The forward pass asks for the embeddings, the final norm and the output matrix
-    // before its first layer, and the device cache uploads what is asked for first: in
-    // that order here too, so the readers find those in the page cache as well.
-    let plan = model.plan();
-    let globals = [
-        &plan.token_embd.weight,
-        &plan.output_norm.handle,
-        &plan.output.weight,
-    ];
-    let order = UploadOrder::by_layer(globals.into_iter().chain(plan.handles()));
-    match ReadAhead::when_cold(&order) {
+    match ReadAhead::when_cold(&model::gpu::first_use_order(model)) {
         Ok(ahead) => {
             if let Some(ahead) = &ahead {
                 tracing::info!(
@@ -220,8 +211,8 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let tokenizer = Tokenizer::from_metadata(store.metadata())
         .with_context(|| format!("{}: tokenizer", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
-    // A cold file streams into the page cache, in upload order, while the GPU runtime
-    // starts; the upload's readers then find it there.
+    // A cold file streams into the page cache, in the order the upload takes it, while
+    // the GPU runtime starts; the upload's readers then find it there.
     let _read_ahead = read_ahead(args, &model);
     let planned_at = Instant::now();
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;

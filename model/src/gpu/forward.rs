@@ -47,7 +47,7 @@ impl BatchInput {
             || (self.skinny
                 && n >= SKINNY_FROM
                 && matmul::skinny_prefers(m.ty)
-                && matrix_bytes(m) >= SKINNY_MIN_BYTES)
+                && m.byte_len() >= SKINNY_MIN_BYTES)
     }
 
     /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
@@ -520,12 +520,6 @@ const SKINNY_FROM: usize = 3;
 /// output matrix (18 MB in Q4_1) is already faster in the skinny products from 3 tokens,
 /// a 7B's (9 MB and more) from 3 as well.
 const SKINNY_MIN_BYTES: usize = 4 << 20;
-
-/// The bytes of `m`'s blocks.
-fn matrix_bytes(m: &Matrix) -> usize {
-    m.ty.row_bytes(m.cols as u64)
-        .map_or(usize::MAX, |row| row as usize * m.rows)
-}
 
 /// Whether the products of `m` on `n` tokens take Q8 blocks.
 fn takes_q8_for(m: &Matrix, n: usize, batch_in: &BatchInput) -> bool {
@@ -1194,11 +1188,7 @@ pub(super) fn tail(
     stream: &Stream,
 ) -> Result<(), ModelError> {
     if last_only {
-        kernels::argmax(
-            view(&bufs.logits, config.n_vocab)?,
-            view_mut::<u32>(&mut bufs.tokens, 1)?,
-            stream,
-        )?;
+        argmax_rows(config, bufs, 1, stream)?;
     }
     kernels::advance(view_mut::<i32>(&mut bufs.pos, 1)?, n, stream)?;
     Ok(())

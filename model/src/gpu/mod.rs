@@ -121,6 +121,20 @@ pub enum Want {
     AllLogits,
 }
 
+/// The order in which a [`GpuModel`]'s first pass takes `model`'s tensors from its
+/// device cache: the embeddings, the final norm and the output matrix (fetched before
+/// the first layer, so the cache uploads them first), then layer by layer. What to read
+/// ahead of the upload ([`tensor_store::device::ReadAhead`]).
+pub fn first_use_order(model: &Model) -> UploadOrder {
+    let plan = model.plan();
+    let globals = [
+        &plan.token_embd.weight,
+        &plan.output_norm.handle,
+        &plan.output.weight,
+    ];
+    UploadOrder::by_layer(globals.into_iter().chain(plan.handles()))
+}
+
 /// A model whose forward pass runs on a GPU, with its KV cache there.
 pub struct GpuModel {
     config: ModelConfig,
@@ -568,7 +582,8 @@ impl GpuModel {
             let index = row * n_vocab + token as usize;
             if row >= rows || token as usize >= n_vocab || index > i32::MAX as usize {
                 return Err(ModelError::InvalidBatch(format!(
-                    "a bias of token {token} in row {row}, but the batch has {rows} rows of                      {n_vocab} logits"
+                    "a bias of token {token} in row {row}, but the batch has {rows} rows of \
+                     {n_vocab} logits"
                 )));
             }
             at.push(index as i32);
@@ -1086,9 +1101,8 @@ impl GpuModel {
                 forward::finish_rows(config, globals, bufs, batch, argmax, stream)
             }
         };
-        if self.held.is_some() || (self.hold_all && self.all_resident()) {
-            self.ensure_held()?;
-            let held = self.held.as_ref().expect("just ensured");
+        if self.can_hold()? {
+            let held = self.held.as_ref().expect("can_hold returned true");
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
             forward::body(
                 config,

@@ -28,6 +28,11 @@ pub(super) struct Matrix {
 }
 
 impl Matrix {
+    /// The bytes of its blocks.
+    pub fn byte_len(&self) -> usize {
+        self.range.len()
+    }
+
     fn fetch(cache: &DeviceCache<HipTarget>, lin: &Linear) -> Result<Matrix, ModelError> {
         let ty = lin.weight.ggml_type();
         let range = row_range(lin).ok_or_else(|| ModelError::TensorShape {

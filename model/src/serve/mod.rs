@@ -364,6 +364,8 @@ struct Sequence<'t> {
     presence_penalty: f32,
     frequency_penalty: f32,
     logit_bias: Vec<(TokenId, f32)>,
+    /// Whether no token appears twice in `logit_bias` (the device adds them all at once).
+    bias_distinct: bool,
     /// Occurrences of each generated token (for the OpenAI penalties).
     counts: HashMap<TokenId, u32>,
     cancel: Arc<AtomicBool>,
@@ -384,7 +386,7 @@ impl Sequence<'_> {
         self.sampler.is_plain_greedy()
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
-            && distinct_tokens(&self.logit_bias)
+            && self.bias_distinct
     }
 
     fn send(&mut self, event: Event) -> bool {
@@ -563,6 +565,7 @@ impl<'m> Loop<'m> {
                     stop: StopMatcher::new(request.stop),
                     presence_penalty: request.presence_penalty,
                     frequency_penalty: request.frequency_penalty,
+                    bias_distinct: distinct_tokens(&request.logit_bias),
                     logit_bias: request.logit_bias,
                     counts: HashMap::new(),
                     cancel: request.cancel,
