@@ -112,13 +112,28 @@ struct HalfDecode {
     static constexpr bool kHas = false;
 };
 
-// Eight bytes at p (any alignment), little-endian words.
+// Eight and sixteen bytes at p (any alignment), little-endian words. Off a word
+// boundary, from the aligned words that overlap them (an aligned word holding a byte of a
+// buffer lies in that buffer's page and allocation), shifted into place: a staged Q6_K
+// block (210 bytes) is often only 2-byte aligned, and byte loads cost four times as many
+// shared-memory reads.
 __device__ __forceinline__ uint2 load8(const uint8_t* p) {
-    if (((uintptr_t)p & 3) == 0) {
-        return make_uint2(*reinterpret_cast<const uint32_t*>(p),
-                          *reinterpret_cast<const uint32_t*>(p + 4));
-    }
-    return make_uint2(u32_at(p), u32_at(p + 4));
+    const uintptr_t a = (uintptr_t)p;
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(a & ~(uintptr_t)3);
+    const uint32_t s = 8 * (uint32_t)(a & 3);
+    if (s == 0) return make_uint2(w[0], w[1]);
+    const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
+    return make_uint2(__funnelshift_r(w0, w1, s), __funnelshift_r(w1, w2, s));
+}
+__device__ __forceinline__ uint4 load16(const uint8_t* p) {
+    const uintptr_t a = (uintptr_t)p;
+    if ((a & 15) == 0) return *reinterpret_cast<const uint4*>(p);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(a & ~(uintptr_t)3);
+    const uint32_t s = 8 * (uint32_t)(a & 3);
+    if (s == 0) return make_uint4(w[0], w[1], w[2], w[3]);
+    const uint32_t w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4];
+    return make_uint4(__funnelshift_r(w0, w1, s), __funnelshift_r(w1, w2, s),
+                      __funnelshift_r(w2, w3, s), __funnelshift_r(w3, w4, s));
 }
 
 // The four bytes of `bytes` (each below 1024) as halves 1024 + byte, two pairs.
@@ -147,68 +162,121 @@ __device__ __forceinline__ uint4 scaled_halves(uint2 q, float offset, __half2 sc
     return out;
 }
 
+// Each specialization decodes eight values at j (decode8h) and sixteen at j, a multiple
+// of 16 (decode16h): the sixteen share their block's and sub-block's scales, worked out
+// once. decode16h gives decode8h's values at j and j + 8, bit for bit.
 template <>
 struct HalfDecode<Q8_0> {
     static constexpr bool kHas = true;
+    static __device__ __forceinline__ __half2 scale(const uint8_t* b) {
+        return __half2half2(__ushort_as_half((unsigned short)u16_at(b)));
+    }
     static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
-        const __half2 d = __half2half2(__ushort_as_half((unsigned short)u16_at(b)));
         // Signed bytes as q + 128.
         const uint2 q = load8(b + 2 + j);
-        return scaled_halves(make_uint2(q.x ^ 0x80808080u, q.y ^ 0x80808080u), 128.0f, d);
+        return scaled_halves(make_uint2(q.x ^ 0x80808080u, q.y ^ 0x80808080u), 128.0f, scale(b));
+    }
+    static __device__ __forceinline__ void decode16h(const uint8_t* b, int j, uint4 (&out)[2]) {
+        const __half2 d = scale(b);
+        const uint4 q = load16(b + 2 + j);
+        out[0] = scaled_halves(make_uint2(q.x ^ 0x80808080u, q.y ^ 0x80808080u), 128.0f, d);
+        out[1] = scaled_halves(make_uint2(q.z ^ 0x80808080u, q.w ^ 0x80808080u), 128.0f, d);
     }
 };
 
 template <>
 struct HalfDecode<Q4_0> {
     static constexpr bool kHas = true;
+    static __device__ __forceinline__ uint2 nibbles(uint32_t x, uint32_t y, int shift) {
+        return make_uint2((x >> shift) & 0x0F0F0F0Fu, (y >> shift) & 0x0F0F0F0Fu);
+    }
     static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
-        const __half2 d = __half2half2(__ushort_as_half((unsigned short)u16_at(b)));
+        const __half2 d = HalfDecode<Q8_0>::scale(b);
         const uint2 raw = load8(b + 2 + (j & 15));
+        return scaled_halves(nibbles(raw.x, raw.y, (j & 16) ? 4 : 0), 8.0f, d);
+    }
+    static __device__ __forceinline__ void decode16h(const uint8_t* b, int j, uint4 (&out)[2]) {
+        const __half2 d = HalfDecode<Q8_0>::scale(b);
+        const uint4 raw = load16(b + 2);
         const int shift = (j & 16) ? 4 : 0;
-        const uint2 q = make_uint2((raw.x >> shift) & 0x0F0F0F0Fu, (raw.y >> shift) & 0x0F0F0F0Fu);
-        return scaled_halves(q, 8.0f, d);
+        out[0] = scaled_halves(nibbles(raw.x, raw.y, shift), 8.0f, d);
+        out[1] = scaled_halves(nibbles(raw.z, raw.w, shift), 8.0f, d);
     }
 };
 
 template <>
 struct HalfDecode<Q6_K> {
     static constexpr bool kHas = true;
+    // Eight quants at l of the 32 that share quarter `quarter` of half h: their low four
+    // bits from `low`, their high two from `high`.
+    static __device__ __forceinline__ uint2 quants(uint32_t lx, uint32_t ly, uint32_t hx,
+                                                   uint32_t hy, int quarter) {
+        const int s1 = 4 * (quarter / 2), s2 = 2 * quarter;
+        return make_uint2(((lx >> s1) & 0x0F0F0F0Fu) | (((hx >> s2) & 0x03030303u) << 4),
+                          ((ly >> s1) & 0x0F0F0F0Fu) | (((hy >> s2) & 0x03030303u) << 4));
+    }
+    static __device__ __forceinline__ __half2 scale(const uint8_t* b, int j) {
+        return __float2half2_rn(mul(f16_at(b + 208), small_int_f32((int8_t)b[192 + j / 16])));
+    }
     static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
-        const float dl = mul(f16_at(b + 208), small_int_f32((int8_t)b[192 + j / 16]));
         const int h = j / 128, quarter = (j % 128) / 32, l = j % 32;
         const uint2 low = load8(b + 64 * h + 32 * (quarter % 2) + l);
         const uint2 high = load8(b + 128 + 32 * h + l);
-        const int s1 = 4 * (quarter / 2), s2 = 2 * quarter;
-        const uint2 q = make_uint2(
-            ((low.x >> s1) & 0x0F0F0F0Fu) | (((high.x >> s2) & 0x03030303u) << 4),
-            ((low.y >> s1) & 0x0F0F0F0Fu) | (((high.y >> s2) & 0x03030303u) << 4));
-        return scaled_halves(q, 32.0f, __float2half2_rn(dl));
+        return scaled_halves(quants(low.x, low.y, high.x, high.y, quarter), 32.0f, scale(b, j));
+    }
+    static __device__ __forceinline__ void decode16h(const uint8_t* b, int j, uint4 (&out)[2]) {
+        const __half2 dl = scale(b, j);
+        const int h = j / 128, quarter = (j % 128) / 32, l = j % 32;
+        const uint4 low = load16(b + 64 * h + 32 * (quarter % 2) + l);
+        const uint4 high = load16(b + 128 + 32 * h + l);
+        out[0] = scaled_halves(quants(low.x, low.y, high.x, high.y, quarter), 32.0f, dl);
+        out[1] = scaled_halves(quants(low.z, low.w, high.z, high.w, quarter), 32.0f, dl);
     }
 };
 
 template <>
 struct HalfDecode<Q4_K> {
     static constexpr bool kHas = true;
-    static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
-        const int g = j / 32;
+    // Sub-block g's factors: sc · q = q' · sc - 1024 · sc for q' = 1024 + q (one fused
+    // multiply-add, exact: the result is an integer below 2^10, and 1024 · sc is exact),
+    // then d · (sc · q) - dmin · m rounded once.
+    struct Factors {
+        __half2 scale, neg_offset, d, neg_min;
+    };
+    static __device__ __forceinline__ Factors factors(const uint8_t* b, int g) {
         uint32_t sc, m;
         k_scale_min(b + 4, g, sc, m);
-        const __half2 d = __half2half2(__ushort_as_half((unsigned short)u16_at(b)));
-        // sc · q is an integer below 2^10: exact in f16; d · (sc · q) - ml rounds once.
-        const __half2 scale = __float2half2_rn(small_int_f32((int)sc));
-        const __half2 neg_min = __float2half2_rn(-mul(f16_at(b + 2), small_int_f32((int)m)));
-        const uint2 raw = load8(b + 16 + 32 * (g / 2) + (j % 32));
-        const int shift = 4 * (g % 2);
-        const __half2 k1024 = __float2half2_rn(1024.0f);
+        Factors f;
+        f.scale = __float2half2_rn(small_int_f32((int)sc));
+        f.neg_offset = __float2half2_rn(-1024.0f * small_int_f32((int)sc));
+        f.d = __half2half2(__ushort_as_half((unsigned short)u16_at(b)));
+        f.neg_min = __float2half2_rn(-mul(f16_at(b + 2), small_int_f32((int)m)));
+        return f;
+    }
+    static __device__ __forceinline__ uint4 halves(const Factors& f, uint32_t x, uint32_t y,
+                                                   int shift) {
         __half2 h[4];
-        bytes_to_halves((raw.x >> shift) & 0x0F0F0F0Fu, h[0], h[1]);
-        bytes_to_halves((raw.y >> shift) & 0x0F0F0F0Fu, h[2], h[3]);
+        bytes_to_halves((x >> shift) & 0x0F0F0F0Fu, h[0], h[1]);
+        bytes_to_halves((y >> shift) & 0x0F0F0F0Fu, h[2], h[3]);
         uint4 out;
-        out.x = half2_bits(__hfma2(__hmul2(__hsub2(h[0], k1024), scale), d, neg_min));
-        out.y = half2_bits(__hfma2(__hmul2(__hsub2(h[1], k1024), scale), d, neg_min));
-        out.z = half2_bits(__hfma2(__hmul2(__hsub2(h[2], k1024), scale), d, neg_min));
-        out.w = half2_bits(__hfma2(__hmul2(__hsub2(h[3], k1024), scale), d, neg_min));
+        uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            words[i] = half2_bits(__hfma2(__hfma2(h[i], f.scale, f.neg_offset), f.d, f.neg_min));
+        }
         return out;
+    }
+    static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
+        const int g = j / 32;
+        const uint2 raw = load8(b + 16 + 32 * (g / 2) + (j % 32));
+        return halves(factors(b, g), raw.x, raw.y, 4 * (g % 2));
+    }
+    static __device__ __forceinline__ void decode16h(const uint8_t* b, int j, uint4 (&out)[2]) {
+        const int g = j / 32;
+        const Factors f = factors(b, g);
+        const uint4 raw = load16(b + 16 + 32 * (g / 2) + (j % 32));
+        out[0] = halves(f, raw.x, raw.y, 4 * (g % 2));
+        out[1] = halves(f, raw.z, raw.w, 4 * (g % 2));
     }
 };
 
@@ -352,35 +420,52 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
     };
 #endif
 
-    // This thread's weight groups: row r, columns kk..kk+8 of each step.
+    // This thread's weight groups: row r, columns kk..kk+8 of each step, consecutive in
+    // the row (so that two of them share their block's scales).
     const uint8_t* wrow[kWGroups];
     int wr[kWGroups], wk[kWGroups];
 #pragma unroll
     for (int i = 0; i < kWGroups; ++i) {
-        const int g = threadIdx.x + i * kMmThreads;
+        const int g = threadIdx.x * kWGroups + i;
         wr[i] = g / (kMmK / kGroup);
         wk[i] = (g % (kMmK / kGroup)) * kGroup;
         // A row past the end decodes the last row again; its results are dropped.
         const int row = min(row0 + wr[i], rows - 1);
         wrow[i] = w + (size_t)row * row_bytes;
     }
+    // The block that holds column k of group i's row.
+    auto block_at = [&](int i, int k) {
+        const uint8_t* blk = wrow[i] + (size_t)(k / F::kValues) * F::kBytes;
+#if defined(RF_MM_MMA)
+        if (kStaged) {
+            // The same block in its chunk's staged copy.
+            const int c = k / S::kChunk;
+            const uint8_t* first = wrow[i] + (size_t)c * S::kBytes;
+            blk = raw(c) + wr[i] * S::kPitch + ((uintptr_t)first & 15) +
+                  (k % S::kChunk) / F::kValues * F::kBytes;
+        }
+#endif
+        return blk;
+    };
     uint4 staged[kWGroups];
     auto decode = [&](int step) {
+        if constexpr (HalfDecode<F>::kHas && kWGroups == 2) {
+            // Sixteen values of one block (blocks of these types hold whole multiples of
+            // 32 columns, and cols is a multiple of 32).
+            const int k = step * kMmK + wk[0];
+            if (k < cols) {
+                HalfDecode<F>::decode16h(block_at(0, k), k % F::kValues, staged);
+            } else {
+                staged[0] = staged[1] = make_uint4(0u, 0u, 0u, 0u);
+            }
+            return;
+        }
 #pragma unroll
         for (int i = 0; i < kWGroups; ++i) {
             const int k = step * kMmK + wk[i];
             float v[kGroup];
             if (k < cols) {
-                const uint8_t* blk = wrow[i] + (size_t)(k / F::kValues) * F::kBytes;
-#if defined(RF_MM_MMA)
-                if (kStaged) {
-                    // The same block in its chunk's staged copy.
-                    const int c = k / S::kChunk;
-                    const uint8_t* first = wrow[i] + (size_t)c * S::kBytes;
-                    blk = raw(c) + wr[i] * S::kPitch + ((uintptr_t)first & 15) +
-                          (k % S::kChunk) / F::kValues * F::kBytes;
-                }
-#endif
+                const uint8_t* blk = block_at(i, k);
                 if constexpr (HalfDecode<F>::kHas) {
                     staged[i] = HalfDecode<F>::decode8h(blk, k % F::kValues);
                     continue;
