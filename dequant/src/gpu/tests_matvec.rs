@@ -965,3 +965,62 @@ fn tokens_past_whole_tiles_take_the_tiled_and_the_skinny_products() {
         }
     }
 }
+
+/// A prompt's product with a matrix of few rows (a 7B's down projection at 512 tokens:
+/// 32 tiles of 128 rows × 4 of tokens, one round of one to two workgroups a multiprocessor
+/// on an H100 or H200) takes 128-row tiles split in two when given room: rows at both ends
+/// hold to the f16-rounded reference's bound, the whole to the unsplit product's, and the
+/// same bits come on every call (the counters left at zero: `gpu_matmul_many`).
+#[test]
+fn prompt_products_of_few_rows_split_their_columns_and_match() {
+    let Some((device, stream)) =
+        gpu_or_skip("prompt_products_of_few_rows_split_their_columns_and_match")
+    else {
+        return;
+    };
+    let (rows, cols, n) = (4096, 4096, 512);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let mut rng = Rng(2024 + ty as u64);
+        let w = random_matrix(ty, rows, cols, &mut rng);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+        let run = |split| {
+            gpu_matmul_many(
+                &device,
+                &stream,
+                ty,
+                &[(&w, rows)],
+                cols,
+                &x,
+                n,
+                None,
+                split,
+                matmul::BatchKernel::Tiles,
+            )
+            .pop()
+            .expect("one output")
+        };
+        let split = run(true);
+        assert!(split == run(true), "{ty}: repeats");
+        let whole = run(false);
+        let f64s: Vec<f64> = whole.iter().map(|&v| f64::from(v)).collect();
+        let err = relative_error(&split, &f64s);
+        assert!(
+            err <= rounded_bound(ty),
+            "{ty}: {err:.2e} from the unsplit product"
+        );
+        // The first and last eight rows against the reference.
+        let row_bytes = w.len() / rows;
+        for first in [0, rows - 8] {
+            let part = &w[first * row_bytes..(first + 8) * row_bytes];
+            let want = reference_rounded(ty, part, 8, cols, &x, n, |v| f16::from_f32(v).to_f32());
+            let got: Vec<f32> = (0..n)
+                .flat_map(|t| split[t * rows + first..t * rows + first + 8].to_vec())
+                .collect();
+            let err = relative_error(&got, &want);
+            assert!(
+                err <= rounded_bound(ty),
+                "{ty}: rows {first}.. relative error {err:.2e}"
+            );
+        }
+    }
+}
