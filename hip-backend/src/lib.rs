@@ -83,6 +83,7 @@ pub mod fault;
 mod graph;
 mod memory;
 mod pinned;
+mod registered;
 mod result;
 mod stream;
 mod sys;
@@ -99,6 +100,7 @@ pub use memory::{
     allocation_counters, AllocationCounters, DeviceBuffer, DeviceView, DeviceViewMut,
 };
 pub use pinned::PinnedBuffer;
+pub use registered::HostRegistration;
 pub use stream::{Event, Stream};
 
 /// The GPU platform this build targets.

@@ -3,8 +3,9 @@
 
 use crate::device::{Device, DeviceContext};
 use crate::error::{HipError, Result};
-use crate::memory::{byte_len, DeviceView, DeviceViewMut};
+use crate::memory::{byte_len, check_range, DeviceView, DeviceViewMut};
 use crate::pinned::PinnedBuffer;
+use crate::registered::HostRegistration;
 use crate::result::{self, CopyKind};
 use crate::sys::{RawEvent, RawStream};
 use bytemuck::Pod;
@@ -136,6 +137,40 @@ impl Stream {
             };
         }
         src.end_copy(self)
+    }
+
+    /// Queues a copy of bytes `range` of `src` (registered host memory: page-locked, the
+    /// fast path) into `dst`, returning at once.
+    ///
+    /// # Safety
+    /// `src` must stay alive (registered, its bytes unchanged) until the copy has
+    /// finished: synchronize this stream, or wait for work queued after the copy, before
+    /// dropping it.
+    pub unsafe fn copy_registered_h2d_async(
+        &self,
+        src: &HostRegistration<'_>,
+        range: Range<usize>,
+        mut dst: DeviceViewMut<'_, u8>,
+    ) -> Result<()> {
+        same_device("the destination", self, dst.device_ordinal())?;
+        check_range(&range, src.len())?;
+        same_length("copy_registered_h2d_async", range.len(), dst.len())?;
+        if range.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the source lies inside the registered bytes (range checked), alive by
+        // the caller's contract until the copy ends; `dst` is device memory of that
+        // length on this stream's device, kept allocated by its borrow (and the runtime's
+        // free waits for queued work).
+        unsafe {
+            result::memcpy_async(
+                CopyKind::HostToDevice,
+                dst.as_mut_ptr(),
+                src.host_ptr().add(range.start) as *const c_void,
+                range.len(),
+                self.raw,
+            )
+        }
     }
 
     /// Queues a copy of `src` into `dst[dst_range]` (page-locked host memory), returning at
