@@ -8,6 +8,7 @@ use tensor_store::TensorHandle;
 
 use crate::config::{Activation, ModelConfig};
 use crate::kv_cache::KvCache;
+use crate::offload::{split_linears, RowOffload};
 use crate::ops::{self, AttentionShape};
 use crate::plan::{ExecutionPlan, LayerPlan, Linear, Vector};
 use crate::ModelError;
@@ -88,7 +89,16 @@ fn run_layers(
             Rows::All
         };
         let batch = Batch { first_pos, rows };
-        layer_forward(config, layer, layer_idx, &mut x, cache, batch, &mut scratch)?;
+        layer_forward(
+            config,
+            layer,
+            layer_idx,
+            &mut x,
+            cache,
+            batch,
+            &mut scratch,
+            None,
+        )?;
         if tokens.len() > 1 {
             // Progress of a prompt, for a front end that shows it (one event per layer;
             // a long prompt spends seconds in each).
@@ -109,7 +119,8 @@ fn run_layers(
 /// values to those layers of `cache` without committing them: the caller commits once
 /// every layer of the batch has its rows. Every position's row comes out (no layer drops
 /// rows), stopping before a layer once `stop` is set. A GPU model whose budget is smaller than its weights computes the blocks it
-/// does not hold with this, on the mapped file, for a few tokens at a time.
+/// does not hold with this, on the mapped file, for a few tokens at a time, with the
+/// first rows of their products on the device when `offload` is given.
 pub(crate) fn layers_on_host(
     config: &ModelConfig,
     plan: &ExecutionPlan,
@@ -117,6 +128,7 @@ pub(crate) fn layers_on_host(
     x: &mut Vec<f32>,
     cache: &mut KvCache,
     stop: Option<&std::sync::atomic::AtomicBool>,
+    mut offload: Option<&mut (dyn RowOffload + Send)>,
 ) -> Result<(), ModelError> {
     let n = x.len() / config.n_embd.max(1);
     cache.check_room(n)?;
@@ -131,10 +143,30 @@ pub(crate) fn layers_on_host(
                 return Err(ModelError::Interrupted);
             }
             let layer = &plan.layers[layer_idx];
-            layer_forward(config, layer, layer_idx, x, cache, batch, &mut scratch)?;
+            let offload = reborrow(&mut offload);
+            layer_forward(
+                config,
+                layer,
+                layer_idx,
+                x,
+                cache,
+                batch,
+                &mut scratch,
+                offload,
+            )?;
         }
         Ok(())
     })
+}
+
+/// `offload` for one call, the option kept for the next.
+fn reborrow<'s>(
+    offload: &'s mut Option<&mut (dyn RowOffload + Send)>,
+) -> Option<&'s mut (dyn RowOffload + Send + 's)> {
+    match offload {
+        Some(o) => Some(&mut **o),
+        None => None,
+    }
 }
 
 /// Where a batch stands and what a layer keeps of it.
@@ -218,6 +250,7 @@ pub(crate) fn rope_table<'t, I: Iterator<Item = usize>>(
     Ok(&tables[at].1)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn layer_forward(
     config: &ModelConfig,
     layer: &LayerPlan,
@@ -226,6 +259,7 @@ fn layer_forward(
     cache: &mut KvCache,
     batch: Batch,
     s: &mut Scratch,
+    mut offload: Option<&mut (dyn RowOffload + Send)>,
 ) -> Result<(), ModelError> {
     let Batch { first_pos, rows } = batch;
     let n = x.len() / config.n_embd;
@@ -235,7 +269,8 @@ fn layer_forward(
     // Attention block.
     resize(&mut s.h, x.len());
     ops::rms_norm(x, &vector(&layer.attn_norm)?, eps, &mut s.h);
-    linears(
+    split_linears(
+        reborrow(&mut offload),
         [&layer.wq, &layer.wk, &layer.wv],
         &s.h,
         n,
@@ -299,7 +334,13 @@ fn layer_forward(
     } else {
         n
     };
-    linear(&layer.wo, &s.attn, n, &mut s.proj)?;
+    split_linears(
+        reborrow(&mut offload),
+        [&layer.wo],
+        &s.attn,
+        n,
+        [&mut s.proj],
+    )?;
     if let Some(norm) = &layer.post_attn_norm {
         ops::rms_norm_in_place(&mut s.proj, &vector(norm)?, eps);
     }
@@ -308,12 +349,18 @@ fn layer_forward(
     // Feed-forward block.
     resize(&mut s.h, x.len());
     ops::rms_norm(x, &vector(&layer.ffn_norm)?, eps, &mut s.h);
-    linears([&layer.gate, &layer.up], &s.h, n, [&mut s.gate, &mut s.up])?;
+    split_linears(
+        reborrow(&mut offload),
+        [&layer.gate, &layer.up],
+        &s.h,
+        n,
+        [&mut s.gate, &mut s.up],
+    )?;
     match config.activation {
         Activation::Silu => ops::swiglu(&mut s.gate, &s.up, config.n_ff),
         Activation::GeluTanh => ops::geglu(&mut s.gate, &s.up),
     }
-    linear(&layer.down, &s.gate, n, &mut s.proj)?;
+    split_linears(offload, [&layer.down], &s.gate, n, [&mut s.proj])?;
     if let Some(norm) = &layer.post_ffn_norm {
         ops::rms_norm_in_place(&mut s.proj, &vector(norm)?, eps);
     }
@@ -411,16 +458,25 @@ pub(crate) fn linears<const K: usize>(
 
 /// The weight of `lin` as a matrix over its mapped bytes (its rows' part of them).
 fn matrix(lin: &Linear) -> Result<QuantizedMatrix<'_>, ModelError> {
+    matrix_rows(lin, 0..lin.rows)
+}
+
+/// Rows `rows` of `lin`'s weight as a matrix over its mapped bytes.
+pub(crate) fn matrix_rows(
+    lin: &Linear,
+    rows: std::ops::Range<usize>,
+) -> Result<QuantizedMatrix<'_>, ModelError> {
     let mut bytes = lin.weight.bytes()?;
-    if lin.first_row != 0 || lin.rows as u64 != lin.weight.shape().get(1).copied().unwrap_or(1) {
+    let whole = lin.rows as u64 == lin.weight.shape().get(1).copied().unwrap_or(1);
+    if lin.first_row != 0 || !whole || rows != (0..lin.rows) {
         let ty = lin.weight.ggml_type();
         let row_bytes = ty.row_bytes(lin.cols as u64).unwrap_or(0) as usize;
-        let start = lin.first_row * row_bytes;
+        let start = (lin.first_row + rows.start) * row_bytes;
         bytes = bytes
-            .get(start..start + lin.rows * row_bytes)
+            .get(start..start + rows.len() * row_bytes)
             .unwrap_or_default();
     }
-    QuantizedMatrix::new(lin.weight.ggml_type(), lin.rows, lin.cols, bytes).map_err(|source| {
+    QuantizedMatrix::new(lin.weight.ggml_type(), rows.len(), lin.cols, bytes).map_err(|source| {
         ModelError::Matmul {
             name: lin.weight.name().to_owned(),
             source,
@@ -429,7 +485,7 @@ fn matrix(lin: &Linear) -> Result<QuantizedMatrix<'_>, ModelError> {
 }
 
 /// Adds `lin`'s bias, if it has one, to every token's row of `out`.
-fn add_bias(lin: &Linear, out: &mut [f32]) -> Result<(), ModelError> {
+pub(crate) fn add_bias(lin: &Linear, out: &mut [f32]) -> Result<(), ModelError> {
     if let Some(bias) = &lin.bias {
         let b = values(bias)?;
         for row in out.chunks_exact_mut(lin.rows) {

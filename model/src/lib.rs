@@ -22,6 +22,7 @@ pub mod generate;
 pub mod gpu;
 mod kv_cache;
 mod model;
+mod offload;
 mod ops;
 mod plan;
 pub mod sampling;

@@ -22,10 +22,12 @@ use half::f16;
 use hip_backend::{Device, PinnedBuffer, Stream};
 
 use super::forward::Buffers;
+use super::host_rows::HostRows;
 use super::MAX_BATCH;
 use crate::config::ModelConfig;
 use crate::forward::layers_on_host;
 use crate::kv_cache::KvCache;
+use crate::offload::RowOffload;
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
 
@@ -56,15 +58,21 @@ pub(super) struct HostLayers {
     staging_rows: usize,
     /// `GpuOptions::stop`, looked at before each layer.
     stop: Option<Arc<AtomicBool>>,
+    /// The first rows of these layers' products, computed on the device from the mapped
+    /// file while the CPU computes the others; none where the mapping cannot be read in
+    /// place.
+    device_rows: Option<HostRows>,
 }
 
 impl HostLayers {
     /// Host layers `layers` of `config`'s model, with a cache of `capacity` positions;
     /// keys and values cross `rows` positions at a time; a pass stops before a layer once
     /// `stop` is set.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         device: &Device,
         config: &ModelConfig,
+        plan: &ExecutionPlan,
         layers: Range<usize>,
         capacity: usize,
         rows: usize,
@@ -73,6 +81,14 @@ impl HostLayers {
         let kv_dim = config.n_kv_heads * config.head_dim;
         let v_dim = config.n_kv_heads * config.head_dim_v;
         let rows = rows.max(1);
+        let share = HostRows::share(rayon::current_num_threads());
+        let device_rows = HostRows::new(device, plan, layers.clone(), share)?;
+        if device_rows.is_some() {
+            tracing::info!(
+                share,
+                "host layers: the first rows of their products on the device"
+            );
+        }
         Ok(HostLayers {
             layers,
             kv: KvCache::new(config, capacity),
@@ -86,6 +102,7 @@ impl HostLayers {
                 .map_err(gpu("pinned"))?,
             staging_rows: rows,
             stop,
+            device_rows,
         })
     }
 
@@ -168,6 +185,7 @@ impl HostLayers {
             .map_err(gpu("copying the residual stream"))?;
         self.x.clear();
         self.x.extend_from_slice(&pinned[..len]);
+        let mut device_rows = self.device_rows.as_mut().map(|rows| rows.on(stream));
         if let Err(error) = layers_on_host(
             config,
             plan,
@@ -175,6 +193,9 @@ impl HostLayers {
             &mut self.x,
             &mut self.kv,
             self.stop.as_deref(),
+            device_rows
+                .as_mut()
+                .map(|rows| rows as &mut (dyn RowOffload + Send)),
         ) {
             self.kv.truncate(first_pos);
             return Err(error);

@@ -28,6 +28,7 @@
 
 mod forward;
 mod host;
+mod host_rows;
 mod kernels;
 mod weights;
 
@@ -371,6 +372,7 @@ impl GpuModel {
             Some(HostLayers::new(
                 &device,
                 &config,
+                &plan,
                 keep_layers..config.n_layers,
                 capacity,
                 prompt_batch,

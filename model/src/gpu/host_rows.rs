@@ -1,0 +1,400 @@
+//! The host layers' first rows on the device, fetched from the mapped file.
+//!
+//! Over budget, the layers a GPU model does not hold run on the host ([`super::host`]):
+//! 16 cores multiply their weights at about 72 GB/s. The device sits idle meanwhile,
+//! and its copy engine reads registered (page-locked) host memory at about 55 GB/s over
+//! an H200's PCIe 5 link. So the mapped span of those layers' weights is registered
+//! with the runtime once, read-only, and [`HostRows`] takes a fixed share of the rows
+//! of each of their products ([`HostRows::share`]): per group of products (q/k/v,
+//! the attention output, gate/up, down) it copies those rows into a staging buffer and
+//! multiplies them with the decode products, while the CPU computes the other rows
+//! ([`crate::offload`]); the two finish at about the same time.
+//!
+//! (Reading the rows in place, with the decode products over mapped host memory, was
+//! slower: their scattered reads got well under half the link's rate, and a 7B at a
+//! quarter of its size on the device gained 8% at best.)
+//!
+//! The share is fixed for a run (the CPU's threads decide it), so the tokens do not
+//! depend on timing. Without the registration (another platform, or memory the runtime
+//! refuses), the CPU computes every row as before.
+
+use dequant::gpu::matvec::{self, GpuActivations, GpuMatrix};
+use gguf_format::GgmlType;
+use hip_backend::{Device, DeviceBuffer, HostRegistration, PinnedBuffer, Stream};
+use tensor_store::TensorHandle;
+
+use super::host::HOST_TOKENS;
+use crate::offload::RowOffload;
+use crate::plan::{ExecutionPlan, Linear};
+use crate::ModelError;
+
+/// The copy engine's rate from registered host memory and one CPU thread's rate of
+/// multiplying quantized weights, in GB/s, as measured on an H200's host (16 cores:
+/// about 72 GB/s of a 7B's Q4_K_M weights): the device takes
+/// `LINK / (LINK + threads · PER_THREAD)` of the rows.
+const LINK_GBPS: f64 = 55.0;
+const PER_THREAD_GBPS: f64 = 4.5;
+
+/// Rows come in multiples of this.
+const ROW_STEP: usize = 32;
+
+/// Set to a share between 0 and 1, the device's share of the host layers' rows instead
+/// of the one the CPU's threads give; `0` leaves every row to the CPU.
+pub const SHARE_ENV: &str = "ROCMFORGE_HOST_ROWS_ON_GPU";
+
+fn gpu(op: &'static str) -> impl Fn(hip_backend::HipError) -> ModelError {
+    move |source| ModelError::Gpu { op, source }
+}
+
+/// The registered span of the file and what a pass needs to multiply its rows on the
+/// device.
+pub(super) struct HostRows {
+    // Dropped first: unregistered before the handles below let the mapping go.
+    registration: HostRegistration<'static>,
+    /// The file offset of the registration's first byte.
+    base: u64,
+    /// The tensors in the span, which keep the file mapped.
+    _tensors: Vec<TensorHandle>,
+    share: f64,
+    /// One group of products' rows at a time.
+    staging: DeviceBuffer<u8>,
+    x: DeviceBuffer<f32>,
+    q8: DeviceBuffer<u8>,
+    y: DeviceBuffer<f32>,
+    x_pinned: PinnedBuffer<f32>,
+    y_pinned: PinnedBuffer<f32>,
+}
+
+impl HostRows {
+    /// The device's share of the rows with `threads` CPU threads on the others, or the
+    /// one [`SHARE_ENV`] sets.
+    pub fn share(threads: usize) -> f64 {
+        if let Ok(value) = std::env::var(SHARE_ENV) {
+            match value.trim().parse::<f64>() {
+                Ok(share) if (0.0..=1.0).contains(&share) => return share,
+                _ => tracing::warn!(%value, "{SHARE_ENV} is not a share between 0 and 1"),
+            }
+        }
+        LINK_GBPS / (LINK_GBPS + threads.max(1) as f64 * PER_THREAD_GBPS)
+    }
+
+    /// Registers the mapped bytes of `layers`' weights with `device`; `Ok(None)` when
+    /// the share is 0, the weights are not mapped from one file, or the runtime refuses
+    /// the registration (logged).
+    pub fn new(
+        device: &Device,
+        plan: &ExecutionPlan,
+        layers: std::ops::Range<usize>,
+        share: f64,
+    ) -> Result<Option<HostRows>, ModelError> {
+        if share <= 0.0 || layers.is_empty() {
+            return Ok(None);
+        }
+        let lins: Vec<&Linear> = plan.layers[layers]
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])
+            .collect();
+        let tensors: Vec<TensorHandle> = lins.iter().map(|l| l.weight.clone()).collect();
+        let Some(span) = mapped_span(&tensors)? else {
+            tracing::info!(
+                "host layers' rows all on the CPU: their weights are not mapped from one file"
+            );
+            return Ok(None);
+        };
+        // SAFETY: `span` lies within the file's mapping, which the handles kept in
+        // `_tensors` hold open (read-only, never moved) for as long as the registration,
+        // a field dropped before them.
+        let bytes: &'static [u8] = unsafe { std::slice::from_raw_parts(span.ptr, span.len) };
+        let registration = match device.register_host_read_only(bytes) {
+            Ok(registration) => registration,
+            Err(error) => {
+                tracing::info!(%error, "host layers' rows all on the CPU: the mapping cannot be registered");
+                return Ok(None);
+            }
+        };
+        let bytes_of = |lin: &Linear| {
+            let row_bytes = lin
+                .weight
+                .ggml_type()
+                .row_bytes(lin.cols as u64)
+                .unwrap_or(0);
+            device_rows(lin, share) * row_bytes as usize
+        };
+        let staging = lins
+            .chunks(7)
+            .flat_map(|l| {
+                [
+                    bytes_of(l[0]) + bytes_of(l[1]) + bytes_of(l[2]),
+                    bytes_of(l[3]),
+                    bytes_of(l[4]) + bytes_of(l[5]),
+                    bytes_of(l[6]),
+                ]
+            })
+            .max()
+            .unwrap_or(0);
+        let cols = lins.iter().map(|l| l.cols).max().unwrap_or(0);
+        let rows = lins
+            .chunks(7)
+            .flat_map(|l| {
+                [
+                    l[0].rows + l[1].rows + l[2].rows,
+                    l[3].rows,
+                    l[4].rows + l[5].rows,
+                    l[6].rows,
+                ]
+            })
+            .max()
+            .unwrap_or(0);
+        let alloc = gpu("buffers of the host layers' rows");
+        Ok(Some(HostRows {
+            registration,
+            base: span.file_offset,
+            _tensors: tensors,
+            share,
+            staging: device.alloc::<u8>(staging).map_err(&alloc)?,
+            x: device.alloc::<f32>(HOST_TOKENS * cols).map_err(&alloc)?,
+            q8: device
+                .alloc::<u8>(matvec::q8_bytes(HOST_TOKENS, cols))
+                .map_err(&alloc)?,
+            y: device.alloc::<f32>(HOST_TOKENS * rows).map_err(&alloc)?,
+            x_pinned: device
+                .alloc_pinned::<f32>(HOST_TOKENS * cols)
+                .map_err(&alloc)?,
+            y_pinned: device
+                .alloc_pinned::<f32>(HOST_TOKENS * rows)
+                .map_err(&alloc)?,
+        }))
+    }
+
+    /// For the passes of `stream`.
+    pub fn on<'a>(&'a mut self, stream: &'a Stream) -> OnStream<'a> {
+        OnStream { rows: self, stream }
+    }
+}
+
+/// A run of a file's mapped bytes: the pages around some tensors.
+struct Span {
+    ptr: *const u8,
+    len: usize,
+    file_offset: u64,
+}
+
+/// The whole pages of the mapping that hold `tensors`, if they are all mapped from one
+/// file, in one mapping.
+fn mapped_span(tensors: &[TensorHandle]) -> Result<Option<Span>, ModelError> {
+    const PAGE: usize = 4096;
+    let Some(first) = tensors.iter().min_by_key(|t| t.file_range().start) else {
+        return Ok(None);
+    };
+    if tensors
+        .iter()
+        .any(|t| !t.is_mapped() || t.path() != first.path())
+    {
+        return Ok(None);
+    }
+    let first_ptr = first.bytes()?.as_ptr() as usize;
+    let start = first_ptr - first_ptr % PAGE;
+    let file_offset = first.file_range().start - (first_ptr - start) as u64;
+    let mut end = start;
+    for t in tensors {
+        let bytes = t.bytes()?;
+        // One mapping: each tensor where its file offset puts it.
+        if bytes.as_ptr() as usize != start + (t.file_range().start - file_offset) as usize {
+            return Ok(None);
+        }
+        end = end.max(bytes.as_ptr() as usize + bytes.len());
+    }
+    Ok(Some(Span {
+        ptr: start as *const u8,
+        len: end.next_multiple_of(PAGE) - start,
+        file_offset,
+    }))
+}
+
+/// [`HostRows`] queuing on one stream.
+pub(super) struct OnStream<'a> {
+    rows: &'a mut HostRows,
+    stream: &'a Stream,
+}
+
+/// Whether the decode products take `ty` from Q8 activations (the types worth it).
+fn takes(ty: GgmlType) -> bool {
+    matvec::is_supported_on_gpu(ty) && matvec::takes_q8(ty)
+}
+
+/// How many of `lin`'s first rows the device takes at `share`: whole steps of
+/// [`ROW_STEP`], leaving the CPU at least one.
+fn device_rows(lin: &Linear, share: f64) -> usize {
+    if !takes(lin.weight.ggml_type()) || lin.rows < 2 * ROW_STEP {
+        return 0;
+    }
+    let rows = (lin.rows as f64 * share) as usize / ROW_STEP * ROW_STEP;
+    rows.min(lin.rows - ROW_STEP)
+}
+
+impl OnStream<'_> {
+    /// [`RowOffload::start`]'s launches and copies.
+    fn queue(
+        &mut self,
+        lins: &[&Linear],
+        parts: &[usize],
+        x: &[f32],
+        n: usize,
+    ) -> Result<(), ModelError> {
+        let rows = &mut *self.rows;
+        let stream = self.stream;
+        let cols = lins[0].cols;
+        let copy = gpu("copying activations to the device");
+        rows.x_pinned.as_mut_slice().map_err(&copy)?[..n * cols].copy_from_slice(x);
+        stream
+            .copy_h2d_async(
+                &mut rows.x_pinned,
+                0..n * cols,
+                rows.x.slice_mut(0..n * cols).map_err(&copy)?,
+            )
+            .map_err(&copy)?;
+        let q8_len = matvec::q8_bytes(n, cols);
+        let names = || {
+            lins.iter()
+                .map(|l| l.weight.name())
+                .collect::<Vec<_>>()
+                .join(" + ")
+        };
+        let product = |error: dequant::gpu::GpuDequantError| match error {
+            dequant::gpu::GpuDequantError::Layout(source) => ModelError::Matmul {
+                name: names(),
+                source,
+            },
+            dequant::gpu::GpuDequantError::Hip(source) => ModelError::Gpu {
+                op: "host layers' rows",
+                source,
+            },
+        };
+        matvec::quantize_q8(
+            rows.x.slice(0..n * cols).map_err(&copy)?,
+            n,
+            cols,
+            rows.q8.slice_mut(0..q8_len).map_err(&copy)?,
+            stream,
+        )
+        .map_err(product)?;
+        // The group's rows into the staging buffer, product after product.
+        let mut staged = Vec::with_capacity(lins.len());
+        let mut filled = 0;
+        for (lin, &part) in lins.iter().zip(parts) {
+            let row_bytes = lin
+                .weight
+                .ggml_type()
+                .row_bytes(lin.cols as u64)
+                .unwrap_or(0) as usize;
+            let offset =
+                (lin.weight.file_range().start - rows.base) as usize + lin.first_row * row_bytes;
+            let len = part * row_bytes;
+            let fetch = gpu("copying the host layers' rows to the device");
+            let dst = rows
+                .staging
+                .slice_mut(filled..filled + len)
+                .map_err(&fetch)?;
+            // SAFETY: the registration outlives the copy: `finish` (or `start` on an
+            // error) waits for this stream before the pass goes on, and the registration
+            // lives as long as the host layers.
+            unsafe {
+                stream.copy_registered_h2d_async(&rows.registration, offset..offset + len, dst)
+            }
+            .map_err(&fetch)?;
+            staged.push(filled..filled + len);
+            filled += len;
+        }
+        // Each product of the group with rows here, one launch per run of one type.
+        let mut at = 0;
+        let mut i = 0;
+        let mut y = rows.y.view_mut();
+        while i < lins.len() {
+            let ty = lins[i].weight.ggml_type();
+            let mut mats = Vec::new();
+            let mut outs = Vec::new();
+            let mut j = i;
+            while j < lins.len() && lins[j].weight.ggml_type() == ty && mats.len() < 3 {
+                if parts[j] > 0 {
+                    let lin = lins[j];
+                    let bytes = rows
+                        .staging
+                        .slice(staged[j].clone())
+                        .map_err(gpu("host layers' rows"))?;
+                    mats.push(
+                        GpuMatrix::new(ty, parts[j], lin.cols, bytes).map_err(|source| {
+                            ModelError::Matmul {
+                                name: names(),
+                                source,
+                            }
+                        })?,
+                    );
+                    let (out, rest) = y
+                        .split_at_mut(n * parts[j])
+                        .map_err(gpu("host layers' rows"))?;
+                    outs.push(out);
+                    y = rest;
+                    at += n * parts[j];
+                }
+                j += 1;
+            }
+            if !mats.is_empty() {
+                let q8 = rows.q8.slice(0..q8_len).map_err(&copy)?;
+                matvec::matvec(&mats, GpuActivations::Q8(q8), n, &mut outs, false, stream)
+                    .map_err(product)?;
+            }
+            i = j;
+        }
+        stream
+            .copy_d2h_async(
+                rows.y.slice(0..at).map_err(&copy)?,
+                &mut rows.y_pinned,
+                0..at,
+            )
+            .map_err(gpu("copying the host layers' rows back"))
+    }
+}
+
+impl RowOffload for OnStream<'_> {
+    fn rows(&self, lin: &Linear) -> usize {
+        device_rows(lin, self.rows.share)
+    }
+
+    fn start(
+        &mut self,
+        lins: &[&Linear],
+        parts: &[usize],
+        x: &[f32],
+        n: usize,
+    ) -> Result<(), ModelError> {
+        let queued = self.queue(lins, parts, x, n);
+        if queued.is_err() {
+            // Nothing may still read the registered memory once this returns.
+            let _ = self.stream.synchronize();
+        }
+        queued
+    }
+
+    fn finish(
+        &mut self,
+        lins: &[&Linear],
+        parts: &[usize],
+        n: usize,
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), ModelError> {
+        let y = self
+            .rows
+            .y_pinned
+            .as_slice()
+            .map_err(gpu("copying the host layers' rows back"))?;
+        let mut at = 0;
+        for ((lin, &part), out) in lins.iter().zip(parts).zip(outs.iter_mut()) {
+            for t in 0..n {
+                out[t * lin.rows..t * lin.rows + part]
+                    .copy_from_slice(&y[at + t * part..at + (t + 1) * part]);
+            }
+            at += n * part;
+        }
+        Ok(())
+    }
+}
