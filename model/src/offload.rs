@@ -10,7 +10,7 @@
 
 use dequant::matmul::QuantizedMatrix;
 
-use crate::forward::{add_bias, matrix_rows, resize};
+use crate::forward::{add_bias, linear, linears, matrix_rows, resize};
 use crate::plan::Linear;
 use crate::ModelError;
 
@@ -51,11 +51,11 @@ pub(crate) fn split_linears<const K: usize>(
     mut outs: [&mut Vec<f32>; K],
 ) -> Result<(), ModelError> {
     let Some(offload) = offload else {
-        return crate::forward::linears(lins, x, n, outs);
+        return all_on_cpu(lins, x, n, outs);
     };
     let parts: [usize; K] = std::array::from_fn(|i| offload.rows(lins[i]).min(lins[i].rows));
     if parts.iter().all(|&p| p == 0) {
-        return crate::forward::linears(lins, x, n, outs);
+        return all_on_cpu(lins, x, n, outs);
     }
     offload.start(&lins, &parts, x, n)?;
     let cpu = cpu_rows(&lins, &parts, x, n, &mut outs);
@@ -70,6 +70,20 @@ pub(crate) fn split_linears<const K: usize>(
         add_bias(lin, out)?;
     }
     Ok(())
+}
+
+/// Every row on the CPU, as the CPU forward pass computes a layer's products.
+fn all_on_cpu<const K: usize>(
+    lins: [&Linear; K],
+    x: &[f32],
+    n: usize,
+    outs: [&mut Vec<f32>; K],
+) -> Result<(), ModelError> {
+    if K == 1 {
+        let out = outs.into_iter().next().expect("one output");
+        return linear(lins[0], x, n, out);
+    }
+    linears(lins, x, n, outs)
 }
 
 /// Rows `parts[i]..` of each product on the CPU, into their places of `outs` (resized to
@@ -251,7 +265,7 @@ mod tests {
                 .collect();
             let mut whole = [Vec::new(), Vec::new(), Vec::new()];
             let [w0, w1, w2] = &mut whole;
-            crate::forward::linears([&lins[0], &lins[1], &lins[2]], &x, n, [w0, w1, w2]).unwrap();
+            linears([&lins[0], &lins[1], &lins[2]], &x, n, [w0, w1, w2]).unwrap();
             for share in [0.0, 0.4, 0.99] {
                 let mut other = CpuRows {
                     share,
