@@ -16,7 +16,7 @@ use model::sampling::{defaults, SamplingParams, Xoshiro256};
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
 use serde_json::json;
-use tensor_store::device::ReadAhead;
+use tensor_store::device::{read_ahead, ReadAhead};
 use tensor_store::{LoadMode, TensorStore};
 
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
@@ -109,7 +109,9 @@ pub struct GenerateArgs {
     pub progress: bool,
 }
 
-/// Set to `0`, a GPU's upload reads a cold model file with its readers alone.
+/// Set to `0`, a GPU's upload reads a cold model file with its readers alone; set to a
+/// number, the read-ahead reads with that many threads (default
+/// [`read_ahead::STREAMS`], at most 8).
 pub const READ_AHEAD_ENV: &str = "ROCMFORGE_READ_AHEAD";
 
 /// Starts reading the model's weights into the page cache in the order a GPU pass first
@@ -118,11 +120,17 @@ pub const READ_AHEAD_ENV: &str = "ROCMFORGE_READ_AHEAD";
 /// file ([`ReadAhead::when_cold`]). It only helps: a failure to start it is logged, not
 /// returned.
 fn read_ahead(args: &GenerateArgs, model: &Model) -> Option<ReadAhead> {
-    let off = std::env::var_os(READ_AHEAD_ENV).is_some_and(|v| v == "0");
-    if off || args.device == DeviceArg::Cpu || args.load_mode == LoadModeArg::Lazy {
+    let streams = match std::env::var(READ_AHEAD_ENV) {
+        Ok(value) => value.trim().parse::<usize>().unwrap_or_else(|_| {
+            tracing::warn!(%value, "{READ_AHEAD_ENV} is not a number of threads");
+            read_ahead::STREAMS
+        }),
+        Err(_) => read_ahead::STREAMS,
+    };
+    if streams == 0 || args.device == DeviceArg::Cpu || args.load_mode == LoadModeArg::Lazy {
         return None;
     }
-    match ReadAhead::when_cold(&model::gpu::first_use_order(model)) {
+    match ReadAhead::when_cold(&model::gpu::first_use_order(model), streams) {
         Ok(ahead) => {
             if let Some(ahead) = &ahead {
                 tracing::info!(

@@ -35,7 +35,7 @@ mod loader;
 mod order;
 mod pipeline;
 mod progress;
-mod read_ahead;
+pub mod read_ahead;
 mod slot;
 mod target;
 mod worker;
