@@ -267,6 +267,9 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         }
     };
     let since_start = |t: Instant| t.duration_since(crate::process_start()).as_secs_f64() * 1e3;
+    // The GPU model outlives the output: its device memory, page-locked buffers and
+    // registrations are given back after the user has the tokens.
+    let mut gpu_model = None;
     let (output, device) = match chosen {
         Chosen::Gpu { device, ready_at } => {
             tracing::info!(gpu = device.name(), "device: gpu");
@@ -292,6 +295,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
                 context_ms: Some(since_start(ready_at)),
                 upload_ms: gpu.uploaded_at().map(since_start),
             };
+            gpu_model = Some(gpu);
             (output, report)
         }
         Chosen::Cpu { reason } => {
@@ -328,6 +332,14 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         eprintln!("{}", summary(&output, load_ms, seed, sampling.is_random()));
     }
     out.flush()?;
+    if let Some(gpu) = gpu_model {
+        let started = Instant::now();
+        drop(gpu);
+        tracing::debug!(
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "the GPU model's memory given back"
+        );
+    }
     Ok(match output.stop_reason {
         StopReason::Interrupted => ExitCode::from(EXIT_INTERRUPTED),
         _ => ExitCode::SUCCESS,
