@@ -58,9 +58,9 @@ pub(super) struct HostLayers {
     staging_rows: usize,
     /// `GpuOptions::stop`, looked at before each layer.
     stop: Option<Arc<AtomicBool>>,
-    /// The first rows of these layers' products, computed on the device from the mapped
-    /// file while the CPU computes the others; none where the mapping cannot be read in
-    /// place.
+    /// The first rows of these layers' products, copied to the device from the mapped
+    /// file and computed there while the CPU computes the others; none where the mapping
+    /// cannot be registered.
     device_rows: Option<HostRows>,
 }
 
@@ -68,7 +68,6 @@ impl HostLayers {
     /// Host layers `layers` of `config`'s model, with a cache of `capacity` positions;
     /// keys and values cross `rows` positions at a time; a pass stops before a layer once
     /// `stop` is set.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         device: &Device,
         config: &ModelConfig,
