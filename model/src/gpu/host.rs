@@ -37,7 +37,7 @@ use crate::ModelError;
 /// 7B model is about 1 ms of a 16-core CPU per token against about 5 ms of copying).
 pub const HOST_TOKENS: usize = MAX_BATCH;
 
-fn gpu(op: &'static str) -> impl Fn(hip_backend::HipError) -> ModelError {
+pub(super) fn gpu(op: &'static str) -> impl Fn(hip_backend::HipError) -> ModelError {
     move |source| ModelError::Gpu { op, source }
 }
 

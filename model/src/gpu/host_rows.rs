@@ -23,9 +23,9 @@ use gguf_format::GgmlType;
 use hip_backend::{Device, DeviceBuffer, HostRegistration, PinnedBuffer, Stream};
 use tensor_store::TensorHandle;
 
-use super::host::HOST_TOKENS;
+use super::host::{gpu, HOST_TOKENS};
 use crate::offload::RowOffload;
-use crate::plan::{ExecutionPlan, Linear};
+use crate::plan::{ExecutionPlan, LayerPlan, Linear};
 use crate::ModelError;
 
 /// The copy engine's rate from registered host memory and one CPU thread's rate of
@@ -41,10 +41,6 @@ const ROW_STEP: usize = 32;
 /// Set to a share between 0 and 1, the device's share of the host layers' rows instead
 /// of the one the CPU's threads give; `0` leaves every row to the CPU.
 pub const SHARE_ENV: &str = "ROCMFORGE_HOST_ROWS_ON_GPU";
-
-fn gpu(op: &'static str) -> impl Fn(hip_backend::HipError) -> ModelError {
-    move |source| ModelError::Gpu { op, source }
-}
 
 /// The registered span of the file and what a pass needs to multiply its rows on the
 /// device.
@@ -90,10 +86,11 @@ impl HostRows {
         if share <= 0.0 || layers.is_empty() {
             return Ok(None);
         }
-        let lins: Vec<&Linear> = plan.layers[layers]
+        let groups: Vec<Vec<&Linear>> = plan.layers[layers]
             .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])
+            .flat_map(product_groups)
             .collect();
+        let lins: Vec<&Linear> = groups.iter().flatten().copied().collect();
         let tensors: Vec<TensorHandle> = lins.iter().map(|l| l.weight.clone()).collect();
         let Some(span) = mapped_span(&tensors)? else {
             tracing::info!(
@@ -112,39 +109,14 @@ impl HostRows {
                 return Ok(None);
             }
         };
-        let bytes_of = |lin: &Linear| {
-            let row_bytes = lin
-                .weight
-                .ggml_type()
-                .row_bytes(lin.cols as u64)
-                .unwrap_or(0);
-            device_rows(lin, share) * row_bytes as usize
+        // The most any group of products needs at once.
+        let largest = |size: &dyn Fn(&Linear) -> usize| {
+            let group = |g: &Vec<&Linear>| g.iter().map(|&l| size(l)).sum::<usize>();
+            groups.iter().map(group).max().unwrap_or(0)
         };
-        let staging = lins
-            .chunks(7)
-            .flat_map(|l| {
-                [
-                    bytes_of(l[0]) + bytes_of(l[1]) + bytes_of(l[2]),
-                    bytes_of(l[3]),
-                    bytes_of(l[4]) + bytes_of(l[5]),
-                    bytes_of(l[6]),
-                ]
-            })
-            .max()
-            .unwrap_or(0);
+        let staging = largest(&|l| device_rows(l, share) * row_bytes(l));
+        let rows = largest(&|l| l.rows);
         let cols = lins.iter().map(|l| l.cols).max().unwrap_or(0);
-        let rows = lins
-            .chunks(7)
-            .flat_map(|l| {
-                [
-                    l[0].rows + l[1].rows + l[2].rows,
-                    l[3].rows,
-                    l[4].rows + l[5].rows,
-                    l[6].rows,
-                ]
-            })
-            .max()
-            .unwrap_or(0);
         let alloc = gpu("buffers of the host layers' rows");
         Ok(Some(HostRows {
             registration,
@@ -170,6 +142,25 @@ impl HostRows {
     pub fn on<'a>(&'a mut self, stream: &'a Stream) -> OnStream<'a> {
         OnStream { rows: self, stream }
     }
+}
+
+/// A layer's products in the groups a pass multiplies together (one input each): q/k/v,
+/// the attention output, gate/up, down.
+fn product_groups(l: &LayerPlan) -> [Vec<&Linear>; 4] {
+    [
+        vec![&l.wq, &l.wk, &l.wv],
+        vec![&l.wo],
+        vec![&l.gate, &l.up],
+        vec![&l.down],
+    ]
+}
+
+/// Bytes of one row of `lin`'s weight.
+fn row_bytes(lin: &Linear) -> usize {
+    lin.weight
+        .ggml_type()
+        .row_bytes(lin.cols as u64)
+        .unwrap_or(0) as usize
 }
 
 /// A run of a file's mapped bytes: the pages around some tensors.
@@ -282,11 +273,7 @@ impl OnStream<'_> {
         let mut staged = Vec::with_capacity(lins.len());
         let mut filled = 0;
         for (lin, &part) in lins.iter().zip(parts) {
-            let row_bytes = lin
-                .weight
-                .ggml_type()
-                .row_bytes(lin.cols as u64)
-                .unwrap_or(0) as usize;
+            let row_bytes = row_bytes(lin);
             let offset =
                 (lin.weight.file_range().start - rows.base) as usize + lin.first_row * row_bytes;
             let len = part * row_bytes;
