@@ -1,6 +1,6 @@
 //! `cargo xtask bench-ttft`: time to the first token as a user sees it, from spawning
-//! the process to its exit with one generated token, ROCmForge beside llama.cpp's
-//! `llama-completion`, on prompts of exact token counts.
+//! the process to the first token on its standard output, ROCmForge beside llama.cpp's
+//! `llama-completion`, on prompts of exact token counts; and to the process's exit.
 //!
 //! ```text
 //! cargo xtask bench-ttft --gguf FILE [--rocmforge PATH] [--llama-completion PATH]
@@ -10,18 +10,26 @@
 //!
 //! Both engines read the same prompt file, made of one word repeated until the model's
 //! tokenizer gives exactly N tokens (BOS included where the model adds it), and choose
-//! one token greedily. Ours runs `rocmforge generate --json` once per upload mode and
-//! reports, besides the wall time, the moments its JSON gives from the process's start
-//! (runtime ready, header parsed, plan built, prompt started, weights uploaded, first
-//! token); llama.cpp's rows add the load and prompt times it prints about itself.
+//! one token greedily. The first token is seen when the first byte of standard output
+//! arrives: ours prints its JSON, token included, once the token is chosen, and
+//! llama.cpp prints the token alone where it offers `--no-display-prompt` (else its
+//! first output is the prompt's echo, and only its exit is measured). The exit comes
+//! later, after each engine has given its memory and the GPU runtime back. Ours runs
+//! `rocmforge generate --json` once per upload mode and reports, besides those times,
+//! the moments its JSON gives from the process's start (runtime ready, header parsed,
+//! plan built, prompt started, weights uploaded, first token); llama.cpp's rows add the
+//! load and prompt times it prints about itself.
 //!
 //! Warm rows run with the file in the page cache (read once first, and each engine run
 //! once untimed). `--cold` adds rows with the page cache dropped (`sync`, then 3 into
 //! `/proc/sys/vm/drop_caches`, which needs root) before every run, and the time to read
 //! the whole file sequentially in 16 MiB pieces from a cold cache: the floor a cold
 //! start cannot beat. Where the cache cannot be dropped, it says so and leaves the cold
-//! rows out. The targets: warm, ours within 0.5x llama.cpp's time; cold, within 1.05x
-//! the file's read time.
+//! rows out. The targets, on the times to the first token: warm, ours within 0.5x
+//! llama.cpp's; cold, within 1.05x the file's read time. And the overlap of the upload
+//! with the prompt: in the background mode, the first token no later than
+//! max(upload, prefill) + min(upload, prefill) / 4 after the runtime is ready, the two
+//! phases taken from the eager mode's run on the same prompt and cache.
 //!
 //! Without a usable device, `rocmforge generate --device gpu` fails: that is one line
 //! and a non-zero exit.
@@ -30,6 +38,7 @@ mod llama;
 mod prompt;
 mod report;
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -159,8 +168,8 @@ impl Engine {
 struct Setup<'a> {
     o: &'a Options,
     rocmforge: PathBuf,
-    /// llama-completion and whether it takes `--no-warmup`.
-    llama: Option<(PathBuf, bool)>,
+    /// llama-completion and the options it offers.
+    llama: Option<(PathBuf, llama::Offers)>,
     /// The prompt file of each count in `--prompt-tokens`.
     prompts: Vec<(usize, PathBuf)>,
 }
@@ -172,7 +181,7 @@ pub fn run(args: &[String]) -> Result<()> {
         .len();
     let rocmforge = rocmforge_binary(o.rocmforge.as_deref())?;
     let llama = match &o.llama_completion {
-        Some(path) => Some((path.clone(), llama::has_no_warmup(path)?)),
+        Some(path) => Some((path.clone(), llama::offers(path)?)),
         None => None,
     };
     let dir = PromptDir::new()?;
@@ -361,9 +370,9 @@ fn engine_command(
             Some(command)
         }
         Engine::Llama => {
-            let (binary, no_warmup) = setup.llama.as_ref()?;
+            let (binary, offers) = setup.llama.as_ref()?;
             let mut command = Command::new(binary);
-            command.args(llama::arguments(&o.gguf, file, o.gpu, ctx_size, *no_warmup));
+            command.args(llama::arguments(&o.gguf, file, o.gpu, ctx_size, *offers));
             Some(command)
         }
     }
@@ -394,20 +403,21 @@ fn measure_engine(setup: &Setup, engine: &Engine, prompt: &(usize, PathBuf)) -> 
         (Engine::FileRead, _) => {
             let started = Instant::now();
             measure::file_read_bandwidth(&setup.o.gguf, 1, READ_CHUNK, false, u64::MAX)?;
-            Ok(Run::new(started.elapsed().as_secs_f64()))
+            let seconds = started.elapsed().as_secs_f64();
+            Ok(Run::new(seconds, Some(seconds)))
         }
         (Engine::Ours { .. }, Some(mut command)) => {
             let device = device_name(setup.o.gpu);
-            let (wall_s, stdout, _) = spawn_timed(&mut command)
+            let timed = spawn_timed(&mut command)
                 .with_context(|| format!("`rocmforge generate --device {device}` failed"))?;
             let doc: Value =
-                serde_json::from_slice(&stdout).context("rocmforge generate's JSON")?;
+                serde_json::from_slice(&timed.stdout).context("rocmforge generate's JSON")?;
             let evaluated = doc["prompt_tokens"].as_array().map_or(0, Vec::len);
             ensure!(
                 evaluated == tokens,
                 "rocmforge evaluated {evaluated} prompt tokens, not {tokens}"
             );
-            let mut run = Run::new(wall_s);
+            let mut run = Run::new(timed.exit_s, timed.output_s);
             for (key, label) in OUR_PARTS {
                 if let Some(ms) = doc["timings"][key].as_f64() {
                     run.parts.push((label, ms / 1e3));
@@ -417,10 +427,11 @@ fn measure_engine(setup: &Setup, engine: &Engine, prompt: &(usize, PathBuf)) -> 
         }
         (Engine::Llama, Some(mut command)) => {
             let line = command_line(&command);
-            let (wall_s, _, stderr) =
-                spawn_timed(&mut command).with_context(|| format!("`{line}` failed"))?;
-            let perf = llama::parse_perf(&String::from_utf8_lossy(&stderr));
-            let mut run = Run::new(wall_s);
+            let timed = spawn_timed(&mut command).with_context(|| format!("`{line}` failed"))?;
+            let perf = llama::parse_perf(&String::from_utf8_lossy(&timed.stderr));
+            // Its first output is the token only when the prompt is not echoed.
+            let echoes = !setup.llama.as_ref().is_some_and(|l| l.1.no_display_prompt);
+            let mut run = Run::new(timed.exit_s, timed.output_s.filter(|_| !echoes));
             if let Some(n) = perf.prompt_eval_tokens.filter(|&n| n != tokens) {
                 run.note = Some(format!(
                     "llama.cpp evaluated {n} prompt tokens, not {tokens}"
@@ -435,23 +446,73 @@ fn measure_engine(setup: &Setup, engine: &Engine, prompt: &(usize, PathBuf)) -> 
     }
 }
 
-/// Runs `command` to its exit, stdin closed: seconds from spawn to exit, stdout and
-/// stderr; an error naming the last line of stderr when it fails.
-fn spawn_timed(command: &mut Command) -> Result<(f64, Vec<u8>, Vec<u8>)> {
-    command.stdin(Stdio::null());
+/// A process run to its exit.
+#[derive(Debug)]
+struct Timed {
+    /// Seconds from spawn to exit.
+    exit_s: f64,
+    /// Seconds from spawn to the first byte on its standard output, if any.
+    output_s: Option<f64>,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+}
+
+/// Runs `command` to its exit, stdin closed, noting when its first output arrives; an
+/// error naming the last line of stderr when it fails.
+fn spawn_timed(command: &mut Command) -> Result<Timed> {
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let started = Instant::now();
-    let output = command.output().context("starting it")?;
-    let wall_s = started.elapsed().as_secs_f64();
-    if !output.status.success() {
-        let stderr = String::from_utf8_lossy(&output.stderr);
+    let mut child = command.spawn().context("starting it")?;
+    let (Some(mut out), Some(mut err)) = (child.stdout.take(), child.stderr.take()) else {
+        bail!("its output is not piped");
+    };
+    // Stderr drains beside, so that a process writing much of it never blocks.
+    let stderr_thread = std::thread::spawn(move || {
+        let mut stderr = Vec::new();
+        err.read_to_end(&mut stderr).map(|_| stderr)
+    });
+    let mut stdout = Vec::new();
+    let mut output_s = None;
+    let mut chunk = [0u8; 8192];
+    loop {
+        match out.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => {
+                output_s.get_or_insert_with(|| started.elapsed().as_secs_f64());
+                stdout.extend_from_slice(&chunk[..n]);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e).context("reading its standard output");
+            }
+        }
+    }
+    let status = child.wait().context("waiting for it")?;
+    let exit_s = started.elapsed().as_secs_f64();
+    let stderr = stderr_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread reading its stderr panicked"))?
+        .context("reading its standard error")?;
+    if !status.success() {
+        let stderr = String::from_utf8_lossy(&stderr);
         let last = stderr
             .lines()
             .rev()
             .find(|l| !l.trim().is_empty())
             .unwrap_or("");
-        bail!("{}: {last}", output.status);
+        bail!("{status}: {last}");
     }
-    Ok((wall_s, output.stdout, output.stderr))
+    Ok(Timed {
+        exit_s,
+        output_s,
+        stdout,
+        stderr,
+    })
 }
 
 #[cfg(test)]
@@ -525,6 +586,32 @@ mod tests {
         assert!(error(&["--gguf", "m", "--device", "tpu"]).contains("gpu or cpu"));
         assert!(error(&["--gguf", "m", "--cold", "--fast"]).contains("unknown option"));
         assert!(error(&["--gguf"]).contains("needs a value"));
+    }
+
+    #[test]
+    fn a_process_is_timed_to_its_first_output_and_to_its_exit() {
+        let timed =
+            spawn_timed(Command::new("sh").args(["-c", "printf token; sleep 0.3"])).unwrap();
+        assert_eq!(timed.stdout, b"token");
+        let output_s = timed.output_s.unwrap();
+        // The output came before the sleep, the exit after it.
+        assert!(
+            timed.exit_s - output_s >= 0.3,
+            "{output_s} {}",
+            timed.exit_s
+        );
+
+        let silent = spawn_timed(Command::new("sh").args(["-c", "echo oops >&2"])).unwrap();
+        assert_eq!(
+            (silent.output_s, silent.stderr.as_slice()),
+            (None, &b"oops\n"[..])
+        );
+
+        let error =
+            spawn_timed(Command::new("sh").args(["-c", "echo first >&2; echo why >&2; exit 3"]))
+                .unwrap_err()
+                .to_string();
+        assert!(error.contains("why") && error.contains('3'), "{error}");
     }
 
     #[test]

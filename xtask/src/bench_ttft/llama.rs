@@ -51,30 +51,45 @@ pub fn parse_perf(stderr: &str) -> Perf {
     perf
 }
 
-/// Whether this build's `--help` offers `--no-warmup` (it runs an empty batch through
-/// the model before the prompt otherwise, which is not part of a user's request).
-pub fn has_no_warmup(binary: &Path) -> Result<bool> {
+/// The options of `llama-completion` that only some builds offer.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Offers {
+    /// `--no-warmup`: without it, an empty batch runs through the model before the
+    /// prompt, which is not part of a user's request.
+    pub no_warmup: bool,
+    /// `--no-display-prompt`: without it, the prompt is echoed on stdout before the
+    /// generated text, and the first output is not the first token.
+    pub no_display_prompt: bool,
+}
+
+/// Which of [`Offers`]' options this build's `--help` lists.
+pub fn offers(binary: &Path) -> Result<Offers> {
     let output = Command::new(binary)
         .arg("--help")
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("running {} --help", binary.display()))?;
-    Ok(offers_no_warmup(&output.stdout) || offers_no_warmup(&output.stderr))
+    let mut help = String::from_utf8_lossy(&output.stdout).into_owned();
+    help.push_str(&String::from_utf8_lossy(&output.stderr));
+    Ok(offers_in(&help))
 }
 
-fn offers_no_warmup(help: &[u8]) -> bool {
-    String::from_utf8_lossy(help).contains("--no-warmup")
+fn offers_in(help: &str) -> Offers {
+    Offers {
+        no_warmup: help.contains("--no-warmup"),
+        no_display_prompt: help.contains("--no-display-prompt"),
+    }
 }
 
 /// The arguments of one run: the prompt from `prompt_file`, one token generated
 /// greedily, not in conversation mode, every layer on the GPU (`gpu`) or none, a
-/// context of `ctx_size`.
+/// context of `ctx_size`, without the warmup and the prompt's echo where offered.
 pub fn arguments(
     model: &Path,
     prompt_file: &Path,
     gpu: bool,
     ctx_size: usize,
-    no_warmup: bool,
+    offers: Offers,
 ) -> Vec<OsString> {
     let mut args: Vec<OsString> = vec!["-m".into(), model.into(), "-f".into(), prompt_file.into()];
     let layers = if gpu { "99" } else { "0" };
@@ -82,8 +97,11 @@ pub fn arguments(
         args.push(arg.into());
     }
     args.push(ctx_size.to_string().into());
-    if no_warmup {
+    if offers.no_warmup {
         args.push("--no-warmup".into());
+    }
+    if offers.no_display_prompt {
+        args.push("--no-display-prompt".into());
     }
     args
 }
@@ -137,16 +155,28 @@ llama_memory_breakdown_print: | memory breakdown [MiB] | total   free    self   
     }
 
     #[test]
-    fn the_help_says_whether_warmup_can_be_skipped() {
-        assert!(offers_no_warmup(
-            b"--warmup, --no-warmup    whether to perform warmup with an empty run"
-        ));
-        assert!(!offers_no_warmup(b"-n, --n-predict N"));
+    fn the_help_says_which_options_are_offered() {
+        let offers = offers_in(
+            "--warmup, --no-warmup    whether to perform warmup with an empty run\n\
+             --no-display-prompt      don't print prompt at generation",
+        );
+        assert_eq!(
+            offers,
+            Offers {
+                no_warmup: true,
+                no_display_prompt: true
+            }
+        );
+        assert_eq!(offers_in("-n, --n-predict N"), Offers::default());
     }
 
     #[test]
     fn arguments_ask_for_one_greedy_token_on_the_chosen_device() {
-        let args = arguments(Path::new("m.gguf"), Path::new("p.txt"), true, 2064, true);
+        let all = Offers {
+            no_warmup: true,
+            no_display_prompt: true,
+        };
+        let args = arguments(Path::new("m.gguf"), Path::new("p.txt"), true, 2064, all);
         let args: Vec<_> = args.iter().map(|a| a.to_str().unwrap()).collect();
         assert_eq!(
             args,
@@ -164,10 +194,17 @@ llama_memory_breakdown_print: | memory breakdown [MiB] | total   free    self   
                 "0",
                 "-c",
                 "2064",
-                "--no-warmup"
+                "--no-warmup",
+                "--no-display-prompt"
             ]
         );
-        let cpu = arguments(Path::new("m.gguf"), Path::new("p.txt"), false, 24, false);
+        let cpu = arguments(
+            Path::new("m.gguf"),
+            Path::new("p.txt"),
+            false,
+            24,
+            Offers::default(),
+        );
         assert_eq!(cpu[7], "0");
         assert_eq!(cpu.last().unwrap(), "24");
     }
