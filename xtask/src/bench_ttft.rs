@@ -248,7 +248,9 @@ pub fn run(args: &[String]) -> Result<()> {
 }
 
 /// Every engine's runs on every prompt, the engines taking turns so that a drift of the
-/// machine spreads over all of them; "cold" drops the page cache before each run.
+/// machine spreads over all of them, and each round starting with the next engine (a
+/// run can leave the machine faster or slower for the one after it: a virtual disk's
+/// host caches, say); "cold" drops the page cache before each run.
 fn measure_rows(setup: &Setup, engines: &[Engine], cache: &'static str) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for prompt in &setup.prompts {
@@ -256,14 +258,17 @@ fn measure_rows(setup: &Setup, engines: &[Engine], cache: &'static str) -> Resul
             .iter()
             .map(|e| Row::new(cache, prompt.0, e))
             .collect();
-        for _ in 0..setup.o.runs {
-            for row in &mut these {
+        let count = these.len();
+        for round in 0..setup.o.runs {
+            for turn in 0..count {
+                let row = &mut these[(round + turn) % count];
                 if cache == "cold" {
                     drop_page_cache()?;
                 }
                 let run = measure_engine(setup, &row.engine, prompt)?;
+                let token = run.token_s.map_or("-".into(), |s| format!("{s:.3} s"));
                 eprintln!(
-                    "{cache} {:>5} tokens  {:<22} {:.3} s",
+                    "{cache} {:>5} tokens  {:<22} token {token}, exit {:.3} s",
                     prompt.0,
                     row.engine.label(),
                     run.wall_s
