@@ -39,7 +39,7 @@ use std::time::Instant;
 
 use hip_backend::{Device, DeviceArena, DeviceBuffer, Graph, HipError, PinnedBuffer, Stream};
 use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadMode, UploadOrder};
-use tensor_store::{StoreError, TensorStore};
+use tensor_store::{StoreError, TensorHandle, TensorStore};
 
 pub use host::HOST_TOKENS;
 pub use kernels::{KernelError, ShapeError};
@@ -122,18 +122,26 @@ pub enum Want {
     AllLogits,
 }
 
-/// The order in which a [`GpuModel`]'s first pass takes `model`'s tensors from its
-/// device cache: the embeddings, the final norm and the output matrix (fetched before
-/// the first layer, so the cache uploads them first), then layer by layer. What to read
-/// ahead of the upload ([`tensor_store::device::ReadAhead`]).
+/// The order in which a [`GpuModel`] uploads `model`'s tensors, and what to read ahead
+/// of the upload from a cold file ([`tensor_store::device::ReadAhead`]): the order its
+/// first pass takes them in. See [`upload_order`].
 pub fn first_use_order(model: &Model) -> UploadOrder {
-    let plan = model.plan();
-    let globals = [
-        &plan.token_embd.weight,
-        &plan.output_norm.handle,
-        &plan.output.weight,
-    ];
-    UploadOrder::by_layer(globals.into_iter().chain(plan.handles()))
+    upload_order(model.plan())
+}
+
+/// The final norm and the output matrix first (a pass asks for them before its first
+/// layer), then layer by layer, and the token embeddings last: a prompt whose pass starts
+/// while they are still on their way gathers its rows on the host from the file, so
+/// that its first token waits for every weight but them. Where the embeddings are the
+/// output matrix too, they come first with it.
+fn upload_order(plan: &ExecutionPlan) -> UploadOrder {
+    let embd = &plan.token_embd.weight;
+    let globals = [&plan.output_norm.handle, &plan.output.weight];
+    let layers = plan
+        .handles()
+        .into_iter()
+        .filter(|h| h.index() != embd.index());
+    UploadOrder::by_layer(globals.into_iter().chain(layers).chain([embd]))
 }
 
 /// A model whose forward pass runs on a GPU, with its KV cache there.
@@ -265,7 +273,7 @@ impl GpuModel {
         let config = model.config().clone();
         let plan = model.plan().clone();
         let store: &TensorStore = model.store();
-        let order = UploadOrder::by_layer(plan.handles());
+        let order = upload_order(&plan);
         let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
 
         // Activations and the KV cache first: their size is known, and failing here
@@ -439,6 +447,11 @@ impl GpuModel {
     /// When every weight had been uploaded once (not yet: `None`).
     pub fn uploaded_at(&self) -> Option<Instant> {
         self.uploaded.get().copied()
+    }
+
+    /// Whether `tensor`, one of the model's, is on the device now.
+    pub fn is_resident(&self, tensor: &TensorHandle) -> bool {
+        self.cache.is_resident(tensor)
     }
 
     /// Positions in the KV cache.
@@ -902,11 +915,16 @@ impl GpuModel {
             .write_from_host(&positions, firsts.view_mut())
             .map_err(gpu("positions"))?;
         let at = |c: usize, n: usize| c * chunk_len * d..(c * chunk_len + n) * d;
-        let globals = weights::Globals::fetch(&self.cache, &self.plan, true)?;
+        let on_host_embed = self.embeds_on_host(true);
+        let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
         for (c, chunk) in chunks.iter().enumerate() {
             self.write_tokens(chunk)?;
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
-            forward::embed(config, &globals, bufs, chunk.len(), stream)?;
+            if on_host_embed {
+                embed_from_file(config, &self.plan, chunk, bufs, stream)?;
+            } else {
+                forward::embed(config, &globals, bufs, chunk.len(), stream)?;
+            }
             let dst = streams
                 .view_mut()
                 .slice_mut(at(c, chunk.len()))
@@ -1143,19 +1161,19 @@ impl GpuModel {
             self.kept.truncate(self.stream_keep);
             self.stream_keep
         };
-        let globals = weights::Globals::fetch(&self.cache, &self.plan, !self.embed_on_host)?;
-        if self.embed_on_host {
+        let on_host_embed = self.embeds_on_host(matches!(layout, Layout::Contiguous));
+        let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
+        if on_host_embed {
             // The tokens of this pass are the first `n` the host staged.
-            let gpu = |op| move |source| ModelError::Gpu { op, source };
             let tokens = self
                 .host_tokens
                 .as_slice()
-                .map_err(gpu("reading the tokens"))?;
-            let x = crate::forward::embed(&self.config, &self.plan.token_embd, &tokens[..n])?;
-            let d = self.config.n_embd;
-            self.stream
-                .write_from_host(&x, self.bufs.x_mut(n * d)?)
-                .map_err(gpu("copying the embeddings"))?;
+                .map_err(|source| ModelError::Gpu {
+                    op: "reading the tokens",
+                    source,
+                })?;
+            let (config, plan, bufs) = (&self.config, &self.plan, &mut self.bufs);
+            embed_from_file(config, plan, &tokens[..n], bufs, &self.stream)?;
         } else {
             forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
         }
@@ -1208,6 +1226,19 @@ impl GpuModel {
             self.sync()?;
         }
         Ok(())
+    }
+
+    /// Whether a pass gathers its embeddings on the host: always over budget, where they
+    /// stay in the file; and for a pass of one sequence (`single`) while they are still
+    /// on their way, the last tensors uploaded ([`upload_order`]), unless they are the
+    /// output matrix too, which every pass waits for.
+    fn embeds_on_host(&self, single: bool) -> bool {
+        let embd = &self.plan.token_embd.weight;
+        self.embed_on_host
+            || (single
+                && self.hold_all
+                && embd.index() != self.plan.output.weight.index()
+                && !self.cache.is_resident(embd))
     }
 
     fn all_resident(&self) -> bool {
@@ -1266,6 +1297,24 @@ pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
 /// layers and for `passing` more layers to pass through (two: the one running and the
 /// next arriving; none: the pass frees room first), with a margin for the arena's
 /// alignment.
+/// The embeddings of `tokens` gathered and decoded on the host from the mapped file (the
+/// CPU path's exact decoding, which the device's matches bit for bit), into `bufs.x`.
+fn embed_from_file(
+    config: &ModelConfig,
+    plan: &ExecutionPlan,
+    tokens: &[u32],
+    bufs: &mut Buffers,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let x = crate::forward::embed(config, &plan.token_embd, tokens)?;
+    stream
+        .write_from_host(&x, bufs.x_mut(tokens.len() * config.n_embd)?)
+        .map_err(|source| ModelError::Gpu {
+            op: "copying the embeddings",
+            source,
+        })
+}
+
 fn layers_to_keep(order: &UploadOrder, budget: u64, passing: u64) -> usize {
     let bytes = |group: &tensor_store::device::UploadGroup| -> u64 {
         order.tensors()[group.tensors.clone()]

@@ -1332,6 +1332,77 @@ mod gpu {
         }
     }
 
+    /// The upload (and a cold file's read-ahead) takes the final norm and the output
+    /// matrix first, the layers in turn, and the token embeddings last; embeddings that
+    /// are the output matrix too come first.
+    #[test]
+    fn upload_order_takes_the_embeddings_last_unless_they_are_the_output() {
+        for (name, tied) in [("llama-q4_k", false), ("llama-mha-tied", true)] {
+            let (_dir, _store, model) = open_spec(name);
+            let order = model::gpu::first_use_order(&model);
+            let names: Vec<&str> = order.tensors().iter().map(|t| t.name()).collect();
+            let mut every: Vec<&str> = model.plan().handles().iter().map(|h| h.name()).collect();
+            every.sort_unstable();
+            every.dedup();
+            let mut sorted = names.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, every, "{name}: each tensor once");
+            if tied {
+                assert_eq!(
+                    names[..2],
+                    ["output_norm.weight", "token_embd.weight"],
+                    "{name}"
+                );
+            } else {
+                assert_eq!(
+                    names[..2],
+                    ["output_norm.weight", "output.weight"],
+                    "{name}"
+                );
+                assert_eq!(names.last(), Some(&"token_embd.weight"), "{name}");
+            }
+            let layers: Vec<usize> = names
+                .iter()
+                .filter_map(|n| n.strip_prefix("blk.")?.split('.').next()?.parse().ok())
+                .collect();
+            assert!(
+                layers.windows(2).all(|w| w[0] <= w[1]),
+                "{name}: {layers:?}"
+            );
+        }
+    }
+
+    /// While the embeddings are not on the device (lazy: nothing is until asked for), a
+    /// prompt gathers its rows on the host from the file rather than wait for them: the
+    /// same bits as with every weight resident. The first decoding step fetches them.
+    #[test]
+    fn gpu_a_prompt_does_not_wait_for_the_embeddings() {
+        let test = "gpu_a_prompt_does_not_wait_for_the_embeddings";
+        let (_dir, _store, model) = open_spec("llama-q4_k");
+        let embd = &model.plan().token_embd.weight;
+        let prompt: Vec<u32> = (0..9).map(|i| 3 + i * 11).collect();
+        let mut results = Vec::new();
+        for mode in [UploadMode::Eager, UploadMode::Lazy] {
+            let Some(mut gpu) = gpu_model(test, &model, mode, 32) else {
+                return;
+            };
+            let first = gpu.forward(&prompt).expect("prompt");
+            let waited = mode == UploadMode::Eager;
+            assert_eq!(
+                gpu.is_resident(embd),
+                waited,
+                "{test}: {mode:?} after the prompt"
+            );
+            let next = gpu.forward(&[argmax(&first) as u32]).expect("decode");
+            assert!(gpu.is_resident(embd), "{test}: {mode:?} after a step");
+            results.push((first, next));
+        }
+        assert!(
+            results[0] == results[1],
+            "{test}: host and device embeddings differ"
+        );
+    }
+
     /// Eager, background and lazy uploads run one code path: the same logits, bit for bit.
     #[test]
     fn gpu_upload_modes_give_the_same_logits() {
