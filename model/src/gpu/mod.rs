@@ -1297,8 +1297,13 @@ pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
 /// layers and for `passing` more layers to pass through (two: the one running and the
 /// next arriving; none: the pass frees room first), with a margin for the arena's
 /// alignment.
+/// Rows of embeddings one task of [`embed_from_file`] decodes.
+const EMBED_ROWS_PER_TASK: usize = 64;
+
 /// The embeddings of `tokens` gathered and decoded on the host from the mapped file (the
 /// CPU path's exact decoding, which the device's matches bit for bit), into `bufs.x`.
+/// A long prompt's rows are decoded by the thread pool (a 2,048-token prompt's would take
+/// one thread some 10 ms, which its first token would wait for).
 fn embed_from_file(
     config: &ModelConfig,
     plan: &ExecutionPlan,
@@ -1306,7 +1311,15 @@ fn embed_from_file(
     bufs: &mut Buffers,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    let x = crate::forward::embed(config, &plan.token_embd, tokens)?;
+    use rayon::prelude::*;
+    let d = config.n_embd;
+    let mut x = vec![0f32; tokens.len() * d];
+    x.par_chunks_mut(EMBED_ROWS_PER_TASK * d)
+        .zip(tokens.par_chunks(EMBED_ROWS_PER_TASK))
+        .try_for_each(|(rows, tokens)| {
+            rows.copy_from_slice(&crate::forward::embed(config, &plan.token_embd, tokens)?);
+            Ok::<(), ModelError>(())
+        })?;
     stream
         .write_from_host(&x, bufs.x_mut(tokens.len() * config.n_embd)?)
         .map_err(|source| ModelError::Gpu {

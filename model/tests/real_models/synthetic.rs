@@ -1380,10 +1380,11 @@ mod gpu {
         let test = "gpu_a_prompt_does_not_wait_for_the_embeddings";
         let (_dir, _store, model) = open_spec("llama-q4_k");
         let embd = &model.plan().token_embd.weight;
-        let prompt: Vec<u32> = (0..9).map(|i| 3 + i * 11).collect();
+        // Rows of more than one task of the host's decoding.
+        let prompt: Vec<u32> = (0..70).map(|i| 1 + (i * 37) % 200).collect();
         let mut results = Vec::new();
         for mode in [UploadMode::Eager, UploadMode::Lazy] {
-            let Some(mut gpu) = gpu_model(test, &model, mode, 32) else {
+            let Some(mut gpu) = gpu_model(test, &model, mode, 80) else {
                 return;
             };
             let first = gpu.forward(&prompt).expect("prompt");
