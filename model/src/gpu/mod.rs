@@ -348,7 +348,11 @@ impl GpuModel {
         };
         let uploaded = Arc::new(OnceLock::new());
         let mark = Arc::clone(&uploaded);
+        let group_names: Vec<String> = order.groups().iter().map(|g| g.name.clone()).collect();
         let cache = DeviceCache::with_progress(target, store, order, cache_config, move |p| {
+            if let Some(group) = p.completed_group.and_then(|g| group_names.get(g)) {
+                tracing::trace!(group = group.as_str(), "weights resident");
+            }
             if p.is_complete() {
                 let _ = mark.set(Instant::now());
             }
@@ -812,6 +816,7 @@ impl GpuModel {
         self.check_tokens(tokens)?;
         let start = self.len;
         let result = self.run_chunks(tokens, want);
+        tracing::trace!(tokens = tokens.len(), "a pass's results in hand");
         if result.is_err() {
             // Leave the cache as it was before the failed call.
             self.set_position(start)?;
@@ -917,6 +922,11 @@ impl GpuModel {
         let at = |c: usize, n: usize| c * chunk_len * d..(c * chunk_len + n) * d;
         let on_host_embed = self.embeds_on_host(true);
         let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
+        tracing::trace!(
+            chunks = chunks.len(),
+            on_host_embed,
+            "a prompt's shared weights in hand"
+        );
         for (c, chunk) in chunks.iter().enumerate() {
             self.write_tokens(chunk)?;
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
@@ -937,6 +947,7 @@ impl GpuModel {
             check_stop(self.stop.as_deref())?;
             let layer = &self.plan.layers[layer_idx];
             let weights = LayerWeights::fetch(&self.cache, layer, self.rope_context)?;
+            tracing::trace!(layer = layer_idx, "a prompt's layer queued over its chunks");
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
             for (c, chunk) in chunks.iter().enumerate() {
                 let n = chunk.len();
@@ -1163,6 +1174,7 @@ impl GpuModel {
         };
         let on_host_embed = self.embeds_on_host(matches!(layout, Layout::Contiguous));
         let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
+        tracing::trace!(n, on_host_embed, "a pass's shared weights in hand");
         if on_host_embed {
             // The tokens of this pass are the first `n` the host staged.
             let tokens = self
@@ -1197,6 +1209,7 @@ impl GpuModel {
                 fetched = LayerWeights::fetch(&self.cache, layer, self.rope_context)?;
                 &fetched
             };
+            tracing::trace!(layer = layer_idx, "a pass's layer queued");
             forward::layer(
                 &self.config,
                 layer_idx,

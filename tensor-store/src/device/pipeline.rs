@@ -251,19 +251,24 @@ impl<T: DeviceTarget> Shared<T> {
     /// readers use each as soon as it exists. Stops at shutdown or at the first failure
     /// (the ring works with what it has).
     pub(crate) fn grow_staging(&self, count: usize, len: usize) {
-        for _ in 0..count {
-            if self.lock().shutdown {
-                return;
-            }
+        let started = std::time::Instant::now();
+        let mut added = 0;
+        while added < count && !self.lock().shutdown {
             match self.cache.target.alloc_staging(len) {
                 Ok(staging) => self.lock().staging.push_back(staging),
                 Err(error) => {
                     tracing::warn!(%error, "staging ring stays smaller than asked");
-                    return;
+                    break;
                 }
             }
+            added += 1;
             self.signal.notify_all();
         }
+        tracing::debug!(
+            added,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "staging buffers allocated"
+        );
     }
 
     /// True when the readers bypass the page cache (O_DIRECT) for every file.
