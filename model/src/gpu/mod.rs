@@ -921,19 +921,19 @@ impl GpuModel {
             .map_err(gpu("positions"))?;
         let at = |c: usize, n: usize| c * chunk_len * d..(c * chunk_len + n) * d;
         let on_host_embed = self.embeds_on_host(true);
-        let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
-        tracing::trace!(
-            chunks = chunks.len(),
-            on_host_embed,
-            "a prompt's shared weights in hand"
-        );
+        // Embeddings made on the host need nothing on the device: they are made while the
+        // shared weights arrive, which are asked for after them.
+        let on_device = if on_host_embed {
+            None
+        } else {
+            Some(weights::Globals::fetch(&self.cache, &self.plan, true)?)
+        };
         for (c, chunk) in chunks.iter().enumerate() {
             self.write_tokens(chunk)?;
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
-            if on_host_embed {
-                embed_from_file(config, &self.plan, chunk, bufs, stream)?;
-            } else {
-                forward::embed(config, &globals, bufs, chunk.len(), stream)?;
+            match &on_device {
+                Some(globals) => forward::embed(config, globals, bufs, chunk.len(), stream)?,
+                None => embed_from_file(config, &self.plan, chunk, bufs, stream)?,
             }
             let dst = streams
                 .view_mut()
@@ -943,6 +943,15 @@ impl GpuModel {
                 .copy_d2d_async(bufs.x_view(chunk.len() * d)?, dst)
                 .map_err(gpu("residual"))?;
         }
+        let globals = match on_device {
+            Some(globals) => globals,
+            None => weights::Globals::fetch(&self.cache, &self.plan, false)?,
+        };
+        tracing::trace!(
+            chunks = chunks.len(),
+            on_host_embed,
+            "a prompt's embeddings queued, its shared weights in hand"
+        );
         for layer_idx in 0..self.plan.layers.len() {
             check_stop(self.stop.as_deref())?;
             let layer = &self.plan.layers[layer_idx];
@@ -1173,9 +1182,9 @@ impl GpuModel {
             self.stream_keep
         };
         let on_host_embed = self.embeds_on_host(matches!(layout, Layout::Contiguous));
-        let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
-        tracing::trace!(n, on_host_embed, "a pass's shared weights in hand");
         if on_host_embed {
+            // Before the shared weights are asked for: the host's embeddings need nothing
+            // on the device, and are made while those arrive.
             // The tokens of this pass are the first `n` the host staged.
             let tokens = self
                 .host_tokens
@@ -1186,7 +1195,10 @@ impl GpuModel {
                 })?;
             let (config, plan, bufs) = (&self.config, &self.plan, &mut self.bufs);
             embed_from_file(config, plan, &tokens[..n], bufs, &self.stream)?;
-        } else {
+        }
+        let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
+        tracing::trace!(n, on_host_embed, "a pass's shared weights in hand");
+        if !on_host_embed {
             forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
         }
         for layer_idx in 0..device_layers {
