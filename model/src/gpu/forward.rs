@@ -485,19 +485,26 @@ fn gpu_matrix<'a>(m: &'a Matrix) -> Result<GpuMatrix<'a>, ModelError> {
 fn matvec_error<'a>(
     mats: &'a [&'a Matrix],
 ) -> impl Fn(dequant::gpu::GpuDequantError) -> ModelError + 'a {
+    product_error("matrix product", move || {
+        mats.iter()
+            .map(|m| m.name())
+            .collect::<Vec<_>>()
+            .join(" + ")
+    })
+}
+
+/// A product's failure as the model's error: a layout refused names the matrices
+/// (`name()`), a runtime failure says it came during `op`.
+pub(super) fn product_error<'a>(
+    op: &'static str,
+    name: impl Fn() -> String + 'a,
+) -> impl Fn(dequant::gpu::GpuDequantError) -> ModelError + 'a {
     move |error| match error {
         dequant::gpu::GpuDequantError::Layout(source) => ModelError::Matmul {
-            name: mats
-                .iter()
-                .map(|m| m.name())
-                .collect::<Vec<_>>()
-                .join(" + "),
+            name: name(),
             source,
         },
-        dequant::gpu::GpuDequantError::Hip(source) => ModelError::Gpu {
-            op: "matrix product",
-            source,
-        },
+        dequant::gpu::GpuDequantError::Hip(source) => ModelError::Gpu { op, source },
     }
 }
 

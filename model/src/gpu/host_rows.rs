@@ -23,6 +23,7 @@ use gguf_format::GgmlType;
 use hip_backend::{Device, DeviceBuffer, HostRegistration, PinnedBuffer, Stream};
 use tensor_store::TensorHandle;
 
+use super::forward::product_error;
 use super::host::{gpu, HOST_TOKENS};
 use crate::offload::RowOffload;
 use crate::plan::{ExecutionPlan, LayerPlan, Linear};
@@ -251,16 +252,7 @@ impl OnStream<'_> {
                 .collect::<Vec<_>>()
                 .join(" + ")
         };
-        let product = |error: dequant::gpu::GpuDequantError| match error {
-            dequant::gpu::GpuDequantError::Layout(source) => ModelError::Matmul {
-                name: names(),
-                source,
-            },
-            dequant::gpu::GpuDequantError::Hip(source) => ModelError::Gpu {
-                op: "host layers' rows",
-                source,
-            },
-        };
+        let product = product_error("host layers' rows", &names);
         matvec::quantize_q8(
             rows.x.slice(0..n * cols).map_err(&copy)?,
             n,
@@ -268,7 +260,7 @@ impl OnStream<'_> {
             rows.q8.slice_mut(0..q8_len).map_err(&copy)?,
             stream,
         )
-        .map_err(product)?;
+        .map_err(&product)?;
         // The group's rows into the staging buffer, product after product.
         let mut staged = Vec::with_capacity(lins.len());
         let mut filled = 0;
@@ -301,7 +293,10 @@ impl OnStream<'_> {
             let mut mats = Vec::new();
             let mut outs = Vec::new();
             let mut j = i;
-            while j < lins.len() && lins[j].weight.ggml_type() == ty && mats.len() < 3 {
+            while j < lins.len()
+                && lins[j].weight.ggml_type() == ty
+                && mats.len() < matvec::MAX_MATRICES
+            {
                 if parts[j] > 0 {
                     let lin = lins[j];
                     let bytes = rows
@@ -328,7 +323,7 @@ impl OnStream<'_> {
             if !mats.is_empty() {
                 let q8 = rows.q8.slice(0..q8_len).map_err(&copy)?;
                 matvec::matvec(&mats, GpuActivations::Q8(q8), n, &mut outs, false, stream)
-                    .map_err(product)?;
+                    .map_err(&product)?;
             }
             i = j;
         }

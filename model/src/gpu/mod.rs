@@ -124,17 +124,13 @@ pub enum Want {
 
 /// The order in which a [`GpuModel`] uploads `model`'s tensors, and what to read ahead
 /// of the upload from a cold file ([`tensor_store::device::ReadAhead`]): the order its
-/// first pass takes them in. See [`upload_order`].
+/// first pass takes them in. The final norm and the output matrix first (a pass asks for
+/// them before its first layer), then layer by layer, and the token embeddings last: a
+/// prompt whose pass starts while they are still on their way gathers its rows on the
+/// host from the file, so that its first token waits for every weight but them. Where
+/// the embeddings are the output matrix too, they come first with it.
 pub fn first_use_order(model: &Model) -> UploadOrder {
-    upload_order(model.plan())
-}
-
-/// The final norm and the output matrix first (a pass asks for them before its first
-/// layer), then layer by layer, and the token embeddings last: a prompt whose pass starts
-/// while they are still on their way gathers its rows on the host from the file, so
-/// that its first token waits for every weight but them. Where the embeddings are the
-/// output matrix too, they come first with it.
-fn upload_order(plan: &ExecutionPlan) -> UploadOrder {
+    let plan = model.plan();
     let embd = &plan.token_embd.weight;
     let globals = [&plan.output_norm.handle, &plan.output.weight];
     let layers = plan
@@ -273,7 +269,7 @@ impl GpuModel {
         let config = model.config().clone();
         let plan = model.plan().clone();
         let store: &TensorStore = model.store();
-        let order = upload_order(&plan);
+        let order = first_use_order(model);
         let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
 
         // Activations and the KV cache first: their size is known, and failing here
@@ -1255,7 +1251,7 @@ impl GpuModel {
 
     /// Whether a pass gathers its embeddings on the host: always over budget, where they
     /// stay in the file; and for a pass of one sequence (`single`) while they are still
-    /// on their way, the last tensors uploaded ([`upload_order`]), unless they are the
+    /// on their way, the last tensors uploaded ([`first_use_order`]), unless they are the
     /// output matrix too, which every pass waits for.
     fn embeds_on_host(&self, single: bool) -> bool {
         let embd = &self.plan.token_embd.weight;
@@ -1317,11 +1313,6 @@ pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
     }
 }
 
-/// How many of the first layers of `order` (its `blk.N` groups, in layer order) stay
-/// resident within `budget` device bytes, leaving room for the tensors outside the
-/// layers and for `passing` more layers to pass through (two: the one running and the
-/// next arriving; none: the pass frees room first), with a margin for the arena's
-/// alignment.
 /// Rows of embeddings one task of [`embed_from_file`] decodes.
 const EMBED_ROWS_PER_TASK: usize = 64;
 
@@ -1342,17 +1333,21 @@ fn embed_from_file(
     x.par_chunks_mut(EMBED_ROWS_PER_TASK * d)
         .zip(tokens.par_chunks(EMBED_ROWS_PER_TASK))
         .try_for_each(|(rows, tokens)| {
-            rows.copy_from_slice(&crate::forward::embed(config, &plan.token_embd, tokens)?);
-            Ok::<(), ModelError>(())
+            crate::forward::embed_into(config, &plan.token_embd, tokens, rows)
         })?;
     stream
-        .write_from_host(&x, bufs.x_mut(tokens.len() * config.n_embd)?)
+        .write_from_host(&x, bufs.x_mut(tokens.len() * d)?)
         .map_err(|source| ModelError::Gpu {
             op: "copying the embeddings",
             source,
         })
 }
 
+/// How many of the first layers of `order` (its `blk.N` groups, in layer order) stay
+/// resident within `budget` device bytes, leaving room for the tensors outside the
+/// layers and for `passing` more layers to pass through (two: the one running and the
+/// next arriving; none: the pass frees room first), with a margin for the arena's
+/// alignment.
 fn layers_to_keep(order: &UploadOrder, budget: u64, passing: u64) -> usize {
     let bytes = |group: &tensor_store::device::UploadGroup| -> u64 {
         order.tensors()[group.tensors.clone()]
