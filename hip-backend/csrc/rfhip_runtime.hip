@@ -83,9 +83,9 @@ int rfhip_mem_get_info(size_t* free_bytes, size_t* total_bytes) {
     return (int)hipMemGetInfo(free_bytes, total_bytes);
 }
 
-// Host memory the device reads in place (mapped into its address space), for memory the
-// host only reads while registered: a read-only file mapping on NVIDIA. HIP 5.2 has no
-// read-only flag; there the registration asks for a mapping alone.
+// Host memory registered where it lies (page-locked, mapped), for memory the host only
+// reads while registered: a read-only file mapping on NVIDIA. HIP 5.2 has no read-only
+// flag; there the registration asks for a mapping alone.
 int rfhip_host_register_read_only(void* ptr, size_t bytes) {
 #ifdef ROCMFORGE_HIP_NVIDIA
     return (int)cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly);
@@ -94,10 +94,6 @@ int rfhip_host_register_read_only(void* ptr, size_t bytes) {
 #endif
 }
 int rfhip_host_unregister(void* ptr) { return (int)hipHostUnregister(ptr); }
-int rfhip_host_device_pointer(void** out, void* host) {
-    *out = NULL;
-    return (int)hipHostGetDevicePointer(out, host, 0);
-}
 
 int rfhip_device_props(int ordinal, rfhip_device_props_t* out) {
     memset(out, 0, sizeof(*out));

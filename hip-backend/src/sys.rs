@@ -84,7 +84,6 @@ mod linked {
         pub fn rfhip_host_free(ptr: *mut c_void) -> c_int;
         pub fn rfhip_host_register_read_only(ptr: *mut c_void, bytes: usize) -> c_int;
         pub fn rfhip_host_unregister(ptr: *mut c_void) -> c_int;
-        pub fn rfhip_host_device_pointer(out: *mut *mut c_void, host: *mut c_void) -> c_int;
 
         pub fn rfhip_memcpy_h2d_async(
             dst: *mut c_void,
@@ -198,9 +197,6 @@ mod stub {
         NO_GPU
     }
     pub unsafe fn rfhip_host_unregister(_: *mut c_void) -> c_int {
-        NO_GPU
-    }
-    pub unsafe fn rfhip_host_device_pointer(_: *mut *mut c_void, _: *mut c_void) -> c_int {
         NO_GPU
     }
     pub unsafe fn rfhip_memcpy_h2d_async(
