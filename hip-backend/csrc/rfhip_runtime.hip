@@ -93,6 +93,16 @@ int rfhip_host_register_read_only(void* ptr, size_t bytes) {
     return (int)hipHostRegister(ptr, bytes, hipHostRegisterMapped);
 #endif
 }
+// Host memory the process mapped itself and writes (the region a ring of page-locked
+// buffers shares), registered where it lies: page-locked for every device, like
+// rfhip_host_alloc's memory.
+int rfhip_host_register(void* ptr, size_t bytes) {
+#ifdef ROCMFORGE_HIP_NVIDIA
+    return (int)cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+#else
+    return (int)hipHostRegister(ptr, bytes, hipHostRegisterPortable);
+#endif
+}
 int rfhip_host_unregister(void* ptr) { return (int)hipHostUnregister(ptr); }
 
 int rfhip_device_props(int ordinal, rfhip_device_props_t* out) {

@@ -287,6 +287,26 @@ impl Device {
         PinnedBuffer::new(self, len)
     }
 
+    /// `count` buffers of `len` elements of page-locked host memory each, zeroed, that
+    /// share one allocation: a single private anonymous mapping, made resident and
+    /// registered with the runtime in one call (page-locked for every device), which costs
+    /// far less than `count` calls of [`Device::alloc_pinned`]. Each buffer starts on a
+    /// page boundary of its own and works as any [`PinnedBuffer`] does. The region counts
+    /// as one page-locked allocation; it is unregistered and unmapped when the last of its
+    /// buffers drops (each first waits for its own copies). Memory of the ring's size made
+    /// resident ahead of time ([`crate::prepare_pinned_ring`]) is taken rather than mapped
+    /// anew, so that only the registration is left to do.
+    ///
+    /// Fails with [`HipError::HostMemory`] when the system refuses the mapping, and with
+    /// the runtime's error (out of memory, as a rule) when it refuses the registration.
+    pub fn alloc_pinned_ring<T: Pod>(
+        &self,
+        count: usize,
+        len: usize,
+    ) -> Result<Vec<PinnedBuffer<T>>> {
+        PinnedBuffer::ring(self, count, len)
+    }
+
     /// An arena of `capacity` bytes (one device allocation) to carve buffers from.
     pub fn new_arena(&self, capacity: usize) -> Result<DeviceArena> {
         DeviceArena::new(self, capacity)

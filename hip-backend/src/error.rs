@@ -37,6 +37,16 @@ pub enum HipError {
         message: String,
     },
 
+    /// An operating-system call on host memory failed (mapping the region that a ring of
+    /// page-locked buffers shares, or unmapping it).
+    #[error("{call} of {bytes} bytes of host memory failed: {source}")]
+    HostMemory {
+        call: &'static str,
+        bytes: usize,
+        #[source]
+        source: std::io::Error,
+    },
+
     /// Any other failed runtime call.
     #[error("{call} failed with {}", status_text(name, *code, message))]
     Api {

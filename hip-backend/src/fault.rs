@@ -24,7 +24,8 @@ use crate::error::HipError;
 pub enum Kind {
     /// `hipMalloc`: buffers and arenas in device memory.
     Device,
-    /// `hipHostMalloc`: page-locked host memory (staging, results).
+    /// `hipHostMalloc`: page-locked host memory (staging, results); also `hipHostRegister`
+    /// of the region a ring of page-locked buffers shares.
     Pinned,
 }
 

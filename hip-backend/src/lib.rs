@@ -99,7 +99,7 @@ pub use graph::Graph;
 pub use memory::{
     allocation_counters, AllocationCounters, DeviceBuffer, DeviceView, DeviceViewMut,
 };
-pub use pinned::PinnedBuffer;
+pub use pinned::{prepare_pinned_ring, release_prepared_rings, PinnedBuffer};
 pub use registered::HostRegistration;
 pub use stream::{Event, Stream};
 

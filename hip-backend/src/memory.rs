@@ -27,8 +27,11 @@ pub struct AllocationCounters {
     pub device_frees: u64,
     /// Bytes of all device allocations made.
     pub device_bytes: u64,
-    /// Page-locked host allocations made.
+    /// Page-locked host allocations made (a ring of buffers sharing one registered
+    /// region counts once).
     pub pinned_allocations: u64,
+    /// Page-locked host allocations released.
+    pub pinned_frees: u64,
 }
 
 impl AllocationCounters {
@@ -43,6 +46,7 @@ impl AllocationCounters {
             pinned_allocations: self
                 .pinned_allocations
                 .saturating_sub(earlier.pinned_allocations),
+            pinned_frees: self.pinned_frees.saturating_sub(earlier.pinned_frees),
         }
     }
 }
@@ -52,6 +56,7 @@ pub(crate) struct Counters {
     pub(crate) device_frees: AtomicU64,
     pub(crate) device_bytes: AtomicU64,
     pub(crate) pinned_allocations: AtomicU64,
+    pub(crate) pinned_frees: AtomicU64,
 }
 
 impl Counters {
@@ -61,6 +66,7 @@ impl Counters {
             device_frees: AtomicU64::new(0),
             device_bytes: AtomicU64::new(0),
             pinned_allocations: AtomicU64::new(0),
+            pinned_frees: AtomicU64::new(0),
         }
     }
 
@@ -70,6 +76,7 @@ impl Counters {
             device_frees: self.device_frees.load(Ordering::Relaxed),
             device_bytes: self.device_bytes.load(Ordering::Relaxed),
             pinned_allocations: self.pinned_allocations.load(Ordering::Relaxed),
+            pinned_frees: self.pinned_frees.load(Ordering::Relaxed),
         }
     }
 }
@@ -451,12 +458,14 @@ mod tests {
             device_frees: 2,
             device_bytes: 100,
             pinned_allocations: 1,
+            pinned_frees: 3,
         };
         let earlier = AllocationCounters {
             device_allocations: 3,
             device_frees: 2,
             device_bytes: 40,
             pinned_allocations: 0,
+            pinned_frees: 1,
         };
         assert_eq!(
             later.since(&earlier),
@@ -464,7 +473,8 @@ mod tests {
                 device_allocations: 2,
                 device_frees: 0,
                 device_bytes: 60,
-                pinned_allocations: 1
+                pinned_allocations: 1,
+                pinned_frees: 2
             }
         );
     }

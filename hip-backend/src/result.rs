@@ -206,6 +206,33 @@ pub(crate) unsafe fn host_free(raw: NonNull<c_void>) -> Result<()> {
     check("hipHostFree", unsafe { sys::rfhip_host_free(raw.as_ptr()) })
 }
 
+/// Registers `bytes` (> 0) of host memory at `ptr` with the runtime: page-locked for every
+/// device, as [`host_alloc`]'s memory is. Counts as a page-locked allocation for
+/// [`crate::fault`].
+///
+/// # Safety
+/// `ptr` starts `bytes` of host memory mapped readable and writable, which stays mapped
+/// until [`host_unregister`] has been called on `ptr`.
+pub(crate) unsafe fn host_register(ptr: NonNull<c_void>, bytes: usize) -> Result<()> {
+    crate::fault::check(crate::fault::Kind::Pinned, "hipHostRegister", bytes)?;
+    // SAFETY: live mapped memory of `bytes`, by this function's contract.
+    let code = unsafe { sys::rfhip_host_register(ptr.as_ptr(), bytes) };
+    if code != 0 {
+        return Err(allocation_error("hipHostRegister", bytes, code));
+    }
+    Ok(())
+}
+
+/// # Safety
+/// `ptr` was registered by [`host_register`], is unregistered once, and no copy in flight
+/// uses it.
+pub(crate) unsafe fn host_unregister(ptr: NonNull<c_void>) -> Result<()> {
+    // SAFETY: the caller passes memory of ours registered once, with no copy left.
+    check("hipHostUnregister", unsafe {
+        sys::rfhip_host_unregister(ptr.as_ptr())
+    })
+}
+
 /// The direction of an asynchronous copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum CopyKind {

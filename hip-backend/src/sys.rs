@@ -82,6 +82,7 @@ mod linked {
         pub fn rfhip_free(ptr: *mut c_void) -> c_int;
         pub fn rfhip_host_alloc(ptr: *mut *mut c_void, bytes: usize) -> c_int;
         pub fn rfhip_host_free(ptr: *mut c_void) -> c_int;
+        pub fn rfhip_host_register(ptr: *mut c_void, bytes: usize) -> c_int;
         pub fn rfhip_host_register_read_only(ptr: *mut c_void, bytes: usize) -> c_int;
         pub fn rfhip_host_unregister(ptr: *mut c_void) -> c_int;
 
@@ -191,6 +192,9 @@ mod stub {
         NO_GPU
     }
     pub unsafe fn rfhip_host_free(_: *mut c_void) -> c_int {
+        NO_GPU
+    }
+    pub unsafe fn rfhip_host_register(_: *mut c_void, _: usize) -> c_int {
         NO_GPU
     }
     pub unsafe fn rfhip_host_register_read_only(_: *mut c_void, _: usize) -> c_int {

@@ -1,5 +1,5 @@
-//! The runtime end to end: buffers, typed views, pinned memory, streams, events, copies
-//! and the arena, on device 0.
+//! The runtime end to end: buffers, typed views, pinned memory (single buffers and rings
+//! sharing one region), streams, events, copies and the arena, on device 0.
 //!
 //! Tests that need a device print `SKIPPED <test>: <reason>` on stderr (outside the test
 //! harness's capture, so it shows in every run) and pass when the build has no GPU
@@ -190,6 +190,118 @@ fn pinned_async_copies_round_trip_through_device_buffers() {
         .all(|&word| word == 0));
     stream.synchronize().expect("no deferred failures");
     drop((upload, download, first, second));
+    device.check_err().expect("releases succeeded");
+}
+
+#[test]
+fn a_pinned_ring_is_one_region_of_disjoint_page_aligned_buffers() {
+    let Some(device) =
+        device_or_skip("a_pinned_ring_is_one_region_of_disjoint_page_aligned_buffers")
+    else {
+        return;
+    };
+    // Its memory mapped when the ring is asked for, then made resident ahead of time.
+    pinned_ring(&device, false);
+    pinned_ring(&device, true);
+}
+
+fn pinned_ring(device: &Device, prepared: bool) {
+    let stream = device.new_stream().expect("stream");
+    let before = device.allocation_counters();
+    // Not a multiple of the page size: each buffer still starts on a page of its own.
+    let len = 3 * 4096 + 123;
+    if prepared {
+        hip_backend::prepare_pinned_ring::<u8>(3, len);
+    }
+    let mut ring = device.alloc_pinned_ring::<u8>(3, len).expect("ring");
+    assert_eq!(ring.len(), 3);
+    let counted = device.allocation_counters().since(&before);
+    assert_eq!(
+        (counted.pinned_allocations, counted.pinned_frees),
+        (1, 0),
+        "the ring is one page-locked allocation"
+    );
+    let mut starts = Vec::new();
+    for (index, buffer) in ring.iter_mut().enumerate() {
+        assert_eq!((buffer.len(), buffer.size_bytes()), (len, len));
+        let bytes = buffer.as_mut_slice().expect("host access");
+        assert!(bytes.iter().all(|&byte| byte == 0), "buffer {index} zeroed");
+        assert_eq!(
+            bytes.as_ptr() as usize % 4096,
+            0,
+            "buffer {index} page aligned"
+        );
+        starts.push(bytes.as_ptr() as usize);
+        for (at, byte) in bytes.iter_mut().enumerate() {
+            *byte = (at * 7 + index * 85 + 1) as u8;
+        }
+    }
+    starts.sort_unstable();
+    assert!(starts.windows(2).all(|pair| pair[1] - pair[0] >= len));
+    let expected: Vec<Vec<u8>> = ring
+        .iter()
+        .map(|buffer| buffer.as_slice().expect("host access").to_vec())
+        .collect();
+    assert!(expected[0] != expected[1] && expected[1] != expected[2]);
+
+    // Each buffer to its own device buffer, the ring cleared, and back again.
+    let mut device_copies = Vec::new();
+    for buffer in &mut ring {
+        let mut copy = device.alloc::<u8>(len).expect("alloc");
+        stream
+            .copy_h2d_async(buffer, 0..len, copy.view_mut())
+            .expect("h2d");
+        device_copies.push(copy);
+    }
+    for buffer in &mut ring {
+        buffer.as_mut_slice().expect("host access").fill(0);
+    }
+    for (buffer, copy) in ring.iter_mut().zip(&device_copies) {
+        stream
+            .copy_d2h_async(copy.view(), buffer, 0..len)
+            .expect("d2h");
+    }
+    for (index, (buffer, copy)) in ring.iter().zip(&device_copies).enumerate() {
+        assert_eq!(
+            buffer.as_slice().expect("host access"),
+            &expected[index][..],
+            "buffer {index} after the round trip"
+        );
+        assert_eq!(
+            read_back(&stream, copy),
+            expected[index],
+            "device copy {index}"
+        );
+    }
+
+    // The region goes with its last buffer; a queued copy is waited for first.
+    let mut last = ring.pop().expect("three buffers");
+    drop(ring);
+    assert_eq!(device.allocation_counters().since(&before).pinned_frees, 0);
+    stream
+        .copy_d2h_async(device_copies[0].view(), &mut last, 0..len)
+        .expect("d2h into the last buffer");
+    drop(last);
+    let counted = device.allocation_counters().since(&before);
+    assert_eq!(
+        (counted.pinned_allocations, counted.pinned_frees),
+        (1, 1),
+        "the region was released once"
+    );
+
+    // Rings of nothing allocate nothing.
+    assert!(device
+        .alloc_pinned_ring::<u8>(0, len)
+        .expect("no buffers")
+        .is_empty());
+    let empty = device
+        .alloc_pinned_ring::<u32>(2, 0)
+        .expect("empty buffers");
+    assert!(empty.iter().all(|buffer| buffer.is_empty()));
+    drop(empty);
+    let counted = device.allocation_counters().since(&before);
+    assert_eq!((counted.pinned_allocations, counted.pinned_frees), (1, 1));
+    drop(device_copies);
     device.check_err().expect("releases succeeded");
 }
 
