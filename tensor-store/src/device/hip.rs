@@ -129,6 +129,18 @@ impl DeviceTarget for HipTarget {
             .map_err(device_error("page-locked allocation"))
     }
 
+    fn alloc_staging_ring(
+        &self,
+        count: usize,
+        bytes: usize,
+    ) -> Result<Vec<PinnedBuffer<u8>>, StoreError> {
+        // One mapping registered once; each buffer starts on a page boundary of its own,
+        // which covers STAGING_ALIGN as above.
+        self.device
+            .alloc_pinned_ring::<u8>(count, bytes)
+            .map_err(device_error("page-locked region"))
+    }
+
     fn staging_bytes<'a>(
         &self,
         staging: &'a mut PinnedBuffer<u8>,

@@ -274,6 +274,29 @@ mod tests {
     }
 
     #[test]
+    fn a_staging_ring_is_count_aligned_buffers_of_their_own() {
+        let target = HostTarget::new();
+        let mut ring = target.alloc_staging_ring(3, 5000).unwrap();
+        assert_eq!(ring.len(), 3);
+        for (index, staging) in ring.iter_mut().enumerate() {
+            let bytes = target.staging_bytes(staging).unwrap();
+            assert!(bytes.len() >= 5000, "buffer {index}: {} bytes", bytes.len());
+            assert_eq!(bytes.as_ptr() as usize % STAGING_ALIGN, 0, "buffer {index}");
+            bytes.fill(index as u8 + 1);
+        }
+        for (index, staging) in ring.iter_mut().enumerate() {
+            let bytes = target.staging_bytes(staging).unwrap();
+            assert!(
+                bytes.iter().all(|&b| b == index as u8 + 1),
+                "buffer {index}"
+            );
+        }
+        assert!(target.alloc_staging_ring(0, 5000).unwrap().is_empty());
+        // Staging buffers are host memory of their own, not device allocations.
+        assert_eq!(target.device_allocations(), 0);
+    }
+
+    #[test]
     fn staging_is_aligned_and_copies_land_at_the_offset() {
         let target = HostTarget::new();
         let mut staging = target.alloc_staging(64).unwrap();

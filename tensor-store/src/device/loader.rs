@@ -44,7 +44,9 @@ pub struct CacheConfig {
     /// many interleaved ones.
     pub cold_readers: usize,
     /// Staging buffers in the ring: host memory in use is about
-    /// `staging_buffers × chunk_bytes`, whatever the model's size.
+    /// `staging_buffers × chunk_bytes`, whatever the model's size. The first is allocated
+    /// before [`DeviceCache::new`] returns, the others on a thread of their own, together
+    /// ([`STAGING_RING_ENV`] says how).
     pub staging_buffers: usize,
     /// Bytes read (and copied) per job.
     pub chunk_bytes: usize,
@@ -60,6 +62,12 @@ pub struct CacheConfig {
     /// out without it.
     pub stop: Option<Arc<AtomicBool>>,
 }
+
+/// Set to `separate`, the staging buffers after the first are allocated one at a time,
+/// each page-locked on its own, as the readers start; by default (or set to `region`)
+/// they are allocated together, from one region registered at once
+/// ([`DeviceTarget::alloc_staging_ring`]), falling back to one at a time if that fails.
+pub const STAGING_RING_ENV: &str = "ROCMFORGE_STAGING_RING";
 
 /// How often a wait looks at [`CacheConfig::stop`].
 pub const STOP_POLL: Duration = Duration::from_millis(10);
@@ -84,6 +92,27 @@ impl Default for CacheConfig {
             chunk_bytes: 4 << 20,
             direct_io: false,
             stop: None,
+        }
+    }
+}
+
+impl CacheConfig {
+    /// Starts making resident, on threads of their own, the host memory of the staging
+    /// regions that a GPU upload with this configuration will register
+    /// ([`hip_backend::prepare_pinned_ring`]): their page faults then happen before the
+    /// upload starts (while the GPU runtime starts, say) rather than while the first
+    /// weights wait for them. Nothing to do when the ring is allocated a buffer at a
+    /// time ([`STAGING_RING_ENV`]). Memory an upload does not take stays mapped until
+    /// [`hip_backend::release_prepared_rings`].
+    pub fn prepare_gpu_staging(&self) {
+        if super::pipeline::RingAllocation::from_env() != super::pipeline::RingAllocation::Region {
+            return;
+        }
+        let len = self.chunk_bytes + DIRECT_SLACK;
+        for part in super::pipeline::staging_regions(self.staging_buffers.saturating_sub(1)) {
+            if part > 0 {
+                hip_backend::prepare_pinned_ring::<u8>(part, len);
+            }
         }
     }
 }
@@ -188,7 +217,8 @@ impl<T: DeviceTarget> DeviceCache<T> {
         let files = ShardFiles::open(&paths, config.direct_io)?;
         let readers = readers_for(&config, &files);
         // One staging buffer now (so a failure shows here); the others are allocated
-        // while the readers already work (page-locked allocations are slow).
+        // while the readers already work (page-locked memory is slow to allocate, even
+        // as one region: see `Shared::grow_staging`).
         let staging_len = config.chunk_bytes + DIRECT_SLACK;
         let staging = vec![target.alloc_staging(staging_len)?];
         let prefetch = match config.mode {

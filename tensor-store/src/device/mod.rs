@@ -43,7 +43,9 @@ mod worker;
 pub use cache::{CacheStats, DeviceTensor};
 pub use hip::{HipTarget, TENSOR_ALIGN};
 pub use host::{HostBuffer, HostStaging, HostTarget, HostTargetStats};
-pub use loader::{CacheConfig, DeviceCache, GroupFuture, TensorFuture, UploadMode, STOP_POLL};
+pub use loader::{
+    CacheConfig, DeviceCache, GroupFuture, TensorFuture, UploadMode, STAGING_RING_ENV, STOP_POLL,
+};
 pub use order::{UploadGroup, UploadOrder};
 pub use progress::{Progress, ProgressCallback};
 pub use read_ahead::ReadAhead;

@@ -25,6 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use super::cache::{Cache, NoRoom};
 use super::files::ShardFiles;
+use super::loader::STAGING_RING_ENV;
 use super::progress::ProgressTracker;
 use super::slot::Failure;
 use super::target::DeviceTarget;
@@ -35,6 +36,45 @@ use crate::{StoreError, TensorHandle};
 const MAX_GAP: u64 = 4096;
 /// A tensor joins a chunk another tensor started only if at least this much of it fits.
 const MIN_JOINED_PIECE: u64 = 256 << 10;
+
+/// Staging buffers in [`Shared::grow_staging`]'s first region: enough for the readers to
+/// go faster than on the one buffer they start with, few enough to be ready soon (its
+/// pages are faulted in and locked before any buffer of it is used).
+const FIRST_REGION: usize = 3;
+
+/// The buffers of [`Shared::grow_staging`]'s two regions for `count` buffers.
+pub(crate) fn staging_regions(count: usize) -> [usize; 2] {
+    [count.min(FIRST_REGION), count.saturating_sub(FIRST_REGION)]
+}
+
+/// How [`Shared::grow_staging`] allocates the staging buffers after the first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RingAllocation {
+    /// In two regions, each shared by its buffers (the default).
+    Region,
+    /// One at a time, each an allocation of its own.
+    Separate,
+}
+
+impl RingAllocation {
+    pub(crate) fn from_env() -> RingAllocation {
+        RingAllocation::parse(std::env::var(STAGING_RING_ENV).ok().as_deref())
+    }
+
+    fn parse(value: Option<&str>) -> RingAllocation {
+        match value.map(str::trim) {
+            None | Some("" | "region") => RingAllocation::Region,
+            Some("separate") => RingAllocation::Separate,
+            Some(other) => {
+                tracing::warn!(
+                    value = other,
+                    "{STAGING_RING_ENV} is neither `region` nor `separate`: using one region"
+                );
+                RingAllocation::Region
+            }
+        }
+    }
+}
 
 /// Where a tensor stands in the pipeline.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -247,12 +287,43 @@ impl<T: DeviceTarget> Shared<T> {
         self.signal.notify_all();
     }
 
-    /// Adds `count` staging buffers of `len` bytes to the ring, one at a time, so the
-    /// readers use each as soon as it exists. Stops at shutdown or at the first failure
-    /// (the ring works with what it has).
+    /// Adds `count` staging buffers of `len` bytes to the ring: from two regions where
+    /// the target has them ([`DeviceTarget::alloc_staging_ring`]), [`FIRST_REGION`]
+    /// buffers and then the rest, else (with [`STAGING_RING_ENV`]`=separate`, or when a
+    /// region is refused) one at a time, so the readers use each as soon as it exists.
+    /// Stops at shutdown or at the first failure (the ring works with what it has).
     pub(crate) fn grow_staging(&self, count: usize, len: usize) {
         let started = std::time::Instant::now();
         let mut added = 0;
+        let mut region = false;
+        if RingAllocation::from_env() == RingAllocation::Region {
+            // A few buffers first, so that the readers go faster soon; the rest after.
+            for part in staging_regions(count) {
+                if part == 0 || self.lock().shutdown {
+                    continue;
+                }
+                match self.cache.target.alloc_staging_ring(part, len) {
+                    Ok(ring) => {
+                        added += ring.len();
+                        region = true;
+                        self.lock().staging.extend(ring);
+                        self.signal.notify_all();
+                        tracing::trace!(
+                            added,
+                            ms = started.elapsed().as_secs_f64() * 1e3,
+                            "staging region ready"
+                        );
+                    }
+                    Err(error) => {
+                        tracing::warn!(
+                            %error,
+                            "staging ring: no shared region, allocating its buffers one at a time"
+                        );
+                        break;
+                    }
+                }
+            }
+        }
         while added < count && !self.lock().shutdown {
             match self.cache.target.alloc_staging(len) {
                 Ok(staging) => self.lock().staging.push_back(staging),
@@ -266,6 +337,7 @@ impl<T: DeviceTarget> Shared<T> {
         }
         tracing::debug!(
             added,
+            region,
             ms = started.elapsed().as_secs_f64() * 1e3,
             "staging buffers allocated"
         );
@@ -580,5 +652,25 @@ impl<T: DeviceTarget> Queue<T> {
             buffer: Arc::new(Mutex::new(Some(buffer))),
         });
         self.active.len() - 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ring_is_one_region_unless_separate_is_asked_for() {
+        assert_eq!(RingAllocation::parse(None), RingAllocation::Region);
+        assert_eq!(RingAllocation::parse(Some("")), RingAllocation::Region);
+        assert_eq!(
+            RingAllocation::parse(Some("region")),
+            RingAllocation::Region
+        );
+        assert_eq!(
+            RingAllocation::parse(Some(" separate\n")),
+            RingAllocation::Separate
+        );
+        assert_eq!(RingAllocation::parse(Some("other")), RingAllocation::Region);
     }
 }

@@ -35,6 +35,17 @@ pub trait DeviceTarget: Send + Sync + 'static {
     /// [`STAGING_ALIGN`], as direct (O_DIRECT) reads need.
     fn alloc_staging(&self, bytes: usize) -> Result<Self::Staging, StoreError>;
 
+    /// `count` staging buffers as [`DeviceTarget::alloc_staging`] makes them, at once. A
+    /// device may make them cheaper together (on a GPU: one page-locked region for all);
+    /// by default they are allocated one at a time. On failure none is kept.
+    fn alloc_staging_ring(
+        &self,
+        count: usize,
+        bytes: usize,
+    ) -> Result<Vec<Self::Staging>, StoreError> {
+        (0..count).map(|_| self.alloc_staging(bytes)).collect()
+    }
+
     /// The staging buffer's bytes, writable, once every copy queued from it has finished.
     fn staging_bytes<'a>(&self, staging: &'a mut Self::Staging)
         -> Result<&'a mut [u8], StoreError>;
