@@ -203,8 +203,12 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let threads = options::worker_threads(args.threads)?;
     let user_text = options::prompt_text(args.prompt.as_deref(), args.file.as_deref())?;
     let stop = install_ctrl_c()?;
-    // The GPU runtime starts while the file is read and parsed.
+    // The GPU runtime starts while the file is read and parsed, and the host memory of
+    // the upload's staging ring is made resident meanwhile.
     let gpu_start = GpuStart::begin(args.device, 0);
+    if args.device != DeviceArg::Cpu {
+        tensor_store::device::CacheConfig::default().prepare_gpu_staging();
+    }
 
     let load_start = Instant::now();
     let path = model_path(args.gguf.as_deref())?;
@@ -300,6 +304,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         }
         Chosen::Cpu { reason } => {
             tracing::info!(threads, reason = %reason, "device: cpu");
+            hip_backend::release_prepared_rings();
             let output = generate(&model, &tokenizer, &prompt, &options, &stop, &mut on_text)?;
             let report = DeviceReport {
                 name: "cpu",
