@@ -3,10 +3,18 @@
 //!
 //! The IQ lookup tables are not typed twice: this script reads the CPU decoders' own
 //! generated tables (`src/decode/grids.rs`, written by `tools/gen_grids.py`) and writes
-//! them into two generated translation units: as `__constant__` arrays before
-//! `kernels/dequant.hip` (the decoders), and the grids the products read as `static const
+//! them into generated translation units: as `__constant__` arrays before
+//! `kernels/dequant.hip` (the decoders) and `kernels/matmul.hip` (the batch products,
+//! which decode tiles with them), and the grids the decode products read as `static const
 //! __device__` arrays in global memory before `kernels/matvec.hip`. A missing table or a
 //! table of the wrong length fails the build.
+//!
+//! The product files are compiled once per weight type ([`PRODUCT_TYPES`]), each unit a
+//! device module of its own: the runtimes load a module's code whole at the first use of
+//! any of its kernels (CUDA's lazy loading), so a model waits only for its own types'
+//! products. With every type in one module per file, an H200 spent about 50 ms of a 7B's
+//! first prompt loading code: 2,048 tokens took 259 ms in the first pass against 207 ms
+//! with a module per type.
 
 #[path = "../hip-backend/build/hip_build.rs"]
 mod hip_build;
@@ -33,37 +41,110 @@ const TABLES: &[(&str, &str, usize, bool)] = &[
 const CONSTANTS: &[(&str, bool)] = &[("IQ1S_DELTA", true)];
 
 /// A generated translation unit: its file name in OUT_DIR, the kernel source it
-/// includes, and how it declares the tables.
+/// includes, how it declares the tables, and the macros it defines first.
 struct Unit {
-    file: &'static str,
+    file: String,
     kernels: &'static str,
     tables: Tables,
+    defines: Vec<(&'static str, String)>,
 }
 
-/// Where a unit keeps its tables.
+/// Where a unit keeps its tables. Both are `static`, so that each unit's copies (the
+/// units are separate device modules) and their host-side shadows stay private to it.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Tables {
-    /// Every table, in constant memory (the decoders).
+    /// Every table, in constant memory (the decoders, and the batch products that decode
+    /// tiles with them).
     Constant,
-    /// The products' tables, in global memory read through the L1 cache: the lanes of
-    /// a warp each read their own grid entries, which NVIDIA's constant cache serves
-    /// one address at a time. `static`, so that these copies (the units are separate
-    /// device modules) and their host-side shadows stay private to their unit.
+    /// The decode products' tables, in global memory read through the L1 cache: the
+    /// lanes of a warp each read their own grid entries, which NVIDIA's constant cache
+    /// serves one address at a time.
     Global,
 }
 
-const UNITS: &[Unit] = &[
-    Unit {
-        file: "rocmforge_dequant_kernels.hip",
-        kernels: "kernels/dequant.hip",
-        tables: Tables::Constant,
-    },
-    Unit {
-        file: "rocmforge_matvec_kernels.hip",
-        kernels: "kernels/matvec.hip",
-        tables: Tables::Global,
-    },
+/// The weight types with products (batch and decode), as ggml codes (`GgmlType`) and the
+/// names their units' launchers carry (`rf_matmul_q4_k`, `rf_matvec_q4_k` …).
+/// One unit of each product file per type, so that a model loads only its own types'
+/// code (the runtimes load a module whole at the first use of any of its kernels). Keep
+/// in step with `product_launchers!` in src/gpu/mod.rs: a type missing on either side
+/// fails the link.
+const PRODUCT_TYPES: &[(u32, &str)] = &[
+    (0, "f32"),
+    (1, "f16"),
+    (2, "q4_0"),
+    (3, "q4_1"),
+    (6, "q5_0"),
+    (7, "q5_1"),
+    (8, "q8_0"),
+    (10, "q2_k"),
+    (11, "q3_k"),
+    (12, "q4_k"),
+    (13, "q5_k"),
+    (14, "q6_k"),
+    (16, "iq2_xxs"),
+    (17, "iq2_xs"),
+    (18, "iq3_xxs"),
+    (19, "iq1_s"),
+    (20, "iq4_nl"),
+    (21, "iq3_s"),
+    (22, "iq2_s"),
+    (23, "iq4_xs"),
+    (29, "iq1_m"),
+    (30, "bf16"),
+    (39, "mxfp4"),
 ];
+
+/// Every unit: the decoders; the batch products' and the decode products' common parts;
+/// one unit of each product file per type.
+fn units() -> Vec<Unit> {
+    let unit = |file: String, kernels, tables, defines| Unit {
+        file,
+        kernels,
+        tables,
+        defines,
+    };
+    let mut units = vec![
+        unit(
+            "rocmforge_dequant_kernels.hip".into(),
+            "kernels/dequant.hip",
+            Tables::Constant,
+            Vec::new(),
+        ),
+        unit(
+            "rocmforge_matmul_common.hip".into(),
+            "kernels/matmul.hip",
+            Tables::Constant,
+            vec![("RF_MATMUL_COMMON", "1".into())],
+        ),
+        unit(
+            "rocmforge_matvec_common.hip".into(),
+            "kernels/matvec.hip",
+            Tables::Global,
+            vec![("RF_MATVEC_COMMON", "1".into())],
+        ),
+    ];
+    for &(code, name) in PRODUCT_TYPES {
+        units.push(unit(
+            format!("rocmforge_matmul_{name}.hip"),
+            "kernels/matmul.hip",
+            Tables::Constant,
+            vec![
+                ("RF_MATMUL_TYPE", code.to_string()),
+                ("RF_MATMUL_NAME", name.into()),
+            ],
+        ));
+        units.push(unit(
+            format!("rocmforge_matvec_{name}.hip"),
+            "kernels/matvec.hip",
+            Tables::Global,
+            vec![
+                ("RF_MATVEC_TYPE", code.to_string()),
+                ("RF_MATVEC_NAME", name.into()),
+            ],
+        ));
+    }
+    units
+}
 
 const GRIDS_RS: &str = "src/decode/grids.rs";
 const KERNEL_SOURCES: &[&str] = &[
@@ -91,10 +172,10 @@ fn main() {
     let grids = std::fs::read_to_string(manifest_dir.join(GRIDS_RS))
         .unwrap_or_else(|error| fail(&format!("cannot read {GRIDS_RS}: {error}")));
     let mut sources = Vec::new();
-    for unit in UNITS {
-        let text = translation_unit(&grids, &manifest_dir.join(unit.kernels), unit.tables)
+    for unit in units() {
+        let text = translation_unit(&grids, &manifest_dir.join(unit.kernels), &unit)
             .unwrap_or_else(|error| fail(&format!("{GRIDS_RS}: {error}")));
-        let path = out_dir.join(unit.file);
+        let path = out_dir.join(&unit.file);
         write_if_changed(&path, &text);
         sources.push(
             path.to_str()
@@ -122,23 +203,28 @@ fn write_if_changed(path: &Path, text: &str) {
         .unwrap_or_else(|error| fail(&format!("cannot write {}: {error}", path.display())));
 }
 
-/// The generated source: the tables `tables` says (every one as a `__constant__` array,
-/// or the products' ones as `static const __device__` arrays), the constants, then the
-/// kernels. A unit holds only what its kernels read: nvcc warns of unused `static` ones.
-fn translation_unit(grids: &str, kernels: &Path, tables: Tables) -> Result<String, String> {
+/// The generated source: the unit's macros, the tables it says (every one as a `static
+/// __constant__` array, or the products' ones as `static const __device__` arrays), the
+/// constants, then the kernels.
+fn translation_unit(grids: &str, kernels: &Path, unit: &Unit) -> Result<String, String> {
     let kernels = kernels
         .to_str()
         .filter(|path| !path.contains(['"', '\\', '\n']))
         .ok_or_else(|| format!("kernel path {} cannot be #included", kernels.display()))?;
+    let tables = unit.tables;
     let (space, qualifier) = match tables {
-        Tables::Constant => ("constant", "__constant__"),
+        Tables::Constant => ("constant", "static __constant__"),
         Tables::Global => ("global", "static const __device__"),
     };
-    let mut unit = format!(
+    let mut unit_text = format!(
         "// Generated by dequant/build.rs from src/decode/grids.rs: do not edit.\n\
-         // The IQ lookup tables in {space} memory, then the kernels that read them.\n\
-         #include \"rocmforge_hip.h\"\n#include <stdint.h>\n\n",
+         // The IQ lookup tables in {space} memory, then the kernels that read them.\n",
     );
+    for (name, value) in &unit.defines {
+        let _ = writeln!(unit_text, "#define {name} {value}");
+    }
+    unit_text.push_str("#include \"rocmforge_hip.h\"\n#include <stdint.h>\n\n");
+    let mut unit = unit_text;
     for &(name, c_type, len, products) in TABLES {
         if tables == Tables::Global && !products {
             continue;

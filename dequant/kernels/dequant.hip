@@ -184,6 +184,3 @@ RF_BLOCK_FORMAT(iq4_xs, rf::IQ4_XS)
 RF_BLOCK_FORMAT(tq1_0, rf::TQ1_0)
 RF_BLOCK_FORMAT(tq2_0, rf::TQ2_0)
 RF_BLOCK_FORMAT(mxfp4, rf::MXFP4)
-
-// The products of many tokens (matmul.hip) use the decoders above.
-#include "matmul.hip"

@@ -2,8 +2,12 @@
 // prompt, or several sequences' tokens) on the matrix units, for batches past what the
 // decode products (matvec.hip) take.
 //
-// Included by dequant.hip's translation unit, after the decoders and the IQ tables, so
-// every type the decoders handle multiplies here too.
+// The build compiles this file once per weight type, with RF_MATMUL_TYPE (its ggml code)
+// and RF_MATMUL_NAME (its name in the launchers' names) defined, and once with
+// RF_MATMUL_COMMON for the activations' conversion; each unit first gets the IQ tables
+// (see build.rs), so every type the decoders handle multiplies here too. Each unit is a
+// module of its own, and the runtimes load a module's code whole at the first use of any
+// of its kernels: a model waits only for its own types' products (see build.rs).
 //
 // Activations. rf_row_scales turns each token's f32 activations into f16 once per
 // product input (not once per weight tile): divided by a power of two per token (the one
@@ -30,14 +34,17 @@
 // the same tiles feed a loop of f32 multiply-adds: the same function, slower.
 //
 // Launchers (return the platform's native status):
-//   rf_row_scales(x, n_tokens, cols, scales, x16, device, stream)
-//   rf_matmul(type, weights, outs, rows, n_mats, cols, x16, scales, n_tokens, accumulate,
-//             partials, partial_floats, counters, n_counters, kernel, device, stream)
+//   rf_row_scales(x, n_tokens, cols, scales, x16, device, stream)      (common unit)
+//   rf_matmul_NAME(weights, outs, rows, n_mats, cols, x16, scales, n_tokens, accumulate,
+//                  partials, partial_floats, counters, n_counters, kernel, device, stream)
 //             (partials/counters: room to split the columns, or null; kernel: 0 the
 //             fastest for the type and count, 1 the tiled kernel, 2 the skinny one of
 //             skinny.hip, refused where it does not apply)
 // Each output: n_tokens × rows f32, token-major, as rf_matvec writes it.
 #include "common.h"
+#include "decode_legacy.h"
+#include "decode_kquants.h"
+#include "decode_iquants.h"
 
 #include <atomic>
 #include <type_traits>
@@ -884,6 +891,7 @@ hipError_t launch_matmul(const MatmulMats& mats, int cols, const __half* x, cons
 // rows allow (a width that is a multiple of 4 from aligned buffers keeps every row of
 // the input 16-byte aligned and of the output 8-byte aligned).
 constexpr int kRowScalesThreads = 1024;
+#if defined(RF_MATMUL_COMMON)
 __global__ void __launch_bounds__(kRowScalesThreads)
     row_scales_kernel(const float* __restrict__ x, int cols, float* __restrict__ scales,
                       __half* __restrict__ x16) {
@@ -927,8 +935,11 @@ __global__ void __launch_bounds__(kRowScalesThreads)
         out[i] = __float2half(row[i] * inv);
     }
 }
+#endif  // RF_MATMUL_COMMON
 
 }  // namespace rf
+
+#if defined(RF_MATMUL_COMMON)
 
 extern "C" int rf_row_scales(const void* x, int n_tokens, int cols, void* scales, void* x16,
                              int device, void* stream) {
@@ -954,13 +965,57 @@ extern "C" int rf_matmul_skinny_available(int device) {
 #endif
 }
 
-// Weight type codes as ggml numbers them (GgmlType in gguf-format). `weights`, `outs`
-// and `rows` hold n_mats (1 to 3) matrices of one type and width.
-extern "C" int rf_matmul(int type, const void* const* weights, void* const* outs,
-                         const int* rows, int n_mats, int cols, const void* x16,
-                         const void* scales, int n_tokens, int accumulate, void* partials,
-                         long long partial_floats, void* counters, int n_counters, int kernel,
-                         int device, void* stream) {
+#elif defined(RF_MATMUL_TYPE) && defined(RF_MATMUL_NAME)
+
+namespace rf {
+
+// The format of each ggml type code (GgmlType in gguf-format) that has products.
+template <int kCode>
+struct MatmulFormat;
+#define RF_MATMUL_FORMAT_OF(code, F) \
+    template <>                      \
+    struct MatmulFormat<code> {      \
+        using Format = F;            \
+    };
+RF_MATMUL_FORMAT_OF(0, PlainBlocks<PlainF32>)
+RF_MATMUL_FORMAT_OF(1, PlainBlocks<PlainF16>)
+RF_MATMUL_FORMAT_OF(2, Q4_0)
+RF_MATMUL_FORMAT_OF(3, Q4_1)
+RF_MATMUL_FORMAT_OF(6, Q5_0)
+RF_MATMUL_FORMAT_OF(7, Q5_1)
+RF_MATMUL_FORMAT_OF(8, Q8_0)
+RF_MATMUL_FORMAT_OF(10, Q2_K)
+RF_MATMUL_FORMAT_OF(11, Q3_K)
+RF_MATMUL_FORMAT_OF(12, Q4_K)
+RF_MATMUL_FORMAT_OF(13, Q5_K)
+RF_MATMUL_FORMAT_OF(14, Q6_K)
+RF_MATMUL_FORMAT_OF(16, IQ2_XXS)
+RF_MATMUL_FORMAT_OF(17, IQ2_XS)
+RF_MATMUL_FORMAT_OF(18, IQ3_XXS)
+RF_MATMUL_FORMAT_OF(19, IQ1_S)
+RF_MATMUL_FORMAT_OF(20, IQ4_NL)
+RF_MATMUL_FORMAT_OF(21, IQ3_S)
+RF_MATMUL_FORMAT_OF(22, IQ2_S)
+RF_MATMUL_FORMAT_OF(23, IQ4_XS)
+RF_MATMUL_FORMAT_OF(29, IQ1_M)
+RF_MATMUL_FORMAT_OF(30, PlainBlocks<PlainBF16>)
+RF_MATMUL_FORMAT_OF(39, MXFP4)
+#undef RF_MATMUL_FORMAT_OF
+
+using UnitFormat = MatmulFormat<RF_MATMUL_TYPE>::Format;
+
+}  // namespace rf
+
+#define RF_MATMUL_JOIN2(a, b) a##_##b
+#define RF_MATMUL_JOIN(a, b) RF_MATMUL_JOIN2(a, b)
+
+// `weights`, `outs` and `rows` hold n_mats (1 to 3) matrices of this unit's type and one
+// width.
+extern "C" int RF_MATMUL_JOIN(rf_matmul, RF_MATMUL_NAME)(
+    const void* const* weights, void* const* outs, const int* rows, int n_mats, int cols,
+    const void* x16, const void* scales, int n_tokens, int accumulate, void* partials,
+    long long partial_floats, void* counters, int n_counters, int kernel, int device,
+    void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (n_mats < 1 || n_mats > rf::kMmMaxMats || cols < 1 || n_tokens < 1 ||
@@ -975,39 +1030,13 @@ extern "C" int rf_matmul(int type, const void* const* weights, void* const* outs
         mats.y[m] = (float*)outs[m];
         mats.rows[m] = rows[m];
     }
-    const __half* xh = (const __half*)x16;
-    const float* sf = (const float*)scales;
-    hipStream_t s = (hipStream_t)stream;
     const rf::SplitRoom room = {(float*)partials, partial_floats, (unsigned*)counters,
                                 n_counters};
-    using namespace rf;
-#define RF_MM_CASE(code, Format) \
-    case code: return (int)launch_matmul<Format>(mats, cols, xh, sf, n_tokens, accumulate, room, kernel, device, s);
-    switch (type) {
-        RF_MM_CASE(0, PlainBlocks<PlainF32>)
-        RF_MM_CASE(1, PlainBlocks<PlainF16>)
-        RF_MM_CASE(2, Q4_0)
-        RF_MM_CASE(3, Q4_1)
-        RF_MM_CASE(6, Q5_0)
-        RF_MM_CASE(7, Q5_1)
-        RF_MM_CASE(8, Q8_0)
-        RF_MM_CASE(10, Q2_K)
-        RF_MM_CASE(11, Q3_K)
-        RF_MM_CASE(12, Q4_K)
-        RF_MM_CASE(13, Q5_K)
-        RF_MM_CASE(14, Q6_K)
-        RF_MM_CASE(16, IQ2_XXS)
-        RF_MM_CASE(17, IQ2_XS)
-        RF_MM_CASE(18, IQ3_XXS)
-        RF_MM_CASE(19, IQ1_S)
-        RF_MM_CASE(20, IQ4_NL)
-        RF_MM_CASE(21, IQ3_S)
-        RF_MM_CASE(22, IQ2_S)
-        RF_MM_CASE(23, IQ4_XS)
-        RF_MM_CASE(29, IQ1_M)
-        RF_MM_CASE(30, PlainBlocks<PlainBF16>)
-        RF_MM_CASE(39, MXFP4)
-        default: return (int)hipErrorInvalidValue;
-    }
-#undef RF_MM_CASE
+    return (int)rf::launch_matmul<rf::UnitFormat>(mats, cols, (const __half*)x16,
+                                                  (const float*)scales, n_tokens, accumulate,
+                                                  room, kernel, device, (hipStream_t)stream);
 }
+
+#else
+#error "matmul.hip is built per unit: define RF_MATMUL_COMMON, or RF_MATMUL_TYPE and RF_MATMUL_NAME"
+#endif

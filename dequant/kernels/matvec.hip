@@ -42,9 +42,15 @@
 // shared memory. Up to three matrices of one type and width (a layer's q, k and v, or
 // gate and up) run in one launch: rows are numbered across them.
 //
+// Units. The build compiles this file once per weight type, with RF_MATVEC_TYPE (its
+// ggml code) and RF_MATVEC_NAME (its name in the launchers' names) defined, and once
+// with RF_MATVEC_COMMON for the activations' quantizer. Each unit is a module of its
+// own, and the runtimes load a module's code whole at the first use of any of its
+// kernels: a model waits only for its own types' products (see build.rs).
+//
 // Launchers, all returning the platform's native status (0 on success):
-//   rf_quantize_q8(x, n_tokens, n_cols, out, stream)
-//   rf_matvec(type, mats, n_mats, n_cols, xq_or_x, n_tokens, accumulate, stream)
+//   rf_quantize_q8(x, n_tokens, n_cols, out, device, stream)       (common unit)
+//   rf_matvec_NAME(mats, n_mats, n_cols, xq_or_x, n_tokens, accumulate, device, stream)
 // The Rust wrappers in src/gpu/matvec.rs are their only callers and check every length.
 #include "common.h"
 
@@ -862,6 +868,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
     });
 }
 
+#if defined(RF_MATVEC_COMMON)
 // One 32-lane group per Q8 activation block: amax by shuffles, then each lane its value.
 // Layout: all int8 values first (token by token), then one f32 scale per block.
 __global__ void quantize_q8_kernel(const float* __restrict__ x, size_t n_blocks,
@@ -885,6 +892,7 @@ __global__ void quantize_q8_kernel(const float* __restrict__ x, size_t n_blocks,
         sums[blk] = packed;
     }
 }
+#endif  // RF_MATVEC_COMMON
 
 // Launches the quantized (Q8 activations) or float kernel for NT tokens with kRows rows
 // per workgroup.
@@ -982,6 +990,8 @@ enum {
     RF_T_BF16 = 30,
 };
 
+#if defined(RF_MATVEC_COMMON)
+
 extern "C" {
 
 // x: n_tokens × n_cols f32 (n_cols a multiple of 32); out: n_tokens × n_cols/32 blocks.
@@ -1001,12 +1011,64 @@ int rf_quantize_q8(const void* x, size_t n_tokens, size_t n_cols, void* out, int
     return (int)hipGetLastError();
 }
 
-// weights[i]: rows[i] × n_cols of type `type`; outs[i]: n_tokens × rows[i] f32 (token-
-// major). x: Q8 activation blocks (quantized types) or f32 values (float types), n_tokens
-// × n_cols. accumulate: add to outs instead of overwriting.
-int rf_matvec(int type, const void* const* weights, void* const* outs, const int* rows,
-              int n_mats, int n_cols, const void* x, int n_tokens, int accumulate, int device,
-              void* stream) {
+}  // extern "C"
+
+#elif defined(RF_MATVEC_TYPE) && defined(RF_MATVEC_NAME)
+
+namespace rf {
+
+// The weight type of each ggml code, and its activations' element: Q8 blocks (uint8_t)
+// for quantized types, f32 values for float ones.
+template <int kCode>
+struct MatvecType;
+#define RF_MATVEC_TYPE_OF(code, T, X) \
+    template <>                       \
+    struct MatvecType<code> {         \
+        using Type = T;               \
+        using Input = X;              \
+    };
+RF_MATVEC_TYPE_OF(RF_T_Q4_0, MQ4_0, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_Q4_1, MQ4_1, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_Q5_0, MQ5_0, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_Q5_1, MQ5_1, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_Q8_0, MQ8_0, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_Q4_K, MQ4_K, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_Q5_K, MQ5_K, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_Q6_K, MQ6_K, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_Q2_K, MQ2_K, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_Q3_K, MQ3_K, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_IQ4_NL, MIQ4_NL, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_IQ4_XS, MIQ4_XS, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_IQ3_XXS, MIQ3_XXS, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_IQ3_S, MIQ3_S, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_IQ2_XXS, MIQ2_XXS, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_IQ2_XS, MIQ2_XS, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_IQ2_S, MIQ2_S, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_IQ1_S, MIQ1_S, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_IQ1_M, MIQ1_M, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_MXFP4, MMXFP4, uint8_t)
+RF_MATVEC_TYPE_OF(RF_T_F32, FF32, float)
+RF_MATVEC_TYPE_OF(RF_T_F16, FF16, float)
+RF_MATVEC_TYPE_OF(RF_T_BF16, FBF16, float)
+#undef RF_MATVEC_TYPE_OF
+
+using UnitType = MatvecType<RF_MATVEC_TYPE>::Type;
+using UnitInput = MatvecType<RF_MATVEC_TYPE>::Input;
+
+}  // namespace rf
+
+#define RF_MATVEC_JOIN2(a, b) a##_##b
+#define RF_MATVEC_JOIN(a, b) RF_MATVEC_JOIN2(a, b)
+
+extern "C" {
+
+// weights[i]: rows[i] × n_cols of this unit's type; outs[i]: n_tokens × rows[i] f32
+// (token-major). x: Q8 activation blocks (quantized types) or f32 values (float types),
+// n_tokens × n_cols. accumulate: add to outs instead of overwriting.
+int RF_MATVEC_JOIN(rf_matvec, RF_MATVEC_NAME)(const void* const* weights, void* const* outs,
+                                              const int* rows, int n_mats, int n_cols,
+                                              const void* x, int n_tokens, int accumulate,
+                                              int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (n_mats < 1 || n_mats > rf::kMaxMats || n_tokens < 1 || n_tokens > rf::kMaxTokens)
@@ -1017,36 +1079,12 @@ int rf_matvec(int type, const void* const* weights, void* const* outs, const int
         mats.y[m] = (float*)outs[m];
         mats.rows[m] = rows[m];
     }
-    hipStream_t s = (hipStream_t)stream;
-    const uint8_t* xq = (const uint8_t*)x;
-    const float* xf = (const float*)x;
-    using namespace rf;
-    switch (type) {
-        case RF_T_Q4_0: return (int)launch_tokens<MQ4_0>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_Q4_1: return (int)launch_tokens<MQ4_1>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_Q5_0: return (int)launch_tokens<MQ5_0>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_Q5_1: return (int)launch_tokens<MQ5_1>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_Q8_0: return (int)launch_tokens<MQ8_0>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_Q4_K: return (int)launch_tokens<MQ4_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_Q5_K: return (int)launch_tokens<MQ5_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_Q6_K: return (int)launch_tokens<MQ6_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_Q2_K: return (int)launch_tokens<MQ2_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_Q3_K: return (int)launch_tokens<MQ3_K>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_IQ4_NL: return (int)launch_tokens<MIQ4_NL>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_IQ4_XS: return (int)launch_tokens<MIQ4_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_IQ3_XXS: return (int)launch_tokens<MIQ3_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_IQ3_S: return (int)launch_tokens<MIQ3_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_IQ2_XXS: return (int)launch_tokens<MIQ2_XXS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_IQ2_XS: return (int)launch_tokens<MIQ2_XS>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_IQ2_S: return (int)launch_tokens<MIQ2_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_IQ1_S: return (int)launch_tokens<MIQ1_S>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_IQ1_M: return (int)launch_tokens<MIQ1_M>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_MXFP4: return (int)launch_tokens<MMXFP4>(mats, n_mats, n_cols, xq, n_tokens, accumulate, s);
-        case RF_T_F32: return (int)launch_tokens<FF32>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
-        case RF_T_F16: return (int)launch_tokens<FF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
-        case RF_T_BF16: return (int)launch_tokens<FBF16>(mats, n_mats, n_cols, xf, n_tokens, accumulate, s);
-        default: return (int)hipErrorInvalidValue;
-    }
+    return (int)rf::launch_tokens<rf::UnitType>(mats, n_mats, n_cols, (const rf::UnitInput*)x,
+                                                n_tokens, accumulate, (hipStream_t)stream);
 }
 
 }  // extern "C"
+
+#else
+#error "matvec.hip is built per unit: define RF_MATVEC_COMMON, or RF_MATVEC_TYPE and RF_MATVEC_NAME"
+#endif

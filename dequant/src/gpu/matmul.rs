@@ -291,26 +291,6 @@ mod sys {
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
-        #[allow(clippy::too_many_arguments)]
-        pub(super) fn rf_matmul(
-            ty: c_int,
-            weights: *const *const c_void,
-            outs: *const *mut c_void,
-            rows: *const c_int,
-            n_mats: c_int,
-            cols: c_int,
-            x16: *const c_void,
-            scales: *const c_void,
-            n_tokens: c_int,
-            accumulate: c_int,
-            partials: *mut c_void,
-            partial_floats: i64,
-            counters: *mut c_void,
-            n_counters: c_int,
-            kernel: c_int,
-            device: c_int,
-            stream: *mut c_void,
-        ) -> c_int;
     }
 }
 
@@ -368,6 +348,8 @@ fn launch(
         ),
         None => (std::ptr::null_mut(), 0, std::ptr::null_mut(), 0),
     };
+    // The unit of the matrices' type (one type per launch, `check_group`).
+    let launcher = super::launchers(mats[0].ty())?.matmul;
     // SAFETY: `matmul` checked every length: each weight view holds exactly its matrix
     // (`GpuMatrix::new`), `x16` `n_tokens × cols` f16, `scales` `n_tokens` f32 and each
     // output `n_tokens × rows` f32, all on the stream's device and borrowed (alive) while
@@ -377,8 +359,7 @@ fn launch(
     // borrowed while the kernel is queued; the launcher splits only as far as they hold.
     // The kernel reads and writes only those ranges.
     let status = unsafe {
-        sys::rf_matmul(
-            mats[0].ty() as u32 as c_int,
+        launcher(
             arrays.weights.as_ptr(),
             arrays.outs.as_ptr(),
             arrays.rows.as_ptr(),

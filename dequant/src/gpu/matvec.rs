@@ -303,20 +303,6 @@ mod sys {
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
-        #[allow(clippy::too_many_arguments)]
-        pub(super) fn rf_matvec(
-            ty: c_int,
-            weights: *const *const c_void,
-            outs: *const *mut c_void,
-            rows: *const c_int,
-            n_mats: c_int,
-            n_cols: c_int,
-            x: *const c_void,
-            n_tokens: c_int,
-            accumulate: c_int,
-            device: c_int,
-            stream: *mut c_void,
-        ) -> c_int;
     }
 }
 
@@ -383,14 +369,15 @@ fn launch_matvec(
         GpuActivations::F32(f) => f.as_ptr(),
     };
     let first = &mats[0];
+    // The unit of the matrices' type (one type per launch, `check_group`).
+    let launcher = super::launchers(first.ty)?.matvec;
     // SAFETY: `matvec` checked every length: each weight view holds exactly its matrix,
     // each output `n_tokens × rows` f32, the input `n_tokens` rows of the width in the
     // form the type takes; all are on the stream's device and stay borrowed (alive) while
     // the kernel is queued. The pointer arrays live through the call, which copies them
     // into the kernel's arguments. Rows and columns fit in `c_int` (`GpuMatrix::new`).
     let status = unsafe {
-        sys::rf_matvec(
-            first.ty as u32 as c_int,
+        launcher(
             arrays.weights.as_ptr(),
             arrays.outs.as_ptr(),
             arrays.rows.as_ptr(),

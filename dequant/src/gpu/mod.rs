@@ -27,6 +27,8 @@
 //! arguments.
 
 mod kernels;
+#[cfg(not(hip_platform = "none"))]
+mod launchers;
 pub mod matmul;
 pub mod matvec;
 #[cfg(test)]
@@ -60,6 +62,14 @@ impl GpuDequantError {
     pub fn is_unavailable(&self) -> bool {
         matches!(self, GpuDequantError::Hip(error) if error.is_unavailable())
     }
+}
+
+/// The product launchers of `ty`, or the error of a type without products.
+#[cfg(not(hip_platform = "none"))]
+fn launchers(ty: GgmlType) -> Result<launchers::Launchers, GpuDequantError> {
+    launchers::launchers(ty).ok_or(GpuDequantError::Layout(DequantError::NoProductKernel {
+        ty,
+    }))
 }
 
 /// Decodes `src`, whole blocks of type `ty` in device memory, into `dst` as f32, queued
