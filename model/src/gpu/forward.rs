@@ -5,6 +5,7 @@ use std::sync::atomic::AtomicBool;
 
 use dequant::gpu::matmul;
 use dequant::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
+use gguf_format::GgmlType;
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stream};
 
@@ -345,6 +346,16 @@ impl Buffers {
         Ok(bufs)
     }
 
+    /// Bytes of one embedding row, in the table's blocks.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// Room for `n` embedding rows in the table's blocks.
+    pub fn raw_rows_mut(&mut self, n: usize) -> Result<DeviceViewMut<'_, u8>, ModelError> {
+        view_mut(&mut self.raw, n * self.row_bytes)
+    }
+
     pub fn tokens_mut(&mut self, n: usize) -> Result<DeviceViewMut<'_, u32>, ModelError> {
         view_mut::<u32>(&mut self.tokens, n)
     }
@@ -636,15 +647,28 @@ pub(super) fn embed(
         view_mut::<i32>(&mut bufs.bad, 1)?,
         stream,
     )?;
+    decode_embeddings(config, table.ty, table.name(), bufs, n, stream)
+}
+
+/// The `n` embedding rows of the table `name` (of type `ty`) gathered in `bufs.raw`,
+/// decoded into `x` and scaled as the model says.
+pub(super) fn decode_embeddings(
+    config: &ModelConfig,
+    ty: GgmlType,
+    name: &str,
+    bufs: &mut Buffers,
+    n: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
     dequant::gpu::decode_f32(
-        table.ty,
+        ty,
         view::<u8>(&bufs.raw, n * bufs.row_bytes)?,
         view_mut::<f32>(&mut bufs.x, n * config.n_embd)?,
         stream,
     )
     .map_err(|source| match source {
         dequant::gpu::GpuDequantError::Layout(source) => ModelError::Decode {
-            name: table.name().to_owned(),
+            name: name.to_owned(),
             source,
         },
         dequant::gpu::GpuDequantError::Hip(source) => ModelError::Gpu {

@@ -124,20 +124,26 @@ pub enum Want {
 
 /// The order in which a [`GpuModel`] uploads `model`'s tensors, and what to read ahead
 /// of the upload from a cold file ([`tensor_store::device::ReadAhead`]): the order its
-/// first pass takes them in. The final norm and the output matrix first (a pass asks for
-/// them before its first layer), then layer by layer, and the token embeddings last: a
-/// prompt whose pass starts while they are still on their way gathers its rows on the
-/// host from the file, so that its first token waits for every weight but them. Where
-/// the embeddings are the output matrix too, they come first with it.
+/// first pass takes them in. Layer by layer, then the final norm and the output matrix
+/// (a pass that starts while the weights arrive asks for them after its last layer),
+/// and the token embeddings last: a prompt whose pass starts while they are still on
+/// their way gathers its rows on the host from the file, so that its first token waits
+/// for every weight but them. Where the embeddings are the output matrix too, every pass
+/// needs them first: they come first, with the final norm.
 pub fn first_use_order(model: &Model) -> UploadOrder {
     let plan = model.plan();
     let embd = &plan.token_embd.weight;
-    let globals = [&plan.output_norm.handle, &plan.output.weight];
+    let head = [&plan.output_norm.handle, &plan.output.weight];
+    let is_head = |h: &TensorHandle| head.iter().any(|g| g.index() == h.index());
     let layers = plan
         .handles()
         .into_iter()
-        .filter(|h| h.index() != embd.index());
-    UploadOrder::by_layer(globals.into_iter().chain(layers).chain([embd]))
+        .filter(|h| h.index() != embd.index() && !is_head(h));
+    if embd.index() == plan.output.weight.index() {
+        UploadOrder::by_layer(head.into_iter().chain(layers))
+    } else {
+        UploadOrder::by_layer(layers.chain(head).chain([embd]))
+    }
 }
 
 /// A model whose forward pass runs on a GPU, with its KV cache there.
@@ -939,14 +945,18 @@ impl GpuModel {
                 .copy_d2d_async(bufs.x_view(chunk.len() * d)?, dst)
                 .map_err(gpu("residual"))?;
         }
+        // With every weight held, the final norm and the output matrix arrive after the
+        // layers (`first_use_order`): asked for once the layers are queued. Over budget
+        // they are asked for first, as the cache's room was planned.
         let globals = match on_device {
-            Some(globals) => globals,
-            None => weights::Globals::fetch(&self.cache, &self.plan, false)?,
+            Some(globals) => Some(globals),
+            None if self.hold_all => None,
+            None => Some(weights::Globals::fetch(&self.cache, &self.plan, false)?),
         };
         tracing::trace!(
             chunks = chunks.len(),
             on_host_embed,
-            "a prompt's embeddings queued, its shared weights in hand"
+            "a prompt's embeddings queued"
         );
         for layer_idx in 0..self.plan.layers.len() {
             check_stop(self.stop.as_deref())?;
@@ -982,6 +992,10 @@ impl GpuModel {
                     .map_err(gpu("residual"))?;
             }
         }
+        let globals = match globals {
+            Some(globals) => globals,
+            None => weights::Globals::fetch(&self.cache, &self.plan, false)?,
+        };
         // The last chunk's stream is still in `x`: its logits, and the position past it.
         let last = chunks.len() - 1;
         let n = chunks[last].len();
@@ -1192,11 +1206,20 @@ impl GpuModel {
             let (config, plan, bufs) = (&self.config, &self.plan, &mut self.bufs);
             embed_from_file(config, plan, &tokens[..n], bufs, &self.stream)?;
         }
-        let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
-        tracing::trace!(n, on_host_embed, "a pass's shared weights in hand");
-        if !on_host_embed {
-            forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
-        }
+        // With every weight held and the embeddings made on the host, the final norm
+        // and the output matrix are asked for after the layers, which arrive before them
+        // (`first_use_order`). Otherwise they are asked for first: the embeddings are in
+        // hand (so is every weight), or over budget, as the cache's room was planned.
+        let globals = if on_host_embed && self.hold_all {
+            None
+        } else {
+            let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
+            if !on_host_embed {
+                forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
+            }
+            Some(globals)
+        };
+        tracing::trace!(n, on_host_embed, "a pass's embeddings queued");
         for layer_idx in 0..device_layers {
             if let Err(stopped) = check_stop(self.stop.as_deref()) {
                 // `globals` is released on return: its readers must have finished.
@@ -1241,6 +1264,10 @@ impl GpuModel {
                 host.after_device_pass(first_pos + n);
             }
         }
+        let globals = match globals {
+            Some(globals) => globals,
+            None => weights::Globals::fetch(&self.cache, &self.plan, false)?,
+        };
         finish(&self.config, &globals, &mut self.bufs, &self.stream)?;
         if !self.hold_all {
             // `globals` is released on return: its readers must have finished.
@@ -1313,13 +1340,11 @@ pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
     }
 }
 
-/// Rows of embeddings one task of [`embed_from_file`] decodes.
-const EMBED_ROWS_PER_TASK: usize = 64;
-
-/// The embeddings of `tokens` gathered and decoded on the host from the mapped file (the
-/// CPU path's exact decoding, which the device's matches bit for bit), into `bufs.x`.
-/// A long prompt's rows are decoded by the thread pool (a 2,048-token prompt's would take
-/// one thread some 10 ms, which its first token would wait for).
+/// The embeddings of `tokens` from the mapped file (the embeddings not on the device):
+/// their rows' blocks gathered on the host, copied to the device, and decoded there into
+/// `x` by the same decoders as [`forward::embed`]'s (whose results are the CPU's, bit for
+/// bit). The blocks are a fraction of the decoded rows' bytes (a ninth for Q4_K), and the
+/// host does no decoding while it feeds the upload.
 fn embed_from_file(
     config: &ModelConfig,
     plan: &ExecutionPlan,
@@ -1327,20 +1352,35 @@ fn embed_from_file(
     bufs: &mut Buffers,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    use rayon::prelude::*;
-    let d = config.n_embd;
-    let mut x = vec![0f32; tokens.len() * d];
-    x.par_chunks_mut(EMBED_ROWS_PER_TASK * d)
-        .zip(tokens.par_chunks(EMBED_ROWS_PER_TASK))
-        .try_for_each(|(rows, tokens)| {
-            crate::forward::embed_into(config, &plan.token_embd, tokens, rows)
-        })?;
+    let table = &plan.token_embd.weight;
+    let row_bytes = bufs.row_bytes();
+    let bytes = table.bytes()?;
+    let mut raw = Vec::with_capacity(tokens.len() * row_bytes);
+    for &token in tokens {
+        let id = token as usize;
+        let row = bytes
+            .get(id * row_bytes..(id + 1) * row_bytes)
+            .filter(|_| id < config.n_vocab)
+            .ok_or(ModelError::TokenOutOfRange {
+                token,
+                n_vocab: config.n_vocab,
+            })?;
+        raw.extend_from_slice(row);
+    }
     stream
-        .write_from_host(&x, bufs.x_mut(tokens.len() * d)?)
+        .write_from_host(&raw, bufs.raw_rows_mut(tokens.len())?)
         .map_err(|source| ModelError::Gpu {
             op: "copying the embeddings",
             source,
-        })
+        })?;
+    forward::decode_embeddings(
+        config,
+        table.ggml_type(),
+        table.name(),
+        bufs,
+        tokens.len(),
+        stream,
+    )
 }
 
 /// How many of the first layers of `order` (its `blk.N` groups, in layer order) stay
