@@ -46,7 +46,7 @@ struct Unit {
     file: String,
     kernels: &'static str,
     tables: Tables,
-    defines: Vec<(&'static str, String)>,
+    defines: Vec<(String, String)>,
 }
 
 /// Where a unit keeps its tables. Both are `static`, so that each unit's copies (the
@@ -94,54 +94,44 @@ const PRODUCT_TYPES: &[(u32, &str)] = &[
     (39, "mxfp4"),
 ];
 
-/// Every unit: the decoders; the batch products' and the decode products' common parts;
-/// one unit of each product file per type.
+/// The product files: the name in their units' file names, the kernel source, the prefix
+/// of the macros that say which unit it is (`_COMMON`, or `_TYPE` and `_NAME`), and
+/// where their tables live.
+const PRODUCT_FILES: [(&str, &str, &str, Tables); 2] = [
+    (
+        "matmul",
+        "kernels/matmul.hip",
+        "RF_MATMUL",
+        Tables::Constant,
+    ),
+    ("matvec", "kernels/matvec.hip", "RF_MATVEC", Tables::Global),
+];
+
+/// Every unit: the decoders; for each product file, the part every type shares and one
+/// unit per type.
 fn units() -> Vec<Unit> {
-    let unit = |file: String, kernels, tables, defines| Unit {
-        file,
-        kernels,
-        tables,
-        defines,
-    };
-    let mut units = vec![
-        unit(
-            "rocmforge_dequant_kernels.hip".into(),
-            "kernels/dequant.hip",
-            Tables::Constant,
-            Vec::new(),
-        ),
-        unit(
-            "rocmforge_matmul_common.hip".into(),
-            "kernels/matmul.hip",
-            Tables::Constant,
-            vec![("RF_MATMUL_COMMON", "1".into())],
-        ),
-        unit(
-            "rocmforge_matvec_common.hip".into(),
-            "kernels/matvec.hip",
-            Tables::Global,
-            vec![("RF_MATVEC_COMMON", "1".into())],
-        ),
-    ];
-    for &(code, name) in PRODUCT_TYPES {
-        units.push(unit(
-            format!("rocmforge_matmul_{name}.hip"),
-            "kernels/matmul.hip",
-            Tables::Constant,
-            vec![
-                ("RF_MATMUL_TYPE", code.to_string()),
-                ("RF_MATMUL_NAME", name.into()),
+    let mut units = vec![Unit {
+        file: "rocmforge_dequant_kernels.hip".into(),
+        kernels: "kernels/dequant.hip",
+        tables: Tables::Constant,
+        defines: Vec::new(),
+    }];
+    for (stem, kernels, prefix, tables) in PRODUCT_FILES {
+        units.push(Unit {
+            file: format!("rocmforge_{stem}_common.hip"),
+            kernels,
+            tables,
+            defines: vec![(format!("{prefix}_COMMON"), "1".into())],
+        });
+        units.extend(PRODUCT_TYPES.iter().map(|&(code, name)| Unit {
+            file: format!("rocmforge_{stem}_{name}.hip"),
+            kernels,
+            tables,
+            defines: vec![
+                (format!("{prefix}_TYPE"), code.to_string()),
+                (format!("{prefix}_NAME"), name.to_owned()),
             ],
-        ));
-        units.push(unit(
-            format!("rocmforge_matvec_{name}.hip"),
-            "kernels/matvec.hip",
-            Tables::Global,
-            vec![
-                ("RF_MATVEC_TYPE", code.to_string()),
-                ("RF_MATVEC_NAME", name.into()),
-            ],
-        ));
+        }));
     }
     units
 }

@@ -40,7 +40,7 @@
 //             (partials/counters: room to split the columns, or null; kernel: 0 the
 //             fastest for the type and count, 1 the tiled kernel, 2 the skinny one of
 //             skinny.hip, refused where it does not apply)
-// Each output: n_tokens × rows f32, token-major, as rf_matvec writes it.
+// Each output: n_tokens × rows f32, token-major, as rf_matvec_NAME writes it.
 #include "common.h"
 #include "decode_legacy.h"
 #include "decode_kquants.h"
