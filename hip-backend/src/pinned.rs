@@ -313,6 +313,27 @@ impl PinnedRegion {
     }
 }
 
+impl Drop for PinnedRegion {
+    fn drop(&mut self) {
+        let unregistered = self.context.bind().and_then(|()| {
+            // SAFETY: registered once, in `new`; every buffer slicing it has dropped, each
+            // after waiting for its last copy, so no copy uses it.
+            unsafe { result::host_unregister(self.base.cast::<c_void>()) }
+        });
+        if let Err(error) = unregistered {
+            // The runtime may still hold the pages: leave them mapped.
+            self.context.defer(error);
+            return;
+        }
+        // SAFETY: our own mapping of `bytes`, unregistered just above, unmapped only here;
+        // no buffer points into it any more.
+        match unsafe { unmap(self.base, self.bytes) } {
+            Ok(()) => count(&self.context, |c| &c.pinned_frees, 1),
+            Err(error) => self.context.defer(error),
+        }
+    }
+}
+
 /// Resident host memory of our own, not registered: unmapped when dropped.
 struct ResidentPages {
     base: NonNull<u8>,
@@ -389,27 +410,6 @@ fn take_prepared(bytes: usize) -> Option<ResidentPages> {
         list.swap_remove(at).1
     };
     thread.join().ok()?.ok()
-}
-
-impl Drop for PinnedRegion {
-    fn drop(&mut self) {
-        let unregistered = self.context.bind().and_then(|()| {
-            // SAFETY: registered once, in `new`; every buffer slicing it has dropped, each
-            // after waiting for its last copy, so no copy uses it.
-            unsafe { result::host_unregister(self.base.cast::<c_void>()) }
-        });
-        if let Err(error) = unregistered {
-            // The runtime may still hold the pages: leave them mapped.
-            self.context.defer(error);
-            return;
-        }
-        // SAFETY: our own mapping of `bytes`, unregistered just above, unmapped only here;
-        // no buffer points into it any more.
-        match unsafe { unmap(self.base, self.bytes) } {
-            Ok(()) => count(&self.context, |c| &c.pinned_frees, 1),
-            Err(error) => self.context.defer(error),
-        }
-    }
 }
 
 /// A ring's layout: each buffer's stride (its bytes rounded up to whole pages) and the

@@ -65,7 +65,7 @@ pub struct CacheConfig {
 
 /// Set to `separate`, the staging buffers after the first are allocated one at a time,
 /// each page-locked on its own, as the readers start; by default (or set to `region`)
-/// they are allocated together, from one region registered at once
+/// they come from two regions, each registered at once
 /// ([`DeviceTarget::alloc_staging_ring`]), falling back to one at a time if that fails.
 pub const STAGING_RING_ENV: &str = "ROCMFORGE_STAGING_RING";
 
@@ -108,12 +108,17 @@ impl CacheConfig {
         if super::pipeline::RingAllocation::from_env() != super::pipeline::RingAllocation::Region {
             return;
         }
-        let len = self.chunk_bytes + DIRECT_SLACK;
+        let len = self.staging_len();
         for part in super::pipeline::staging_regions(self.staging_buffers.saturating_sub(1)) {
             if part > 0 {
                 hip_backend::prepare_pinned_ring::<u8>(part, len);
             }
         }
+    }
+
+    /// Bytes of each staging buffer: a chunk, and the slack direct reads may need.
+    fn staging_len(&self) -> usize {
+        self.chunk_bytes + DIRECT_SLACK
     }
 }
 
@@ -218,8 +223,8 @@ impl<T: DeviceTarget> DeviceCache<T> {
         let readers = readers_for(&config, &files);
         // One staging buffer now (so a failure shows here); the others are allocated
         // while the readers already work (page-locked memory is slow to allocate, even
-        // as one region: see `Shared::grow_staging`).
-        let staging_len = config.chunk_bytes + DIRECT_SLACK;
+        // in regions: see `Shared::grow_staging`).
+        let staging_len = config.staging_len();
         let staging = vec![target.alloc_staging(staging_len)?];
         let prefetch = match config.mode {
             UploadMode::Lazy => Vec::new(),

@@ -68,7 +68,7 @@ impl RingAllocation {
             Some(other) => {
                 tracing::warn!(
                     value = other,
-                    "{STAGING_RING_ENV} is neither `region` nor `separate`: using one region"
+                    "{STAGING_RING_ENV} is neither `region` nor `separate`: using the regions"
                 );
                 RingAllocation::Region
             }
@@ -660,7 +660,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_ring_is_one_region_unless_separate_is_asked_for() {
+    fn the_ring_comes_from_regions_unless_separate_is_asked_for() {
         assert_eq!(RingAllocation::parse(None), RingAllocation::Region);
         assert_eq!(RingAllocation::parse(Some("")), RingAllocation::Region);
         assert_eq!(
