@@ -374,22 +374,11 @@ pub(crate) fn embed(
     table: &Linear,
     tokens: &[u32],
 ) -> Result<Vec<f32>, ModelError> {
-    let mut x = vec![0f32; tokens.len() * config.n_embd];
-    embed_into(config, table, tokens, &mut x)?;
-    Ok(x)
-}
-
-/// [`embed`] into `x`, a row of `n_embd` values per token.
-pub(crate) fn embed_into(
-    config: &ModelConfig,
-    table: &Linear,
-    tokens: &[u32],
-    x: &mut [f32],
-) -> Result<(), ModelError> {
     let d = config.n_embd;
     let ty = table.weight.ggml_type();
     let row_bytes = ty.row_bytes(d as u64).unwrap_or(0) as usize;
     let bytes = table.weight.bytes()?;
+    let mut x = vec![0f32; tokens.len() * d];
     for (&token, row) in tokens.iter().zip(x.chunks_exact_mut(d)) {
         let id = token as usize;
         if id >= config.n_vocab {
@@ -404,7 +393,7 @@ pub(crate) fn embed_into(
             row.iter_mut().for_each(|v| *v *= config.embedding_scale);
         }
     }
-    Ok(())
+    Ok(x)
 }
 
 /// The logits of the residual rows `x`: the final norm, the output projection, and the

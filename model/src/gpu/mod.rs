@@ -945,12 +945,9 @@ impl GpuModel {
                 .copy_d2d_async(bufs.x_view(chunk.len() * d)?, dst)
                 .map_err(gpu("residual"))?;
         }
-        // With every weight held, the final norm and the output matrix arrive after the
-        // layers (`first_use_order`): asked for once the layers are queued. Over budget
-        // they are asked for first, as the cache's room was planned.
         let globals = match on_device {
             Some(globals) => Some(globals),
-            None if self.hold_all => None,
+            None if self.head_after_layers(on_host_embed) => None,
             None => Some(weights::Globals::fetch(&self.cache, &self.plan, false)?),
         };
         tracing::trace!(
@@ -992,10 +989,7 @@ impl GpuModel {
                     .map_err(gpu("residual"))?;
             }
         }
-        let globals = match globals {
-            Some(globals) => globals,
-            None => weights::Globals::fetch(&self.cache, &self.plan, false)?,
-        };
+        let globals = self.globals_after_layers(globals)?;
         // The last chunk's stream is still in `x`: its logits, and the position past it.
         let last = chunks.len() - 1;
         let n = chunks[last].len();
@@ -1206,11 +1200,7 @@ impl GpuModel {
             let (config, plan, bufs) = (&self.config, &self.plan, &mut self.bufs);
             embed_from_file(config, plan, &tokens[..n], bufs, &self.stream)?;
         }
-        // With every weight held and the embeddings made on the host, the final norm
-        // and the output matrix are asked for after the layers, which arrive before them
-        // (`first_use_order`). Otherwise they are asked for first: the embeddings are in
-        // hand (so is every weight), or over budget, as the cache's room was planned.
-        let globals = if on_host_embed && self.hold_all {
+        let globals = if self.head_after_layers(on_host_embed) {
             None
         } else {
             let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
@@ -1264,10 +1254,7 @@ impl GpuModel {
                 host.after_device_pass(first_pos + n);
             }
         }
-        let globals = match globals {
-            Some(globals) => globals,
-            None => weights::Globals::fetch(&self.cache, &self.plan, false)?,
-        };
+        let globals = self.globals_after_layers(globals)?;
         finish(&self.config, &globals, &mut self.bufs, &self.stream)?;
         if !self.hold_all {
             // `globals` is released on return: its readers must have finished.
@@ -1287,6 +1274,27 @@ impl GpuModel {
                 && self.hold_all
                 && embd.index() != self.plan.output.weight.index()
                 && !self.cache.is_resident(embd))
+    }
+
+    /// Whether a pass asks for the final norm and the output matrix only after queuing
+    /// its layers: with every weight held and its embeddings made from the file, since
+    /// those tensors arrive after the layers ([`first_use_order`]). Otherwise it asks for
+    /// them first: its embeddings on the device are in hand (and so is every weight), or
+    /// over budget, as the cache's room was planned.
+    fn head_after_layers(&self, on_host_embed: bool) -> bool {
+        on_host_embed && self.hold_all
+    }
+
+    /// The shared weights a pass asked for before its layers, or, when it did not
+    /// ([`GpuModel::head_after_layers`]), the final norm and the output matrix now.
+    fn globals_after_layers(
+        &self,
+        early: Option<weights::Globals>,
+    ) -> Result<weights::Globals, ModelError> {
+        match early {
+            Some(globals) => Ok(globals),
+            None => weights::Globals::fetch(&self.cache, &self.plan, false),
+        }
     }
 
     fn all_resident(&self) -> bool {
