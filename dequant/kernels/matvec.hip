@@ -894,14 +894,26 @@ __global__ void quantize_q8_kernel(const float* __restrict__ x, size_t n_blocks,
 }
 #endif  // RF_MATVEC_COMMON
 
-// Launches the quantized (Q8 activations) or float kernel for NT tokens with kRows rows
-// per workgroup.
+// Rows a thread takes in the quantized kernels: two for one token (see matvec_q_kernel).
+template <int NT>
+constexpr int kRowsPerThread = NT == 1 ? 2 : 1;
+
+// The kernel that runs NT tokens with kRows rows per workgroup: the quantized (Q8
+// activations) or the float one.
+template <typename T, int NT, int kRows, typename X>
+const void* kernel_of() {
+    if constexpr (std::is_same<X, uint8_t>::value) {
+        return (const void*)matvec_q_kernel<T, NT, kRows, kRowsPerThread<NT>>;
+    } else {
+        return (const void*)matvec_f_kernel<T, NT, kRows>;
+    }
+}
+
 template <typename T, int NT, int kRows, typename X>
 void launch_kernel(unsigned grid, const MatvecMats& mats, int n_mats, int n_cols, const X* x,
                    int accumulate, hipStream_t stream) {
     if constexpr (std::is_same<X, uint8_t>::value) {
-        // One token: two rows a thread (see matvec_q_kernel).
-        constexpr int rpt = NT == 1 ? 2 : 1;
+        constexpr int rpt = kRowsPerThread<NT>;
         rfLaunchChained((matvec_q_kernel<T, NT, kRows, rpt>), dim3((grid + rpt - 1) / rpt),
                            dim3(kMatvecThreads), 0, stream, mats, n_mats, n_cols, x, accumulate);
     } else {
@@ -910,20 +922,18 @@ void launch_kernel(unsigned grid, const MatvecMats& mats, int n_mats, int n_cols
     }
 }
 
-template <typename T, int NT, typename X>
-hipError_t launch_rows(const MatvecMats& mats, int n_mats, int n_cols, const X* x,
-                       int accumulate, hipStream_t stream) {
-    unsigned total = 0;
-    for (int m = 0; m < n_mats; ++m) total += (unsigned)mats.rows[m];
+// Calls f with std::integral_constant<int, kRows>: the rows a workgroup takes of rows
+// n_cols wide. 1, 2 or 4 rows a workgroup (128, 64 or 32 threads a row): the one that
+// leaves the fewest threads idle in the last pass over a row (a 172-task Q6_K row of
+// 11,008 columns keeps 90% busy with 64 threads, 67% with 128). Among equals, more rows a
+// workgroup (more tasks a thread, more loads in flight) while a thread makes at most two
+// passes; measured on an H100: a 64-task Q4_K row of 4,096 columns streams 6% faster with
+// 32 threads than with 64, a 172-task Q6_K row slower with 32 than 64.
+template <typename T, typename X, typename F>
+hipError_t with_group_rows(int n_cols, F&& f) {
     // Work items per row: tasks of the quantized kernels, 4 values of the float ones.
     int work = n_cols / 4;
     if constexpr (std::is_same<X, uint8_t>::value) work = n_cols / T::kValues * T::kTasks;
-    // 1, 2 or 4 rows a workgroup (128, 64 or 32 threads a row): the one that leaves the
-    // fewest threads idle in the last pass over a row (a 172-task Q6_K row of 11,008
-    // columns keeps 90% busy with 64 threads, 67% with 128). Among equals, more rows a
-    // workgroup (more tasks a thread, more loads in flight) while a thread makes at most
-    // two passes; measured on an H100: a 64-task Q4_K row of 4,096 columns streams 6%
-    // faster with 32 threads than with 64, a 172-task Q6_K row slower with 32 than 64.
     int best_rows = 1;
     float best = 0.0f;
     for (int rows = 1; rows <= 4; rows *= 2) {
@@ -935,30 +945,54 @@ hipError_t launch_rows(const MatvecMats& mats, int n_mats, int n_cols, const X* 
             best_rows = rows;
         }
     }
-    if (best_rows == 4) {
-        launch_kernel<T, NT, 4>((total + 3) / 4, mats, n_mats, n_cols, x, accumulate, stream);
-    } else if (best_rows == 2) {
-        launch_kernel<T, NT, 2>((total + 1) / 2, mats, n_mats, n_cols, x, accumulate, stream);
-    } else {
-        launch_kernel<T, NT, 1>(total, mats, n_mats, n_cols, x, accumulate, stream);
+    if (best_rows == 4) return f(std::integral_constant<int, 4>{});
+    if (best_rows == 2) return f(std::integral_constant<int, 2>{});
+    return f(std::integral_constant<int, 1>{});
+}
+
+// Calls f with std::integral_constant<int, NT> for n_tokens (1 to kMaxTokens).
+template <typename F>
+hipError_t with_tokens(int n_tokens, F&& f) {
+    switch (n_tokens) {
+        case 1: return f(std::integral_constant<int, 1>{});
+        case 2: return f(std::integral_constant<int, 2>{});
+        case 3: return f(std::integral_constant<int, 3>{});
+        case 4: return f(std::integral_constant<int, 4>{});
+        case 5: return f(std::integral_constant<int, 5>{});
+        case 6: return f(std::integral_constant<int, 6>{});
+        case 7: return f(std::integral_constant<int, 7>{});
+        case 8: return f(std::integral_constant<int, 8>{});
+        default: return hipErrorInvalidValue;
     }
-    return hipGetLastError();
 }
 
 template <typename T, typename X>
 hipError_t launch_tokens(const MatvecMats& mats, int n_mats, int n_cols, const X* x,
                          int n_tokens, int accumulate, hipStream_t stream) {
-    switch (n_tokens) {
-        case 1: return launch_rows<T, 1>(mats, n_mats, n_cols, x, accumulate, stream);
-        case 2: return launch_rows<T, 2>(mats, n_mats, n_cols, x, accumulate, stream);
-        case 3: return launch_rows<T, 3>(mats, n_mats, n_cols, x, accumulate, stream);
-        case 4: return launch_rows<T, 4>(mats, n_mats, n_cols, x, accumulate, stream);
-        case 5: return launch_rows<T, 5>(mats, n_mats, n_cols, x, accumulate, stream);
-        case 6: return launch_rows<T, 6>(mats, n_mats, n_cols, x, accumulate, stream);
-        case 7: return launch_rows<T, 7>(mats, n_mats, n_cols, x, accumulate, stream);
-        case 8: return launch_rows<T, 8>(mats, n_mats, n_cols, x, accumulate, stream);
-        default: return hipErrorInvalidValue;
-    }
+    unsigned total = 0;
+    for (int m = 0; m < n_mats; ++m) total += (unsigned)mats.rows[m];
+    return with_tokens(n_tokens, [&](auto nt) {
+        return with_group_rows<T, X>(n_cols, [&](auto rows) {
+            constexpr int kRows = decltype(rows)::value;
+            launch_kernel<T, decltype(nt)::value, kRows>((total + kRows - 1) / kRows, mats,
+                                                         n_mats, n_cols, x, accumulate, stream);
+            return hipGetLastError();
+        });
+    });
+}
+
+// Loads the code of the kernel launch_tokens picks for n_tokens tokens of rows n_cols
+// wide. The runtimes load a module at the first use of one of its kernels, which a
+// launch pays for; asking for the kernel's attributes is such a use.
+template <typename T, typename X>
+hipError_t load_tokens(int n_cols, int n_tokens) {
+    return with_tokens(n_tokens, [&](auto nt) {
+        return with_group_rows<T, X>(n_cols, [&](auto rows) {
+            hipFuncAttributes attributes;
+            return hipFuncGetAttributes(
+                &attributes, kernel_of<T, decltype(nt)::value, decltype(rows)::value, X>());
+        });
+    });
 }
 
 }  // namespace rf
@@ -1081,6 +1115,16 @@ int RF_MATVEC_JOIN(rf_matvec, RF_MATVEC_NAME)(const void* const* weights, void* 
     }
     return (int)rf::launch_tokens<rf::UnitType>(mats, n_mats, n_cols, (const rf::UnitInput*)x,
                                                 n_tokens, accumulate, (hipStream_t)stream);
+}
+
+
+// Loads the code of the kernel rf_matvec_NAME launches for n_tokens tokens of rows n_cols
+// wide, so that its first launch does not wait for it. Returns at once once loaded.
+int RF_MATVEC_JOIN(rf_matvec_load, RF_MATVEC_NAME)(int n_cols, int n_tokens, int device) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_tokens < 1 || n_tokens > rf::kMaxTokens) return (int)hipErrorInvalidValue;
+    return (int)rf::load_tokens<rf::UnitType, rf::UnitInput>(n_cols, n_tokens);
 }
 
 }  // extern "C"

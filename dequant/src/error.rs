@@ -69,6 +69,9 @@ pub enum DequantError {
         expected: usize,
         actual: usize,
     },
+    /// A decode product asked for a number of tokens it does not take.
+    #[error("a decode product takes 1 to {max} tokens, not {n_tokens}")]
+    ProductTokens { n_tokens: usize, max: usize },
     /// A fused product got a different number of matrices and outputs.
     #[error("{matrices} matrices but {outputs} outputs in one fused product")]
     ProductCount { matrices: usize, outputs: usize },

@@ -59,6 +59,8 @@
 #define hipSetDevice cudaSetDevice
 #define hipGetDeviceProperties cudaGetDeviceProperties
 #define hipFuncSetAttribute cudaFuncSetAttribute
+#define hipFuncAttributes cudaFuncAttributes
+#define hipFuncGetAttributes cudaFuncGetAttributes
 #define hipFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #define hipDeviceSynchronize cudaDeviceSynchronize
 #define hipMemGetInfo cudaMemGetInfo

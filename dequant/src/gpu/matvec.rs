@@ -92,22 +92,8 @@ impl<'a> GpuMatrix<'a> {
         cols: usize,
         bytes: DeviceView<'a, u8>,
     ) -> Result<GpuMatrix<'a>, DequantError> {
-        if !is_supported_on_gpu(ty) {
-            return Err(DequantError::NoProductKernel { ty });
-        }
+        check_width(ty, cols)?;
         let block_size = ty.block_size() as usize;
-        let unit = if takes_q8(ty) {
-            block_size.max(Q8_BLOCK_VALUES)
-        } else {
-            block_size
-        };
-        if !cols.is_multiple_of(unit) {
-            return Err(DequantError::PartialRow {
-                ty,
-                cols,
-                block_size: unit,
-            });
-        }
         let overflow = DequantError::MatrixTooLarge { ty, rows, cols };
         if rows > i32::MAX as usize || cols > i32::MAX as usize {
             return Err(overflow);
@@ -203,6 +189,28 @@ fn input_length(actual: usize, n_tokens: usize, cols: usize) -> Result<(), Dequa
     Ok(())
 }
 
+/// Checks that the GPU multiplies `ty` and that rows of `cols` values are whole blocks
+/// of it and of the Q8 activations it takes.
+fn check_width(ty: GgmlType, cols: usize) -> Result<(), DequantError> {
+    if !is_supported_on_gpu(ty) {
+        return Err(DequantError::NoProductKernel { ty });
+    }
+    let block_size = ty.block_size() as usize;
+    let unit = if takes_q8(ty) {
+        block_size.max(Q8_BLOCK_VALUES)
+    } else {
+        block_size
+    };
+    if !cols.is_multiple_of(unit) {
+        return Err(DequantError::PartialRow {
+            ty,
+            cols,
+            block_size: unit,
+        });
+    }
+    Ok(())
+}
+
 /// The first of one launch's matrices, once they are 1 to [`MAX_MATRICES`] of one type
 /// and width with one output each.
 pub(super) fn check_group<'m, 'a>(
@@ -289,6 +297,32 @@ pub fn matvec(
         }
     }
     launch_matvec(mats, x, n_tokens, outs, accumulate, device, stream)
+}
+
+/// Loads the code of the kernel that [`matvec`] launches for `n_tokens` tokens of `ty`
+/// rows `cols` wide, on the stream's device, and queues nothing. The runtimes load a
+/// weight type's products at the first use of one of their kernels, which the first
+/// launch pays for (about a millisecond); a caller that waits anyway (for weights still
+/// arriving, say) can pay it then. Returns at once when the code is loaded already.
+pub fn load_matvec(
+    ty: GgmlType,
+    cols: usize,
+    n_tokens: usize,
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    check_width(ty, cols)?;
+    if n_tokens == 0 || n_tokens > MAX_TOKENS {
+        return Err(DequantError::ProductTokens {
+            n_tokens,
+            max: MAX_TOKENS,
+        }
+        .into());
+    }
+    if cols > i32::MAX as usize {
+        return Err(DequantError::MatrixTooLarge { ty, rows: 1, cols }.into());
+    }
+    let device = check_device(stream, stream.device_ordinal(), stream.device_ordinal())?;
+    load_kernel(ty, cols, n_tokens, device)
 }
 
 #[cfg(not(hip_platform = "none"))]
@@ -393,6 +427,21 @@ fn launch_matvec(
     hip_backend::check_status("rf_matvec", status).map_err(GpuDequantError::from)
 }
 
+#[cfg(not(hip_platform = "none"))]
+fn load_kernel(
+    ty: GgmlType,
+    cols: usize,
+    n_tokens: usize,
+    device: i32,
+) -> Result<(), GpuDequantError> {
+    use std::ffi::c_int;
+    let load = super::launchers(ty)?.matvec_load;
+    // SAFETY: the loader only asks the runtime for one kernel's attributes; `cols` fits
+    // in `c_int` and `n_tokens` is 1 to MAX_TOKENS (checked by `load_matvec`).
+    let status = unsafe { load(cols as c_int, n_tokens as c_int, device) };
+    hip_backend::check_status("rf_matvec_load", status).map_err(GpuDequantError::from)
+}
+
 #[cfg(hip_platform = "none")]
 fn launch_quantize(
     _: DeviceView<'_, f32>,
@@ -415,5 +464,10 @@ fn launch_matvec(
     _: i32,
     _: &Stream,
 ) -> Result<(), GpuDequantError> {
+    Err(HipError::BuiltWithoutGpu.into())
+}
+
+#[cfg(hip_platform = "none")]
+fn load_kernel(_: GgmlType, _: usize, _: usize, _: i32) -> Result<(), GpuDequantError> {
     Err(HipError::BuiltWithoutGpu.into())
 }

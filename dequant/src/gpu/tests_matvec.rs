@@ -400,6 +400,44 @@ fn mismatched_products_are_refused_before_any_launch() {
     assert!(error.is_err());
 }
 
+#[test]
+fn a_products_code_loads_ahead_for_every_type_and_token_count() {
+    let Some((device, stream)) =
+        gpu_or_skip("a_products_code_loads_ahead_for_every_type_and_token_count")
+    else {
+        return;
+    };
+    for ty in types() {
+        // Widths whose rows take 1, 2 and 4 rows a workgroup for some types.
+        for cols in [256, 4096, 11008] {
+            for n in 1..=matvec::MAX_TOKENS {
+                matvec::load_matvec(ty, cols, n, &stream)
+                    .unwrap_or_else(|e| panic!("{ty}, {cols} columns, {n} tokens: {e}"));
+            }
+        }
+        // And the product it loaded for still gives the reference's result.
+        check_type(&device, &stream, ty, 5, 256, 1, 0x10ad);
+    }
+    use crate::DequantError::*;
+    let refused = |ty, cols, n| match matvec::load_matvec(ty, cols, n, &stream) {
+        Err(super::GpuDequantError::Layout(error)) => error,
+        other => panic!("{ty}, {cols} columns, {n} tokens: {other:?}"),
+    };
+    assert!(matches!(
+        refused(GgmlType::Q4_K, 256, 0),
+        ProductTokens { n_tokens: 0, .. }
+    ));
+    assert!(matches!(
+        refused(GgmlType::Q4_K, 256, 9),
+        ProductTokens { n_tokens: 9, .. }
+    ));
+    assert!(matches!(refused(GgmlType::Q4_K, 255, 1), PartialRow { .. }));
+    assert!(matches!(
+        refused(GgmlType::I8, 256, 1),
+        NoProductKernel { .. }
+    ));
+}
+
 /// The batch products of matrices `mats` (their blocks and rows) of one type and width
 /// on `n` tokens, in one launch, each added to outputs filled with `initial` when given;
 /// with `split`, given room to split their columns (whose counters it checks are left at
