@@ -1092,6 +1092,22 @@ pub(super) fn finish(
     output_logits(config, globals, bufs, Rows::OfX(first), rows, stream)
 }
 
+/// Loads the code of the output product of one token, the one [`finish`] runs for a
+/// prompt's last: a decode product (`batched(1)` is false and one token is below
+/// `SKINNY_FROM`). A pass whose output matrix arrives after its layers loads it while it
+/// waits for them, rather than after the matrix lands.
+pub(super) fn load_last_token_head(
+    plan: &ExecutionPlan,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    const _: () = assert!(MAX_BATCH >= 1 && SKINNY_FROM > 1);
+    let out = &plan.output;
+    matvec::load_matvec(out.weight.ggml_type(), out.cols, 1, stream)
+        .map_err(product_error("loading the output product", || {
+            out.weight.name().to_owned()
+        }))
+}
+
 /// Where the rows that get logits are: consecutive rows of the residual stream `x` from
 /// the one given, or gathered into `proj` first.
 #[derive(Clone, Copy)]

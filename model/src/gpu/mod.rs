@@ -988,6 +988,7 @@ impl GpuModel {
                     .copy_d2d_async(bufs.x_view(n * d)?, x)
                     .map_err(gpu("residual"))?;
             }
+            self.load_head_while_waiting(layer_idx, globals.is_none(), true)?;
         }
         let globals = self.globals_after_layers(globals)?;
         // The last chunk's stream is still in `x`: its logits, and the position past it.
@@ -1240,6 +1241,8 @@ impl GpuModel {
                 layout,
                 &self.stream,
             )?;
+            let last_only = matches!(end, End::Last { last_only: true });
+            self.load_head_while_waiting(layer_idx, globals.is_none(), last_only)?;
             if !self.hold_all && !kept {
                 // The cache may evict these tensors once dropped: their readers must
                 // have finished.
@@ -1295,6 +1298,25 @@ impl GpuModel {
             Some(globals) => Ok(globals),
             None => weights::Globals::fetch(&self.cache, &self.plan, false),
         }
+    }
+
+    /// For a pass that asks for the output matrix after its layers and takes the logits
+    /// of its last token only: once its first layer is queued, the code of that product
+    /// is loaded, while the pass waits for its other layers. Otherwise the runtime loads
+    /// it at the product's first launch, after the matrix lands, on the way to the first
+    /// token (about a millisecond on an H100: a weight type's decode products are a
+    /// module of their own, which no layer of a prompt may have used).
+    fn load_head_while_waiting(
+        &self,
+        layer_idx: usize,
+        head_after_layers: bool,
+        last_only: bool,
+    ) -> Result<(), ModelError> {
+        if head_after_layers && last_only && layer_idx == 0 {
+            forward::load_last_token_head(&self.plan, &self.stream)?;
+            tracing::trace!("the output product's code loaded");
+        }
+        Ok(())
     }
 
     fn all_resident(&self) -> bool {
