@@ -7,7 +7,7 @@ use dequant::gpu::matmul;
 use dequant::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
 use gguf_format::GgmlType;
 use half::f16;
-use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Stream};
+use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, PinnedBuffer, Stream};
 
 use super::kernels::{self, attention_chunk, AttentionShape, HeadExtras, HeadShape, Pages};
 use super::weights::{Globals, LayerWeights, Matrix};
@@ -433,11 +433,18 @@ impl Buffers {
     /// Sets the position counter (and waits for it: `len` is a host value), and clears
     /// the attention's chunk counters and the split products' tile counters (which a
     /// failed launch may have left midway).
-    pub fn set_position(&mut self, stream: &Stream, len: usize) -> Result<(), ModelError> {
-        let value = [i32::try_from(len).map_err(|_| ModelError::ContextFull {
+    /// Sets the position to `len` through `host` (page-locked, at least one element)
+    /// and clears the attention's and the products' counters.
+    pub fn set_position(
+        &mut self,
+        stream: &Stream,
+        host: &mut PinnedBuffer<i32>,
+        len: usize,
+    ) -> Result<(), ModelError> {
+        let value = i32::try_from(len).map_err(|_| ModelError::ContextFull {
             needed: len,
             capacity: i32::MAX as usize,
-        })?];
+        })?;
         let counters = self.attention.done_len(self.attn_rows);
         stream
             .memset_async(view_mut::<u32>(&mut self.done, counters)?, 0)
@@ -448,9 +455,22 @@ impl Buffers {
                 0,
             )
             .map_err(gpu("clearing the products' counters"))?;
+        let capacity = host.len();
+        let staged = host.as_mut_slice().map_err(gpu("setting the position"))?;
+        let Some(first) = staged.first_mut() else {
+            return Err(ModelError::Gpu {
+                op: "setting the position",
+                source: HipError::LengthMismatch {
+                    op: "staging the position",
+                    src: 1,
+                    dst: capacity,
+                },
+            });
+        };
+        *first = value;
         let dst = view_mut::<i32>(&mut self.pos, 1)?;
         stream
-            .write_from_host(&value, dst)
+            .copy_h2d_async(host, 0..1, dst)
             .map_err(gpu("setting the position"))
     }
 }
