@@ -198,6 +198,8 @@ pub struct GpuModel {
     host_rows: PinnedBuffer<u8>,
     /// When the last tensor of the upload order first became resident.
     uploaded: Arc<OnceLock<Instant>>,
+    /// When the first pass had every weight it waits for in hand.
+    first_weights: OnceLock<Instant>,
     /// The paged cache's shape, and the host side of a batch's layout.
     pages: Option<(PageShape, PinnedBuffer<i32>)>,
     /// Which RoPE factors the cache's size takes (Phi-3).
@@ -445,6 +447,7 @@ impl GpuModel {
             host_positions,
             host_rows,
             uploaded,
+            first_weights: OnceLock::new(),
             pages,
             rope_context: RopeContext::for_cache(model.config(), capacity),
             stop: options.stop.clone(),
@@ -471,6 +474,14 @@ impl GpuModel {
     /// When every weight had been uploaded once (not yet: `None`).
     pub fn uploaded_at(&self) -> Option<Instant> {
         self.uploaded.get().copied()
+    }
+
+    /// When the first forward pass had in hand the last of the weights it waits for
+    /// (no pass yet: `None`). In the background mode a prompt's first token waits for
+    /// these weights only, not for the whole upload: the time from this moment to the
+    /// first token is the part of the prompt's work the upload did not hide.
+    pub fn first_pass_weights_at(&self) -> Option<Instant> {
+        self.first_weights.get().copied()
     }
 
     /// Whether `tensor`, one of the model's, is on the device now.
@@ -1025,6 +1036,7 @@ impl GpuModel {
             self.load_head_while_waiting(layer_idx, globals.is_none(), true)?;
         }
         let globals = self.globals_after_layers(globals)?;
+        self.first_weights.get_or_init(Instant::now);
         // The last chunk's stream is still in `x`: its logits, and the position past it.
         let last = chunks.len() - 1;
         let n = chunks[last].len();
@@ -1089,6 +1101,9 @@ impl GpuModel {
     fn ensure_held(&mut self) -> Result<bool, ModelError> {
         if self.held.is_none() && self.hold_all {
             self.held = Some(Held::fetch(&self.cache, &self.plan, self.rope_context)?);
+        }
+        if self.held.is_some() {
+            self.first_weights.get_or_init(Instant::now);
         }
         Ok(self.held.is_some())
     }
@@ -1181,6 +1196,7 @@ impl GpuModel {
             }
         };
         if self.can_hold()? {
+            self.first_weights.get_or_init(Instant::now);
             let held = self.held.as_ref().expect("can_hold returned true");
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
             forward::body(
@@ -1293,6 +1309,7 @@ impl GpuModel {
             }
         }
         let globals = self.globals_after_layers(globals)?;
+        self.first_weights.get_or_init(Instant::now);
         finish(&self.config, &globals, &mut self.bufs, &self.stream)?;
         if !self.hold_all {
             // `globals` is released on return: its readers must have finished.

@@ -1387,6 +1387,7 @@ mod gpu {
             let Some(mut gpu) = gpu_model(test, &model, mode, 80) else {
                 return;
             };
+            assert!(gpu.first_pass_weights_at().is_none(), "{test}: {mode:?}");
             let first = gpu.forward(&prompt).expect("prompt");
             let waited = mode == UploadMode::Eager;
             assert_eq!(
@@ -1394,8 +1395,20 @@ mod gpu {
                 waited,
                 "{test}: {mode:?} after the prompt"
             );
+            // The prompt had its weights in hand after the whole upload (eager), or
+            // before it ended (lazy: the embeddings are still to come).
+            let weights = gpu.first_pass_weights_at().expect("set by the prompt");
+            match gpu.uploaded_at() {
+                Some(all) => assert!(waited && all <= weights, "{test}: {mode:?}"),
+                None => assert!(!waited, "{test}: {mode:?}"),
+            }
             let next = gpu.forward(&[argmax(&first) as u32]).expect("decode");
             assert!(gpu.is_resident(embd), "{test}: {mode:?} after a step");
+            assert_eq!(
+                gpu.first_pass_weights_at(),
+                Some(weights),
+                "{test}: {mode:?}"
+            );
             results.push((first, next));
         }
         assert!(
