@@ -298,6 +298,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
                 name: "gpu",
                 context_ms: Some(since_start(ready_at)),
                 upload_ms: gpu.uploaded_at().map(since_start),
+                weights_ms: gpu.first_pass_weights_at().map(since_start),
             };
             gpu_model = Some(gpu);
             (output, report)
@@ -310,6 +311,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
                 name: "cpu",
                 context_ms: None,
                 upload_ms: None,
+                weights_ms: None,
             };
             (output, report)
         }
@@ -403,11 +405,13 @@ fn log_timings(output: &Generation) {
 }
 
 /// Which device computed, and when (milliseconds from the process's start) its runtime
-/// was ready and every weight had been uploaded.
+/// was ready, its first pass had the weights it waits for, and every weight had been
+/// uploaded.
 struct DeviceReport {
     name: &'static str,
     context_ms: Option<f64>,
     upload_ms: Option<f64>,
+    weights_ms: Option<f64>,
 }
 
 /// The moments a run passed, in milliseconds from the process's start.
@@ -441,6 +445,7 @@ fn to_json(
             "device": device.name,
             "context_ms": device.context_ms,
             "upload_ms": device.upload_ms,
+            "weights_ms": device.weights_ms,
             "parsed_ms": moments.parsed_ms,
             "planned_ms": moments.planned_ms,
             "prompt_start_ms": moments.prompt_start_ms,

@@ -907,7 +907,9 @@ fn the_device_is_chosen_and_reported() {
     assert_eq!(auto["tokens"], cpu["tokens"]);
     let timings = &auto["timings"];
     assert_eq!(timings["device"], "cpu");
-    assert!(timings["context_ms"].is_null() && timings["upload_ms"].is_null());
+    for gpu_only in ["context_ms", "upload_ms", "weights_ms"] {
+        assert!(timings[gpu_only].is_null(), "{gpu_only}: {timings}");
+    }
     let first = timings["first_token_ms"].as_f64().expect("first_token_ms");
     assert!(first > 0.0, "{timings}");
     // Parse, plan, prompt, first token: in the order they happen.
