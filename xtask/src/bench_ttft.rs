@@ -17,8 +17,8 @@
 //! later, after each engine has given its memory and the GPU runtime back. Ours runs
 //! `rocmforge generate --json` once per upload mode and reports, besides those times,
 //! the moments its JSON gives from the process's start (runtime ready, header parsed,
-//! plan built, prompt started, weights uploaded, first token); llama.cpp's rows add the
-//! load and prompt times it prints about itself.
+//! plan built, prompt started, its weights in hand, weights uploaded, first token);
+//! llama.cpp's rows add the load and prompt times it prints about itself.
 //!
 //! Warm rows run with the file in the page cache (read once first, and each engine run
 //! once untimed). `--cold` adds rows with the page cache dropped (`sync`, then 3 into
@@ -29,7 +29,11 @@
 //! llama.cpp's; cold, within 1.05x the file's read time. And the overlap of the upload
 //! with the prompt: in the background mode, the first token no later than
 //! max(upload, prefill) + min(upload, prefill) / 4 after the runtime is ready, the two
-//! phases taken from the eager mode's run on the same prompt and cache.
+//! phases taken from the eager mode's run on the same prompt and cache. The upload's
+//! pace varies from run to run by more than a short prompt's prefill, so the same bound
+//! is also taken within each background run, with that run's own upload (until its
+//! first pass had the weights it waits for) and the eager prefill: the median of the
+//! runs' first tokens less their bounds.
 //!
 //! Without a usable device, `rocmforge generate --device gpu` fails: that is one line
 //! and a non-zero exit.
@@ -55,11 +59,12 @@ const USAGE: &str = "usage: cargo xtask bench-ttft --gguf FILE [--rocmforge PATH
 
 /// Ours: the moments of `generate --json`'s timings shown, with their labels, in the
 /// order they happen.
-const OUR_PARTS: [(&str, &str); 6] = [
+const OUR_PARTS: [(&str, &str); 7] = [
     ("context_ms", "runtime"),
     ("parsed_ms", "parse"),
     ("planned_ms", "plan"),
     ("prompt_start_ms", "prefill"),
+    ("weights_ms", "weights"),
     ("upload_ms", "upload"),
     ("first_token_ms", "first token"),
 ];
