@@ -354,6 +354,22 @@ impl GpuModel {
             }
             other => other.into(),
         })?;
+        // The pass's stream and page-locked buffers before the upload starts: made while
+        // it runs, they would take the runtime's locks from its readers and delay it in
+        // the background mode alone.
+        let stream = device.new_stream().map_err(gpu("stream"))?;
+        let host_tokens = device
+            .alloc_pinned::<u32>(batch_room)
+            .map_err(gpu("pinned"))?;
+        let host_logits = device
+            .alloc_pinned::<f32>(bufs.logit_rows() * config.n_vocab)
+            .map_err(gpu("pinned"))?;
+        let host_positions = device
+            .alloc_pinned::<i32>(capacity.div_ceil(prompt_batch).max(1))
+            .map_err(gpu("pinned"))?;
+        let host_rows = device
+            .alloc_pinned::<u8>(batch_room * bufs.row_bytes())
+            .map_err(gpu("pinned"))?;
         let cache_config = CacheConfig {
             mode: options.mode,
             budget: (!hold_all).then_some(arena_bytes),
@@ -371,19 +387,6 @@ impl GpuModel {
                 let _ = mark.set(Instant::now());
             }
         })?;
-        let stream = device.new_stream().map_err(gpu("stream"))?;
-        let host_tokens = device
-            .alloc_pinned::<u32>(batch_room)
-            .map_err(gpu("pinned"))?;
-        let host_logits = device
-            .alloc_pinned::<f32>(bufs.logit_rows() * config.n_vocab)
-            .map_err(gpu("pinned"))?;
-        let host_positions = device
-            .alloc_pinned::<i32>(capacity.div_ceil(prompt_batch).max(1))
-            .map_err(gpu("pinned"))?;
-        let host_rows = device
-            .alloc_pinned::<u8>(batch_room * bufs.row_bytes())
-            .map_err(gpu("pinned"))?;
         // One sequence over budget: its decode steps compute the layers that are not held
         // on the host rather than upload them every token.
         if !hold_all {
