@@ -232,6 +232,31 @@ impl Stream {
         }
     }
 
+    /// Copies `src` into `dst` through `staging` (page-locked, at least `src.len()` long)
+    /// and returns at once: one asynchronous copy, ordered on this stream like its
+    /// kernels. From ordinary memory ([`Stream::write_from_host`]) the runtime stages the
+    /// copy in pieces and the host waits, each piece possibly behind copies queued on
+    /// other streams. `staging` is first waited for if a copy still uses it; its accessors
+    /// wait for this one.
+    pub fn write_staged<T: Pod>(
+        &self,
+        staging: &mut PinnedBuffer<T>,
+        src: &[T],
+        dst: DeviceViewMut<'_, T>,
+    ) -> Result<()> {
+        let capacity = staging.len();
+        staging
+            .as_mut_slice()?
+            .get_mut(..src.len())
+            .ok_or(HipError::LengthMismatch {
+                op: "write_staged",
+                src: src.len(),
+                dst: capacity,
+            })?
+            .copy_from_slice(src);
+        self.copy_h2d_async(staging, 0..src.len(), dst)
+    }
+
     /// Copies ordinary (pageable) host memory into `dst` and waits until it is done, so
     /// `src` is free again on return. Slower than from a [`PinnedBuffer`].
     pub fn write_from_host<T: Pod>(&self, src: &[T], mut dst: DeviceViewMut<'_, T>) -> Result<()> {

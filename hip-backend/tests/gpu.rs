@@ -144,6 +144,42 @@ fn pageable_copies_round_trip_whole_and_in_slices() {
 }
 
 #[test]
+fn staged_writes_reach_the_device_and_refuse_a_short_staging_buffer() {
+    let Some(device) =
+        device_or_skip("staged_writes_reach_the_device_and_refuse_a_short_staging_buffer")
+    else {
+        return;
+    };
+    let stream = device.new_stream().expect("stream");
+    let mut staging = device.alloc_pinned::<u32>(8).expect("pinned");
+    let mut dst = device.alloc::<u32>(8).expect("alloc");
+    // Two writes through one staging buffer: the second waits for the first's copy.
+    stream
+        .write_staged(
+            &mut staging,
+            &[1, 2, 3],
+            dst.slice_mut(0..3).expect("slice"),
+        )
+        .expect("first write");
+    stream
+        .write_staged(&mut staging, &[4, 5], dst.slice_mut(3..5).expect("slice"))
+        .expect("second write");
+    let mut back = [0u32; 5];
+    stream
+        .read_to_host(dst.slice(0..5).expect("slice"), &mut back)
+        .expect("read back");
+    assert_eq!(back, [1, 2, 3, 4, 5]);
+    let error = stream
+        .write_staged(&mut staging, &[0; 9], dst.view_mut())
+        .expect_err("nine values through eight");
+    assert!(
+        matches!(error, HipError::LengthMismatch { src: 9, dst: 8, .. }),
+        "{error}"
+    );
+    stream.synchronize().expect("no deferred failures");
+}
+
+#[test]
 fn pinned_async_copies_round_trip_through_device_buffers() {
     let Some(device) = device_or_skip("pinned_async_copies_round_trip_through_device_buffers")
     else {

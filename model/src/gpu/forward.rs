@@ -430,11 +430,9 @@ impl Buffers {
         self.logit_rows
     }
 
-    /// Sets the position counter (and waits for it: `len` is a host value), and clears
-    /// the attention's chunk counters and the split products' tile counters (which a
-    /// failed launch may have left midway).
-    /// Sets the position to `len` through `host` (page-locked, at least one element)
-    /// and clears the attention's and the products' counters.
+    /// Sets the position counter to `len` through `host` (page-locked, at least one
+    /// element; queued, not waited for), and clears the attention's chunk counters and
+    /// the split products' tile counters (which a failed launch may have left midway).
     pub fn set_position(
         &mut self,
         stream: &Stream,
@@ -455,22 +453,9 @@ impl Buffers {
                 0,
             )
             .map_err(gpu("clearing the products' counters"))?;
-        let capacity = host.len();
-        let staged = host.as_mut_slice().map_err(gpu("setting the position"))?;
-        let Some(first) = staged.first_mut() else {
-            return Err(ModelError::Gpu {
-                op: "setting the position",
-                source: HipError::LengthMismatch {
-                    op: "staging the position",
-                    src: 1,
-                    dst: capacity,
-                },
-            });
-        };
-        *first = value;
         let dst = view_mut::<i32>(&mut self.pos, 1)?;
         stream
-            .copy_h2d_async(host, 0..1, dst)
+            .write_staged(host, &[value], dst)
             .map_err(gpu("setting the position"))
     }
 }

@@ -956,16 +956,8 @@ impl GpuModel {
                 .alloc_pinned::<i32>(positions.len())
                 .map_err(gpu("pinned"))?;
         }
-        self.host_positions
-            .as_mut_slice()
-            .map_err(gpu("positions"))?[..positions.len()]
-            .copy_from_slice(&positions);
         self.stream
-            .copy_h2d_async(
-                &mut self.host_positions,
-                0..positions.len(),
-                firsts.view_mut(),
-            )
+            .write_staged(&mut self.host_positions, &positions, firsts.view_mut())
             .map_err(gpu("positions"))?;
         let at = |c: usize, n: usize| c * chunk_len * d..(c * chunk_len + n) * d;
         let on_host_embed = self.embeds_on_host(true);
