@@ -107,6 +107,10 @@ pub struct GenerateArgs {
     /// Show the prompt's progress on stderr even when it is not a terminal, however short.
     #[arg(long)]
     pub progress: bool,
+    /// On the CPU, flash attention (on; auto is on, as in llama.cpp on a CPU) or two
+    /// matrix products around a softmax (off), each as llama.cpp computes it.
+    #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
+    pub flash_attn: options::FlashAttn,
 }
 
 /// Set to `0`, a GPU's upload reads a cold model file with its readers alone; set to a
@@ -253,6 +257,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         sampling,
         max_tokens: args.max_tokens,
         context_size,
+        attention: args.flash_attn.method(),
     };
 
     let stdout = std::io::stdout();

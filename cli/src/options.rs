@@ -74,3 +74,25 @@ mod tests {
         assert!(parse_max_tokens("many").is_err());
     }
 }
+
+/// `--flash-attn` (llama.cpp's `-fa`): how the CPU computes attention. llama.cpp's two
+/// computations round differently, and greedy text can part where two tokens nearly
+/// tie, so the text is llama.cpp's for the same setting. `auto` is `on`, as llama.cpp's
+/// `auto` is on a CPU. The GPU computes attention one way of its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum FlashAttn {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl FlashAttn {
+    /// The computation this setting asks of the CPU.
+    pub fn method(self) -> model::AttentionMethod {
+        match self {
+            FlashAttn::Auto | FlashAttn::On => model::AttentionMethod::Flash,
+            FlashAttn::Off => model::AttentionMethod::Matmul,
+        }
+    }
+}

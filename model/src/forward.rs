@@ -325,6 +325,11 @@ fn layer_forward(
             config.attention_scale
         },
         softcap: config.attn_logit_softcap,
+        method: cache.attention(),
+        flash: ops::FlashContext {
+            context: cache.context(),
+            threads: rayon::current_num_threads(),
+        },
     };
     ops::attention(&s.q, keys, values, &shape, &mut s.attn);
     let n = if rows == Rows::Last && n > 1 {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crate::gpu::GpuModel;
 use crate::sampling::{Sampler, SamplingConfig, SamplingError, SamplingMode};
 use crate::tokenizer::{TokenId, Tokenizer, TokenizerError};
-use crate::{KvCache, Model, ModelError};
+use crate::{AttentionMethod, KvCache, Model, ModelError};
 
 /// What a forward pass hands the generation loop.
 pub enum Next<'a> {
@@ -44,9 +44,14 @@ pub struct CpuSession<'m> {
 impl<'m> CpuSession<'m> {
     /// A session with an empty cache of `positions` positions.
     pub fn new(model: &'m Model, positions: usize) -> CpuSession<'m> {
+        CpuSession::with_cache(model, model.new_cache(positions))
+    }
+
+    /// A session over `cache`, which must be empty.
+    pub fn with_cache(model: &'m Model, cache: KvCache) -> CpuSession<'m> {
         CpuSession {
             model,
-            cache: model.new_cache(positions),
+            cache,
             logits: Vec::new(),
         }
     }
@@ -96,6 +101,8 @@ pub struct GenerateOptions {
     pub max_tokens: usize,
     /// Most positions, prompt included, the KV cache may hold.
     pub context_size: usize,
+    /// How the CPU computes attention (the GPU has one way of its own).
+    pub attention: AttentionMethod,
 }
 
 /// Why the loop ended.
@@ -200,7 +207,11 @@ where
         .len()
         .saturating_add(options.max_tokens.saturating_sub(1))
         .min(options.context_size);
-    let mut session = CpuSession::new(model, positions);
+    let cache = model
+        .new_cache(positions)
+        .with_attention(options.attention)
+        .with_context(options.context_size);
+    let mut session = CpuSession::with_cache(model, cache);
     generate_with(
         &mut session,
         tokenizer,

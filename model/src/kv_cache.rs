@@ -1,7 +1,7 @@
 //! The key/value cache of the attention layers.
 
 use crate::config::ModelConfig;
-use crate::ops::round_f16;
+use crate::ops::{round_f16, AttentionMethod};
 use crate::ModelError;
 
 /// Keys and values of every layer for the positions processed so far.
@@ -19,6 +19,9 @@ pub struct KvCache {
     v_dim: usize,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
+    attention: AttentionMethod,
+    /// The context a run of this cache stands for (at least `capacity`).
+    context: usize,
 }
 
 impl KvCache {
@@ -37,10 +40,38 @@ impl KvCache {
             values: (0..config.n_layers)
                 .map(|_| Vec::with_capacity(capacity * v_dim))
                 .collect(),
+            attention: AttentionMethod::default(),
+            context: capacity,
         }
     }
 
-    /// Positions stored.
+    /// The same cache computing attention as `method` says (a context setting in
+    /// llama.cpp too: `-fa on|off`). Flash attention unless set.
+    pub fn with_attention(mut self, method: AttentionMethod) -> KvCache {
+        self.attention = method;
+        self
+    }
+
+    /// How attention over this cache is computed.
+    pub fn attention(&self) -> AttentionMethod {
+        self.attention
+    }
+
+    /// The same cache standing for a run whose context holds `context` positions,
+    /// more than the cache itself when a caller sizes the cache to what one request
+    /// needs. Flash attention's view of the cache is bounded by the context (as
+    /// llama.cpp's is by `-c`); values below the capacity are ignored.
+    pub fn with_context(mut self, context: usize) -> KvCache {
+        self.context = context.max(self.capacity);
+        self
+    }
+
+    /// The context size this cache stands for.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// Positions held.
     pub fn len(&self) -> usize {
         self.len
     }

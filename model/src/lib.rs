@@ -34,4 +34,5 @@ pub use error::ModelError;
 pub use forward::{Logits, PROGRESS_TARGET};
 pub use kv_cache::KvCache;
 pub use model::Model;
+pub use ops::AttentionMethod;
 pub use plan::{ExecutionPlan, LayerPlan, Linear, Vector};

@@ -5,9 +5,11 @@
 
 mod attention;
 mod expf;
+mod flash;
 
-pub use attention::{attention, attention_in, AttentionShape, Layout};
+pub use attention::{attention, attention_in, AttentionMethod, AttentionShape, Layout};
 pub use expf::expf;
+pub use flash::FlashContext;
 
 use crate::config::RopeStyle;
 

@@ -50,6 +50,10 @@ pub struct ServeArgs {
     /// twice the context size. Memory is only touched as it is used.
     #[arg(long)]
     kv_pool: Option<usize>,
+    /// On the CPU, flash attention (on; auto is on, as in llama.cpp on a CPU) or two
+    /// matrix products around a softmax (off), each as llama.cpp computes it.
+    #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
+    flash_attn: crate::options::FlashAttn,
     /// Most requests computed at once.
     #[arg(long, default_value_t = 8)]
     max_sequences: usize,
@@ -179,6 +183,7 @@ async fn serve(args: &ServeArgs, path: PathBuf, state: Arc<AppState>) -> Result<
     let config = LoadConfig {
         ctx_size: args.ctx_size,
         kv_pool: args.kv_pool,
+        flash_attn: args.flash_attn,
         max_sequences: args.max_sequences,
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
@@ -267,6 +272,7 @@ async fn wait_for_signal() {
 struct LoadConfig {
     ctx_size: usize,
     kv_pool: Option<usize>,
+    flash_attn: crate::options::FlashAttn,
     max_sequences: usize,
     max_queue: usize,
     step_tokens: usize,
@@ -347,6 +353,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         context_size,
         pool_positions: pool,
         block_size: 16,
+        attention: config.flash_attn.method(),
     };
     let tokens = Arc::clone(&tokenizer);
     let (scheduler, device_cache) = if on_gpu {

@@ -28,6 +28,7 @@ use crate::config::ModelConfig;
 use crate::forward::layers_on_host;
 use crate::kv_cache::KvCache;
 use crate::offload::RowOffload;
+use crate::ops::AttentionMethod;
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
 
@@ -90,7 +91,7 @@ impl HostLayers {
         }
         Ok(HostLayers {
             layers,
-            kv: KvCache::new(config, capacity),
+            kv: KvCache::new(config, capacity).with_attention(AttentionMethod::Matmul),
             device_len: 0,
             x_pinned: device
                 .alloc_pinned::<f32>(HOST_TOKENS * config.n_embd)

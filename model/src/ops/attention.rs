@@ -28,10 +28,25 @@
 //! Masked positions contribute exact zeros in llama.cpp, so skipping them changes
 //! nothing. Lanes follow cache positions, which equal token positions for one sequence
 //! whose cache has not wrapped around.
+//!
+//! That is llama.cpp's attention with flash attention off (`-fa off`). With it on (its
+//! default on CPUs), [`super::flash`] computes it instead; [`AttentionMethod`] chooses.
 
 use rayon::prelude::*;
 
+use super::flash::{self, FlashContext};
 use super::{expf, round_f16};
+
+/// Which of llama.cpp's two CPU attention computations to reproduce: they round
+/// differently, so greedy text can part where two tokens' logits nearly tie.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionMethod {
+    /// Flash attention (`-fa on`; what llama.cpp's default, `-fa auto`, picks on a CPU).
+    #[default]
+    Flash,
+    /// Two matrix products around a softmax (`-fa off`).
+    Matmul,
+}
 
 /// The shapes of one attention call.
 pub struct AttentionShape {
@@ -47,6 +62,10 @@ pub struct AttentionShape {
     /// Scores `s` become `cap · tanh(s · (1/cap))` before the scale (Gemma 2's logit
     /// soft-capping, applied as llama.cpp's graph applies it).
     pub softcap: Option<f32>,
+    /// Which computation to reproduce.
+    pub method: AttentionMethod,
+    /// The context around the call, which flash attention's split kernel depends on.
+    pub flash: FlashContext,
 }
 
 /// How a product's fused multiply-add chains are laid out and reduced.
@@ -86,7 +105,7 @@ pub enum Layout<'a> {
 
 impl Layout<'_> {
     #[inline(always)]
-    fn row(self, j: usize) -> usize {
+    pub(super) fn row(self, j: usize) -> usize {
         match self {
             Layout::Contiguous => j,
             Layout::Paged { table, block_size } => {
@@ -114,6 +133,27 @@ pub fn attention_in(
         Lanes::Dot
     };
     let fma = super::has_fma();
+    if shape.method == AttentionMethod::Flash {
+        out.par_chunks_mut(hdv)
+            .zip(q.par_chunks(hd))
+            .enumerate()
+            .for_each_init(flash::Scratch::default, |s, (idx, (o, qh))| {
+                let head = Head {
+                    t: idx / shape.n_heads,
+                    h: idx % shape.n_heads,
+                    lanes,
+                    layout,
+                };
+                #[cfg(target_arch = "x86_64")]
+                if fma {
+                    // SAFETY: `has_fma` found FMA on this CPU, the feature `flash_fma` needs.
+                    unsafe { flash_fma(head, n_tokens, qh, keys, values, shape, s, o) };
+                    return;
+                }
+                flash_impl(head, n_tokens, qh, keys, values, shape, s, o);
+            });
+        return;
+    }
     out.par_chunks_mut(hdv)
         .zip(q.par_chunks(hd))
         .enumerate()
@@ -168,6 +208,52 @@ fn head_fma(
     o: &mut [f32],
 ) {
     head_impl(head, qh, keys, values, shape, s, o);
+}
+
+/// [`flash_impl`] compiled with FMA instructions (see [`head_fma`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+#[allow(clippy::too_many_arguments)]
+fn flash_fma(
+    head: Head<'_>,
+    n_tokens: usize,
+    qh: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    shape: &AttentionShape,
+    s: &mut flash::Scratch,
+    o: &mut [f32],
+) {
+    flash_impl(head, n_tokens, qh, keys, values, shape, s, o);
+}
+
+/// Flash attention of one query head of one token, into `o`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn flash_impl(
+    head: Head<'_>,
+    n_tokens: usize,
+    qh: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    shape: &AttentionShape,
+    s: &mut flash::Scratch,
+    o: &mut [f32],
+) {
+    let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
+    let kvh = head.h / (shape.n_heads / shape.n_kv_heads);
+    let pos = shape.first_pos + head.t;
+    let start = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let rows = flash::Rows {
+        keys,
+        values,
+        layout: head.layout,
+        k_off: kvh * hd,
+        v_off: kvh * hdv,
+        k_stride: shape.n_kv_heads * hd,
+        v_stride: shape.n_kv_heads * hdv,
+    };
+    flash::head(qh, rows, shape, n_tokens, start, pos, s, o);
 }
 
 /// Attention of one query head of one token, into `o`.
@@ -238,6 +324,12 @@ fn head_impl(
     }
 }
 
+/// ggml's f16 dot product ([`Lanes::Dot`]) of two rows held at f16 precision.
+#[inline(always)]
+pub(super) fn dot_f16_lanes(a: &[f32], b: &[f32]) -> f32 {
+    dot(Lanes::Dot, a, b)
+}
+
 /// `Σ a·b` as fused multiply-add chains laid out and reduced as `lanes` says.
 #[inline(always)]
 fn dot(lanes: Lanes, a: &[f32], b: &[f32]) -> f32 {
@@ -267,7 +359,7 @@ fn lane_sums<const W: usize>(a: &[f32], b: &[f32]) -> [f32; W] {
 /// The horizontal sum of one AVX register as ggml's GEMM and softmax compute it: the
 /// upper half added to the lower, then lanes two apart, then the last pair.
 #[inline(always)]
-fn reduce8(l: &[f32; LANES]) -> f32 {
+pub(super) fn reduce8(l: &[f32; LANES]) -> f32 {
     let a = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
     (a[0] + a[2]) + (a[1] + a[3])
 }
@@ -329,6 +421,11 @@ mod tests {
             window: None,
             scale: 0.5,
             softcap: None,
+            method: AttentionMethod::Matmul,
+            flash: FlashContext {
+                context: 64,
+                threads: 1,
+            },
         };
         let q = [1.0; 8];
         let k = [0.3; 4];
@@ -350,6 +447,11 @@ mod tests {
             window: Some(1),
             scale: 1.0,
             softcap: None,
+            method: AttentionMethod::Matmul,
+            flash: FlashContext {
+                context: 64,
+                threads: 1,
+            },
         };
         let k = [1.0, 0.0, 0.0, 1.0];
         let v = [10.0, 20.0];
@@ -376,6 +478,11 @@ mod tests {
             window: None,
             scale: 0.25,
             softcap: None,
+            method: AttentionMethod::Matmul,
+            flash: FlashContext {
+                context: 64,
+                threads: 1,
+            },
         };
         let mut out = vec![0.0; 2 * hd];
         attention(&q, &keys, &values, &shape, &mut out);

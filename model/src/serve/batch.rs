@@ -20,6 +20,15 @@ use crate::ModelError;
 use super::pool::{BlockId, KvPool};
 
 /// One sequence's part of a step.
+/// What a sequence's single-sequence cache would be: its size in positions (which
+/// chooses Phi-3's RoPE factors and bounds flash attention's view of it) and how its
+/// attention is computed.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Context {
+    pub size: usize,
+    pub attention: ops::AttentionMethod,
+}
+
 pub(crate) struct Segment<'a> {
     /// Tokens to run, at positions `first_pos..first_pos + tokens.len()`.
     pub tokens: &'a [u32],
@@ -33,21 +42,20 @@ pub(crate) struct Segment<'a> {
 /// Runs every segment's tokens and leaves in `logits` (a buffer kept from step to step,
 /// so that its pages stay mapped) `n_vocab` logits for each segment that asks, in
 /// segment order.
-/// `context_size` is the most positions of one sequence (what a KV cache of
-/// [`crate::Model::forward`] holds), which chooses Phi-3's RoPE factors.
+/// `context` is what a KV cache of [`crate::Model::forward`] would be for one sequence.
 pub(crate) fn forward_batch(
     config: &ModelConfig,
     plan: &ExecutionPlan,
     pool: &mut KvPool,
     segments: &[Segment<'_>],
-    context_size: usize,
+    context: Context,
     logits: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
     logits.clear();
     if segments.iter().all(|s| s.tokens.is_empty()) {
         return Err(ModelError::EmptyInput);
     }
-    on_the_pool(|| run(config, plan, pool, segments, context_size, logits))
+    on_the_pool(|| run(config, plan, pool, segments, context, logits))
 }
 
 #[derive(Default)]
@@ -68,7 +76,7 @@ fn run(
     plan: &ExecutionPlan,
     pool: &mut KvPool,
     segments: &[Segment<'_>],
-    context_size: usize,
+    context: Context,
     logits: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
     let tokens: Vec<u32> = segments
@@ -93,7 +101,7 @@ fn run(
             &mut x,
             pool,
             segments,
-            context_size,
+            context,
             &mut b,
         )?;
     }
@@ -113,7 +121,7 @@ fn layer_forward(
     x: &mut Vec<f32>,
     pool: &mut KvPool,
     segments: &[Segment<'_>],
-    context_size: usize,
+    context: Context,
     b: &mut Buffers,
 ) -> Result<(), ModelError> {
     let n = x.len() / config.n_embd;
@@ -140,7 +148,7 @@ fn layer_forward(
     if let Some(norm) = &layer.k_norm {
         ops::rms_norm_in_place(&mut b.k, &vector(norm)?, eps);
     }
-    let table = rope_table(&mut b.rope, config, layer, layer_idx, context_size, || {
+    let table = rope_table(&mut b.rope, config, layer, layer_idx, context.size, || {
         segments
             .iter()
             .flat_map(|s| s.first_pos..s.first_pos + s.tokens.len())
@@ -197,6 +205,11 @@ fn layer_forward(
                 config.attention_scale
             },
             softcap: config.attn_logit_softcap,
+            method: context.attention,
+            flash: ops::FlashContext {
+                context: context.size,
+                threads: rayon::current_num_threads(),
+            },
         };
         let out = &mut b.attn[rows.start * out_dim..rows.end * out_dim];
         let (keys, values) = pool.layer(layer_idx);

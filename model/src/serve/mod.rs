@@ -89,6 +89,8 @@ pub struct SchedulerConfig {
     pub pool_positions: usize,
     /// Positions per block of the pool.
     pub block_size: usize,
+    /// How the CPU computes attention (the GPU has one way of its own).
+    pub attention: crate::ops::AttentionMethod,
 }
 
 impl SchedulerConfig {
@@ -787,7 +789,10 @@ impl<'m> Loop<'m> {
                 self.model.plan(),
                 &mut self.pool,
                 &segments,
-                self.config.context_size,
+                batch::Context {
+                    size: self.config.context_size,
+                    attention: self.config.attention,
+                },
                 logits,
             )
             .map(|()| StepOut::Logits),

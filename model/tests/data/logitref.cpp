@@ -4,16 +4,26 @@
 //   g++ -O1 -std=c++17 logitref.cpp -I$SRC/include -I$SRC/ggml/include -I$SRC/vendor \
 //       -L$BUILD/bin -Wl,-rpath,$BUILD/bin -lllama -lggml -lggml-base -o logitref
 // Run:
-//   logitref MODEL.gguf PROMPT.txt TOP_K SHA256 > refs.json
+//   logitref MODEL.gguf PROMPT.txt TOP_K SHA256 [GREEDY [FLASH_ATTN]] > refs.json
 //
 // It tokenizes the prompt file's text with llama_tokenize (add_special = true,
 // parse_special = true: what llama-tokenize does by default), evaluates every token in
-// one batch on the CPU (2 threads, flash attention off, the default f16 KV cache, one
+// one batch on the CPU (2 threads, flash attention as FLASH_ATTN says, the default f16 KV cache, one
 // micro-batch for the whole sequence) with logits at every position, and prints one JSON
 // object: the tokens, and per position the TOP_K largest logits with their ids (largest
 // first, ties to the lower id) and the log-sum-exp of the whole row. SHA256 is recorded
 // as given: the caller passes the file's hash so that the reference names the exact
 // bytes it was made from.
+//
+// With GREEDY > 0 it then decodes greedily from the prompt: the prompt again in one batch,
+// then GREEDY tokens one at a time (each its own batch of one, as llama-completion
+// generates), and adds `greedy_tokens` and `greedy_positions`: for each generated token,
+// the TOP_K logits and log-sum-exp of the row it was taken from (the prompt's last row
+// first). A batch of one takes llama.cpp's single-token dot products where the prompt's
+// batch takes its tiled products, so the two parts check different kernels.
+//
+// FLASH_ATTN is `off` (the default) or `on`: llama.cpp's `-fa`. The context is the
+// sequence's length (at least 64), which llama.cpp rounds up to 256.
 #include "llama.h"
 #include <nlohmann/json.hpp>
 
@@ -46,13 +56,15 @@ static double rounded(double v) {
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 5) {
-        fprintf(stderr, "usage: %s MODEL.gguf PROMPT.txt TOP_K SHA256\n", argv[0]);
+    if (argc < 5 || argc > 7) {
+        fprintf(stderr, "usage: %s MODEL.gguf PROMPT.txt TOP_K SHA256 [GREEDY [on|off]]\n", argv[0]);
         return 2;
     }
     const int top_k = std::atoi(argv[3]);
+    const int greedy = argc >= 6 ? std::atoi(argv[5]) : 0;
+    const std::string flash = argc == 7 ? argv[6] : "off";
     std::ifstream prompt_file(argv[2], std::ios::binary);
-    if (!prompt_file || top_k <= 0) {
+    if (!prompt_file || top_k <= 0 || greedy < 0 || (flash != "on" && flash != "off")) {
         fprintf(stderr, "cannot read %s, or bad TOP_K %s\n", argv[2], argv[3]);
         return 2;
     }
@@ -79,13 +91,13 @@ int main(int argc, char ** argv) {
     const int n = (int) tokens.size();
 
     llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx = std::max(n, 64);
+    cparams.n_ctx = std::max(n + greedy, 64);
     cparams.n_batch = cparams.n_ctx;
     cparams.n_ubatch = cparams.n_ctx;
     cparams.n_seq_max = 1;
     cparams.n_threads = 2;
     cparams.n_threads_batch = 2;
-    cparams.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cparams.flash_attn_type = flash == "on" ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cparams.no_perf = true;
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (!ctx) {
@@ -112,14 +124,14 @@ int main(int argc, char ** argv) {
     json out;
     out["model"] = model_name;
     out["sha256"] = argv[4];
+    out["flash_attn"] = flash;
     out["prompt"] = prompt;
     out["n_vocab"] = n_vocab;
     out["tokens"] = tokens;
     out["top_k"] = top_k;
     out["positions"] = json::array();
     std::vector<int> order(n_vocab);
-    for (int i = 0; i < n; i++) {
-        const float * logits = llama_get_logits_ith(ctx, i);
+    auto summary = [&](const float * logits) {
         std::iota(order.begin(), order.end(), 0);
         std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logits[a] > logits[b]; });
         double max = logits[order[0]];
@@ -137,14 +149,45 @@ int main(int argc, char ** argv) {
         p["ids"] = ids;
         p["logits"] = values;
         p["logsumexp"] = rounded(max + std::log(sum));
-        out["positions"].push_back(p);
+        return p;
+    };
+    for (int i = 0; i < n; i++) {
+        out["positions"].push_back(summary(llama_get_logits_ith(ctx, i)));
+    }
+    if (greedy > 0) {
+        llama_memory_clear(llama_get_memory(ctx), true);
+        for (int i = 0; i < n; i++) {
+            batch.logits[i] = i == n - 1;
+        }
+        if (llama_decode(ctx, batch) != 0) {
+            fprintf(stderr, "llama_decode failed on %s\n", argv[1]);
+            return 1;
+        }
+        out["greedy_tokens"] = json::array();
+        out["greedy_positions"] = json::array();
+        const float * logits = llama_get_logits_ith(ctx, -1);
+        for (int step = 0; step < greedy; step++) {
+            json p = summary(logits);
+            const llama_token next = p["ids"][0];
+            out["greedy_tokens"].push_back(next);
+            out["greedy_positions"].push_back(p);
+            if (step + 1 == greedy) {
+                break;
+            }
+            llama_batch one = llama_batch_get_one(const_cast<llama_token *>(&next), 1);
+            if (llama_decode(ctx, one) != 0) {
+                fprintf(stderr, "llama_decode failed on %s\n", argv[1]);
+                return 1;
+            }
+            logits = llama_get_logits_ith(ctx, -1);
+        }
     }
     // One position per line keeps the file diff-friendly.
     printf("{\n");
     size_t field = 0;
     for (auto it = out.begin(); it != out.end(); ++it, ++field) {
-        if (it.key() == "positions") {
-            printf("  \"positions\": [\n");
+        if (it.key() == "positions" || it.key() == "greedy_positions") {
+            printf("  %s: [\n", json(it.key()).dump().c_str());
             for (size_t i = 0; i < it.value().size(); i++) {
                 printf("    %s%s\n", it.value()[i].dump().c_str(), i + 1 < it.value().size() ? "," : "");
             }

@@ -8,7 +8,7 @@
 //! to match within `EXACT_TOLERANCE`, the rounding of the golden files' four printed
 //! decimals, and every golden greedy token (the bar is the first 16).
 
-use model::{Model, ModelConfig};
+use model::{AttentionMethod, Model, ModelConfig};
 use tensor_store::TensorStore;
 
 use crate::common::{golden, ids, model_path, GEMMA3, SMOLLM2};
@@ -41,7 +41,9 @@ fn teacher_forcing(file: &str) {
     for case in golden["cases"].as_array().expect("cases") {
         let mut seq = ids(&case["prompt_tokens"]);
         seq.extend(ids(&case["greedy_tokens"]));
-        let mut cache = model.new_cache(seq.len());
+        let mut cache = model
+            .new_cache(seq.len())
+            .with_attention(AttentionMethod::Matmul);
         let logits = model.forward_all_logits(&seq, &mut cache).expect("forward");
         let positions = case["top10_per_position"].as_array().expect("top10");
         assert_eq!(positions.len(), seq.len(), "golden covers every position");
@@ -82,7 +84,9 @@ fn greedy(file: &str) {
         let prompt = ids(&case["prompt_tokens"]);
         let expected = ids(&case["greedy_tokens"]);
         let n = expected.len();
-        let mut cache = model.new_cache(prompt.len() + n);
+        let mut cache = model
+            .new_cache(prompt.len() + n)
+            .with_attention(AttentionMethod::Matmul);
         let mut logits = model.forward(&prompt, &mut cache).expect("prompt");
         let mut produced = Vec::new();
         for _ in 0..n {

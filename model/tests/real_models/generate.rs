@@ -8,7 +8,7 @@ use std::sync::atomic::AtomicBool;
 use model::generate::{generate, GenerateError, GenerateOptions, Generation, StopReason};
 use model::sampling::SamplingParams;
 use model::tokenizer::{DecodeOptions, Tokenizer};
-use model::Model;
+use model::{AttentionMethod, Model};
 use tensor_store::TensorStore;
 
 use crate::common::{golden, ids, model_path, GEMMA3, SMOLLM2};
@@ -27,6 +27,8 @@ fn greedy(max_tokens: usize, context_size: usize) -> GenerateOptions {
         sampling: SamplingParams::greedy().validate().unwrap(),
         max_tokens,
         context_size,
+        // The golden outputs were made with flash attention off.
+        attention: AttentionMethod::Matmul,
     }
 }
 
@@ -164,6 +166,7 @@ fn seeded_sampling_repeats_itself() {
             sampling: params.validate().unwrap(),
             max_tokens: 12,
             context_size: 4096,
+            attention: AttentionMethod::Matmul,
         };
         run(&model, &tokenizer, &prompt, &options).0.tokens
     };

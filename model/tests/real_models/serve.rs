@@ -16,7 +16,7 @@ use model::serve::{
     StepPhase,
 };
 use model::tokenizer::{EncodeOptions, Tokenizer};
-use model::Model;
+use model::{AttentionMethod, Model};
 use tensor_store::TensorStore;
 
 use crate::common::{model_path, GEMMA3, SMOLLM2};
@@ -38,6 +38,7 @@ fn config(context_size: usize, pool_positions: usize, step_tokens: usize) -> Sch
         context_size,
         pool_positions,
         block_size: 16,
+        attention: AttentionMethod::default(),
     }
 }
 
@@ -87,6 +88,7 @@ fn generate_text(model: &Model, tokenizer: &Tokenizer, prompt: &[u32], n: usize)
         sampling: greedy(),
         max_tokens: n,
         context_size: 4096,
+        attention: AttentionMethod::default(),
     };
     let stop = AtomicBool::new(false);
     generate(model, tokenizer, prompt, &options, &stop, |_| {
@@ -264,6 +266,7 @@ fn smollm2_sampled_requests_give_their_text_alone_and_batched() {
         sampling: settings[0].0,
         max_tokens: 24,
         context_size: 4096,
+        attention: AttentionMethod::default(),
     };
     let stop = AtomicBool::new(false);
     let generated = generate(&model, &tokenizer, &prompts[0], &options, &stop, |_| {
@@ -414,6 +417,7 @@ fn batched_text_is_alone_or_a_near_tie(file: &str) -> usize {
         sampling: greedy(),
         max_tokens: 32,
         context_size: 4096,
+        attention: AttentionMethod::default(),
     };
     let stop = AtomicBool::new(false);
     let alone: Vec<_> = prompts

@@ -28,7 +28,7 @@ use std::path::PathBuf;
 
 use gguf_format::GgmlType;
 use model::tokenizer::{EncodeOptions, Tokenizer};
-use model::Model;
+use model::{AttentionMethod, Model};
 use sha2::{Digest, Sha256};
 use tensor_store::TensorStore;
 
@@ -92,14 +92,23 @@ struct Reference {
     n_vocab: usize,
     tokens: Vec<u32>,
     positions: Vec<Position>,
+    /// Greedy decoding from the prompt, one token per batch: the tokens, and the rows
+    /// they were taken from (flash attention's references have them).
+    greedy_tokens: Vec<u32>,
+    greedy_positions: Vec<Position>,
 }
 
-fn oracle_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/oracle")
+/// llama.cpp's references with flash attention off (`oracle/`) and on (`oracle-fa/`).
+fn oracle_dir_for(method: AttentionMethod) -> PathBuf {
+    let dir = match method {
+        AttentionMethod::Matmul => "tests/data/oracle",
+        AttentionMethod::Flash => "tests/data/oracle-fa",
+    };
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(dir)
 }
 
-fn reference(name: &str) -> Reference {
-    let path = oracle_dir().join(format!("{name}.json"));
+fn reference(name: &str, method: AttentionMethod) -> Reference {
+    let path = oracle_dir_for(method).join(format!("{name}.json"));
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let json: serde_json::Value = serde_json::from_str(&text).expect("reference is JSON");
@@ -111,14 +120,10 @@ fn reference(name: &str) -> Reference {
             .collect()
     };
     let f32_of = |v: &serde_json::Value| v.as_f64().expect("a number") as f32;
-    Reference {
-        sha256: json["sha256"].as_str().expect("sha256").to_owned(),
-        prompt: json["prompt"].as_str().expect("prompt").to_owned(),
-        n_vocab: json["n_vocab"].as_u64().expect("n_vocab") as usize,
-        tokens: u32s(&json["tokens"]),
-        positions: json["positions"]
-            .as_array()
-            .expect("positions")
+    let positions = |v: &serde_json::Value| -> Vec<Position> {
+        v.as_array()
+            .map(|a| a.as_slice())
+            .unwrap_or_default()
             .iter()
             .map(|p| Position {
                 ids: u32s(&p["ids"]),
@@ -130,7 +135,20 @@ fn reference(name: &str) -> Reference {
                     .collect(),
                 logsumexp: f32_of(&p["logsumexp"]),
             })
-            .collect(),
+            .collect()
+    };
+    Reference {
+        sha256: json["sha256"].as_str().expect("sha256").to_owned(),
+        prompt: json["prompt"].as_str().expect("prompt").to_owned(),
+        n_vocab: json["n_vocab"].as_u64().expect("n_vocab") as usize,
+        tokens: u32s(&json["tokens"]),
+        positions: positions(&json["positions"]),
+        greedy_tokens: if json["greedy_tokens"].is_null() {
+            Vec::new()
+        } else {
+            u32s(&json["greedy_tokens"])
+        },
+        greedy_positions: positions(&json["greedy_positions"]),
     }
 }
 
@@ -170,9 +188,9 @@ struct Measured {
     rms_diff: f32,
 }
 
-fn compare(name: &str, tolerance: Tolerance) -> Measured {
+fn compare(name: &str, tolerance: Tolerance, method: AttentionMethod) -> Measured {
     let spec = spec(name).unwrap_or_else(|| panic!("no synthetic spec named {name}"));
-    let reference = reference(name);
+    let reference = reference(name, method);
     let bytes = build(spec).expect("the generator writes a valid file");
     assert_eq!(
         hex_sha256(&bytes),
@@ -205,7 +223,12 @@ fn compare(name: &str, tolerance: Tolerance) -> Measured {
     );
 
     let tokens = &reference.tokens;
-    let mut cache = model.new_cache(tokens.len());
+    // llama.cpp's context in the references: the sequence, at least 64 positions.
+    let context = (tokens.len() + reference.greedy_tokens.len()).max(64);
+    let mut cache = model
+        .new_cache(tokens.len())
+        .with_attention(method)
+        .with_context(context);
     let logits = model
         .forward_all_logits(tokens, &mut cache)
         .expect("forward pass");
@@ -215,7 +238,7 @@ fn compare(name: &str, tolerance: Tolerance) -> Measured {
         "{name}: every position"
     );
     let mut m = Measured {
-        positions: tokens.len(),
+        positions: 0,
         argmax_agree: 0,
         near_ties: 0,
         max_top_diff: 0.0,
@@ -223,8 +246,8 @@ fn compare(name: &str, tolerance: Tolerance) -> Measured {
         rms_diff: 0.0,
     };
     let (mut sum_sq, mut count) = (0f64, 0usize);
-    for (pos, expected) in reference.positions.iter().enumerate() {
-        let row = &logits[pos * n_vocab..(pos + 1) * n_vocab];
+    let mut measure = |row: &[f32], expected: &Position| {
+        m.positions += 1;
         if argmax(row) == expected.ids[0] as usize {
             m.argmax_agree += 1;
         } else if expected.logits[0] - expected.logits[1] <= 2.0 * tolerance.max {
@@ -239,17 +262,51 @@ fn compare(name: &str, tolerance: Tolerance) -> Measured {
         m.max_lse_diff = m.max_lse_diff.max(diff.abs());
         sum_sq += f64::from(diff * diff);
         count += expected.ids.len() + 1;
+    };
+    for (pos, expected) in reference.positions.iter().enumerate() {
+        measure(&logits[pos * n_vocab..(pos + 1) * n_vocab], expected);
+    }
+    // Greedy decoding as llama.cpp ran it: the prompt in one batch, then one token per
+    // batch (the single-token kernels), each step fed llama.cpp's token so that a near
+    // tie does not carry over.
+    if !reference.greedy_tokens.is_empty() {
+        assert_eq!(
+            reference.greedy_positions.len(),
+            reference.greedy_tokens.len(),
+            "{name}: a row per greedy token"
+        );
+        let mut cache = model
+            .new_cache(context)
+            .with_attention(method)
+            .with_context(context);
+        let mut row = model.forward(tokens, &mut cache).expect("prompt");
+        for (step, (expected, &token)) in reference
+            .greedy_positions
+            .iter()
+            .zip(&reference.greedy_tokens)
+            .enumerate()
+        {
+            measure(&row, expected);
+            if step + 1 < reference.greedy_tokens.len() {
+                row = model.forward(&[token], &mut cache).expect("decode");
+            }
+        }
     }
     m.rms_diff = (sum_sq / count as f64).sqrt() as f32;
     m
 }
 
 fn check(name: &str) {
+    check_with(name, AttentionMethod::Matmul);
+    check_with(name, AttentionMethod::Flash);
+}
+
+fn check_with(name: &str, method: AttentionMethod) {
     let spec = spec(name).unwrap_or_else(|| panic!("no synthetic spec named {name}"));
     let tolerance = tolerance(spec);
-    let m = compare(name, tolerance);
+    let m = compare(name, tolerance, method);
     eprintln!(
-        "synthetic {name:<15} argmax {:>2}/{:<2} ({} near ties)  max |Δ| top-8 {:.4}  \
+        "synthetic {name:<15} {method:?} argmax {:>2}/{:<2} ({} near ties)  max |Δ| top-8 {:.4}  \
          log-sum-exp {:.4}  rms {:.4}  (bounds {} / {})",
         m.argmax_agree,
         m.positions,
@@ -335,11 +392,19 @@ matches_llama_cpp! {
     gemma2_matches_llama_cpp => "gemma2",
     phi3_matches_llama_cpp => "phi3",
     phi3_long_matches_llama_cpp => "phi3-long",
+    llama_q4_k_long_matches_llama_cpp => "llama-q4_k-long",
+    gemma2_long_matches_llama_cpp => "gemma2-long",
 }
 
 #[test]
 fn every_spec_has_a_reference_and_a_test() {
-    let mut references: Vec<String> = std::fs::read_dir(oracle_dir())
+    for method in [AttentionMethod::Matmul, AttentionMethod::Flash] {
+        every_spec_has_a_reference_for(method);
+    }
+}
+
+fn every_spec_has_a_reference_for(method: AttentionMethod) {
+    let mut references: Vec<String> = std::fs::read_dir(oracle_dir_for(method))
         .expect("tests/data/oracle")
         .map(|e| {
             e.expect("a directory entry")
@@ -483,7 +548,7 @@ mod gpu {
 
     use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
     use model::tokenizer::{EncodeOptions, Tokenizer};
-    use model::Model;
+    use model::{AttentionMethod, Model};
     use tensor_store::device::UploadMode;
     use tensor_store::TensorStore;
 
@@ -632,7 +697,10 @@ mod gpu {
         };
 
         // Teacher-forced logits, every position.
-        let mut cache = model.new_cache(context);
+        // The GPU's tolerance was derived against this computation.
+        let mut cache = model
+            .new_cache(context)
+            .with_attention(AttentionMethod::Matmul);
         let cpu = model
             .forward_all_logits(&tokens, &mut cache)
             .expect("cpu forward");
@@ -677,7 +745,10 @@ mod gpu {
         let mut worst_prefill = 0f32;
         for len in PREFILL_LENGTHS {
             let prompt = &sequence[..len];
-            let mut cache = model.new_cache(context);
+            // The GPU's tolerance was derived against this computation.
+            let mut cache = model
+                .new_cache(context)
+                .with_attention(AttentionMethod::Matmul);
             let c = model.forward(prompt, &mut cache).expect("cpu prompt");
             gpu.clear().expect("clear");
             let g = gpu.forward(prompt).expect("gpu prompt");
@@ -705,7 +776,10 @@ mod gpu {
         // Greedy text: the GPU (device argmax, the captured decode step) against the CPU,
         // identical until the CPU's top two come within the tolerance.
         gpu.clear().expect("clear");
-        let mut cache = model.new_cache(context);
+        // The GPU's tolerance was derived against this computation.
+        let mut cache = model
+            .new_cache(context)
+            .with_attention(AttentionMethod::Matmul);
         let mut cpu_logits = model.forward(&tokens, &mut cache).expect("cpu prompt");
         let mut gpu_token = gpu.forward_argmax(&tokens).expect("gpu prompt");
         let mut same = 0;
@@ -784,6 +858,8 @@ mod gpu {
         gpu_gemma3_keys => "gemma3-keys",
         gpu_phi3 => "phi3",
         gpu_phi3_long => "phi3-long",
+        gpu_llama_q4_k_long => "llama-q4_k-long",
+        gpu_gemma2_long => "gemma2-long",
         gpu_gemma3_f16 => "gemma3-f16",
     }
 
@@ -1083,6 +1159,7 @@ mod gpu {
             context_size: context,
             pool_positions: 4 * context,
             block_size: 16,
+            attention: model::AttentionMethod::default(),
         };
         let options = GpuOptions {
             device: 0,

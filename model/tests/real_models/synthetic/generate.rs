@@ -489,6 +489,37 @@ pub const SPECS: &[Spec] = &[
         seed: 23,
         ..LLAMA
     },
+    // Long prompts: a batch of 64 queries or more takes llama.cpp's tiled flash
+    // attention, and decoding beyond 256 positions its split one (the view of the cache
+    // then 512 positions, cut between the threads).
+    Spec {
+        name: "llama-q4_k-long",
+        matrices: GgmlType::Q4_K,
+        output: Some(GgmlType::Q6_K),
+        prompt: "<|im_start|>user\nThe cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! <|im_end|>",
+        seed: 41,
+        ..LLAMA
+    },
+    Spec {
+        name: "gemma2-long",
+        arch: Arch::Gemma2,
+        vocab: VocabStyle::Gemma,
+        n_layers: 4,
+        n_heads: 8,
+        n_kv_heads: 4,
+        head_dim: 64,
+        matrices: GgmlType::Q4_K,
+        overrides: &[("attn_v", GgmlType::Q6_K), ("ffn_down", GgmlType::Q6_K)],
+        token_embd: GgmlType::Q6_K,
+        output: None,
+        rope_freq_base: 10_000.0,
+        sliding_window: 100,
+        attn_softcap: 8.0,
+        final_softcap: 12.0,
+        prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? <end_of_turn>",
+        seed: 42,
+        ..LLAMA
+    },
     Spec {
         name: "gemma3-f16",
         arch: Arch::Gemma3,

@@ -1,0 +1,305 @@
+//! Flash attention computed the way llama.cpp's CPU backend computes it (`-fa on`, which
+//! its default, `-fa auto`, turns on for the CPU).
+//!
+//! Flash attention never forms the probability matrix: each query keeps a running
+//! maximum `M`, a running sum `S` and an output accumulator, rescaled whenever a larger
+//! score arrives. ggml has three kernels for it, chosen by the shape of the call, and each
+//! rounds differently, so each is reproduced here:
+//!
+//! - **one position at a time** (batches of fewer than [`Q_TILE`] queries): the query is
+//!   rounded to f16 and each score is ggml's f16 dot product
+//!   ([`Lanes::Dot`](super::attention::Lanes)); `exp` is the C library's `expf`; the
+//!   accumulator is f16, each step `acc = f16(fma(v, p, acc))` and a new maximum
+//!   `acc = f16(acc · e^(M_old − M))`; `S = fma(S, ms, p)`; the output is
+//!   `f32(acc) · (1/S)`.
+//! - **tiles** (batches of [`Q_TILE`] queries or more): keys and values in tiles of
+//!   [`KV_TILE`] cache positions from position 0; a score is one chain of fused
+//!   multiply-adds over the head's dimensions with the query in f32; per tile the
+//!   maximum, `exp` by ggml's vectorised polynomial ([`super::expf`]) summed per group of
+//!   eight like its softmax, and `acc += p · v` as one chain per output element in f32.
+//!   Tiles with no visible position are skipped.
+//! - **split keys** (a single query whose view of the cache is at least
+//!   [`SPLIT_MIN_KV`] positions): the view is cut into one chunk per thread, each chunk
+//!   runs the first kernel without the final division, and the chunks' partial results
+//!   are combined in order.
+//!
+//! The third kernel depends on two things outside the call: llama.cpp's view of the
+//! cache (the positions used, rounded up to [`KV_PAD`], at most the context) and its
+//! thread count. [`FlashContext`] carries them.
+
+use super::attention::{dot_f16_lanes, reduce8, AttentionShape, Layout};
+use super::{expf, round_f16};
+
+/// Queries per tile; batches of at least this many take the tiled kernel.
+pub const Q_TILE: usize = 64;
+/// Cache positions per tile of the tiled kernel.
+pub const KV_TILE: usize = 64;
+/// A single query's view of at least this many positions is split across threads.
+pub const SPLIT_MIN_KV: usize = 512;
+/// llama.cpp's cache view grows in steps of this many positions.
+pub const KV_PAD: usize = 256;
+
+/// What the split-keys kernel needs to know of the engine around the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashContext {
+    /// The context (KV cache) size in positions (`-c`): the view never exceeds it.
+    pub context: usize,
+    /// Threads the split kernel divides the view between (llama.cpp's `-t`).
+    pub threads: usize,
+}
+
+impl FlashContext {
+    /// llama.cpp's view of the cache when `used` positions are filled: the used
+    /// positions rounded up to [`KV_PAD`], at most the context, which llama.cpp also
+    /// rounds up to [`KV_PAD`].
+    pub fn view(&self, used: usize) -> usize {
+        let context = self.context.div_ceil(KV_PAD) * KV_PAD;
+        context.min(KV_PAD.max(used.div_ceil(KV_PAD) * KV_PAD))
+    }
+}
+
+/// Running state of one query: maximum, sum and the f16 accumulator of the first
+/// kernel.
+struct Online<'s> {
+    m: f32,
+    s: f32,
+    acc: &'s mut [f32],
+}
+
+impl Online<'_> {
+    /// Adds cache position `j` with score `score` (already scaled and capped).
+    #[inline(always)]
+    fn push(&mut self, score: f32, v: &[f32]) {
+        let (ms, vs) = if score > self.m {
+            let ms = (self.m - score).exp();
+            self.m = score;
+            for a in self.acc.iter_mut() {
+                *a = round_f16(*a * ms);
+            }
+            (ms, 1.0)
+        } else {
+            (1.0, (score - self.m).exp())
+        };
+        for (a, &x) in self.acc.iter_mut().zip(v) {
+            *a = round_f16(x.mul_add(vs, *a));
+        }
+        self.s = self.s.mul_add(ms, vs);
+    }
+}
+
+/// The scaled (and, with a cap, soft-capped) score of a raw dot product.
+#[inline(always)]
+fn score(shape: &AttentionShape, dot: f32) -> f32 {
+    match shape.softcap {
+        None => dot * shape.scale,
+        Some(cap) => cap * (dot * (shape.scale / cap)).tanh(),
+    }
+}
+
+/// Scratch of one (token, head) pair.
+#[derive(Default)]
+pub(super) struct Scratch {
+    q: Vec<f32>,
+    acc: Vec<f32>,
+    part: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+/// Where one (token, head) pair reads its cache rows.
+#[derive(Clone, Copy)]
+pub(super) struct Rows<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub layout: Layout<'a>,
+    pub k_off: usize,
+    pub v_off: usize,
+    pub k_stride: usize,
+    pub v_stride: usize,
+}
+
+impl Rows<'_> {
+    #[inline(always)]
+    fn key(&self, j: usize, hd: usize) -> &[f32] {
+        &self.keys[self.layout.row(j) * self.k_stride + self.k_off..][..hd]
+    }
+    #[inline(always)]
+    fn value(&self, j: usize, hdv: usize) -> &[f32] {
+        &self.values[self.layout.row(j) * self.v_stride + self.v_off..][..hdv]
+    }
+}
+
+/// Flash attention of one query over the visible cache positions `start..=pos`, into
+/// `o`. `n_tokens` is the call's batch, which picks the kernel.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn head(
+    qh: &[f32],
+    rows: Rows<'_>,
+    shape: &AttentionShape,
+    n_tokens: usize,
+    start: usize,
+    pos: usize,
+    s: &mut Scratch,
+    o: &mut [f32],
+) {
+    if n_tokens >= Q_TILE {
+        tiled(qh, rows, shape, start, pos, s, o);
+        return;
+    }
+    let view = shape.flash.view(pos + 1);
+    if n_tokens == 1 && view >= SPLIT_MIN_KV {
+        split(qh, rows, shape, view, start, pos, s, o);
+        return;
+    }
+    let (m, sum) = one_chunk(qh, rows, shape, start..pos + 1, s);
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    let _ = m;
+    for (o, &a) in o.iter_mut().zip(&s.acc) {
+        *o = a * inv;
+    }
+}
+
+/// The first kernel over cache positions `range` (visible ones only), leaving the
+/// unnormalised accumulator in `s.acc`; returns `(M, S)`.
+#[inline(always)]
+fn one_chunk(
+    qh: &[f32],
+    rows: Rows<'_>,
+    shape: &AttentionShape,
+    range: std::ops::Range<usize>,
+    s: &mut Scratch,
+) -> (f32, f32) {
+    let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
+    s.q.clear();
+    s.q.extend(qh.iter().map(|&v| round_f16(v)));
+    s.acc.clear();
+    s.acc.resize(hdv, 0.0);
+    let mut state = Online {
+        m: f32::NEG_INFINITY,
+        s: 0.0,
+        acc: &mut s.acc,
+    };
+    for j in range {
+        let sc = score(shape, dot_f16_lanes(&s.q, rows.key(j, hd)));
+        state.push(sc, rows.value(j, hdv));
+    }
+    (state.m, state.s)
+}
+
+/// The split-keys kernel: `view` positions cut into one chunk per thread.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn split(
+    qh: &[f32],
+    rows: Rows<'_>,
+    shape: &AttentionShape,
+    view: usize,
+    start: usize,
+    pos: usize,
+    s: &mut Scratch,
+    o: &mut [f32],
+) {
+    let hdv = shape.head_dim_v;
+    let threads = shape.flash.threads.max(1);
+    let chunk = view.div_ceil(threads);
+    let (mut m_final, mut s_final) = (f32::NEG_INFINITY, 0.0f32);
+    let mut fin = std::mem::take(&mut s.part);
+    fin.clear();
+    fin.resize(hdv, 0.0);
+    for c in 0..threads {
+        let (lo, hi) = (c * chunk, ((c + 1) * chunk).min(view));
+        let (lo, hi) = (lo.max(start), hi.min(pos + 1));
+        if lo >= hi {
+            continue;
+        }
+        let (m_chunk, s_chunk) = one_chunk(qh, rows, shape, lo..hi, s);
+        if s_chunk == 0.0 {
+            continue;
+        }
+        let m_new = m_final.max(m_chunk);
+        let scale_old = (m_final - m_new).exp();
+        let scale_new = (m_chunk - m_new).exp();
+        for (f, &a) in fin.iter_mut().zip(&s.acc) {
+            *f = f.mul_add(scale_old, a * scale_new);
+        }
+        s_final = s_final.mul_add(scale_old, s_chunk * scale_new);
+        m_final = m_new;
+    }
+    let inv = if s_final != 0.0 { 1.0 / s_final } else { 1.0 };
+    for (o, &f) in o.iter_mut().zip(&fin) {
+        *o = f * inv;
+    }
+    s.part = fin;
+}
+
+/// The tiled kernel for one query row.
+#[inline(always)]
+fn tiled(
+    qh: &[f32],
+    rows: Rows<'_>,
+    shape: &AttentionShape,
+    start: usize,
+    pos: usize,
+    s: &mut Scratch,
+    o: &mut [f32],
+) {
+    let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
+    s.acc.clear();
+    s.acc.resize(hdv, 0.0);
+    let (mut m, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+    let scale = match shape.softcap {
+        None => shape.scale,
+        Some(cap) => shape.scale / cap,
+    };
+    let mut tile = start / KV_TILE * KV_TILE;
+    while tile <= pos {
+        let visible = tile.max(start)..(tile + KV_TILE).min(pos + 1);
+        // Scores of the visible positions; the others are −∞.
+        s.scores.clear();
+        s.scores.resize(KV_TILE, f32::NEG_INFINITY);
+        for j in visible.clone() {
+            let k = rows.key(j, hd);
+            let mut acc = 0.0f32;
+            for (&kk, &qq) in k.iter().zip(qh) {
+                acc = kk.mul_add(qq, acc);
+            }
+            let mut sc = acc * scale;
+            if let Some(cap) = shape.softcap {
+                sc = sc.tanh() * cap;
+            }
+            s.scores[j - tile] = sc;
+        }
+        let tile_max = s.scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let m_new = m.max(tile_max);
+        if m_new > m {
+            let ms = (m - m_new).exp();
+            for a in s.acc.iter_mut() {
+                *a *= ms;
+            }
+            sum *= ms;
+        }
+        m = m_new;
+        // ggml's softmax: exp per lane, each group of eight reduced and added in f64.
+        let mut total = 0.0f64;
+        for group in s.scores.chunks_exact_mut(8) {
+            for e in group.iter_mut() {
+                *e = expf(*e - m_new);
+            }
+            let lanes: &[f32; 8] = (&*group).try_into().expect("eight lanes");
+            total += f64::from(reduce8(lanes));
+        }
+        sum = (f64::from(sum) + total) as f32;
+        for j in visible {
+            let p = s.scores[j - tile];
+            let v = rows.value(j, hdv);
+            for (a, &vv) in s.acc.iter_mut().zip(v) {
+                *a = vv.mul_add(p, *a);
+            }
+        }
+        tile += KV_TILE;
+    }
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    for (o, &a) in o.iter_mut().zip(&s.acc) {
+        *o = a * inv;
+    }
+}
