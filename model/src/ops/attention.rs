@@ -127,33 +127,7 @@ pub fn attention_in(
 ) {
     let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
     let n_tokens = q.len() / (shape.n_heads * hd).max(1);
-    let lanes = if n_tokens >= 2 {
-        Lanes::Gemm
-    } else {
-        Lanes::Dot
-    };
     let fma = super::has_fma();
-    if shape.method == AttentionMethod::Flash {
-        out.par_chunks_mut(hdv)
-            .zip(q.par_chunks(hd))
-            .enumerate()
-            .for_each_init(flash::Scratch::default, |s, (idx, (o, qh))| {
-                let head = Head {
-                    t: idx / shape.n_heads,
-                    h: idx % shape.n_heads,
-                    lanes,
-                    layout,
-                };
-                #[cfg(target_arch = "x86_64")]
-                if fma {
-                    // SAFETY: `has_fma` found FMA on this CPU, the feature `flash_fma` needs.
-                    unsafe { flash_fma(head, n_tokens, qh, keys, values, shape, s, o) };
-                    return;
-                }
-                flash_impl(head, n_tokens, qh, keys, values, shape, s, o);
-            });
-        return;
-    }
     out.par_chunks_mut(hdv)
         .zip(q.par_chunks(hd))
         .enumerate()
@@ -161,7 +135,7 @@ pub fn attention_in(
             let head = Head {
                 t: idx / shape.n_heads,
                 h: idx % shape.n_heads,
-                lanes,
+                n_tokens,
                 layout,
             };
             #[cfg(target_arch = "x86_64")]
@@ -171,7 +145,7 @@ pub fn attention_in(
                 return;
             }
             let _ = fma;
-            head_impl(head, qh, keys, values, shape, s, o);
+            head_any(head, qh, keys, values, shape, s, o);
         });
 }
 
@@ -181,19 +155,22 @@ struct Scratch {
     q: Vec<f32>,
     scores: Vec<f32>,
     lanes: Vec<f32>,
+    /// Flash attention's.
+    flash: flash::Scratch,
 }
 
-/// One (token, head) pair of a call, the lanes its products use, and where the cache's
+/// One (token, head) pair of a call, the call's token count (which picks the kernels), and where the cache's
 /// rows are.
 #[derive(Clone, Copy)]
 struct Head<'a> {
     t: usize,
     h: usize,
-    lanes: Lanes,
+    /// Tokens in the call, which choose the kernels.
+    n_tokens: usize,
     layout: Layout<'a>,
 }
 
-/// [`head_impl`] compiled with FMA instructions, so that `mul_add` is one instruction
+/// [`head_any`] compiled with FMA instructions, so that `mul_add` is one instruction
 /// instead of a library call. Results are the same bit for bit: a fused multiply-add is
 /// exactly specified either way.
 #[cfg(target_arch = "x86_64")]
@@ -207,32 +184,30 @@ fn head_fma(
     s: &mut Scratch,
     o: &mut [f32],
 ) {
-    head_impl(head, qh, keys, values, shape, s, o);
+    head_any(head, qh, keys, values, shape, s, o);
 }
 
-/// [`flash_impl`] compiled with FMA instructions (see [`head_fma`]).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma")]
-#[allow(clippy::too_many_arguments)]
-fn flash_fma(
+/// Attention of one query head of one token into `o`, by the shape's method.
+#[inline(always)]
+fn head_any(
     head: Head<'_>,
-    n_tokens: usize,
     qh: &[f32],
     keys: &[f32],
     values: &[f32],
     shape: &AttentionShape,
-    s: &mut flash::Scratch,
+    s: &mut Scratch,
     o: &mut [f32],
 ) {
-    flash_impl(head, n_tokens, qh, keys, values, shape, s, o);
+    match shape.method {
+        AttentionMethod::Flash => flash_impl(head, qh, keys, values, shape, &mut s.flash, o),
+        AttentionMethod::Matmul => head_impl(head, qh, keys, values, shape, s, o),
+    }
 }
 
 /// Flash attention of one query head of one token, into `o`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn flash_impl(
     head: Head<'_>,
-    n_tokens: usize,
     qh: &[f32],
     keys: &[f32],
     values: &[f32],
@@ -253,7 +228,7 @@ fn flash_impl(
         k_stride: shape.n_kv_heads * hd,
         v_stride: shape.n_kv_heads * hdv,
     };
-    flash::head(qh, rows, shape, n_tokens, start, pos, s, o);
+    flash::head(qh, rows, shape, head.n_tokens, start, pos, s, o);
 }
 
 /// Attention of one query head of one token, into `o`.
@@ -273,7 +248,11 @@ fn head_impl(
     let v_stride = shape.n_kv_heads * hdv;
     let pos = shape.first_pos + head.t;
     let start = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let lanes = head.lanes;
+    let lanes = if head.n_tokens >= 2 {
+        Lanes::Gemm
+    } else {
+        Lanes::Dot
+    };
     let width = match lanes {
         Lanes::Gemm => LANES,
         Lanes::Dot => DOT_LANES,

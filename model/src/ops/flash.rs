@@ -151,9 +151,8 @@ pub(super) fn head(
         split(qh, rows, shape, view, start, pos, s, o);
         return;
     }
-    let (m, sum) = one_chunk(qh, rows, shape, start..pos + 1, s);
+    let (_, sum) = one_chunk(qh, rows, shape, start..pos + 1, s);
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-    let _ = m;
     for (o, &a) in o.iter_mut().zip(&s.acc) {
         *o = a * inv;
     }

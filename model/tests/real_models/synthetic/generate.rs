@@ -112,6 +112,30 @@ const LLAMA: Spec = Spec {
     seed: 0,
 };
 
+/// Gemma 2: alternating sliding-window and global layers (the default pattern), no
+/// Q/K norms, soft-capped attention scores and logits (caps small enough to bend most
+/// values), 8 heads of 64 on 4 KV heads, its Q4_K_M mix, output tied.
+const GEMMA2: Spec = Spec {
+    name: "gemma2",
+    arch: Arch::Gemma2,
+    vocab: VocabStyle::Gemma,
+    n_layers: 4,
+    n_heads: 8,
+    n_kv_heads: 4,
+    head_dim: 64,
+    matrices: GgmlType::Q4_K,
+    overrides: &[("attn_v", GgmlType::Q6_K), ("ffn_down", GgmlType::Q6_K)],
+    token_embd: GgmlType::Q6_K,
+    output: None,
+    rope_freq_base: 10_000.0,
+    sliding_window: 8,
+    attn_softcap: 8.0,
+    final_softcap: 12.0,
+    prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>",
+    seed: 20,
+    ..LLAMA
+};
+
 /// A llama model whose matrices and untied output are all `ty`.
 const fn llama_typed(name: &'static str, ty: GgmlType, token_embd: GgmlType, seed: u64) -> Spec {
     Spec {
@@ -425,29 +449,7 @@ pub const SPECS: &[Spec] = &[
         seed: 21,
         ..LLAMA
     },
-    // Gemma 2: alternating sliding-window and global layers (the default pattern), no
-    // Q/K norms, soft-capped attention scores and logits (caps small enough to bend
-    // most values), 8 heads of 64 on 4 KV heads, its Q4_K_M mix, output tied.
-    Spec {
-        name: "gemma2",
-        arch: Arch::Gemma2,
-        vocab: VocabStyle::Gemma,
-        n_layers: 4,
-        n_heads: 8,
-        n_kv_heads: 4,
-        head_dim: 64,
-        matrices: GgmlType::Q4_K,
-        overrides: &[("attn_v", GgmlType::Q6_K), ("ffn_down", GgmlType::Q6_K)],
-        token_embd: GgmlType::Q6_K,
-        output: None,
-        rope_freq_base: 10_000.0,
-        sliding_window: 8,
-        attn_softcap: 8.0,
-        final_softcap: 12.0,
-        prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>",
-        seed: 20,
-        ..LLAMA
-    },
+    GEMMA2,
     // Phi-3: fused Q/K/V and gate/up tensors, NeoX RoPE with the long-context models'
     // frequency factors and attention factor, its SentencePiece vocabulary whose chat
     // tokens swallow the new lines after them. With an original context of 4096 both
@@ -502,23 +504,10 @@ pub const SPECS: &[Spec] = &[
     },
     Spec {
         name: "gemma2-long",
-        arch: Arch::Gemma2,
-        vocab: VocabStyle::Gemma,
-        n_layers: 4,
-        n_heads: 8,
-        n_kv_heads: 4,
-        head_dim: 64,
-        matrices: GgmlType::Q4_K,
-        overrides: &[("attn_v", GgmlType::Q6_K), ("ffn_down", GgmlType::Q6_K)],
-        token_embd: GgmlType::Q6_K,
-        output: None,
-        rope_freq_base: 10_000.0,
         sliding_window: 100,
-        attn_softcap: 8.0,
-        final_softcap: 12.0,
         prompt: "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? The cat sat on the mat. Is it 42? Où? <end_of_turn>",
         seed: 42,
-        ..LLAMA
+        ..GEMMA2
     },
     Spec {
         name: "gemma3-f16",
