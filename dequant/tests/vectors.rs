@@ -10,11 +10,12 @@ use dequant::{DecodePath, Decoder};
 use gguf_format::{GgmlType, GgufFile};
 use half::f16;
 
-/// The types the vector file covers (IQ1_M, Q8_1 and Q8_K are absent from it).
-const EXPECTED_TYPES: [&str; 23] = [
+/// The types the vector file covers (Q8_1 and Q8_K, which only activations use, are
+/// absent from it).
+const EXPECTED_TYPES: [&str; 24] = [
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS",
     "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
-    "BF16", "F16",
+    "IQ1_M", "BF16", "F16",
 ];
 
 /// The repository's `testdata/vectors/dequant_vectors.gguf`, compiled into the test

@@ -1,4 +1,4 @@
-"""Writes dequant_vectors.gguf: random valid blocks of 23 GGUF tensor types and the f32
+"""Writes dequant_vectors.gguf: random valid blocks of 24 GGUF tensor types and the f32
 values gguf-py (the reference Python implementation that ships with llama.cpp) decodes
 them to. Run by `cargo xtask testdata --vectors` with gguf==0.19.0 installed.
 
@@ -40,6 +40,9 @@ F16_SCALES = {
 }
 # MXFP4's scale is one E8M0 byte at offset 0: kept near 2^0.
 E8M0_SCALE = {T.MXFP4: 0}
+# IQ1_M has no f16 field: its f16 scale is spread over the top nibbles of the four
+# 16-bit words of sub-scales at bytes 48..56 (the low nibble of the scale in the first).
+SPLIT_SCALE = {T.IQ1_M: 48}
 
 
 def random_blocks(rng, qtype):
@@ -52,6 +55,14 @@ def random_blocks(rng, qtype):
     if qtype in E8M0_SCALE:
         offset = E8M0_SCALE[qtype]
         blocks[:, offset] = rng.integers(112, 135, size=n_blocks, dtype=np.uint8)
+    if qtype in SPLIT_SCALE:
+        offset = SPLIT_SCALE[qtype]
+        scales = rng.uniform(0.001, 0.1, size=n_blocks).astype(np.float16).view(np.uint16)
+        words = blocks[:, offset : offset + 8].copy().view(np.uint16)
+        for k in range(4):
+            nibble = (scales >> (4 * k)) & 0xF
+            words[:, k] = (words[:, k] & 0x0FFF) | (nibble << 12)
+        blocks[:, offset : offset + 8] = words.view(np.uint8)
     return blocks.reshape(-1)
 
 
@@ -65,7 +76,7 @@ def main():
         "dequantization test vectors: <type>.q holds raw blocks, "
         "<type>.f32 the values gguf-py decodes them to"
     )
-    for qtype in list(F16_SCALES) + list(E8M0_SCALE):
+    for qtype in list(F16_SCALES) + list(E8M0_SCALE) + list(SPLIT_SCALE):
         raw = random_blocks(rng, qtype)
         values = dequantize(raw, qtype).astype(np.float32).reshape(-1)
         assert values.shape == (VALUES,) and np.isfinite(values).all(), qtype.name

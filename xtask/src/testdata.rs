@@ -3,7 +3,7 @@
 //! Each kind of data comes from a pinned Python package, installed with pip by package
 //! name into a virtual environment under `target/`:
 //!
-//! - `testdata/vectors/dequant_vectors.gguf`: random valid blocks of 23 tensor types and
+//! - `testdata/vectors/dequant_vectors.gguf`: random valid blocks of 24 tensor types and
 //!   gguf-py's decoding of them (`gguf`, [`GGUF_PY`]);
 //! - `testdata/golden/<model>.json`: llama.cpp's tokenization, greedy text and top-10
 //!   logits on the two real models (`llama-cpp-python`, [`LLAMA_CPP_PYTHON`], built from

@@ -151,16 +151,16 @@ fn dequant_vectors_parse_and_rewrite_byte_identically() {
     let names = [
         "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS",
         "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
-        "MXFP4", "BF16", "F16",
+        "MXFP4", "IQ1_M", "BF16", "F16",
     ];
-    // 23 `<TYPE>.q` tensors of their own type and 23 `<TYPE>.f32` tensors.
+    // 24 `<TYPE>.q` tensors of their own type and 24 `<TYPE>.f32` tensors.
     let mut expected: Vec<(GgmlType, usize)> = names
         .iter()
         .map(|n| (GgmlType::from_name(n).unwrap(), 1))
         .collect();
-    expected.push((GgmlType::F32, 23));
+    expected.push((GgmlType::F32, 24));
     let file = check_file(&bytes, "test", &expected);
-    assert_eq!(file.tensors.len(), 46);
+    assert_eq!(file.tensors.len(), 48);
     assert_eq!(file.alignment, 32);
     for name in names {
         let q = file.tensor(&format!("{name}.q")).unwrap();
