@@ -3,7 +3,10 @@
 //! with its per-head Q/K norms, Llama 3's tokenizer and RoPE divisors, multi-head and
 //! multi-query attention, Gemma 3's sliding window and global layer and its optional keys,
 //! Gemma 2's alternating windows and soft-capping, Phi-3's fused tensors and long and
-//! short RoPE factors, every weight type the kernels claim, tied and untied outputs).
+//! short RoPE factors, every weight type the kernels claim, tied and untied outputs), and
+//! each block type and architecture again with blocks random in every field (`*-random`:
+//! all 256 values of every grid-index, sign and sub-scale byte, which a quantizer's
+//! output alone does not reach).
 //!
 //! Each model is generated here, bit for bit, from a spec in `synthetic/generate.rs`;
 //! llama.cpp's tokens and teacher-forced logits for the same bytes are in
@@ -394,6 +397,34 @@ matches_llama_cpp! {
     phi3_long_matches_llama_cpp => "phi3-long",
     llama_q4_k_long_matches_llama_cpp => "llama-q4_k-long",
     gemma2_long_matches_llama_cpp => "gemma2-long",
+    llama_q4_0_random_matches_llama_cpp => "llama-q4_0-random",
+    llama_q4_1_random_matches_llama_cpp => "llama-q4_1-random",
+    llama_q5_0_random_matches_llama_cpp => "llama-q5_0-random",
+    llama_q5_1_random_matches_llama_cpp => "llama-q5_1-random",
+    llama_q8_0_random_matches_llama_cpp => "llama-q8_0-random",
+    llama_q2_k_random_matches_llama_cpp => "llama-q2_k-random",
+    llama_q3_k_random_matches_llama_cpp => "llama-q3_k-random",
+    llama_q4_k_random_matches_llama_cpp => "llama-q4_k-random",
+    llama_q5_k_random_matches_llama_cpp => "llama-q5_k-random",
+    llama_q6_k_random_matches_llama_cpp => "llama-q6_k-random",
+    llama_iq2_xxs_random_matches_llama_cpp => "llama-iq2_xxs-random",
+    llama_iq2_xs_random_matches_llama_cpp => "llama-iq2_xs-random",
+    llama_iq2_s_random_matches_llama_cpp => "llama-iq2_s-random",
+    llama_iq3_xxs_random_matches_llama_cpp => "llama-iq3_xxs-random",
+    llama_iq3_s_random_matches_llama_cpp => "llama-iq3_s-random",
+    llama_iq1_s_random_matches_llama_cpp => "llama-iq1_s-random",
+    llama_iq1_m_random_matches_llama_cpp => "llama-iq1_m-random",
+    llama_iq4_nl_random_matches_llama_cpp => "llama-iq4_nl-random",
+    llama_iq4_xs_random_matches_llama_cpp => "llama-iq4_xs-random",
+    llama_tq1_0_random_matches_llama_cpp => "llama-tq1_0-random",
+    llama_tq2_0_random_matches_llama_cpp => "llama-tq2_0-random",
+    llama_mxfp4_random_matches_llama_cpp => "llama-mxfp4-random",
+    qwen2_random_matches_llama_cpp => "qwen2-random",
+    qwen3_random_matches_llama_cpp => "qwen3-random",
+    phi3_random_matches_llama_cpp => "phi3-random",
+    phi3_iq2_xs_random_matches_llama_cpp => "phi3-iq2_xs-random",
+    gemma2_random_matches_llama_cpp => "gemma2-random",
+    gemma3_random_matches_llama_cpp => "gemma3-random",
 }
 
 #[test]
@@ -861,6 +892,32 @@ mod gpu {
         gpu_llama_q4_k_long => "llama-q4_k-long",
         gpu_gemma2_long => "gemma2-long",
         gpu_gemma3_f16 => "gemma3-f16",
+        gpu_llama_q4_0_random => "llama-q4_0-random",
+        gpu_llama_q4_1_random => "llama-q4_1-random",
+        gpu_llama_q5_0_random => "llama-q5_0-random",
+        gpu_llama_q5_1_random => "llama-q5_1-random",
+        gpu_llama_q8_0_random => "llama-q8_0-random",
+        gpu_llama_q2_k_random => "llama-q2_k-random",
+        gpu_llama_q3_k_random => "llama-q3_k-random",
+        gpu_llama_q4_k_random => "llama-q4_k-random",
+        gpu_llama_q5_k_random => "llama-q5_k-random",
+        gpu_llama_q6_k_random => "llama-q6_k-random",
+        gpu_llama_iq2_xxs_random => "llama-iq2_xxs-random",
+        gpu_llama_iq2_xs_random => "llama-iq2_xs-random",
+        gpu_llama_iq2_s_random => "llama-iq2_s-random",
+        gpu_llama_iq3_xxs_random => "llama-iq3_xxs-random",
+        gpu_llama_iq3_s_random => "llama-iq3_s-random",
+        gpu_llama_iq1_s_random => "llama-iq1_s-random",
+        gpu_llama_iq1_m_random => "llama-iq1_m-random",
+        gpu_llama_iq4_nl_random => "llama-iq4_nl-random",
+        gpu_llama_iq4_xs_random => "llama-iq4_xs-random",
+        gpu_llama_mxfp4_random => "llama-mxfp4-random",
+        gpu_qwen2_random => "qwen2-random",
+        gpu_qwen3_random => "qwen3-random",
+        gpu_phi3_random => "phi3-random",
+        gpu_phi3_iq2_xs_random => "phi3-iq2_xs-random",
+        gpu_gemma2_random => "gemma2-random",
+        gpu_gemma3_random => "gemma3-random",
     }
 
     /// A model the GPU does not run (a weight type only the CPU multiplies: `ty`) is
@@ -901,6 +958,8 @@ mod gpu {
     gpu_refuses_type! {
         gpu_llama_tq1_0 => "llama-tq1_0": "TQ1_0",
         gpu_llama_tq2_0 => "llama-tq2_0": "TQ2_0",
+        gpu_llama_tq1_0_random => "llama-tq1_0-random": "TQ1_0",
+        gpu_llama_tq2_0_random => "llama-tq2_0-random": "TQ2_0",
     }
 
     /// Several sequences of different lengths in one paged cache, run together as a

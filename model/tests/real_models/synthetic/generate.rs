@@ -7,11 +7,14 @@
 //! with variances chosen so that activations stay of order one through the layers,
 //! attention is neither uniform nor one-hot, and the logits spread over several units,
 //! so that the argmax is well defined. Quantized tensors are quantized from those f32
-//! draws ([`super::quantize`]): realistic blocks with small, finite scales.
+//! draws ([`super::quantize`]): realistic blocks with small, finite scales. The models
+//! named `*-random` write their blocks random in every field instead, only the scales
+//! fixed ([`Blocks::Random`]): the grid indices, signs and sub-scales no quantizer of ours
+//! writes, as files from other writers hold them.
 
 use gguf_format::{GgmlType, GgufError, GgufWriter};
 
-use super::quantize::{quantize, Rng};
+use super::quantize::{quantize, random_blocks, Rng};
 use super::vocab::{add_tokenizer, VocabStyle};
 
 pub const N_EMBD: usize = 256;
@@ -42,6 +45,16 @@ impl Arch {
     }
 }
 
+/// What a quantized tensor's blocks hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Blocks {
+    /// The f32 draws quantized: what a quantizer writes.
+    Quantized,
+    /// Every byte random but the scales ([`random_blocks`]), with the weights' RMS the
+    /// draws' standard deviation.
+    Random,
+}
+
 /// One synthetic model.
 #[derive(Clone, Copy, Debug)]
 pub struct Spec {
@@ -60,6 +73,8 @@ pub struct Spec {
     /// Per-role types (`"ffn_down"`, `"attn_v"`, ...), as llama.cpp's mixes do.
     pub overrides: &'static [(&'static str, GgmlType)],
     pub token_embd: GgmlType,
+    /// How the quantized tensors (embeddings and output included) are written.
+    pub blocks: Blocks,
     /// `output.weight`'s type; `None` ties the output to the embeddings.
     pub output: Option<GgmlType>,
     pub rope_freq_base: f32,
@@ -97,6 +112,7 @@ const LLAMA: Spec = Spec {
     matrices: GgmlType::F32,
     overrides: &[],
     token_embd: GgmlType::Q8_0,
+    blocks: Blocks::Quantized,
     output: None,
     rope_freq_base: 100_000.0,
     rope_freqs: false,
@@ -147,6 +163,23 @@ const fn llama_typed(name: &'static str, ty: GgmlType, token_embd: GgmlType, see
         ..LLAMA
     }
 }
+
+/// A llama model whose matrices and untied output are all `ty`, every quantized tensor
+/// random in every field.
+const fn llama_random(name: &'static str, ty: GgmlType, seed: u64) -> Spec {
+    Spec {
+        name,
+        matrices: ty,
+        output: Some(ty),
+        blocks: Blocks::Random,
+        seed,
+        ..LLAMA
+    }
+}
+
+const QWEN_PROMPT: &str = "<|im_start|>user\nThe cat sat on the mat. Is it a café? 42<|im_end|>";
+const GEMMA_PROMPT: &str =
+    "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>";
 
 /// Every synthetic model the references cover.
 pub const SPECS: &[Spec] = &[
@@ -526,6 +559,115 @@ pub const SPECS: &[Spec] = &[
         seed: 18,
         ..LLAMA
     },
+    // Blocks random in every field (`Blocks::Random`): one llama per block type, its
+    // Q8_0 embeddings random too, then each other architecture with a few of the types.
+    llama_random("llama-q4_0-random", GgmlType::Q4_0, 101),
+    llama_random("llama-q4_1-random", GgmlType::Q4_1, 102),
+    llama_random("llama-q5_0-random", GgmlType::Q5_0, 103),
+    llama_random("llama-q5_1-random", GgmlType::Q5_1, 104),
+    llama_random("llama-q8_0-random", GgmlType::Q8_0, 105),
+    llama_random("llama-q2_k-random", GgmlType::Q2_K, 106),
+    llama_random("llama-q3_k-random", GgmlType::Q3_K, 107),
+    llama_random("llama-q4_k-random", GgmlType::Q4_K, 108),
+    llama_random("llama-q5_k-random", GgmlType::Q5_K, 109),
+    llama_random("llama-q6_k-random", GgmlType::Q6_K, 110),
+    llama_random("llama-iq2_xxs-random", GgmlType::IQ2_XXS, 111),
+    llama_random("llama-iq2_xs-random", GgmlType::IQ2_XS, 112),
+    llama_random("llama-iq2_s-random", GgmlType::IQ2_S, 113),
+    llama_random("llama-iq3_xxs-random", GgmlType::IQ3_XXS, 114),
+    llama_random("llama-iq3_s-random", GgmlType::IQ3_S, 115),
+    llama_random("llama-iq1_s-random", GgmlType::IQ1_S, 116),
+    llama_random("llama-iq1_m-random", GgmlType::IQ1_M, 117),
+    llama_random("llama-iq4_nl-random", GgmlType::IQ4_NL, 118),
+    llama_random("llama-iq4_xs-random", GgmlType::IQ4_XS, 119),
+    llama_random("llama-tq1_0-random", GgmlType::TQ1_0, 120),
+    llama_random("llama-tq2_0-random", GgmlType::TQ2_0, 121),
+    llama_random("llama-mxfp4-random", GgmlType::MXFP4, 122),
+    // Qwen 2 with its biases, the output tied to the random embeddings.
+    Spec {
+        name: "qwen2-random",
+        arch: Arch::Qwen2,
+        vocab: VocabStyle::Qwen2,
+        matrices: GgmlType::IQ2_XXS,
+        blocks: Blocks::Random,
+        rope_freq_base: 1_000_000.0,
+        prompt: QWEN_PROMPT,
+        seed: 123,
+        ..LLAMA
+    },
+    Spec {
+        name: "qwen3-random",
+        arch: Arch::Qwen3,
+        vocab: VocabStyle::Qwen2,
+        n_heads: 8,
+        matrices: GgmlType::IQ2_S,
+        overrides: &[("attn_v", GgmlType::IQ3_XXS), ("ffn_down", GgmlType::Q3_K)],
+        token_embd: GgmlType::Q6_K,
+        blocks: Blocks::Random,
+        rope_freq_base: 1_000_000.0,
+        prompt: QWEN_PROMPT,
+        seed: 124,
+        ..LLAMA
+    },
+    // Phi-3 with 4 heads and 4 KV heads of 64, Q8_0 throughout, no RoPE scaling keys;
+    // then with the 2-bit grids and the long and short factors.
+    Spec {
+        name: "phi3-random",
+        arch: Arch::Phi3,
+        vocab: VocabStyle::Phi3,
+        n_kv_heads: 4,
+        output: Some(GgmlType::Q8_0),
+        matrices: GgmlType::Q8_0,
+        blocks: Blocks::Random,
+        rope_freq_base: 10_000.0,
+        prompt: "<|user|>\nThe cat sat on the mat. Is it 42? Où?<|end|>\n<|assistant|>\nThe cat",
+        seed: 125,
+        ..LLAMA
+    },
+    Spec {
+        name: "phi3-iq2_xs-random",
+        arch: Arch::Phi3,
+        vocab: VocabStyle::Phi3,
+        matrices: GgmlType::IQ2_XS,
+        overrides: &[("ffn_down", GgmlType::IQ4_NL)],
+        output: Some(GgmlType::Q6_K),
+        blocks: Blocks::Random,
+        rope_freq_base: 10_000.0,
+        rope_original_context: 16,
+        prompt: "<|system|>\nBe brief.<|end|>\n<|user|>\nThe cat sat on the mat. Is it 42?<|end|>\n<|assistant|>\n",
+        seed: 126,
+        ..LLAMA
+    },
+    Spec {
+        name: "gemma2-random",
+        matrices: GgmlType::IQ2_XS,
+        overrides: &[("attn_v", GgmlType::IQ3_S), ("ffn_down", GgmlType::Q5_K)],
+        token_embd: GgmlType::Q4_K,
+        blocks: Blocks::Random,
+        seed: 127,
+        ..GEMMA2
+    },
+    Spec {
+        name: "gemma3-random",
+        arch: Arch::Gemma3,
+        vocab: VocabStyle::Gemma,
+        n_layers: 6,
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 128,
+        matrices: GgmlType::IQ3_S,
+        overrides: &[
+            ("attn_output", GgmlType::IQ1_M),
+            ("ffn_down", GgmlType::Q5_1),
+        ],
+        token_embd: GgmlType::Q5_0,
+        blocks: Blocks::Random,
+        rope_freq_base: 1_000_000.0,
+        sliding_window: 8,
+        prompt: GEMMA_PROMPT,
+        seed: 128,
+        ..LLAMA
+    },
 ];
 
 /// The spec named `name`.
@@ -544,6 +686,7 @@ struct Tensors {
     writer: GgufWriter,
     data: Vec<Vec<u8>>,
     seed: u64,
+    blocks: Blocks,
 }
 
 impl Tensors {
@@ -556,8 +699,18 @@ impl Tensors {
         std: f32,
     ) -> Result<(), GgufError> {
         let n: usize = shape.iter().product();
+        if self.random(ty) {
+            assert_eq!(mean, 0.0, "{name}: random blocks are centred");
+            let bytes = random_blocks(ty, n, std, &mut Rng::for_tensor(self.seed, name));
+            return self.add_bytes(name, ty, shape, bytes);
+        }
         let values = Rng::for_tensor(self.seed, name).normals(n, mean, std);
         self.add_values(name, ty, shape, &values)
+    }
+
+    /// Whether a tensor of type `ty` gets random blocks.
+    fn random(&self, ty: GgmlType) -> bool {
+        self.blocks == Blocks::Random && ty.is_quantized()
     }
 
     /// One tensor of `cols` columns made of parts of `rows` rows each, drawn with their
@@ -569,12 +722,20 @@ impl Tensors {
         cols: usize,
         parts: &[(usize, f32)],
     ) -> Result<(), GgufError> {
+        let rows = parts.iter().map(|&(rows, _)| rows).sum();
+        if self.random(ty) {
+            let mut bytes = Vec::new();
+            for (i, &(rows, std)) in parts.iter().enumerate() {
+                let mut rng = Rng::for_tensor(self.seed, &format!("{name}#{i}"));
+                bytes.extend(random_blocks(ty, rows * cols, std, &mut rng));
+            }
+            return self.add_bytes(name, ty, &[cols, rows], bytes);
+        }
         let mut values = Vec::new();
         for (i, &(rows, std)) in parts.iter().enumerate() {
             let part = format!("{name}#{i}");
             values.extend(Rng::for_tensor(self.seed, &part).normals(rows * cols, 0.0, std));
         }
-        let rows = parts.iter().map(|&(rows, _)| rows).sum();
         self.add_values(name, ty, &[cols, rows], &values)
     }
 
@@ -585,9 +746,19 @@ impl Tensors {
         shape: &[usize],
         values: &[f32],
     ) -> Result<(), GgufError> {
+        self.add_bytes(name, ty, shape, quantize(ty, values))
+    }
+
+    fn add_bytes(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        shape: &[usize],
+        bytes: Vec<u8>,
+    ) -> Result<(), GgufError> {
         let dims: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
         self.writer.add_tensor(name, ty, &dims)?;
-        self.data.push(quantize(ty, values));
+        self.data.push(bytes);
         Ok(())
     }
 }
@@ -657,6 +828,7 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
         writer: w,
         data: Vec::new(),
         seed: spec.seed,
+        blocks: spec.blocks,
     };
     let gemma = matches!(spec.arch, Arch::Gemma2 | Arch::Gemma3);
     let qk_norm = matches!(spec.arch, Arch::Qwen3 | Arch::Gemma3);

@@ -825,3 +825,101 @@ fn tq2_0(block: &[f32], out: &mut Vec<u8>) {
     }
     out.extend_from_slice(&d.to_le_bytes());
 }
+
+/// `n` values of `ty` as blocks random in every field: every byte drawn from `rng`, then
+/// each block's scales set to one value chosen so that the decoded weights have root mean
+/// square about `rms`.
+///
+/// The quantizers above write only what quantizing a smooth draw gives (each grid entry
+/// the nearest one, the scales fitted to the block's range); these blocks hold all 256
+/// values of every grid-index, sign, high-bit and sub-scale byte, as files from other
+/// writers may. Only the f16 scales are fixed (MXFP4's exponent byte, IQ1_M's scale
+/// nibbles), so that every value is finite and of a useful size.
+pub fn random_blocks(ty: GgmlType, n: usize, rms: f32, rng: &mut Rng) -> Vec<u8> {
+    let (values, size) = (ty.block_size() as usize, ty.type_size() as usize);
+    assert!(
+        ty.is_quantized() && n.is_multiple_of(values),
+        "{n} values of {ty}"
+    );
+    let mut bytes = Vec::with_capacity(n / values * size);
+    while bytes.len() < n / values * size {
+        let word = rng.next_u64().to_le_bytes();
+        let take = word.len().min(n / values * size - bytes.len());
+        bytes.extend_from_slice(&word[..take]);
+    }
+    // The weights' size at a unit scale; every decoded value is linear in the scale.
+    set_scales(ty, &mut bytes, 1.0);
+    let mut decoded = vec![0f32; n];
+    dequant::decode_f32(ty, &bytes, &mut decoded).expect("whole blocks decode");
+    let unit = (decoded
+        .iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        / n as f64)
+        .sqrt() as f32;
+    set_scales(ty, &mut bytes, rms / unit);
+    bytes
+}
+
+/// Byte offsets of the f16 scales in one block of `ty` (ggml-common.h's layouts).
+fn f16_scale_offsets(ty: GgmlType) -> &'static [usize] {
+    use GgmlType::*;
+    match ty {
+        Q4_0 | Q5_0 | Q8_0 | IQ2_XXS | IQ2_XS | IQ2_S | IQ3_XXS | IQ3_S | IQ1_S | IQ4_NL
+        | IQ4_XS => &[0],
+        // d and the minimum's scale.
+        Q4_1 | Q5_1 | Q4_K | Q5_K => &[0, 2],
+        Q2_K => &[80, 82],
+        Q3_K => &[108],
+        Q6_K => &[208],
+        TQ1_0 => &[52],
+        TQ2_0 => &[64],
+        other => panic!("no f16 scale offsets for {other}"),
+    }
+}
+
+/// Sets every block's scales to `scale`: the f16 fields to it; MXFP4's E8M0 exponent to
+/// the power of two nearest it (in ratio); IQ1_M's f16, whose four nibbles are the top
+/// bits of the block's four 16-bit sub-scale words, to it.
+fn set_scales(ty: GgmlType, bytes: &mut [u8], scale: f32) {
+    let size = ty.type_size() as usize;
+    let h = f16::from_f32(scale);
+    // Q6_K's int8 sub-scales make its unit-scale weights large, so its f16 scale comes
+    // out subnormal, as in real files: a case for the f16 conversions too.
+    assert!(
+        h.is_finite() && h.to_f32() > 0.0,
+        "scale {scale} of {ty} is not a positive f16"
+    );
+    for block in bytes.chunks_exact_mut(size) {
+        match ty {
+            GgmlType::MXFP4 => {
+                // The exponent e of 2^(e - 127): the nearest in ratio, found exactly.
+                let (mut e, mut r) = (127i32, scale);
+                while r >= std::f32::consts::SQRT_2 {
+                    r /= 2.0;
+                    e += 1;
+                }
+                while r < std::f32::consts::FRAC_1_SQRT_2 {
+                    r *= 2.0;
+                    e -= 1;
+                }
+                block[0] = e.clamp(1, 254) as u8;
+            }
+            GgmlType::IQ1_M => {
+                let bits = h.to_bits();
+                for k in 0..4 {
+                    let at = 48 + 2 * k;
+                    let word = u16::from_le_bytes([block[at], block[at + 1]]);
+                    let nibble = (bits >> (4 * k)) & 0xF;
+                    let word = (word & 0x0FFF) | (nibble << 12);
+                    block[at..at + 2].copy_from_slice(&word.to_le_bytes());
+                }
+            }
+            _ => {
+                for &at in f16_scale_offsets(ty) {
+                    block[at..at + 2].copy_from_slice(&h.to_le_bytes());
+                }
+            }
+        }
+    }
+}
