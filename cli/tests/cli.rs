@@ -272,6 +272,43 @@ fn greedy_generate_matches_llama_cpp_on_gemma3() {
     greedy_matches_golden(GEMMA3);
 }
 
+/// `generate` with its defaults (flash attention, as llama.cpp's own default on a CPU)
+/// gives the 32 tokens llama.cpp gives with its defaults.
+fn default_greedy_matches_golden_flash(file: &str) {
+    let model = model_path(file);
+    let text = match file {
+        SMOLLM2 => include_str!("../../testdata/golden-fa/SmolLM2-135M-Instruct.Q4_1.json"),
+        GEMMA3 => include_str!("../../testdata/golden-fa/gemma-3-270m-q4_k_m.json"),
+        other => panic!("no reference outputs for {other}"),
+    };
+    let reference: serde_json::Value = serde_json::from_str(text).expect("golden file is JSON");
+    for case in reference["cases"].as_array().expect("cases") {
+        let prompt = case["prompt"].as_str().expect("prompt");
+        // The CPU's defaults: only the attention flag is left to its default.
+        let json = greedy_json(&model, prompt, &["--max-tokens", "32", "--device", "cpu"]);
+        assert_eq!(
+            ids(&json["prompt_tokens"]),
+            ids(&case["tokens"]),
+            "{prompt:?}"
+        );
+        assert_eq!(
+            ids(&json["tokens"]),
+            ids(&case["greedy_tokens"]),
+            "{file}: {prompt:?}"
+        );
+    }
+}
+
+#[test]
+fn default_greedy_generate_matches_llama_cpp_s_default_on_smollm2() {
+    default_greedy_matches_golden_flash(SMOLLM2);
+}
+
+#[test]
+fn default_greedy_generate_matches_llama_cpp_s_default_on_gemma3() {
+    default_greedy_matches_golden_flash(GEMMA3);
+}
+
 #[test]
 fn generate_streams_text_and_stops_at_max_tokens() {
     let model = model_path(SMOLLM2);

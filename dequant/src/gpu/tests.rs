@@ -268,7 +268,7 @@ fn every_vectors_type_decodes_as_the_cpu_and_gguf_py_do() {
         check_against_cpu("vectors", &gpu, ty, bytes, (0, 0));
         types.push(ty);
     }
-    assert_eq!(types.len(), 23, "types in the vectors file: {types:?}");
+    assert_eq!(types.len(), 24, "types in the vectors file: {types:?}");
 }
 
 #[test]

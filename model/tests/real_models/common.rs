@@ -38,6 +38,19 @@ pub fn golden(file: &str) -> serde_json::Value {
     serde_json::from_str(text).expect("golden file is JSON")
 }
 
+/// llama.cpp's outputs with flash attention on (its default on a CPU), from the
+/// repository's `testdata/golden-fa`: per golden prompt, the tokens, the top-10 logits and
+/// log-sum-exp of every prompt position, and 32 greedy tokens with the rows they were
+/// taken from.
+pub fn golden_flash(file: &str) -> serde_json::Value {
+    let text = match file {
+        SMOLLM2 => include_str!("../../../testdata/golden-fa/SmolLM2-135M-Instruct.Q4_1.json"),
+        GEMMA3 => include_str!("../../../testdata/golden-fa/gemma-3-270m-q4_k_m.json"),
+        other => panic!("no flash-attention reference outputs for {other}"),
+    };
+    serde_json::from_str(text).expect("golden file is JSON")
+}
+
 /// A JSON array of integers as token ids.
 pub fn ids(value: &serde_json::Value) -> Vec<u32> {
     value

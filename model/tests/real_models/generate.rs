@@ -11,7 +11,7 @@ use model::tokenizer::{DecodeOptions, Tokenizer};
 use model::{AttentionMethod, Model};
 use tensor_store::TensorStore;
 
-use crate::common::{golden, ids, model_path, GEMMA3, SMOLLM2};
+use crate::common::{golden, golden_flash, ids, model_path, GEMMA3, SMOLLM2};
 
 /// Tokens of each golden continuation that must match exactly.
 const GREEDY_TOKENS: usize = 16;
@@ -79,6 +79,91 @@ fn smollm2_greedy_generation_matches_llama_cpp() {
 #[test]
 fn gemma3_greedy_generation_matches_llama_cpp() {
     greedy_matches_llama_cpp(GEMMA3);
+}
+
+/// Bound on |ours - llama.cpp| for a logit printed to 5 decimals: its rounding.
+const PRINTED: f32 = 1e-4;
+
+/// With flash attention, llama.cpp's default on a CPU: every prompt position's and every
+/// greedy step's top-10 logits and log-sum-exp to the printed digit (each step fed
+/// llama.cpp's token), and `generate` gives all 32 greedy tokens.
+fn flash_greedy_matches_llama_cpp(file: &str) {
+    let (model, tokenizer) = load(file);
+    let n_vocab = model.config().n_vocab;
+    let reference = golden_flash(file);
+    assert_eq!(reference["flash_attn"], "on");
+    let check_row = |what: &str, row: &[f32], expected: &serde_json::Value| {
+        let lse = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let sum: f64 = row.iter().map(|&v| f64::from(v - lse).exp()).sum();
+        let lse = lse + sum.ln() as f32;
+        let want = expected["logsumexp"].as_f64().expect("logsumexp") as f32;
+        assert!(
+            (lse - want).abs() <= PRINTED,
+            "{what}: log-sum-exp {lse} vs {want}"
+        );
+        let logits = expected["logits"].as_array().expect("logits");
+        for (id, want) in ids(&expected["ids"]).into_iter().zip(logits) {
+            let want = want.as_f64().expect("a logit") as f32;
+            let got = row[id as usize];
+            assert!(
+                (got - want).abs() <= PRINTED,
+                "{what}: logit of {id} {got} vs {want}"
+            );
+        }
+    };
+    for case in reference["cases"].as_array().expect("cases") {
+        let name = format!("{file}: {:?}", case["prompt"]);
+        let prompt = ids(&case["tokens"]);
+        let expected = ids(&case["greedy_tokens"]);
+        assert_eq!(expected.len(), 32, "{name}");
+        let context = prompt.len() + expected.len();
+        let mut cache = model
+            .new_cache(context)
+            .with_attention(AttentionMethod::Flash)
+            .with_context(context.max(64));
+        let all = model
+            .forward_all_logits(&prompt, &mut cache)
+            .expect("prompt");
+        for (pos, expected) in case["positions"]
+            .as_array()
+            .expect("rows")
+            .iter()
+            .enumerate()
+        {
+            check_row(
+                &format!("{name} position {pos}"),
+                &all[pos * n_vocab..][..n_vocab],
+                expected,
+            );
+        }
+        let mut cache = model
+            .new_cache(context)
+            .with_attention(AttentionMethod::Flash)
+            .with_context(context.max(64));
+        let mut row = model.forward(&prompt, &mut cache).expect("prompt");
+        let rows = case["greedy_positions"].as_array().expect("greedy rows");
+        for (step, (&token, expected)) in expected.iter().zip(rows).enumerate() {
+            check_row(&format!("{name} greedy step {step}"), &row, expected);
+            row = model.forward(&[token], &mut cache).expect("decode");
+        }
+        // The user's path: the generation loop with its defaults' attention.
+        let options = GenerateOptions {
+            attention: AttentionMethod::Flash,
+            ..greedy(expected.len(), 4096)
+        };
+        let (output, _) = run(&model, &tokenizer, &prompt, &options);
+        assert_eq!(output.tokens, expected, "{name}");
+    }
+}
+
+#[test]
+fn smollm2_flash_greedy_generation_matches_llama_cpp() {
+    flash_greedy_matches_llama_cpp(SMOLLM2);
+}
+
+#[test]
+fn gemma3_flash_greedy_generation_matches_llama_cpp() {
+    flash_greedy_matches_llama_cpp(GEMMA3);
 }
 
 #[test]

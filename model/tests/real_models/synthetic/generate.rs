@@ -687,6 +687,8 @@ struct Tensors {
     data: Vec<Vec<u8>>,
     seed: u64,
     blocks: Blocks,
+    /// Write every tensor as the F32 values its blocks decode to ([`build_decoded`]).
+    decoded: bool,
 }
 
 impl Tensors {
@@ -757,6 +759,14 @@ impl Tensors {
         bytes: Vec<u8>,
     ) -> Result<(), GgufError> {
         let dims: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        if self.decoded && ty != GgmlType::F32 {
+            let mut values = vec![0f32; dims.iter().product::<u64>() as usize];
+            dequant::decode_f32(ty, &bytes, &mut values).expect("whole blocks decode");
+            self.writer.add_tensor(name, GgmlType::F32, &dims)?;
+            self.data
+                .push(values.iter().flat_map(|v| v.to_le_bytes()).collect());
+            return Ok(());
+        }
         self.writer.add_tensor(name, ty, &dims)?;
         self.data.push(bytes);
         Ok(())
@@ -765,6 +775,17 @@ impl Tensors {
 
 /// The whole GGUF file of `spec`.
 pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
+    write(spec, false)
+}
+
+/// The model of `spec` with every weight stored as the F32 values its blocks decode to:
+/// the same function, computed without quantizing the activations (F32 weights meet f32
+/// activations). Against it, the rounding of the quantized model's own arithmetic shows.
+pub fn build_decoded(spec: &Spec) -> Result<Vec<u8>, GgufError> {
+    write(spec, true)
+}
+
+fn write(spec: &Spec, decoded: bool) -> Result<Vec<u8>, GgufError> {
     let mut w = GgufWriter::new();
     let arch = spec.arch.name();
     let key = |k: &str| format!("{arch}.{k}");
@@ -829,6 +850,7 @@ pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
         data: Vec::new(),
         seed: spec.seed,
         blocks: spec.blocks,
+        decoded,
     };
     let gemma = matches!(spec.arch, Arch::Gemma2 | Arch::Gemma3);
     let qk_norm = matches!(spec.arch, Arch::Qwen3 | Arch::Gemma3);
