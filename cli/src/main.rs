@@ -9,6 +9,7 @@ mod generate;
 mod inspect;
 mod interrupt;
 mod load;
+mod models;
 mod options;
 mod progress;
 mod serve;
@@ -43,6 +44,11 @@ enum Command {
     Devices(devices::DevicesArgs),
     /// Continue a prompt with a model, streaming the text as it is produced.
     Generate(generate::GenerateArgs),
+    /// Fetch a model into the models cache (a URL, hf://ORG/REPO/FILE.gguf, or a known
+    /// model), resuming an interrupted download and checking it.
+    Pull(models::PullArgs),
+    /// List the models cache: name, size, architecture and quantization.
+    List(models::ListArgs),
     /// Print the token ids of a text.
     Tokenize(tokenize::TokenizeArgs),
     /// Put a model's weights on a GPU and report how long each stage took.
@@ -71,6 +77,8 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Devices(args) => devices::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Generate(args) => generate::run(&args),
+        Command::Pull(args) => models::run_pull(&args).map(|()| ExitCode::SUCCESS),
+        Command::List(args) => models::run_list(&args).map(|()| ExitCode::SUCCESS),
         Command::Tokenize(args) => tokenize::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Load(args) => load::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args).map(|()| ExitCode::SUCCESS),
