@@ -3,6 +3,7 @@
 //! A thin layer: it parses arguments, installs the tracing subscriber, and calls the
 //! library crates. Every failure ends as one line on stderr and a non-zero exit code.
 
+mod chat;
 mod device_choice;
 mod devices;
 mod generate;
@@ -44,6 +45,9 @@ enum Command {
     Devices(devices::DevicesArgs),
     /// Continue a prompt with a model, streaming the text as it is produced.
     Generate(generate::GenerateArgs),
+    /// Talk with a model through its chat template: one message a line, the answers
+    /// streamed, the conversation kept between turns.
+    Chat(chat::ChatArgs),
     /// Fetch a model into the models cache (a URL, hf://ORG/REPO/FILE.gguf, or a known
     /// model), resuming an interrupted download and checking it.
     Pull(models::PullArgs),
@@ -70,6 +74,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let progress = match &cli.command {
         Command::Generate(args) => progress::Mode::choose(args.progress),
+        Command::Chat(args) => progress::Mode::choose(args.progress),
         _ => progress::Mode::Off,
     };
     install_subscriber(progress);
@@ -77,6 +82,7 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Devices(args) => devices::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Generate(args) => generate::run(&args),
+        Command::Chat(args) => chat::run(&args),
         Command::Pull(args) => models::run_pull(&args).map(|()| ExitCode::SUCCESS),
         Command::List(args) => models::run_list(&args).map(|()| ExitCode::SUCCESS),
         Command::Tokenize(args) => tokenize::run(&args).map(|()| ExitCode::SUCCESS),
