@@ -8,11 +8,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use model::chat::ChatTemplate;
 use model::generate::{generate, generate_with, GenerateOptions, Generation, StopReason};
 use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
-use model::sampling::{defaults, SamplingParams, Xoshiro256};
+use model::sampling::Xoshiro256;
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
 use serde_json::json;
@@ -22,17 +22,16 @@ use tensor_store::{LoadMode, TensorStore};
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::{install_ctrl_c, EXIT_INTERRUPTED};
 use crate::load::LoadModeArg;
-use crate::options;
+use crate::{models, options};
 
-/// The model used when `--gguf` is not given, from the models cache.
-pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// llama.cpp's default context size.
-const DEFAULT_CTX_SIZE: usize = 4096;
+pub const DEFAULT_CTX_SIZE: usize = 4096;
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
     /// The GGUF model (any shard of a split model). Default: SmolLM2-135M-Instruct from
-    /// the models cache ($ROCMFORGE_MODELS, else ~/.cache/rocmforge/models).
+    /// the models cache ($ROCMFORGE_MODELS, else ~/.cache/rocmforge/models), fetched
+    /// there on first use.
     #[arg(long, short = 'm', visible_alias = "model", value_name = "FILE")]
     gguf: Option<PathBuf>,
     /// The text to continue.
@@ -50,28 +49,8 @@ pub struct GenerateArgs {
     #[arg(long, short = 'n', default_value = "256", value_parser = options::parse_max_tokens,
           allow_negative_numbers = true)]
     max_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, visible_alias = "temp", default_value_t = defaults::TEMPERATURE,
-          allow_negative_numbers = true)]
-    temperature: f32,
-    /// Keep the K most likely tokens; 0 keeps all.
-    #[arg(long, default_value_t = defaults::TOP_K, allow_negative_numbers = true)]
-    top_k: usize,
-    /// Keep the most likely tokens up to this probability mass, in (0, 1]; 1 keeps all.
-    #[arg(long, default_value_t = defaults::TOP_P, allow_negative_numbers = true)]
-    top_p: f32,
-    /// Drop tokens less likely than this fraction of the most likely one, in [0, 1].
-    #[arg(long, default_value_t = defaults::MIN_P, allow_negative_numbers = true)]
-    min_p: f32,
-    /// Penalty for tokens seen in the last --repeat-last-n tokens; 1 is none.
-    #[arg(long, default_value_t = defaults::REPEAT_PENALTY, allow_negative_numbers = true)]
-    repeat_penalty: f32,
-    /// How many recent tokens the repetition penalty looks at.
-    #[arg(long, default_value_t = defaults::REPEAT_LAST_N)]
-    repeat_last_n: usize,
-    /// Seed of the sampler; random when not given.
-    #[arg(long, short = 's')]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: options::SamplingArgs,
     /// Worker threads for the computation (default and most: one per core).
     #[arg(long, short = 't')]
     threads: Option<NonZeroUsize>,
@@ -111,6 +90,10 @@ pub struct GenerateArgs {
     /// matrix products around a softmax (off), each as llama.cpp computes it.
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
     pub flash_attn: options::FlashAttn,
+    /// Never download: without --gguf, the default model must be in the cache already
+    /// (also ROCMFORGE_OFFLINE=1).
+    #[arg(long)]
+    pub offline: bool,
 }
 
 /// Set to `0`, a GPU's upload reads a cold model file with its readers alone; set to a
@@ -152,38 +135,12 @@ fn read_ahead(args: &GenerateArgs, model: &Model) -> Option<ReadAhead> {
 }
 
 /// `--batch-size`: a whole number of tokens, at least 1.
-fn parse_batch_size(text: &str) -> Result<usize, String> {
+pub fn parse_batch_size(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
         Ok(0) => Err("a prompt chunk must hold at least 1 token".to_owned()),
         Ok(n) => Ok(n),
         Err(_) => Err(format!("{text:?} is not a number of tokens (at least 1)")),
     }
-}
-
-/// `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models`.
-pub fn models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ROCMFORGE_MODELS") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    home.join(".cache/rocmforge/models")
-}
-
-/// `--gguf`, or the default model, which must have been fetched.
-pub fn model_path(gguf: Option<&Path>) -> Result<PathBuf> {
-    if let Some(path) = gguf {
-        return Ok(path.to_owned());
-    }
-    let path = models_dir().join(DEFAULT_MODEL);
-    if !path.exists() {
-        bail!(
-            "the default model {} is missing: run `cargo xtask fetch-models`, or pass --gguf FILE",
-            path.display()
-        );
-    }
-    Ok(path)
 }
 
 /// The tokens of a prompt, as llama.cpp makes them: BOS where the model asks for it,
@@ -193,17 +150,8 @@ pub fn prompt_tokens(tokenizer: &Tokenizer, text: &str) -> Result<Vec<TokenId>> 
 }
 
 pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
-    let seed = args.seed.unwrap_or_else(random_seed);
-    let params = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        repeat_last_n: args.repeat_last_n,
-        seed,
-    };
-    let sampling = params.validate()?;
+    let seed = args.sampling.seed.unwrap_or_else(random_seed);
+    let sampling = args.sampling.params(seed).validate()?;
     let threads = options::worker_threads(args.threads)?;
     let user_text = options::prompt_text(args.prompt.as_deref(), args.file.as_deref())?;
     let stop = install_ctrl_c()?;
@@ -215,7 +163,13 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     }
 
     let load_start = Instant::now();
-    let path = model_path(args.gguf.as_deref())?;
+    let path = models::model_path(
+        args.gguf.as_deref(),
+        Some(models::Fetch {
+            offline: args.offline,
+            progress: args.progress,
+        }),
+    )?;
     tracing::info!(path = %path.display(), "model file");
     let mode = if args.no_mmap {
         LoadMode::Read
@@ -379,7 +333,7 @@ fn chat_prompt(
 
 /// `--ctx-size`: 0 is the training context; more than it is cut to it, with a warning
 /// (the model has never seen positions past it).
-fn context_size(requested: usize, n_ctx_train: usize) -> usize {
+pub fn context_size(requested: usize, n_ctx_train: usize) -> usize {
     match requested {
         0 => n_ctx_train,
         n if n > n_ctx_train => {
@@ -503,7 +457,7 @@ fn tokens(n: usize) -> String {
 }
 
 /// A seed from the clock and the process id, for runs without `--seed`.
-fn random_seed() -> u64 {
+pub fn random_seed() -> u64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);

@@ -17,8 +17,8 @@ use tensor_store::device::{
 };
 use tensor_store::TensorStore;
 
-use crate::generate::model_path;
 use crate::interrupt::install_ctrl_c;
+use crate::models::model_path;
 
 #[derive(clap::Args)]
 pub struct LoadArgs {
@@ -75,7 +75,7 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     // Ctrl-C stops the upload between two chunks and frees what it took; `main` turns
     // the interruption into status 130.
     let stop = install_ctrl_c()?;
-    let path = model_path(args.gguf.as_deref())?;
+    let path = model_path(args.gguf.as_deref(), None)?;
     let start = Instant::now();
     let ms = move || start.elapsed().as_secs_f64() * 1e3;
 

@@ -3,12 +3,14 @@
 //! A thin layer: it parses arguments, installs the tracing subscriber, and calls the
 //! library crates. Every failure ends as one line on stderr and a non-zero exit code.
 
+mod chat;
 mod device_choice;
 mod devices;
 mod generate;
 mod inspect;
 mod interrupt;
 mod load;
+mod models;
 mod options;
 mod progress;
 mod serve;
@@ -43,6 +45,14 @@ enum Command {
     Devices(devices::DevicesArgs),
     /// Continue a prompt with a model, streaming the text as it is produced.
     Generate(generate::GenerateArgs),
+    /// Talk with a model through its chat template: one message a line, the answers
+    /// streamed, the conversation kept between turns.
+    Chat(chat::ChatArgs),
+    /// Fetch a model into the models cache (a URL, hf://ORG/REPO/FILE.gguf, or a known
+    /// model), resuming an interrupted download and checking it.
+    Pull(models::PullArgs),
+    /// List the models cache: name, size, architecture and quantization.
+    List(models::ListArgs),
     /// Print the token ids of a text.
     Tokenize(tokenize::TokenizeArgs),
     /// Put a model's weights on a GPU and report how long each stage took.
@@ -64,6 +74,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let progress = match &cli.command {
         Command::Generate(args) => progress::Mode::choose(args.progress),
+        Command::Chat(args) => progress::Mode::choose(args.progress),
         _ => progress::Mode::Off,
     };
     install_subscriber(progress);
@@ -71,6 +82,9 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Devices(args) => devices::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Generate(args) => generate::run(&args),
+        Command::Chat(args) => chat::run(&args),
+        Command::Pull(args) => models::run_pull(&args).map(|()| ExitCode::SUCCESS),
+        Command::List(args) => models::run_list(&args).map(|()| ExitCode::SUCCESS),
         Command::Tokenize(args) => tokenize::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Load(args) => load::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args).map(|()| ExitCode::SUCCESS),

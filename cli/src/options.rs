@@ -1,11 +1,54 @@
 //! Argument handling shared by the subcommands: where a prompt comes from, llama.cpp's
-//! `-n -1`, and the worker-thread count.
+//! `-n -1`, the sampling flags, and the worker-thread count.
 
 use std::io::Read;
 use std::num::NonZeroUsize;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use model::sampling::{defaults, SamplingParams};
+
+/// The sampling flags `generate` and `chat` share, with llama.cpp's defaults.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, visible_alias = "temp", default_value_t = defaults::TEMPERATURE,
+          allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Keep the K most likely tokens; 0 keeps all.
+    #[arg(long, default_value_t = defaults::TOP_K, allow_negative_numbers = true)]
+    pub top_k: usize,
+    /// Keep the most likely tokens up to this probability mass, in (0, 1]; 1 keeps all.
+    #[arg(long, default_value_t = defaults::TOP_P, allow_negative_numbers = true)]
+    pub top_p: f32,
+    /// Drop tokens less likely than this fraction of the most likely one, in [0, 1].
+    #[arg(long, default_value_t = defaults::MIN_P, allow_negative_numbers = true)]
+    pub min_p: f32,
+    /// Penalty for tokens seen in the last --repeat-last-n tokens; 1 is none.
+    #[arg(long, default_value_t = defaults::REPEAT_PENALTY, allow_negative_numbers = true)]
+    pub repeat_penalty: f32,
+    /// How many recent tokens the repetition penalty looks at.
+    #[arg(long, default_value_t = defaults::REPEAT_LAST_N)]
+    pub repeat_last_n: usize,
+    /// Seed of the sampler; random when not given.
+    #[arg(long, short = 's')]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The parameters with `seed` (the given one, or one drawn by the caller).
+    pub fn params(&self, seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed,
+        }
+    }
+}
 
 /// The text given with `--prompt`, or read from `--file PATH` (`-` is stdin), for prompts
 /// longer than a command line may be.

@@ -8,7 +8,8 @@ use model::tokenizer::Tokenizer;
 use serde_json::json;
 use tensor_store::TensorStore;
 
-use crate::generate::{model_path, prompt_tokens};
+use crate::generate::prompt_tokens;
+use crate::models::model_path;
 use crate::options::prompt_text;
 
 #[derive(clap::Args)]
@@ -30,7 +31,7 @@ pub struct TokenizeArgs {
 
 pub fn run(args: &TokenizeArgs) -> Result<()> {
     let text = prompt_text(args.text.as_deref(), args.file.as_deref())?;
-    let path = model_path(args.gguf.as_deref())?;
+    let path = model_path(args.gguf.as_deref(), None)?;
     let store = TensorStore::open(&path)?;
     let tokenizer = Tokenizer::from_metadata(store.metadata())
         .with_context(|| format!("{}: tokenizer", path.display()))?;

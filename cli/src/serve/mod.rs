@@ -22,16 +22,21 @@ use model::Model;
 use tensor_store::device::{CacheStats, UploadMode};
 use tensor_store::TensorStore;
 
-use crate::generate::model_path;
+use crate::models::{model_path, Fetch};
 
 /// llama.cpp's default context size.
 const DEFAULT_CTX_SIZE: usize = 4096;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// The GGUF model. Default: SmolLM2-135M-Instruct from the models cache.
+    /// The GGUF model. Default: SmolLM2-135M-Instruct from the models cache, fetched
+    /// there on first use.
     #[arg(long, value_name = "FILE")]
     gguf: Option<PathBuf>,
+    /// Never download: without --gguf, the default model must be in the cache already
+    /// (also ROCMFORGE_OFFLINE=1).
+    #[arg(long)]
+    offline: bool,
     /// Address to listen on (loopback by default).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -152,7 +157,13 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         }
         (None, None) => None,
     };
-    let path = model_path(args.gguf.as_deref())?;
+    let path = model_path(
+        args.gguf.as_deref(),
+        Some(Fetch {
+            offline: args.offline,
+            progress: false,
+        }),
+    )?;
     let state = Arc::new(AppState {
         progress: AtomicU32::new(0f32.to_bits()),
         loaded: OnceLock::new(),

@@ -52,11 +52,12 @@ fn repeated(word: &str, repeats: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fetch::{models_dir, RealModel, GEMMA3, SMOLLM2};
+    use crate::fetch::{models_dir, GEMMA3, SMOLLM2};
+    use rocmforge::pull::KnownModel;
 
     /// The tokenizer of a real model from the models cache, or `None` (with a `SKIPPED`
     /// line) when it has not been fetched.
-    fn real_tokenizer(test: &str, model: &RealModel) -> Option<Tokenizer> {
+    fn real_tokenizer(test: &str, model: &KnownModel) -> Option<Tokenizer> {
         let path = models_dir().join(model.file_name);
         let Ok(store) = tensor_store::TensorStore::open(&path) else {
             eprintln!(
