@@ -16,13 +16,12 @@
 
 pub mod chat;
 mod config;
+mod cpu;
 mod error;
-mod forward;
 pub mod generate;
 pub mod gpu;
 mod kv_cache;
 mod model;
-mod offload;
 mod ops;
 mod plan;
 pub mod sampling;
@@ -30,8 +29,8 @@ pub mod serve;
 pub mod tokenizer;
 
 pub use config::{Activation, Architecture, LayerAttention, ModelConfig, RopeStyle};
+pub use cpu::{Logits, PROGRESS_TARGET};
 pub use error::ModelError;
-pub use forward::{Logits, PROGRESS_TARGET};
 pub use kv_cache::KvCache;
 pub use model::Model;
 pub use ops::AttentionMethod;

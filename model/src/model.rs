@@ -3,7 +3,7 @@
 use tensor_store::TensorStore;
 
 use crate::config::ModelConfig;
-use crate::forward::{self, Logits};
+use crate::cpu::{self, Logits};
 use crate::kv_cache::KvCache;
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
@@ -59,7 +59,7 @@ impl Model {
 
     /// Appends `tokens` to `cache` and returns the logits of the last one.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Vec<f32>, ModelError> {
-        forward::forward(&self.config, &self.plan, tokens, cache, Logits::Last)
+        cpu::forward(&self.config, &self.plan, tokens, cache, Logits::Last)
     }
 
     /// Appends `tokens` to `cache` and returns the logits of every one of them,
@@ -69,6 +69,6 @@ impl Model {
         tokens: &[u32],
         cache: &mut KvCache,
     ) -> Result<Vec<f32>, ModelError> {
-        forward::forward(&self.config, &self.plan, tokens, cache, Logits::All)
+        cpu::forward(&self.config, &self.plan, tokens, cache, Logits::All)
     }
 }

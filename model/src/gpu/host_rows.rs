@@ -8,7 +8,7 @@
 //! of each of their products ([`HostRows::share`]): per group of products (q/k/v,
 //! the attention output, gate/up, down) it copies those rows into a staging buffer and
 //! multiplies them with the decode products, while the CPU computes the other rows
-//! ([`crate::offload`]); the two finish at about the same time.
+//! ([`crate::cpu::RowOffload`]); the two finish at about the same time.
 //!
 //! (Reading the rows in place, with the decode products over mapped host memory, was
 //! slower: their scattered reads got well under half the link's rate, and a 7B at a
@@ -25,7 +25,7 @@ use tensor_store::TensorHandle;
 
 use super::forward::product_error;
 use super::host::{gpu, HOST_TOKENS};
-use crate::offload::RowOffload;
+use crate::cpu::RowOffload;
 use crate::plan::{ExecutionPlan, LayerPlan, Linear};
 use crate::ModelError;
 

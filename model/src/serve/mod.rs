@@ -27,7 +27,7 @@
 
 mod batch;
 mod metrics;
-mod pool;
+pub(crate) mod pool;
 mod stop;
 
 use std::collections::{HashMap, VecDeque};
@@ -994,7 +994,7 @@ fn choose_all(rows: &mut [(&mut Sequence<'_>, &mut [f32])]) -> Vec<Result<TokenI
     if rows.len() < PARALLEL_SAMPLING || rayon::current_num_threads() < PARALLEL_SAMPLING {
         return rows.iter_mut().map(|(seq, row)| seq.choose(row)).collect();
     }
-    crate::forward::on_the_pool(|| {
+    crate::cpu::on_the_pool(|| {
         rows.par_iter_mut()
             .map(|(seq, row)| seq.choose(row))
             .collect()

@@ -10,7 +10,7 @@
 
 use dequant::matmul::QuantizedMatrix;
 
-use crate::forward::{add_bias, linear, linears, matrix_rows, resize};
+use super::products::{add_bias, linear, linears, matrix_rows, resize};
 use crate::plan::Linear;
 use crate::ModelError;
 
@@ -41,7 +41,7 @@ pub(crate) trait RowOffload {
     ) -> Result<(), ModelError>;
 }
 
-/// [`crate::forward::linears`] with the first rows of each product on `offload`'s side,
+/// [`super::products::linears`] with the first rows of each product on `offload`'s side,
 /// computed while the CPU computes the others.
 pub(crate) fn split_linears<const K: usize>(
     offload: Option<&mut (dyn RowOffload + Send)>,

@@ -1,0 +1,423 @@
+//! One transformer layer on the CPU, written once: the attention block, then the
+//! feed-forward block, over either place a batch's keys and values live ([`Kv`]): one
+//! sequence's contiguous [`KvCache`] (generation, scoring, the layers a GPU model does
+//! not hold) or the scheduler's paged pool, several sequences' segments in one batch.
+//! Both run the same operations in the same order on the same rows, so a sequence alone
+//! in a scheduler step gets the bits [`crate::Model::forward`] gives it.
+
+use crate::config::{Activation, ModelConfig};
+use crate::kv_cache::KvCache;
+use crate::ops::{self, AttentionMethod, AttentionShape, FlashContext, Layout};
+use crate::plan::LayerPlan;
+use crate::serve::pool::{BlockId, KvPool};
+use crate::ModelError;
+
+use super::offload::{split_linears, RowOffload};
+use super::products::{add, resize, vector};
+
+/// Where a batch's keys and values go, and whose positions its rows are.
+pub(crate) enum Kv<'a, 's> {
+    /// One sequence: the batch's rows at the positions after `cache.len()`, appended to
+    /// the cache (the caller commits them once every layer has its rows).
+    Cache(&'a mut KvCache),
+    /// Several sequences: each segment's rows, in segment order, at its positions,
+    /// written into its blocks of the pool.
+    Pool {
+        pool: &'a mut KvPool,
+        segments: &'a [Segment<'s>],
+        context: Context,
+    },
+}
+
+/// One sequence's part of a batch in the pool.
+pub(crate) struct Segment<'a> {
+    /// Tokens to run, at positions `first_pos..first_pos + tokens.len()`.
+    pub tokens: &'a [u32],
+    pub first_pos: usize,
+    /// The sequence's blocks, covering every position up to the last of `tokens`.
+    pub table: &'a [BlockId],
+    /// Whether the last token gets logits.
+    pub logits: bool,
+}
+
+/// What a sequence's single-sequence cache would be: its size in positions (which
+/// chooses Phi-3's RoPE factors and bounds flash attention's view of it) and how its
+/// attention is computed.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Context {
+    pub size: usize,
+    pub attention: AttentionMethod,
+}
+
+impl Kv<'_, '_> {
+    /// The positions of the batch's rows, in row order.
+    fn positions(&self, n: usize) -> Vec<usize> {
+        match self {
+            Kv::Cache(cache) => (cache.len()..cache.len() + n).collect(),
+            Kv::Pool { segments, .. } => segments
+                .iter()
+                .flat_map(|s| s.first_pos..s.first_pos + s.tokens.len())
+                .collect(),
+        }
+    }
+
+    /// The context RoPE is computed for (Phi-3 takes its long factors beyond its
+    /// original context).
+    fn rope_context(&self) -> usize {
+        match self {
+            Kv::Cache(cache) => cache.capacity(),
+            Kv::Pool { context, .. } => context.size,
+        }
+    }
+
+    /// Writes the batch's keys and values of layer `layer_idx` and computes each row's
+    /// attention into `out`. With `carry_last`, only the rows that get logits are needed
+    /// past the attention (the last of the batch, or of each segment that asks): rows of
+    /// segments that get none are not attended. Returns the rows to carry.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &mut self,
+        config: &ModelConfig,
+        layer_idx: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        carry_last: bool,
+    ) -> Carry {
+        let n = q.len() / (config.n_heads * config.head_dim);
+        match self {
+            Kv::Cache(cache) => {
+                let shape = attention_shape(
+                    config,
+                    layer_idx,
+                    cache.len(),
+                    cache.attention(),
+                    cache.context(),
+                );
+                cache.append(layer_idx, k, v);
+                let (keys, values) = cache.layer(layer_idx);
+                ops::attention(q, keys, values, &shape, out);
+                if carry_last && n > 1 {
+                    Carry::Rows(vec![n - 1])
+                } else {
+                    Carry::All
+                }
+            }
+            Kv::Pool {
+                pool,
+                segments,
+                context,
+            } => {
+                let (q_dim, k_dim, v_dim) = (
+                    config.n_heads * config.head_dim,
+                    config.n_kv_heads * config.head_dim,
+                    config.n_kv_heads * config.head_dim_v,
+                );
+                let out_dim = config.n_heads * config.head_dim_v;
+                let mut kept = Vec::new();
+                let mut row = 0;
+                for seg in segments.iter() {
+                    let len = seg.tokens.len();
+                    if len == 0 {
+                        continue;
+                    }
+                    let rows = row..row + len;
+                    row = rows.end;
+                    pool.write(
+                        layer_idx,
+                        seg.table,
+                        seg.first_pos,
+                        &k[rows.start * k_dim..rows.end * k_dim],
+                        &v[rows.start * v_dim..rows.end * v_dim],
+                    );
+                    if carry_last && !seg.logits {
+                        continue;
+                    }
+                    let shape = attention_shape(
+                        config,
+                        layer_idx,
+                        seg.first_pos,
+                        context.attention,
+                        context.size,
+                    );
+                    let (keys, values) = pool.layer(layer_idx);
+                    let layout = Layout::Paged {
+                        table: seg.table,
+                        block_size: pool.block_size(),
+                    };
+                    // With `carry_last` only the last row matters; attending with it
+                    // alone would change the lanes (a single token takes the dot
+                    // product's path), so every row attends, as for one sequence.
+                    ops::attention_in(
+                        &q[rows.start * q_dim..rows.end * q_dim],
+                        keys,
+                        values,
+                        &shape,
+                        layout,
+                        &mut out[rows.start * out_dim..rows.end * out_dim],
+                    );
+                    kept.push(rows.end - 1);
+                }
+                if carry_last {
+                    Carry::Rows(kept)
+                } else {
+                    Carry::All
+                }
+            }
+        }
+    }
+}
+
+/// The attention of layer `layer_idx` for rows from `first_pos` on, computed by
+/// `method` in a context of `context` positions.
+fn attention_shape(
+    config: &ModelConfig,
+    layer_idx: usize,
+    first_pos: usize,
+    method: AttentionMethod,
+    context: usize,
+) -> AttentionShape {
+    AttentionShape {
+        n_heads: config.n_heads,
+        n_kv_heads: config.n_kv_heads,
+        head_dim: config.head_dim,
+        head_dim_v: config.head_dim_v,
+        first_pos,
+        window: config.layers[layer_idx].sliding_window,
+        // Models that scale their queries before the product (Gemma) have it done.
+        scale: if config.scale_queries {
+            1.0
+        } else {
+            config.attention_scale
+        },
+        softcap: config.attn_logit_softcap,
+        method,
+        flash: FlashContext {
+            context,
+            threads: rayon::current_num_threads(),
+        },
+    }
+}
+
+/// The rows a layer carries past its attention.
+enum Carry {
+    All,
+    /// These rows, in order: only their residual streams go through the output
+    /// projection and the feed-forward block. That saves the work of the others, and it
+    /// is what llama.cpp does, so those products see the batch llama.cpp's see and take
+    /// the same kernels (and roundings).
+    Rows(Vec<usize>),
+}
+
+/// Reusable buffers of one forward call.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    rope: RopeTables,
+}
+
+/// RoPE tables of one forward call's positions, one per base and scale the layers use:
+/// layers of one base and scale rotate by the same angles (the frequency factors, where
+/// a model has them, are one tensor for all layers).
+pub(crate) type RopeTables = Vec<((u32, u32), Vec<(f32, f32)>)>;
+
+/// The table of `layer_idx`'s angles at `positions`, from `tables` or computed into it,
+/// for a context (KV cache) of `context` positions: beyond the model's original context,
+/// Phi-3 rotates with its long factors, as llama.cpp does for a context that long.
+pub(crate) fn rope_table<'t, I: Iterator<Item = usize>>(
+    tables: &'t mut RopeTables,
+    config: &ModelConfig,
+    layer: &LayerPlan,
+    layer_idx: usize,
+    context: usize,
+    positions: impl FnOnce() -> I,
+) -> Result<&'t [(f32, f32)], ModelError> {
+    let attn_cfg = config.layers[layer_idx];
+    let key = (
+        attn_cfg.rope_freq_base.to_bits(),
+        attn_cfg.rope_scale.to_bits(),
+    );
+    let at = match tables.iter().position(|(k, _)| *k == key) {
+        Some(at) => at,
+        None => {
+            let factors = layer
+                .rope_freqs
+                .as_ref()
+                .or(if context > config.rope_original_context {
+                    layer.rope_factors_long.as_ref()
+                } else {
+                    layer.rope_factors_short.as_ref()
+                });
+            let freq_factors = factors.map(vector).transpose()?;
+            let table = ops::rope_table(
+                positions(),
+                config.rope_dims,
+                attn_cfg.rope_freq_base,
+                attn_cfg.rope_scale,
+                freq_factors.as_deref(),
+                config.rope_attn_factor,
+            );
+            tables.push((key, table));
+            tables.len() - 1
+        }
+    };
+    Ok(&tables[at].1)
+}
+
+/// `offload` for one call, the option kept for the next.
+pub(crate) fn reborrow<'s>(
+    offload: &'s mut Option<&mut (dyn RowOffload + Send)>,
+) -> Option<&'s mut (dyn RowOffload + Send + 's)> {
+    match offload {
+        Some(o) => Some(&mut **o),
+        None => None,
+    }
+}
+
+/// Runs the residual stream `x` (`n_embd` values per row) through transformer block
+/// `layer_idx`: its attention block, then its feed-forward block. With `carry_last`,
+/// `x` keeps only the rows that get logits (see [`Kv::attend`]); it may then be empty.
+/// With `offload`, the first rows of each product are computed on its side.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer(
+    config: &ModelConfig,
+    layer: &LayerPlan,
+    layer_idx: usize,
+    x: &mut Vec<f32>,
+    kv: &mut Kv<'_, '_>,
+    carry_last: bool,
+    s: &mut Scratch,
+    mut offload: Option<&mut (dyn RowOffload + Send)>,
+) -> Result<(), ModelError> {
+    attention_block(
+        config,
+        layer,
+        layer_idx,
+        x,
+        kv,
+        carry_last,
+        s,
+        reborrow(&mut offload),
+    )?;
+    if x.is_empty() {
+        return Ok(());
+    }
+    ffn_block(config, layer, x, s, offload)
+}
+
+/// The attention block: `x += post_norm(W_o · attention(rope(W_qkv · norm(x))))`.
+#[allow(clippy::too_many_arguments)]
+fn attention_block(
+    config: &ModelConfig,
+    layer: &LayerPlan,
+    layer_idx: usize,
+    x: &mut Vec<f32>,
+    kv: &mut Kv<'_, '_>,
+    carry_last: bool,
+    s: &mut Scratch,
+    mut offload: Option<&mut (dyn RowOffload + Send)>,
+) -> Result<(), ModelError> {
+    let n = x.len() / config.n_embd;
+    let eps = config.rms_norm_eps;
+    resize(&mut s.h, x.len());
+    ops::rms_norm(x, &vector(&layer.attn_norm)?, eps, &mut s.h);
+    split_linears(
+        reborrow(&mut offload),
+        [&layer.wq, &layer.wk, &layer.wv],
+        &s.h,
+        n,
+        [&mut s.q, &mut s.k, &mut s.v],
+    )?;
+    if let Some(norm) = &layer.q_norm {
+        ops::rms_norm_in_place(&mut s.q, &vector(norm)?, eps);
+    }
+    if let Some(norm) = &layer.k_norm {
+        ops::rms_norm_in_place(&mut s.k, &vector(norm)?, eps);
+    }
+    let table = rope_table(
+        &mut s.rope,
+        config,
+        layer,
+        layer_idx,
+        kv.rope_context(),
+        || kv.positions(n).into_iter(),
+    )?;
+    for m in [&mut s.q, &mut s.k] {
+        ops::apply_rope(
+            m,
+            config.head_dim,
+            config.rope_dims,
+            config.rope_style,
+            table,
+        );
+    }
+    if config.scale_queries {
+        for q in s.q.iter_mut() {
+            *q *= config.attention_scale;
+        }
+    }
+    let out_dim = config.n_heads * config.head_dim_v;
+    resize(&mut s.attn, n * out_dim);
+    let carry = kv.attend(config, layer_idx, &s.q, &s.k, &s.v, &mut s.attn, carry_last);
+    if let Carry::Rows(rows) = carry {
+        let e = config.n_embd;
+        *x = rows
+            .iter()
+            .flat_map(|&r| x[r * e..(r + 1) * e].iter().copied())
+            .collect();
+        s.attn = rows
+            .iter()
+            .flat_map(|&r| s.attn[r * out_dim..(r + 1) * out_dim].iter().copied())
+            .collect();
+    }
+    let n = x.len() / config.n_embd;
+    if n == 0 {
+        return Ok(());
+    }
+    split_linears(offload, [&layer.wo], &s.attn, n, [&mut s.proj])?;
+    if let Some(norm) = &layer.post_attn_norm {
+        ops::rms_norm_in_place(&mut s.proj, &vector(norm)?, eps);
+    }
+    add(x, &s.proj);
+    Ok(())
+}
+
+/// The feed-forward block: `x += post_norm(W_down · act(W_gate · h) ⊙ (W_up · h))` with
+/// `h = norm(x)`.
+fn ffn_block(
+    config: &ModelConfig,
+    layer: &LayerPlan,
+    x: &mut [f32],
+    s: &mut Scratch,
+    mut offload: Option<&mut (dyn RowOffload + Send)>,
+) -> Result<(), ModelError> {
+    let n = x.len() / config.n_embd;
+    let eps = config.rms_norm_eps;
+    resize(&mut s.h, x.len());
+    ops::rms_norm(x, &vector(&layer.ffn_norm)?, eps, &mut s.h);
+    split_linears(
+        reborrow(&mut offload),
+        [&layer.gate, &layer.up],
+        &s.h,
+        n,
+        [&mut s.gate, &mut s.up],
+    )?;
+    match config.activation {
+        Activation::Silu => ops::swiglu(&mut s.gate, &s.up, config.n_ff),
+        Activation::GeluTanh => ops::geglu(&mut s.gate, &s.up),
+    }
+    split_linears(offload, [&layer.down], &s.gate, n, [&mut s.proj])?;
+    if let Some(norm) = &layer.post_ffn_norm {
+        ops::rms_norm_in_place(&mut s.proj, &vector(norm)?, eps);
+    }
+    add(x, &s.proj);
+    Ok(())
+}

@@ -1,0 +1,17 @@
+//! The CPU back end, beside [`crate::gpu`]: the transformer layer written once
+//! ([`layer`]: its attention block and feed-forward block) over either KV layout, the
+//! pass of one sequence over its [`crate::KvCache`] ([`pass`]), the products on the
+//! weights' quantized blocks ([`products`]), and the first rows of those products handed
+//! to another device while the CPU computes the rest ([`offload`], for a GPU model over
+//! its budget). The scheduler's batches ([`crate::serve`]) assemble segments of the
+//! paged pool and run the same layer.
+
+mod layer;
+mod offload;
+mod pass;
+mod products;
+
+pub(crate) use layer::{layer, Context, Kv, Scratch, Segment};
+pub(crate) use offload::RowOffload;
+pub(crate) use pass::{embed, forward, layers_on_host, on_the_pool, output_logits};
+pub use pass::{Logits, PROGRESS_TARGET};
