@@ -313,6 +313,28 @@ def _():
     assert "n must be 1" in error_of(status, body, 400)
     status, _, body = http("POST", url, {"prompt": "x", "temperature": -1}, auth)
     error_of(status, body, 400)
+    # What the server cannot do yet is refused naming the field, never ignored.
+    chat_url = main.base + "/v1/chat/completions"
+    hi = [{"role": "user", "content": "hi"}]
+    for extra, field in [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "sound"}}, "response_format"),
+        ({"logprobs": True}, "logprobs"),
+    ]:
+        status, _, body = http("POST", chat_url, {"messages": hi, **extra}, auth)
+        assert field in error_of(status, body, 400), (extra, body)
+    status, _, body = http(
+        "POST", chat_url, {"messages": hi, "response_format": {"type": "text"}, "max_tokens": 1}, auth
+    )
+    assert status == 200, (status, body)
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    try:
+        client.chat.completions.create(
+            model=MODEL_ID, messages=hi, tools=[tool], tool_choice="required", max_tokens=8
+        )
+        raise AssertionError("tools were accepted")
+    except openai.BadRequestError as e:
+        assert "tools" in str(e), e
     try:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
         raise AssertionError("an unknown model was accepted")

@@ -330,6 +330,109 @@ struct Common {
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
+    /// OpenAI fields this server does not honour yet. They are read so that a request
+    /// that sets them is refused naming them ([`refuse_unsupported`]): an agent that asks
+    /// for JSON or a tool call must not get prose it takes for the one it asked for.
+    response_format: Option<Value>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<Value>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    functions: Option<Value>,
+    function_call: Option<Value>,
+    audio: Option<Value>,
+    modalities: Option<Value>,
+}
+
+/// A 400 naming each field of `common` set to what this server cannot do: output held
+/// to a format or a schema, tool and function calls, log-probabilities, audio. Values
+/// that ask for nothing (`response_format` `{"type": "text"}`, `tool_choice` `"none"`,
+/// `logprobs` `false` or `0`, empty lists, `null`) pass.
+fn refuse_unsupported(common: &Common) -> Result<(), ApiError> {
+    let asks = |value: &Option<Value>| match value {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Array(items)) => !items.is_empty(),
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(_) => true,
+    };
+    if let Some(format) = &common.response_format {
+        let kind = format.get("type").and_then(Value::as_str);
+        match kind {
+            Some("text") => {}
+            Some(kind @ ("json_object" | "json_schema")) => {
+                return Err(ApiError::bad(format!(
+                    "response_format {kind:?} is not supported by this server: it cannot hold \
+                     the output to JSON yet"
+                ))
+                .param("response_format"))
+            }
+            _ => {
+                return Err(ApiError::bad(format!(
+                    "response_format must be an object whose type is \"text\", \"json_object\" \
+                     or \"json_schema\", got {format}"
+                ))
+                .param("response_format"))
+            }
+        }
+    }
+    let tool_choice_none = common.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    let refusals: [(&'static str, bool, &str); 9] = [
+        (
+            "tools",
+            asks(&common.tools),
+            "tool calls are not supported by this server",
+        ),
+        (
+            "tool_choice",
+            asks(&common.tool_choice) && !tool_choice_none,
+            "tool calls are not supported by this server",
+        ),
+        (
+            "parallel_tool_calls",
+            matches!(common.parallel_tool_calls, Some(Value::Bool(true))) && asks(&common.tools),
+            "tool calls are not supported by this server",
+        ),
+        (
+            "functions",
+            asks(&common.functions),
+            "function calls are not supported by this server",
+        ),
+        (
+            "function_call",
+            asks(&common.function_call)
+                && common.function_call.as_ref().and_then(Value::as_str) != Some("none"),
+            "function calls are not supported by this server",
+        ),
+        (
+            "logprobs",
+            asks(&common.logprobs),
+            "log-probabilities are not supported by this server",
+        ),
+        (
+            "top_logprobs",
+            asks(&common.top_logprobs),
+            "log-probabilities are not supported by this server",
+        ),
+        (
+            "audio",
+            asks(&common.audio),
+            "audio output is not supported by this server",
+        ),
+        (
+            "modalities",
+            common
+                .modalities
+                .as_ref()
+                .and_then(Value::as_array)
+                .is_some_and(|m| m.iter().any(|x| x.as_str() != Some("text"))),
+            "only text output is supported by this server",
+        ),
+    ];
+    match refusals.into_iter().find(|&(_, refused, _)| refused) {
+        Some((field, _, why)) => Err(ApiError::bad(format!("{field}: {why}")).param(field)),
+        None => Ok(()),
+    }
 }
 
 /// Message content: a string or a list of text parts.
@@ -383,6 +486,7 @@ const MAX_STOP_BYTES: usize = 256;
 /// Checks the common fields and builds the scheduler's request (without prompt and
 /// events yet).
 fn prepare(common: &Common, loaded: &Loaded) -> Result<Prepared, ApiError> {
+    refuse_unsupported(common)?;
     if let Some(name) = &common.model {
         if !name.is_empty() && name != &loaded.model_id {
             return Err(ApiError::bad(format!(
@@ -854,3 +958,69 @@ fn random_seed() -> u64 {
 }
 
 static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(body: Value) -> Option<(&'static str, String)> {
+        let common: Common = serde_json::from_value(body).expect("a request body");
+        refuse_unsupported(&common)
+            .err()
+            .map(|e| (e.param.expect("the field is named"), e.message))
+    }
+
+    #[test]
+    fn fields_asking_for_what_the_server_cannot_do_are_refused_by_name() {
+        let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+        for (body, field) in [
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "sound"}}),
+                "response_format",
+            ),
+            (json!({"response_format": "json"}), "response_format"),
+            (json!({"tools": tool}), "tools"),
+            (json!({"tools": tool, "tool_choice": "required"}), "tools"),
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (
+                json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                "tool_choice",
+            ),
+            (json!({"functions": [{"name": "f"}]}), "functions"),
+            (json!({"function_call": "auto"}), "function_call"),
+            (json!({"logprobs": true}), "logprobs"),
+            (json!({"logprobs": 5}), "logprobs"),
+            (json!({"top_logprobs": 3}), "top_logprobs"),
+            (json!({"audio": {"voice": "x"}}), "audio"),
+            (json!({"modalities": ["text", "audio"]}), "modalities"),
+        ] {
+            let (param, message) = refused(body.clone()).unwrap_or_else(|| panic!("{body} passed"));
+            assert_eq!(param, field, "{body}");
+            assert!(message.contains(field), "{message}");
+        }
+    }
+
+    #[test]
+    fn fields_that_ask_for_nothing_pass() {
+        for body in [
+            json!({}),
+            json!({"response_format": {"type": "text"}}),
+            json!({"tools": [], "tool_choice": "none"}),
+            json!({"tool_choice": "none", "parallel_tool_calls": true}),
+            json!({"function_call": "none"}),
+            json!({"logprobs": false, "top_logprobs": 0}),
+            json!({"logprobs": null, "audio": null}),
+            json!({"modalities": ["text"]}),
+        ] {
+            assert_eq!(refused(body.clone()), None, "{body}");
+        }
+    }
+}
