@@ -29,14 +29,21 @@ use super::{AppState, Loaded};
 
 type Shared = Arc<AppState>;
 
+/// What responses give as `system_fingerprint`: the engine and its version.
+const SYSTEM_FINGERPRINT: &str = concat!("rocmforge-", env!("CARGO_PKG_VERSION"));
+
 pub fn router(state: Shared) -> Router {
     let limit = state.max_body_bytes;
+    // The OpenAI routes also without `/v1`, as llama-server has them.
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
+        .route("/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/completions", post(completions))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
@@ -229,17 +236,20 @@ async fn metrics(State(state): State<Shared>, headers: HeaderMap) -> Result<Resp
 async fn models(State(state): State<Shared>, headers: HeaderMap) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
     let loaded = loaded(&state)?;
-    Ok(axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": loaded.model_id,
-            "object": "model",
-            "created": unix_time(),
-            "owned_by": "rocmforge",
-            "meta": {"n_ctx": loaded.context_size, "n_vocab": loaded.n_vocab},
-        }],
-    }))
-    .into_response())
+    let created = unix_time();
+    let data: Vec<Value> = std::iter::once(&loaded.model_id)
+        .chain(&state.aliases)
+        .map(|id| {
+            json!({
+                "id": id,
+                "object": "model",
+                "created": created,
+                "owned_by": "rocmforge",
+                "meta": {"n_ctx": loaded.context_size, "n_vocab": loaded.n_vocab},
+            })
+        })
+        .collect();
+    Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
 }
 
 #[derive(Deserialize)]
@@ -485,17 +495,39 @@ const MAX_STOP_BYTES: usize = 256;
 
 /// Checks the common fields and builds the scheduler's request (without prompt and
 /// events yet).
-fn prepare(common: &Common, loaded: &Loaded) -> Result<Prepared, ApiError> {
-    refuse_unsupported(common)?;
-    if let Some(name) = &common.model {
-        if !name.is_empty() && name != &loaded.model_id {
-            return Err(ApiError::bad(format!(
-                "unknown model {name:?}: this server has {:?}",
-                loaded.model_id
-            ))
-            .param("model"));
+/// The name a response gives for a request's `model`: the request's own when it is the
+/// file's stem or an alias; the file's stem when it names nothing (or another model,
+/// which the loaded model serves unless `strict`, when that is a 400 listing the names).
+fn model_name(
+    requested: Option<&str>,
+    model_id: &str,
+    aliases: &[String],
+    strict: bool,
+) -> Result<String, ApiError> {
+    match requested {
+        None | Some("") => Ok(model_id.to_owned()),
+        Some(name) if name == model_id || aliases.iter().any(|a| a == name) => Ok(name.to_owned()),
+        Some(name) if strict => {
+            let known: Vec<&str> = std::iter::once(model_id)
+                .chain(aliases.iter().map(String::as_str))
+                .collect();
+            Err(
+                ApiError::bad(format!("unknown model {name:?}: this server has {known:?}"))
+                    .param("model"),
+            )
         }
+        Some(_) => Ok(model_id.to_owned()),
     }
+}
+
+fn prepare(common: &Common, state: &AppState, loaded: &Loaded) -> Result<Prepared, ApiError> {
+    refuse_unsupported(common)?;
+    let model = model_name(
+        common.model.as_deref(),
+        &loaded.model_id,
+        &state.aliases,
+        state.strict_model_names,
+    )?;
     if let Some(n) = common.n {
         if n != 1 {
             return Err(ApiError::bad(format!("n must be 1, got {n}")).param("n"));
@@ -561,6 +593,7 @@ fn prepare(common: &Common, loaded: &Loaded) -> Result<Prepared, ApiError> {
     }
     let max_tokens = common.max_completion_tokens.or(common.max_tokens);
     Ok(Prepared {
+        model,
         max_tokens,
         sampling,
         stop,
@@ -576,6 +609,8 @@ fn prepare(common: &Common, loaded: &Loaded) -> Result<Prepared, ApiError> {
 }
 
 struct Prepared {
+    /// The model's name in the responses.
+    model: String,
     max_tokens: Option<usize>,
     sampling: model::sampling::SamplingConfig,
     stop: Vec<String>,
@@ -600,7 +635,7 @@ async fn chat_completions(
     authorize(&state, &headers)?;
     let body: ChatBody = parse(body)?;
     let loaded = loaded(&state)?;
-    let prepared = prepare(&body.common, loaded)?;
+    let prepared = prepare(&body.common, &state, loaded)?;
     if loaded.template.is_none() {
         return Err(ApiError::bad(
             "this model has no chat template: use /v1/completions",
@@ -663,7 +698,7 @@ async fn completions(
     authorize(&state, &headers)?;
     let body: CompletionBody = parse(body)?;
     let loaded = loaded(&state)?;
-    let prepared = prepare(&body.common, loaded)?;
+    let prepared = prepare(&body.common, &state, loaded)?;
     let prompt = match body.prompt {
         PromptField::Tokens(tokens) => tokens,
         PromptField::Text(text) => encode(&state, text).await?,
@@ -753,7 +788,7 @@ async fn run_request(
             random_seed()
         ),
         created: unix_time(),
-        model: loaded.model_id.clone(),
+        model: p.model.clone(),
         kind,
     };
     if p.stream {
@@ -813,6 +848,7 @@ async fn run_request(
         "object": if kind == Kind::Chat { "chat.completion" } else { "text_completion" },
         "created": meta.created,
         "model": meta.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": [choice],
         "usage": usage(&finish),
     }))
@@ -850,6 +886,7 @@ impl Meta {
             "object": if self.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice],
         })
     }
@@ -1005,6 +1042,25 @@ mod tests {
             let (param, message) = refused(body.clone()).unwrap_or_else(|| panic!("{body} passed"));
             assert_eq!(param, field, "{body}");
             assert!(message.contains(field), "{message}");
+        }
+    }
+
+    #[test]
+    fn model_names_resolve_to_the_one_a_response_gives() {
+        let aliases = ["chat".to_owned(), "gpt-4o-mini".to_owned()];
+        let name = |requested, strict| model_name(requested, "smol", &aliases, strict);
+        for strict in [false, true] {
+            assert_eq!(name(None, strict).ok().as_deref(), Some("smol"));
+            assert_eq!(name(Some(""), strict).ok().as_deref(), Some("smol"));
+            assert_eq!(name(Some("smol"), strict).ok().as_deref(), Some("smol"));
+            assert_eq!(name(Some("chat"), strict).ok().as_deref(), Some("chat"));
+        }
+        // Another model's name is served by this one, unless names are strict.
+        assert_eq!(name(Some("gpt-4o"), false).ok().as_deref(), Some("smol"));
+        let error = name(Some("gpt-4o"), true).expect_err("refused");
+        assert_eq!(error.param, Some("model"));
+        for part in ["gpt-4o", "smol", "chat", "gpt-4o-mini"] {
+            assert!(error.message.contains(part), "{}", error.message);
         }
     }
 

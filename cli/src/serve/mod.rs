@@ -84,6 +84,15 @@ pub struct ServeArgs {
     /// Worker threads for the computation (default: one per core).
     #[arg(long)]
     threads: Option<std::num::NonZeroUsize>,
+    /// Another name the model answers to (repeatable); `/v1/models` lists them after the
+    /// file's stem, and responses carry the name a request used.
+    #[arg(long = "alias", value_name = "NAME")]
+    aliases: Vec<String>,
+    /// Refuse (400) a request naming a model other than the file's stem or an alias.
+    /// Without it such a request is served by the loaded model, as llama-server does, so
+    /// that clients written for other servers (`"model": "gpt-4o"`) work unchanged.
+    #[arg(long)]
+    strict_model_names: bool,
     /// Slows loading down by this long (for testing `/health` while loading).
     #[arg(long, hide = true, default_value_t = 0)]
     debug_load_delay_ms: u64,
@@ -115,6 +124,8 @@ pub struct AppState {
     shutting_down: AtomicBool,
     started: Instant,
     max_body_bytes: usize,
+    aliases: Vec<String>,
+    strict_model_names: bool,
 }
 
 impl AppState {
@@ -172,6 +183,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         shutting_down: AtomicBool::new(false),
         started: Instant::now(),
         max_body_bytes: args.max_body_bytes,
+        aliases: args.aliases.clone(),
+        strict_model_names: args.strict_model_names,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
