@@ -135,7 +135,7 @@ PROMPTS = [
 # small body limit.
 main = Server(
     "--api-key", KEY, "--ctx-size", "512", "--max-body-bytes", "65536", "--debug-load-delay-ms", "3000",
-    "--alias", "my-alias",
+    "--alias", "my-alias", "--cors-origin", "https://app.example",
 )
 
 
@@ -167,6 +167,30 @@ client = main.client()
 def _():
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_ID, "my-alias"], models
+
+
+@check("CORS: a listed origin's preflight is answered and its responses carry the header")
+def _():
+    url = main.base + "/v1/chat/completions"
+    ask = {
+        "Origin": "https://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    status, headers, _ = http("OPTIONS", url, None, ask)
+    assert status == 204, (status, headers)
+    assert headers["access-control-allow-origin"] == "https://app.example", headers
+    assert "POST" in headers["access-control-allow-methods"], headers
+    assert "authorization" in headers["access-control-allow-headers"].lower(), headers
+    auth = {"Authorization": f"Bearer {KEY}", "Origin": "https://app.example"}
+    status, headers, _ = http("GET", main.base + "/v1/models", None, auth)
+    assert status == 200 and headers["access-control-allow-origin"] == "https://app.example", headers
+    # An error response carries it too (the page must be able to read why).
+    status, headers, _ = http("GET", main.base + "/v1/models", None, {"Origin": "https://app.example"})
+    assert status == 401 and headers["access-control-allow-origin"] == "https://app.example", headers
+    # Another origin gets no CORS headers, and no preflight answer.
+    status, headers, _ = http("OPTIONS", url, None, {**ask, "Origin": "https://evil.example"})
+    assert status != 204 and "access-control-allow-origin" not in headers, (status, headers)
 
 
 @check("an alias, another model's name and the routes without /v1 reach the model")

@@ -48,7 +48,73 @@ pub fn router(state: Shared) -> Router {
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            cors,
+        ))
         .with_state(state)
+}
+
+/// The `Access-Control-Allow-Origin` a request from `origin` gets: `*` or the origin
+/// itself when `allowed` lets it in, else nothing.
+fn cors_allow<'a>(allowed: &[String], origin: &'a str) -> Option<&'a str> {
+    if allowed.iter().any(|a| a == "*") {
+        Some("*")
+    } else if allowed.iter().any(|a| a.trim_end_matches('/') == origin) {
+        Some(origin)
+    } else {
+        None
+    }
+}
+
+/// CORS for the origins of `--cors-origin`: a preflight (`OPTIONS` with
+/// `Access-Control-Request-Method`) from one of them is answered 204 before any key is
+/// asked for, and every response to one of them carries `Access-Control-Allow-Origin`.
+/// Requests from other origins, and every request without `--cors-origin`, pass
+/// untouched.
+async fn cors(
+    State(state): State<Shared>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let origin = request
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|o| o.to_str().ok())
+        .and_then(|o| cors_allow(&state.cors_origins, o))
+        .and_then(|o| HeaderValue::from_str(o).ok());
+    let Some(origin) = origin else {
+        return next.run(request).await;
+    };
+    let preflight = request.method() == axum::http::Method::OPTIONS
+        && request
+            .headers()
+            .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD);
+    let mut response = if preflight {
+        let asked = request
+            .headers()
+            .get(header::ACCESS_CONTROL_REQUEST_HEADERS)
+            .cloned()
+            .unwrap_or(HeaderValue::from_static("authorization, content-type"));
+        let mut response = StatusCode::NO_CONTENT.into_response();
+        let h = response.headers_mut();
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST, OPTIONS"),
+        );
+        h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked);
+        h.insert(
+            header::ACCESS_CONTROL_MAX_AGE,
+            HeaderValue::from_static("600"),
+        );
+        response
+    } else {
+        next.run(request).await
+    };
+    let h = response.headers_mut();
+    h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, origin);
+    h.append(header::VARY, HeaderValue::from_static("Origin"));
+    response
 }
 
 /// An error as OpenAI's API shapes it.
@@ -1062,6 +1128,24 @@ mod tests {
         for part in ["gpt-4o", "smol", "chat", "gpt-4o-mini"] {
             assert!(error.message.contains(part), "{}", error.message);
         }
+    }
+
+    #[test]
+    fn cors_lets_in_the_listed_origins_only() {
+        let listed = ["https://app.example".to_owned()];
+        assert_eq!(
+            cors_allow(&listed, "https://app.example"),
+            Some("https://app.example")
+        );
+        assert_eq!(cors_allow(&listed, "https://evil.example"), None);
+        assert_eq!(cors_allow(&[], "https://app.example"), None);
+        let trailing = ["https://app.example/".to_owned()];
+        assert_eq!(
+            cors_allow(&trailing, "https://app.example"),
+            Some("https://app.example")
+        );
+        let any = ["*".to_owned()];
+        assert_eq!(cors_allow(&any, "https://evil.example"), Some("*"));
     }
 
     #[test]

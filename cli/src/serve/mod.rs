@@ -93,6 +93,11 @@ pub struct ServeArgs {
     /// that clients written for other servers (`"model": "gpt-4o"`) work unchanged.
     #[arg(long)]
     strict_model_names: bool,
+    /// A web origin (`https://app.example`) whose pages may call the API from a browser
+    /// (repeatable; `*` allows any): preflight requests are answered and responses carry
+    /// the CORS headers. Off by default.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
     /// Slows loading down by this long (for testing `/health` while loading).
     #[arg(long, hide = true, default_value_t = 0)]
     debug_load_delay_ms: u64,
@@ -126,6 +131,7 @@ pub struct AppState {
     max_body_bytes: usize,
     aliases: Vec<String>,
     strict_model_names: bool,
+    cors_origins: Vec<String>,
 }
 
 impl AppState {
@@ -185,6 +191,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         aliases: args.aliases.clone(),
         strict_model_names: args.strict_model_names,
+        cors_origins: args.cors_origins.clone(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
