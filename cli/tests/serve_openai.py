@@ -415,6 +415,10 @@ def _():
     _, _, body = http("GET", main.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
     text = body.decode()
     assert main.metric("device_cache_enabled") == 0
+    # vLLM's names for the load gauges, which routers and autoscalers read.
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]:
+        assert f"# TYPE vllm:{name} gauge" in text, text
+        assert re.search(rf'^vllm:{name}{{model_name="{re.escape(MODEL_ID)}"}} [0-9.e+-]+$', text, re.M), name
     for name in ["hits", "misses", "evictions", "uploaded_bytes"]:
         full = f"device_cache_{name}_total"
         assert f"# TYPE rocmforge_{full} counter" in text, text

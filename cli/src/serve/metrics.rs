@@ -167,6 +167,37 @@ pub fn render(state: &AppState) -> String {
          rocmforge_kv_cache_usage_ratio {}",
         get(&m.kv_blocks_used) / total
     );
+    // The same three under the names vLLM gives them, which request routers and
+    // autoscalers read (labelled with the model's name, as vLLM labels them).
+    let model_name = state
+        .loaded
+        .get()
+        .map_or("", |loaded| loaded.model_id.as_str())
+        .replace(['\\', '"'], "_");
+    for (name, help, value) in [
+        (
+            "num_requests_running",
+            "Sequences being computed (rocmforge_running_sequences).",
+            get(&m.running),
+        ),
+        (
+            "num_requests_waiting",
+            "Requests waiting to start (rocmforge_queue_depth).",
+            get(&m.waiting),
+        ),
+        (
+            "kv_cache_usage_perc",
+            "Fraction of the KV pool held by sequences, 0 to 1 \
+             (rocmforge_kv_cache_usage_ratio).",
+            get(&m.kv_blocks_used) / total,
+        ),
+    ] {
+        let _ = writeln!(
+            out2,
+            "# HELP vllm:{name} {help}\n# TYPE vllm:{name} gauge\n\
+             vllm:{name}{{model_name=\"{model_name}\"}} {value}"
+        );
+    }
     out.push_str(&out2);
     histogram(
         &mut out,
