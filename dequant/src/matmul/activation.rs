@@ -42,6 +42,10 @@ pub(crate) trait ActSet: Sync + 'static {
 
     /// Bytes one row of `cols` values occupies, to size tiles and splits.
     fn row_bytes(cols: usize) -> usize;
+
+    /// Told the row count of the matrix the set is about to meet, before any product:
+    /// llama.cpp's choice of float kernel depends on it.
+    fn for_rows(&mut self, _rows: usize) {}
 }
 
 /// Values from which quantization is shared out over rayon's pool, by blocks.
@@ -266,7 +270,21 @@ impl ActSet for Q8KActs {
 /// [`KEEP_F32`], [`ROUND_F16`], [`ROUND_BF16`].
 pub(crate) struct FloatActs<const ROUND: u8> {
     cols: usize,
+    n_tokens: usize,
     x: Vec<f32>,
+    /// See [`FloatRow::gemm`].
+    gemm: bool,
+}
+
+/// One token's row of [`FloatActs`].
+#[derive(Clone, Copy)]
+pub(crate) struct FloatRow<'a> {
+    pub x: &'a [f32],
+    /// Whether llama.cpp multiplies this set with llamafile's GEMM (two tokens or more,
+    /// a width that is a multiple of 8 and a matrix of a multiple of 4 rows): one
+    /// eight-lane chain of fused multiply-adds per output. Otherwise its dot product:
+    /// four such chains over each 32 values, and the rest one by one.
+    pub gemm: bool,
 }
 
 /// [`FloatActs`] kept as they are.
@@ -284,19 +302,31 @@ pub(crate) type F16Acts = FloatActs<ROUND_F16>;
 pub(crate) type BF16Acts = FloatActs<ROUND_BF16>;
 
 impl<const ROUND: u8> ActSet for FloatActs<ROUND> {
-    type Row<'a> = &'a [f32];
+    type Row<'a> = FloatRow<'a>;
 
-    fn prepare(x: &[f32], _n_tokens: usize, cols: usize) -> Self {
+    fn prepare(x: &[f32], n_tokens: usize, cols: usize) -> Self {
         let x = match ROUND {
             ROUND_F16 => x.iter().map(|&v| round_f16(v)).collect(),
             ROUND_BF16 => x.iter().map(|&v| round_bf16(v)).collect(),
             _ => x.to_vec(),
         };
-        FloatActs { cols, x }
+        FloatActs {
+            cols,
+            n_tokens,
+            x,
+            gemm: false,
+        }
     }
 
-    fn row(&self, t: usize) -> &[f32] {
-        &self.x[t * self.cols..(t + 1) * self.cols]
+    fn row(&self, t: usize) -> FloatRow<'_> {
+        FloatRow {
+            x: &self.x[t * self.cols..(t + 1) * self.cols],
+            gemm: self.gemm,
+        }
+    }
+
+    fn for_rows(&mut self, rows: usize) {
+        self.gemm = self.n_tokens >= 2 && self.cols.is_multiple_of(8) && rows.is_multiple_of(4);
     }
 
     fn cols(&self) -> usize {
@@ -429,14 +459,14 @@ mod tests {
     fn float_activations_are_rounded_to_the_weights_type() {
         let x = [1.0f32 + 1.0 / 4096.0, -3.3, 65504.0, 1e-9];
         let cols = x.len();
-        assert_eq!(F32Acts::prepare(&x, 1, cols).row(0), &x);
+        assert_eq!(F32Acts::prepare(&x, 1, cols).row(0).x, &x);
         let f16: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
-        assert_eq!(F16Acts::prepare(&x, 1, cols).row(0), &f16[..]);
+        assert_eq!(F16Acts::prepare(&x, 1, cols).row(0).x, &f16[..]);
         let bf16: Vec<f32> = x
             .iter()
             .map(|&v| half::bf16::from_f32(v).to_f32())
             .collect();
-        assert_eq!(BF16Acts::prepare(&x, 1, cols).row(0), &bf16[..]);
+        assert_eq!(BF16Acts::prepare(&x, 1, cols).row(0).x, &bf16[..]);
         assert_ne!(f16[0], x[0]);
     }
 }

@@ -177,7 +177,8 @@ fn run_kernel<K: Kernel>(
     n_tokens: usize,
     y: &mut [f32],
 ) {
-    let acts = K::Acts::prepare(x, n_tokens, m.cols());
+    let mut acts = K::Acts::prepare(x, n_tokens, m.cols());
+    acts.for_rows(m.rows());
     let (weights, row_bytes, n_rows) = (m.bytes(), m.row_bytes(), m.rows());
     match split(n_rows, row_bytes, n_tokens, K::Acts::row_bytes(m.cols())) {
         Split::Serial => {
@@ -257,7 +258,7 @@ fn run_kernel<K: Kernel>(
 /// Whether llama.cpp would repack `m` on an AVX2 machine (a `Q4_0`, `Q4_K`, `IQ4_NL` or
 /// `MXFP4` matrix whose row count is a multiple of 8) and multiply it with its repacked
 /// kernels.
-fn repacked(m: &QuantizedMatrix<'_>) -> bool {
+pub(crate) fn repacked(m: &QuantizedMatrix<'_>) -> bool {
     use GgmlType::*;
     matches!(m.ty(), Q4_0 | Q4_K | IQ4_NL | MXFP4) && m.rows().is_multiple_of(8)
 }

@@ -262,6 +262,45 @@ impl<'a> QuantizedMatrix<'a> {
         driver::run(self, exec, x, n_tokens, y)
     }
 
+    /// `Y = X · Wᵀ` for the tokens a mixture-of-experts router sent to this matrix (one
+    /// expert's slice of a 3-D expert tensor), with the arithmetic llama.cpp's
+    /// `MUL_MAT_ID` gives them on the CPU: each token's own dot products (its GEMV for a
+    /// repacked matrix), except that a group of 8 tokens or more meets a k-quant or
+    /// i-quant matrix it does not repack in its tiled GEMM, as a dense batch does. Shapes
+    /// as for [`QuantizedMatrix::matmul`].
+    pub fn matmul_routed(
+        &self,
+        x: &[f32],
+        n_tokens: usize,
+        y: &mut [f32],
+    ) -> Result<(), DequantError> {
+        self.check_lengths(x, n_tokens, y)?;
+        if n_tokens <= 1 || self.routed_batch_is_dense() {
+            return self.matmul(x, n_tokens, y);
+        }
+        let (cols, rows) = (self.cols, self.rows);
+        for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
+            self.matvec(xt, yt)?;
+        }
+        Ok(())
+    }
+
+    /// Whether llama.cpp multiplies a group of routed tokens with this matrix as it does
+    /// a dense batch of as many tokens: the formats whose activations are 256-value
+    /// super-blocks, unless repacked (their batches go to the tiled GEMM from 8 tokens
+    /// on, for dense and routed tokens alike). The float and legacy formats' batches take
+    /// llamafile's GEMM, which `MUL_MAT_ID` never calls, and repacked matrices the
+    /// repacked GEMM, which it never calls either.
+    fn routed_batch_is_dense(&self) -> bool {
+        use GgmlType::*;
+        match self.ty {
+            Q2_K | Q3_K | Q5_K | Q6_K | IQ4_XS | IQ3_S | IQ3_XXS | IQ2_XXS | IQ2_XS | IQ2_S
+            | IQ1_S | IQ1_M | TQ1_0 | TQ2_0 => true,
+            Q4_K => !driver::repacked(self),
+            _ => false,
+        }
+    }
+
     /// That `x` holds `n_tokens` rows of `cols` values and `y` `n_tokens` of `rows`.
     fn check_lengths(&self, x: &[f32], n_tokens: usize, y: &[f32]) -> Result<(), DequantError> {
         let (rows, cols) = (self.rows, self.cols);

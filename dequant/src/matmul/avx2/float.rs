@@ -5,16 +5,20 @@ use std::arch::x86_64::*;
 
 use super::hsum_ps;
 
+use super::super::activation::FloatRow;
+use super::super::portable::{bf16_at, f16_at, f32_at, finish_chains, FloatKind};
+
 /// How one float type loads eight weights as f32.
 trait Float {
     const BYTES: usize;
+    const KIND: FloatKind;
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `p..p + 8 * BYTES` must be readable.
     unsafe fn load8(p: *const u8) -> __m256;
 
-    /// One weight, for the tail of a row.
-    fn one(bytes: &[u8]) -> f32;
+    /// Weight `i` of a row, for the tail of a row.
+    fn one(row: &[u8], i: usize) -> f32;
 }
 
 struct F32;
@@ -23,6 +27,7 @@ struct BF16;
 
 impl Float for F32 {
     const BYTES: usize = 4;
+    const KIND: FloatKind = FloatKind::F32;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -31,13 +36,14 @@ impl Float for F32 {
         unsafe { _mm256_loadu_ps(p.cast()) }
     }
 
-    fn one(b: &[u8]) -> f32 {
-        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    fn one(row: &[u8], i: usize) -> f32 {
+        f32_at(row, i)
     }
 }
 
 impl Float for F16 {
     const BYTES: usize = 2;
+    const KIND: FloatKind = FloatKind::F16;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -46,13 +52,14 @@ impl Float for F16 {
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
     }
 
-    fn one(b: &[u8]) -> f32 {
-        half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+    fn one(row: &[u8], i: usize) -> f32 {
+        f16_at(row, i)
     }
 }
 
 impl Float for BF16 {
     const BYTES: usize = 2;
+    const KIND: FloatKind = FloatKind::BF16;
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -62,12 +69,13 @@ impl Float for BF16 {
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
     }
 
-    fn one(b: &[u8]) -> f32 {
-        f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)
+    fn one(row: &[u8], i: usize) -> f32 {
+        bf16_at(row, i)
     }
 }
 
-/// `R` rows against `N` tokens, sixteen weights per step.
+/// `R` rows against `N` tokens, in the arithmetic [`FloatRow::gemm`] says (the
+/// portable `float_dot`'s, lane for lane).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
@@ -75,49 +83,74 @@ impl Float for BF16 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot<W: Float, const R: usize, const N: usize>(
     rows: [&[u8]; R],
-    xs: [&[f32]; N],
+    acts: [FloatRow<'_>; N],
 ) -> [[f32; N]; R] {
     let n = rows
         .iter()
         .fold(usize::MAX, |n, row| n.min(row.len() / W::BYTES));
-    let n = xs.iter().fold(n, |n, x| n.min(x.len()));
-    // Two sets of accumulators, for the two halves of each step of 16 weights: twice as
-    // many independent FMA chains, and a register allocation that keeps them all in
-    // registers (with one set, one accumulator of four ended up on the stack for F16).
-    let mut acc = [[[_mm256_setzero_ps(); N]; R]; 2];
-    let mut i = 0;
-    while i + 8 <= n {
-        for (half, acc) in acc.iter_mut().enumerate() {
-            let at = i + 8 * half;
-            if at + 8 > n {
-                break;
-            }
-            let mut x = [_mm256_setzero_ps(); N];
+    let n = acts.iter().fold(n, |n, a| n.min(a.x.len()));
+    let mut out = [[0.0f32; N]; R];
+    if !acts.iter().all(|a| a.gemm) {
+        for r in 0..R {
             for t in 0..N {
-                // SAFETY: at + 8 ≤ n keeps the load inside `xs[t]`.
-                x[t] = unsafe { _mm256_loadu_ps(xs[t].as_ptr().add(at)) };
-            }
-            for r in 0..R {
-                // SAFETY: at + 8 ≤ n keeps the load inside the row; the features are
-                // present per this function's contract.
-                let w = unsafe { W::load8(rows[r].as_ptr().add(at * W::BYTES)) };
-                for t in 0..N {
-                    acc[r][t] = _mm256_fmadd_ps(w, x[t], acc[r][t]);
-                }
+                // SAFETY: as this function.
+                out[r][t] = unsafe { chains::<W>(rows[r], acts[t].x, n) };
             }
         }
-        i = (i + 16).min(n / 8 * 8);
+        return out;
     }
-    let mut out = [[0.0f32; N]; R];
+    let mut acc = [[_mm256_setzero_ps(); N]; R];
+    for i in (0..n / 8 * 8).step_by(8) {
+        let mut x = [_mm256_setzero_ps(); N];
+        for t in 0..N {
+            // SAFETY: i + 8 ≤ n keeps the load inside the token's row.
+            x[t] = unsafe { _mm256_loadu_ps(acts[t].x.as_ptr().add(i)) };
+        }
+        for r in 0..R {
+            // SAFETY: i + 8 ≤ n keeps the load inside the row; the features are present
+            // per this function's contract.
+            let w = unsafe { W::load8(rows[r].as_ptr().add(i * W::BYTES)) };
+            for t in 0..N {
+                acc[r][t] = _mm256_fmadd_ps(w, x[t], acc[r][t]);
+            }
+        }
+    }
     for r in 0..R {
         for t in 0..N {
-            out[r][t] = hsum_ps(_mm256_add_ps(acc[0][r][t], acc[1][r][t]));
-            for j in i..n {
-                out[r][t] += W::one(&rows[r][j * W::BYTES..]) * xs[t][j];
-            }
+            out[r][t] = hsum_ps(acc[r][t]);
         }
     }
     out
+}
+
+/// One row against one token as llama.cpp's dot product computes it: four chains over
+/// each 32 values, finished as the portable kernel finishes them.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn chains<W: Float>(row: &[u8], x: &[f32], n: usize) -> f32 {
+    let whole = n / 32 * 32;
+    let mut c = [_mm256_setzero_ps(); 4];
+    for i in (0..whole).step_by(32) {
+        for (j, c) in c.iter_mut().enumerate() {
+            let at = i + 8 * j;
+            // SAFETY: at + 8 ≤ whole ≤ n keeps both loads in bounds.
+            let (w, xv) = unsafe {
+                (
+                    W::load8(row.as_ptr().add(at * W::BYTES)),
+                    _mm256_loadu_ps(x.as_ptr().add(at)),
+                )
+            };
+            *c = _mm256_fmadd_ps(w, xv, *c);
+        }
+    }
+    let v = _mm256_add_ps(_mm256_add_ps(c[0], c[2]), _mm256_add_ps(c[1], c[3]));
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds eight f32; `storeu` has no alignment requirement.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+    finish_chains(W::KIND, &lanes, |i| W::one(row, i), x, whole..n)
 }
 
 macro_rules! entry {
@@ -130,10 +163,10 @@ macro_rules! entry {
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(crate) unsafe fn $name<const R: usize, const N: usize>(
             rows: [&[u8]; R],
-            xs: [&[f32]; N],
+            acts: [FloatRow<'_>; N],
         ) -> [[f32; N]; R] {
             // SAFETY: the features are present per this function's contract.
-            unsafe { dot::<$format, R, N>(rows, xs) }
+            unsafe { dot::<$format, R, N>(rows, acts) }
         }
     };
 }

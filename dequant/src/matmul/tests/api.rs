@@ -216,3 +216,47 @@ fn fused_q4_0_products_of_repacked_and_plain_shapes_match_their_own() {
     assert_eq!(bits(&ya), bits(&sa));
     assert_eq!(bits(&yb), bits(&sb));
 }
+
+/// Routed tokens (`MUL_MAT_ID`) get their own dot products' bits, except that 8 or more
+/// of them meet a k-quant or i-quant matrix that is not repacked in the tiled GEMM, as a
+/// dense batch of as many does: never llamafile's GEMM (float and legacy formats) nor
+/// the repacked GEMM (`Q4_K` of a multiple of 8 rows).
+#[test]
+fn routed_tokens_get_their_dot_products_or_the_tiled_gemm() {
+    use super::random_x;
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        for rows in [12, 16] {
+            let cols = 2 * QK_K;
+            let bytes = random_matrix(ty, rows, cols, 300 + i as u64);
+            let m = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
+            for n in [3, 9] {
+                let x = random_x(n * cols, 40 + i as u64);
+                let mut routed = vec![0.0; n * rows];
+                m.matmul_routed(&x, n, &mut routed).unwrap();
+                let mut dense = vec![0.0; n * rows];
+                m.matmul(&x, n, &mut dense).unwrap();
+                let mut alone = vec![0.0; n * rows];
+                for (xt, yt) in x.chunks_exact(cols).zip(alone.chunks_exact_mut(rows)) {
+                    m.matvec(xt, yt).unwrap();
+                }
+                use GgmlType::*;
+                let superblocks = !matches!(
+                    ty,
+                    F32 | F16 | BF16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL | MXFP4
+                );
+                let repacked = ty == Q4_K && rows % 8 == 0;
+                let expected = if n >= 8 && superblocks && !repacked {
+                    &dense
+                } else {
+                    &alone
+                };
+                assert_eq!(
+                    bits(&routed),
+                    bits(expected),
+                    "{ty}, {rows} rows, {n} tokens"
+                );
+            }
+        }
+    }
+}

@@ -330,7 +330,8 @@ fn lane_integers_sum_to_the_plain_integer_product() {
 /// batch gives each token the bits of a single-token product, except that `Q4_K`
 /// tokens in a whole group of four, against a matrix llama.cpp repacks, get the bits of
 /// a batch of four (its repacked GEMM), and `IQ4_NL` tokens against a matrix it does
-/// not repack those of any batch (its GEMM, from two tokens on), and `MXFP4` tokens
+/// not repack those of any batch (its GEMM, from two tokens on), as do float tokens
+/// against a matrix of a multiple of 4 rows (llamafile's GEMM), and `MXFP4` tokens
 /// always the single-token bits (it has no GEMM); from
 /// [`GEMM_MIN_TOKENS`] on (where llama.cpp switches the other k-quants to its tiled GEMM)
 /// a batch gives the bits of each of its halves, and for the ternary formats (which
@@ -346,7 +347,8 @@ fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
             let x = random_x(n_tokens * cols, 5 + i as u64);
             let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
             let grouped = ty == GgmlType::Q4_K && rows % 8 == 0;
-            let batched = ty == GgmlType::IQ4_NL && rows % 8 != 0;
+            let float = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+            let batched = (ty == GgmlType::IQ4_NL && rows % 8 != 0) || (float && rows % 4 == 0);
             for path in paths() {
                 let small = GEMM_MIN_TOKENS - 1;
                 let mut batch = vec![0.0; small * rows];
