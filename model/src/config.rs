@@ -21,12 +21,32 @@ pub enum Architecture {
     Gemma2,
     /// Gemma 3: QK-norm, pre- and post-norms, GELU, sliding-window layers, scaled embeddings.
     Gemma3,
+    /// Qwen 2 MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen 2's attention, a mixture of experts
+    /// whose routed weights are not renormalized, and a shared expert behind a sigmoid gate.
+    Qwen2Moe,
+    /// Qwen 3 MoE (Qwen3-30B-A3B, 235B-A22B): Qwen 3's attention, a mixture of experts
+    /// whose routed weights are renormalized.
+    Qwen3Moe,
 }
 
 impl Architecture {
     /// Names accepted in `general.architecture`.
-    pub const SUPPORTED: [&'static str; 6] =
-        ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"];
+    pub const SUPPORTED: [&'static str; 8] = [
+        "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe",
+    ];
+
+    /// Mixture-of-experts architectures llama.cpp runs and this engine does not yet:
+    /// refused naming what they are, rather than as unknown names.
+    const MOE_NOT_YET: [&'static str; 8] = [
+        "gpt-oss",
+        "deepseek2",
+        "glm4moe",
+        "llama4",
+        "qwen3next",
+        "qwen35moe",
+        "phimoe",
+        "olmoe",
+    ];
 
     fn from_name(name: &str) -> Option<Architecture> {
         match name {
@@ -36,6 +56,8 @@ impl Architecture {
             "phi3" => Some(Architecture::Phi3),
             "gemma2" => Some(Architecture::Gemma2),
             "gemma3" => Some(Architecture::Gemma3),
+            "qwen2moe" => Some(Architecture::Qwen2Moe),
+            "qwen3moe" => Some(Architecture::Qwen3Moe),
             _ => None,
         }
     }
@@ -59,6 +81,8 @@ impl Architecture {
             Architecture::Phi3 => "phi3",
             Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3",
+            Architecture::Qwen2Moe => "qwen2moe",
+            Architecture::Qwen3Moe => "qwen3moe",
         }
     }
 }
@@ -81,6 +105,29 @@ pub enum Activation {
     /// GeGLU with the tanh approximation of GELU.
     GeluTanh,
 }
+
+/// A mixture-of-experts feed-forward block: a router picks `used` of `count` experts
+/// per token, whose outputs are summed weighted by the router's probabilities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Experts {
+    /// Experts per layer (`expert_count`).
+    pub count: usize,
+    /// Experts each token is routed to (`expert_used_count`).
+    pub used: usize,
+    /// Width of each expert's feed-forward (`expert_feed_forward_length`, else
+    /// `feed_forward_length / used` as llama.cpp derives it; Mixtral-style `llama`
+    /// files: `feed_forward_length`).
+    pub n_ff: usize,
+    /// Whether the selected experts' probabilities are renormalized to sum to 1
+    /// (Qwen 3 MoE, Mixtral) or used as the softmax gave them (Qwen 2 MoE).
+    pub normalize: bool,
+    /// Width of the shared expert every token also runs, scaled by a sigmoid gate of its
+    /// own (Qwen 2 MoE: `expert_shared_feed_forward_length`, else `feed_forward_length`).
+    pub shared_n_ff: Option<usize>,
+}
+
+/// The most experts a layer may have (as llama.cpp allows).
+pub const MAX_EXPERTS: usize = 1024;
 
 /// The hyper-parameters of one attention layer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -139,6 +186,9 @@ pub struct ModelConfig {
     pub final_logit_softcap: Option<f32>,
     /// Per layer: window, RoPE base and scale.
     pub layers: Vec<LayerAttention>,
+    /// The mixture of experts every layer's feed-forward block is, or `None` for dense
+    /// feed-forward blocks.
+    pub experts: Option<Experts>,
 }
 
 /// Caps on hyper-parameters read from a file, so a hostile header cannot make the
@@ -151,9 +201,15 @@ impl ModelConfig {
     pub fn from_metadata(metadata: &Metadata) -> Result<ModelConfig, ModelError> {
         let arch_name = metadata.get_str("general.architecture")?;
         let architecture = Architecture::from_name(arch_name).ok_or_else(|| {
-            ModelError::UnsupportedArchitecture {
-                name: arch_name.to_owned(),
-                supported: Architecture::SUPPORTED.join(", "),
+            if Architecture::MOE_NOT_YET.contains(&arch_name) {
+                ModelError::UnsupportedExperts {
+                    what: format!("architecture {arch_name:?}"),
+                }
+            } else {
+                ModelError::UnsupportedArchitecture {
+                    name: arch_name.to_owned(),
+                    supported: Architecture::SUPPORTED.join(", "),
+                }
             }
         })?;
         let key = |k: &str| format!("{}.{k}", architecture.name());
@@ -240,6 +296,7 @@ impl ModelConfig {
             });
         }
 
+        let experts = experts(architecture, metadata, n_ff)?;
         let mut config = ModelConfig {
             architecture,
             n_layers,
@@ -271,10 +328,14 @@ impl ModelConfig {
                 };
                 n_layers
             ],
+            experts,
         };
         match architecture {
             Architecture::Llama => {}
-            Architecture::Qwen2 | Architecture::Qwen3 => config.rope_style = RopeStyle::Halves,
+            Architecture::Qwen2
+            | Architecture::Qwen3
+            | Architecture::Qwen2Moe
+            | Architecture::Qwen3Moe => config.rope_style = RopeStyle::Halves,
             Architecture::Phi3 => {
                 // Queries are scaled before `Q·Kᵀ`, as llama.cpp's graph does; a sliding
                 // window in the metadata is ignored, as llama.cpp ignores it for Phi-3.
@@ -288,6 +349,17 @@ impl ModelConfig {
 
     /// Refuses, naming the architecture, a model the GPU forward pass does not compute.
     pub fn check_gpu_support(&self) -> Result<(), ModelError> {
+        if let Some(e) = self.experts {
+            return Err(ModelError::GpuUnsupported {
+                what: format!(
+                    "a mixture-of-experts model ({}, {} experts, {} per token)",
+                    self.architecture.name(),
+                    e.count,
+                    e.used
+                ),
+                supported: "dense models".to_owned(),
+            });
+        }
         if !Architecture::GPU_SUPPORTED.contains(&self.architecture) {
             return Err(ModelError::GpuUnsupported {
                 what: format!("architecture {:?}", self.architecture.name()),
@@ -303,6 +375,72 @@ impl ModelConfig {
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads
     }
+}
+
+/// The mixture of experts of `architecture`'s feed-forward blocks, as llama.cpp reads
+/// it: `expert_count` and `expert_used_count` (at least one used, at most all), the
+/// experts' width, and for Qwen 2 MoE the shared expert's. A dense architecture whose
+/// file declares experts is refused for them, not for a missing dense tensor later.
+fn experts(
+    architecture: Architecture,
+    metadata: &Metadata,
+    n_ff: usize,
+) -> Result<Option<Experts>, ModelError> {
+    let arch = architecture.name();
+    let key = |k: &str| format!("{arch}.{k}");
+    let count = metadata
+        .get_opt::<usize>(&key("expert_count"))?
+        .unwrap_or(0);
+    let moe_arch = matches!(
+        architecture,
+        Architecture::Qwen2Moe | Architecture::Qwen3Moe
+    );
+    if count == 0 {
+        if moe_arch {
+            return Err(ModelError::InvalidConfig {
+                key: key("expert_count"),
+                reason: format!("a {arch} model needs experts, and this one has none"),
+            });
+        }
+        return Ok(None);
+    }
+    if !(moe_arch || architecture == Architecture::Llama) {
+        return Err(ModelError::UnsupportedExperts {
+            what: format!("a {arch} model with {count} experts"),
+        });
+    }
+    let count = check_range(&key("expert_count"), count, 1, MAX_EXPERTS)?;
+    let used: usize = metadata.get_as(&key("expert_used_count"))?;
+    let used = check_range(&key("expert_used_count"), used, 1, count)?;
+    let width = |k: &str| -> Result<Option<usize>, ModelError> {
+        match metadata.get_opt::<usize>(&key(k))? {
+            Some(v) => check_range(&key(k), v, 1, MAX_DIM).map(Some),
+            None => Ok(None),
+        }
+    };
+    let (n_ff_exp, normalize, shared_n_ff) = match architecture {
+        Architecture::Qwen3Moe => (
+            width("expert_feed_forward_length")?.unwrap_or(n_ff / used),
+            true,
+            None,
+        ),
+        Architecture::Qwen2Moe => (
+            width("expert_feed_forward_length")?.unwrap_or(n_ff / used),
+            false,
+            Some(width("expert_shared_feed_forward_length")?.unwrap_or(n_ff)),
+        ),
+        // Mixtral and the other experts of `llama` files: each as wide as the
+        // feed-forward length says.
+        _ => (n_ff, true, None),
+    };
+    let n_ff_exp = check_range(&key("expert_feed_forward_length"), n_ff_exp, 1, MAX_DIM)?;
+    Ok(Some(Experts {
+        count,
+        used,
+        n_ff: n_ff_exp,
+        normalize,
+        shared_n_ff,
+    }))
 }
 
 /// Gemma 2 and 3, as llama.cpp reads them: GELU, embeddings scaled by `sqrt(n_embd)`,
@@ -438,6 +576,106 @@ mod tests {
             m.set(&k, v.clone());
         }
         m
+    }
+
+    #[test]
+    fn mixtures_of_experts_read_their_experts_as_llama_cpp_does() {
+        let experts = |arch: &str, extra: &[(&str, Value)]| {
+            ModelConfig::from_metadata(&metadata(arch, extra)).map(|c| c.experts)
+        };
+        let counts = [
+            (".expert_count", Value::U32(128)),
+            (".expert_used_count", Value::U32(8)),
+        ];
+        let with = |more: (&'static str, Value)| {
+            let mut v = counts.to_vec();
+            v.push(more);
+            v
+        };
+        let e = experts(
+            "qwen3moe",
+            &with((".expert_feed_forward_length", Value::U32(768))),
+        );
+        assert_eq!(
+            e.unwrap(),
+            Some(Experts {
+                count: 128,
+                used: 8,
+                n_ff: 768,
+                normalize: true,
+                shared_n_ff: None
+            })
+        );
+        // Without the experts' width, llama.cpp divides the feed-forward length.
+        let e = experts("qwen3moe", &counts).unwrap().unwrap();
+        assert_eq!(e.n_ff, 512 / 8);
+        let e = experts(
+            "qwen2moe",
+            &with((".expert_shared_feed_forward_length", Value::U32(96))),
+        );
+        let e = e.unwrap().unwrap();
+        assert!(!e.normalize);
+        assert_eq!(e.shared_n_ff, Some(96));
+        // Mixtral: a llama file with experts as wide as the feed-forward length.
+        let e = experts("llama", &counts).unwrap().unwrap();
+        assert_eq!((e.n_ff, e.normalize), (512, true));
+        assert_eq!(experts("llama", &[]).unwrap(), None);
+        let c = ModelConfig::from_metadata(&metadata("qwen3moe", &counts)).unwrap();
+        let err = c.check_gpu_support().unwrap_err();
+        assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+    }
+
+    #[test]
+    fn malformed_or_unsupported_experts_are_refused_naming_the_reason() {
+        let refusal = |arch: &str, extra: &[(&str, Value)]| {
+            ModelConfig::from_metadata(&metadata(arch, extra))
+                .unwrap_err()
+                .to_string()
+        };
+        let used = |n: u32| (".expert_used_count", Value::U32(n));
+        let count = |n: u32| (".expert_count", Value::U32(n));
+        let err = refusal("qwen3moe", &[used(2)]);
+        assert!(
+            err.contains("qwen3moe.expert_count") && err.contains("none"),
+            "{err}"
+        );
+        let err = refusal("qwen3moe", &[count(0), used(2)]);
+        assert!(err.contains("qwen3moe.expert_count"), "{err}");
+        let err = refusal("qwen3moe", &[count(8), used(9)]);
+        assert!(
+            err.contains("qwen3moe.expert_used_count: 9 is outside 1..=8"),
+            "{err}"
+        );
+        let err = refusal("qwen3moe", &[count(8), used(0)]);
+        assert!(err.contains("qwen3moe.expert_used_count"), "{err}");
+        let err = refusal("qwen3moe", &[count(8)]);
+        assert!(err.contains("qwen3moe.expert_used_count"), "{err}");
+        let err = refusal("llama", &[count(2000), used(2)]);
+        assert!(
+            err.contains("llama.expert_count: 2000 is outside 1..=1024"),
+            "{err}"
+        );
+        // A dense architecture whose file declares experts: refused for the experts.
+        let err = refusal("qwen2", &[count(8), used(2)]);
+        assert!(
+            err.contains("qwen2 model with 8 experts") && err.contains("mixture of experts"),
+            "{err}"
+        );
+        // Mixture-of-experts architectures not run yet: named as such.
+        for arch in [
+            "gpt-oss",
+            "deepseek2",
+            "glm4moe",
+            "llama4",
+            "qwen3next",
+            "qwen35moe",
+        ] {
+            let err = refusal(arch, &[]);
+            assert!(
+                err.contains(arch) && err.contains("mixture of experts"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

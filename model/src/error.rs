@@ -17,6 +17,12 @@ pub enum ModelError {
     Interrupted,
     #[error("architecture {name:?} is not supported (supported: {supported})")]
     UnsupportedArchitecture { name: String, supported: String },
+    /// A mixture-of-experts model of a kind this engine does not run.
+    #[error(
+        "{what}: a mixture of experts this engine does not run yet (it runs qwen3moe, \
+         qwen2moe and llama files with experts, such as Mixtral)"
+    )]
+    UnsupportedExperts { what: String },
     /// The model runs on the CPU but not on the GPU.
     #[error("{what} runs on the CPU only (the GPU runs {supported}); use --device cpu")]
     GpuUnsupported { what: String, supported: String },

@@ -6,6 +6,7 @@
 mod attention;
 mod expf;
 mod flash;
+pub mod route;
 
 pub use attention::{attention, attention_in, AttentionMethod, AttentionShape, Layout};
 pub use expf::expf;

@@ -52,11 +52,73 @@ pub struct LayerPlan {
     /// Norm of the attention output before the residual add (Gemma 2 and 3).
     pub post_attn_norm: Option<Vector>,
     pub ffn_norm: Vector,
+    pub ffn: FfnPlan,
+    /// Norm of the feed-forward output before the residual add (Gemma 2 and 3).
+    pub post_ffn_norm: Option<Vector>,
+}
+
+/// A layer's feed-forward block.
+#[derive(Clone, Debug)]
+pub enum FfnPlan {
+    /// One gated feed-forward network for every token.
+    Dense(DenseFfn),
+    /// A mixture of experts ([`crate::config::Experts`]).
+    Experts(Box<ExpertsPlan>),
+}
+
+impl FfnPlan {
+    /// The dense block, or `None` for a mixture of experts.
+    pub fn dense(&self) -> Option<&DenseFfn> {
+        match self {
+            FfnPlan::Dense(d) => Some(d),
+            FfnPlan::Experts(_) => None,
+        }
+    }
+}
+
+/// `down · act(gate · h) ⊙ (up · h)`.
+#[derive(Clone, Debug)]
+pub struct DenseFfn {
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
-    /// Norm of the feed-forward output before the residual add (Gemma 2 and 3).
-    pub post_ffn_norm: Option<Vector>,
+}
+
+/// The weights of a mixture-of-experts block.
+#[derive(Clone, Debug)]
+pub struct ExpertsPlan {
+    /// `ffn_gate_inp`: one logit per expert.
+    pub router: Linear,
+    /// `ffn_gate_exps`, absent from some Mixtral-style files (the experts then apply
+    /// SiLU to their up projection alone).
+    pub gate: Option<ExpertMatrices>,
+    pub up: ExpertMatrices,
+    pub down: ExpertMatrices,
+    /// Qwen 2 MoE's shared expert and its gate (`ffn_gate_inp_shexp`, one row).
+    pub shared: Option<(DenseFfn, Linear)>,
+}
+
+/// A 3-D expert tensor (`ffn_{gate,up,down}_exps`): `count` matrices of `rows` by
+/// `cols`, one after the other.
+#[derive(Clone, Debug)]
+pub struct ExpertMatrices {
+    pub weight: TensorHandle,
+    pub count: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl ExpertMatrices {
+    /// Expert `e`'s matrix: its rows of the tensor.
+    pub fn expert(&self, e: usize) -> Linear {
+        Linear {
+            weight: self.weight.clone(),
+            bias: None,
+            rows: self.rows,
+            cols: self.cols,
+            first_row: e * self.rows,
+        }
+    }
 }
 
 /// Everything the forward pass reads, as lazy handles.
@@ -87,9 +149,12 @@ impl ExecutionPlan {
         );
         let qk_norm = matches!(
             config.architecture,
-            Architecture::Qwen3 | Architecture::Gemma3
+            Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe
         );
-        let biased = config.architecture == Architecture::Qwen2;
+        let biased = matches!(
+            config.architecture,
+            Architecture::Qwen2 | Architecture::Qwen2Moe
+        );
         let token_embd = b.matrix("token_embd.weight", config.n_vocab, d)?;
         let rope_freqs = match store.get("rope_freqs.weight") {
             Some(_) if config.architecture == Architecture::Llama => {
@@ -118,13 +183,15 @@ impl ExecutionPlan {
                         b.linear(&n("attn_v.weight"), v_dim, d, biased)?,
                     ]
                 };
-                let [gate, up] = if phi3 {
-                    b.parts(&n("ffn_up.weight"), [config.n_ff, config.n_ff], d)?
-                } else {
-                    [
-                        b.linear(&n("ffn_gate.weight"), config.n_ff, d, false)?,
-                        b.linear(&n("ffn_up.weight"), config.n_ff, d, false)?,
-                    ]
+                let ffn = match &config.experts {
+                    Some(e) => FfnPlan::Experts(Box::new(b.experts(i, config, e)?)),
+                    None if phi3 => {
+                        let [gate, up] =
+                            b.parts(&n("ffn_up.weight"), [config.n_ff, config.n_ff], d)?;
+                        let down = b.linear(&n("ffn_down.weight"), d, config.n_ff, false)?;
+                        FfnPlan::Dense(DenseFfn { gate, up, down })
+                    }
+                    None => FfnPlan::Dense(b.dense(i, "", d, config.n_ff)?),
                 };
                 Ok(LayerPlan {
                     attn_norm: b.vector(&n("attn_norm.weight"), d)?,
@@ -150,9 +217,7 @@ impl ExecutionPlan {
                         .then(|| b.vector(&n("post_attention_norm.weight"), d))
                         .transpose()?,
                     ffn_norm: b.vector(&n("ffn_norm.weight"), d)?,
-                    gate,
-                    up,
-                    down: b.linear(&n("ffn_down.weight"), d, config.n_ff, false)?,
+                    ffn,
                     post_ffn_norm: gemma
                         .then(|| b.vector(&n("post_ffw_norm.weight"), d))
                         .transpose()?,
@@ -196,8 +261,21 @@ impl ExecutionPlan {
             out.push(&l.wo.weight);
             out.extend(l.post_attn_norm.as_ref().map(|v| &v.handle));
             out.push(&l.ffn_norm.handle);
-            for lin in [&l.gate, &l.up, &l.down] {
-                push_once(&mut out, &lin.weight);
+            match &l.ffn {
+                FfnPlan::Dense(f) => {
+                    for lin in [&f.gate, &f.up, &f.down] {
+                        push_once(&mut out, &lin.weight);
+                    }
+                }
+                FfnPlan::Experts(e) => {
+                    out.push(&e.router.weight);
+                    out.extend(e.gate.iter().map(|m| &m.weight));
+                    out.extend([&e.up.weight, &e.down.weight]);
+                    if let Some((f, gate)) = &e.shared {
+                        out.push(&gate.weight);
+                        out.extend([&f.gate.weight, &f.up.weight, &f.down.weight]);
+                    }
+                }
             }
             out.extend(l.post_ffn_norm.as_ref().map(|v| &v.handle));
         }
@@ -230,11 +308,14 @@ impl Builder<'_> {
             })?;
         // GGUF may drop trailing dimensions of 1.
         let found: Vec<u64> = handle.shape().to_vec();
-        let mut trimmed = found.clone();
-        while trimmed.len() > expected.len() && trimmed.last() == Some(&1) {
-            trimmed.pop();
-        }
-        if trimmed != expected {
+        let trim = |dims: &[u64]| {
+            let mut dims = dims.to_vec();
+            while dims.len() > 1 && dims.last() == Some(&1) {
+                dims.pop();
+            }
+            dims
+        };
+        if trim(&found) != trim(expected) {
             return Err(ModelError::TensorShape {
                 name: name.to_owned(),
                 expected: expected.to_vec(),
@@ -278,6 +359,61 @@ impl Builder<'_> {
             first_row += rows;
             part
         }))
+    }
+
+    /// The dense feed-forward weights `ffn_{gate,up,down}{suffix}` of layer `i`, `n_ff`
+    /// wide.
+    fn dense(&self, i: usize, suffix: &str, d: usize, n_ff: usize) -> Result<DenseFfn, ModelError> {
+        let n = |s: &str| format!("blk.{i}.ffn_{s}{suffix}.weight");
+        Ok(DenseFfn {
+            gate: self.linear(&n("gate"), n_ff, d, false)?,
+            up: self.linear(&n("up"), n_ff, d, false)?,
+            down: self.linear(&n("down"), d, n_ff, false)?,
+        })
+    }
+
+    /// The mixture-of-experts weights of layer `i`: the router, the 3-D expert tensors
+    /// (`[cols, rows, count]` in GGUF's order), and the shared expert of Qwen 2 MoE.
+    fn experts(
+        &self,
+        i: usize,
+        config: &ModelConfig,
+        e: &crate::config::Experts,
+    ) -> Result<ExpertsPlan, ModelError> {
+        let d = config.n_embd;
+        let n = |s: &str| format!("blk.{i}.{s}.weight");
+        let matrices = |name: &str, rows: usize, cols: usize| -> Result<_, ModelError> {
+            let weight = self.handle(name, &[cols as u64, rows as u64, e.count as u64])?;
+            self.check_kernel(&weight)?;
+            Ok(ExpertMatrices {
+                weight,
+                count: e.count,
+                rows,
+                cols,
+            })
+        };
+        let gate_name = n("ffn_gate_exps");
+        // Only Mixtral-style `llama` files may leave the experts' gate out.
+        let gate =
+            if config.architecture == Architecture::Llama && self.store.get(&gate_name).is_none() {
+                None
+            } else {
+                Some(matrices(&gate_name, e.n_ff, d)?)
+            };
+        let shared = match e.shared_n_ff {
+            Some(n_ff) => Some((
+                self.dense(i, "_shexp", d, n_ff)?,
+                self.linear(&n("ffn_gate_inp_shexp"), 1, d, false)?,
+            )),
+            None => None,
+        };
+        Ok(ExpertsPlan {
+            router: self.linear(&n("ffn_gate_inp"), e.count, d, false)?,
+            gate,
+            up: matrices(&n("ffn_up_exps"), e.n_ff, d)?,
+            down: matrices(&n("ffn_down_exps"), d, e.n_ff)?,
+            shared,
+        })
     }
 
     /// Refuses a weight that no product kernel multiplies.

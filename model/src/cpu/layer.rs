@@ -8,10 +8,11 @@
 use crate::config::{Activation, ModelConfig};
 use crate::kv_cache::KvCache;
 use crate::ops::{self, AttentionMethod, AttentionShape, FlashContext, Layout};
-use crate::plan::LayerPlan;
+use crate::plan::{FfnPlan, LayerPlan};
 use crate::serve::pool::{BlockId, KvPool};
 use crate::ModelError;
 
+use super::moe::{experts_block, MoeScratch};
 use super::offload::{split_linears, RowOffload};
 use super::products::{add, resize, vector};
 
@@ -222,6 +223,7 @@ pub(crate) struct Scratch {
     gate: Vec<f32>,
     up: Vec<f32>,
     rope: RopeTables,
+    moe: MoeScratch,
 }
 
 /// RoPE tables of one forward call's positions, one per base and scale the layers use:
@@ -391,7 +393,7 @@ fn attention_block(
 }
 
 /// The feed-forward block: `x += post_norm(W_down · act(W_gate · h) ⊙ (W_up · h))` with
-/// `h = norm(x)`.
+/// `h = norm(x)`, or for a mixture of experts `x += Σ w_r · expert_r(h)`.
 fn ffn_block(
     config: &ModelConfig,
     layer: &LayerPlan,
@@ -403,9 +405,30 @@ fn ffn_block(
     let eps = config.rms_norm_eps;
     resize(&mut s.h, x.len());
     ops::rms_norm(x, &vector(&layer.ffn_norm)?, eps, &mut s.h);
+    let ffn = match &layer.ffn {
+        FfnPlan::Dense(ffn) => ffn,
+        FfnPlan::Experts(plan) => {
+            let experts = config
+                .experts
+                .as_ref()
+                .ok_or_else(|| ModelError::InvalidConfig {
+                    key: format!("{}.expert_count", config.architecture.name()),
+                    reason: "the plan has experts the configuration lacks".to_owned(),
+                })?;
+            if offload.is_some() {
+                return Err(ModelError::GpuUnsupported {
+                    what: "a mixture-of-experts layer".to_owned(),
+                    supported: "dense layers".to_owned(),
+                });
+            }
+            experts_block(experts, plan, &s.h, n, &mut s.moe, &mut s.proj)?;
+            add(x, &s.proj);
+            return Ok(());
+        }
+    };
     split_linears(
         reborrow(&mut offload),
-        [&layer.gate, &layer.up],
+        [&ffn.gate, &ffn.up],
         &s.h,
         n,
         [&mut s.gate, &mut s.up],
@@ -414,7 +437,7 @@ fn ffn_block(
         Activation::Silu => ops::swiglu(&mut s.gate, &s.up, config.n_ff),
         Activation::GeluTanh => ops::geglu(&mut s.gate, &s.up),
     }
-    split_linears(offload, [&layer.down], &s.gate, n, [&mut s.proj])?;
+    split_linears(offload, [&ffn.down], &s.gate, n, [&mut s.proj])?;
     if let Some(norm) = &layer.post_ffn_norm {
         ops::rms_norm_in_place(&mut s.proj, &vector(norm)?, eps);
     }

@@ -7,6 +7,7 @@
 //! paged pool and run the same layer.
 
 mod layer;
+mod moe;
 mod offload;
 mod pass;
 mod products;

@@ -59,7 +59,10 @@ pub(crate) fn matrix_rows(
     rows: std::ops::Range<usize>,
 ) -> Result<QuantizedMatrix<'_>, ModelError> {
     let mut bytes = lin.weight.bytes()?;
-    let whole = lin.rows as u64 == lin.weight.shape().get(1).copied().unwrap_or(1);
+    // Rows of every matrix of the tensor: one, or a 3-D tensor's experts one after
+    // the other.
+    let tensor_rows: u64 = lin.weight.shape().iter().skip(1).product();
+    let whole = lin.rows as u64 == tensor_rows;
     if lin.first_row != 0 || !whole || rows != (0..lin.rows) {
         let ty = lin.weight.ggml_type();
         let row_bytes = ty.row_bytes(lin.cols as u64).unwrap_or(0) as usize;

@@ -147,13 +147,14 @@ impl HostRows {
 
 /// A layer's products in the groups a pass multiplies together (one input each): q/k/v,
 /// the attention output, gate/up, down.
+/// (The GPU refuses a mixture of experts before it gets here: its layers have no dense
+/// feed-forward products.)
 fn product_groups(l: &LayerPlan) -> [Vec<&Linear>; 4] {
-    [
-        vec![&l.wq, &l.wk, &l.wv],
-        vec![&l.wo],
-        vec![&l.gate, &l.up],
-        vec![&l.down],
-    ]
+    let (gate_up, down) = match l.ffn.dense() {
+        Some(f) => (vec![&f.gate, &f.up], vec![&f.down]),
+        None => (Vec::new(), Vec::new()),
+    };
+    [vec![&l.wq, &l.wk, &l.wv], vec![&l.wo], gate_up, down]
 }
 
 /// Bytes of one row of `lin`'s weight.

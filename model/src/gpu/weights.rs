@@ -194,6 +194,13 @@ impl LayerWeights {
     ) -> Result<LayerWeights, ModelError> {
         let norm = |v: &Option<Vector>| v.as_ref().map(|v| Norm::fetch(cache, v)).transpose();
         let bias = |l: &Linear| l.bias.as_ref().map(|h| Floats::fetch(cache, h)).transpose();
+        let ffn = layer
+            .ffn
+            .dense()
+            .ok_or_else(|| ModelError::GpuUnsupported {
+                what: "a mixture-of-experts layer".to_owned(),
+                supported: "dense layers".to_owned(),
+            })?;
         Ok(LayerWeights {
             attn_norm: Norm::fetch(cache, &layer.attn_norm)?,
             wq: Matrix::fetch(cache, &layer.wq)?,
@@ -210,9 +217,9 @@ impl LayerWeights {
             wo: Matrix::fetch(cache, &layer.wo)?,
             post_attn_norm: norm(&layer.post_attn_norm)?,
             ffn_norm: Norm::fetch(cache, &layer.ffn_norm)?,
-            gate: Matrix::fetch(cache, &layer.gate)?,
-            up: Matrix::fetch(cache, &layer.up)?,
-            down: Matrix::fetch(cache, &layer.down)?,
+            gate: Matrix::fetch(cache, &ffn.gate)?,
+            up: Matrix::fetch(cache, &ffn.up)?,
+            down: Matrix::fetch(cache, &ffn.down)?,
             post_ffn_norm: norm(&layer.post_ffn_norm)?,
         })
     }
@@ -283,10 +290,12 @@ pub(crate) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
     };
     // Products: the types the GPU multiplies (the token embeddings are only gathered,
     // unless the output is tied to them: `plan.output` is then the same tensor).
-    let matrices = plan
-        .layers
-        .iter()
-        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]);
+    let matrices = plan.layers.iter().flat_map(|l| {
+        let ffn = l.ffn.dense().into_iter();
+        [&l.wq, &l.wk, &l.wv, &l.wo]
+            .into_iter()
+            .chain(ffn.flat_map(|f| [&f.gate, &f.up, &f.down]))
+    });
     for lin in matrices.chain([&plan.output]) {
         let ty = lin.weight.ggml_type();
         if !dequant::gpu::matvec::is_supported_on_gpu(ty) {

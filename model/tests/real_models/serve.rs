@@ -113,17 +113,29 @@ fn encode(tokenizer: &Tokenizer, text: &str) -> Vec<u32> {
 
 fn alone_matches_generate(file: &str) {
     let (model, tokenizer) = load(file);
+    let long = PROMPTS.join(" ").repeat(3);
+    let prompts: Vec<&str> = PROMPTS.iter().copied().chain([long.as_str()]).collect();
+    alone_in_the_scheduler_matches_generate(file, model, tokenizer, &prompts);
+}
+
+/// Each of `prompts` sent alone to a scheduler over `model` gives the text `generate`
+/// gives (the same operations on the same rows).
+pub(crate) fn alone_in_the_scheduler_matches_generate(
+    label: &str,
+    model: Model,
+    tokenizer: Arc<Tokenizer>,
+    prompts: &[&str],
+) {
     // A step budget shorter than the long prompt: read alone, it is still one batch.
     let scheduler = Scheduler::start(model.clone(), Arc::clone(&tokenizer), config(512, 512, 32))
         .expect("scheduler starts");
-    let long = PROMPTS.join(" ").repeat(3);
-    for text in PROMPTS.iter().copied().chain([long.as_str()]) {
+    for text in prompts {
         let prompt = encode(&tokenizer, text);
         let expected = generate_text(&model, &tokenizer, &prompt, 24);
         let (req, rx, _) = request(prompt.clone(), 24, greedy());
         scheduler.submit(req).unwrap();
         let (got, finish) = collect(&rx);
-        assert_eq!(got, expected, "{file}: {text:?}");
+        assert_eq!(got, expected, "{label}: {text:?}");
         assert_eq!(finish.prompt_tokens, prompt.len());
         assert!(finish.completion_tokens <= 24);
     }

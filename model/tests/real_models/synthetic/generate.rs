@@ -30,6 +30,8 @@ pub enum Arch {
     Phi3,
     Gemma2,
     Gemma3,
+    Qwen2Moe,
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -41,6 +43,8 @@ impl Arch {
             Arch::Phi3 => "phi3",
             Arch::Gemma2 => "gemma2",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen2Moe => "qwen2moe",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 }
@@ -95,6 +99,16 @@ pub struct Spec {
     /// `rope.scaling.original_context_length` and `rope.scaling.attn_factor` (0: none
     /// of them).
     pub rope_original_context: u32,
+    /// A mixture of experts in every layer: (experts, used per token, each one's width);
+    /// 0 experts: dense feed-forward blocks.
+    pub experts: (usize, usize, usize),
+    /// Qwen 2 MoE's shared expert's width.
+    pub shared_ff: usize,
+    /// Whether the experts have a gate (`ffn_gate_exps`; some Mixtral-style files do
+    /// not, and their experts apply SiLU to the up projection).
+    pub expert_gate: bool,
+    /// The router's type (F32 in the files converters write).
+    pub router: GgmlType,
     /// Text the reference tokenizes; its tokens are the sequence evaluated.
     pub prompt: &'static str,
     pub seed: u64,
@@ -123,6 +137,10 @@ const LLAMA: Spec = Spec {
     attn_softcap: 0.0,
     final_softcap: 0.0,
     rope_original_context: 0,
+    experts: (0, 0, 0),
+    shared_ff: 0,
+    expert_gate: true,
+    router: GgmlType::F32,
     prompt:
         "<|im_start|>user\nThe cat sat on the mat, and the dog sat on the log in 2024!<|im_end|>",
     seed: 0,
@@ -668,6 +686,86 @@ pub const SPECS: &[Spec] = &[
         seed: 128,
         ..LLAMA
     },
+    // Mixtures of experts. Qwen 3 MoE: 32 experts, 4 per token, so the ranking runs
+    // GCC's introsort rather than only its insertion sort; repacked Q4_K experts (one
+    // token at a time) and Q6_K down projections (the tiled GEMM for 8 tokens or more).
+    Spec {
+        name: "qwen3moe-random",
+        arch: Arch::Qwen3Moe,
+        vocab: VocabStyle::Qwen2,
+        n_heads: 8,
+        matrices: GgmlType::Q4_K,
+        overrides: &[("attn_v", GgmlType::IQ3_S), ("ffn_down_exps", GgmlType::Q6_K)],
+        token_embd: GgmlType::Q6_K,
+        output: Some(GgmlType::Q5_K),
+        blocks: Blocks::Random,
+        rope_freq_base: 1_000_000.0,
+        experts: (32, 4, 256),
+        prompt: QWEN_PROMPT,
+        seed: 129,
+        ..LLAMA
+    },
+    // Qwen 2 MoE: 8 experts, 2 per token, weights not renormalized, Q5_0 experts (dot
+    // products of one token for every group) and IQ4_XS down projections, the shared
+    // expert behind its sigmoid gate.
+    Spec {
+        name: "qwen2moe-random",
+        arch: Arch::Qwen2Moe,
+        vocab: VocabStyle::Qwen2,
+        matrices: GgmlType::Q5_0,
+        overrides: &[("ffn_down_exps", GgmlType::IQ4_XS), ("ffn_down_shexp", GgmlType::Q8_0)],
+        token_embd: GgmlType::Q8_0,
+        // llama.cpp requires Qwen 2 MoE's output matrix.
+        output: Some(GgmlType::Q6_K),
+        blocks: Blocks::Random,
+        rope_freq_base: 1_000_000.0,
+        experts: (8, 2, 256),
+        shared_ff: 512,
+        prompt: QWEN_PROMPT,
+        seed: 130,
+        ..LLAMA
+    },
+    // Mixtral's layout: a `llama` file with 4 experts, 2 per token, each as wide as the
+    // feed-forward length, an F16 router, IQ4_NL experts and Q3_K down projections.
+    Spec {
+        name: "llama-moe-random",
+        matrices: GgmlType::IQ4_NL,
+        overrides: &[("ffn_down_exps", GgmlType::Q3_K)],
+        output: Some(GgmlType::Q8_0),
+        blocks: Blocks::Random,
+        experts: (4, 2, N_FF),
+        router: GgmlType::F16,
+        seed: 131,
+        ..LLAMA
+    },
+    // Every expert used by every token (the ranking decides only the order of the sum).
+    Spec {
+        name: "qwen3moe-all-random",
+        arch: Arch::Qwen3Moe,
+        vocab: VocabStyle::Qwen2,
+        matrices: GgmlType::Q5_K,
+        overrides: &[("ffn_down_exps", GgmlType::IQ3_XXS)],
+        token_embd: GgmlType::Q4_K,
+        output: Some(GgmlType::Q4_K),
+        blocks: Blocks::Random,
+        rope_freq_base: 1_000_000.0,
+        experts: (4, 4, 256),
+        prompt: QWEN_PROMPT,
+        seed: 132,
+        ..LLAMA
+    },
+    // One expert per token, and no expert gate: SiLU of the up projection.
+    Spec {
+        name: "llama-moe-top1-random",
+        matrices: GgmlType::Q8_0,
+        overrides: &[("ffn_down_exps", GgmlType::Q2_K)],
+        output: Some(GgmlType::Q8_0),
+        blocks: Blocks::Random,
+        experts: (8, 1, N_FF),
+        expert_gate: false,
+        seed: 133,
+        ..LLAMA
+    },
 ];
 
 /// The spec named `name`.
@@ -689,7 +787,12 @@ struct Tensors {
     blocks: Blocks,
     /// Write every tensor as the F32 values its blocks decode to ([`build_decoded`]).
     decoded: bool,
+    /// Changes a tensor's shape before it is drawn ([`build_edited`]).
+    edit: Edit,
 }
+
+/// A change to the shape of the tensor named by the first argument.
+pub type Edit = fn(&str, &mut Vec<usize>);
 
 impl Tensors {
     fn add(
@@ -700,6 +803,9 @@ impl Tensors {
         mean: f32,
         std: f32,
     ) -> Result<(), GgufError> {
+        let mut shape = shape.to_vec();
+        (self.edit)(name, &mut shape);
+        let shape = shape.as_slice();
         let n: usize = shape.iter().product();
         if self.random(ty) {
             assert_eq!(mean, 0.0, "{name}: random blocks are centred");
@@ -775,17 +881,23 @@ impl Tensors {
 
 /// The whole GGUF file of `spec`.
 pub fn build(spec: &Spec) -> Result<Vec<u8>, GgufError> {
-    write(spec, false)
+    write(spec, false, |_, _| {})
+}
+
+/// The file of `spec` with the shapes of some tensors changed by `edit` (and their data
+/// drawn for the changed shapes): a well-formed file of a malformed model.
+pub fn build_edited(spec: &Spec, edit: Edit) -> Result<Vec<u8>, GgufError> {
+    write(spec, false, edit)
 }
 
 /// The model of `spec` with every weight stored as the F32 values its blocks decode to:
 /// the same function, computed without quantizing the activations (F32 weights meet f32
 /// activations). Against it, the rounding of the quantized model's own arithmetic shows.
 pub fn build_decoded(spec: &Spec) -> Result<Vec<u8>, GgufError> {
-    write(spec, true)
+    write(spec, true, |_, _| {})
 }
 
-fn write(spec: &Spec, decoded: bool) -> Result<Vec<u8>, GgufError> {
+fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
     let mut w = GgufWriter::new();
     let arch = spec.arch.name();
     let key = |k: &str| format!("{arch}.{k}");
@@ -800,10 +912,24 @@ fn write(spec: &Spec, decoded: bool) -> Result<Vec<u8>, GgufError> {
     w.add_metadata(&key("rope.freq_base"), spec.rope_freq_base)?;
     let eps: f32 = if spec.arch == Arch::Llama { 1e-5 } else { 1e-6 };
     w.add_metadata(&key("attention.layer_norm_rms_epsilon"), eps)?;
+    let (n_experts, n_used, expert_ff) = spec.experts;
+    if n_experts != 0 {
+        w.add_metadata(&key("expert_count"), n_experts as u32)?;
+        w.add_metadata(&key("expert_used_count"), n_used as u32)?;
+        if spec.arch != Arch::Llama {
+            w.add_metadata(&key("expert_feed_forward_length"), expert_ff as u32)?;
+        }
+        if spec.shared_ff != 0 {
+            w.add_metadata(
+                &key("expert_shared_feed_forward_length"),
+                spec.shared_ff as u32,
+            )?;
+        }
+    }
     match spec.arch {
         Arch::Llama => w.add_metadata(&key("rope.dimension_count"), spec.head_dim as u32)?,
-        Arch::Qwen2 => {}
-        Arch::Qwen3 => {
+        Arch::Qwen2 | Arch::Qwen2Moe => {}
+        Arch::Qwen3 | Arch::Qwen3Moe => {
             w.add_metadata(&key("attention.key_length"), spec.head_dim as u32)?;
             w.add_metadata(&key("attention.value_length"), spec.head_dim as u32)?;
         }
@@ -851,9 +977,10 @@ fn write(spec: &Spec, decoded: bool) -> Result<Vec<u8>, GgufError> {
         seed: spec.seed,
         blocks: spec.blocks,
         decoded,
+        edit,
     };
     let gemma = matches!(spec.arch, Arch::Gemma2 | Arch::Gemma3);
-    let qk_norm = matches!(spec.arch, Arch::Qwen3 | Arch::Gemma3);
+    let qk_norm = matches!(spec.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe);
     let phi3 = spec.arch == Arch::Phi3;
     // Gemma multiplies embeddings by sqrt(n_embd) = 16: draw them 16 times smaller, and
     // when they are also the output matrix, make up for it in the final norm.
@@ -946,7 +1073,7 @@ fn write(spec: &Spec, decoded: bool) -> Result<Vec<u8>, GgufError> {
                 std(spec.n_embd),
             )?;
         }
-        if spec.arch == Arch::Qwen2 {
+        if matches!(spec.arch, Arch::Qwen2 | Arch::Qwen2Moe) {
             t.add(&n("attn_q.bias"), GgmlType::F32, &[q_dim], 0.0, 0.5)?;
             t.add(&n("attn_k.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.5)?;
             t.add(&n("attn_v.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.1)?;
@@ -990,7 +1117,9 @@ fn write(spec: &Spec, decoded: bool) -> Result<Vec<u8>, GgufError> {
             1.0,
             0.1,
         )?;
-        if phi3 {
+        if n_experts != 0 {
+            add_experts(&mut t, spec, &n, &ty)?;
+        } else if phi3 {
             // The gate's rows first, then the up projection's.
             let parts = [(N_FF, std(spec.n_embd)), (N_FF, std(spec.n_embd))];
             t.add_fused(&n("ffn_up.weight"), ty("ffn_up"), spec.n_embd, &parts)?;
@@ -1010,13 +1139,15 @@ fn write(spec: &Spec, decoded: bool) -> Result<Vec<u8>, GgufError> {
                 std(spec.n_embd),
             )?;
         }
-        t.add(
-            &n("ffn_down.weight"),
-            ty("ffn_down"),
-            &[N_FF, spec.n_embd],
-            0.0,
-            std(N_FF),
-        )?;
+        if n_experts == 0 {
+            t.add(
+                &n("ffn_down.weight"),
+                ty("ffn_down"),
+                &[N_FF, spec.n_embd],
+                0.0,
+                std(N_FF),
+            )?;
+        }
         if gemma {
             t.add(
                 &n("post_ffw_norm.weight"),
@@ -1039,6 +1170,81 @@ fn write(spec: &Spec, decoded: bool) -> Result<Vec<u8>, GgufError> {
     }
     let data: Vec<&[u8]> = t.data.iter().map(Vec::as_slice).collect();
     t.writer.to_bytes(&data)
+}
+
+/// A mixture-of-experts block's tensors: the router, the 3-D expert tensors and Qwen 2
+/// MoE's shared expert with its one-row gate (1-D, as converters write it).
+fn add_experts(
+    t: &mut Tensors,
+    spec: &Spec,
+    n: &dyn Fn(&str) -> String,
+    ty: &dyn Fn(&str) -> GgmlType,
+) -> Result<(), GgufError> {
+    let (count, _, ff) = spec.experts;
+    let d = spec.n_embd;
+    let std = |cols: usize| 1.0 / (cols as f32).sqrt();
+    t.add(
+        &n("ffn_gate_inp.weight"),
+        spec.router,
+        &[d, count],
+        0.0,
+        std(d),
+    )?;
+    if spec.expert_gate {
+        t.add(
+            &n("ffn_gate_exps.weight"),
+            ty("ffn_gate_exps"),
+            &[d, ff, count],
+            0.0,
+            std(d),
+        )?;
+    }
+    t.add(
+        &n("ffn_up_exps.weight"),
+        ty("ffn_up_exps"),
+        &[d, ff, count],
+        0.0,
+        std(d),
+    )?;
+    t.add(
+        &n("ffn_down_exps.weight"),
+        ty("ffn_down_exps"),
+        &[ff, d, count],
+        0.0,
+        std(ff),
+    )?;
+    if spec.shared_ff != 0 {
+        let ff = spec.shared_ff;
+        t.add(
+            &n("ffn_gate_inp_shexp.weight"),
+            GgmlType::F32,
+            &[d],
+            0.0,
+            std(d),
+        )?;
+        t.add(
+            &n("ffn_gate_shexp.weight"),
+            ty("ffn_gate_shexp"),
+            &[d, ff],
+            0.0,
+            std(d),
+        )?;
+        t.add(
+            &n("ffn_up_shexp.weight"),
+            ty("ffn_up_shexp"),
+            &[d, ff],
+            0.0,
+            std(d),
+        )?;
+        t.add(
+            &n("ffn_down_shexp.weight"),
+            ty("ffn_down_shexp"),
+            &[ff, d],
+            0.0,
+            std(ff),
+        )?;
+    }
+    Ok(())
 }
 
 /// Llama 3's shape of RoPE divisors: 1 for the fast frequencies, 8 for the slow ones, a
