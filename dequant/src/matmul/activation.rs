@@ -43,9 +43,10 @@ pub(crate) trait ActSet: Sync + 'static {
     /// Bytes one row of `cols` values occupies, to size tiles and splits.
     fn row_bytes(cols: usize) -> usize;
 
-    /// Told the row count of the matrix the set is about to meet, before any product:
-    /// llama.cpp's choice of float kernel depends on it.
-    fn for_rows(&mut self, _rows: usize) {}
+    /// Told the row count of the matrix the set is about to meet, and whether its tokens
+    /// are a router's (`MUL_MAT_ID`'s), before any product: llama.cpp's choice of
+    /// kernel depends on them.
+    fn for_product(&mut self, _rows: usize, _routed: bool) {}
 }
 
 /// Values from which quantization is shared out over rayon's pool, by blocks.
@@ -245,6 +246,13 @@ impl ActSet for Q8KActs {
         }
     }
 
+    fn for_product(&mut self, _rows: usize, routed: bool) {
+        // `MUL_MAT_ID` multiplies a repacked matrix with its GEMV, token by token.
+        if routed {
+            self.packed_gemm_tokens = 0;
+        }
+    }
+
     fn row(&self, t: usize) -> Q8KRow<'_> {
         let nb = self.cols / QK_K;
         Q8KRow {
@@ -325,7 +333,7 @@ impl<const ROUND: u8> ActSet for FloatActs<ROUND> {
         }
     }
 
-    fn for_rows(&mut self, rows: usize) {
+    fn for_product(&mut self, rows: usize, _routed: bool) {
         self.gemm = self.n_tokens >= 2 && self.cols.is_multiple_of(8) && rows.is_multiple_of(4);
     }
 

@@ -127,44 +127,51 @@ pub(crate) struct Out<'o> {
 }
 
 /// Computes `y` (token-major, `n_tokens × rows`) for validated, non-empty shapes.
+/// With `routed`, the tokens are the ones a mixture-of-experts router sent to this
+/// matrix (see [`QuantizedMatrix::matmul_routed`]).
 pub(crate) fn run(
     m: &QuantizedMatrix<'_>,
     exec: Exec,
     x: &[f32],
     n_tokens: usize,
     y: &mut [f32],
+    routed: bool,
 ) -> Result<(), DequantError> {
     use formats::*;
     match m.ty() {
-        GgmlType::F32 => run_kernel::<F32>(m, exec, x, n_tokens, y),
-        GgmlType::F16 => run_kernel::<F16>(m, exec, x, n_tokens, y),
-        GgmlType::BF16 => run_kernel::<BF16>(m, exec, x, n_tokens, y),
-        GgmlType::Q4_0 if repacked(m) => run_kernel::<Q4_0Packed>(m, exec, x, n_tokens, y),
-        GgmlType::Q4_0 => run_kernel::<Q4_0>(m, exec, x, n_tokens, y),
-        GgmlType::Q4_1 => run_kernel::<Q4_1>(m, exec, x, n_tokens, y),
-        GgmlType::Q5_0 => run_kernel::<Q5_0>(m, exec, x, n_tokens, y),
-        GgmlType::Q5_1 => run_kernel::<Q5_1>(m, exec, x, n_tokens, y),
-        GgmlType::Q8_0 => run_kernel::<Q8_0>(m, exec, x, n_tokens, y),
-        GgmlType::Q2_K => run_kernel::<Q2_K>(m, exec, x, n_tokens, y),
-        GgmlType::Q3_K => run_kernel::<Q3_K>(m, exec, x, n_tokens, y),
-        GgmlType::Q4_K if repacked(m) => run_kernel::<Q4_KPacked>(m, exec, x, n_tokens, y),
-        GgmlType::Q4_K => run_kernel::<Q4_K>(m, exec, x, n_tokens, y),
-        GgmlType::Q5_K => run_kernel::<Q5_K>(m, exec, x, n_tokens, y),
-        GgmlType::Q6_K => run_kernel::<Q6_K>(m, exec, x, n_tokens, y),
-        GgmlType::IQ4_XS => run_kernel::<IQ4_XS>(m, exec, x, n_tokens, y),
-        GgmlType::IQ3_S => run_kernel::<IQ3_S>(m, exec, x, n_tokens, y),
-        GgmlType::IQ3_XXS => run_kernel::<IQ3_XXS>(m, exec, x, n_tokens, y),
-        GgmlType::IQ2_XXS => run_kernel::<IQ2_XXS>(m, exec, x, n_tokens, y),
-        GgmlType::IQ2_XS => run_kernel::<IQ2_XS>(m, exec, x, n_tokens, y),
-        GgmlType::IQ2_S => run_kernel::<IQ2_S>(m, exec, x, n_tokens, y),
-        GgmlType::IQ1_S => run_kernel::<IQ1_S>(m, exec, x, n_tokens, y),
-        GgmlType::IQ1_M => run_kernel::<IQ1_M>(m, exec, x, n_tokens, y),
-        GgmlType::TQ1_0 => run_kernel::<TQ1_0>(m, exec, x, n_tokens, y),
-        GgmlType::TQ2_0 => run_kernel::<TQ2_0>(m, exec, x, n_tokens, y),
-        GgmlType::IQ4_NL if repacked(m) => run_kernel::<IQ4_NLPacked>(m, exec, x, n_tokens, y),
-        GgmlType::IQ4_NL => run_kernel::<IQ4_NL>(m, exec, x, n_tokens, y),
-        GgmlType::MXFP4 if repacked(m) => run_kernel::<MXFP4Packed>(m, exec, x, n_tokens, y),
-        GgmlType::MXFP4 => run_kernel::<MXFP4>(m, exec, x, n_tokens, y),
+        GgmlType::F32 => run_kernel::<F32>(m, exec, x, n_tokens, y, routed),
+        GgmlType::F16 => run_kernel::<F16>(m, exec, x, n_tokens, y, routed),
+        GgmlType::BF16 => run_kernel::<BF16>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q4_0 if repacked(m) => run_kernel::<Q4_0Packed>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q4_0 => run_kernel::<Q4_0>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q4_1 => run_kernel::<Q4_1>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q5_0 => run_kernel::<Q5_0>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q5_1 => run_kernel::<Q5_1>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q8_0 => run_kernel::<Q8_0>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q2_K => run_kernel::<Q2_K>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q3_K => run_kernel::<Q3_K>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q4_K if repacked(m) => run_kernel::<Q4_KPacked>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q4_K => run_kernel::<Q4_K>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q5_K => run_kernel::<Q5_K>(m, exec, x, n_tokens, y, routed),
+        GgmlType::Q6_K => run_kernel::<Q6_K>(m, exec, x, n_tokens, y, routed),
+        GgmlType::IQ4_XS => run_kernel::<IQ4_XS>(m, exec, x, n_tokens, y, routed),
+        GgmlType::IQ3_S => run_kernel::<IQ3_S>(m, exec, x, n_tokens, y, routed),
+        GgmlType::IQ3_XXS => run_kernel::<IQ3_XXS>(m, exec, x, n_tokens, y, routed),
+        GgmlType::IQ2_XXS => run_kernel::<IQ2_XXS>(m, exec, x, n_tokens, y, routed),
+        GgmlType::IQ2_XS => run_kernel::<IQ2_XS>(m, exec, x, n_tokens, y, routed),
+        GgmlType::IQ2_S => run_kernel::<IQ2_S>(m, exec, x, n_tokens, y, routed),
+        GgmlType::IQ1_S => run_kernel::<IQ1_S>(m, exec, x, n_tokens, y, routed),
+        GgmlType::IQ1_M => run_kernel::<IQ1_M>(m, exec, x, n_tokens, y, routed),
+        GgmlType::TQ1_0 => run_kernel::<TQ1_0>(m, exec, x, n_tokens, y, routed),
+        GgmlType::TQ2_0 => run_kernel::<TQ2_0>(m, exec, x, n_tokens, y, routed),
+        GgmlType::IQ4_NL if repacked(m) => {
+            run_kernel::<IQ4_NLPacked>(m, exec, x, n_tokens, y, routed)
+        }
+        GgmlType::IQ4_NL => run_kernel::<IQ4_NL>(m, exec, x, n_tokens, y, routed),
+        GgmlType::MXFP4 if repacked(m) => {
+            run_kernel::<MXFP4Packed>(m, exec, x, n_tokens, y, routed)
+        }
+        GgmlType::MXFP4 => run_kernel::<MXFP4>(m, exec, x, n_tokens, y, routed),
         ty => return Err(DequantError::NoProductKernel { ty }),
     }
     Ok(())
@@ -176,9 +183,10 @@ fn run_kernel<K: Kernel>(
     x: &[f32],
     n_tokens: usize,
     y: &mut [f32],
+    routed: bool,
 ) {
     let mut acts = K::Acts::prepare(x, n_tokens, m.cols());
-    acts.for_rows(m.rows());
+    acts.for_product(m.rows(), routed);
     let (weights, row_bytes, n_rows) = (m.bytes(), m.row_bytes(), m.rows());
     match split(n_rows, row_bytes, n_tokens, K::Acts::row_bytes(m.cols())) {
         Split::Serial => {
@@ -277,7 +285,7 @@ pub(crate) fn run_many(
     if ms.iter().any(|m| repacked(m) != repacked(&ms[0])) {
         // Different arithmetic per matrix: one product each.
         for (m, y) in ms.iter().zip(ys.iter_mut()) {
-            run(m, exec, x, 1, y)?;
+            run(m, exec, x, 1, y, false)?;
         }
         return Ok(());
     }

@@ -259,7 +259,7 @@ impl<'a> QuantizedMatrix<'a> {
             y.fill(0.0);
             return Ok(());
         }
-        driver::run(self, exec, x, n_tokens, y)
+        driver::run(self, exec, x, n_tokens, y, false)
     }
 
     /// `Y = X · Wᵀ` for the tokens a mixture-of-experts router sent to this matrix (one
@@ -277,6 +277,12 @@ impl<'a> QuantizedMatrix<'a> {
         self.check_lengths(x, n_tokens, y)?;
         if n_tokens <= 1 || self.routed_batch_is_dense() {
             return self.matmul(x, n_tokens, y);
+        }
+        if self.ty == GgmlType::Q4_K {
+            // Repacked: the batched kernels give each token its GEMV when told.
+            let path = best_path();
+            let exec = driver::Exec::new(path).ok_or(DequantError::PathUnavailable { path })?;
+            return driver::run(self, exec, x, n_tokens, y, true);
         }
         let (cols, rows) = (self.cols, self.rows);
         for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
