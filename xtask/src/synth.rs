@@ -1,5 +1,5 @@
-//! `cargo xtask synth-model`: a synthetic llama-architecture GGUF with real shapes and
-//! random quantized weights, for load-time and throughput work at sizes no real model
+//! `cargo xtask synth-model`: a synthetic llama-architecture GGUF (or Qwen 3 MoE, for
+//! the mixture-of-experts presets) with real shapes and random quantized weights, for load-time and throughput work at sizes no real model
 //! here has.
 //!
 //! The file goes through our own `GgufWriter` (its `layout()` gives the header and every
@@ -40,6 +40,22 @@ pub struct Preset {
     pub file_type: u32,
     /// Per-tensor exceptions of a llama-quantize preset.
     pub mix: Mix,
+    /// A Qwen 3 MoE (`qwen3moe`) whose every layer is a mixture of experts, or `None`
+    /// for a dense `llama`.
+    pub experts: Option<MoeShape>,
+}
+
+/// The experts of a [`Preset`]: their count, how many a token is routed to, and the
+/// width of each. Their gate and up projections take `matrix_type`, the down projection
+/// `ffn_down_type`, the router F32 (as converters write it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeShape {
+    pub count: u32,
+    pub used: u32,
+    pub n_ff: u64,
+    /// Query and key head width (`attention.key_length`; Qwen 3 MoE's is 128 whatever
+    /// the width).
+    pub head_dim: u64,
 }
 
 /// How a preset's layer matrices depart from `matrix_type` and `ffn_down_type`, as
@@ -165,6 +181,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 15,
         mix: Mix::Plain,
+        experts: None,
     },
     // TinyLlama-1.1B's shapes (grouped-query attention, 4 KV heads).
     Preset {
@@ -183,6 +200,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 15,
         mix: Mix::Plain,
+        experts: None,
     },
     // SmolLM2-135M's shapes and types: Q4_1, Q8_0 embeddings, tied output.
     Preset {
@@ -201,6 +219,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: None,
         file_type: 3,
         mix: Mix::Plain,
+        experts: None,
     },
     // Two layers of 64 with SmolLM2's vocabulary: a forward pass that costs little but
     // the output projection, so that a server's host work per step shows on a CPU.
@@ -220,6 +239,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: None,
         file_type: 3,
         mix: Mix::Plain,
+        experts: None,
     },
     // Llama-2-7B's shapes in llama-quantize's Q2_K mix (LLAMA_FTYPE_MOSTLY_Q2_K).
     Preset {
@@ -238,6 +258,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 10,
         mix: Mix::Q2K,
+        experts: None,
     },
     // Llama-2-7B's shapes in llama-quantize's Q3_K_M mix (LLAMA_FTYPE_MOSTLY_Q3_K_M).
     Preset {
@@ -256,6 +277,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 12,
         mix: Mix::Q3KM,
+        experts: None,
     }, // Llama-2-7B's shapes in llama-quantize's Q3_K_S mix (LLAMA_FTYPE_MOSTLY_Q3_K_S).
     Preset {
         name: "7b-q3_k_s",
@@ -273,6 +295,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 11,
         mix: Mix::Plain,
+        experts: None,
     },
     // Llama-2-7B's shapes in llama-quantize's Q3_K_L mix (LLAMA_FTYPE_MOSTLY_Q3_K_L).
     Preset {
@@ -291,6 +314,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 13,
         mix: Mix::Q3KL,
+        experts: None,
     },
     // Llama-2-7B's shapes in llama-quantize's Q4_K_S mix (LLAMA_FTYPE_MOSTLY_Q4_K_S).
     Preset {
@@ -309,6 +333,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 14,
         mix: Mix::Q4KS,
+        experts: None,
     },
     // Llama-2-7B's shapes in llama-quantize's IQ4_XS mix (LLAMA_FTYPE_MOSTLY_IQ4_XS).
     Preset {
@@ -327,6 +352,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 30,
         mix: Mix::IQ4XS,
+        experts: None,
     },
     // Llama-2-7B's shapes in llama-quantize's IQ3_M mix (LLAMA_FTYPE_MOSTLY_IQ3_M).
     Preset {
@@ -345,6 +371,7 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q6_K),
         file_type: 27,
         mix: Mix::IQ3M,
+        experts: None,
     },
     // Llama-2-7B's shapes in llama-quantize's IQ2_M mix (LLAMA_FTYPE_MOSTLY_IQ2_M):
     // IQ3_S embeddings, a Q5_K output.
@@ -364,6 +391,57 @@ pub const PRESETS: &[Preset] = &[
         output_type: Some(GgmlType::Q5_K),
         file_type: 29,
         mix: Mix::IQ2M,
+        experts: None,
+    },
+    // Qwen3-30B-A3B's shapes in the Q4_K_M mix: 48 layers, 2048 wide, 32 query heads
+    // and 4 KV heads of 128, 128 experts of 768, 8 per token (16 GiB).
+    Preset {
+        name: "qwen3moe-30b-a3b-q4k",
+        n_layers: 48,
+        n_embd: 2048,
+        n_ff: 6144,
+        n_heads: 32,
+        n_kv_heads: 4,
+        context_length: 40960,
+        rope_freq_base: 1_000_000.0,
+        rms_eps: 1e-6,
+        embd_type: GgmlType::Q4_K,
+        matrix_type: GgmlType::Q4_K,
+        ffn_down_type: GgmlType::Q6_K,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 15,
+        mix: Mix::Plain,
+        experts: Some(MoeShape {
+            count: 128,
+            used: 8,
+            n_ff: 768,
+            head_dim: 128,
+        }),
+    },
+    // The same layout, small enough for a CPU: 8 layers, 1024 wide, 64 experts of 512,
+    // 8 per token (0.5 GiB).
+    Preset {
+        name: "qwen3moe-small-q4k",
+        n_layers: 8,
+        n_embd: 1024,
+        n_ff: 3072,
+        n_heads: 16,
+        n_kv_heads: 4,
+        context_length: 40960,
+        rope_freq_base: 1_000_000.0,
+        rms_eps: 1e-6,
+        embd_type: GgmlType::Q4_K,
+        matrix_type: GgmlType::Q4_K,
+        ffn_down_type: GgmlType::Q6_K,
+        output_type: Some(GgmlType::Q6_K),
+        file_type: 15,
+        mix: Mix::Plain,
+        experts: Some(MoeShape {
+            count: 64,
+            used: 8,
+            n_ff: 512,
+            head_dim: 128,
+        }),
     },
 ];
 
@@ -372,7 +450,8 @@ const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
                      cargo xtask synth-model --tokenizer-only --out FILE [--tokenizer-from GGUF]\n\
      PRESET: 7b-q4k, 1b-q4k, 135m-q4_1, tiny-q4_1, or Llama-2-7B's shapes in a\n        \
      llama-quantize mix: 7b-q2_k, 7b-q3_k_s, 7b-q3_k_m, 7b-q3_k_l, 7b-q4_k_s,\n        \
-     7b-iq4_xs, 7b-iq3_m, 7b-iq2_m";
+     7b-iq4_xs, 7b-iq3_m, 7b-iq2_m; or a Qwen 3 MoE: qwen3moe-30b-a3b-q4k (Qwen3-30B-A3B's\n        \
+     shapes), qwen3moe-small-q4k";
 
 /// Parses the task's arguments and writes the model.
 pub fn run(args: &[String]) -> Result<()> {
@@ -428,9 +507,17 @@ pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<Ggu
         .get_string_array("tokenizer.ggml.tokens")
         .context("the tokenizer source has no tokenizer.ggml.tokens")?;
     let n_vocab = tokens.len() as u64;
-    let head_dim = preset.n_embd / u64::from(preset.n_heads);
+    let head_dim = preset
+        .experts
+        .map_or(preset.n_embd / u64::from(preset.n_heads), |e| e.head_dim);
+    let q_dim = head_dim * u64::from(preset.n_heads);
     let kv_dim = head_dim * u64::from(preset.n_kv_heads);
-    let arch = "llama";
+    let arch = if preset.experts.is_some() {
+        "qwen3moe"
+    } else {
+        "llama"
+    };
+    let key = |k: &str| format!("{arch}.{k}");
     w.add_metadata("general.architecture", arch)?;
     w.add_metadata(
         "general.name",
@@ -438,16 +525,23 @@ pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<Ggu
     )?;
     w.add_metadata("general.file_type", preset.file_type)?;
     w.add_metadata("general.quantization_version", 2u32)?;
-    w.add_metadata("llama.block_count", preset.n_layers)?;
-    w.add_metadata("llama.context_length", preset.context_length)?;
-    w.add_metadata("llama.embedding_length", preset.n_embd as u32)?;
-    w.add_metadata("llama.feed_forward_length", preset.n_ff as u32)?;
-    w.add_metadata("llama.attention.head_count", preset.n_heads)?;
-    w.add_metadata("llama.attention.head_count_kv", preset.n_kv_heads)?;
-    w.add_metadata("llama.rope.freq_base", preset.rope_freq_base)?;
-    w.add_metadata("llama.rope.dimension_count", head_dim as u32)?;
-    w.add_metadata("llama.attention.layer_norm_rms_epsilon", preset.rms_eps)?;
-    w.add_metadata("llama.vocab_size", n_vocab as u32)?;
+    w.add_metadata(&key("block_count"), preset.n_layers)?;
+    w.add_metadata(&key("context_length"), preset.context_length)?;
+    w.add_metadata(&key("embedding_length"), preset.n_embd as u32)?;
+    w.add_metadata(&key("feed_forward_length"), preset.n_ff as u32)?;
+    w.add_metadata(&key("attention.head_count"), preset.n_heads)?;
+    w.add_metadata(&key("attention.head_count_kv"), preset.n_kv_heads)?;
+    w.add_metadata(&key("rope.freq_base"), preset.rope_freq_base)?;
+    w.add_metadata(&key("rope.dimension_count"), head_dim as u32)?;
+    w.add_metadata(&key("attention.layer_norm_rms_epsilon"), preset.rms_eps)?;
+    w.add_metadata(&key("vocab_size"), n_vocab as u32)?;
+    if let Some(e) = preset.experts {
+        w.add_metadata(&key("attention.key_length"), head_dim as u32)?;
+        w.add_metadata(&key("attention.value_length"), head_dim as u32)?;
+        w.add_metadata(&key("expert_count"), e.count)?;
+        w.add_metadata(&key("expert_used_count"), e.used)?;
+        w.add_metadata(&key("expert_feed_forward_length"), e.n_ff as u32)?;
+    }
     for (key, value) in tokenizer.iter() {
         if key.starts_with("tokenizer.") {
             w.add_metadata(key, value.clone())?;
@@ -463,14 +557,30 @@ pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<Ggu
         let m = |role: &str| preset.layer_type(role, l);
         let name = |s: &str| format!("blk.{l}.{s}.weight");
         w.add_tensor(&name("attn_norm"), GgmlType::F32, &[d])?;
-        w.add_tensor(&name("attn_q"), m("attn_q"), &[d, d])?;
+        w.add_tensor(&name("attn_q"), m("attn_q"), &[d, q_dim])?;
         w.add_tensor(&name("attn_k"), m("attn_k"), &[d, kv_dim])?;
         w.add_tensor(&name("attn_v"), m("attn_v"), &[d, kv_dim])?;
-        w.add_tensor(&name("attn_output"), m("attn_output"), &[d, d])?;
+        if preset.experts.is_some() {
+            w.add_tensor(&name("attn_q_norm"), GgmlType::F32, &[head_dim])?;
+            w.add_tensor(&name("attn_k_norm"), GgmlType::F32, &[head_dim])?;
+        }
+        w.add_tensor(&name("attn_output"), m("attn_output"), &[q_dim, d])?;
         w.add_tensor(&name("ffn_norm"), GgmlType::F32, &[d])?;
-        w.add_tensor(&name("ffn_gate"), m("ffn_gate"), &[d, ff])?;
-        w.add_tensor(&name("ffn_up"), m("ffn_up"), &[d, ff])?;
-        w.add_tensor(&name("ffn_down"), m("ffn_down"), &[ff, d])?;
+        match preset.experts {
+            Some(e) => {
+                let (n, ff) = (u64::from(e.count), e.n_ff);
+                w.add_tensor(&name("ffn_gate_inp"), GgmlType::F32, &[d, n])?;
+                w.add_tensor(&name("ffn_gate_exps"), m("ffn_gate"), &[d, ff, n])?;
+                w.add_tensor(&name("ffn_up_exps"), m("ffn_up"), &[d, ff, n])?;
+                let down = fallback(preset.ffn_down_type, ff);
+                w.add_tensor(&name("ffn_down_exps"), down, &[ff, d, n])?;
+            }
+            None => {
+                w.add_tensor(&name("ffn_gate"), m("ffn_gate"), &[d, ff])?;
+                w.add_tensor(&name("ffn_up"), m("ffn_up"), &[d, ff])?;
+                w.add_tensor(&name("ffn_down"), m("ffn_down"), &[ff, d])?;
+            }
+        }
     }
     w.add_tensor("output_norm.weight", GgmlType::F32, &[d])?;
     if let Some(ty) = preset.output_tensor_type() {
