@@ -94,6 +94,8 @@ pub struct GenerateArgs {
     /// (also ROCMFORGE_OFFLINE=1).
     #[arg(long)]
     pub offline: bool,
+    #[command(flatten)]
+    pub tuning: options::TuningArgs,
 }
 
 /// Set to `0`, a GPU's upload reads a cold model file with its readers alone; set to a
@@ -152,6 +154,7 @@ pub fn prompt_tokens(tokenizer: &Tokenizer, text: &str) -> Result<Vec<TokenId>> 
 pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let seed = args.sampling.seed.unwrap_or_else(random_seed);
     let sampling = args.sampling.params(seed).validate()?;
+    args.tuning.apply();
     let threads = options::worker_threads(args.threads)?;
     let user_text = options::prompt_text(args.prompt.as_deref(), args.file.as_deref())?;
     let stop = install_ctrl_c()?;

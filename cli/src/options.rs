@@ -1,5 +1,5 @@
 //! Argument handling shared by the subcommands: where a prompt comes from, llama.cpp's
-//! `-n -1`, the sampling flags, and the worker-thread count.
+//! `-n -1`, the sampling flags, the worker-thread count, and the tuning flags.
 
 use std::io::Read;
 use std::num::NonZeroUsize;
@@ -7,6 +7,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use model::sampling::{defaults, SamplingParams};
+use rocmforge::tuning::Tuning;
 
 /// The sampling flags `generate` and `chat` share, with llama.cpp's defaults.
 #[derive(clap::Args, Clone, Debug)]
@@ -137,5 +138,49 @@ impl FlashAttn {
             FlashAttn::Auto | FlashAttn::On => model::AttentionMethod::Flash,
             FlashAttn::Off => model::AttentionMethod::Matmul,
         }
+    }
+}
+
+/// `on` or `off`, for the tuning flags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
+impl Switch {
+    fn on(self) -> bool {
+        self == Switch::On
+    }
+}
+
+/// The flags that choose between two ways of doing the same work, to measure or test
+/// one against the other. A flag not given takes its environment variable's setting
+/// ([`rocmforge::tuning`]), else the default.
+#[derive(clap::Args, Clone, Debug)]
+#[command(next_help_heading = "Tuning (each also from its ROCMFORGE_* variable)")]
+pub struct TuningArgs {
+    /// Whether the CPU's products may take the AVX-512 kernels where the CPU has them:
+    /// the same bits as the AVX2 ones, faster. Default: on, unless ROCMFORGE_CPU_AVX512=0.
+    #[arg(long, value_enum)]
+    cpu_avx512: Option<Switch>,
+}
+
+impl TuningArgs {
+    /// The settings: the flags given, over the environment's.
+    pub fn tuning(&self) -> Tuning {
+        let mut tuning = Tuning::from_vars(|name| std::env::var(name).ok());
+        if let Some(switch) = self.cpu_avx512 {
+            tuning.cpu_avx512 = switch.on();
+        }
+        tuning
+    }
+
+    /// [`TuningArgs::tuning`], its process-wide settings handed to the libraries at once
+    /// (before any product or kernel).
+    pub fn apply(&self) -> Tuning {
+        let tuning = self.tuning();
+        tuning.apply_process_wide();
+        tuning
     }
 }

@@ -101,6 +101,8 @@ pub struct ServeArgs {
     /// Slows loading down by this long (for testing `/health` while loading).
     #[arg(long, hide = true, default_value_t = 0)]
     debug_load_delay_ms: u64,
+    #[command(flatten)]
+    tuning: crate::options::TuningArgs,
 }
 
 /// What the handlers need once the model is ready.
@@ -155,6 +157,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.max_sequences == 0 || args.step_tokens == 0 {
         bail!("--max-sequences and --step-tokens must be at least 1");
     }
+    args.tuning.apply();
     if let Some(threads) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads.get())

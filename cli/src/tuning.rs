@@ -1,0 +1,82 @@
+//! The settings that choose between two ways of doing the same work (to measure or test
+//! one against the other), as the binaries take them from the environment. The library
+//! crates never read the environment: each variable below names an option that the
+//! `rocmforge` binary (which also takes a flag for each) and `cargo xtask` hand to them.
+//!
+//! | variable | option | default |
+//! |---|---|---|
+//! | `ROCMFORGE_CPU_AVX512` | [`dequant::matmul::set_avx512_allowed`] | allowed; `0` keeps the CPU's products on the AVX2 kernels |
+
+/// Set to `0`, the CPU's products keep off the AVX-512 kernels.
+pub const CPU_AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
+
+/// Every setting of the table above.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tuning {
+    /// For [`dequant::matmul::set_avx512_allowed`].
+    pub cpu_avx512: bool,
+}
+
+impl Default for Tuning {
+    /// The libraries' own defaults.
+    fn default() -> Tuning {
+        Tuning { cpu_avx512: true }
+    }
+}
+
+impl Tuning {
+    /// The settings the variables give, `var` returning a variable's value (`None` when
+    /// it is unset): a switch is off only when its variable is `0`; a value that is not
+    /// one of a setting's is logged and leaves the default.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Tuning {
+        let mut tuning = Tuning::default();
+        if switched_off(var(CPU_AVX512_ENV)) {
+            tuning.cpu_avx512 = false;
+        }
+        tuning
+    }
+
+    /// Hands the process-wide setting to the library ([`Tuning::cpu_avx512`]). Call it
+    /// once, before the first product.
+    pub fn apply_process_wide(&self) {
+        dequant::matmul::set_avx512_allowed(self.cpu_avx512);
+    }
+}
+
+/// Whether a switch's variable turns it off: only `0` does.
+fn switched_off(value: Option<String>) -> bool {
+    value.is_some_and(|value| value == "0")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn from(vars: &[(&str, &str)]) -> Tuning {
+        Tuning::from_vars(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn no_variable_leaves_the_libraries_defaults() {
+        let tuning = from(&[]);
+        assert_eq!(tuning, Tuning::default());
+        assert!(tuning.cpu_avx512);
+    }
+
+    #[test]
+    fn each_variable_sets_its_option() {
+        let tuning = from(&[(CPU_AVX512_ENV, "0")]);
+        assert!(!tuning.cpu_avx512);
+    }
+
+    #[test]
+    fn values_outside_a_settings_range_leave_its_default() {
+        // A switch is off only for `0`, as it always was.
+        let tuning = from(&[(CPU_AVX512_ENV, "1")]);
+        assert_eq!(tuning, Tuning::default());
+    }
+}
