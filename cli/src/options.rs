@@ -164,6 +164,11 @@ pub struct TuningArgs {
     /// the same bits as the AVX2 ones, faster. Default: on, unless ROCMFORGE_CPU_AVX512=0.
     #[arg(long, value_enum)]
     cpu_avx512: Option<Switch>,
+    /// On NVIDIA GPUs of compute capability 9.0 and later, whether a kernel may start
+    /// while the one before it finishes (chained launches). Default: on, unless
+    /// ROCMFORGE_CHAINED_LAUNCH=0.
+    #[arg(long, value_enum)]
+    chained_launch: Option<Switch>,
 }
 
 impl TuningArgs {
@@ -172,6 +177,9 @@ impl TuningArgs {
         let mut tuning = Tuning::from_vars(|name| std::env::var(name).ok());
         if let Some(switch) = self.cpu_avx512 {
             tuning.cpu_avx512 = switch.on();
+        }
+        if let Some(switch) = self.chained_launch {
+            tuning.chained_launch = switch.on();
         }
         tuning
     }

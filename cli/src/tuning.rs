@@ -6,21 +6,29 @@
 //! | variable | option | default |
 //! |---|---|---|
 //! | `ROCMFORGE_CPU_AVX512` | [`dequant::matmul::set_avx512_allowed`] | allowed; `0` keeps the CPU's products on the AVX2 kernels |
+//! | `ROCMFORGE_CHAINED_LAUNCH` | [`hip_backend::set_chained_launch`] | allowed; `0` launches every kernel plainly |
 
 /// Set to `0`, the CPU's products keep off the AVX-512 kernels.
 pub const CPU_AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
+/// Set to `0`, every GPU kernel is launched plainly, none chained.
+pub const CHAINED_LAUNCH_ENV: &str = "ROCMFORGE_CHAINED_LAUNCH";
 
 /// Every setting of the table above.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Tuning {
     /// For [`dequant::matmul::set_avx512_allowed`].
     pub cpu_avx512: bool,
+    /// For [`hip_backend::set_chained_launch`].
+    pub chained_launch: bool,
 }
 
 impl Default for Tuning {
     /// The libraries' own defaults.
     fn default() -> Tuning {
-        Tuning { cpu_avx512: true }
+        Tuning {
+            cpu_avx512: true,
+            chained_launch: true,
+        }
     }
 }
 
@@ -33,13 +41,17 @@ impl Tuning {
         if switched_off(var(CPU_AVX512_ENV)) {
             tuning.cpu_avx512 = false;
         }
+        if switched_off(var(CHAINED_LAUNCH_ENV)) {
+            tuning.chained_launch = false;
+        }
         tuning
     }
 
-    /// Hands the process-wide setting to the library ([`Tuning::cpu_avx512`]). Call it
-    /// once, before the first product.
+    /// Hands the process-wide settings to the libraries ([`Tuning::cpu_avx512`],
+    /// [`Tuning::chained_launch`]). Call it once, before the first product or kernel.
     pub fn apply_process_wide(&self) {
         dequant::matmul::set_avx512_allowed(self.cpu_avx512);
+        hip_backend::set_chained_launch(self.chained_launch);
     }
 }
 
@@ -65,18 +77,20 @@ mod tests {
         let tuning = from(&[]);
         assert_eq!(tuning, Tuning::default());
         assert!(tuning.cpu_avx512);
+        assert!(tuning.chained_launch);
     }
 
     #[test]
     fn each_variable_sets_its_option() {
-        let tuning = from(&[(CPU_AVX512_ENV, "0")]);
+        let tuning = from(&[(CPU_AVX512_ENV, "0"), (CHAINED_LAUNCH_ENV, "0")]);
         assert!(!tuning.cpu_avx512);
+        assert!(!tuning.chained_launch);
     }
 
     #[test]
     fn values_outside_a_settings_range_leave_its_default() {
         // A switch is off only for `0`, as it always was.
-        let tuning = from(&[(CPU_AVX512_ENV, "1")]);
+        let tuning = from(&[(CPU_AVX512_ENV, "1"), (CHAINED_LAUNCH_ENV, "off")]);
         assert_eq!(tuning, Tuning::default());
     }
 }
