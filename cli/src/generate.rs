@@ -154,7 +154,7 @@ pub fn prompt_tokens(tokenizer: &Tokenizer, text: &str) -> Result<Vec<TokenId>> 
 pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let seed = args.sampling.seed.unwrap_or_else(random_seed);
     let sampling = args.sampling.params(seed).validate()?;
-    args.tuning.apply();
+    let tuning = args.tuning.apply();
     let threads = options::worker_threads(args.threads)?;
     let user_text = options::prompt_text(args.prompt.as_deref(), args.file.as_deref())?;
     let stop = install_ctrl_c()?;
@@ -251,6 +251,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
                 // Ctrl-C during the upload, or during a prompt's pass, stops it between
                 // two layers (an error `main` turns into status 130).
                 stop: Some(Arc::clone(&stop)),
+                tuning: tuning.gpu,
             };
             let mut gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.batch_size)
                 .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;

@@ -169,6 +169,11 @@ pub struct TuningArgs {
     /// ROCMFORGE_CHAINED_LAUNCH=0.
     #[arg(long, value_enum)]
     chained_launch: Option<Switch>,
+    /// On NVIDIA GPUs of compute capability 8.0 and later, whether a prompt's attention
+    /// takes the matrix units; off takes the f32 kernel AMD runs. Default: on, unless
+    /// ROCMFORGE_FLASH_MMA=0.
+    #[arg(long, value_enum)]
+    flash_mma: Option<Switch>,
 }
 
 impl TuningArgs {
@@ -180,6 +185,9 @@ impl TuningArgs {
         }
         if let Some(switch) = self.chained_launch {
             tuning.chained_launch = switch.on();
+        }
+        if let Some(switch) = self.flash_mma {
+            tuning.gpu.flash_mma = switch.on();
         }
         tuning
     }

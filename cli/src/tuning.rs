@@ -7,11 +7,16 @@
 //! |---|---|---|
 //! | `ROCMFORGE_CPU_AVX512` | [`dequant::matmul::set_avx512_allowed`] | allowed; `0` keeps the CPU's products on the AVX2 kernels |
 //! | `ROCMFORGE_CHAINED_LAUNCH` | [`hip_backend::set_chained_launch`] | allowed; `0` launches every kernel plainly |
+//! | `ROCMFORGE_FLASH_MMA` | [`GpuTuning::flash_mma`] | allowed; `0` keeps a prompt's attention off the matrix units |
+
+use model::gpu::GpuTuning;
 
 /// Set to `0`, the CPU's products keep off the AVX-512 kernels.
 pub const CPU_AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
 /// Set to `0`, every GPU kernel is launched plainly, none chained.
 pub const CHAINED_LAUNCH_ENV: &str = "ROCMFORGE_CHAINED_LAUNCH";
+/// Set to `0`, a prompt's attention on the GPU keeps off the matrix units.
+pub const FLASH_MMA_ENV: &str = "ROCMFORGE_FLASH_MMA";
 
 /// Every setting of the table above.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -20,6 +25,8 @@ pub struct Tuning {
     pub cpu_avx512: bool,
     /// For [`hip_backend::set_chained_launch`].
     pub chained_launch: bool,
+    /// For [`model::gpu::GpuOptions::tuning`].
+    pub gpu: GpuTuning,
 }
 
 impl Default for Tuning {
@@ -28,6 +35,7 @@ impl Default for Tuning {
         Tuning {
             cpu_avx512: true,
             chained_launch: true,
+            gpu: GpuTuning::default(),
         }
     }
 }
@@ -43,6 +51,9 @@ impl Tuning {
         }
         if switched_off(var(CHAINED_LAUNCH_ENV)) {
             tuning.chained_launch = false;
+        }
+        if switched_off(var(FLASH_MMA_ENV)) {
+            tuning.gpu.flash_mma = false;
         }
         tuning
     }
@@ -78,19 +89,29 @@ mod tests {
         assert_eq!(tuning, Tuning::default());
         assert!(tuning.cpu_avx512);
         assert!(tuning.chained_launch);
+        assert!(tuning.gpu.flash_mma);
     }
 
     #[test]
     fn each_variable_sets_its_option() {
-        let tuning = from(&[(CPU_AVX512_ENV, "0"), (CHAINED_LAUNCH_ENV, "0")]);
+        let tuning = from(&[
+            (CPU_AVX512_ENV, "0"),
+            (CHAINED_LAUNCH_ENV, "0"),
+            (FLASH_MMA_ENV, "0"),
+        ]);
         assert!(!tuning.cpu_avx512);
         assert!(!tuning.chained_launch);
+        assert!(!tuning.gpu.flash_mma);
     }
 
     #[test]
     fn values_outside_a_settings_range_leave_its_default() {
         // A switch is off only for `0`, as it always was.
-        let tuning = from(&[(CPU_AVX512_ENV, "1"), (CHAINED_LAUNCH_ENV, "off")]);
+        let tuning = from(&[
+            (CPU_AVX512_ENV, "1"),
+            (CHAINED_LAUNCH_ENV, "off"),
+            (FLASH_MMA_ENV, ""),
+        ]);
         assert_eq!(tuning, Tuning::default());
     }
 }

@@ -84,6 +84,24 @@ pub struct GpuOptions {
     /// each fails with [`ModelError::Interrupted`]. Looked at with one relaxed load per
     /// layer: nothing measurable per token.
     pub stop: Option<Arc<AtomicBool>>,
+    /// Which kernels and allocations the model takes where there is a choice.
+    pub tuning: GpuTuning,
+}
+
+/// The choices a [`GpuModel`] makes between ways of doing the same work. The defaults
+/// are what the engine runs; the others are there to measure or test against them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GpuTuning {
+    /// Whether a prompt's attention may take the matrix units where the device has them
+    /// (NVIDIA, compute capability 8.0 and later); `false` takes the f32 kernel AMD runs.
+    /// Default `true`.
+    pub flash_mma: bool,
+}
+
+impl Default for GpuTuning {
+    fn default() -> GpuTuning {
+        GpuTuning { flash_mma: true }
+    }
 }
 
 /// A KV cache shared in blocks by several sequences, for [`GpuModel::forward_batch`].
@@ -309,6 +327,7 @@ impl GpuModel {
             capacity,
             batch_room,
             pages.as_ref(),
+            options.tuning.flash_mma,
         )?;
         // Without a budget, the weights take what the device has left once the
         // activations and the cache are in, less a reserve for the runtime: a model larger
