@@ -162,7 +162,11 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     // the upload's staging ring is made resident meanwhile.
     let gpu_start = GpuStart::begin(args.device, 0);
     if args.device != DeviceArg::Cpu {
-        tensor_store::device::CacheConfig::default().prepare_gpu_staging();
+        tensor_store::device::CacheConfig {
+            staging_ring: tuning.gpu.staging_ring,
+            ..Default::default()
+        }
+        .prepare_gpu_staging();
     }
 
     let load_start = Instant::now();

@@ -8,6 +8,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use model::sampling::{defaults, SamplingParams};
 use rocmforge::tuning::Tuning;
+use tensor_store::device::StagingRing;
 
 /// The sampling flags `generate` and `chat` share, with llama.cpp's defaults.
 #[derive(clap::Args, Clone, Debug)]
@@ -174,6 +175,8 @@ pub struct TuningArgs {
     /// ROCMFORGE_FLASH_MMA=0.
     #[arg(long, value_enum)]
     flash_mma: Option<Switch>,
+    #[command(flatten)]
+    staging: StagingArgs,
 }
 
 impl TuningArgs {
@@ -189,6 +192,9 @@ impl TuningArgs {
         if let Some(switch) = self.flash_mma {
             tuning.gpu.flash_mma = switch.on();
         }
+        if let Some(ring) = self.staging.staging_ring {
+            tuning.gpu.staging_ring = ring.into();
+        }
         tuning
     }
 
@@ -198,5 +204,44 @@ impl TuningArgs {
         let tuning = self.tuning();
         tuning.apply_process_wide();
         tuning
+    }
+}
+
+/// `--staging-ring`, of every command that uploads weights to a GPU.
+#[derive(clap::Args, Clone, Debug)]
+pub struct StagingArgs {
+    /// On a GPU, how the upload's page-locked staging buffers are allocated: in two
+    /// regions, each registered at once (region), or one at a time (separate).
+    /// Default: ROCMFORGE_STAGING_RING, else region.
+    #[arg(long, value_enum)]
+    staging_ring: Option<StagingRingArg>,
+}
+
+impl StagingArgs {
+    /// The flag, else the environment's setting.
+    pub fn staging_ring(&self) -> StagingRing {
+        match self.staging_ring {
+            Some(ring) => ring.into(),
+            None => {
+                Tuning::from_vars(|name| std::env::var(name).ok())
+                    .gpu
+                    .staging_ring
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum StagingRingArg {
+    Region,
+    Separate,
+}
+
+impl From<StagingRingArg> for StagingRing {
+    fn from(ring: StagingRingArg) -> StagingRing {
+        match ring {
+            StagingRingArg::Region => StagingRing::Region,
+            StagingRingArg::Separate => StagingRing::Separate,
+        }
     }
 }

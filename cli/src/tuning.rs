@@ -8,8 +8,10 @@
 //! | `ROCMFORGE_CPU_AVX512` | [`dequant::matmul::set_avx512_allowed`] | allowed; `0` keeps the CPU's products on the AVX2 kernels |
 //! | `ROCMFORGE_CHAINED_LAUNCH` | [`hip_backend::set_chained_launch`] | allowed; `0` launches every kernel plainly |
 //! | `ROCMFORGE_FLASH_MMA` | [`GpuTuning::flash_mma`] | allowed; `0` keeps a prompt's attention off the matrix units |
+//! | `ROCMFORGE_STAGING_RING` | [`GpuTuning::staging_ring`] | `region`; `separate` allocates a buffer at a time |
 
 use model::gpu::GpuTuning;
+use tensor_store::device::StagingRing;
 
 /// Set to `0`, the CPU's products keep off the AVX-512 kernels.
 pub const CPU_AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
@@ -17,6 +19,8 @@ pub const CPU_AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
 pub const CHAINED_LAUNCH_ENV: &str = "ROCMFORGE_CHAINED_LAUNCH";
 /// Set to `0`, a prompt's attention on the GPU keeps off the matrix units.
 pub const FLASH_MMA_ENV: &str = "ROCMFORGE_FLASH_MMA";
+/// `region` or `separate`: how the upload's staging buffers are allocated.
+pub const STAGING_RING_ENV: &str = "ROCMFORGE_STAGING_RING";
 
 /// Every setting of the table above.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -55,6 +59,16 @@ impl Tuning {
         if switched_off(var(FLASH_MMA_ENV)) {
             tuning.gpu.flash_mma = false;
         }
+        if let Some(value) = var(STAGING_RING_ENV) {
+            match StagingRing::parse(&value) {
+                Some(ring) => tuning.gpu.staging_ring = ring,
+                None if value.trim().is_empty() => {}
+                None => tracing::warn!(
+                    %value,
+                    "{STAGING_RING_ENV} is neither `region` nor `separate`: using the regions"
+                ),
+            }
+        }
         tuning
     }
 
@@ -90,6 +104,7 @@ mod tests {
         assert!(tuning.cpu_avx512);
         assert!(tuning.chained_launch);
         assert!(tuning.gpu.flash_mma);
+        assert_eq!(tuning.gpu.staging_ring, StagingRing::Region);
     }
 
     #[test]
@@ -98,10 +113,12 @@ mod tests {
             (CPU_AVX512_ENV, "0"),
             (CHAINED_LAUNCH_ENV, "0"),
             (FLASH_MMA_ENV, "0"),
+            (STAGING_RING_ENV, "separate"),
         ]);
         assert!(!tuning.cpu_avx512);
         assert!(!tuning.chained_launch);
         assert!(!tuning.gpu.flash_mma);
+        assert_eq!(tuning.gpu.staging_ring, StagingRing::Separate);
     }
 
     #[test]
@@ -111,7 +128,9 @@ mod tests {
             (CPU_AVX512_ENV, "1"),
             (CHAINED_LAUNCH_ENV, "off"),
             (FLASH_MMA_ENV, ""),
+            (STAGING_RING_ENV, "rings"),
         ]);
         assert_eq!(tuning, Tuning::default());
+        assert_eq!(from(&[(STAGING_RING_ENV, " ")]), Tuning::default());
     }
 }

@@ -38,7 +38,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use hip_backend::{Device, DeviceArena, DeviceBuffer, Graph, HipError, PinnedBuffer, Stream};
-use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadMode, UploadOrder};
+use tensor_store::device::{
+    CacheConfig, DeviceCache, HipTarget, StagingRing, UploadMode, UploadOrder,
+};
 use tensor_store::{StoreError, TensorHandle, TensorStore};
 
 pub use host::HOST_TOKENS;
@@ -96,11 +98,16 @@ pub struct GpuTuning {
     /// (NVIDIA, compute capability 8.0 and later); `false` takes the f32 kernel AMD runs.
     /// Default `true`.
     pub flash_mma: bool,
+    /// How the upload's staging buffers are allocated ([`CacheConfig::staging_ring`]).
+    pub staging_ring: StagingRing,
 }
 
 impl Default for GpuTuning {
     fn default() -> GpuTuning {
-        GpuTuning { flash_mma: true }
+        GpuTuning {
+            flash_mma: true,
+            staging_ring: StagingRing::Region,
+        }
     }
 }
 
@@ -392,6 +399,7 @@ impl GpuModel {
         let cache_config = CacheConfig {
             mode: options.mode,
             budget: (!hold_all).then_some(arena_bytes),
+            staging_ring: options.tuning.staging_ring,
             stop: options.stop.clone(),
             ..CacheConfig::default()
         };
