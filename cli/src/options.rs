@@ -175,6 +175,11 @@ pub struct TuningArgs {
     /// ROCMFORGE_FLASH_MMA=0.
     #[arg(long, value_enum)]
     flash_mma: Option<Switch>,
+    /// On a GPU that does not hold the whole model, the device's share (0 to 1) of the
+    /// rows of the layers the CPU computes while decoding; 0 leaves them all to the CPU.
+    /// Default: ROCMFORGE_HOST_ROWS_ON_GPU, else the share the CPU's threads give.
+    #[arg(long, value_name = "SHARE", value_parser = rocmforge::tuning::parse_share)]
+    host_rows_on_gpu: Option<f64>,
     #[command(flatten)]
     staging: StagingArgs,
 }
@@ -191,6 +196,9 @@ impl TuningArgs {
         }
         if let Some(switch) = self.flash_mma {
             tuning.gpu.flash_mma = switch.on();
+        }
+        if let Some(share) = self.host_rows_on_gpu {
+            tuning.gpu.host_rows_share = Some(share);
         }
         if let Some(ring) = self.staging.staging_ring {
             tuning.gpu.staging_ring = ring.into();

@@ -8,6 +8,7 @@
 //! | `ROCMFORGE_CPU_AVX512` | [`dequant::matmul::set_avx512_allowed`] | allowed; `0` keeps the CPU's products on the AVX2 kernels |
 //! | `ROCMFORGE_CHAINED_LAUNCH` | [`hip_backend::set_chained_launch`] | allowed; `0` launches every kernel plainly |
 //! | `ROCMFORGE_FLASH_MMA` | [`GpuTuning::flash_mma`] | allowed; `0` keeps a prompt's attention off the matrix units |
+//! | `ROCMFORGE_HOST_ROWS_ON_GPU` | [`GpuTuning::host_rows_share`] | the CPU's threads decide; a share between 0 and 1 |
 //! | `ROCMFORGE_STAGING_RING` | [`GpuTuning::staging_ring`] | `region`; `separate` allocates a buffer at a time |
 
 use model::gpu::GpuTuning;
@@ -19,6 +20,8 @@ pub const CPU_AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
 pub const CHAINED_LAUNCH_ENV: &str = "ROCMFORGE_CHAINED_LAUNCH";
 /// Set to `0`, a prompt's attention on the GPU keeps off the matrix units.
 pub const FLASH_MMA_ENV: &str = "ROCMFORGE_FLASH_MMA";
+/// A share between 0 and 1: the device's share of the host layers' rows.
+pub const HOST_ROWS_ON_GPU_ENV: &str = "ROCMFORGE_HOST_ROWS_ON_GPU";
 /// `region` or `separate`: how the upload's staging buffers are allocated.
 pub const STAGING_RING_ENV: &str = "ROCMFORGE_STAGING_RING";
 
@@ -59,6 +62,14 @@ impl Tuning {
         if switched_off(var(FLASH_MMA_ENV)) {
             tuning.gpu.flash_mma = false;
         }
+        if let Some(value) = var(HOST_ROWS_ON_GPU_ENV) {
+            match parse_share(&value) {
+                Ok(share) => tuning.gpu.host_rows_share = Some(share),
+                Err(_) => {
+                    tracing::warn!(%value, "{HOST_ROWS_ON_GPU_ENV} is not a share between 0 and 1");
+                }
+            }
+        }
         if let Some(value) = var(STAGING_RING_ENV) {
             match StagingRing::parse(&value) {
                 Some(ring) => tuning.gpu.staging_ring = ring,
@@ -85,6 +96,14 @@ fn switched_off(value: Option<String>) -> bool {
     value.is_some_and(|value| value == "0")
 }
 
+/// A share between 0 and 1 (surrounding white space ignored).
+pub fn parse_share(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(share) if (0.0..=1.0).contains(&share) => Ok(share),
+        _ => Err(format!("expected a share between 0 and 1, got {text:?}")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +124,7 @@ mod tests {
         assert!(tuning.chained_launch);
         assert!(tuning.gpu.flash_mma);
         assert_eq!(tuning.gpu.staging_ring, StagingRing::Region);
+        assert_eq!(tuning.gpu.host_rows_share, None);
     }
 
     #[test]
@@ -114,11 +134,13 @@ mod tests {
             (CHAINED_LAUNCH_ENV, "0"),
             (FLASH_MMA_ENV, "0"),
             (STAGING_RING_ENV, "separate"),
+            (HOST_ROWS_ON_GPU_ENV, " 0.25\n"),
         ]);
         assert!(!tuning.cpu_avx512);
         assert!(!tuning.chained_launch);
         assert!(!tuning.gpu.flash_mma);
         assert_eq!(tuning.gpu.staging_ring, StagingRing::Separate);
+        assert_eq!(tuning.gpu.host_rows_share, Some(0.25));
     }
 
     #[test]
@@ -129,8 +151,14 @@ mod tests {
             (CHAINED_LAUNCH_ENV, "off"),
             (FLASH_MMA_ENV, ""),
             (STAGING_RING_ENV, "rings"),
+            (HOST_ROWS_ON_GPU_ENV, "1.5"),
         ]);
         assert_eq!(tuning, Tuning::default());
         assert_eq!(from(&[(STAGING_RING_ENV, " ")]), Tuning::default());
+        assert_eq!(from(&[(HOST_ROWS_ON_GPU_ENV, "half")]), Tuning::default());
+        assert_eq!(parse_share("0"), Ok(0.0));
+        assert_eq!(parse_share("1"), Ok(1.0));
+        assert!(parse_share("NaN").is_err());
+        assert!(parse_share("-0.1").is_err());
     }
 }

@@ -98,6 +98,10 @@ pub struct GpuTuning {
     /// (NVIDIA, compute capability 8.0 and later); `false` takes the f32 kernel AMD runs.
     /// Default `true`.
     pub flash_mma: bool,
+    /// Over budget, the device's share of the rows of the host layers' products
+    /// (between 0 and 1; 0 leaves every row to the CPU); `None`, the default: the share
+    /// the CPU's threads give, so that both finish at about the same time.
+    pub host_rows_share: Option<f64>,
     /// How the upload's staging buffers are allocated ([`CacheConfig::staging_ring`]).
     pub staging_ring: StagingRing,
 }
@@ -106,6 +110,7 @@ impl Default for GpuTuning {
     fn default() -> GpuTuning {
         GpuTuning {
             flash_mma: true,
+            host_rows_share: None,
             staging_ring: StagingRing::Region,
         }
     }
@@ -306,6 +311,7 @@ impl GpuModel {
             });
         }
         model.check_gpu_support()?;
+        check_tuning(&options.tuning)?;
         check_stop(options.stop.as_deref())?;
         let gpu = |op| move |source| ModelError::Gpu { op, source };
         let device = Device::open(options.device).map_err(gpu("device"))?;
@@ -438,7 +444,7 @@ impl GpuModel {
                 keep_layers..config.n_layers,
                 capacity,
                 prompt_batch,
-                options.stop.clone(),
+                options,
             )?)
         } else {
             None
@@ -1436,6 +1442,18 @@ enum End {
     Rows { argmax: bool },
 }
 
+/// [`ModelError::InvalidGpuOption`] for a setting out of its range.
+fn check_tuning(tuning: &GpuTuning) -> Result<(), ModelError> {
+    match tuning.host_rows_share {
+        Some(share) if !(0.0..=1.0).contains(&share) => Err(ModelError::InvalidGpuOption {
+            name: "host_rows_share",
+            value: share.to_string(),
+            reason: "not a share between 0 and 1",
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// [`ModelError::Interrupted`] once `stop` is set: one relaxed load, between layers.
 #[inline]
 pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
@@ -1556,4 +1574,29 @@ pub(crate) fn arena(device: &Device, bytes: usize) -> Result<DeviceArena, ModelE
             source: other,
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_rows_share_outside_0_to_1_is_refused() {
+        let with = |share| GpuTuning {
+            host_rows_share: share,
+            ..GpuTuning::default()
+        };
+        for share in [None, Some(0.0), Some(0.3), Some(1.0)] {
+            assert!(check_tuning(&with(share)).is_ok(), "{share:?}");
+        }
+        for share in [-0.5, 1.5, f64::NAN] {
+            match check_tuning(&with(Some(share))) {
+                Err(ModelError::InvalidGpuOption {
+                    name: "host_rows_share",
+                    ..
+                }) => {}
+                other => panic!("{share}: {other:?}"),
+            }
+        }
+    }
 }
