@@ -84,6 +84,8 @@ pub struct ChatArgs {
     /// when it is not a terminal.
     #[arg(long)]
     pub progress: bool,
+    #[command(flatten)]
+    tuning: options::TuningArgs,
 }
 
 const HELP: &str = "\
@@ -101,6 +103,7 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
     let seed = args.sampling.seed.unwrap_or_else(random_seed);
     // Bad values are refused before the model loads.
     args.sampling.params(seed).validate()?;
+    let tuning = args.tuning.apply();
     options::worker_threads(args.threads)?;
     let interrupt = ChatInterrupt::install(interactive)?;
     let gpu_start = GpuStart::begin(args.device, 0);
@@ -146,6 +149,7 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
                 budget: args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
                 context_size,
                 stop: Some(Arc::clone(&interrupt.stop)),
+                tuning: tuning.gpu,
             };
             let gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.batch_size)
                 .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;

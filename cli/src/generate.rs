@@ -94,6 +94,8 @@ pub struct GenerateArgs {
     /// (also ROCMFORGE_OFFLINE=1).
     #[arg(long)]
     pub offline: bool,
+    #[command(flatten)]
+    pub tuning: options::TuningArgs,
 }
 
 /// Set to `0`, a GPU's upload reads a cold model file with its readers alone; set to a
@@ -152,6 +154,7 @@ pub fn prompt_tokens(tokenizer: &Tokenizer, text: &str) -> Result<Vec<TokenId>> 
 pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let seed = args.sampling.seed.unwrap_or_else(random_seed);
     let sampling = args.sampling.params(seed).validate()?;
+    let tuning = args.tuning.apply();
     let threads = options::worker_threads(args.threads)?;
     let user_text = options::prompt_text(args.prompt.as_deref(), args.file.as_deref())?;
     let stop = install_ctrl_c()?;
@@ -159,7 +162,11 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     // the upload's staging ring is made resident meanwhile.
     let gpu_start = GpuStart::begin(args.device, 0);
     if args.device != DeviceArg::Cpu {
-        tensor_store::device::CacheConfig::default().prepare_gpu_staging();
+        tensor_store::device::CacheConfig {
+            staging_ring: tuning.gpu.staging_ring,
+            ..Default::default()
+        }
+        .prepare_gpu_staging();
     }
 
     let load_start = Instant::now();
@@ -248,6 +255,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
                 // Ctrl-C during the upload, or during a prompt's pass, stops it between
                 // two layers (an error `main` turns into status 130).
                 stop: Some(Arc::clone(&stop)),
+                tuning: tuning.gpu,
             };
             let mut gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.batch_size)
                 .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;

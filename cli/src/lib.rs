@@ -8,8 +8,13 @@
 //! (`pull`, `list`, and the default model fetched on first use) and `cargo xtask
 //! fetch-models` both call them.
 //!
+//! [`tuning`] turns the environment variables that choose between kernels and
+//! allocations into the options the library crates take, for both binaries.
+//!
 //! Options come from the caller: only the binaries read the environment
-//! (`ROCMFORGE_MODELS`, `ROCMFORGE_OFFLINE`).
+//! (`ROCMFORGE_MODELS`, `ROCMFORGE_OFFLINE`, and [`tuning`]'s variables, whose values
+//! they hand to [`tuning::Tuning::from_vars`]).
 
 pub mod cache;
 pub mod pull;
+pub mod tuning;

@@ -43,6 +43,8 @@ pub struct LoadArgs {
     /// Read the file with O_DIRECT, past the page cache.
     #[arg(long)]
     direct_io: bool,
+    #[command(flatten)]
+    staging: crate::options::StagingArgs,
     /// Never draw the progress bar.
     #[arg(long)]
     no_progress: bool,
@@ -106,6 +108,7 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         mode: args.load_mode.into(),
         budget: args.budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
         direct_io: args.direct_io,
+        staging_ring: args.staging.staging_ring(),
         stop: Some(stop),
         ..CacheConfig::default()
     };

@@ -1,5 +1,5 @@
 //! Argument handling shared by the subcommands: where a prompt comes from, llama.cpp's
-//! `-n -1`, the sampling flags, and the worker-thread count.
+//! `-n -1`, the sampling flags, the worker-thread count, and the tuning flags.
 
 use std::io::Read;
 use std::num::NonZeroUsize;
@@ -7,6 +7,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use model::sampling::{defaults, SamplingParams};
+use rocmforge::tuning::Tuning;
+use tensor_store::device::StagingRing;
 
 /// The sampling flags `generate` and `chat` share, with llama.cpp's defaults.
 #[derive(clap::Args, Clone, Debug)]
@@ -136,6 +138,118 @@ impl FlashAttn {
         match self {
             FlashAttn::Auto | FlashAttn::On => model::AttentionMethod::Flash,
             FlashAttn::Off => model::AttentionMethod::Matmul,
+        }
+    }
+}
+
+/// `on` or `off`, for the tuning flags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
+impl Switch {
+    fn on(self) -> bool {
+        self == Switch::On
+    }
+}
+
+/// The flags that choose between two ways of doing the same work, to measure or test
+/// one against the other. A flag not given takes its environment variable's setting
+/// ([`rocmforge::tuning`]), else the default.
+#[derive(clap::Args, Clone, Debug)]
+#[command(next_help_heading = "Tuning (each also from its ROCMFORGE_* variable)")]
+pub struct TuningArgs {
+    /// Whether the CPU's products may take the AVX-512 kernels where the CPU has them:
+    /// the same bits as the AVX2 ones, faster. Default: on, unless ROCMFORGE_CPU_AVX512=0.
+    #[arg(long, value_enum)]
+    cpu_avx512: Option<Switch>,
+    /// On NVIDIA GPUs of compute capability 9.0 and later, whether a kernel may start
+    /// while the one before it finishes (chained launches). Default: on, unless
+    /// ROCMFORGE_CHAINED_LAUNCH=0.
+    #[arg(long, value_enum)]
+    chained_launch: Option<Switch>,
+    /// On NVIDIA GPUs of compute capability 8.0 and later, whether a prompt's attention
+    /// takes the matrix units; off takes the f32 kernel AMD runs. Default: on, unless
+    /// ROCMFORGE_FLASH_MMA=0.
+    #[arg(long, value_enum)]
+    flash_mma: Option<Switch>,
+    /// On a GPU that does not hold the whole model, the device's share (0 to 1) of the
+    /// rows of the layers the CPU computes while decoding; 0 leaves them all to the CPU.
+    /// Default: ROCMFORGE_HOST_ROWS_ON_GPU, else the share the CPU's threads give.
+    #[arg(long, value_name = "SHARE", value_parser = rocmforge::tuning::parse_share)]
+    host_rows_on_gpu: Option<f64>,
+    #[command(flatten)]
+    staging: StagingArgs,
+}
+
+impl TuningArgs {
+    /// The settings: the flags given, over the environment's.
+    pub fn tuning(&self) -> Tuning {
+        let mut tuning = Tuning::from_vars(|name| std::env::var(name).ok());
+        if let Some(switch) = self.cpu_avx512 {
+            tuning.cpu_avx512 = switch.on();
+        }
+        if let Some(switch) = self.chained_launch {
+            tuning.chained_launch = switch.on();
+        }
+        if let Some(switch) = self.flash_mma {
+            tuning.gpu.flash_mma = switch.on();
+        }
+        if let Some(share) = self.host_rows_on_gpu {
+            tuning.gpu.host_rows_share = Some(share);
+        }
+        if let Some(ring) = self.staging.staging_ring {
+            tuning.gpu.staging_ring = ring.into();
+        }
+        tuning
+    }
+
+    /// [`TuningArgs::tuning`], its process-wide settings handed to the libraries at once
+    /// (before any product or kernel).
+    pub fn apply(&self) -> Tuning {
+        let tuning = self.tuning();
+        tuning.apply_process_wide();
+        tuning
+    }
+}
+
+/// `--staging-ring`, of every command that uploads weights to a GPU.
+#[derive(clap::Args, Clone, Debug)]
+pub struct StagingArgs {
+    /// On a GPU, how the upload's page-locked staging buffers are allocated: in two
+    /// regions, each registered at once (region), or one at a time (separate).
+    /// Default: ROCMFORGE_STAGING_RING, else region.
+    #[arg(long, value_enum)]
+    staging_ring: Option<StagingRingArg>,
+}
+
+impl StagingArgs {
+    /// The flag, else the environment's setting.
+    pub fn staging_ring(&self) -> StagingRing {
+        match self.staging_ring {
+            Some(ring) => ring.into(),
+            None => {
+                Tuning::from_vars(|name| std::env::var(name).ok())
+                    .gpu
+                    .staging_ring
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum StagingRingArg {
+    Region,
+    Separate,
+}
+
+impl From<StagingRingArg> for StagingRing {
+    fn from(ring: StagingRingArg) -> StagingRing {
+        match ring {
+            StagingRingArg::Region => StagingRing::Region,
+            StagingRingArg::Separate => StagingRing::Separate,
         }
     }
 }

@@ -125,6 +125,49 @@ fn bad_sampling_values_are_refused_before_loading() {
     );
 }
 
+/// The tuning flags' values are checked by the argument parser, and on the CPU the
+/// AVX-512 kernels give the AVX2 ones' tokens: `--cpu-avx512 off` and
+/// `ROCMFORGE_CPU_AVX512=0` change nothing but the speed.
+#[test]
+fn tuning_flags_are_checked_and_keep_the_cpu_s_tokens() {
+    for (flag, value) in [
+        ("--host-rows-on-gpu", "1.5"),
+        ("--staging-ring", "rings"),
+        ("--flash-mma", "0"),
+    ] {
+        let output = run(&[
+            "generate",
+            "--gguf",
+            "/nonexistent.gguf",
+            "--prompt",
+            "hi",
+            flag,
+            value,
+        ]);
+        assert!(!output.status.success());
+        let err = stderr(&output);
+        assert!(
+            err.starts_with(&format!("error: invalid value '{value}' for '{flag} <")),
+            "{err}"
+        );
+    }
+    let model = model_path(GEMMA3);
+    let args = ["--max-tokens", "8", "--device", "cpu"];
+    let tokens = |json: serde_json::Value| ids(&json["tokens"]);
+    let default = tokens(greedy_json(&model, "The capital of France is", &args));
+    let flag = [&args[..], &["--cpu-avx512", "off"]].concat();
+    assert_eq!(
+        tokens(greedy_json(&model, "The capital of France is", &flag)),
+        default
+    );
+    let mut command = vec!["generate", "--gguf", model.to_str().unwrap()];
+    command.extend(["--prompt", "The capital of France is", "--temperature", "0"]);
+    command.push("--json");
+    command.extend(args);
+    let output = run_with(&command, &[("ROCMFORGE_CPU_AVX512", "0")], b"");
+    assert_eq!(tokens(stdout_json(&output)), default);
+}
+
 #[test]
 fn a_missing_model_file_is_named() {
     let dir = tempfile::tempdir().unwrap();

@@ -14,7 +14,8 @@
 //!
 //! `--shapes TEXT` keeps the matrices whose label contains `TEXT` (`llama7b`, `Q4_K`).
 //! The products take the fastest path this CPU has: set `ROCMFORGE_CPU_AVX512=0` to time
-//! the AVX2 kernels on an AVX-512 machine.
+//! the AVX2 kernels on an AVX-512 machine (the bench passes it on to
+//! [`dequant::matmul::set_avx512_allowed`], as `rocmforge` does).
 //!
 //! The products are called from one of rayon's pool threads, as a forward pass running
 //! inside the pool calls them (`--outside-pool`: from the main thread instead).
@@ -509,8 +510,12 @@ fn matmul_section(
     }
 }
 
+/// Set to `0`, the products keep off the AVX-512 kernels.
+const AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
+
 fn main() {
     let opts = options();
+    dequant::matmul::set_avx512_allowed(std::env::var_os(AVX512_ENV).is_none_or(|v| v != "0"));
     if let Some(n) = opts.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)

@@ -218,4 +218,15 @@ int rfhip_graph_launch(void* exec, void* stream) {
 }
 int rfhip_graph_destroy(void* exec) { return (int)hipGraphExecDestroy((hipGraphExec_t)exec); }
 
+// Whether rfLaunchChained may chain launches where the device and the build allow it
+// (rocmforge_hip.h): 1 unless rfhip_set_chained_launch(0) was called. Read at every
+// chained launch, so a change applies from the next launch on.
+static int chained_launch_allowed = 1;
+void rfhip_set_chained_launch(int allowed) {
+    __atomic_store_n(&chained_launch_allowed, allowed ? 1 : 0, __ATOMIC_RELAXED);
+}
+int rfhip_chained_launch_allowed(void) {
+    return __atomic_load_n(&chained_launch_allowed, __ATOMIC_RELAXED);
+}
+
 }  // extern "C"

@@ -26,8 +26,9 @@
 // Since every chained kernel finishes only after that wait, each one still finishes after
 // everything before it in the stream, as plain launches do; what is saved is the launch
 // latency and the tail of the kernel before. Everywhere else (AMD, older NVIDIA devices or
-// targets, ROCMFORGE_CHAINED_LAUNCH=0 in the environment) rfLaunchChained is a plain
-// launch and rf_chain_wait() does nothing: the stream orders the kernels by itself.
+// targets, or once the program has called hip_backend::set_chained_launch(false), which
+// reaches rfhip_set_chained_launch in the runtime shim) rfLaunchChained is a plain launch
+// and rf_chain_wait() does nothing: the stream orders the kernels by itself.
 #ifndef ROCMFORGE_HIP_H
 #define ROCMFORGE_HIP_H
 
@@ -125,8 +126,9 @@ __device__ __forceinline__ T rf_shfl_xor(T value, int lane_mask) {
 // when every target it compiles for is sm_90 or later, so that no kernel of the binary
 // lacks the wait.
 #if defined(RF_CHAINED_LAUNCH)
-#include <cstdlib>
-#include <cstring>
+// In hip-backend's runtime shim (csrc/rfhip_runtime.hip): whether the program allows
+// chained launches (hip_backend::set_chained_launch), 1 unless it said otherwise.
+extern "C" int rfhip_chained_launch_allowed(void);
 
 __device__ __forceinline__ void rf_chain_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -135,18 +137,18 @@ __device__ __forceinline__ void rf_chain_wait() {
 #endif
 }
 
-// Whether the current device takes chained launches: compute capability 9.0 or later, and
-// not switched off by ROCMFORGE_CHAINED_LAUNCH=0. Asked once per device.
+// Whether a launch on the current device is chained: the program has not switched chained
+// launches off (looked at every launch), and the device has compute capability 9.0 or
+// later (asked once per device).
 inline bool rf_chained_launch_enabled() {
+    if (!rfhip_chained_launch_allowed()) return false;
     static int state[64];  // per device: 0 not asked yet, 1 on, 2 off
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return false;
     int s = __atomic_load_n(&state[device], __ATOMIC_RELAXED);
     if (s == 0) {
-        const char* env = std::getenv("ROCMFORGE_CHAINED_LAUNCH");
         int major = 0;
-        const bool on = !(env && std::strcmp(env, "0") == 0) &&
-                        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+        const bool on = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
                                                device) == cudaSuccess &&
                         major >= 9;
         s = on ? 1 : 2;

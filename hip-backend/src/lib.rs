@@ -158,6 +158,24 @@ pub fn linked_platform_name() -> String {
     result::shim_platform_name()
 }
 
+/// Whether kernels launched chained (`rfLaunchChained` in `include/rocmforge_hip.h`) may
+/// start while the kernel before them in their stream finishes, where the device and the
+/// build allow it (NVIDIA, compute capability 9.0 and later, every target sm_90 or
+/// later); they may unless told otherwise. `false` makes every launch a plain one, to
+/// compare the two. Process-wide, for the kernels of every crate; it applies from the
+/// next launch on (a graph replays the launches it captured), so set it once, before the
+/// first kernel runs.
+pub fn set_chained_launch(allowed: bool) {
+    // SAFETY: stores an int; no pointer crosses.
+    unsafe { sys::rfhip_set_chained_launch(i32::from(allowed)) }
+}
+
+/// What [`set_chained_launch`] set last (`true` at the start).
+pub fn chained_launch_allowed() -> bool {
+    // SAFETY: loads an int; no pointer crosses.
+    unsafe { sys::rfhip_chained_launch_allowed() != 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,6 +195,15 @@ mod tests {
                 "{OFFLOAD_ARCHS}"
             ),
         }
+    }
+
+    #[test]
+    fn chained_launches_are_allowed_until_switched_off() {
+        assert!(chained_launch_allowed());
+        set_chained_launch(false);
+        assert!(!chained_launch_allowed());
+        set_chained_launch(true);
+        assert!(chained_launch_allowed());
     }
 
     #[test]

@@ -132,6 +132,9 @@ mod linked {
         pub fn rfhip_stream_end_capture(stream: *mut c_void, exec: *mut *mut c_void) -> c_int;
         pub fn rfhip_graph_launch(exec: *mut c_void, stream: *mut c_void) -> c_int;
         pub fn rfhip_graph_destroy(exec: *mut c_void) -> c_int;
+
+        pub fn rfhip_set_chained_launch(allowed: c_int);
+        pub fn rfhip_chained_launch_allowed() -> c_int;
     }
 }
 
@@ -274,6 +277,20 @@ mod stub {
     }
     pub unsafe fn rfhip_graph_destroy(_: *mut c_void) -> c_int {
         NO_GPU
+    }
+
+    /// Kept only so that the setting reads back as it was set, as with a shim.
+    static CHAINED_LAUNCH_ALLOWED: std::sync::atomic::AtomicI32 =
+        std::sync::atomic::AtomicI32::new(1);
+
+    pub unsafe fn rfhip_set_chained_launch(allowed: c_int) {
+        CHAINED_LAUNCH_ALLOWED.store(
+            c_int::from(allowed != 0),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+    pub unsafe fn rfhip_chained_launch_allowed() -> c_int {
+        CHAINED_LAUNCH_ALLOWED.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

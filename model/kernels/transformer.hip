@@ -23,8 +23,6 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 namespace rf {
 
@@ -1154,20 +1152,12 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_
     return (int)hipGetLastError();
 }
 
-// Whether prompt attention may take the matrix units where the device has them; set
-// ROCMFORGE_FLASH_MMA=0 to measure or test the other kernel on such a device.
-static bool flash_mma_allowed() {
-    static const bool allowed = [] {
-        const char* env = getenv("ROCMFORGE_FLASH_MMA");
-        return !(env && strcmp(env, "0") == 0);
-    }();
-    return allowed;
-}
-
+// allow_mma: whether the queries may take the matrix units where the device has them
+// (0 measures or tests the other kernel on such a device).
 int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                        int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
                        float scale, float softcap, const void* pos, const void* table, int shift,
-                       void* out,
+                       void* out, int allow_mma,
                        int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
@@ -1184,7 +1174,7 @@ int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, 
     const __half* vc = (const __half*)v_cache;
     // On the matrix units where the device has them and the keys and values are heads
     // of the same whole k-steps.
-    if (flash_mma_allowed() && rf_mma_available() && head_dim == head_dim_v &&
+    if (allow_mma && rf_mma_available() && head_dim == head_dim_v &&
         (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
         const dim3 grid((rows + kFmRows - 1) / kFmRows, n_kv_heads);
         const dim3 mma_block(kFmWarps * 32);

@@ -59,6 +59,13 @@ pub enum ModelError {
     /// A prompt chunk size that holds no token.
     #[error("a prompt's chunks must hold at least 1 token, not {tokens}")]
     InvalidPromptBatch { tokens: usize },
+    /// A setting of [`crate::gpu::GpuOptions`] out of its range.
+    #[error("{name} {value}: {reason}")]
+    InvalidGpuOption {
+        name: &'static str,
+        value: String,
+        reason: &'static str,
+    },
     /// A batch of several sequences that the paged cache cannot take as given.
     #[error("invalid batch: {0}")]
     InvalidBatch(String),

@@ -234,6 +234,7 @@ fn ours(
         // Room for the warm-up's four positions too.
         context_size: tokens.max(prompt).max(4) + 1,
         stop: None,
+        tuning: crate::tuning().gpu,
     };
     let mut gpu = GpuModel::new(&model, &options).context("setting the model up on the GPU")?;
     // Warm-up: every weight used once (and the decode step captured).
@@ -411,6 +412,7 @@ fn ours_parallel(path: &Path, o: &Options) -> Result<Vec<Speeds>> {
         budget: None,
         context_size: context,
         stop: None,
+        tuning: crate::tuning().gpu,
     };
     let pages = PageOptions {
         block_size: BLOCK,

@@ -16,7 +16,8 @@
 //! count and chunk size (from a cold page cache with `--cold`), and pinned host→device
 //! copy bandwidth (on `--device cpu`: host `memcpy` bandwidth, where the "device" is host
 //! memory). `--cold` drops the page cache before every run (all caches as root, else the
-//! file's pages).
+//! file's pages). `ROCMFORGE_STAGING_RING=separate` allocates the staging buffers one at
+//! a time, as `rocmforge load --staging-ring separate` does.
 
 pub mod measure;
 
@@ -56,7 +57,10 @@ fn parse(args: &[String]) -> Result<Options> {
         modes: vec![UploadMode::Eager, UploadMode::Background, UploadMode::Lazy],
         cold: false,
         json: None,
-        config: CacheConfig::default(),
+        config: CacheConfig {
+            staging_ring: crate::tuning().gpu.staging_ring,
+            ..CacheConfig::default()
+        },
         repeat: 1,
         verify: false,
     };
@@ -171,6 +175,7 @@ pub fn run(args: &[String]) -> Result<()> {
             "cold_readers": o.config.cold_readers,
             "staging_buffers": o.config.staging_buffers,
             "chunk_bytes": o.config.chunk_bytes,
+            "staging_ring": o.config.staging_ring.name(),
             "direct_io": o.config.direct_io,
             "budget": o.config.budget,
         },
@@ -393,11 +398,12 @@ fn print_table(report: &Value) {
     let c = &report["config"];
     println!(
         "config: {} readers ({} when the page cache holds less than half of the file), {} \
-         staging buffers of {} MiB, direct io {}, context start {} ms",
+         staging buffers of {} MiB ({} ring), direct io {}, context start {} ms",
         c["readers"],
         c["cold_readers"],
         c["staging_buffers"],
         mib(&c["chunk_bytes"]),
+        c["staging_ring"].as_str().unwrap_or("?"),
         c["direct_io"],
         msf(&report["context_ms"])
     );

@@ -83,6 +83,8 @@ fn run(args: &[String]) -> Result<()> {
         eprint!("{USAGE}");
         bail!("no task given");
     };
+    // The benchmarks that compute in this process take the same settings as `rocmforge`.
+    tuning().apply_process_wide();
     match task.as_str() {
         "fetch-models" => fetch::fetch_models(&fetch::models_dir()).map(|_| ()),
         "test" => test(rest),
@@ -102,6 +104,12 @@ fn run(args: &[String]) -> Result<()> {
             bail!("unknown task {other:?}")
         }
     }
+}
+
+/// The settings the `ROCMFORGE_*` variables of `rocmforge::tuning` give, as `rocmforge`
+/// takes them (tasks that run `rocmforge` pass the variables on to it).
+pub(crate) fn tuning() -> rocmforge::tuning::Tuning {
+    rocmforge::tuning::Tuning::from_vars(|name| std::env::var(name).ok())
 }
 
 /// The whole test suite, real models included.

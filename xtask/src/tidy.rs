@@ -208,6 +208,212 @@ fn model_never_calls_hip_ffi_directly() {
     }
 }
 
+/// The library crates, which other projects may use one by one.
+const LIBRARIES: &[&str] = &[
+    "gguf-format",
+    "tensor-store",
+    "hip-backend",
+    "dequant",
+    "model",
+];
+
+/// The folders of a library crate that hold its code (build scripts, in `build.rs` and
+/// `build/`, and integration tests, in `tests/`, lie outside them).
+const LIBRARY_CODE: &[&str] = &["src", "include", "csrc", "kernels"];
+
+/// Files under `dir` whose extension is one of `extensions`.
+fn files_with(dir: &Path, extensions: &[&str], out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files_with(&path, extensions, out);
+        } else if path
+            .extension()
+            .is_some_and(|e| extensions.iter().any(|x| e == *x))
+        {
+            out.push(path);
+        }
+    }
+}
+
+/// The files of the `#[cfg(test)]` modules that `file` declares out of line
+/// (`#[cfg(test)]`, other attributes such as `#[path = "…"]`, then `mod name;`), and the
+/// folders of their own submodules.
+fn test_module_files(file: &Path, text: &str) -> Vec<PathBuf> {
+    let here = file.parent().expect("a file has a folder");
+    let stem = file.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+    let children = if matches!(stem, "mod" | "lib" | "main") {
+        here.to_owned()
+    } else {
+        here.join(stem)
+    };
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    let mut found = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if *line != "#[cfg(test)]" {
+            continue;
+        }
+        let mut path = None;
+        let mut next = i + 1;
+        while let Some(attribute) = lines.get(next).filter(|l| l.starts_with("#[")) {
+            if let Some(value) = attribute
+                .strip_prefix("#[path = \"")
+                .and_then(|rest| rest.strip_suffix("\"]"))
+            {
+                path = Some(here.join(value));
+            }
+            next += 1;
+        }
+        let Some(name) = lines
+            .get(next)
+            .map(|l| {
+                l.trim_start_matches("pub(crate) ")
+                    .trim_start_matches("pub ")
+            })
+            .and_then(|l| l.strip_prefix("mod "))
+            .and_then(|l| l.strip_suffix(';'))
+        else {
+            continue;
+        };
+        match path {
+            Some(path) => {
+                if path.ends_with("mod.rs") {
+                    found.extend(path.parent().map(Path::to_owned));
+                }
+                found.push(path);
+            }
+            None => {
+                found.push(children.join(format!("{name}.rs")));
+                found.push(children.join(name));
+            }
+        }
+    }
+    found
+}
+
+/// `text` without its whole-line comments and its inline `#[cfg(test)]` modules (as
+/// rustfmt lays them out: `mod name {` after the attributes, closed by a `}` alone at the
+/// attribute's indentation), each remaining line with its index.
+fn code_outside_tests(text: &str) -> Vec<(usize, &str)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let opens_module = |line: &str| {
+        let line = line.trim_start();
+        let line = line
+            .strip_prefix("pub(crate) ")
+            .or_else(|| line.strip_prefix("pub "))
+            .unwrap_or(line);
+        line.starts_with("mod ") && line.ends_with('{')
+    };
+    let mut code = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        let trimmed = line.trim_start();
+        if trimmed == "#[cfg(test)]" {
+            let mut item = i + 1;
+            while lines
+                .get(item)
+                .is_some_and(|l| l.trim_start().starts_with("#["))
+            {
+                item += 1;
+            }
+            if lines.get(item).is_some_and(|l| opens_module(l)) {
+                let close = format!("{}}}", &line[..line.len() - trimmed.len()]);
+                i = (item + 1..lines.len())
+                    .find(|&j| lines[j] == close)
+                    .map_or(lines.len(), |j| j + 1);
+                continue;
+            }
+        }
+        if !trimmed.starts_with("//") {
+            code.push((i, line));
+        }
+        i += 1;
+    }
+    code
+}
+
+/// A library does not change behaviour on an environment variable its caller never set
+/// (and a binary's `--help` could not show): it takes every setting as an option, and
+/// only the binaries read the environment (`rocmforge::tuning`). Build scripts and tests
+/// may.
+#[test]
+fn libraries_never_read_the_environment() {
+    // `std::env::var`, `env::var_os`, `std::env::vars`; C's `getenv(`.
+    let needles = ["env::var", "getenv("];
+    let root = crate::workspace_root();
+    let mut scanned = 0;
+    for library in LIBRARIES {
+        let mut files = Vec::new();
+        for dir in LIBRARY_CODE {
+            files_with(
+                &root.join(library).join(dir),
+                &["rs", "h", "hpp", "hip", "c", "cc", "cpp", "cu", "cuh"],
+                &mut files,
+            );
+        }
+        let texts: Vec<(PathBuf, String)> = files
+            .into_iter()
+            .map(|file| {
+                let text = std::fs::read_to_string(&file).expect("readable");
+                (file, text)
+            })
+            .collect();
+        let tests: Vec<PathBuf> = texts
+            .iter()
+            .filter(|(file, _)| file.extension().is_some_and(|e| e == "rs"))
+            .flat_map(|(file, text)| test_module_files(file, text))
+            .collect();
+        for (file, text) in &texts {
+            if tests.iter().any(|t| file.starts_with(t)) {
+                continue;
+            }
+            scanned += 1;
+            for (number, line) in code_outside_tests(text) {
+                for needle in needles {
+                    assert!(
+                        !line.contains(needle),
+                        "{}:{} reads the environment (`{needle}`): take the setting as an \
+                         option of the library and let the binaries read the variable \
+                         (cli/src/tuning.rs)",
+                        file.display(),
+                        number + 1
+                    );
+                }
+            }
+        }
+    }
+    assert!(scanned > 50, "scanned only {scanned} library files");
+}
+
+#[test]
+fn the_environment_check_skips_comments_and_test_modules() {
+    let text = "fn f() {}\n\
+                // std::env::var in a comment\n\
+                #[cfg(test)]\n\
+                mod tests {\n    fn g() { std::env::var(\"X\"); }\n}\n\
+                fn h() { std::env::var(\"Y\"); }\n";
+    let code: Vec<&str> = code_outside_tests(text)
+        .into_iter()
+        .map(|(_, l)| l)
+        .collect();
+    assert_eq!(code, ["fn f() {}", "fn h() { std::env::var(\"Y\"); }"]);
+    let file = Path::new("/c/src/gpu/mod.rs");
+    let text =
+        "#[cfg(test)]\nmod tests;\n#[cfg(test)]\n#[path = \"t.rs\"]\nmod other;\nmod kept;\n";
+    assert_eq!(
+        test_module_files(file, text),
+        [
+            PathBuf::from("/c/src/gpu/tests.rs"),
+            PathBuf::from("/c/src/gpu/tests"),
+            PathBuf::from("/c/src/gpu/t.rs"),
+        ]
+    );
+}
+
 /// Each package a `cargo build` of `package` compiles, with its features:
 /// `{"libc v0.2.191": "default,std"}`.
 fn build_features(package: &str) -> BTreeMap<String, String> {

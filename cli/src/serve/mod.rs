@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use model::chat::ChatTemplate;
-use model::gpu::GpuOptions;
+use model::gpu::{GpuOptions, GpuTuning};
 use model::serve::{Scheduler, SchedulerConfig};
 use model::tokenizer::Tokenizer;
 use model::Model;
@@ -101,6 +101,8 @@ pub struct ServeArgs {
     /// Slows loading down by this long (for testing `/health` while loading).
     #[arg(long, hide = true, default_value_t = 0)]
     debug_load_delay_ms: u64,
+    #[command(flatten)]
+    tuning: crate::options::TuningArgs,
 }
 
 /// What the handlers need once the model is ready.
@@ -155,6 +157,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.max_sequences == 0 || args.step_tokens == 0 {
         bail!("--max-sequences and --step-tokens must be at least 1");
     }
+    let tuning = args.tuning.apply();
     if let Some(threads) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads.get())
@@ -198,10 +201,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(args, path, state))
+    runtime.block_on(serve(args, tuning.gpu, path, state))
 }
 
-async fn serve(args: &ServeArgs, path: PathBuf, state: Arc<AppState>) -> Result<()> {
+async fn serve(
+    args: &ServeArgs,
+    gpu_tuning: GpuTuning,
+    path: PathBuf,
+    state: Arc<AppState>,
+) -> Result<()> {
     let addr: SocketAddr = format!("{}:{}", bracket(&args.host), args.port)
         .parse()
         .with_context(|| format!("--host {} --port {}", args.host, args.port))?;
@@ -219,6 +227,7 @@ async fn serve(args: &ServeArgs, path: PathBuf, state: Arc<AppState>) -> Result<
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
         device: args.device.clone(),
+        gpu_tuning,
         delay: Duration::from_millis(args.debug_load_delay_ms),
     };
     {
@@ -309,6 +318,7 @@ struct LoadConfig {
     step_tokens: usize,
     /// `auto`, `cpu` or `gpu`.
     device: String,
+    gpu_tuning: GpuTuning,
     delay: Duration,
 }
 
@@ -394,6 +404,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
             budget: None,
             context_size,
             stop: None,
+            tuning: config.gpu_tuning,
         };
         let scheduler = Scheduler::start_on_gpu(model, tokens, scheduler_config, options)?;
         tracing::info!(device = "gpu", "serving");

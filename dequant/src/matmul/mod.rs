@@ -44,18 +44,25 @@ use gguf_format::GgmlType;
 
 use crate::{DecodePath, DequantError};
 
-/// The environment variable that, set to `0`, keeps [`best_path`] off the AVX-512
-/// kernels (to time the AVX2 ones on the same machine).
-pub const AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
+/// Whether [`best_path`] may choose [`DecodePath::Avx512`]: see [`set_avx512_allowed`].
+static AVX512_ALLOWED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether [`best_path`] may choose the AVX-512 kernels (it may unless told otherwise);
+/// `false` keeps the products on the AVX2 ones, to time them on the same machine. The
+/// choice is made once per process, at the first product (or call of [`best_path`]):
+/// call this before, once, from the program's `main`; later calls change nothing.
+pub fn set_avx512_allowed(allowed: bool) {
+    AVX512_ALLOWED.store(allowed, std::sync::atomic::Ordering::Relaxed);
+}
 
 /// The fastest path the products can take on this CPU: [`DecodePath::Avx512`] when it
-/// has AVX-512 F, BW, VL and VNNI (unless [`AVX512_ENV`] is `0`), else
+/// has AVX-512 F, BW, VL and VNNI (unless [`set_avx512_allowed`] said otherwise), else
 /// [`DecodePath::Avx2`] when it has AVX2, FMA and F16C, else [`DecodePath::Scalar`].
 /// Every path gives the same bits. Decided once per process.
 pub fn best_path() -> DecodePath {
     static BEST: std::sync::OnceLock<DecodePath> = std::sync::OnceLock::new();
     *BEST.get_or_init(|| {
-        let avx512_allowed = std::env::var_os(AVX512_ENV).is_none_or(|v| v != "0");
+        let avx512_allowed = AVX512_ALLOWED.load(std::sync::atomic::Ordering::Relaxed);
         if avx512_allowed && is_path_available(DecodePath::Avx512) {
             DecodePath::Avx512
         } else if is_path_available(DecodePath::Avx2) {

@@ -214,6 +214,8 @@ pub(super) struct Buffers {
     attn_rows: usize,
     /// Most rows of logits.
     logit_rows: usize,
+    /// Whether a prompt's attention may take the matrix units (`GpuTuning::flash_mma`).
+    flash_mma: bool,
 }
 
 impl Buffers {
@@ -224,6 +226,7 @@ impl Buffers {
         capacity: usize,
         batch: usize,
         paged: Option<&PageShape>,
+        flash_mma: bool,
     ) -> Result<Buffers, ModelError> {
         // Activations for a prompt's chunk of `batch` tokens; Q8 blocks for the few
         // tokens of the decode products; logits and the split attention's scratch for
@@ -339,6 +342,7 @@ impl Buffers {
             row_bytes,
             attn_rows: rows,
             logit_rows: rows,
+            flash_mma,
         };
         // The arena's buffers free their ranges when dropped; the allocation itself
         // lives as long as any of them.
@@ -807,6 +811,7 @@ pub(super) fn layer(
             view(&bufs.pos, 1)?,
             None,
             view_mut::<f32>(&mut bufs.attn, n * attn_dim)?,
+            bufs.flash_mma,
             stream,
         )?;
     } else {
@@ -973,6 +978,7 @@ fn paged_attention(
             view_at::<i32>(&bufs.meta, rows.start..rows.start + 1)?,
             Some((view_at::<i32>(&bufs.meta, table)?, batch.block_shift)),
             view_mut_at::<f32>(&mut bufs.attn, rows.start * attn_dim..rows.end * attn_dim)?,
+            bufs.flash_mma,
             stream,
         )?;
     }

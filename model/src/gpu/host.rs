@@ -23,7 +23,7 @@ use hip_backend::{Device, PinnedBuffer, Stream};
 
 use super::forward::Buffers;
 use super::host_rows::HostRows;
-use super::MAX_BATCH;
+use super::{GpuOptions, MAX_BATCH};
 use crate::config::ModelConfig;
 use crate::cpu::layers_on_host;
 use crate::cpu::RowOffload;
@@ -68,7 +68,8 @@ pub(super) struct HostLayers {
 impl HostLayers {
     /// Host layers `layers` of `config`'s model, with a cache of `capacity` positions;
     /// keys and values cross `rows` positions at a time; a pass stops before a layer once
-    /// `stop` is set.
+    /// `options.stop` is set, and the device takes `options.tuning.host_rows_share` of
+    /// their rows (by default the share the CPU's threads give).
     pub fn new(
         device: &Device,
         config: &ModelConfig,
@@ -76,12 +77,15 @@ impl HostLayers {
         layers: Range<usize>,
         capacity: usize,
         rows: usize,
-        stop: Option<Arc<AtomicBool>>,
+        options: &GpuOptions,
     ) -> Result<HostLayers, ModelError> {
         let kv_dim = config.n_kv_heads * config.head_dim;
         let v_dim = config.n_kv_heads * config.head_dim_v;
         let rows = rows.max(1);
-        let share = HostRows::share(rayon::current_num_threads());
+        let share = options
+            .tuning
+            .host_rows_share
+            .unwrap_or_else(|| HostRows::share(rayon::current_num_threads()));
         let device_rows = HostRows::new(device, plan, layers.clone(), share)?;
         if device_rows.is_some() {
             tracing::info!(
@@ -101,7 +105,7 @@ impl HostLayers {
                 .alloc_pinned::<f16>(rows * (kv_dim + v_dim))
                 .map_err(gpu("pinned"))?,
             staging_rows: rows,
-            stop,
+            stop: options.stop.clone(),
             device_rows,
         })
     }

@@ -14,9 +14,10 @@
 //! slower: their scattered reads got well under half the link's rate, and a 7B at a
 //! quarter of its size on the device gained 8% at best.)
 //!
-//! The share is fixed for a run (the CPU's threads decide it), so the tokens do not
-//! depend on timing. Without the registration (another platform, or memory the runtime
-//! refuses), the CPU computes every row as before.
+//! The share is fixed for a run (the CPU's threads decide it, unless
+//! `GpuTuning::host_rows_share` does), so the tokens do not depend on timing. Without
+//! the registration (another platform, or memory the runtime refuses), the CPU computes
+//! every row as before.
 
 use dequant::gpu::matvec::{self, GpuActivations, GpuMatrix};
 use gguf_format::GgmlType;
@@ -39,10 +40,6 @@ const PER_THREAD_GBPS: f64 = 4.5;
 /// Rows come in multiples of this.
 const ROW_STEP: usize = 32;
 
-/// Set to a share between 0 and 1, the device's share of the host layers' rows instead
-/// of the one the CPU's threads give; `0` leaves every row to the CPU.
-pub const SHARE_ENV: &str = "ROCMFORGE_HOST_ROWS_ON_GPU";
-
 /// The registered span of the file and what a pass needs to multiply its rows on the
 /// device.
 pub(super) struct HostRows {
@@ -63,15 +60,9 @@ pub(super) struct HostRows {
 }
 
 impl HostRows {
-    /// The device's share of the rows with `threads` CPU threads on the others, or the
-    /// one [`SHARE_ENV`] sets.
+    /// The device's share of the rows with `threads` CPU threads on the others (unless
+    /// `GpuTuning::host_rows_share` gives one).
     pub fn share(threads: usize) -> f64 {
-        if let Ok(value) = std::env::var(SHARE_ENV) {
-            match value.trim().parse::<f64>() {
-                Ok(share) if (0.0..=1.0).contains(&share) => return share,
-                _ => tracing::warn!(%value, "{SHARE_ENV} is not a share between 0 and 1"),
-            }
-        }
         LINK_GBPS / (LINK_GBPS + threads.max(1) as f64 * PER_THREAD_GBPS)
     }
 

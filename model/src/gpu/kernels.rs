@@ -239,6 +239,7 @@ mod sys {
             table: *const c_void,
             shift: c_int,
             out: *mut c_void,
+            allow_mma: c_int,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -763,7 +764,9 @@ pub fn attention(
 /// number of queries). `out` gets `n_tokens × n_heads × head_dim_v` values, as
 /// [`attention`] writes them; the caches must hold the keys and values of every position
 /// up to the last query's. With `table` (one sequence's block table and its block shift,
-/// as in [`Pages`]), key `j` is read from the cache row the table gives.
+/// as in [`Pages`]), key `j` is read from the cache row the table gives. With
+/// `allow_mma`, heads of 32, 64 or 128 values (keys and values alike) take the matrix
+/// units where the device has them (NVIDIA, compute capability 8.0 and later).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
     q: DeviceView<'_, f32>,
@@ -774,6 +777,7 @@ pub fn flash_attention(
     pos: DeviceView<'_, i32>,
     table: Option<(DeviceView<'_, i32>, u32)>,
     mut out: DeviceViewMut<'_, f32>,
+    allow_mma: bool,
     stream: &Stream,
 ) -> Result<(), KernelError> {
     const K: &str = "flash_attention";
@@ -831,6 +835,7 @@ pub fn flash_attention(
         ptr_or_null(table.map(|t| t.0)),
         table.map_or(0, |t| t.1 as i32),
         out.as_mut_ptr(),
+        i32::from(allow_mma),
         device,
         stream.as_raw(),
     )

@@ -38,7 +38,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use hip_backend::{Device, DeviceArena, DeviceBuffer, Graph, HipError, PinnedBuffer, Stream};
-use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadMode, UploadOrder};
+use tensor_store::device::{
+    CacheConfig, DeviceCache, HipTarget, StagingRing, UploadMode, UploadOrder,
+};
 use tensor_store::{StoreError, TensorHandle, TensorStore};
 
 pub use host::HOST_TOKENS;
@@ -84,6 +86,34 @@ pub struct GpuOptions {
     /// each fails with [`ModelError::Interrupted`]. Looked at with one relaxed load per
     /// layer: nothing measurable per token.
     pub stop: Option<Arc<AtomicBool>>,
+    /// Which kernels and allocations the model takes where there is a choice.
+    pub tuning: GpuTuning,
+}
+
+/// The choices a [`GpuModel`] makes between ways of doing the same work. The defaults
+/// are what the engine runs; the others are there to measure or test against them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GpuTuning {
+    /// Whether a prompt's attention may take the matrix units where the device has them
+    /// (NVIDIA, compute capability 8.0 and later); `false` takes the f32 kernel AMD runs.
+    /// Default `true`.
+    pub flash_mma: bool,
+    /// Over budget, the device's share of the rows of the host layers' products
+    /// (between 0 and 1; 0 leaves every row to the CPU); `None`, the default: the share
+    /// the CPU's threads give, so that both finish at about the same time.
+    pub host_rows_share: Option<f64>,
+    /// How the upload's staging buffers are allocated ([`CacheConfig::staging_ring`]).
+    pub staging_ring: StagingRing,
+}
+
+impl Default for GpuTuning {
+    fn default() -> GpuTuning {
+        GpuTuning {
+            flash_mma: true,
+            host_rows_share: None,
+            staging_ring: StagingRing::Region,
+        }
+    }
 }
 
 /// A KV cache shared in blocks by several sequences, for [`GpuModel::forward_batch`].
@@ -281,6 +311,7 @@ impl GpuModel {
             });
         }
         model.check_gpu_support()?;
+        check_tuning(&options.tuning)?;
         check_stop(options.stop.as_deref())?;
         let gpu = |op| move |source| ModelError::Gpu { op, source };
         let device = Device::open(options.device).map_err(gpu("device"))?;
@@ -309,6 +340,7 @@ impl GpuModel {
             capacity,
             batch_room,
             pages.as_ref(),
+            options.tuning.flash_mma,
         )?;
         // Without a budget, the weights take what the device has left once the
         // activations and the cache are in, less a reserve for the runtime: a model larger
@@ -373,6 +405,7 @@ impl GpuModel {
         let cache_config = CacheConfig {
             mode: options.mode,
             budget: (!hold_all).then_some(arena_bytes),
+            staging_ring: options.tuning.staging_ring,
             stop: options.stop.clone(),
             ..CacheConfig::default()
         };
@@ -411,7 +444,7 @@ impl GpuModel {
                 keep_layers..config.n_layers,
                 capacity,
                 prompt_batch,
-                options.stop.clone(),
+                options,
             )?)
         } else {
             None
@@ -1409,6 +1442,18 @@ enum End {
     Rows { argmax: bool },
 }
 
+/// [`ModelError::InvalidGpuOption`] for a setting out of its range.
+fn check_tuning(tuning: &GpuTuning) -> Result<(), ModelError> {
+    match tuning.host_rows_share {
+        Some(share) if !(0.0..=1.0).contains(&share) => Err(ModelError::InvalidGpuOption {
+            name: "host_rows_share",
+            value: share.to_string(),
+            reason: "not a share between 0 and 1",
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// [`ModelError::Interrupted`] once `stop` is set: one relaxed load, between layers.
 #[inline]
 pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
@@ -1529,4 +1574,29 @@ pub(crate) fn arena(device: &Device, bytes: usize) -> Result<DeviceArena, ModelE
             source: other,
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_rows_share_outside_0_to_1_is_refused() {
+        let with = |share| GpuTuning {
+            host_rows_share: share,
+            ..GpuTuning::default()
+        };
+        for share in [None, Some(0.0), Some(0.3), Some(1.0)] {
+            assert!(check_tuning(&with(share)).is_ok(), "{share:?}");
+        }
+        for share in [-0.5, 1.5, f64::NAN] {
+            match check_tuning(&with(Some(share))) {
+                Err(ModelError::InvalidGpuOption {
+                    name: "host_rows_share",
+                    ..
+                }) => {}
+                other => panic!("{share}: {other:?}"),
+            }
+        }
+    }
 }

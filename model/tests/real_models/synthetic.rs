@@ -650,7 +650,7 @@ mod gpu {
     #[path = "faults.rs"]
     mod faults;
 
-    use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
+    use model::gpu::{GpuModel, GpuOptions, GpuTuning, PROMPT_BATCH};
     use model::tokenizer::{EncodeOptions, Tokenizer};
     use model::{AttentionMethod, Model};
     use tensor_store::device::UploadMode;
@@ -857,6 +857,7 @@ mod gpu {
             budget: None,
             context_size: context,
             stop: None,
+            tuning: GpuTuning::default(),
         };
         match GpuModel::with_prompt_batch(model, &options, batch) {
             Ok(gpu) => Some(gpu),
@@ -1141,6 +1142,7 @@ mod gpu {
             budget: None,
             context_size: 16,
             stop: None,
+            tuning: GpuTuning::default(),
         };
         match GpuModel::new(&model, &options) {
             Err(model::ModelError::GpuUnsupported { what, .. }) => {
@@ -1226,6 +1228,7 @@ mod gpu {
             budget: None,
             context_size: context,
             stop: None,
+            tuning: GpuTuning::default(),
         };
         let pages = PageOptions {
             block_size: block,
@@ -1436,6 +1439,7 @@ mod gpu {
             budget: None,
             context_size: context,
             stop: None,
+            tuning: GpuTuning::default(),
         };
         let scheduler =
             Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
@@ -1576,6 +1580,7 @@ mod gpu {
             budget: None,
             context_size: 16,
             stop: None,
+            tuning: GpuTuning::default(),
         };
         match GpuModel::with_prompt_batch(&model, &options, 0) {
             Err(model::ModelError::InvalidPromptBatch { tokens: 0 }) => {}
@@ -1625,6 +1630,7 @@ mod gpu {
                 budget,
                 context_size: 96,
                 stop: None,
+                tuning: GpuTuning::default(),
             };
             let mut gpu = match GpuModel::new(&model, &options) {
                 Ok(gpu) => gpu,

@@ -46,8 +46,10 @@ pub struct CacheConfig {
     /// Staging buffers in the ring: host memory in use is about
     /// `staging_buffers × chunk_bytes`, whatever the model's size. The first is allocated
     /// before [`DeviceCache::new`] returns, the others on a thread of their own, together
-    /// ([`STAGING_RING_ENV`] says how).
+    /// ([`CacheConfig::staging_ring`] says how).
     pub staging_buffers: usize,
+    /// How the staging buffers after the first are allocated.
+    pub staging_ring: StagingRing,
     /// Bytes read (and copied) per job.
     pub chunk_bytes: usize,
     /// Read with O_DIRECT, past the page cache (faster from a cold disk; falls back to
@@ -63,11 +65,37 @@ pub struct CacheConfig {
     pub stop: Option<Arc<AtomicBool>>,
 }
 
-/// Set to `separate`, the staging buffers after the first are allocated one at a time,
-/// each page-locked on its own, as the readers start; by default (or set to `region`)
-/// they come from two regions, each registered at once
-/// ([`DeviceTarget::alloc_staging_ring`]), falling back to one at a time if that fails.
-pub const STAGING_RING_ENV: &str = "ROCMFORGE_STAGING_RING";
+/// How a [`DeviceCache`] allocates the staging buffers after the first
+/// ([`CacheConfig::staging_ring`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StagingRing {
+    /// From two regions, each registered at once ([`DeviceTarget::alloc_staging_ring`]),
+    /// falling back to one at a time if that fails.
+    #[default]
+    Region,
+    /// One at a time, each page-locked on its own, as the readers start (to compare).
+    Separate,
+}
+
+impl StagingRing {
+    /// The setting a word names, `region` or `separate` (surrounding white space
+    /// ignored); `None` for any other.
+    pub fn parse(text: &str) -> Option<StagingRing> {
+        match text.trim() {
+            "region" => Some(StagingRing::Region),
+            "separate" => Some(StagingRing::Separate),
+            _ => None,
+        }
+    }
+
+    /// The word [`StagingRing::parse`] reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            StagingRing::Region => "region",
+            StagingRing::Separate => "separate",
+        }
+    }
+}
 
 /// How often a wait looks at [`CacheConfig::stop`].
 pub const STOP_POLL: Duration = Duration::from_millis(10);
@@ -89,6 +117,7 @@ impl Default for CacheConfig {
             // sweep): 4 MiB jobs in a ring of 16 upload at 34 GB/s with 8 readers,
             // against 26 GB/s for 16 MiB jobs in a ring of 8, and hold less memory.
             staging_buffers: 16,
+            staging_ring: StagingRing::Region,
             chunk_bytes: 4 << 20,
             direct_io: false,
             stop: None,
@@ -102,10 +131,10 @@ impl CacheConfig {
     /// ([`hip_backend::prepare_pinned_ring`]): their page faults then happen before the
     /// upload starts (while the GPU runtime starts, say) rather than while the first
     /// weights wait for them. Nothing to do when the ring is allocated a buffer at a
-    /// time ([`STAGING_RING_ENV`]). Memory an upload does not take stays mapped until
+    /// time ([`StagingRing::Separate`]). Memory an upload does not take stays mapped until
     /// [`hip_backend::release_prepared_rings`].
     pub fn prepare_gpu_staging(&self) {
-        if super::pipeline::RingAllocation::from_env() != super::pipeline::RingAllocation::Region {
+        if self.staging_ring != StagingRing::Region {
             return;
         }
         let len = self.staging_len();
@@ -280,10 +309,11 @@ impl<T: DeviceTarget> DeviceCache<T> {
         if config.staging_buffers > 1 {
             let allocator = Arc::clone(&shared);
             let more = config.staging_buffers - 1;
+            let ring = config.staging_ring;
             cache.allocator = Some(
                 std::thread::Builder::new()
                     .name("upload-staging".into())
-                    .spawn(move || allocator.grow_staging(more, staging_len))
+                    .spawn(move || allocator.grow_staging(more, staging_len, ring))
                     .map_err(spawn_error)?,
             );
         }
@@ -604,5 +634,24 @@ impl<T: DeviceTarget> Future for GroupFuture<T> {
             .iter_mut()
             .filter_map(Option::take)
             .collect()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_staging_ring_settings_read_their_own_names() {
+        for ring in [StagingRing::Region, StagingRing::Separate] {
+            assert_eq!(StagingRing::parse(ring.name()), Some(ring));
+        }
+        assert_eq!(
+            StagingRing::parse(" separate\n"),
+            Some(StagingRing::Separate)
+        );
+        assert_eq!(StagingRing::parse(""), None);
+        assert_eq!(StagingRing::parse("other"), None);
+        assert_eq!(CacheConfig::default().staging_ring, StagingRing::Region);
     }
 }

@@ -44,7 +44,7 @@ pub use cache::{CacheStats, DeviceTensor};
 pub use hip::{HipTarget, TENSOR_ALIGN};
 pub use host::{HostBuffer, HostStaging, HostTarget, HostTargetStats};
 pub use loader::{
-    CacheConfig, DeviceCache, GroupFuture, TensorFuture, UploadMode, STAGING_RING_ENV, STOP_POLL,
+    CacheConfig, DeviceCache, GroupFuture, StagingRing, TensorFuture, UploadMode, STOP_POLL,
 };
 pub use order::{UploadGroup, UploadOrder};
 pub use progress::{Progress, ProgressCallback};

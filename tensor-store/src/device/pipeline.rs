@@ -25,7 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use super::cache::{Cache, NoRoom};
 use super::files::ShardFiles;
-use super::loader::STAGING_RING_ENV;
+use super::loader::StagingRing;
 use super::progress::ProgressTracker;
 use super::slot::Failure;
 use super::target::DeviceTarget;
@@ -45,35 +45,6 @@ const FIRST_REGION: usize = 3;
 /// The buffers of [`Shared::grow_staging`]'s two regions for `count` buffers.
 pub(crate) fn staging_regions(count: usize) -> [usize; 2] {
     [count.min(FIRST_REGION), count.saturating_sub(FIRST_REGION)]
-}
-
-/// How [`Shared::grow_staging`] allocates the staging buffers after the first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum RingAllocation {
-    /// In two regions, each shared by its buffers (the default).
-    Region,
-    /// One at a time, each an allocation of its own.
-    Separate,
-}
-
-impl RingAllocation {
-    pub(crate) fn from_env() -> RingAllocation {
-        RingAllocation::parse(std::env::var(STAGING_RING_ENV).ok().as_deref())
-    }
-
-    fn parse(value: Option<&str>) -> RingAllocation {
-        match value.map(str::trim) {
-            None | Some("" | "region") => RingAllocation::Region,
-            Some("separate") => RingAllocation::Separate,
-            Some(other) => {
-                tracing::warn!(
-                    value = other,
-                    "{STAGING_RING_ENV} is neither `region` nor `separate`: using the regions"
-                );
-                RingAllocation::Region
-            }
-        }
-    }
 }
 
 /// Where a tensor stands in the pipeline.
@@ -289,14 +260,14 @@ impl<T: DeviceTarget> Shared<T> {
 
     /// Adds `count` staging buffers of `len` bytes to the ring: from two regions where
     /// the target has them ([`DeviceTarget::alloc_staging_ring`]), [`FIRST_REGION`]
-    /// buffers and then the rest, else (with [`STAGING_RING_ENV`]`=separate`, or when a
-    /// region is refused) one at a time, so the readers use each as soon as it exists.
-    /// Stops at shutdown or at the first failure (the ring works with what it has).
-    pub(crate) fn grow_staging(&self, count: usize, len: usize) {
+    /// buffers and then the rest, else (with [`StagingRing::Separate`], or when a region
+    /// is refused) one at a time, so the readers use each as soon as it exists. Stops at
+    /// shutdown or at the first failure (the ring works with what it has).
+    pub(crate) fn grow_staging(&self, count: usize, len: usize, ring: StagingRing) {
         let started = std::time::Instant::now();
         let mut added = 0;
         let mut region = false;
-        if RingAllocation::from_env() == RingAllocation::Region {
+        if ring == StagingRing::Region {
             // A few buffers first, so that the readers go faster soon; the rest after.
             for part in staging_regions(count) {
                 if part == 0 || self.lock().shutdown {
@@ -652,25 +623,5 @@ impl<T: DeviceTarget> Queue<T> {
             buffer: Arc::new(Mutex::new(Some(buffer))),
         });
         self.active.len() - 1
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_ring_comes_from_regions_unless_separate_is_asked_for() {
-        assert_eq!(RingAllocation::parse(None), RingAllocation::Region);
-        assert_eq!(RingAllocation::parse(Some("")), RingAllocation::Region);
-        assert_eq!(
-            RingAllocation::parse(Some("region")),
-            RingAllocation::Region
-        );
-        assert_eq!(
-            RingAllocation::parse(Some(" separate\n")),
-            RingAllocation::Separate
-        );
-        assert_eq!(RingAllocation::parse(Some("other")), RingAllocation::Region);
     }
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use gguf_format::{GgmlType, GgufWriter};
 use hip_backend::{fault, Device};
 use model::generate::{generate_with, GenerateOptions, Next, Session, StopReason};
-use model::gpu::{GpuModel, GpuOptions};
+use model::gpu::{GpuModel, GpuOptions, GpuTuning};
 use model::sampling::SamplingParams;
 use model::tokenizer::{TokenId, Tokenizer};
 use model::{Model, ModelError};
@@ -68,6 +68,7 @@ fn options(mode: UploadMode, stop: Option<&Arc<AtomicBool>>) -> GpuOptions {
         budget: None,
         context_size: 64,
         stop: stop.cloned(),
+        tuning: GpuTuning::default(),
     }
 }
 
