@@ -257,6 +257,19 @@ impl<'a> QuantizedMatrix<'a> {
         n_tokens: usize,
         y: &mut [f32],
     ) -> Result<(), DequantError> {
+        self.run(path, x, n_tokens, y, false)
+    }
+
+    /// The product on `path`, of routed tokens with `routed` (see
+    /// [`QuantizedMatrix::matmul_routed`]).
+    fn run(
+        &self,
+        path: DecodePath,
+        x: &[f32],
+        n_tokens: usize,
+        y: &mut [f32],
+        routed: bool,
+    ) -> Result<(), DequantError> {
         self.check_lengths(x, n_tokens, y)?;
         let exec = driver::Exec::new(path).ok_or(DequantError::PathUnavailable { path })?;
         if y.is_empty() {
@@ -266,7 +279,7 @@ impl<'a> QuantizedMatrix<'a> {
             y.fill(0.0);
             return Ok(());
         }
-        driver::run(self, exec, x, n_tokens, y, false)
+        driver::run(self, exec, x, n_tokens, y, routed)
     }
 
     /// `Y = X · Wᵀ` for the tokens a mixture-of-experts router sent to this matrix (one
@@ -287,9 +300,7 @@ impl<'a> QuantizedMatrix<'a> {
         }
         if self.ty == GgmlType::Q4_K {
             // Repacked: the batched kernels give each token its GEMV when told.
-            let path = best_path();
-            let exec = driver::Exec::new(path).ok_or(DequantError::PathUnavailable { path })?;
-            return driver::run(self, exec, x, n_tokens, y, true);
+            return self.run(best_path(), x, n_tokens, y, true);
         }
         let (cols, rows) = (self.cols, self.rows);
         for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
