@@ -87,6 +87,8 @@ pub struct DenseFfn {
 /// The weights of a mixture-of-experts block.
 #[derive(Clone, Debug)]
 pub struct ExpertsPlan {
+    /// How tokens are routed: the configuration's experts.
+    pub experts: crate::config::Experts,
     /// `ffn_gate_inp`: one logit per expert.
     pub router: Linear,
     /// `ffn_gate_exps`, absent from some Mixtral-style files (the experts then apply
@@ -408,6 +410,7 @@ impl Builder<'_> {
             None => None,
         };
         Ok(ExpertsPlan {
+            experts: *e,
             router: self.linear(&n("ffn_gate_inp"), e.count, d, false)?,
             gate,
             up: matrices(&n("ffn_up_exps"), e.n_ff, d)?,

@@ -408,20 +408,13 @@ fn ffn_block(
     let ffn = match &layer.ffn {
         FfnPlan::Dense(ffn) => ffn,
         FfnPlan::Experts(plan) => {
-            let experts = config
-                .experts
-                .as_ref()
-                .ok_or_else(|| ModelError::InvalidConfig {
-                    key: format!("{}.expert_count", config.architecture.name()),
-                    reason: "the plan has experts the configuration lacks".to_owned(),
-                })?;
             if offload.is_some() {
                 return Err(ModelError::GpuUnsupported {
                     what: "a mixture-of-experts layer".to_owned(),
                     supported: "dense layers".to_owned(),
                 });
             }
-            experts_block(experts, plan, &s.h, n, &mut s.moe, &mut s.proj)?;
+            experts_block(plan, &s.h, n, &mut s.moe, &mut s.proj)?;
             add(x, &s.proj);
             return Ok(());
         }

@@ -31,13 +31,13 @@ pub(crate) struct MoeScratch {
 
 /// `out = Σ_r w_r · expert_r(h)` for the `n` rows of `h` (plus the shared expert).
 pub(crate) fn experts_block(
-    e: &Experts,
     plan: &ExpertsPlan,
     h: &[f32],
     n: usize,
     s: &mut MoeScratch,
     out: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
+    let e = &plan.experts;
     let d = h.len() / n;
     linear(&plan.router, h, n, &mut s.logits)?;
     route_tokens(e, &s.logits, &mut s.probs, &mut s.chosen);
