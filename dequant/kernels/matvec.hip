@@ -51,6 +51,8 @@
 // Launchers, all returning the platform's native status (0 on success):
 //   rf_quantize_q8(x, n_tokens, n_cols, out, device, stream)       (common unit)
 //   rf_matvec_NAME(mats, n_mats, n_cols, xq_or_x, n_tokens, accumulate, device, stream)
+//   rf_matvec_experts_NAME(mats, n_mats, rows, n_cols, expert_bytes, tiles, n_tiles,
+//                          tile_tokens, order, slot_div, xq, n_x, device, stream)
 // The Rust wrappers in src/gpu/matvec.rs are their only callers and check every length.
 #include "common.h"
 
@@ -718,43 +720,26 @@ __device__ __forceinline__ bool locate(const MatvecMats& mats, int n_mats, int r
 
 // ------------------------------------------------------------------ kernels -----------
 
-// kRows row groups a workgroup, each thread taking its tasks in RPT consecutive rows:
-// a task's activations, loaded once, meet RPT rows' weights (at one token the
-// activations are most of what a thread reads through L1).
-template <typename W, int NT, int kRows, int RPT>
-__global__ void __launch_bounds__(kMatvecThreads)
-    matvec_q_kernel(MatvecMats mats, int n_mats, int n_cols, const uint8_t* __restrict__ xq,
-                    int accumulate) {
-    constexpr int tpr = kMatvecThreads / kRows;
-    const int sub = threadIdx.x / tpr, lane = threadIdx.x % tpr;
-    RowOf r[RPT];
-    bool live[RPT];
-    bool any = false;
-#pragma unroll
-    for (int rr = 0; rr < RPT; ++rr) {
-        live[rr] = locate(mats, n_mats, (blockIdx.x * kRows + sub) * RPT + rr, r[rr]);
-        any = any || live[rr];
-    }
+// A thread's share of the dot products of RPT rows with NT tokens' activations: the
+// tasks lane, lane + tpr, ... of each row (`rows`: the rows' first bytes; `work` false
+// takes none). Token j's activations are row xrow(j) of the Q8 input, whose int8 values
+// (`xqs`), scales (`xd`) and half sums (`xsums`) are each laid out row by row.
+// kPreload: the first task's weights, which no kernel writes, are decoded before the
+// chained wait, while the kernel before this one finishes; activations after it.
+template <typename W, int NT, int RPT, bool kPreload, typename XRow>
+__device__ __forceinline__ void row_dots(const uint8_t* const (&rows)[RPT], bool work, int lane,
+                                         int tpr, int n_cols, const int8_t* __restrict__ xqs,
+                                         const float* __restrict__ xd,
+                                         const int* __restrict__ xsums, XRow xrow,
+                                         float (&acc)[RPT][NT]) {
     const int blocks = n_cols / W::kValues;
     const int tasks = blocks * W::kTasks;
     constexpr int kXPerBlock = W::kValues / 32;
-    // Activations: every token's int8 values, then every block's f32 scale.
-    const int8_t* xqs = reinterpret_cast<const int8_t*>(xq);
-    const float* xd = reinterpret_cast<const float*>(xq + (size_t)NT * n_cols);
     const int xblocks = n_cols / 32;
-    const int* xsums = reinterpret_cast<const int*>(xd + (size_t)NT * xblocks);
-    float acc[RPT][NT];
 #pragma unroll
     for (int rr = 0; rr < RPT; ++rr) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[rr][j] = 0.0f;
-    }
-    const uint8_t* rows[RPT];
-#pragma unroll
-    for (int rr = 0; rr < RPT; ++rr) {
-        // A row past the end reads the first live row again (its result is dropped).
-        const RowOf& src = live[rr] ? r[rr] : r[0];
-        rows[rr] = src.w + (size_t)src.local * blocks * W::kBytes;
     }
     // A task's weights, decoded into w, a, b, xb.
     int w[RPT][8 * W::kX], xb[W::kX];
@@ -772,14 +757,15 @@ __global__ void __launch_bounds__(kMatvecThreads)
         const int blk = task / W::kTasks;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
+            const size_t xr = (size_t)xrow(j);
 #pragma unroll
             for (int x = 0; x < W::kX; ++x) {
                 const int xi = blk * kXPerBlock + xb[x];
                 int v[8];
-                load_words16<8>(
-                    reinterpret_cast<const uint8_t*>(xqs + (size_t)j * n_cols + 32 * xi), v);
-                const float dx = xd[(size_t)j * xblocks + xi];
-                const int packed = xsums[(size_t)j * xblocks + xi];
+                load_words16<8>(reinterpret_cast<const uint8_t*>(xqs + xr * n_cols + 32 * xi),
+                                v);
+                const float dx = xd[xr * xblocks + xi];
+                const int packed = xsums[xr * xblocks + xi];
                 const int sum[2] = {(int)(int16_t)(packed & 0xFFFF), packed >> 16};
 #pragma unroll
                 for (int rr = 0; rr < RPT; ++rr) {
@@ -798,11 +784,9 @@ __global__ void __launch_bounds__(kMatvecThreads)
             }
         }
     };
-    // The first task's weights (which no kernel writes) are loaded before the chained
-    // wait, while the kernel before this one finishes; activations and outputs after it.
-    const bool work = any && lane < tasks;
+    work = work && lane < tasks;
     if (work) decode(lane);
-    rf_chain_wait();
+    if (kPreload) rf_chain_wait();
     if (work) {
         consume(lane);
         for (int task = lane + tpr; task < tasks; task += tpr) {
@@ -810,6 +794,41 @@ __global__ void __launch_bounds__(kMatvecThreads)
             consume(task);
         }
     }
+}
+
+// kRows row groups a workgroup, each thread taking its tasks in RPT consecutive rows:
+// a task's activations, loaded once, meet RPT rows' weights (at one token the
+// activations are most of what a thread reads through L1).
+template <typename W, int NT, int kRows, int RPT>
+__global__ void __launch_bounds__(kMatvecThreads)
+    matvec_q_kernel(MatvecMats mats, int n_mats, int n_cols, const uint8_t* __restrict__ xq,
+                    int accumulate) {
+    constexpr int tpr = kMatvecThreads / kRows;
+    const int sub = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+    RowOf r[RPT];
+    bool live[RPT];
+    bool any = false;
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) {
+        live[rr] = locate(mats, n_mats, (blockIdx.x * kRows + sub) * RPT + rr, r[rr]);
+        any = any || live[rr];
+    }
+    const int blocks = n_cols / W::kValues;
+    const uint8_t* rows[RPT];
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) {
+        // A row past the end reads the first live row again (its result is dropped).
+        const RowOf& src = live[rr] ? r[rr] : r[0];
+        rows[rr] = src.w + (size_t)src.local * blocks * W::kBytes;
+    }
+    // Activations: every token's int8 values, then every block's f32 scale, then every
+    // block's half sums.
+    const int8_t* xqs = reinterpret_cast<const int8_t*>(xq);
+    const float* xd = reinterpret_cast<const float*>(xq + (size_t)NT * n_cols);
+    const int* xsums = reinterpret_cast<const int*>(xd + (size_t)NT * (n_cols / 32));
+    float acc[RPT][NT];
+    row_dots<W, NT, RPT, true>(rows, any, lane, tpr, n_cols, xqs, xd, xsums,
+                               [](int j) { return j; }, acc);
 #pragma unroll
     for (int rr = 0; rr < RPT; ++rr) {
         reduce_row<NT>(acc[rr], tpr, [&](int j, float s) {
@@ -818,6 +837,77 @@ __global__ void __launch_bounds__(kMatvecThreads)
             *y = accumulate ? *y + s : s;
         });
         __syncthreads();  // the reduction's shared memory is used again for the next row
+    }
+}
+
+// The products of routed experts (a mixture of experts), by tiles of up to NT tokens
+// routed to one expert: tile blockIdx.y is (expert, first, count) in `tiles`, its
+// tokens the slots order[first .. first + count). A slot is one token's choice of one
+// expert; its activations are row slot / slot_div of the Q8 input (n_x rows): the
+// token's (slot_div = experts per token) or the slot's own (slot_div = 1). Each matrix
+// m (one or two: gate and up) is `experts` matrices of `rows` rows one after the other,
+// expert_bytes apart; slot s's output is row s of y[m] (rows values each). A tile with
+// no tokens (the grid is sized for the most tiles a routing can take) does nothing.
+struct ExpertMats {
+    const uint8_t* w[2];
+    float* y[2];
+    int n_mats;
+    int rows;
+    size_t expert_bytes;
+};
+
+template <typename W, int NT, int kRows, int RPT>
+__global__ void __launch_bounds__(kMatvecThreads)
+    matvec_experts_kernel(ExpertMats mats, int n_cols, const int* __restrict__ tiles,
+                          const int* __restrict__ order, int slot_div,
+                          const uint8_t* __restrict__ xq, int n_x) {
+    constexpr int tpr = kMatvecThreads / kRows;
+    const int sub = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+    rf_chain_wait();  // the tiles and the activations come from the kernels before
+    const int expert = tiles[3 * blockIdx.y];
+    const int first = tiles[3 * blockIdx.y + 1];
+    const int count = tiles[3 * blockIdx.y + 2];
+    if (count <= 0) return;  // the whole workgroup leaves together
+    int slot[NT], xr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        // A tile of fewer tokens repeats its last (its results are dropped): measured on
+        // an H200, skipping the missing tokens' dot products instead made the launches
+        // slower (the unrolled loops then branch per token).
+        slot[j] = order[first + (j < count ? j : count - 1)];
+        xr[j] = slot[j] / slot_div;
+    }
+    const int total = mats.n_mats * mats.rows;
+    const size_t row_bytes = (size_t)(n_cols / W::kValues) * W::kBytes;
+    const uint8_t* rows[RPT];
+    bool live[RPT];
+    int mat[RPT], local[RPT];
+    bool any = false;
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) {
+        const int g = (blockIdx.x * kRows + sub) * RPT + rr;
+        live[rr] = g < total;
+        any = any || live[rr];
+        const int gg = live[rr] ? g : 0;
+        mat[rr] = gg >= mats.rows ? 1 : 0;
+        local[rr] = gg - mat[rr] * mats.rows;
+        const uint8_t* base = mat[rr] ? mats.w[1] : mats.w[0];
+        rows[rr] = base + (size_t)expert * mats.expert_bytes + (size_t)local[rr] * row_bytes;
+    }
+    const int8_t* xqs = reinterpret_cast<const int8_t*>(xq);
+    const float* xd = reinterpret_cast<const float*>(xq + (size_t)n_x * n_cols);
+    const int* xsums = reinterpret_cast<const int*>(xd + (size_t)n_x * (n_cols / 32));
+    float acc[RPT][NT];
+    row_dots<W, NT, RPT, false>(rows, any, lane, tpr, n_cols, xqs, xd, xsums,
+                                [&](int j) { return xr[j]; }, acc);
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) {
+        reduce_row<NT>(acc[rr], tpr, [&](int j, float s) {
+            if (!live[rr] || j >= count) return;
+            float* y = (mat[rr] ? mats.y[1] : mats.y[0]) + (size_t)slot[j] * mats.rows + local[rr];
+            *y = s;
+        });
+        __syncthreads();
     }
 }
 
@@ -1089,6 +1179,44 @@ RF_MATVEC_TYPE_OF(RF_T_BF16, FBF16, float)
 using UnitType = MatvecType<RF_MATVEC_TYPE>::Type;
 using UnitInput = MatvecType<RF_MATVEC_TYPE>::Input;
 
+// Launches matvec_experts_kernel for tiles of NT tokens (1 or kMaxTokens), with the rows
+// a workgroup takes chosen as for the dense products.
+template <typename T>
+hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, int n_tiles,
+                          int tile_tokens, const int* order, int slot_div, const uint8_t* xq,
+                          int n_x, hipStream_t stream) {
+    const unsigned total = (unsigned)(mats.n_mats * mats.rows);
+    auto go = [&](auto nt) {
+        constexpr int NT = decltype(nt)::value;
+        constexpr int rpt = kRowsPerThread<NT>;
+        return with_group_rows<T, uint8_t>(n_cols, [&](auto rows) {
+            constexpr int kRows = decltype(rows)::value;
+            const unsigned groups = (total + kRows - 1) / kRows;
+            rfLaunchChained((matvec_experts_kernel<T, NT, kRows, rpt>),
+                            dim3((groups + rpt - 1) / rpt, (unsigned)n_tiles),
+                            dim3(kMatvecThreads), 0, stream, mats, n_cols, tiles, order,
+                            slot_div, xq, n_x);
+            return hipGetLastError();
+        });
+    };
+    if (tile_tokens == 1) return go(std::integral_constant<int, 1>{});
+    if (tile_tokens == kMaxTokens) return go(std::integral_constant<int, kMaxTokens>{});
+    return hipErrorInvalidValue;
+}
+
+// launch_experts for the quantized types; the float types take no expert products.
+template <typename T, typename X>
+hipError_t launch_experts_of(const ExpertMats& mats, int n_cols, const int* tiles, int n_tiles,
+                             int tile_tokens, const int* order, int slot_div, const uint8_t* xq,
+                             int n_x, hipStream_t stream) {
+    if constexpr (std::is_same<X, uint8_t>::value) {
+        return launch_experts<T>(mats, n_cols, tiles, n_tiles, tile_tokens, order, slot_div, xq,
+                                 n_x, stream);
+    } else {
+        return hipErrorInvalidValue;
+    }
+}
+
 }  // namespace rf
 
 #define RF_MATVEC_JOIN2(a, b) a##_##b
@@ -1117,6 +1245,32 @@ int RF_MATVEC_JOIN(rf_matvec, RF_MATVEC_NAME)(const void* const* weights, void* 
                                                 n_tokens, accumulate, (hipStream_t)stream);
 }
 
+
+// The products of routed experts (see matvec_experts_kernel): weights[m] (n_mats of 1
+// or 2) hold the experts' matrices of `rows` × n_cols, expert_bytes apart; outs[m] one
+// row per slot. tiles: n_tiles triples (expert, first, count) of at most tile_tokens (1
+// or 8) slots each, order the slots grouped by expert; xq: Q8 blocks of n_x rows. Only
+// the quantized types' units run it; the float types' return hipErrorInvalidValue.
+int RF_MATVEC_JOIN(rf_matvec_experts, RF_MATVEC_NAME)(
+    const void* const* weights, void* const* outs, int n_mats, int rows, int n_cols,
+    size_t expert_bytes, const void* tiles, int n_tiles, int tile_tokens, const void* order,
+    int slot_div, const void* xq, int n_x, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_mats < 1 || n_mats > 2 || rows < 1 || n_tiles < 1 || n_tiles > 65535 || slot_div < 1)
+        return (int)hipErrorInvalidValue;
+    rf::ExpertMats mats = {};
+    for (int m = 0; m < n_mats; ++m) {
+        mats.w[m] = (const uint8_t*)weights[m];
+        mats.y[m] = (float*)outs[m];
+    }
+    mats.n_mats = n_mats;
+    mats.rows = rows;
+    mats.expert_bytes = expert_bytes;
+    return (int)rf::launch_experts_of<rf::UnitType, rf::UnitInput>(
+        mats, n_cols, (const int*)tiles, n_tiles, tile_tokens, (const int*)order, slot_div,
+        (const uint8_t*)xq, n_x, (hipStream_t)stream);
+}
 
 // Loads the code of the kernel rf_matvec_NAME launches for n_tokens tokens of rows n_cols
 // wide, so that its first launch does not wait for it. Returns at once once loaded.

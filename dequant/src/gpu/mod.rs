@@ -26,6 +26,7 @@
 //! [`HipError::BuiltWithoutGpu`] (inside [`GpuDequantError::Hip`]) after checking its
 //! arguments.
 
+pub mod experts;
 mod kernels;
 #[cfg(not(hip_platform = "none"))]
 mod launchers;
@@ -33,6 +34,8 @@ pub mod matmul;
 pub mod matvec;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_experts;
 #[cfg(test)]
 mod tests_matvec;
 

@@ -22,10 +22,10 @@ fn types() -> impl Iterator<Item = GgmlType> {
         .filter(|&ty| matvec::is_supported_on_gpu(ty))
 }
 
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(super) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -33,7 +33,7 @@ impl Rng {
     }
 
     /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
+    pub(super) fn unit(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
 }
@@ -71,7 +71,7 @@ fn set_other_scales(ty: GgmlType, block: &mut [u8], rng: &mut Rng) {
 
 /// `rows × cols` weights of `ty`: random quantized bits with small finite scales, or
 /// random floats.
-fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+pub(super) fn random_matrix(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     let n = rows * cols;
     match ty {
         GgmlType::F32 => (0..n)
@@ -155,7 +155,7 @@ fn relative_error(got: &[f32], want: &[f64]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-fn upload<T: bytemuck::Pod>(
+pub(super) fn upload<T: bytemuck::Pod>(
     device: &Device,
     stream: &Stream,
     host: &[T],
@@ -169,7 +169,7 @@ fn upload<T: bytemuck::Pod>(
 
 /// Runs `mats` (one type, one width) on `n` tokens on the GPU and returns each output.
 #[allow(clippy::too_many_arguments)]
-fn gpu_products(
+pub(super) fn gpu_products(
     device: &Device,
     stream: &Stream,
     ty: GgmlType,
