@@ -1,4 +1,5 @@
-//! model's build script: compiles the transformer kernels (`kernels/transformer.hip`) with
+//! model's build script: compiles the transformer kernels (`kernels/transformer.hip`) and the
+//! mixture-of-experts kernels (`kernels/experts.hip`) with
 //! hip-backend's GPU configuration, when that configuration has a platform.
 
 #[path = "../hip-backend/build/hip_build.rs"]
@@ -13,6 +14,9 @@ fn main() {
         return;
     }
     config
-        .compile("rocmforge_model_kernels", &["kernels/transformer.hip"])
+        .compile(
+            "rocmforge_model_kernels",
+            &["kernels/transformer.hip", "kernels/experts.hip"],
+        )
         .unwrap_or_else(|error| fail(&error));
 }

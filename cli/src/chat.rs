@@ -133,7 +133,15 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
         );
     }
     let context_size = context_size(args.ctx_size, model.config().n_ctx_train);
-    let chosen = match (gpu_start.finish()?, model.check_gpu_support()) {
+    let chosen = gpu_start.finish()?;
+    let support = match &chosen {
+        Chosen::Gpu { device, .. } => model.check_gpu_support().and_then(|()| {
+            let budget = args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20));
+            model::gpu::check_experts_fit(&model, device, budget)
+        }),
+        Chosen::Cpu { .. } => Ok(()),
+    };
+    let chosen = match (chosen, support) {
         (Chosen::Gpu { .. }, Err(unsupported)) if args.device == DeviceArg::Auto => Chosen::Cpu {
             reason: unsupported.to_string(),
         },

@@ -944,13 +944,14 @@ __global__ void __launch_bounds__(kFmWarps * 32)
 }
 
 // silu(g)·u or gelu_tanh(g)·u, element-wise; f32 out and/or Q8 blocks (32 lanes a block).
+// Without a gate (experts that have none), silu(u) or gelu_tanh(u) alone.
 __global__ void gated_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                              size_t n, int gelu, float* __restrict__ out,
                              void* __restrict__ out_q8) {
     rf_chain_wait();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;  // n is a multiple of 32: whole groups leave together
-    const float g = gate[i];
+    const float g = gate ? gate[i] : up[i];
     float act;
     if (gelu) {
         const float c = 0.7978845608028654f;  // sqrt(2/pi)
@@ -958,7 +959,7 @@ __global__ void gated_kernel(const float* __restrict__ gate, const float* __rest
     } else {
         act = g / (1.0f + expf(-g));
     }
-    const float y = act * up[i];
+    const float y = gate ? act * up[i] : act;
     if (out) out[i] = y;
     if (out_q8) quantize32(y, q8_layout(out_q8, n), i);
 }

@@ -63,13 +63,15 @@ impl Architecture {
     }
 
     /// The architectures the GPU forward pass (`crate::gpu`) runs.
-    pub const GPU_SUPPORTED: [Architecture; 6] = [
+    pub const GPU_SUPPORTED: [Architecture; 8] = [
         Architecture::Llama,
         Architecture::Qwen2,
         Architecture::Qwen3,
         Architecture::Phi3,
         Architecture::Gemma2,
         Architecture::Gemma3,
+        Architecture::Qwen2Moe,
+        Architecture::Qwen3Moe,
     ];
 
     /// The `general.architecture` name, also the prefix of its metadata keys.
@@ -349,17 +351,6 @@ impl ModelConfig {
 
     /// Refuses, naming the architecture, a model the GPU forward pass does not compute.
     pub fn check_gpu_support(&self) -> Result<(), ModelError> {
-        if let Some(e) = self.experts {
-            return Err(ModelError::GpuUnsupported {
-                what: format!(
-                    "a mixture-of-experts model ({}, {} experts, {} per token)",
-                    self.architecture.name(),
-                    e.count,
-                    e.used
-                ),
-                supported: "dense models".to_owned(),
-            });
-        }
         if !Architecture::GPU_SUPPORTED.contains(&self.architecture) {
             return Err(ModelError::GpuUnsupported {
                 what: format!("architecture {:?}", self.architecture.name()),
@@ -620,9 +611,9 @@ mod tests {
         let e = experts("llama", &counts).unwrap().unwrap();
         assert_eq!((e.n_ff, e.normalize), (512, true));
         assert_eq!(experts("llama", &[]).unwrap(), None);
+        // The GPU runs these mixtures of experts too.
         let c = ModelConfig::from_metadata(&metadata("qwen3moe", &counts)).unwrap();
-        let err = c.check_gpu_support().unwrap_err();
-        assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+        c.check_gpu_support().unwrap();
     }
 
     #[test]

@@ -325,9 +325,8 @@ struct LoadConfig {
 /// Whether `model` can run on the first GPU: the reason when not.
 fn gpu_usable(model: &Model) -> std::result::Result<(), String> {
     model.check_gpu_support().map_err(|e| e.to_string())?;
-    hip_backend::Device::open(0)
-        .map(drop)
-        .map_err(|e| e.to_string())
+    let device = hip_backend::Device::open(0).map_err(|e| e.to_string())?;
+    model::gpu::check_experts_fit(model, &device, None).map_err(|e| e.to_string())
 }
 
 /// Opens the model, reads every weight page once (so the first requests do not wait on

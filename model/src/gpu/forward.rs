@@ -10,11 +10,13 @@ use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, PinnedBuffer, Stream};
 
 use super::kernels::{self, attention_chunk, AttentionShape, HeadExtras, HeadShape, Pages};
-use super::weights::{Globals, LayerWeights, Matrix};
+use super::weights::{FfnWeights, Globals, LayerWeights, Matrix};
 use super::{arena, MAX_BATCH};
 use crate::config::{Activation, ModelConfig, RopeStyle};
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
+
+mod experts;
 
 fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
     move |source| ModelError::Gpu { op, source }
@@ -216,6 +218,8 @@ pub(super) struct Buffers {
     logit_rows: usize,
     /// Whether a prompt's attention may take the matrix units (`GpuTuning::flash_mma`).
     flash_mma: bool,
+    /// The experts' room, for a model with a mixture of experts.
+    moe: Option<experts::MoeBuffers>,
 }
 
 impl Buffers {
@@ -257,7 +261,11 @@ impl Buffers {
         };
         let embd_ty = plan.token_embd.weight.ggml_type();
         let row_bytes = embd_ty.row_bytes(c.n_embd as u64).unwrap_or(0) as usize;
-        let width = c.n_embd.max(attn_dim).max(c.n_ff);
+        // The dense feed-forward's width, or the shared expert's.
+        let n_ff = c
+            .n_ff
+            .max(c.experts.and_then(|e| e.shared_n_ff).unwrap_or(0));
+        let width = c.n_embd.max(attn_dim).max(n_ff);
         let scales_bytes = (4 * b).div_ceil(ALIGN) * ALIGN;
         // Positions the cache keeps: whole chunks of the attention kernel, and every
         // block of a paged cache.
@@ -274,9 +282,9 @@ impl Buffers {
             f32s(b * v_dim),                        // v
             f32s(b * attn_dim),                     // attn
             f32s(b * c.n_embd),                     // proj
-            f32s(b * c.n_ff),                       // gate
-            f32s(b * c.n_ff),                       // up
-            f32s(b * c.n_ff),                       // act
+            f32s(b * n_ff),                         // gate
+            f32s(b * n_ff),                         // up
+            f32s(b * n_ff),                         // act
             f32s(rows * c.n_vocab),                 // logits
             f32s(attention.ml_len(rows)),           // part_ml
             f32s(attention.acc_len(rows)),          // part_acc
@@ -290,8 +298,10 @@ impl Buffers {
             4,                                      // bad
             4 * paged.map_or(0, |p| p.meta_len(b)), // meta
         ];
+        let moe_sizes = experts::MoeBuffers::sizes(c, b);
         let total = sizes
             .iter()
+            .chain(moe_sizes.iter().flatten())
             .map(|&s| s.max(4).div_ceil(ALIGN) * ALIGN)
             .sum::<usize>()
             + c.n_layers * (2 * positions * kv_dim).div_ceil(ALIGN) * ALIGN
@@ -302,7 +312,7 @@ impl Buffers {
                 .alloc(bytes.max(4), ALIGN)
                 .map_err(gpu("carving the activation arena"))
         };
-        let mut it = sizes.into_iter();
+        let mut it = sizes.into_iter().chain(moe_sizes.into_iter().flatten());
         let mut next = || alloc(it.next().expect("one size per buffer"));
         let bufs = Buffers {
             x: next()?,
@@ -343,6 +353,10 @@ impl Buffers {
             attn_rows: rows,
             logit_rows: rows,
             flash_mma,
+            moe: moe_sizes
+                .is_some()
+                .then(|| experts::MoeBuffers::new(&mut next))
+                .transpose()?,
         };
         // The arena's buffers free their ranges when dropped; the allocation itself
         // lives as long as any of them.
@@ -848,11 +862,32 @@ pub(super) fn layer(
     )?;
 
     // Feed-forward block.
-    let gate_up = [&w.gate, &w.up];
+    let post_ffn = w.post_ffn_norm.as_ref().map(|n| n.weight());
+    match &w.ffn {
+        FfnWeights::Dense { gate, up, down } => {
+            dense_ffn(c, [gate, up, down], &w.ffn_norm, post_ffn, bufs, n, stream)
+        }
+        FfnWeights::Experts(e) => experts::block(c, e, &w.ffn_norm, bufs, n, stream),
+    }
+}
+
+/// `x += down(act(gate(h)) · up(h))` with `h = rms_norm(x)`, through the post-norm when
+/// the model has one.
+fn dense_ffn(
+    c: &ModelConfig,
+    [gate, up, down]: [&Matrix; 3],
+    norm: &super::weights::Norm,
+    post_ffn: Option<super::kernels::NormWeight<'_>>,
+    bufs: &mut Buffers,
+    n: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let (d, eps) = (c.n_embd, c.rms_norm_eps);
+    let gate_up = [gate, up];
     let (want_f32, want_q8) = needs(&gate_up, n, &bufs.batch_in);
     kernels::rms_norm(
         view(&bufs.x, n * d)?,
-        w.ffn_norm.weight(),
+        norm.weight(),
         n,
         d,
         eps,
@@ -880,9 +915,9 @@ pub(super) fn layer(
         &mut bufs.batch_in,
         stream,
     )?;
-    let down_q8 = takes_q8_for(&w.down, n, &bufs.batch_in);
+    let down_q8 = takes_q8_for(down, n, &bufs.batch_in);
     kernels::gated(
-        view(&bufs.gate, n * c.n_ff)?,
+        Some(view(&bufs.gate, n * c.n_ff)?),
         view(&bufs.up, n * c.n_ff)?,
         c.n_ff,
         c.activation == Activation::GeluTanh,
@@ -894,7 +929,6 @@ pub(super) fn layer(
             .transpose()?,
         stream,
     )?;
-    let post_ffn = w.post_ffn_norm.as_ref().map(|n| n.weight());
     let (x, proj, batch_in) = (&mut bufs.x, &mut bufs.proj, &mut bufs.batch_in);
     let (f32_in, q8_in) = if down_q8 {
         (None, Some(view(&bufs.q8, q8_bytes(n, c.n_ff))?))
@@ -902,7 +936,7 @@ pub(super) fn layer(
         (Some(view(&bufs.act, n * c.n_ff)?), None)
     };
     let into = Residual { x, proj, batch_in };
-    residual(&w.down, f32_in, q8_in, post_ffn, into, n, eps, stream)
+    residual(down, f32_in, q8_in, post_ffn, into, n, eps, stream)
 }
 
 /// Attention of a paged batch: a sequence with more than [`MAX_BATCH`] tokens in one

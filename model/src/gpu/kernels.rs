@@ -841,10 +841,11 @@ pub fn flash_attention(
     )
 }
 
-/// `act(gate) · up` element-wise (SiLU, or GELU's tanh form with `gelu`), into `out`
-/// (f32) and/or `out_q8` (Q8 blocks of `width`-value rows, `width` a multiple of 32).
+/// `act(gate) · up` element-wise (SiLU, or GELU's tanh form with `gelu`), or `act(up)`
+/// without a gate, into `out` (f32) and/or `out_q8` (Q8 blocks of `width`-value rows,
+/// `width` a multiple of 32).
 pub fn gated(
-    gate: DeviceView<'_, f32>,
+    gate: Option<DeviceView<'_, f32>>,
     up: DeviceView<'_, f32>,
     width: usize,
     gelu: bool,
@@ -853,9 +854,12 @@ pub fn gated(
     stream: &Stream,
 ) -> Result<(), KernelError> {
     const K: &str = "gated";
-    let n = gate.len();
-    expect(K, "the up projection", up.len(), n)?;
-    let mut devices = vec![gate.device_ordinal(), up.device_ordinal()];
+    let n = up.len();
+    let mut devices = vec![up.device_ordinal()];
+    if let Some(g) = &gate {
+        expect(K, "the gate projection", g.len(), n)?;
+        devices.push(g.device_ordinal());
+    }
     if let Some(o) = &out {
         expect(K, "the output", o.len(), n)?;
         devices.push(o.device_ordinal());
@@ -881,7 +885,7 @@ pub fn gated(
     launch!(
         rf_gated,
         "gated",
-        gate.as_ptr(),
+        ptr_or_null(gate),
         up.as_ptr(),
         n,
         i32::from(gelu),
@@ -1076,6 +1080,9 @@ pub fn advance(
         stream.as_raw(),
     )
 }
+
+mod experts;
+pub use experts::{moe_combine, moe_route, moe_tiles, Gating};
 
 #[cfg(test)]
 mod tests {

@@ -46,7 +46,7 @@ use tensor_store::{StoreError, TensorHandle, TensorStore};
 pub use host::HOST_TOKENS;
 pub use kernels::{KernelError, ShapeError};
 
-use crate::config::ModelConfig;
+use crate::config::{Experts, ModelConfig};
 use crate::plan::ExecutionPlan;
 use crate::{Model, ModelError};
 use forward::{Buffers, Layout, PageShape, PagedBatch, PagedSegment};
@@ -354,6 +354,9 @@ impl GpuModel {
         };
         let arena_bytes = budget.min(model_bytes);
         let hold_all = arena_bytes >= model_bytes;
+        if let (false, Some(e)) = (hold_all, config.experts) {
+            return Err(experts_over_budget(e, model_bytes, arena_bytes));
+        }
         // Over budget, the embeddings stay in the file: a pass gathers its few rows on the
         // host, and their room holds more layers (unless they are the output matrix too).
         let embed_on_host =
@@ -1516,6 +1519,49 @@ fn embed_from_file(
         tokens.len(),
         stream,
     )
+}
+
+/// Refuses a mixture of experts whose weights do not all fit on `device` (its free
+/// memory less [`RUNTIME_RESERVE`], or `budget` bytes): the GPU runs experts only when
+/// every one is resident, where a dense model over its budget runs its other layers on
+/// the host or streams them. [`GpuModel::new`] decides the same once the activations are
+/// placed; this check, before anything is allocated, lets a caller choose the CPU instead.
+pub fn check_experts_fit(
+    model: &Model,
+    device: &Device,
+    budget: Option<u64>,
+) -> Result<(), ModelError> {
+    let Some(experts) = model.config().experts else {
+        return Ok(());
+    };
+    let order = first_use_order(model);
+    let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
+    let room = match budget {
+        Some(budget) => budget,
+        None => {
+            let info = device.memory_info().map_err(|source| ModelError::Gpu {
+                op: "memory info",
+                source,
+            })?;
+            (info.free as u64).saturating_sub(RUNTIME_RESERVE)
+        }
+    };
+    if model_bytes > room {
+        return Err(experts_over_budget(experts, model_bytes, room));
+    }
+    Ok(())
+}
+
+fn experts_over_budget(experts: Experts, model_bytes: u64, room: u64) -> ModelError {
+    ModelError::GpuUnsupported {
+        what: format!(
+            "a mixture of experts ({} experts, {} MiB) over a GPU budget of {} MiB",
+            experts.count,
+            model_bytes >> 20,
+            room >> 20
+        ),
+        supported: "mixtures of experts whose weights all fit the GPU budget".to_owned(),
+    }
 }
 
 /// How many of the first layers of `order` (its `blk.N` groups, in layer order) stay

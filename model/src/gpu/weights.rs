@@ -8,9 +8,11 @@ use hip_backend::DeviceView;
 use tensor_store::device::{DeviceCache, DeviceTensor, HipTarget};
 use tensor_store::TensorHandle;
 
-use super::kernels::{norm_type_code, NormWeight};
+use dequant::gpu::experts::GpuExperts;
+
+use super::kernels::{norm_type_code, Gating, NormWeight};
 use crate::config::ModelConfig;
-use crate::plan::{ExecutionPlan, LayerPlan, Linear, Vector};
+use crate::plan::{ExecutionPlan, ExpertMatrices, FfnPlan, LayerPlan, Linear, Vector};
 use crate::ModelError;
 
 type Tensor = DeviceTensor<HipTarget>;
@@ -150,10 +152,126 @@ pub(super) struct LayerWeights {
     pub wo: Matrix,
     pub post_attn_norm: Option<Norm>,
     pub ffn_norm: Norm,
+    pub ffn: FfnWeights,
+    pub post_ffn_norm: Option<Norm>,
+}
+
+/// A layer's feed-forward weights: one gated MLP, or a mixture of experts.
+pub(super) enum FfnWeights {
+    Dense {
+        gate: Matrix,
+        up: Matrix,
+        down: Matrix,
+    },
+    Experts(Box<ExpertWeights>),
+}
+
+/// A mixture of experts on the device: the router, the 3-D expert tensors whole (an
+/// expert is a range of their bytes), and the shared expert with its gate.
+pub(super) struct ExpertWeights {
+    pub router: Matrix,
+    pub gate: Option<ExpertTensor>,
+    pub up: ExpertTensor,
+    pub down: ExpertTensor,
+    pub shared: Option<SharedExpert>,
+    pub count: usize,
+    pub used: usize,
+    pub gating: Gating,
+}
+
+/// Qwen 2 MoE's shared expert: a gated MLP every token runs, scaled by the sigmoid of
+/// one more product (`gate_inp`, one row).
+pub(super) struct SharedExpert {
     pub gate: Matrix,
     pub up: Matrix,
     pub down: Matrix,
-    pub post_ffn_norm: Option<Norm>,
+    pub gate_inp: Matrix,
+}
+
+/// `ffn_{gate,up,down}_exps` on the device: `count` matrices of `rows × cols`.
+pub(super) struct ExpertTensor {
+    tensor: Tensor,
+    pub ty: GgmlType,
+    pub count: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl ExpertTensor {
+    fn fetch(
+        cache: &DeviceCache<HipTarget>,
+        m: &ExpertMatrices,
+    ) -> Result<ExpertTensor, ModelError> {
+        Ok(ExpertTensor {
+            tensor: cache.get(&m.weight)?,
+            ty: m.weight.ggml_type(),
+            count: m.count,
+            rows: m.rows,
+            cols: m.cols,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        self.tensor.name()
+    }
+
+    /// The tensor as the routed products take it.
+    pub fn gpu(&self) -> Result<GpuExperts<'_>, ModelError> {
+        GpuExperts::new(
+            self.ty,
+            self.count,
+            self.rows,
+            self.cols,
+            self.tensor.buffer().bytes(),
+        )
+        .map_err(|source| ModelError::Matmul {
+            name: self.name().to_owned(),
+            source,
+        })
+    }
+}
+
+impl FfnWeights {
+    fn fetch(cache: &DeviceCache<HipTarget>, ffn: &FfnPlan) -> Result<FfnWeights, ModelError> {
+        let e = match ffn {
+            FfnPlan::Dense(f) => {
+                return Ok(FfnWeights::Dense {
+                    gate: Matrix::fetch(cache, &f.gate)?,
+                    up: Matrix::fetch(cache, &f.up)?,
+                    down: Matrix::fetch(cache, &f.down)?,
+                })
+            }
+            FfnPlan::Experts(e) => e,
+        };
+        let shared = e
+            .shared
+            .as_ref()
+            .map(|(f, gate_inp)| -> Result<SharedExpert, ModelError> {
+                Ok(SharedExpert {
+                    gate: Matrix::fetch(cache, &f.gate)?,
+                    up: Matrix::fetch(cache, &f.up)?,
+                    down: Matrix::fetch(cache, &f.down)?,
+                    gate_inp: Matrix::fetch(cache, gate_inp)?,
+                })
+            })
+            .transpose()?;
+        Ok(FfnWeights::Experts(Box::new(ExpertWeights {
+            router: Matrix::fetch(cache, &e.router)?,
+            gate: e
+                .gate
+                .as_ref()
+                .map(|g| ExpertTensor::fetch(cache, g))
+                .transpose()?,
+            up: ExpertTensor::fetch(cache, &e.up)?,
+            down: ExpertTensor::fetch(cache, &e.down)?,
+            shared,
+            count: e.experts.count,
+            used: e.experts.used,
+            gating: Gating::Softmax {
+                renormalize: e.experts.normalize,
+            },
+        })))
+    }
 }
 
 /// Which of Phi-3's RoPE factors a KV cache takes: the long ones when it holds more
@@ -194,13 +312,6 @@ impl LayerWeights {
     ) -> Result<LayerWeights, ModelError> {
         let norm = |v: &Option<Vector>| v.as_ref().map(|v| Norm::fetch(cache, v)).transpose();
         let bias = |l: &Linear| l.bias.as_ref().map(|h| Floats::fetch(cache, h)).transpose();
-        let ffn = layer
-            .ffn
-            .dense()
-            .ok_or_else(|| ModelError::GpuUnsupported {
-                what: "a mixture-of-experts layer".to_owned(),
-                supported: "dense layers".to_owned(),
-            })?;
         Ok(LayerWeights {
             attn_norm: Norm::fetch(cache, &layer.attn_norm)?,
             wq: Matrix::fetch(cache, &layer.wq)?,
@@ -217,9 +328,7 @@ impl LayerWeights {
             wo: Matrix::fetch(cache, &layer.wo)?,
             post_attn_norm: norm(&layer.post_attn_norm)?,
             ffn_norm: Norm::fetch(cache, &layer.ffn_norm)?,
-            gate: Matrix::fetch(cache, &ffn.gate)?,
-            up: Matrix::fetch(cache, &ffn.up)?,
-            down: Matrix::fetch(cache, &ffn.down)?,
+            ffn: FfnWeights::fetch(cache, &layer.ffn)?,
             post_ffn_norm: norm(&layer.post_ffn_norm)?,
         })
     }
@@ -291,10 +400,15 @@ pub(crate) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
     // Products: the types the GPU multiplies (the token embeddings are only gathered,
     // unless the output is tied to them: `plan.output` is then the same tensor).
     let matrices = plan.layers.iter().flat_map(|l| {
-        let ffn = l.ffn.dense().into_iter();
-        [&l.wq, &l.wk, &l.wv, &l.wo]
-            .into_iter()
-            .chain(ffn.flat_map(|f| [&f.gate, &f.up, &f.down]))
+        let dense = match &l.ffn {
+            FfnPlan::Dense(f) => vec![&f.gate, &f.up, &f.down],
+            FfnPlan::Experts(e) => {
+                let shared = e.shared.iter();
+                let shared = shared.flat_map(|(f, g)| [&f.gate, &f.up, &f.down, g]);
+                std::iter::once(&e.router).chain(shared).collect()
+            }
+        };
+        [&l.wq, &l.wk, &l.wv, &l.wo].into_iter().chain(dense)
     });
     for lin in matrices.chain([&plan.output]) {
         let ty = lin.weight.ggml_type();
@@ -308,6 +422,23 @@ pub(crate) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
                 what: format!("tensor {:?} of type {ty}", lin.weight.name()),
                 supported: format!("products of {}", supported.join(", ")),
             });
+        }
+    }
+    // Routed experts: the quantized types the routed products take.
+    let experts = plan.layers.iter().filter_map(|l| match &l.ffn {
+        FfnPlan::Experts(e) => Some(e),
+        FfnPlan::Dense(_) => None,
+    });
+    for e in experts {
+        for m in e.gate.iter().chain([&e.up, &e.down]) {
+            let ty = m.weight.ggml_type();
+            if !dequant::gpu::matvec::is_supported_on_gpu(ty) || !dequant::gpu::matvec::takes_q8(ty)
+            {
+                return Err(ModelError::GpuUnsupported {
+                    what: format!("expert tensor {:?} of type {ty}", m.weight.name()),
+                    supported: "experts of the quantized types the GPU multiplies".to_owned(),
+                });
+            }
         }
     }
     for layer in &plan.layers {

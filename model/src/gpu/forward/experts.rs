@@ -1,0 +1,300 @@
+//! A mixture of experts' feed-forward block on the GPU: the router's products, the
+//! routing on the device (`kernels::moe_route`, `kernels::moe_tiles`), the routed products
+//! of the chosen experts (`dequant::gpu::experts`), the shared expert, and the weighted
+//! sum into the residual stream. Nothing is read back to the host, so a decode step stays
+//! one captured graph; the same sequence runs a prompt's chunk and a paged batch.
+
+use dequant::gpu::experts::{self, matvec_experts, GpuExperts, SlotInput};
+use dequant::gpu::matvec::q8_bytes;
+use hip_backend::{ArenaBuffer, Stream};
+
+use super::{product_error, products, takes_q8_for, view, view_mut, Buffers};
+use crate::config::{Activation, ModelConfig};
+use crate::gpu::kernels;
+use crate::gpu::weights::{ExpertTensor, ExpertWeights, Norm};
+use crate::ModelError;
+
+/// The room of the experts' block for up to `tokens` tokens: router logits, the routing,
+/// the layer's input in Q8 blocks, and the experts' intermediate and output rows.
+pub(in crate::gpu) struct MoeBuffers {
+    logits: ArenaBuffer,
+    shared_gate: ArenaBuffer,
+    ids: ArenaBuffer,
+    weights: ArenaBuffer,
+    tiles: ArenaBuffer,
+    order: ArenaBuffer,
+    q8_in: ArenaBuffer,
+    q8_act: ArenaBuffer,
+    gate: ArenaBuffer,
+    up: ArenaBuffer,
+    out: ArenaBuffer,
+}
+
+impl MoeBuffers {
+    /// Bytes of each buffer, in the order [`MoeBuffers::new`] takes them.
+    pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 11]> {
+        let e = config.experts?;
+        let slots = tokens * e.used;
+        let tiles =
+            experts::max_tiles(slots, e.count, experts::tile_tokens_for(slots, e.count)).max(slots);
+        let d = config.n_embd;
+        Some([
+            4 * tokens * e.count,
+            4 * tokens,
+            4 * slots,
+            4 * slots,
+            4 * 3 * tiles,
+            4 * slots,
+            q8_bytes(tokens, d),
+            q8_bytes(slots, e.n_ff),
+            4 * slots * e.n_ff,
+            4 * slots * e.n_ff,
+            4 * slots * d,
+        ])
+    }
+
+    pub fn new(
+        mut next: impl FnMut() -> Result<ArenaBuffer, ModelError>,
+    ) -> Result<MoeBuffers, ModelError> {
+        Ok(MoeBuffers {
+            logits: next()?,
+            shared_gate: next()?,
+            ids: next()?,
+            weights: next()?,
+            tiles: next()?,
+            order: next()?,
+            q8_in: next()?,
+            q8_act: next()?,
+            gate: next()?,
+            up: next()?,
+            out: next()?,
+        })
+    }
+}
+
+fn routed_error<'a>(
+    t: &'a ExpertTensor,
+) -> impl Fn(dequant::gpu::GpuDequantError) -> ModelError + 'a {
+    product_error("routed expert products", move || t.name().to_owned())
+}
+
+/// `x += moe(rms_norm(x))` for the `n` tokens in `x`.
+pub(super) fn block(
+    config: &ModelConfig,
+    e: &ExpertWeights,
+    norm: &Norm,
+    bufs: &mut Buffers,
+    n: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let d = config.n_embd;
+    let (k, count) = (e.used, e.count);
+    let slots = n * k;
+    let ff = e.up.rows;
+    let Some(moe) = bufs.moe.as_mut() else {
+        unreachable!("the buffers of a model with experts hold the experts' room")
+    };
+    // The layer's input, normed: f32 for float products, Q8 blocks for the experts.
+    kernels::rms_norm(
+        view(&bufs.x, n * d)?,
+        norm.weight(),
+        n,
+        d,
+        config.rms_norm_eps,
+        Some(view_mut::<f32>(&mut bufs.h, n * d)?),
+        false,
+        Some(view_mut::<u8>(&mut moe.q8_in, q8_bytes(n, d))?),
+        stream,
+    )?;
+    // The router's logits, then the choice of experts and their tiles.
+    products(
+        &[&e.router],
+        Some(view(&bufs.h, n * d)?),
+        Some(view(&moe.q8_in, q8_bytes(n, d))?),
+        n,
+        vec![view_mut::<f32>(&mut moe.logits, n * count)?],
+        false,
+        &mut bufs.batch_in,
+        stream,
+    )?;
+    let tile_tokens = experts::tile_tokens_for(slots, count);
+    let n_tiles = experts::max_tiles(slots, count, tile_tokens);
+    let one_slot_tiles = if tile_tokens == 1 {
+        Some((
+            view_mut::<i32>(&mut moe.tiles, 3 * n_tiles)?,
+            view_mut::<i32>(&mut moe.order, slots)?,
+        ))
+    } else {
+        None
+    };
+    kernels::moe_route(
+        view(&moe.logits, n * count)?,
+        n,
+        count,
+        k,
+        e.gating,
+        view_mut::<i32>(&mut moe.ids, slots)?,
+        view_mut::<f32>(&mut moe.weights, slots)?,
+        one_slot_tiles,
+        stream,
+    )?;
+    if tile_tokens > 1 {
+        kernels::moe_tiles(
+            view(&moe.ids, slots)?,
+            count,
+            tile_tokens,
+            view_mut::<i32>(&mut moe.tiles, 3 * n_tiles)?,
+            view_mut::<i32>(&mut moe.order, slots)?,
+            stream,
+        )?;
+    }
+    // Gate and up of every slot's expert (one launch when they share a type).
+    let tiles = view::<i32>(&moe.tiles, 3 * n_tiles)?;
+    let order = view::<i32>(&moe.order, slots)?;
+    let up = e.up.gpu()?;
+    let gate = e.gate.as_ref().map(ExpertTensor::gpu).transpose()?;
+    let input = SlotInput::Token { per_token: k };
+    let x_q8 = view(&moe.q8_in, q8_bytes(n, d))?;
+    let routed = |mats: &[GpuExperts<'_>],
+                  t: &ExpertTensor,
+                  outs: &mut [hip_backend::DeviceViewMut<'_, f32>]|
+     -> Result<(), ModelError> {
+        matvec_experts(
+            mats,
+            x_q8,
+            n,
+            input,
+            tiles,
+            order,
+            tile_tokens,
+            outs,
+            stream,
+        )
+        .map_err(routed_error(t))
+    };
+    match (&gate, &e.gate) {
+        (Some(g), Some(gt)) if g.ty() == up.ty() => routed(
+            &[*g, up],
+            gt,
+            &mut [
+                view_mut::<f32>(&mut moe.gate, slots * ff)?,
+                view_mut::<f32>(&mut moe.up, slots * ff)?,
+            ],
+        )?,
+        (Some(g), Some(gt)) => {
+            routed(
+                &[*g],
+                gt,
+                &mut [view_mut::<f32>(&mut moe.gate, slots * ff)?],
+            )?;
+            routed(
+                &[up],
+                &e.up,
+                &mut [view_mut::<f32>(&mut moe.up, slots * ff)?],
+            )?;
+        }
+        _ => routed(
+            &[up],
+            &e.up,
+            &mut [view_mut::<f32>(&mut moe.up, slots * ff)?],
+        )?,
+    }
+    kernels::gated(
+        gate.is_some()
+            .then(|| view(&moe.gate, slots * ff))
+            .transpose()?,
+        view(&moe.up, slots * ff)?,
+        ff,
+        config.activation == Activation::GeluTanh,
+        None,
+        Some(view_mut::<u8>(&mut moe.q8_act, q8_bytes(slots, ff))?),
+        stream,
+    )?;
+    // Down, each slot from its own activations.
+    matvec_experts(
+        &[e.down.gpu()?],
+        view(&moe.q8_act, q8_bytes(slots, ff))?,
+        slots,
+        SlotInput::Own,
+        tiles,
+        order,
+        tile_tokens,
+        &mut [view_mut::<f32>(&mut moe.out, slots * d)?],
+        stream,
+    )
+    .map_err(routed_error(&e.down))?;
+    // The shared expert, into `proj`, and its gate's logits.
+    if let Some(sh) = &e.shared {
+        let sff = sh.up.rows;
+        products(
+            &[&sh.gate, &sh.up],
+            Some(view(&bufs.h, n * d)?),
+            Some(view(&moe.q8_in, q8_bytes(n, d))?),
+            n,
+            vec![
+                view_mut::<f32>(&mut bufs.gate, n * sff)?,
+                view_mut::<f32>(&mut bufs.up, n * sff)?,
+            ],
+            false,
+            &mut bufs.batch_in,
+            stream,
+        )?;
+        products(
+            &[&sh.gate_inp],
+            Some(view(&bufs.h, n * d)?),
+            Some(view(&moe.q8_in, q8_bytes(n, d))?),
+            n,
+            vec![view_mut::<f32>(&mut moe.shared_gate, n)?],
+            false,
+            &mut bufs.batch_in,
+            stream,
+        )?;
+        let down_q8 = takes_q8_for(&sh.down, n, &bufs.batch_in);
+        kernels::gated(
+            Some(view(&bufs.gate, n * sff)?),
+            view(&bufs.up, n * sff)?,
+            sff,
+            config.activation == Activation::GeluTanh,
+            (!down_q8)
+                .then(|| view_mut::<f32>(&mut bufs.act, n * sff))
+                .transpose()?,
+            down_q8
+                .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, sff)))
+                .transpose()?,
+            stream,
+        )?;
+        let (f32_in, q8_in) = if down_q8 {
+            (None, Some(view(&bufs.q8, q8_bytes(n, sff))?))
+        } else {
+            (Some(view(&bufs.act, n * sff)?), None)
+        };
+        products(
+            &[&sh.down],
+            f32_in,
+            q8_in,
+            n,
+            vec![view_mut::<f32>(&mut bufs.proj, n * d)?],
+            false,
+            &mut bufs.batch_in,
+            stream,
+        )?;
+    }
+    let shared = e
+        .shared
+        .as_ref()
+        .map(|_| -> Result<_, ModelError> {
+            Ok((view(&bufs.proj, n * d)?, view(&moe.shared_gate, n)?))
+        })
+        .transpose()?;
+    kernels::moe_combine(
+        view(&moe.out, slots * d)?,
+        view(&moe.weights, slots)?,
+        n,
+        k,
+        d,
+        shared,
+        view_mut::<f32>(&mut bufs.x, n * d)?,
+        stream,
+    )?;
+    Ok(())
+}
