@@ -409,6 +409,8 @@ matches_llama_cpp! {
     llama_moe_random_matches_llama_cpp => "llama-moe-random",
     qwen3moe_all_random_matches_llama_cpp => "qwen3moe-all-random",
     llama_moe_top1_random_matches_llama_cpp => "llama-moe-top1-random",
+    gpt_oss_matches_llama_cpp => "gpt-oss",
+    gpt_oss_long_matches_llama_cpp => "gpt-oss-long",
 }
 
 /// The CPU scheduler runs a mixture of experts as `generate` does: the same layer over
@@ -1172,6 +1174,8 @@ mod gpu {
         gpu_llama_moe_random => "llama-moe-random": "mixture-of-experts",
         gpu_qwen3moe_all_random => "qwen3moe-all-random": "mixture-of-experts",
         gpu_llama_moe_top1_random => "llama-moe-top1-random": "mixture-of-experts",
+        gpu_gpt_oss => "gpt-oss": "mixture-of-experts",
+        gpu_gpt_oss_long => "gpt-oss-long": "mixture-of-experts",
     }
 
     /// Several sequences of different lengths in one paged cache, run together as a
