@@ -959,6 +959,188 @@ mod tests {
         }
     }
 
+    /// gpt-oss's keys, as llama.cpp reads them.
+    fn gpt_oss(extra: &[(&str, Value)]) -> Metadata {
+        gpt_oss_without("", extra)
+    }
+
+    /// [`gpt_oss`] without the key `skip` (`.`-prefixed).
+    fn gpt_oss_without(skip: &str, extra: &[(&str, Value)]) -> Metadata {
+        let mut keys = vec![
+            (".expert_count", Value::U32(32)),
+            (".expert_used_count", Value::U32(4)),
+            (".expert_feed_forward_length", Value::U32(2880)),
+            (".attention.key_length", Value::U32(64)),
+            (".attention.value_length", Value::U32(64)),
+            (".attention.sliding_window", Value::U32(128)),
+            (".rope.freq_base", Value::F32(150_000.0)),
+            (".rope.scaling.type", Value::String("yarn".into())),
+            (".rope.scaling.factor", Value::F32(32.0)),
+            (".rope.scaling.original_context_length", Value::U32(4096)),
+            (".context_length", Value::U32(131_072)),
+        ];
+        keys.retain(|(k, _)| *k != skip);
+        keys.extend(extra.iter().cloned());
+        metadata("gpt-oss", &keys)
+    }
+
+    #[test]
+    fn gpt_oss_reads_its_experts_windows_and_yarn_as_llama_cpp_does() {
+        let c = ModelConfig::from_metadata(&gpt_oss(&[])).unwrap();
+        assert_eq!(c.architecture, Architecture::GptOss);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        assert!(c.full_last_layer);
+        assert_eq!(c.attention_scale, 1.0 / 8.0);
+        let e = c.experts.unwrap();
+        assert_eq!((e.count, e.used, e.n_ff, e.normalize), (32, 4, 2880, false));
+        assert_eq!(e.gating, Gating::SoftmaxOfChosen);
+        assert_eq!(e.activation, ExpertActivation::SwigluOai);
+        let windows: Vec<_> = c.layers.iter().map(|l| l.sliding_window).collect();
+        assert_eq!(windows, [Some(128), None, Some(128), None]);
+        assert!(c.layers.iter().all(|l| l.rope_freq_base == 150_000.0));
+        assert!(c.layers.iter().all(|l| l.rope_scale == 32.0));
+        let yarn = c.rope_yarn.unwrap();
+        assert_eq!(yarn.original_context, 4096);
+        assert_eq!(
+            (yarn.ext_factor, yarn.beta_fast, yarn.beta_slow),
+            (1.0, 32.0, 1.0)
+        );
+        // llama.cpp's context cancels YaRN's magnitude, each step rounded: 1 or one
+        // ulp below it.
+        assert!(
+            (yarn.attn_factor - 1.0).abs() <= f32::EPSILON,
+            "{}",
+            yarn.attn_factor
+        );
+        let err = c.check_gpu_support().unwrap_err();
+        assert!(err.to_string().contains("mixture-of-experts"), "{err}");
+        // The correction dimensions of gpt-oss's 64-dimension heads: pairs 8 to 18.
+        assert_eq!(
+            crate::ops::yarn_corr_dims(64, &yarn, 150_000.0),
+            [8.0, 18.0]
+        );
+        // Its own local base, and a per-layer window list.
+        let flags = Value::Array(Array::Bool(vec![false, false, true, true]));
+        let c = ModelConfig::from_metadata(&gpt_oss(&[
+            (".rope.freq_base_swa", Value::F32(10_000.0)),
+            (".attention.sliding_window_pattern", flags),
+        ]))
+        .unwrap();
+        let layers: Vec<_> = c
+            .layers
+            .iter()
+            .map(|l| (l.sliding_window, l.rope_freq_base))
+            .collect();
+        assert_eq!(
+            layers,
+            [
+                (None, 150_000.0),
+                (None, 150_000.0),
+                (Some(128), 10_000.0),
+                (Some(128), 10_000.0)
+            ]
+        );
+    }
+
+    #[test]
+    fn yarn_is_read_for_any_architecture_and_keeps_the_gpu_off() {
+        let m = metadata(
+            "qwen2",
+            &[
+                (".rope.scaling.type", Value::String("yarn".into())),
+                (".rope.scaling.factor", Value::F32(4.0)),
+                (".rope.scaling.original_context_length", Value::U32(32_768)),
+                (".rope.scaling.attn_factor", Value::F32(2.0)),
+            ],
+        );
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        let yarn = c.rope_yarn.unwrap();
+        assert_eq!(yarn.original_context, 32_768);
+        assert_eq!(c.rope_scale, 4.0);
+        // The file's attention factor multiplies llama.cpp's YaRN one.
+        assert!((yarn.attn_factor - 2.0).abs() <= 2.0 * f32::EPSILON);
+        let err = c.check_gpu_support().unwrap_err();
+        assert!(err.to_string().contains("YaRN"), "{err}");
+        // Without YaRN no field is set, and linear scaling still works.
+        let m = metadata("qwen2", &[(".rope.scaling.factor", Value::F32(4.0))]);
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        assert_eq!((c.rope_yarn, c.rope_scale), (None, 4.0));
+        let m = metadata(
+            "qwen2",
+            &[(".rope.scaling.type", Value::String("longrope".into()))],
+        );
+        let err = ModelConfig::from_metadata(&m).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::InvalidConfig { key, reason }
+                if key == "qwen2.rope.scaling.type" && reason.contains("yarn")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn yarn_tables_keep_fast_pairs_and_interpolate_slow_ones() {
+        let yarn = Yarn {
+            ext_factor: 1.0,
+            attn_factor: 1.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_context: 4096,
+        };
+        let (dims, base, scale, pos) = (64, 150_000.0f32, 32.0f32, 1000usize);
+        let table =
+            crate::ops::rope_table([pos].into_iter(), dims, base, scale, None, 1.0, Some(&yarn));
+        let mscale = 0.1f32.mul_add(scale.ln(), 1.0);
+        for (i, &(cos, sin)) in table.iter().enumerate() {
+            let theta = pos as f64 * f64::from(base).powf(-2.0 * i as f64 / dims as f64);
+            // Below the ramp (pair 8) the original angle, past it (pair 18) the
+            // interpolated one, every value scaled by YaRN's magnitude.
+            let expected = if i < 8 {
+                Some(theta)
+            } else if i >= 18 {
+                Some(theta / f64::from(scale))
+            } else {
+                None
+            };
+            let norm = f64::from(cos).hypot(f64::from(sin));
+            assert!((norm - f64::from(mscale)).abs() < 1e-5, "pair {i}: {norm}");
+            if let Some(angle) = expected {
+                let got = f64::from(sin).atan2(f64::from(cos));
+                let want = angle.sin().atan2(angle.cos());
+                assert!((got - want).abs() < 1e-3, "pair {i}: {got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_gpt_oss_configs_are_refused_naming_the_key() {
+        let refusal = |extra: &[(&str, Value)]| {
+            ModelConfig::from_metadata(&gpt_oss(extra))
+                .unwrap_err()
+                .to_string()
+        };
+        let err = refusal(&[(".attention.sliding_window", Value::U32(0))]);
+        assert!(err.contains("gpt-oss.attention.sliding_window"), "{err}");
+        let err = refusal(&[(".rope.dimension_count", Value::U32(32))]);
+        assert!(err.contains("gpt-oss.rope.dimension_count"), "{err}");
+        let err = refusal(&[(".rope.freq_base_swa", Value::F32(-1.0))]);
+        assert!(err.contains("gpt-oss.rope.freq_base_swa"), "{err}");
+        let err = refusal(&[(".rope.scaling.factor", Value::F32(f32::INFINITY))]);
+        assert!(err.contains("gpt-oss.rope.scaling.factor"), "{err}");
+        let err = refusal(&[(".expert_used_count", Value::U32(33))]);
+        assert!(err.contains("gpt-oss.expert_used_count"), "{err}");
+        // Required keys: the window and the experts' count and width.
+        for key in [
+            ".attention.sliding_window",
+            ".expert_feed_forward_length",
+            ".expert_count",
+        ] {
+            let err = ModelConfig::from_metadata(&gpt_oss_without(key, &[]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("gpt-oss{key}")), "{err}");
+        }
+    }
+
     #[test]
     fn phi3_reads_its_long_context_rope_keys_and_ignores_its_window() {
         let m = metadata(

@@ -443,7 +443,7 @@ fn moe_requests_alone_in_the_scheduler_give_generates_text() {
 /// refused at load, naming the tensor and both shapes.
 #[test]
 fn malformed_expert_tensors_are_refused_naming_the_tensor() {
-    let cases: [(&str, generate::Edit, &str); 4] = [
+    let cases: [(&str, generate::Edit, &str); 7] = [
         (
             "qwen3moe-random",
             |name, shape| {
@@ -479,6 +479,33 @@ fn malformed_expert_tensors_are_refused_naming_the_tensor() {
                 }
             },
             "blk.0.ffn_gate_exps.weight",
+        ),
+        (
+            "gpt-oss",
+            |name, shape| {
+                if name == "blk.2.ffn_down_exps.bias" {
+                    shape.swap(0, 1);
+                }
+            },
+            "blk.2.ffn_down_exps.bias",
+        ),
+        (
+            "gpt-oss",
+            |name, shape| {
+                if name == "blk.1.attn_sinks.weight" {
+                    shape[0] += 1;
+                }
+            },
+            "blk.1.attn_sinks.weight",
+        ),
+        (
+            "gpt-oss",
+            |name, shape| {
+                if name == "blk.0.ffn_gate_inp.bias" {
+                    shape.push(2);
+                }
+            },
+            "blk.0.ffn_gate_inp.bias",
         ),
     ];
     for (name, edit, tensor) in cases {
