@@ -420,7 +420,7 @@ matches_llama_cpp! {
 /// would take for them, and so ours.)
 #[test]
 fn moe_requests_alone_in_the_scheduler_give_generates_text() {
-    for name in ["qwen3moe-random", "llama-moe-random"] {
+    for name in ["qwen3moe-random", "llama-moe-random", "gpt-oss"] {
         let spec = spec(name).expect("a spec");
         let bytes = build(spec).expect("the generator writes a valid file");
         let dir = tempfile::tempdir().expect("a temporary directory");
