@@ -27,18 +27,22 @@ pub enum Architecture {
     /// Qwen 3 MoE (Qwen3-30B-A3B, 235B-A22B): Qwen 3's attention, a mixture of experts
     /// whose routed weights are renormalized.
     Qwen3Moe,
+    /// gpt-oss (20B, 120B): biased projections, a learned attention sink per head,
+    /// alternating sliding-window and global layers, YaRN RoPE, and a mixture of experts
+    /// with biased router and experts, weighted by a softmax of the chosen experts'
+    /// logits, whose activation is the clamped SwiGLU of [`ExpertActivation::SwigluOai`].
+    GptOss,
 }
 
 impl Architecture {
     /// Names accepted in `general.architecture`.
-    pub const SUPPORTED: [&'static str; 8] = [
-        "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe",
+    pub const SUPPORTED: [&'static str; 9] = [
+        "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
     ];
 
     /// Mixture-of-experts architectures llama.cpp runs and this engine does not yet:
     /// refused naming what they are, rather than as unknown names.
-    const MOE_NOT_YET: [&'static str; 8] = [
-        "gpt-oss",
+    const MOE_NOT_YET: [&'static str; 7] = [
         "deepseek2",
         "glm4moe",
         "llama4",
@@ -58,6 +62,7 @@ impl Architecture {
             "gemma3" => Some(Architecture::Gemma3),
             "qwen2moe" => Some(Architecture::Qwen2Moe),
             "qwen3moe" => Some(Architecture::Qwen3Moe),
+            "gpt-oss" => Some(Architecture::GptOss),
             _ => None,
         }
     }
@@ -85,6 +90,7 @@ impl Architecture {
             Architecture::Gemma3 => "gemma3",
             Architecture::Qwen2Moe => "qwen2moe",
             Architecture::Qwen3Moe => "qwen3moe",
+            Architecture::GptOss => "gpt-oss",
         }
     }
 }
@@ -126,6 +132,55 @@ pub struct Experts {
     /// Width of the shared expert every token also runs, scaled by a sigmoid gate of its
     /// own (Qwen 2 MoE: `expert_shared_feed_forward_length`, else `feed_forward_length`).
     pub shared_n_ff: Option<usize>,
+    /// How the router's logits become the chosen experts' weights.
+    pub gating: Gating,
+    /// The experts' gate activation.
+    pub activation: ExpertActivation,
+}
+
+/// How a router's logits choose experts and weigh them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// The softmax of every expert's logit ranks the experts; the chosen ones weigh by
+    /// their probabilities (renormalized where [`Experts::normalize`] says).
+    Softmax,
+    /// The logits rank the experts; the chosen ones weigh by the softmax of their own
+    /// logits (gpt-oss).
+    SoftmaxOfChosen,
+}
+
+/// The activation of an expert's gate and up projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertActivation {
+    /// `silu(gate) · up`.
+    Silu,
+    /// gpt-oss's clamped SwiGLU: `g · sigmoid(alpha · g) · (u + 1)` with the gate `g`
+    /// capped at `limit` from above and the up projection `u` clamped to `±limit`
+    /// ([`SWIGLU_OAI_ALPHA`], [`SWIGLU_OAI_LIMIT`], as llama.cpp fixes them).
+    SwigluOai,
+}
+
+/// gpt-oss's SwiGLU slope.
+pub const SWIGLU_OAI_ALPHA: f32 = 1.702;
+/// gpt-oss's SwiGLU clamp.
+pub const SWIGLU_OAI_LIMIT: f32 = 7.0;
+
+/// YaRN RoPE scaling (`rope.scaling.type = "yarn"`), with the parameters llama.cpp
+/// gives it: every pair's angle mixes the interpolated angle (divided by the scaling
+/// factor) and the original one by a ramp between the correction dimensions of
+/// `beta_fast` and `beta_slow` rotations over `original_context` positions, and the
+/// cosines and sines are scaled by `attn_factor · (1 + 0.1 ln factor)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    /// Weight of the extrapolated angle in the ramp (llama.cpp: 1 for YaRN).
+    pub ext_factor: f32,
+    /// Magnitude factor of the cosines and sines, before YaRN's own (llama.cpp cancels
+    /// YaRN's magnitude correction here and applies it again in RoPE, each rounded).
+    pub attn_factor: f32,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    /// `rope.scaling.original_context_length`, else the training context.
+    pub original_context: usize,
 }
 
 /// The most experts a layer may have (as llama.cpp allows).
@@ -173,6 +228,9 @@ pub struct ModelConfig {
     /// Positions are divided by this factor (linear RoPE scaling); 1 when absent. Each
     /// layer's own is in [`LayerAttention::rope_scale`].
     pub rope_scale: f32,
+    /// YaRN scaling of every layer's RoPE (`rope.scaling.type = "yarn"`), whose
+    /// interpolated angles divide by the layer's `rope_scale`.
+    pub rope_yarn: Option<Yarn>,
     pub activation: Activation,
     /// Scale of the attention scores (usually `1/sqrt(head_dim)`).
     pub attention_scale: f32,
@@ -191,6 +249,10 @@ pub struct ModelConfig {
     /// The mixture of experts every layer's feed-forward block is, or `None` for dense
     /// feed-forward blocks.
     pub experts: Option<Experts>,
+    /// The last layer runs every row of a batch, its rows narrowed to those that get
+    /// logits only after it (gpt-oss, as llama.cpp's graph for it does); otherwise they
+    /// are narrowed after the last attention.
+    pub full_last_layer: bool,
 }
 
 /// Caps on hyper-parameters read from a file, so a hostile header cannot make the
@@ -229,7 +291,12 @@ impl ModelConfig {
         let n_layers: usize = metadata.get_as(&key("block_count"))?;
         let n_layers = check_range(&key("block_count"), n_layers, 1, MAX_LAYERS)?;
         let n_embd = dim("embedding_length")?;
-        let n_ff = dim("feed_forward_length")?;
+        // gpt-oss's experts have their own width; its dense width is optional.
+        let n_ff = if architecture == Architecture::GptOss {
+            opt_dim("feed_forward_length")?.unwrap_or(0)
+        } else {
+            dim("feed_forward_length")?
+        };
         let n_heads = dim("attention.head_count")?;
         let n_kv_heads = opt_dim("attention.head_count_kv")?.unwrap_or(n_heads);
         if n_heads % n_kv_heads != 0 {
@@ -268,18 +335,27 @@ impl ModelConfig {
         let rope_freq_base = metadata
             .get_opt::<f32>(&key("rope.freq_base"))?
             .unwrap_or(10_000.0);
-        let rope_scale = match metadata.get_opt::<&str>(&key("rope.scaling.type"))? {
-            None | Some("none") | Some("linear") => metadata
+        let scaling_type = metadata.get_opt::<&str>(&key("rope.scaling.type"))?;
+        let rope_scale = match scaling_type {
+            None | Some("none") | Some("linear") | Some("yarn") => metadata
                 .get_opt::<f32>(&key("rope.scaling.factor"))?
                 .filter(|f| *f > 0.0)
                 .unwrap_or(1.0),
             Some(other) => {
                 return Err(ModelError::InvalidConfig {
                     key: key("rope.scaling.type"),
-                    reason: format!("{other:?} RoPE scaling is not supported (only linear)"),
+                    reason: format!(
+                        "{other:?} RoPE scaling is not supported (only linear and yarn)"
+                    ),
                 })
             }
         };
+        if !rope_scale.is_finite() {
+            return Err(ModelError::InvalidConfig {
+                key: key("rope.scaling.factor"),
+                reason: format!("{rope_scale} is not a finite number"),
+            });
+        }
         let rope_attn_factor = metadata
             .get_opt::<f32>(&key("rope.scaling.attn_factor"))?
             .unwrap_or(1.0);
@@ -297,8 +373,19 @@ impl ModelConfig {
                 reason: format!("{rope_freq_base} is not a positive number"),
             });
         }
+        let rope_yarn = (scaling_type == Some("yarn")).then(|| Yarn {
+            ext_factor: 1.0,
+            attn_factor: yarn_attn_factor(1.0 / (1.0 / rope_scale)) * rope_attn_factor,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_context: rope_original_context,
+        });
 
         let experts = experts(architecture, metadata, n_ff)?;
+        let n_ff = match experts {
+            Some(e) if n_ff == 0 => e.n_ff,
+            _ => n_ff,
+        };
         let mut config = ModelConfig {
             architecture,
             n_layers,
@@ -316,6 +403,7 @@ impl ModelConfig {
             rope_scale,
             rope_attn_factor,
             rope_original_context,
+            rope_yarn,
             activation: Activation::Silu,
             attention_scale: 1.0 / (head_dim as f32).sqrt(),
             scale_queries: false,
@@ -331,6 +419,7 @@ impl ModelConfig {
                 n_layers
             ],
             experts,
+            full_last_layer: false,
         };
         match architecture {
             Architecture::Llama => {}
@@ -345,12 +434,19 @@ impl ModelConfig {
                 config.scale_queries = true;
             }
             Architecture::Gemma2 | Architecture::Gemma3 => gemma_specifics(&mut config, metadata)?,
+            Architecture::GptOss => gpt_oss_specifics(&mut config, metadata)?,
         }
         Ok(config)
     }
 
     /// Refuses, naming the architecture, a model the GPU forward pass does not compute.
     pub fn check_gpu_support(&self) -> Result<(), ModelError> {
+        if self.rope_yarn.is_some() {
+            return Err(ModelError::GpuUnsupported {
+                what: format!("YaRN RoPE scaling ({})", self.architecture.name()),
+                supported: "linear RoPE scaling".to_owned(),
+            });
+        }
         if !Architecture::GPU_SUPPORTED.contains(&self.architecture) {
             return Err(ModelError::GpuUnsupported {
                 what: format!("architecture {:?}", self.architecture.name()),
@@ -384,7 +480,7 @@ fn experts(
         .unwrap_or(0);
     let moe_arch = matches!(
         architecture,
-        Architecture::Qwen2Moe | Architecture::Qwen3Moe
+        Architecture::Qwen2Moe | Architecture::Qwen3Moe | Architecture::GptOss
     );
     if count == 0 {
         if moe_arch {
@@ -420,17 +516,29 @@ fn experts(
             false,
             Some(width("expert_shared_feed_forward_length")?.unwrap_or(n_ff)),
         ),
+        // gpt-oss: the experts' width is required, as llama.cpp requires it.
+        Architecture::GptOss => {
+            let v: usize = metadata.get_as(&key("expert_feed_forward_length"))?;
+            (v, false, None)
+        }
         // Mixtral and the other experts of `llama` files: each as wide as the
         // feed-forward length says.
         _ => (n_ff, true, None),
     };
     let n_ff_exp = check_range(&key("expert_feed_forward_length"), n_ff_exp, 1, MAX_DIM)?;
+    let (gating, activation) = if architecture == Architecture::GptOss {
+        (Gating::SoftmaxOfChosen, ExpertActivation::SwigluOai)
+    } else {
+        (Gating::Softmax, ExpertActivation::Silu)
+    };
     Ok(Some(Experts {
         count,
         used,
         n_ff: n_ff_exp,
         normalize,
         shared_n_ff,
+        gating,
+        activation,
     }))
 }
 
@@ -502,6 +610,62 @@ fn gemma_specifics(config: &mut ModelConfig, metadata: &Metadata) -> Result<(), 
         }
     }
     Ok(())
+}
+
+/// gpt-oss, as llama.cpp reads it: NeoX RoPE, scores scaled by `1/sqrt(n_rot)` (so the
+/// rotated dimensions must be the whole head), a required sliding window in every layer
+/// but the last of each pair (or as `attention.sliding_window_pattern` says), those
+/// layers at `rope.freq_base_swa` when the file has it, and every row through the last
+/// layer.
+fn gpt_oss_specifics(config: &mut ModelConfig, metadata: &Metadata) -> Result<(), ModelError> {
+    let key = |k: &str| format!("{}.{k}", config.architecture.name());
+    config.rope_style = RopeStyle::Halves;
+    config.full_last_layer = true;
+    if config.rope_dims != config.head_dim || config.head_dim_v != config.head_dim {
+        return Err(ModelError::InvalidConfig {
+            key: key("rope.dimension_count"),
+            reason: format!(
+                "{} rotated dimensions, keys of {} and values of {}: gpt-oss needs all three equal",
+                config.rope_dims, config.head_dim, config.head_dim_v
+            ),
+        });
+    }
+    config.attention_scale = 1.0 / (config.rope_dims as f32).sqrt();
+    let window: usize = metadata.get_as(&key("attention.sliding_window"))?;
+    let window = check_range(&key("attention.sliding_window"), window, 1, usize::MAX)?;
+    let sliding = sliding_layers(
+        metadata,
+        &key("attention.sliding_window_pattern"),
+        config.n_layers,
+        2,
+    )?;
+    let base = match metadata.get_opt::<f32>(&key("rope.freq_base_swa"))? {
+        Some(b) if !(b.is_finite() && b > 0.0) => {
+            return Err(ModelError::InvalidConfig {
+                key: key("rope.freq_base_swa"),
+                reason: format!("{b} is not a positive number"),
+            })
+        }
+        Some(b) => b,
+        None => config.layers[0].rope_freq_base,
+    };
+    for (layer, sliding) in config.layers.iter_mut().zip(sliding) {
+        if sliding {
+            layer.sliding_window = Some(window);
+            layer.rope_freq_base = base;
+        }
+    }
+    Ok(())
+}
+
+/// The magnitude factor llama.cpp's context gives YaRN RoPE for a scaling `factor`
+/// (before the file's `rope.scaling.attn_factor`): YaRN's `1 + 0.1 ln factor` (1 for a
+/// factor of at most 1) times the reciprocal of `1 + 0.1 ln factor`, which RoPE then
+/// applies again, each step rounded to f32 without fused operations.
+fn yarn_attn_factor(factor: f32) -> f32 {
+    let correction = 0.1f32 * factor.ln() + 1.0;
+    let mscale = if factor <= 1.0 { 1.0 } else { correction };
+    mscale * (1.0 / correction)
 }
 
 /// Which layers use the sliding window: `key` holds either a period `n` (every layer but
@@ -594,7 +758,9 @@ mod tests {
                 used: 8,
                 n_ff: 768,
                 normalize: true,
-                shared_n_ff: None
+                shared_n_ff: None,
+                gating: Gating::Softmax,
+                activation: ExpertActivation::Silu,
             })
         );
         // Without the experts' width, llama.cpp divides the feed-forward length.
@@ -653,14 +819,7 @@ mod tests {
             "{err}"
         );
         // Mixture-of-experts architectures not run yet: named as such.
-        for arch in [
-            "gpt-oss",
-            "deepseek2",
-            "glm4moe",
-            "llama4",
-            "qwen3next",
-            "qwen35moe",
-        ] {
+        for arch in ["deepseek2", "glm4moe", "llama4", "qwen3next", "qwen35moe"] {
             let err = refusal(arch, &[]);
             assert!(
                 err.contains(arch) && err.contains("mixture of experts"),
@@ -788,6 +947,188 @@ mod tests {
             );
             let c = ModelConfig::from_metadata(&m).unwrap();
             assert_eq!(c.attention_scale, 1.0 / 64f32.sqrt(), "{arch}");
+        }
+    }
+
+    /// gpt-oss's keys, as llama.cpp reads them.
+    fn gpt_oss(extra: &[(&str, Value)]) -> Metadata {
+        gpt_oss_without("", extra)
+    }
+
+    /// [`gpt_oss`] without the key `skip` (`.`-prefixed).
+    fn gpt_oss_without(skip: &str, extra: &[(&str, Value)]) -> Metadata {
+        let mut keys = vec![
+            (".expert_count", Value::U32(32)),
+            (".expert_used_count", Value::U32(4)),
+            (".expert_feed_forward_length", Value::U32(2880)),
+            (".attention.key_length", Value::U32(64)),
+            (".attention.value_length", Value::U32(64)),
+            (".attention.sliding_window", Value::U32(128)),
+            (".rope.freq_base", Value::F32(150_000.0)),
+            (".rope.scaling.type", Value::String("yarn".into())),
+            (".rope.scaling.factor", Value::F32(32.0)),
+            (".rope.scaling.original_context_length", Value::U32(4096)),
+            (".context_length", Value::U32(131_072)),
+        ];
+        keys.retain(|(k, _)| *k != skip);
+        keys.extend(extra.iter().cloned());
+        metadata("gpt-oss", &keys)
+    }
+
+    #[test]
+    fn gpt_oss_reads_its_experts_windows_and_yarn_as_llama_cpp_does() {
+        let c = ModelConfig::from_metadata(&gpt_oss(&[])).unwrap();
+        assert_eq!(c.architecture, Architecture::GptOss);
+        assert_eq!(c.rope_style, RopeStyle::Halves);
+        assert!(c.full_last_layer);
+        assert_eq!(c.attention_scale, 1.0 / 8.0);
+        let e = c.experts.unwrap();
+        assert_eq!((e.count, e.used, e.n_ff, e.normalize), (32, 4, 2880, false));
+        assert_eq!(e.gating, Gating::SoftmaxOfChosen);
+        assert_eq!(e.activation, ExpertActivation::SwigluOai);
+        let windows: Vec<_> = c.layers.iter().map(|l| l.sliding_window).collect();
+        assert_eq!(windows, [Some(128), None, Some(128), None]);
+        assert!(c.layers.iter().all(|l| l.rope_freq_base == 150_000.0));
+        assert!(c.layers.iter().all(|l| l.rope_scale == 32.0));
+        let yarn = c.rope_yarn.unwrap();
+        assert_eq!(yarn.original_context, 4096);
+        assert_eq!(
+            (yarn.ext_factor, yarn.beta_fast, yarn.beta_slow),
+            (1.0, 32.0, 1.0)
+        );
+        // llama.cpp's context cancels YaRN's magnitude, each step rounded: 1 or one
+        // ulp below it.
+        assert!(
+            (yarn.attn_factor - 1.0).abs() <= f32::EPSILON,
+            "{}",
+            yarn.attn_factor
+        );
+        let err = c.check_gpu_support().unwrap_err();
+        assert!(err.to_string().contains("YaRN"), "{err}");
+        // The correction dimensions of gpt-oss's 64-dimension heads: pairs 8 to 18.
+        assert_eq!(
+            crate::ops::yarn_corr_dims(64, &yarn, 150_000.0),
+            [8.0, 18.0]
+        );
+        // Its own local base, and a per-layer window list.
+        let flags = Value::Array(Array::Bool(vec![false, false, true, true]));
+        let c = ModelConfig::from_metadata(&gpt_oss(&[
+            (".rope.freq_base_swa", Value::F32(10_000.0)),
+            (".attention.sliding_window_pattern", flags),
+        ]))
+        .unwrap();
+        let layers: Vec<_> = c
+            .layers
+            .iter()
+            .map(|l| (l.sliding_window, l.rope_freq_base))
+            .collect();
+        assert_eq!(
+            layers,
+            [
+                (None, 150_000.0),
+                (None, 150_000.0),
+                (Some(128), 10_000.0),
+                (Some(128), 10_000.0)
+            ]
+        );
+    }
+
+    #[test]
+    fn yarn_is_read_for_any_architecture_and_keeps_the_gpu_off() {
+        let m = metadata(
+            "qwen2",
+            &[
+                (".rope.scaling.type", Value::String("yarn".into())),
+                (".rope.scaling.factor", Value::F32(4.0)),
+                (".rope.scaling.original_context_length", Value::U32(32_768)),
+                (".rope.scaling.attn_factor", Value::F32(2.0)),
+            ],
+        );
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        let yarn = c.rope_yarn.unwrap();
+        assert_eq!(yarn.original_context, 32_768);
+        assert_eq!(c.rope_scale, 4.0);
+        // The file's attention factor multiplies llama.cpp's YaRN one.
+        assert!((yarn.attn_factor - 2.0).abs() <= 2.0 * f32::EPSILON);
+        let err = c.check_gpu_support().unwrap_err();
+        assert!(err.to_string().contains("YaRN"), "{err}");
+        // Without YaRN no field is set, and linear scaling still works.
+        let m = metadata("qwen2", &[(".rope.scaling.factor", Value::F32(4.0))]);
+        let c = ModelConfig::from_metadata(&m).unwrap();
+        assert_eq!((c.rope_yarn, c.rope_scale), (None, 4.0));
+        let m = metadata(
+            "qwen2",
+            &[(".rope.scaling.type", Value::String("longrope".into()))],
+        );
+        let err = ModelConfig::from_metadata(&m).unwrap_err();
+        assert!(
+            matches!(&err, ModelError::InvalidConfig { key, reason }
+                if key == "qwen2.rope.scaling.type" && reason.contains("yarn")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn yarn_tables_keep_fast_pairs_and_interpolate_slow_ones() {
+        let yarn = Yarn {
+            ext_factor: 1.0,
+            attn_factor: 1.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_context: 4096,
+        };
+        let (dims, base, scale, pos) = (64, 150_000.0f32, 32.0f32, 1000usize);
+        let table =
+            crate::ops::rope_table([pos].into_iter(), dims, base, scale, None, 1.0, Some(&yarn));
+        let mscale = 0.1f32.mul_add(scale.ln(), 1.0);
+        for (i, &(cos, sin)) in table.iter().enumerate() {
+            let theta = pos as f64 * f64::from(base).powf(-2.0 * i as f64 / dims as f64);
+            // Below the ramp (pair 8) the original angle, past it (pair 18) the
+            // interpolated one, every value scaled by YaRN's magnitude.
+            let expected = if i < 8 {
+                Some(theta)
+            } else if i >= 18 {
+                Some(theta / f64::from(scale))
+            } else {
+                None
+            };
+            let norm = f64::from(cos).hypot(f64::from(sin));
+            assert!((norm - f64::from(mscale)).abs() < 1e-5, "pair {i}: {norm}");
+            if let Some(angle) = expected {
+                let got = f64::from(sin).atan2(f64::from(cos));
+                let want = angle.sin().atan2(angle.cos());
+                assert!((got - want).abs() < 1e-3, "pair {i}: {got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_gpt_oss_configs_are_refused_naming_the_key() {
+        let refusal = |extra: &[(&str, Value)]| {
+            ModelConfig::from_metadata(&gpt_oss(extra))
+                .unwrap_err()
+                .to_string()
+        };
+        let err = refusal(&[(".attention.sliding_window", Value::U32(0))]);
+        assert!(err.contains("gpt-oss.attention.sliding_window"), "{err}");
+        let err = refusal(&[(".rope.dimension_count", Value::U32(32))]);
+        assert!(err.contains("gpt-oss.rope.dimension_count"), "{err}");
+        let err = refusal(&[(".rope.freq_base_swa", Value::F32(-1.0))]);
+        assert!(err.contains("gpt-oss.rope.freq_base_swa"), "{err}");
+        let err = refusal(&[(".rope.scaling.factor", Value::F32(f32::INFINITY))]);
+        assert!(err.contains("gpt-oss.rope.scaling.factor"), "{err}");
+        let err = refusal(&[(".expert_used_count", Value::U32(33))]);
+        assert!(err.contains("gpt-oss.expert_used_count"), "{err}");
+        // Required keys: the window and the experts' count and width.
+        for key in [
+            ".attention.sliding_window",
+            ".expert_feed_forward_length",
+            ".expert_count",
+        ] {
+            let err = ModelConfig::from_metadata(&gpt_oss_without(key, &[]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("gpt-oss{key}")), "{err}");
         }
     }
 

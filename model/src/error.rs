@@ -20,7 +20,7 @@ pub enum ModelError {
     /// A mixture-of-experts model of a kind this engine does not run.
     #[error(
         "{what}: a mixture of experts this engine does not run yet (it runs qwen3moe, \
-         qwen2moe and llama files with experts, such as Mixtral)"
+         qwen2moe, gpt-oss and llama files with experts, such as Mixtral)"
     )]
     UnsupportedExperts { what: String },
     /// The model runs on the CPU but not on the GPU.

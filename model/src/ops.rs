@@ -12,7 +12,7 @@ pub use attention::{attention, attention_in, AttentionMethod, AttentionShape, La
 pub use expf::expf;
 pub use flash::FlashContext;
 
-use crate::config::RopeStyle;
+use crate::config::{RopeStyle, Yarn};
 
 /// `out = x / rms(x) * weight`, row by row (`weight.len()` is the row width). As in
 /// ggml, each square is rounded to f32 and the squares are summed in f64.
@@ -43,7 +43,9 @@ pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
 /// computed as ggml does: `theta_i = pos · base^(-2i / rope_dims)` by repeated products,
 /// divided by pair `i`'s frequency factor when the model has them (Llama 3's
 /// `rope_freqs.weight`, Phi-3's long or short factors), then divided by the linear
-/// scaling factor `scale`; the cosine and sine are multiplied by `attn_factor`.
+/// scaling factor `scale`; the cosine and sine are multiplied by `attn_factor`. With
+/// `yarn`, each angle mixes the scaled and unscaled angles by YaRN's ramp and the
+/// cosines and sines are multiplied by its magnitude factor instead ([`Yarn`]).
 pub fn rope_table(
     positions: impl Iterator<Item = usize>,
     rope_dims: usize,
@@ -51,20 +53,65 @@ pub fn rope_table(
     scale: f32,
     freq_factors: Option<&[f32]>,
     attn_factor: f32,
+    yarn: Option<&Yarn>,
 ) -> Vec<(f32, f32)> {
     let theta_scale = base.powf(-2.0 / rope_dims as f32);
     let freq_scale = 1.0 / scale;
+    let half = rope_dims / 2;
+    // Per pair: the weight of the unscaled angle; and the magnitude of the values.
+    let (mix, mscale): (Vec<f32>, f32) = match yarn {
+        None => (Vec::new(), attn_factor),
+        Some(y) => {
+            let [low, high] = yarn_corr_dims(rope_dims, y, base);
+            let mix = (0..half)
+                .map(|i| {
+                    let ramp = (i as f32 - low) / f32::max(0.001, high - low);
+                    (1.0 - ramp.clamp(0.0, 1.0)) * y.ext_factor
+                })
+                .collect();
+            let mscale = if y.ext_factor != 0.0 {
+                y.attn_factor * 0.1f32.mul_add((1.0 / freq_scale).ln(), 1.0)
+            } else {
+                y.attn_factor
+            };
+            (mix, mscale)
+        }
+    };
     let mut table = Vec::new();
     for pos in positions {
         let mut theta = pos as f32;
-        for i in 0..rope_dims / 2 {
+        for i in 0..half {
             let factor = freq_factors.map_or(1.0, |f| f[i]);
-            let angle = freq_scale * (theta / factor);
-            table.push((angle.cos() * attn_factor, angle.sin() * attn_factor));
+            let extrap = theta / factor;
+            let interp = freq_scale * extrap;
+            let angle = match mix.get(i) {
+                // ggml's C fuses the first product into the sum.
+                Some(&m) if yarn.is_some_and(|y| y.ext_factor != 0.0) => {
+                    interp.mul_add(1.0 - m, extrap * m)
+                }
+                _ => interp,
+            };
+            table.push((angle.cos() * mscale, angle.sin() * mscale));
             theta *= theta_scale;
         }
     }
     table
+}
+
+/// YaRN's correction dimensions for `rope_dims` rotated dimensions at `base`: the pair
+/// below which angles keep their original value and the one from which they are fully
+/// interpolated, as ggml computes them (f32, no fused operations).
+pub fn yarn_corr_dims(rope_dims: usize, yarn: &Yarn, base: f32) -> [f32; 2] {
+    let dim = |rotations: f32| {
+        let turns = yarn.original_context as f32 / (rotations * 2.0 * std::f32::consts::PI);
+        rope_dims as f32 * turns.ln() / (2.0 * base.ln())
+    };
+    let start = dim(yarn.beta_fast).floor();
+    let end = dim(yarn.beta_slow).ceil();
+    let low = if 0.0 > start { 0.0 } else { start };
+    let last = (rope_dims as f32) - 1.0;
+    let high = if last < end { last } else { end };
+    [low, high]
 }
 
 /// Whether this CPU has fused multiply-add instructions. The operations below use
@@ -179,6 +226,24 @@ fn swiglu_impl(gate: &mut [f32], up: &[f32], width: usize) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU, into `gate`, as ggml's CPU backend computes it: the gate
+/// `x` capped at `limit`, the up projection `y` clamped to `±limit`, then
+/// `x / (1 + e^(alpha · -x)) · (y + 1)` with the C library's `exp`.
+pub fn swiglu_oai(gate: &mut [f32], up: &[f32], alpha: f32, limit: f32) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = if limit < *g { limit } else { *g };
+        let y = if u < -limit {
+            -limit
+        } else if limit < u {
+            limit
+        } else {
+            u
+        };
+        let glu = x / (1.0 + (alpha * -x).exp());
+        *g = glu * (y + 1.0);
+    }
+}
+
 /// `gelu_tanh(gate) * up`, into `gate`, evaluated as ggml's CPU backend does: the input
 /// rounded to f16 and looked up in a table of GELU over every f16 value, rounded to
 /// f16; 0 at -10 and below, the identity from 10 on.
@@ -240,10 +305,10 @@ mod tests {
     fn rope_at_position_zero_is_identity_and_preserves_norm() {
         let mut x: Vec<f32> = (0..16).map(|i| i as f32 * 0.1 - 0.5).collect();
         let orig = x.clone();
-        let table = rope_table([0usize].into_iter(), 8, 10_000.0, 1.0, None, 1.0);
+        let table = rope_table([0usize].into_iter(), 8, 10_000.0, 1.0, None, 1.0, None);
         apply_rope(&mut x, 8, 8, RopeStyle::Halves, &table);
         assert_eq!(x, orig);
-        let table = rope_table([7usize].into_iter(), 8, 10_000.0, 1.0, None, 1.0);
+        let table = rope_table([7usize].into_iter(), 8, 10_000.0, 1.0, None, 1.0, None);
         for style in [RopeStyle::Halves, RopeStyle::Interleaved] {
             let mut y = orig.clone();
             apply_rope(&mut y, 8, 8, style, &table);
@@ -260,8 +325,16 @@ mod tests {
         // rotated the slow pairs of every Llama 3.1/3.2 head too far.
         let (pos, dims, base) = (9usize, 8, 10_000.0f32);
         let factors = [1.0, 2.0, 4.0, 8.0];
-        let plain = rope_table([pos].into_iter(), dims, base, 1.0, None, 1.0);
-        let scaled = rope_table([pos].into_iter(), dims, base, 1.0, Some(&factors), 1.0);
+        let plain = rope_table([pos].into_iter(), dims, base, 1.0, None, 1.0, None);
+        let scaled = rope_table(
+            [pos].into_iter(),
+            dims,
+            base,
+            1.0,
+            Some(&factors),
+            1.0,
+            None,
+        );
         for i in 0..dims / 2 {
             let theta = pos as f32 * base.powf(-2.0 * i as f32 / dims as f32);
             let expected = theta / factors[i];

@@ -51,6 +51,9 @@ pub struct LayerPlan {
     pub k_norm: Option<Vector>,
     /// Norm of the attention output before the residual add (Gemma 2 and 3).
     pub post_attn_norm: Option<Vector>,
+    /// One logit per query head joining each softmax's denominator (gpt-oss's
+    /// `attn_sinks`).
+    pub attn_sinks: Option<Vector>,
     pub ffn_norm: Vector,
     pub ffn: FfnPlan,
     /// Norm of the feed-forward output before the residual add (Gemma 2 and 3).
@@ -101,10 +104,12 @@ pub struct ExpertsPlan {
 }
 
 /// A 3-D expert tensor (`ffn_{gate,up,down}_exps`): `count` matrices of `rows` by
-/// `cols`, one after the other.
+/// `cols`, one after the other, with their biases (gpt-oss: a 2-D tensor of `count`
+/// rows of `rows` values).
 #[derive(Clone, Debug)]
 pub struct ExpertMatrices {
     pub weight: TensorHandle,
+    pub bias: Option<TensorHandle>,
     pub count: usize,
     pub rows: usize,
     pub cols: usize,
@@ -157,6 +162,9 @@ impl ExecutionPlan {
             config.architecture,
             Architecture::Qwen2 | Architecture::Qwen2Moe
         );
+        // gpt-oss: optional Q/K/V biases (as llama.cpp reads them), a required output
+        // bias and sinks, and `post_attention_norm` as the feed-forward's norm.
+        let gpt_oss = config.architecture == Architecture::GptOss;
         let token_embd = b.matrix("token_embd.weight", config.n_vocab, d)?;
         let rope_freqs = match store.get("rope_freqs.weight") {
             Some(_) if config.architecture == Architecture::Llama => {
@@ -179,10 +187,17 @@ impl ExecutionPlan {
                 let [wq, wk, wv] = if phi3 && store.get(&qkv).is_some() {
                     b.parts(&qkv, [q_dim, kv_dim, v_dim], d)?
                 } else {
+                    let linear = |name: &str, rows: usize| -> Result<Linear, ModelError> {
+                        let mut lin = b.linear(&n(name), rows, d, biased)?;
+                        if gpt_oss {
+                            lin.bias = b.optional_bias(&n(name), rows)?;
+                        }
+                        Ok(lin)
+                    };
                     [
-                        b.linear(&n("attn_q.weight"), q_dim, d, biased)?,
-                        b.linear(&n("attn_k.weight"), kv_dim, d, biased)?,
-                        b.linear(&n("attn_v.weight"), v_dim, d, biased)?,
+                        linear("attn_q.weight", q_dim)?,
+                        linear("attn_k.weight", kv_dim)?,
+                        linear("attn_v.weight", v_dim)?,
                     ]
                 };
                 let ffn = match &config.experts {
@@ -207,7 +222,7 @@ impl ExecutionPlan {
                         &n("attn_output.weight"),
                         d,
                         config.n_heads * config.head_dim_v,
-                        false,
+                        gpt_oss,
                     )?,
                     q_norm: qk_norm
                         .then(|| b.vector(&n("attn_q_norm.weight"), config.head_dim))
@@ -218,7 +233,14 @@ impl ExecutionPlan {
                     post_attn_norm: gemma
                         .then(|| b.vector(&n("post_attention_norm.weight"), d))
                         .transpose()?,
-                    ffn_norm: b.vector(&n("ffn_norm.weight"), d)?,
+                    attn_sinks: gpt_oss
+                        .then(|| b.vector(&n("attn_sinks.weight"), config.n_heads))
+                        .transpose()?,
+                    ffn_norm: if gpt_oss {
+                        b.vector(&n("post_attention_norm.weight"), d)?
+                    } else {
+                        b.vector(&n("ffn_norm.weight"), d)?
+                    },
                     ffn,
                     post_ffn_norm: gemma
                         .then(|| b.vector(&n("post_ffw_norm.weight"), d))
@@ -229,6 +251,8 @@ impl ExecutionPlan {
         // Gemma 2's output is its embeddings, whatever else the file holds (as llama.cpp
         // reads it).
         let output = match store.get("output.weight") {
+            // gpt-oss's output matrix is required.
+            None if gpt_oss => b.linear("output.weight", config.n_vocab, d, false)?,
             Some(_) if config.architecture != Architecture::Gemma2 => {
                 b.linear("output.weight", config.n_vocab, d, false)?
             }
@@ -261,6 +285,8 @@ impl ExecutionPlan {
                 out.extend(shared.into_iter().flatten().map(|v| &v.handle));
             }
             out.push(&l.wo.weight);
+            out.extend(l.wo.bias.as_ref());
+            out.extend(l.attn_sinks.as_ref().map(|v| &v.handle));
             out.extend(l.post_attn_norm.as_ref().map(|v| &v.handle));
             out.push(&l.ffn_norm.handle);
             match &l.ffn {
@@ -271,8 +297,11 @@ impl ExecutionPlan {
                 }
                 FfnPlan::Experts(e) => {
                     out.push(&e.router.weight);
-                    out.extend(e.gate.iter().map(|m| &m.weight));
-                    out.extend([&e.up.weight, &e.down.weight]);
+                    out.extend(e.router.bias.as_ref());
+                    for m in e.gate.iter().chain([&e.up, &e.down]) {
+                        out.push(&m.weight);
+                        out.extend(m.bias.as_ref());
+                    }
                     if let Some((f, gate)) = &e.shared {
                         out.push(&gate.weight);
                         out.extend([&f.gate.weight, &f.up.weight, &f.down.weight]);
@@ -384,11 +413,22 @@ impl Builder<'_> {
     ) -> Result<ExpertsPlan, ModelError> {
         let d = config.n_embd;
         let n = |s: &str| format!("blk.{i}.{s}.weight");
+        // gpt-oss biases the router and each expert's products.
+        let biased = config.architecture == Architecture::GptOss;
         let matrices = |name: &str, rows: usize, cols: usize| -> Result<_, ModelError> {
             let weight = self.handle(name, &[cols as u64, rows as u64, e.count as u64])?;
             self.check_kernel(&weight)?;
+            let bias = if biased {
+                let bias_name = name.replace(".weight", ".bias");
+                let bias = self.handle(&bias_name, &[rows as u64, e.count as u64])?;
+                self.check_float(&bias)?;
+                Some(bias)
+            } else {
+                None
+            };
             Ok(ExpertMatrices {
                 weight,
+                bias,
                 count: e.count,
                 rows,
                 cols,
@@ -411,7 +451,7 @@ impl Builder<'_> {
         };
         Ok(ExpertsPlan {
             experts: *e,
-            router: self.linear(&n("ffn_gate_inp"), e.count, d, false)?,
+            router: self.linear(&n("ffn_gate_inp"), e.count, d, biased)?,
             gate,
             up: matrices(&n("ffn_up_exps"), e.n_ff, d)?,
             down: matrices(&n("ffn_down_exps"), d, e.n_ff)?,
@@ -454,17 +494,32 @@ impl Builder<'_> {
         })
     }
 
+    /// The bias of the matrix `name` (`.weight`), `rows` long, if the file has one.
+    fn optional_bias(&self, name: &str, rows: usize) -> Result<Option<TensorHandle>, ModelError> {
+        let bias_name = name.replace(".weight", ".bias");
+        match self.store.get(&bias_name) {
+            Some(_) => Ok(Some(self.vector(&bias_name, rows)?.handle)),
+            None => Ok(None),
+        }
+    }
+
     fn vector(&self, name: &str, len: usize) -> Result<Vector, ModelError> {
         let handle = self.handle(name, &[len as u64])?;
+        self.check_float(&handle)?;
+        Ok(Vector { handle, len })
+    }
+
+    /// Refuses a small tensor (norms, biases, sinks) that is not stored as floats.
+    fn check_float(&self, handle: &TensorHandle) -> Result<(), ModelError> {
         if !matches!(
             handle.ggml_type(),
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16
         ) {
             return Err(ModelError::UnsupportedTensorType {
-                name: name.to_owned(),
+                name: handle.name().to_owned(),
                 ggml_type: handle.ggml_type(),
             });
         }
-        Ok(Vector { handle, len })
+        Ok(())
     }
 }

@@ -80,6 +80,7 @@ impl Kv<'_, '_> {
         &mut self,
         config: &ModelConfig,
         layer_idx: usize,
+        sinks: Option<&[f32]>,
         q: &[f32],
         k: &[f32],
         v: &[f32],
@@ -95,6 +96,7 @@ impl Kv<'_, '_> {
                     cache.len(),
                     cache.attention(),
                     cache.context(),
+                    sinks,
                 );
                 cache.append(layer_idx, k, v);
                 let (keys, values) = cache.layer(layer_idx);
@@ -141,6 +143,7 @@ impl Kv<'_, '_> {
                         seg.first_pos,
                         context.attention,
                         context.size,
+                        sinks,
                     );
                     let (keys, values) = pool.layer(layer_idx);
                     let layout = Layout::Paged {
@@ -168,17 +171,37 @@ impl Kv<'_, '_> {
             }
         }
     }
+
+    /// The rows of a batch of `n` that get logits: the last one, or the last of each
+    /// segment that asks for them.
+    fn logit_rows(&self, n: usize) -> Vec<usize> {
+        match self {
+            Kv::Cache(_) => vec![n - 1],
+            Kv::Pool { segments, .. } => {
+                let mut rows = Vec::new();
+                let mut end = 0;
+                for seg in segments.iter() {
+                    end += seg.tokens.len();
+                    if !seg.tokens.is_empty() && seg.logits {
+                        rows.push(end - 1);
+                    }
+                }
+                rows
+            }
+        }
+    }
 }
 
 /// The attention of layer `layer_idx` for rows from `first_pos` on, computed by
 /// `method` in a context of `context` positions.
-fn attention_shape(
+fn attention_shape<'a>(
     config: &ModelConfig,
     layer_idx: usize,
     first_pos: usize,
     method: AttentionMethod,
     context: usize,
-) -> AttentionShape {
+    sinks: Option<&'a [f32]>,
+) -> AttentionShape<'a> {
     AttentionShape {
         n_heads: config.n_heads,
         n_kv_heads: config.n_kv_heads,
@@ -193,6 +216,7 @@ fn attention_shape(
             config.attention_scale
         },
         softcap: config.attn_logit_softcap,
+        sinks,
         method,
         flash: FlashContext {
             context,
@@ -266,6 +290,7 @@ pub(crate) fn rope_table<'t, I: Iterator<Item = usize>>(
                 attn_cfg.rope_scale,
                 freq_factors.as_deref(),
                 config.rope_attn_factor,
+                config.rope_yarn.as_ref(),
             );
             tables.push((key, table));
             tables.len() - 1
@@ -299,20 +324,31 @@ pub(crate) fn layer(
     s: &mut Scratch,
     mut offload: Option<&mut (dyn RowOffload + Send)>,
 ) -> Result<(), ModelError> {
+    // Architectures whose last layer runs every row narrow them after it.
+    let late = carry_last && config.full_last_layer;
     attention_block(
         config,
         layer,
         layer_idx,
         x,
         kv,
-        carry_last,
+        carry_last && !late,
         s,
         reborrow(&mut offload),
     )?;
     if x.is_empty() {
         return Ok(());
     }
-    ffn_block(config, layer, x, s, offload)
+    ffn_block(config, layer, x, s, offload)?;
+    if late {
+        let e = config.n_embd;
+        let rows = kv.logit_rows(x.len() / e);
+        *x = rows
+            .iter()
+            .flat_map(|&r| x[r * e..(r + 1) * e].iter().copied())
+            .collect();
+    }
+    Ok(())
 }
 
 /// The attention block: `x += post_norm(W_o · attention(rope(W_qkv · norm(x))))`.
@@ -368,7 +404,17 @@ fn attention_block(
     }
     let out_dim = config.n_heads * config.head_dim_v;
     resize(&mut s.attn, n * out_dim);
-    let carry = kv.attend(config, layer_idx, &s.q, &s.k, &s.v, &mut s.attn, carry_last);
+    let sinks = layer.attn_sinks.as_ref().map(vector).transpose()?;
+    let carry = kv.attend(
+        config,
+        layer_idx,
+        sinks.as_deref(),
+        &s.q,
+        &s.k,
+        &s.v,
+        &mut s.attn,
+        carry_last,
+    );
     if let Carry::Rows(rows) = carry {
         let e = config.n_embd;
         *x = rows

@@ -5,13 +5,18 @@
 //! tokens routed to it (multiplied as `MUL_MAT_ID` multiplies them:
 //! [`dequant::matmul::QuantizedMatrix::matmul_routed`]), the outputs weighted and summed
 //! in the order of the ranks, and Qwen 2 MoE's shared expert behind its sigmoid gate.
+//! gpt-oss ranks the experts by the router's (biased) logits and weighs the chosen ones
+//! by the softmax of their logits; its experts add a bias to each product and activate
+//! with the clamped SwiGLU ([`ops::swiglu_oai`]).
 
-use crate::config::Experts;
+use std::borrow::Cow;
+
+use crate::config::{ExpertActivation, Experts, Gating, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT};
 use crate::ops::{self, route};
-use crate::plan::{DenseFfn, ExpertsPlan, Linear};
+use crate::plan::{DenseFfn, ExpertMatrices, ExpertsPlan, Linear};
 use crate::ModelError;
 
-use super::products::{add, linear, linears, matrix_rows, resize};
+use super::products::{add, linear, linears, matrix_rows, resize, values};
 
 /// Buffers of the block, kept between layers.
 #[derive(Default)]
@@ -39,6 +44,12 @@ pub(crate) fn experts_block(
 ) -> Result<(), ModelError> {
     let e = &plan.experts;
     let d = h.len() / n;
+    let up_bias = biases(&plan.up)?;
+    let gate_bias = match &plan.gate {
+        Some(gate) => biases(gate)?,
+        None => None,
+    };
+    let down_bias = biases(&plan.down)?;
     linear(&plan.router, h, n, &mut s.logits)?;
     route_tokens(e, &s.logits, &mut s.probs, &mut s.chosen);
 
@@ -59,8 +70,12 @@ pub(crate) fn experts_block(
             s.x.extend_from_slice(&h[t * d..(t + 1) * d]);
         }
         routed_product(&plan.up.expert(expert), &s.x, m, &mut s.up)?;
+        add_expert_bias(&up_bias, plan.up.rows, expert, &mut s.up);
         match &plan.gate {
-            Some(gate) => routed_product(&gate.expert(expert), &s.x, m, &mut s.gate)?,
+            Some(gate) => {
+                routed_product(&gate.expert(expert), &s.x, m, &mut s.gate)?;
+                add_expert_bias(&gate_bias, gate.rows, expert, &mut s.gate);
+            }
             // No gate: SiLU of the up projection alone (`silu(x) · 1` is `silu(x)`).
             None => {
                 std::mem::swap(&mut s.gate, &mut s.up);
@@ -68,8 +83,14 @@ pub(crate) fn experts_block(
                 s.up.resize(s.gate.len(), 1.0);
             }
         }
-        ops::swiglu(&mut s.gate, &s.up, e.n_ff);
+        match e.activation {
+            ExpertActivation::Silu => ops::swiglu(&mut s.gate, &s.up, e.n_ff),
+            ExpertActivation::SwigluOai => {
+                ops::swiglu_oai(&mut s.gate, &s.up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+            }
+        }
         routed_product(&plan.down.expert(expert), &s.gate, m, &mut s.down)?;
+        add_expert_bias(&down_bias, plan.down.rows, expert, &mut s.down);
         for (row, &(t, rank)) in s.down.chunks_exact(d).zip(tokens) {
             let weight = s.chosen[t * e.used + rank].1;
             let at = (t * e.used + rank) * d;
@@ -94,14 +115,43 @@ pub(crate) fn experts_block(
     Ok(())
 }
 
+/// The biases of an expert tensor, every expert's row, as f32.
+fn biases(m: &ExpertMatrices) -> Result<Option<Cow<'_, [f32]>>, ModelError> {
+    m.bias.as_ref().map(values).transpose()
+}
+
+/// Adds expert `expert`'s bias row (`width` values), if the experts have biases, to
+/// each row of `out`.
+fn add_expert_bias(bias: &Option<Cow<'_, [f32]>>, width: usize, expert: usize, out: &mut [f32]) {
+    if let Some(bias) = bias {
+        let row = &bias[expert * width..(expert + 1) * width];
+        for o in out.chunks_exact_mut(width) {
+            add(o, row);
+        }
+    }
+}
+
 /// Each token's experts and weights from the router's `logits` (`count` per token) into
 /// `chosen`.
 fn route_tokens(e: &Experts, logits: &[f32], probs: &mut Vec<f32>, chosen: &mut Vec<(u32, f32)>) {
     resize(probs, e.count);
     chosen.clear();
     for row in logits.chunks_exact(e.count) {
-        route::soft_max(row, probs);
-        let ranked = route::argsort_desc(probs);
+        let ranked = match e.gating {
+            Gating::Softmax => {
+                route::soft_max(row, probs);
+                route::argsort_desc(probs)
+            }
+            Gating::SoftmaxOfChosen => {
+                let ranked = route::argsort_desc(row);
+                let chosen_logits: Vec<f32> =
+                    ranked[..e.used].iter().map(|&x| row[x as usize]).collect();
+                route::soft_max(&chosen_logits, &mut probs[..e.used]);
+                let weights = probs[..e.used].to_vec();
+                chosen.extend(ranked[..e.used].iter().copied().zip(weights));
+                continue;
+            }
+        };
         let mut weights: Vec<f32> = ranked[..e.used]
             .iter()
             .map(|&x| probs[x as usize])

@@ -112,7 +112,7 @@ pub(crate) fn vector(v: &Vector) -> Result<Cow<'_, [f32]>, ModelError> {
 }
 
 /// A small float tensor as f32: borrowed when the bytes are aligned f32, else decoded.
-fn values(handle: &TensorHandle) -> Result<Cow<'_, [f32]>, ModelError> {
+pub(crate) fn values(handle: &TensorHandle) -> Result<Cow<'_, [f32]>, ModelError> {
     let bytes = handle.bytes()?;
     if handle.ggml_type() == gguf_format::GgmlType::F32 {
         if let Ok(floats) = bytemuck::try_cast_slice::<u8, f32>(bytes) {

@@ -10,8 +10,8 @@ use tensor_store::TensorHandle;
 
 use dequant::gpu::experts::GpuExperts;
 
-use super::kernels::{norm_type_code, Gating, NormWeight};
-use crate::config::ModelConfig;
+use super::kernels::{self, norm_type_code, NormWeight};
+use crate::config::{ExpertActivation, Gating, ModelConfig};
 use crate::plan::{ExecutionPlan, ExpertMatrices, FfnPlan, LayerPlan, Linear, Vector};
 use crate::ModelError;
 
@@ -176,7 +176,7 @@ pub(super) struct ExpertWeights {
     pub shared: Option<SharedExpert>,
     pub count: usize,
     pub used: usize,
-    pub gating: Gating,
+    pub gating: kernels::Gating,
 }
 
 /// Qwen 2 MoE's shared expert: a gated MLP every token runs, scaled by the sigmoid of
@@ -267,7 +267,7 @@ impl FfnWeights {
             shared,
             count: e.experts.count,
             used: e.experts.used,
-            gating: Gating::Softmax {
+            gating: kernels::Gating::Softmax {
                 renormalize: e.experts.normalize,
             },
         })))
@@ -430,6 +430,24 @@ pub(crate) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
         FfnPlan::Dense(_) => None,
     });
     for e in experts {
+        let x = &e.experts;
+        let biased = e.router.bias.is_some()
+            || e.gate
+                .iter()
+                .chain([&e.up, &e.down])
+                .any(|m| m.bias.is_some());
+        if x.gating != Gating::Softmax || x.activation != ExpertActivation::Silu || biased {
+            return Err(ModelError::GpuUnsupported {
+                what: format!(
+                    "experts routed by {:?} with {:?}{} ({:?})",
+                    x.gating,
+                    x.activation,
+                    if biased { " and biases" } else { "" },
+                    e.router.weight.name()
+                ),
+                supported: "softmax routing of SiLU experts without biases".to_owned(),
+            });
+        }
         for m in e.gate.iter().chain([&e.up, &e.down]) {
             let ty = m.weight.ggml_type();
             if !dequant::gpu::matvec::is_supported_on_gpu(ty) || !dequant::gpu::matvec::takes_q8(ty)

@@ -49,7 +49,7 @@ pub enum AttentionMethod {
 }
 
 /// The shapes of one attention call.
-pub struct AttentionShape {
+pub struct AttentionShape<'a> {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
@@ -62,6 +62,10 @@ pub struct AttentionShape {
     /// Scores `s` become `cap · tanh(s · (1/cap))` before the scale (Gemma 2's logit
     /// soft-capping, applied as llama.cpp's graph applies it).
     pub softcap: Option<f32>,
+    /// One learned logit per query head that joins the softmax's denominator with no
+    /// value (gpt-oss's attention sinks), as ggml adds it: to the maximum and the sum
+    /// after the scores.
+    pub sinks: Option<&'a [f32]>,
     /// Which computation to reproduce.
     pub method: AttentionMethod,
     /// The context around the call, which flash attention's split kernel depends on.
@@ -228,7 +232,8 @@ fn flash_impl(
         k_stride: shape.n_kv_heads * hd,
         v_stride: shape.n_kv_heads * hdv,
     };
-    flash::head(qh, rows, shape, head.n_tokens, start, pos, s, o);
+    let sink = shape.sinks.map(|sinks| sinks[head.h]);
+    flash::head(qh, rows, shape, head.n_tokens, start, pos, sink, s, o);
 }
 
 /// Attention of one query head of one token, into `o`.
@@ -271,6 +276,10 @@ fn head_impl(
         max = max.max(score);
         s.scores.push(score);
     }
+    let sink = shape.sinks.map(|sinks| sinks[head.h]);
+    if let Some(sink) = sink {
+        max = if max > sink { max } else { sink };
+    }
 
     // exp, summed per aligned group of eight cache positions.
     let mut sum = 0.0f64;
@@ -282,6 +291,9 @@ fn head_impl(
             sum += f64::from(reduce8(&group_lanes));
             group_lanes = [0.0; LANES];
         }
+    }
+    if let Some(sink) = sink {
+        sum += f64::from((sink - max).exp());
     }
     let inv = (1.0 / sum) as f32;
 
@@ -400,6 +412,7 @@ mod tests {
             window: None,
             scale: 0.5,
             softcap: None,
+            sinks: None,
             method: AttentionMethod::Matmul,
             flash: FlashContext {
                 context: 64,
@@ -426,6 +439,7 @@ mod tests {
             window: Some(1),
             scale: 1.0,
             softcap: None,
+            sinks: None,
             method: AttentionMethod::Matmul,
             flash: FlashContext {
                 context: 64,
@@ -457,6 +471,7 @@ mod tests {
             window: None,
             scale: 0.25,
             softcap: None,
+            sinks: None,
             method: AttentionMethod::Matmul,
             flash: FlashContext {
                 context: 64,

@@ -87,6 +87,24 @@ impl Online<'_> {
     }
 }
 
+/// Adds an attention sink's logit `sink` to a query's running maximum `m`, sum and
+/// f32 accumulator, as ggml does after the scores: a sink above the maximum rescales
+/// the accumulator and becomes the maximum, else it adds its exponential to the sum.
+#[inline(always)]
+fn add_sink(sink: f32, m: &mut f32, sum: &mut f32, acc: &mut [f32]) {
+    let (ms, vs) = if sink > *m {
+        let ms = (*m - sink).exp();
+        *m = sink;
+        for a in acc.iter_mut() {
+            *a *= ms;
+        }
+        (ms, 1.0)
+    } else {
+        (1.0, (sink - *m).exp())
+    };
+    *sum = sum.mul_add(ms, vs);
+}
+
 /// The scaled (and, with a cap, soft-capped) score of a raw dot product.
 #[inline(always)]
 fn score(shape: &AttentionShape, dot: f32) -> f32 {
@@ -129,7 +147,8 @@ impl Rows<'_> {
 }
 
 /// Flash attention of one query over the visible cache positions `start..=pos`, into
-/// `o`. `n_tokens` is the call's batch, which picks the kernel.
+/// `o`, with the query head's attention sink if it has one. `n_tokens` is the call's
+/// batch, which picks the kernel.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn head(
@@ -139,19 +158,23 @@ pub(super) fn head(
     n_tokens: usize,
     start: usize,
     pos: usize,
+    sink: Option<f32>,
     s: &mut Scratch,
     o: &mut [f32],
 ) {
     if n_tokens >= Q_TILE {
-        tiled(qh, rows, shape, start, pos, s, o);
+        tiled(qh, rows, shape, start, pos, sink, s, o);
         return;
     }
     let view = shape.flash.view(pos + 1);
     if n_tokens == 1 && view >= SPLIT_MIN_KV {
-        split(qh, rows, shape, view, start, pos, s, o);
+        split(qh, rows, shape, view, start, pos, sink, s, o);
         return;
     }
-    let (_, sum) = one_chunk(qh, rows, shape, start..pos + 1, s);
+    let (mut m, mut sum) = one_chunk(qh, rows, shape, start..pos + 1, s);
+    if let Some(sink) = sink {
+        add_sink(sink, &mut m, &mut sum, &mut s.acc);
+    }
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     for (o, &a) in o.iter_mut().zip(&s.acc) {
         *o = a * inv;
@@ -185,7 +208,8 @@ fn one_chunk(
     (state.m, state.s)
 }
 
-/// The split-keys kernel: `view` positions cut into one chunk per thread.
+/// The split-keys kernel: `view` positions cut into one chunk per thread. The sink
+/// joins the first chunk, even one with no visible position.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn split(
@@ -195,6 +219,7 @@ fn split(
     view: usize,
     start: usize,
     pos: usize,
+    sink: Option<f32>,
     s: &mut Scratch,
     o: &mut [f32],
 ) {
@@ -208,10 +233,14 @@ fn split(
     for c in 0..threads {
         let (lo, hi) = (c * chunk, ((c + 1) * chunk).min(view));
         let (lo, hi) = (lo.max(start), hi.min(pos + 1));
-        if lo >= hi {
+        let sink = sink.filter(|_| c == 0);
+        if lo >= hi && sink.is_none() {
             continue;
         }
-        let (m_chunk, s_chunk) = one_chunk(qh, rows, shape, lo..hi, s);
+        let (mut m_chunk, mut s_chunk) = one_chunk(qh, rows, shape, lo..hi.max(lo), s);
+        if let Some(sink) = sink {
+            add_sink(sink, &mut m_chunk, &mut s_chunk, &mut s.acc);
+        }
         if s_chunk == 0.0 {
             continue;
         }
@@ -232,6 +261,7 @@ fn split(
 }
 
 /// The tiled kernel for one query row.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn tiled(
     qh: &[f32],
@@ -239,6 +269,7 @@ fn tiled(
     shape: &AttentionShape,
     start: usize,
     pos: usize,
+    sink: Option<f32>,
     s: &mut Scratch,
     o: &mut [f32],
 ) {
@@ -296,6 +327,10 @@ fn tiled(
             }
         }
         tile += KV_TILE;
+    }
+    if let Some(sink) = sink {
+        // ggml leaves the maximum as it was here; nothing reads it after.
+        add_sink(sink, &mut m, &mut sum, &mut s.acc);
     }
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     for (o, &a) in o.iter_mut().zip(&s.acc) {

@@ -409,6 +409,8 @@ matches_llama_cpp! {
     llama_moe_random_matches_llama_cpp => "llama-moe-random",
     qwen3moe_all_random_matches_llama_cpp => "qwen3moe-all-random",
     llama_moe_top1_random_matches_llama_cpp => "llama-moe-top1-random",
+    gpt_oss_matches_llama_cpp => "gpt-oss",
+    gpt_oss_long_matches_llama_cpp => "gpt-oss-long",
 }
 
 /// The CPU scheduler runs a mixture of experts as `generate` does: the same layer over
@@ -418,7 +420,7 @@ matches_llama_cpp! {
 /// would take for them, and so ours.)
 #[test]
 fn moe_requests_alone_in_the_scheduler_give_generates_text() {
-    for name in ["qwen3moe-random", "llama-moe-random"] {
+    for name in ["qwen3moe-random", "llama-moe-random", "gpt-oss"] {
         let spec = spec(name).expect("a spec");
         let bytes = build(spec).expect("the generator writes a valid file");
         let dir = tempfile::tempdir().expect("a temporary directory");
@@ -441,7 +443,7 @@ fn moe_requests_alone_in_the_scheduler_give_generates_text() {
 /// refused at load, naming the tensor and both shapes.
 #[test]
 fn malformed_expert_tensors_are_refused_naming_the_tensor() {
-    let cases: [(&str, generate::Edit, &str); 4] = [
+    let cases: [(&str, generate::Edit, &str); 7] = [
         (
             "qwen3moe-random",
             |name, shape| {
@@ -477,6 +479,33 @@ fn malformed_expert_tensors_are_refused_naming_the_tensor() {
                 }
             },
             "blk.0.ffn_gate_exps.weight",
+        ),
+        (
+            "gpt-oss",
+            |name, shape| {
+                if name == "blk.2.ffn_down_exps.bias" {
+                    shape.swap(0, 1);
+                }
+            },
+            "blk.2.ffn_down_exps.bias",
+        ),
+        (
+            "gpt-oss",
+            |name, shape| {
+                if name == "blk.1.attn_sinks.weight" {
+                    shape[0] += 1;
+                }
+            },
+            "blk.1.attn_sinks.weight",
+        ),
+        (
+            "gpt-oss",
+            |name, shape| {
+                if name == "blk.0.ffn_gate_inp.bias" {
+                    shape.push(2);
+                }
+            },
+            "blk.0.ffn_gate_inp.bias",
         ),
     ];
     for (name, edit, tensor) in cases {
@@ -1256,6 +1285,8 @@ mod gpu {
         gpu_llama_tq2_0 => "llama-tq2_0": "TQ2_0",
         gpu_llama_tq1_0_random => "llama-tq1_0-random": "TQ1_0",
         gpu_llama_tq2_0_random => "llama-tq2_0-random": "TQ2_0",
+        gpu_gpt_oss => "gpt-oss": "gpt-oss",
+        gpu_gpt_oss_long => "gpt-oss-long": "gpt-oss",
     }
 
     /// Several sequences of different lengths in one paged cache, run together as a

@@ -32,6 +32,7 @@ pub enum Arch {
     Gemma3,
     Qwen2Moe,
     Qwen3Moe,
+    GptOss,
 }
 
 impl Arch {
@@ -45,6 +46,7 @@ impl Arch {
             Arch::Gemma3 => "gemma3",
             Arch::Qwen2Moe => "qwen2moe",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::GptOss => "gpt-oss",
         }
     }
 }
@@ -92,6 +94,8 @@ pub struct Spec {
     pub rope_freq_base_swa: f32,
     /// Linear RoPE scaling factor (0: no `rope.scaling.*` keys).
     pub rope_scale: f32,
+    /// YaRN RoPE scaling: its factor and original context (0: none).
+    pub yarn: (f32, u32),
     /// `attn_logit_softcapping` and `final_logit_softcapping` (0: absent).
     pub attn_softcap: f32,
     pub final_softcap: f32,
@@ -134,6 +138,7 @@ const LLAMA: Spec = Spec {
     swa_pattern: 0,
     rope_freq_base_swa: 0.0,
     rope_scale: 0.0,
+    yarn: (0.0, 0),
     attn_softcap: 0.0,
     final_softcap: 0.0,
     rope_original_context: 0,
@@ -198,6 +203,35 @@ const fn llama_random(name: &'static str, ty: GgmlType, seed: u64) -> Spec {
 const QWEN_PROMPT: &str = "<|im_start|>user\nThe cat sat on the mat. Is it a café? 42<|im_end|>";
 const GEMMA_PROMPT: &str =
     "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>";
+
+/// gpt-oss: biased projections, attention sinks, alternating sliding-window (8) and
+/// global layers, YaRN RoPE (gpt-oss's factor 32 over 4096 positions, so the ramp between
+/// kept and interpolated angles falls inside the head), 8 MXFP4 experts of which 4 per
+/// token with biases, Q8_0 attention, F32 router, biases and sinks.
+const GPT_OSS: Spec = Spec {
+    name: "gpt-oss",
+    arch: Arch::GptOss,
+    vocab: VocabStyle::Qwen2,
+    n_layers: 4,
+    n_heads: 8,
+    n_kv_heads: 2,
+    head_dim: 32,
+    matrices: GgmlType::Q8_0,
+    overrides: &[
+        ("ffn_gate_exps", GgmlType::MXFP4),
+        ("ffn_up_exps", GgmlType::MXFP4),
+        ("ffn_down_exps", GgmlType::MXFP4),
+    ],
+    token_embd: GgmlType::Q8_0,
+    output: Some(GgmlType::Q8_0),
+    rope_freq_base: 150_000.0,
+    sliding_window: 8,
+    yarn: (32.0, 4096),
+    experts: (8, 4, 256),
+    prompt: QWEN_PROMPT,
+    seed: 140,
+    ..LLAMA
+};
 
 /// Every synthetic model the references cover.
 pub const SPECS: &[Spec] = &[
@@ -766,6 +800,20 @@ pub const SPECS: &[Spec] = &[
         seed: 133,
         ..LLAMA
     },
+    GPT_OSS,
+    // A prompt of about 470 tokens, beyond gpt-oss's own window of 128: flash
+    // attention's tiled kernel and, decoding past 512 positions, its split one, whose
+    // first chunk then sees no position but the sink.
+    Spec {
+        name: "gpt-oss-long",
+        head_dim: 64,
+        n_heads: 4,
+        sliding_window: 128,
+        experts: (4, 2, 256),
+        prompt: "<|im_start|>user\nThe cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! The cat sat on the mat, and the dog sat on the log in 2024! <|im_end|>",
+        seed: 141,
+        ..GPT_OSS
+    },
 ];
 
 /// The spec named `name`.
@@ -947,11 +995,16 @@ fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
                 w.add_metadata(&key("rope.scaling.attn_factor"), attn_factor)?;
             }
         }
-        Arch::Gemma2 | Arch::Gemma3 => {
+        Arch::Gemma2 | Arch::Gemma3 | Arch::GptOss => {
             w.add_metadata(&key("attention.key_length"), spec.head_dim as u32)?;
             w.add_metadata(&key("attention.value_length"), spec.head_dim as u32)?;
             w.add_metadata(&key("attention.sliding_window"), spec.sliding_window)?;
         }
+    }
+    if spec.yarn.0 != 0.0 {
+        w.add_metadata(&key("rope.scaling.type"), "yarn")?;
+        w.add_metadata(&key("rope.scaling.factor"), spec.yarn.0)?;
+        w.add_metadata(&key("rope.scaling.original_context_length"), spec.yarn.1)?;
     }
     if spec.swa_pattern != 0 {
         w.add_metadata(&key("attention.sliding_window_pattern"), spec.swa_pattern)?;
@@ -1073,7 +1126,7 @@ fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
                 std(spec.n_embd),
             )?;
         }
-        if matches!(spec.arch, Arch::Qwen2 | Arch::Qwen2Moe) {
+        if matches!(spec.arch, Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss) {
             t.add(&n("attn_q.bias"), GgmlType::F32, &[q_dim], 0.0, 0.5)?;
             t.add(&n("attn_k.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.5)?;
             t.add(&n("attn_v.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.1)?;
@@ -1101,7 +1154,25 @@ fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
             0.0,
             std(q_dim),
         )?;
-        if gemma {
+        if spec.arch == Arch::GptOss {
+            // Sinks around the scores' size, some above them all.
+            t.add(
+                &n("attn_output.bias"),
+                GgmlType::F32,
+                &[spec.n_embd],
+                0.0,
+                0.1,
+            )?;
+            t.add(
+                &n("attn_sinks.weight"),
+                GgmlType::F32,
+                &[spec.n_heads],
+                0.0,
+                2.0,
+            )?;
+        }
+        // gpt-oss's feed-forward norm is named `post_attention_norm`.
+        if gemma || spec.arch == Arch::GptOss {
             t.add(
                 &n("post_attention_norm.weight"),
                 GgmlType::F32,
@@ -1110,13 +1181,15 @@ fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
                 0.1,
             )?;
         }
-        t.add(
-            &n("ffn_norm.weight"),
-            GgmlType::F32,
-            &[spec.n_embd],
-            1.0,
-            0.1,
-        )?;
+        if spec.arch != Arch::GptOss {
+            t.add(
+                &n("ffn_norm.weight"),
+                GgmlType::F32,
+                &[spec.n_embd],
+                1.0,
+                0.1,
+            )?;
+        }
         if n_experts != 0 {
             add_experts(&mut t, spec, &n, &ty)?;
         } else if phi3 {
@@ -1183,6 +1256,9 @@ fn add_experts(
     let (count, _, ff) = spec.experts;
     let d = spec.n_embd;
     let std = |cols: usize| 1.0 / (cols as f32).sqrt();
+    // gpt-oss: gates and up projections large enough that its clamp at 7 bites.
+    let gpt_oss = spec.arch == Arch::GptOss;
+    let gain = if gpt_oss { 3.0 } else { 1.0 };
     t.add(
         &n("ffn_gate_inp.weight"),
         spec.router,
@@ -1196,7 +1272,7 @@ fn add_experts(
             ty("ffn_gate_exps"),
             &[d, ff, count],
             0.0,
-            std(d),
+            gain * std(d),
         )?;
     }
     t.add(
@@ -1204,8 +1280,32 @@ fn add_experts(
         ty("ffn_up_exps"),
         &[d, ff, count],
         0.0,
-        std(d),
+        gain * std(d),
     )?;
+    if gpt_oss {
+        t.add(&n("ffn_gate_inp.bias"), GgmlType::F32, &[count], 0.0, 0.5)?;
+        t.add(
+            &n("ffn_gate_exps.bias"),
+            GgmlType::F32,
+            &[ff, count],
+            0.0,
+            0.5,
+        )?;
+        t.add(
+            &n("ffn_up_exps.bias"),
+            GgmlType::F32,
+            &[ff, count],
+            0.0,
+            0.5,
+        )?;
+        t.add(
+            &n("ffn_down_exps.bias"),
+            GgmlType::F32,
+            &[d, count],
+            0.0,
+            0.1,
+        )?;
+    }
     t.add(
         &n("ffn_down_exps.weight"),
         ty("ffn_down_exps"),
