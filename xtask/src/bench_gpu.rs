@@ -5,8 +5,9 @@
 //! after an empty context, as `llama-bench -n N -p 0` measures it; ours through the
 //! library (`GpuModel`, weights resident, greedy tokens chosen on the device and fed
 //! back), the median of `--repeat` runs. It prints both, the ratio, and our achieved
-//! memory bandwidth: the bytes of every weight read once per token, times tokens/s,
-//! against the device's measured copy bandwidth. Then pp N (`--prompt`, default 512; 0
+//! memory bandwidth: the bytes of every weight read once per token (of a mixture of
+//! experts' expert tensors, the share of the experts a token is routed to), times
+//! tokens/s, against the device's measured copy bandwidth. Then pp N (`--prompt`, default 512; 0
 //! skips it): the tokens/s of one N-token prompt in one call, as `llama-bench -p N`
 //! measures it, and the arithmetic rate of the layers' products it implies.
 //!
@@ -38,7 +39,7 @@ use model::gpu::{BatchSegment, GpuModel, GpuOptions, PageOptions};
 use model::Model;
 use serde_json::{json, Value};
 use tensor_store::device::UploadMode;
-use tensor_store::TensorStore;
+use tensor_store::{TensorHandle, TensorStore};
 
 struct Options {
     models: Vec<PathBuf>,
@@ -142,7 +143,7 @@ pub fn run(args: &[String]) -> Result<()> {
             ours.runs.clone(),
             theirs.map(|t| t.tg),
             format!(
-                "weights {:.2} GB -> {gbs:.0} GB/s ({:.0}% of copy)",
+                "reads {:.2} GB a token -> {gbs:.0} GB/s ({:.0}% of copy)",
                 ours.weight_bytes as f64 / 1e9,
                 100.0 * gbs / copy_gbs
             ),
@@ -207,6 +208,22 @@ struct Theirs {
     pp: Option<f64>,
 }
 
+/// Whether `h` is a mixture of experts' 3-D expert tensor (`ffn_{gate,up,down}_exps`) or
+/// its biases.
+fn is_experts(h: &TensorHandle) -> bool {
+    h.name().contains("_exps.")
+}
+
+/// The share of each weight a token reads: all of it, or of a mixture's expert tensors,
+/// the `used` of `count` experts it is routed to.
+fn token_share(model: &Model) -> impl Fn(&TensorHandle) -> f64 {
+    let routed = model
+        .config()
+        .experts
+        .map_or(1.0, |e| e.used as f64 / e.count as f64);
+    move |h| if is_experts(h) { routed } else { 1.0 }
+}
+
 /// Our tg and pp, the weights held within `budget` device bytes (`None`: all of them).
 fn ours(
     path: &Path,
@@ -217,16 +234,22 @@ fn ours(
 ) -> Result<Ours> {
     let store = TensorStore::open(path).with_context(|| format!("opening {}", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
-    let weight_bytes = model.plan().handles().iter().map(|h| h.size()).sum();
+    let share = token_share(&model);
+    let weight_bytes = model
+        .plan()
+        .handles()
+        .iter()
+        .map(|h| h.size() as f64 * share(h))
+        .sum::<f64>() as u64;
     let weight_values = model
         .plan()
         .handles()
         .iter()
         // The layers' matrices: every prompt token meets them (the output matrix only
-        // the last token, the embeddings none).
-        .filter(|h| h.shape().len() == 2 && h.name().starts_with("blk."))
-        .map(|h| h.shape().iter().product::<u64>())
-        .sum();
+        // the last token, the embeddings none), a mixture's experts their routed share.
+        .filter(|h| h.name().starts_with("blk.") && (h.shape().len() == 2 || is_experts(h)))
+        .map(|h| h.shape().iter().product::<u64>() as f64 * share(h))
+        .sum::<f64>() as u64;
     let options = GpuOptions {
         device: 0,
         mode: UploadMode::Eager,

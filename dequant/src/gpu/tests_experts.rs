@@ -160,7 +160,7 @@ fn mismatched_routed_products_are_refused() {
     assert!(GpuExperts::new(GgmlType::Q4_K, count + 1, rows, cols, w.view()).is_err());
     let experts = GpuExperts::new(GgmlType::Q4_K, count, rows, cols, w.view()).expect("experts");
     let q8 = device.alloc::<u8>(q8_bytes(2, cols)).expect("q8");
-    let tiles = upload(&device, &stream, &vec![0i32; 3 * 4]);
+    let tiles = upload(&device, &stream, &[0i32; 3 * 4]);
     let order = upload(&device, &stream, &[0i32, 1, 2, 3]);
     let mut out = device.alloc::<f32>(4 * rows).expect("out");
     let run = |input, tile_tokens, out: &mut hip_backend::DeviceBuffer<f32>| {
