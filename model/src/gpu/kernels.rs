@@ -1,4 +1,5 @@
-//! The launchers of `kernels/transformer.hip` and one typed wrapper each. A wrapper is its
+//! The launchers of `kernels/transformer.hip` and `kernels/experts.hip` (whose wrappers
+//! are in `kernels/experts.rs`), and one typed wrapper each. A wrapper is its
 //! launcher's only caller: it checks every length against the shapes it is given and
 //! that every view lives on the stream's device, then queues the kernel. Built without
 //! GPU support, each returns [`HipError::BuiltWithoutGpu`] after its checks.
@@ -240,6 +241,43 @@ mod sys {
             shift: c_int,
             out: *mut c_void,
             allow_mma: c_int,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_moe_route(
+            logits: *const c_void,
+            n_tokens: c_int,
+            n_experts: c_int,
+            k: c_int,
+            gating: c_int,
+            renorm: c_int,
+            ids: *mut c_void,
+            weights: *mut c_void,
+            tiles: *mut c_void,
+            order: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_moe_tiles(
+            ids: *const c_void,
+            n_slots: c_int,
+            n_experts: c_int,
+            tile_tokens: c_int,
+            max_tiles: c_int,
+            tiles: *mut c_void,
+            order: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_moe_combine(
+            y: *const c_void,
+            w: *const c_void,
+            n_tokens: c_int,
+            k: c_int,
+            d: c_int,
+            shared: *const c_void,
+            shared_gate: *const c_void,
+            x: *mut c_void,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;

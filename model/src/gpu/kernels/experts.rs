@@ -1,5 +1,6 @@
-//! The launchers of `kernels/experts.hip` (a mixture of experts' routing, grouping and
-//! weighted sum) and their typed wrappers, which check every length first.
+//! The typed wrappers of `kernels/experts.hip`'s launchers (a mixture of experts'
+//! routing, grouping and weighted sum), which check every length first. The launchers
+//! are declared with the others, in `gpu/kernels.rs`.
 
 #[cfg(hip_platform = "none")]
 use hip_backend::HipError;
@@ -19,48 +20,7 @@ pub enum Gating {
 }
 
 #[cfg(not(hip_platform = "none"))]
-mod sys {
-    use std::ffi::{c_int, c_void};
-    extern "C" {
-        pub(super) fn rf_moe_route(
-            logits: *const c_void,
-            n_tokens: c_int,
-            n_experts: c_int,
-            k: c_int,
-            gating: c_int,
-            renorm: c_int,
-            ids: *mut c_void,
-            weights: *mut c_void,
-            tiles: *mut c_void,
-            order: *mut c_void,
-            device: c_int,
-            stream: *mut c_void,
-        ) -> c_int;
-        pub(super) fn rf_moe_tiles(
-            ids: *const c_void,
-            n_slots: c_int,
-            n_experts: c_int,
-            tile_tokens: c_int,
-            max_tiles: c_int,
-            tiles: *mut c_void,
-            order: *mut c_void,
-            device: c_int,
-            stream: *mut c_void,
-        ) -> c_int;
-        pub(super) fn rf_moe_combine(
-            y: *const c_void,
-            w: *const c_void,
-            n_tokens: c_int,
-            k: c_int,
-            d: c_int,
-            shared: *const c_void,
-            shared_gate: *const c_void,
-            x: *mut c_void,
-            device: c_int,
-            stream: *mut c_void,
-        ) -> c_int;
-    }
-}
+use super::sys;
 
 fn experts_in_range(kernel: &'static str, n_experts: usize, used: usize) -> Result<(), ShapeError> {
     if n_experts == 0 || n_experts > MAX_EXPERTS {
