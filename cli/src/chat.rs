@@ -133,20 +133,9 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
         );
     }
     let context_size = context_size(args.ctx_size, model.config().n_ctx_train);
-    let chosen = gpu_start.finish()?;
-    let support = match &chosen {
-        Chosen::Gpu { device, .. } => model.check_gpu_support().and_then(|()| {
-            let budget = args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20));
-            model::gpu::check_experts_fit(&model, device, budget)
-        }),
-        Chosen::Cpu { .. } => Ok(()),
-    };
-    let chosen = match (chosen, support) {
-        (Chosen::Gpu { .. }, Err(unsupported)) if args.device == DeviceArg::Auto => Chosen::Cpu {
-            reason: unsupported.to_string(),
-        },
-        (chosen, _) => chosen,
-    };
+    let chosen = gpu_start
+        .finish()?
+        .for_model(&model, args.device, args.gpu_budget_mib);
     let attention = args.flash_attn.method();
     let (backend, device) = match chosen {
         Chosen::Gpu { device, .. } => {

@@ -32,6 +32,33 @@ pub enum Chosen {
     Cpu { reason: String },
 }
 
+impl Chosen {
+    /// The device for `model`: the GPU when it runs the model (its architecture and
+    /// types, and a mixture of experts whose weights fit `budget_mib`, or the device's
+    /// free memory); otherwise `auto` (`arg`) computes on the CPU, saying why, and `gpu`
+    /// keeps the GPU, whose model then fails naming the reason.
+    pub fn for_model(
+        self,
+        model: &model::Model,
+        arg: DeviceArg,
+        budget_mib: Option<u64>,
+    ) -> Chosen {
+        let support = match &self {
+            Chosen::Gpu { device, .. } => model.check_gpu_support().and_then(|()| {
+                let budget = budget_mib.map(|mib| mib.saturating_mul(1 << 20));
+                model::gpu::check_experts_fit(model, device, budget)
+            }),
+            Chosen::Cpu { .. } => Ok(()),
+        };
+        match (self, support) {
+            (Chosen::Gpu { .. }, Err(unsupported)) if arg == DeviceArg::Auto => Chosen::Cpu {
+                reason: unsupported.to_string(),
+            },
+            (chosen, _) => chosen,
+        }
+    }
+}
+
 impl GpuStart {
     /// Starts GPU `ordinal`'s runtime on a thread, unless `arg` is `cpu`.
     pub fn begin(arg: DeviceArg, ordinal: usize) -> GpuStart {

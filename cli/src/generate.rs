@@ -198,21 +198,10 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         load_ms = format_args!("{load_ms:.0}"),
         "model loaded: execution plan built"
     );
-    let chosen = gpu_start.finish()?;
-    let support = match &chosen {
-        Chosen::Gpu { device, .. } => model.check_gpu_support().and_then(|()| {
-            let budget = args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20));
-            model::gpu::check_experts_fit(&model, device, budget)
-        }),
-        Chosen::Cpu { .. } => Ok(()),
-    };
-    let chosen = match (chosen, support) {
-        // `auto` computes on the CPU what the GPU does not run; `gpu` fails below, saying so.
-        (Chosen::Gpu { .. }, Err(unsupported)) if args.device == DeviceArg::Auto => Chosen::Cpu {
-            reason: unsupported.to_string(),
-        },
-        (chosen, _) => chosen,
-    };
+    // `auto` computes on the CPU what the GPU does not run; `gpu` fails below, saying so.
+    let chosen = gpu_start
+        .finish()?
+        .for_model(&model, args.device, args.gpu_budget_mib);
 
     let text = if args.chat {
         chat_prompt(&store, &tokenizer, &path, &user_text)?
