@@ -23,7 +23,6 @@ namespace rf_moe {
 
 // Most experts a router ranks (model's MAX_EXPERTS): 32 a lane.
 constexpr int kMaxExperts = 1024;
-constexpr int kPerLane = kMaxExperts / 32;
 constexpr int kRouteThreads = 128;
 constexpr int kTileThreads = 1024;
 
@@ -52,7 +51,10 @@ __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib)
 // (Qwen, Mixtral), the weights the chosen probabilities, divided by their sum (clamped
 // below at 2^-14, as llama.cpp does) when `renorm`. gating 1: the scores are the logits,
 // the weights their softmax over the k chosen (gpt-oss). With `tiles` (tiles of one slot,
-// for a few tokens) each slot is its own tile and order[s] = s.
+// for a few tokens) each slot is its own tile and order[s] = s. Each lane holds kPerLane
+// experts' scores (the launcher takes the fewest that hold n_experts): the choice of
+// each of the k ranks visits them all.
+template <int kPerLane>
 __global__ void __launch_bounds__(kRouteThreads)
     route_kernel(const float* __restrict__ logits, int n_tokens, int n_experts, int k,
                  int gating, int renorm, int* __restrict__ ids, float* __restrict__ weights,
@@ -222,10 +224,23 @@ int rf_moe_route(const void* logits, int n_tokens, int n_experts, int k, int gat
         k > n_experts)
         return (int)hipErrorInvalidValue;
     const int per_block = rf_moe::kRouteThreads / 32;
-    rfLaunchChained(rf_moe::route_kernel, dim3((n_tokens + per_block - 1) / per_block),
-                    dim3(rf_moe::kRouteThreads), 0, (hipStream_t)stream, (const float*)logits,
-                    n_tokens, n_experts, k, gating, renorm, (int*)ids, (float*)weights,
-                    (int*)tiles, (int*)order);
+    const dim3 grid((n_tokens + per_block - 1) / per_block);
+#define RF_MOE_ROUTE(per_lane)                                                                 \
+    rfLaunchChained(rf_moe::route_kernel<per_lane>, grid, dim3(rf_moe::kRouteThreads), 0,    \
+                    (hipStream_t)stream, (const float*)logits, n_tokens, n_experts, k, gating, \
+                    renorm, (int*)ids, (float*)weights, (int*)tiles, (int*)order)
+    if (n_experts <= 32) {
+        RF_MOE_ROUTE(1);
+    } else if (n_experts <= 64) {
+        RF_MOE_ROUTE(2);
+    } else if (n_experts <= 128) {
+        RF_MOE_ROUTE(4);
+    } else if (n_experts <= 256) {
+        RF_MOE_ROUTE(8);
+    } else {
+        RF_MOE_ROUTE(32);
+    }
+#undef RF_MOE_ROUTE
     return (int)hipGetLastError();
 }
 
