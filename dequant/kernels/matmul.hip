@@ -40,6 +40,9 @@
 //             (partials/counters: room to split the columns, or null; kernel: 0 the
 //             fastest for the type and count, 1 the tiled kernel, 2 the skinny one of
 //             skinny.hip, refused where it does not apply)
+//   rf_matmul_experts_NAME(weights, outs, n_mats, rows, cols, expert_bytes, experts,
+//                  tiles, n_tiles, order, slot_div, x16, scales, device, stream)
+//             (a mixture of experts' routed products, by tiles of slots: see ExpertTiles)
 // Each output: n_tokens × rows f32, token-major, as rf_matvec_NAME writes it.
 #include "common.h"
 #include "decode_legacy.h"
@@ -330,6 +333,20 @@ __device__ __forceinline__ void copies_wait() {
 
 #endif
 
+// The routed experts of a mixture of experts (rf_matmul_experts_NAME): token tile
+// blockIdx.x is the tile (expert, first, count) of `tiles`, its tokens the slots
+// order[first .. first + count) (at most kMmTokens), each matrix `experts` matrices one
+// after the other, expert_bytes apart. A slot's activations are row slot / slot_div of
+// the input (its token's, or with slot_div 1 its own), its results row `slot` of the
+// output. A tile with no slots does nothing (the grid is sized for the most tiles a
+// routing can take).
+struct ExpertTiles {
+    const int* tiles;
+    const int* order;
+    int slot_div;
+    size_t expert_bytes;
+};
+
 // One result: y[token][row] = v · scale (+ what y holds).
 __device__ __forceinline__ void put(float* __restrict__ y, int rows, int row, int tok,
                                     float v, const float* __restrict__ scales, int accumulate) {
@@ -355,11 +372,13 @@ __host__ __device__ constexpr int split_cols() {
     return Staging<F>::kBlocks ? Staging<F>::kChunk : kMmK;
 }
 
-template <typename F, int BM>
+//
+// With kExperts, the workgroup's tokens are one tile of routed slots (ExpertTiles).
+template <typename F, int BM, bool kExperts = false>
 __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
     matmul_kernel(MatmulMats mats, int cols, const __half* __restrict__ x,
                   const float* __restrict__ scales, int n_tokens, int accumulate, int splits,
-                  float* partials, unsigned* counters) {
+                  float* partials, unsigned* counters, ExpertTiles et) {
     static_assert(kMmK % kGroup == 0 && kMmK % 16 == 0, "whole groups and matrix steps");
     // Weight groups of eight a step, per thread.
     constexpr int kWGroups = BM * (kMmK / kGroup) / kMmThreads;
@@ -376,6 +395,35 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
         return tiles + kMmStages * BM * kMmPitch + st * kMmTokens * kMmPitch;
     };
 
+    // A tile of routed slots: its expert's matrices, and its slots in shared memory (the
+    // tiles are written by the kernel before, so they are read after the wait). The
+    // tokens are then numbered within the tile.
+    int tok0 = blockIdx.x * kMmTokens;
+    size_t expert_offset = 0;
+    const int* slot_of = nullptr;
+    if constexpr (kExperts) {
+        rf_chain_wait();
+        const int expert = et.tiles[3 * blockIdx.x];
+        const int first = et.tiles[3 * blockIdx.x + 1];
+        const int count = et.tiles[3 * blockIdx.x + 2];
+        if (count <= 0) return;  // the whole workgroup leaves together
+        __shared__ int slots[kMmTokens];
+        for (int t = threadIdx.x; t < count; t += kMmThreads) slots[t] = et.order[first + t];
+        __syncthreads();
+        slot_of = slots;
+        expert_offset = (size_t)expert * et.expert_bytes;
+        tok0 = 0;
+        n_tokens = count;
+    }
+    // The row of the input that token t of the tile reads.
+    auto x_row = [&](int t) {
+        if constexpr (kExperts) {
+            return slot_of[t] / et.slot_div;
+        } else {
+            return tok0 + t;
+        }
+    };
+
     // The matrix this workgroup's row tile falls in, and the tile within it (chosen with
     // constant indices only, so that the arguments stay in the parameter space).
     int tile = (int)blockIdx.y, m = 0;
@@ -388,10 +436,11 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
             m = 2;
         }
     }
-    const uint8_t* __restrict__ w = m == 0 ? mats.w[0] : (m == 1 ? mats.w[1] : mats.w[2]);
+    const uint8_t* __restrict__ w =
+        (m == 0 ? mats.w[0] : (m == 1 ? mats.w[1] : mats.w[2])) + expert_offset;
     float* __restrict__ y = m == 0 ? mats.y[0] : (m == 1 ? mats.y[1] : mats.y[2]);
     const int rows = m == 0 ? mats.rows[0] : (m == 1 ? mats.rows[1] : mats.rows[2]);
-    const int tok0 = blockIdx.x * kMmTokens, row0 = tile * BM;
+    const int row0 = tile * BM;
     const size_t row_bytes = (size_t)(cols / F::kValues) * F::kBytes;
     const int steps = (cols + kMmK - 1) / kMmK;
     // This workgroup's steps: its split's run of whole units of split_cols columns.
@@ -503,7 +552,7 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
             // would queue them all on one slice of the L2 cache (a batch of 16 took
             // three times as long as one of 128).
             const bool valid = k < cols && tok0 + t < n_tokens;
-            const __half* src = valid ? x + (size_t)(tok0 + t) * cols + k : x;
+            const __half* src = valid ? x + (size_t)x_row(t) * cols + k : x;
             __half* dst = &xt(stage)[t * kMmPitch + kk];
 #if defined(RF_MM_MMA)
             copy16_async(dst, src, valid ? 16 : 0);
@@ -691,7 +740,11 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
                 const int row = row0 + wrow0 + 16 * m + g + 8 * (e / 2);
                 const int tok = tok0 + wtok0 + 8 * n + 2 * q + (e % 2);
                 if (row < rows && tok < n_tokens) {
-                    put(y, rows, row, tok, acc[m][n][e], scales, accumulate);
+                    if constexpr (kExperts) {
+                        y[(size_t)slot_of[tok] * rows + row] = acc[m][n][e] * scales[x_row(tok)];
+                    } else {
+                        put(y, rows, row, tok, acc[m][n][e], scales, accumulate);
+                    }
                 }
             }
         }
@@ -701,7 +754,13 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
         const int tok = tok0 + fc + i;
-        if (row < rows && tok < n_tokens) put(y, rows, row, tok, acc[i], scales, accumulate);
+        if (row < rows && tok < n_tokens) {
+            if constexpr (kExperts) {
+                y[(size_t)slot_of[tok] * rows + row] = acc[i] * scales[x_row(tok)];
+            } else {
+                put(y, rows, row, tok, acc[i], scales, accumulate);
+            }
+        }
     }
 #endif
 }
@@ -775,10 +834,10 @@ TileGrid tile_grid(const MatmulMats& mats, int cols, int n_tokens, int multiproc
     return g;
 }
 
-template <typename F, int BM>
+template <typename F, int BM, bool kExperts = false>
 hipError_t launch_tiles(const MatmulMats& mats, int cols, const __half* x, const float* scales,
                         int n_tokens, int accumulate, bool staged, const TileGrid& g,
-                        SplitRoom room, hipStream_t stream) {
+                        SplitRoom room, hipStream_t stream, ExpertTiles et = {}) {
     const int bytes = shared_bytes<F, BM>(staged);
 #if defined(ROCMFORGE_HIP_NVIDIA)
     // Past 48 KB a kernel's dynamic shared memory needs raising its limit, once (the
@@ -786,16 +845,39 @@ hipError_t launch_tiles(const MatmulMats& mats, int cols, const __half* x, const
     static std::atomic<bool> raised{false};
     if (bytes > 48 * 1024 && !raised.load(std::memory_order_relaxed)) {
         const hipError_t status = hipFuncSetAttribute(
-            (const void*)matmul_kernel<F, BM>, hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+            (const void*)matmul_kernel<F, BM, kExperts>, hipFuncAttributeMaxDynamicSharedMemorySize,
+            bytes);
         if (status != hipSuccess) return status;
         raised.store(true, std::memory_order_relaxed);
     }
 #endif
     const dim3 grid((unsigned)g.token_tiles, (unsigned)g.tiles, (unsigned)g.splits);
-    rfLaunchChained((matmul_kernel<F, BM>), grid, dim3(kMmThreads), (size_t)bytes, stream, mats,
-                    cols, x, scales, n_tokens, accumulate, (int)g.splits, room.partials,
-                    room.counters);
+    rfLaunchChained((matmul_kernel<F, BM, kExperts>), grid, dim3(kMmThreads), (size_t)bytes, stream,
+                    mats, cols, x, scales, n_tokens, accumulate, (int)g.splits, room.partials,
+                    room.counters, et);
     return hipGetLastError();
+}
+
+// The routed experts' products over `n_tiles` tiles of slots (ExpertTiles; the grid: x
+// the tiles, y the row tiles of each matrix), unsplit: 128-row tiles where they give
+// two workgroups a multiprocessor for the tiles a routing fills (one per expert when
+// every expert has slots), 64-row ones otherwise.
+template <typename F>
+hipError_t launch_matmul_experts(const MatmulMats& mats, int cols, const __half* x,
+                                 const float* scales, int n_tiles, int n_experts,
+                                 const ExpertTiles& et, int device, hipStream_t stream) {
+    const DeviceFacts facts = device_facts(device);
+    TileGrid g = {0, n_tiles, 1};
+    for (int m = 0; m < mats.n; ++m) g.tiles += (mats.rows[m] + 127) / 128;
+    const long long filled = (long long)min(n_tiles, n_experts) * g.tiles;
+    if (filled >= 2LL * facts.multiprocessors) {
+        return launch_tiles<F, 128, true>(mats, cols, x, scales, 0, 0, facts.staged, g,
+                                          SplitRoom{}, stream, et);
+    }
+    g.tiles = 0;
+    for (int m = 0; m < mats.n; ++m) g.tiles += (mats.rows[m] + 63) / 64;
+    return launch_tiles<F, 64, true>(mats, cols, x, scales, 0, 0, facts.staged, g, SplitRoom{},
+                                     stream, et);
 }
 
 // Token tiles from which a matrix of few rows takes 128-row tiles split in two (see
@@ -1035,6 +1117,34 @@ extern "C" int RF_MATMUL_JOIN(rf_matmul, RF_MATMUL_NAME)(
     return (int)rf::launch_matmul<rf::UnitFormat>(mats, cols, (const __half*)x16,
                                                   (const float*)scales, n_tokens, accumulate,
                                                   room, kernel, device, (hipStream_t)stream);
+}
+
+// The routed experts' products (ExpertTiles): `weights` and `outs` hold n_mats (1 or
+// 2) tensors of `experts` matrices of `rows` × `cols`, expert_bytes apart; `tiles` holds
+// n_tiles triples (at most kMmTokens slots each), `order` the slots, `x16` and `scales`
+// the input's rows as rf_row_scales makes them (row slot / slot_div for a slot). Each
+// output: one row of `rows` f32 per slot.
+extern "C" int RF_MATMUL_JOIN(rf_matmul_experts, RF_MATMUL_NAME)(
+    const void* const* weights, void* const* outs, int n_mats, int rows, int cols,
+    size_t expert_bytes, int experts, const void* tiles, int n_tiles, const void* order,
+    int slot_div, const void* x16, const void* scales, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_mats < 1 || n_mats > 2 || rows < 1 || cols < 1 || cols % rf::kGroup != 0 ||
+        experts < 1 || n_tiles < 1 || slot_div < 1) {
+        return (int)hipErrorInvalidValue;
+    }
+    rf::MatmulMats mats = {};
+    mats.n = n_mats;
+    for (int m = 0; m < n_mats; ++m) {
+        mats.w[m] = (const uint8_t*)weights[m];
+        mats.y[m] = (float*)outs[m];
+        mats.rows[m] = rows;
+    }
+    const rf::ExpertTiles et = {(const int*)tiles, (const int*)order, slot_div, expert_bytes};
+    return (int)rf::launch_matmul_experts<rf::UnitFormat>(mats, cols, (const __half*)x16,
+                                                          (const float*)scales, n_tiles, experts,
+                                                          et, device, (hipStream_t)stream);
 }
 
 #else

@@ -3,14 +3,18 @@
 //! device memory so that a decode step needs nothing from the host.
 //!
 //! A *slot* is one token's choice of one expert (`n_tokens × used` of them). The slots are
-//! grouped by expert into *tiles* of at most [`tile_tokens_for`] slots of one expert: a
-//! tile's expert rows are read once for all its slots, as the dense products read a
-//! matrix once for up to [`MAX_TOKENS`](super::matvec::MAX_TOKENS) tokens. The caller
-//! (a kernel of its own, on the device) writes the tiles as `(expert, first, count)`
-//! triples of `i32` and `order`, the slots listed expert by expert; the grid is sized for
+//! grouped by expert into *tiles* of at most [`tile_tokens_for`] slots of one expert, and
+//! a tile's expert rows are read once for all its slots: in the decode products
+//! ([`matvec_experts`], Q8 activations, tiles of one slot or of
+//! [`MAX_TOKENS`](super::matvec::MAX_TOKENS)) while the experts get less than a slot
+//! each, on the matrix units ([`matmul_experts`], f16 activations, tiles of up to
+//! [`MATMUL_TILE_TOKENS`]) for prompts and larger batches. The caller (a kernel of its
+//! own, on the device) writes the tiles as `(expert, first, count)` triples of `i32` and
+//! `order`, the slots listed expert by expert; the grid is sized for
 //! [`max_tiles`], and tiles past the routing's own have a count of 0.
 
 use gguf_format::GgmlType;
+use half::f16;
 #[cfg(hip_platform = "none")]
 use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
@@ -81,15 +85,27 @@ pub enum SlotInput {
     Own,
 }
 
-/// Slots a tile takes for `n_slots` slots over `n_experts` experts: one when most experts
-/// get at most a slot (decoding), [`MAX_TOKENS`] when they get two or more on average (a
-/// tile computes all its tokens, so a part-filled one wastes the missing tokens' share:
-/// at 8 sequences of Qwen3-30B-A3B's shape, 64 slots over 128 experts, tiles of eight
-/// that skipped their missing tokens decoded 668 tokens/s against 916 with tiles of one,
-/// on an H200).
+/// Slots a tile of [`matmul_experts`] takes at most (the tiles of tokens of
+/// `kernels/matmul.hip`).
+pub const MATMUL_TILE_TOKENS: usize = 128;
+
+/// Slots an expert gets on average from which the routed products take the matrix
+/// units ([`matmul_experts`]) rather than the decode products in tiles of one slot.
+pub const MATMUL_FROM_SLOTS_PER_EXPERT: usize = 1;
+
+/// Slots a tile takes for `n_slots` slots over `n_experts` experts, which also says which
+/// products run: one (through [`matvec_experts`]) while the experts get fewer than
+/// [`MATMUL_FROM_SLOTS_PER_EXPERT`] on average (decoding a few sequences), else
+/// [`MATMUL_TILE_TOKENS`] (through [`matmul_experts`]: prompts and larger batches).
+///
+/// Measured on an H200 with Qwen3-30B-A3B's shape (128 experts, 8 a token), batched
+/// decoding in tokens/s: at 8 sequences (half a slot an expert) tiles of one 958, the
+/// matrix units 849; at 16 sequences (one) tiles of [`MAX_TOKENS`] 1,060, the matrix
+/// units 1,330; at 24, 1,180 against 1,759; at 32, 1,073 against 2,240. Tiles of
+/// [`MAX_TOKENS`] were never the fastest, so no count takes them here.
 pub fn tile_tokens_for(n_slots: usize, n_experts: usize) -> usize {
-    if n_slots >= 2 * n_experts {
-        MAX_TOKENS
+    if n_slots >= MATMUL_FROM_SLOTS_PER_EXPERT * n_experts {
+        MATMUL_TILE_TOKENS
     } else {
         1
     }
@@ -106,24 +122,32 @@ pub fn max_tiles(n_slots: usize, n_experts: usize, tile_tokens: usize) -> usize 
     }
 }
 
-/// The routed products: for each slot `s` of the tiles, `outs[m][s] = x_s · experts[m]_eᵀ`
-/// with `e` the tile's expert and `x_s` the slot's activations (Q8 blocks of `n_x` rows,
-/// `input` says which row). One or two tensors of one type and shape (gate and up), one
-/// output each of `n_slots × rows`. `tiles` holds [`max_tiles`] triples, `order` the
-/// `n_slots` slots; both are read on the device, and an expert index or slot out of range
-/// there is the writer's error (the kernel does not check them).
+/// What both kinds of routed products check of their arguments, and what their
+/// launchers then take.
+#[derive(Clone, Copy)]
+#[cfg_attr(hip_platform = "none", allow(dead_code))]
+struct Shape {
+    n_tiles: usize,
+    tile_tokens: usize,
+    slot_div: usize,
+    n_x: usize,
+    device: i32,
+}
+
+/// Checks the experts (one type and shape), the slots against the input's rows, the
+/// tiles (the most `tile_tokens` take), the outputs (a row per slot) and the devices.
 #[allow(clippy::too_many_arguments)]
-pub fn matvec_experts(
+fn check_routed(
     experts: &[GpuExperts<'_>],
-    x: DeviceView<'_, u8>,
     n_x: usize,
     input: SlotInput,
-    tiles: DeviceView<'_, i32>,
-    order: DeviceView<'_, i32>,
+    tiles: &DeviceView<'_, i32>,
+    order: &DeviceView<'_, i32>,
     tile_tokens: usize,
-    outs: &mut [DeviceViewMut<'_, f32>],
+    x_device: usize,
+    outs: &[DeviceViewMut<'_, f32>],
     stream: &Stream,
-) -> Result<(), GpuDequantError> {
+) -> Result<Shape, GpuDequantError> {
     let first = experts.first().ok_or(DequantError::ProductCount {
         matrices: 0,
         outputs: outs.len(),
@@ -151,14 +175,6 @@ pub fn matvec_experts(
             .into());
         }
     }
-    if tile_tokens != 1 && tile_tokens != MAX_TOKENS {
-        return Err(DequantError::ProductTokens {
-            n_tokens: tile_tokens,
-            max: MAX_TOKENS,
-        }
-        .into());
-    }
-    let cols = first.cols();
     let n_slots = order.len();
     let (slot_div, expected_slots) = match input {
         SlotInput::Token { per_token } => (per_token, n_x.saturating_mul(per_token)),
@@ -173,15 +189,6 @@ pub fn matvec_experts(
         }
         .into());
     }
-    if x.len() != q8_bytes(n_x, cols) {
-        return Err(DequantError::InputLength {
-            n_tokens: n_x,
-            cols,
-            expected: q8_bytes(n_x, cols),
-            actual: x.len(),
-        }
-        .into());
-    }
     let n_tiles = max_tiles(n_slots, first.count(), tile_tokens);
     if tiles.len() != 3 * n_tiles || n_tiles > 65_535 || n_x > i32::MAX as usize {
         return Err(DequantError::InputLength {
@@ -192,7 +199,7 @@ pub fn matvec_experts(
         }
         .into());
     }
-    let device = check_device(stream, x.device_ordinal(), tiles.device_ordinal())?;
+    let device = check_device(stream, x_device, tiles.device_ordinal())?;
     check_device(
         stream,
         order.device_ordinal(),
@@ -211,35 +218,117 @@ pub fn matvec_experts(
             .into());
         }
     }
-    let shape = Shape {
+    Ok(Shape {
         n_tiles,
         tile_tokens,
         slot_div,
         n_x,
-    };
-    launch(experts, x, tiles, order, shape, outs, device, stream)
+        device,
+    })
 }
 
-/// What the launcher takes besides the views.
-#[derive(Clone, Copy)]
-#[cfg_attr(hip_platform = "none", allow(dead_code))]
-struct Shape {
-    n_tiles: usize,
-    tile_tokens: usize,
-    slot_div: usize,
+/// The routed products: for each slot `s` of the tiles, `outs[m][s] = x_s · experts[m]_eᵀ`
+/// with `e` the tile's expert and `x_s` the slot's activations (Q8 blocks of `n_x` rows,
+/// `input` says which row). One or two tensors of one type and shape (gate and up), one
+/// output each of `n_slots × rows`. `tiles` holds [`max_tiles`] triples of at most
+/// `tile_tokens` (1 or [`MAX_TOKENS`]) slots, `order` the `n_slots` slots; both are read
+/// on the device, and an expert index or slot out of range there is the writer's error
+/// (the kernel does not check them).
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_experts(
+    experts: &[GpuExperts<'_>],
+    x: DeviceView<'_, u8>,
     n_x: usize,
+    input: SlotInput,
+    tiles: DeviceView<'_, i32>,
+    order: DeviceView<'_, i32>,
+    tile_tokens: usize,
+    outs: &mut [DeviceViewMut<'_, f32>],
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    if tile_tokens != 1 && tile_tokens != MAX_TOKENS {
+        return Err(DequantError::ProductTokens {
+            n_tokens: tile_tokens,
+            max: MAX_TOKENS,
+        }
+        .into());
+    }
+    let shape = check_routed(
+        experts,
+        n_x,
+        input,
+        &tiles,
+        &order,
+        tile_tokens,
+        x.device_ordinal(),
+        outs,
+        stream,
+    )?;
+    let cols = experts[0].cols();
+    if x.len() != q8_bytes(n_x, cols) {
+        return Err(DequantError::InputLength {
+            n_tokens: n_x,
+            cols,
+            expected: q8_bytes(n_x, cols),
+            actual: x.len(),
+        }
+        .into());
+    }
+    launch_matvec(experts, x, tiles, order, shape, outs, stream)
+}
+
+/// [`matvec_experts`] on the matrix units, for tiles of up to [`MATMUL_TILE_TOKENS`]
+/// slots: the input is `n_x` rows as [`row_scales`](super::matmul::row_scales) makes
+/// them (f16 values `x16` and a scale per row), and the results agree with the decode
+/// products to rounding, as [`matmul`](super::matmul::matmul) agrees with
+/// [`matvec`](super::matvec::matvec).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_experts(
+    experts: &[GpuExperts<'_>],
+    x16: DeviceView<'_, f16>,
+    scales: DeviceView<'_, f32>,
+    n_x: usize,
+    input: SlotInput,
+    tiles: DeviceView<'_, i32>,
+    order: DeviceView<'_, i32>,
+    outs: &mut [DeviceViewMut<'_, f32>],
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    let shape = check_routed(
+        experts,
+        n_x,
+        input,
+        &tiles,
+        &order,
+        MATMUL_TILE_TOKENS,
+        x16.device_ordinal(),
+        outs,
+        stream,
+    )?;
+    let cols = experts[0].cols();
+    let expected = n_x.saturating_mul(cols);
+    if x16.len() != expected || scales.len() != n_x {
+        return Err(DequantError::InputLength {
+            n_tokens: n_x,
+            cols,
+            expected,
+            actual: x16.len(),
+        }
+        .into());
+    }
+    check_device(stream, scales.device_ordinal(), x16.device_ordinal())?;
+    launch_matmul(experts, x16, scales, tiles, order, shape, outs, stream)
 }
 
 #[cfg(not(hip_platform = "none"))]
 #[allow(clippy::too_many_arguments)]
-fn launch(
+fn launch_matvec(
     experts: &[GpuExperts<'_>],
     x: DeviceView<'_, u8>,
     tiles: DeviceView<'_, i32>,
     order: DeviceView<'_, i32>,
     shape: Shape,
     outs: &mut [DeviceViewMut<'_, f32>],
-    device: i32,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
     use std::ffi::{c_int, c_void};
@@ -269,23 +358,83 @@ fn launch(
             shape.slot_div as c_int,
             x.as_ptr(),
             shape.n_x as c_int,
-            device,
+            shape.device,
             stream.as_raw(),
         )
     };
     hip_backend::check_status("rf_matvec_experts", status).map_err(GpuDequantError::from)
 }
 
+#[cfg(not(hip_platform = "none"))]
+#[allow(clippy::too_many_arguments)]
+fn launch_matmul(
+    experts: &[GpuExperts<'_>],
+    x16: DeviceView<'_, f16>,
+    scales: DeviceView<'_, f32>,
+    tiles: DeviceView<'_, i32>,
+    order: DeviceView<'_, i32>,
+    shape: Shape,
+    outs: &mut [DeviceViewMut<'_, f32>],
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    use std::ffi::{c_int, c_void};
+    let first = &experts[0];
+    let weights: Vec<*const c_void> = experts.iter().map(|e| e.all.bytes().as_ptr()).collect();
+    let out_ptrs: Vec<*mut c_void> = outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
+    let launcher = super::launchers(first.ty())?.matmul_experts;
+    // SAFETY: `matmul_experts` checked every length: each weight view holds exactly its
+    // `count` matrices, each output one row per slot, the input `n_x` rows of f16 values
+    // and one scale each, `tiles` the most triples the grid reads and `order` one entry
+    // per slot; all are on the stream's device and stay borrowed (alive) while the kernel
+    // is queued. The pointer arrays live through the call, which copies them into the
+    // kernel's arguments; rows, columns and counts fit in `c_int` (`GpuMatrix::new`, the
+    // checks above).
+    let status = unsafe {
+        launcher(
+            weights.as_ptr(),
+            out_ptrs.as_ptr(),
+            experts.len() as c_int,
+            first.rows() as c_int,
+            first.cols() as c_int,
+            first.expert_bytes(),
+            first.count() as c_int,
+            tiles.as_ptr(),
+            shape.n_tiles as c_int,
+            order.as_ptr(),
+            shape.slot_div as c_int,
+            x16.as_ptr(),
+            scales.as_ptr(),
+            shape.device,
+            stream.as_raw(),
+        )
+    };
+    hip_backend::check_status("rf_matmul_experts", status).map_err(GpuDequantError::from)
+}
+
 #[cfg(hip_platform = "none")]
 #[allow(clippy::too_many_arguments)]
-fn launch(
+fn launch_matvec(
     _: &[GpuExperts<'_>],
     _: DeviceView<'_, u8>,
     _: DeviceView<'_, i32>,
     _: DeviceView<'_, i32>,
     _: Shape,
     _: &mut [DeviceViewMut<'_, f32>],
-    _: i32,
+    _: &Stream,
+) -> Result<(), GpuDequantError> {
+    Err(HipError::BuiltWithoutGpu.into())
+}
+
+#[cfg(hip_platform = "none")]
+#[allow(clippy::too_many_arguments)]
+fn launch_matmul(
+    _: &[GpuExperts<'_>],
+    _: DeviceView<'_, f16>,
+    _: DeviceView<'_, f32>,
+    _: DeviceView<'_, i32>,
+    _: DeviceView<'_, i32>,
+    _: Shape,
+    _: &mut [DeviceViewMut<'_, f32>],
     _: &Stream,
 ) -> Result<(), GpuDequantError> {
     Err(HipError::BuiltWithoutGpu.into())
@@ -299,13 +448,15 @@ mod tests {
     fn tiles_cover_every_routing() {
         // One slot a tile: a tile per slot.
         assert_eq!(tile_tokens_for(8, 128), 1);
-        assert_eq!(tile_tokens_for(64, 128), 1);
         assert_eq!(max_tiles(8, 128, 1), 8);
-        // Eight a tile: 4096 slots over 128 experts take at most 512 full tiles and one
+        // Tiles of eight: 4096 slots over 128 experts take at most 512 full tiles and one
         // part-filled tile per expert.
-        assert_eq!(tile_tokens_for(4096, 128), MAX_TOKENS);
         assert_eq!(max_tiles(4096, 128, 8), 512 + 128);
         // Fewer slots than experts: at most one part-filled tile per slot.
         assert_eq!(max_tiles(16, 32, 8), 2 + 16);
+        // Prompts and batches: tiles of the matrix units from a slot an expert on average.
+        assert_eq!(tile_tokens_for(128, 128), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(127, 128), 1);
+        assert_eq!(max_tiles(4096, 128, MATMUL_TILE_TOKENS), 32 + 128);
     }
 }

@@ -1,14 +1,22 @@
 //! The routed products against the dense ones: each slot's output is, bit for bit, the
 //! product of its expert's matrix alone with its token's activations (the same
 //! arithmetic per row and token), for tiles of one slot and of eight, gate and up in one
-//! launch, slots reading their own rows, and tiles left empty.
+//! launch, slots reading their own rows, and tiles left empty; and the routed products
+//! on the matrix units against the f16-rounded product of each slot's expert, within the
+//! dense batch products' bound.
 
 use gguf_format::GgmlType;
+use half::f16;
 
-use super::experts::{matvec_experts, max_tiles, GpuExperts, SlotInput};
+use super::experts::{
+    matmul_experts, matvec_experts, max_tiles, GpuExperts, SlotInput, MATMUL_TILE_TOKENS,
+};
+use super::matmul;
 use super::matvec::{self, q8_bytes, MAX_TOKENS};
 use super::tests::gpu_or_skip;
-use super::tests_matvec::{gpu_products, random_matrix, upload, Rng};
+use super::tests_matvec::{
+    gpu_products, random_matrix, reference_rounded, relative_error, rounded_bound, upload, Rng,
+};
 
 /// Tiles of at most `tile_tokens` slots of one expert, and the slots grouped by expert,
 /// as the model's grouping kernel lays them out (here in slot order within an expert),
@@ -183,4 +191,161 @@ fn mismatched_routed_products_are_refused() {
     assert!(run(SlotInput::Token { per_token: 2 }, 3, &mut out).is_err());
     // Tiles of eight need room for more tiles than given.
     assert!(run(SlotInput::Token { per_token: 2 }, MAX_TOKENS, &mut out).is_err());
+}
+
+/// The f16 input of the matrix units' products for `n` rows of `x`.
+fn f16_input(
+    device: &hip_backend::Device,
+    stream: &hip_backend::Stream,
+    x: &[f32],
+    n: usize,
+    cols: usize,
+) -> (
+    hip_backend::DeviceBuffer<f16>,
+    hip_backend::DeviceBuffer<f32>,
+) {
+    let x_dev = upload(device, stream, x);
+    let mut scales = upload(device, stream, &vec![f32::NAN; n]);
+    let mut x16 = upload(device, stream, &vec![f16::NAN; n * cols]);
+    matmul::row_scales(
+        x_dev.view(),
+        n,
+        cols,
+        scales.view_mut(),
+        x16.view_mut(),
+        stream,
+    )
+    .expect("scales");
+    (x16, scales)
+}
+
+/// Slots of one expert past a whole tile (two tiles for it), row tiles left partly
+/// empty, gate and up in one launch, and slots reading their own rows.
+#[test]
+fn routed_products_on_the_matrix_units_match_each_experts_product() {
+    let Some((device, stream)) =
+        gpu_or_skip("routed_products_on_the_matrix_units_match_each_experts_product")
+    else {
+        return;
+    };
+    let mut rng = Rng(777);
+    let (count, rows, cols) = (5, 200, 512);
+    let (n, used) = (200, 2);
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+        GgmlType::MXFP4,
+        GgmlType::IQ2_XS,
+    ] {
+        let tensors: Vec<Vec<u8>> = (0..2)
+            .map(|_| random_matrix(ty, count * rows, cols, &mut rng))
+            .collect();
+        let expert_bytes = tensors[0].len() / count;
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+        // Two thirds of the tokens choose expert 0 first: it takes more than a tile.
+        let ids: Vec<usize> = (0..n)
+            .flat_map(|t| {
+                let first = if t % 3 == 0 {
+                    (rng.next() % count as u64) as usize
+                } else {
+                    0
+                };
+                [first, (first + 1 + t % (count - 1)) % count]
+            })
+            .collect();
+        let slots = ids.len();
+        assert!(ids.iter().filter(|&&e| e == 0).count() > MATMUL_TILE_TOKENS);
+        let dev_tensors: Vec<_> = tensors
+            .iter()
+            .map(|t| upload(&device, &stream, t))
+            .collect();
+        let experts: Vec<GpuExperts<'_>> = dev_tensors
+            .iter()
+            .map(|b| GpuExperts::new(ty, count, rows, cols, b.view()).expect("experts"))
+            .collect();
+        // Each slot's product with its expert alone, from f16-rounded operands.
+        let f16_round = |v: f32| f16::from_f32(v).to_f32();
+        let expected: Vec<Vec<f64>> = (0..2)
+            .map(|m| {
+                (0..slots)
+                    .flat_map(|s| {
+                        let e = ids[s];
+                        let w = &tensors[m][e * expert_bytes..(e + 1) * expert_bytes];
+                        let t = s / used;
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        reference_rounded(ty, w, rows, cols, xt, 1, f16_round)
+                    })
+                    .collect()
+            })
+            .collect();
+        let (tiles, order) = tiles_for(&ids, count, MATMUL_TILE_TOKENS);
+        let tiles_dev = upload(&device, &stream, &tiles);
+        let order_dev = upload(&device, &stream, &order);
+        let read = |out: &hip_backend::DeviceBuffer<f32>| {
+            let mut host = vec![0f32; slots * rows];
+            stream.read_to_host(out.view(), &mut host).expect("read");
+            host
+        };
+        let (x16, scales) = f16_input(&device, &stream, &x, n, cols);
+        let mut outs: Vec<_> = (0..2)
+            .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
+            .collect();
+        let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
+        matmul_experts(
+            &experts,
+            x16.view(),
+            scales.view(),
+            n,
+            SlotInput::Token { per_token: used },
+            tiles_dev.view(),
+            order_dev.view(),
+            &mut views,
+            &stream,
+        )
+        .expect("routed products");
+        for (m, out) in outs.iter().enumerate() {
+            let err = relative_error(&read(out), &expected[m]);
+            assert!(
+                err <= rounded_bound(ty),
+                "{ty}: tensor {m}, relative error {err:.2e}"
+            );
+        }
+        // Slots reading rows of their own (row s holds token s / used's values).
+        let own: Vec<f32> = (0..slots)
+            .flat_map(|s| x[(s / used) * cols..(s / used + 1) * cols].to_vec())
+            .collect();
+        let (own16, own_scales) = f16_input(&device, &stream, &own, slots, cols);
+        let mut out = upload(&device, &stream, &vec![f32::NAN; slots * rows]);
+        matmul_experts(
+            &experts[..1],
+            own16.view(),
+            own_scales.view(),
+            slots,
+            SlotInput::Own,
+            tiles_dev.view(),
+            order_dev.view(),
+            &mut [out.view_mut()],
+            &stream,
+        )
+        .expect("routed products of own rows");
+        let err = relative_error(&read(&out), &expected[0]);
+        assert!(
+            err <= rounded_bound(ty),
+            "{ty}: own rows, relative error {err:.2e}"
+        );
+        // An input of the wrong length is refused before any launch.
+        assert!(matmul_experts(
+            &experts[..1],
+            own16.view(),
+            own_scales.view(),
+            n,
+            SlotInput::Own,
+            tiles_dev.view(),
+            order_dev.view(),
+            &mut [out.view_mut()],
+            &stream,
+        )
+        .is_err());
+    }
 }

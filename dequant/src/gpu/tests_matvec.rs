@@ -104,7 +104,7 @@ fn reference(ty: GgmlType, w: &[u8], rows: usize, cols: usize, x: &[f32], n: usi
 }
 
 /// `x · Wᵀ` in f64 with every weight and activation first passed through `round`.
-fn reference_rounded(
+pub(super) fn reference_rounded(
     ty: GgmlType,
     w: &[u8],
     rows: usize,
@@ -145,7 +145,7 @@ fn as_q8_blocks(x: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-fn relative_error(got: &[f32], want: &[f64]) -> f64 {
+pub(super) fn relative_error(got: &[f32], want: &[f64]) -> f64 {
     let num: f64 = got
         .iter()
         .zip(want)
@@ -553,7 +553,7 @@ fn gpu_matmul(
 /// one unit in the last place (2^-11 relative) from the rounded value, independently of
 /// its neighbours, so their results spread by a fraction of 2^-11 (1e-3 leaves room, and
 /// the check against the exact product below still holds them to 2e-3).
-fn rounded_bound(ty: GgmlType) -> f64 {
+pub(super) fn rounded_bound(ty: GgmlType) -> f64 {
     match ty {
         GgmlType::Q4_K | GgmlType::Q6_K => 1e-3,
         _ => 1e-4,
