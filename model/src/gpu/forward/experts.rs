@@ -4,9 +4,11 @@
 //! sum into the residual stream. Nothing is read back to the host, so a decode step stays
 //! one captured graph; the same sequence runs a prompt's chunk and a paged batch.
 
-use dequant::gpu::experts::{self, matvec_experts, GpuExperts, SlotInput};
+use dequant::gpu::experts::{self, matmul_experts, matvec_experts, GpuExperts, SlotInput};
+use dequant::gpu::matmul::row_scales;
 use dequant::gpu::matvec::q8_bytes;
-use hip_backend::{ArenaBuffer, Stream};
+use half::f16;
+use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 
 use super::{product_error, products, takes_q8_for, view, view_mut, Buffers};
 use crate::config::{Activation, ModelConfig};
@@ -15,7 +17,9 @@ use crate::gpu::weights::{ExpertTensor, ExpertWeights, Norm};
 use crate::ModelError;
 
 /// The room of the experts' block for up to `tokens` tokens: router logits, the routing,
-/// the layer's input in Q8 blocks, and the experts' intermediate and output rows.
+/// the layer's input in Q8 blocks, the experts' intermediate and output rows, and for
+/// the products on the matrix units (prompts) the f16 input with its row scales and the
+/// experts' activations in f32.
 pub(in crate::gpu) struct MoeBuffers {
     logits: ArenaBuffer,
     shared_gate: ArenaBuffer,
@@ -28,16 +32,22 @@ pub(in crate::gpu) struct MoeBuffers {
     gate: ArenaBuffer,
     up: ArenaBuffer,
     out: ArenaBuffer,
+    x16: ArenaBuffer,
+    scales: ArenaBuffer,
+    act: ArenaBuffer,
 }
 
 impl MoeBuffers {
     /// Bytes of each buffer, in the order [`MoeBuffers::new`] takes them.
-    pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 11]> {
+    pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 14]> {
         let e = config.experts?;
         let slots = tokens * e.used;
         let tiles =
             experts::max_tiles(slots, e.count, experts::tile_tokens_for(slots, e.count)).max(slots);
         let d = config.n_embd;
+        // The matrix units' input and activations, where some count of tokens takes them.
+        let mm = experts::tile_tokens_for(slots, e.count) == experts::MATMUL_TILE_TOKENS;
+        let mm_rows = if mm { slots } else { 0 };
         Some([
             4 * tokens * e.count,
             4 * tokens,
@@ -50,6 +60,9 @@ impl MoeBuffers {
             4 * slots * e.n_ff,
             4 * slots * e.n_ff,
             4 * slots * d,
+            2 * mm_rows * d.max(e.n_ff),
+            4 * mm_rows,
+            4 * mm_rows * e.n_ff,
         ])
     }
 
@@ -68,6 +81,9 @@ impl MoeBuffers {
             gate: next()?,
             up: next()?,
             out: next()?,
+            x16: next()?,
+            scales: next()?,
+            act: next()?,
         })
     }
 }
@@ -76,6 +92,59 @@ fn routed_error<'a>(
     t: &'a ExpertTensor,
 ) -> impl Fn(dequant::gpu::GpuDequantError) -> ModelError + 'a {
     product_error("routed expert products", move || t.name().to_owned())
+}
+
+/// The routed products' input: Q8 blocks for the decode products, f16 rows and their
+/// scales for the matrix units'.
+#[derive(Clone, Copy)]
+enum RoutedInput<'a> {
+    Q8(DeviceView<'a, u8>),
+    F16(DeviceView<'a, f16>, DeviceView<'a, f32>),
+}
+
+/// The routing as the products read it: the tiles, the slots by expert, and the most
+/// slots a tile holds (which also picks the products).
+#[derive(Clone, Copy)]
+struct Route<'a> {
+    tiles: DeviceView<'a, i32>,
+    order: DeviceView<'a, i32>,
+    tile_tokens: usize,
+}
+
+/// The routed products of `mats` on `input` (`n_x` rows).
+fn routed(
+    mats: &[GpuExperts<'_>],
+    input: RoutedInput<'_>,
+    n_x: usize,
+    slots: SlotInput,
+    route: Route<'_>,
+    outs: &mut [DeviceViewMut<'_, f32>],
+    stream: &Stream,
+) -> Result<(), dequant::gpu::GpuDequantError> {
+    match input {
+        RoutedInput::Q8(x) => matvec_experts(
+            mats,
+            x,
+            n_x,
+            slots,
+            route.tiles,
+            route.order,
+            route.tile_tokens,
+            outs,
+            stream,
+        ),
+        RoutedInput::F16(x16, scales) => matmul_experts(
+            mats,
+            x16,
+            scales,
+            n_x,
+            slots,
+            route.tiles,
+            route.order,
+            outs,
+            stream,
+        ),
+    }
 }
 
 /// `x += moe(rms_norm(x))` for the `n` tokens in `x`.
@@ -148,57 +217,83 @@ pub(super) fn block(
             stream,
         )?;
     }
-    // Gate and up of every slot's expert (one launch when they share a type).
-    let tiles = view::<i32>(&moe.tiles, 3 * n_tiles)?;
-    let order = view::<i32>(&moe.order, slots)?;
-    let up = e.up.gpu()?;
-    let gate = e.gate.as_ref().map(ExpertTensor::gpu).transpose()?;
-    let input = SlotInput::Token { per_token: k };
-    let x_q8 = view(&moe.q8_in, q8_bytes(n, d))?;
-    let routed = |mats: &[GpuExperts<'_>],
-                  t: &ExpertTensor,
-                  outs: &mut [hip_backend::DeviceViewMut<'_, f32>]|
-     -> Result<(), ModelError> {
-        matvec_experts(
-            mats,
-            x_q8,
+    // Gate and up of every slot's expert (one launch when they share a type), from the
+    // layer's input in the form its products take.
+    let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
+    if mm {
+        row_scales(
+            view(&bufs.h, n * d)?,
             n,
-            input,
-            tiles,
-            order,
-            tile_tokens,
-            outs,
+            d,
+            view_mut::<f32>(&mut moe.scales, n)?,
+            view_mut::<f16>(&mut moe.x16, n * d)?,
             stream,
         )
-        .map_err(routed_error(t))
+        .map_err(routed_error(&e.up))?;
+    }
+    let tiles = view::<i32>(&moe.tiles, 3 * n_tiles)?;
+    let order = view::<i32>(&moe.order, slots)?;
+    let route = Route {
+        tiles,
+        order,
+        tile_tokens,
     };
+    let up = e.up.gpu()?;
+    let gate = e.gate.as_ref().map(ExpertTensor::gpu).transpose()?;
+    let input = if mm {
+        RoutedInput::F16(view(&moe.x16, n * d)?, view(&moe.scales, n)?)
+    } else {
+        RoutedInput::Q8(view(&moe.q8_in, q8_bytes(n, d))?)
+    };
+    let per_token = SlotInput::Token { per_token: k };
     match (&gate, &e.gate) {
         (Some(g), Some(gt)) if g.ty() == up.ty() => routed(
             &[*g, up],
-            gt,
+            input,
+            n,
+            per_token,
+            route,
             &mut [
                 view_mut::<f32>(&mut moe.gate, slots * ff)?,
                 view_mut::<f32>(&mut moe.up, slots * ff)?,
             ],
-        )?,
+            stream,
+        )
+        .map_err(routed_error(gt))?,
         (Some(g), Some(gt)) => {
             routed(
                 &[*g],
-                gt,
+                input,
+                n,
+                per_token,
+                route,
                 &mut [view_mut::<f32>(&mut moe.gate, slots * ff)?],
-            )?;
+                stream,
+            )
+            .map_err(routed_error(gt))?;
             routed(
                 &[up],
-                &e.up,
+                input,
+                n,
+                per_token,
+                route,
                 &mut [view_mut::<f32>(&mut moe.up, slots * ff)?],
-            )?;
+                stream,
+            )
+            .map_err(routed_error(&e.up))?;
         }
         _ => routed(
             &[up],
-            &e.up,
+            input,
+            n,
+            per_token,
+            route,
             &mut [view_mut::<f32>(&mut moe.up, slots * ff)?],
-        )?,
+            stream,
+        )
+        .map_err(routed_error(&e.up))?,
     }
+    // The activations, then down, each slot from its own.
     kernels::gated(
         gate.is_some()
             .then(|| view(&moe.gate, slots * ff))
@@ -206,19 +301,33 @@ pub(super) fn block(
         view(&moe.up, slots * ff)?,
         ff,
         config.activation == Activation::GeluTanh,
-        None,
-        Some(view_mut::<u8>(&mut moe.q8_act, q8_bytes(slots, ff))?),
+        mm.then(|| view_mut::<f32>(&mut moe.act, slots * ff))
+            .transpose()?,
+        (!mm)
+            .then(|| view_mut::<u8>(&mut moe.q8_act, q8_bytes(slots, ff)))
+            .transpose()?,
         stream,
     )?;
-    // Down, each slot from its own activations.
-    matvec_experts(
+    let input = if mm {
+        row_scales(
+            view(&moe.act, slots * ff)?,
+            slots,
+            ff,
+            view_mut::<f32>(&mut moe.scales, slots)?,
+            view_mut::<f16>(&mut moe.x16, slots * ff)?,
+            stream,
+        )
+        .map_err(routed_error(&e.down))?;
+        RoutedInput::F16(view(&moe.x16, slots * ff)?, view(&moe.scales, slots)?)
+    } else {
+        RoutedInput::Q8(view(&moe.q8_act, q8_bytes(slots, ff))?)
+    };
+    routed(
         &[e.down.gpu()?],
-        view(&moe.q8_act, q8_bytes(slots, ff))?,
+        input,
         slots,
         SlotInput::Own,
-        tiles,
-        order,
-        tile_tokens,
+        route,
         &mut [view_mut::<f32>(&mut moe.out, slots * d)?],
         stream,
     )
