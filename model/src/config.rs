@@ -457,11 +457,6 @@ impl ModelConfig {
         }
         Ok(())
     }
-
-    /// Query heads sharing one key/value head.
-    pub fn group_size(&self) -> usize {
-        self.n_heads / self.n_kv_heads
-    }
 }
 
 /// The mixture of experts of `architecture`'s feed-forward blocks, as llama.cpp reads
