@@ -8,6 +8,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "cli/golden.rs"]
+mod golden;
+#[path = "cli/interrupt.rs"]
+mod interrupt;
+
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 
@@ -29,16 +34,6 @@ fn model_path(file: &str) -> PathBuf {
         path.display()
     );
     path
-}
-
-/// llama.cpp's reference outputs for a model, from the repository's `testdata/golden`.
-fn golden(file: &str) -> serde_json::Value {
-    let text = match file {
-        SMOLLM2 => include_str!("../../testdata/golden/SmolLM2-135M-Instruct.Q4_1.json"),
-        GEMMA3 => include_str!("../../testdata/golden/gemma-3-270m-q4_k_m.json"),
-        other => panic!("no reference outputs for {other}"),
-    };
-    serde_json::from_str(text).expect("golden file is JSON")
 }
 
 fn ids(value: &serde_json::Value) -> Vec<u64> {
@@ -214,44 +209,6 @@ fn a_garbage_file_is_one_line_without_panic() {
     assert_fails_with(&run(&["tokenize", "--gguf", path, "hi"]), path);
 }
 
-fn tokenize_matches_golden(file: &str) {
-    let model = model_path(file);
-    for case in golden(file)["cases"].as_array().expect("cases") {
-        let prompt = case["prompt"].as_str().expect("prompt");
-        let expected = ids(&case["prompt_tokens"]);
-        let output = run(&["tokenize", "--gguf", model.to_str().unwrap(), prompt]);
-        assert!(output.status.success(), "{}", stderr(&output));
-        let text = String::from_utf8(output.stdout).unwrap();
-        let got: Vec<u64> = text
-            .split_whitespace()
-            .map(|id| id.parse().unwrap())
-            .collect();
-        assert_eq!(got, expected, "{file}: {prompt:?}");
-        assert!(text.ends_with('\n'));
-
-        let output = run(&[
-            "tokenize",
-            "--gguf",
-            model.to_str().unwrap(),
-            "--json",
-            prompt,
-        ]);
-        let json: serde_json::Value =
-            serde_json::from_slice(&output.stdout).expect("one JSON object");
-        assert_eq!(ids(&json["tokens"]), expected);
-    }
-}
-
-#[test]
-fn tokenize_gives_llama_cpp_ids_on_smollm2() {
-    tokenize_matches_golden(SMOLLM2);
-}
-
-#[test]
-fn tokenize_gives_llama_cpp_ids_and_bos_on_gemma3() {
-    tokenize_matches_golden(GEMMA3);
-}
-
 fn greedy_json(model: &Path, prompt: &str, extra: &[&str]) -> serde_json::Value {
     let mut args = vec![
         "generate",
@@ -265,93 +222,6 @@ fn greedy_json(model: &Path, prompt: &str, extra: &[&str]) -> serde_json::Value 
     let output = run(&args);
     assert!(output.status.success(), "{}", stderr(&output));
     serde_json::from_slice(&output.stdout).expect("one JSON object")
-}
-
-fn greedy_matches_golden(file: &str) {
-    let model = model_path(file);
-    for case in golden(file)["cases"].as_array().expect("cases") {
-        let prompt = case["prompt"].as_str().expect("prompt");
-        // The golden outputs were made with flash attention off.
-        let json = greedy_json(
-            &model,
-            prompt,
-            &["--max-tokens", "16", "--flash-attn", "off"],
-        );
-        assert_eq!(
-            ids(&json["prompt_tokens"]),
-            ids(&case["prompt_tokens"]),
-            "{prompt:?}"
-        );
-        assert_eq!(
-            ids(&json["tokens"]),
-            ids(&case["greedy_tokens"])[..16],
-            "{file}: {prompt:?}"
-        );
-        let golden_text = case["greedy_text"].as_str().unwrap();
-        assert!(
-            golden_text.starts_with(json["text"].as_str().unwrap()),
-            "{json}"
-        );
-        let timings = &json["timings"];
-        for key in [
-            "load_ms",
-            "prompt_ms",
-            "prompt_tokens_per_s",
-            "decode_tokens_per_s",
-        ] {
-            assert!(
-                timings[key].as_f64().is_some_and(|v| v > 0.0),
-                "{key}: {timings}"
-            );
-        }
-    }
-}
-
-#[test]
-fn greedy_generate_matches_llama_cpp_on_smollm2() {
-    greedy_matches_golden(SMOLLM2);
-}
-
-#[test]
-fn greedy_generate_matches_llama_cpp_on_gemma3() {
-    greedy_matches_golden(GEMMA3);
-}
-
-/// `generate` with its defaults (flash attention, as llama.cpp's own default on a CPU)
-/// gives the 32 tokens llama.cpp gives with its defaults.
-fn default_greedy_matches_golden_flash(file: &str) {
-    let model = model_path(file);
-    let text = match file {
-        SMOLLM2 => include_str!("../../testdata/golden-fa/SmolLM2-135M-Instruct.Q4_1.json"),
-        GEMMA3 => include_str!("../../testdata/golden-fa/gemma-3-270m-q4_k_m.json"),
-        other => panic!("no reference outputs for {other}"),
-    };
-    let reference: serde_json::Value = serde_json::from_str(text).expect("golden file is JSON");
-    for case in reference["cases"].as_array().expect("cases") {
-        let prompt = case["prompt"].as_str().expect("prompt");
-        // The CPU's defaults: only the attention flag is left to its default.
-        let json = greedy_json(&model, prompt, &["--max-tokens", "32", "--device", "cpu"]);
-        assert_eq!(
-            ids(&json["prompt_tokens"]),
-            ids(&case["tokens"]),
-            "{prompt:?}"
-        );
-        assert_eq!(
-            ids(&json["tokens"]),
-            ids(&case["greedy_tokens"]),
-            "{file}: {prompt:?}"
-        );
-    }
-}
-
-#[test]
-fn default_greedy_generate_matches_llama_cpp_s_default_on_smollm2() {
-    default_greedy_matches_golden_flash(SMOLLM2);
-}
-
-#[test]
-fn default_greedy_generate_matches_llama_cpp_s_default_on_gemma3() {
-    default_greedy_matches_golden_flash(GEMMA3);
 }
 
 #[test]
@@ -418,96 +288,6 @@ fn an_over_long_prompt_is_refused() {
         "3",
     ]);
     assert_fails_with(&output, "the prompt has 5 tokens but the context holds 3");
-}
-
-#[test]
-fn ctrl_c_stops_cleanly_with_status_130() {
-    let model = model_path(SMOLLM2);
-    let mut child = rocmforge()
-        .args([
-            "generate",
-            "--gguf",
-            model.to_str().unwrap(),
-            "--prompt",
-            "The capital of France is",
-        ])
-        .args([
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "100000",
-            "--ctx-size",
-            "0",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("rocmforge starts");
-    // Wait for the first streamed bytes, then interrupt.
-    let mut stdout = child.stdout.take().unwrap();
-    let mut first = [0u8; 1];
-    stdout.read_exact(&mut first).expect("text streams");
-    let interrupt = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(interrupt.success());
-    let mut rest = Vec::new();
-    stdout.read_to_end(&mut rest).unwrap();
-    let start = Instant::now();
-    let status = child.wait().unwrap();
-    assert!(start.elapsed() < Duration::from_secs(30));
-    assert_eq!(status.code(), Some(130));
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    assert!(err.contains("stop: interrupted"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
-    let text = String::from_utf8([&first[..], &rest].concat()).unwrap();
-    assert!(text.starts_with(" Paris"), "{text:?}");
-}
-
-/// Ctrl-C while `load` sets up the device or uploads: it stops, frees what it took, says
-/// so in one line and exits 130. Without a usable GPU, `load` fails first, saying why.
-#[test]
-fn ctrl_c_during_a_load_exits_130() {
-    use std::io::BufRead;
-    let model = model_path(SMOLLM2);
-    let mut child = rocmforge()
-        .args(["load", "--gguf", model.to_str().unwrap()])
-        .args(["--load-mode", "eager", "--no-progress"])
-        .env("ROCMFORGE_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("rocmforge starts");
-    // The handler is in place before the first log line: interrupt once it appears.
-    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut err = String::new();
-    while stderr.read_line(&mut err).expect("stderr") > 0 && !err.contains("model file") {}
-    let interrupt = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(interrupt.success());
-    stderr.read_to_string(&mut err).unwrap();
-    let start = Instant::now();
-    let status = child.wait().unwrap();
-    assert!(start.elapsed() < Duration::from_secs(30));
-    assert!(!err.contains("panicked"), "{err}");
-    if err.contains("cannot use GPU") {
-        assert_eq!(status.code(), Some(1), "{err}");
-        let line = "SKIPPED ctrl_c_during_a_load_exits_130: no usable GPU\n";
-        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
-        return;
-    }
-    assert_eq!(status.code(), Some(130), "{err}");
-    let last = err.lines().last().unwrap_or_default();
-    assert!(last.starts_with("interrupted: "), "{err}");
 }
 
 /// `load` on a machine where this build can use no GPU says why, in one line, and

@@ -161,11 +161,6 @@ impl Decoder {
         self.path
     }
 
-    /// Whether large inputs are split across rayon's pool.
-    pub fn is_parallel(&self) -> bool {
-        self.plan.parallel
-    }
-
     /// Decodes `bytes`, whole blocks of type `ty`, into `out`, which must hold exactly
     /// as many values as the blocks do.
     pub fn decode_f32(

@@ -1,4 +1,6 @@
-//! The one error type of this crate.
+//! The error type of building and running a model. The tokenizer, chat templates,
+//! sampling, generation, the scheduler and the GPU kernels each have an error type of
+//! their own beside it.
 
 use gguf_format::{GgmlType, GgufError};
 

@@ -2,14 +2,14 @@
 
 use gguf_format::GgmlType;
 
-use super::{paths, random_matrix, TYPES};
+use super::{paths, random_matrix, types};
 use crate::matmul::activation::QK_K;
 use crate::matmul::{is_path_available, QuantizedMatrix};
 use crate::{DecodePath, DequantError};
 
 #[test]
 fn zero_activations_give_zero() {
-    for ty in TYPES {
+    for ty in types() {
         let cols = QK_K;
         let bytes = random_matrix(ty, 4, cols, 9);
         let matrix = QuantizedMatrix::new(ty, 4, cols, &bytes).unwrap();
@@ -139,7 +139,7 @@ fn a_missing_path_is_a_typed_error() {
 #[test]
 fn fused_single_token_products_give_each_matrix_its_own_bits() {
     use super::{in_pool, random_x};
-    for (i, ty) in TYPES.into_iter().enumerate() {
+    for (i, ty) in types().enumerate() {
         let cols = 2 * QK_K;
         let shapes = [96usize, 32, 160];
         let bytes: Vec<Vec<u8>> = shapes
@@ -225,7 +225,7 @@ fn fused_q4_0_products_of_repacked_and_plain_shapes_match_their_own() {
 fn routed_tokens_get_their_dot_products_or_the_tiled_gemm() {
     use super::random_x;
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    for (i, ty) in TYPES.into_iter().enumerate() {
+    for (i, ty) in types().enumerate() {
         for rows in [12, 16] {
             let cols = 2 * QK_K;
             let bytes = random_matrix(ty, rows, cols, 300 + i as u64);

@@ -3,14 +3,14 @@
 
 use gguf_format::GgmlType;
 
-use super::{check_against_reference, in_pool, paths, random_matrix, random_x, Rng, TYPES};
+use super::{check_against_reference, in_pool, paths, random_matrix, random_x, types, Rng};
 use crate::matmul::activation::{BSUM_GROUP, GEMM_MIN_TOKENS, QK8, QK_K};
 use crate::matmul::{portable, QuantizedMatrix};
 use crate::DecodePath;
 
 #[test]
 fn every_type_matches_the_reference_on_random_blocks() {
-    for (i, ty) in TYPES.into_iter().enumerate() {
+    for (i, ty) in types().enumerate() {
         let block = ty.block_size() as usize;
         let unit = if block == 1 { 8 } else { block };
         // Odd and even block counts, one token and batches around the kernels' width of 4.
@@ -339,7 +339,7 @@ fn lane_integers_sum_to_the_plain_integer_product() {
 #[test]
 fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    for (i, ty) in TYPES.into_iter().enumerate() {
+    for (i, ty) in types().enumerate() {
         // 16 rows: a matrix llama.cpp repacks (Q4_0, Q4_K); 9: one it does not.
         for rows in [9, 16] {
             let (cols, n_tokens) = (2 * QK_K, 2 * GEMM_MIN_TOKENS);
@@ -480,7 +480,7 @@ fn every_path_gives_the_portable_products_bit_for_bit() {
         return;
     }
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    for (i, ty) in TYPES.into_iter().enumerate() {
+    for (i, ty) in types().enumerate() {
         if !ty.is_quantized() {
             continue;
         }

@@ -28,33 +28,13 @@ use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
 use crate::DecodePath;
 
-pub(super) const TYPES: [GgmlType; 25] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::IQ3_S,
-    GgmlType::IQ3_XXS,
-    GgmlType::IQ2_XXS,
-    GgmlType::IQ2_XS,
-    GgmlType::IQ2_S,
-    GgmlType::IQ1_S,
-    GgmlType::IQ1_M,
-    GgmlType::TQ1_0,
-    GgmlType::TQ2_0,
-    GgmlType::MXFP4,
-];
+/// Every type the CPU multiplies ([`super::is_supported`]), so that a type made
+/// supported is tested here at once.
+pub(super) fn types() -> impl Iterator<Item = GgmlType> {
+    GgmlType::ALL
+        .into_iter()
+        .filter(|&ty| super::is_supported(ty))
+}
 
 /// splitmix64: small, seedable, good enough for test data.
 pub(super) struct Rng(pub(super) u64);
