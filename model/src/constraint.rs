@@ -60,7 +60,9 @@ impl std::fmt::Debug for Grammars {
 /// the stream decoder hands out for them (byte-fallback `<0xNN>` its byte, byte-level
 /// BPE's alphabet mapped back to bytes, SentencePiece's `▁` as a space); control and
 /// unknown tokens give the special-token marker and their text, which no grammar's text
-/// can match; unused tokens give nothing and are never allowed.
+/// can match; unused tokens give nothing and are never allowed. (A token whose bytes
+/// start with 0xFF, the byte-fallback token of that byte, reads as special too: that
+/// byte is never part of UTF-8 text, so no grammar loses a token it could want.)
 pub fn token_words(tokenizer: &Tokenizer, n_vocab: usize) -> Vec<Vec<u8>> {
     (0..n_vocab)
         .map(|id| {
