@@ -362,7 +362,6 @@ def _():
     chat_url = main.base + "/v1/chat/completions"
     hi = [{"role": "user", "content": "hi"}]
     for extra, field in [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "sound"}}, "response_format"),
         ({"logprobs": True}, "logprobs"),
     ]:
@@ -397,6 +396,133 @@ def _():
     assert http("GET", main.base + "/health")[0] == 200
     # Still serving.
     assert client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2).usage.completion_tokens <= 2
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "colour": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "colour"],
+    "additionalProperties": False,
+}
+
+
+def valid_person(value):
+    """The checks `PERSON` asks for, written out (no schema validator needed)."""
+    assert isinstance(value, dict) and set(value) == {"name", "age", "colour"}, value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 24, value
+    assert isinstance(value["age"], int) and not isinstance(value["age"], bool), value
+    assert 0 <= value["age"] <= 150, value
+    assert value["colour"] in ("red", "green", "blue"), value
+
+
+@check("response_format json_object and json_schema hold the output to JSON")
+def _():
+    story = [{"role": "user", "content": "Tell me a short story about a cat."}]
+    plain = client.chat.completions.create(
+        model=MODEL_ID, messages=story, max_tokens=24, temperature=0
+    ).choices[0].message.content
+    try:
+        json.loads(plain)
+        raise AssertionError(f"the unconstrained story is JSON already: {plain!r}")
+    except ValueError:
+        pass
+    ask = [{"role": "user", "content": "Describe a cat as a JSON object with its name and age."}]
+    for temperature, seed in [(0, 0), (0.5, 1), (0.5, 2)]:
+        r = client.chat.completions.create(
+            model=MODEL_ID, messages=ask, max_tokens=200, temperature=temperature, seed=seed,
+            response_format={"type": "json_object"},
+        )
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", (text, r.choices[0].finish_reason)
+        assert isinstance(json.loads(text), dict), text
+    person = [{"role": "user", "content": "Describe a person as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL_ID, messages=person, max_tokens=120, temperature=1.0, seed=seed, response_format=fmt
+        )
+        assert r.choices[0].finish_reason == "stop", r
+        valid_person(json.loads(r.choices[0].message.content))
+    # Greedy too (the scheduler's argmax), and streamed.
+    chunks = client.chat.completions.create(
+        model=MODEL_ID, messages=story, max_tokens=120, temperature=0, response_format=fmt, stream=True
+    )
+    text, finish = "", None
+    for chunk in chunks:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "stop", (text, finish)
+    valid_person(json.loads(text))
+    # max_tokens still ends it, with "length".
+    r = client.completions.create(
+        model=MODEL_ID, prompt="Once upon a time", max_tokens=3, extra_body={"response_format": fmt}
+    )
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text.startswith("{"), r
+    # "text" asks for nothing: the same greedy text as without it.
+    same = client.chat.completions.create(
+        model=MODEL_ID, messages=story, max_tokens=24, temperature=0, response_format={"type": "text"}
+    ).choices[0].message.content
+    assert same == plain, (same, plain)
+
+
+@check("regex and grammar hold the output, streamed or not")
+def _():
+    rx = r"[A-Z][a-z]{2,8} (is|was) [0-9]{1,3}"
+    for seed in range(3):
+        r = client.completions.create(
+            model=MODEL_ID, prompt="Once upon a time", max_tokens=40, temperature=1.0, seed=seed,
+            extra_body={"regex": rx},
+        )
+        assert r.choices[0].finish_reason == "stop", r
+        assert re.fullmatch(rx, r.choices[0].text), r.choices[0].text
+    stream = client.completions.create(
+        model=MODEL_ID, prompt="The answer is", max_tokens=40, temperature=0, stream=True,
+        extra_body={"regex": rx},
+    )
+    text, finish = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "stop" and re.fullmatch(rx, text), (text, finish)
+    lark = 'start: answer " because " reason\nanswer: "yes" | "no"\nreason: /[a-z]{3,12}/\n'
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "Is the sky green?"}], max_tokens=40,
+            temperature=1.0, seed=seed, extra_body={"grammar": lark},
+        )
+        assert r.choices[0].finish_reason == "stop", r
+        assert re.fullmatch(r"(yes|no) because [a-z]{3,12}", r.choices[0].message.content), r
+
+
+@check("constraints that do not compile, or several at once, are 400s naming the field")
+def _():
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = main.base + "/v1/chat/completions"
+    hi = [{"role": "user", "content": "hi"}]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    for extra, field in [
+        ({"response_format": bad_schema}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"grammar": 'root ::= "a"'}, "grammar"),
+        ({"grammar": "start: missing_rule"}, "grammar"),
+        ({"regex": "a+", "grammar": 'start: "a"'}, "regex"),
+        ({"response_format": {"type": "json_object"}, "regex": "a+"}, "regex"),
+    ]:
+        status, _, body = http("POST", url, {"messages": hi, "max_tokens": 4, **extra}, auth)
+        error_of(status, body, 400)
+        assert json.loads(body)["error"]["param"] == field, (extra, body)
+    try:
+        client.chat.completions.create(model=MODEL_ID, messages=hi, max_tokens=4, response_format=bad_schema)
+        raise AssertionError("a schema that does not compile was accepted")
+    except openai.BadRequestError as e:
+        assert "response_format" in str(e), e
 
 
 @check("tokenize and detokenize round-trip")

@@ -10,12 +10,15 @@
 //!
 //! - [`serve::Scheduler`] serves many requests at once: one thread, one model, every
 //!   running sequence advanced by one batched step at a time over a shared KV pool.
+//! - [`constraint::Grammars`] holds output to a JSON schema, a Lark grammar or a regular
+//!   expression (`llguidance`), masking each step's logits of a constrained sequence.
 //!
 //! This crate never calls HIP FFI directly and starts no async runtime; compute runs on
 //! rayon's pool. It has no cargo features.
 
 pub mod chat;
 mod config;
+pub mod constraint;
 mod cpu;
 mod error;
 pub mod generate;

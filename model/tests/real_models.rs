@@ -6,6 +6,8 @@
 mod chat;
 #[path = "real_models/common.rs"]
 mod common;
+#[path = "real_models/constraint.rs"]
+mod constraint;
 #[path = "real_models/forward.rs"]
 mod forward;
 #[path = "real_models/generate.rs"]

@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use model::chat::ChatMessage;
+use model::constraint::Constraint;
 use model::sampling::{defaults, SamplingParams};
 use model::serve::{Event, Finish, Request, ServeError};
 use model::tokenizer::{DecodeOptions, EncodeOptions};
@@ -25,6 +26,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::format::{constraint_spec, FormatFields};
 use super::{AppState, Loaded};
 
 type Shared = Arc<AppState>;
@@ -137,13 +139,18 @@ impl ApiError {
         }
     }
 
-    fn bad(message: impl Into<String>) -> ApiError {
+    pub(super) fn bad(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
     }
 
-    fn param(mut self, param: &'static str) -> ApiError {
+    pub(super) fn param(mut self, param: &'static str) -> ApiError {
         self.param = Some(param);
         self
+    }
+
+    #[cfg(test)]
+    pub(super) fn param_name(&self) -> Option<&'static str> {
+        self.param
     }
 
     fn unavailable(message: impl Into<String>) -> ApiError {
@@ -406,10 +413,16 @@ struct Common {
     #[serde(default)]
     stream: bool,
     stream_options: Option<StreamOptions>,
+    /// What the output must be: text, a JSON object, JSON of a schema
+    /// ([`super::format`]).
+    response_format: Option<Value>,
+    /// llama.cpp's extensions: a Lark grammar, or a regular expression, the output must
+    /// match as a whole.
+    grammar: Option<Value>,
+    regex: Option<Value>,
     /// OpenAI fields this server does not honour yet. They are read so that a request
     /// that sets them is refused naming them ([`refuse_unsupported`]): an agent that asks
-    /// for JSON or a tool call must not get prose it takes for the one it asked for.
-    response_format: Option<Value>,
+    /// for a tool call must not get prose it takes for the one it asked for.
     tools: Option<Value>,
     tool_choice: Option<Value>,
     parallel_tool_calls: Option<Value>,
@@ -421,10 +434,9 @@ struct Common {
     modalities: Option<Value>,
 }
 
-/// A 400 naming each field of `common` set to what this server cannot do: output held
-/// to a format or a schema, tool and function calls, log-probabilities, audio. Values
-/// that ask for nothing (`response_format` `{"type": "text"}`, `tool_choice` `"none"`,
-/// `logprobs` `false` or `0`, empty lists, `null`) pass.
+/// A 400 naming each field of `common` set to what this server cannot do: tool and
+/// function calls, log-probabilities, audio. Values that ask for nothing (`tool_choice`
+/// `"none"`, `logprobs` `false` or `0`, empty lists, `null`) pass.
 fn refuse_unsupported(common: &Common) -> Result<(), ApiError> {
     let asks = |value: &Option<Value>| match value {
         None | Some(Value::Null) | Some(Value::Bool(false)) => false,
@@ -432,26 +444,6 @@ fn refuse_unsupported(common: &Common) -> Result<(), ApiError> {
         Some(Value::Number(n)) => n.as_f64() != Some(0.0),
         Some(_) => true,
     };
-    if let Some(format) = &common.response_format {
-        let kind = format.get("type").and_then(Value::as_str);
-        match kind {
-            Some("text") => {}
-            Some(kind @ ("json_object" | "json_schema")) => {
-                return Err(ApiError::bad(format!(
-                    "response_format {kind:?} is not supported by this server: it cannot hold \
-                     the output to JSON yet"
-                ))
-                .param("response_format"))
-            }
-            _ => {
-                return Err(ApiError::bad(format!(
-                    "response_format must be an object whose type is \"text\", \"json_object\" \
-                     or \"json_schema\", got {format}"
-                ))
-                .param("response_format"))
-            }
-        }
-    }
     let tool_choice_none = common.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
     let refusals: [(&'static str, bool, &str); 9] = [
         (
@@ -658,6 +650,7 @@ fn prepare(common: &Common, state: &AppState, loaded: &Loaded) -> Result<Prepare
         .param("stop"));
     }
     let max_tokens = common.max_completion_tokens.or(common.max_tokens);
+    let constraint = constraint(common, loaded)?;
     Ok(Prepared {
         model,
         max_tokens,
@@ -666,6 +659,7 @@ fn prepare(common: &Common, state: &AppState, loaded: &Loaded) -> Result<Prepare
         presence_penalty,
         frequency_penalty,
         logit_bias,
+        constraint,
         stream: common.stream,
         include_usage: common
             .stream_options
@@ -683,8 +677,32 @@ struct Prepared {
     presence_penalty: f32,
     frequency_penalty: f32,
     logit_bias: Vec<(u32, f32)>,
+    constraint: Option<Constraint>,
     stream: bool,
     include_usage: bool,
+}
+
+/// The compiled constraint a request asks for, or a 400 naming the field whose
+/// schema, grammar or expression does not compile.
+fn constraint(common: &Common, loaded: &Loaded) -> Result<Option<Constraint>, ApiError> {
+    let fields = FormatFields {
+        response_format: common.response_format.as_ref(),
+        grammar: common.grammar.as_ref(),
+        regex: common.regex.as_ref(),
+    };
+    let Some((spec, field)) = constraint_spec(&fields)? else {
+        return Ok(None);
+    };
+    let grammars = loaded.grammars.as_ref().map_err(|e| {
+        ApiError::bad(format!(
+            "{field}: this model cannot hold output to a format: {e}"
+        ))
+        .param(field)
+    })?;
+    match grammars.compile(&spec) {
+        Ok(constraint) => Ok(Some(constraint)),
+        Err(e) => Err(ApiError::bad(format!("{field}: {e}")).param(field)),
+    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -838,6 +856,7 @@ async fn run_request(
         presence_penalty: p.presence_penalty,
         frequency_penalty: p.frequency_penalty,
         logit_bias: p.logit_bias,
+        constraint: p.constraint,
         cancel: Arc::clone(&cancel),
         events: Box::new(move |event| tx.send(event).is_ok()),
     };
@@ -1077,19 +1096,6 @@ mod tests {
     fn fields_asking_for_what_the_server_cannot_do_are_refused_by_name() {
         let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
         for (body, field) in [
-            (
-                json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-            ),
-            (
-                json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
-                "response_format",
-            ),
-            (
-                json!({"response_format": {"type": "sound"}}),
-                "response_format",
-            ),
-            (json!({"response_format": "json"}), "response_format"),
             (json!({"tools": tool}), "tools"),
             (json!({"tools": tool, "tool_choice": "required"}), "tools"),
             (json!({"tool_choice": "required"}), "tool_choice"),
@@ -1152,7 +1158,7 @@ mod tests {
     fn fields_that_ask_for_nothing_pass() {
         for body in [
             json!({}),
-            json!({"response_format": {"type": "text"}}),
+            json!({"response_format": {"type": "json_object"}}),
             json!({"tools": [], "tool_choice": "none"}),
             json!({"tool_choice": "none", "parallel_tool_calls": true}),
             json!({"function_call": "none"}),

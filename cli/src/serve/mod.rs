@@ -5,6 +5,7 @@
 //! format: the scheduler thread computes, and hands text back through channels.
 
 mod api;
+mod format;
 mod metrics;
 
 use std::net::SocketAddr;
@@ -15,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use model::chat::ChatTemplate;
+use model::constraint::Grammars;
 use model::gpu::{GpuOptions, GpuTuning};
 use model::serve::{Scheduler, SchedulerConfig};
 use model::tokenizer::Tokenizer;
@@ -113,6 +115,9 @@ pub struct Loaded {
     pub model_id: String,
     pub context_size: usize,
     pub n_vocab: usize,
+    /// The vocabulary's trie for output constraints, built once; why not, when the
+    /// vocabulary cannot be used for them.
+    pub grammars: Result<Grammars, String>,
     /// The counters of the device cache holding the weights, when the model computes on
     /// a device; `None` on the CPU (its metrics then read 0).
     pub device_cache: Option<DeviceCacheStats>,
@@ -395,6 +400,10 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         block_size: 16,
         attention: config.flash_attn.method(),
     };
+    let grammars = Grammars::new(Arc::clone(&tokenizer), n_vocab).map_err(|e| {
+        tracing::warn!(error = %e, "output constraints are not available");
+        e.to_string()
+    });
     let tokens = Arc::clone(&tokenizer);
     let (scheduler, device_cache) = if on_gpu {
         let options = GpuOptions {
@@ -421,6 +430,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         model_id,
         context_size,
         n_vocab,
+        grammars,
         device_cache,
     })
 }

@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
+use crate::constraint::Constraint;
 use crate::gpu::{BatchSegment, GpuModel, GpuOptions, PageOptions, MAX_BATCH, PROMPT_BATCH};
 use crate::sampling::{Sampler, SamplingConfig};
 use crate::tokenizer::{StreamDecoder, TokenId, Tokenizer};
@@ -174,6 +175,10 @@ pub struct Request {
     pub frequency_penalty: f32,
     /// Added to the logits of these tokens before sampling.
     pub logit_bias: Vec<(TokenId, f32)>,
+    /// The grammar the output must follow (a compiled JSON schema, grammar or regular
+    /// expression): each step only the tokens it allows are sampled from, and the
+    /// sequence stops when the grammar is complete.
+    pub constraint: Option<Constraint>,
     /// Set it to cancel the request; the scheduler drops it at its next step.
     pub cancel: Arc<AtomicBool>,
     pub events: EventSink,
@@ -370,6 +375,8 @@ struct Sequence<'t> {
     bias_distinct: bool,
     /// Occurrences of each generated token (for the OpenAI penalties).
     counts: HashMap<TokenId, u32>,
+    /// The grammar its output follows, if any.
+    constraint: Option<Constraint>,
     cancel: Arc<AtomicBool>,
     events: EventSink,
     arrived: Instant,
@@ -383,9 +390,11 @@ struct Sequence<'t> {
 impl Sequence<'_> {
     /// Whether its next token is the first highest logit of the model's logits with its
     /// biases added (as [`Sequence::choose`] adds them): greedy, with no penalty, and
-    /// biases of distinct tokens (the device adds them all at once).
+    /// biases of distinct tokens (the device adds them all at once), and no grammar (its
+    /// mask is computed here).
     fn takes_device_argmax(&self) -> bool {
-        self.sampler.is_plain_greedy()
+        self.constraint.is_none()
+            && self.sampler.is_plain_greedy()
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
             && self.bias_distinct
@@ -396,7 +405,8 @@ impl Sequence<'_> {
     }
 
     /// Its next token from its row of the step's logits, which it changes in place (the
-    /// step is done with them): the biases, then the OpenAI penalties, then the sampler.
+    /// step is done with them): the biases, then the OpenAI penalties, then the grammar's
+    /// mask, then the sampler.
     fn choose(&mut self, logits: &mut [f32]) -> Result<TokenId, String> {
         for &(token, bias) in &self.logit_bias {
             logits[token as usize] += bias;
@@ -411,6 +421,9 @@ impl Sequence<'_> {
                 logits[token as usize] -=
                     self.presence_penalty + self.frequency_penalty * count as f32;
             }
+        }
+        if let Some(constraint) = &mut self.constraint {
+            constraint.mask(logits)?;
         }
         self.sampler
             .sample_in_place(logits)
@@ -570,6 +583,7 @@ impl<'m> Loop<'m> {
                     bias_distinct: distinct_tokens(&request.logit_bias),
                     logit_bias: request.logit_bias,
                     counts: HashMap::new(),
+                    constraint: request.constraint,
                     cancel: request.cancel,
                     events: request.events,
                     arrived,
@@ -895,6 +909,11 @@ impl<'m> Loop<'m> {
         SchedulerMetrics::add(&metrics.generated_tokens, 1);
         *seq.counts.entry(token).or_insert(0) += 1;
         seq.tokens.push(token);
+        let complete = match seq.constraint.as_mut().map(|c| c.commit(token)) {
+            None => false,
+            Some(Ok(complete)) => complete,
+            Some(Err(message)) => return Some(Err(message)),
+        };
         let piece = match seq.decoder.push(token) {
             Ok(piece) => piece,
             Err(e) => return Some(Err(e.to_string())),
@@ -914,6 +933,10 @@ impl<'m> Loop<'m> {
                 seq.decoder = tokenizer.stream_decoder(false);
                 return Some(Ok(FinishReason::Stop));
             }
+        }
+        // The grammar is complete: nothing but its end may follow.
+        if complete {
+            return Some(Ok(FinishReason::Stop));
         }
         if seq.generated >= seq.max_tokens || seq.computed >= context_size {
             return Some(Ok(FinishReason::Length));

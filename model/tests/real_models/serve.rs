@@ -62,6 +62,7 @@ fn request(
         presence_penalty: 0.0,
         frequency_penalty: 0.0,
         logit_bias: Vec::new(),
+        constraint: None,
         cancel: Arc::clone(&cancel),
         events: Box::new(move |event| tx.send(event).is_ok()),
     };
@@ -556,4 +557,67 @@ fn smollm2_a_long_prompt_does_not_stall_a_running_stream() {
         "{during} stream pieces while a {}-token prompt was read in {steps}+ steps",
         long.len()
     );
+}
+
+/// Constrained requests batched with an unconstrained one: each constrained output is
+/// what its grammar allows, ended by the grammar with "stop" (greedy and random
+/// sampling alike), and the unconstrained request's text is the one it gets alone.
+#[test]
+fn constrained_requests_follow_their_grammars_in_a_batch() {
+    use model::constraint::{ConstraintSpec, Grammars};
+    let (model, tokenizer) = load(SMOLLM2);
+    let n_vocab = model.config().n_vocab;
+    let grammars = Grammars::new(Arc::clone(&tokenizer), n_vocab).unwrap();
+    let prompt = encode(&tokenizer, PROMPTS[1]);
+    let alone = generate_text(&model, &tokenizer, &prompt, 12);
+    let scheduler = Scheduler::start(model, Arc::clone(&tokenizer), config(512, 2048, 64))
+        .expect("scheduler starts");
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 999, "minimum": 0}},
+        "required": ["ok", "n"],
+        "additionalProperties": false
+    });
+    let random = SamplingParams {
+        temperature: 1.0,
+        seed: 7,
+        ..SamplingParams::default()
+    }
+    .validate()
+    .unwrap();
+    let specs = [
+        (ConstraintSpec::JsonSchema(schema.clone()), greedy()),
+        (ConstraintSpec::JsonSchema(schema), random),
+        (ConstraintSpec::Regex("(cat|dog)s? [0-9]{2}".into()), random),
+    ];
+    let mut receivers = Vec::new();
+    for (spec, sampling) in &specs {
+        let (mut r, rx, _) = request(prompt.clone(), 64, *sampling);
+        r.constraint = Some(grammars.compile(spec).unwrap());
+        scheduler.submit(r).unwrap();
+        receivers.push(rx);
+    }
+    let (plain, plain_rx, _) = request(prompt.clone(), 12, greedy());
+    scheduler.submit(plain).unwrap();
+    for (rx, (spec, _)) in receivers.iter().zip(&specs) {
+        let (text, finish) = collect(rx);
+        assert_eq!(finish.reason, FinishReason::Stop, "{spec:?}: {text:?}");
+        match spec {
+            ConstraintSpec::JsonSchema(_) => {
+                let value: serde_json::Value =
+                    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+                assert!(value["ok"].is_boolean() && value["n"].is_u64(), "{text}");
+                assert_eq!(value.as_object().unwrap().len(), 2, "{text}");
+            }
+            _ => {
+                let (word, digits) = text.split_once(' ').expect("a space");
+                assert!(matches!(word, "cat" | "cats" | "dog" | "dogs"), "{text:?}");
+                assert!(
+                    digits.len() == 2 && digits.bytes().all(|b| b.is_ascii_digit()),
+                    "{text:?}"
+                );
+            }
+        }
+    }
+    assert_eq!(collect(&plain_rx).0, alone);
 }

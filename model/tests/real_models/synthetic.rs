@@ -1578,6 +1578,7 @@ mod gpu {
                     presence_penalty: 0.0,
                     frequency_penalty: 0.0,
                     logit_bias: Vec::new(),
+                    constraint: None,
                     cancel: Arc::new(AtomicBool::new(false)),
                     events: Box::new(move |event| tx.send(event).is_ok()),
                 };

@@ -20,7 +20,7 @@ const ADD_ONLY: EncodeOptions = EncodeOptions {
 };
 
 /// Reads just the metadata of a GGUF file: its first bytes, more if they fall short.
-fn read_metadata(path: &Path) -> Metadata {
+pub fn read_metadata(path: &Path) -> Metadata {
     let mut file = File::open(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
     let file_len = file.metadata().expect("file size").len();
     let mut prefix = Vec::new();
