@@ -13,7 +13,7 @@ use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 use super::{product_error, products, takes_q8_for, view, view_mut, Buffers};
 use crate::config::{Activation, ModelConfig};
 use crate::gpu::kernels;
-use crate::gpu::weights::{ExpertTensor, ExpertWeights, Norm};
+use crate::gpu::weights::{ExpertTensor, ExpertWeights, Norm, SharedExpert};
 use crate::ModelError;
 
 /// The room of the experts' block for up to `tokens` tokens: router logits, the routing,
@@ -157,9 +157,60 @@ pub(super) fn block(
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = config.n_embd;
+    let (k, slots) = (e.used, n * e.used);
+    let tile_tokens = norm_and_route(config, e, norm, bufs, n, stream)?;
+    let Some(moe) = bufs.moe.as_mut() else {
+        unreachable!("the buffers of a model with experts hold the experts' room")
+    };
+    routed_ffn(
+        config,
+        e,
+        view(&bufs.h, n * d)?,
+        moe,
+        n,
+        tile_tokens,
+        stream,
+    )?;
+    if let Some(sh) = &e.shared {
+        shared_expert(config, sh, bufs, n, stream)?;
+    }
+    let Some(moe) = bufs.moe.as_ref() else {
+        unreachable!("the buffers of a model with experts hold the experts' room")
+    };
+    let shared = e
+        .shared
+        .as_ref()
+        .map(|_| -> Result<_, ModelError> {
+            Ok((view(&bufs.proj, n * d)?, view(&moe.shared_gate, n)?))
+        })
+        .transpose()?;
+    kernels::moe_combine(
+        view(&moe.out, slots * d)?,
+        view(&moe.weights, slots)?,
+        n,
+        k,
+        d,
+        shared,
+        view_mut::<f32>(&mut bufs.x, n * d)?,
+        stream,
+    )?;
+    Ok(())
+}
+
+/// The layer's input normed into `h` (f32) and the experts' Q8 input, the router's
+/// logits, the choice of each token's experts and their weights, and the slots grouped
+/// into tiles; returns the most slots a tile holds ([`experts::tile_tokens_for`]).
+fn norm_and_route(
+    config: &ModelConfig,
+    e: &ExpertWeights,
+    norm: &Norm,
+    bufs: &mut Buffers,
+    n: usize,
+    stream: &Stream,
+) -> Result<usize, ModelError> {
+    let d = config.n_embd;
     let (k, count) = (e.used, e.count);
     let slots = n * k;
-    let ff = e.up.rows;
     let Some(moe) = bufs.moe.as_mut() else {
         unreachable!("the buffers of a model with experts hold the experts' room")
     };
@@ -217,12 +268,31 @@ pub(super) fn block(
             stream,
         )?;
     }
+    Ok(tile_tokens)
+}
+
+/// The routed experts' products for the `n` tokens of `h` (normed), by the routing in
+/// `moe`: gate and up, the gated activation, down, each slot's output into `moe.out`.
+fn routed_ffn(
+    config: &ModelConfig,
+    e: &ExpertWeights,
+    h: DeviceView<'_, f32>,
+    moe: &mut MoeBuffers,
+    n: usize,
+    tile_tokens: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let d = config.n_embd;
+    let (k, count) = (e.used, e.count);
+    let slots = n * k;
+    let ff = e.up.rows;
+    let n_tiles = experts::max_tiles(slots, count, tile_tokens);
     // Gate and up of every slot's expert (one launch when they share a type), from the
     // layer's input in the form its products take.
     let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
     if mm {
         row_scales(
-            view(&bufs.h, n * d)?,
+            h,
             n,
             d,
             view_mut::<f32>(&mut moe.scales, n)?,
@@ -332,77 +402,73 @@ pub(super) fn block(
         stream,
     )
     .map_err(routed_error(&e.down))?;
-    // The shared expert, into `proj`, and its gate's logits.
-    if let Some(sh) = &e.shared {
-        let sff = sh.up.rows;
-        products(
-            &[&sh.gate, &sh.up],
-            Some(view(&bufs.h, n * d)?),
-            Some(view(&moe.q8_in, q8_bytes(n, d))?),
-            n,
-            vec![
-                view_mut::<f32>(&mut bufs.gate, n * sff)?,
-                view_mut::<f32>(&mut bufs.up, n * sff)?,
-            ],
-            false,
-            &mut bufs.batch_in,
-            stream,
-        )?;
-        products(
-            &[&sh.gate_inp],
-            Some(view(&bufs.h, n * d)?),
-            Some(view(&moe.q8_in, q8_bytes(n, d))?),
-            n,
-            vec![view_mut::<f32>(&mut moe.shared_gate, n)?],
-            false,
-            &mut bufs.batch_in,
-            stream,
-        )?;
-        let down_q8 = takes_q8_for(&sh.down, n, &bufs.batch_in);
-        kernels::gated(
-            Some(view(&bufs.gate, n * sff)?),
-            view(&bufs.up, n * sff)?,
-            sff,
-            config.activation == Activation::GeluTanh,
-            (!down_q8)
-                .then(|| view_mut::<f32>(&mut bufs.act, n * sff))
-                .transpose()?,
-            down_q8
-                .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, sff)))
-                .transpose()?,
-            stream,
-        )?;
-        let (f32_in, q8_in) = if down_q8 {
-            (None, Some(view(&bufs.q8, q8_bytes(n, sff))?))
-        } else {
-            (Some(view(&bufs.act, n * sff)?), None)
-        };
-        products(
-            &[&sh.down],
-            f32_in,
-            q8_in,
-            n,
-            vec![view_mut::<f32>(&mut bufs.proj, n * d)?],
-            false,
-            &mut bufs.batch_in,
-            stream,
-        )?;
-    }
-    let shared = e
-        .shared
-        .as_ref()
-        .map(|_| -> Result<_, ModelError> {
-            Ok((view(&bufs.proj, n * d)?, view(&moe.shared_gate, n)?))
-        })
-        .transpose()?;
-    kernels::moe_combine(
-        view(&moe.out, slots * d)?,
-        view(&moe.weights, slots)?,
+    Ok(())
+}
+
+/// Qwen 2 MoE's shared expert on the `n` tokens of `h`: its output into `proj`, its
+/// gate's logits into the experts' room.
+fn shared_expert(
+    config: &ModelConfig,
+    sh: &SharedExpert,
+    bufs: &mut Buffers,
+    n: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let d = config.n_embd;
+    let Some(moe) = bufs.moe.as_mut() else {
+        unreachable!("the buffers of a model with experts hold the experts' room")
+    };
+    let sff = sh.up.rows;
+    products(
+        &[&sh.gate, &sh.up],
+        Some(view(&bufs.h, n * d)?),
+        Some(view(&moe.q8_in, q8_bytes(n, d))?),
         n,
-        k,
-        d,
-        shared,
-        view_mut::<f32>(&mut bufs.x, n * d)?,
+        vec![
+            view_mut::<f32>(&mut bufs.gate, n * sff)?,
+            view_mut::<f32>(&mut bufs.up, n * sff)?,
+        ],
+        false,
+        &mut bufs.batch_in,
+        stream,
+    )?;
+    products(
+        &[&sh.gate_inp],
+        Some(view(&bufs.h, n * d)?),
+        Some(view(&moe.q8_in, q8_bytes(n, d))?),
+        n,
+        vec![view_mut::<f32>(&mut moe.shared_gate, n)?],
+        false,
+        &mut bufs.batch_in,
+        stream,
+    )?;
+    let down_q8 = takes_q8_for(&sh.down, n, &bufs.batch_in);
+    kernels::gated(
+        Some(view(&bufs.gate, n * sff)?),
+        view(&bufs.up, n * sff)?,
+        sff,
+        config.activation == Activation::GeluTanh,
+        (!down_q8)
+            .then(|| view_mut::<f32>(&mut bufs.act, n * sff))
+            .transpose()?,
+        down_q8
+            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, sff)))
+            .transpose()?,
+        stream,
+    )?;
+    let (f32_in, q8_in) = if down_q8 {
+        (None, Some(view(&bufs.q8, q8_bytes(n, sff))?))
+    } else {
+        (Some(view(&bufs.act, n * sff)?), None)
+    };
+    products(
+        &[&sh.down],
+        f32_in,
+        q8_in,
+        n,
+        vec![view_mut::<f32>(&mut bufs.proj, n * d)?],
+        false,
+        &mut bufs.batch_in,
         stream,
     )?;
     Ok(())
