@@ -4,11 +4,11 @@
 //!
 //! A *slot* is one token's choice of one expert (`n_tokens × used` of them). The slots are
 //! grouped by expert into *tiles* of at most [`tile_tokens_for`] slots of one expert, and
-//! a tile's expert rows are read once for all its slots: in the decode products
-//! ([`matvec_experts`], Q8 activations, tiles of one slot or of
+//! a tile's expert rows are read once for all its slots ([`routed_products`]): in the
+//! decode products (Q8 activations, tiles of one slot or of
 //! [`MAX_TOKENS`](super::matvec::MAX_TOKENS)) while the experts get less than a slot
-//! each, on the matrix units ([`matmul_experts`], f16 activations, tiles of up to
-//! [`MATMUL_TILE_TOKENS`]) for prompts and larger batches. The caller (a kernel of its
+//! each, on the matrix units (f16 activations, tiles of up to [`MATMUL_TILE_TOKENS`])
+//! for prompts and larger batches. The caller (a kernel of its
 //! own, on the device) writes the tiles as `(expert, first, count)` triples of `i32` and
 //! `order`, the slots listed expert by expert; the grid is sized for
 //! [`max_tiles`], and tiles past the routing's own have a count of 0.
@@ -85,18 +85,19 @@ pub enum SlotInput {
     Own,
 }
 
-/// Slots a tile of [`matmul_experts`] takes at most (the tiles of tokens of
-/// `kernels/matmul.hip`).
+/// Slots a tile of the routed products on the matrix units takes at most (f16 input to
+/// [`routed_products`]; the tiles of tokens of `kernels/matmul.hip`).
 pub const MATMUL_TILE_TOKENS: usize = 128;
 
 /// Slots an expert gets on average from which the routed products take the matrix
-/// units ([`matmul_experts`]) rather than the decode products in tiles of one slot.
+/// units rather than the decode products in tiles of one slot.
 pub const MATMUL_FROM_SLOTS_PER_EXPERT: usize = 1;
 
 /// Slots a tile takes for `n_slots` slots over `n_experts` experts, which also says which
-/// products run: one (through [`matvec_experts`]) while the experts get fewer than
-/// [`MATMUL_FROM_SLOTS_PER_EXPERT`] on average (decoding a few sequences), else
-/// [`MATMUL_TILE_TOKENS`] (through [`matmul_experts`]: prompts and larger batches).
+/// products run ([`routed_products`]): one (the decode products, Q8 input) while the
+/// experts get fewer than [`MATMUL_FROM_SLOTS_PER_EXPERT`] on average (decoding a few
+/// sequences), else [`MATMUL_TILE_TOKENS`] (the matrix units, f16 input: prompts and
+/// larger batches).
 ///
 /// Measured on an H200 with Qwen3-30B-A3B's shape (128 experts, 8 a token), batched
 /// decoding in tokens/s: at 8 sequences (half a slot an expert) tiles of one 958, the
@@ -227,26 +228,51 @@ fn check_routed(
     })
 }
 
+/// The routed products' input: Q8 blocks for the decode products, or f16 rows and a
+/// scale each, as [`row_scales`](super::matmul::row_scales) makes them, for the matrix
+/// units'.
+#[derive(Clone, Copy, Debug)]
+pub enum RoutedInput<'a> {
+    Q8(DeviceView<'a, u8>),
+    F16 {
+        x16: DeviceView<'a, f16>,
+        scales: DeviceView<'a, f32>,
+    },
+}
+
 /// The routed products: for each slot `s` of the tiles, `outs[m][s] = x_s · experts[m]_eᵀ`
-/// with `e` the tile's expert and `x_s` the slot's activations (Q8 blocks of `n_x` rows,
-/// `input` says which row). One or two tensors of one type and shape (gate and up), one
+/// with `e` the tile's expert and `x_s` the slot's activations (`n_x` rows of `input`,
+/// `slots` says which row). One or two tensors of one type and shape (gate and up), one
 /// output each of `n_slots × rows`. `tiles` holds [`max_tiles`] triples of at most
-/// `tile_tokens` (1 or [`MAX_TOKENS`]) slots, `order` the `n_slots` slots; both are read
-/// on the device, and an expert index or slot out of range there is the writer's error
-/// (the kernel does not check them).
+/// `tile_tokens` slots, `order` the `n_slots` slots; both are read on the device, and an
+/// expert index or slot out of range there is the writer's error (the kernels do not
+/// check them).
+///
+/// Q8 input runs the decode products, for tiles of 1 or [`MAX_TOKENS`] slots: each
+/// slot's product is bit for bit its expert's [`matvec`](super::matvec::matvec). f16
+/// input runs the matrix units, for tiles of up to [`MATMUL_TILE_TOKENS`]: each slot's
+/// product agrees with its expert's to rounding, as [`matmul`](super::matmul::matmul)
+/// agrees with `matvec`.
 #[allow(clippy::too_many_arguments)]
-pub fn matvec_experts(
+pub fn routed_products(
     experts: &[GpuExperts<'_>],
-    x: DeviceView<'_, u8>,
+    input: RoutedInput<'_>,
     n_x: usize,
-    input: SlotInput,
+    slots: SlotInput,
     tiles: DeviceView<'_, i32>,
     order: DeviceView<'_, i32>,
     tile_tokens: usize,
     outs: &mut [DeviceViewMut<'_, f32>],
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
-    if tile_tokens != 1 && tile_tokens != MAX_TOKENS {
+    let (takes, x_device) = match input {
+        RoutedInput::Q8(x) => (
+            tile_tokens == 1 || tile_tokens == MAX_TOKENS,
+            x.device_ordinal(),
+        ),
+        RoutedInput::F16 { x16, .. } => (tile_tokens == MATMUL_TILE_TOKENS, x16.device_ordinal()),
+    };
+    if !takes {
         return Err(DequantError::ProductTokens {
             n_tokens: tile_tokens,
             max: MAX_TOKENS,
@@ -256,75 +282,47 @@ pub fn matvec_experts(
     let shape = check_routed(
         experts,
         n_x,
-        input,
+        slots,
         &tiles,
         &order,
         tile_tokens,
-        x.device_ordinal(),
+        x_device,
         outs,
         stream,
     )?;
     let cols = experts[0].cols();
-    if x.len() != q8_bytes(n_x, cols) {
-        return Err(DequantError::InputLength {
-            n_tokens: n_x,
-            cols,
-            expected: q8_bytes(n_x, cols),
-            actual: x.len(),
+    let (expected, actual) = match input {
+        RoutedInput::Q8(x) => (q8_bytes(n_x, cols), x.len()),
+        RoutedInput::F16 { x16, scales } => {
+            check_device(stream, scales.device_ordinal(), x16.device_ordinal())?;
+            if scales.len() != n_x {
+                return Err(DequantError::InputLength {
+                    n_tokens: n_x,
+                    cols: 1,
+                    expected: n_x,
+                    actual: scales.len(),
+                }
+                .into());
+            }
+            (n_x.saturating_mul(cols), x16.len())
         }
-        .into());
-    }
-    launch_matvec(experts, x, tiles, order, shape, outs, stream)
-}
-
-/// [`matvec_experts`] on the matrix units, for tiles of up to [`MATMUL_TILE_TOKENS`]
-/// slots: the input is `n_x` rows as [`row_scales`](super::matmul::row_scales) makes
-/// them (f16 values `x16` and a scale per row), and the results agree with the decode
-/// products to rounding, as [`matmul`](super::matmul::matmul) agrees with
-/// [`matvec`](super::matvec::matvec).
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_experts(
-    experts: &[GpuExperts<'_>],
-    x16: DeviceView<'_, f16>,
-    scales: DeviceView<'_, f32>,
-    n_x: usize,
-    input: SlotInput,
-    tiles: DeviceView<'_, i32>,
-    order: DeviceView<'_, i32>,
-    outs: &mut [DeviceViewMut<'_, f32>],
-    stream: &Stream,
-) -> Result<(), GpuDequantError> {
-    let shape = check_routed(
-        experts,
-        n_x,
-        input,
-        &tiles,
-        &order,
-        MATMUL_TILE_TOKENS,
-        x16.device_ordinal(),
-        outs,
-        stream,
-    )?;
-    let cols = experts[0].cols();
-    let expected = n_x.saturating_mul(cols);
-    if x16.len() != expected || scales.len() != n_x {
+    };
+    if actual != expected {
         return Err(DequantError::InputLength {
             n_tokens: n_x,
             cols,
             expected,
-            actual: x16.len(),
+            actual,
         }
         .into());
     }
-    check_device(stream, scales.device_ordinal(), x16.device_ordinal())?;
-    launch_matmul(experts, x16, scales, tiles, order, shape, outs, stream)
+    launch(experts, input, tiles, order, shape, outs, stream)
 }
 
 #[cfg(not(hip_platform = "none"))]
-#[allow(clippy::too_many_arguments)]
-fn launch_matvec(
+fn launch(
     experts: &[GpuExperts<'_>],
-    x: DeviceView<'_, u8>,
+    input: RoutedInput<'_>,
     tiles: DeviceView<'_, i32>,
     order: DeviceView<'_, i32>,
     shape: Shape,
@@ -335,102 +333,70 @@ fn launch_matvec(
     let first = &experts[0];
     let weights: Vec<*const c_void> = experts.iter().map(|e| e.all.bytes().as_ptr()).collect();
     let out_ptrs: Vec<*mut c_void> = outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
-    let launcher = super::launchers(first.ty())?.matvec_experts;
-    // SAFETY: `matvec_experts` checked every length: each weight view holds exactly its
-    // `count` matrices, each output one row per slot, the input `n_x` rows of Q8 blocks,
-    // `tiles` the most triples the grid reads and `order` one entry per slot; all are on
-    // the stream's device and stay borrowed (alive) while the kernel is queued. The
-    // pointer arrays live through the call, which copies them into the kernel's
-    // arguments; rows, columns and counts fit in `c_int` (`GpuMatrix::new`, the checks
-    // above).
-    let status = unsafe {
-        launcher(
-            weights.as_ptr(),
-            out_ptrs.as_ptr(),
-            experts.len() as c_int,
-            first.rows() as c_int,
-            first.cols() as c_int,
-            first.expert_bytes(),
-            tiles.as_ptr(),
-            shape.n_tiles as c_int,
-            shape.tile_tokens as c_int,
-            order.as_ptr(),
-            shape.slot_div as c_int,
-            x.as_ptr(),
-            shape.n_x as c_int,
-            shape.device,
-            stream.as_raw(),
-        )
+    let launchers = super::launchers(first.ty())?;
+    let (n_mats, rows, cols) = (
+        experts.len() as c_int,
+        first.rows() as c_int,
+        first.cols() as c_int,
+    );
+    // SAFETY: `routed_products` checked every length: each weight view holds exactly its
+    // `count` matrices, each output one row per slot, the input `n_x` rows (of Q8 blocks,
+    // or of f16 values with a scale each), `tiles` the most triples the grid reads and
+    // `order` one entry per slot; all are on the stream's device and stay borrowed
+    // (alive) while the kernel is queued. The pointer arrays live through the call,
+    // which copies them into the kernel's arguments; rows, columns and counts fit in
+    // `c_int` (`GpuMatrix::new`, the checks above).
+    let (status, what) = unsafe {
+        match input {
+            RoutedInput::Q8(x) => (
+                (launchers.matvec_experts)(
+                    weights.as_ptr(),
+                    out_ptrs.as_ptr(),
+                    n_mats,
+                    rows,
+                    cols,
+                    first.expert_bytes(),
+                    tiles.as_ptr(),
+                    shape.n_tiles as c_int,
+                    shape.tile_tokens as c_int,
+                    order.as_ptr(),
+                    shape.slot_div as c_int,
+                    x.as_ptr(),
+                    shape.n_x as c_int,
+                    shape.device,
+                    stream.as_raw(),
+                ),
+                "rf_matvec_experts",
+            ),
+            RoutedInput::F16 { x16, scales } => (
+                (launchers.matmul_experts)(
+                    weights.as_ptr(),
+                    out_ptrs.as_ptr(),
+                    n_mats,
+                    rows,
+                    cols,
+                    first.expert_bytes(),
+                    first.count() as c_int,
+                    tiles.as_ptr(),
+                    shape.n_tiles as c_int,
+                    order.as_ptr(),
+                    shape.slot_div as c_int,
+                    x16.as_ptr(),
+                    scales.as_ptr(),
+                    shape.device,
+                    stream.as_raw(),
+                ),
+                "rf_matmul_experts",
+            ),
+        }
     };
-    hip_backend::check_status("rf_matvec_experts", status).map_err(GpuDequantError::from)
-}
-
-#[cfg(not(hip_platform = "none"))]
-#[allow(clippy::too_many_arguments)]
-fn launch_matmul(
-    experts: &[GpuExperts<'_>],
-    x16: DeviceView<'_, f16>,
-    scales: DeviceView<'_, f32>,
-    tiles: DeviceView<'_, i32>,
-    order: DeviceView<'_, i32>,
-    shape: Shape,
-    outs: &mut [DeviceViewMut<'_, f32>],
-    stream: &Stream,
-) -> Result<(), GpuDequantError> {
-    use std::ffi::{c_int, c_void};
-    let first = &experts[0];
-    let weights: Vec<*const c_void> = experts.iter().map(|e| e.all.bytes().as_ptr()).collect();
-    let out_ptrs: Vec<*mut c_void> = outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
-    let launcher = super::launchers(first.ty())?.matmul_experts;
-    // SAFETY: `matmul_experts` checked every length: each weight view holds exactly its
-    // `count` matrices, each output one row per slot, the input `n_x` rows of f16 values
-    // and one scale each, `tiles` the most triples the grid reads and `order` one entry
-    // per slot; all are on the stream's device and stay borrowed (alive) while the kernel
-    // is queued. The pointer arrays live through the call, which copies them into the
-    // kernel's arguments; rows, columns and counts fit in `c_int` (`GpuMatrix::new`, the
-    // checks above).
-    let status = unsafe {
-        launcher(
-            weights.as_ptr(),
-            out_ptrs.as_ptr(),
-            experts.len() as c_int,
-            first.rows() as c_int,
-            first.cols() as c_int,
-            first.expert_bytes(),
-            first.count() as c_int,
-            tiles.as_ptr(),
-            shape.n_tiles as c_int,
-            order.as_ptr(),
-            shape.slot_div as c_int,
-            x16.as_ptr(),
-            scales.as_ptr(),
-            shape.device,
-            stream.as_raw(),
-        )
-    };
-    hip_backend::check_status("rf_matmul_experts", status).map_err(GpuDequantError::from)
+    hip_backend::check_status(what, status).map_err(GpuDequantError::from)
 }
 
 #[cfg(hip_platform = "none")]
-#[allow(clippy::too_many_arguments)]
-fn launch_matvec(
+fn launch(
     _: &[GpuExperts<'_>],
-    _: DeviceView<'_, u8>,
-    _: DeviceView<'_, i32>,
-    _: DeviceView<'_, i32>,
-    _: Shape,
-    _: &mut [DeviceViewMut<'_, f32>],
-    _: &Stream,
-) -> Result<(), GpuDequantError> {
-    Err(HipError::BuiltWithoutGpu.into())
-}
-
-#[cfg(hip_platform = "none")]
-#[allow(clippy::too_many_arguments)]
-fn launch_matmul(
-    _: &[GpuExperts<'_>],
-    _: DeviceView<'_, f16>,
-    _: DeviceView<'_, f32>,
+    _: RoutedInput<'_>,
     _: DeviceView<'_, i32>,
     _: DeviceView<'_, i32>,
     _: Shape,

@@ -9,7 +9,7 @@ use gguf_format::GgmlType;
 use half::f16;
 
 use super::experts::{
-    matmul_experts, matvec_experts, max_tiles, GpuExperts, SlotInput, MATMUL_TILE_TOKENS,
+    max_tiles, routed_products, GpuExperts, RoutedInput, SlotInput, MATMUL_TILE_TOKENS,
 };
 use super::matmul;
 use super::matvec::{self, q8_bytes, MAX_TOKENS};
@@ -102,9 +102,9 @@ fn routed_products_are_each_experts_own_product() {
                 .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
                 .collect();
             let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
-            matvec_experts(
+            routed_products(
                 &experts,
-                q8.view(),
+                RoutedInput::Q8(q8.view()),
                 n,
                 SlotInput::Token { per_token: used },
                 tiles_dev.view(),
@@ -132,9 +132,9 @@ fn routed_products_are_each_experts_own_product() {
             matvec::quantize_q8(own_dev.view(), slots, cols, own_q8.view_mut(), &stream)
                 .expect("quantize");
             let mut out = upload(&device, &stream, &vec![f32::NAN; slots * rows]);
-            matvec_experts(
+            routed_products(
                 &experts[..1],
-                own_q8.view(),
+                RoutedInput::Q8(own_q8.view()),
                 slots,
                 SlotInput::Own,
                 tiles_dev.view(),
@@ -172,9 +172,9 @@ fn mismatched_routed_products_are_refused() {
     let order = upload(&device, &stream, &[0i32, 1, 2, 3]);
     let mut out = device.alloc::<f32>(4 * rows).expect("out");
     let run = |input, tile_tokens, out: &mut hip_backend::DeviceBuffer<f32>| {
-        matvec_experts(
+        routed_products(
             &[experts],
-            q8.view(),
+            RoutedInput::Q8(q8.view()),
             2,
             input,
             tiles.view(),
@@ -191,6 +191,13 @@ fn mismatched_routed_products_are_refused() {
     assert!(run(SlotInput::Token { per_token: 2 }, 3, &mut out).is_err());
     // Tiles of eight need room for more tiles than given.
     assert!(run(SlotInput::Token { per_token: 2 }, MAX_TOKENS, &mut out).is_err());
+    // Q8 input runs the decode products, which do not take the matrix units' tiles.
+    assert!(run(
+        SlotInput::Token { per_token: 2 },
+        MATMUL_TILE_TOKENS,
+        &mut out
+    )
+    .is_err());
 }
 
 /// The f16 input of the matrix units' products for `n` rows of `x`.
@@ -292,14 +299,17 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
             .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
             .collect();
         let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
-        matmul_experts(
+        routed_products(
             &experts,
-            x16.view(),
-            scales.view(),
+            RoutedInput::F16 {
+                x16: x16.view(),
+                scales: scales.view(),
+            },
             n,
             SlotInput::Token { per_token: used },
             tiles_dev.view(),
             order_dev.view(),
+            MATMUL_TILE_TOKENS,
             &mut views,
             &stream,
         )
@@ -317,14 +327,17 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
             .collect();
         let (own16, own_scales) = f16_input(&device, &stream, &own, slots, cols);
         let mut out = upload(&device, &stream, &vec![f32::NAN; slots * rows]);
-        matmul_experts(
+        routed_products(
             &experts[..1],
-            own16.view(),
-            own_scales.view(),
+            RoutedInput::F16 {
+                x16: own16.view(),
+                scales: own_scales.view(),
+            },
             slots,
             SlotInput::Own,
             tiles_dev.view(),
             order_dev.view(),
+            MATMUL_TILE_TOKENS,
             &mut [out.view_mut()],
             &stream,
         )
@@ -335,14 +348,17 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
             "{ty}: own rows, relative error {err:.2e}"
         );
         // An input of the wrong length is refused before any launch.
-        assert!(matmul_experts(
+        assert!(routed_products(
             &experts[..1],
-            own16.view(),
-            own_scales.view(),
+            RoutedInput::F16 {
+                x16: own16.view(),
+                scales: own_scales.view(),
+            },
             n,
             SlotInput::Own,
             tiles_dev.view(),
             order_dev.view(),
+            MATMUL_TILE_TOKENS,
             &mut [out.view_mut()],
             &stream,
         )

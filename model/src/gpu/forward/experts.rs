@@ -4,7 +4,7 @@
 //! sum into the residual stream. Nothing is read back to the host, so a decode step stays
 //! one captured graph; the same sequence runs a prompt's chunk and a paged batch.
 
-use dequant::gpu::experts::{self, matmul_experts, matvec_experts, GpuExperts, SlotInput};
+use dequant::gpu::experts::{self, routed_products, GpuExperts, RoutedInput, SlotInput};
 use dequant::gpu::matmul::row_scales;
 use dequant::gpu::matvec::q8_bytes;
 use half::f16;
@@ -94,14 +94,6 @@ fn routed_error<'a>(
     product_error("routed expert products", move || t.name().to_owned())
 }
 
-/// The routed products' input: Q8 blocks for the decode products, f16 rows and their
-/// scales for the matrix units'.
-#[derive(Clone, Copy)]
-enum RoutedInput<'a> {
-    Q8(DeviceView<'a, u8>),
-    F16(DeviceView<'a, f16>, DeviceView<'a, f32>),
-}
-
 /// The routing as the products read it: the tiles, the slots by expert, and the most
 /// slots a tile holds (which also picks the products).
 #[derive(Clone, Copy)]
@@ -121,30 +113,17 @@ fn routed(
     outs: &mut [DeviceViewMut<'_, f32>],
     stream: &Stream,
 ) -> Result<(), dequant::gpu::GpuDequantError> {
-    match input {
-        RoutedInput::Q8(x) => matvec_experts(
-            mats,
-            x,
-            n_x,
-            slots,
-            route.tiles,
-            route.order,
-            route.tile_tokens,
-            outs,
-            stream,
-        ),
-        RoutedInput::F16(x16, scales) => matmul_experts(
-            mats,
-            x16,
-            scales,
-            n_x,
-            slots,
-            route.tiles,
-            route.order,
-            outs,
-            stream,
-        ),
-    }
+    routed_products(
+        mats,
+        input,
+        n_x,
+        slots,
+        route.tiles,
+        route.order,
+        route.tile_tokens,
+        outs,
+        stream,
+    )
 }
 
 /// `x += moe(rms_norm(x))` for the `n` tokens in `x`.
@@ -311,7 +290,10 @@ fn routed_ffn(
     let up = e.up.gpu()?;
     let gate = e.gate.as_ref().map(ExpertTensor::gpu).transpose()?;
     let input = if mm {
-        RoutedInput::F16(view(&moe.x16, n * d)?, view(&moe.scales, n)?)
+        RoutedInput::F16 {
+            x16: view(&moe.x16, n * d)?,
+            scales: view(&moe.scales, n)?,
+        }
     } else {
         RoutedInput::Q8(view(&moe.q8_in, q8_bytes(n, d))?)
     };
@@ -388,7 +370,10 @@ fn routed_ffn(
             stream,
         )
         .map_err(routed_error(&e.down))?;
-        RoutedInput::F16(view(&moe.x16, slots * ff)?, view(&moe.scales, slots)?)
+        RoutedInput::F16 {
+            x16: view(&moe.x16, slots * ff)?,
+            scales: view(&moe.scales, slots)?,
+        }
     } else {
         RoutedInput::Q8(view(&moe.q8_act, q8_bytes(slots, ff))?)
     };
