@@ -5,16 +5,19 @@ use std::num::NonZeroUsize;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use hip_backend::Device;
 use model::chat::ChatTemplate;
 use model::generate::{generate, generate_with, GenerateOptions, Generation, StopReason};
-use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
+use model::gpu::{GpuModel, GpuOptions, GpuTuning, PROMPT_BATCH};
 use model::sampling::Xoshiro256;
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
+use rocmforge::tuning::Tuning;
 use serde_json::json;
 use tensor_store::device::{read_ahead, ReadAhead};
 use tensor_store::{LoadMode, TensorStore};
@@ -160,30 +163,10 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let stop = install_ctrl_c()?;
     // The GPU runtime starts while the file is read and parsed, and the host memory of
     // the upload's staging ring is made resident meanwhile.
-    let gpu_start = GpuStart::begin(args.device, 0);
-    if args.device != DeviceArg::Cpu {
-        tensor_store::device::CacheConfig {
-            staging_ring: tuning.gpu.staging_ring,
-            ..Default::default()
-        }
-        .prepare_gpu_staging();
-    }
+    let gpu_start = start_gpu(args, &tuning);
 
     let load_start = Instant::now();
-    let path = models::model_path(
-        args.gguf.as_deref(),
-        Some(models::Fetch {
-            offline: args.offline,
-            progress: args.progress,
-        }),
-    )?;
-    tracing::info!(path = %path.display(), "model file");
-    let mode = if args.no_mmap {
-        LoadMode::Read
-    } else {
-        LoadMode::Mmap
-    };
-    let store = TensorStore::open_with(&path, mode)?;
+    let (path, store) = open(args)?;
     let parsed_at = Instant::now();
     let tokenizer = Tokenizer::from_metadata(store.metadata())
         .with_context(|| format!("{}: tokenizer", path.display()))?;
@@ -240,20 +223,8 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let (output, device) = match chosen {
         Chosen::Gpu { device, ready_at } => {
             tracing::info!(gpu = device.name(), "device: gpu");
-            let gpu_options = GpuOptions {
-                device: device.ordinal(),
-                mode: args.load_mode.into(),
-                budget: args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
-                // The prompt and every generated token but the last, as on the CPU.
-                context_size: prompt
-                    .len()
-                    .saturating_add(args.max_tokens.saturating_sub(1))
-                    .clamp(1, context_size.max(1)),
-                // Ctrl-C during the upload, or during a prompt's pass, stops it between
-                // two layers (an error `main` turns into status 130).
-                stop: Some(Arc::clone(&stop)),
-                tuning: tuning.gpu,
-            };
+            let gpu_options =
+                gpu_options(args, &device, prompt.len(), context_size, &stop, tuning.gpu);
             let mut gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.batch_size)
                 .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
             let output =
@@ -303,6 +274,73 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         eprintln!("{}", summary(&output, load_ms, seed, sampling.is_random()));
     }
     out.flush()?;
+    give_back(gpu_model);
+    Ok(match output.stop_reason {
+        StopReason::Interrupted => ExitCode::from(EXIT_INTERRUPTED),
+        _ => ExitCode::SUCCESS,
+    })
+}
+
+/// Starts the GPU runtime (unless the CPU was asked for) and makes the host memory of
+/// the upload's staging ring resident meanwhile.
+fn start_gpu(args: &GenerateArgs, tuning: &Tuning) -> GpuStart {
+    let gpu_start = GpuStart::begin(args.device, 0);
+    if args.device != DeviceArg::Cpu {
+        tensor_store::device::CacheConfig {
+            staging_ring: tuning.gpu.staging_ring,
+            ..Default::default()
+        }
+        .prepare_gpu_staging();
+    }
+    gpu_start
+}
+
+/// The model's file, fetched if need be, opened and its header parsed.
+fn open(args: &GenerateArgs) -> Result<(PathBuf, TensorStore)> {
+    let path = models::model_path(
+        args.gguf.as_deref(),
+        Some(models::Fetch {
+            offline: args.offline,
+            progress: args.progress,
+        }),
+    )?;
+    tracing::info!(path = %path.display(), "model file");
+    let mode = if args.no_mmap {
+        LoadMode::Read
+    } else {
+        LoadMode::Mmap
+    };
+    let store = TensorStore::open_with(&path, mode)?;
+    Ok((path, store))
+}
+
+/// The GPU model's options: the upload, the budget, the context the run needs.
+fn gpu_options(
+    args: &GenerateArgs,
+    device: &Device,
+    prompt_len: usize,
+    context_size: usize,
+    stop: &Arc<AtomicBool>,
+    tuning: GpuTuning,
+) -> GpuOptions {
+    GpuOptions {
+        device: device.ordinal(),
+        mode: args.load_mode.into(),
+        budget: args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
+        // The prompt and every generated token but the last, as on the CPU.
+        context_size: prompt_len
+            .saturating_add(args.max_tokens.saturating_sub(1))
+            .clamp(1, context_size.max(1)),
+        // Ctrl-C during the upload, or during a prompt's pass, stops it between
+        // two layers (an error `main` turns into status 130).
+        stop: Some(Arc::clone(stop)),
+        tuning,
+    }
+}
+
+/// Drops the GPU model, its device memory, page-locked buffers and registrations, and
+/// logs how long that took.
+fn give_back(gpu_model: Option<GpuModel>) {
     if let Some(gpu) = gpu_model {
         let started = Instant::now();
         drop(gpu);
@@ -311,10 +349,6 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
             "the GPU model's memory given back"
         );
     }
-    Ok(match output.stop_reason {
-        StopReason::Interrupted => ExitCode::from(EXIT_INTERRUPTED),
-        _ => ExitCode::SUCCESS,
-    })
 }
 
 /// The user's text in the model's chat template, as one user message; saying on stderr

@@ -268,29 +268,7 @@ const SMALL_SHAPES: [(&str, usize, usize); 5] = [
 fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>, String> {
     let e = |e: &dyn std::fmt::Display| e.to_string();
     let stream = device.new_stream().map_err(|x| e(&x))?;
-    let types: Vec<GgmlType> = [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q8_0,
-        GgmlType::Q2_K,
-        GgmlType::Q3_K,
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::IQ4_NL,
-        GgmlType::IQ4_XS,
-        GgmlType::IQ3_XXS,
-        GgmlType::IQ3_S,
-        GgmlType::IQ2_XXS,
-        GgmlType::IQ2_XS,
-        GgmlType::IQ2_S,
-        GgmlType::IQ1_S,
-        GgmlType::IQ1_M,
-        GgmlType::MXFP4,
-    ]
-    .into_iter()
-    .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))
-    .collect();
+    let types = product_types(options);
     // The split products' room, their counters left at zero by every product.
     let mut partials: DeviceBuffer<f32> =
         device.alloc(matmul::SPLIT_PARTIALS).map_err(|x| e(&x))?;
@@ -352,17 +330,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                 // Up to the decode products' limit, those first; then the batch products
                 // twice: as they are, and given room to split their columns (which they
                 // use only where their tiles leave the device idle).
-                let mut kernels = Vec::new();
-                if tokens <= matvec::MAX_TOKENS {
-                    kernels.push(Kernel::Decode);
-                }
-                kernels.extend([Kernel::Batch, Kernel::Split]);
-                if tokens <= matmul::SKINNY_MAX_TOKENS && skinny {
-                    kernels.push(Kernel::Skinny);
-                }
-                if tokens > matmul::SKINNY_MAX_TOKENS {
-                    kernels.push(Kernel::Fastest);
-                }
+                let kernels = kernels_for(tokens, skinny);
                 for &kernel in &kernels {
                     let ms = time_ms(device, &stream, options.iters, || {
                         for m in &mats {
@@ -412,18 +380,7 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                         us: ms * 1e3 / copies as f64,
                         weight_bytes: bytes,
                     };
-                    println!(
-                        "{:<7} {:<8} {:>6}x{:<6} {:>3} {:<6} {:>9.2} {:>8.0} {:>7.1}",
-                        ty.name(),
-                        name,
-                        rows,
-                        cols,
-                        tokens,
-                        kernel.name(),
-                        row.us,
-                        Row::gbps(bytes, row.us * 1e-3),
-                        row.tflops(),
-                    );
+                    print_product_row(&row, name);
                     results.push(row);
                 }
             }
@@ -431,6 +388,66 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
     }
     stream.synchronize().map_err(|x| e(&x))?;
     Ok(results)
+}
+
+/// The block types the products are timed for: every type the GPU multiplies on, or
+/// the one `--only` names.
+fn product_types(options: &Options) -> Vec<GgmlType> {
+    [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ3_S,
+        GgmlType::IQ2_XXS,
+        GgmlType::IQ2_XS,
+        GgmlType::IQ2_S,
+        GgmlType::IQ1_S,
+        GgmlType::IQ1_M,
+        GgmlType::MXFP4,
+    ]
+    .into_iter()
+    .filter(|ty| options.only.as_deref().is_none_or(|only| ty.name() == only))
+    .collect()
+}
+
+/// The kernels timed for a number of tokens.
+fn kernels_for(tokens: usize, skinny: bool) -> Vec<Kernel> {
+    let mut kernels = Vec::new();
+    if tokens <= matvec::MAX_TOKENS {
+        kernels.push(Kernel::Decode);
+    }
+    kernels.extend([Kernel::Batch, Kernel::Split]);
+    if tokens <= matmul::SKINNY_MAX_TOKENS && skinny {
+        kernels.push(Kernel::Skinny);
+    }
+    if tokens > matmul::SKINNY_MAX_TOKENS {
+        kernels.push(Kernel::Fastest);
+    }
+    kernels
+}
+
+/// One product's line on stdout.
+fn print_product_row(row: &ProductRow, name: &str) {
+    println!(
+        "{:<7} {:<8} {:>6}x{:<6} {:>3} {:<6} {:>9.2} {:>8.0} {:>7.1}",
+        row.ty.name(),
+        name,
+        row.rows,
+        row.cols,
+        row.tokens,
+        row.kernel.name(),
+        row.us,
+        Row::gbps(row.weight_bytes, row.us * 1e-3),
+        row.tflops(),
+    );
 }
 
 fn products_json(device: &Device, rows: &[ProductRow]) -> String {

@@ -264,18 +264,7 @@ impl ModelConfig {
     /// Reads the configuration from GGUF metadata. Pure: needs no weights.
     pub fn from_metadata(metadata: &Metadata) -> Result<ModelConfig, ModelError> {
         let arch_name = metadata.get_str("general.architecture")?;
-        let architecture = Architecture::from_name(arch_name).ok_or_else(|| {
-            if Architecture::MOE_NOT_YET.contains(&arch_name) {
-                ModelError::UnsupportedExperts {
-                    what: format!("architecture {arch_name:?}"),
-                }
-            } else {
-                ModelError::UnsupportedArchitecture {
-                    name: arch_name.to_owned(),
-                    supported: Architecture::SUPPORTED.join(", "),
-                }
-            }
-        })?;
+        let architecture = find_architecture(arch_name)?;
         let key = |k: &str| format!("{}.{k}", architecture.name());
         let dim = |k: &str| -> Result<usize, ModelError> {
             let v: usize = metadata.get_as(&key(k))?;
@@ -336,35 +325,8 @@ impl ModelConfig {
             .get_opt::<f32>(&key("rope.freq_base"))?
             .unwrap_or(10_000.0);
         let scaling_type = metadata.get_opt::<&str>(&key("rope.scaling.type"))?;
-        let rope_scale = match scaling_type {
-            None | Some("none") | Some("linear") | Some("yarn") => metadata
-                .get_opt::<f32>(&key("rope.scaling.factor"))?
-                .filter(|f| *f > 0.0)
-                .unwrap_or(1.0),
-            Some(other) => {
-                return Err(ModelError::InvalidConfig {
-                    key: key("rope.scaling.type"),
-                    reason: format!(
-                        "{other:?} RoPE scaling is not supported (only linear and yarn)"
-                    ),
-                })
-            }
-        };
-        if !rope_scale.is_finite() {
-            return Err(ModelError::InvalidConfig {
-                key: key("rope.scaling.factor"),
-                reason: format!("{rope_scale} is not a finite number"),
-            });
-        }
-        let rope_attn_factor = metadata
-            .get_opt::<f32>(&key("rope.scaling.attn_factor"))?
-            .unwrap_or(1.0);
-        if !(rope_attn_factor.is_finite() && rope_attn_factor > 0.0) {
-            return Err(ModelError::InvalidConfig {
-                key: key("rope.scaling.attn_factor"),
-                reason: format!("{rope_attn_factor} is not a positive number"),
-            });
-        }
+        let rope_scale = rope_scale(metadata, &key, scaling_type)?;
+        let rope_attn_factor = rope_attn_factor(metadata, &key)?;
         let rope_original_context =
             opt_dim("rope.scaling.original_context_length")?.unwrap_or(n_ctx_train);
         if !(rope_freq_base.is_finite() && rope_freq_base > 0.0) {
@@ -421,21 +383,7 @@ impl ModelConfig {
             experts,
             full_last_layer: false,
         };
-        match architecture {
-            Architecture::Llama => {}
-            Architecture::Qwen2
-            | Architecture::Qwen3
-            | Architecture::Qwen2Moe
-            | Architecture::Qwen3Moe => config.rope_style = RopeStyle::Halves,
-            Architecture::Phi3 => {
-                // Queries are scaled before `Q·Kᵀ`, as llama.cpp's graph does; a sliding
-                // window in the metadata is ignored, as llama.cpp ignores it for Phi-3.
-                config.rope_style = RopeStyle::Halves;
-                config.scale_queries = true;
-            }
-            Architecture::Gemma2 | Architecture::Gemma3 => gemma_specifics(&mut config, metadata)?,
-            Architecture::GptOss => gpt_oss_specifics(&mut config, metadata)?,
-        }
+        architecture_specifics(&mut config, metadata)?;
         Ok(config)
     }
 
@@ -457,6 +405,83 @@ impl ModelConfig {
         }
         Ok(())
     }
+}
+
+/// The architecture `general.architecture` names, or an error listing the supported ones.
+fn find_architecture(arch_name: &str) -> Result<Architecture, ModelError> {
+    Architecture::from_name(arch_name).ok_or_else(|| {
+        if Architecture::MOE_NOT_YET.contains(&arch_name) {
+            ModelError::UnsupportedExperts {
+                what: format!("architecture {arch_name:?}"),
+            }
+        } else {
+            ModelError::UnsupportedArchitecture {
+                name: arch_name.to_owned(),
+                supported: Architecture::SUPPORTED.join(", "),
+            }
+        }
+    })
+}
+
+/// The RoPE scaling factor (1 without scaling); only linear and YaRN scaling are read.
+fn rope_scale(
+    metadata: &Metadata,
+    key: &dyn Fn(&str) -> String,
+    scaling_type: Option<&str>,
+) -> Result<f32, ModelError> {
+    let rope_scale = match scaling_type {
+        None | Some("none") | Some("linear") | Some("yarn") => metadata
+            .get_opt::<f32>(&key("rope.scaling.factor"))?
+            .filter(|f| *f > 0.0)
+            .unwrap_or(1.0),
+        Some(other) => {
+            return Err(ModelError::InvalidConfig {
+                key: key("rope.scaling.type"),
+                reason: format!("{other:?} RoPE scaling is not supported (only linear and yarn)"),
+            })
+        }
+    };
+    if !rope_scale.is_finite() {
+        return Err(ModelError::InvalidConfig {
+            key: key("rope.scaling.factor"),
+            reason: format!("{rope_scale} is not a finite number"),
+        });
+    }
+    Ok(rope_scale)
+}
+
+/// `rope.scaling.attn_factor`, 1 when absent.
+fn rope_attn_factor(metadata: &Metadata, key: &dyn Fn(&str) -> String) -> Result<f32, ModelError> {
+    let rope_attn_factor = metadata
+        .get_opt::<f32>(&key("rope.scaling.attn_factor"))?
+        .unwrap_or(1.0);
+    if !(rope_attn_factor.is_finite() && rope_attn_factor > 0.0) {
+        return Err(ModelError::InvalidConfig {
+            key: key("rope.scaling.attn_factor"),
+            reason: format!("{rope_attn_factor} is not a positive number"),
+        });
+    }
+    Ok(rope_attn_factor)
+}
+
+/// What an architecture changes from the defaults `from_metadata` starts with.
+fn architecture_specifics(config: &mut ModelConfig, metadata: &Metadata) -> Result<(), ModelError> {
+    match config.architecture {
+        Architecture::Llama => {}
+        Architecture::Qwen2
+        | Architecture::Qwen3
+        | Architecture::Qwen2Moe
+        | Architecture::Qwen3Moe => config.rope_style = RopeStyle::Halves,
+        Architecture::Phi3 => {
+            // Queries are scaled before `Q·Kᵀ`, as llama.cpp's graph does; a sliding
+            // window in the metadata is ignored, as llama.cpp ignores it for Phi-3.
+            config.rope_style = RopeStyle::Halves;
+            config.scale_queries = true;
+        }
+        Architecture::Gemma2 | Architecture::Gemma3 => gemma_specifics(config, metadata)?,
+        Architecture::GptOss => gpt_oss_specifics(config, metadata)?,
+    }
+    Ok(())
 }
 
 /// The mixture of experts of `architecture`'s feed-forward blocks, as llama.cpp reads

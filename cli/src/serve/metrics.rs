@@ -8,6 +8,20 @@ use super::AppState;
 
 pub fn render(state: &AppState) -> String {
     let mut out = String::new();
+    server_gauges(&mut out, state);
+    let Some(loaded) = state.loaded.get() else {
+        return out;
+    };
+    let m = loaded.scheduler.metrics();
+    scheduler_counters(&mut out, m);
+    scheduler_gauges(&mut out, state, m);
+    timings(&mut out, m);
+    out
+}
+
+/// The server's own gauges and the device cache's counters, present before a model has
+/// loaded.
+fn server_gauges(out: &mut String, state: &AppState) {
     let mut gauge = |name: &str, help: &str, kind: &str, value: f64| {
         let _ = writeln!(out, "# HELP rocmforge_{name} {help}");
         let _ = writeln!(out, "# TYPE rocmforge_{name} {kind}");
@@ -64,10 +78,15 @@ pub fn render(state: &AppState) -> String {
     for (name, help, value) in device_counters {
         gauge(name, help, "counter", value as f64);
     }
-    let Some(loaded) = state.loaded.get() else {
-        return out;
+}
+
+/// The scheduler's counters, and its finished requests by reason.
+fn scheduler_counters(out: &mut String, m: &SchedulerMetrics) {
+    let mut gauge = |name: &str, help: &str, kind: &str, value: f64| {
+        let _ = writeln!(out, "# HELP rocmforge_{name} {help}");
+        let _ = writeln!(out, "# TYPE rocmforge_{name} {kind}");
+        let _ = writeln!(out, "rocmforge_{name} {value}");
     };
-    let m = loaded.scheduler.metrics();
     let get = |c| SchedulerMetrics::get(c) as f64;
     let counters = [
         (
@@ -133,6 +152,11 @@ pub fn render(state: &AppState) -> String {
         get(&m.finished_stop),
         get(&m.finished_length)
     );
+}
+
+/// The scheduler's queue and KV pool, also under vLLM's names.
+fn scheduler_gauges(out: &mut String, state: &AppState, m: &SchedulerMetrics) {
+    let get = |c| SchedulerMetrics::get(c) as f64;
     let gauges = [
         ("queue_depth", "Requests waiting to start.", &m.waiting),
         ("running_sequences", "Sequences being computed.", &m.running),
@@ -199,33 +223,37 @@ pub fn render(state: &AppState) -> String {
         );
     }
     out.push_str(&out2);
+}
+
+/// The latency histograms and the time the steps spend outside their forward passes.
+fn timings(out: &mut String, m: &SchedulerMetrics) {
     histogram(
-        &mut out,
+        out,
         "time_to_first_token_seconds",
         "From a request's arrival to its first token.",
         &m.time_to_first_token.snapshot(),
     );
     histogram(
-        &mut out,
+        out,
         "inter_token_seconds",
         "Between two tokens of one sequence.",
         &m.inter_token.snapshot(),
     );
     histogram(
-        &mut out,
+        out,
         "request_duration_seconds",
         "From a request's arrival to its end.",
         &m.request_duration.snapshot(),
     );
     histogram(
-        &mut out,
+        out,
         "step_seconds",
         "Scheduler steps that ran a forward pass, whole: admitting, the forward pass, \
          sampling and handing the text out.",
         &m.step_duration.snapshot(),
     );
     histogram(
-        &mut out,
+        out,
         "forward_seconds",
         "The forward passes alone, a part of each step.",
         &m.forward_duration.snapshot(),
@@ -246,7 +274,6 @@ pub fn render(state: &AppState) -> String {
             m.step_phase_seconds(phase)
         );
     }
-    out
 }
 
 fn histogram(out: &mut String, name: &str, help: &str, h: &HistogramSnapshot) {

@@ -1,0 +1,348 @@
+//! A completion request's body: its fields as OpenAI sends them, the checks that refuse
+//! what the server cannot do, and the scheduler's settings they become.
+
+use std::collections::BTreeMap;
+
+use model::constraint::Constraint;
+use model::sampling::{defaults, SamplingParams};
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::serve::format::{constraint_spec, FormatFields};
+use crate::serve::{AppState, Loaded};
+
+use super::{random_seed, ApiError};
+
+/// `stop` as OpenAI accepts it: one string or several.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// The sampling and limit fields both endpoints take.
+#[derive(Deserialize)]
+pub(super) struct Common {
+    model: Option<String>,
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<usize>,
+    min_p: Option<f32>,
+    seed: Option<u64>,
+    stop: Option<StopField>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    repeat_penalty: Option<f32>,
+    repeat_last_n: Option<usize>,
+    logit_bias: Option<BTreeMap<String, f32>>,
+    /// Never end at an end-of-generation token (benchmarks: a fixed number of tokens).
+    #[serde(default)]
+    ignore_eos: bool,
+    n: Option<u32>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    /// What the output must be: text, a JSON object, JSON of a schema
+    /// ([`super::format`]).
+    response_format: Option<Value>,
+    /// llama.cpp's extensions: a Lark grammar, or a regular expression, the output must
+    /// match as a whole.
+    grammar: Option<Value>,
+    regex: Option<Value>,
+    /// OpenAI fields this server does not honour yet. They are read so that a request
+    /// that sets them is refused naming them ([`refuse_unsupported`]): an agent that asks
+    /// for a tool call must not get prose it takes for the one it asked for.
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<Value>,
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    functions: Option<Value>,
+    function_call: Option<Value>,
+    audio: Option<Value>,
+    modalities: Option<Value>,
+}
+
+/// A 400 naming each field of `common` set to what this server cannot do: tool and
+/// function calls, log-probabilities, audio. Values that ask for nothing (`tool_choice`
+/// `"none"`, `logprobs` `false` or `0`, empty lists, `null`) pass.
+pub(super) fn refuse_unsupported(common: &Common) -> Result<(), ApiError> {
+    let asks = |value: &Option<Value>| match value {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Array(items)) => !items.is_empty(),
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(_) => true,
+    };
+    let tool_choice_none = common.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    let refusals: [(&'static str, bool, &str); 9] = [
+        (
+            "tools",
+            asks(&common.tools),
+            "tool calls are not supported by this server",
+        ),
+        (
+            "tool_choice",
+            asks(&common.tool_choice) && !tool_choice_none,
+            "tool calls are not supported by this server",
+        ),
+        (
+            "parallel_tool_calls",
+            matches!(common.parallel_tool_calls, Some(Value::Bool(true))) && asks(&common.tools),
+            "tool calls are not supported by this server",
+        ),
+        (
+            "functions",
+            asks(&common.functions),
+            "function calls are not supported by this server",
+        ),
+        (
+            "function_call",
+            asks(&common.function_call)
+                && common.function_call.as_ref().and_then(Value::as_str) != Some("none"),
+            "function calls are not supported by this server",
+        ),
+        (
+            "logprobs",
+            asks(&common.logprobs),
+            "log-probabilities are not supported by this server",
+        ),
+        (
+            "top_logprobs",
+            asks(&common.top_logprobs),
+            "log-probabilities are not supported by this server",
+        ),
+        (
+            "audio",
+            asks(&common.audio),
+            "audio output is not supported by this server",
+        ),
+        (
+            "modalities",
+            common
+                .modalities
+                .as_ref()
+                .and_then(Value::as_array)
+                .is_some_and(|m| m.iter().any(|x| x.as_str() != Some("text"))),
+            "only text output is supported by this server",
+        ),
+    ];
+    match refusals.into_iter().find(|&(_, refused, _)| refused) {
+        Some((field, _, why)) => Err(ApiError::bad(format!("{field}: {why}")).param(field)),
+        None => Ok(()),
+    }
+}
+
+/// Message content: a string or a list of text parts.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+pub(super) struct ContentPart {
+    #[serde(rename = "type")]
+    pub(super) kind: String,
+    pub(super) text: Option<String>,
+}
+
+#[derive(Deserialize)]
+pub(super) struct Message {
+    pub(super) role: String,
+    pub(super) content: Option<Content>,
+}
+
+#[derive(Deserialize)]
+pub(super) struct ChatBody {
+    pub(super) messages: Vec<Message>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+/// A prompt: text, a list of one text, or token ids.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum PromptField {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Deserialize)]
+pub(super) struct CompletionBody {
+    pub(super) prompt: PromptField,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+/// Most stop strings, and their length, a request may give.
+const MAX_STOPS: usize = 16;
+const MAX_STOP_BYTES: usize = 256;
+
+/// Checks the common fields and builds the scheduler's request (without prompt and
+/// events yet).
+/// The name a response gives for a request's `model`: the request's own when it is the
+/// file's stem or an alias; the file's stem when it names nothing (or another model,
+/// which the loaded model serves unless `strict`, when that is a 400 listing the names).
+pub(super) fn model_name(
+    requested: Option<&str>,
+    model_id: &str,
+    aliases: &[String],
+    strict: bool,
+) -> Result<String, ApiError> {
+    match requested {
+        None | Some("") => Ok(model_id.to_owned()),
+        Some(name) if name == model_id || aliases.iter().any(|a| a == name) => Ok(name.to_owned()),
+        Some(name) if strict => {
+            let known: Vec<&str> = std::iter::once(model_id)
+                .chain(aliases.iter().map(String::as_str))
+                .collect();
+            Err(
+                ApiError::bad(format!("unknown model {name:?}: this server has {known:?}"))
+                    .param("model"),
+            )
+        }
+        Some(_) => Ok(model_id.to_owned()),
+    }
+}
+
+pub(super) fn prepare(
+    common: &Common,
+    state: &AppState,
+    loaded: &Loaded,
+) -> Result<Prepared, ApiError> {
+    refuse_unsupported(common)?;
+    let model = model_name(
+        common.model.as_deref(),
+        &loaded.model_id,
+        &state.aliases,
+        state.strict_model_names,
+    )?;
+    if let Some(n) = common.n {
+        if n != 1 {
+            return Err(ApiError::bad(format!("n must be 1, got {n}")).param("n"));
+        }
+    }
+    let seed = common.seed.unwrap_or_else(random_seed);
+    let params = SamplingParams {
+        temperature: common.temperature.unwrap_or(defaults::TEMPERATURE),
+        top_k: common.top_k.unwrap_or(defaults::TOP_K),
+        top_p: common.top_p.unwrap_or(defaults::TOP_P),
+        min_p: common.min_p.unwrap_or(defaults::MIN_P),
+        repeat_penalty: common.repeat_penalty.unwrap_or(defaults::REPEAT_PENALTY),
+        repeat_last_n: common.repeat_last_n.unwrap_or(defaults::REPEAT_LAST_N),
+        seed,
+    };
+    let sampling = params
+        .validate()
+        .map_err(|e| ApiError::bad(e.to_string()))?;
+    let penalty = |value: Option<f32>, name: &'static str| -> Result<f32, ApiError> {
+        let v = value.unwrap_or(0.0);
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(ApiError::bad(format!("{name} must be in [-2, 2], got {v}")).param(name));
+        }
+        Ok(v)
+    };
+    let presence_penalty = penalty(common.presence_penalty, "presence_penalty")?;
+    let frequency_penalty = penalty(common.frequency_penalty, "frequency_penalty")?;
+    let mut logit_bias = Vec::new();
+    for (key, &bias) in common.logit_bias.iter().flatten() {
+        let token: u32 = key
+            .parse()
+            .ok()
+            .filter(|&t: &u32| (t as usize) < loaded.n_vocab)
+            .ok_or_else(|| {
+                ApiError::bad(format!(
+                    "logit_bias: {key:?} is not a token id of this model"
+                ))
+                .param("logit_bias")
+            })?;
+        if !(-100.0..=100.0).contains(&bias) {
+            return Err(
+                ApiError::bad(format!("logit_bias must be in [-100, 100], got {bias}"))
+                    .param("logit_bias"),
+            );
+        }
+        logit_bias.push((token, bias));
+    }
+    if common.ignore_eos {
+        for &token in loaded.tokenizer.end_of_generation_tokens() {
+            logit_bias.push((token, f32::NEG_INFINITY));
+        }
+    }
+    let stop = match &common.stop {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s.clone()],
+        Some(StopField::Many(v)) => v.clone(),
+    };
+    if stop.len() > MAX_STOPS || stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::bad(format!(
+            "at most {MAX_STOPS} stop strings of at most {MAX_STOP_BYTES} bytes"
+        ))
+        .param("stop"));
+    }
+    let max_tokens = common.max_completion_tokens.or(common.max_tokens);
+    let constraint = constraint(common, loaded)?;
+    Ok(Prepared {
+        model,
+        max_tokens,
+        sampling,
+        stop,
+        presence_penalty,
+        frequency_penalty,
+        logit_bias,
+        constraint,
+        stream: common.stream,
+        include_usage: common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+    })
+}
+
+pub(super) struct Prepared {
+    /// The model's name in the responses.
+    pub(super) model: String,
+    pub(super) max_tokens: Option<usize>,
+    pub(super) sampling: model::sampling::SamplingConfig,
+    pub(super) stop: Vec<String>,
+    pub(super) presence_penalty: f32,
+    pub(super) frequency_penalty: f32,
+    pub(super) logit_bias: Vec<(u32, f32)>,
+    pub(super) constraint: Option<Constraint>,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+}
+
+/// The compiled constraint a request asks for, or a 400 naming the field whose
+/// schema, grammar or expression does not compile.
+fn constraint(common: &Common, loaded: &Loaded) -> Result<Option<Constraint>, ApiError> {
+    let fields = FormatFields {
+        response_format: common.response_format.as_ref(),
+        grammar: common.grammar.as_ref(),
+        regex: common.regex.as_ref(),
+    };
+    let Some((spec, field)) = constraint_spec(&fields)? else {
+        return Ok(None);
+    };
+    let grammars = loaded.grammars.as_ref().map_err(|e| {
+        ApiError::bad(format!(
+            "{field}: this model cannot hold output to a format: {e}"
+        ))
+        .param(field)
+    })?;
+    match grammars.compile(&spec) {
+        Ok(constraint) => Ok(Some(constraint)),
+        Err(e) => Err(ApiError::bad(format!("{field}: {e}")).param(field)),
+    }
+}

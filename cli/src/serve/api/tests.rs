@@ -1,0 +1,87 @@
+use super::request::{model_name, refuse_unsupported, Common};
+use super::*;
+
+fn refused(body: Value) -> Option<(&'static str, String)> {
+    let common: Common = serde_json::from_value(body).expect("a request body");
+    refuse_unsupported(&common)
+        .err()
+        .map(|e| (e.param.expect("the field is named"), e.message))
+}
+
+#[test]
+fn fields_asking_for_what_the_server_cannot_do_are_refused_by_name() {
+    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    for (body, field) in [
+        (json!({"tools": tool}), "tools"),
+        (json!({"tools": tool, "tool_choice": "required"}), "tools"),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        ),
+        (json!({"functions": [{"name": "f"}]}), "functions"),
+        (json!({"function_call": "auto"}), "function_call"),
+        (json!({"logprobs": true}), "logprobs"),
+        (json!({"logprobs": 5}), "logprobs"),
+        (json!({"top_logprobs": 3}), "top_logprobs"),
+        (json!({"audio": {"voice": "x"}}), "audio"),
+        (json!({"modalities": ["text", "audio"]}), "modalities"),
+    ] {
+        let (param, message) = refused(body.clone()).unwrap_or_else(|| panic!("{body} passed"));
+        assert_eq!(param, field, "{body}");
+        assert!(message.contains(field), "{message}");
+    }
+}
+
+#[test]
+fn model_names_resolve_to_the_one_a_response_gives() {
+    let aliases = ["chat".to_owned(), "gpt-4o-mini".to_owned()];
+    let name = |requested, strict| model_name(requested, "smol", &aliases, strict);
+    for strict in [false, true] {
+        assert_eq!(name(None, strict).ok().as_deref(), Some("smol"));
+        assert_eq!(name(Some(""), strict).ok().as_deref(), Some("smol"));
+        assert_eq!(name(Some("smol"), strict).ok().as_deref(), Some("smol"));
+        assert_eq!(name(Some("chat"), strict).ok().as_deref(), Some("chat"));
+    }
+    // Another model's name is served by this one, unless names are strict.
+    assert_eq!(name(Some("gpt-4o"), false).ok().as_deref(), Some("smol"));
+    let error = name(Some("gpt-4o"), true).expect_err("refused");
+    assert_eq!(error.param, Some("model"));
+    for part in ["gpt-4o", "smol", "chat", "gpt-4o-mini"] {
+        assert!(error.message.contains(part), "{}", error.message);
+    }
+}
+
+#[test]
+fn cors_lets_in_the_listed_origins_only() {
+    let listed = ["https://app.example".to_owned()];
+    assert_eq!(
+        cors_allow(&listed, "https://app.example"),
+        Some("https://app.example")
+    );
+    assert_eq!(cors_allow(&listed, "https://evil.example"), None);
+    assert_eq!(cors_allow(&[], "https://app.example"), None);
+    let trailing = ["https://app.example/".to_owned()];
+    assert_eq!(
+        cors_allow(&trailing, "https://app.example"),
+        Some("https://app.example")
+    );
+    let any = ["*".to_owned()];
+    assert_eq!(cors_allow(&any, "https://evil.example"), Some("*"));
+}
+
+#[test]
+fn fields_that_ask_for_nothing_pass() {
+    for body in [
+        json!({}),
+        json!({"response_format": {"type": "json_object"}}),
+        json!({"tools": [], "tool_choice": "none"}),
+        json!({"tool_choice": "none", "parallel_tool_calls": true}),
+        json!({"function_call": "none"}),
+        json!({"logprobs": false, "top_logprobs": 0}),
+        json!({"logprobs": null, "audio": null}),
+        json!({"modalities": ["text"]}),
+    ] {
+        assert_eq!(refused(body.clone()), None, "{body}");
+    }
+}

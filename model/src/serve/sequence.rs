@@ -1,0 +1,114 @@
+//! A request being served: its tokens, blocks, sampler and stop strings, and how it
+//! chooses its next token.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::constraint::Constraint;
+use crate::sampling::Sampler;
+use crate::tokenizer::{StreamDecoder, TokenId};
+
+use super::pool::BlockId;
+use super::stop::StopMatcher;
+use super::{Event, EventSink, Finish, FinishReason};
+
+/// A request being served.
+pub(super) struct Sequence<'t> {
+    /// Prompt and generated tokens.
+    pub(super) tokens: Vec<TokenId>,
+    pub(super) prompt_len: usize,
+    /// Positions whose keys and values are in the sequence's blocks.
+    pub(super) computed: usize,
+    pub(super) table: Vec<BlockId>,
+    /// Blocks of `table` offered to the pool's registry so far.
+    pub(super) offered: usize,
+    pub(super) max_tokens: usize,
+    pub(super) generated: usize,
+    pub(super) sampler: Sampler,
+    pub(super) decoder: StreamDecoder<'t>,
+    pub(super) stop: StopMatcher,
+    pub(super) presence_penalty: f32,
+    pub(super) frequency_penalty: f32,
+    pub(super) logit_bias: Vec<(TokenId, f32)>,
+    /// Whether no token appears twice in `logit_bias` (the device adds them all at once).
+    pub(super) bias_distinct: bool,
+    /// Occurrences of each generated token (for the OpenAI penalties).
+    pub(super) counts: HashMap<TokenId, u32>,
+    /// The grammar its output follows, if any.
+    pub(super) constraint: Option<Constraint>,
+    pub(super) cancel: Arc<AtomicBool>,
+    pub(super) events: EventSink,
+    pub(super) arrived: Instant,
+    pub(super) last_token: Option<Instant>,
+    pub(super) cached_tokens: usize,
+    /// Whether it counts against the queue's limit while waiting (new requests do,
+    /// preempted ones do not).
+    pub(super) counted: bool,
+}
+
+impl Sequence<'_> {
+    /// Whether its next token is the first highest logit of the model's logits with its
+    /// biases added (as [`Sequence::choose`] adds them): greedy, with no penalty, and
+    /// biases of distinct tokens (the device adds them all at once), and no grammar (its
+    /// mask is computed here).
+    pub(super) fn takes_device_argmax(&self) -> bool {
+        self.constraint.is_none()
+            && self.sampler.is_plain_greedy()
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+            && self.bias_distinct
+    }
+
+    pub(super) fn send(&mut self, event: Event) -> bool {
+        (self.events)(event)
+    }
+
+    /// Its next token from its row of the step's logits, which it changes in place (the
+    /// step is done with them): the biases, then the OpenAI penalties, then the grammar's
+    /// mask, then the sampler.
+    pub(super) fn choose(&mut self, logits: &mut [f32]) -> Result<TokenId, String> {
+        for &(token, bias) in &self.logit_bias {
+            logits[token as usize] += bias;
+        }
+        // With a bias, as without one, the penalties' subtractions are as they always
+        // were (even of a zero: -0 - 0 stays -0, but x - -0 does not).
+        if !self.logit_bias.is_empty()
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+        {
+            for (&token, &count) in &self.counts {
+                logits[token as usize] -=
+                    self.presence_penalty + self.frequency_penalty * count as f32;
+            }
+        }
+        if let Some(constraint) = &mut self.constraint {
+            constraint.mask(logits)?;
+        }
+        self.sampler
+            .sample_in_place(logits)
+            .map_err(|e| e.to_string())
+    }
+
+    pub(super) fn finish(&self, reason: FinishReason) -> Finish {
+        Finish {
+            reason,
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.generated,
+            cached_tokens: self.cached_tokens,
+        }
+    }
+}
+
+/// Whether no token appears twice among `biases`.
+pub(super) fn distinct_tokens(biases: &[(TokenId, f32)]) -> bool {
+    match biases.len() {
+        0 | 1 => true,
+        _ => {
+            let mut tokens: Vec<TokenId> = biases.iter().map(|&(t, _)| t).collect();
+            tokens.sort_unstable();
+            tokens.windows(2).all(|w| w[0] != w[1])
+        }
+    }
+}
