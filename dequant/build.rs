@@ -144,7 +144,10 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/decode_kquants.h",
     "kernels/decode_iquants.h",
     "kernels/matvec.hip",
+    "kernels/matvec_tasks.h",
     "kernels/matmul.hip",
+    "kernels/matmul_decode.h",
+    "kernels/matmul_launch.h",
     "kernels/skinny.hip",
 ];
 

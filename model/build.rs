@@ -1,11 +1,25 @@
-//! model's build script: compiles the transformer kernels (`kernels/transformer.hip`) and the
-//! mixture-of-experts kernels (`kernels/experts.hip`) with
-//! hip-backend's GPU configuration, when that configuration has a platform.
+//! model's build script: compiles the transformer kernels (`kernels/norm_rope.hip`,
+//! `kernels/attention.hip`, `kernels/flash_attention.hip`, `kernels/rows.hip`, which
+//! share `kernels/transformer_common.h`) and the
+//! mixture-of-experts kernels (`kernels/experts.hip`) with hip-backend's GPU
+//! configuration, when that configuration has a platform. Each `.hip` file is a
+//! translation unit of its own.
 
 #[path = "../hip-backend/build/hip_build.rs"]
 mod hip_build;
 
 use hip_build::{fail, GpuConfig, Platform};
+
+/// The kernel sources, one translation unit each.
+const SOURCES: &[&str] = &[
+    "kernels/norm_rope.hip",
+    "kernels/attention.hip",
+    "kernels/flash_attention.hip",
+    "kernels/rows.hip",
+    "kernels/experts.hip",
+];
+/// The headers they include (a change re-runs the build).
+const HEADERS: &[&str] = &["kernels/transformer_common.h"];
 
 fn main() {
     let config = GpuConfig::from_dependency().unwrap_or_else(|error| fail(&error));
@@ -13,10 +27,10 @@ fn main() {
     if config.platform == Platform::None {
         return;
     }
+    for header in HEADERS {
+        println!("cargo::rerun-if-changed={header}");
+    }
     config
-        .compile(
-            "rocmforge_model_kernels",
-            &["kernels/transformer.hip", "kernels/experts.hip"],
-        )
+        .compile("rocmforge_model_kernels", SOURCES)
         .unwrap_or_else(|error| fail(&error));
 }

@@ -1,0 +1,205 @@
+// norm_rope.hip: RMSNorm, fused with the quantization of its output to Q8 blocks, and
+// per-head Q/K norms, biases, RoPE and the KV-cache write, in one kernel. Shared helpers
+// and conventions: transformer_common.h.
+#include "transformer_common.h"
+
+namespace rf {
+
+constexpr int kNormMaxThreads = 1024;
+// Values each thread keeps in registers; wider rows read the rest twice.
+constexpr int kNormPer = 4;
+
+// One workgroup per token: y = x / sqrt(mean(x²) + eps) · w. `out` (f32) gets y, or y added
+// to it; `out_q8` (optional) gets y quantized. The row is read once into registers.
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rms_norm_kernel(const float* __restrict__ x, const void* __restrict__ w, int w_type,
+                    int dim, float eps, float* out, int add, void* __restrict__ out_q8) {
+    const float* row = x + (size_t)blockIdx.x * dim;
+    // The row and the weights are loaded before the reduction, so that no global read
+    // waits behind it; the weights (which no kernel writes) before the chained wait.
+    float v[kNormPer], wv[kNormPer];
+#pragma unroll
+    for (int k = 0; k < kNormPer; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        wv[k] = i < dim ? weight_at(w, w_type, i) : 0.0f;
+    }
+    rf_chain_wait();
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kNormPer; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        v[k] = i < dim ? row[i] : 0.0f;
+        ss += v[k] * v[k];
+    }
+    for (int i = threadIdx.x + kNormPer * blockDim.x; i < dim; i += blockDim.x) {
+        ss += row[i] * row[i];
+    }
+    ss = block_sum(ss);
+    const float scale = rsqrtf(ss / (float)dim + eps);
+    float* o = out ? out + (size_t)blockIdx.x * dim : nullptr;
+    const Q8Out q = q8_layout(out_q8, (size_t)gridDim.x * dim);
+    const size_t first = (size_t)blockIdx.x * dim;
+    // Whole 32-lane groups step together (the bound is rounded up to 32), so each group
+    // covers one Q8 block per step.
+    const int padded = (dim + 31) / 32 * 32;
+    auto emit = [&](int i, float xi, float wi) {
+        float y = 0.0f;
+        if (i < dim) {
+            y = xi * scale * wi;
+            if (o) o[i] = add ? o[i] + y : y;
+        }
+        if (out_q8) quantize32(y, q, first + i);
+    };
+#pragma unroll
+    for (int k = 0; k < kNormPer; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < padded) emit(i, v[k], wv[k]);
+    }
+    for (int i = threadIdx.x + kNormPer * blockDim.x; i < padded; i += blockDim.x) {
+        const bool in = i < dim;
+        emit(i, in ? row[i] : 0.0f, in ? weight_at(w, w_type, i) : 0.0f);
+    }
+}
+
+constexpr int kHeadThreads = 128;
+
+// One workgroup per token and run of `heads_per_group` heads of the queries and of the
+// keys (heads n_heads..n_heads + n_kv_heads-1 are the keys): bias, per-head RMSNorm,
+// RoPE, the query scale; keys and values then go to the f16 cache at their positions. The
+// token's RoPE turns are computed once for its heads in the workgroup.
+struct RopeArgs {
+    int head_dim, head_dim_v, n_heads, n_kv_heads;
+    int rope_dims, neox;
+    float theta_scale, freq_scale;
+    float attn_factor;  // multiplies the cosines and sines (Phi-3's long-context models)
+    const float* freq_factors;
+    float q_scale, eps;
+};
+
+__global__ void __launch_bounds__(kHeadThreads)
+    qk_rope_kv_kernel(float* __restrict__ q, const float* __restrict__ k,
+                      const float* __restrict__ v, const float* __restrict__ bq,
+                      const float* __restrict__ bk, const float* __restrict__ bv,
+                      const void* __restrict__ q_norm, const void* __restrict__ k_norm,
+                      int norm_type, RopeArgs a, const int* __restrict__ pos, Pages pg,
+                      __half* __restrict__ k_cache, __half* __restrict__ v_cache,
+                      int heads_per_group) {
+    rf_chain_wait();
+    __shared__ float head[512];
+    // (cos, sin) · attn_factor of each pair: rope_dims / 2 <= head_dim / 2 <= 256.
+    __shared__ float2 turn[256];
+    const int token = blockIdx.y;
+    const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
+    const int v_dim = a.n_kv_heads * a.head_dim_v;
+    const int p = token_position(pg, pos, token);
+    // RoPE: pair i (of rope_dims/2) turns by p·theta_scale^i / factor_i · freq_scale,
+    // the angle accumulated by multiplication as the CPU path (and ggml) does; the
+    // cosine and sine are multiplied by attn_factor, as the CPU path's table holds them.
+    const int pairs = a.rope_dims / 2;
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+        float theta = (float)p;
+        for (int j = 0; j < i; ++j) theta *= a.theta_scale;
+        const float factor = a.freq_factors ? a.freq_factors[i] : 1.0f;
+        const float angle = a.freq_scale * (theta / factor);
+        turn[i] = make_float2(cosf(angle) * a.attn_factor, sinf(angle) * a.attn_factor);
+    }
+    // (The first head's barrier below orders these writes before any read.)
+    const int first = blockIdx.x * heads_per_group;
+    const int last = min(first + heads_per_group, a.n_heads + a.n_kv_heads);
+    for (int h = first; h < last; ++h) {
+        const bool is_key = h >= a.n_heads;
+        const int hh = is_key ? h - a.n_heads : h;
+        const float* src = is_key ? k + (size_t)token * kv_dim + hh * a.head_dim
+                                  : q + (size_t)token * q_dim + hh * a.head_dim;
+        const float* bias = is_key ? bk : bq;
+        for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
+            head[i] = src[i] + (bias ? bias[hh * a.head_dim + i] : 0.0f);
+        }
+        __syncthreads();
+        const void* norm = is_key ? k_norm : q_norm;
+        if (norm) {
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) ss += head[i] * head[i];
+            ss = block_sum(ss);
+            const float scale = rsqrtf(ss / (float)a.head_dim + a.eps);
+            for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
+                head[i] = head[i] * scale * weight_at(norm, norm_type, i);
+            }
+            __syncthreads();
+        }
+        // Pairs are disjoint: each thread reads and writes only its own.
+        for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+            const float c = turn[i].x, s = turn[i].y;
+            const int i0 = a.neox ? i : 2 * i;
+            const int i1 = a.neox ? i + pairs : 2 * i + 1;
+            const float x0 = head[i0], x1 = head[i1];
+            head[i0] = x0 * c - x1 * s;
+            head[i1] = x0 * s + x1 * c;
+        }
+        __syncthreads();
+        if (is_key) {
+            const size_t row = cache_row(token_table(pg, token), pg.shift, p);
+            __half* kc = k_cache + row * kv_dim + hh * a.head_dim;
+            for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
+                kc[i] = __float2half(head[i]);
+            }
+            const float* vs = v + (size_t)token * v_dim + hh * a.head_dim_v;
+            __half* vc = v_cache + row * v_dim + hh * a.head_dim_v;
+            for (int i = threadIdx.x; i < a.head_dim_v; i += blockDim.x) {
+                vc[i] = __float2half(vs[i] + (bv ? bv[hh * a.head_dim_v + i] : 0.0f));
+            }
+        } else {
+            float* dst = q + (size_t)token * q_dim + hh * a.head_dim;
+            for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
+                dst[i] = head[i] * a.q_scale;
+            }
+        }
+        __syncthreads();  // every thread is done with `head` before the next head
+    }
+}
+
+}  // namespace rf
+
+using namespace rf;
+
+extern "C" {
+
+int rf_rms_norm(const void* x, const void* w, int w_type, int n_tokens, int dim, float eps,
+                void* out, int add, void* out_q8, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    // About four values a thread, in whole 32-lane groups.
+    const int threads = min(kNormMaxThreads, max(32, ((dim + 3) / 4 + 31) / 32 * 32));
+    rfLaunchChained(rms_norm_kernel, dim3(n_tokens), dim3(threads), 0, (hipStream_t)stream,
+                       (const float*)x, w, w_type, dim, eps, (float*)out, add, out_q8);
+    return (int)hipGetLastError();
+}
+
+int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const void* bk,
+                  const void* bv, const void* q_norm, const void* k_norm, int norm_type,
+                  int n_tokens, int head_dim, int head_dim_v, int n_heads, int n_kv_heads,
+                  int rope_dims, int neox, float theta_scale, float freq_scale,
+                  float attn_factor, const void* freq_factors, float q_scale, float eps,
+                  const void* pos,
+                  const void* positions, const void* table_start, const void* tables,
+                  int shift, void* k_cache, void* v_cache, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    RopeArgs a = {head_dim, head_dim_v, n_heads, n_kv_heads, rope_dims, neox, theta_scale,
+                  freq_scale, attn_factor, (const float*)freq_factors, q_scale, eps};
+    const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
+    // A workgroup a head for a few tokens (a decode step's few heads fill the device
+    // that way); for a prompt's chunk, runs of heads of one token, which compute its RoPE
+    // turns once: on the H200, a 7B's 512-token chunk took 43 us a layer with one head
+    // per workgroup.
+    const int heads = n_heads + n_kv_heads;
+    const int per_group = (long long)heads * n_tokens >= 4096 ? 8 : 1;
+    rfLaunchChained(qk_rope_kv_kernel, dim3((heads + per_group - 1) / per_group, n_tokens),
+                       dim3(kHeadThreads), 0, (hipStream_t)stream, (float*)q, (const float*)k,
+                       (const float*)v, (const float*)bq, (const float*)bk, (const float*)bv,
+                       q_norm, k_norm, norm_type, a, (const int*)pos, pg, (__half*)k_cache,
+                       (__half*)v_cache, per_group);
+    return (int)hipGetLastError();
+}
+
+}  // extern "C"

@@ -1,0 +1,210 @@
+//! The typed wrappers of `kernels/norm_rope.hip`'s launchers: RMSNorm, fused with the
+//! quantization of its output, and the per-head Q/K norms, biases, RoPE and KV-cache
+//! write.
+
+use half::f16;
+#[cfg(hip_platform = "none")]
+use hip_backend::HipError;
+use hip_backend::{DeviceView, DeviceViewMut, Stream};
+
+#[cfg(not(hip_platform = "none"))]
+use super::sys;
+use super::{
+    expect, expect_at_least, on_device, ptr_or_null, q8_bytes, small, KernelError, NormWeight,
+    Pages,
+};
+
+/// `out (+)= rms_norm(x) · w` for `n_tokens` rows of `dim`; with `out_q8`, the normed
+/// rows (before any add) are also quantized to Q8 blocks (`dim` a multiple of 32).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm(
+    x: DeviceView<'_, f32>,
+    w: NormWeight<'_>,
+    n_tokens: usize,
+    dim: usize,
+    eps: f32,
+    mut out: Option<DeviceViewMut<'_, f32>>,
+    add: bool,
+    mut out_q8: Option<DeviceViewMut<'_, u8>>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "rms_norm";
+    expect(K, "the input", x.len(), n_tokens * dim)?;
+    w.check(K, dim)?;
+    let mut devices = vec![x.device_ordinal(), w.bytes.device_ordinal()];
+    if let Some(o) = &out {
+        expect(K, "the output", o.len(), n_tokens * dim)?;
+        devices.push(o.device_ordinal());
+    }
+    if let Some(q) = &out_q8 {
+        expect(K, "the Q8 output", q.len(), q8_bytes(n_tokens, dim))?;
+        expect(K, "the width modulo 32", dim % 32, 0)?;
+        devices.push(q.device_ordinal());
+    }
+    let device = on_device(stream, &devices)?;
+    let (n, d) = (small(K, "tokens", n_tokens)?, small(K, "width", dim)?);
+    let out_ptr = out
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+    let q8_ptr = out_q8
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+    launch!(
+        rf_rms_norm,
+        "rms_norm",
+        x.as_ptr(),
+        w.bytes.as_ptr(),
+        w.type_code,
+        n,
+        d,
+        eps,
+        out_ptr,
+        i32::from(add),
+        q8_ptr,
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// Shapes and constants of [`qk_rope_kv`].
+#[derive(Clone, Copy, Debug)]
+pub struct HeadShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub head_dim_v: usize,
+    pub rope_dims: usize,
+    pub neox: bool,
+    /// `base^(-2/rope_dims)`.
+    pub theta_scale: f32,
+    /// `1 / rope_scale`.
+    pub freq_scale: f32,
+    /// Multiplies the rotary cosines and sines (`rope.scaling.attn_factor`; usually 1).
+    pub attn_factor: f32,
+    /// Multiplies the queries after RoPE (1 when the scores are scaled instead).
+    pub q_scale: f32,
+    pub eps: f32,
+}
+
+/// The optional per-layer vectors of [`qk_rope_kv`].
+#[derive(Clone, Copy, Default)]
+pub struct HeadExtras<'a> {
+    pub bq: Option<DeviceView<'a, f32>>,
+    pub bk: Option<DeviceView<'a, f32>>,
+    pub bv: Option<DeviceView<'a, f32>>,
+    pub q_norm: Option<NormWeight<'a>>,
+    pub k_norm: Option<NormWeight<'a>>,
+    pub freq_factors: Option<DeviceView<'a, f32>>,
+}
+
+/// For `n_tokens` tokens at positions `pos[0]..` (or, with `pages`, at the positions and
+/// in the blocks it gives): biases, per-head norms, RoPE (its cosines and sines times
+/// `shape.attn_factor`) and the query scale on `q` (in
+/// place) and `k`; keys and values (with bias) written to the f16 caches at their
+/// positions. The caches must hold those positions.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_rope_kv(
+    mut q: DeviceViewMut<'_, f32>,
+    k: DeviceView<'_, f32>,
+    v: DeviceView<'_, f32>,
+    extras: HeadExtras<'_>,
+    shape: &HeadShape,
+    n_tokens: usize,
+    pos: DeviceView<'_, i32>,
+    pages: Option<Pages<'_>>,
+    mut k_cache: DeviceViewMut<'_, f16>,
+    mut v_cache: DeviceViewMut<'_, f16>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "qk_rope_kv";
+    let s = shape;
+    let q_dim = s.n_heads * s.head_dim;
+    let kv_dim = s.n_kv_heads * s.head_dim;
+    let v_dim = s.n_kv_heads * s.head_dim_v;
+    expect_at_least(K, "512 values per head", 512, s.head_dim)?;
+    expect(K, "the rotated dimensions' parity", s.rope_dims % 2, 0)?;
+    expect_at_least(K, "the head's dimensions", s.head_dim, s.rope_dims)?;
+    expect(K, "the queries", q.len(), n_tokens * q_dim)?;
+    expect(K, "the keys", k.len(), n_tokens * kv_dim)?;
+    expect(K, "the values", v.len(), n_tokens * v_dim)?;
+    expect(K, "the position", pos.len(), 1)?;
+    expect(K, "the key cache's row", k_cache.len() % kv_dim.max(1), 0)?;
+    expect(K, "the value cache's row", v_cache.len() % v_dim.max(1), 0)?;
+    let mut devices = vec![
+        q.device_ordinal(),
+        k.device_ordinal(),
+        v.device_ordinal(),
+        pos.device_ordinal(),
+        k_cache.device_ordinal(),
+        v_cache.device_ordinal(),
+    ];
+    if let Some(p) = &pages {
+        devices.extend(p.check(K, n_tokens)?);
+    }
+    for (bias, len, what) in [
+        (extras.bq, q_dim, "the query bias"),
+        (extras.bk, kv_dim, "the key bias"),
+        (extras.bv, v_dim, "the value bias"),
+        (
+            extras.freq_factors,
+            s.rope_dims / 2,
+            "the frequency factors",
+        ),
+    ] {
+        if let Some(b) = bias {
+            expect(K, what, b.len(), len)?;
+            devices.push(b.device_ordinal());
+        }
+    }
+    let mut norm_type = 0;
+    for norm in [extras.q_norm, extras.k_norm].into_iter().flatten() {
+        norm.check(K, s.head_dim)?;
+        norm_type = norm.type_code;
+        devices.push(norm.bytes.device_ordinal());
+    }
+    if let (Some(a), Some(b)) = (extras.q_norm, extras.k_norm) {
+        expect(
+            K,
+            "the norms' element type",
+            b.type_code as usize,
+            a.type_code as usize,
+        )?;
+    }
+    let device = on_device(stream, &devices)?;
+    let c = |what, value| small(K, what, value);
+    launch!(
+        rf_qk_rope_kv,
+        "qk_rope_kv",
+        q.as_mut_ptr(),
+        k.as_ptr(),
+        v.as_ptr(),
+        ptr_or_null(extras.bq),
+        ptr_or_null(extras.bk),
+        ptr_or_null(extras.bv),
+        ptr_or_null(extras.q_norm.map(|n| n.bytes)),
+        ptr_or_null(extras.k_norm.map(|n| n.bytes)),
+        norm_type,
+        c("tokens", n_tokens)?,
+        c("head width", s.head_dim)?,
+        c("value head width", s.head_dim_v)?,
+        c("heads", s.n_heads)?,
+        c("key heads", s.n_kv_heads)?,
+        c("rotated dimensions", s.rope_dims)?,
+        i32::from(s.neox),
+        s.theta_scale,
+        s.freq_scale,
+        s.attn_factor,
+        ptr_or_null(extras.freq_factors),
+        s.q_scale,
+        s.eps,
+        pos.as_ptr(),
+        Pages::raw(pages)[0],
+        Pages::raw(pages)[1],
+        Pages::raw(pages)[2],
+        pages.map_or(0, |p| p.block_shift as i32),
+        k_cache.as_mut_ptr(),
+        v_cache.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}

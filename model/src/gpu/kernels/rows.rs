@@ -1,0 +1,253 @@
+//! The typed wrappers of `kernels/rows.hip`'s launchers: the gated activations, the
+//! embedding row gather, scaling, the logits' soft cap, argmax, sparse additions, row
+//! selection and the position counter.
+
+#[cfg(hip_platform = "none")]
+use hip_backend::HipError;
+use hip_backend::{DeviceView, DeviceViewMut, Stream};
+
+#[cfg(not(hip_platform = "none"))]
+use super::sys;
+use super::{
+    expect, expect_at_least, on_device, ptr_or_null, q8_bytes, small, soft_cap, KernelError,
+};
+
+/// `act(gate) · up` element-wise (SiLU, or GELU's tanh form with `gelu`), or `act(up)`
+/// without a gate, into `out` (f32) and/or `out_q8` (Q8 blocks of `width`-value rows,
+/// `width` a multiple of 32).
+pub fn gated(
+    gate: Option<DeviceView<'_, f32>>,
+    up: DeviceView<'_, f32>,
+    width: usize,
+    gelu: bool,
+    mut out: Option<DeviceViewMut<'_, f32>>,
+    mut out_q8: Option<DeviceViewMut<'_, u8>>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "gated";
+    let n = up.len();
+    let mut devices = vec![up.device_ordinal()];
+    if let Some(g) = &gate {
+        expect(K, "the gate projection", g.len(), n)?;
+        devices.push(g.device_ordinal());
+    }
+    if let Some(o) = &out {
+        expect(K, "the output", o.len(), n)?;
+        devices.push(o.device_ordinal());
+    }
+    if let Some(q) = &out_q8 {
+        expect(K, "the width modulo 32", width % 32, 0)?;
+        expect(K, "the values modulo the width", n % width.max(1), 0)?;
+        expect(
+            K,
+            "the Q8 output",
+            q.len(),
+            q8_bytes(n / width.max(1), width),
+        )?;
+        devices.push(q.device_ordinal());
+    }
+    let device = on_device(stream, &devices)?;
+    let out_ptr = out
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+    let q8_ptr = out_q8
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+    launch!(
+        rf_gated,
+        "gated",
+        ptr_or_null(gate),
+        up.as_ptr(),
+        n,
+        i32::from(gelu),
+        out_ptr,
+        q8_ptr,
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// Copies rows `tokens[t]` of `table` (`n_rows` rows of `row_bytes`) to `out`, row by
+/// row. A token past the table copies nothing and sets `bad[0]` to 1.
+pub fn gather_rows(
+    table: DeviceView<'_, u8>,
+    row_bytes: usize,
+    tokens: DeviceView<'_, u32>,
+    mut out: DeviceViewMut<'_, u8>,
+    mut bad: DeviceViewMut<'_, i32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "gather_rows";
+    let n_rows = table.len() / row_bytes.max(1);
+    expect(K, "the table", table.len(), n_rows * row_bytes)?;
+    expect(K, "the output", out.len(), tokens.len() * row_bytes)?;
+    expect(K, "the flag", bad.len(), 1)?;
+    let device = on_device(
+        stream,
+        &[
+            table.device_ordinal(),
+            tokens.device_ordinal(),
+            out.device_ordinal(),
+            bad.device_ordinal(),
+        ],
+    )?;
+    launch!(
+        rf_gather_rows,
+        "gather_rows",
+        table.as_ptr(),
+        row_bytes,
+        n_rows,
+        tokens.as_ptr(),
+        small(K, "tokens", tokens.len())?,
+        out.as_mut_ptr(),
+        bad.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `x *= s`.
+pub fn scale(mut x: DeviceViewMut<'_, f32>, s: f32, stream: &Stream) -> Result<(), KernelError> {
+    let device = on_device(stream, &[x.device_ordinal()])?;
+    let n = x.len();
+    launch!(
+        rf_scale,
+        "scale",
+        x.as_mut_ptr(),
+        n,
+        s,
+        device,
+        stream.as_raw()
+    )
+}
+
+/// `x = cap · tanh(x · (1/cap))`: the final logits' soft cap (`cap` a positive number).
+pub fn softcap(
+    mut x: DeviceViewMut<'_, f32>,
+    cap: f32,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "softcap";
+    let cap = soft_cap(K, Some(cap))?;
+    let device = on_device(stream, &[x.device_ordinal()])?;
+    let n = x.len();
+    launch!(
+        rf_softcap,
+        "softcap",
+        x.as_mut_ptr(),
+        n,
+        cap,
+        device,
+        stream.as_raw()
+    )
+}
+
+/// For each of the `token.len()` rows that `x` holds, the index of its largest value (the
+/// first among equals) into `token[row]`; `u32::MAX` for a row holding a NaN or +inf.
+pub fn argmax(
+    x: DeviceView<'_, f32>,
+    mut token: DeviceViewMut<'_, u32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "argmax";
+    let rows = token.len();
+    expect_at_least(K, "rows", rows, 1)?;
+    expect(K, "the values modulo the rows", x.len() % rows, 0)?;
+    let device = on_device(stream, &[x.device_ordinal(), token.device_ordinal()])?;
+    launch!(
+        rf_argmax,
+        "argmax",
+        x.as_ptr(),
+        small(K, "values", x.len() / rows)?,
+        small(K, "rows", rows)?,
+        token.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `x[at[i]] += values[i]` for every entry: a sparse addition (logit biases). The
+/// indices are the caller's to keep within `x` and distinct (the forward pass checks
+/// them on the host before it copies them over).
+pub fn add_at(
+    mut x: DeviceViewMut<'_, f32>,
+    at: DeviceView<'_, i32>,
+    values: DeviceView<'_, f32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "add_at";
+    expect(K, "the values", values.len(), at.len())?;
+    expect_at_least(K, "entries", at.len(), 1)?;
+    let device = on_device(
+        stream,
+        &[
+            x.device_ordinal(),
+            at.device_ordinal(),
+            values.device_ordinal(),
+        ],
+    )?;
+    launch!(
+        rf_add_at,
+        "add_at",
+        x.as_mut_ptr(),
+        at.as_ptr(),
+        values.as_ptr(),
+        small(K, "entries", at.len())?,
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `dst` row `r` = `src` row `rows[r]`, rows of `dim` values. The row indices are the
+/// caller's to keep within `src` (the forward pass checks them on the host before it
+/// copies them over).
+pub fn select_rows(
+    src: DeviceView<'_, f32>,
+    dim: usize,
+    rows: DeviceView<'_, i32>,
+    mut dst: DeviceViewMut<'_, f32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "select_rows";
+    expect(K, "the output", dst.len(), rows.len() * dim)?;
+    expect(K, "the input modulo the width", src.len() % dim.max(1), 0)?;
+    expect_at_least(K, "rows", rows.len(), 1)?;
+    let device = on_device(
+        stream,
+        &[
+            src.device_ordinal(),
+            rows.device_ordinal(),
+            dst.device_ordinal(),
+        ],
+    )?;
+    launch!(
+        rf_select_rows,
+        "select_rows",
+        src.as_ptr(),
+        small(K, "width", dim)?,
+        rows.as_ptr(),
+        small(K, "rows", rows.len())?,
+        dst.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `pos[0] += n`, on the stream (so a captured step advances itself).
+pub fn advance(
+    mut pos: DeviceViewMut<'_, i32>,
+    n: usize,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "advance";
+    expect(K, "the position", pos.len(), 1)?;
+    let device = on_device(stream, &[pos.device_ordinal()])?;
+    launch!(
+        rf_advance,
+        "advance",
+        pos.as_mut_ptr(),
+        small(K, "tokens", n)?,
+        device,
+        stream.as_raw(),
+    )
+}
