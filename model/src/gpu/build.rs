@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use hip_backend::Device;
+use hip_backend::{Device, PinnedBuffer};
 use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadOrder};
 use tensor_store::{StoreError, TensorStore};
 
@@ -17,7 +17,8 @@ use super::{
     check_stop, check_tuning, first_use_order, out_of_memory, GpuModel, GpuOptions, PageOptions,
     MAX_BATCH, PROMPT_BATCH, RUNTIME_RESERVE,
 };
-use crate::config::Experts;
+use crate::config::{Experts, ModelConfig};
+use crate::plan::ExecutionPlan;
 use crate::{Model, ModelError};
 
 impl GpuModel {
@@ -123,47 +124,23 @@ impl GpuModel {
             pages.as_ref(),
             options.tuning.flash_mma,
         )?;
-        // Without a budget, the weights take what the device has left once the
-        // activations and the cache are in, less a reserve for the runtime: a model larger
-        // than that runs with its first layers held and the rest passing through.
-        let budget = match options.budget {
-            Some(budget) => budget,
-            None => {
-                let free = device.memory_info().map_err(gpu("memory info"))?.free as u64;
-                free.saturating_sub(RUNTIME_RESERVE).max(1)
-            }
-        };
-        let arena_bytes = budget.min(model_bytes);
-        let hold_all = arena_bytes >= model_bytes;
-        if let (false, Some(e)) = (hold_all, config.experts) {
-            return Err(experts_over_budget(e, model_bytes, arena_bytes));
-        }
-        // Over budget, the embeddings stay in the file: a pass gathers its few rows on the
-        // host, and their room holds more layers (unless they are the output matrix too).
-        let embed_on_host =
-            !hold_all && plan.token_embd.weight.index() != plan.output.weight.index();
-        let order = if embed_on_host {
-            let embd = plan.token_embd.weight.index();
-            UploadOrder::by_layer(plan.handles().into_iter().filter(|h| h.index() != embd))
-        } else {
-            order
-        };
-        // A paged batch streams every layer it does not hold, with room for two so that
-        // the next arrives while one runs. One sequence streams only its long chunks, and
-        // its decode steps run those layers on the host: every layer held is one the host
-        // no longer computes for every token, so it keeps no room for passing layers
-        // and lends its last kept layers' to a long chunk.
-        let (keep_layers, stream_keep) = match (hold_all, pages.is_some()) {
-            (true, _) => (0, 0),
-            (false, true) => {
-                let keep = layers_to_keep(&order, arena_bytes, 2);
-                (keep, keep)
-            }
-            (false, false) => (
-                layers_to_keep(&order, arena_bytes, 0),
-                layers_to_keep(&order, arena_bytes, 1),
-            ),
-        };
+        let residency = Residency::plan(
+            &device,
+            options,
+            &config,
+            &plan,
+            order,
+            model_bytes,
+            pages.is_some(),
+        )?;
+        let Residency {
+            arena_bytes,
+            hold_all,
+            embed_on_host,
+            order,
+            keep_layers,
+            stream_keep,
+        } = residency;
         let target = HipTarget::new(&device, arena_bytes.max(1)).map_err(|error| match error {
             StoreError::DeviceAlloc { requested, .. } => {
                 out_of_memory(&device, "the weights", requested)
@@ -174,50 +151,18 @@ impl GpuModel {
         // it runs, they would take the runtime's locks from its readers and delay it in
         // the background mode alone.
         let stream = device.new_stream().map_err(gpu("stream"))?;
-        let host_tokens = device
-            .alloc_pinned::<u32>(batch_room)
-            .map_err(gpu("pinned"))?;
-        let host_logits = device
-            .alloc_pinned::<f32>(bufs.logit_rows() * config.n_vocab)
-            .map_err(gpu("pinned"))?;
-        let host_positions = device
-            .alloc_pinned::<i32>(capacity.div_ceil(prompt_batch).max(1))
-            .map_err(gpu("pinned"))?;
-        let host_rows = device
-            .alloc_pinned::<u8>(batch_room * bufs.row_bytes())
-            .map_err(gpu("pinned"))?;
-        let cache_config = CacheConfig {
-            mode: options.mode,
-            budget: (!hold_all).then_some(arena_bytes),
-            staging_ring: options.tuning.staging_ring,
-            stop: options.stop.clone(),
-            ..CacheConfig::default()
-        };
-        let uploaded = Arc::new(OnceLock::new());
-        let mark = Arc::clone(&uploaded);
-        let group_names: Vec<String> = order.groups().iter().map(|g| g.name.clone()).collect();
-        let cache = DeviceCache::with_progress(target, store, order, cache_config, move |p| {
-            if let Some(group) = p.completed_group.and_then(|g| group_names.get(g)) {
-                tracing::trace!(group = group.as_str(), "weights resident");
-            }
-            if p.is_complete() {
-                let _ = mark.set(Instant::now());
-            }
-        })?;
+        let staged = Staged::alloc(&device, &config, &bufs, capacity, prompt_batch, batch_room)?;
+        let budget = (!hold_all).then_some(arena_bytes);
+        let (cache, uploaded) = start_cache(target, store, order, options, budget)?;
         // One sequence over budget: its decode steps compute the layers that are not held
         // on the host rather than upload them every token.
         if !hold_all {
-            tracing::info!(
-                budget_mib = arena_bytes >> 20,
-                model_mib = model_bytes >> 20,
-                held_layers = keep_layers,
-                layers = config.n_layers,
-                "the weights do not fit the budget: {}",
-                if pages.is_none() {
-                    "the layers not held run on the host for a few tokens, streamed for more"
-                } else {
-                    "the layers not held are streamed through the budget every pass"
-                }
+            report_over_budget(
+                arena_bytes,
+                model_bytes,
+                keep_layers,
+                &config,
+                pages.is_some(),
             );
         }
         let host = if keep_layers < config.n_layers && !hold_all && pages.is_none() {
@@ -233,15 +178,13 @@ impl GpuModel {
         } else {
             None
         };
-        let pages = match pages {
-            Some(shape) => {
-                let meta = device
-                    .alloc_pinned::<i32>(shape.meta_len(batch_room).max(1))
-                    .map_err(gpu("pinned"))?;
-                Some((shape, meta))
-            }
-            None => None,
-        };
+        let pages = page_meta(&device, pages, batch_room)?;
+        let Staged {
+            host_tokens,
+            host_logits,
+            host_positions,
+            host_rows,
+        } = staged;
         let mut gpu_model = GpuModel {
             config,
             plan,
@@ -277,6 +220,201 @@ impl GpuModel {
         gpu_model.set_position(0)?;
         Ok(gpu_model)
     }
+}
+
+/// How a model's weights sit in their budget: the bytes of the weights' arena, whether
+/// it holds them all, whether the embeddings stay in the file, the order of the upload,
+/// and how many of the first layers stay resident (for one pass and for a pass that
+/// streams the others).
+struct Residency {
+    arena_bytes: u64,
+    hold_all: bool,
+    embed_on_host: bool,
+    order: UploadOrder,
+    keep_layers: usize,
+    stream_keep: usize,
+}
+
+impl Residency {
+    /// The weights' budget on `device` (`options.budget`, or what the device has free
+    /// once the activations and the cache are in) and what it holds of a model of
+    /// `model_bytes` uploaded in `order`; `paged`: the model runs paged batches.
+    fn plan(
+        device: &Device,
+        options: &GpuOptions,
+        config: &ModelConfig,
+        plan: &ExecutionPlan,
+        order: UploadOrder,
+        model_bytes: u64,
+        paged: bool,
+    ) -> Result<Residency, ModelError> {
+        let gpu = |op| move |source| ModelError::Gpu { op, source };
+        // Without a budget, the weights take what the device has left once the
+        // activations and the cache are in, less a reserve for the runtime: a model larger
+        // than that runs with its first layers held and the rest passing through.
+        let budget = match options.budget {
+            Some(budget) => budget,
+            None => {
+                let free = device.memory_info().map_err(gpu("memory info"))?.free as u64;
+                free.saturating_sub(RUNTIME_RESERVE).max(1)
+            }
+        };
+        let arena_bytes = budget.min(model_bytes);
+        let hold_all = arena_bytes >= model_bytes;
+        if let (false, Some(e)) = (hold_all, config.experts) {
+            return Err(experts_over_budget(e, model_bytes, arena_bytes));
+        }
+        // Over budget, the embeddings stay in the file: a pass gathers its few rows on the
+        // host, and their room holds more layers (unless they are the output matrix too).
+        let embed_on_host =
+            !hold_all && plan.token_embd.weight.index() != plan.output.weight.index();
+        let order = if embed_on_host {
+            let embd = plan.token_embd.weight.index();
+            UploadOrder::by_layer(plan.handles().into_iter().filter(|h| h.index() != embd))
+        } else {
+            order
+        };
+        // A paged batch streams every layer it does not hold, with room for two so that
+        // the next arrives while one runs. One sequence streams only its long chunks, and
+        // its decode steps run those layers on the host: every layer held is one the host
+        // no longer computes for every token, so it keeps no room for passing layers
+        // and lends its last kept layers' to a long chunk.
+        let (keep_layers, stream_keep) = match (hold_all, paged) {
+            (true, _) => (0, 0),
+            (false, true) => {
+                let keep = layers_to_keep(&order, arena_bytes, 2);
+                (keep, keep)
+            }
+            (false, false) => (
+                layers_to_keep(&order, arena_bytes, 0),
+                layers_to_keep(&order, arena_bytes, 1),
+            ),
+        };
+        Ok(Residency {
+            arena_bytes,
+            hold_all,
+            embed_on_host,
+            order,
+            keep_layers,
+            stream_keep,
+        })
+    }
+}
+
+/// Says that the weights do not fit the budget of `arena_bytes`, how many layers stay
+/// held, and what becomes of the others: run on the host or streamed (`paged`).
+fn report_over_budget(
+    arena_bytes: u64,
+    model_bytes: u64,
+    keep_layers: usize,
+    config: &ModelConfig,
+    paged: bool,
+) {
+    tracing::info!(
+        budget_mib = arena_bytes >> 20,
+        model_mib = model_bytes >> 20,
+        held_layers = keep_layers,
+        layers = config.n_layers,
+        "the weights do not fit the budget: {}",
+        if !paged {
+            "the layers not held run on the host for a few tokens, streamed for more"
+        } else {
+            "the layers not held are streamed through the budget every pass"
+        }
+    );
+}
+
+/// The page-locked host side of a pass: its tokens, logits, first positions and the
+/// embedding rows it gathers from the file.
+struct Staged {
+    host_tokens: PinnedBuffer<u32>,
+    host_logits: PinnedBuffer<f32>,
+    host_positions: PinnedBuffer<i32>,
+    host_rows: PinnedBuffer<u8>,
+}
+
+impl Staged {
+    /// Room for `batch_room` tokens and rows of logits as many as `bufs` computes, and
+    /// for the first positions of a context of `capacity` in chunks of `prompt_batch`.
+    fn alloc(
+        device: &Device,
+        config: &ModelConfig,
+        bufs: &Buffers,
+        capacity: usize,
+        prompt_batch: usize,
+        batch_room: usize,
+    ) -> Result<Staged, ModelError> {
+        let gpu = |op| move |source| ModelError::Gpu { op, source };
+        let host_tokens = device
+            .alloc_pinned::<u32>(batch_room)
+            .map_err(gpu("pinned"))?;
+        let host_logits = device
+            .alloc_pinned::<f32>(bufs.logit_rows() * config.n_vocab)
+            .map_err(gpu("pinned"))?;
+        let host_positions = device
+            .alloc_pinned::<i32>(capacity.div_ceil(prompt_batch).max(1))
+            .map_err(gpu("pinned"))?;
+        let host_rows = device
+            .alloc_pinned::<u8>(batch_room * bufs.row_bytes())
+            .map_err(gpu("pinned"))?;
+        Ok(Staged {
+            host_tokens,
+            host_logits,
+            host_positions,
+            host_rows,
+        })
+    }
+}
+
+/// The paged cache's shape with the host side of a batch's layout, room for a batch of
+/// `batch_room` tokens; `None` without pages.
+fn page_meta(
+    device: &Device,
+    pages: Option<PageShape>,
+    batch_room: usize,
+) -> Result<Option<(PageShape, PinnedBuffer<i32>)>, ModelError> {
+    let gpu = |op| move |source| ModelError::Gpu { op, source };
+    let pages = match pages {
+        Some(shape) => {
+            let meta = device
+                .alloc_pinned::<i32>(shape.meta_len(batch_room).max(1))
+                .map_err(gpu("pinned"))?;
+            Some((shape, meta))
+        }
+        None => None,
+    };
+    Ok(pages)
+}
+
+/// Starts the device cache that uploads `order` from `store` into `target` (within
+/// `budget` bytes when it does not hold every weight), and the moment the upload
+/// completes, set once it does.
+fn start_cache(
+    target: HipTarget,
+    store: &TensorStore,
+    order: UploadOrder,
+    options: &GpuOptions,
+    budget: Option<u64>,
+) -> Result<(DeviceCache<HipTarget>, Arc<OnceLock<Instant>>), ModelError> {
+    let cache_config = CacheConfig {
+        mode: options.mode,
+        budget,
+        staging_ring: options.tuning.staging_ring,
+        stop: options.stop.clone(),
+        ..CacheConfig::default()
+    };
+    let uploaded = Arc::new(OnceLock::new());
+    let mark = Arc::clone(&uploaded);
+    let group_names: Vec<String> = order.groups().iter().map(|g| g.name.clone()).collect();
+    let cache = DeviceCache::with_progress(target, store, order, cache_config, move |p| {
+        if let Some(group) = p.completed_group.and_then(|g| group_names.get(g)) {
+            tracing::trace!(group = group.as_str(), "weights resident");
+        }
+        if p.is_complete() {
+            let _ = mark.set(Instant::now());
+        }
+    })?;
+    Ok((cache, uploaded))
 }
 
 /// Refuses a mixture of experts whose weights do not all fit on `device` (its free
