@@ -1,0 +1,277 @@
+//! Paged batches: the new tokens of several sequences in one pass over the shared
+//! cache of blocks, laid out in device memory, and their decode steps' graphs.
+
+use super::forward::{self, Layout, PagedBatch, PagedSegment};
+use super::kernels;
+use super::pass::End;
+use super::{BatchSegment, GpuModel, MAX_BATCH};
+use crate::ModelError;
+
+impl GpuModel {
+    /// Runs the new tokens of several sequences in one pass over the paged cache (see
+    /// [`GpuModel::with_pages`]), writing their keys and values into their blocks, and
+    /// returns the logits of each segment that asks for them (`n_vocab` each, in the
+    /// segments' order). At most `prompt_batch` tokens and `max_sequences` segments;
+    /// every table must cover its segment's positions with blocks of the cache.
+    pub fn forward_batch(&mut self, segments: &[BatchSegment<'_>]) -> Result<&[f32], ModelError> {
+        let m = self.eval_batch(segments, BatchOut::Logits)?;
+        self.logits(m)
+    }
+
+    /// As [`GpuModel::forward_batch`], returning the greedy token (the first highest
+    /// logit, taken on the device) of each segment that asks for logits.
+    pub fn forward_batch_argmax(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+    ) -> Result<Vec<u32>, ModelError> {
+        let m = self.eval_batch(segments, BatchOut::Tokens)?;
+        Ok(self.greedy_tokens(m)?.to_vec())
+    }
+
+    /// As [`GpuModel::forward_batch_argmax`], each row's logits first added `biases`
+    /// on the device: `(row, token, bias)`, `row` counting the segments that ask for
+    /// logits, at most one entry per row and token. The greedy token of each biased row,
+    /// the same as adding the biases to [`GpuModel::forward_batch`]'s rows (f32 adds) and
+    /// taking their first highest logit; only the tokens come back.
+    pub fn forward_batch_argmax_biased(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+        biases: &[(usize, u32, f32)],
+    ) -> Result<Vec<u32>, ModelError> {
+        if biases.is_empty() {
+            return self.forward_batch_argmax(segments);
+        }
+        let n_vocab = self.config.n_vocab;
+        let rows = segments.iter().filter(|s| s.logits).count();
+        let mut at: Vec<i32> = Vec::with_capacity(biases.len());
+        for &(row, token, _) in biases {
+            let index = row * n_vocab + token as usize;
+            if row >= rows || token as usize >= n_vocab || index > i32::MAX as usize {
+                return Err(ModelError::InvalidBatch(format!(
+                    "a bias of token {token} in row {row}, but the batch has {rows} rows of \
+                     {n_vocab} logits"
+                )));
+            }
+            at.push(index as i32);
+        }
+        let mut distinct = at.clone();
+        distinct.sort_unstable();
+        if distinct.windows(2).any(|w| w[0] == w[1]) {
+            return Err(ModelError::InvalidBatch(
+                "two biases of one token in one row".into(),
+            ));
+        }
+        let m = self.eval_batch(segments, BatchOut::OnDevice)?;
+        let gpu = |op| move |source| ModelError::Gpu { op, source };
+        let count = at.len();
+        let room = match self.bias_room.take() {
+            Some(room) if room.0.len() >= 2 * count => room,
+            _ => (
+                self.device
+                    .alloc_pinned::<i32>(2 * count)
+                    .map_err(gpu("pinned"))?,
+                self.device.alloc::<i32>(2 * count).map_err(gpu("biases"))?,
+            ),
+        };
+        let (host, device) = self.bias_room.insert(room);
+        {
+            let staged = host.as_mut_slice().map_err(gpu("writing the biases"))?;
+            staged[..count].copy_from_slice(&at);
+            for (dst, &(_, _, bias)) in staged[count..2 * count].iter_mut().zip(biases) {
+                *dst = bias.to_bits() as i32;
+            }
+        }
+        let view = device.view_mut();
+        let view = view.slice_mut(0..2 * count).map_err(gpu("biases"))?;
+        self.stream
+            .copy_h2d_async(host, 0..2 * count, view)
+            .map_err(gpu("copying the biases"))?;
+        let entries = device.view();
+        let at = entries.slice(0..count).map_err(gpu("biases"))?;
+        let values = entries
+            .slice(count..2 * count)
+            .and_then(|v| v.cast::<f32>())
+            .map_err(gpu("biases"))?;
+        kernels::add_at(self.bufs.logits_mut(m * n_vocab)?, at, values, &self.stream)?;
+        forward::argmax_rows(&self.config, &mut self.bufs, m, &self.stream)?;
+        self.copy_rows_back(m, true)?;
+        Ok(self.greedy_tokens(m)?.to_vec())
+    }
+
+    /// Checks a batch against the cache, lays it out in device memory, runs it and
+    /// copies back its logits or greedy tokens, as `out` says: returns how many rows.
+    fn eval_batch(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+        out: BatchOut,
+    ) -> Result<usize, ModelError> {
+        let argmax = out == BatchOut::Tokens;
+        let bad = |what: String| Err(ModelError::InvalidBatch(what));
+        let Some((shape, _)) = &self.pages else {
+            return bad("the model was set up without a paged cache (GpuModel::with_pages)".into());
+        };
+        let shape = *shape;
+        let bs = 1usize << shape.block_shift;
+        let n: usize = segments.iter().map(|s| s.tokens.len()).sum();
+        let room = self.prompt_batch.max(MAX_BATCH);
+        if n == 0 {
+            return Err(ModelError::EmptyInput);
+        }
+        if n > room {
+            return bad(format!("{n} tokens, but a batch holds at most {room}"));
+        }
+        let live = segments.iter().filter(|s| !s.tokens.is_empty()).count();
+        if live > shape.max_sequences {
+            return bad(format!(
+                "{live} sequences, but a batch holds at most {}",
+                shape.max_sequences
+            ));
+        }
+        let mut batch = PagedBatch {
+            segments: Vec::with_capacity(live),
+            n_tokens: n,
+            n_logits: 0,
+            block_shift: shape.block_shift,
+        };
+        let (mut positions, mut starts, mut rows, mut tables) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::new(),
+            Vec::new(),
+        );
+        for (i, seg) in segments.iter().enumerate() {
+            if seg.tokens.is_empty() {
+                continue;
+            }
+            let end = seg.first_pos + seg.tokens.len();
+            if end > self.capacity {
+                return Err(ModelError::ContextFull {
+                    needed: end,
+                    capacity: self.capacity,
+                });
+            }
+            let blocks = end.div_ceil(bs);
+            if seg.table.len() < blocks {
+                return bad(format!(
+                    "sequence {i} reaches position {} but its table holds {} blocks of {bs}",
+                    end - 1,
+                    seg.table.len()
+                ));
+            }
+            if let Some(&id) = seg.table[..blocks]
+                .iter()
+                .find(|&&id| id as usize >= shape.n_blocks)
+            {
+                return bad(format!(
+                    "sequence {i}'s table names block {id}, but the cache has {}",
+                    shape.n_blocks
+                ));
+            }
+            self.check_tokens(seg.tokens)?;
+            let first_row = positions.len();
+            batch.segments.push(PagedSegment {
+                first_row,
+                len: seg.tokens.len(),
+                table_at: tables.len(),
+                table_len: blocks,
+            });
+            for p in seg.first_pos..end {
+                positions.push(p as i32);
+                starts.push(tables.len() as i32);
+            }
+            if seg.logits {
+                rows.push((first_row + seg.tokens.len() - 1) as i32);
+            }
+            tables.extend(seg.table[..blocks].iter().map(|&id| id as i32));
+        }
+        batch.n_logits = rows.len();
+        // Host-side layout: [positions | table starts | logit rows | tables].
+        let meta_len = 2 * n + rows.len() + tables.len();
+        let gpu = |op| move |source| ModelError::Gpu { op, source };
+        {
+            let (_, host_meta) = self.pages.as_mut().expect("checked above");
+            let host = host_meta.as_mut_slice().map_err(gpu("writing the batch"))?;
+            let parts = [&positions[..], &starts[..], &rows[..], &tables[..]];
+            let mut at = 0;
+            for part in parts {
+                host[at..at + part.len()].copy_from_slice(part);
+                at += part.len();
+            }
+        }
+        let tokens: Vec<u32> = segments
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        self.write_tokens(&tokens)?;
+        {
+            let (_, host_meta) = self.pages.as_mut().expect("checked above");
+            let dst = self.bufs.meta_mut(meta_len)?;
+            self.stream
+                .copy_h2d_async(host_meta, 0..meta_len, dst)
+                .map_err(gpu("copying the batch"))?;
+        }
+        // A decode step's layout depends on its number of sequences only: the positions,
+        // tables and rows are read from device memory, so one graph serves every step of
+        // that many sequences.
+        let decode_step = self.batch_graphs
+            && batch.n_logits == n
+            && batch.segments.iter().all(|s| s.len == 1)
+            && self.can_hold()?;
+        if decode_step {
+            self.replay_batch_step(&batch, argmax)?;
+        } else {
+            self.run_layers(n, Layout::Paged(&batch), End::Rows { argmax })?;
+        }
+        let m = batch.n_logits;
+        if m == 0 {
+            return self.sync().map(|()| 0);
+        }
+        if out != BatchOut::OnDevice {
+            self.copy_rows_back(m, argmax)?;
+        }
+        Ok(m)
+    }
+
+    /// A paged decode step (`batch`: one token of each sequence, every row's logits)
+    /// through the graph captured for its number of sequences (capturing it the first
+    /// time).
+    fn replay_batch_step(&mut self, batch: &PagedBatch, argmax: bool) -> Result<(), ModelError> {
+        let key = (batch.n_tokens, argmax);
+        if !self.batch_steps.contains_key(&key) {
+            let held = self.held.as_ref().expect("can_hold returned true");
+            let (config, bufs) = (&self.config, &mut self.bufs);
+            let graph = self.stream.capture(|stream| {
+                let n = batch.n_tokens;
+                let layout = Layout::Paged(batch);
+                let globals = held.globals();
+                forward::body(
+                    config,
+                    held.layers(),
+                    globals,
+                    bufs,
+                    n,
+                    layout,
+                    stream,
+                    None,
+                )?;
+                forward::finish_rows(config, globals, bufs, batch, argmax, stream)
+            })?;
+            self.batch_steps.insert(key, graph);
+        }
+        self.batch_steps[&key]
+            .launch(&self.stream)
+            .map_err(|source| ModelError::Gpu {
+                op: "replaying a batch's decode step",
+                source,
+            })
+    }
+}
+
+/// What a paged batch leaves: its rows of logits copied back, its greedy tokens copied
+/// back, or its logits on the device (for more work there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BatchOut {
+    Logits,
+    Tokens,
+    OnDevice,
+}

@@ -1,0 +1,511 @@
+//! The arena a pass runs in: the activations, the batch products' input, the position
+//! counter and the f16 KV cache, carved from one allocation; and the layout of a paged
+//! batch's tokens in it.
+
+use dequant::gpu::matmul;
+use dequant::gpu::matvec::q8_bytes;
+use half::f16;
+use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, PinnedBuffer, Stream};
+
+use super::experts;
+use super::products::{batched, matvec_error, SKINNY_FROM, SKINNY_MIN_BYTES};
+use crate::config::ModelConfig;
+use crate::gpu::kernels::{attention_chunk, AttentionShape, Pages};
+use crate::gpu::weights::Matrix;
+use crate::gpu::{arena, MAX_BATCH};
+use crate::plan::ExecutionPlan;
+use crate::ModelError;
+
+fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
+    move |source| ModelError::Gpu { op, source }
+}
+
+/// Alignment of every buffer in the arena.
+const ALIGN: usize = 256;
+
+/// The batch products' input: per-token scales (the first `scales_bytes`), then the
+/// tokens' activations divided by them, in f16; and the room their products split
+/// their columns in (partial sums, and tile counters that hold zeros between products).
+pub(super) struct BatchInput {
+    buf: ArenaBuffer,
+    scales_bytes: usize,
+    partials: ArenaBuffer,
+    counters: ArenaBuffer,
+    /// Whether the device runs the skinny batch products
+    /// ([`matmul::skinny_available`]).
+    skinny: bool,
+}
+
+impl BatchInput {
+    /// Whether the products of `m` on `n` tokens take the batch products ([`matmul`],
+    /// f32 input) rather than the decode products (Q8 blocks for quantized weights): past
+    /// [`MAX_BATCH`] tokens always; from [`SKINNY_FROM`] tokens where the device runs the
+    /// skinny products, they take the type (`matmul::skinny_prefers`) and the matrix holds
+    /// at least [`SKINNY_MIN_BYTES`], where they are faster (ARCHITECTURE.md says by how
+    /// much).
+    pub(super) fn takes(&self, m: &Matrix, n: usize) -> bool {
+        batched(n)
+            || (self.skinny
+                && n >= SKINNY_FROM
+                && matmul::skinny_prefers(m.ty)
+                && m.byte_len() >= SKINNY_MIN_BYTES)
+    }
+
+    /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
+    /// the f16 activations and their per-token scales ([`matmul::row_scales`]), with the
+    /// room to split the products.
+    pub(super) fn prepare(
+        &mut self,
+        input: DeviceView<'_, f32>,
+        n: usize,
+        mats: &[&Matrix],
+        stream: &Stream,
+    ) -> Result<
+        (
+            DeviceView<'_, f16>,
+            DeviceView<'_, f32>,
+            matmul::SplitScratch<'_>,
+        ),
+        ModelError,
+    > {
+        let (split, cols) = (self.scales_bytes, mats[0].cols);
+        let cut = gpu("viewing the batch input");
+        let whole = self.buf.view_mut::<u8>().map_err(&cut)?;
+        let (s, x16) = whole.split_at_mut(split).map_err(&cut)?;
+        let s = s
+            .cast_mut::<f32>()
+            .and_then(|v| v.slice_mut(0..n))
+            .map_err(&cut)?;
+        let x16 = x16
+            .cast_mut::<f16>()
+            .and_then(|v| v.slice_mut(0..n * cols))
+            .map_err(&cut)?;
+        matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(mats))?;
+        let whole = self.buf.view::<u8>().map_err(&cut)?;
+        let s = whole
+            .slice(0..split)
+            .and_then(|v| v.cast::<f32>())
+            .and_then(|v| v.slice(0..n))
+            .map_err(&cut)?;
+        let x16 = whole
+            .slice(split..split + 2 * n * cols)
+            .and_then(|v| v.cast::<f16>())
+            .map_err(&cut)?;
+        let room = matmul::SplitScratch {
+            partials: view_mut::<f32>(&mut self.partials, matmul::SPLIT_PARTIALS)?,
+            counters: view_mut::<u32>(&mut self.counters, matmul::SPLIT_COUNTERS)?,
+        };
+        Ok((x16, s, room))
+    }
+}
+
+/// How many sequences a paged batch holds at most, and the cache's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::gpu) struct PageShape {
+    /// Blocks of the cache (its rows: `n_blocks << block_shift`).
+    pub n_blocks: usize,
+    /// log2 of the positions per block.
+    pub block_shift: u32,
+    /// Most sequences (and rows of logits) in one batch.
+    pub max_sequences: usize,
+    /// Most blocks of one sequence's table.
+    pub table_len: usize,
+}
+
+impl PageShape {
+    /// The i32 values of a batch's layout: positions and table starts of every token,
+    /// the rows that get logits, and every sequence's table.
+    pub fn meta_len(&self, batch: usize) -> usize {
+        2 * batch + self.max_sequences + self.max_sequences * self.table_len
+    }
+}
+
+/// One sequence's rows of a paged batch.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::gpu) struct PagedSegment {
+    /// Its first row among the batch's tokens, and how many.
+    pub first_row: usize,
+    pub len: usize,
+    /// Where its block table starts among the batch's tables, and its length.
+    pub table_at: usize,
+    pub table_len: usize,
+}
+
+/// A batch of tokens of several sequences, as laid out in `Buffers::meta`:
+/// `[positions (n) | table starts (n) | logit rows (m) | tables]`.
+#[derive(Clone, Debug)]
+pub(in crate::gpu) struct PagedBatch {
+    pub segments: Vec<PagedSegment>,
+    pub n_tokens: usize,
+    pub n_logits: usize,
+    pub block_shift: u32,
+}
+
+impl PagedBatch {
+    pub(super) fn tables_at(&self) -> usize {
+        2 * self.n_tokens + self.n_logits
+    }
+}
+
+/// How the tokens of a forward pass find their positions and their keys and values.
+#[derive(Clone, Copy)]
+pub(in crate::gpu) enum Layout<'a> {
+    /// One sequence: tokens at positions `pos[0]..`, its cache rows in position order.
+    Contiguous,
+    /// Several sequences in the cache's blocks, as `Buffers::meta` lays them out.
+    Paged(&'a PagedBatch),
+}
+
+/// The paged layout of rows `rows` of `batch`, viewed in `meta`.
+pub(super) fn pages<'a>(
+    meta: &'a ArenaBuffer,
+    batch: &PagedBatch,
+    rows: std::ops::Range<usize>,
+) -> Result<Pages<'a>, ModelError> {
+    let n = batch.n_tokens;
+    let tables_at = batch.tables_at();
+    let tables_end = batch
+        .segments
+        .iter()
+        .map(|s| s.table_at + s.table_len)
+        .max()
+        .unwrap_or(0);
+    Ok(Pages {
+        positions: view_at::<i32>(meta, rows.clone())?,
+        table_start: view_at::<i32>(meta, n + rows.start..n + rows.end)?,
+        tables: view_at::<i32>(meta, tables_at..tables_at + tables_end.max(1))?,
+        block_shift: batch.block_shift,
+    })
+}
+
+/// The activations of a prompt's chunk (and the Q8 blocks and logits of up to
+/// [`MAX_BATCH`] tokens, or of a paged batch's sequences), the position counter and the
+/// f16 KV cache, all carved from one arena allocated once.
+pub(in crate::gpu) struct Buffers {
+    pub(super) x: ArenaBuffer,
+    pub(super) h: ArenaBuffer,
+    pub(super) q8: ArenaBuffer,
+    pub(super) q: ArenaBuffer,
+    pub(super) k: ArenaBuffer,
+    pub(super) v: ArenaBuffer,
+    pub(super) attn: ArenaBuffer,
+    pub(super) proj: ArenaBuffer,
+    pub(super) gate: ArenaBuffer,
+    pub(super) up: ArenaBuffer,
+    pub(super) act: ArenaBuffer,
+    pub(super) logits: ArenaBuffer,
+    pub(super) part_ml: ArenaBuffer,
+    pub(super) part_acc: ArenaBuffer,
+    /// The attention's counters of finished chunks: zero between launches.
+    pub(super) done: ArenaBuffer,
+    /// The batch products' input.
+    pub(super) batch_in: BatchInput,
+    pub(super) raw: ArenaBuffer,
+    pub(super) tokens: ArenaBuffer,
+    pub(super) pos: ArenaBuffer,
+    pub(super) bad: ArenaBuffer,
+    /// A paged batch's layout (`PagedBatch`); empty without pages.
+    pub(super) meta: ArenaBuffer,
+    pub(super) k_cache: Vec<ArenaBuffer>,
+    pub(super) v_cache: Vec<ArenaBuffer>,
+    pub(super) attention: AttentionShape,
+    pub(super) row_bytes: usize,
+    /// Most queries of one launch of the split attention (its scratch's rows).
+    pub(super) attn_rows: usize,
+    /// Most rows of logits.
+    logit_rows: usize,
+    /// Whether a prompt's attention may take the matrix units (`GpuTuning::flash_mma`).
+    pub(super) flash_mma: bool,
+    /// The experts' room, for a model with a mixture of experts.
+    pub(super) moe: Option<experts::MoeBuffers>,
+}
+
+impl Buffers {
+    pub fn new(
+        device: &Device,
+        config: &ModelConfig,
+        plan: &ExecutionPlan,
+        capacity: usize,
+        batch: usize,
+        paged: Option<&PageShape>,
+        flash_mma: bool,
+    ) -> Result<Buffers, ModelError> {
+        // Activations for a prompt's chunk of `batch` tokens; Q8 blocks for the few
+        // tokens of the decode products; logits and the split attention's scratch for
+        // those, or for one token of each sequence of a paged batch.
+        let (b, w) = (batch.max(MAX_BATCH), MAX_BATCH);
+        let rows = paged.map_or(w, |p| p.max_sequences.max(w));
+        let c = config;
+        let q_dim = c.n_heads * c.head_dim;
+        let kv_dim = c.n_kv_heads * c.head_dim;
+        let v_dim = c.n_kv_heads * c.head_dim_v;
+        let attn_dim = c.n_heads * c.head_dim_v;
+        let chunk = attention_chunk(capacity);
+        let n_chunks = capacity.div_ceil(chunk);
+        let attention = AttentionShape {
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            head_dim_v: c.head_dim_v,
+            window: None,
+            scale: if c.scale_queries {
+                1.0
+            } else {
+                c.attention_scale
+            },
+            softcap: c.attn_logit_softcap,
+            n_chunks,
+            chunk,
+        };
+        let embd_ty = plan.token_embd.weight.ggml_type();
+        let row_bytes = embd_ty.row_bytes(c.n_embd as u64).unwrap_or(0) as usize;
+        // The dense feed-forward's width, or the shared expert's.
+        let n_ff = c
+            .n_ff
+            .max(c.experts.and_then(|e| e.shared_n_ff).unwrap_or(0));
+        let width = c.n_embd.max(attn_dim).max(n_ff);
+        let scales_bytes = (4 * b).div_ceil(ALIGN) * ALIGN;
+        // Positions the cache keeps: whole chunks of the attention kernel, and every
+        // block of a paged cache.
+        let positions = attention
+            .positions()
+            .max(paged.map_or(0, |p| p.n_blocks << p.block_shift));
+        let f32s = |n: usize| n * 4;
+        let sizes = [
+            f32s(b * c.n_embd),                     // x
+            f32s(b * c.n_embd),                     // h
+            q8_bytes(w, width.div_ceil(32) * 32),   // q8
+            f32s(b * q_dim),                        // q
+            f32s(b * kv_dim),                       // k
+            f32s(b * v_dim),                        // v
+            f32s(b * attn_dim),                     // attn
+            f32s(b * c.n_embd),                     // proj
+            f32s(b * n_ff),                         // gate
+            f32s(b * n_ff),                         // up
+            f32s(b * n_ff),                         // act
+            f32s(rows * c.n_vocab),                 // logits
+            f32s(attention.ml_len(rows)),           // part_ml
+            f32s(attention.acc_len(rows)),          // part_acc
+            4 * attention.done_len(rows),           // done
+            scales_bytes + 2 * b * width,           // scales, f16 input
+            4 * matmul::SPLIT_PARTIALS,             // split partial sums
+            4 * matmul::SPLIT_COUNTERS,             // split counters
+            b * row_bytes,                          // raw embedding rows
+            4 * b,                                  // tokens
+            4,                                      // pos
+            4,                                      // bad
+            4 * paged.map_or(0, |p| p.meta_len(b)), // meta
+        ];
+        let moe_sizes = experts::MoeBuffers::sizes(c, b);
+        let total = sizes
+            .iter()
+            .chain(moe_sizes.iter().flatten())
+            .map(|&s| s.max(4).div_ceil(ALIGN) * ALIGN)
+            .sum::<usize>()
+            + c.n_layers * (2 * positions * kv_dim).div_ceil(ALIGN) * ALIGN
+            + c.n_layers * (2 * positions * v_dim).div_ceil(ALIGN) * ALIGN;
+        let arena = arena(device, total)?;
+        let alloc = |bytes: usize| {
+            arena
+                .alloc(bytes.max(4), ALIGN)
+                .map_err(gpu("carving the activation arena"))
+        };
+        let mut it = sizes.into_iter().chain(moe_sizes.into_iter().flatten());
+        let mut next = || alloc(it.next().expect("one size per buffer"));
+        let bufs = Buffers {
+            x: next()?,
+            h: next()?,
+            q8: next()?,
+            q: next()?,
+            k: next()?,
+            v: next()?,
+            attn: next()?,
+            proj: next()?,
+            gate: next()?,
+            up: next()?,
+            act: next()?,
+            logits: next()?,
+            part_ml: next()?,
+            part_acc: next()?,
+            done: next()?,
+            batch_in: BatchInput {
+                buf: next()?,
+                scales_bytes,
+                partials: next()?,
+                counters: next()?,
+                skinny: matmul::skinny_available(device),
+            },
+            raw: next()?,
+            tokens: next()?,
+            pos: next()?,
+            bad: next()?,
+            meta: next()?,
+            k_cache: (0..c.n_layers)
+                .map(|_| alloc(2 * positions * kv_dim))
+                .collect::<Result<_, _>>()?,
+            v_cache: (0..c.n_layers)
+                .map(|_| alloc(2 * positions * v_dim))
+                .collect::<Result<_, _>>()?,
+            attention,
+            row_bytes,
+            attn_rows: rows,
+            logit_rows: rows,
+            flash_mma,
+            moe: moe_sizes
+                .is_some()
+                .then(|| experts::MoeBuffers::new(&mut next))
+                .transpose()?,
+        };
+        // The arena's buffers free their ranges when dropped; the allocation itself
+        // lives as long as any of them.
+        drop(arena);
+        Ok(bufs)
+    }
+
+    /// Bytes of one embedding row, in the table's blocks.
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// Room for `n` embedding rows in the table's blocks.
+    pub fn raw_rows_mut(&mut self, n: usize) -> Result<DeviceViewMut<'_, u8>, ModelError> {
+        view_mut(&mut self.raw, n * self.row_bytes)
+    }
+
+    pub fn tokens_mut(&mut self, n: usize) -> Result<DeviceViewMut<'_, u32>, ModelError> {
+        view_mut::<u32>(&mut self.tokens, n)
+    }
+
+    pub fn logits_mut(&mut self, len: usize) -> Result<DeviceViewMut<'_, f32>, ModelError> {
+        view_mut::<f32>(&mut self.logits, len)
+    }
+
+    pub fn logits_view(&self, len: usize) -> Result<DeviceView<'_, f32>, ModelError> {
+        view::<f32>(&self.logits, len)
+    }
+
+    pub fn tokens_view(&self, n: usize) -> Result<DeviceView<'_, u32>, ModelError> {
+        view::<u32>(&self.tokens, n)
+    }
+
+    pub fn meta_mut(&mut self, len: usize) -> Result<DeviceViewMut<'_, i32>, ModelError> {
+        view_mut::<i32>(&mut self.meta, len)
+    }
+
+    /// The residual stream: `len` values from the first token's.
+    pub fn x_view(&self, len: usize) -> Result<DeviceView<'_, f32>, ModelError> {
+        view::<f32>(&self.x, len)
+    }
+
+    pub fn x_mut(&mut self, len: usize) -> Result<DeviceViewMut<'_, f32>, ModelError> {
+        view_mut::<f32>(&mut self.x, len)
+    }
+
+    /// The position counter of the contiguous layout.
+    pub fn pos_mut(&mut self) -> Result<DeviceViewMut<'_, i32>, ModelError> {
+        view_mut::<i32>(&mut self.pos, 1)
+    }
+
+    /// Values per position of a layer's cached keys, and of its values.
+    pub fn kv_dims(&self) -> (usize, usize) {
+        let a = &self.attention;
+        (a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim_v)
+    }
+
+    /// `layer`'s cached keys and values of `positions`, in the contiguous layout of one
+    /// sequence (position `p`'s row at `p`).
+    pub fn kv_view(
+        &self,
+        layer: usize,
+        positions: std::ops::Range<usize>,
+    ) -> Result<(DeviceView<'_, f16>, DeviceView<'_, f16>), ModelError> {
+        let (kd, vd) = self.kv_dims();
+        let (s, e) = (positions.start, positions.end);
+        Ok((
+            view_at::<f16>(&self.k_cache[layer], s * kd..e * kd)?,
+            view_at::<f16>(&self.v_cache[layer], s * vd..e * vd)?,
+        ))
+    }
+
+    /// As [`Buffers::kv_view`], to write.
+    pub fn kv_mut(
+        &mut self,
+        layer: usize,
+        positions: std::ops::Range<usize>,
+    ) -> Result<(DeviceViewMut<'_, f16>, DeviceViewMut<'_, f16>), ModelError> {
+        let (kd, vd) = self.kv_dims();
+        let (s, e) = (positions.start, positions.end);
+        Ok((
+            view_mut_at::<f16>(&mut self.k_cache[layer], s * kd..e * kd)?,
+            view_mut_at::<f16>(&mut self.v_cache[layer], s * vd..e * vd)?,
+        ))
+    }
+
+    /// Most rows of logits one pass computes.
+    pub fn logit_rows(&self) -> usize {
+        self.logit_rows
+    }
+
+    /// Sets the position counter to `len` through `host` (page-locked, at least one
+    /// element; queued, not waited for), and clears the attention's chunk counters and
+    /// the split products' tile counters (which a failed launch may have left midway).
+    pub fn set_position(
+        &mut self,
+        stream: &Stream,
+        host: &mut PinnedBuffer<i32>,
+        len: usize,
+    ) -> Result<(), ModelError> {
+        let value = i32::try_from(len).map_err(|_| ModelError::ContextFull {
+            needed: len,
+            capacity: i32::MAX as usize,
+        })?;
+        let counters = self.attention.done_len(self.attn_rows);
+        stream
+            .memset_async(view_mut::<u32>(&mut self.done, counters)?, 0)
+            .map_err(gpu("clearing the attention counters"))?;
+        stream
+            .memset_async(
+                view_mut::<u32>(&mut self.batch_in.counters, matmul::SPLIT_COUNTERS)?,
+                0,
+            )
+            .map_err(gpu("clearing the products' counters"))?;
+        let dst = view_mut::<i32>(&mut self.pos, 1)?;
+        stream
+            .write_staged(host, &[value], dst)
+            .map_err(gpu("setting the position"))
+    }
+}
+
+pub(super) fn view<T: bytemuck::Pod>(
+    buf: &ArenaBuffer,
+    len: usize,
+) -> Result<DeviceView<'_, T>, ModelError> {
+    buf.view::<T>()
+        .and_then(|v| v.slice(0..len))
+        .map_err(gpu("viewing a buffer"))
+}
+
+pub(super) fn view_at<T: bytemuck::Pod>(
+    buf: &ArenaBuffer,
+    range: std::ops::Range<usize>,
+) -> Result<DeviceView<'_, T>, ModelError> {
+    buf.view::<T>()
+        .and_then(|v| v.slice(range))
+        .map_err(gpu("viewing a buffer"))
+}
+
+pub(super) fn view_mut<T: bytemuck::Pod>(
+    buf: &mut ArenaBuffer,
+    len: usize,
+) -> Result<DeviceViewMut<'_, T>, ModelError> {
+    view_mut_at(buf, 0..len)
+}
+
+pub(super) fn view_mut_at<T: bytemuck::Pod>(
+    buf: &mut ArenaBuffer,
+    range: std::ops::Range<usize>,
+) -> Result<DeviceViewMut<'_, T>, ModelError> {
+    buf.view_mut::<T>()
+        .and_then(|v| v.slice_mut(range))
+        .map_err(gpu("viewing a buffer"))
+}

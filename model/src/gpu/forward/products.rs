@@ -1,0 +1,214 @@
+//! The products of a layer's matrices: decode products for a few tokens, batch products
+//! (on the matrix units) for more, one launch per run of matrices of one type and width;
+//! and the residual products that add into the residual stream.
+
+use dequant::gpu::matmul;
+use dequant::gpu::matvec::{self, takes_q8, GpuActivations, GpuMatrix};
+use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
+
+use super::buffers::{view, view_mut, BatchInput};
+use crate::gpu::kernels;
+use crate::gpu::weights::Matrix;
+use crate::gpu::MAX_BATCH;
+use crate::ModelError;
+
+fn gpu_matrix<'a>(m: &'a Matrix) -> Result<GpuMatrix<'a>, ModelError> {
+    GpuMatrix::new(m.ty, m.rows, m.cols, m.bytes()?).map_err(|source| ModelError::Matmul {
+        name: m.name().to_owned(),
+        source,
+    })
+}
+
+pub(super) fn matvec_error<'a>(
+    mats: &'a [&'a Matrix],
+) -> impl Fn(dequant::gpu::GpuDequantError) -> ModelError + 'a {
+    product_error("matrix product", move || {
+        mats.iter()
+            .map(|m| m.name())
+            .collect::<Vec<_>>()
+            .join(" + ")
+    })
+}
+
+/// A product's failure as the model's error: a layout refused names the matrices
+/// (`name()`), a runtime failure says it came during `op`.
+pub(in crate::gpu) fn product_error<'a>(
+    op: &'static str,
+    name: impl Fn() -> String + 'a,
+) -> impl Fn(dequant::gpu::GpuDequantError) -> ModelError + 'a {
+    move |error| match error {
+        dequant::gpu::GpuDequantError::Layout(source) => ModelError::Matmul {
+            name: name(),
+            source,
+        },
+        dequant::gpu::GpuDequantError::Hip(source) => ModelError::Gpu { op, source },
+    }
+}
+
+/// Whether `n` tokens are a prompt's chunk (tiled attention, batch products for every
+/// matrix) rather than a few tokens (split attention, decode products where
+/// [`BatchInput::takes`] says so).
+pub(super) fn batched(n: usize) -> bool {
+    n > MAX_BATCH
+}
+
+/// The fewest tokens whose products take the skinny batch products rather than the
+/// decode products, for the types the skinny products take: at 2 tokens the decode
+/// products are as fast or faster on every type measured, from 3 on the skinny ones are
+/// faster (ARCHITECTURE.md, `dequant`).
+pub(super) const SKINNY_FROM: usize = 3;
+
+/// The smallest matrix whose products of a few tokens take the skinny batch products:
+/// their shortest launch takes 5.7-9 µs, where the decode products multiply a matrix of
+/// about a megabyte (a SmolLM2-135M's) by 8 tokens in 2.7-4.5 µs (H200). A 135M's
+/// output matrix (18 MB in Q4_1) is already faster in the skinny products from 3 tokens,
+/// a 7B's (9 MB and more) from 3 as well.
+pub(super) const SKINNY_MIN_BYTES: usize = 4 << 20;
+
+/// Whether the products of `m` on `n` tokens take Q8 blocks.
+pub(super) fn takes_q8_for(m: &Matrix, n: usize, batch_in: &BatchInput) -> bool {
+    takes_q8(m.ty) && !batch_in.takes(m, n)
+}
+
+/// What the products of some matrices on `n` tokens need from a norm: f32 rows, Q8
+/// blocks, or both.
+pub(super) fn needs(mats: &[&Matrix], n: usize, batch_in: &BatchInput) -> (bool, bool) {
+    let q8 = mats.iter().any(|m| takes_q8_for(m, n, batch_in));
+    let f32 = mats.iter().any(|m| !takes_q8_for(m, n, batch_in));
+    (f32, q8)
+}
+
+/// The end of the run of matrices from `start` that share its type, its width and its
+/// kind of product (`batch_of`) (at most three, what one product launch takes).
+fn run_end(mats: &[&Matrix], batch_of: &[bool], start: usize) -> usize {
+    let mut end = start + 1;
+    while end < mats.len()
+        && end - start < matvec::MAX_MATRICES
+        && mats[end].ty == mats[start].ty
+        && mats[end].cols == mats[start].cols
+        && batch_of[end] == batch_of[start]
+    {
+        end += 1;
+    }
+    end
+}
+
+/// `outs[i] (+)= input · mats[i]ᵀ`, one launch per run of matrices of one type and width:
+/// decode products for a few tokens, batch products for more. `f32_in`/`q8_in` hold the input in
+/// the two forms (each present when some matrix takes it).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn products(
+    mats: &[&Matrix],
+    f32_in: Option<DeviceView<'_, f32>>,
+    q8_in: Option<DeviceView<'_, u8>>,
+    n: usize,
+    outs: Vec<DeviceViewMut<'_, f32>>,
+    accumulate: bool,
+    batch_in: &mut BatchInput,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    // For the batch products, the input once in f16 with its per-token scales, and the
+    // room to split the products.
+    let batch_of: Vec<bool> = mats.iter().map(|m| batch_in.takes(m, n)).collect();
+    let mut batch_input = if batch_of.iter().any(|&b| b) {
+        let input = f32_in.expect("f32 input prepared for the batch products");
+        Some(batch_in.prepare(input, n, mats, stream)?)
+    } else {
+        None
+    };
+    // Runs of matrices of one type and width in one launch each.
+    let mut outs = outs;
+    let mut start = 0;
+    while start < mats.len() {
+        let end = run_end(mats, &batch_of, start);
+        let group = &mats[start..end];
+        let gms = group
+            .iter()
+            .map(|m| gpu_matrix(m))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs.drain(..end - start).collect();
+        match batch_input.as_mut().filter(|_| batch_of[start]) {
+            Some((x16, s, room)) => matmul::matmul(
+                &gms,
+                *x16,
+                *s,
+                n,
+                &mut group_outs,
+                accumulate,
+                Some(room.reborrow()),
+                stream,
+            ),
+            None => {
+                let x = if takes_q8(group[0].ty) {
+                    GpuActivations::Q8(q8_in.expect("Q8 input prepared for quantized weights"))
+                } else {
+                    GpuActivations::F32(f32_in.expect("f32 input prepared for float weights"))
+                };
+                matvec::matvec(&gms, x, n, &mut group_outs, accumulate, stream)
+            }
+        }
+        .map_err(matvec_error(group))?;
+        start = end;
+    }
+    Ok(())
+}
+
+/// Where a residual product writes: the residual stream `x`, `proj` for a post-norm's
+/// input, and the batch products' input.
+pub(super) struct Residual<'a> {
+    pub(super) x: &'a mut ArenaBuffer,
+    pub(super) proj: &'a mut ArenaBuffer,
+    pub(super) batch_in: &'a mut BatchInput,
+}
+
+/// `x += input · mᵀ`, or with a post-norm `x += rms_norm(input · mᵀ)` (through `proj`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn residual(
+    m: &Matrix,
+    f32_in: Option<DeviceView<'_, f32>>,
+    q8_in: Option<DeviceView<'_, u8>>,
+    post_norm: Option<kernels::NormWeight<'_>>,
+    into: Residual<'_>,
+    n: usize,
+    eps: f32,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let d = m.rows;
+    let Residual { x, proj, batch_in } = into;
+    match post_norm {
+        None => products(
+            &[m],
+            f32_in,
+            q8_in,
+            n,
+            vec![view_mut::<f32>(x, n * d)?],
+            true,
+            batch_in,
+            stream,
+        ),
+        Some(norm) => {
+            products(
+                &[m],
+                f32_in,
+                q8_in,
+                n,
+                vec![view_mut::<f32>(proj, n * d)?],
+                false,
+                batch_in,
+                stream,
+            )?;
+            kernels::rms_norm(
+                view(proj, n * d)?,
+                norm,
+                n,
+                d,
+                eps,
+                Some(view_mut::<f32>(x, n * d)?),
+                true,
+                None,
+                stream,
+            )?;
+            Ok(())
+        }
+    }
+}
