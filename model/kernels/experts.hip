@@ -9,10 +9,11 @@
 // the order the router ranks them. Tiles are (expert, first, count) triples over `order`,
 // the slots listed expert by expert.
 //
-// Like transformer.hip: reductions in 32-lane groups with xor shuffles, every kernel
-// launched chained and calling rf_chain_wait() before it reads what others write, every
-// launcher returning the platform's status; the wrappers in src/gpu/kernels/experts.rs
-// are their only callers and check every length.
+// Like the transformer kernels (norm_rope.hip and the others): reductions in 32-lane
+// groups with xor shuffles, every kernel launched chained and calling rf_chain_wait()
+// before it reads what others write, every launcher returning the platform's status;
+// the wrappers in src/gpu/kernels/experts.rs are their only callers and check every
+// length.
 #include "rocmforge_hip.h"
 
 #include <math.h>

@@ -2,7 +2,7 @@
 //! obtained through [`tensor_store::device::DeviceCache`] (single-flight, raw GGUF
 //! blocks, never expanded), multiplied on their blocks by `dequant::gpu::matvec` (a few
 //! tokens) or `dequant::gpu::matmul` (a prompt's chunk, on the matrix units), with
-//! the layer's other operations in this crate's kernels (`kernels/transformer.hip`).
+//! the layer's other operations in this crate's kernels (`kernels/*.hip`).
 //!
 //! - [`GpuModel::new`] opens the device cache in the chosen [`UploadMode`] (eager,
 //!   background or lazy; the forward pass is one code path for the three: it asks the
