@@ -103,7 +103,7 @@ pub fn moe_route(
 /// The slots of `ids` (expert indices below `n_experts`, as [`moe_route`] writes them)
 /// grouped by expert into `order`, and cut into `tiles` of at most `tile_tokens` slots
 /// (`(expert, first, count)` triples, `tiles.len() / 3` of them, the unused with a count
-/// of 0): the layout `dequant::gpu::experts::matvec_experts` reads.
+/// of 0): the layout `dequant::gpu::experts::routed_products` reads.
 pub fn moe_tiles(
     ids: DeviceView<'_, i32>,
     n_experts: usize,
