@@ -13,6 +13,9 @@
 //   ROCMFORGE_HIP_AMD or ROCMFORGE_HIP_NVIDIA   which platform this is built for
 //   RF_WARP_SIZE                                threads per warp (wavefront) on the target
 //   rf_shfl_xor(value, lane_mask)               butterfly shuffle across the whole warp
+//   rf_shfl32(value, src_lane)                  lane src_lane's value within the
+//                                               caller's group of 32 lanes (every lane
+//                                               of the warp must call it)
 //   rfLaunchChained(kernel, grid, block, shared_bytes, stream, args...)
 //   rf_chain_wait()                             chained launches, below
 //
@@ -120,6 +123,10 @@
 template <typename T>
 __device__ __forceinline__ T rf_shfl_xor(T value, int lane_mask) {
     return __shfl_xor_sync(0xffffffffu, value, lane_mask, RF_WARP_SIZE);
+}
+template <typename T>
+__device__ __forceinline__ T rf_shfl32(T value, int src_lane) {
+    return __shfl_sync(0xffffffffu, value, src_lane, 32);
 }
 
 // Chained launches (see the top of this file). RF_CHAINED_LAUNCH is defined by the build
@@ -252,6 +259,10 @@ __device__ __forceinline__ void rf_mma_16816(float (&c)[4], const uint32_t (&a)[
 template <typename T>
 __device__ __forceinline__ T rf_shfl_xor(T value, int lane_mask) {
     return __shfl_xor(value, lane_mask, RF_WARP_SIZE);
+}
+template <typename T>
+__device__ __forceinline__ T rf_shfl32(T value, int src_lane) {
+    return __shfl(value, src_lane, 32);
 }
 
 // Chained launches (see the top of this file): plain launches on AMD.

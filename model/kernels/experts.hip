@@ -25,6 +25,8 @@ namespace rf_moe {
 
 // Most experts a router ranks (model's MAX_EXPERTS): 32 a lane.
 constexpr int kMaxExperts = 1024;
+// Most experts a token uses (the routing keeps rank r in lane r).
+constexpr int kMaxUsed = 32;
 constexpr int kRouteThreads = 128;
 constexpr int kTileThreads = 1024;
 
@@ -87,9 +89,10 @@ __global__ void __launch_bounds__(kRouteThreads)
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) v[i] *= inv;
     }
+    // Rank r's choice stays in lane r's registers (k ≤ 32, checked by the launcher).
     uint32_t taken = 0;
-    int* my_ids = ids + (size_t)t * k;
-    float* my_w = weights + (size_t)t * k;
+    float my_w = 0.0f;
+    int my_id = 0;
     for (int r = 0; r < k; ++r) {
         float best = NAN;
         int best_e = INT32_MAX;
@@ -111,36 +114,33 @@ __global__ void __launch_bounds__(kRouteThreads)
             }
         }
         if (best_e % 32 == lane) taken |= 1u << (best_e / 32);
-        if (lane == 0) {
-            my_ids[r] = best_e;
-            my_w[r] = best;
+        if (lane == r) {
+            my_w = best;
+            my_id = best_e;
         }
     }
-    if (lane != 0) return;
+    // The weights. Every sum runs over the ranks in order, as the host's does.
     if (gating == 1) {
         // Softmax over the chosen logits (the first is the largest).
-        const float top = my_w[0];
+        const float top = rf_shfl32(my_w, 0);
+        my_w = expf(my_w - top);
         float sum = 0.0f;
-        for (int r = 0; r < k; ++r) {
-            my_w[r] = expf(my_w[r] - top);
-            sum += my_w[r];
-        }
-        const float inv = 1.0f / sum;
-        for (int r = 0; r < k; ++r) my_w[r] *= inv;
+        for (int r = 0; r < k; ++r) sum += rf_shfl32(my_w, r);
+        my_w *= 1.0f / sum;
     } else if (renorm) {
         float sum = 0.0f;
-        for (int r = 0; r < k; ++r) sum += my_w[r];
-        sum = fmaxf(sum, 6.103515625e-5f);
-        for (int r = 0; r < k; ++r) my_w[r] = my_w[r] / sum;
+        for (int r = 0; r < k; ++r) sum += rf_shfl32(my_w, r);
+        my_w = my_w / fmaxf(sum, 6.103515625e-5f);
     }
+    if (lane >= k) return;
+    const int s = t * k + lane;
+    ids[s] = my_id;
+    weights[s] = my_w;
     if (tiles) {
-        for (int r = 0; r < k; ++r) {
-            const int s = t * k + r;
-            tiles[3 * s] = my_ids[r];
-            tiles[3 * s + 1] = s;
-            tiles[3 * s + 2] = 1;
-            order[s] = s;
-        }
+        tiles[3 * s] = my_id;
+        tiles[3 * s + 1] = s;
+        tiles[3 * s + 2] = 1;
+        order[s] = s;
     }
 }
 
@@ -223,7 +223,7 @@ int rf_moe_route(const void* logits, int n_tokens, int n_experts, int k, int gat
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (n_tokens < 1 || n_experts < 1 || n_experts > rf_moe::kMaxExperts || k < 1 ||
-        k > n_experts)
+        k > n_experts || k > rf_moe::kMaxUsed)
         return (int)hipErrorInvalidValue;
     const int per_block = rf_moe::kRouteThreads / 32;
     const dim3 grid((n_tokens + per_block - 1) / per_block);

@@ -12,6 +12,7 @@ use tensor_store::{StoreError, TensorStore};
 
 use super::forward::{Buffers, PageShape};
 use super::host::HostLayers;
+use super::kernels;
 use super::weights::RopeContext;
 use super::{
     check_stop, check_tuning, first_use_order, out_of_memory, GpuModel, GpuOptions, PageOptions,
@@ -417,7 +418,8 @@ fn start_cache(
     Ok((cache, uploaded))
 }
 
-/// Refuses a mixture of experts whose weights do not all fit on `device` (its free
+/// Refuses a mixture of experts that routes a token to more experts than the routing
+/// kernel takes ([`kernels::MAX_USED`]), or whose weights do not all fit on `device` (its free
 /// memory less [`RUNTIME_RESERVE`], or `budget` bytes): the GPU runs experts only when
 /// every one is resident, where a dense model over its budget runs its other layers on
 /// the host or streams them. [`GpuModel::new`] decides the same once the activations are
@@ -430,6 +432,15 @@ pub fn check_experts_fit(
     let Some(experts) = model.config().experts else {
         return Ok(());
     };
+    if experts.used > kernels::MAX_USED {
+        return Err(ModelError::GpuUnsupported {
+            what: format!(
+                "a mixture of experts that routes each token to {} experts",
+                experts.used
+            ),
+            supported: format!("up to {} experts a token", kernels::MAX_USED),
+        });
+    }
     let order = first_use_order(model);
     let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
     let room = match budget {

@@ -453,7 +453,7 @@ mod norm_rope;
 mod rows;
 
 pub use attention::{attention, attention_chunk, AttentionShape};
-pub use experts::{moe_combine, moe_route, moe_tiles, Gating};
+pub use experts::{moe_combine, moe_route, moe_tiles, Gating, MAX_USED};
 pub use flash_attention::flash_attention;
 pub use norm_rope::{qk_rope_kv, rms_norm, HeadExtras, HeadShape};
 pub use rows::{add_at, advance, argmax, gated, gather_rows, scale, select_rows, softcap};

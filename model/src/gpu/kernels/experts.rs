@@ -10,6 +10,9 @@ use super::{expect, on_device, ptr_or_null, small, KernelError, ShapeError};
 
 /// Most experts the routing kernel ranks (`crate::config::MAX_EXPERTS`).
 const MAX_EXPERTS: usize = 1024;
+/// Most experts a token uses that the routing kernel takes (it keeps each rank's choice
+/// in a lane of 32).
+pub const MAX_USED: usize = 32;
 
 /// How a router's logits become the weights of the chosen experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +63,15 @@ pub fn moe_route(
 ) -> Result<(), KernelError> {
     const K: &str = "moe_route";
     experts_in_range(K, n_experts, used)?;
+    if used > MAX_USED {
+        return Err(ShapeError {
+            kernel: K,
+            what: "the experts used per token",
+            expected: MAX_USED,
+            actual: used,
+        }
+        .into());
+    }
     expect(K, "the logits", logits.len(), n_tokens * n_experts)?;
     let slots = n_tokens * used;
     expect(K, "the expert ids", ids.len(), slots)?;
