@@ -366,6 +366,8 @@ struct FBF16 {
     static constexpr int kBytes = 2;
 };
 
+// Float weights: NT tokens a workgroup, the grid's y the groups of NT tokens (the float
+// products take any count of tokens, in groups of kMaxTokens and one of the rest).
 template <typename F, int NT, int kRows>
 __global__ void __launch_bounds__(kMatvecThreads)
     matvec_f_kernel(MatvecMats mats, int n_mats, int n_cols, const float* __restrict__ x,
@@ -375,6 +377,8 @@ __global__ void __launch_bounds__(kMatvecThreads)
     rf_chain_wait();
     RowOf r;
     const bool live = locate(mats, n_mats, blockIdx.x * kRows + sub, r);
+    const size_t first = (size_t)blockIdx.y * NT;
+    x += first * n_cols;
     float acc[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j] = 0.0f;
@@ -388,7 +392,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
     }
     reduce_row<NT>(acc, tpr, [&](int j, float s) {
         if (!live) return;
-        float* y = r.y + (size_t)j * r.rows + r.local;
+        float* y = r.y + (first + j) * r.rows + r.local;
         *y = accumulate ? *y + s : s;
     });
 }
@@ -436,14 +440,14 @@ const void* kernel_of() {
 
 template <typename T, int NT, int kRows, typename X>
 void launch_kernel(unsigned grid, const MatvecMats& mats, int n_mats, int n_cols, const X* x,
-                   int accumulate, hipStream_t stream) {
+                   int accumulate, hipStream_t stream, unsigned groups = 1) {
     if constexpr (std::is_same<X, uint8_t>::value) {
         constexpr int rpt = kRowsPerThread<NT>;
         rfLaunchChained((matvec_q_kernel<T, NT, kRows, rpt>), dim3((grid + rpt - 1) / rpt),
                            dim3(kMatvecThreads), 0, stream, mats, n_mats, n_cols, x, accumulate);
     } else {
-        rfLaunchChained((matvec_f_kernel<T, NT, kRows>), dim3(grid), dim3(kMatvecThreads), 0,
-                           stream, mats, n_mats, n_cols, x, accumulate);
+        rfLaunchChained((matvec_f_kernel<T, NT, kRows>), dim3(grid, groups),
+                           dim3(kMatvecThreads), 0, stream, mats, n_mats, n_cols, x, accumulate);
     }
 }
 
@@ -491,11 +495,34 @@ hipError_t with_tokens(int n_tokens, F&& f) {
     }
 }
 
+// Most tokens the float products take: the groups of kMaxTokens fill the grid's y.
+constexpr int kMaxFloatTokens = 65535 * kMaxTokens;
+
 template <typename T, typename X>
 hipError_t launch_tokens(const MatvecMats& mats, int n_mats, int n_cols, const X* x,
                          int n_tokens, int accumulate, hipStream_t stream) {
     unsigned total = 0;
     for (int m = 0; m < n_mats; ++m) total += (unsigned)mats.rows[m];
+    if constexpr (!std::is_same<X, uint8_t>::value) {
+        // Float weights past kMaxTokens tokens: one launch of the whole groups, one of
+        // the tokens left.
+        if (n_tokens > kMaxTokens) {
+            const int groups = n_tokens / kMaxTokens;
+            const hipError_t status = with_group_rows<T, X>(n_cols, [&](auto rows) {
+                constexpr int kRows = decltype(rows)::value;
+                launch_kernel<T, kMaxTokens, kRows>((total + kRows - 1) / kRows, mats, n_mats,
+                                                    n_cols, x, accumulate, stream,
+                                                    (unsigned)groups);
+                return hipGetLastError();
+            });
+            const int whole = groups * kMaxTokens;
+            if (status != hipSuccess || whole == n_tokens) return status;
+            MatvecMats rest = mats;
+            for (int m = 0; m < n_mats; ++m) rest.y[m] += (size_t)whole * mats.rows[m];
+            return launch_tokens<T, X>(rest, n_mats, n_cols, x + (size_t)whole * n_cols,
+                                       n_tokens - whole, accumulate, stream);
+        }
+    }
     return with_tokens(n_tokens, [&](auto nt) {
         return with_group_rows<T, X>(n_cols, [&](auto rows) {
             constexpr int kRows = decltype(rows)::value;
@@ -660,15 +687,18 @@ hipError_t launch_experts_of(const ExpertMats& mats, int n_cols, const int* tile
 extern "C" {
 
 // weights[i]: rows[i] × n_cols of this unit's type; outs[i]: n_tokens × rows[i] f32
-// (token-major). x: Q8 activation blocks (quantized types) or f32 values (float types),
-// n_tokens × n_cols. accumulate: add to outs instead of overwriting.
+// (token-major). x: Q8 activation blocks (quantized types: 1 to kMaxTokens tokens) or
+// f32 values (float types: 1 to kMaxFloatTokens), n_tokens × n_cols. accumulate: add to
+// outs instead of overwriting.
 int RF_MATVEC_JOIN(rf_matvec, RF_MATVEC_NAME)(const void* const* weights, void* const* outs,
                                               const int* rows, int n_mats, int n_cols,
                                               const void* x, int n_tokens, int accumulate,
                                               int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    if (n_mats < 1 || n_mats > rf::kMaxMats || n_tokens < 1 || n_tokens > rf::kMaxTokens)
+    const int max_tokens =
+        std::is_same<rf::UnitInput, uint8_t>::value ? rf::kMaxTokens : rf::kMaxFloatTokens;
+    if (n_mats < 1 || n_mats > rf::kMaxMats || n_tokens < 1 || n_tokens > max_tokens)
         return (int)hipErrorInvalidValue;
     rf::MatvecMats mats = {};
     for (int m = 0; m < n_mats; ++m) {

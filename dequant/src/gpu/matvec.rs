@@ -30,6 +30,9 @@ pub const Q8_BLOCK_BYTES: usize = 40;
 pub const Q8_BLOCK_VALUES: usize = 32;
 /// Most tokens one product takes.
 pub const MAX_TOKENS: usize = 8;
+/// Most tokens one product of float weights takes (on f32 input): the launch runs them
+/// [`MAX_TOKENS`] at a time.
+pub const MAX_FLOAT_TOKENS: usize = 65_535 * MAX_TOKENS;
 /// Most matrices one product takes.
 pub const MAX_MATRICES: usize = 3;
 
@@ -238,8 +241,9 @@ pub(super) fn check_group<'m, 'a>(
     Ok(first)
 }
 
-/// `outs[i] (+)= x · mats[i]ᵀ` for `n_tokens` tokens (1 to [`MAX_TOKENS`]), every matrix
-/// of one type and width, queued on `stream`. `outs[i]` holds `n_tokens × rows` values,
+/// `outs[i] (+)= x · mats[i]ᵀ` for `n_tokens` tokens (1 to [`MAX_TOKENS`]; for float
+/// weights, 1 to [`MAX_FLOAT_TOKENS`]), every matrix of one type and width, queued on
+/// `stream`. `outs[i]` holds `n_tokens × rows` values,
 /// token by token; with `accumulate` the products are added to what it holds (a residual
 /// connection) instead of replacing it.
 pub fn matvec(
@@ -251,11 +255,16 @@ pub fn matvec(
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
     let first = check_group(mats, outs.len())?;
-    if n_tokens == 0 || n_tokens > MAX_TOKENS {
+    let max = if takes_q8(first.ty) {
+        MAX_TOKENS
+    } else {
+        MAX_FLOAT_TOKENS
+    };
+    if n_tokens == 0 || n_tokens > max {
         return Err(DequantError::InputLength {
             n_tokens,
             cols: first.cols,
-            expected: MAX_TOKENS * first.cols,
+            expected: max * first.cols,
             actual: n_tokens * first.cols,
         }
         .into());

@@ -324,6 +324,45 @@ fn products_match_the_reference_for_every_type_and_shape() {
 }
 
 #[test]
+fn float_products_take_any_count_of_tokens_in_groups() {
+    let Some((device, stream)) = gpu_or_skip("float_products_take_any_count_of_tokens_in_groups")
+    else {
+        return;
+    };
+    // Whole groups of MAX_TOKENS only, whole groups and a rest, more groups than one
+    // launch of the quantized products could take; rows a workgroup of 1, 2 and 4.
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+        for (rows, cols, n) in [(128, 2048, 32), (60, 256, 19), (7, 4096, 9), (1, 512, 75)] {
+            check_type(
+                &device,
+                &stream,
+                ty,
+                rows,
+                cols,
+                n,
+                77 + rows as u64 + n as u64,
+            );
+        }
+    }
+    // Quantized weights still take at most MAX_TOKENS.
+    let w = random_matrix(GgmlType::Q8_0, 4, 256, &mut Rng(5));
+    let buf = upload(&device, &stream, &w);
+    let m = GpuMatrix::new(GgmlType::Q8_0, 4, 256, buf.view()).expect("matrix");
+    let n = matvec::MAX_TOKENS + 1;
+    let q8 = device.alloc::<u8>(q8_bytes(n, 256)).expect("q8 buffer");
+    let mut out = device.alloc::<f32>(n * 4).expect("output");
+    let refused = matvec::matvec(
+        &[m],
+        GpuActivations::Q8(q8.view()),
+        n,
+        &mut [out.view_mut()],
+        false,
+        &stream,
+    );
+    assert!(refused.is_err(), "{n} tokens of Q8_0 were taken");
+}
+
+#[test]
 fn the_largest_vocabulary_fits_one_launch() {
     let Some((device, stream)) = gpu_or_skip("the_largest_vocabulary_fits_one_launch") else {
         return;

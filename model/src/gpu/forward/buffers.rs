@@ -8,7 +8,7 @@ use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, PinnedBuffer, Stream};
 
 use super::experts;
-use super::products::{batched, matvec_error, SKINNY_FROM, SKINNY_MIN_BYTES};
+use super::products::{batched, float_rows_few, matvec_error, SKINNY_FROM, SKINNY_MIN_BYTES};
 use crate::config::ModelConfig;
 use crate::gpu::kernels::{attention_chunk, AttentionShape, Pages};
 use crate::gpu::weights::Matrix;
@@ -39,12 +39,12 @@ pub(super) struct BatchInput {
 impl BatchInput {
     /// Whether the products of `m` on `n` tokens take the batch products ([`matmul`],
     /// f32 input) rather than the decode products (Q8 blocks for quantized weights): past
-    /// [`MAX_BATCH`] tokens always; from [`SKINNY_FROM`] tokens where the device runs the
+    /// [`MAX_BATCH`] tokens but for float matrices of few rows ([`float_rows_few`]); from [`SKINNY_FROM`] tokens where the device runs the
     /// skinny products, they take the type (`matmul::skinny_prefers`) and the matrix holds
     /// at least [`SKINNY_MIN_BYTES`], where they are faster (ARCHITECTURE.md says by how
     /// much).
     pub(super) fn takes(&self, m: &Matrix, n: usize) -> bool {
-        batched(n)
+        (batched(n) && !float_rows_few(m))
             || (self.skinny
                 && n >= SKINNY_FROM
                 && matmul::skinny_prefers(m.ty)

@@ -65,6 +65,17 @@ pub(super) const SKINNY_FROM: usize = 3;
 /// a 7B's (9 MB and more) from 3 as well.
 pub(super) const SKINNY_MIN_BYTES: usize = 4 << 20;
 
+/// The most rows of a float matrix (a router, a shared expert's gate) whose products
+/// take the decode products at any count of tokens, [`dequant::gpu::matvec::MAX_TOKENS`]
+/// at a time in one launch: the batch products cut so few rows into so few tiles that
+/// most of the device idles (a 128-expert F32 router at 32 tokens ran in 16 workgroups).
+pub(super) const FLOAT_FEW_ROWS: usize = 512;
+
+/// Whether `m` is a float matrix of at most [`FLOAT_FEW_ROWS`] rows.
+pub(super) fn float_rows_few(m: &Matrix) -> bool {
+    !takes_q8(m.ty) && m.rows <= FLOAT_FEW_ROWS
+}
+
 /// Whether the products of `m` on `n` tokens take Q8 blocks.
 pub(super) fn takes_q8_for(m: &Matrix, n: usize, batch_in: &BatchInput) -> bool {
     takes_q8(m.ty) && !batch_in.takes(m, n)
