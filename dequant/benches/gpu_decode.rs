@@ -3,11 +3,12 @@
 //!
 //! ```text
 //! cargo bench -p dequant --bench gpu_decode -- [--mvalues 64] [--iters 10] [--only Q4_K]
-//!     [--json FILE] [--products [--tokens 1,4,512] [--shapes 7b|135m]]
+//!     [--json FILE] [--products [--tokens 1,4,512] [--shapes 7b|135m|30b-a3b]]
 //! ```
 //!
 //! `--products` times the products instead, for each count of `--tokens` (default 1, 4
-//! and 512), on a 7B Llama's matrix shapes (or, with `--shapes 135m`, SmolLM2-135M's):
+//! and 512), on a 7B Llama's matrix shapes (or, with `--shapes 135m`, SmolLM2-135M's; with
+//! `--shapes 30b-a3b`, the dense matrices of Qwen3-30B-A3B):
 //! microseconds per product, the weights' bytes
 //! per second and the arithmetic rate (TFLOP/s, two operations per weight and token),
 //! for each kernel that takes the count: `decode` (up to its limit of tokens), `batch`
@@ -82,7 +83,8 @@ fn options() -> Result<Options, String> {
                 options.shapes = match value()?.as_str() {
                     "7b" => &SHAPES,
                     "135m" => &SMALL_SHAPES,
-                    other => return Err(format!("--shapes: {other:?} is not 7b or 135m")),
+                    "30b-a3b" => &MOE_SHAPES,
+                    other => return Err(format!("--shapes: {other:?} is not 7b, 135m or 30b-a3b")),
                 }
             }
             "--tokens" => {
@@ -263,6 +265,15 @@ const SMALL_SHAPES: [(&str, usize, usize); 5] = [
     ("down", 576, 1_536),
     ("wo", 576, 576),
     ("output", 49_152, 576),
+];
+
+/// Qwen3-30B-A3B's attention and output (32 heads of 128 and 4 key heads on a width of
+/// 2048, a vocabulary of 151,936): the dense products of a mixture of experts, whose
+/// few rows leave a batch's products short of workgroups.
+const MOE_SHAPES: [(&str, usize, usize); 3] = [
+    ("qkv", 5_120, 2_048),
+    ("wo", 2_048, 4_096),
+    ("output", 151_936, 2_048),
 ];
 
 fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>, String> {
