@@ -1,9 +1,14 @@
 use super::request::{model_name, refuse_unsupported, Common};
 use super::*;
 
+/// What the text completions endpoint (which takes no tools) refuses in `body`.
 fn refused(body: Value) -> Option<(&'static str, String)> {
+    refused_by(body, false)
+}
+
+fn refused_by(body: Value, tools_taken: bool) -> Option<(&'static str, String)> {
     let common: Common = serde_json::from_value(body).expect("a request body");
-    refuse_unsupported(&common)
+    refuse_unsupported(&common, tools_taken)
         .err()
         .map(|e| (e.param.expect("the field is named"), e.message))
 }
@@ -30,6 +35,23 @@ fn fields_asking_for_what_the_server_cannot_do_are_refused_by_name() {
         let (param, message) = refused(body.clone()).unwrap_or_else(|| panic!("{body} passed"));
         assert_eq!(param, field, "{body}");
         assert!(message.contains(field), "{message}");
+    }
+}
+
+#[test]
+fn the_chat_endpoint_reads_tool_fields_itself_but_refuses_legacy_functions() {
+    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let body = json!({"tools": tool, "tool_choice": "required", "parallel_tool_calls": true});
+    assert_eq!(refused_by(body, true), None);
+    for (body, field) in [
+        (
+            json!({"tools": tool, "functions": [{"name": "f"}]}),
+            "functions",
+        ),
+        (json!({"function_call": {"name": "f"}}), "function_call"),
+    ] {
+        let (param, _) = refused_by(body.clone(), true).unwrap_or_else(|| panic!("{body} passed"));
+        assert_eq!(param, field, "{body}");
     }
 }
 
