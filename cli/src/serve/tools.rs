@@ -524,7 +524,7 @@ impl CallParser {
     fn call(&mut self, name: String, arguments: String) {
         self.pending_space.clear();
         let call = ToolCall {
-            id: new_call_id(),
+            id: new_call_id(self.syntax),
             name,
             arguments,
         };
@@ -688,14 +688,19 @@ fn partial_marker_len(text: &str, marker: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// A fresh call id, `call_` and 24 letters and digits.
-fn new_call_id() -> String {
+/// A fresh call id: `call_` and 24 letters and digits; for Mistral, 9 letters and
+/// digits, the only ids its templates accept back in the history.
+fn new_call_id(syntax: ToolSyntax) -> String {
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = model::sampling::Xoshiro256::seed_from_u64(super::api::random_seed());
-    let id: String = (0..24)
+    let (prefix, n) = match syntax {
+        ToolSyntax::Mistral => ("", 9),
+        _ => ("call_", 24),
+    };
+    let id: String = (0..n)
         .map(|_| char::from(ALPHABET[(rng.next_u64() % ALPHABET.len() as u64) as usize]))
         .collect();
-    format!("call_{id}")
+    format!("{prefix}{id}")
 }
 
 #[cfg(test)]

@@ -289,7 +289,7 @@ pub(super) async fn run_request(
 
 /// The whole output read by `parser`: the text that is no call (`None` when calls
 /// leave none but whitespace), and the calls as `message.tool_calls` lists them.
-fn split_calls(parser: &mut CallParser, text: &str) -> (Option<String>, Vec<Value>) {
+pub(super) fn split_calls(parser: &mut CallParser, text: &str) -> (Option<String>, Vec<Value>) {
     let mut content = String::new();
     let mut calls = Vec::new();
     let pieces = parser.push(text).into_iter().chain(parser.finish());

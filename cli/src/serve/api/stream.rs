@@ -75,7 +75,7 @@ impl Meta {
     /// The chunks of pieces read by the tool-call parser: text as `content`, a call as
     /// a first `tool_calls` delta with its index, id, type and name, then one with its
     /// arguments.
-    fn pieces(&self, pieces: Vec<Piece>) -> Vec<u8> {
+    pub(super) fn pieces(&self, pieces: Vec<Piece>) -> Vec<u8> {
         let mut out = Vec::new();
         for piece in pieces {
             match piece {
