@@ -814,6 +814,15 @@ def _():
         assert "get_date" in str(e), e
 
 
+@check("a --chat-template-file that cannot be read stops the server before it listens")
+def _():
+    out = subprocess.run(
+        [BINARY, "serve", "--gguf", MODEL, "--port", "0", "--chat-template-file", TEMPLATE + ".missing"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode != 0 and "chat template" in out.stderr and "listening" not in out.stderr, out
+
+
 assert tooled.stop() == 0
 
 
