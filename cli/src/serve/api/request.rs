@@ -403,13 +403,9 @@ fn constraint(
         }
         (Some(asked), None) => asked,
         (None, Some(plan)) => {
-            let grammars = loaded.grammars.as_ref().map_err(|e| {
-                ApiError::bad(format!(
-                    "tool_choice: this model cannot hold output to tool calls: {e}"
-                ))
-                .param("tool_choice")
-            })?;
+            // A control token's bytes in the trie start with its special-token marker.
             let special = |text: &str| {
+                let grammars = loaded.grammars.as_ref().ok()?;
                 loaded
                     .tokenizer
                     .token_id(text)
