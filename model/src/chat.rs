@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use gguf_format::{GgufError, Metadata};
+use gguf_format::{GgufError, Metadata, StringArray};
 use minijinja::{Environment, ErrorKind, Value};
 
 /// The metadata key holding the template.
@@ -99,9 +99,17 @@ impl Default for ChatLimits {
 /// One message of a conversation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChatMessage {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     pub content: String,
+    /// An assistant's tool calls, as the template reads them (a list of OpenAI's
+    /// `{"id", "type": "function", "function": {"name", "arguments"}}`); only rendered
+    /// when set.
+    pub tool_calls: Option<serde_json::Value>,
+    /// The call a `tool` message answers; only rendered when set.
+    pub tool_call_id: Option<String>,
+    /// The name of the tool that answered, or of the speaker; only rendered when set.
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -109,6 +117,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 
@@ -143,20 +154,23 @@ impl ChatTemplate {
         }
     }
 
+    /// `source` (a template from elsewhere than the file, as `--chat-template-file`
+    /// gives one) with the texts of the BOS and EOS tokens `metadata` names.
+    pub fn from_source_and_metadata(
+        source: impl Into<String>,
+        metadata: &Metadata,
+    ) -> Result<ChatTemplate, ChatTemplateError> {
+        let tokens = metadata.get_string_array("tokenizer.ggml.tokens")?;
+        let (bos_token, eos_token) = bos_eos_texts(metadata, tokens)?;
+        Ok(ChatTemplate::new(source, bos_token, eos_token))
+    }
+
     /// The template a GGUF file carries, or the built-in one for its family (see the
     /// module docs). `bos_token` and `eos_token` are the texts of the ids the metadata
     /// names, empty when it names none.
     pub fn from_metadata(metadata: &Metadata) -> Result<ChatTemplate, ChatTemplateError> {
         let tokens = metadata.get_string_array("tokenizer.ggml.tokens")?;
-        let token_text = |key: &str| -> Result<String, ChatTemplateError> {
-            let id = metadata.get_opt::<u32>(key)?;
-            Ok(id
-                .and_then(|id| tokens.get(id as usize))
-                .map(|text| text.to_owned())
-                .unwrap_or_default())
-        };
-        let bos_token = token_text("tokenizer.ggml.bos_token_id")?;
-        let eos_token = token_text("tokenizer.ggml.eos_token_id")?;
+        let (bos_token, eos_token) = bos_eos_texts(metadata, tokens)?;
         if let Some(source) = metadata.get_opt::<&str>(CHAT_TEMPLATE_KEY)? {
             return Ok(ChatTemplate::new(source, bos_token, eos_token));
         }
@@ -217,6 +231,19 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders `messages` as [`ChatTemplate::render`] does, with the variable `tools`
+    /// (the list of OpenAI tool objects, `{"type": "function", "function": {"name",
+    /// "description", "parameters"}}`, as transformers and llama.cpp pass it) when
+    /// `tools` is given. Without it the template sees no `tools` variable at all.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
         let raised = Arc::new(Mutex::new(None::<String>));
         let env = self.environment(Arc::clone(&raised));
         let template =
@@ -227,19 +254,32 @@ impl ChatTemplate {
         let messages: Vec<Value> = messages
             .iter()
             .map(|m| {
-                let fields = BTreeMap::from([
+                let mut fields = BTreeMap::from([
                     ("role", Value::from(&m.role)),
                     ("content", Value::from(&m.content)),
                 ]);
+                if let Some(calls) = &m.tool_calls {
+                    fields.insert("tool_calls", json_value(calls));
+                }
+                if let Some(id) = &m.tool_call_id {
+                    fields.insert("tool_call_id", Value::from(id));
+                }
+                if let Some(name) = &m.name {
+                    fields.insert("name", Value::from(name));
+                }
                 Value::from(fields)
             })
             .collect();
-        let context = minijinja::context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token.as_str(),
-            eos_token => self.eos_token.as_str(),
-        };
+        let mut context = BTreeMap::from([
+            ("messages", Value::from(messages)),
+            ("add_generation_prompt", Value::from(add_generation_prompt)),
+            ("bos_token", Value::from(self.bos_token.as_str())),
+            ("eos_token", Value::from(self.eos_token.as_str())),
+        ]);
+        if let Some(tools) = tools {
+            context.insert("tools", tools.iter().map(json_value).collect());
+        }
+        let context = Value::from(context);
         let mut out = CappedOutput::new(self.limits.max_output_bytes);
         let rendered = template.render_captured_to(context, &mut out).map(drop);
         match rendered {
@@ -268,7 +308,18 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         tokenizer_adds_bos: bool,
     ) -> Result<String, ChatTemplateError> {
-        let text = self.render(messages, true)?;
+        self.prompt_with_tools(messages, None, tokenizer_adds_bos)
+    }
+
+    /// [`ChatTemplate::prompt`] with the tools the model is offered (see
+    /// [`ChatTemplate::render_with_tools`]).
+    pub fn prompt_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        tokenizer_adds_bos: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let text = self.render_with_tools(messages, tools, true)?;
         match text.strip_prefix(self.bos_token.as_str()) {
             Some(rest) if tokenizer_adds_bos && !self.bos_token.is_empty() => Ok(rest.to_owned()),
             _ => Ok(text),
@@ -336,6 +387,43 @@ impl ChatTemplate {
             message: error.to_string(),
         }
     }
+}
+
+/// A JSON value as the template sees it: objects as maps, arrays as sequences.
+fn json_value(value: &serde_json::Value) -> Value {
+    use serde_json::Value as Json;
+    match value {
+        Json::Null => Value::from(()),
+        Json::Bool(b) => Value::from(*b),
+        Json::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => Value::from(i),
+            (None, Some(u)) => Value::from(u),
+            (None, None) => Value::from(n.as_f64().unwrap_or(f64::NAN)),
+        },
+        Json::String(s) => Value::from(s.as_str()),
+        Json::Array(items) => items.iter().map(json_value).collect(),
+        Json::Object(map) => {
+            Value::from_pairs(map.iter().map(|(k, v)| (k.as_str(), json_value(v))))
+        }
+    }
+}
+
+/// The texts of the BOS and EOS ids `metadata` names (empty where it names none).
+fn bos_eos_texts(
+    metadata: &Metadata,
+    tokens: &StringArray,
+) -> Result<(String, String), ChatTemplateError> {
+    let token_text = |key: &str| -> Result<String, ChatTemplateError> {
+        let id = metadata.get_opt::<u32>(key)?;
+        Ok(id
+            .and_then(|id| tokens.get(id as usize))
+            .map(|text| text.to_owned())
+            .unwrap_or_default())
+    };
+    Ok((
+        token_text("tokenizer.ggml.bos_token_id")?,
+        token_text("tokenizer.ggml.eos_token_id")?,
+    ))
 }
 
 /// A writer that refuses to grow past a limit.

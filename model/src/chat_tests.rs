@@ -309,3 +309,36 @@ fn phi3_template_and_the_built_in_phi3_turns_agree() {
     assert_eq!(own.render(&messages, true).unwrap(), expected);
     assert_eq!(built_in.render(&messages, true).unwrap(), expected);
 }
+
+#[test]
+fn tools_and_tool_fields_reach_the_template_only_when_given() {
+    let source = "{{ tools is defined }}|{% for t in tools or [] %}{{ t.function.name }} {{ t.function.parameters | tojson }};{% endfor %}|\
+                  {% for m in messages %}{{ m.role }}:{{ m.content }}:{{ m.tool_call_id is defined }}:{{ m.name is defined }}\
+                  {% for c in m.tool_calls or [] %}[{{ c.id }} {{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %};{% endfor %}";
+    let t = ChatTemplate::new(source, "", "");
+    // Plain messages and no tools: no tools variable, no tool fields.
+    let plain = t.render(&[ChatMessage::user("hi")], false).unwrap();
+    assert_eq!(plain, "False||user:hi:False:False;");
+    let tools = [
+        serde_json::json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}),
+    ];
+    let mut call = ChatMessage::new("assistant", "");
+    call.tool_calls = Some(serde_json::json!([{"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]));
+    let mut result = ChatMessage::new("tool", "12 degrees");
+    result.tool_call_id = Some("call_1".into());
+    result.name = Some("get_weather".into());
+    let text = t
+        .render_with_tools(
+            &[ChatMessage::user("hi"), call, result],
+            Some(&tools),
+            false,
+        )
+        .unwrap();
+    assert_eq!(
+        text,
+        "True|get_weather {\"properties\": {\"city\": {\"type\": \"string\"}}, \"type\": \"object\"};|\
+         user:hi:False:False;assistant::False:False[call_1 get_weather Oslo];tool:12 degrees:True:True;"
+    );
+}

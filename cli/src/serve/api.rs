@@ -118,6 +118,7 @@ async fn cors(
 }
 
 /// An error as OpenAI's API shapes it.
+#[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     kind: &'static str,
@@ -379,7 +380,7 @@ fn unix_time() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn random_seed() -> u64 {
+pub(super) fn random_seed() -> u64 {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);

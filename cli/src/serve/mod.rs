@@ -7,6 +7,7 @@
 mod api;
 mod format;
 mod metrics;
+mod tools;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -100,6 +101,10 @@ pub struct ServeArgs {
     /// the CORS headers. Off by default.
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
     cors_origins: Vec<String>,
+    /// A Jinja chat template to use instead of the model's own (llama-server's flag):
+    /// for a model whose template does not render `tools`, say.
+    #[arg(long, value_name = "FILE")]
+    chat_template_file: Option<PathBuf>,
     /// Slows loading down by this long (for testing `/health` while loading).
     #[arg(long, hide = true, default_value_t = 0)]
     debug_load_delay_ms: u64,
@@ -112,6 +117,9 @@ pub struct Loaded {
     pub scheduler: Scheduler,
     pub tokenizer: Arc<Tokenizer>,
     pub template: Option<ChatTemplate>,
+    /// How the template's model writes tool calls; why tools cannot be offered when
+    /// they cannot.
+    pub tool_syntax: Result<tools::ToolSyntax, String>,
     pub model_id: String,
     pub context_size: usize,
     pub n_vocab: usize,
@@ -182,6 +190,13 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         }
         (None, None) => None,
     };
+    let template_source = match &args.chat_template_file {
+        Some(file) => Some(
+            std::fs::read_to_string(file)
+                .with_context(|| format!("reading the chat template {}", file.display()))?,
+        ),
+        None => None,
+    };
     let path = model_path(
         args.gguf.as_deref(),
         Some(Fetch {
@@ -206,13 +221,14 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(args, tuning.gpu, path, state))
+    runtime.block_on(serve(args, tuning.gpu, path, template_source, state))
 }
 
 async fn serve(
     args: &ServeArgs,
     gpu_tuning: GpuTuning,
     path: PathBuf,
+    template_source: Option<String>,
     state: Arc<AppState>,
 ) -> Result<()> {
     let addr: SocketAddr = format!("{}:{}", bracket(&args.host), args.port)
@@ -234,6 +250,7 @@ async fn serve(
         device: args.device.clone(),
         gpu_tuning,
         delay: Duration::from_millis(args.debug_load_delay_ms),
+        template_source,
     };
     {
         let state = Arc::clone(&state);
@@ -325,6 +342,8 @@ struct LoadConfig {
     device: String,
     gpu_tuning: GpuTuning,
     delay: Duration,
+    /// `--chat-template-file`'s template, in place of the file's.
+    template_source: Option<String>,
 }
 
 /// Whether `model` can run on the first GPU: the reason when not.
@@ -341,7 +360,24 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     state.set_progress(0.02);
     let tokenizer = Arc::new(Tokenizer::from_metadata(store.metadata()).context("tokenizer")?);
     let model = Model::load(&store)?;
-    let template = ChatTemplate::from_metadata(store.metadata()).ok();
+    let template = match &config.template_source {
+        Some(source) => {
+            let template =
+                ChatTemplate::from_source_and_metadata(source.as_str(), store.metadata())?;
+            template
+                .render(&[model::chat::ChatMessage::user("hi")], true)
+                .context("--chat-template-file")?;
+            Some(template)
+        }
+        None => ChatTemplate::from_metadata(store.metadata()).ok(),
+    };
+    let tool_syntax = match &template {
+        Some(template) => tools::ToolSyntax::of_template(template),
+        None => Err("the model has no chat template".to_owned()),
+    };
+    if let Ok(syntax) = tool_syntax {
+        tracing::info!(syntax = syntax.name(), "tool calls");
+    }
     state.set_progress(0.05);
     let on_gpu = match config.device.as_str() {
         "cpu" => false,
@@ -427,6 +463,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         scheduler,
         tokenizer,
         template,
+        tool_syntax,
         model_id,
         context_size,
         n_vocab,

@@ -15,6 +15,7 @@ use model::tokenizer::EncodeOptions;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::serve::tools::{history_calls, CallParser, Piece};
 use crate::serve::Loaded;
 
 use super::request::{prepare, ChatBody, CompletionBody, Content, Prepared, PromptField};
@@ -37,7 +38,7 @@ pub(super) async fn chat_completions(
     authorize(&state, &headers)?;
     let body: ChatBody = parse(body)?;
     let loaded = loaded(&state)?;
-    let prepared = prepare(&body.common, &state, loaded)?;
+    let prepared = prepare(&body.common, &state, loaded, Kind::Chat)?;
     if loaded.template.is_none() {
         return Err(ApiError::bad(
             "this model has no chat template: use /v1/completions",
@@ -47,7 +48,7 @@ pub(super) async fn chat_completions(
         return Err(ApiError::bad("messages must not be empty").param("messages"));
     }
     let mut messages = Vec::with_capacity(body.messages.len());
-    for m in &body.messages {
+    for (i, m) in body.messages.iter().enumerate() {
         let content = match &m.content {
             None => String::new(),
             Some(Content::Text(t)) => t.clone(),
@@ -67,14 +68,25 @@ pub(super) async fn chat_completions(
                 text
             }
         };
-        messages.push(ChatMessage::new(m.role.clone(), content));
+        let mut message = ChatMessage::new(m.role.clone(), content);
+        message.tool_calls = match &m.tool_calls {
+            None | Some(Value::Null) => None,
+            Some(calls) => Some(history_calls(i, calls)?),
+        };
+        message.tool_call_id = m.tool_call_id.clone();
+        message.name = m.name.clone();
+        messages.push(message);
     }
+    let offered = prepared
+        .tools
+        .as_ref()
+        .map(|plan| plan.request.tools.clone());
     let state2 = Arc::clone(&state);
     let prompt = tokio::task::spawn_blocking(move || {
         let loaded = state2.loaded.get().expect("loaded above");
         let template = loaded.template.as_ref().expect("checked above");
         let text = template
-            .prompt(&messages, loaded.tokenizer.adds_bos())
+            .prompt_with_tools(&messages, offered.as_deref(), loaded.tokenizer.adds_bos())
             .map_err(|e| ApiError::bad(format!("chat template: {e}")).param("messages"))?;
         loaded
             .tokenizer
@@ -100,7 +112,7 @@ pub(super) async fn completions(
     authorize(&state, &headers)?;
     let body: CompletionBody = parse(body)?;
     let loaded = loaded(&state)?;
-    let prepared = prepare(&body.common, &state, loaded)?;
+    let prepared = prepare(&body.common, &state, loaded, Kind::Text)?;
     let prompt = match body.prompt {
         PromptField::Tokens(tokens) => tokens,
         PromptField::Text(text) => encode(&state, text).await?,
@@ -162,6 +174,10 @@ pub(super) async fn run_request(
         }
         .into());
     }
+    let mut parser = p
+        .tools
+        .as_ref()
+        .map(|plan| CallParser::for_request(plan.syntax, &plan.request));
     let room = loaded.context_size.saturating_sub(n).max(1);
     let max_tokens = p.max_tokens.unwrap_or(room);
     let (tx, rx) = mpsc::unbounded_channel();
@@ -201,6 +217,7 @@ pub(super) async fn run_request(
             include_usage: p.include_usage,
             phase: Phase::Start,
             guard,
+            parser,
         };
         let mut response = Response::new(Body::from_stream(stream));
         let h = response.headers_mut();
@@ -233,12 +250,24 @@ pub(super) async fn run_request(
     };
     guard.0 = None;
     let choice = match kind {
-        Kind::Chat => json!({
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": finish.reason.as_str(),
-            "logprobs": Value::Null,
-        }),
+        Kind::Chat => {
+            let mut message = json!({"role": "assistant", "content": text});
+            let mut reason = finish.reason.as_str();
+            if let Some(parser) = &mut parser {
+                let (content, calls) = split_calls(parser, &text);
+                if !calls.is_empty() {
+                    message["tool_calls"] = Value::Array(calls);
+                    reason = "tool_calls";
+                }
+                message["content"] = content.map_or(Value::Null, Value::String);
+            }
+            json!({
+                "index": 0,
+                "message": message,
+                "finish_reason": reason,
+                "logprobs": Value::Null,
+            })
+        }
         Kind::Text => json!({
             "index": 0,
             "text": text,
@@ -256,6 +285,24 @@ pub(super) async fn run_request(
         "usage": usage(&finish),
     }))
     .into_response())
+}
+
+/// The whole output read by `parser`: the text that is no call (`None` when calls
+/// leave none but whitespace), and the calls as `message.tool_calls` lists them.
+pub(super) fn split_calls(parser: &mut CallParser, text: &str) -> (Option<String>, Vec<Value>) {
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    let pieces = parser.push(text).into_iter().chain(parser.finish());
+    for piece in pieces {
+        match piece {
+            Piece::Text(t) => content.push_str(&t),
+            Piece::Call { call, .. } => calls.push(call.to_json()),
+        }
+    }
+    if !calls.is_empty() && content.trim().is_empty() {
+        return (None, calls);
+    }
+    (Some(content), calls)
 }
 
 pub(super) fn usage(finish: &Finish) -> Value {

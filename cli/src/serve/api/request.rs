@@ -3,14 +3,16 @@
 
 use std::collections::BTreeMap;
 
-use model::constraint::Constraint;
+use model::constraint::{Constraint, ConstraintSpec};
 use model::sampling::{defaults, SamplingParams};
 use serde::Deserialize;
 use serde_json::Value;
 
 use crate::serve::format::{constraint_spec, FormatFields};
+use crate::serve::tools::{self, Choice, ToolRequest, ToolSyntax};
 use crate::serve::{AppState, Loaded};
 
+use super::completion::Kind;
 use super::{random_seed, ApiError};
 
 /// `stop` as OpenAI accepts it: one string or several.
@@ -58,12 +60,13 @@ pub(super) struct Common {
     /// match as a whole.
     grammar: Option<Value>,
     regex: Option<Value>,
-    /// OpenAI fields this server does not honour yet. They are read so that a request
-    /// that sets them is refused naming them ([`refuse_unsupported`]): an agent that asks
-    /// for a tool call must not get prose it takes for the one it asked for.
+    /// Tool calls ([`crate::serve::tools`]), taken by the chat endpoint only.
     tools: Option<Value>,
     tool_choice: Option<Value>,
     parallel_tool_calls: Option<Value>,
+    /// OpenAI fields this server does not honour. They are read so that a request that
+    /// sets them is refused naming them ([`refuse_unsupported`]): an agent that asks for
+    /// a function call must not get prose it takes for the one it asked for.
     logprobs: Option<Value>,
     top_logprobs: Option<Value>,
     functions: Option<Value>,
@@ -72,10 +75,11 @@ pub(super) struct Common {
     modalities: Option<Value>,
 }
 
-/// A 400 naming each field of `common` set to what this server cannot do: tool and
-/// function calls, log-probabilities, audio. Values that ask for nothing (`tool_choice`
-/// `"none"`, `logprobs` `false` or `0`, empty lists, `null`) pass.
-pub(super) fn refuse_unsupported(common: &Common) -> Result<(), ApiError> {
+/// A 400 naming each field of `common` set to what this endpoint cannot do: tool calls
+/// unless `tools_taken` (the chat endpoint reads them itself), legacy function calls,
+/// log-probabilities, audio. Values that ask for nothing (`tool_choice` `"none"`,
+/// `logprobs` `false` or `0`, empty lists, `null`) pass.
+pub(super) fn refuse_unsupported(common: &Common, tools_taken: bool) -> Result<(), ApiError> {
     let asks = |value: &Option<Value>| match value {
         None | Some(Value::Null) | Some(Value::Bool(false)) => false,
         Some(Value::Array(items)) => !items.is_empty(),
@@ -83,32 +87,31 @@ pub(super) fn refuse_unsupported(common: &Common) -> Result<(), ApiError> {
         Some(_) => true,
     };
     let tool_choice_none = common.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    let no_tools = "tool calls are taken by /v1/chat/completions only";
     let refusals: [(&'static str, bool, &str); 9] = [
-        (
-            "tools",
-            asks(&common.tools),
-            "tool calls are not supported by this server",
-        ),
+        ("tools", !tools_taken && asks(&common.tools), no_tools),
         (
             "tool_choice",
-            asks(&common.tool_choice) && !tool_choice_none,
-            "tool calls are not supported by this server",
+            !tools_taken && asks(&common.tool_choice) && !tool_choice_none,
+            no_tools,
         ),
         (
             "parallel_tool_calls",
-            matches!(common.parallel_tool_calls, Some(Value::Bool(true))) && asks(&common.tools),
-            "tool calls are not supported by this server",
+            !tools_taken
+                && matches!(common.parallel_tool_calls, Some(Value::Bool(true)))
+                && asks(&common.tools),
+            no_tools,
         ),
         (
             "functions",
             asks(&common.functions),
-            "function calls are not supported by this server",
+            "legacy function calls are not supported by this server: use tools",
         ),
         (
             "function_call",
             asks(&common.function_call)
                 && common.function_call.as_ref().and_then(Value::as_str) != Some("none"),
-            "function calls are not supported by this server",
+            "legacy function calls are not supported by this server: use tool_choice",
         ),
         (
             "logprobs",
@@ -160,6 +163,11 @@ pub(super) struct ContentPart {
 pub(super) struct Message {
     pub(super) role: String,
     pub(super) content: Option<Content>,
+    /// An assistant's calls, in the history.
+    pub(super) tool_calls: Option<Value>,
+    /// The call a `tool` message answers.
+    pub(super) tool_call_id: Option<String>,
+    pub(super) name: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -220,8 +228,9 @@ pub(super) fn prepare(
     common: &Common,
     state: &AppState,
     loaded: &Loaded,
+    kind: Kind,
 ) -> Result<Prepared, ApiError> {
-    refuse_unsupported(common)?;
+    refuse_unsupported(common, kind == Kind::Chat)?;
     let model = model_name(
         common.model.as_deref(),
         &loaded.model_id,
@@ -292,8 +301,13 @@ pub(super) fn prepare(
         .param("stop"));
     }
     let max_tokens = common.max_completion_tokens.or(common.max_tokens);
-    let constraint = constraint(common, loaded)?;
+    let tools = match kind {
+        Kind::Chat => tool_plan(common, loaded)?,
+        Kind::Text => None,
+    };
+    let constraint = constraint(common, loaded, tools.as_ref())?;
     Ok(Prepared {
+        tools,
         model,
         max_tokens,
         sampling,
@@ -310,7 +324,15 @@ pub(super) fn prepare(
     })
 }
 
+/// The tools a chat request offers, and how the model writes its calls.
+pub(super) struct ToolPlan {
+    pub(super) request: ToolRequest,
+    pub(super) syntax: ToolSyntax,
+}
+
 pub(super) struct Prepared {
+    /// The tools offered (none for `tool_choice` `"none"`).
+    pub(super) tools: Option<ToolPlan>,
     /// The model's name in the responses.
     pub(super) model: String,
     pub(super) max_tokens: Option<usize>,
@@ -324,16 +346,78 @@ pub(super) struct Prepared {
     pub(super) include_usage: bool,
 }
 
-/// The compiled constraint a request asks for, or a 400 naming the field whose
-/// schema, grammar or expression does not compile.
-fn constraint(common: &Common, loaded: &Loaded) -> Result<Option<Constraint>, ApiError> {
+/// The tools of a chat request, checked: `None` without tools or with `tool_choice`
+/// `"none"`; a 400 naming the field when they are malformed, a schema does not compile,
+/// or the model's template has no way to offer them.
+fn tool_plan(common: &Common, loaded: &Loaded) -> Result<Option<ToolPlan>, ApiError> {
+    let Some(request) = tools::read(
+        common.tools.as_ref(),
+        common.tool_choice.as_ref(),
+        common.parallel_tool_calls.as_ref(),
+    )?
+    else {
+        return Ok(None);
+    };
+    if request.choice == Choice::None {
+        return Ok(None);
+    }
+    let syntax = *loaded
+        .tool_syntax
+        .as_ref()
+        .map_err(|why| ApiError::bad(format!("tools: {why}")).param("tools"))?;
+    match &loaded.grammars {
+        Ok(grammars) => request.check_schemas(grammars)?,
+        Err(e) if request.enforced() => {
+            return Err(ApiError::bad(format!(
+                "tool_choice: this model cannot hold output to tool calls: {e}"
+            ))
+            .param("tool_choice"))
+        }
+        Err(_) => {}
+    }
+    Ok(Some(ToolPlan { request, syntax }))
+}
+
+/// The compiled constraint a request asks for (a format, or the calls a `tool_choice`
+/// requires), or a 400 naming the field whose schema, grammar or expression does not
+/// compile, or that asks for a second constraint.
+fn constraint(
+    common: &Common,
+    loaded: &Loaded,
+    tools: Option<&ToolPlan>,
+) -> Result<Option<Constraint>, ApiError> {
     let fields = FormatFields {
         response_format: common.response_format.as_ref(),
         grammar: common.grammar.as_ref(),
         regex: common.regex.as_ref(),
     };
-    let Some((spec, field)) = constraint_spec(&fields)? else {
-        return Ok(None);
+    let asked = constraint_spec(&fields)?;
+    let enforced = tools.filter(|plan| plan.request.enforced());
+    let (spec, field) = match (asked, enforced) {
+        (Some((_, field)), Some(_)) => {
+            return Err(ApiError::bad(format!(
+                "{field} cannot be combined with a tool_choice that requires a call: the \
+                 output is held to tool calls"
+            ))
+            .param(field))
+        }
+        (Some(asked), None) => asked,
+        (None, Some(plan)) => {
+            // A control token's bytes in the trie start with its special-token marker.
+            let special = |text: &str| {
+                let grammars = loaded.grammars.as_ref().ok()?;
+                loaded
+                    .tokenizer
+                    .token_id(text)
+                    .filter(|&id| grammars.token_bytes(id).first() == Some(&0xFF))
+            };
+            let grammar = plan.request.grammar(plan.syntax, &special);
+            match grammar {
+                Some(grammar) => (ConstraintSpec::Lark(grammar), "tools"),
+                None => return Ok(None),
+            }
+        }
+        (None, None) => return Ok(None),
     };
     let grammars = loaded.grammars.as_ref().map_err(|e| {
         ApiError::bad(format!(

@@ -9,6 +9,8 @@ use model::serve::Event;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::serve::tools::{CallParser, Piece};
+
 use super::completion::{usage, CancelOnDrop, Kind};
 use super::{ApiError, SYSTEM_FINGERPRINT};
 
@@ -54,6 +56,8 @@ pub(super) struct EventStream {
     pub(super) include_usage: bool,
     pub(super) phase: Phase,
     pub(super) guard: CancelOnDrop,
+    /// Reads the text into tool calls when the request offers tools.
+    pub(super) parser: Option<CallParser>,
 }
 
 impl EventStream {
@@ -64,6 +68,34 @@ impl EventStream {
         let mut out = sse(&ApiError::unavailable(message).body()).to_vec();
         out.extend_from_slice(b"data: [DONE]\n\n");
         Bytes::from(out)
+    }
+}
+
+impl Meta {
+    /// The chunks of pieces read by the tool-call parser: text as `content`, a call as
+    /// a first `tool_calls` delta with its index, id, type and name, then one with its
+    /// arguments.
+    pub(super) fn pieces(&self, pieces: Vec<Piece>) -> Vec<u8> {
+        let mut out = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Text(text) => {
+                    out.extend_from_slice(&sse(&self.chunk(json!({"content": text}), None)))
+                }
+                Piece::Call { index, call } => {
+                    let head = json!({"tool_calls": [{
+                        "index": index, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }]});
+                    let arguments = json!({"tool_calls": [{
+                        "index": index, "function": {"arguments": call.arguments},
+                    }]});
+                    out.extend_from_slice(&sse(&self.chunk(head, None)));
+                    out.extend_from_slice(&sse(&self.chunk(arguments, None)));
+                }
+            }
+        }
+        out
     }
 }
 
@@ -89,38 +121,58 @@ impl futures_core::Stream for EventStream {
             }
             Phase::Running => {}
         }
-        let event = match this.rx.poll_recv(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(event) => event,
-        };
-        let bytes = match event {
-            Some(Event::Text(piece)) => {
-                let delta = match this.meta.kind {
-                    Kind::Chat => json!({"content": piece}),
-                    Kind::Text => json!(piece),
-                };
-                sse(&this.meta.chunk(delta, None))
-            }
-            Some(Event::Done(finish)) => {
-                this.phase = Phase::Done;
-                this.guard.0 = None;
-                let empty = match this.meta.kind {
-                    Kind::Chat => json!({}),
-                    Kind::Text => json!(""),
-                };
-                let mut out = sse(&this.meta.chunk(empty, Some(finish.reason.as_str()))).to_vec();
-                if this.include_usage {
-                    let mut last = this.meta.chunk(Value::Null, None);
-                    last["choices"] = json!([]);
-                    last["usage"] = usage(&finish);
-                    out.extend_from_slice(&sse(&last));
+        loop {
+            let event = match this.rx.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(event) => event,
+            };
+            let bytes = match event {
+                Some(Event::Text(piece)) => match &mut this.parser {
+                    Some(parser) => {
+                        let out = this.meta.pieces(parser.push(&piece));
+                        if out.is_empty() {
+                            // Held back: it may be the start of a call.
+                            continue;
+                        }
+                        Bytes::from(out)
+                    }
+                    None => {
+                        let delta = match this.meta.kind {
+                            Kind::Chat => json!({"content": piece}),
+                            Kind::Text => json!(piece),
+                        };
+                        sse(&this.meta.chunk(delta, None))
+                    }
+                },
+                Some(Event::Done(finish)) => {
+                    this.phase = Phase::Done;
+                    this.guard.0 = None;
+                    let empty = match this.meta.kind {
+                        Kind::Chat => json!({}),
+                        Kind::Text => json!(""),
+                    };
+                    let mut reason = finish.reason.as_str();
+                    let mut out = Vec::new();
+                    if let Some(parser) = &mut this.parser {
+                        out = this.meta.pieces(parser.finish());
+                        if parser.calls() > 0 {
+                            reason = "tool_calls";
+                        }
+                    }
+                    out.extend_from_slice(&sse(&this.meta.chunk(empty, Some(reason))));
+                    if this.include_usage {
+                        let mut last = this.meta.chunk(Value::Null, None);
+                        last["choices"] = json!([]);
+                        last["usage"] = usage(&finish);
+                        out.extend_from_slice(&sse(&last));
+                    }
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                    Bytes::from(out)
                 }
-                out.extend_from_slice(b"data: [DONE]\n\n");
-                Bytes::from(out)
-            }
-            Some(Event::Error(message)) => this.end_with_error(&message),
-            None => this.end_with_error("the request ended without a result"),
-        };
-        Poll::Ready(Some(Ok(bytes)))
+                Some(Event::Error(message)) => this.end_with_error(&message),
+                None => this.end_with_error("the request ended without a result"),
+            };
+            return Poll::Ready(Some(Ok(bytes)));
+        }
     }
 }

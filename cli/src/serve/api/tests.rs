@@ -1,9 +1,14 @@
 use super::request::{model_name, refuse_unsupported, Common};
 use super::*;
 
+/// What the text completions endpoint (which takes no tools) refuses in `body`.
 fn refused(body: Value) -> Option<(&'static str, String)> {
+    refused_by(body, false)
+}
+
+fn refused_by(body: Value, tools_taken: bool) -> Option<(&'static str, String)> {
     let common: Common = serde_json::from_value(body).expect("a request body");
-    refuse_unsupported(&common)
+    refuse_unsupported(&common, tools_taken)
         .err()
         .map(|e| (e.param.expect("the field is named"), e.message))
 }
@@ -30,6 +35,23 @@ fn fields_asking_for_what_the_server_cannot_do_are_refused_by_name() {
         let (param, message) = refused(body.clone()).unwrap_or_else(|| panic!("{body} passed"));
         assert_eq!(param, field, "{body}");
         assert!(message.contains(field), "{message}");
+    }
+}
+
+#[test]
+fn the_chat_endpoint_reads_tool_fields_itself_but_refuses_legacy_functions() {
+    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let body = json!({"tools": tool, "tool_choice": "required", "parallel_tool_calls": true});
+    assert_eq!(refused_by(body, true), None);
+    for (body, field) in [
+        (
+            json!({"tools": tool, "functions": [{"name": "f"}]}),
+            "functions",
+        ),
+        (json!({"function_call": {"name": "f"}}), "function_call"),
+    ] {
+        let (param, _) = refused_by(body.clone(), true).unwrap_or_else(|| panic!("{body} passed"));
+        assert_eq!(param, field, "{body}");
     }
 }
 
@@ -84,4 +106,73 @@ fn fields_that_ask_for_nothing_pass() {
     ] {
         assert_eq!(refused(body.clone()), None, "{body}");
     }
+}
+
+/// Server-sent events of `bytes` as JSON values.
+fn events(bytes: Vec<u8>) -> Vec<Value> {
+    String::from_utf8(bytes)
+        .expect("UTF-8")
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| serde_json::from_str(e.strip_prefix("data: ").expect("data")).expect("JSON"))
+        .collect()
+}
+
+#[test]
+fn a_streamed_call_is_a_delta_with_its_name_then_one_with_its_arguments() {
+    use super::completion::Kind;
+    use super::stream::Meta;
+    use crate::serve::tools::{Piece, ToolCall};
+    let meta = Meta {
+        id: "chatcmpl-1".into(),
+        created: 0,
+        model: "m".into(),
+        kind: Kind::Chat,
+    };
+    let call = ToolCall {
+        id: "call_x".into(),
+        name: "f".into(),
+        arguments: "{\"a\":1}".into(),
+    };
+    let events = events(meta.pieces(vec![
+        Piece::Text("Hi".into()),
+        Piece::Call { index: 1, call },
+    ]));
+    assert_eq!(events.len(), 3, "{events:?}");
+    let delta = |i: usize| &events[i]["choices"][0]["delta"];
+    assert_eq!(*delta(0), json!({"content": "Hi"}));
+    assert_eq!(
+        delta(1)["tool_calls"],
+        json!([{"index": 1, "id": "call_x", "type": "function",
+            "function": {"name": "f", "arguments": ""}}])
+    );
+    assert_eq!(
+        delta(2)["tool_calls"],
+        json!([{"index": 1, "function": {"arguments": "{\"a\":1}"}}])
+    );
+    assert!(events
+        .iter()
+        .all(|e| e["choices"][0]["finish_reason"].is_null()));
+}
+
+#[test]
+fn an_answer_of_calls_has_null_content_and_text_before_calls_stays() {
+    use super::completion::split_calls;
+    use crate::serve::tools::{CallParser, ToolSyntax};
+    let parser = || CallParser::new(ToolSyntax::Hermes, vec!["f".into()]);
+    let call = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1]}}\n</tool_call>";
+    let (content, calls) = split_calls(&mut parser(), &format!("\n{call}\n"));
+    assert_eq!(content, None);
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(
+        calls[0]["function"],
+        json!({"name": "f", "arguments": "{\"a\":[1]}"})
+    );
+    let (content, calls) = split_calls(&mut parser(), &format!("Calling f.\n{call}"));
+    assert_eq!(content.as_deref(), Some("Calling f."));
+    assert_eq!(calls.len(), 1);
+    let (content, calls) = split_calls(&mut parser(), "No call here. ");
+    assert_eq!(content.as_deref(), Some("No call here. "));
+    assert!(calls.is_empty());
 }
