@@ -346,6 +346,61 @@ __global__ void __launch_bounds__(kMatvecThreads)
     }
 }
 
+// The down products of a few tokens' routed slots with their weighted sum fused: the
+// workgroup (x: its rows, y: token t) runs token t's k slots t·k .. t·k + k - 1 in rank
+// order, slot s through expert ids[s] (`experts` matrices of `rows` rows, expert_bytes
+// apart) on row s of the Q8 input (n_x rows), and adds Σ_r weights[s] · (slot s's
+// product) to row t of out, summing the ranks in order as a separate weighted sum would.
+// Each slot's product is matvec_experts_kernel's for a tile of that one slot.
+template <typename W, int kRows, int RPT>
+__global__ void __launch_bounds__(kMatvecThreads)
+    matvec_experts_sum_kernel(const uint8_t* __restrict__ w, size_t expert_bytes, int rows,
+                              int n_cols, const int* __restrict__ ids,
+                              const float* __restrict__ weights, int k,
+                              const uint8_t* __restrict__ xq, int n_x, float* __restrict__ out) {
+    constexpr int tpr = kMatvecThreads / kRows;
+    const int sub = threadIdx.x / tpr, lane = threadIdx.x % tpr;
+    rf_chain_wait();  // the routing and the activations come from the kernels before
+    const int t = blockIdx.y;
+    const size_t row_bytes = (size_t)(n_cols / W::kValues) * W::kBytes;
+    int local[RPT];
+    bool live[RPT];
+    bool any = false;
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) {
+        const int g = (blockIdx.x * kRows + sub) * RPT + rr;
+        live[rr] = g < rows;
+        any = any || live[rr];
+        local[rr] = live[rr] ? g : 0;
+    }
+    const int8_t* xqs = reinterpret_cast<const int8_t*>(xq);
+    const float* xd = reinterpret_cast<const float*>(xq + (size_t)n_x * n_cols);
+    const int* xsums = reinterpret_cast<const int*>(xd + (size_t)n_x * (n_cols / 32));
+    float total[RPT];
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) total[rr] = 0.0f;
+    for (int r = 0; r < k; ++r) {
+        const int s = t * k + r;
+        const uint8_t* expert = w + (size_t)ids[s] * expert_bytes;
+        const float weight = weights[s];
+        const uint8_t* slot_rows[RPT];
+#pragma unroll
+        for (int rr = 0; rr < RPT; ++rr) slot_rows[rr] = expert + (size_t)local[rr] * row_bytes;
+        float acc[RPT][1];
+        row_dots<W, 1, RPT, false>(slot_rows, any, lane, tpr, n_cols, xqs, xd, xsums,
+                                   [&](int) { return s; }, acc);
+#pragma unroll
+        for (int rr = 0; rr < RPT; ++rr) {
+            reduce_row<1>(acc[rr], tpr, [&](int, float dot) { total[rr] += dot * weight; });
+            __syncthreads();  // the reduction's shared memory is used again next
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < RPT; ++rr) {
+        if (live[rr] && lane == 0) out[(size_t)t * rows + local[rr]] += total[rr];
+    }
+}
+
 struct FF32 {
     __device__ static float at(const uint8_t* row, int i) {
         return reinterpret_cast<const float*>(row)[i];
@@ -666,6 +721,29 @@ hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, 
     return hipErrorInvalidValue;
 }
 
+// Launches matvec_experts_sum_kernel for n_tokens tokens of k slots each, the rows a
+// workgroup takes chosen as for one-slot tiles; the float types return
+// hipErrorInvalidValue (they take no expert products).
+template <typename T, typename X>
+hipError_t launch_experts_sum(const uint8_t* w, size_t expert_bytes, int rows, int n_cols,
+                              const int* ids, const float* weights, int k, int n_tokens,
+                              const uint8_t* xq, int n_x, float* out, hipStream_t stream) {
+    if constexpr (std::is_same<X, uint8_t>::value) {
+        constexpr int rpt = kRowsPerThread<1>;
+        return with_group_rows<T, uint8_t>(n_cols, [&](auto group) {
+            constexpr int kRows = decltype(group)::value;
+            const unsigned groups = ((unsigned)rows + kRows - 1) / kRows;
+            rfLaunchChained((matvec_experts_sum_kernel<T, kRows, rpt>),
+                            dim3((groups + rpt - 1) / rpt, (unsigned)n_tokens),
+                            dim3(kMatvecThreads), 0, stream, w, expert_bytes, rows, n_cols, ids,
+                            weights, k, xq, n_x, out);
+            return hipGetLastError();
+        });
+    } else {
+        return hipErrorInvalidValue;
+    }
+}
+
 // launch_experts for the quantized types; the float types take no expert products.
 template <typename T, typename X>
 hipError_t launch_experts_of(const ExpertMats& mats, int n_cols, const int* tiles, int n_tiles,
@@ -735,6 +813,24 @@ int RF_MATVEC_JOIN(rf_matvec_experts, RF_MATVEC_NAME)(
     return (int)rf::launch_experts_of<rf::UnitType, rf::UnitInput>(
         mats, n_cols, (const int*)tiles, n_tiles, tile_tokens, (const int*)order, slot_div,
         (const uint8_t*)xq, n_x, (hipStream_t)stream);
+}
+
+// Routed down products with the weighted sum fused (see matvec_experts_sum_kernel):
+// weights: `experts` matrices of rows × n_cols, expert_bytes apart; ids and slot_weights:
+// n_tokens × k slots in rank order; xq: Q8 blocks of n_x = n_tokens × k rows, one a slot;
+// out: n_tokens × rows, added to. Only the quantized types' units run it.
+int RF_MATVEC_JOIN(rf_matvec_experts_sum, RF_MATVEC_NAME)(
+    const void* weights, size_t expert_bytes, int rows, int n_cols, const void* ids,
+    const void* slot_weights, int k, int n_tokens, const void* xq, int n_x, void* out,
+    int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (rows < 1 || k < 1 || n_tokens < 1 || n_tokens > 65535 || n_x != n_tokens * k)
+        return (int)hipErrorInvalidValue;
+    return (int)rf::launch_experts_sum<rf::UnitType, rf::UnitInput>(
+        (const uint8_t*)weights, expert_bytes, rows, n_cols, (const int*)ids,
+        (const float*)slot_weights, k, n_tokens, (const uint8_t*)xq, n_x, (float*)out,
+        (hipStream_t)stream);
 }
 
 // Loads the code of the kernel rf_matvec_NAME launches for n_tokens tokens of rows n_cols

@@ -319,6 +319,129 @@ pub fn routed_products(
     launch(experts, input, tiles, order, shape, outs, stream)
 }
 
+/// The routed products of a few tokens' slots with their weighted sum fused (a mixture's
+/// down projection while decoding): for each of `n_tokens` tokens `t` of `k` slots,
+/// `out[t] += Σ_r weights[s] · (x_s · experts_{ids[s]}ᵀ)` with `s = t·k + r`, the ranks
+/// in order, `x_s` row `s` of the Q8 input `xq` (one row a slot). Each slot's product is
+/// bit for bit what [`routed_products`] gives it in a tile of one slot, and the sum runs
+/// as a weighted sum of those outputs would. `ids` is read on the device: an expert index
+/// out of range there is the writer's error.
+#[allow(clippy::too_many_arguments)]
+pub fn routed_sum(
+    experts: &GpuExperts<'_>,
+    xq: DeviceView<'_, u8>,
+    ids: DeviceView<'_, i32>,
+    weights: DeviceView<'_, f32>,
+    n_tokens: usize,
+    k: usize,
+    out: &mut DeviceViewMut<'_, f32>,
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    let n_slots = n_tokens.saturating_mul(k);
+    if n_tokens == 0 || n_tokens > 65_535 || k == 0 || n_slots > i32::MAX as usize {
+        return Err(DequantError::ProductTokens {
+            n_tokens,
+            max: 65_535,
+        }
+        .into());
+    }
+    for (len, what_cols) in [(ids.len(), 1), (weights.len(), 1)] {
+        if len != n_slots {
+            return Err(DequantError::InputLength {
+                n_tokens: n_slots,
+                cols: what_cols,
+                expected: n_slots,
+                actual: len,
+            }
+            .into());
+        }
+    }
+    let cols = experts.cols();
+    if xq.len() != q8_bytes(n_slots, cols) {
+        return Err(DequantError::InputLength {
+            n_tokens: n_slots,
+            cols,
+            expected: q8_bytes(n_slots, cols),
+            actual: xq.len(),
+        }
+        .into());
+    }
+    let expected = n_tokens * experts.rows();
+    if out.len() != expected {
+        return Err(DequantError::ProductOutputLength {
+            n_tokens,
+            rows: experts.rows(),
+            expected,
+            actual: out.len(),
+        }
+        .into());
+    }
+    let device = check_device(stream, xq.device_ordinal(), ids.device_ordinal())?;
+    check_device(stream, weights.device_ordinal(), out.device_ordinal())?;
+    check_device(
+        stream,
+        experts.all.bytes().device_ordinal(),
+        out.device_ordinal(),
+    )?;
+    launch_sum(experts, xq, ids, weights, n_tokens, k, out, device, stream)
+}
+
+#[cfg(not(hip_platform = "none"))]
+#[allow(clippy::too_many_arguments)]
+fn launch_sum(
+    experts: &GpuExperts<'_>,
+    xq: DeviceView<'_, u8>,
+    ids: DeviceView<'_, i32>,
+    weights: DeviceView<'_, f32>,
+    n_tokens: usize,
+    k: usize,
+    out: &mut DeviceViewMut<'_, f32>,
+    device: i32,
+    stream: &Stream,
+) -> Result<(), GpuDequantError> {
+    use std::ffi::c_int;
+    let launchers = super::launchers(experts.ty())?;
+    // SAFETY: `routed_sum` checked every length: the weights hold exactly `count`
+    // matrices, ids and weights one entry a slot, the input one row of Q8 blocks a slot,
+    // the output one row a token; all are on the stream's device and stay borrowed while
+    // the kernel is queued. Rows, columns and counts fit in `c_int` (`GpuMatrix::new`,
+    // the checks above).
+    let status = unsafe {
+        (launchers.matvec_experts_sum)(
+            experts.all.bytes().as_ptr(),
+            experts.expert_bytes(),
+            experts.rows() as c_int,
+            experts.cols() as c_int,
+            ids.as_ptr(),
+            weights.as_ptr(),
+            k as c_int,
+            n_tokens as c_int,
+            xq.as_ptr(),
+            (n_tokens * k) as c_int,
+            out.as_mut_ptr(),
+            device,
+            stream.as_raw(),
+        )
+    };
+    hip_backend::check_status("rf_matvec_experts_sum", status).map_err(GpuDequantError::from)
+}
+
+#[cfg(hip_platform = "none")]
+#[allow(clippy::too_many_arguments)]
+fn launch_sum(
+    _: &GpuExperts<'_>,
+    _: DeviceView<'_, u8>,
+    _: DeviceView<'_, i32>,
+    _: DeviceView<'_, f32>,
+    _: usize,
+    _: usize,
+    _: &mut DeviceViewMut<'_, f32>,
+    _: i32,
+    _: &Stream,
+) -> Result<(), GpuDequantError> {
+    Err(HipError::BuiltWithoutGpu.into())
+}
+
 #[cfg(not(hip_platform = "none"))]
 fn launch(
     experts: &[GpuExperts<'_>],

@@ -65,6 +65,23 @@ pub(super) type MatvecExpertsFn = unsafe extern "C" fn(
     stream: *mut c_void,
 ) -> c_int;
 
+/// `rf_matvec_experts_sum_NAME` (see `kernels/matvec.hip`).
+pub(super) type MatvecExpertsSumFn = unsafe extern "C" fn(
+    weights: *const c_void,
+    expert_bytes: usize,
+    rows: c_int,
+    n_cols: c_int,
+    ids: *const c_void,
+    slot_weights: *const c_void,
+    k: c_int,
+    n_tokens: c_int,
+    xq: *const c_void,
+    n_x: c_int,
+    out: *mut c_void,
+    device: c_int,
+    stream: *mut c_void,
+) -> c_int;
+
 /// `rf_matmul_experts_NAME` (see `kernels/matmul.hip`).
 pub(super) type MatmulExpertsFn = unsafe extern "C" fn(
     weights: *const *const c_void,
@@ -91,6 +108,7 @@ pub(super) struct Launchers {
     pub(super) matvec: MatvecFn,
     pub(super) matvec_load: MatvecLoadFn,
     pub(super) matvec_experts: MatvecExpertsFn,
+    pub(super) matvec_experts_sum: MatvecExpertsSumFn,
     pub(super) matmul_experts: MatmulExpertsFn,
 }
 
@@ -98,7 +116,7 @@ pub(super) struct Launchers {
 /// with `PRODUCT_TYPES` in build.rs: a type missing on either side fails the link.
 macro_rules! product_launchers {
     ($($ty:ident => $matmul:ident, $matvec:ident, $matvec_load:ident, $experts:ident,
-        $mm_experts:ident;)*) => {
+        $experts_sum:ident, $mm_experts:ident;)*) => {
         extern "C" {
             $(
                 #[allow(clippy::too_many_arguments)]
@@ -153,6 +171,22 @@ macro_rules! product_launchers {
                     stream: *mut c_void,
                 ) -> c_int;
                 #[allow(clippy::too_many_arguments)]
+                fn $experts_sum(
+                    weights: *const c_void,
+                    expert_bytes: usize,
+                    rows: c_int,
+                    n_cols: c_int,
+                    ids: *const c_void,
+                    slot_weights: *const c_void,
+                    k: c_int,
+                    n_tokens: c_int,
+                    xq: *const c_void,
+                    n_x: c_int,
+                    out: *mut c_void,
+                    device: c_int,
+                    stream: *mut c_void,
+                ) -> c_int;
+                #[allow(clippy::too_many_arguments)]
                 fn $mm_experts(
                     weights: *const *const c_void,
                     outs: *const *mut c_void,
@@ -181,6 +215,7 @@ macro_rules! product_launchers {
                     matvec: $matvec,
                     matvec_load: $matvec_load,
                     matvec_experts: $experts,
+                    matvec_experts_sum: $experts_sum,
                     matmul_experts: $mm_experts,
                 }),)*
                 _ => None,
@@ -191,51 +226,51 @@ macro_rules! product_launchers {
 
 product_launchers! {
     F32 => rf_matmul_f32, rf_matvec_f32, rf_matvec_load_f32, rf_matvec_experts_f32,
-        rf_matmul_experts_f32;
+        rf_matvec_experts_sum_f32, rf_matmul_experts_f32;
     F16 => rf_matmul_f16, rf_matvec_f16, rf_matvec_load_f16, rf_matvec_experts_f16,
-        rf_matmul_experts_f16;
+        rf_matvec_experts_sum_f16, rf_matmul_experts_f16;
     BF16 => rf_matmul_bf16, rf_matvec_bf16, rf_matvec_load_bf16, rf_matvec_experts_bf16,
-        rf_matmul_experts_bf16;
+        rf_matvec_experts_sum_bf16, rf_matmul_experts_bf16;
     Q4_0 => rf_matmul_q4_0, rf_matvec_q4_0, rf_matvec_load_q4_0, rf_matvec_experts_q4_0,
-        rf_matmul_experts_q4_0;
+        rf_matvec_experts_sum_q4_0, rf_matmul_experts_q4_0;
     Q4_1 => rf_matmul_q4_1, rf_matvec_q4_1, rf_matvec_load_q4_1, rf_matvec_experts_q4_1,
-        rf_matmul_experts_q4_1;
+        rf_matvec_experts_sum_q4_1, rf_matmul_experts_q4_1;
     Q5_0 => rf_matmul_q5_0, rf_matvec_q5_0, rf_matvec_load_q5_0, rf_matvec_experts_q5_0,
-        rf_matmul_experts_q5_0;
+        rf_matvec_experts_sum_q5_0, rf_matmul_experts_q5_0;
     Q5_1 => rf_matmul_q5_1, rf_matvec_q5_1, rf_matvec_load_q5_1, rf_matvec_experts_q5_1,
-        rf_matmul_experts_q5_1;
+        rf_matvec_experts_sum_q5_1, rf_matmul_experts_q5_1;
     Q8_0 => rf_matmul_q8_0, rf_matvec_q8_0, rf_matvec_load_q8_0, rf_matvec_experts_q8_0,
-        rf_matmul_experts_q8_0;
+        rf_matvec_experts_sum_q8_0, rf_matmul_experts_q8_0;
     Q2_K => rf_matmul_q2_k, rf_matvec_q2_k, rf_matvec_load_q2_k, rf_matvec_experts_q2_k,
-        rf_matmul_experts_q2_k;
+        rf_matvec_experts_sum_q2_k, rf_matmul_experts_q2_k;
     Q3_K => rf_matmul_q3_k, rf_matvec_q3_k, rf_matvec_load_q3_k, rf_matvec_experts_q3_k,
-        rf_matmul_experts_q3_k;
+        rf_matvec_experts_sum_q3_k, rf_matmul_experts_q3_k;
     Q4_K => rf_matmul_q4_k, rf_matvec_q4_k, rf_matvec_load_q4_k, rf_matvec_experts_q4_k,
-        rf_matmul_experts_q4_k;
+        rf_matvec_experts_sum_q4_k, rf_matmul_experts_q4_k;
     Q5_K => rf_matmul_q5_k, rf_matvec_q5_k, rf_matvec_load_q5_k, rf_matvec_experts_q5_k,
-        rf_matmul_experts_q5_k;
+        rf_matvec_experts_sum_q5_k, rf_matmul_experts_q5_k;
     Q6_K => rf_matmul_q6_k, rf_matvec_q6_k, rf_matvec_load_q6_k, rf_matvec_experts_q6_k,
-        rf_matmul_experts_q6_k;
+        rf_matvec_experts_sum_q6_k, rf_matmul_experts_q6_k;
     IQ2_XXS => rf_matmul_iq2_xxs, rf_matvec_iq2_xxs, rf_matvec_load_iq2_xxs, rf_matvec_experts_iq2_xxs,
-        rf_matmul_experts_iq2_xxs;
+        rf_matvec_experts_sum_iq2_xxs, rf_matmul_experts_iq2_xxs;
     IQ2_XS => rf_matmul_iq2_xs, rf_matvec_iq2_xs, rf_matvec_load_iq2_xs, rf_matvec_experts_iq2_xs,
-        rf_matmul_experts_iq2_xs;
+        rf_matvec_experts_sum_iq2_xs, rf_matmul_experts_iq2_xs;
     IQ2_S => rf_matmul_iq2_s, rf_matvec_iq2_s, rf_matvec_load_iq2_s, rf_matvec_experts_iq2_s,
-        rf_matmul_experts_iq2_s;
+        rf_matvec_experts_sum_iq2_s, rf_matmul_experts_iq2_s;
     IQ3_XXS => rf_matmul_iq3_xxs, rf_matvec_iq3_xxs, rf_matvec_load_iq3_xxs, rf_matvec_experts_iq3_xxs,
-        rf_matmul_experts_iq3_xxs;
+        rf_matvec_experts_sum_iq3_xxs, rf_matmul_experts_iq3_xxs;
     IQ3_S => rf_matmul_iq3_s, rf_matvec_iq3_s, rf_matvec_load_iq3_s, rf_matvec_experts_iq3_s,
-        rf_matmul_experts_iq3_s;
+        rf_matvec_experts_sum_iq3_s, rf_matmul_experts_iq3_s;
     IQ1_S => rf_matmul_iq1_s, rf_matvec_iq1_s, rf_matvec_load_iq1_s, rf_matvec_experts_iq1_s,
-        rf_matmul_experts_iq1_s;
+        rf_matvec_experts_sum_iq1_s, rf_matmul_experts_iq1_s;
     IQ1_M => rf_matmul_iq1_m, rf_matvec_iq1_m, rf_matvec_load_iq1_m, rf_matvec_experts_iq1_m,
-        rf_matmul_experts_iq1_m;
+        rf_matvec_experts_sum_iq1_m, rf_matmul_experts_iq1_m;
     IQ4_NL => rf_matmul_iq4_nl, rf_matvec_iq4_nl, rf_matvec_load_iq4_nl, rf_matvec_experts_iq4_nl,
-        rf_matmul_experts_iq4_nl;
+        rf_matvec_experts_sum_iq4_nl, rf_matmul_experts_iq4_nl;
     IQ4_XS => rf_matmul_iq4_xs, rf_matvec_iq4_xs, rf_matvec_load_iq4_xs, rf_matvec_experts_iq4_xs,
-        rf_matmul_experts_iq4_xs;
+        rf_matvec_experts_sum_iq4_xs, rf_matmul_experts_iq4_xs;
     MXFP4 => rf_matmul_mxfp4, rf_matvec_mxfp4, rf_matvec_load_mxfp4, rf_matvec_experts_mxfp4,
-        rf_matmul_experts_mxfp4;
+        rf_matvec_experts_sum_mxfp4, rf_matmul_experts_mxfp4;
 }
 
 #[cfg(test)]

@@ -37,6 +37,8 @@ mod tests;
 #[cfg(test)]
 mod tests_experts;
 #[cfg(test)]
+mod tests_experts_sum;
+#[cfg(test)]
 mod tests_matvec;
 
 use gguf_format::GgmlType;

@@ -141,15 +141,24 @@ pub(super) fn block(
     let Some(moe) = bufs.moe.as_mut() else {
         unreachable!("the buffers of a model with experts hold the experts' room")
     };
-    routed_ffn(
+    // Without a shared expert, down may add its weighted sum to the residual stream
+    // itself.
+    let summed = routed_ffn(
         config,
         e,
         view(&bufs.h, n * d)?,
         moe,
         n,
         tile_tokens,
+        e.shared
+            .is_none()
+            .then(|| view_mut::<f32>(&mut bufs.x, n * d))
+            .transpose()?,
         stream,
     )?;
+    if summed {
+        return Ok(());
+    }
     if let Some(sh) = &e.shared {
         shared_expert(config, sh, bufs, n, stream)?;
     }
@@ -252,6 +261,9 @@ fn norm_and_route(
 
 /// The routed experts' products for the `n` tokens of `h` (normed), by the routing in
 /// `moe`: gate and up, the gated activation, down, each slot's output into `moe.out`.
+/// In tiles of one slot (a few tokens), given `sum_into`, down's outputs are weighted
+/// and added to it instead ([`experts::routed_sum`]); returns whether they were.
+#[allow(clippy::too_many_arguments)]
 fn routed_ffn(
     config: &ModelConfig,
     e: &ExpertWeights,
@@ -259,8 +271,9 @@ fn routed_ffn(
     moe: &mut MoeBuffers,
     n: usize,
     tile_tokens: usize,
+    sum_into: Option<DeviceViewMut<'_, f32>>,
     stream: &Stream,
-) -> Result<(), ModelError> {
+) -> Result<bool, ModelError> {
     let d = config.n_embd;
     let (k, count) = (e.used, e.count);
     let slots = n * k;
@@ -377,6 +390,20 @@ fn routed_ffn(
     } else {
         RoutedInput::Q8(view(&moe.q8_act, q8_bytes(slots, ff))?)
     };
+    if let (Some(mut x), RoutedInput::Q8(xq)) = (sum_into, input) {
+        experts::routed_sum(
+            &e.down.gpu()?,
+            xq,
+            view(&moe.ids, slots)?,
+            view(&moe.weights, slots)?,
+            n,
+            k,
+            &mut x,
+            stream,
+        )
+        .map_err(routed_error(&e.down))?;
+        return Ok(true);
+    }
     routed(
         &[e.down.gpu()?],
         input,
@@ -387,7 +414,7 @@ fn routed_ffn(
         stream,
     )
     .map_err(routed_error(&e.down))?;
-    Ok(())
+    Ok(false)
 }
 
 /// Qwen 2 MoE's shared expert on the `n` tokens of `h`: its output into `proj`, its
