@@ -1,5 +1,5 @@
-//! What the models cache holds: each GGUF file's size, architecture and quantization,
-//! read from its header, and the downloads not finished yet.
+//! Where the models cache is, and what it holds: each GGUF file's size, architecture and
+//! quantization, read from its header, and the downloads not finished yet.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -7,6 +7,17 @@ use std::path::{Path, PathBuf};
 use gguf_format::GgufFile;
 
 use crate::pull::gguf_header;
+
+/// The models cache: `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models`.
+pub fn models_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("ROCMFORGE_MODELS") {
+        return PathBuf::from(dir);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    home.join(".cache/rocmforge/models")
+}
 
 /// One file of the cache.
 #[derive(Debug, Clone, PartialEq, Eq)]

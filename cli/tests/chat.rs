@@ -6,24 +6,18 @@
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+
+mod common;
+#[path = "../../testdata/models.rs"]
+mod models;
+
+use common::{ctrl_c, read_stderr, run_piped, spawn_piped, wait_briefly};
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 fn model() -> PathBuf {
-    let dir = match std::env::var_os("ROCMFORGE_MODELS") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-            .join(".cache/rocmforge/models"),
-    };
-    let path = dir.join(SMOLLM2);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo xtask fetch-models` first",
-        path.display()
-    );
-    path
+    models::model_path(SMOLLM2)
 }
 
 fn rocmforge() -> Command {
@@ -33,26 +27,20 @@ fn rocmforge() -> Command {
     command
 }
 
+/// `chat` on `model`, greedy, answers of at most `max_tokens`.
+fn chat_command(model: &Path, max_tokens: &str) -> Command {
+    let mut command = rocmforge();
+    command
+        .args(["chat", "--gguf", model.to_str().unwrap()])
+        .args(["--temperature", "0", "--max-tokens", max_tokens]);
+    command
+}
+
 /// `chat` on SmolLM2, greedy, with `input` on stdin and the `info` log on stderr.
 fn chat(model: &Path, extra: &[&str], input: &str) -> Output {
-    let mut child = rocmforge()
-        .args(["chat", "--gguf", model.to_str().unwrap()])
-        .args(["--temperature", "0", "--max-tokens", "40"])
-        .args(extra)
-        .env("ROCMFORGE_LOG", "info")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("rocmforge starts");
-    let mut stdin = child.stdin.take().unwrap();
-    let input = input.to_owned();
-    let writer = std::thread::spawn(move || {
-        let _ = stdin.write_all(input.as_bytes());
-    });
-    let output = child.wait_with_output().unwrap();
-    writer.join().unwrap();
-    output
+    let mut command = chat_command(model, "40");
+    command.args(extra).env("ROCMFORGE_LOG", "info");
+    run_piped(&mut command, input.as_bytes())
 }
 
 fn stderr(output: &Output) -> String {
@@ -192,14 +180,7 @@ fn a_system_message_and_a_loaded_conversation_are_rendered() {
 #[test]
 fn ctrl_c_stops_the_answer_not_the_chat() {
     let model = model();
-    let mut child = rocmforge()
-        .args(["chat", "--gguf", model.to_str().unwrap()])
-        .args(["--temperature", "0", "--max-tokens", "300"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("rocmforge starts");
+    let mut child = spawn_piped(&mut chat_command(&model, "300"));
     let mut stdin = child.stdin.take().unwrap();
     stdin
         .write_all(b"Write a very long story about a dragon.\n")
@@ -207,11 +188,7 @@ fn ctrl_c_stops_the_answer_not_the_chat() {
     let mut stdout = child.stdout.take().unwrap();
     let mut first = [0u8; 1];
     stdout.read_exact(&mut first).expect("the answer streams");
-    let interrupt = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(interrupt.success());
+    ctrl_c(&child);
     // The next message is answered, then the end of the input ends the chat.
     stdin
         .write_all(b"/system Answer in one word.\nThanks!\n")
@@ -219,16 +196,8 @@ fn ctrl_c_stops_the_answer_not_the_chat() {
     drop(stdin);
     let mut rest = Vec::new();
     stdout.read_to_end(&mut rest).unwrap();
-    let start = Instant::now();
-    let status = child.wait().unwrap();
-    assert!(start.elapsed() < Duration::from_secs(30));
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let status = wait_briefly(&mut child);
+    let err = read_stderr(&mut child);
     assert_eq!(status.code(), Some(0), "{err}");
     assert!(err.contains("[answer stopped]"), "{err}");
     assert!(!err.contains("panicked"), "{err}");

@@ -4,37 +4,26 @@
 //! are missing.
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
 #[path = "cli/golden.rs"]
 mod golden;
 #[path = "cli/interrupt.rs"]
 mod interrupt;
+#[path = "../../testdata/models.rs"]
+mod models;
+#[path = "common/stderr.rs"]
+mod stderr;
+
+use common::{ctrl_c, read_stderr, run_piped, wait_briefly};
+use models::model_path;
+use stderr::{assert_stderr_has, stderr};
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
-
-fn models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ROCMFORGE_MODELS") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    home.join(".cache/rocmforge/models")
-}
-
-fn model_path(file: &str) -> PathBuf {
-    let path = models_dir().join(file);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo xtask fetch-models` first",
-        path.display()
-    );
-    path
-}
 
 fn ids(value: &serde_json::Value) -> Vec<u64> {
     value
@@ -51,10 +40,6 @@ fn rocmforge() -> Command {
 
 fn run(args: &[&str]) -> Output {
     rocmforge().args(args).output().expect("rocmforge runs")
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
 /// A failure: non-zero exit, one line on stderr containing `expected`, no panic.
@@ -188,11 +173,7 @@ fn a_missing_default_model_says_how_to_fetch_it() {
             .unwrap();
         let expected = dir.path().join(SMOLLM2);
         assert_fails_with(&output, expected.to_str().unwrap());
-        assert!(
-            stderr(&output).contains("run `rocmforge pull`"),
-            "{}",
-            stderr(&output)
-        );
+        assert_stderr_has(&output, "run `rocmforge pull`");
     }
 }
 
@@ -221,6 +202,18 @@ fn greedy_json(model: &Path, prompt: &str, extra: &[&str]) -> serde_json::Value 
     args.extend_from_slice(extra);
     let output = run(&args);
     assert!(output.status.success(), "{}", stderr(&output));
+    serde_json::from_slice(&output.stdout).expect("one JSON object")
+}
+
+/// `tokenize --json` of `text` on `model`.
+fn tokenize_json(model: &Path, text: &str) -> serde_json::Value {
+    let output = run(&[
+        "tokenize",
+        "--gguf",
+        model.to_str().unwrap(),
+        "--json",
+        text,
+    ]);
     serde_json::from_slice(&output.stdout).expect("one JSON object")
 }
 
@@ -257,15 +250,7 @@ fn chat_wraps_the_prompt_in_the_template() {
     // SmolLM2's own template adds its default system message.
     let rendered = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
                     <|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
-    let output = run(&[
-        "tokenize",
-        "--gguf",
-        model.to_str().unwrap(),
-        "--json",
-        rendered,
-    ]);
-    let expected: serde_json::Value =
-        serde_json::from_slice(&output.stdout).expect("one JSON object");
+    let expected = tokenize_json(&model, rendered);
     assert_eq!(json["prompt_tokens"], expected["tokens"]);
     // <|im_start|> is id 1 and <|im_end|> id 2 in SmolLM2's vocabulary.
     let prompt = ids(&json["prompt_tokens"]);
@@ -316,24 +301,7 @@ fn load_says_why_there_is_no_gpu_or_loads() {
 
 /// Runs `rocmforge` with `stdin` as its input and extra environment.
 fn run_with(args: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Output {
-    use std::io::Write;
-    let mut child = rocmforge()
-        .args(args)
-        .envs(env.iter().copied())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("rocmforge starts");
-    let mut input = child.stdin.take().unwrap();
-    let bytes = stdin.to_vec();
-    let writer = std::thread::spawn(move || {
-        // The program may exit before reading everything (an error): that is its answer.
-        let _ = input.write_all(&bytes);
-    });
-    let output = child.wait_with_output().unwrap();
-    writer.join().unwrap();
-    output
+    run_piped(rocmforge().args(args).envs(env.iter().copied()), stdin)
 }
 
 fn stdout_json(output: &Output) -> serde_json::Value {
@@ -395,11 +363,7 @@ fn long_prompts_come_from_a_file_or_stdin() {
     );
     let both = run(&["generate", "-m", model, "-p", "hi", "-f", file]);
     assert!(!both.status.success());
-    assert!(
-        stderr(&both).contains("cannot be used with"),
-        "{}",
-        stderr(&both)
-    );
+    assert_stderr_has(&both, "cannot be used with");
 }
 
 #[test]
@@ -453,9 +417,9 @@ fn info_logs_name_the_stages_without_colours_in_a_file() {
     }
     assert!(!err.contains('\u{1b}'), "colours in a pipe: {err:?}");
     let inspect = run_with(&["inspect", model], &env, b"");
-    assert!(stderr(&inspect).contains("mapped"), "{}", stderr(&inspect));
+    assert_stderr_has(&inspect, "mapped");
     let load = run_with(&["load", "-m", model], &env, b"");
-    assert!(stderr(&load).contains("model file"), "{}", stderr(&load));
+    assert_stderr_has(&load, "model file");
 }
 
 #[test]
@@ -596,12 +560,9 @@ fn the_summary_counts_in_words_and_warns_of_a_long_context() {
         "generate", "-m", model, "-p", "Hi", "-n", "1", "-c", "100000",
     ]);
     assert!(long.status.success());
-    assert!(
-        stderr(&long).contains(
-            "warning: --ctx-size 100000 is beyond the model's training context of 8192 tokens"
-        ),
-        "{}",
-        stderr(&long)
+    assert_stderr_has(
+        &long,
+        "warning: --ctx-size 100000 is beyond the model's training context of 8192 tokens",
     );
 }
 
@@ -665,11 +626,7 @@ fn llama_cpp_spellings_are_accepted() {
     assert_eq!(ids(&full["tokens"]).len(), 12 - 5 + 1, "{full}");
     let bad = run(&["generate", "-m", model, "-p", prompt, "-n", "-2"]);
     assert!(!bad.status.success());
-    assert!(
-        stderr(&bad).contains("-1 (until the context is full)"),
-        "{}",
-        stderr(&bad)
-    );
+    assert_stderr_has(&bad, "-1 (until the context is full)");
 }
 
 /// A runtime status is named once (`hipErrorNoDevice (100)`), not again as its own

@@ -9,6 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 
+#[path = "common/stderr.rs"]
+mod stderr;
+
+use stderr::{assert_stderr_has, stderr};
+
 /// A small GGUF file: the header (one metadata entry, no tensors), then bytes enough for
 /// a connection to drop in the middle.
 fn model_bytes() -> Vec<u8> {
@@ -211,10 +216,6 @@ fn pull(models: &Path, args: &[&str]) -> Output {
         .expect("rocmforge runs")
 }
 
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
 /// Succeeded, printing the model's path on stdout.
 fn assert_pulled(output: &Output, path: &Path) {
     let err = stderr(output);
@@ -252,37 +253,53 @@ fn files(dir: &Path) -> Vec<String> {
     names
 }
 
+/// Nothing is in `dir`.
+fn assert_empty(dir: &Path) {
+    let names = files(dir);
+    assert!(names.is_empty(), "{names:?}");
+}
+
 fn part(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap().to_owned();
     name.push(".part");
     path.with_file_name(name)
 }
 
+/// A server of one path.
+fn serve_one(path: &'static str, route: Route) -> Server {
+    Server::start(HashMap::from([(path, route)]))
+}
+
+/// An empty models folder, and the path of `model.gguf` in it.
+fn models_folder() -> (tempfile::TempDir, PathBuf) {
+    let models = tempfile::tempdir().unwrap();
+    let target = models.path().join("model.gguf");
+    (models, target)
+}
+
+/// A server of `body` at `/model.gguf` whose first answer stops halfway.
+fn dropping_once(body: &Arc<Vec<u8>>) -> Server {
+    let drops = Arc::new(Mutex::new(1));
+    serve_one("/model.gguf", Route::Flaky(body.clone(), drops))
+}
+
 #[test]
 fn a_model_is_fetched_checked_listed_and_then_present() {
     let body = Arc::new(model_bytes());
-    let server = Server::start(HashMap::from([(
-        "/m/model.gguf",
-        Route::File(body.clone()),
-    )]));
-    let models = tempfile::tempdir().unwrap();
-    let target = models.path().join("model.gguf");
+    let server = serve_one("/m/model.gguf", Route::File(body.clone()));
+    let (models, target) = models_folder();
     let sha = sha256_hex(&body);
     let url = server.url("/m/model.gguf?download=true");
     let output = pull(models.path(), &[&url, "--sha256", &sha]);
     assert_pulled(&output, &target);
-    assert!(
-        stderr(&output).contains("checksum ok"),
-        "{}",
-        stderr(&output)
-    );
+    assert_stderr_has(&output, "checksum ok");
     assert_eq!(std::fs::read(&target).unwrap(), *body);
     assert_eq!(files(models.path()), ["model.gguf"]);
 
     // Already there: not fetched again.
     let again = pull(models.path(), &[&url]);
     assert_pulled(&again, &target);
-    assert!(stderr(&again).contains("present"), "{}", stderr(&again));
+    assert_stderr_has(&again, "present");
     assert_eq!(server.requests().len(), 1);
 
     // `--out` puts it elsewhere; `--progress` draws lines off a terminal, on stderr only.
@@ -317,16 +334,11 @@ fn a_model_is_fetched_checked_listed_and_then_present() {
 #[test]
 fn a_dropped_connection_is_resumed_with_a_range() {
     let body = Arc::new(model_bytes());
-    let drops = Arc::new(Mutex::new(1));
-    let server = Server::start(HashMap::from([(
-        "/model.gguf",
-        Route::Flaky(body.clone(), drops),
-    )]));
-    let models = tempfile::tempdir().unwrap();
-    let target = models.path().join("model.gguf");
+    let server = dropping_once(&body);
+    let (models, target) = models_folder();
     let output = pull(models.path(), &[&server.url("/model.gguf")]);
     assert_pulled(&output, &target);
-    assert!(stderr(&output).contains("resuming"), "{}", stderr(&output));
+    assert_stderr_has(&output, "resuming");
     assert_eq!(std::fs::read(&target).unwrap(), *body);
     let requests = server.requests();
     assert_eq!(requests.len(), 2, "{requests:?}");
@@ -340,13 +352,8 @@ fn a_dropped_connection_is_resumed_with_a_range() {
 #[test]
 fn a_partial_download_stays_and_the_next_pull_finishes_it() {
     let body = Arc::new(model_bytes());
-    let drops = Arc::new(Mutex::new(1));
-    let server = Server::start(HashMap::from([(
-        "/model.gguf",
-        Route::Flaky(body.clone(), drops),
-    )]));
-    let models = tempfile::tempdir().unwrap();
-    let target = models.path().join("model.gguf");
+    let server = dropping_once(&body);
+    let (models, target) = models_folder();
     let url = server.url("/model.gguf");
     let output = pull(models.path(), &[&url, "--retries", "0"]);
     assert_fails_with(&output, &url);
@@ -382,12 +389,8 @@ fn a_partial_download_stays_and_the_next_pull_finishes_it() {
 #[test]
 fn a_server_without_ranges_starts_over() {
     let body = Arc::new(model_bytes());
-    let server = Server::start(HashMap::from([(
-        "/model.gguf",
-        Route::NoRanges(body.clone()),
-    )]));
-    let models = tempfile::tempdir().unwrap();
-    let target = models.path().join("model.gguf");
+    let server = serve_one("/model.gguf", Route::NoRanges(body.clone()));
+    let (models, target) = models_folder();
     std::fs::write(part(&target), &body[..1000]).unwrap();
     assert_pulled(&pull(models.path(), &[&server.url("/model.gguf")]), &target);
     assert_eq!(std::fs::read(&target).unwrap(), *body);
@@ -426,40 +429,27 @@ fn a_wrong_checksum_removes_the_download() {
             ),
         ),
     ]));
-    let models = tempfile::tempdir().unwrap();
-    let target = models.path().join("model.gguf");
+    let (models, target) = models_folder();
 
     let url = server.url("/model.gguf");
     let output = pull(models.path(), &[&url, "--sha256", &wrong]);
     assert_fails_with(&output, &format!("{url}: the download has sha256"));
     assert_fails_with(&output, &format!("expected {wrong}: removed"));
-    assert!(
-        files(models.path()).is_empty(),
-        "{:?}",
-        files(models.path())
-    );
+    assert_empty(models.path());
 
     let output = pull(models.path(), &[&server.url("/bad-hub/model.gguf")]);
     assert_fails_with(&output, "sha256");
-    assert!(
-        files(models.path()).is_empty(),
-        "{:?}",
-        files(models.path())
-    );
+    assert_empty(models.path());
 
     let output = pull(models.path(), &[&server.url("/hub/model.gguf")]);
     assert_pulled(&output, &target);
-    assert!(
-        stderr(&output).contains("checksum ok"),
-        "{}",
-        stderr(&output)
-    );
+    assert_stderr_has(&output, "checksum ok");
 }
 
 #[test]
 fn a_404_a_page_and_no_network_are_said_plainly() {
     let page = Arc::new(b"<!doctype html><title>Sign in</title>".repeat(100));
-    let server = Server::start(HashMap::from([("/page.gguf", Route::File(page))]));
+    let server = serve_one("/page.gguf", Route::File(page));
     let models = tempfile::tempdir().unwrap();
 
     let missing = server.url("/missing.gguf");
@@ -473,11 +463,7 @@ fn a_404_a_page_and_no_network_are_said_plainly() {
     let output = pull(models.path(), &[&page]);
     assert_fails_with(&output, &format!("{page}: not a GGUF model"));
     assert_fails_with(&output, "removed");
-    assert!(
-        files(models.path()).is_empty(),
-        "{:?}",
-        files(models.path())
-    );
+    assert_empty(models.path());
 
     // A port nothing listens on.
     let closed = {
@@ -493,17 +479,13 @@ fn a_404_a_page_and_no_network_are_said_plainly() {
     assert_fails_with(&output, "expected hf://ORG/REPO/FILE.gguf");
     let output = pull(models.path(), &[&server.url("/dir/")]);
     assert_fails_with(&output, "--out FILE");
-    assert!(
-        files(models.path()).is_empty(),
-        "{:?}",
-        files(models.path())
-    );
+    assert_empty(models.path());
 }
 
 #[test]
 fn offline_nothing_is_downloaded() {
     let body = Arc::new(model_bytes());
-    let server = Server::start(HashMap::from([("/model.gguf", Route::File(body))]));
+    let server = serve_one("/model.gguf", Route::File(body));
     let models = tempfile::tempdir().unwrap();
     let url = server.url("/model.gguf");
     let output = rocmforge(models.path())
@@ -531,9 +513,5 @@ fn offline_nothing_is_downloaded() {
         assert_fails_with(&output, path.to_str().unwrap());
         assert_fails_with(&output, "`rocmforge pull`");
     }
-    assert!(
-        files(models.path()).is_empty(),
-        "{:?}",
-        files(models.path())
-    );
+    assert_empty(models.path());
 }

@@ -93,7 +93,9 @@ mod sys;
 mod hip_build;
 
 pub use arena::{ArenaBuffer, ArenaStats, DeviceArena, RangeAllocator, DEFAULT_ARENA_ALIGN};
-pub use device::{list_devices, runtime_versions, Device, DeviceInfo, MemoryInfo, RuntimeVersions};
+pub use device::{
+    device_or_skip, list_devices, runtime_versions, Device, DeviceInfo, MemoryInfo, RuntimeVersions,
+};
 pub use error::{HipError, Result};
 pub use graph::Graph;
 pub use memory::{

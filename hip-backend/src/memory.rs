@@ -131,6 +131,51 @@ fn cast_len<T, U>(addr: usize, len: usize) -> Result<usize> {
     Ok(bytes / elem_size)
 }
 
+/// `len`, `is_empty` and `size_bytes` of a type holding `len` elements of `T` (its
+/// field `len`).
+macro_rules! element_count {
+    () => {
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        pub fn size_bytes(&self) -> usize {
+            self.len * std::mem::size_of::<T>()
+        }
+    };
+}
+pub(crate) use element_count;
+
+/// What [`DeviceView`] and [`DeviceViewMut`] share: `new` from an address, a length and
+/// a device ordinal, [`element_count!`], the device and the address.
+macro_rules! view_basics {
+    ($view:ident) => {
+        pub(crate) fn new(addr: usize, len: usize, ordinal: usize) -> $view<'a, T> {
+            $view {
+                addr,
+                len,
+                ordinal,
+                _borrow: PhantomData,
+            }
+        }
+
+        element_count!();
+
+        pub fn device_ordinal(&self) -> usize {
+            self.ordinal
+        }
+
+        /// The device address of the first element (0 for an empty buffer).
+        pub fn address(&self) -> usize {
+            self.addr
+        }
+    };
+}
+
 /// An owned device allocation of `len` elements of `T`. Dropping it frees the memory
 /// (the runtime's free waits for work already queued on it); a failure there is recorded
 /// and returned by [`Device::check_err`].
@@ -173,17 +218,7 @@ impl<T: Pod> DeviceBuffer<T> {
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        self.len * std::mem::size_of::<T>()
-    }
+    element_count!();
 
     pub fn device_ordinal(&self) -> usize {
         self.context.ordinal()
@@ -238,35 +273,7 @@ pub struct DeviceView<'a, T> {
 }
 
 impl<'a, T: Pod> DeviceView<'a, T> {
-    pub(crate) fn new(addr: usize, len: usize, ordinal: usize) -> DeviceView<'a, T> {
-        DeviceView {
-            addr,
-            len,
-            ordinal,
-            _borrow: PhantomData,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        self.len * std::mem::size_of::<T>()
-    }
-
-    pub fn device_ordinal(&self) -> usize {
-        self.ordinal
-    }
-
-    /// The device address of the first element (0 for an empty buffer).
-    pub fn address(&self) -> usize {
-        self.addr
-    }
+    view_basics!(DeviceView);
 
     /// The device address as a pointer, for kernel launchers. Never dereference it on
     /// the host.
@@ -303,34 +310,7 @@ pub struct DeviceViewMut<'a, T> {
 }
 
 impl<'a, T: Pod> DeviceViewMut<'a, T> {
-    pub(crate) fn new(addr: usize, len: usize, ordinal: usize) -> DeviceViewMut<'a, T> {
-        DeviceViewMut {
-            addr,
-            len,
-            ordinal,
-            _borrow: PhantomData,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        self.len * std::mem::size_of::<T>()
-    }
-
-    pub fn device_ordinal(&self) -> usize {
-        self.ordinal
-    }
-
-    pub fn address(&self) -> usize {
-        self.addr
-    }
+    view_basics!(DeviceViewMut);
 
     /// The device address as a pointer, for kernel launchers. Never dereference it on
     /// the host.

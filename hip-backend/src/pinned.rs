@@ -142,17 +142,7 @@ impl<T: Pod> PinnedBuffer<T> {
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn size_bytes(&self) -> usize {
-        self.len * std::mem::size_of::<T>()
-    }
+    crate::memory::element_count!();
 
     /// Waits for the copy last queued on this buffer, if any may still be running.
     pub fn wait(&mut self) -> Result<()> {

@@ -7,25 +7,10 @@
 //! the "no GPU" cases are the typed errors they should be.
 
 use hip_backend::{
-    list_devices, runtime_versions, Device, DeviceBuffer, HipError, Platform, Stream,
-    DEFAULT_ARENA_ALIGN, PLATFORM,
+    device_or_skip, list_devices, runtime_versions, Device, DeviceBuffer, HipError, Platform,
+    Stream, DEFAULT_ARENA_ALIGN, PLATFORM,
 };
 use std::io::Write;
-
-/// Device 0, or `None` after saying plainly on stderr that `test` was skipped and why.
-fn device_or_skip(test: &str) -> Option<Device> {
-    match Device::open(0) {
-        Ok(device) => Some(device),
-        Err(error) if error.is_unavailable() => {
-            // Written to the process's stderr directly, in one piece: the harness
-            // captures only the print macros, and a skip must be visible.
-            let line = format!("SKIPPED {test}: {error}\n");
-            let _ = std::io::stderr().write_all(line.as_bytes());
-            None
-        }
-        Err(error) => panic!("{test}: opening device 0 failed: {error}"),
-    }
-}
 
 /// Deterministic pseudo-random words (xorshift64).
 fn random_words(len: usize, seed: u64) -> Vec<u32> {

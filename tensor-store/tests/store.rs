@@ -48,6 +48,16 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     path
 }
 
+/// The error opening the first of `shards` (names and contents), written side by side.
+fn shard_error(shards: &[(&str, Vec<u8>)]) -> StoreError {
+    let dir = tempfile::tempdir().unwrap();
+    let paths: Vec<PathBuf> = shards
+        .iter()
+        .map(|(name, bytes)| write(dir.path(), name, bytes))
+        .collect();
+    TensorStore::open(&paths[0]).err().unwrap()
+}
+
 #[test]
 fn mapped_and_read_modes_give_the_same_bytes() {
     let dir = tempfile::tempdir().unwrap();
@@ -80,14 +90,20 @@ fn mapped_and_read_modes_give_the_same_bytes() {
     }
 }
 
-#[test]
-fn read_mode_header_larger_than_first_read_is_parsed() {
-    // Over 4 MiB of metadata forces the header reader to grow its first read.
+/// A model whose 400,000 vocabulary entries make a header of 7.9 MB, then one tensor `x`
+/// of 8 f32 values, every byte 1.
+fn big_header_model() -> Vec<u8> {
     let mut w = GgufWriter::new();
     let vocab: Vec<String> = (0..400_000).map(|i| format!("token-{i}")).collect();
     w.add_metadata("tokenizer.ggml.tokens", vocab).unwrap();
     w.add_tensor("x", GgmlType::F32, &[8]).unwrap();
-    let bytes = w.to_bytes(&[&[1u8; 32]]).unwrap();
+    w.to_bytes(&[&[1u8; 32]]).unwrap()
+}
+
+#[test]
+fn read_mode_header_larger_than_first_read_is_parsed() {
+    // Over 4 MiB of metadata forces the header reader to grow its first read.
+    let bytes = big_header_model();
     assert!(bytes.len() > 4 << 20);
     let dir = tempfile::tempdir().unwrap();
     let path = write(dir.path(), "big-header.gguf", &bytes);
@@ -102,11 +118,7 @@ fn read_mode_header_larger_than_first_read_is_parsed() {
 #[test]
 fn a_mapped_header_does_not_stay_resident() {
     // A header of 7.9 MB, a little larger than Gemma 3's.
-    let mut w = GgufWriter::new();
-    let vocab: Vec<String> = (0..400_000).map(|i| format!("token-{i}")).collect();
-    w.add_metadata("tokenizer.ggml.tokens", vocab).unwrap();
-    w.add_tensor("x", GgmlType::F32, &[8]).unwrap();
-    let bytes = w.to_bytes(&[&[1u8; 32]]).unwrap();
+    let bytes = big_header_model();
     let dir = tempfile::tempdir().unwrap();
     let path = write(dir.path(), "big-header.gguf", &bytes);
     let store = TensorStore::open(&path).unwrap();
@@ -169,19 +181,11 @@ fn split_model_opens_as_one_from_any_shard() {
 
 #[test]
 fn missing_shard_is_named() {
-    let dir = tempfile::tempdir().unwrap();
     let t = default_tensors();
-    let p1 = write(
-        dir.path(),
-        "m-00001-of-00003.gguf",
-        &small_model(&[], &t[..1]),
-    );
-    write(
-        dir.path(),
-        "m-00002-of-00003.gguf",
-        &small_model(&[], &t[1..2]),
-    );
-    let err = TensorStore::open(&p1).err().unwrap();
+    let err = shard_error(&[
+        ("m-00001-of-00003.gguf", small_model(&[], &t[..1])),
+        ("m-00002-of-00003.gguf", small_model(&[], &t[1..2])),
+    ]);
     assert!(
         matches!(&err, StoreError::MissingShard { index: 3, count: 3, missing, .. }
             if missing.ends_with("m-00003-of-00003.gguf")),
@@ -191,19 +195,11 @@ fn missing_shard_is_named() {
 
 #[test]
 fn tensor_in_two_shards_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
     let t = default_tensors();
-    let p1 = write(
-        dir.path(),
-        "m-00001-of-00002.gguf",
-        &small_model(&[], &t[..2]),
-    );
-    write(
-        dir.path(),
-        "m-00002-of-00002.gguf",
-        &small_model(&[], &t[1..]),
-    );
-    let err = TensorStore::open(&p1).err().unwrap();
+    let err = shard_error(&[
+        ("m-00001-of-00002.gguf", small_model(&[], &t[..2])),
+        ("m-00002-of-00002.gguf", small_model(&[], &t[1..])),
+    ]);
     assert!(
         matches!(&err, StoreError::DuplicateTensor { tensor, .. } if tensor == "b.weight"),
         "{err}"
@@ -212,19 +208,14 @@ fn tensor_in_two_shards_is_refused() {
 
 #[test]
 fn shard_with_wrong_split_index_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
     let t = default_tensors();
-    let p1 = write(
-        dir.path(),
-        "m-00001-of-00002.gguf",
-        &small_model(&[("split.no", 1)], &t[..1]),
-    );
-    write(
-        dir.path(),
-        "m-00002-of-00002.gguf",
-        &small_model(&[], &t[1..]),
-    );
-    let err = TensorStore::open(&p1).err().unwrap();
+    let err = shard_error(&[
+        (
+            "m-00001-of-00002.gguf",
+            small_model(&[("split.no", 1)], &t[..1]),
+        ),
+        ("m-00002-of-00002.gguf", small_model(&[], &t[1..])),
+    ]);
     assert!(matches!(
         err,
         StoreError::ShardMismatch {

@@ -99,13 +99,9 @@ pub fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The process's resident set (0 where `/proc/self/status` does not say).
 fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
+    crate::bench_load::measure::rss().map_or(0, |(_, current)| current)
 }
 
 /// Deterministic pseudo-random token ids, as llama-bench feeds random tokens.

@@ -598,10 +598,7 @@ fn copy_bandwidth(device: &Device) -> Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::parse;
-
-    fn args(list: &[&str]) -> Vec<String> {
-        list.iter().map(|s| s.to_string()).collect()
-    }
+    use crate::args;
 
     #[test]
     fn budgets_are_percentages_below_the_whole_model() {

@@ -528,10 +528,7 @@ fn spawn_timed(command: &mut Command) -> Result<Timed> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(list: &[&str]) -> Vec<String> {
-        list.iter().map(|s| s.to_string()).collect()
-    }
+    use crate::args;
 
     #[test]
     fn defaults_are_the_issues_benchmark() {

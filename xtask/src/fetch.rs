@@ -11,18 +11,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use rocmforge::pull::{self, ProgressMode, PullOptions, Source};
 
+pub use rocmforge::cache::models_dir;
 pub use rocmforge::pull::{GEMMA3, SMOLLM2};
-
-/// The models cache: `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models`.
-pub fn models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ROCMFORGE_MODELS") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    home.join(".cache/rocmforge/models")
-}
 
 /// Makes sure both real models are in `dir`, downloading what is missing or corrupt.
 pub fn fetch_models(dir: &Path) -> Result<Vec<PathBuf>> {

@@ -134,3 +134,9 @@ pub(crate) fn workspace_root() -> PathBuf {
     }
     std::env::current_dir().unwrap_or(built)
 }
+
+/// Command-line arguments from string literals, for the tests of the parsers.
+#[cfg(test)]
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}

@@ -27,15 +27,7 @@ fn tokenize_matches_golden(file: &str) {
         assert_eq!(got, expected, "{file}: {prompt:?}");
         assert!(text.ends_with('\n'));
 
-        let output = run(&[
-            "tokenize",
-            "--gguf",
-            model.to_str().unwrap(),
-            "--json",
-            prompt,
-        ]);
-        let json: serde_json::Value =
-            serde_json::from_slice(&output.stdout).expect("one JSON object");
+        let json = tokenize_json(&model, prompt);
         assert_eq!(ids(&json["tokens"]), expected);
     }
 }

@@ -29,24 +29,12 @@ fn ctrl_c_stops_cleanly_with_status_130() {
     let mut stdout = child.stdout.take().unwrap();
     let mut first = [0u8; 1];
     stdout.read_exact(&mut first).expect("text streams");
-    let interrupt = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(interrupt.success());
+    ctrl_c(&child);
     let mut rest = Vec::new();
     stdout.read_to_end(&mut rest).unwrap();
-    let start = Instant::now();
-    let status = child.wait().unwrap();
-    assert!(start.elapsed() < Duration::from_secs(30));
+    let status = wait_briefly(&mut child);
     assert_eq!(status.code(), Some(130));
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    let err = read_stderr(&mut child);
     assert!(err.contains("stop: interrupted"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     let text = String::from_utf8([&first[..], &rest].concat()).unwrap();
@@ -71,15 +59,9 @@ fn ctrl_c_during_a_load_exits_130() {
     let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
     let mut err = String::new();
     while stderr.read_line(&mut err).expect("stderr") > 0 && !err.contains("model file") {}
-    let interrupt = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(interrupt.success());
+    ctrl_c(&child);
     stderr.read_to_string(&mut err).unwrap();
-    let start = Instant::now();
-    let status = child.wait().unwrap();
-    assert!(start.elapsed() < Duration::from_secs(30));
+    let status = wait_briefly(&mut child);
     assert!(!err.contains("panicked"), "{err}");
     if err.contains("cannot use GPU") {
         assert_eq!(status.code(), Some(1), "{err}");

@@ -561,12 +561,4 @@ macro_rules! grid_kernels {
     };
 }
 
-grid_kernels! {
-    iq2_xxs => iq2_xxs_with: BlockIQ2_XXS,
-    iq2_xs => iq2_xs_with: BlockIQ2_XS,
-    iq2_s => iq2_s_with: BlockIQ2_S,
-    iq3_xxs => iq3_xxs_with: BlockIQ3_XXS,
-    iq3_s => iq3_s_with: BlockIQ3_S,
-    iq1_s => iq1_s_with: BlockIQ1_S,
-    iq1_m => iq1_m_with: BlockIQ1_M,
-}
+scalar::for_grid_formats!(grid_kernels);

@@ -114,6 +114,23 @@ fn f16_input_is_copied_to_f16_output_unchanged() {
     }
 }
 
+/// Every decoder refuses to decode `bytes` of `ty` into `out` and into `out16` with
+/// `expected`.
+fn every_decoder_refuses(
+    ty: GgmlType,
+    bytes: &[u8],
+    out: &mut [f32],
+    out16: &mut [f16],
+    expected: &DequantError,
+) {
+    for (name, decoder) in decoders() {
+        let got = decoder.decode_f32(ty, bytes, out);
+        assert_eq!(got, Err(expected.clone()), "{ty} {name}");
+        let got = decoder.decode_f16(ty, bytes, out16);
+        assert_eq!(got, Err(expected.clone()), "{ty} {name} f16");
+    }
+}
+
 #[test]
 fn partial_blocks_are_refused_for_every_type() {
     for ty in GgmlType::ALL {
@@ -130,12 +147,7 @@ fn partial_blocks_are_refused_for_every_type() {
                 bytes: bytes.len(),
                 block_bytes,
             };
-            for (name, decoder) in decoders() {
-                let got = decoder.decode_f32(ty, &bytes, &mut out);
-                assert_eq!(got, Err(expected.clone()), "{ty} {name}");
-                let got = decoder.decode_f16(ty, &bytes, &mut out16);
-                assert_eq!(got, Err(expected.clone()), "{ty} {name} f16");
-            }
+            every_decoder_refuses(ty, &bytes, &mut out, &mut out16, &expected);
             assert_eq!(decoded_len(ty, bytes.len()), Err(expected));
         }
     }
@@ -155,12 +167,7 @@ fn wrong_output_lengths_are_refused_for_every_type() {
                 expected,
                 actual,
             };
-            for (name, decoder) in decoders() {
-                let got = decoder.decode_f32(ty, &bytes, &mut out);
-                assert_eq!(got, Err(error.clone()), "{ty} {name}");
-                let got = decoder.decode_f16(ty, &bytes, &mut out16);
-                assert_eq!(got, Err(error.clone()), "{ty} {name} f16");
-            }
+            every_decoder_refuses(ty, &bytes, &mut out, &mut out16, &error);
         }
     }
 }

@@ -41,34 +41,10 @@ pub fn q8_bytes(n_tokens: usize, n_cols: usize) -> usize {
     n_tokens * (n_cols / Q8_BLOCK_VALUES) * Q8_BLOCK_BYTES
 }
 
-/// Whether the GPU multiplies weights of type `ty` on their blocks.
+/// Whether the GPU multiplies weights of type `ty` on their blocks: every type the CPU
+/// does ([`crate::matmul::is_supported`]) but the ternary TQ1_0 and TQ2_0.
 pub fn is_supported_on_gpu(ty: GgmlType) -> bool {
-    use GgmlType::*;
-    matches!(
-        ty,
-        F32 | F16
-            | BF16
-            | Q4_0
-            | Q4_1
-            | Q5_0
-            | Q5_1
-            | Q8_0
-            | Q2_K
-            | Q3_K
-            | Q4_K
-            | Q5_K
-            | Q6_K
-            | IQ4_NL
-            | IQ4_XS
-            | IQ3_XXS
-            | IQ3_S
-            | IQ2_XXS
-            | IQ2_XS
-            | IQ2_S
-            | IQ1_S
-            | IQ1_M
-            | MXFP4
-    )
+    crate::matmul::is_supported(ty) && !matches!(ty, GgmlType::TQ1_0 | GgmlType::TQ2_0)
 }
 
 /// Whether products with weights of type `ty` take Q8 activation blocks (quantized

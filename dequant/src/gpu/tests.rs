@@ -7,8 +7,6 @@
 //! into the test binary, so prebuilt binaries carried to a GPU machine need no data beside
 //! them.
 
-use std::io::Write;
-
 use gguf_format::GgmlType;
 use half::f16;
 use hip_backend::{Device, HipError, Platform, Stream, PLATFORM};
@@ -25,20 +23,9 @@ const MAX_GRID: usize = 8192;
 /// Device 0 and a stream on it, or `None` after saying plainly on stderr that `test`
 /// was skipped and why.
 pub(super) fn gpu_or_skip(test: &str) -> Option<(Device, Stream)> {
-    match Device::open(0) {
-        Ok(device) => {
-            let stream = device.new_stream().expect("stream on device 0");
-            Some((device, stream))
-        }
-        Err(error) if error.is_unavailable() => {
-            // Written to the process's stderr in one piece: the harness captures only
-            // the print macros, and a skip must be visible.
-            let line = format!("SKIPPED {test}: {error}\n");
-            let _ = std::io::stderr().write_all(line.as_bytes());
-            None
-        }
-        Err(error) => panic!("{test}: opening device 0 failed: {error}"),
-    }
+    let device = hip_backend::device_or_skip(test)?;
+    let stream = device.new_stream().expect("stream on device 0");
+    Some((device, stream))
 }
 
 /// Deterministic pseudo-random bytes (xorshift64).

@@ -4,7 +4,12 @@
 //! gets there; and a file length far beyond the bytes in hand never makes the parser
 //! allocate for what it has not seen.
 
-use gguf_format::{parse, parse_prefix, Array, GgufError, GgufFile, Value};
+use gguf_format::{parse, parse_prefix, GgufError, GgufFile};
+
+#[path = "../../tests/gguf/same_bits.rs"]
+mod same_bits;
+
+use same_bits::same_value;
 
 libfuzzer_sys::fuzz_target!(|file: &[u8]| {
     let whole = parse(file);
@@ -59,30 +64,4 @@ fn same_file(a: &GgufFile, b: &GgufFile) -> bool {
             .iter()
             .zip(b.metadata.iter())
             .all(|((ka, va), (kb, vb))| ka == kb && same_value(va, vb))
-}
-
-fn same_value(a: &Value, b: &Value) -> bool {
-    match (a, b) {
-        (Value::F32(x), Value::F32(y)) => x.to_bits() == y.to_bits(),
-        (Value::F64(x), Value::F64(y)) => x.to_bits() == y.to_bits(),
-        (Value::Array(x), Value::Array(y)) => same_array(x, y),
-        _ => a == b,
-    }
-}
-
-fn same_array(a: &Array, b: &Array) -> bool {
-    match (a, b) {
-        (Array::F32(x), Array::F32(y)) => x
-            .iter()
-            .map(|v| v.to_bits())
-            .eq(y.iter().map(|v| v.to_bits())),
-        (Array::F64(x), Array::F64(y)) => x
-            .iter()
-            .map(|v| v.to_bits())
-            .eq(y.iter().map(|v| v.to_bits())),
-        (Array::Array(x), Array::Array(y)) => {
-            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_array(x, y))
-        }
-        _ => a == b,
-    }
 }

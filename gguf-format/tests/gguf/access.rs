@@ -20,6 +20,46 @@ fn model_metadata() -> Metadata {
     parse(&w.to_bytes(&[]).unwrap()).unwrap().metadata
 }
 
+/// `result` is a [`GgufError::WrongType`] expecting `expected` and finding `found`.
+fn assert_wrong_type<T: std::fmt::Debug>(
+    result: Result<T, GgufError>,
+    expected: &str,
+    found: ValueType,
+) {
+    assert!(
+        matches!(
+            &result,
+            Err(GgufError::WrongType { expected: e, found: f, .. }) if *e == expected && *f == found
+        ),
+        "{result:?}"
+    );
+}
+
+/// As [`assert_wrong_type`], for `key`.
+fn assert_wrong_type_of<T: std::fmt::Debug>(
+    result: Result<T, GgufError>,
+    key: &str,
+    expected: &str,
+    found: ValueType,
+) {
+    assert!(
+        matches!(
+            &result,
+            Err(GgufError::WrongType { key: k, expected: e, found: f })
+                if k == key && *e == expected && *f == found
+        ),
+        "{result:?}"
+    );
+}
+
+/// `result` is a [`GgufError::ValueOutOfRange`] expecting `expected`.
+fn assert_out_of_range<T: std::fmt::Debug>(result: Result<T, GgufError>, expected: &str) {
+    assert!(
+        matches!(&result, Err(GgufError::ValueOutOfRange { expected: e, .. }) if *e == expected),
+        "{result:?}"
+    );
+}
+
 #[test]
 fn present_values_of_compatible_types_are_returned() {
     let m = model_metadata();
@@ -58,27 +98,14 @@ fn missing_key() {
 #[test]
 fn wrong_type_names_key_expected_and_found() {
     let m = model_metadata();
-    assert!(matches!(
+    assert_wrong_type_of(
         m.get_u32("general.architecture"),
-        Err(GgufError::WrongType { ref key, expected: "u32", found: ValueType::String })
-            if key == "general.architecture"
-    ));
-    assert!(matches!(
-        m.get_str("llama.block_count"),
-        Err(GgufError::WrongType {
-            expected: "string",
-            found: ValueType::U32,
-            ..
-        })
-    ));
-    assert!(matches!(
-        m.get_f32("llama.block_count"),
-        Err(GgufError::WrongType {
-            expected: "f32",
-            found: ValueType::U32,
-            ..
-        })
-    ));
+        "general.architecture",
+        "u32",
+        ValueType::String,
+    );
+    assert_wrong_type(m.get_str("llama.block_count"), "string", ValueType::U32);
+    assert_wrong_type(m.get_f32("llama.block_count"), "f32", ValueType::U32);
     assert!(matches!(
         m.get_bool("llama.block_count"),
         Err(GgufError::WrongType {
@@ -86,14 +113,7 @@ fn wrong_type_names_key_expected_and_found() {
             ..
         })
     ));
-    assert!(matches!(
-        m.get_array("add_bos"),
-        Err(GgufError::WrongType {
-            expected: "array",
-            found: ValueType::Bool,
-            ..
-        })
-    ));
+    assert_wrong_type(m.get_array("add_bos"), "array", ValueType::Bool);
     assert!(matches!(
         m.get_opt::<&str>("llama.block_count"),
         Err(GgufError::WrongType { .. })
@@ -103,27 +123,22 @@ fn wrong_type_names_key_expected_and_found() {
 #[test]
 fn wrong_array_element_type_names_the_element_type_found() {
     let m = model_metadata();
-    assert!(matches!(
+    assert_wrong_type_of(
         m.get_f32_array("tokenizer.ggml.token_type"),
-        Err(GgufError::WrongType { ref key, expected: "array of f32", found: ValueType::I32 })
-            if key == "tokenizer.ggml.token_type"
-    ));
-    assert!(matches!(
+        "tokenizer.ggml.token_type",
+        "array of f32",
+        ValueType::I32,
+    );
+    assert_wrong_type(
         m.get_string_array("tokenizer.ggml.token_type"),
-        Err(GgufError::WrongType {
-            expected: "array of string",
-            found: ValueType::I32,
-            ..
-        })
-    ));
-    assert!(matches!(
+        "array of string",
+        ValueType::I32,
+    );
+    assert_wrong_type(
         m.get_i32_array("tokenizer.ggml.tokens"),
-        Err(GgufError::WrongType {
-            expected: "array of i32",
-            found: ValueType::String,
-            ..
-        })
-    ));
+        "array of i32",
+        ValueType::String,
+    );
 }
 
 #[test]
@@ -138,22 +153,10 @@ fn integer_out_of_range_names_the_value() {
         m.get_u64("negative"),
         Err(GgufError::ValueOutOfRange { ref value, expected: "u64", .. }) if value == "-1"
     ));
-    assert!(matches!(
-        m.get_as::<usize>("negative"),
-        Err(GgufError::ValueOutOfRange {
-            expected: "usize",
-            ..
-        })
-    ));
+    assert_out_of_range(m.get_as::<usize>("negative"), "usize");
     assert!(matches!(
         m.get_as::<u8>("llama.context_length"),
         Err(GgufError::ValueOutOfRange { ref value, expected: "u8", .. }) if value == "8192"
     ));
-    assert!(matches!(
-        m.get_as::<i32>("huge"),
-        Err(GgufError::ValueOutOfRange {
-            expected: "i32",
-            ..
-        })
-    ));
+    assert_out_of_range(m.get_as::<i32>("huge"), "i32");
 }

@@ -94,6 +94,16 @@ pub fn parse_err(bytes: &Bytes) -> gguf_format::GgufError {
     }
 }
 
+/// Asserts that `bytes` (a `&Bytes`) fail to parse with an error matching the pattern
+/// (guard included); a different error is shown.
+macro_rules! assert_parse_err {
+    ($bytes:expr, $($pattern:tt)+) => {{
+        let err = $crate::builder::parse_err($bytes);
+        assert!(matches!(err, $($pattern)+), "{err:?}");
+    }};
+}
+pub(crate) use assert_parse_err;
+
 /// A file with no metadata whose tensors are the given infos `(name, shape, type id,
 /// offset)`, followed by a data section of `data_len` bytes aligned to 32.
 pub fn with_tensors(infos: &[(&str, &[u64], u32, u64)], data_len: usize) -> Bytes {

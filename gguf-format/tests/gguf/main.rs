@@ -11,5 +11,6 @@ mod malformed_tensors;
 mod real_files;
 mod regressions;
 mod round_trip;
+mod same_bits;
 mod truncation;
 mod writer;

@@ -3,7 +3,7 @@
 use gguf_format::limits::{MAX_METADATA, MAX_TENSORS};
 use gguf_format::{parse, GgufError};
 
-use crate::builder::{parse_err, Bytes};
+use crate::builder::{assert_parse_err, parse_err, Bytes};
 
 #[test]
 fn empty_input_ends_early_at_the_magic() {
@@ -36,7 +36,7 @@ fn big_endian_file_with_ascii_magic_is_named() {
         .raw(&3u32.to_be_bytes())
         .raw(&0u64.to_be_bytes())
         .raw(&0u64.to_be_bytes());
-    assert!(matches!(parse_err(&b), GgufError::BigEndian { version: 3 }));
+    assert_parse_err!(&b, GgufError::BigEndian { version: 3 });
 }
 
 #[test]
@@ -45,27 +45,24 @@ fn big_endian_file_with_swapped_magic_is_named() {
         .raw(b"FUGG")
         .raw(&2u32.to_be_bytes())
         .zeros(16);
-    assert!(matches!(parse_err(&b), GgufError::BigEndian { version: 2 }));
+    assert_parse_err!(&b, GgufError::BigEndian { version: 2 });
 }
 
 #[test]
 fn version_one_is_refused_by_name() {
-    assert!(matches!(
-        parse_err(&Bytes::header(1, 0, 0)),
-        GgufError::VersionOne
-    ));
+    assert_parse_err!(&Bytes::header(1, 0, 0), GgufError::VersionOne);
 }
 
 #[test]
 fn version_four_is_unsupported() {
-    assert!(matches!(
-        parse_err(&Bytes::header(4, 0, 0)),
+    assert_parse_err!(
+        &Bytes::header(4, 0, 0),
         GgufError::UnsupportedVersion { version: 4 }
-    ));
-    assert!(matches!(
-        parse_err(&Bytes::header(u32::MAX, 0, 0)),
+    );
+    assert_parse_err!(
+        &Bytes::header(u32::MAX, 0, 0),
         GgufError::UnsupportedVersion { version: u32::MAX }
-    ));
+    );
 }
 
 #[test]
@@ -81,52 +78,49 @@ fn versions_two_and_three_parse() {
 #[test]
 fn truncated_version_ends_early() {
     let b = Bytes::default().raw(b"GGUF").raw(&[3, 0]);
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::UnexpectedEof {
             offset: 4,
             needed: 4,
             available: 2
         }
-    ));
+    );
 }
 
 #[test]
 fn truncated_metadata_count_ends_early() {
     let mut b = Bytes::header(3, 0, 0);
     b.0.truncate(19);
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::UnexpectedEof {
             offset: 16,
             needed: 8,
             available: 3
         }
-    ));
+    );
 }
 
 #[test]
 fn huge_tensor_count_exceeds_the_cap() {
-    assert!(matches!(
-        parse_err(&Bytes::v3(u64::MAX, 0)),
+    assert_parse_err!(
+        &Bytes::v3(u64::MAX, 0),
         GgufError::CountTooLarge {
             what: "tensor",
             count: u64::MAX,
             max: MAX_TENSORS
         }
-    ));
+    );
 }
 
 #[test]
 fn huge_metadata_count_exceeds_the_cap() {
-    assert!(matches!(
-        parse_err(&Bytes::v3(0, MAX_METADATA + 1)),
-        GgufError::CountTooLarge {
+    assert_parse_err!(&Bytes::v3(0, MAX_METADATA + 1), GgufError::CountTooLarge {
             what: "metadata",
             count,
             max: MAX_METADATA
-        } if count == MAX_METADATA + 1
-    ));
+        } if count == MAX_METADATA + 1);
 }
 
 #[test]
@@ -138,27 +132,27 @@ fn tensor_count_within_the_cap_but_beyond_the_bytes_left() {
         GgufError::CountExceedsFile { .. }
     ));
     let b = Bytes::v3(5, 0).zeros(100);
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::CountExceedsFile {
             what: "tensor",
             count: 5,
             offset: 24,
             remaining: 100
         }
-    ));
+    );
 }
 
 #[test]
 fn metadata_count_within_the_cap_but_beyond_the_bytes_left() {
     let b = Bytes::v3(0, MAX_METADATA).kv_u32("a", 1);
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::CountExceedsFile {
             what: "metadata",
             count: MAX_METADATA,
             offset: 24,
             remaining: 17
         }
-    ));
+    );
 }

@@ -5,7 +5,7 @@ use gguf_format::limits::{
 };
 use gguf_format::{parse, Array, GgufError, Value, ValueType};
 
-use crate::builder::{parse_err, Bytes};
+use crate::builder::{assert_parse_err, Bytes};
 
 const ARRAY: u32 = 9;
 
@@ -16,10 +16,7 @@ fn key_longer_than_the_cap() {
         .zeros(MAX_KEY_LEN as usize + 1)
         .u32(ValueType::U8.id())
         .u8(0);
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::StringTooLong { len, max: MAX_KEY_LEN, offset: 24 } if len == MAX_KEY_LEN + 1
-    ));
+    assert_parse_err!(&b, GgufError::StringTooLong { len, max: MAX_KEY_LEN, offset: 24 } if len == MAX_KEY_LEN + 1);
 }
 
 #[test]
@@ -29,14 +26,14 @@ fn string_value_longer_than_the_cap() {
         .u64(u64::MAX)
         .zeros(8);
     // Header 24, key 8 + 12, type 4.
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::StringTooLong {
             len: u64::MAX,
             max: MAX_STRING_LEN,
             offset: 48
         }
-    ));
+    );
 }
 
 #[test]
@@ -45,27 +42,27 @@ fn string_value_longer_than_the_bytes_left() {
         .key("general.name", ValueType::String)
         .u64(100)
         .raw(b"abc");
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::UnexpectedEof {
             offset: 56,
             needed: 100,
             available: 3
         }
-    ));
+    );
 }
 
 #[test]
 fn key_cut_short() {
     let b = Bytes::v3(0, 1).u64(20).raw(b"general.");
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::UnexpectedEof {
             offset: 32,
             needed: 20,
             available: 8
         }
-    ));
+    );
 }
 
 #[test]
@@ -74,10 +71,7 @@ fn invalid_utf8_in_a_key() {
         .string(b"general.\xff\xfe")
         .u32(ValueType::U8.id())
         .u8(0);
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::InvalidUtf8 { offset: 24 }
-    ));
+    assert_parse_err!(&b, GgufError::InvalidUtf8 { offset: 24 });
 }
 
 #[test]
@@ -86,10 +80,7 @@ fn invalid_utf8_in_a_string_value() {
     let b = Bytes::v3(0, 1)
         .key("general.name", ValueType::String)
         .string(b"ok \xc0\xaf \x80");
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::InvalidUtf8 { offset: 48 }
-    ));
+    assert_parse_err!(&b, GgufError::InvalidUtf8 { offset: 48 });
 }
 
 #[test]
@@ -100,10 +91,7 @@ fn invalid_utf8_in_a_string_array_element() {
         .array_header(ValueType::String.id(), 2)
         .string(b"fine")
         .string(b"\xed\xa0\x80");
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::InvalidUtf8 { offset: 66 }
-    ));
+    assert_parse_err!(&b, GgufError::InvalidUtf8 { offset: 66 });
 }
 
 #[test]
@@ -118,28 +106,22 @@ fn character_split_between_two_string_array_elements() {
         .string(b"\xc3")
         .string(b"")
         .string(b"\xa9");
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::InvalidUtf8 { offset: 63 }
-    ));
+    assert_parse_err!(&b, GgufError::InvalidUtf8 { offset: 63 });
 }
 
 #[test]
 fn empty_key() {
     // Padded: an entry takes at least 14 bytes when its key is not empty.
     let b = Bytes::v3(0, 1).key("", ValueType::U8).u8(1).zeros(8);
-    assert!(matches!(parse_err(&b), GgufError::EmptyKey { offset: 24 }));
+    assert_parse_err!(&b, GgufError::EmptyKey { offset: 24 });
 }
 
 #[test]
 fn unknown_value_type() {
     for type_id in [13, 0x100, u32::MAX] {
         let b = Bytes::v3(0, 1).string(b"k").u32(type_id).u64(0);
-        assert!(matches!(
-            parse_err(&b),
-            GgufError::UnknownValueType { ref key, type_id: found, offset: 33 }
-                if key == "k" && found == type_id
-        ));
+        assert_parse_err!(&b, GgufError::UnknownValueType { ref key, type_id: found, offset: 33 }
+                if key == "k" && found == type_id);
     }
 }
 
@@ -149,19 +131,13 @@ fn unknown_array_element_type() {
         .key("k", ValueType::Array)
         .array_header(13, 1)
         .u64(0);
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::UnknownValueType { ref key, type_id: 13, offset: 37 } if key == "k"
-    ));
+    assert_parse_err!(&b, GgufError::UnknownValueType { ref key, type_id: 13, offset: 37 } if key == "k");
 }
 
 #[test]
 fn bool_value_neither_zero_nor_one() {
     let b = Bytes::v3(0, 1).key("flag", ValueType::Bool).u8(2);
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::InvalidBool { ref key, value: 2, offset: 40 } if key == "flag"
-    ));
+    assert_parse_err!(&b, GgufError::InvalidBool { ref key, value: 2, offset: 40 } if key == "flag");
 }
 
 #[test]
@@ -170,10 +146,7 @@ fn bool_array_element_neither_zero_nor_one() {
         .key("flags", ValueType::Array)
         .array_header(ValueType::Bool.id(), 3)
         .raw(&[1, 0, 0xff]);
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::InvalidBool { ref key, value: 0xff, offset: 55 } if key == "flags"
-    ));
+    assert_parse_err!(&b, GgufError::InvalidBool { ref key, value: 0xff, offset: 55 } if key == "flags");
 }
 
 /// `depth` arrays, each holding the next, the innermost holding one u8.
@@ -187,11 +160,8 @@ fn nested(depth: usize) -> Bytes {
 
 #[test]
 fn arrays_nested_deeper_than_the_cap() {
-    assert!(matches!(
-        parse_err(&nested(MAX_ARRAY_DEPTH + 1)),
-        GgufError::NestingTooDeep { ref key, depth, max: MAX_ARRAY_DEPTH }
-            if key == "deep" && depth == MAX_ARRAY_DEPTH + 1
-    ));
+    assert_parse_err!(&nested(MAX_ARRAY_DEPTH + 1), GgufError::NestingTooDeep { ref key, depth, max: MAX_ARRAY_DEPTH }
+            if key == "deep" && depth == MAX_ARRAY_DEPTH + 1);
     // The same bytes one level less deep are fine, and read back as nested arrays.
     let file = parse(&nested(MAX_ARRAY_DEPTH).pad_to(32).0).unwrap();
     let mut array = file.metadata.get_array("deep").unwrap();
@@ -232,11 +202,8 @@ fn array_length_above_the_cap() {
     let b = Bytes::v3(0, 1)
         .key("k", ValueType::Array)
         .array_header(ValueType::U8.id(), MAX_ARRAY_LEN + 1);
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::CountTooLarge { what: "array element", count, max: MAX_ARRAY_LEN }
-            if count == MAX_ARRAY_LEN + 1
-    ));
+    assert_parse_err!(&b, GgufError::CountTooLarge { what: "array element", count, max: MAX_ARRAY_LEN }
+            if count == MAX_ARRAY_LEN + 1);
 }
 
 #[test]
@@ -246,28 +213,28 @@ fn array_length_beyond_the_bytes_left() {
         .key("k", ValueType::Array)
         .array_header(ValueType::U32.id(), 1000)
         .zeros(10);
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::CountExceedsFile {
             what: "array element",
             count: 1000,
             offset: 49,
             remaining: 10
         }
-    ));
+    );
     // Strings take at least their 8-byte length each: 2 fit in 16 bytes, 3 do not.
     let b = Bytes::v3(0, 1)
         .key("k", ValueType::Array)
         .array_header(ValueType::String.id(), 3)
         .zeros(16);
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::CountExceedsFile {
             what: "array element",
             count: 3,
             ..
         }
-    ));
+    );
 }
 
 #[test]
@@ -277,14 +244,14 @@ fn array_of_strings_cut_inside_an_element() {
         .array_header(ValueType::String.id(), 2)
         .u64(30)
         .zeros(10);
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::UnexpectedEof {
             offset: 57,
             needed: 30,
             available: 10
         }
-    ));
+    );
 }
 
 #[test]
@@ -292,10 +259,7 @@ fn duplicate_key() {
     let b = Bytes::v3(0, 2)
         .kv_u32("llama.block_count", 1)
         .kv_u32("llama.block_count", 2);
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::DuplicateKey { ref key } if key == "llama.block_count"
-    ));
+    assert_parse_err!(&b, GgufError::DuplicateKey { ref key } if key == "llama.block_count");
 }
 
 #[test]
@@ -303,41 +267,38 @@ fn alignment_of_the_wrong_type() {
     let b = Bytes::v3(0, 1)
         .key("general.alignment", ValueType::U64)
         .u64(32);
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::AlignmentType {
             found: ValueType::U64
         }
-    ));
+    );
     let b = Bytes::v3(0, 1).kv_str("general.alignment", "32");
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::AlignmentType {
             found: ValueType::String
         }
-    ));
+    );
 }
 
 #[test]
 fn alignment_zero() {
     let b = Bytes::v3(0, 1).kv_u32("general.alignment", 0);
-    assert!(matches!(
-        parse_err(&b),
+    assert_parse_err!(
+        &b,
         GgufError::InvalidAlignment {
             value: 0,
             max: MAX_ALIGNMENT
         }
-    ));
+    );
 }
 
 #[test]
 fn alignment_not_a_power_of_two() {
     for value in [3, 48, u32::MAX] {
         let b = Bytes::v3(0, 1).kv_u32("general.alignment", value);
-        assert!(matches!(
-            parse_err(&b),
-            GgufError::InvalidAlignment { value: found, .. } if found == u64::from(value)
-        ));
+        assert_parse_err!(&b, GgufError::InvalidAlignment { value: found, .. } if found == u64::from(value));
     }
 }
 
@@ -345,10 +306,7 @@ fn alignment_not_a_power_of_two() {
 fn alignment_above_the_cap() {
     let too_large = (MAX_ALIGNMENT * 2) as u32;
     let b = Bytes::v3(0, 1).kv_u32("general.alignment", too_large);
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::InvalidAlignment { value, max: MAX_ALIGNMENT } if value == u64::from(too_large)
-    ));
+    assert_parse_err!(&b, GgufError::InvalidAlignment { value, max: MAX_ALIGNMENT } if value == u64::from(too_large));
 }
 
 #[test]

@@ -2,28 +2,14 @@
 //! tensor types the model notes list, and rewrite byte for byte through the writer.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use gguf_format::{parse, parse_prefix, GgmlType, GgufError, GgufFile, GgufWriter};
 
-/// `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models`.
-fn models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ROCMFORGE_MODELS") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    home.join(".cache/rocmforge/models")
-}
+#[path = "../../../testdata/models.rs"]
+mod models;
 
 fn read_model(file: &str) -> Vec<u8> {
-    let path = models_dir().join(file);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo xtask fetch-models` first",
-        path.display()
-    );
+    let path = models::model_path(file);
     std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
 }
 

@@ -3,19 +3,19 @@
 use gguf_format::limits::MAX_TENSOR_NAME_LEN;
 use gguf_format::{parse, Array, GgmlType, GgufError, GgufWriter, ValueType};
 
-use crate::builder::{parse_err, with_tensors, Bytes, F32};
+use crate::builder::{assert_parse_err, with_tensors, Bytes, F32};
 
 #[test]
 fn version_zero_was_reported_as_a_big_endian_file() {
-    assert!(matches!(
-        parse_err(&Bytes::header(0, 0, 0)),
+    assert_parse_err!(
+        &Bytes::header(0, 0, 0),
         GgufError::UnsupportedVersion { version: 0 }
-    ));
+    );
     // A genuinely byte-swapped version is still named as such.
-    assert!(matches!(
-        parse_err(&Bytes::header(3u32.swap_bytes(), 0, 0)),
+    assert_parse_err!(
+        &Bytes::header(3u32.swap_bytes(), 0, 0),
         GgufError::BigEndian { version: 3 }
-    ));
+    );
 }
 
 #[test]
@@ -102,10 +102,7 @@ fn writer_layout_overflowed_the_file_length_near_u64_max() {
 fn empty_tensor_with_a_dimension_beyond_i64_was_accepted() {
     // Zero elements, but ggml (and llama.cpp's reader) hold dimensions as i64.
     let b = with_tensors(&[("t", &[0, 1 << 63], F32, 0)], 32);
-    assert!(matches!(
-        parse_err(&b),
-        GgufError::ShapeOverflow { ref shape, .. } if shape == &[0, 1 << 63]
-    ));
+    assert_parse_err!(&b, GgufError::ShapeOverflow { ref shape, .. } if shape == &[0, 1 << 63]);
     // The largest count ggml holds is still fine when it is empty.
     let b = with_tensors(&[("t", &[0, i64::MAX as u64], F32, 0)], 32);
     assert_eq!(parse(&b.0).unwrap().tensors[0].size, 0);

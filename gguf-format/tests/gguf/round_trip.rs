@@ -3,6 +3,8 @@
 
 use gguf_format::limits::{MAX_ALIGNMENT, MAX_ARRAY_DEPTH};
 use gguf_format::{parse, Array, GgmlType, GgufWriter, Value};
+
+use crate::same_bits::same_value;
 use proptest::collection::vec;
 use proptest::prelude::*;
 
@@ -93,33 +95,6 @@ fn bytes_from(seed: u64, len: u64) -> Vec<u8> {
             (state >> 56) as u8
         })
         .collect()
-}
-
-/// Equality that compares floats by their bits, so NaNs compare equal to themselves.
-fn same_value(a: &Value, b: &Value) -> bool {
-    match (a, b) {
-        (Value::F32(x), Value::F32(y)) => x.to_bits() == y.to_bits(),
-        (Value::F64(x), Value::F64(y)) => x.to_bits() == y.to_bits(),
-        (Value::Array(x), Value::Array(y)) => same_array(x, y),
-        _ => a == b,
-    }
-}
-
-fn same_array(a: &Array, b: &Array) -> bool {
-    match (a, b) {
-        (Array::F32(x), Array::F32(y)) => x
-            .iter()
-            .map(|v| v.to_bits())
-            .eq(y.iter().map(|v| v.to_bits())),
-        (Array::F64(x), Array::F64(y)) => x
-            .iter()
-            .map(|v| v.to_bits())
-            .eq(y.iter().map(|v| v.to_bits())),
-        (Array::Array(x), Array::Array(y)) => {
-            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| same_array(x, y))
-        }
-        _ => a == b,
-    }
 }
 
 /// Writes, parses, and checks that everything written comes back where the layout put it.

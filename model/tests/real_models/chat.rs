@@ -2,41 +2,16 @@
 //! the built-in Gemma turn format for Gemma 3, whose file carries no template. Expected
 //! strings were checked with Python's Jinja2 (`trim_blocks`, `lstrip_blocks`).
 
-use std::fs::File;
-use std::io::Read;
-use std::path::Path;
-
-use gguf_format::Metadata;
 use model::chat::{ChatMessage, ChatTemplate, CHAT_TEMPLATE_KEY};
 use model::tokenizer::{EncodeOptions, Tokenizer};
 
-use crate::common::{model_path, GEMMA3, SMOLLM2};
-
-/// The metadata of a GGUF file, from as few leading bytes as it needs.
-fn metadata(path: &Path) -> Metadata {
-    let mut file = File::open(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
-    let file_len = file.metadata().expect("file size").len();
-    let mut prefix = Vec::new();
-    let mut want: u64 = 8 << 20;
-    loop {
-        let more = want.min(file_len) - prefix.len() as u64;
-        (&mut file)
-            .take(more)
-            .read_to_end(&mut prefix)
-            .expect("reading the model");
-        match gguf_format::parse_prefix(&prefix, file_len) {
-            Ok(gguf) => return gguf.metadata,
-            Err(gguf_format::GgufError::UnexpectedEof { .. }) if want < file_len => want *= 2,
-            Err(e) => panic!("{}: {e}", path.display()),
-        }
-    }
-}
+use crate::common::{model_path, read_metadata, GEMMA3, SMOLLM2};
 
 const PROMPT: &str = "The capital of France is";
 
 #[test]
 fn smollm2_renders_its_own_chatml_template() {
-    let metadata = metadata(&model_path(SMOLLM2));
+    let metadata = read_metadata(&model_path(SMOLLM2));
     let template = ChatTemplate::from_metadata(&metadata).expect("template");
     assert!(!template.is_built_in());
     assert_eq!(
@@ -75,7 +50,7 @@ fn smollm2_renders_its_own_chatml_template() {
 
 #[test]
 fn gemma3_without_a_template_gets_the_gemma_turn_format() {
-    let metadata = metadata(&model_path(GEMMA3));
+    let metadata = read_metadata(&model_path(GEMMA3));
     assert!(!metadata.contains(CHAT_TEMPLATE_KEY));
     let template = ChatTemplate::from_metadata(&metadata).expect("template");
     assert!(template.is_built_in());

@@ -1,30 +1,36 @@
 //! Where the real models and llama.cpp's reference outputs are.
 
-use std::path::PathBuf;
+use std::fs::File;
+use std::io::Read;
+use std::path::Path;
+
+use gguf_format::Metadata;
 
 pub const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 
-/// `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models`.
-pub fn models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("ROCMFORGE_MODELS") {
-        return PathBuf::from(dir);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    home.join(".cache/rocmforge/models")
-}
+#[path = "../../../testdata/models.rs"]
+mod models;
+pub use models::model_path;
 
-/// The path of a real model; panics with the command that fetches it when it is missing.
-pub fn model_path(file: &str) -> PathBuf {
-    let path = models_dir().join(file);
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo xtask fetch-models` first",
-        path.display()
-    );
-    path
+/// Reads just the metadata of a GGUF file: its first bytes, more if they fall short.
+pub fn read_metadata(path: &Path) -> Metadata {
+    let mut file = File::open(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+    let file_len = file.metadata().expect("file size").len();
+    let mut prefix = Vec::new();
+    let mut want: u64 = 16 << 20;
+    loop {
+        let more = want.min(file_len) - prefix.len() as u64;
+        (&mut file)
+            .take(more)
+            .read_to_end(&mut prefix)
+            .expect("reading the model");
+        match gguf_format::parse_prefix(&prefix, file_len) {
+            Ok(gguf) => return gguf.metadata,
+            Err(gguf_format::GgufError::UnexpectedEof { .. }) if want < file_len => want *= 2,
+            Err(e) => panic!("{}: {e}", path.display()),
+        }
+    }
 }
 
 /// llama.cpp's reference outputs for a model, from the repository's `testdata/golden`

@@ -8,16 +8,16 @@ use model::constraint::{token_words, ConstraintSpec, Grammars};
 use model::sampling::Xoshiro256;
 use model::tokenizer::{DecodeOptions, TokenId, Tokenizer};
 
-use crate::common::{model_path, GEMMA3, SMOLLM2};
-use crate::tokenizer::read_metadata;
+use crate::common::{model_path, read_metadata, GEMMA3, SMOLLM2};
 
 fn tokenizer(file: &str) -> Arc<Tokenizer> {
     let metadata = read_metadata(&model_path(file));
     Arc::new(Tokenizer::from_metadata(&metadata).expect("the tokenizer"))
 }
 
-/// Every text token's trie bytes decode back to it; control tokens are marked special.
-fn words_are_the_decoded_bytes(file: &str) {
+/// Every text token's trie bytes decode back to it, among them each of `examples`
+/// (a token and its bytes); control tokens are marked special.
+fn words_are_the_decoded_bytes(file: &str, examples: &[(&str, &[u8])]) {
     let t = tokenizer(file);
     let words = token_words(&t, t.n_tokens());
     let mut special = 0;
@@ -50,30 +50,23 @@ fn words_are_the_decoded_bytes(file: &str) {
         .flat_map(|&i| words[i as usize].clone())
         .collect();
     assert_eq!(joined, t.decode_bytes(&ids, DecodeOptions::TEXT).unwrap());
+    for &(token, bytes) in examples {
+        let id = t.token_id(token).expect(token);
+        assert_eq!(words[id as usize], bytes);
+    }
 }
 
 #[test]
 fn smollm2_byte_level_tokens_are_their_bytes() {
-    words_are_the_decoded_bytes(SMOLLM2);
-    let t = tokenizer(SMOLLM2);
-    let words = token_words(&t, t.n_tokens());
-    let the = t.token_id("Ġthe").expect("Ġthe");
-    assert_eq!(words[the as usize], b" the");
-    let newline = t.token_id("Ċ").expect("Ċ");
-    assert_eq!(words[newline as usize], b"\n");
+    words_are_the_decoded_bytes(SMOLLM2, &[("Ġthe", b" the"), ("Ċ", b"\n")]);
 }
 
 #[test]
 fn gemma3_byte_fallback_tokens_are_their_bytes() {
-    words_are_the_decoded_bytes(GEMMA3);
-    let t = tokenizer(GEMMA3);
-    let words = token_words(&t, t.n_tokens());
-    let a = t.token_id("<0x41>").expect("<0x41>");
-    assert_eq!(words[a as usize], b"A");
-    let high = t.token_id("<0xE2>").expect("<0xE2>");
-    assert_eq!(words[high as usize], [0xE2]);
-    let space = t.token_id("▁the").expect("▁the");
-    assert_eq!(words[space as usize], b" the");
+    words_are_the_decoded_bytes(
+        GEMMA3,
+        &[("<0x41>", b"A"), ("<0xE2>", &[0xE2]), ("▁the", b" the")],
+    );
 }
 
 /// Random logits under a schema: the output is JSON of it, ended by the grammar or an

@@ -183,11 +183,7 @@ fn compare(name: &str, tolerance: Tolerance, method: AttentionMethod) -> Measure
     );
     assert_eq!(spec.prompt, reference.prompt, "{name}: prompt changed");
 
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let path = dir.path().join(format!("{name}.gguf"));
-    std::fs::write(&path, &bytes).expect("writing the model");
-    let store = TensorStore::open(&path).expect("model opens");
-    let model = Model::load(&store).expect("model loads");
+    let (_dir, store, model) = load_file(&format!("{name}.gguf"), &bytes);
     let n_vocab = model.config().n_vocab;
     assert_eq!(n_vocab, reference.n_vocab, "{name}: vocabulary size");
 
@@ -319,7 +315,9 @@ fn check_with(name: &str, method: AttentionMethod) {
     );
 }
 
-macro_rules! matches_llama_cpp {
+/// A test `$test` for each synthetic model `$name`, running `check` (as the caller has
+/// it) on it.
+macro_rules! checks {
     ($($test:ident => $name:literal),* $(,)?) => {$(
         #[test]
         fn $test() {
@@ -328,7 +326,7 @@ macro_rules! matches_llama_cpp {
     )*};
 }
 
-matches_llama_cpp! {
+checks! {
     llama_q4_0_matches_llama_cpp => "llama-q4_0",
     llama_q4_1_matches_llama_cpp => "llama-q4_1",
     llama_q5_0_matches_llama_cpp => "llama-q5_0",
@@ -413,6 +411,25 @@ matches_llama_cpp! {
     gpt_oss_long_matches_llama_cpp => "gpt-oss-long",
 }
 
+/// The synthetic model `name`, written to a temporary folder (kept while the guard
+/// lives), opened and loaded.
+fn open_spec(name: &str) -> (tempfile::TempDir, TensorStore, Model) {
+    let spec = spec(name).expect("a spec");
+    let bytes = build(spec).expect("the generator writes a valid file");
+    load_file(&format!("{name}.gguf"), &bytes)
+}
+
+/// `bytes` written as `file` to a temporary folder (kept while the guard lives), opened
+/// and loaded.
+fn load_file(file: &str, bytes: &[u8]) -> (tempfile::TempDir, TensorStore, Model) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join(file);
+    std::fs::write(&path, bytes).expect("writing the model");
+    let store = TensorStore::open(&path).expect("model opens");
+    let model = Model::load(&store).expect("model loads");
+    (dir, store, model)
+}
+
 /// The CPU scheduler runs a mixture of experts as `generate` does: the same layer over
 /// the paged pool, so a request alone gets `generate`'s text. (The prompts share no
 /// block: a prompt that starts on cached blocks computes only its rest, and with experts
@@ -421,15 +438,9 @@ matches_llama_cpp! {
 #[test]
 fn moe_requests_alone_in_the_scheduler_give_generates_text() {
     for name in ["qwen3moe-random", "llama-moe-random", "gpt-oss"] {
-        let spec = spec(name).expect("a spec");
-        let bytes = build(spec).expect("the generator writes a valid file");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join(format!("{name}.gguf"));
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let (_dir, store, model) = open_spec(name);
         let tokenizer = Tokenizer::from_metadata(store.metadata()).expect("tokenizer builds");
-        let long = spec.prompt.repeat(3);
+        let long = spec(name).expect("a spec").prompt.repeat(3);
         crate::serve::alone_in_the_scheduler_matches_generate(
             name,
             model,

@@ -3,41 +3,19 @@
 //! in `tests/data` (ids made by llama.cpp's own tokenizer, see `tests/data/README.md`),
 //! llama.cpp's detokenized text, and streaming decode round trips.
 
-use std::fs::File;
-use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use gguf_format::{Metadata, Value};
+use gguf_format::Value;
 use model::tokenizer::{keys, DecodeOptions, EncodeOptions, TokenId, Tokenizer};
 
-use crate::common::{golden, ids, model_path, GEMMA3, SMOLLM2};
+use crate::common::{golden, ids, model_path, read_metadata, GEMMA3, SMOLLM2};
 
 /// Special tokens added but not parsed in the text: llama-cpp-python's `tokenize` default.
 const ADD_ONLY: EncodeOptions = EncodeOptions {
     add_special: true,
     parse_special: false,
 };
-
-/// Reads just the metadata of a GGUF file: its first bytes, more if they fall short.
-pub fn read_metadata(path: &Path) -> Metadata {
-    let mut file = File::open(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
-    let file_len = file.metadata().expect("file size").len();
-    let mut prefix = Vec::new();
-    let mut want: u64 = 16 << 20;
-    loop {
-        let more = want.min(file_len) - prefix.len() as u64;
-        (&mut file)
-            .take(more)
-            .read_to_end(&mut prefix)
-            .expect("reading the model");
-        match gguf_format::parse_prefix(&prefix, file_len) {
-            Ok(gguf) => return gguf.metadata,
-            Err(gguf_format::GgufError::UnexpectedEof { .. }) if want < file_len => want *= 2,
-            Err(e) => panic!("{}: {e}", path.display()),
-        }
-    }
-}
 
 fn tokenizer(file: &'static str) -> &'static Tokenizer {
     static SMOLLM2_TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();

@@ -72,6 +72,16 @@ pub(super) struct Active<T: DeviceTarget> {
     pub(super) buffer: Arc<Mutex<Option<T::Buffer>>>,
 }
 
+impl<T: DeviceTarget> Active<T> {
+    /// Takes the buffer, unless it was taken already (readers then skip its pieces).
+    pub(super) fn take_buffer(&self) -> Option<T::Buffer> {
+        self.buffer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+}
+
 /// A piece of one tensor within a chunk.
 pub(super) struct Piece<T: DeviceTarget> {
     pub(super) idx: usize,
@@ -373,12 +383,7 @@ impl<T: DeviceTarget> Shared<T> {
         let mut buffers = Vec::new();
         for active in std::mem::take(&mut q.active) {
             q.status[active.idx] = Queued::No;
-            let buffer = active
-                .buffer
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take();
-            buffers.extend(buffer);
+            buffers.extend(active.take_buffer());
             abandoned.push((active.idx, Some(active.size), Failure::Cancelled));
         }
         // Readers still busy finish their read and skip their copies.

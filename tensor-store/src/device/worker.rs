@@ -75,13 +75,7 @@ impl<T: DeviceTarget> Shared<T> {
                     q.prefetch_error.get_or_insert_with(|| Arc::clone(error));
                 }
                 q.status[active.idx] = Queued::No;
-                buffers.extend(
-                    active
-                        .buffer
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .take(),
-                );
+                buffers.extend(active.take_buffer());
                 abandoned.push((
                     active.idx,
                     Some(active.size),
@@ -94,12 +88,7 @@ impl<T: DeviceTarget> Shared<T> {
             if active.copied == active.size {
                 let active = q.active.swap_remove(at);
                 q.status[active.idx] = Queued::No;
-                let buffer = active
-                    .buffer
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .take();
-                if let Some(buffer) = buffer {
+                if let Some(buffer) = active.take_buffer() {
                     // After this tensor's last copy (ours, queued above; the others were
                     // queued before their readers took this lock).
                     let fence = self.cache.target.record_fence();

@@ -78,6 +78,29 @@ fn config(mode: UploadMode) -> CacheConfig {
     }
 }
 
+/// A lazy cache of `m` on `target`, with [`config`]'s settings and no upload order.
+fn lazy_cache<T: DeviceTarget>(target: T, m: &Model) -> DeviceCache<T> {
+    DeviceCache::new(
+        target,
+        &m.store,
+        UploadOrder::empty(),
+        config(UploadMode::Lazy),
+    )
+    .unwrap()
+}
+
+/// A cache of `m` on `target` in `mode`, with [`config`]'s settings, uploading in the
+/// file's order.
+fn cache_in_file_order<T: DeviceTarget>(target: T, m: &Model, mode: UploadMode) -> DeviceCache<T> {
+    DeviceCache::new(
+        target,
+        &m.store,
+        UploadOrder::file_order(&m.store),
+        config(mode),
+    )
+    .unwrap()
+}
+
 fn handles(m: &Model) -> Vec<TensorHandle> {
     m.store.tensors().collect()
 }
@@ -104,13 +127,7 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 fn eager_upload_puts_every_tensor_on_the_device_byte_for_byte() {
     // Tensors of 20000 bytes in chunks of 8192: split tensors and joined neighbours.
     let m = model(4, 20_000);
-    let cache = DeviceCache::new(
-        HostTarget::new(),
-        &m.store,
-        UploadOrder::file_order(&m.store),
-        config(UploadMode::Eager),
-    )
-    .unwrap();
+    let cache = cache_in_file_order(HostTarget::new(), &m, UploadMode::Eager);
     let progress = cache.progress();
     assert!(progress.is_complete());
     assert_eq!(progress.bytes_done, 10 * 20_000);
@@ -137,13 +154,7 @@ fn eager_upload_puts_every_tensor_on_the_device_byte_for_byte() {
 fn single_flight_under_a_many_thread_hammer() {
     let m = model(8, 3000);
     let target = HostTarget::new().with_copy_delay(Duration::from_micros(200));
-    let cache = DeviceCache::new(
-        target,
-        &m.store,
-        UploadOrder::empty(),
-        config(UploadMode::Lazy),
-    )
-    .unwrap();
+    let cache = lazy_cache(target, &m);
     let all = handles(&m);
     let seen: Vec<Vec<_>> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..16)
@@ -181,15 +192,7 @@ fn single_flight_under_a_many_thread_hammer() {
 fn async_requests_share_one_upload_and_never_block_the_runtime() {
     let m = model(6, 5000);
     let target = HostTarget::new().with_copy_delay(Duration::from_micros(300));
-    let cache = Arc::new(
-        DeviceCache::new(
-            target,
-            &m.store,
-            UploadOrder::file_order(&m.store),
-            config(UploadMode::Lazy),
-        )
-        .unwrap(),
-    );
+    let cache = Arc::new(cache_in_file_order(target, &m, UploadMode::Lazy));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .build()
@@ -327,13 +330,7 @@ fn device_allocation_failures_evict_first_and_then_report_out_of_memory() {
     let all = handles(&m);
     // No budget, but a device with room for two tensors.
     let target = HostTarget::new().with_capacity(2 * 4096);
-    let cache = DeviceCache::new(
-        target,
-        &m.store,
-        UploadOrder::empty(),
-        config(UploadMode::Lazy),
-    )
-    .unwrap();
+    let cache = lazy_cache(target, &m);
     cache.get(&all[0]).unwrap();
     let held = cache.get(&all[1]).unwrap();
     let c = cache.get(&all[2]).unwrap();
@@ -482,13 +479,7 @@ fn a_request_moves_a_tensor_to_the_front() {
 #[test]
 fn lazy_mode_uploads_only_what_is_asked_for() {
     let m = model(4, 4096);
-    let cache = DeviceCache::new(
-        HostTarget::new(),
-        &m.store,
-        UploadOrder::file_order(&m.store),
-        config(UploadMode::Lazy),
-    )
-    .unwrap();
+    let cache = cache_in_file_order(HostTarget::new(), &m, UploadMode::Lazy);
     cache.wait_idle().unwrap();
     assert_eq!(cache.stats().uploads, 0);
     let group = cache.order().layer_group(2).unwrap();
@@ -553,13 +544,7 @@ fn a_failed_read_fails_its_requests_and_not_the_cache() {
         .open(&m.path)
         .unwrap();
     file.set_len(cut).unwrap();
-    let cache = DeviceCache::new(
-        HostTarget::new(),
-        &m.store,
-        UploadOrder::empty(),
-        config(UploadMode::Lazy),
-    )
-    .unwrap();
+    let cache = lazy_cache(HostTarget::new(), &m);
     let error = cache.get(all.last().unwrap()).unwrap_err();
     assert!(matches!(error.root(), StoreError::Io { .. }), "{error}");
     cache.wait_idle().unwrap();
@@ -600,13 +585,7 @@ fn direct_reads_give_the_same_bytes() {
 fn foreign_handles_and_bad_settings_are_refused() {
     let m = model(1, 4096);
     let other = model(2, 4096);
-    let cache = DeviceCache::new(
-        HostTarget::new(),
-        &m.store,
-        UploadOrder::empty(),
-        config(UploadMode::Lazy),
-    )
-    .unwrap();
+    let cache = lazy_cache(HostTarget::new(), &m);
     let foreign = other.store.tensor("blk.1.attn.weight").unwrap();
     assert!(matches!(
         cache.get(&foreign),

@@ -5,26 +5,11 @@
 //! GPU platform or the machine has no device; without a GPU the same cache code is
 //! covered by the host-memory tests beside these.
 
-use std::io::Write;
-
-use hip_backend::Device;
+use hip_backend::device_or_skip;
 use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadMode, UploadOrder};
 use tensor_store::{StoreError, TensorHandle};
 
 use super::device_cache::{model, Model};
-
-fn device_or_skip(test: &str) -> Option<Device> {
-    match Device::open(0) {
-        Ok(device) => Some(device),
-        Err(error) if error.is_unavailable() => {
-            // Written past the harness's capture, so a skip is always visible.
-            let line = format!("SKIPPED {test}: {error}\n");
-            let _ = std::io::stderr().write_all(line.as_bytes());
-            None
-        }
-        Err(error) => panic!("{test}: opening device 0 failed: {error}"),
-    }
-}
 
 fn read_back(cache: &DeviceCache<HipTarget>, h: &TensorHandle) -> Vec<u8> {
     let tensor = cache.get(h).unwrap();

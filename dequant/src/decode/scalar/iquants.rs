@@ -62,15 +62,24 @@ macro_rules! reference {
     };
 }
 
-reference! {
-    iq2_xxs => iq2_xxs_with: BlockIQ2_XXS,
-    iq2_xs => iq2_xs_with: BlockIQ2_XS,
-    iq2_s => iq2_s_with: BlockIQ2_S,
-    iq3_xxs => iq3_xxs_with: BlockIQ3_XXS,
-    iq3_s => iq3_s_with: BlockIQ3_S,
-    iq1_s => iq1_s_with: BlockIQ1_S,
-    iq1_m => iq1_m_with: BlockIQ1_M,
+/// Calls `$kernels!` with every grid format: its decoder's name, the generic decoder it
+/// comes from, and its block type.
+macro_rules! for_grid_formats {
+    ($kernels:ident) => {
+        $kernels! {
+            iq2_xxs => iq2_xxs_with: BlockIQ2_XXS,
+            iq2_xs => iq2_xs_with: BlockIQ2_XS,
+            iq2_s => iq2_s_with: BlockIQ2_S,
+            iq3_xxs => iq3_xxs_with: BlockIQ3_XXS,
+            iq3_s => iq3_s_with: BlockIQ3_S,
+            iq1_s => iq1_s_with: BlockIQ1_S,
+            iq1_m => iq1_m_with: BlockIQ1_M,
+        }
+    };
 }
+pub(crate) use for_grid_formats;
+
+for_grid_formats!(reference);
 
 /// `d * (0.5 + ls) * k`, the group scale of the IQ2/IQ3 formats (`k` is 0.25 or 0.5).
 #[inline(always)]

@@ -150,6 +150,11 @@ struct Tensors {
 pub type Edit = fn(&str, &mut Vec<usize>);
 
 impl Tensors {
+    /// A norm's weights: `n` f32 values around 1.
+    fn add_norm(&mut self, name: &str, n: usize) -> Result<(), GgufError> {
+        self.add(name, GgmlType::F32, &[n], 1.0, 0.1)
+    }
+
     fn add(
         &mut self,
         name: &str,
@@ -399,39 +404,16 @@ fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
     };
     for i in 0..spec.n_layers {
         let n = |s: &str| format!("blk.{i}.{s}");
-        t.add(
-            &n("attn_norm.weight"),
-            GgmlType::F32,
-            &[spec.n_embd],
-            1.0,
-            0.1,
-        )?;
+        t.add_norm(&n("attn_norm.weight"), spec.n_embd)?;
+        let qk = QK_GAIN * std(spec.n_embd);
+        let parts = [(q_dim, qk), (kv_dim, qk), (kv_dim, std(spec.n_embd))];
         if phi3 {
-            let qk = QK_GAIN * std(spec.n_embd);
-            let parts = [(q_dim, qk), (kv_dim, qk), (kv_dim, std(spec.n_embd))];
             t.add_fused(&n("attn_qkv.weight"), ty("attn_qkv"), spec.n_embd, &parts)?;
         } else {
-            t.add(
-                &n("attn_q.weight"),
-                ty("attn_q"),
-                &[spec.n_embd, q_dim],
-                0.0,
-                QK_GAIN * std(spec.n_embd),
-            )?;
-            t.add(
-                &n("attn_k.weight"),
-                ty("attn_k"),
-                &[spec.n_embd, kv_dim],
-                0.0,
-                QK_GAIN * std(spec.n_embd),
-            )?;
-            t.add(
-                &n("attn_v.weight"),
-                ty("attn_v"),
-                &[spec.n_embd, kv_dim],
-                0.0,
-                std(spec.n_embd),
-            )?;
+            for (role, (rows, spread)) in ["attn_q", "attn_k", "attn_v"].into_iter().zip(parts) {
+                let name = n(&format!("{role}.weight"));
+                t.add(&name, ty(role), &[spec.n_embd, rows], 0.0, spread)?;
+            }
         }
         if matches!(spec.arch, Arch::Qwen2 | Arch::Qwen2Moe | Arch::GptOss) {
             t.add(&n("attn_q.bias"), GgmlType::F32, &[q_dim], 0.0, 0.5)?;
@@ -439,20 +421,8 @@ fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
             t.add(&n("attn_v.bias"), GgmlType::F32, &[kv_dim], 0.0, 0.1)?;
         }
         if qk_norm {
-            t.add(
-                &n("attn_q_norm.weight"),
-                GgmlType::F32,
-                &[spec.head_dim],
-                1.0,
-                0.1,
-            )?;
-            t.add(
-                &n("attn_k_norm.weight"),
-                GgmlType::F32,
-                &[spec.head_dim],
-                1.0,
-                0.1,
-            )?;
+            t.add_norm(&n("attn_q_norm.weight"), spec.head_dim)?;
+            t.add_norm(&n("attn_k_norm.weight"), spec.head_dim)?;
         }
         t.add(
             &n("attn_output.weight"),
@@ -480,22 +450,10 @@ fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
         }
         // gpt-oss's feed-forward norm is named `post_attention_norm`.
         if gemma || spec.arch == Arch::GptOss {
-            t.add(
-                &n("post_attention_norm.weight"),
-                GgmlType::F32,
-                &[spec.n_embd],
-                1.0,
-                0.1,
-            )?;
+            t.add_norm(&n("post_attention_norm.weight"), spec.n_embd)?;
         }
         if spec.arch != Arch::GptOss {
-            t.add(
-                &n("ffn_norm.weight"),
-                GgmlType::F32,
-                &[spec.n_embd],
-                1.0,
-                0.1,
-            )?;
+            t.add_norm(&n("ffn_norm.weight"), spec.n_embd)?;
         }
         if n_experts != 0 {
             add_experts(&mut t, spec, &n, &ty)?;
@@ -504,20 +462,10 @@ fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
             let parts = [(N_FF, std(spec.n_embd)), (N_FF, std(spec.n_embd))];
             t.add_fused(&n("ffn_up.weight"), ty("ffn_up"), spec.n_embd, &parts)?;
         } else {
-            t.add(
-                &n("ffn_gate.weight"),
-                ty("ffn_gate"),
-                &[spec.n_embd, N_FF],
-                0.0,
-                std(spec.n_embd),
-            )?;
-            t.add(
-                &n("ffn_up.weight"),
-                ty("ffn_up"),
-                &[spec.n_embd, N_FF],
-                0.0,
-                std(spec.n_embd),
-            )?;
+            for role in ["ffn_gate", "ffn_up"] {
+                let name = n(&format!("{role}.weight"));
+                t.add(&name, ty(role), &[spec.n_embd, N_FF], 0.0, std(spec.n_embd))?;
+            }
         }
         if n_experts == 0 {
             t.add(
@@ -529,13 +477,7 @@ fn write(spec: &Spec, decoded: bool, edit: Edit) -> Result<Vec<u8>, GgufError> {
             )?;
         }
         if gemma {
-            t.add(
-                &n("post_ffw_norm.weight"),
-                GgmlType::F32,
-                &[spec.n_embd],
-                1.0,
-                0.1,
-            )?;
+            t.add_norm(&n("post_ffw_norm.weight"), spec.n_embd)?;
         }
     }
     t.add(
@@ -591,27 +533,13 @@ fn add_experts(
     )?;
     if gpt_oss {
         t.add(&n("ffn_gate_inp.bias"), GgmlType::F32, &[count], 0.0, 0.5)?;
-        t.add(
-            &n("ffn_gate_exps.bias"),
-            GgmlType::F32,
-            &[ff, count],
-            0.0,
-            0.5,
-        )?;
-        t.add(
-            &n("ffn_up_exps.bias"),
-            GgmlType::F32,
-            &[ff, count],
-            0.0,
-            0.5,
-        )?;
-        t.add(
-            &n("ffn_down_exps.bias"),
-            GgmlType::F32,
-            &[d, count],
-            0.0,
-            0.1,
-        )?;
+        for (name, shape, spread) in [
+            ("ffn_gate_exps.bias", [ff, count], 0.5),
+            ("ffn_up_exps.bias", [ff, count], 0.5),
+            ("ffn_down_exps.bias", [d, count], 0.1),
+        ] {
+            t.add(&n(name), GgmlType::F32, &shape, 0.0, spread)?;
+        }
     }
     t.add(
         &n("ffn_down_exps.weight"),

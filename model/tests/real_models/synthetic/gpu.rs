@@ -16,8 +16,8 @@ use model::{AttentionMethod, Model};
 use tensor_store::device::UploadMode;
 use tensor_store::TensorStore;
 
-use super::generate::{build, build_decoded, Blocks, SPECS};
-use super::{argmax, spec};
+use super::generate::{build_decoded, Blocks, SPECS};
+use super::{argmax, load_file, open_spec, spec};
 use batched::{batched, scheduler_on_gpu};
 use check::check;
 
@@ -94,11 +94,7 @@ impl Exact {
             return None;
         }
         let bytes = build_decoded(spec).expect("the generator writes a valid file");
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join(format!("{name}-f32.gguf"));
-        std::fs::write(&path, &bytes).expect("writing the model");
-        let store = TensorStore::open(&path).expect("model opens");
-        let model = Model::load(&store).expect("model loads");
+        let (dir, store, model) = load_file(&format!("{name}-f32.gguf"), &bytes);
         Some(Exact {
             _dir: dir,
             _store: store,
@@ -250,19 +246,6 @@ fn check_prefill_within(
     diff / sigma
 }
 
-/// The synthetic model `name`, written to a temporary folder (kept while the guard
-/// lives), opened and loaded.
-fn open_spec(name: &str) -> (tempfile::TempDir, TensorStore, Model) {
-    let spec = spec(name).expect("a spec");
-    let bytes = build(spec).expect("the generator writes a valid file");
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let path = dir.path().join(format!("{name}.gguf"));
-    std::fs::write(&path, &bytes).expect("writing the model");
-    let store = TensorStore::open(&path).expect("model opens");
-    let model = Model::load(&store).expect("model loads");
-    (dir, store, model)
-}
-
 fn skip(test: &str, why: &str) {
     let line = format!("SKIPPED {test}: {why}\n");
     let _ = std::io::stderr().write_all(line.as_bytes());
@@ -299,16 +282,7 @@ fn gpu_model_with_batch(
     }
 }
 
-macro_rules! gpu_matches_cpu {
-    ($($test:ident => $name:literal),* $(,)?) => {$(
-        #[test]
-        fn $test() {
-            check($name);
-        }
-    )*};
-}
-
-gpu_matches_cpu! {
+checks! {
     gpu_llama_q4_0 => "llama-q4_0",
     gpu_llama_q4_1 => "llama-q4_1",
     gpu_llama_q5_0 => "llama-q5_0",

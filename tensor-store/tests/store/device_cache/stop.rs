@@ -143,13 +143,7 @@ fn a_failed_allocation_leaves_the_cache_consistent_and_leaks_nothing() {
     let all = handles(&m);
     let target = HostTarget::new();
     let device = target.clone();
-    let cache = DeviceCache::new(
-        target,
-        &m.store,
-        UploadOrder::empty(),
-        config(UploadMode::Lazy),
-    )
-    .unwrap();
+    let cache = lazy_cache(target, &m);
     // With a tensor nobody uses, the cache makes room by evicting it and tries again.
     // (A request returns once its tensor is published, while the pipeline may still be
     // retiring the upload; a refusal meanwhile is taken as passing, and retried. Each
@@ -182,13 +176,7 @@ fn a_failed_allocation_during_an_eager_load_stops_it_and_requests_still_load() {
     let target = HostTarget::new();
     let device = target.clone();
     device.fail_allocation(4);
-    let cache = DeviceCache::new(
-        target,
-        &m.store,
-        UploadOrder::file_order(&m.store),
-        config(UploadMode::Eager),
-    )
-    .unwrap();
+    let cache = cache_in_file_order(target, &m, UploadMode::Eager);
     // The background upload never evicts: it stops where the device refused, like at a
     // full budget, and what it did not reach loads on first use.
     let done = cache.progress().tensors_done;
