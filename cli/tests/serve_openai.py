@@ -496,6 +496,15 @@ def _():
     banned = client.completions.create(logprobs=3, logit_bias={str(first_id[0]): -100}, **{**ask, "max_tokens": 1})
     banned = banned.choices[0].logprobs
     assert len(first_id) == 1 and first not in banned.top_logprobs[0] and banned.tokens[0] != first, banned
+    # A format's mask is part of it too: only the tokens it allows (digits, or the end)
+    # are among the top ones, and they hold all the probability.
+    digits = client.completions.create(
+        logprobs=5, extra_body={"regex": "[0-9]{1,6}"}, **{**ask, "prompt": "The year is", "max_tokens": 3}
+    ).choices[0]
+    assert re.fullmatch("[0-9]{1,6}", digits.text), digits.text
+    for top in digits.logprobs.top_logprobs:
+        assert top and all(re.fullmatch("[0-9]+", t) or t.startswith("<|") for t in top), top
+        assert sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5
 
 
 @check("bad logprobs values are 400s naming the field")
