@@ -7,6 +7,7 @@ exits non-zero on the first failure.
 """
 
 import json
+import math
 import os
 import re
 import signal
@@ -363,7 +364,7 @@ def _():
     hi = [{"role": "user", "content": "hi"}]
     for extra, field in [
         ({"response_format": {"type": "sound"}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
     ]:
         status, _, body = http("POST", chat_url, {"messages": hi, **extra}, auth)
         assert field in error_of(status, body, 400), (extra, body)
@@ -398,6 +399,136 @@ def _():
     assert http("GET", main.base + "/health")[0] == 200
     # Still serving.
     assert client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2).usage.completion_tokens <= 2
+
+
+def chat_logprobs(**ask):
+    """A greedy, seeded chat's choice with log-probabilities, and the same streamed: its
+    text and the `logprobs.content` entries of its chunks, in order."""
+    ask = dict(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Name three fruits."}], max_tokens=20,
+        temperature=0, seed=11, logprobs=True, **ask,
+    )
+    whole = client.chat.completions.create(**ask)
+    text, entries = [], []
+    for chunk in client.chat.completions.create(stream=True, **ask):
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            if choice.logprobs is not None and choice.logprobs.content:
+                entries.extend(choice.logprobs.content)
+    return whole, "".join(text), entries
+
+
+@check("chat logprobs: the greedy token is the most likely, top ones descend, streamed as whole")
+def _():
+    response, streamed_text, streamed = chat_logprobs(top_logprobs=5)
+    whole = response.choices[0]
+    content = whole.logprobs.content
+    assert whole.message.content == streamed_text
+    # One entry per generated token (the end of generation has none).
+    assert content and len(content) == response.usage.completion_tokens, response
+    # The tokens' bytes make the text.
+    assert b"".join(bytes(e.bytes) for e in content).decode() == whole.message.content
+    for e in content:
+        assert e.logprob <= 0.0 and len(e.top_logprobs) == 5, e
+        top = [t.logprob for t in e.top_logprobs]
+        assert top == sorted(top, reverse=True), top
+        # Greedy: the token taken is the most likely one, and first of the top ones.
+        assert all(e.logprob >= t for t in top), e
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob, e
+        assert sum(math.exp(t) for t in top) <= 1.0 + 1e-5, top
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in streamed] == [
+        [(t.token, t.logprob) for t in e.top_logprobs] for e in content
+    ]
+    # Asking for log-probabilities changes nothing of the text.
+    plain = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Name three fruits."}], max_tokens=20,
+        temperature=0, seed=11,
+    ).choices[0]
+    assert plain.message.content == whole.message.content and plain.logprobs is None
+    # Without top_logprobs: the tokens alone.
+    bare = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Name three fruits."}], max_tokens=20,
+        temperature=0, seed=11, logprobs=True,
+    ).choices[0]
+    assert [e.top_logprobs for e in bare.logprobs.content] == [[] for _ in content]
+    assert [(e.token, e.logprob) for e in bare.logprobs.content] == [(e.token, e.logprob) for e in content]
+
+
+@check("completions logprobs: the legacy lists, streamed as whole, greedy text unchanged")
+def _():
+    ask = dict(model=MODEL_ID, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    plain = client.completions.create(**ask).choices[0]
+    got = client.completions.create(logprobs=3, **ask).choices[0]
+    assert got.text == plain.text and plain.logprobs is None
+    lp = got.logprobs
+    n = len(lp.tokens)
+    assert n > 0 and len(lp.token_logprobs) == n and len(lp.top_logprobs) == n and len(lp.text_offset) == n
+    assert "".join(lp.tokens) == got.text
+    offset = 0
+    for token, logprob, top, at in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
+        assert at == offset, (at, offset)
+        offset += len(token)
+        assert 1 <= len(top) <= 3 and top.get(token) == logprob, (token, top)
+        assert all(logprob >= v for v in top.values()) and sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5
+    tokens, logprobs, offsets = [], [], []
+    for chunk in client.completions.create(stream=True, logprobs=3, **ask):
+        if chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            logprobs += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert (tokens, logprobs, offsets) == (lp.tokens, lp.token_logprobs, lp.text_offset)
+    # No alternatives: the tokens and their log-probabilities alone.
+    zero = client.completions.create(logprobs=0, **ask).choices[0].logprobs
+    assert zero.token_logprobs == lp.token_logprobs and all(t == {} for t in zero.top_logprobs)
+    # The distribution is the one the biases made: a token biased by +100 is all but
+    # certain, and one biased by -100 is left out of the top ones.
+    _, _, raw = http("POST", main.base + "/tokenize", {"content": " fish"}, {"Authorization": f"Bearer {KEY}"})
+    fish = json.loads(raw)["tokens"][0]
+    forced = client.completions.create(logprobs=2, logit_bias={str(fish): 100}, **{**ask, "max_tokens": 2})
+    forced = forced.choices[0].logprobs
+    assert forced.tokens == [" fish", " fish"] and all(v > -1e-3 for v in forced.token_logprobs), forced
+    first = lp.tokens[0]
+    first_id = json.loads(
+        http("POST", main.base + "/tokenize", {"content": first}, {"Authorization": f"Bearer {KEY}"})[2]
+    )["tokens"]
+    banned = client.completions.create(logprobs=3, logit_bias={str(first_id[0]): -100}, **{**ask, "max_tokens": 1})
+    banned = banned.choices[0].logprobs
+    assert len(first_id) == 1 and first not in banned.top_logprobs[0] and banned.tokens[0] != first, banned
+    # A format's mask is part of it too: only the tokens it allows (digits, or the end)
+    # are among the top ones, and they hold all the probability.
+    digits = client.completions.create(
+        logprobs=5, extra_body={"regex": "[0-9]{1,6}"}, **{**ask, "prompt": "The year is", "max_tokens": 3}
+    ).choices[0]
+    assert re.fullmatch("[0-9]{1,6}", digits.text), digits.text
+    for top in digits.logprobs.top_logprobs:
+        assert top and all(re.fullmatch("[0-9]+", t) or t.startswith("<|") for t in top), top
+        assert sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5
+
+
+@check("bad logprobs values are 400s naming the field")
+def _():
+    auth = {"Authorization": f"Bearer {KEY}"}
+    hi = [{"role": "user", "content": "hi"}]
+    for url, body, field in [
+        ("/v1/chat/completions", {"messages": hi, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": hi, "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": hi, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": hi, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": hi, "logprobs": 3}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}, "echo"),
+    ]:
+        status, _, raw = http("POST", main.base + url, {"max_tokens": 1, **body}, auth)
+        assert field in error_of(status, raw, 400), (body, raw)
+        assert json.loads(raw)["error"]["param"] == field, raw
+    try:
+        client.chat.completions.create(model=MODEL_ID, messages=hi, logprobs=True, top_logprobs=30, max_tokens=1)
+        raise AssertionError("top_logprobs 30 was accepted")
+    except openai.BadRequestError as e:
+        assert "top_logprobs" in str(e), e
 
 
 PERSON = {

@@ -24,6 +24,7 @@ mod error;
 pub mod generate;
 pub mod gpu;
 mod kv_cache;
+pub mod logprobs;
 mod model;
 mod ops;
 mod plan;

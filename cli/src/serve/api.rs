@@ -3,6 +3,7 @@
 //! errors for every refusal.
 
 mod completion;
+mod logprobs;
 mod request;
 mod stream;
 #[cfg(test)]

@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use crate::constraint::Constraint;
 use crate::gpu::GpuOptions;
+use crate::logprobs::MAX_TOP_LOGPROBS;
 use crate::sampling::SamplingConfig;
 use crate::tokenizer::{TokenId, Tokenizer};
 use crate::Model;
@@ -183,8 +184,37 @@ pub struct Request {
     pub events: EventSink,
 }
 
+/// One token of a request's output with its log-probability (natural logarithm) and
+/// its bytes: the bytes the tokenizer gives it alone (a control token's text; part of a
+/// character where the token holds part of one).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogprobEntry {
+    pub token: TokenId,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// The log-probabilities of one generated token: the token taken and the most likely
+/// ones (see [`crate::logprobs`] for the distribution they are of).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub chosen: LogprobEntry,
+    /// Highest first, ties by lower token id; `-inf` ones (masked) are left out.
+    pub top: Vec<LogprobEntry>,
+}
+
+/// What a request that wants log-probabilities adds to [`Request`]: how many of the most
+/// likely tokens each generated token lists (at most [`MAX_TOP_LOGPROBS`]), and where
+/// they go. The scheduler calls `sink` for every generated token but the end of
+/// generation, before the [`Event::Text`] that holds its text, on the thread that calls
+/// `events`.
+pub struct LogprobsRequest {
+    pub top: usize,
+    pub sink: Box<dyn FnMut(TokenLogprobs) + Send>,
+}
+
 enum Message {
-    Submit(Box<Request>, Instant),
+    Submit(Box<Request>, Option<LogprobsRequest>, Instant),
     Shutdown(Duration),
 }
 
@@ -284,6 +314,25 @@ impl Scheduler {
 
     /// Queues a request, or says at once why it can never run or cannot run now.
     pub fn submit(&self, request: Request) -> Result<(), ServeError> {
+        self.submit_with(request, None)
+    }
+
+    /// As [`Scheduler::submit`], the request's generated tokens also giving their
+    /// log-probabilities to `logprobs` when it is set. Such a sequence's logits come to
+    /// the host every step (the device does not pick its tokens).
+    pub fn submit_with(
+        &self,
+        request: Request,
+        logprobs: Option<LogprobsRequest>,
+    ) -> Result<(), ServeError> {
+        if let Some(asked) = &logprobs {
+            if asked.top > MAX_TOP_LOGPROBS {
+                return Err(ServeError::InvalidConfig(format!(
+                    "at most {MAX_TOP_LOGPROBS} top log-probabilities, not {}",
+                    asked.top
+                )));
+            }
+        }
         if !self.accepting.load(Ordering::SeqCst) {
             return Err(ServeError::ShuttingDown);
         }
@@ -323,7 +372,7 @@ impl Scheduler {
             .sender
             .lock()
             .map_err(|_| ServeError::ShuttingDown)?
-            .send(Message::Submit(Box::new(request), Instant::now()));
+            .send(Message::Submit(Box::new(request), logprobs, Instant::now()));
         if sent.is_err() {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(ServeError::ShuttingDown);

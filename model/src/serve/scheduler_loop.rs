@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::gpu::{BatchSegment, GpuModel, GpuOptions, PageOptions, MAX_BATCH, PROMPT_BATCH};
+use crate::logprobs::TokenLogprob;
 use crate::sampling::Sampler;
 use crate::tokenizer::{TokenId, Tokenizer};
 use crate::{Model, ModelError};
@@ -19,7 +20,8 @@ use super::pool::KvPool;
 use super::sequence::{distinct_tokens, Sequence};
 use super::stop::{StopCheck, StopMatcher};
 use super::{
-    Event, FinishReason, Message, SchedulerConfig, SchedulerMetrics, ServeError, StepPhase,
+    Event, FinishReason, LogprobEntry, Message, SchedulerConfig, SchedulerMetrics, ServeError,
+    StepPhase, TokenLogprobs,
 };
 
 /// The scheduler thread's state: the model, the KV pool and the sequences waiting and
@@ -144,7 +146,7 @@ impl<'m> Loop<'m> {
 
     fn handle(&mut self, message: Message) {
         match message {
-            Message::Submit(request, arrived) => {
+            Message::Submit(request, logprobs, arrived) => {
                 let request = *request;
                 let mut sampler = Sampler::new(request.sampling);
                 for &token in &request.prompt {
@@ -170,6 +172,8 @@ impl<'m> Loop<'m> {
                     constraint: request.constraint,
                     cancel: request.cancel,
                     events: request.events,
+                    logprobs,
+                    chosen_logprobs: None,
                     arrived,
                     last_token: None,
                     cached_tokens: 0,
@@ -533,6 +537,10 @@ impl<'m> Loop<'m> {
             Some(Ok(complete)) => complete,
             Some(Err(message)) => return Some(Err(message)),
         };
+        if let (Some(asked), Some((chosen, top))) = (&mut seq.logprobs, seq.chosen_logprobs.take())
+        {
+            (asked.sink)(token_logprobs(tokenizer, chosen, &top));
+        }
         let piece = match seq.decoder.push(token) {
             Ok(piece) => piece,
             Err(e) => return Some(Err(e.to_string())),
@@ -612,6 +620,26 @@ impl<'m> Loop<'m> {
         if let Some(gpu) = &self.gpu {
             m.set_device_cache(gpu.cache().stats());
         }
+    }
+}
+
+/// The log-probabilities of a chosen token and the top ones, with their bytes (control
+/// tokens as their text).
+fn token_logprobs(
+    tokenizer: &Tokenizer,
+    chosen: TokenLogprob,
+    top: &[TokenLogprob],
+) -> TokenLogprobs {
+    let entry = |t: &TokenLogprob| LogprobEntry {
+        token: t.token,
+        logprob: t.logprob,
+        bytes: tokenizer
+            .token_bytes(t.token, true)
+            .map_or_else(|_| Vec::new(), <[u8]>::to_vec),
+    };
+    TokenLogprobs {
+        chosen: entry(&chosen),
+        top: top.iter().map(entry).collect(),
     }
 }
 

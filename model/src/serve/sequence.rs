@@ -7,12 +7,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::constraint::Constraint;
+use crate::logprobs::{top_logprobs, TokenLogprob};
 use crate::sampling::Sampler;
 use crate::tokenizer::{StreamDecoder, TokenId};
 
 use super::pool::BlockId;
 use super::stop::StopMatcher;
-use super::{Event, EventSink, Finish, FinishReason};
+use super::{Event, EventSink, Finish, FinishReason, LogprobsRequest};
 
 /// A request being served.
 pub(super) struct Sequence<'t> {
@@ -40,6 +41,11 @@ pub(super) struct Sequence<'t> {
     pub(super) constraint: Option<Constraint>,
     pub(super) cancel: Arc<AtomicBool>,
     pub(super) events: EventSink,
+    /// Where its tokens' log-probabilities go, when it asks for them.
+    pub(super) logprobs: Option<LogprobsRequest>,
+    /// The log-probabilities of the token [`Sequence::choose`] chose last (taken with
+    /// the token): the token's own, and the top ones.
+    pub(super) chosen_logprobs: Option<(TokenLogprob, Vec<TokenLogprob>)>,
     pub(super) arrived: Instant,
     pub(super) last_token: Option<Instant>,
     pub(super) cached_tokens: usize,
@@ -52,9 +58,11 @@ impl Sequence<'_> {
     /// Whether its next token is the first highest logit of the model's logits with its
     /// biases added (as [`Sequence::choose`] adds them): greedy, with no penalty, and
     /// biases of distinct tokens (the device adds them all at once), and no grammar (its
-    /// mask is computed here).
+    /// mask is computed here), and no log-probabilities (they are computed from the row
+    /// here).
     pub(super) fn takes_device_argmax(&self) -> bool {
         self.constraint.is_none()
+            && self.logprobs.is_none()
             && self.sampler.is_plain_greedy()
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
@@ -67,7 +75,8 @@ impl Sequence<'_> {
 
     /// Its next token from its row of the step's logits, which it changes in place (the
     /// step is done with them): the biases, then the OpenAI penalties, then the grammar's
-    /// mask, then the sampler.
+    /// mask, then the sampler. A sequence that asks for log-probabilities keeps them of
+    /// the row as the sampler gets it (before its own repeat penalty and temperature).
     pub(super) fn choose(&mut self, logits: &mut [f32]) -> Result<TokenId, String> {
         for &(token, bias) in &self.logit_bias {
             logits[token as usize] += bias;
@@ -85,6 +94,14 @@ impl Sequence<'_> {
         }
         if let Some(constraint) = &mut self.constraint {
             constraint.mask(logits)?;
+        }
+        if let Some(asked) = &self.logprobs {
+            let (softmax, top) = top_logprobs(logits, asked.top);
+            // The sampler leaves the row as it is, to read the chosen token's logit.
+            let token = self.sampler.sample(logits).map_err(|e| e.to_string())?;
+            let logprob = softmax.of(logits[token as usize]);
+            self.chosen_logprobs = Some((TokenLogprob { token, logprob }, top));
+            return Ok(token);
         }
         self.sampler
             .sample_in_place(logits)

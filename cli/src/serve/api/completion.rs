@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use model::chat::ChatMessage;
-use model::serve::{Event, Finish, Request, ServeError};
+use model::serve::{Event, Finish, LogprobsRequest, Request, ServeError, TokenLogprobs};
 use model::tokenizer::EncodeOptions;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -18,13 +18,21 @@ use tokio::sync::mpsc;
 use crate::serve::tools::{history_calls, CallParser, Piece};
 use crate::serve::Loaded;
 
+use super::logprobs;
 use super::request::{prepare, ChatBody, CompletionBody, Content, Prepared, PromptField};
 use super::stream::{EventStream, Meta, Phase};
 use super::{
     authorize, loaded, parse, random_seed, unix_time, ApiError, Shared, SYSTEM_FINGERPRINT,
 };
 
-#[derive(Clone, Copy, PartialEq)]
+/// What a request's channel carries: the scheduler's events, and (when the request asks
+/// for them) each token's log-probabilities, before the text that holds it.
+pub(super) enum Out {
+    Event(Event),
+    Logprobs(TokenLogprobs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) enum Kind {
     Chat,
     Text,
@@ -182,6 +190,16 @@ pub(super) async fn run_request(
     let max_tokens = p.max_tokens.unwrap_or(room);
     let (tx, rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
+    let logprobs = p.logprobs.map(|top| {
+        let tx = tx.clone();
+        LogprobsRequest {
+            top,
+            sink: Box::new(move |token| {
+                // A client gone is seen by the events' sender.
+                let _ = tx.send(Out::Logprobs(token));
+            }),
+        }
+    });
     let request = Request {
         prompt,
         max_tokens,
@@ -192,10 +210,10 @@ pub(super) async fn run_request(
         logit_bias: p.logit_bias,
         constraint: p.constraint,
         cancel: Arc::clone(&cancel),
-        events: Box::new(move |event| tx.send(event).is_ok()),
+        events: Box::new(move |event| tx.send(Out::Event(event)).is_ok()),
     };
     let guard = CancelOnDrop(Some(cancel));
-    loaded.scheduler.submit(request)?;
+    loaded.scheduler.submit_with(request, logprobs)?;
     let meta = Meta {
         id: format!(
             "{}-{:x}",
@@ -218,6 +236,8 @@ pub(super) async fn run_request(
             phase: Phase::Start,
             guard,
             parser,
+            logprobs: p.logprobs.map(|_| Vec::new()),
+            offset: 0,
         };
         let mut response = Response::new(Body::from_stream(stream));
         let h = response.headers_mut();
@@ -231,11 +251,13 @@ pub(super) async fn run_request(
     let mut rx = rx;
     let mut guard = guard;
     let mut text = String::new();
+    let mut tokens = Vec::new();
     let finish = loop {
         match rx.recv().await {
-            Some(Event::Text(piece)) => text.push_str(&piece),
-            Some(Event::Done(finish)) => break finish,
-            Some(Event::Error(message)) => {
+            Some(Out::Logprobs(token)) => tokens.push(token),
+            Some(Out::Event(Event::Text(piece))) => text.push_str(&piece),
+            Some(Out::Event(Event::Done(finish))) => break finish,
+            Some(Out::Event(Event::Error(message))) => {
                 guard.0 = None;
                 return Err(ApiError::unavailable(message));
             }
@@ -249,6 +271,10 @@ pub(super) async fn run_request(
         }
     };
     guard.0 = None;
+    let logprobs = match p.logprobs {
+        Some(_) => logprobs::format(kind, &tokens, &mut 0),
+        None => Value::Null,
+    };
     let choice = match kind {
         Kind::Chat => {
             let mut message = json!({"role": "assistant", "content": text});
@@ -265,14 +291,14 @@ pub(super) async fn run_request(
                 "index": 0,
                 "message": message,
                 "finish_reason": reason,
-                "logprobs": Value::Null,
+                "logprobs": logprobs,
             })
         }
         Kind::Text => json!({
             "index": 0,
             "text": text,
             "finish_reason": finish.reason.as_str(),
-            "logprobs": Value::Null,
+            "logprobs": logprobs,
         }),
     };
     Ok(axum::Json(json!({

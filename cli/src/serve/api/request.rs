@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use model::constraint::{Constraint, ConstraintSpec};
+use model::logprobs::MAX_TOP_LOGPROBS;
 use model::sampling::{defaults, SamplingParams};
 use serde::Deserialize;
 use serde_json::Value;
@@ -64,11 +65,14 @@ pub(super) struct Common {
     tools: Option<Value>,
     tool_choice: Option<Value>,
     parallel_tool_calls: Option<Value>,
+    /// Log-probabilities ([`logprobs_setting`]): `true` and `top_logprobs` for chat, a
+    /// count for text completions.
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
+    echo: Option<Value>,
     /// OpenAI fields this server does not honour. They are read so that a request that
     /// sets them is refused naming them ([`refuse_unsupported`]): an agent that asks for
     /// a function call must not get prose it takes for the one it asked for.
-    logprobs: Option<Value>,
-    top_logprobs: Option<Value>,
     functions: Option<Value>,
     function_call: Option<Value>,
     audio: Option<Value>,
@@ -77,8 +81,8 @@ pub(super) struct Common {
 
 /// A 400 naming each field of `common` set to what this endpoint cannot do: tool calls
 /// unless `tools_taken` (the chat endpoint reads them itself), legacy function calls,
-/// log-probabilities, audio. Values that ask for nothing (`tool_choice` `"none"`,
-/// `logprobs` `false` or `0`, empty lists, `null`) pass.
+/// audio. Values that ask for nothing (`tool_choice` `"none"`,
+/// empty lists, `null`) pass.
 pub(super) fn refuse_unsupported(common: &Common, tools_taken: bool) -> Result<(), ApiError> {
     let asks = |value: &Option<Value>| match value {
         None | Some(Value::Null) | Some(Value::Bool(false)) => false,
@@ -88,7 +92,7 @@ pub(super) fn refuse_unsupported(common: &Common, tools_taken: bool) -> Result<(
     };
     let tool_choice_none = common.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
     let no_tools = "tool calls are taken by /v1/chat/completions only";
-    let refusals: [(&'static str, bool, &str); 9] = [
+    let refusals: [(&'static str, bool, &str); 7] = [
         ("tools", !tools_taken && asks(&common.tools), no_tools),
         (
             "tool_choice",
@@ -114,16 +118,6 @@ pub(super) fn refuse_unsupported(common: &Common, tools_taken: bool) -> Result<(
             "legacy function calls are not supported by this server: use tool_choice",
         ),
         (
-            "logprobs",
-            asks(&common.logprobs),
-            "log-probabilities are not supported by this server",
-        ),
-        (
-            "top_logprobs",
-            asks(&common.top_logprobs),
-            "log-probabilities are not supported by this server",
-        ),
-        (
             "audio",
             asks(&common.audio),
             "audio output is not supported by this server",
@@ -141,6 +135,65 @@ pub(super) fn refuse_unsupported(common: &Common, tools_taken: bool) -> Result<(
     match refusals.into_iter().find(|&(_, refused, _)| refused) {
         Some((field, _, why)) => Err(ApiError::bad(format!("{field}: {why}")).param(field)),
         None => Ok(()),
+    }
+}
+
+/// How many of the most likely tokens each generated token lists, when the request asks
+/// for log-probabilities (`None` when it does not): chat takes `logprobs` `true` and
+/// `top_logprobs` 0 to [`MAX_TOP_LOGPROBS`] (which needs `logprobs` `true`); text
+/// completions take `logprobs` as that count (OpenAI allows 5, this server
+/// [`MAX_TOP_LOGPROBS`]), and not with `echo` (no log-probabilities of the prompt).
+/// Anything else is a 400 naming the field.
+pub(super) fn logprobs_setting(common: &Common, kind: Kind) -> Result<Option<usize>, ApiError> {
+    let bad = |field: &'static str, why: String| {
+        Err(ApiError::bad(format!("{field}: {why}")).param(field))
+    };
+    let count = |field: &'static str, value: &Value| -> Result<usize, ApiError> {
+        match value.as_u64() {
+            Some(n) if n <= MAX_TOP_LOGPROBS as u64 => Ok(n as usize),
+            _ => Err(ApiError::bad(format!(
+                "{field} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {value}"
+            ))
+            .param(field)),
+        }
+    };
+    let logprobs = common.logprobs.as_ref().filter(|v| !v.is_null());
+    let top = common.top_logprobs.as_ref().filter(|v| !v.is_null());
+    match kind {
+        Kind::Chat => {
+            let wanted = match logprobs {
+                None | Some(Value::Bool(false)) => false,
+                Some(Value::Bool(true)) => true,
+                Some(other) => {
+                    return bad("logprobs", format!("must be true or false, got {other}"))
+                }
+            };
+            match (wanted, top) {
+                (false, None) => Ok(None),
+                (false, Some(_)) => bad("top_logprobs", "needs logprobs set to true".to_owned()),
+                (true, None) => Ok(Some(0)),
+                (true, Some(top)) => count("top_logprobs", top).map(Some),
+            }
+        }
+        Kind::Text => {
+            if top.is_some() {
+                return bad(
+                    "top_logprobs",
+                    "is a chat field: /v1/completions takes logprobs as the count".to_owned(),
+                );
+            }
+            let Some(value) = logprobs else {
+                return Ok(None);
+            };
+            let n = count("logprobs", value)?;
+            if matches!(common.echo, Some(Value::Bool(true))) {
+                return bad(
+                    "echo",
+                    "log-probabilities of the prompt are not supported by this server".to_owned(),
+                );
+            }
+            Ok(Some(n))
+        }
     }
 }
 
@@ -231,6 +284,7 @@ pub(super) fn prepare(
     kind: Kind,
 ) -> Result<Prepared, ApiError> {
     refuse_unsupported(common, kind == Kind::Chat)?;
+    let logprobs = logprobs_setting(common, kind)?;
     let model = model_name(
         common.model.as_deref(),
         &loaded.model_id,
@@ -316,6 +370,7 @@ pub(super) fn prepare(
         frequency_penalty,
         logit_bias,
         constraint,
+        logprobs,
         stream: common.stream,
         include_usage: common
             .stream_options
@@ -342,6 +397,8 @@ pub(super) struct Prepared {
     pub(super) frequency_penalty: f32,
     pub(super) logit_bias: Vec<(u32, f32)>,
     pub(super) constraint: Option<Constraint>,
+    /// The count of top log-probabilities per token, when the request asks for them.
+    pub(super) logprobs: Option<usize>,
     pub(super) stream: bool,
     pub(super) include_usage: bool,
 }

@@ -5,13 +5,14 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use axum::body::Bytes;
-use model::serve::Event;
+use model::serve::{Event, TokenLogprobs};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::serve::tools::{CallParser, Piece};
 
-use super::completion::{usage, CancelOnDrop, Kind};
+use super::completion::{usage, CancelOnDrop, Kind, Out};
+use super::logprobs;
 use super::{ApiError, SYSTEM_FINGERPRINT};
 
 pub(super) struct Meta {
@@ -51,16 +52,37 @@ pub(super) enum Phase {
 /// Server-sent events of one request. Dropping it (the client went away) cancels the
 /// request.
 pub(super) struct EventStream {
-    pub(super) rx: mpsc::UnboundedReceiver<Event>,
+    pub(super) rx: mpsc::UnboundedReceiver<Out>,
     pub(super) meta: Meta,
     pub(super) include_usage: bool,
     pub(super) phase: Phase,
     pub(super) guard: CancelOnDrop,
     /// Reads the text into tool calls when the request offers tools.
     pub(super) parser: Option<CallParser>,
+    /// When the request asks for log-probabilities: those of the tokens whose text has
+    /// not gone out yet. They go with the next chunk.
+    pub(super) logprobs: Option<Vec<TokenLogprobs>>,
+    /// Characters of the tokens' texts gone out so far (text completions' offsets).
+    pub(super) offset: usize,
 }
 
 impl EventStream {
+    /// `chunks` as server-sent events, the first carrying the log-probabilities of the
+    /// tokens not yet sent (when the request asks for them).
+    fn send(&mut self, mut chunks: Vec<Value>) -> Vec<u8> {
+        let pending = self.logprobs.as_mut().filter(|p| !p.is_empty());
+        if let (Some(pending), Some(first)) = (pending, chunks.first_mut()) {
+            let tokens = std::mem::take(pending);
+            first["choices"][0]["logprobs"] =
+                logprobs::format(self.meta.kind, &tokens, &mut self.offset);
+        }
+        let mut out = Vec::new();
+        for chunk in &chunks {
+            out.extend_from_slice(&sse(chunk));
+        }
+        out
+    }
+
     /// A last event carrying the error, then the end of the stream.
     fn end_with_error(&mut self, message: &str) -> Bytes {
         self.phase = Phase::Done;
@@ -75,13 +97,11 @@ impl Meta {
     /// The chunks of pieces read by the tool-call parser: text as `content`, a call as
     /// a first `tool_calls` delta with its index, id, type and name, then one with its
     /// arguments.
-    pub(super) fn pieces(&self, pieces: Vec<Piece>) -> Vec<u8> {
+    pub(super) fn pieces(&self, pieces: Vec<Piece>) -> Vec<Value> {
         let mut out = Vec::new();
         for piece in pieces {
             match piece {
-                Piece::Text(text) => {
-                    out.extend_from_slice(&sse(&self.chunk(json!({"content": text}), None)))
-                }
+                Piece::Text(text) => out.push(self.chunk(json!({"content": text}), None)),
                 Piece::Call { index, call } => {
                     let head = json!({"tool_calls": [{
                         "index": index, "id": call.id, "type": "function",
@@ -90,8 +110,8 @@ impl Meta {
                     let arguments = json!({"tool_calls": [{
                         "index": index, "function": {"arguments": call.arguments},
                     }]});
-                    out.extend_from_slice(&sse(&self.chunk(head, None)));
-                    out.extend_from_slice(&sse(&self.chunk(arguments, None)));
+                    out.push(self.chunk(head, None));
+                    out.push(self.chunk(arguments, None));
                 }
             }
         }
@@ -127,24 +147,33 @@ impl futures_core::Stream for EventStream {
                 Poll::Ready(event) => event,
             };
             let bytes = match event {
-                Some(Event::Text(piece)) => match &mut this.parser {
-                    Some(parser) => {
-                        let out = this.meta.pieces(parser.push(&piece));
-                        if out.is_empty() {
-                            // Held back: it may be the start of a call.
-                            continue;
+                Some(Out::Logprobs(token)) => {
+                    if let Some(pending) = &mut this.logprobs {
+                        pending.push(token);
+                    }
+                    continue;
+                }
+                Some(Out::Event(Event::Text(piece))) => {
+                    let chunks = match &mut this.parser {
+                        Some(parser) => {
+                            let chunks = this.meta.pieces(parser.push(&piece));
+                            if chunks.is_empty() {
+                                // Held back: it may be the start of a call.
+                                continue;
+                            }
+                            chunks
                         }
-                        Bytes::from(out)
-                    }
-                    None => {
-                        let delta = match this.meta.kind {
-                            Kind::Chat => json!({"content": piece}),
-                            Kind::Text => json!(piece),
-                        };
-                        sse(&this.meta.chunk(delta, None))
-                    }
-                },
-                Some(Event::Done(finish)) => {
+                        None => {
+                            let delta = match this.meta.kind {
+                                Kind::Chat => json!({"content": piece}),
+                                Kind::Text => json!(piece),
+                            };
+                            vec![this.meta.chunk(delta, None)]
+                        }
+                    };
+                    Bytes::from(this.send(chunks))
+                }
+                Some(Out::Event(Event::Done(finish))) => {
                     this.phase = Phase::Done;
                     this.guard.0 = None;
                     let empty = match this.meta.kind {
@@ -152,14 +181,15 @@ impl futures_core::Stream for EventStream {
                         Kind::Text => json!(""),
                     };
                     let mut reason = finish.reason.as_str();
-                    let mut out = Vec::new();
+                    let mut chunks = Vec::new();
                     if let Some(parser) = &mut this.parser {
-                        out = this.meta.pieces(parser.finish());
+                        chunks = this.meta.pieces(parser.finish());
                         if parser.calls() > 0 {
                             reason = "tool_calls";
                         }
                     }
-                    out.extend_from_slice(&sse(&this.meta.chunk(empty, Some(reason))));
+                    chunks.push(this.meta.chunk(empty, Some(reason)));
+                    let mut out = this.send(chunks);
                     if this.include_usage {
                         let mut last = this.meta.chunk(Value::Null, None);
                         last["choices"] = json!([]);
@@ -169,7 +199,7 @@ impl futures_core::Stream for EventStream {
                     out.extend_from_slice(b"data: [DONE]\n\n");
                     Bytes::from(out)
                 }
-                Some(Event::Error(message)) => this.end_with_error(&message),
+                Some(Out::Event(Event::Error(message))) => this.end_with_error(&message),
                 None => this.end_with_error("the request ended without a result"),
             };
             return Poll::Ready(Some(Ok(bytes)));

@@ -1,4 +1,5 @@
-use super::request::{model_name, refuse_unsupported, Common};
+use super::completion::Kind;
+use super::request::{logprobs_setting, model_name, refuse_unsupported, Common};
 use super::*;
 
 /// What the text completions endpoint (which takes no tools) refuses in `body`.
@@ -26,9 +27,6 @@ fn fields_asking_for_what_the_server_cannot_do_are_refused_by_name() {
         ),
         (json!({"functions": [{"name": "f"}]}), "functions"),
         (json!({"function_call": "auto"}), "function_call"),
-        (json!({"logprobs": true}), "logprobs"),
-        (json!({"logprobs": 5}), "logprobs"),
-        (json!({"top_logprobs": 3}), "top_logprobs"),
         (json!({"audio": {"voice": "x"}}), "audio"),
         (json!({"modalities": ["text", "audio"]}), "modalities"),
     ] {
@@ -108,19 +106,8 @@ fn fields_that_ask_for_nothing_pass() {
     }
 }
 
-/// Server-sent events of `bytes` as JSON values.
-fn events(bytes: Vec<u8>) -> Vec<Value> {
-    String::from_utf8(bytes)
-        .expect("UTF-8")
-        .split("\n\n")
-        .filter(|e| !e.is_empty())
-        .map(|e| serde_json::from_str(e.strip_prefix("data: ").expect("data")).expect("JSON"))
-        .collect()
-}
-
 #[test]
 fn a_streamed_call_is_a_delta_with_its_name_then_one_with_its_arguments() {
-    use super::completion::Kind;
     use super::stream::Meta;
     use crate::serve::tools::{Piece, ToolCall};
     let meta = Meta {
@@ -134,10 +121,10 @@ fn a_streamed_call_is_a_delta_with_its_name_then_one_with_its_arguments() {
         name: "f".into(),
         arguments: "{\"a\":1}".into(),
     };
-    let events = events(meta.pieces(vec![
+    let events = meta.pieces(vec![
         Piece::Text("Hi".into()),
         Piece::Call { index: 1, call },
-    ]));
+    ]);
     assert_eq!(events.len(), 3, "{events:?}");
     let delta = |i: usize| &events[i]["choices"][0]["delta"];
     assert_eq!(*delta(0), json!({"content": "Hi"}));
@@ -175,4 +162,76 @@ fn an_answer_of_calls_has_null_content_and_text_before_calls_stays() {
     let (content, calls) = split_calls(&mut parser(), "No call here. ");
     assert_eq!(content.as_deref(), Some("No call here. "));
     assert!(calls.is_empty());
+}
+
+fn logprobs_of(body: Value, kind: Kind) -> Result<Option<usize>, (&'static str, String)> {
+    let common: Common = serde_json::from_value(body).expect("a request body");
+    logprobs_setting(&common, kind).map_err(|e| (e.param.expect("the field is named"), e.message))
+}
+
+#[test]
+fn chat_log_probabilities_take_a_flag_and_a_count() {
+    let chat = |body| logprobs_of(body, Kind::Chat);
+    assert_eq!(chat(json!({})), Ok(None));
+    assert_eq!(chat(json!({"logprobs": false})), Ok(None));
+    assert_eq!(
+        chat(json!({"logprobs": null, "top_logprobs": null})),
+        Ok(None)
+    );
+    assert_eq!(chat(json!({"logprobs": true})), Ok(Some(0)));
+    assert_eq!(
+        chat(json!({"logprobs": true, "top_logprobs": 5})),
+        Ok(Some(5))
+    );
+    assert_eq!(
+        chat(json!({"logprobs": true, "top_logprobs": 20})),
+        Ok(Some(20))
+    );
+    for (body, field) in [
+        (json!({"top_logprobs": 3}), "top_logprobs"),
+        (
+            json!({"logprobs": false, "top_logprobs": 3}),
+            "top_logprobs",
+        ),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (
+            json!({"logprobs": true, "top_logprobs": -1}),
+            "top_logprobs",
+        ),
+        (
+            json!({"logprobs": true, "top_logprobs": 2.5}),
+            "top_logprobs",
+        ),
+        (
+            json!({"logprobs": true, "top_logprobs": "5"}),
+            "top_logprobs",
+        ),
+        (json!({"logprobs": 5}), "logprobs"),
+    ] {
+        let (param, message) = chat(body.clone()).expect_err(&body.to_string());
+        assert_eq!(param, field, "{body}");
+        assert!(message.contains(field), "{message}");
+    }
+}
+
+#[test]
+fn text_log_probabilities_are_a_count_without_echo() {
+    let text = |body| logprobs_of(body, Kind::Text);
+    assert_eq!(text(json!({})), Ok(None));
+    assert_eq!(text(json!({"logprobs": 0})), Ok(Some(0)));
+    assert_eq!(text(json!({"logprobs": 3, "echo": false})), Ok(Some(3)));
+    assert_eq!(text(json!({"echo": true})), Ok(None));
+    for (body, field) in [
+        (json!({"logprobs": 21}), "logprobs"),
+        (json!({"logprobs": true}), "logprobs"),
+        (json!({"logprobs": 3, "echo": true}), "echo"),
+        (json!({"top_logprobs": 3}), "top_logprobs"),
+    ] {
+        let (param, message) = text(body.clone()).expect_err(&body.to_string());
+        assert_eq!(param, field, "{body}");
+        assert!(message.contains(field), "{message}");
+    }
 }
