@@ -248,6 +248,33 @@ def _():
     assert usage[1].prompt_tokens_details.cached_tokens >= 16, usage[1]
 
 
+def unknown_field_counts():
+    text = http("GET", main.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"})[2].decode()
+    pattern = r'^rocmforge_unknown_request_fields_total\{field="([^"]*)"\} (\S+)$'
+    return {k: float(v) for k, v in re.findall(pattern, text, re.M)}
+
+
+@check("unknown fields are ignored, and counted by name in the metrics")
+def _():
+    before = unknown_field_counts()
+    for _ in range(2):
+        r = client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            extra_body={"made_up_option": {"a": 1}, "user": "someone"},
+        )
+        assert r.choices[0].message.content is not None
+    status, _, body = http(
+        "POST", main.base + "/v1/completions",
+        {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 1, "made_up_option": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert status == 200, body
+    after = unknown_field_counts()
+    grown = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    # Fields the server takes, or refuses by name, are never counted as unknown.
+    assert grown == {"made_up_option": 3, "user": 2}, (before, after)
+
+
 @check("bad input gets OpenAI-shaped errors")
 def _():
     auth = {"Authorization": f"Bearer {KEY}"}

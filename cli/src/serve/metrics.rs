@@ -9,6 +9,7 @@ use super::AppState;
 pub fn render(state: &AppState) -> String {
     let mut out = String::new();
     server_gauges(&mut out, state);
+    unknown_fields(&mut out, state);
     let Some(loaded) = state.loaded.get() else {
         return out;
     };
@@ -285,4 +286,29 @@ fn histogram(out: &mut String, name: &str, help: &str, h: &HistogramSnapshot) {
     let _ = writeln!(out, "rocmforge_{name}_bucket{{le=\"+Inf\"}} {}", h.count);
     let _ = writeln!(out, "rocmforge_{name}_sum {}", h.sum_seconds);
     let _ = writeln!(out, "rocmforge_{name}_count {}", h.count);
+}
+
+/// The requests that carried each unknown field, by name (a label value escaped as the
+/// text format wants).
+fn unknown_fields(out: &mut String, state: &AppState) {
+    let counts = state.unknown_field_counts();
+    if counts.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "# HELP rocmforge_unknown_request_fields_total Requests that carried a field this \
+         server does not know (ignored), by field name."
+    );
+    let _ = writeln!(out, "# TYPE rocmforge_unknown_request_fields_total counter");
+    for (name, count) in counts {
+        let label = name
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n");
+        let _ = writeln!(
+            out,
+            "rocmforge_unknown_request_fields_total{{field=\"{label}\"}} {count}"
+        );
+    }
 }

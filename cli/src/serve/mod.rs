@@ -9,10 +9,11 @@ mod format;
 mod metrics;
 mod tools;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -147,9 +148,48 @@ pub struct AppState {
     aliases: Vec<String>,
     strict_model_names: bool,
     cors_origins: Vec<String>,
+    /// Requests that carried each field no field of ours takes, by name (at most
+    /// [`MAX_UNKNOWN_NAMES`] names; the others count under [`OTHER_UNKNOWN`]).
+    unknown_fields: Mutex<BTreeMap<String, u64>>,
 }
 
+/// Most names of unknown request fields counted one by one.
+const MAX_UNKNOWN_NAMES: usize = 64;
+/// Longest name of an unknown field counted under its own name.
+const MAX_UNKNOWN_NAME_BYTES: usize = 64;
+/// What the unknown fields past those limits count under.
+const OTHER_UNKNOWN: &str = "(other)";
+
 impl AppState {
+    /// Counts a request's unknown fields, and logs each name the first time it comes.
+    fn note_unknown_fields<'a>(&self, names: impl Iterator<Item = &'a String>) {
+        let Ok(mut counts) = self.unknown_fields.lock() else {
+            return;
+        };
+        for name in names {
+            let known = counts.contains_key(name.as_str());
+            let key = if known
+                || (counts.len() < MAX_UNKNOWN_NAMES && name.len() <= MAX_UNKNOWN_NAME_BYTES)
+            {
+                name.as_str()
+            } else {
+                OTHER_UNKNOWN
+            };
+            if !known && key == name.as_str() {
+                tracing::info!(field = %name, "ignoring a request field this server does not know");
+            }
+            *counts.entry(key.to_owned()).or_default() += 1;
+        }
+    }
+
+    /// The counts of [`AppState::note_unknown_fields`], by name.
+    fn unknown_field_counts(&self) -> Vec<(String, u64)> {
+        self.unknown_fields
+            .lock()
+            .map(|c| c.iter().map(|(k, v)| (k.clone(), *v)).collect())
+            .unwrap_or_default()
+    }
+
     fn progress(&self) -> f32 {
         f32::from_bits(self.progress.load(Ordering::Relaxed))
     }
@@ -215,6 +255,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         aliases: args.aliases.clone(),
         strict_model_names: args.strict_model_names,
         cors_origins: args.cors_origins.clone(),
+        unknown_fields: Mutex::new(BTreeMap::new()),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

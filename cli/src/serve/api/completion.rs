@@ -45,6 +45,7 @@ pub(super) async fn chat_completions(
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
     let body: ChatBody = parse(body)?;
+    state.note_unknown_fields(body.unknown.keys());
     let loaded = loaded(&state)?;
     let prepared = prepare(&body.common, &state, loaded, Kind::Chat)?;
     if loaded.template.is_none() {
@@ -119,6 +120,7 @@ pub(super) async fn completions(
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
     let body: CompletionBody = parse(body)?;
+    state.note_unknown_fields(body.unknown.keys());
     let loaded = loaded(&state)?;
     let prepared = prepare(&body.common, &state, loaded, Kind::Text)?;
     let prompt = match body.prompt {

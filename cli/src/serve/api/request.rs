@@ -223,11 +223,18 @@ pub(super) struct Message {
     pub(super) name: Option<String>,
 }
 
+/// The fields of a body that no field of ours takes, by name: ignored, as OpenAI's
+/// clients expect of a compatible server, but counted ([`AppState::note_unknown_fields`]).
+pub(super) type Unknown = BTreeMap<String, serde::de::IgnoredAny>;
+
 #[derive(Deserialize)]
 pub(super) struct ChatBody {
     pub(super) messages: Vec<Message>,
     #[serde(flatten)]
     pub(super) common: Common,
+    /// After `common`, which takes its own fields first.
+    #[serde(flatten)]
+    pub(super) unknown: Unknown,
 }
 
 /// A prompt: text, a list of one text, or token ids.
@@ -244,6 +251,9 @@ pub(super) struct CompletionBody {
     pub(super) prompt: PromptField,
     #[serde(flatten)]
     pub(super) common: Common,
+    /// After `common`, which takes its own fields first.
+    #[serde(flatten)]
+    pub(super) unknown: Unknown,
 }
 
 /// Most stop strings, and their length, a request may give.

@@ -235,3 +235,22 @@ fn text_log_probabilities_are_a_count_without_echo() {
         assert!(message.contains(field), "{message}");
     }
 }
+
+#[test]
+fn fields_no_part_of_a_body_takes_are_collected_by_name() {
+    let chat: super::request::ChatBody = serde_json::from_value(json!({
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "response_format": {"type": "text"},
+        "stream_options": {"include_usage": true},
+        "user": "someone",
+        "made_up_option": {"nested": [1, 2]},
+    }))
+    .expect("a chat body");
+    let names: Vec<&str> = chat.unknown.keys().map(String::as_str).collect();
+    assert_eq!(names, ["made_up_option", "user"]);
+    let text: super::request::CompletionBody =
+        serde_json::from_value(json!({"prompt": "hi", "seed": 1, "echo": false}))
+            .expect("a completion body");
+    assert!(text.unknown.is_empty(), "{:?}", text.unknown.keys());
+}
