@@ -345,16 +345,17 @@ pub fn routed_sum(
         }
         .into());
     }
-    for (len, what_cols) in [(ids.len(), 1), (weights.len(), 1)] {
-        if len != n_slots {
-            return Err(DequantError::InputLength {
-                n_tokens: n_slots,
-                cols: what_cols,
-                expected: n_slots,
-                actual: len,
-            }
-            .into());
+    if let Some(len) = [ids.len(), weights.len()]
+        .into_iter()
+        .find(|&l| l != n_slots)
+    {
+        return Err(DequantError::InputLength {
+            n_tokens: n_slots,
+            cols: 1,
+            expected: n_slots,
+            actual: len,
         }
+        .into());
     }
     let cols = experts.cols();
     if xq.len() != q8_bytes(n_slots, cols) {
