@@ -23,6 +23,10 @@ struct AttnArgs {
     float softcap;  // 0: none
     int n_chunks;  // chunks of `chunk` keys the cache holds
     int chunk;
+    // One logit per query head that joins the softmax's denominator and nothing else
+    // (gpt-oss's sinks); null: none. A sink far above the scores makes the sum infinite
+    // and the output 0, its limit.
+    const float* sinks;
 };
 
 
@@ -201,7 +205,7 @@ __global__ void __launch_bounds__(kAttnThreads)
         float total = 0.0f;
         for (int gg = 0; gg < groups; ++gg) total += pv[8 * (gg * runs + d / width) + d % width];
         if (alone) {
-            const float y = total / l;
+            const float y = total / (a.sinks ? l + expf(a.sinks[h] - m) : l);
             out[first + d] = y;
             if (out_q8) quantize32(y, q8, first + d);
         } else {
@@ -233,6 +237,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     for (int c = first_chunk; c <= last_chunk; ++c) mm = fmaxf(mm, ml[2 * c]);
     float ll = 0.0f;
     for (int c = first_chunk; c <= last_chunk; ++c) ll += expf(ml[2 * c] - mm) * ml[2 * c + 1];
+    if (a.sinks) ll += expf(a.sinks[h] - mm);
     const float inv = 1.0f / ll;
     for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
         float acc = 0.0f;
@@ -252,8 +257,8 @@ extern "C" {
 
 int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                  int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                 float scale, float softcap, int n_chunks, int chunk, const void* pos,
-                 const void* positions,
+                 float scale, float softcap, const void* sinks, int n_chunks, int chunk,
+                 const void* pos, const void* positions,
                  const void* table_start, const void* tables, int shift, void* part_ml,
                  void* part_acc, void* done, void* out, void* out_q8, int device,
                  void* stream) {
@@ -268,8 +273,8 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_
         chunk *= 2;
         n_chunks = (int)((keys + chunk - 1) / chunk);
     }
-    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, softcap, n_chunks,
-                  chunk};
+    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window,
+                  scale,   softcap,    n_chunks, chunk,      (const float*)sinks};
     const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
     const dim3 grid(n_chunks, n_heads, n_tokens);
     if (positions) {

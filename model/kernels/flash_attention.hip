@@ -35,6 +35,10 @@ struct FlashArgs {
     int window;  // 0: none
     float scale;
     float softcap;  // 0: none
+    // One logit per query head that joins the softmax's denominator and nothing else
+    // (gpt-oss's sinks); null: none. A sink far above the scores makes the sum
+    // infinite and the output 0, its limit.
+    const float* sinks;
 };
 
 // Copies keys k0.. (kFlashKeys of them) of `width` halves (a multiple of 2) from a cache
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(kFlashThreads)
         const int row = row0 + r;
         const int token = row / group, h = kvh * group + row % group;
         float* o = out + ((size_t)token * a.n_heads + h) * a.head_dim_v;
-        const float inv = 1.0f / total;
+        const float inv = 1.0f / (a.sinks ? total + expf(a.sinks[h] - m[i]) : total);
 #pragma unroll
         for (int c = 0; c < kPairs; ++c) {
             const int pair = lane + 32 * c;
@@ -404,7 +408,7 @@ __global__ void __launch_bounds__(kFmWarps * 32)
         const int row = row0 + r;
         const int token = row / group, h = kvh * group + row % group;
         float* dst = out + ((size_t)token * a.n_heads + h) * D;
-        const float inv = 1.0f / total;
+        const float inv = 1.0f / (a.sinks ? total + expf(a.sinks[h] - m[e]) : total);
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             const float2 v = make_float2(o[n][2 * e] * inv, o[n][2 * e + 1] * inv);
@@ -432,8 +436,8 @@ extern "C" {
 // (0 measures or tests the other kernel on such a device).
 int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
                        int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                       float scale, float softcap, const void* pos, const void* table, int shift,
-                       void* out, int allow_mma,
+                       float scale, float softcap, const void* sinks, const void* pos,
+                       const void* table, int shift, void* out, int allow_mma,
                        int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
@@ -442,7 +446,8 @@ int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, 
         head_dim_v % 2 != 0 || head_dim < 8 || head_dim_v < 2 || widest > kAttnMaxHead) {
         return (int)hipErrorInvalidValue;
     }
-    FlashArgs a = {n_tokens, n_heads, n_kv_heads, head_dim, head_dim_v, window, scale, softcap};
+    FlashArgs a = {n_tokens, n_heads, n_kv_heads, head_dim, head_dim_v,
+                   window,   scale,   softcap,    (const float*)sinks};
     const int rows = n_tokens * (n_heads / n_kv_heads);
     const hipStream_t s = (hipStream_t)stream;
     const dim3 block(kFlashThreads);

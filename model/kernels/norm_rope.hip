@@ -74,6 +74,10 @@ struct RopeArgs {
     float attn_factor;  // multiplies the cosines and sines (Phi-3's long-context models)
     const float* freq_factors;
     float q_scale, eps;
+    // YaRN's ramp (the host's ops::RopeMix): pair i's angle mixes the extrapolated angle
+    // with weight (1 - clamp((i - low) / max(0.001, high - low), 0, 1)) · ext_factor; an
+    // ext_factor of 0: no mix.
+    float yarn_low, yarn_high, ext_factor;
 };
 
 __global__ void __launch_bounds__(kHeadThreads)
@@ -92,15 +96,22 @@ __global__ void __launch_bounds__(kHeadThreads)
     const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
     const int v_dim = a.n_kv_heads * a.head_dim_v;
     const int p = token_position(pg, pos, token);
-    // RoPE: pair i (of rope_dims/2) turns by p·theta_scale^i / factor_i · freq_scale,
-    // the angle accumulated by multiplication as the CPU path (and ggml) does; the
+    // RoPE: pair i (of rope_dims/2) turns by p·theta_scale^i / factor_i · freq_scale
+    // (mixed with the unscaled angle by YaRN's ramp where it applies), the angle
+    // accumulated by multiplication as the CPU path (and ggml) does; the
     // cosine and sine are multiplied by attn_factor, as the CPU path's table holds them.
     const int pairs = a.rope_dims / 2;
     for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
         float theta = (float)p;
         for (int j = 0; j < i; ++j) theta *= a.theta_scale;
         const float factor = a.freq_factors ? a.freq_factors[i] : 1.0f;
-        const float angle = a.freq_scale * (theta / factor);
+        const float extrap = theta / factor;
+        float angle = a.freq_scale * extrap;
+        if (a.ext_factor != 0.0f) {
+            const float ramp = ((float)i - a.yarn_low) / fmaxf(0.001f, a.yarn_high - a.yarn_low);
+            const float mix = (1.0f - fminf(fmaxf(ramp, 0.0f), 1.0f)) * a.ext_factor;
+            angle = fmaf(angle, 1.0f - mix, extrap * mix);
+        }
         turn[i] = make_float2(cosf(angle) * a.attn_factor, sinf(angle) * a.attn_factor);
     }
     // (The first head's barrier below orders these writes before any read.)
@@ -180,13 +191,14 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
                   int n_tokens, int head_dim, int head_dim_v, int n_heads, int n_kv_heads,
                   int rope_dims, int neox, float theta_scale, float freq_scale,
                   float attn_factor, const void* freq_factors, float q_scale, float eps,
-                  const void* pos,
+                  float yarn_low, float yarn_high, float ext_factor, const void* pos,
                   const void* positions, const void* table_start, const void* tables,
                   int shift, void* k_cache, void* v_cache, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    RopeArgs a = {head_dim, head_dim_v, n_heads, n_kv_heads, rope_dims, neox, theta_scale,
-                  freq_scale, attn_factor, (const float*)freq_factors, q_scale, eps};
+    RopeArgs a = {head_dim,  head_dim_v, n_heads, n_kv_heads, rope_dims,
+                  neox,      theta_scale, freq_scale, attn_factor, (const float*)freq_factors,
+                  q_scale,   eps,        yarn_low, yarn_high,  ext_factor};
     const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
     // A workgroup a head for a few tokens (a decode step's few heads fill the device
     // that way); for a prompt's chunk, runs of heads of one token, which compute its RoPE

@@ -68,7 +68,7 @@ impl Architecture {
     }
 
     /// The architectures the GPU forward pass (`crate::gpu`) runs.
-    pub const GPU_SUPPORTED: [Architecture; 8] = [
+    pub const GPU_SUPPORTED: [Architecture; 9] = [
         Architecture::Llama,
         Architecture::Qwen2,
         Architecture::Qwen3,
@@ -77,6 +77,7 @@ impl Architecture {
         Architecture::Gemma3,
         Architecture::Qwen2Moe,
         Architecture::Qwen3Moe,
+        Architecture::GptOss,
     ];
 
     /// The `general.architecture` name, also the prefix of its metadata keys.
@@ -389,12 +390,6 @@ impl ModelConfig {
 
     /// Refuses, naming the architecture, a model the GPU forward pass does not compute.
     pub fn check_gpu_support(&self) -> Result<(), ModelError> {
-        if self.rope_yarn.is_some() {
-            return Err(ModelError::GpuUnsupported {
-                what: format!("YaRN RoPE scaling ({})", self.architecture.name()),
-                supported: "linear RoPE scaling".to_owned(),
-            });
-        }
         if !Architecture::GPU_SUPPORTED.contains(&self.architecture) {
             return Err(ModelError::GpuUnsupported {
                 what: format!("architecture {:?}", self.architecture.name()),

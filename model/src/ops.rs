@@ -58,25 +58,7 @@ pub fn rope_table(
     let theta_scale = base.powf(-2.0 / rope_dims as f32);
     let freq_scale = 1.0 / scale;
     let half = rope_dims / 2;
-    // Per pair: the weight of the unscaled angle; and the magnitude of the values.
-    let (mix, mscale): (Vec<f32>, f32) = match yarn {
-        None => (Vec::new(), attn_factor),
-        Some(y) => {
-            let [low, high] = yarn_corr_dims(rope_dims, y, base);
-            let mix = (0..half)
-                .map(|i| {
-                    let ramp = (i as f32 - low) / f32::max(0.001, high - low);
-                    (1.0 - ramp.clamp(0.0, 1.0)) * y.ext_factor
-                })
-                .collect();
-            let mscale = if y.ext_factor != 0.0 {
-                y.attn_factor * 0.1f32.mul_add((1.0 / freq_scale).ln(), 1.0)
-            } else {
-                y.attn_factor
-            };
-            (mix, mscale)
-        }
-    };
+    let (mix, mscale) = yarn_mix(rope_dims, base, scale, attn_factor, yarn);
     let mut table = Vec::new();
     for pos in positions {
         let mut theta = pos as f32;
@@ -84,18 +66,65 @@ pub fn rope_table(
             let factor = freq_factors.map_or(1.0, |f| f[i]);
             let extrap = theta / factor;
             let interp = freq_scale * extrap;
-            let angle = match mix.get(i) {
+            let angle = match &mix {
                 // ggml's C fuses the first product into the sum.
-                Some(&m) if yarn.is_some_and(|y| y.ext_factor != 0.0) => {
+                Some(mix) => {
+                    let m = mix.weight(i);
                     interp.mul_add(1.0 - m, extrap * m)
                 }
-                _ => interp,
+                None => interp,
             };
             table.push((angle.cos() * mscale, angle.sin() * mscale));
             theta *= theta_scale;
         }
     }
     table
+}
+
+/// YaRN's ramp over the rotary pairs: pair `i`'s angle mixes its extrapolated
+/// (unscaled) angle, with weight [`RopeMix::weight`], and its interpolated one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeMix {
+    /// The correction dimensions ([`yarn_corr_dims`]).
+    pub low: f32,
+    pub high: f32,
+    /// The extrapolated angle's weight below `low`.
+    pub ext_factor: f32,
+}
+
+impl RopeMix {
+    /// The weight of pair `i`'s extrapolated angle.
+    pub fn weight(&self, i: usize) -> f32 {
+        let ramp = (i as f32 - self.low) / f32::max(0.001, self.high - self.low);
+        (1.0 - ramp.clamp(0.0, 1.0)) * self.ext_factor
+    }
+}
+
+/// The mix of angles of a layer's RoPE (with YaRN and a non-zero extrapolation factor)
+/// and the magnitude of its cosines and sines: `attn_factor`, or with YaRN its own
+/// factor times `1 + 0.1 ln scale` (where it extrapolates).
+pub fn yarn_mix(
+    rope_dims: usize,
+    base: f32,
+    scale: f32,
+    attn_factor: f32,
+    yarn: Option<&Yarn>,
+) -> (Option<RopeMix>, f32) {
+    match yarn {
+        None => (None, attn_factor),
+        Some(y) if y.ext_factor == 0.0 => (None, y.attn_factor),
+        Some(y) => {
+            let [low, high] = yarn_corr_dims(rope_dims, y, base);
+            let freq_scale = 1.0 / scale;
+            let mscale = y.attn_factor * 0.1f32.mul_add((1.0 / freq_scale).ln(), 1.0);
+            let mix = RopeMix {
+                low,
+                high,
+                ext_factor: y.ext_factor,
+            };
+            (Some(mix), mscale)
+        }
+    }
 }
 
 /// YaRN's correction dimensions for `rope_dims` rotated dimensions at `base`: the pair

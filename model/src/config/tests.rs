@@ -297,8 +297,7 @@ fn gpt_oss_reads_its_experts_windows_and_yarn_as_llama_cpp_does() {
         "{}",
         yarn.attn_factor
     );
-    let err = c.check_gpu_support().unwrap_err();
-    assert!(err.to_string().contains("YaRN"), "{err}");
+    c.check_gpu_support().unwrap();
     // The correction dimensions of gpt-oss's 64-dimension heads: pairs 8 to 18.
     assert_eq!(
         crate::ops::yarn_corr_dims(64, &yarn, 150_000.0),
@@ -328,7 +327,7 @@ fn gpt_oss_reads_its_experts_windows_and_yarn_as_llama_cpp_does() {
 }
 
 #[test]
-fn yarn_is_read_for_any_architecture_and_keeps_the_gpu_off() {
+fn yarn_is_read_for_any_architecture() {
     let m = metadata(
         "qwen2",
         &[
@@ -344,8 +343,7 @@ fn yarn_is_read_for_any_architecture_and_keeps_the_gpu_off() {
     assert_eq!(c.rope_scale, 4.0);
     // The file's attention factor multiplies llama.cpp's YaRN one.
     assert!((yarn.attn_factor - 2.0).abs() <= 2.0 * f32::EPSILON);
-    let err = c.check_gpu_support().unwrap_err();
-    assert!(err.to_string().contains("YaRN"), "{err}");
+    c.check_gpu_support().unwrap();
     // Without YaRN no field is set, and linear scaling still works.
     let m = metadata("qwen2", &[(".rope.scaling.factor", Value::F32(4.0))]);
     let c = ModelConfig::from_metadata(&m).unwrap();

@@ -187,6 +187,9 @@ mod sys {
             freq_factors: *const c_void,
             q_scale: f32,
             eps: f32,
+            yarn_low: f32,
+            yarn_high: f32,
+            ext_factor: f32,
             pos: *const c_void,
             positions: *const c_void,
             table_start: *const c_void,
@@ -209,6 +212,7 @@ mod sys {
             window: c_int,
             scale: f32,
             softcap: f32,
+            sinks: *const c_void,
             n_chunks: c_int,
             chunk: c_int,
             pos: *const c_void,
@@ -236,6 +240,7 @@ mod sys {
             window: c_int,
             scale: f32,
             softcap: f32,
+            sinks: *const c_void,
             pos: *const c_void,
             table: *const c_void,
             shift: c_int,
@@ -285,9 +290,19 @@ mod sys {
             gate: *const c_void,
             up: *const c_void,
             n: usize,
-            gelu: c_int,
+            act_kind: c_int,
             out: *mut c_void,
             out_q8: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_add_bias(
+            x: *mut c_void,
+            n: usize,
+            width: c_int,
+            bias: *const c_void,
+            ids: *const c_void,
+            n_bias_rows: c_int,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -456,4 +471,7 @@ pub use attention::{attention, attention_chunk, AttentionShape};
 pub use experts::{moe_combine, moe_route, moe_tiles, Gating, MAX_USED};
 pub use flash_attention::flash_attention;
 pub use norm_rope::{qk_rope_kv, rms_norm, HeadExtras, HeadShape};
-pub use rows::{add_at, advance, argmax, gated, gather_rows, scale, select_rows, softcap};
+pub use rows::{
+    add_at, add_bias, advance, argmax, gated, gather_rows, scale, select_rows, softcap,
+    GateActivation,
+};

@@ -149,7 +149,10 @@ pub(super) struct LayerWeights {
     /// Divisors of the rotary angles: Llama 3's `rope_freqs`, or Phi-3's long or short
     /// factors (see [`RopeContext`]).
     pub rope_freqs: Option<Floats>,
+    /// One logit per query head that joins its softmax's denominator (gpt-oss).
+    pub sinks: Option<Floats>,
     pub wo: Matrix,
+    pub bo: Option<Floats>,
     pub post_attn_norm: Option<Norm>,
     pub ffn_norm: Norm,
     pub ffn: FfnWeights,
@@ -170,6 +173,7 @@ pub(super) enum FfnWeights {
 /// expert is a range of their bytes), and the shared expert with its gate.
 pub(super) struct ExpertWeights {
     pub router: Matrix,
+    pub router_bias: Option<Floats>,
     pub gate: Option<ExpertTensor>,
     pub up: ExpertTensor,
     pub down: ExpertTensor,
@@ -177,6 +181,7 @@ pub(super) struct ExpertWeights {
     pub count: usize,
     pub used: usize,
     pub gating: kernels::Gating,
+    pub activation: kernels::GateActivation,
 }
 
 /// Qwen 2 MoE's shared expert: a gated MLP every token runs, scaled by the sigmoid of
@@ -188,9 +193,11 @@ pub(super) struct SharedExpert {
     pub gate_inp: Matrix,
 }
 
-/// `ffn_{gate,up,down}_exps` on the device: `count` matrices of `rows × cols`.
+/// `ffn_{gate,up,down}_exps` on the device: `count` matrices of `rows × cols`, with
+/// their biases (gpt-oss: `count` rows of `rows` values).
 pub(super) struct ExpertTensor {
     tensor: Tensor,
+    pub bias: Option<Floats>,
     pub ty: GgmlType,
     pub count: usize,
     pub rows: usize,
@@ -204,6 +211,11 @@ impl ExpertTensor {
     ) -> Result<ExpertTensor, ModelError> {
         Ok(ExpertTensor {
             tensor: cache.get(&m.weight)?,
+            bias: m
+                .bias
+                .as_ref()
+                .map(|h| Floats::fetch(cache, h))
+                .transpose()?,
             ty: m.weight.ggml_type(),
             count: m.count,
             rows: m.rows,
@@ -267,8 +279,21 @@ impl FfnWeights {
             shared,
             count: e.experts.count,
             used: e.experts.used,
-            gating: kernels::Gating::Softmax {
-                renormalize: e.experts.normalize,
+            router_bias: e
+                .router
+                .bias
+                .as_ref()
+                .map(|h| Floats::fetch(cache, h))
+                .transpose()?,
+            gating: match e.experts.gating {
+                Gating::Softmax => kernels::Gating::Softmax {
+                    renormalize: e.experts.normalize,
+                },
+                Gating::SoftmaxOfChosen => kernels::Gating::SoftmaxOfChosen,
+            },
+            activation: match e.experts.activation {
+                ExpertActivation::Silu => kernels::GateActivation::Silu,
+                ExpertActivation::SwigluOai => kernels::GateActivation::SwigluOai,
             },
         })))
     }
@@ -325,7 +350,13 @@ impl LayerWeights {
             rope_freqs: rope_factors(layer, context)
                 .map(|v| Floats::fetch(cache, &v.handle))
                 .transpose()?,
+            sinks: layer
+                .attn_sinks
+                .as_ref()
+                .map(|v| Floats::fetch(cache, &v.handle))
+                .transpose()?,
             wo: Matrix::fetch(cache, &layer.wo)?,
+            bo: bias(&layer.wo)?,
             post_attn_norm: norm(&layer.post_attn_norm)?,
             ffn_norm: Norm::fetch(cache, &layer.ffn_norm)?,
             ffn: FfnWeights::fetch(cache, &layer.ffn)?,
@@ -431,22 +462,27 @@ pub(crate) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
     });
     for e in experts {
         let x = &e.experts;
-        let biased = e.router.bias.is_some()
-            || e.gate
-                .iter()
-                .chain([&e.up, &e.down])
-                .any(|m| m.bias.is_some());
-        if x.gating != Gating::Softmax || x.activation != ExpertActivation::Silu || biased {
+        let expected = match x.gating {
+            Gating::Softmax => ExpertActivation::Silu,
+            Gating::SoftmaxOfChosen => ExpertActivation::SwigluOai,
+        };
+        if x.activation != expected {
             return Err(ModelError::GpuUnsupported {
                 what: format!(
-                    "experts routed by {:?} with {:?}{} ({:?})",
+                    "experts routed by {:?} with {:?} ({:?})",
                     x.gating,
                     x.activation,
-                    if biased { " and biases" } else { "" },
                     e.router.weight.name()
                 ),
-                supported: "softmax routing of SiLU experts without biases".to_owned(),
+                supported: "softmax routing of SiLU experts, and gpt-oss's".to_owned(),
             });
+        }
+        let biases = e.router.bias.iter();
+        let biases = biases.chain(e.gate.iter().chain([&e.up, &e.down]).flat_map(|m| &m.bias));
+        for bias in biases {
+            if bias.ggml_type() != GgmlType::F32 {
+                return Err(refuse(bias));
+            }
         }
         for m in e.gate.iter().chain([&e.up, &e.down]) {
             let ty = m.weight.ggml_type();
@@ -460,11 +496,14 @@ pub(crate) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
         }
     }
     for layer in &plan.layers {
-        for lin in [&layer.wq, &layer.wk, &layer.wv] {
-            if let Some(bias) = &lin.bias {
-                if bias.ggml_type() != GgmlType::F32 {
-                    return Err(refuse(bias));
-                }
+        let sinks = layer.attn_sinks.iter().map(|v| &v.handle);
+        for vector in [&layer.wq, &layer.wk, &layer.wv, &layer.wo]
+            .into_iter()
+            .flat_map(|lin| &lin.bias)
+            .chain(sinks)
+        {
+            if vector.ggml_type() != GgmlType::F32 {
+                return Err(refuse(vector));
             }
         }
         let factors = [

@@ -34,6 +34,7 @@ pub(super) fn block(
     let post_attn = w.post_attn_norm.as_ref();
     project(
         &w.wo,
+        w.bo.as_ref().map(|b| b.view()).transpose()?,
         attn_dim,
         fused_q8,
         post_attn.map(|n| n.weight()),
@@ -111,6 +112,13 @@ fn rope_kv(
     let kv_dim = c.n_kv_heads * c.head_dim;
     let v_dim = c.n_kv_heads * c.head_dim_v;
     let layer_cfg = c.layers[layer_idx];
+    let (yarn, attn_factor) = crate::ops::yarn_mix(
+        c.rope_dims,
+        layer_cfg.rope_freq_base,
+        layer_cfg.rope_scale,
+        c.rope_attn_factor,
+        c.rope_yarn.as_ref(),
+    );
     let head_shape = HeadShape {
         n_heads: c.n_heads,
         n_kv_heads: c.n_kv_heads,
@@ -120,7 +128,8 @@ fn rope_kv(
         neox: c.rope_style == RopeStyle::Halves,
         theta_scale: layer_cfg.rope_freq_base.powf(-2.0 / c.rope_dims as f32),
         freq_scale: 1.0 / layer_cfg.rope_scale,
-        attn_factor: c.rope_attn_factor,
+        attn_factor,
+        yarn,
         q_scale: if c.scale_queries {
             c.attention_scale
         } else {
@@ -180,11 +189,12 @@ fn attend(
         window: layer_cfg.sliding_window,
         ..bufs.attention
     };
+    let sinks = w.sinks.as_ref().map(|s| s.view()).transpose()?;
     // The attention's output goes to the output projection quantized when it takes Q8
     // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
     let fused_q8 = takes_q8_for(&w.wo, n, &bufs.batch_in) && c.head_dim_v.is_multiple_of(32);
     if let Layout::Paged(batch) = layout {
-        paged_attention(batch, layer_idx, &shape, fused_q8, bufs, stream)?;
+        paged_attention(batch, layer_idx, &shape, sinks, fused_q8, bufs, stream)?;
     } else if batched(n) {
         // A prompt's chunk: one launch over every query, tiled over queries and keys.
         kernels::flash_attention(
@@ -192,6 +202,7 @@ fn attend(
             view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
             view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
             &shape,
+            sinks,
             n,
             view(&bufs.pos, 1)?,
             None,
@@ -207,6 +218,7 @@ fn attend(
             view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
             view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
             &shape,
+            sinks,
             n,
             view(&bufs.pos, 1)?,
             None,
@@ -231,6 +243,7 @@ fn paged_attention(
     batch: &PagedBatch,
     layer_idx: usize,
     shape: &AttentionShape,
+    sinks: Option<hip_backend::DeviceView<'_, f32>>,
     fused_q8: bool,
     bufs: &mut Buffers,
     stream: &Stream,
@@ -256,6 +269,7 @@ fn paged_attention(
             view::<f16>(&bufs.k_cache[layer_idx], cache_len)?,
             view::<f16>(&bufs.v_cache[layer_idx], v_cache_len)?,
             shape,
+            sinks,
             m,
             view(&bufs.pos, 1)?,
             Some(pages(&bufs.meta, batch, rows.clone())?),
@@ -292,6 +306,7 @@ fn paged_attention(
             view::<f16>(&bufs.k_cache[layer_idx], cache_len)?,
             view::<f16>(&bufs.v_cache[layer_idx], v_cache_len)?,
             shape,
+            sinks,
             seg.len,
             view_at::<i32>(&bufs.meta, rows.start..rows.start + 1)?,
             Some((view_at::<i32>(&bufs.meta, table)?, batch.block_shift)),
@@ -308,10 +323,11 @@ fn paged_attention(
 
 /// The output projection of attention: quantizes `attn` (`width` per token) when the
 /// matrix takes Q8 blocks and the attention kernel has not (`quantized`), then adds the
-/// product to the residual stream.
+/// product and its `bias` to the residual stream.
 #[allow(clippy::too_many_arguments)]
 fn project(
     m: &Matrix,
+    bias: Option<hip_backend::DeviceView<'_, f32>>,
     width: usize,
     quantized: bool,
     post_norm: Option<kernels::NormWeight<'_>>,
@@ -344,5 +360,5 @@ fn project(
         proj: &mut bufs.proj,
         batch_in: &mut bufs.batch_in,
     };
-    residual(m, f32_in, q8_in, post_norm, into, n, eps, stream)
+    residual(m, bias, f32_in, q8_in, post_norm, into, n, eps, stream)
 }

@@ -11,7 +11,7 @@ use half::f16;
 use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 
 use super::{product_error, products, takes_q8_for, view, view_mut, Buffers};
-use crate::config::{Activation, ModelConfig};
+use crate::config::ModelConfig;
 use crate::gpu::kernels;
 use crate::gpu::weights::{ExpertTensor, ExpertWeights, Norm, SharedExpert};
 use crate::ModelError;
@@ -149,8 +149,8 @@ pub(super) fn block(
     let Some(moe) = bufs.moe.as_mut() else {
         unreachable!("the buffers of a model with experts hold the experts' room")
     };
-    // Without a shared expert, from FUSED_SUM_FROM tokens, down may add its weighted sum
-    // to the residual stream itself.
+    // Without a shared expert or biases of down, from FUSED_SUM_FROM tokens, down may add
+    // its weighted sum to the residual stream itself.
     let summed = routed_ffn(
         config,
         e,
@@ -158,7 +158,7 @@ pub(super) fn block(
         moe,
         n,
         tile_tokens,
-        (e.shared.is_none() && n >= FUSED_SUM_FROM)
+        (e.shared.is_none() && e.down.bias.is_none() && n >= FUSED_SUM_FROM)
             .then(|| view_mut::<f32>(&mut bufs.x, n * d))
             .transpose()?,
         stream,
@@ -232,6 +232,15 @@ fn norm_and_route(
         &mut bufs.batch_in,
         stream,
     )?;
+    if let Some(bias) = &e.router_bias {
+        kernels::add_bias(
+            view_mut::<f32>(&mut moe.logits, n * count)?,
+            count,
+            bias.view()?,
+            None,
+            stream,
+        )?;
+    }
     let tile_tokens = experts::tile_tokens_for(slots, count);
     let n_tiles = experts::max_tiles(slots, count, tile_tokens);
     let one_slot_tiles = if tile_tokens == 1 {
@@ -365,14 +374,26 @@ fn routed_ffn(
         )
         .map_err(routed_error(&e.up))?,
     }
-    // The activations, then down, each slot from its own.
+    // Each slot's expert's biases (gpt-oss), the activations, then down, each slot from
+    // its own.
+    for (tensor, out) in [(e.gate.as_ref(), &mut moe.gate), (Some(&e.up), &mut moe.up)] {
+        if let Some(bias) = tensor.and_then(|t| t.bias.as_ref()) {
+            kernels::add_bias(
+                view_mut::<f32>(out, slots * ff)?,
+                ff,
+                bias.view()?,
+                Some(view(&moe.ids, slots)?),
+                stream,
+            )?;
+        }
+    }
     kernels::gated(
         gate.is_some()
             .then(|| view(&moe.gate, slots * ff))
             .transpose()?,
         view(&moe.up, slots * ff)?,
         ff,
-        config.activation == Activation::GeluTanh,
+        e.activation,
         mm.then(|| view_mut::<f32>(&mut moe.act, slots * ff))
             .transpose()?,
         (!mm)
@@ -421,6 +442,15 @@ fn routed_ffn(
         stream,
     )
     .map_err(routed_error(&e.down))?;
+    if let Some(bias) = &e.down.bias {
+        kernels::add_bias(
+            view_mut::<f32>(&mut moe.out, slots * d)?,
+            d,
+            bias.view()?,
+            Some(view(&moe.ids, slots)?),
+            stream,
+        )?;
+    }
     Ok(false)
 }
 
@@ -466,7 +496,7 @@ fn shared_expert(
         Some(view(&bufs.gate, n * sff)?),
         view(&bufs.up, n * sff)?,
         sff,
-        config.activation == Activation::GeluTanh,
+        super::ffn::gate_activation(config),
         (!down_q8)
             .then(|| view_mut::<f32>(&mut bufs.act, n * sff))
             .transpose()?,

@@ -59,7 +59,7 @@ pub(super) fn dense_ffn(
         Some(view(&bufs.gate, n * c.n_ff)?),
         view(&bufs.up, n * c.n_ff)?,
         c.n_ff,
-        c.activation == Activation::GeluTanh,
+        gate_activation(c),
         (!down_q8)
             .then(|| view_mut::<f32>(&mut bufs.act, n * c.n_ff))
             .transpose()?,
@@ -75,5 +75,15 @@ pub(super) fn dense_ffn(
         (Some(view(&bufs.act, n * c.n_ff)?), None)
     };
     let into = Residual { x, proj, batch_in };
-    residual(down, f32_in, q8_in, post_ffn, into, n, eps, stream)
+    residual(down, None, f32_in, q8_in, post_ffn, into, n, eps, stream)
+}
+
+/// The activation of the model's dense gated feed-forward blocks (and of a shared
+/// expert's).
+pub(super) fn gate_activation(c: &ModelConfig) -> kernels::GateActivation {
+    if c.activation == Activation::GeluTanh {
+        kernels::GateActivation::GeluTanh
+    } else {
+        kernels::GateActivation::Silu
+    }
 }

@@ -172,10 +172,12 @@ pub(super) struct Residual<'a> {
     pub(super) batch_in: &'a mut BatchInput,
 }
 
-/// `x += input · mᵀ`, or with a post-norm `x += rms_norm(input · mᵀ)` (through `proj`).
+/// `x += input · mᵀ + bias`, or with a post-norm `x += rms_norm(input · mᵀ + bias)`
+/// (through `proj`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn residual(
     m: &Matrix,
+    bias: Option<DeviceView<'_, f32>>,
     f32_in: Option<DeviceView<'_, f32>>,
     q8_in: Option<DeviceView<'_, u8>>,
     post_norm: Option<kernels::NormWeight<'_>>,
@@ -186,40 +188,36 @@ pub(super) fn residual(
 ) -> Result<(), ModelError> {
     let d = m.rows;
     let Residual { x, proj, batch_in } = into;
-    match post_norm {
-        None => products(
-            &[m],
-            f32_in,
-            q8_in,
-            n,
-            vec![view_mut::<f32>(x, n * d)?],
-            true,
-            batch_in,
-            stream,
-        ),
-        Some(norm) => {
-            products(
-                &[m],
-                f32_in,
-                q8_in,
-                n,
-                vec![view_mut::<f32>(proj, n * d)?],
-                false,
-                batch_in,
-                stream,
-            )?;
-            kernels::rms_norm(
-                view(proj, n * d)?,
-                norm,
-                n,
-                d,
-                eps,
-                Some(view_mut::<f32>(x, n * d)?),
-                true,
-                None,
-                stream,
-            )?;
-            Ok(())
-        }
+    let out = if post_norm.is_some() {
+        &mut *proj
+    } else {
+        &mut *x
+    };
+    products(
+        &[m],
+        f32_in,
+        q8_in,
+        n,
+        vec![view_mut::<f32>(out, n * d)?],
+        post_norm.is_none(),
+        batch_in,
+        stream,
+    )?;
+    if let Some(bias) = bias {
+        kernels::add_bias(view_mut::<f32>(out, n * d)?, d, bias, None, stream)?;
     }
+    if let Some(norm) = post_norm {
+        kernels::rms_norm(
+            view(proj, n * d)?,
+            norm,
+            n,
+            d,
+            eps,
+            Some(view_mut::<f32>(x, n * d)?),
+            true,
+            None,
+            stream,
+        )?;
+    }
+    Ok(())
 }

@@ -10,7 +10,8 @@ use hip_backend::{DeviceView, DeviceViewMut, Stream};
 #[cfg(not(hip_platform = "none"))]
 use super::sys;
 use super::{
-    check_caches, expect, expect_at_least, on_device, q8_bytes, small, soft_cap, KernelError, Pages,
+    check_caches, expect, expect_at_least, on_device, ptr_or_null, q8_bytes, small, soft_cap,
+    KernelError, Pages,
 };
 
 /// Most keys a chunk of [`attention`]'s split along the cache may hold.
@@ -71,13 +72,15 @@ impl AttentionShape {
 /// positions and against the blocks it gives; each query sees the keys up to its own
 /// position) against the f16 caches; `out` gets `n_tokens × n_heads ×
 /// head_dim_v` values, and `out_q8` (when given; `head_dim_v` a multiple of 32) the same
-/// as Q8 activation blocks. `done` must hold zeros, and is left so.
+/// as Q8 activation blocks. `done` must hold zeros, and is left so. `sinks` (one logit
+/// per query head) join each softmax's denominator.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: DeviceView<'_, f32>,
     k_cache: DeviceView<'_, f16>,
     v_cache: DeviceView<'_, f16>,
     shape: &AttentionShape,
+    sinks: Option<DeviceView<'_, f32>>,
     n_tokens: usize,
     pos: DeviceView<'_, i32>,
     pages: Option<Pages<'_>>,
@@ -131,6 +134,10 @@ pub fn attention(
         )?;
         devices.push(q8.device_ordinal());
     }
+    if let Some(sinks) = &sinks {
+        expect(K, "the sinks (one per head)", sinks.len(), s.n_heads)?;
+        devices.push(sinks.device_ordinal());
+    }
     let device = on_device(stream, &devices)?;
     let softcap = soft_cap(K, s.softcap)?;
     let q8_ptr = out_q8
@@ -151,6 +158,7 @@ pub fn attention(
         c("window", s.window.unwrap_or(0))?,
         s.scale,
         softcap,
+        ptr_or_null(sinks),
         c("chunks", s.n_chunks)?,
         c("keys per chunk", s.chunk)?,
         pos.as_ptr(),

@@ -20,6 +20,9 @@ pub enum Gating {
     /// Softmax over every expert, the `used` largest probabilities chosen, divided by
     /// their sum when `renormalize` (Qwen 3 MoE, Mixtral) or kept (Qwen 2 MoE).
     Softmax { renormalize: bool },
+    /// The `used` largest logits chosen, weighted by the softmax of their own logits
+    /// (gpt-oss).
+    SoftmaxOfChosen,
 }
 
 #[cfg(not(hip_platform = "none"))]
@@ -93,6 +96,7 @@ pub fn moe_route(
     let device = on_device(stream, &devices)?;
     let (code, renorm) = match gating {
         Gating::Softmax { renormalize } => (0, i32::from(renormalize)),
+        Gating::SoftmaxOfChosen => (1, 0),
     };
     launch!(
         rf_moe_route,

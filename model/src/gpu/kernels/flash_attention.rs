@@ -22,13 +22,15 @@ use super::{
 /// table and its block shift, as in [`Pages`](super::Pages)), key `j` is read from the
 /// cache row the table gives. With `allow_mma`, heads of 32, 64 or 128 values (keys and
 /// values alike) take the matrix units where the device has them (NVIDIA, compute
-/// capability 8.0 and later).
+/// capability 8.0 and later). `sinks` (one logit per query head) join each softmax's
+/// denominator.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
     q: DeviceView<'_, f32>,
     k_cache: DeviceView<'_, f16>,
     v_cache: DeviceView<'_, f16>,
     shape: &AttentionShape,
+    sinks: Option<DeviceView<'_, f32>>,
     n_tokens: usize,
     pos: DeviceView<'_, i32>,
     table: Option<(DeviceView<'_, i32>, u32)>,
@@ -68,6 +70,10 @@ pub fn flash_attention(
         expect_at_least(K, "31 bits of block shift", 31, *shift as usize)?;
         devices.push(t.device_ordinal());
     }
+    if let Some(sinks) = &sinks {
+        expect(K, "the sinks (one per head)", sinks.len(), s.n_heads)?;
+        devices.push(sinks.device_ordinal());
+    }
     let device = on_device(stream, &devices)?;
     let softcap = soft_cap(K, s.softcap)?;
     let c = |what, value| small(K, what, value);
@@ -87,6 +93,7 @@ pub fn flash_attention(
         c("window", s.window.unwrap_or(0))?,
         s.scale,
         softcap,
+        ptr_or_null(sinks),
         pos.as_ptr(),
         ptr_or_null(table.map(|t| t.0)),
         table.map_or(0, |t| t.1 as i32),

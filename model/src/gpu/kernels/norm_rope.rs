@@ -79,8 +79,11 @@ pub struct HeadShape {
     pub theta_scale: f32,
     /// `1 / rope_scale`.
     pub freq_scale: f32,
-    /// Multiplies the rotary cosines and sines (`rope.scaling.attn_factor`; usually 1).
+    /// Multiplies the rotary cosines and sines (`rope.scaling.attn_factor`, usually 1;
+    /// with YaRN, its magnitude: [`crate::ops::yarn_mix`]).
     pub attn_factor: f32,
+    /// YaRN's mix of each pair's extrapolated and interpolated angles.
+    pub yarn: Option<crate::ops::RopeMix>,
     /// Multiplies the queries after RoPE (1 when the scores are scaled instead).
     pub q_scale: f32,
     pub eps: f32,
@@ -197,6 +200,9 @@ pub fn qk_rope_kv(
         ptr_or_null(extras.freq_factors),
         s.q_scale,
         s.eps,
+        s.yarn.map_or(0.0, |y| y.low),
+        s.yarn.map_or(0.0, |y| y.high),
+        s.yarn.map_or(0.0, |y| y.ext_factor),
         pos.as_ptr(),
         Pages::raw(pages)[0],
         Pages::raw(pages)[1],

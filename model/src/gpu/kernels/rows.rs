@@ -10,16 +10,38 @@ use hip_backend::{DeviceView, DeviceViewMut, Stream};
 use super::sys;
 use super::{
     expect, expect_at_least, on_device, ptr_or_null, q8_bytes, small, soft_cap, KernelError,
+    ShapeError,
 };
 
-/// `act(gate) · up` element-wise (SiLU, or GELU's tanh form with `gelu`), or `act(up)`
-/// without a gate, into `out` (f32) and/or `out_q8` (Q8 blocks of `width`-value rows,
-/// `width` a multiple of 32).
+/// The activation of a gated feed-forward's gate projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateActivation {
+    /// `silu(gate) · up`.
+    Silu,
+    /// `gelu_tanh(gate) · up` (GELU's tanh form).
+    GeluTanh,
+    /// gpt-oss's clamped SwiGLU (`crate::ops::swiglu_oai`): it needs a gate.
+    SwigluOai,
+}
+
+impl GateActivation {
+    fn code(self) -> i32 {
+        match self {
+            GateActivation::Silu => 0,
+            GateActivation::GeluTanh => 1,
+            GateActivation::SwigluOai => 2,
+        }
+    }
+}
+
+/// `act(gate) · up` element-wise, or `act(up)` without a gate (SiLU or GELU only), into
+/// `out` (f32) and/or `out_q8` (Q8 blocks of `width`-value rows, `width` a multiple of
+/// 32).
 pub fn gated(
     gate: Option<DeviceView<'_, f32>>,
     up: DeviceView<'_, f32>,
     width: usize,
-    gelu: bool,
+    act: GateActivation,
     mut out: Option<DeviceViewMut<'_, f32>>,
     mut out_q8: Option<DeviceViewMut<'_, u8>>,
     stream: &Stream,
@@ -27,6 +49,15 @@ pub fn gated(
     const K: &str = "gated";
     let n = up.len();
     let mut devices = vec![up.device_ordinal()];
+    if gate.is_none() && act == GateActivation::SwigluOai {
+        return Err(ShapeError {
+            kernel: K,
+            what: "the gate projections of a clamped SwiGLU",
+            expected: n,
+            actual: 0,
+        }
+        .into());
+    }
     if let Some(g) = &gate {
         expect(K, "the gate projection", g.len(), n)?;
         devices.push(g.device_ordinal());
@@ -59,9 +90,60 @@ pub fn gated(
         ptr_or_null(gate),
         up.as_ptr(),
         n,
-        i32::from(gelu),
+        act.code(),
         out_ptr,
         q8_ptr,
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// `x[r] += bias[ids[r]]` for each row `r` of `width` values: with `ids`, each row's
+/// own row of `bias` (a mixture of experts' slots, each its expert's bias; `bias` holds
+/// whole rows), else the one row `bias` is (a projection's bias).
+pub fn add_bias(
+    mut x: DeviceViewMut<'_, f32>,
+    width: usize,
+    bias: DeviceView<'_, f32>,
+    ids: Option<DeviceView<'_, i32>>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "add_bias";
+    let n = x.len();
+    expect(K, "the values modulo the width", n % width.max(1), 0)?;
+    let rows = n / width.max(1);
+    let mut devices = vec![x.device_ordinal(), bias.device_ordinal()];
+    let bias_rows = match &ids {
+        Some(ids) => {
+            expect(K, "the bias modulo the width", bias.len() % width.max(1), 0)?;
+            expect(K, "the rows' bias ids", ids.len(), rows)?;
+            devices.push(ids.device_ordinal());
+            bias.len() / width.max(1)
+        }
+        None => {
+            expect(K, "the bias", bias.len(), width)?;
+            1
+        }
+    };
+    if width == 0 || bias_rows == 0 {
+        return Err(ShapeError {
+            kernel: K,
+            what: "the bias's rows",
+            expected: 1,
+            actual: 0,
+        }
+        .into());
+    }
+    let device = on_device(stream, &devices)?;
+    launch!(
+        rf_add_bias,
+        "add_bias",
+        x.as_mut_ptr(),
+        n,
+        small(K, "the width", width)?,
+        bias.as_ptr(),
+        ptr_or_null(ids),
+        small(K, "the bias's rows", bias_rows)?,
         device,
         stream.as_raw(),
     )

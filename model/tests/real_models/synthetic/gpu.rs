@@ -359,6 +359,8 @@ checks! {
     gpu_llama_moe_random => "llama-moe-random",
     gpu_qwen3moe_all_random => "qwen3moe-all-random",
     gpu_llama_moe_top1_random => "llama-moe-top1-random",
+    gpu_gpt_oss => "gpt-oss",
+    gpu_gpt_oss_long => "gpt-oss-long",
 }
 
 /// A model the GPU does not run (a weight type only the CPU multiplies: `ty`) is
@@ -402,8 +404,6 @@ gpu_refuses_type! {
     gpu_llama_tq2_0 => "llama-tq2_0": "TQ2_0",
     gpu_llama_tq1_0_random => "llama-tq1_0-random": "TQ1_0",
     gpu_llama_tq2_0_random => "llama-tq2_0-random": "TQ2_0",
-    gpu_gpt_oss => "gpt-oss": "gpt-oss",
-    gpu_gpt_oss_long => "gpt-oss-long": "gpt-oss",
 }
 
 #[test]
@@ -419,6 +419,11 @@ fn gpu_scheduler_gemma3() {
 #[test]
 fn gpu_scheduler_qwen2_gqa4() {
     scheduler_on_gpu("qwen2-gqa4");
+}
+
+#[test]
+fn gpu_scheduler_gpt_oss() {
+    scheduler_on_gpu("gpt-oss");
 }
 
 macro_rules! gpu_batched_matches_alone {
@@ -438,6 +443,7 @@ gpu_batched_matches_alone! {
     gpu_batched_llama_mqa => "llama-mqa",
     gpu_batched_qwen3moe_random => "qwen3moe-random",
     gpu_batched_qwen2moe_random => "qwen2moe-random",
+    gpu_batched_gpt_oss => "gpt-oss",
 }
 
 /// A mixture of experts whose weights do not fit the GPU budget is refused, naming the
