@@ -19,7 +19,7 @@ use gguf_format::{GgmlType, GgufWriter};
 
 mod presets;
 
-pub use presets::{fallback, Preset, PRESETS};
+pub use presets::{fallback, MoeStyle, Preset, PRESETS};
 
 const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
                      [--seed N] [--tokenizer-from GGUF]\n       \
@@ -27,7 +27,7 @@ const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
      PRESET: 7b-q4k, 1b-q4k, 135m-q4_1, tiny-q4_1, or Llama-2-7B's shapes in a\n        \
      llama-quantize mix: 7b-q2_k, 7b-q3_k_s, 7b-q3_k_m, 7b-q3_k_l, 7b-q4_k_s,\n        \
      7b-iq4_xs, 7b-iq3_m, 7b-iq2_m; or a Qwen 3 MoE: qwen3moe-30b-a3b-q4k (Qwen3-30B-A3B's\n        \
-     shapes), qwen3moe-small-q4k";
+     shapes), qwen3moe-small-q4k; or gpt-oss-20b-mxfp4 (gpt-oss-20b's shapes)";
 
 /// Parses the task's arguments and writes the model.
 pub fn run(args: &[String]) -> Result<()> {
@@ -88,10 +88,12 @@ pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<Ggu
         .map_or(preset.n_embd / u64::from(preset.n_heads), |e| e.head_dim);
     let q_dim = head_dim * u64::from(preset.n_heads);
     let kv_dim = head_dim * u64::from(preset.n_kv_heads);
-    let arch = if preset.experts.is_some() {
-        "qwen3moe"
-    } else {
-        "llama"
+    let style = preset.experts.map(|e| e.style);
+    let gpt_oss = style == Some(MoeStyle::GptOss);
+    let arch = match style {
+        None => "llama",
+        Some(MoeStyle::Qwen3) => "qwen3moe",
+        Some(MoeStyle::GptOss) => "gpt-oss",
     };
     let key = |k: &str| format!("{arch}.{k}");
     w.add_metadata("general.architecture", arch)?;
@@ -118,6 +120,12 @@ pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<Ggu
         w.add_metadata(&key("expert_used_count"), e.used)?;
         w.add_metadata(&key("expert_feed_forward_length"), e.n_ff as u32)?;
     }
+    if gpt_oss {
+        w.add_metadata(&key("attention.sliding_window"), 128u32)?;
+        w.add_metadata(&key("rope.scaling.type"), "yarn")?;
+        w.add_metadata(&key("rope.scaling.factor"), 32f32)?;
+        w.add_metadata(&key("rope.scaling.original_context_length"), 4096u32)?;
+    }
     for (key, value) in tokenizer.iter() {
         if key.starts_with("tokenizer.") {
             w.add_metadata(key, value.clone())?;
@@ -136,20 +144,50 @@ pub fn declare(preset: &Preset, tokenizer: &gguf_format::Metadata) -> Result<Ggu
         w.add_tensor(&name("attn_q"), m("attn_q"), &[d, q_dim])?;
         w.add_tensor(&name("attn_k"), m("attn_k"), &[d, kv_dim])?;
         w.add_tensor(&name("attn_v"), m("attn_v"), &[d, kv_dim])?;
-        if preset.experts.is_some() {
+        let bias = |s: &str| format!("blk.{l}.{s}.bias");
+        if gpt_oss {
+            w.add_tensor(&bias("attn_q"), GgmlType::F32, &[q_dim])?;
+            w.add_tensor(&bias("attn_k"), GgmlType::F32, &[kv_dim])?;
+            w.add_tensor(&bias("attn_v"), GgmlType::F32, &[kv_dim])?;
+        } else if preset.experts.is_some() {
             w.add_tensor(&name("attn_q_norm"), GgmlType::F32, &[head_dim])?;
             w.add_tensor(&name("attn_k_norm"), GgmlType::F32, &[head_dim])?;
         }
         w.add_tensor(&name("attn_output"), m("attn_output"), &[q_dim, d])?;
-        w.add_tensor(&name("ffn_norm"), GgmlType::F32, &[d])?;
+        if gpt_oss {
+            w.add_tensor(&bias("attn_output"), GgmlType::F32, &[d])?;
+            let heads = u64::from(preset.n_heads);
+            w.add_tensor(&name("attn_sinks"), GgmlType::F32, &[heads])?;
+            w.add_tensor(&name("post_attention_norm"), GgmlType::F32, &[d])?;
+        } else {
+            w.add_tensor(&name("ffn_norm"), GgmlType::F32, &[d])?;
+        }
         match preset.experts {
             Some(e) => {
                 let (n, ff) = (u64::from(e.count), e.n_ff);
                 w.add_tensor(&name("ffn_gate_inp"), GgmlType::F32, &[d, n])?;
-                w.add_tensor(&name("ffn_gate_exps"), m("ffn_gate"), &[d, ff, n])?;
-                w.add_tensor(&name("ffn_up_exps"), m("ffn_up"), &[d, ff, n])?;
-                let down = fallback(preset.ffn_down_type, ff);
+                let (gate, up, down) = if gpt_oss {
+                    (
+                        preset.ffn_down_type,
+                        preset.ffn_down_type,
+                        preset.ffn_down_type,
+                    )
+                } else {
+                    (
+                        m("ffn_gate"),
+                        m("ffn_up"),
+                        fallback(preset.ffn_down_type, ff),
+                    )
+                };
+                w.add_tensor(&name("ffn_gate_exps"), gate, &[d, ff, n])?;
+                w.add_tensor(&name("ffn_up_exps"), up, &[d, ff, n])?;
                 w.add_tensor(&name("ffn_down_exps"), down, &[ff, d, n])?;
+                if gpt_oss {
+                    w.add_tensor(&bias("ffn_gate_inp"), GgmlType::F32, &[n])?;
+                    w.add_tensor(&bias("ffn_gate_exps"), GgmlType::F32, &[ff, n])?;
+                    w.add_tensor(&bias("ffn_up_exps"), GgmlType::F32, &[ff, n])?;
+                    w.add_tensor(&bias("ffn_down_exps"), GgmlType::F32, &[d, n])?;
+                }
             }
             None => {
                 w.add_tensor(&name("ffn_gate"), m("ffn_gate"), &[d, ff])?;
@@ -357,6 +395,13 @@ pub fn fill_blocks(ty: GgmlType, out: &mut [u8], rng: &mut Rng) {
             for value in out.chunks_exact_mut(4) {
                 let noise = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
                 value.copy_from_slice(&(0.9 + 0.2 * noise).to_le_bytes());
+            }
+        }
+        // One power-of-two scale a block (E8M0, a biased exponent): 2^-9 .. 2^-5.
+        GgmlType::MXFP4 => {
+            rng.fill(out);
+            for b in out.chunks_exact_mut(ty.type_size() as usize) {
+                b[0] = 118 + (rng.next_u64() % 5) as u8;
             }
         }
         _ => {
@@ -648,5 +693,57 @@ mod tests {
             (down.ggml_type, down.shape.clone()),
             (GgmlType::Q6_K, vec![11008, 4096])
         );
+    }
+
+    #[test]
+    fn the_gpt_oss_preset_reads_as_gpt_oss_20b() {
+        let mut tokenizer = gguf_format::Metadata::new();
+        let tokens: Vec<String> = (0..49_152).map(|i| format!("t{i}")).collect();
+        tokenizer
+            .insert("tokenizer.ggml.tokens".into(), tokens.into())
+            .unwrap();
+        let preset = PRESETS
+            .iter()
+            .find(|p| p.name == "gpt-oss-20b-mxfp4")
+            .unwrap();
+        let w = declare(preset, &tokenizer).unwrap();
+        let layout = w.layout().unwrap();
+        let file = gguf_format::parse_prefix(&layout.header, layout.file_len).unwrap();
+        let config = model::ModelConfig::from_metadata(&file.metadata).unwrap();
+        assert_eq!(config.architecture, model::Architecture::GptOss);
+        assert_eq!(
+            (
+                config.n_layers,
+                config.n_embd,
+                config.n_heads,
+                config.n_kv_heads
+            ),
+            (24, 2880, 64, 8)
+        );
+        assert_eq!(config.head_dim, 64);
+        let e = config.experts.unwrap();
+        assert_eq!((e.count, e.used, e.n_ff), (32, 4, 2880));
+        assert!(config.rope_yarn.is_some());
+        let windows = config
+            .layers
+            .iter()
+            .filter(|l| l.sliding_window == Some(128));
+        assert_eq!(windows.count(), 12);
+        config.check_gpu_support().unwrap();
+        // The experts in MXFP4 with their biases; about 11 GiB.
+        let gate = w
+            .tensors()
+            .iter()
+            .find(|t| t.name == "blk.5.ffn_gate_exps.weight")
+            .unwrap();
+        assert_eq!(
+            (gate.ggml_type, gate.shape.clone()),
+            (GgmlType::MXFP4, vec![2880, 2880, 32])
+        );
+        assert!(w
+            .tensors()
+            .iter()
+            .any(|t| t.name == "blk.5.ffn_down_exps.bias"));
+        assert!((11_000_000_000..12_500_000_000).contains(&layout.file_len));
     }
 }

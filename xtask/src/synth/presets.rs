@@ -26,9 +26,21 @@ pub struct Preset {
     pub file_type: u32,
     /// Per-tensor exceptions of a llama-quantize preset.
     pub mix: Mix,
-    /// A Qwen 3 MoE (`qwen3moe`) whose every layer is a mixture of experts, or `None`
-    /// for a dense `llama`.
+    /// A mixture of experts in every layer (`qwen3moe` or `gpt-oss`, as
+    /// [`MoeShape::style`] says), or `None` for a dense `llama`.
     pub experts: Option<MoeShape>,
+}
+
+/// Which architecture a mixture-of-experts preset writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeStyle {
+    /// `qwen3moe`: per-head query and key norms, an F32 router, experts in
+    /// `matrix_type` (gate, up) and `ffn_down_type` (down).
+    Qwen3,
+    /// `gpt-oss`: biased projections and router, a sink per head, alternating
+    /// sliding-window (128) and full attention, YaRN RoPE (factor 32 over 4096
+    /// positions), MXFP4 experts with biases, `post_attention_norm` before the experts.
+    GptOss,
 }
 
 /// The experts of a [`Preset`]: their count, how many a token is routed to, and the
@@ -42,6 +54,7 @@ pub struct MoeShape {
     /// Query and key head width (`attention.key_length`; Qwen 3 MoE's is 128 whatever
     /// the width).
     pub head_dim: u64,
+    pub style: MoeStyle,
 }
 
 /// How a preset's layer matrices depart from `matrix_type` and `ffn_down_type`, as
@@ -402,6 +415,7 @@ pub const PRESETS: &[Preset] = &[
             used: 8,
             n_ff: 768,
             head_dim: 128,
+            style: MoeStyle::Qwen3,
         }),
     },
     // The same layout, small enough for a CPU: 8 layers, 1024 wide, 64 experts of 512,
@@ -427,6 +441,34 @@ pub const PRESETS: &[Preset] = &[
             used: 8,
             n_ff: 512,
             head_dim: 128,
+            style: MoeStyle::Qwen3,
+        }),
+    },
+    // gpt-oss-20b's shapes as its MXFP4 release stores them: 24 layers, 2880 wide, 64
+    // query heads and 8 KV heads of 64, 32 experts of 2880, 4 per token, Q8_0 attention,
+    // embeddings and output (about 11 GiB with this vocabulary).
+    Preset {
+        name: "gpt-oss-20b-mxfp4",
+        n_layers: 24,
+        n_embd: 2880,
+        n_ff: 2880,
+        n_heads: 64,
+        n_kv_heads: 8,
+        context_length: 131_072,
+        rope_freq_base: 150_000.0,
+        rms_eps: 1e-5,
+        embd_type: GgmlType::Q8_0,
+        matrix_type: GgmlType::Q8_0,
+        ffn_down_type: GgmlType::MXFP4,
+        output_type: Some(GgmlType::Q8_0),
+        file_type: 38,
+        mix: Mix::Plain,
+        experts: Some(MoeShape {
+            count: 32,
+            used: 4,
+            n_ff: 2880,
+            head_dim: 64,
+            style: MoeStyle::GptOss,
         }),
     },
 ];
