@@ -221,6 +221,66 @@ struct HalfDecode<Q4_K> {
     }
 };
 
+// MXFP4 {e: E8M0, qs: [u8; 16]}: value k is qs[k]'s low nibble, k + 16 its high one; a
+// nibble's low three bits index E2M1's doubled magnitudes {0, 1, 2, 3, 4, 6, 8, 12} (one
+// byte permutation picks four), its top bit is the sign, and the block's scale is
+// 2^(e - 128). While the scale and 12 times it are normal halves (e in 114 ..= 140, the
+// range of released models) each value is exact in f16 and equals decode8's rounded
+// one, bit for bit (a zero keeps decode8's positive sign); other blocks take decode8.
+template <>
+struct HalfDecode<MXFP4> {
+    static constexpr bool kHas = true;
+    // Four values from four nibbles (one per byte of n) as two half pairs times d.
+    static __device__ __forceinline__ void four(uint32_t n, __half2 d, uint32_t& lo,
+                                                uint32_t& hi) {
+        const uint32_t idx = n & 0x07070707u;
+        const uint32_t s = idx | (idx >> 4);
+        const uint32_t sel = (s & 0xFFu) | ((s >> 8) & 0xFF00u);
+        const uint32_t mags = __byte_perm(0x03020100u, 0x0C080604u, sel);
+        // The sign where the magnitude is not zero.
+        const uint32_t nonzero = ((idx + 0x7F7F7F7Fu) & 0x80808080u) >> 4;
+        const uint32_t sg = n & nonzero;
+        __half2 a, b;
+        bytes_to_halves(mags, a, b);
+        const __half2 base = __float2half2_rn(1024.0f);
+        lo = half2_bits(__hmul2(__hsub2(a, base), d)) ^ (((sg & 0x08u) << 12) | ((sg & 0x0800u) << 20));
+        hi = half2_bits(__hmul2(__hsub2(b, base), d)) ^
+             (((sg & 0x080000u) >> 4) | ((sg & 0x08000000u) << 4));
+    }
+    static __device__ __forceinline__ bool in_range(const uint8_t* b) {
+        return b[0] >= 114 && b[0] <= 140;
+    }
+    static __device__ __forceinline__ __half2 scale(const uint8_t* b) {
+        return __half2half2(__ushort_as_half((unsigned short)(((uint32_t)b[0] - 113u) << 10)));
+    }
+    static __device__ __forceinline__ uint4 eight(uint2 raw, int shift, __half2 d) {
+        uint4 out;
+        four((raw.x >> shift) & 0x0F0F0F0Fu, d, out.x, out.y);
+        four((raw.y >> shift) & 0x0F0F0F0Fu, d, out.z, out.w);
+        return out;
+    }
+    static __device__ __forceinline__ uint4 decode8h(const uint8_t* b, int j) {
+        if (!in_range(b)) {
+            float v[kGroup];
+            MXFP4::decode8(b, j, v);
+            return pack8(v);
+        }
+        return eight(load8(b + 1 + (j & 15)), (j & 16) ? 4 : 0, scale(b));
+    }
+    static __device__ __forceinline__ void decode16h(const uint8_t* b, int j, uint4 (&out)[2]) {
+        if (!in_range(b)) {
+            out[0] = decode8h(b, j);
+            out[1] = decode8h(b, j + 8);
+            return;
+        }
+        const __half2 d = scale(b);
+        const uint4 raw = load16(b + 1);
+        const int shift = (j & 16) ? 4 : 0;
+        out[0] = eight(make_uint2(raw.x, raw.y), shift, d);
+        out[1] = eight(make_uint2(raw.z, raw.w), shift, d);
+    }
+};
+
 // How a type's blocks are staged in shared memory ahead of their decoding: chunks of
 // kChunk columns (one super-block, or four blocks of 32 values), kBytes a row, copied as
 // 16-byte pieces from the 16-byte boundary at or before the chunk's first byte, into a
