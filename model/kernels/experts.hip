@@ -51,7 +51,8 @@ __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib)
 }
 
 // One 32-lane group per token: the k experts of the largest scores, in rank order, and
-// their weights. gating 0: the scores are the softmax of the logits over every expert
+// their weights. The logits are the router's products plus its `bias` (gpt-oss), when
+// given. gating 0: the scores are the softmax of the logits over every expert
 // (Qwen, Mixtral), the weights the chosen probabilities, divided by their sum (clamped
 // below at 2^-14, as llama.cpp does) when `renorm`. gating 1: the scores are the logits,
 // the weights their softmax over the k chosen (gpt-oss). With `tiles` (tiles of one slot,
@@ -60,7 +61,8 @@ __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib)
 // each of the k ranks visits them all.
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteThreads)
-    route_kernel(const float* __restrict__ logits, int n_tokens, int n_experts, int k,
+    route_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                 int n_tokens, int n_experts, int k,
                  int gating, int renorm, int* __restrict__ ids, float* __restrict__ weights,
                  int* __restrict__ tiles, int* __restrict__ order) {
     rf_chain_wait();
@@ -73,7 +75,7 @@ __global__ void __launch_bounds__(kRouteThreads)
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
         const int e = lane + 32 * i;
-        v[i] = e < n_experts ? row[e] : -INFINITY;
+        v[i] = e < n_experts ? (bias ? row[e] + bias[e] : row[e]) : -INFINITY;
         if (e < n_experts) mx = fmaxf(mx, v[i]);
     }
     mx = max32(mx);
@@ -199,17 +201,27 @@ __global__ void __launch_bounds__(kTileThreads)
     for (int s = tid; s < n_slots; s += kTileThreads) order[atomicAdd(&count[ids[s]], 1)] = s;
 }
 
-// x[t] += Σ_r w[t, r] · y[t·k + r] (rank by rank), plus sigmoid(g[t]) · shared[t] when a
-// shared expert is given.
+// x[t] += Σ_r w[t, r] · (y[t·k + r] + bias[ids[t·k + r]]) (rank by rank; the bias rows
+// of down's experts when given, gpt-oss), plus sigmoid(g[t]) · shared[t] when a shared
+// expert is given.
 __global__ void combine_kernel(const float* __restrict__ y, const float* __restrict__ w,
                                int n_tokens, int k, int d, const float* __restrict__ shared,
-                               const float* __restrict__ shared_gate, float* __restrict__ x) {
+                               const float* __restrict__ shared_gate,
+                               const float* __restrict__ bias, const int* __restrict__ ids,
+                               int n_bias_rows, float* __restrict__ x) {
     rf_chain_wait();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n_tokens * d) return;
     const size_t t = i / d, c = i % d;
     float s = 0.0f;
-    for (int r = 0; r < k; ++r) s += y[(t * k + r) * d + c] * w[t * k + r];
+    for (int r = 0; r < k; ++r) {
+        float v = y[(t * k + r) * d + c];
+        if (bias) {
+            const int e = ids[t * k + r];
+            if (e >= 0 && e < n_bias_rows) v += bias[(size_t)e * d + c];
+        }
+        s += v * w[t * k + r];
+    }
     if (shared) s += shared[i] * (1.0f / (1.0f + expf(-shared_gate[t])));
     x[i] += s;
 }
@@ -218,8 +230,9 @@ __global__ void combine_kernel(const float* __restrict__ y, const float* __restr
 
 extern "C" {
 
-int rf_moe_route(const void* logits, int n_tokens, int n_experts, int k, int gating, int renorm,
-                 void* ids, void* weights, void* tiles, void* order, int device, void* stream) {
+int rf_moe_route(const void* logits, const void* bias, int n_tokens, int n_experts, int k,
+                 int gating, int renorm, void* ids, void* weights, void* tiles, void* order,
+                 int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (n_tokens < 1 || n_experts < 1 || n_experts > rf_moe::kMaxExperts || k < 1 ||
@@ -229,7 +242,8 @@ int rf_moe_route(const void* logits, int n_tokens, int n_experts, int k, int gat
     const dim3 grid((n_tokens + per_block - 1) / per_block);
 #define RF_MOE_ROUTE(per_lane)                                                                 \
     rfLaunchChained(rf_moe::route_kernel<per_lane>, grid, dim3(rf_moe::kRouteThreads), 0,    \
-                    (hipStream_t)stream, (const float*)logits, n_tokens, n_experts, k, gating, \
+                    (hipStream_t)stream, (const float*)logits, (const float*)bias, n_tokens,   \
+                    n_experts, k, gating,                                                      \
                     renorm, (int*)ids, (float*)weights, (int*)tiles, (int*)order)
     if (n_experts <= 32) {
         RF_MOE_ROUTE(1);
@@ -259,14 +273,17 @@ int rf_moe_tiles(const void* ids, int n_slots, int n_experts, int tile_tokens, i
 }
 
 int rf_moe_combine(const void* y, const void* w, int n_tokens, int k, int d, const void* shared,
-                   const void* shared_gate, void* x, int device, void* stream) {
+                   const void* shared_gate, const void* bias, const void* ids, int n_bias_rows,
+                   void* x, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     const size_t n = (size_t)n_tokens * d;
     if (n == 0) return (int)hipSuccess;
+    if (bias && (!ids || n_bias_rows < 1)) return (int)hipErrorInvalidValue;
     rfLaunchChained(rf_moe::combine_kernel, dim3((unsigned)((n + 255) / 256)), dim3(256), 0,
                     (hipStream_t)stream, (const float*)y, (const float*)w, n_tokens, k, d,
-                    (const float*)shared, (const float*)shared_gate, (float*)x);
+                    (const float*)shared, (const float*)shared_gate, (const float*)bias,
+                    (const int*)ids, n_bias_rows, (float*)x);
     return (int)hipGetLastError();
 }
 

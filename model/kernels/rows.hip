@@ -9,18 +9,32 @@ namespace rf {
 // act(g)·u element-wise, f32 out and/or Q8 blocks (32 lanes a block). act 0: SiLU; 1:
 // GELU's tanh form; 2: gpt-oss's clamped SwiGLU, g capped at kOaiLimit from above and u
 // clamped to ±kOaiLimit, then g·sigmoid(kOaiAlpha·g)·(u + 1) (the host's ops::swiglu_oai).
-// Without a gate (experts that have none), silu(u) or gelu_tanh(u) alone.
+// Without a gate (experts that have none), silu(u) or gelu_tanh(u) alone. With `ids`
+// (a mixture of experts' slots, rows of `width`), each row's expert's bias rows of
+// gate_bias and up_bias (either may be null) are added to g and u first; an id past
+// n_bias_rows adds nothing (the router never writes one).
 constexpr float kOaiAlpha = 1.702f;
 constexpr float kOaiLimit = 7.0f;
 
 __global__ void gated_kernel(const float* __restrict__ gate, const float* __restrict__ up,
                              size_t n, int act_kind, float* __restrict__ out,
-                             void* __restrict__ out_q8) {
+                             void* __restrict__ out_q8, const float* __restrict__ gate_bias,
+                             const float* __restrict__ up_bias, const int* __restrict__ ids,
+                             int width, int n_bias_rows) {
     rf_chain_wait();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;  // n is a multiple of 32: whole groups leave together
     float g = gate ? gate[i] : up[i];
     float u = gate ? up[i] : 1.0f;
+    if (ids) {
+        const size_t r = i / width, c = i % width;
+        const int e = ids[r];
+        if (e >= 0 && e < n_bias_rows) {
+            const size_t at = (size_t)e * width + c;
+            if (gate && gate_bias) g += gate_bias[at];
+            if (up_bias) (gate ? u : g) += up_bias[at];
+        }
+    }
     float act;
     if (act_kind == 1) {
         const float c = 0.7978845608028654f;  // sqrt(2/pi)
@@ -37,19 +51,12 @@ __global__ void gated_kernel(const float* __restrict__ gate, const float* __rest
     if (out_q8) quantize32(y, q8_layout(out_q8, n), i);
 }
 
-// x[r] += bias[ids ? ids[r] : 0] for each of n_rows rows of `width` values: a
-// projection's bias, or each slot's expert's bias row of a mixture of experts (ids past
-// the bias's n_bias_rows rows add nothing; the router never writes them).
+// x[r] += bias for each of the rows of `width` values (a projection's bias).
 __global__ void add_bias_kernel(float* __restrict__ x, size_t n, int width,
-                                const float* __restrict__ bias, const int* __restrict__ ids,
-                                int n_bias_rows) {
+                                const float* __restrict__ bias) {
     rf_chain_wait();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const size_t r = i / width, c = i % width;
-    const int row = ids ? ids[r] : 0;
-    if (row < 0 || row >= n_bias_rows) return;
-    x[i] += bias[(size_t)row * width + c];
+    if (i < n) x[i] += bias[i % width];
 }
 
 // Copies rows tokens[t] (row_bytes each) of `table` to out[t]; a token past n_rows
@@ -168,24 +175,27 @@ static inline unsigned blocks_for(size_t n, unsigned threads) {
 extern "C" {
 
 int rf_gated(const void* gate, const void* up, size_t n, int act_kind, void* out, void* out_q8,
-             int device, void* stream) {
+             const void* gate_bias, const void* up_bias, const void* ids, int width,
+             int n_bias_rows, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (act_kind < 0 || act_kind > 2 || (act_kind == 2 && !gate)) return (int)hipErrorInvalidValue;
+    if (ids && (width < 1 || n_bias_rows < 1 || n % (size_t)width != 0))
+        return (int)hipErrorInvalidValue;
     rfLaunchChained(gated_kernel, dim3(blocks_for(n, 256)), dim3(256), 0,
                        (hipStream_t)stream, (const float*)gate, (const float*)up, n, act_kind,
-                       (float*)out, out_q8);
+                       (float*)out, out_q8, (const float*)gate_bias, (const float*)up_bias,
+                       (const int*)ids, width, n_bias_rows);
     return (int)hipGetLastError();
 }
 
-int rf_add_bias(void* x, size_t n, int width, const void* bias, const void* ids,
-                int n_bias_rows, int device, void* stream) {
+int rf_add_bias(void* x, size_t n, int width, const void* bias, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    if (width < 1 || n_bias_rows < 1 || n % (size_t)width != 0) return (int)hipErrorInvalidValue;
+    if (width < 1 || n % (size_t)width != 0) return (int)hipErrorInvalidValue;
     if (n == 0) return (int)hipSuccess;
     rfLaunchChained(add_bias_kernel, dim3(blocks_for(n, 256)), dim3(256), 0, (hipStream_t)stream,
-                    (float*)x, n, width, (const float*)bias, (const int*)ids, n_bias_rows);
+                    (float*)x, n, width, (const float*)bias);
     return (int)hipGetLastError();
 }
 

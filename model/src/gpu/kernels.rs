@@ -251,6 +251,7 @@ mod sys {
         ) -> c_int;
         pub(super) fn rf_moe_route(
             logits: *const c_void,
+            bias: *const c_void,
             n_tokens: c_int,
             n_experts: c_int,
             k: c_int,
@@ -282,6 +283,9 @@ mod sys {
             d: c_int,
             shared: *const c_void,
             shared_gate: *const c_void,
+            bias: *const c_void,
+            ids: *const c_void,
+            n_bias_rows: c_int,
             x: *mut c_void,
             device: c_int,
             stream: *mut c_void,
@@ -293,6 +297,11 @@ mod sys {
             act_kind: c_int,
             out: *mut c_void,
             out_q8: *mut c_void,
+            gate_bias: *const c_void,
+            up_bias: *const c_void,
+            ids: *const c_void,
+            width: c_int,
+            n_bias_rows: c_int,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -301,8 +310,6 @@ mod sys {
             n: usize,
             width: c_int,
             bias: *const c_void,
-            ids: *const c_void,
-            n_bias_rows: c_int,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -473,5 +480,5 @@ pub use flash_attention::flash_attention;
 pub use norm_rope::{qk_rope_kv, rms_norm, HeadExtras, HeadShape};
 pub use rows::{
     add_at, add_bias, advance, argmax, gated, gather_rows, scale, select_rows, softcap,
-    GateActivation,
+    GateActivation, GatedBias, SlotBias,
 };

@@ -186,6 +186,16 @@ pub(super) fn block(
         k,
         d,
         shared,
+        e.down
+            .bias
+            .as_ref()
+            .map(|b| -> Result<_, ModelError> {
+                Ok(kernels::SlotBias {
+                    bias: b.view()?,
+                    ids: view(&moe.ids, slots)?,
+                })
+            })
+            .transpose()?,
         view_mut::<f32>(&mut bufs.x, n * d)?,
         stream,
     )?;
@@ -232,15 +242,6 @@ fn norm_and_route(
         &mut bufs.batch_in,
         stream,
     )?;
-    if let Some(bias) = &e.router_bias {
-        kernels::add_bias(
-            view_mut::<f32>(&mut moe.logits, n * count)?,
-            count,
-            bias.view()?,
-            None,
-            stream,
-        )?;
-    }
     let tile_tokens = experts::tile_tokens_for(slots, count);
     let n_tiles = experts::max_tiles(slots, count, tile_tokens);
     let one_slot_tiles = if tile_tokens == 1 {
@@ -253,6 +254,7 @@ fn norm_and_route(
     };
     kernels::moe_route(
         view(&moe.logits, n * count)?,
+        e.router_bias.as_ref().map(|b| b.view()).transpose()?,
         n,
         count,
         k,
@@ -374,19 +376,23 @@ fn routed_ffn(
         )
         .map_err(routed_error(&e.up))?,
     }
-    // Each slot's expert's biases (gpt-oss), the activations, then down, each slot from
-    // its own.
-    for (tensor, out) in [(e.gate.as_ref(), &mut moe.gate), (Some(&e.up), &mut moe.up)] {
-        if let Some(bias) = tensor.and_then(|t| t.bias.as_ref()) {
-            kernels::add_bias(
-                view_mut::<f32>(out, slots * ff)?,
-                ff,
-                bias.view()?,
-                Some(view(&moe.ids, slots)?),
-                stream,
-            )?;
-        }
-    }
+    // The activations (after each slot's expert's biases, gpt-oss), then down, each slot
+    // from its own.
+    let gate_bias = e
+        .gate
+        .as_ref()
+        .and_then(|t| t.bias.as_ref())
+        .map(|b| b.view());
+    let up_bias = e.up.bias.as_ref().map(|b| b.view());
+    let biases = if gate_bias.is_some() || up_bias.is_some() {
+        Some(kernels::GatedBias {
+            gate: gate_bias.transpose()?,
+            up: up_bias.transpose()?,
+            ids: view(&moe.ids, slots)?,
+        })
+    } else {
+        None
+    };
     kernels::gated(
         gate.is_some()
             .then(|| view(&moe.gate, slots * ff))
@@ -394,6 +400,7 @@ fn routed_ffn(
         view(&moe.up, slots * ff)?,
         ff,
         e.activation,
+        biases,
         mm.then(|| view_mut::<f32>(&mut moe.act, slots * ff))
             .transpose()?,
         (!mm)
@@ -442,15 +449,6 @@ fn routed_ffn(
         stream,
     )
     .map_err(routed_error(&e.down))?;
-    if let Some(bias) = &e.down.bias {
-        kernels::add_bias(
-            view_mut::<f32>(&mut moe.out, slots * d)?,
-            d,
-            bias.view()?,
-            Some(view(&moe.ids, slots)?),
-            stream,
-        )?;
-    }
     Ok(false)
 }
 
@@ -497,6 +495,7 @@ fn shared_expert(
         view(&bufs.up, n * sff)?,
         sff,
         super::ffn::gate_activation(config),
+        None,
         (!down_q8)
             .then(|| view_mut::<f32>(&mut bufs.act, n * sff))
             .transpose()?,

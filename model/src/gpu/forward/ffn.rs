@@ -60,6 +60,7 @@ pub(super) fn dense_ffn(
         view(&bufs.up, n * c.n_ff)?,
         c.n_ff,
         gate_activation(c),
+        None,
         (!down_q8)
             .then(|| view_mut::<f32>(&mut bufs.act, n * c.n_ff))
             .transpose()?,

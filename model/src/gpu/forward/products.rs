@@ -204,7 +204,7 @@ pub(super) fn residual(
         stream,
     )?;
     if let Some(bias) = bias {
-        kernels::add_bias(view_mut::<f32>(out, n * d)?, d, bias, None, stream)?;
+        kernels::add_bias(view_mut::<f32>(out, n * d)?, d, bias, stream)?;
     }
     if let Some(norm) = post_norm {
         kernels::rms_norm(

@@ -6,7 +6,7 @@
 use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
 
-use super::{expect, on_device, ptr_or_null, small, KernelError, ShapeError};
+use super::{expect, on_device, ptr_or_null, small, KernelError, ShapeError, SlotBias};
 
 /// Most experts the routing kernel ranks (`crate::config::MAX_EXPERTS`).
 const MAX_EXPERTS: usize = 1024;
@@ -55,6 +55,7 @@ fn experts_in_range(kernel: &'static str, n_experts: usize, used: usize) -> Resu
 #[allow(clippy::too_many_arguments)]
 pub fn moe_route(
     logits: DeviceView<'_, f32>,
+    bias: Option<DeviceView<'_, f32>>,
     n_tokens: usize,
     n_experts: usize,
     used: usize,
@@ -94,6 +95,10 @@ pub fn moe_route(
         None => (std::ptr::null_mut(), std::ptr::null_mut()),
     };
     let device = on_device(stream, &devices)?;
+    if let Some(b) = &bias {
+        expect(K, "the router's bias", b.len(), n_experts)?;
+        devices.push(b.device_ordinal());
+    }
     let (code, renorm) = match gating {
         Gating::Softmax { renormalize } => (0, i32::from(renormalize)),
         Gating::SoftmaxOfChosen => (1, 0),
@@ -102,6 +107,7 @@ pub fn moe_route(
         rf_moe_route,
         "moe_route",
         logits.as_ptr(),
+        ptr_or_null(bias),
         small(K, "tokens", n_tokens)?,
         n_experts as i32,
         used as i32,
@@ -157,8 +163,9 @@ pub fn moe_tiles(
     )
 }
 
-/// `x[t] += Σ_r weights[t, r] · y[t·used + r]` over `n_tokens` rows of `d`, plus
-/// `sigmoid(gate[t]) · s[t]` for a shared expert's output `s` and its gate's logits.
+/// `x[t] += Σ_r weights[t, r] · y[t·used + r]` over `n_tokens` rows of `d` (with `bias`,
+/// each slot's expert's bias row added to its `y` first), plus `sigmoid(gate[t]) · s[t]`
+/// for a shared expert's output `s` and its gate's logits.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_combine(
     y: DeviceView<'_, f32>,
@@ -167,6 +174,7 @@ pub fn moe_combine(
     used: usize,
     d: usize,
     shared: Option<(DeviceView<'_, f32>, DeviceView<'_, f32>)>,
+    bias: Option<SlotBias<'_>>,
     mut x: DeviceViewMut<'_, f32>,
     stream: &Stream,
 ) -> Result<(), KernelError> {
@@ -188,6 +196,10 @@ pub fn moe_combine(
         }
         None => (None, None),
     };
+    let bias_rows = match &bias {
+        Some(b) => b.check(K, n_tokens * used, d, &mut devices)?,
+        None => 0,
+    };
     let device = on_device(stream, &devices)?;
     launch!(
         rf_moe_combine,
@@ -199,6 +211,9 @@ pub fn moe_combine(
         small(K, "the width", d)?,
         ptr_or_null(s),
         ptr_or_null(g),
+        ptr_or_null(bias.map(|b| b.bias)),
+        ptr_or_null(bias.map(|b| b.ids)),
+        bias_rows,
         x.as_mut_ptr(),
         device,
         stream.as_raw(),

@@ -34,14 +34,53 @@ impl GateActivation {
     }
 }
 
+/// Each slot's expert's bias rows, for a mixture of experts' products whose experts
+/// carry biases (gpt-oss): `bias` holds one row of the outputs' width per expert,
+/// `ids` each slot's expert (as the routing kernel writes them).
+#[derive(Clone, Copy)]
+pub struct SlotBias<'a> {
+    pub bias: DeviceView<'a, f32>,
+    pub ids: DeviceView<'a, i32>,
+}
+
+impl SlotBias<'_> {
+    /// Checks it against outputs of `rows` rows of `width`; returns its count of rows.
+    pub(super) fn check(
+        &self,
+        kernel: &'static str,
+        rows: usize,
+        width: usize,
+        devices: &mut Vec<usize>,
+    ) -> Result<i32, KernelError> {
+        let w = width.max(1);
+        expect(kernel, "the bias modulo the width", self.bias.len() % w, 0)?;
+        expect(kernel, "the slots' expert ids", self.ids.len(), rows)?;
+        expect_at_least(kernel, "rows of the bias", self.bias.len() / w, 1)?;
+        devices.extend([self.bias.device_ordinal(), self.ids.device_ordinal()]);
+        Ok(small(kernel, "rows of the bias", self.bias.len() / w)?)
+    }
+}
+
+/// The gate's and up projection's bias rows of each slot's expert (either may be
+/// absent), for [`gated`].
+#[derive(Clone, Copy)]
+pub struct GatedBias<'a> {
+    pub gate: Option<DeviceView<'a, f32>>,
+    pub up: Option<DeviceView<'a, f32>>,
+    pub ids: DeviceView<'a, i32>,
+}
+
 /// `act(gate) · up` element-wise, or `act(up)` without a gate (SiLU or GELU only), into
 /// `out` (f32) and/or `out_q8` (Q8 blocks of `width`-value rows, `width` a multiple of
-/// 32).
+/// 32). With `biases` (a mixture of experts' slots, one row each), each slot's expert's
+/// gate and up bias rows are added first.
+#[allow(clippy::too_many_arguments)]
 pub fn gated(
     gate: Option<DeviceView<'_, f32>>,
     up: DeviceView<'_, f32>,
     width: usize,
     act: GateActivation,
+    biases: Option<GatedBias<'_>>,
     mut out: Option<DeviceViewMut<'_, f32>>,
     mut out_q8: Option<DeviceViewMut<'_, u8>>,
     stream: &Stream,
@@ -77,6 +116,24 @@ pub fn gated(
         )?;
         devices.push(q.device_ordinal());
     }
+    let (mut gate_bias, mut up_bias, mut ids, mut bias_rows) = (None, None, None, 0);
+    if let Some(b) = biases {
+        if gate.is_none() && b.gate.is_some() {
+            expect(K, "the gate projection for its bias", 0, n)?;
+        }
+        expect(K, "the values modulo the width", n % width.max(1), 0)?;
+        let rows = n / width.max(1);
+        for (bias, into) in [(b.gate, &mut gate_bias), (b.up, &mut up_bias)] {
+            if let Some(bias) = bias {
+                let slot = SlotBias { bias, ids: b.ids };
+                let r = slot.check(K, rows, width, &mut devices)?;
+                if ids.is_some() {
+                    expect(K, "the up bias's rows", r as usize, bias_rows as usize)?;
+                }
+                (*into, ids, bias_rows) = (Some(bias), Some(b.ids), r);
+            }
+        }
+    }
     let device = on_device(stream, &devices)?;
     let out_ptr = out
         .as_mut()
@@ -93,57 +150,35 @@ pub fn gated(
         act.code(),
         out_ptr,
         q8_ptr,
+        ptr_or_null(gate_bias),
+        ptr_or_null(up_bias),
+        ptr_or_null(ids),
+        small(K, "the width", width)?,
+        bias_rows,
         device,
         stream.as_raw(),
     )
 }
 
-/// `x[r] += bias[ids[r]]` for each row `r` of `width` values: with `ids`, each row's
-/// own row of `bias` (a mixture of experts' slots, each its expert's bias; `bias` holds
-/// whole rows), else the one row `bias` is (a projection's bias).
+/// `x[r] += bias` for each row `r` of `width` values (a projection's bias).
 pub fn add_bias(
     mut x: DeviceViewMut<'_, f32>,
     width: usize,
     bias: DeviceView<'_, f32>,
-    ids: Option<DeviceView<'_, i32>>,
     stream: &Stream,
 ) -> Result<(), KernelError> {
     const K: &str = "add_bias";
-    let n = x.len();
-    expect(K, "the values modulo the width", n % width.max(1), 0)?;
-    let rows = n / width.max(1);
-    let mut devices = vec![x.device_ordinal(), bias.device_ordinal()];
-    let bias_rows = match &ids {
-        Some(ids) => {
-            expect(K, "the bias modulo the width", bias.len() % width.max(1), 0)?;
-            expect(K, "the rows' bias ids", ids.len(), rows)?;
-            devices.push(ids.device_ordinal());
-            bias.len() / width.max(1)
-        }
-        None => {
-            expect(K, "the bias", bias.len(), width)?;
-            1
-        }
-    };
-    if width == 0 || bias_rows == 0 {
-        return Err(ShapeError {
-            kernel: K,
-            what: "the bias's rows",
-            expected: 1,
-            actual: 0,
-        }
-        .into());
-    }
-    let device = on_device(stream, &devices)?;
+    expect(K, "the values modulo the width", x.len() % width.max(1), 0)?;
+    expect(K, "the bias", bias.len(), width)?;
+    expect_at_least(K, "the width", width, 1)?;
+    let device = on_device(stream, &[x.device_ordinal(), bias.device_ordinal()])?;
     launch!(
         rf_add_bias,
         "add_bias",
         x.as_mut_ptr(),
-        n,
+        x.len(),
         small(K, "the width", width)?,
         bias.as_ptr(),
-        ptr_or_null(ids),
-        small(K, "the bias's rows", bias_rows)?,
         device,
         stream.as_raw(),
     )
