@@ -65,6 +65,22 @@ fn smollm2_gives_llama_cpp_s_perplexity() {
     assert_stderr_has(&output, "3087 tokens, 4 windows of 128, 63 scored each");
 }
 
+/// Batches under 64 tokens take another attention kernel, in llama.cpp as here: other
+/// figures, llama.cpp's for the same `-b`.
+#[test]
+fn smollm2_small_batches_give_llama_cpp_s_figures_for_that_batch() {
+    let model = model_path(SMOLLM2);
+    let text = text_path();
+    let output = perplexity(
+        &model,
+        &["-f", &text, "-c", "128", "-b", "32", "--chunks", "4"],
+    );
+    assert_eq!(
+        stdout(&output),
+        include_str!("../../testdata/perplexity/SmolLM2-135M-Instruct.Q4_1.c128.b32.chunks4.txt")
+    );
+}
+
 /// The whole text, 24 windows: about a minute on two cores.
 #[test]
 #[ignore]

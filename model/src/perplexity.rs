@@ -252,7 +252,9 @@ impl NllSums {
 pub struct Options {
     /// Tokens a window.
     pub n_ctx: usize,
-    /// Most tokens a forward call takes (a call never spans two windows).
+    /// Most tokens a forward call takes (a call never spans two windows). On the CPU a
+    /// call of fewer than 64 tokens computes attention with another kernel, as
+    /// llama.cpp's does for the same batch, which moves the figures slightly.
     pub batch: usize,
     /// Most windows; all the text holds when `None`.
     pub chunks: Option<usize>,
