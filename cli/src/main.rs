@@ -12,6 +12,7 @@ mod interrupt;
 mod load;
 mod models;
 mod options;
+mod perplexity;
 mod progress;
 mod serve;
 mod tokenize;
@@ -59,6 +60,9 @@ enum Command {
     Load(load::LoadArgs),
     /// Serve a model over an OpenAI-compatible HTTP API, batching concurrent requests.
     Serve(serve::ServeArgs),
+    /// A model's perplexity over a text, or its KL divergence from a base model's saved
+    /// log-probabilities, as llama.cpp's llama-perplexity computes them.
+    Perplexity(perplexity::PerplexityArgs),
 }
 
 /// When the process started (as near as `main` can tell): the origin of the times that
@@ -88,6 +92,7 @@ fn main() -> ExitCode {
         Command::Tokenize(args) => tokenize::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Load(args) => load::run(&args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => serve::run(&args).map(|()| ExitCode::SUCCESS),
+        Command::Perplexity(args) => perplexity::run(&args),
     };
     match result {
         Ok(code) => code,

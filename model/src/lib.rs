@@ -10,6 +10,9 @@
 //!
 //! - [`serve::Scheduler`] serves many requests at once: one thread, one model, every
 //!   running sequence advanced by one batched step at a time over a shared KV pool.
+//! - [`perplexity`] scores a text as llama.cpp's `llama-perplexity` does: the perplexity
+//!   over windows of the text, and the KL divergence from a base model's saved
+//!   log-probabilities.
 //! - [`constraint::Grammars`] holds output to a JSON schema, a Lark grammar or a regular
 //!   expression (`llguidance`), masking each step's logits of a constrained sequence.
 //!
@@ -27,6 +30,7 @@ mod kv_cache;
 pub mod logprobs;
 mod model;
 mod ops;
+pub mod perplexity;
 mod plan;
 pub mod sampling;
 pub mod serve;
