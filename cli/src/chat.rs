@@ -14,33 +14,27 @@
 //! only the answers, each ended by a newline, so piped use reads like `generate`'s.
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::num::NonZeroUsize;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use model::chat::{ChatMessage, ChatTemplate};
 use model::generate::{generate_with, GenerateOptions, Generation, Next, Session, StopReason};
-use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
+use model::gpu::GpuModel;
 use model::tokenizer::{TokenId, Tokenizer};
 use model::{AttentionMethod, KvCache, Model, ModelError};
-use tensor_store::{LoadMode, TensorStore};
 
-use crate::device_choice::{Chosen, DeviceArg, GpuStart};
-use crate::generate::{context_size, parse_batch_size, prompt_tokens, random_seed};
+use crate::device_choice::{Chosen, GpuStart};
+use crate::generate::{chat_template, context_size, prompt_tokens, random_seed};
 use crate::interrupt::{ChatInterrupt, PROMPT};
-use crate::load::LoadModeArg;
-use crate::{models, options};
+use crate::options;
 
 #[derive(clap::Args)]
 pub struct ChatArgs {
-    /// The GGUF model. Default: SmolLM2-135M-Instruct from the models cache, fetched
-    /// there on first use.
-    #[arg(long, short = 'm', visible_alias = "model", value_name = "FILE")]
-    gguf: Option<PathBuf>,
+    #[command(flatten)]
+    model: options::ModelArgs,
     /// A system message opening the conversation (`/system TEXT` changes it).
     #[arg(long, value_name = "TEXT")]
     system: Option<String>,
@@ -50,36 +44,15 @@ pub struct ChatArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: options::SamplingArgs,
-    /// Worker threads for the computation (default and most: one per core).
-    #[arg(long, short = 't')]
-    threads: Option<NonZeroUsize>,
     /// Most positions of the whole conversation; 0 means the model's training context.
     #[arg(long, short = 'c', default_value_t = crate::generate::DEFAULT_CTX_SIZE)]
     ctx_size: usize,
-    /// Where to compute: the GPU when one is usable (auto), the GPU or an error (gpu),
-    /// or the CPU.
-    #[arg(long, value_enum, default_value = "auto")]
-    device: DeviceArg,
-    /// On a GPU, when the weights go to the device (as for `generate`).
-    #[arg(long, value_enum, default_value = "background")]
-    load_mode: LoadModeArg,
-    /// On a GPU, the device memory the weights may take, in MiB.
-    #[arg(long, value_name = "MIB")]
-    gpu_budget_mib: Option<u64>,
-    /// On a GPU, most prompt tokens one forward pass takes.
-    #[arg(long, short = 'b', default_value_t = PROMPT_BATCH, value_parser = parse_batch_size)]
-    batch_size: usize,
+    #[command(flatten)]
+    gpu: options::DeviceArgs,
     /// On the CPU, flash attention (on; auto is on) or two matrix products around a
     /// softmax (off), each as llama.cpp computes it.
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
     flash_attn: options::FlashAttn,
-    /// Read the file instead of mapping it.
-    #[arg(long)]
-    no_mmap: bool,
-    /// Never download: without --gguf, the default model must be in the cache already
-    /// (also ROCMFORGE_OFFLINE=1).
-    #[arg(long)]
-    offline: bool,
     /// Show a long turn's progress (and the default model's download) on stderr even
     /// when it is not a terminal.
     #[arg(long)]
@@ -104,51 +77,27 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
     // Bad values are refused before the model loads.
     args.sampling.params(seed).validate()?;
     let tuning = args.tuning.apply();
-    options::worker_threads(args.threads)?;
+    options::worker_threads(args.model.threads)?;
     let interrupt = ChatInterrupt::install(interactive)?;
-    let gpu_start = GpuStart::begin(args.device, 0);
+    let gpu_start = GpuStart::begin(args.gpu.device, 0);
 
-    let path = models::model_path(
-        args.gguf.as_deref(),
-        Some(models::Fetch {
-            offline: args.offline,
-            progress: args.progress,
-        }),
-    )?;
-    let mode = if args.no_mmap {
-        LoadMode::Read
-    } else {
-        LoadMode::Mmap
-    };
-    let store = TensorStore::open_with(&path, mode)?;
+    let (path, store) = args.model.open(args.progress)?;
     let tokenizer = Tokenizer::from_metadata(store.metadata())
         .with_context(|| format!("{}: tokenizer", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
-    let template = ChatTemplate::from_metadata(store.metadata())
-        .with_context(|| format!("{}: chat template", path.display()))?;
-    if let Some(name) = template.built_in_name() {
-        eprintln!(
-            "note: {} has no chat template: using the built-in {name} template",
-            path.display()
-        );
-    }
+    let template = chat_template(&store, &path)?;
     let context_size = context_size(args.ctx_size, model.config().n_ctx_train);
     let chosen = gpu_start
         .finish()?
-        .for_model(&model, args.device, args.gpu_budget_mib);
+        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib);
     let attention = args.flash_attn.method();
     let (backend, device) = match chosen {
         Chosen::Gpu { device, .. } => {
             tracing::info!(gpu = device.name(), "device: gpu");
-            let gpu_options = GpuOptions {
-                device: device.ordinal(),
-                mode: args.load_mode.into(),
-                budget: args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
-                context_size,
-                stop: Some(Arc::clone(&interrupt.stop)),
-                tuning: tuning.gpu,
-            };
-            let gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.batch_size)
+            let gpu_options =
+                args.gpu
+                    .gpu_options(&device, context_size, &interrupt.stop, tuning.gpu);
+            let gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.gpu.batch_size)
                 .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
             (
                 Backend::Gpu(Box::new(gpu)),

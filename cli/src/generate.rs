@@ -1,7 +1,6 @@
 //! `rocmforge generate`: a prompt in, text streamed out.
 
 use std::io::Write;
-use std::num::NonZeroUsize;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -13,30 +12,27 @@ use anyhow::{Context, Result};
 use hip_backend::Device;
 use model::chat::ChatTemplate;
 use model::generate::{generate, generate_with, GenerateOptions, Generation, StopReason};
-use model::gpu::{GpuModel, GpuOptions, GpuTuning, PROMPT_BATCH};
+use model::gpu::{GpuModel, GpuOptions, GpuTuning};
 use model::sampling::Xoshiro256;
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
 use rocmforge::tuning::Tuning;
 use serde_json::json;
 use tensor_store::device::{read_ahead, ReadAhead};
-use tensor_store::{LoadMode, TensorStore};
+use tensor_store::TensorStore;
 
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::{install_ctrl_c, EXIT_INTERRUPTED};
 use crate::load::LoadModeArg;
-use crate::{models, options};
+use crate::options;
 
 /// llama.cpp's default context size.
 pub const DEFAULT_CTX_SIZE: usize = 4096;
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
-    /// The GGUF model (any shard of a split model). Default: SmolLM2-135M-Instruct from
-    /// the models cache ($ROCMFORGE_MODELS, else ~/.cache/rocmforge/models), fetched
-    /// there on first use.
-    #[arg(long, short = 'm', visible_alias = "model", value_name = "FILE")]
-    gguf: Option<PathBuf>,
+    #[command(flatten)]
+    model: options::ModelArgs,
     /// The text to continue.
     #[arg(
         long,
@@ -54,38 +50,17 @@ pub struct GenerateArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: options::SamplingArgs,
-    /// Worker threads for the computation (default and most: one per core).
-    #[arg(long, short = 't')]
-    threads: Option<NonZeroUsize>,
     /// Wrap the prompt in the model's chat template, as one user message.
     #[arg(long)]
     chat: bool,
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     json: bool,
-    /// Read the file instead of mapping it.
-    #[arg(long)]
-    no_mmap: bool,
     /// Most positions (prompt and generated tokens); 0 means the model's training context.
     #[arg(long, short = 'c', default_value_t = DEFAULT_CTX_SIZE)]
     ctx_size: usize,
-    /// Where to compute: the GPU when one is usable (auto), the GPU or an error (gpu),
-    /// or the CPU.
-    #[arg(long, value_enum, default_value = "auto")]
-    device: DeviceArg,
-    /// On a GPU, when the weights go to the device: all before the prompt (eager), in
-    /// the background while the first layers already compute (background), or each
-    /// tensor when first used (lazy).
-    #[arg(long, value_enum, default_value = "background")]
-    load_mode: LoadModeArg,
-    /// On a GPU, the device memory the weights may take, in MiB; below the model's
-    /// size, layers are uploaded again as they are needed. Default: the whole model.
-    #[arg(long, value_name = "MIB")]
-    gpu_budget_mib: Option<u64>,
-    /// On a GPU, most prompt tokens one forward pass takes: longer prompts run in chunks
-    /// of this many (the device memory for activations grows with it).
-    #[arg(long, short = 'b', default_value_t = PROMPT_BATCH, value_parser = parse_batch_size)]
-    batch_size: usize,
+    #[command(flatten)]
+    gpu: options::DeviceArgs,
     /// Show the prompt's progress on stderr even when it is not a terminal, however short.
     #[arg(long)]
     pub progress: bool,
@@ -93,10 +68,6 @@ pub struct GenerateArgs {
     /// matrix products around a softmax (off), each as llama.cpp computes it.
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
     pub flash_attn: options::FlashAttn,
-    /// Never download: without --gguf, the default model must be in the cache already
-    /// (also ROCMFORGE_OFFLINE=1).
-    #[arg(long)]
-    pub offline: bool,
     #[command(flatten)]
     pub tuning: options::TuningArgs,
 }
@@ -119,7 +90,8 @@ fn read_ahead(args: &GenerateArgs, model: &Model) -> Option<ReadAhead> {
         }),
         Err(_) => read_ahead::STREAMS,
     };
-    if streams == 0 || args.device == DeviceArg::Cpu || args.load_mode == LoadModeArg::Lazy {
+    if streams == 0 || args.gpu.device == DeviceArg::Cpu || args.gpu.load_mode == LoadModeArg::Lazy
+    {
         return None;
     }
     match ReadAhead::when_cold(&model::gpu::first_use_order(model), streams) {
@@ -158,7 +130,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let seed = args.sampling.seed.unwrap_or_else(random_seed);
     let sampling = args.sampling.params(seed).validate()?;
     let tuning = args.tuning.apply();
-    let threads = options::worker_threads(args.threads)?;
+    let threads = options::worker_threads(args.model.threads)?;
     let user_text = options::prompt_text(args.prompt.as_deref(), args.file.as_deref())?;
     let stop = install_ctrl_c()?;
     // The GPU runtime starts while the file is read and parsed, and the host memory of
@@ -166,7 +138,8 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let gpu_start = start_gpu(args, &tuning);
 
     let load_start = Instant::now();
-    let (path, store) = open(args)?;
+    let (path, store) = args.model.open(args.progress)?;
+    tracing::info!(path = %path.display(), "model file");
     let parsed_at = Instant::now();
     let tokenizer = Tokenizer::from_metadata(store.metadata())
         .with_context(|| format!("{}: tokenizer", path.display()))?;
@@ -184,7 +157,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     // `auto` computes on the CPU what the GPU does not run; `gpu` fails below, saying so.
     let chosen = gpu_start
         .finish()?
-        .for_model(&model, args.device, args.gpu_budget_mib);
+        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib);
 
     let text = if args.chat {
         chat_prompt(&store, &tokenizer, &path, &user_text)?
@@ -225,7 +198,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
             tracing::info!(gpu = device.name(), "device: gpu");
             let gpu_options =
                 gpu_options(args, &device, prompt.len(), context_size, &stop, tuning.gpu);
-            let mut gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.batch_size)
+            let mut gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.gpu.batch_size)
                 .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
             let output =
                 generate_with(&mut gpu, &tokenizer, &prompt, &options, &stop, &mut on_text)?;
@@ -284,8 +257,8 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
 /// Starts the GPU runtime (unless the CPU was asked for) and makes the host memory of
 /// the upload's staging ring resident meanwhile.
 fn start_gpu(args: &GenerateArgs, tuning: &Tuning) -> GpuStart {
-    let gpu_start = GpuStart::begin(args.device, 0);
-    if args.device != DeviceArg::Cpu {
+    let gpu_start = GpuStart::begin(args.gpu.device, 0);
+    if args.gpu.device != DeviceArg::Cpu {
         tensor_store::device::CacheConfig {
             staging_ring: tuning.gpu.staging_ring,
             ..Default::default()
@@ -293,25 +266,6 @@ fn start_gpu(args: &GenerateArgs, tuning: &Tuning) -> GpuStart {
         .prepare_gpu_staging();
     }
     gpu_start
-}
-
-/// The model's file, fetched if need be, opened and its header parsed.
-fn open(args: &GenerateArgs) -> Result<(PathBuf, TensorStore)> {
-    let path = models::model_path(
-        args.gguf.as_deref(),
-        Some(models::Fetch {
-            offline: args.offline,
-            progress: args.progress,
-        }),
-    )?;
-    tracing::info!(path = %path.display(), "model file");
-    let mode = if args.no_mmap {
-        LoadMode::Read
-    } else {
-        LoadMode::Mmap
-    };
-    let store = TensorStore::open_with(&path, mode)?;
-    Ok((path, store))
 }
 
 /// The GPU model's options: the upload, the budget, the context the run needs.
@@ -323,19 +277,12 @@ fn gpu_options(
     stop: &Arc<AtomicBool>,
     tuning: GpuTuning,
 ) -> GpuOptions {
-    GpuOptions {
-        device: device.ordinal(),
-        mode: args.load_mode.into(),
-        budget: args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
-        // The prompt and every generated token but the last, as on the CPU.
-        context_size: prompt_len
-            .saturating_add(args.max_tokens.saturating_sub(1))
-            .clamp(1, context_size.max(1)),
-        // Ctrl-C during the upload, or during a prompt's pass, stops it between
-        // two layers (an error `main` turns into status 130).
-        stop: Some(Arc::clone(stop)),
-        tuning,
-    }
+    // The prompt and every generated token but the last, as on the CPU.
+    let context_size = prompt_len
+        .saturating_add(args.max_tokens.saturating_sub(1))
+        .clamp(1, context_size.max(1));
+    // Ctrl-C during the upload, or during a prompt's pass, stops it.
+    args.gpu.gpu_options(device, context_size, stop, tuning)
 }
 
 /// Drops the GPU model, its device memory, page-locked buffers and registrations, and
@@ -351,14 +298,21 @@ fn give_back(gpu_model: Option<GpuModel>) {
     }
 }
 
-/// The user's text in the model's chat template, as one user message; saying on stderr
-/// when the file has no template and a built-in one stands in.
+/// The user's text in the model's chat template ([`chat_template`]), as one user
+/// message.
 fn chat_prompt(
     store: &TensorStore,
     tokenizer: &Tokenizer,
     path: &Path,
     user_text: &str,
 ) -> Result<String> {
+    let template = chat_template(store, path)?;
+    Ok(template.user_prompt(user_text, tokenizer.adds_bos())?)
+}
+
+/// The model's chat template, saying on stderr when the file has none and a built-in
+/// one stands in.
+pub fn chat_template(store: &TensorStore, path: &Path) -> Result<ChatTemplate> {
     let template = ChatTemplate::from_metadata(store.metadata())
         .with_context(|| format!("{}: chat template", path.display()))?;
     if let Some(name) = template.built_in_name() {
@@ -367,7 +321,7 @@ fn chat_prompt(
             path.display()
         );
     }
-    Ok(template.user_prompt(user_text, tokenizer.adds_bos())?)
+    Ok(template)
 }
 
 /// `--ctx-size`: 0 is the training context; more than it is cut to it, with a warning

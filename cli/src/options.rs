@@ -1,14 +1,25 @@
 //! Argument handling shared by the subcommands: where a prompt comes from, llama.cpp's
-//! `-n -1`, the sampling flags, the worker-thread count, and the tuning flags.
+//! `-n -1`, the sampling flags, the device flags, the worker-thread count, and the
+//! tuning flags.
 
 use std::io::Read;
 use std::num::NonZeroUsize;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
+use hip_backend::Device;
+use model::gpu::{GpuOptions, GpuTuning, PROMPT_BATCH};
 use model::sampling::{defaults, SamplingParams};
 use rocmforge::tuning::Tuning;
 use tensor_store::device::StagingRing;
+use tensor_store::{LoadMode, TensorStore};
+
+use crate::device_choice::DeviceArg;
+use crate::generate::parse_batch_size;
+use crate::load::LoadModeArg;
+use crate::models;
 
 /// The sampling flags `generate` and `chat` share, with llama.cpp's defaults.
 #[derive(clap::Args, Clone, Debug)]
@@ -48,6 +59,92 @@ impl SamplingArgs {
             repeat_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
             seed,
+        }
+    }
+}
+
+/// The model `generate` and `chat` run, how its file is read, and the CPU's threads.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// The GGUF model (any shard of a split model). Default: SmolLM2-135M-Instruct from
+    /// the models cache ($ROCMFORGE_MODELS, else ~/.cache/rocmforge/models), fetched
+    /// there on first use.
+    #[arg(long, short = 'm', visible_alias = "model", value_name = "FILE")]
+    pub gguf: Option<PathBuf>,
+    /// Worker threads for the computation (default and most: one per core).
+    #[arg(long, short = 't')]
+    pub threads: Option<NonZeroUsize>,
+    /// Read the file instead of mapping it.
+    #[arg(long)]
+    pub no_mmap: bool,
+    /// Never download: without --gguf, the default model must be in the cache already
+    /// (also ROCMFORGE_OFFLINE=1).
+    #[arg(long)]
+    pub offline: bool,
+}
+
+impl ModelArgs {
+    /// The model's file, fetched if need be (the download's progress shown on stderr
+    /// even when it is not a terminal where `progress` says), opened and its header
+    /// parsed.
+    pub fn open(&self, progress: bool) -> Result<(PathBuf, TensorStore)> {
+        let path = models::model_path(
+            self.gguf.as_deref(),
+            Some(models::Fetch {
+                offline: self.offline,
+                progress,
+            }),
+        )?;
+        let mode = if self.no_mmap {
+            LoadMode::Read
+        } else {
+            LoadMode::Mmap
+        };
+        let store = TensorStore::open_with(&path, mode)?;
+        Ok((path, store))
+    }
+}
+
+/// Where `generate` and `chat` compute, and how a GPU takes the model.
+#[derive(clap::Args, Clone)]
+pub struct DeviceArgs {
+    /// Where to compute: the GPU when one is usable (auto), the GPU or an error (gpu),
+    /// or the CPU.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub device: DeviceArg,
+    /// On a GPU, when the weights go to the device: all before the prompt (eager), in
+    /// the background while the first layers already compute (background), or each
+    /// tensor when first used (lazy).
+    #[arg(long, value_enum, default_value = "background")]
+    pub load_mode: LoadModeArg,
+    /// On a GPU, the device memory the weights may take, in MiB; below the model's
+    /// size, layers are uploaded again as they are needed. Default: the whole model.
+    #[arg(long, value_name = "MIB")]
+    pub gpu_budget_mib: Option<u64>,
+    /// On a GPU, most prompt tokens one forward pass takes: longer prompts run in chunks
+    /// of this many (the device memory for activations grows with it).
+    #[arg(long, short = 'b', default_value_t = PROMPT_BATCH, value_parser = parse_batch_size)]
+    pub batch_size: usize,
+}
+
+impl DeviceArgs {
+    /// The options of a model on `device`, its KV cache `context_size` positions long,
+    /// stopped between two layers once `stop` is set (an error `main` turns into status
+    /// 130).
+    pub fn gpu_options(
+        &self,
+        device: &Device,
+        context_size: usize,
+        stop: &Arc<AtomicBool>,
+        tuning: GpuTuning,
+    ) -> GpuOptions {
+        GpuOptions {
+            device: device.ordinal(),
+            mode: self.load_mode.into(),
+            budget: self.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
+            context_size,
+            stop: Some(Arc::clone(stop)),
+            tuning,
         }
     }
 }

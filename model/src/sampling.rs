@@ -183,6 +183,13 @@ pub struct Xoshiro256 {
 impl Xoshiro256 {
     /// Expands `seed` into the state with SplitMix64 (so seed 0 is fine).
     pub fn seed_from_u64(seed: u64) -> Xoshiro256 {
+        Xoshiro256 {
+            s: Xoshiro256::state_from_u64(seed),
+        }
+    }
+
+    /// The state SplitMix64 expands `seed` into, as every xoshiro256 generator seeds.
+    pub fn state_from_u64(seed: u64) -> [u64; 4] {
         let mut x = seed;
         let mut next = || {
             x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -191,14 +198,12 @@ impl Xoshiro256 {
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^ (z >> 31)
         };
-        Xoshiro256 {
-            s: [next(), next(), next(), next()],
-        }
+        [next(), next(), next(), next()]
     }
 
-    pub fn next_u64(&mut self) -> u64 {
-        let s = &mut self.s;
-        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+    /// Advances a xoshiro256 state one step: the same for xoshiro256** and
+    /// xoshiro256++, which differ only in the output they take from the state first.
+    pub fn advance(s: &mut [u64; 4]) {
         let t = s[1] << 17;
         s[2] ^= s[0];
         s[3] ^= s[1];
@@ -206,6 +211,11 @@ impl Xoshiro256 {
         s[0] ^= s[3];
         s[2] ^= t;
         s[3] = s[3].rotate_left(45);
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        Xoshiro256::advance(&mut self.s);
         result
     }
 
@@ -213,6 +223,30 @@ impl Xoshiro256 {
     pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
+}
+
+impl SamplingMode {
+    /// The generator of the draws, seeded with the mode's seed (0 for greedy, which
+    /// draws nothing).
+    fn rng(&self) -> Xoshiro256 {
+        let seed = match *self {
+            SamplingMode::Random { seed, .. } => seed,
+            SamplingMode::Greedy => 0,
+        };
+        Xoshiro256::seed_from_u64(seed)
+    }
+}
+
+/// Adds `token` to the `recent` tokens the repetition penalty of `config` looks at,
+/// dropping the oldest past its window (nothing without a penalty).
+fn remember(recent: &mut VecDeque<u32>, config: &SamplingConfig, token: u32) {
+    let Some(penalty) = config.penalty else {
+        return;
+    };
+    if recent.len() == penalty.last_n {
+        recent.pop_front();
+    }
+    recent.push_back(token);
 }
 
 /// One candidate token during filtering.
@@ -239,13 +273,9 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(config: SamplingConfig) -> Sampler {
-        let seed = match config.mode {
-            SamplingMode::Random { seed, .. } => seed,
-            SamplingMode::Greedy => 0,
-        };
         Sampler {
+            rng: config.mode.rng(),
             config,
-            rng: Xoshiro256::seed_from_u64(seed),
             recent: VecDeque::new(),
             scratch: Vec::new(),
             candidates: Vec::new(),
@@ -260,13 +290,7 @@ impl Sampler {
 
     /// Records a token (of the prompt or generated) for the repetition penalty.
     pub fn accept(&mut self, token: u32) {
-        let Some(penalty) = self.config.penalty else {
-            return;
-        };
-        if self.recent.len() == penalty.last_n {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(token);
+        remember(&mut self.recent, &self.config, token);
     }
 
     /// True when [`sample`](Sampler::sample) is the first highest logit as it is: greedy,

@@ -389,25 +389,15 @@ mod plain {
 
     impl PlainSampler {
         pub fn new(config: SamplingConfig) -> PlainSampler {
-            let seed = match config.mode {
-                SamplingMode::Random { seed, .. } => seed,
-                SamplingMode::Greedy => 0,
-            };
             PlainSampler {
+                rng: config.mode.rng(),
                 config,
-                rng: Xoshiro256::seed_from_u64(seed),
                 recent: VecDeque::new(),
             }
         }
 
         pub fn accept(&mut self, token: u32) {
-            let Some(penalty) = self.config.penalty else {
-                return;
-            };
-            if self.recent.len() == penalty.last_n {
-                self.recent.pop_front();
-            }
-            self.recent.push_back(token);
+            remember(&mut self.recent, &self.config, token);
         }
 
         pub fn sample(&mut self, logits: &[f32]) -> Result<u32, SamplingError> {

@@ -250,14 +250,11 @@ fn ours(
         .filter(|h| h.name().starts_with("blk.") && (h.shape().len() == 2 || is_experts(h)))
         .map(|h| h.shape().iter().product::<u64>() as f64 * share(h))
         .sum::<f64>() as u64;
+    // Room for the warm-up's four positions too.
     let options = GpuOptions {
-        device: 0,
-        mode: UploadMode::Eager,
         budget,
-        // Room for the warm-up's four positions too.
-        context_size: tokens.max(prompt).max(4) + 1,
-        stop: None,
         tuning: crate::tuning().gpu,
+        ..GpuOptions::new(UploadMode::Eager, tokens.max(prompt).max(4) + 1)
     };
     let mut gpu = GpuModel::new(&model, &options).context("setting the model up on the GPU")?;
     // Warm-up: every weight used once (and the decode step captured).
@@ -430,12 +427,8 @@ fn ours_parallel(path: &Path, o: &Options) -> Result<Vec<Speeds>> {
     let context = npp + ntg;
     let per_seq = context.div_ceil(BLOCK);
     let options = GpuOptions {
-        device: 0,
-        mode: UploadMode::Eager,
-        budget: None,
-        context_size: context,
-        stop: None,
         tuning: crate::tuning().gpu,
+        ..GpuOptions::new(UploadMode::Eager, context)
     };
     let pages = PageOptions {
         block_size: BLOCK,

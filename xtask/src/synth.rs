@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use gguf_format::{GgmlType, GgufWriter};
+use model::sampling::Xoshiro256;
 
 mod presets;
 
@@ -319,27 +320,13 @@ pub struct Rng([u64; 4]);
 impl Rng {
     pub fn new(seed: u64) -> Rng {
         // splitmix64 spreads the seed over the state.
-        let mut x = seed;
-        let mut next = || {
-            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        };
-        Rng([next(), next(), next(), next()])
+        Rng(Xoshiro256::state_from_u64(seed))
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        let s = &mut self.0;
+        let s = &self.0;
         let result = s[0].wrapping_add(s[3]).rotate_left(23).wrapping_add(s[0]);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
+        Xoshiro256::advance(&mut self.0);
         result
     }
 
@@ -426,6 +413,26 @@ pub fn fill_blocks(ty: GgmlType, out: &mut [u8], rng: &mut Rng) {
 mod tests {
     use super::*;
 
+    fn preset(name: &str) -> &'static Preset {
+        PRESETS.iter().find(|p| p.name == name).unwrap()
+    }
+
+    /// A tokenizer of SmolLM2's vocabulary size, all [`declare`] reads of one.
+    fn tokenizer() -> gguf_format::Metadata {
+        let mut tokenizer = gguf_format::Metadata::new();
+        let tokens: Vec<String> = (0..49_152).map(|i| format!("t{i}")).collect();
+        tokenizer
+            .insert("tokenizer.ggml.tokens".into(), tokens.into())
+            .unwrap();
+        tokenizer
+    }
+
+    /// The type and shape `w` declares tensor `name` with.
+    fn type_and_shape(w: &GgufWriter, name: &str) -> (GgmlType, Vec<u64>) {
+        let t = w.tensors().iter().find(|t| t.name == name).unwrap();
+        (t.ggml_type, t.shape.clone())
+    }
+
     #[test]
     fn both_usages_name_every_preset() {
         for p in PRESETS {
@@ -487,8 +494,7 @@ mod tests {
             );
             return;
         };
-        let preset = PRESETS.iter().find(|p| p.name == "135m-q4_1").unwrap();
-        let w = declare(preset, store.metadata()).unwrap();
+        let w = declare(preset("135m-q4_1"), store.metadata()).unwrap();
         let mut ours: Vec<_> = w
             .tensors()
             .iter()
@@ -520,81 +526,29 @@ mod tests {
     #[test]
     fn the_mixed_presets_follow_llama_quantize_per_tensor() {
         use GgmlType::*;
-        // Per preset: embeddings, output, and for each of layers 0, 1, 2, 3, 4, 31 the
-        // types of attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down.
-        type Layer = [GgmlType; 7];
-        let same = |rest: GgmlType, v: GgmlType, o: GgmlType, down: GgmlType| -> Layer {
-            [rest, rest, v, o, rest, rest, down]
-        };
-        let cases: [(&str, GgmlType, GgmlType, [Layer; 6]); 8] = [
-            ("7b-q2_k", Q2_K, Q6_K, [same(Q2_K, Q3_K, Q3_K, Q3_K); 6]),
-            ("7b-q3_k_s", Q3_K, Q6_K, [same(Q3_K, Q3_K, Q3_K, Q3_K); 6]),
-            (
-                "7b-q3_k_m",
-                Q3_K,
-                Q6_K,
-                [
-                    same(Q3_K, Q5_K, Q4_K, Q5_K),
-                    same(Q3_K, Q5_K, Q4_K, Q5_K),
-                    same(Q3_K, Q4_K, Q4_K, Q4_K),
-                    same(Q3_K, Q4_K, Q4_K, Q4_K),
-                    same(Q3_K, Q4_K, Q4_K, Q4_K),
-                    same(Q3_K, Q4_K, Q4_K, Q4_K),
-                ],
-            ),
-            ("7b-q3_k_l", Q3_K, Q6_K, [same(Q3_K, Q5_K, Q5_K, Q5_K); 6]),
-            (
-                "7b-q4_k_s",
-                Q4_K,
-                Q6_K,
-                [
-                    same(Q4_K, Q5_K, Q4_K, Q5_K),
-                    same(Q4_K, Q5_K, Q4_K, Q5_K),
-                    same(Q4_K, Q5_K, Q4_K, Q5_K),
-                    same(Q4_K, Q5_K, Q4_K, Q5_K),
-                    same(Q4_K, Q4_K, Q4_K, Q4_K),
-                    same(Q4_K, Q4_K, Q4_K, Q4_K),
-                ],
-            ),
-            (
-                "7b-iq4_xs",
-                IQ4_XS,
-                Q6_K,
-                [
-                    same(IQ4_XS, IQ4_XS, IQ4_XS, Q5_K),
-                    same(IQ4_XS, IQ4_XS, IQ4_XS, Q5_K),
-                    same(IQ4_XS, IQ4_XS, IQ4_XS, Q5_K),
-                    same(IQ4_XS, IQ4_XS, IQ4_XS, Q5_K),
-                    same(IQ4_XS, IQ4_XS, IQ4_XS, IQ4_XS),
-                    same(IQ4_XS, IQ4_XS, IQ4_XS, IQ4_XS),
-                ],
-            ),
-            (
-                "7b-iq3_m",
-                IQ3_S,
-                Q6_K,
-                [
-                    same(IQ3_S, Q4_K, Q4_K, Q4_K),
-                    same(IQ3_S, Q4_K, Q4_K, Q4_K),
-                    same(IQ3_S, Q4_K, Q4_K, Q4_K),
-                    same(IQ3_S, Q4_K, Q4_K, Q4_K),
-                    same(IQ3_S, Q4_K, Q4_K, IQ3_S),
-                    same(IQ3_S, Q4_K, Q4_K, IQ3_S),
-                ],
-            ),
-            (
-                "7b-iq2_m",
-                IQ3_S,
-                Q5_K,
-                [
-                    same(IQ2_S, IQ3_S, IQ3_S, IQ3_S),
-                    same(IQ2_S, IQ3_S, IQ3_S, IQ3_S),
-                    same(IQ2_S, IQ3_S, IQ3_S, IQ3_S),
-                    same(IQ2_S, IQ3_S, IQ3_S, IQ3_S),
-                    same(IQ2_S, IQ3_S, IQ3_S, IQ2_S),
-                    same(IQ2_S, IQ3_S, IQ3_S, IQ2_S),
-                ],
-            ),
+        // Per preset: embeddings and output.
+        let ends = [
+            ("7b-q2_k", Q2_K, Q6_K),
+            ("7b-q3_k_s", Q3_K, Q6_K),
+            ("7b-q3_k_m", Q3_K, Q6_K),
+            ("7b-q3_k_l", Q3_K, Q6_K),
+            ("7b-q4_k_s", Q4_K, Q6_K),
+            ("7b-iq4_xs", IQ4_XS, Q6_K),
+            ("7b-iq3_m", IQ3_S, Q6_K),
+            ("7b-iq2_m", IQ3_S, Q5_K),
+        ];
+        // Per preset: the type of attn_q, attn_k, ffn_gate and ffn_up, then those of
+        // attn_v, attn_output and ffn_down in the first `k` of layers 0, 1, 2, 3, 4, 31
+        // and in the others.
+        let layers = [
+            (Q2_K, 0, [Q3_K; 3], [Q3_K; 3]),
+            (Q3_K, 0, [Q3_K; 3], [Q3_K; 3]),
+            (Q3_K, 2, [Q5_K, Q4_K, Q5_K], [Q4_K; 3]),
+            (Q3_K, 0, [Q5_K; 3], [Q5_K; 3]),
+            (Q4_K, 4, [Q5_K, Q4_K, Q5_K], [Q4_K; 3]),
+            (IQ4_XS, 4, [IQ4_XS, IQ4_XS, Q5_K], [IQ4_XS; 3]),
+            (IQ3_S, 4, [Q4_K; 3], [Q4_K, Q4_K, IQ3_S]),
+            (IQ2_S, 4, [IQ3_S; 3], [IQ3_S, IQ3_S, IQ2_S]),
         ];
         let roles = [
             "attn_q",
@@ -605,11 +559,13 @@ mod tests {
             "ffn_up",
             "ffn_down",
         ];
-        for (name, embd, output, layers) in cases {
-            let p = PRESETS.iter().find(|p| p.name == name).unwrap();
+        for ((name, embd, output), (rest, k, first, after)) in ends.into_iter().zip(layers) {
+            let p = preset(name);
             assert_eq!(p.embd_tensor_type(), embd, "{name} token_embd");
             assert_eq!(p.output_tensor_type(), Some(output), "{name} output");
-            for (layer, types) in [0, 1, 2, 3, 4, 31].into_iter().zip(layers) {
+            for (i, layer) in [0, 1, 2, 3, 4, 31].into_iter().enumerate() {
+                let [v, o, down] = if i < k { first } else { after };
+                let types = [rest, rest, v, o, rest, rest, down];
                 for (role, ty) in roles.into_iter().zip(types) {
                     assert_eq!(p.layer_type(role, layer), ty, "{name} {role} {layer}");
                 }
@@ -623,7 +579,6 @@ mod tests {
     #[test]
     fn the_mixes_follow_grouped_heads_and_fall_back_on_partial_blocks() {
         use GgmlType::*;
-        let preset = |name: &str| PRESETS.iter().find(|p| p.name == name).unwrap();
         for (name, v) in [("7b-q2_k", Q4_K), ("7b-iq4_xs", Q5_K), ("7b-iq2_m", Q4_K)] {
             let grouped = Preset {
                 n_kv_heads: 8,
@@ -668,13 +623,7 @@ mod tests {
 
     #[test]
     fn the_7b_preset_has_llama_2_shapes_and_about_4_gib() {
-        let mut tokenizer = gguf_format::Metadata::new();
-        let tokens: Vec<String> = (0..49_152).map(|i| format!("t{i}")).collect();
-        tokenizer
-            .insert("tokenizer.ggml.tokens".into(), tokens.into())
-            .unwrap();
-        let preset = PRESETS.iter().find(|p| p.name == "7b-q4k").unwrap();
-        let w = declare(preset, &tokenizer).unwrap();
+        let w = declare(preset("7b-q4k"), &tokenizer()).unwrap();
         assert_eq!(w.tensors().len(), 3 + 9 * 32);
         let params: u64 = w
             .tensors()
@@ -684,29 +633,15 @@ mod tests {
         assert_eq!(params, 6_878_924_800);
         let bytes = w.layout().unwrap().file_len;
         assert!((4_200_000_000..4_400_000_000).contains(&bytes), "{bytes}");
-        let down = w
-            .tensors()
-            .iter()
-            .find(|t| t.name == "blk.3.ffn_down.weight")
-            .unwrap();
         assert_eq!(
-            (down.ggml_type, down.shape.clone()),
+            type_and_shape(&w, "blk.3.ffn_down.weight"),
             (GgmlType::Q6_K, vec![11008, 4096])
         );
     }
 
     #[test]
     fn the_gpt_oss_preset_reads_as_gpt_oss_20b() {
-        let mut tokenizer = gguf_format::Metadata::new();
-        let tokens: Vec<String> = (0..49_152).map(|i| format!("t{i}")).collect();
-        tokenizer
-            .insert("tokenizer.ggml.tokens".into(), tokens.into())
-            .unwrap();
-        let preset = PRESETS
-            .iter()
-            .find(|p| p.name == "gpt-oss-20b-mxfp4")
-            .unwrap();
-        let w = declare(preset, &tokenizer).unwrap();
+        let w = declare(preset("gpt-oss-20b-mxfp4"), &tokenizer()).unwrap();
         let layout = w.layout().unwrap();
         let file = gguf_format::parse_prefix(&layout.header, layout.file_len).unwrap();
         let config = model::ModelConfig::from_metadata(&file.metadata).unwrap();
@@ -731,13 +666,8 @@ mod tests {
         assert_eq!(windows.count(), 12);
         config.check_gpu_support().unwrap();
         // The experts in MXFP4 with their biases; about 11 GiB.
-        let gate = w
-            .tensors()
-            .iter()
-            .find(|t| t.name == "blk.5.ffn_gate_exps.weight")
-            .unwrap();
         assert_eq!(
-            (gate.ggml_type, gate.shape.clone()),
+            type_and_shape(&w, "blk.5.ffn_gate_exps.weight"),
             (GgmlType::MXFP4, vec![2880, 2880, 32])
         );
         assert!(w

@@ -86,6 +86,41 @@ macro_rules! wrapper {
     };
 }
 
+/// Declares the launchers `$sym`, all of the one C signature the module's header gives.
+#[cfg(not(hip_platform = "none"))]
+macro_rules! launchers {
+    ($($sym:ident)*) => {
+        extern "C" {
+            $(
+                pub(super) fn $sym(
+                    src: *const c_void,
+                    n: usize,
+                    dst: *mut c_void,
+                    device: c_int,
+                    stream: *mut c_void,
+                ) -> c_int;
+            )*
+        }
+    };
+}
+
+/// A decoder that takes the type at run time: each type's bytes to its wrapper.
+macro_rules! dispatch {
+    ($(#[$doc:meta])* $name:ident, $out:ty, $($ty:ident => $wrapper:ident),*) => {
+        $(#[$doc])*
+        pub(super) fn $name(
+            ty: GgmlType,
+            src: DeviceView<'_, u8>,
+            dst: DeviceViewMut<'_, $out>,
+            stream: &Stream,
+        ) -> Result<(), GpuDequantError> {
+            match ty {
+                $(GgmlType::$ty => $wrapper(src.cast()?, dst, stream),)*
+            }
+        }
+    };
+}
+
 /// The table of GPU decoders: type, source element, values per element, where the source
 /// may start, the two wrappers and the two launchers. Keep in step with the list at the
 /// end of `kernels/dequant.hip`.
@@ -97,24 +132,7 @@ macro_rules! gpu_decoders {
         #[cfg(not(hip_platform = "none"))]
         mod sys {
             use std::ffi::{c_int, c_void};
-            extern "C" {
-                $(
-                    pub(super) fn $sym_f32(
-                        src: *const c_void,
-                        n: usize,
-                        dst: *mut c_void,
-                        device: c_int,
-                        stream: *mut c_void,
-                    ) -> c_int;
-                    pub(super) fn $sym_f16(
-                        src: *const c_void,
-                        n: usize,
-                        dst: *mut c_void,
-                        device: c_int,
-                        stream: *mut c_void,
-                    ) -> c_int;
-                )*
-            }
+            launchers!($($sym_f32 $sym_f16)*);
         }
 
         $(
@@ -125,29 +143,14 @@ macro_rules! gpu_decoders {
             );
         )*
 
-        /// [`super::decode_f32`] once the input length is known to be whole blocks.
-        pub(super) fn dispatch_f32(
-            ty: GgmlType,
-            src: DeviceView<'_, u8>,
-            dst: DeviceViewMut<'_, f32>,
-            stream: &Stream,
-        ) -> Result<(), GpuDequantError> {
-            match ty {
-                $(GgmlType::$ty => $to_f32(src.cast()?, dst, stream),)*
-            }
-        }
-
-        /// [`super::decode_f16`] once the input length is known to be whole blocks.
-        pub(super) fn dispatch_f16(
-            ty: GgmlType,
-            src: DeviceView<'_, u8>,
-            dst: DeviceViewMut<'_, f16>,
-            stream: &Stream,
-        ) -> Result<(), GpuDequantError> {
-            match ty {
-                $(GgmlType::$ty => $to_f16(src.cast()?, dst, stream),)*
-            }
-        }
+        dispatch!(
+            /// [`super::decode_f32`] once the input length is known to be whole blocks.
+            dispatch_f32, f32, $($ty => $to_f32),*
+        );
+        dispatch!(
+            /// [`super::decode_f16`] once the input length is known to be whole blocks.
+            dispatch_f16, f16, $($ty => $to_f16),*
+        );
     };
 }
 

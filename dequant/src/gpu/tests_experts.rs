@@ -7,15 +7,16 @@
 
 use gguf_format::GgmlType;
 use half::f16;
+use hip_backend::DeviceBuffer;
 
 use super::experts::{
     max_tiles, routed_products, GpuExperts, RoutedInput, SlotInput, MATMUL_TILE_TOKENS,
 };
-use super::matmul;
 use super::matvec::{self, q8_bytes, MAX_TOKENS};
 use super::tests::gpu_or_skip;
 use super::tests_matvec::{
-    gpu_products, random_matrix, reference_rounded, relative_error, rounded_bound, upload, Rng,
+    download, f16_input, gpu_products, random_matrix, reference_rounded, relative_error,
+    rounded_bound, upload, Rng,
 };
 
 /// Tiles of at most `tile_tokens` slots of one expert, and the slots grouped by expert,
@@ -38,6 +39,108 @@ fn tiles_for(ids: &[usize], experts: usize, tile_tokens: usize) -> (Vec<i32>, Ve
     (tiles, order)
 }
 
+/// Gate and up, two tensors of `count` random experts of `ty` (`rows` × `cols`), the
+/// activations of `n` tokens, and each token's two distinct experts, the first as
+/// `first` picks it from the token's index.
+struct Routed {
+    ty: GgmlType,
+    count: usize,
+    rows: usize,
+    cols: usize,
+    tensors: Vec<Vec<u8>>,
+    x: Vec<f32>,
+    ids: Vec<usize>,
+}
+
+/// Experts a token is routed to in [`Routed`].
+const USED: usize = 2;
+
+impl Routed {
+    fn new(
+        ty: GgmlType,
+        (count, rows, cols): (usize, usize, usize),
+        n: usize,
+        rng: &mut Rng,
+        mut first: impl FnMut(usize, &mut Rng) -> usize,
+    ) -> Routed {
+        let tensors: Vec<Vec<u8>> = (0..2)
+            .map(|_| random_matrix(ty, count * rows, cols, rng))
+            .collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+        let ids: Vec<usize> = (0..n)
+            .flat_map(|t| {
+                let first = first(t, rng);
+                [first, (first + 1 + t % (count - 1)) % count]
+            })
+            .collect();
+        Routed {
+            ty,
+            count,
+            rows,
+            cols,
+            tensors,
+            x,
+            ids,
+        }
+    }
+
+    fn slots(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// The tensors on the device.
+    fn upload(
+        &self,
+        device: &hip_backend::Device,
+        stream: &hip_backend::Stream,
+    ) -> Vec<DeviceBuffer<u8>> {
+        self.tensors
+            .iter()
+            .map(|t| upload(device, stream, t))
+            .collect()
+    }
+
+    /// The experts of the tensors uploaded as `dev`.
+    fn experts<'a>(&self, dev: &'a [DeviceBuffer<u8>]) -> Vec<GpuExperts<'a>> {
+        dev.iter()
+            .map(|b| {
+                GpuExperts::new(self.ty, self.count, self.rows, self.cols, b.view())
+                    .expect("experts")
+            })
+            .collect()
+    }
+
+    /// For each tensor, every slot's product with its expert's matrix alone and its
+    /// token's row, as `product` computes it from the two.
+    fn per_slot<T>(&self, mut product: impl FnMut(&[u8], &[f32]) -> Vec<T>) -> Vec<Vec<T>> {
+        let expert_bytes = self.tensors[0].len() / self.count;
+        (0..2)
+            .map(|m| {
+                (0..self.slots())
+                    .flat_map(|s| {
+                        let e = self.ids[s];
+                        let w = &self.tensors[m][e * expert_bytes..(e + 1) * expert_bytes];
+                        product(w, self.token_row(s))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The activations of slot `s`'s token.
+    fn token_row(&self, s: usize) -> &[f32] {
+        let t = s / USED;
+        &self.x[t * self.cols..(t + 1) * self.cols]
+    }
+
+    /// Rows of their own for the slots: row s holds token s / USED's values.
+    fn own_rows(&self) -> Vec<f32> {
+        (0..self.slots())
+            .flat_map(|s| self.token_row(s).to_vec())
+            .collect()
+    }
+}
+
 #[test]
 fn routed_products_are_each_experts_own_product() {
     let Some((device, stream)) = gpu_or_skip("routed_products_are_each_experts_own_product") else {
@@ -45,7 +148,7 @@ fn routed_products_are_each_experts_own_product() {
     };
     let mut rng = Rng(4242);
     let (count, rows, cols) = (6, 48, 256);
-    let (n, used) = (5, 2);
+    let n = 5;
     for ty in [
         GgmlType::Q4_K,
         GgmlType::Q8_0,
@@ -54,48 +157,31 @@ fn routed_products_are_each_experts_own_product() {
         GgmlType::MXFP4,
         GgmlType::IQ2_XS,
     ] {
-        // Two tensors (gate and up) of `count` experts each.
-        let tensors: Vec<Vec<u8>> = (0..2)
-            .map(|_| random_matrix(ty, count * rows, cols, &mut rng))
-            .collect();
-        let expert_bytes = tensors[0].len() / count;
-        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
-        // Each token's distinct experts.
-        let ids: Vec<usize> = (0..n)
-            .flat_map(|t| {
-                let first = (rng.next() % count as u64) as usize;
-                [first, (first + 1 + t % (count - 1)) % count]
-            })
-            .collect();
-        let slots = ids.len();
-        let dev_tensors: Vec<_> = tensors
-            .iter()
-            .map(|t| upload(&device, &stream, t))
-            .collect();
-        let experts: Vec<GpuExperts<'_>> = dev_tensors
-            .iter()
-            .map(|b| GpuExperts::new(ty, count, rows, cols, b.view()).expect("experts"))
-            .collect();
-        let x_dev = upload(&device, &stream, &x);
+        let routed = Routed::new(ty, (count, rows, cols), n, &mut rng, |_, rng| {
+            (rng.next() % count as u64) as usize
+        });
+        let (ids, slots) = (&routed.ids, routed.slots());
+        let dev_tensors = routed.upload(&device, &stream);
+        let experts = routed.experts(&dev_tensors);
+        let x_dev = upload(&device, &stream, &routed.x);
         let mut q8 = device.alloc::<u8>(q8_bytes(n, cols)).expect("q8");
         matvec::quantize_q8(x_dev.view(), n, cols, q8.view_mut(), &stream).expect("quantize");
         // Each slot's expected output: its expert's matrix alone, its token's row.
-        let expected: Vec<Vec<f32>> = (0..2)
-            .map(|m| {
-                (0..slots)
-                    .flat_map(|s| {
-                        let e = ids[s];
-                        let w = tensors[m][e * expert_bytes..(e + 1) * expert_bytes].to_vec();
-                        let t = s / used;
-                        let xt = &x[t * cols..(t + 1) * cols];
-                        gpu_products(&device, &stream, ty, &[(w, rows)], cols, xt, 1, None)
-                            .remove(0)
-                    })
-                    .collect()
-            })
-            .collect();
+        let expected = routed.per_slot(|w, xt| {
+            gpu_products(
+                &device,
+                &stream,
+                ty,
+                &[(w.to_vec(), rows)],
+                cols,
+                xt,
+                1,
+                None,
+            )
+            .remove(0)
+        });
         for tile_tokens in [1, MAX_TOKENS] {
-            let (tiles, order) = tiles_for(&ids, count, tile_tokens);
+            let (tiles, order) = tiles_for(ids, count, tile_tokens);
             let tiles_dev = upload(&device, &stream, &tiles);
             let order_dev = upload(&device, &stream, &order);
             let mut outs: Vec<_> = (0..2)
@@ -106,7 +192,7 @@ fn routed_products_are_each_experts_own_product() {
                 &experts,
                 RoutedInput::Q8(q8.view()),
                 n,
-                SlotInput::Token { per_token: used },
+                SlotInput::Token { per_token: USED },
                 tiles_dev.view(),
                 order_dev.view(),
                 tile_tokens,
@@ -115,19 +201,15 @@ fn routed_products_are_each_experts_own_product() {
             )
             .expect("routed products");
             for (m, out) in outs.iter().enumerate() {
-                let mut host = vec![0f32; slots * rows];
-                stream.read_to_host(out.view(), &mut host).expect("read");
                 assert_eq!(
-                    host, expected[m],
+                    download(&stream, out),
+                    expected[m],
                     "{ty}: tensor {m}, tiles of {tile_tokens}"
                 );
             }
-            // Slots reading rows of their own: row s is token s / used's, so the
+            // Slots reading rows of their own: row s is token s / USED's, so the
             // products are the same.
-            let own: Vec<f32> = (0..slots)
-                .flat_map(|s| x[(s / used) * cols..(s / used + 1) * cols].to_vec())
-                .collect();
-            let own_dev = upload(&device, &stream, &own);
+            let own_dev = upload(&device, &stream, &routed.own_rows());
             let mut own_q8 = device.alloc::<u8>(q8_bytes(slots, cols)).expect("q8");
             matvec::quantize_q8(own_dev.view(), slots, cols, own_q8.view_mut(), &stream)
                 .expect("quantize");
@@ -144,9 +226,11 @@ fn routed_products_are_each_experts_own_product() {
                 &stream,
             )
             .expect("routed products of own rows");
-            let mut host = vec![0f32; slots * rows];
-            stream.read_to_host(out.view(), &mut host).expect("read");
-            assert_eq!(host, expected[0], "{ty}: own rows, tiles of {tile_tokens}");
+            assert_eq!(
+                download(&stream, &out),
+                expected[0],
+                "{ty}: own rows, tiles of {tile_tokens}"
+            );
         }
     }
 }
@@ -200,32 +284,6 @@ fn mismatched_routed_products_are_refused() {
     .is_err());
 }
 
-/// The f16 input of the matrix units' products for `n` rows of `x`.
-fn f16_input(
-    device: &hip_backend::Device,
-    stream: &hip_backend::Stream,
-    x: &[f32],
-    n: usize,
-    cols: usize,
-) -> (
-    hip_backend::DeviceBuffer<f16>,
-    hip_backend::DeviceBuffer<f32>,
-) {
-    let x_dev = upload(device, stream, x);
-    let mut scales = upload(device, stream, &vec![f32::NAN; n]);
-    let mut x16 = upload(device, stream, &vec![f16::NAN; n * cols]);
-    matmul::row_scales(
-        x_dev.view(),
-        n,
-        cols,
-        scales.view_mut(),
-        x16.view_mut(),
-        stream,
-    )
-    .expect("scales");
-    (x16, scales)
-}
-
 /// Slots of one expert past a whole tile (two tiles for it), row tiles left partly
 /// empty, gate and up in one launch, and slots reading their own rows.
 #[test]
@@ -237,7 +295,7 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
     };
     let mut rng = Rng(777);
     let (count, rows, cols) = (5, 200, 512);
-    let (n, used) = (200, 2);
+    let n = 200;
     for ty in [
         GgmlType::Q4_K,
         GgmlType::Q6_K,
@@ -245,56 +303,26 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
         GgmlType::MXFP4,
         GgmlType::IQ2_XS,
     ] {
-        let tensors: Vec<Vec<u8>> = (0..2)
-            .map(|_| random_matrix(ty, count * rows, cols, &mut rng))
-            .collect();
-        let expert_bytes = tensors[0].len() / count;
-        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
         // Two thirds of the tokens choose expert 0 first: it takes more than a tile.
-        let ids: Vec<usize> = (0..n)
-            .flat_map(|t| {
-                let first = if t % 3 == 0 {
-                    (rng.next() % count as u64) as usize
-                } else {
-                    0
-                };
-                [first, (first + 1 + t % (count - 1)) % count]
-            })
-            .collect();
-        let slots = ids.len();
+        let routed = Routed::new(ty, (count, rows, cols), n, &mut rng, |t, rng| {
+            if t % 3 == 0 {
+                (rng.next() % count as u64) as usize
+            } else {
+                0
+            }
+        });
+        let (ids, slots) = (&routed.ids, routed.slots());
         assert!(ids.iter().filter(|&&e| e == 0).count() > MATMUL_TILE_TOKENS);
-        let dev_tensors: Vec<_> = tensors
-            .iter()
-            .map(|t| upload(&device, &stream, t))
-            .collect();
-        let experts: Vec<GpuExperts<'_>> = dev_tensors
-            .iter()
-            .map(|b| GpuExperts::new(ty, count, rows, cols, b.view()).expect("experts"))
-            .collect();
+        let dev_tensors = routed.upload(&device, &stream);
+        let experts = routed.experts(&dev_tensors);
         // Each slot's product with its expert alone, from f16-rounded operands.
         let f16_round = |v: f32| f16::from_f32(v).to_f32();
-        let expected: Vec<Vec<f64>> = (0..2)
-            .map(|m| {
-                (0..slots)
-                    .flat_map(|s| {
-                        let e = ids[s];
-                        let w = &tensors[m][e * expert_bytes..(e + 1) * expert_bytes];
-                        let t = s / used;
-                        let xt = &x[t * cols..(t + 1) * cols];
-                        reference_rounded(ty, w, rows, cols, xt, 1, f16_round)
-                    })
-                    .collect()
-            })
-            .collect();
-        let (tiles, order) = tiles_for(&ids, count, MATMUL_TILE_TOKENS);
+        let expected =
+            routed.per_slot(|w, xt| reference_rounded(ty, w, rows, cols, xt, 1, f16_round));
+        let (tiles, order) = tiles_for(ids, count, MATMUL_TILE_TOKENS);
         let tiles_dev = upload(&device, &stream, &tiles);
         let order_dev = upload(&device, &stream, &order);
-        let read = |out: &hip_backend::DeviceBuffer<f32>| {
-            let mut host = vec![0f32; slots * rows];
-            stream.read_to_host(out.view(), &mut host).expect("read");
-            host
-        };
-        let (x16, scales) = f16_input(&device, &stream, &x, n, cols);
+        let (x16, scales) = f16_input(&device, &stream, &routed.x, n, cols);
         let mut outs: Vec<_> = (0..2)
             .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
             .collect();
@@ -306,7 +334,7 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
                 scales: scales.view(),
             },
             n,
-            SlotInput::Token { per_token: used },
+            SlotInput::Token { per_token: USED },
             tiles_dev.view(),
             order_dev.view(),
             MATMUL_TILE_TOKENS,
@@ -315,17 +343,14 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
         )
         .expect("routed products");
         for (m, out) in outs.iter().enumerate() {
-            let err = relative_error(&read(out), &expected[m]);
+            let err = relative_error(&download(&stream, out), &expected[m]);
             assert!(
                 err <= rounded_bound(ty),
                 "{ty}: tensor {m}, relative error {err:.2e}"
             );
         }
-        // Slots reading rows of their own (row s holds token s / used's values).
-        let own: Vec<f32> = (0..slots)
-            .flat_map(|s| x[(s / used) * cols..(s / used + 1) * cols].to_vec())
-            .collect();
-        let (own16, own_scales) = f16_input(&device, &stream, &own, slots, cols);
+        // Slots reading rows of their own.
+        let (own16, own_scales) = f16_input(&device, &stream, &routed.own_rows(), slots, cols);
         let mut out = upload(&device, &stream, &vec![f32::NAN; slots * rows]);
         routed_products(
             &experts[..1],
@@ -342,7 +367,7 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
             &stream,
         )
         .expect("routed products of own rows");
-        let err = relative_error(&read(&out), &expected[0]);
+        let err = relative_error(&download(&stream, &out), &expected[0]);
         assert!(
             err <= rounded_bound(ty),
             "{ty}: own rows, relative error {err:.2e}"

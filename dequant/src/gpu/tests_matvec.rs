@@ -8,7 +8,7 @@
 
 use gguf_format::GgmlType;
 use half::f16;
-use hip_backend::{Device, Stream};
+use hip_backend::{Device, DeviceBuffer, Stream};
 
 use super::tests::gpu_or_skip;
 use crate::gpu::matmul;
@@ -163,12 +163,69 @@ pub(super) fn upload<T: bytemuck::Pod>(
     device: &Device,
     stream: &Stream,
     host: &[T],
-) -> hip_backend::DeviceBuffer<T> {
+) -> DeviceBuffer<T> {
     let mut buf = device.alloc::<T>(host.len()).expect("device buffer");
     stream
         .write_from_host(host, buf.view_mut())
         .expect("upload");
     buf
+}
+
+/// The values of `buf`, read back once the stream's work is done.
+pub(super) fn download(stream: &Stream, buf: &DeviceBuffer<f32>) -> Vec<f32> {
+    let mut host = vec![0f32; buf.len()];
+    stream
+        .read_to_host(buf.view(), &mut host)
+        .expect("read back");
+    host
+}
+
+/// The f16 input of the matrix units' products for `n` rows of `x`, and its row scales.
+pub(super) fn f16_input(
+    device: &Device,
+    stream: &Stream,
+    x: &[f32],
+    n: usize,
+    cols: usize,
+) -> (DeviceBuffer<f16>, DeviceBuffer<f32>) {
+    let x_dev = upload(device, stream, x);
+    let mut scales = upload(device, stream, &vec![f32::NAN; n]);
+    let mut x16 = upload(device, stream, &vec![f16::NAN; n * cols]);
+    matmul::row_scales(
+        x_dev.view(),
+        n,
+        cols,
+        scales.view_mut(),
+        x16.view_mut(),
+        stream,
+    )
+    .expect("scales");
+    (x16, scales)
+}
+
+/// The blocks of `weights` (each a matrix's blocks and rows) on the device.
+pub(super) fn upload_matrices<W: AsRef<[u8]>>(
+    device: &Device,
+    stream: &Stream,
+    weights: &[(W, usize)],
+) -> Vec<DeviceBuffer<u8>> {
+    weights
+        .iter()
+        .map(|(w, _)| upload(device, stream, w.as_ref()))
+        .collect()
+}
+
+/// The matrices of `ty`, `cols` wide, of `weights` uploaded as `bufs`.
+pub(super) fn gpu_matrices<'a, W>(
+    ty: GgmlType,
+    cols: usize,
+    weights: &[(W, usize)],
+    bufs: &'a [DeviceBuffer<u8>],
+) -> Vec<GpuMatrix<'a>> {
+    bufs.iter()
+        .zip(weights)
+        .map(|(b, &(_, rows))| GpuMatrix::new(ty, rows, cols, b.view()).expect("matrix"))
+        .collect()
 }
 
 /// Runs `mats` (one type, one width) on `n` tokens on the GPU and returns each output.
@@ -183,15 +240,8 @@ pub(super) fn gpu_products(
     n: usize,
     initial: Option<&[Vec<f32>]>,
 ) -> Vec<Vec<f32>> {
-    let bufs: Vec<_> = weights
-        .iter()
-        .map(|(w, _)| upload(device, stream, w))
-        .collect();
-    let mats: Vec<GpuMatrix<'_>> = bufs
-        .iter()
-        .zip(weights)
-        .map(|(b, (_, rows))| GpuMatrix::new(ty, *rows, cols, b.view()).expect("matrix"))
-        .collect();
+    let bufs = upload_matrices(device, stream, weights);
+    let mats = gpu_matrices(ty, cols, weights, &bufs);
     let x_dev = upload(device, stream, x);
     let mut q8 = device.alloc::<u8>(q8_bytes(n, cols)).expect("q8 buffer");
     let act = if takes_q8(ty) {
@@ -210,14 +260,7 @@ pub(super) fn gpu_products(
         .collect();
     let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
     matvec::matvec(&mats, act, n, &mut views, initial.is_some(), stream).expect("product");
-    outs.iter()
-        .zip(weights)
-        .map(|(o, (_, rows))| {
-            let mut host = vec![0f32; n * rows];
-            stream.read_to_host(o.view(), &mut host).expect("read back");
-            host
-        })
-        .collect()
+    outs.iter().map(|o| download(stream, o)).collect()
 }
 
 /// The CPU product's relative error against the reference, the yardstick.
@@ -420,27 +463,12 @@ fn mismatched_products_are_refused_before_any_launch() {
     let m = GpuMatrix::new(GgmlType::Q4_K, 1, 256, w.view()).expect("one row");
     let x = device.alloc::<f32>(256).expect("buffer");
     let mut out = device.alloc::<f32>(1).expect("buffer");
+    let mut run = |act, n| matvec::matvec(&[m], act, n, &mut [out.view_mut()], false, &stream);
     // Quantized weights take Q8 blocks, not f32 values.
-    let error = matvec::matvec(
-        &[m],
-        GpuActivations::F32(x.view()),
-        1,
-        &mut [out.view_mut()],
-        false,
-        &stream,
-    );
-    assert!(error.is_err());
+    assert!(run(GpuActivations::F32(x.view()), 1).is_err());
     // Nine tokens is one more than a launch takes.
     let q8 = device.alloc::<u8>(q8_bytes(9, 256)).expect("buffer");
-    let error = matvec::matvec(
-        &[m],
-        GpuActivations::Q8(q8.view()),
-        9,
-        &mut [out.view_mut()],
-        false,
-        &stream,
-    );
-    assert!(error.is_err());
+    assert!(run(GpuActivations::Q8(q8.view()), 9).is_err());
 }
 
 #[test]

@@ -94,6 +94,22 @@ pub struct GpuOptions {
     pub tuning: GpuTuning,
 }
 
+impl GpuOptions {
+    /// GPU 0 taking the whole model as `mode` says, a KV cache of `context_size`
+    /// positions, no stop request and the default tuning: the setups of tests and
+    /// measurements, which change the rest with `..`.
+    pub fn new(mode: UploadMode, context_size: usize) -> GpuOptions {
+        GpuOptions {
+            device: 0,
+            mode,
+            budget: None,
+            context_size,
+            stop: None,
+            tuning: GpuTuning::default(),
+        }
+    }
+}
+
 /// The choices a [`GpuModel`] makes between ways of doing the same work. The defaults
 /// are what the engine runs; the others are there to measure or test against them.
 #[derive(Clone, Copy, Debug, PartialEq)]

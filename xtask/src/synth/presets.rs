@@ -162,64 +162,80 @@ pub fn fallback(ty: GgmlType, cols: u64) -> GgmlType {
     }
 }
 
+/// Llama-2-7B's shapes in the Q4_K_M mix (Q6_K for ffn_down and the output): the base of
+/// the 7B mixes, which change only the types.
+const LLAMA2_7B: Preset = Preset {
+    name: "7b-q4k",
+    n_layers: 32,
+    n_embd: 4096,
+    n_ff: 11008,
+    n_heads: 32,
+    n_kv_heads: 32,
+    context_length: 4096,
+    rope_freq_base: 10_000.0,
+    rms_eps: 1e-5,
+    embd_type: GgmlType::Q4_K,
+    matrix_type: GgmlType::Q4_K,
+    ffn_down_type: GgmlType::Q6_K,
+    output_type: Some(GgmlType::Q6_K),
+    file_type: 15,
+    mix: Mix::Plain,
+    experts: None,
+};
+
+/// SmolLM2-135M's shapes and types: Q4_1, Q8_0 embeddings, tied output.
+const SMOLLM2_135M: Preset = Preset {
+    name: "135m-q4_1",
+    n_layers: 30,
+    n_embd: 576,
+    n_ff: 1536,
+    n_heads: 9,
+    n_kv_heads: 3,
+    context_length: 8192,
+    rope_freq_base: 100_000.0,
+    embd_type: GgmlType::Q8_0,
+    matrix_type: GgmlType::Q4_1,
+    ffn_down_type: GgmlType::Q4_1,
+    output_type: None,
+    file_type: 3,
+    ..LLAMA2_7B
+};
+
+/// Qwen3-30B-A3B's shapes in the Q4_K_M mix: 48 layers, 2048 wide, 32 query heads and 4
+/// KV heads of 128, 128 experts of 768, 8 per token (16 GiB).
+const QWEN3MOE_30B_A3B: Preset = Preset {
+    name: "qwen3moe-30b-a3b-q4k",
+    n_layers: 48,
+    n_embd: 2048,
+    n_ff: 6144,
+    n_heads: 32,
+    n_kv_heads: 4,
+    context_length: 40960,
+    rope_freq_base: 1_000_000.0,
+    rms_eps: 1e-6,
+    experts: Some(MoeShape {
+        count: 128,
+        used: 8,
+        n_ff: 768,
+        head_dim: 128,
+        style: MoeStyle::Qwen3,
+    }),
+    ..LLAMA2_7B
+};
+
 pub const PRESETS: &[Preset] = &[
-    // Llama-2-7B's shapes in the Q4_K_M mix (Q6_K for ffn_down and the output).
-    Preset {
-        name: "7b-q4k",
-        n_layers: 32,
-        n_embd: 4096,
-        n_ff: 11008,
-        n_heads: 32,
-        n_kv_heads: 32,
-        context_length: 4096,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
-        embd_type: GgmlType::Q4_K,
-        matrix_type: GgmlType::Q4_K,
-        ffn_down_type: GgmlType::Q6_K,
-        output_type: Some(GgmlType::Q6_K),
-        file_type: 15,
-        mix: Mix::Plain,
-        experts: None,
-    },
+    LLAMA2_7B,
     // TinyLlama-1.1B's shapes (grouped-query attention, 4 KV heads).
     Preset {
         name: "1b-q4k",
         n_layers: 22,
         n_embd: 2048,
         n_ff: 5632,
-        n_heads: 32,
         n_kv_heads: 4,
         context_length: 2048,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
-        embd_type: GgmlType::Q4_K,
-        matrix_type: GgmlType::Q4_K,
-        ffn_down_type: GgmlType::Q6_K,
-        output_type: Some(GgmlType::Q6_K),
-        file_type: 15,
-        mix: Mix::Plain,
-        experts: None,
+        ..LLAMA2_7B
     },
-    // SmolLM2-135M's shapes and types: Q4_1, Q8_0 embeddings, tied output.
-    Preset {
-        name: "135m-q4_1",
-        n_layers: 30,
-        n_embd: 576,
-        n_ff: 1536,
-        n_heads: 9,
-        n_kv_heads: 3,
-        context_length: 8192,
-        rope_freq_base: 100_000.0,
-        rms_eps: 1e-5,
-        embd_type: GgmlType::Q8_0,
-        matrix_type: GgmlType::Q4_1,
-        ffn_down_type: GgmlType::Q4_1,
-        output_type: None,
-        file_type: 3,
-        mix: Mix::Plain,
-        experts: None,
-    },
+    SMOLLM2_135M,
     // Two layers of 64 with SmolLM2's vocabulary: a forward pass that costs little but
     // the output projection, so that a server's host work per step shows on a CPU.
     Preset {
@@ -229,195 +245,89 @@ pub const PRESETS: &[Preset] = &[
         n_ff: 256,
         n_heads: 2,
         n_kv_heads: 1,
-        context_length: 8192,
         rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
-        embd_type: GgmlType::Q8_0,
-        matrix_type: GgmlType::Q4_1,
-        ffn_down_type: GgmlType::Q4_1,
-        output_type: None,
-        file_type: 3,
-        mix: Mix::Plain,
-        experts: None,
+        ..SMOLLM2_135M
     },
     // Llama-2-7B's shapes in llama-quantize's Q2_K mix (LLAMA_FTYPE_MOSTLY_Q2_K).
     Preset {
         name: "7b-q2_k",
-        n_layers: 32,
-        n_embd: 4096,
-        n_ff: 11008,
-        n_heads: 32,
-        n_kv_heads: 32,
-        context_length: 4096,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
         embd_type: GgmlType::Q2_K,
         matrix_type: GgmlType::Q2_K,
         ffn_down_type: GgmlType::Q3_K,
-        output_type: Some(GgmlType::Q6_K),
         file_type: 10,
         mix: Mix::Q2K,
-        experts: None,
+        ..LLAMA2_7B
     },
     // Llama-2-7B's shapes in llama-quantize's Q3_K_M mix (LLAMA_FTYPE_MOSTLY_Q3_K_M).
     Preset {
         name: "7b-q3_k_m",
-        n_layers: 32,
-        n_embd: 4096,
-        n_ff: 11008,
-        n_heads: 32,
-        n_kv_heads: 32,
-        context_length: 4096,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
         embd_type: GgmlType::Q3_K,
         matrix_type: GgmlType::Q3_K,
         ffn_down_type: GgmlType::Q4_K,
-        output_type: Some(GgmlType::Q6_K),
         file_type: 12,
         mix: Mix::Q3KM,
-        experts: None,
-    }, // Llama-2-7B's shapes in llama-quantize's Q3_K_S mix (LLAMA_FTYPE_MOSTLY_Q3_K_S).
+        ..LLAMA2_7B
+    },
+    // Llama-2-7B's shapes in llama-quantize's Q3_K_S mix (LLAMA_FTYPE_MOSTLY_Q3_K_S).
     Preset {
         name: "7b-q3_k_s",
-        n_layers: 32,
-        n_embd: 4096,
-        n_ff: 11008,
-        n_heads: 32,
-        n_kv_heads: 32,
-        context_length: 4096,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
         embd_type: GgmlType::Q3_K,
         matrix_type: GgmlType::Q3_K,
         ffn_down_type: GgmlType::Q3_K,
-        output_type: Some(GgmlType::Q6_K),
         file_type: 11,
-        mix: Mix::Plain,
-        experts: None,
+        ..LLAMA2_7B
     },
     // Llama-2-7B's shapes in llama-quantize's Q3_K_L mix (LLAMA_FTYPE_MOSTLY_Q3_K_L).
     Preset {
         name: "7b-q3_k_l",
-        n_layers: 32,
-        n_embd: 4096,
-        n_ff: 11008,
-        n_heads: 32,
-        n_kv_heads: 32,
-        context_length: 4096,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
         embd_type: GgmlType::Q3_K,
         matrix_type: GgmlType::Q3_K,
         ffn_down_type: GgmlType::Q5_K,
-        output_type: Some(GgmlType::Q6_K),
         file_type: 13,
         mix: Mix::Q3KL,
-        experts: None,
+        ..LLAMA2_7B
     },
     // Llama-2-7B's shapes in llama-quantize's Q4_K_S mix (LLAMA_FTYPE_MOSTLY_Q4_K_S).
     Preset {
         name: "7b-q4_k_s",
-        n_layers: 32,
-        n_embd: 4096,
-        n_ff: 11008,
-        n_heads: 32,
-        n_kv_heads: 32,
-        context_length: 4096,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
-        embd_type: GgmlType::Q4_K,
-        matrix_type: GgmlType::Q4_K,
         ffn_down_type: GgmlType::Q4_K,
-        output_type: Some(GgmlType::Q6_K),
         file_type: 14,
         mix: Mix::Q4KS,
-        experts: None,
+        ..LLAMA2_7B
     },
     // Llama-2-7B's shapes in llama-quantize's IQ4_XS mix (LLAMA_FTYPE_MOSTLY_IQ4_XS).
     Preset {
         name: "7b-iq4_xs",
-        n_layers: 32,
-        n_embd: 4096,
-        n_ff: 11008,
-        n_heads: 32,
-        n_kv_heads: 32,
-        context_length: 4096,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
         embd_type: GgmlType::IQ4_XS,
         matrix_type: GgmlType::IQ4_XS,
         ffn_down_type: GgmlType::IQ4_XS,
-        output_type: Some(GgmlType::Q6_K),
         file_type: 30,
         mix: Mix::IQ4XS,
-        experts: None,
+        ..LLAMA2_7B
     },
     // Llama-2-7B's shapes in llama-quantize's IQ3_M mix (LLAMA_FTYPE_MOSTLY_IQ3_M).
     Preset {
         name: "7b-iq3_m",
-        n_layers: 32,
-        n_embd: 4096,
-        n_ff: 11008,
-        n_heads: 32,
-        n_kv_heads: 32,
-        context_length: 4096,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
         embd_type: GgmlType::IQ3_S,
         matrix_type: GgmlType::IQ3_S,
         ffn_down_type: GgmlType::IQ3_S,
-        output_type: Some(GgmlType::Q6_K),
         file_type: 27,
         mix: Mix::IQ3M,
-        experts: None,
+        ..LLAMA2_7B
     },
     // Llama-2-7B's shapes in llama-quantize's IQ2_M mix (LLAMA_FTYPE_MOSTLY_IQ2_M):
     // IQ3_S embeddings, a Q5_K output.
     Preset {
         name: "7b-iq2_m",
-        n_layers: 32,
-        n_embd: 4096,
-        n_ff: 11008,
-        n_heads: 32,
-        n_kv_heads: 32,
-        context_length: 4096,
-        rope_freq_base: 10_000.0,
-        rms_eps: 1e-5,
         embd_type: GgmlType::IQ3_S,
         matrix_type: GgmlType::IQ2_S,
         ffn_down_type: GgmlType::IQ2_S,
         output_type: Some(GgmlType::Q5_K),
         file_type: 29,
         mix: Mix::IQ2M,
-        experts: None,
+        ..LLAMA2_7B
     },
-    // Qwen3-30B-A3B's shapes in the Q4_K_M mix: 48 layers, 2048 wide, 32 query heads
-    // and 4 KV heads of 128, 128 experts of 768, 8 per token (16 GiB).
-    Preset {
-        name: "qwen3moe-30b-a3b-q4k",
-        n_layers: 48,
-        n_embd: 2048,
-        n_ff: 6144,
-        n_heads: 32,
-        n_kv_heads: 4,
-        context_length: 40960,
-        rope_freq_base: 1_000_000.0,
-        rms_eps: 1e-6,
-        embd_type: GgmlType::Q4_K,
-        matrix_type: GgmlType::Q4_K,
-        ffn_down_type: GgmlType::Q6_K,
-        output_type: Some(GgmlType::Q6_K),
-        file_type: 15,
-        mix: Mix::Plain,
-        experts: Some(MoeShape {
-            count: 128,
-            used: 8,
-            n_ff: 768,
-            head_dim: 128,
-            style: MoeStyle::Qwen3,
-        }),
-    },
+    QWEN3MOE_30B_A3B,
     // The same layout, small enough for a CPU: 8 layers, 1024 wide, 64 experts of 512,
     // 8 per token (0.5 GiB).
     Preset {
@@ -426,23 +336,12 @@ pub const PRESETS: &[Preset] = &[
         n_embd: 1024,
         n_ff: 3072,
         n_heads: 16,
-        n_kv_heads: 4,
-        context_length: 40960,
-        rope_freq_base: 1_000_000.0,
-        rms_eps: 1e-6,
-        embd_type: GgmlType::Q4_K,
-        matrix_type: GgmlType::Q4_K,
-        ffn_down_type: GgmlType::Q6_K,
-        output_type: Some(GgmlType::Q6_K),
-        file_type: 15,
-        mix: Mix::Plain,
         experts: Some(MoeShape {
             count: 64,
-            used: 8,
             n_ff: 512,
-            head_dim: 128,
-            style: MoeStyle::Qwen3,
+            ..QWEN3MOE_30B_A3B.experts.unwrap()
         }),
+        ..QWEN3MOE_30B_A3B
     },
     // gpt-oss-20b's shapes as its MXFP4 release stores them: 24 layers, 2880 wide, 64
     // query heads and 8 KV heads of 64, 32 experts of 2880, 4 per token, Q8_0 attention,
@@ -456,13 +355,11 @@ pub const PRESETS: &[Preset] = &[
         n_kv_heads: 8,
         context_length: 131_072,
         rope_freq_base: 150_000.0,
-        rms_eps: 1e-5,
         embd_type: GgmlType::Q8_0,
         matrix_type: GgmlType::Q8_0,
         ffn_down_type: GgmlType::MXFP4,
         output_type: Some(GgmlType::Q8_0),
         file_type: 38,
-        mix: Mix::Plain,
         experts: Some(MoeShape {
             count: 32,
             used: 4,
@@ -470,5 +367,6 @@ pub const PRESETS: &[Preset] = &[
             head_dim: 64,
             style: MoeStyle::GptOss,
         }),
+        ..LLAMA2_7B
     },
 ];

@@ -20,27 +20,9 @@ fn gpu_matmul_many(
     split: bool,
     kernel: matmul::BatchKernel,
 ) -> Vec<Vec<f32>> {
-    let bufs: Vec<_> = mats
-        .iter()
-        .map(|(w, _)| upload(device, stream, w))
-        .collect();
-    let gms: Vec<GpuMatrix<'_>> = bufs
-        .iter()
-        .zip(mats)
-        .map(|(b, &(_, rows))| GpuMatrix::new(ty, rows, cols, b.view()).expect("matrix"))
-        .collect();
-    let x_dev = upload(device, stream, x);
-    let mut scales = upload(device, stream, &vec![f32::NAN; n]);
-    let mut x16 = upload(device, stream, &vec![f16::NAN; n * cols]);
-    matmul::row_scales(
-        x_dev.view(),
-        n,
-        cols,
-        scales.view_mut(),
-        x16.view_mut(),
-        stream,
-    )
-    .expect("scales");
+    let bufs = upload_matrices(device, stream, mats);
+    let gms = gpu_matrices(ty, cols, mats, &bufs);
+    let (x16, scales) = f16_input(device, stream, x, n, cols);
     let mut outs: Vec<_> = mats
         .iter()
         .map(|&(_, rows)| upload(device, stream, &vec![initial.unwrap_or(f32::NAN); n * rows]))
@@ -69,14 +51,7 @@ fn gpu_matmul_many(
         .read_to_host(counters.view(), &mut left)
         .expect("read back");
     assert!(left.iter().all(|&c| c == 0), "split counters left at zero");
-    outs.iter()
-        .zip(mats)
-        .map(|(o, &(_, rows))| {
-            let mut host = vec![0f32; n * rows];
-            stream.read_to_host(o.view(), &mut host).expect("read back");
-            host
-        })
-        .collect()
+    outs.iter().map(|o| download(stream, o)).collect()
 }
 
 /// The tiled batch product of one matrix on `n` tokens, added to `initial` when given.
@@ -121,6 +96,35 @@ pub(in crate::gpu) fn rounded_bound(ty: GgmlType) -> f64 {
     }
 }
 
+/// Checks that a batch product `got` of `w` on `x` wrote every output and is within
+/// [`rounded_bound`] of the product of the f16-rounded operands; `kernel` names the
+/// product in the messages.
+#[allow(clippy::too_many_arguments)]
+fn check_rounded(
+    kernel: &str,
+    ty: GgmlType,
+    got: &[f32],
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+) {
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "{ty} {rows}x{cols}, {n} tokens: every output written"
+    );
+    let err = relative_error(
+        got,
+        &reference_rounded(ty, w, rows, cols, x, n, |v| f16::from_f32(v).to_f32()),
+    );
+    assert!(
+        err <= rounded_bound(ty),
+        "{ty} {rows}x{cols}, {n} tokens: {kernel}relative error {err:.2e} against the \
+         f16-rounded operands"
+    );
+}
+
 #[test]
 fn batch_products_match_the_reference_for_every_type_and_shape() {
     let Some((device, stream)) =
@@ -135,19 +139,7 @@ fn batch_products_match_the_reference_for_every_type_and_shape() {
             let w = random_matrix(ty, rows, cols, &mut rng);
             let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
             let got = gpu_matmul(&device, &stream, ty, &w, rows, cols, &x, n, None);
-            assert!(
-                got.iter().all(|v| v.is_finite()),
-                "{ty}: every output written"
-            );
-            let err = relative_error(
-                &got,
-                &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
-            );
-            assert!(
-                err <= rounded_bound(ty),
-                "{ty} {rows}x{cols}, {n} tokens: relative error {err:.2e} against the \
-                 f16-rounded operands"
-            );
+            check_rounded("", ty, &got, &w, rows, cols, &x, n);
             // Against the exact product: f16's 11 significant bits on both operands.
             let err = relative_error(&got, &reference(ty, &w, rows, cols, &x, n));
             assert!(
@@ -338,19 +330,7 @@ fn skinny_batch_products_match_the_reference_and_repeat_exactly() {
             let got = skinny(ty, &mats, cols, &x, n, None)
                 .pop()
                 .expect("one output");
-            assert!(
-                got.iter().all(|v| v.is_finite()),
-                "{ty} {rows}x{cols}, {n} tokens: every output written"
-            );
-            let err = relative_error(
-                &got,
-                &reference_rounded(ty, &w, rows, cols, &x, n, |v| f16::from_f32(v).to_f32()),
-            );
-            assert!(
-                err <= rounded_bound(ty),
-                "{ty} {rows}x{cols}, {n} tokens: skinny relative error {err:.2e} against the \
-                 f16-rounded operands"
-            );
+            check_rounded("skinny ", ty, &got, &w, rows, cols, &x, n);
             let again = skinny(ty, &mats, cols, &x, n, None)
                 .pop()
                 .expect("one output");

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use gguf_format::{GgmlType, GgufWriter};
 use hip_backend::{fault, Device};
 use model::generate::{generate_with, GenerateOptions, Next, Session, StopReason};
-use model::gpu::{GpuModel, GpuOptions, GpuTuning};
+use model::gpu::{GpuModel, GpuOptions};
 use model::sampling::SamplingParams;
 use model::tokenizer::{TokenId, Tokenizer};
 use model::{Model, ModelError};
@@ -63,12 +63,8 @@ fn assert_no_leak(device: &Device, before: usize, what: impl std::fmt::Display) 
 
 fn options(mode: UploadMode, stop: Option<&Arc<AtomicBool>>) -> GpuOptions {
     GpuOptions {
-        device: 0,
-        mode,
-        budget: None,
-        context_size: 64,
         stop: stop.cloned(),
-        tuning: GpuTuning::default(),
+        ..GpuOptions::new(mode, 64)
     }
 }
 

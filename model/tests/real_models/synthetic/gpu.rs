@@ -10,7 +10,7 @@ mod check;
 #[path = "../gpu/faults.rs"]
 mod faults;
 
-use model::gpu::{GpuModel, GpuOptions, GpuTuning, PROMPT_BATCH};
+use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
 use model::tokenizer::{EncodeOptions, Tokenizer};
 use model::{AttentionMethod, Model};
 use tensor_store::device::UploadMode;
@@ -264,14 +264,7 @@ fn gpu_model_with_batch(
     context: usize,
     batch: usize,
 ) -> Option<GpuModel> {
-    let options = GpuOptions {
-        device: 0,
-        mode,
-        budget: None,
-        context_size: context,
-        stop: None,
-        tuning: GpuTuning::default(),
-    };
+    let options = GpuOptions::new(mode, context);
     match GpuModel::with_prompt_batch(model, &options, batch) {
         Ok(gpu) => Some(gpu),
         Err(model::ModelError::Gpu { source, .. }) if source.is_unavailable() => {
@@ -373,14 +366,7 @@ fn refuses(name: &str, ty: &str) {
         model.check_gpu_support().is_err(),
         "{name}: reported as supported"
     );
-    let options = GpuOptions {
-        device: 0,
-        mode: UploadMode::Background,
-        budget: None,
-        context_size: 16,
-        stop: None,
-        tuning: GpuTuning::default(),
-    };
+    let options = GpuOptions::new(UploadMode::Background, 16);
     match GpuModel::new(&model, &options) {
         Err(model::ModelError::GpuUnsupported { what, .. }) => {
             assert!(what.contains(named), "{name}: {what}")
@@ -453,12 +439,8 @@ gpu_batched_matches_alone! {
 fn gpu_experts_over_budget_are_refused() {
     let (_dir, _store, model) = open_spec("qwen3moe-random");
     let options = GpuOptions {
-        device: 0,
-        mode: UploadMode::Eager,
         budget: Some(1 << 16),
-        context_size: 16,
-        stop: None,
-        tuning: GpuTuning::default(),
+        ..GpuOptions::new(UploadMode::Eager, 16)
     };
     match GpuModel::new(&model, &options) {
         Err(model::ModelError::GpuUnsupported { what, .. }) => {
@@ -491,14 +473,7 @@ fn gpu_every_spec_has_a_test() {
 #[test]
 fn gpu_prompt_batch_of_zero_is_refused() {
     let (_dir, _store, model) = open_spec("llama-q4_0");
-    let options = GpuOptions {
-        device: 0,
-        mode: UploadMode::Lazy,
-        budget: None,
-        context_size: 16,
-        stop: None,
-        tuning: GpuTuning::default(),
-    };
+    let options = GpuOptions::new(UploadMode::Lazy, 16);
     match GpuModel::with_prompt_batch(&model, &options, 0) {
         Err(model::ModelError::InvalidPromptBatch { tokens: 0 }) => {}
         Err(other) => panic!("refused for another reason: {other}"),
@@ -542,12 +517,8 @@ fn gpu_over_budget_gives_the_full_uploads_logits() {
         Some(shared + layers * 3 / 4),
     ] {
         let options = GpuOptions {
-            device: 0,
-            mode: UploadMode::Background,
             budget,
-            context_size: 96,
-            stop: None,
-            tuning: GpuTuning::default(),
+            ..GpuOptions::new(UploadMode::Background, 96)
         };
         let mut gpu = match GpuModel::new(&model, &options) {
             Ok(gpu) => gpu,

@@ -180,22 +180,60 @@ const PIECES: &[&str] = &[
     "c", "m", "T", ".", ",", "?", "1", "2", "4", "▁i", "▁is", "es",
 ];
 
+/// Appends the 256 byte pieces, then `pieces` with scores falling with their rank.
+fn push_bytes_and_pieces<'a>(
+    (tokens, types, scores): (&mut Vec<String>, &mut Vec<i32>, &mut Vec<f32>),
+    pieces: impl Iterator<Item = &'a &'a str>,
+) {
+    for b in 0..=255u8 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(BYTE);
+        scores.push(0.0);
+    }
+    for (rank, piece) in pieces.enumerate() {
+        tokens.push((*piece).to_owned());
+        types.push(NORMAL);
+        scores.push(-(rank as f32));
+    }
+}
+
+/// Writes a SentencePiece vocabulary (`llama`, `default` pre-tokenizer) with its BOS,
+/// EOS, unknown and padding ids, BOS added and EOS not; returns its size.
+fn add_spm_metadata(
+    w: &mut GgufWriter,
+    (tokens, types, scores): (Vec<String>, Vec<i32>, Vec<f32>),
+    [bos, eos, unknown, padding]: [u32; 4],
+) -> Result<usize, GgufError> {
+    let n = tokens.len();
+    w.add_metadata("tokenizer.ggml.model", "llama")?;
+    w.add_metadata("tokenizer.ggml.pre", "default")?;
+    w.add_metadata("tokenizer.ggml.tokens", tokens)?;
+    w.add_metadata("tokenizer.ggml.scores", scores)?;
+    w.add_metadata("tokenizer.ggml.token_type", types)?;
+    let ids = [
+        ("bos", bos),
+        ("eos", eos),
+        ("unknown", unknown),
+        ("padding", padding),
+    ];
+    for (token, id) in ids {
+        w.add_metadata(&format!("tokenizer.ggml.{token}_token_id"), id)?;
+    }
+    w.add_metadata("tokenizer.ggml.add_bos_token", true)?;
+    w.add_metadata("tokenizer.ggml.add_eos_token", false)?;
+    Ok(n)
+}
+
 /// Phi-3's layout: `<unk> <s> </s>`, the 256 byte pieces, the scored pieces, then the
 /// end-of-text and chat tokens (user-defined, as its converter writes them).
 fn add_phi3_spm(w: &mut GgufWriter) -> Result<usize, GgufError> {
     let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(str::to_owned).to_vec();
     let mut types = vec![UNKNOWN, CONTROL, CONTROL];
     let mut scores = vec![0f32; tokens.len()];
-    for b in 0..=255u8 {
-        tokens.push(format!("<0x{b:02X}>"));
-        types.push(BYTE);
-        scores.push(0.0);
-    }
-    for (rank, piece) in PIECES.iter().chain(&["▁The", "▁Is", "▁it"]).enumerate() {
-        tokens.push((*piece).to_owned());
-        types.push(NORMAL);
-        scores.push(-(rank as f32));
-    }
+    push_bytes_and_pieces(
+        (&mut tokens, &mut types, &mut scores),
+        PIECES.iter().chain(&["▁The", "▁Is", "▁it"]),
+    );
     let endoftext = tokens.len() as u32;
     tokens.push("<|endoftext|>".to_owned());
     types.push(CONTROL);
@@ -205,19 +243,7 @@ fn add_phi3_spm(w: &mut GgufWriter) -> Result<usize, GgufError> {
         types.push(USER_DEFINED);
         scores.push(0.0);
     }
-    let n = tokens.len();
-    w.add_metadata("tokenizer.ggml.model", "llama")?;
-    w.add_metadata("tokenizer.ggml.pre", "default")?;
-    w.add_metadata("tokenizer.ggml.tokens", tokens)?;
-    w.add_metadata("tokenizer.ggml.scores", scores)?;
-    w.add_metadata("tokenizer.ggml.token_type", types)?;
-    w.add_metadata("tokenizer.ggml.bos_token_id", 1u32)?;
-    w.add_metadata("tokenizer.ggml.eos_token_id", endoftext)?;
-    w.add_metadata("tokenizer.ggml.unknown_token_id", 0u32)?;
-    w.add_metadata("tokenizer.ggml.padding_token_id", endoftext)?;
-    w.add_metadata("tokenizer.ggml.add_bos_token", true)?;
-    w.add_metadata("tokenizer.ggml.add_eos_token", false)?;
-    Ok(n)
+    add_spm_metadata(w, (tokens, types, scores), [1, endoftext, 0, endoftext])
 }
 
 /// Gemma-style SentencePiece: `<pad> <eos> <bos> <unk>`, two turn markers, the 256
@@ -236,28 +262,8 @@ fn add_spm(w: &mut GgufWriter) -> Result<usize, GgufError> {
     .collect();
     let mut types = vec![CONTROL, CONTROL, CONTROL, UNKNOWN, CONTROL, CONTROL];
     let mut scores = vec![0f32; tokens.len()];
-    for b in 0..=255u8 {
-        tokens.push(format!("<0x{b:02X}>"));
-        types.push(BYTE);
-        scores.push(0.0);
-    }
-    for (rank, piece) in PIECES.iter().enumerate() {
-        tokens.push((*piece).to_owned());
-        types.push(NORMAL);
-        scores.push(-(rank as f32));
-    }
-    let n = tokens.len();
-    w.add_metadata("tokenizer.ggml.model", "llama")?;
-    w.add_metadata("tokenizer.ggml.pre", "default")?;
-    w.add_metadata("tokenizer.ggml.tokens", tokens)?;
-    w.add_metadata("tokenizer.ggml.scores", scores)?;
-    w.add_metadata("tokenizer.ggml.token_type", types)?;
-    w.add_metadata("tokenizer.ggml.bos_token_id", 2u32)?;
-    w.add_metadata("tokenizer.ggml.eos_token_id", 1u32)?;
-    w.add_metadata("tokenizer.ggml.unknown_token_id", 3u32)?;
-    w.add_metadata("tokenizer.ggml.padding_token_id", 0u32)?;
-    w.add_metadata("tokenizer.ggml.add_bos_token", true)?;
-    w.add_metadata("tokenizer.ggml.add_eos_token", false)?;
+    push_bytes_and_pieces((&mut tokens, &mut types, &mut scores), PIECES.iter());
+    let n = add_spm_metadata(w, (tokens, types, scores), [2, 1, 3, 0])?;
     w.add_metadata("tokenizer.ggml.add_space_prefix", false)?;
     Ok(n)
 }

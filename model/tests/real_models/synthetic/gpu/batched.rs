@@ -48,14 +48,7 @@ pub(super) fn batched(name: &str) {
         expected.push((fed, rows));
     }
     drop(alone);
-    let options = GpuOptions {
-        device: 0,
-        mode: UploadMode::Eager,
-        budget: None,
-        context_size: context,
-        stop: None,
-        tuning: GpuTuning::default(),
-    };
+    let options = GpuOptions::new(UploadMode::Eager, context);
     let pages = PageOptions {
         block_size: block,
         n_blocks: 64,
@@ -266,14 +259,7 @@ pub(super) fn scheduler_on_gpu(name: &str) {
         block_size: 16,
         attention: model::AttentionMethod::default(),
     };
-    let options = GpuOptions {
-        device: 0,
-        mode: UploadMode::Background,
-        budget: None,
-        context_size: context,
-        stop: None,
-        tuning: GpuTuning::default(),
-    };
+    let options = GpuOptions::new(UploadMode::Background, context);
     let scheduler = Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
         .unwrap_or_else(|e| panic!("{test}: {e}"));
     let receivers: Vec<_> = prompts
