@@ -18,7 +18,14 @@ and the server's own account from `/metrics`: how much of the wall time its sche
 spent in steps, and in the model's forward passes within them, and where the rest of a
 step (its host work) went.
 
-usage: bench_serve.py BASE_URL MODEL_ID LEVELS REQUESTS PROMPT_TOKENS GEN_TOKENS CLIENTS_PER_PROCESS
+With CONSTRAINED (`json_schema` or `grammar`), each level runs twice with the same
+clients and requests: unconstrained first, then with every request held to a nested JSON
+schema (`response_format`) or a Lark grammar (`grammar`), without `ignore_eos` (the
+output ends where the format does, or at GEN_TOKENS). The constrained run's line also
+carries the bucket deltas of the server's `rocmforge_constraint_mask_seconds` histogram
+(the grammar's mask, once per token), from which `bench-serve` computes its quantiles.
+
+usage: bench_serve.py BASE_URL MODEL_ID LEVELS REQUESTS PROMPT_TOKENS GEN_TOKENS CLIENTS_PER_PROCESS [CONSTRAINED]
 """
 
 import json
@@ -33,6 +40,79 @@ base, model_id, levels, requests, prompt_tokens, gen_tokens, per_process = sys.a
 levels = [int(x) for x in levels.split(",")]
 requests, prompt_tokens, gen_tokens = int(requests), int(prompt_tokens), int(gen_tokens)
 per_process = int(per_process)
+constrained = sys.argv[8] if len(sys.argv) > 8 else "none"
+
+# An order as a shop's back end would ask a model for it: nested objects, an array of
+# objects, enums, a pattern, numbers with bounds. The items array is unbounded, so the
+# output runs until the model closes it or GEN_TOKENS.
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{6}$"},
+        "customer": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 64},
+                "email": {"type": "string", "maxLength": 64},
+                "address": {
+                    "type": "object",
+                    "properties": {
+                        "street": {"type": "string", "maxLength": 64},
+                        "city": {"type": "string", "maxLength": 32},
+                        "country": {"type": "string", "enum": ["DE", "FR", "US", "JP"]},
+                    },
+                    "required": ["street", "city", "country"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "address"],
+            "additionalProperties": False,
+        },
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "maxLength": 16},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
+                    "unit_price": {"type": "number", "minimum": 0},
+                    "gift": {"type": "boolean"},
+                },
+                "required": ["sku", "quantity", "unit_price"],
+                "additionalProperties": False,
+            },
+        },
+        "priority": {"type": "string", "enum": ["low", "normal", "high"]},
+        "notes": {"type": ["string", "null"], "maxLength": 200},
+    },
+    "required": ["order_id", "customer", "items", "priority"],
+    "additionalProperties": False,
+}
+
+# Lines of `key = value` pairs, as a small configuration language (Lark, as llguidance
+# reads it).
+CONFIG_GRAMMAR = r"""
+start: line+
+line: KEY " = " value "\n"
+value: NUMBER | STRING | "true" | "false" | "[" value (", " value)* "]"
+KEY: /[a-z_][a-z0-9_]{0,15}/
+NUMBER: /-?[0-9]{1,6}(\.[0-9]{1,3})?/
+STRING: /"[a-zA-Z0-9 ]{0,24}"/
+"""
+
+
+def request_body(constrain):
+    """The fields besides the prompt a request carries."""
+    if not constrain:
+        return {"ignore_eos": True}
+    if constrained == "json_schema":
+        return {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "order", "strict": True, "schema": ORDER_SCHEMA},
+            }
+        }
+    return {"grammar": CONFIG_GRAMMAR}
 
 
 def percentile(values, p):
@@ -51,8 +131,12 @@ def prompt(i):
 serial = [0]
 
 
+MASK_BUCKET = 'rocmforge_constraint_mask_seconds_bucket{le="'
+
+
 def metrics():
-    """The server's counters and histogram sums, by name (without `rocmforge_`)."""
+    """The server's counters and histogram sums, by name (without `rocmforge_`); the
+    mask histogram's cumulative buckets as `mask_le_<bound>`."""
     import urllib.request
 
     with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
@@ -66,6 +150,9 @@ def metrics():
         elif line.startswith(phase):
             name, value = line[len(phase) :].split('"} ')
             values["phase_" + name] = float(value)
+        elif line.startswith(MASK_BUCKET):
+            bound, value = line[len(MASK_BUCKET) :].split('"} ')
+            values["mask_le_" + bound] = float(value)
     return values
 
 
@@ -84,7 +171,7 @@ def wait_ready(timeout=300):
     raise SystemExit("the server did not get ready")
 
 
-def client_process(threads, count, serial_base, counter, barrier, out):
+def client_process(threads, count, serial_base, counter, barrier, out, constrain):
     """C threads of one client process; puts what they saw on `out`."""
     results, failures = [], []
     # Per client: the time of each text chunk, of its first, and when it ran out of work.
@@ -113,7 +200,7 @@ def client_process(threads, count, serial_base, counter, barrier, out):
                     temperature=0,
                     stream=True,
                     stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True},
+                    extra_body=request_body(constrain),
                 )
                 for chunk in stream:
                     now = time.perf_counter()
@@ -157,7 +244,7 @@ def client_process(threads, count, serial_base, counter, barrier, out):
     )
 
 
-def run_level(clients, count, processes):
+def run_level(clients, count, processes, constrain=False):
     # The clients are threads of `processes` processes (forked, so that they share no
     # interpreter lock), as evenly spread as they go.
     ctx = multiprocessing.get_context("fork")
@@ -171,7 +258,7 @@ def run_level(clients, count, processes):
     for threads in spread:
         child = ctx.Process(
             target=client_process,
-            args=(threads, count, serial[0], counter, barrier, out),
+            args=(threads, count, serial[0], counter, barrier, out, constrain),
         )
         child.start()
         children.append(child)
@@ -226,8 +313,19 @@ def run_level(clients, count, processes):
         "step_share": delta("step_seconds_sum") / wall,
         "forward_share": delta("forward_seconds_sum") / wall,
     }
+    # The mask histogram's buckets over the run: (upper bound, observations at or below).
+    mask_buckets = sorted(
+        (float(name[len("mask_le_") :]), int(delta(name)))
+        for name in after
+        if name.startswith("mask_le_") and name != "mask_le_+Inf"
+    )
     return {
         "clients": clients,
+        "phase": "constrained" if constrain else "plain",
+        "constraint": constrained if constrain else None,
+        "mask_buckets": mask_buckets,
+        "mask_count": int(delta("constraint_mask_seconds_count")),
+        "mask_sum_s": delta("constraint_mask_seconds_sum"),
         "requests": count,
         "completed": len(results),
         "failures": failures[:5],
@@ -255,3 +353,5 @@ for level in levels:
     count = requests if requests > 0 else 4 * level
     processes = -(-level // per_process)
     print(json.dumps(run_level(level, max(count, level), processes)), flush=True)
+    if constrained != "none":
+        print(json.dumps(run_level(level, max(count, level), processes, True)), flush=True)

@@ -25,6 +25,16 @@
 //! interpreter that already has `openai` (on a machine without the package registry)
 //! instead of the pinned virtual environment made under `target/`.
 //!
+//! `--constrained json_schema` (or `grammar`) runs every level twice with the same
+//! clients: unconstrained, then with every request held to a nested JSON schema
+//! (`response_format`) or a Lark grammar, and reports both levels' tokens/s, their ratio,
+//! and the grammar mask's cost per token, p50 and p99, from the bucket deltas of the
+//! server's `rocmforge_constraint_mask_seconds` histogram over the constrained run
+//! (interpolated within a bucket, as Prometheus' `histogram_quantile` does, so only as
+//! fine as the buckets). The server computes each mask inline, after the forward pass
+//! and before the sampler (the step's sample phase): its cost is on every step's
+//! critical path.
+//!
 //! The two do not measure quite the same thing: ours is end to end, through HTTP and the
 //! Python client (which shares the CPU), requests arriving as clients are free;
 //! `llama-batched-bench` runs exactly one batch of N sequences inside the library.
@@ -53,6 +63,8 @@ struct Options {
     python: Option<PathBuf>,
     gpu: bool,
     json: bool,
+    /// `json_schema` or `grammar`: each level also run with that constraint.
+    constrained: Option<String>,
 }
 
 fn parse_options(args: &[String]) -> Result<Options> {
@@ -69,6 +81,7 @@ fn parse_options(args: &[String]) -> Result<Options> {
         python: None,
         gpu: false,
         json: false,
+        constrained: None,
     };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
@@ -103,6 +116,14 @@ fn parse_options(args: &[String]) -> Result<Options> {
                 }
             }
             "--json" => o.json = true,
+            "--constrained" => {
+                let kind = value()?;
+                ensure!(
+                    ["json_schema", "grammar"].contains(&kind.as_str()),
+                    "--constrained: json_schema or grammar, not {kind:?}"
+                );
+                o.constrained = Some(kind.clone());
+            }
             other => bail!("bench-serve: unknown option {other:?}"),
         }
     }
@@ -236,6 +257,7 @@ pub fn run(args: &[String]) -> Result<()> {
             o.prompt_tokens.to_string(),
             o.gen_tokens.to_string(),
             o.clients_per_process.to_string(),
+            o.constrained.clone().unwrap_or_else(|| "none".into()),
         ])
         .stderr(Stdio::inherit())
         .output()
@@ -246,11 +268,18 @@ pub fn run(args: &[String]) -> Result<()> {
         "the benchmark client failed ({})",
         output.status
     );
-    let ours: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+    let lines: Vec<Value> = String::from_utf8_lossy(&output.stdout)
         .lines()
         .map(serde_json::from_str)
         .collect::<Result<_, _>>()
         .context("the benchmark client's output")?;
+    let (constrained, ours): (Vec<Value>, Vec<Value>) = lines
+        .into_iter()
+        .partition(|level| level["phase"] == "constrained");
+    let constrained = o
+        .constrained
+        .as_ref()
+        .map(|_| compare_constrained(&ours, &constrained));
     let llama = match &o.llama_batched_bench {
         Some(path) => Some(llama_batched_bench(path, &model, &o, threads)?),
         None => None,
@@ -280,13 +309,22 @@ pub fn run(args: &[String]) -> Result<()> {
         "rocmforge": ours,
         "llama_batched_bench": llama,
         "comparison": comparison,
+        "constraint": o.constrained,
+        "constrained": constrained,
     });
     if o.json {
         println!("{report:#}");
     } else {
         print_table(&report);
+        if let Some(rows) = &constrained {
+            print_constrained(o.constrained.as_deref().unwrap_or("?"), rows);
+        }
     }
-    let failures: u64 = ours.iter().filter_map(|l| l["n_failures"].as_u64()).sum();
+    let failures: u64 = ours
+        .iter()
+        .chain(constrained.iter().flatten())
+        .filter_map(|l| l["n_failures"].as_u64())
+        .sum();
     ensure!(failures == 0, "{failures} requests failed");
     Ok(())
 }
@@ -472,4 +510,153 @@ fn print_table(report: &Value) {
         "host ms: a step's mean time outside its forward pass, and its parts (/metrics' \
          rocmforge_step_phase_seconds_total)"
     );
+}
+
+/// Per level, the constrained run beside the unconstrained one: tokens/s of each, their
+/// ratio, and the mask's cost per token from the histogram's bucket deltas.
+fn compare_constrained(plain: &[Value], constrained: &[Value]) -> Vec<Value> {
+    constrained
+        .iter()
+        .map(|c| {
+            let p = plain.iter().find(|p| p["clients"] == c["clients"]);
+            let field = |level: Option<&Value>, name: &str| level.and_then(|l| l[name].as_f64());
+            let ratio = |name: &str| field(Some(c), name).zip(field(p, name)).map(|(c, p)| c / p);
+            let buckets: Vec<(f64, u64)> = c["mask_buckets"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|b| Some((b[0].as_f64()?, b[1].as_u64()?)))
+                .collect();
+            let count = c["mask_count"].as_u64().unwrap_or(0);
+            let us = |q: f64| bucket_quantile(&buckets, count, q).map(|s| s * 1e6);
+            json!({
+                "clients": c["clients"],
+                "requests": c["completed"],
+                "tokens_per_request": field(Some(c), "output_tokens_per_s")
+                    .zip(field(Some(c), "wall_s"))
+                    .zip(c["completed"].as_f64().filter(|&n| n > 0.0))
+                    .map(|((tps, wall), n)| tps * wall / n),
+                "plain_output_tokens_per_s": field(p, "output_tokens_per_s"),
+                "constrained_output_tokens_per_s": field(Some(c), "output_tokens_per_s"),
+                "output_ratio": ratio("output_tokens_per_s"),
+                "plain_total_tokens_per_s": field(p, "total_tokens_per_s"),
+                "constrained_total_tokens_per_s": field(Some(c), "total_tokens_per_s"),
+                "total_ratio": ratio("total_tokens_per_s"),
+                "plain_tpot_p50_ms": field(p, "tpot_p50_ms"),
+                "constrained_tpot_p50_ms": field(Some(c), "tpot_p50_ms"),
+                "masks": count,
+                "mask_mean_us": c["mask_sum_s"]
+                    .as_f64()
+                    .filter(|_| count > 0)
+                    .map(|s| s / count as f64 * 1e6),
+                "mask_p50_us": us(0.5),
+                "mask_p99_us": us(0.99),
+                "plain_sample_ms_mean": field(p, "sample_ms_mean"),
+                "constrained_sample_ms_mean": field(Some(c), "sample_ms_mean"),
+            })
+        })
+        .collect()
+}
+
+/// The `q` quantile (0 to 1) of what a histogram counted, from its cumulative
+/// `(upper bound, observations at or below it)` buckets, bounds ascending, and `total`,
+/// every observation (those above the last bound included): interpolated linearly
+/// within the bucket that holds it, the first from 0, as Prometheus'
+/// `histogram_quantile` does; the last bound when it lies above every bound. `None`
+/// when nothing was counted.
+pub(crate) fn bucket_quantile(buckets: &[(f64, u64)], total: u64, q: f64) -> Option<f64> {
+    if total == 0 {
+        return None;
+    }
+    let rank = q.clamp(0.0, 1.0) * total as f64;
+    let (mut lower, mut below) = (0.0, 0u64);
+    for &(bound, count) in buckets {
+        if count as f64 >= rank && count > below {
+            let share = (rank - below as f64) / (count - below) as f64;
+            return Some(lower + (bound - lower) * share);
+        }
+        (lower, below) = (bound, count);
+    }
+    buckets.last().map(|&(bound, _)| bound)
+}
+
+fn print_constrained(kind: &str, rows: &[Value]) {
+    let num = |v: &Value, digits: usize| {
+        v.as_f64()
+            .map_or_else(|| "-".to_owned(), |x| format!("{x:.digits$}"))
+    };
+    println!();
+    println!("constrained ({kind}) beside unconstrained, same clients and prompts:");
+    println!(
+        "{:>7} {:>8} {:>9} {:>11} {:>11} {:>7} {:>11} {:>11} {:>7} {:>9} {:>9} {:>9} {:>9}",
+        "clients",
+        "requests",
+        "tok/req",
+        "plain out/s",
+        "cons. out/s",
+        "ratio",
+        "plain tot/s",
+        "cons. tot/s",
+        "ratio",
+        "masks",
+        "mean us",
+        "p50 us",
+        "p99 us"
+    );
+    for r in rows {
+        println!(
+            "{:>7} {:>8} {:>9} {:>11} {:>11} {:>7} {:>11} {:>11} {:>7} {:>9} {:>9} {:>9} {:>9}",
+            r["clients"].as_u64().unwrap_or(0),
+            r["requests"].as_u64().unwrap_or(0),
+            num(&r["tokens_per_request"], 1),
+            num(&r["plain_output_tokens_per_s"], 1),
+            num(&r["constrained_output_tokens_per_s"], 1),
+            num(&r["output_ratio"], 2),
+            num(&r["plain_total_tokens_per_s"], 1),
+            num(&r["constrained_total_tokens_per_s"], 1),
+            num(&r["total_ratio"], 2),
+            r["masks"].as_u64().unwrap_or(0),
+            num(&r["mask_mean_us"], 1),
+            num(&r["mask_p50_us"], 1),
+            num(&r["mask_p99_us"], 1),
+        );
+    }
+    println!(
+        "out/s: generated tokens/s, tot/s: with the prompts', over the wall time; ratio: \
+         constrained / unconstrained. Mask: the grammar's token mask, once per generated \
+         token, timed in the server (rocmforge_constraint_mask_seconds); p50/p99 are \
+         interpolated within its buckets (10 us to 100 ms), the mean is exact. The mask is \
+         computed inline between the forward pass and the sampler, on the step's critical \
+         path. Constrained requests end where the format does (tok/req), unconstrained \
+         ones run the full --gen-tokens."
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket_quantile;
+
+    #[test]
+    fn quantiles_interpolate_within_the_bucket_that_holds_them() {
+        // 100 observations: none up to 10 us, 50 up to 25 us, 40 more up to 50 us, the
+        // last 10 up to 100 us.
+        let buckets = [(1e-5, 0), (2.5e-5, 50), (5e-5, 90), (1e-4, 100)];
+        let q = |q| bucket_quantile(&buckets, 100, q).unwrap();
+        assert!((q(0.5) - 2.5e-5).abs() < 1e-12);
+        assert!((q(0.25) - 1.75e-5).abs() < 1e-12);
+        assert!((q(0.99) - 9.5e-5).abs() < 1e-12);
+        assert!((q(1.0) - 1e-4).abs() < 1e-12);
+        // The first bucket starts at 0.
+        assert!((bucket_quantile(&[(1e-5, 4), (2e-5, 4)], 4, 0.5).unwrap() - 5e-6).abs() < 1e-12);
+    }
+
+    #[test]
+    fn quantiles_above_every_bound_are_the_last_bound_and_nothing_counted_is_none() {
+        // 10 observations, 2 of them above the last bound.
+        let buckets = [(1e-5, 5), (1e-4, 8)];
+        assert_eq!(bucket_quantile(&buckets, 10, 0.99), Some(1e-4));
+        assert!((bucket_quantile(&buckets, 10, 0.5).unwrap() - 1e-5).abs() < 1e-12);
+        assert_eq!(bucket_quantile(&buckets, 0, 0.5), None);
+        assert_eq!(bucket_quantile(&[], 3, 0.5), None);
+    }
 }

@@ -51,9 +51,10 @@ tasks:
                       next to llama.cpp's when its paths are given
   bench-serve [--clients 1,8,32] [--requests N] [--prompt-tokens 128] [--gen-tokens 128]
               [--threads N] [--gguf FILE] [--rocmforge PATH] [--llama-batched-bench PATH] [--json]
-              [--device cpu|gpu] [--python PATH]
+              [--device cpu|gpu] [--python PATH] [--constrained json_schema|grammar]
                       rocmforge serve on loopback under a bounded concurrency sweep:
-                      time to first token, time per output token, aggregate tokens/s
+                      time to first token, time per output token, aggregate tokens/s;
+                      --constrained: also held to a format, with the mask's cost per token
   bench-ttft --gguf FILE [--llama-completion PATH] [--rocmforge PATH] [--prompt-tokens 8,2048]
              [--runs N] [--cold] [--load-modes background,eager] [--device gpu|cpu] [--json FILE]
                       time to first token as a user sees it: whole `generate -n 1`

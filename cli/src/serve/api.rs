@@ -381,6 +381,20 @@ fn unix_time() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// [`request::check_body`]: a body's checks as the completion handlers run them, the
+/// refusal as its HTTP status and message.
+#[cfg(fuzzing)]
+pub(super) fn check_body(
+    state: &AppState,
+    loaded: &Loaded,
+    chat: bool,
+    body: &[u8],
+) -> Result<(), (u16, String)> {
+    request::check_body(state, loaded, chat, body)
+        .map(|_| ())
+        .map_err(|e| (e.status.as_u16(), e.message))
+}
+
 pub(super) fn random_seed() -> u64 {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)

@@ -259,6 +259,14 @@ fn timings(out: &mut String, m: &SchedulerMetrics) {
         "The forward passes alone, a part of each step.",
         &m.forward_duration.snapshot(),
     );
+    histogram(
+        out,
+        "constraint_mask_seconds",
+        "The grammar's token mask of a constrained sequence, once per sampled token: \
+         computed inline after the forward pass, before the sampler (part of the sample \
+         phase).",
+        &m.constraint_mask.snapshot(),
+    );
     let _ = writeln!(
         out,
         "# HELP rocmforge_step_phase_seconds_total The steps' time outside their forward \

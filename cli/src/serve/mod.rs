@@ -6,6 +6,8 @@
 
 mod api;
 mod format;
+#[cfg(fuzzing)]
+pub mod fuzzing;
 mod metrics;
 mod tools;
 

@@ -9,14 +9,30 @@ pub const LATENCY_BUCKETS: [f64; 14] = [
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-/// A latency histogram with [`LATENCY_BUCKETS`] (cumulative counts are computed when read).
-#[derive(Debug, Default)]
+/// Upper bounds of the constraint mask histogram's buckets, in seconds: 10 µs to 100 ms,
+/// about three to a decade (a mask over a large vocabulary takes tens of microseconds to
+/// milliseconds).
+pub const MASK_BUCKETS: [f64; 13] = [
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1,
+];
+
+/// A latency histogram with [`LATENCY_BUCKETS`] (the default) or other bounds
+/// ([`Histogram::with_bounds`]); cumulative counts are computed when read.
+#[derive(Debug)]
 pub struct Histogram {
+    /// Upper bounds of the buckets, ascending.
+    bounds: &'static [f64],
     /// Observations per bucket, the last one for those above every bound.
-    buckets: [AtomicU64; LATENCY_BUCKETS.len() + 1],
-    /// Sum of the observations in microseconds.
-    sum_us: AtomicU64,
+    buckets: Box<[AtomicU64]>,
+    /// Sum of the observations in nanoseconds.
+    sum_ns: AtomicU64,
     count: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Histogram {
+        Histogram::with_bounds(&LATENCY_BUCKETS)
+    }
 }
 
 /// A histogram as read at one moment.
@@ -29,21 +45,33 @@ pub struct HistogramSnapshot {
 }
 
 impl Histogram {
+    /// An empty histogram with buckets up to each of `bounds` (ascending, in seconds).
+    pub fn with_bounds(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_ns: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
     pub fn observe(&self, value: Duration) {
         let s = value.as_secs_f64();
-        let at = LATENCY_BUCKETS
+        let at = self
+            .bounds
             .iter()
             .position(|&b| s <= b)
-            .unwrap_or(LATENCY_BUCKETS.len());
+            .unwrap_or(self.bounds.len());
         self.buckets[at].fetch_add(1, Ordering::Relaxed);
-        self.sum_us
-            .fetch_add(value.as_micros() as u64, Ordering::Relaxed);
+        let ns = u64::try_from(value.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> HistogramSnapshot {
         let mut total = 0;
-        let buckets = LATENCY_BUCKETS
+        let buckets = self
+            .bounds
             .iter()
             .zip(&self.buckets)
             .map(|(&bound, n)| {
@@ -53,9 +81,27 @@ impl Histogram {
             .collect();
         HistogramSnapshot {
             buckets,
-            sum_seconds: self.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+            sum_seconds: self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9,
             count: self.count.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// A [`Histogram`] with [`MASK_BUCKETS`].
+#[derive(Debug)]
+pub struct MaskHistogram(Histogram);
+
+impl Default for MaskHistogram {
+    fn default() -> MaskHistogram {
+        MaskHistogram(Histogram::with_bounds(&MASK_BUCKETS))
+    }
+}
+
+impl std::ops::Deref for MaskHistogram {
+    type Target = Histogram;
+
+    fn deref(&self) -> &Histogram {
+        &self.0
     }
 }
 
@@ -139,6 +185,10 @@ pub struct SchedulerMetrics {
     pub step_duration: Histogram,
     /// The forward pass alone, a part of each step: the model's share of the steps.
     pub forward_duration: Histogram,
+    /// Each constrained sequence's grammar mask, computed for every token it samples
+    /// ([`MASK_BUCKETS`]): inline, between the forward pass and the sampler, so part of
+    /// the step's sample phase.
+    pub constraint_mask: MaskHistogram,
     /// Nanoseconds of the steps outside their forward passes, by [`StepPhase`]: with the
     /// forward passes they add up to the steps' time.
     step_phase_ns: [AtomicU64; StepPhase::ALL.len()],
@@ -199,6 +249,21 @@ mod tests {
         assert_eq!(s.buckets[4], (0.075, 2));
         assert_eq!(s.buckets.last(), Some(&(30.0, 2)));
         assert!((s.sum_seconds - 100.063).abs() < 1e-9);
+    }
+
+    #[test]
+    fn mask_histograms_have_microsecond_buckets() {
+        let h = MaskHistogram::default();
+        h.observe(Duration::from_micros(7));
+        h.observe(Duration::from_micros(30));
+        h.observe(Duration::from_millis(200));
+        let s = h.snapshot();
+        assert_eq!(s.buckets.len(), MASK_BUCKETS.len());
+        assert_eq!(s.buckets[0], (1e-5, 1));
+        assert_eq!(s.buckets[2], (5e-5, 2));
+        assert_eq!(s.buckets.last(), Some(&(0.1, 2)));
+        assert_eq!(s.count, 3);
+        assert!((s.sum_seconds - 0.200037).abs() < 1e-12);
     }
 
     #[test]

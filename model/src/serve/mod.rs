@@ -47,7 +47,10 @@ use crate::sampling::SamplingConfig;
 use crate::tokenizer::{TokenId, Tokenizer};
 use crate::Model;
 
-pub use metrics::{Histogram, HistogramSnapshot, SchedulerMetrics, StepPhase, LATENCY_BUCKETS};
+pub use metrics::{
+    Histogram, HistogramSnapshot, MaskHistogram, SchedulerMetrics, StepPhase, LATENCY_BUCKETS,
+    MASK_BUCKETS,
+};
 
 use scheduler_loop::Loop;
 

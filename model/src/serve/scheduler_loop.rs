@@ -174,6 +174,7 @@ impl<'m> Loop<'m> {
                     events: request.events,
                     logprobs,
                     chosen_logprobs: None,
+                    mask_time: None,
                     arrived,
                     last_token: None,
                     cached_tokens: 0,
@@ -484,6 +485,11 @@ impl<'m> Loop<'m> {
                     .zip(self.logits.chunks_exact_mut(n_vocab))
                     .collect();
                 let tokens = choose_all(&mut rows);
+                for (seq, _) in &mut rows {
+                    if let Some(time) = seq.mask_time.take() {
+                        self.metrics.constraint_mask.observe(time);
+                    }
+                }
                 times.sample = began.elapsed();
                 tokens
             }

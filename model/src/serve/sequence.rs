@@ -46,6 +46,9 @@ pub(super) struct Sequence<'t> {
     /// The log-probabilities of the token [`Sequence::choose`] chose last (taken with
     /// the token): the token's own, and the top ones.
     pub(super) chosen_logprobs: Option<(TokenLogprob, Vec<TokenLogprob>)>,
+    /// How long the grammar's mask took for the token [`Sequence::choose`] chose last
+    /// (taken by the step into [`super::SchedulerMetrics::constraint_mask`]).
+    pub(super) mask_time: Option<std::time::Duration>,
     pub(super) arrived: Instant,
     pub(super) last_token: Option<Instant>,
     pub(super) cached_tokens: usize,
@@ -93,7 +96,9 @@ impl Sequence<'_> {
             }
         }
         if let Some(constraint) = &mut self.constraint {
+            let began = Instant::now();
             constraint.mask(logits)?;
+            self.mask_time = Some(began.elapsed());
         }
         if let Some(asked) = &self.logprobs {
             let (softmax, top) = top_logprobs(logits, asked.top);

@@ -497,3 +497,34 @@ fn constraint(
         Err(e) => Err(ApiError::bad(format!("{field}: {e}")).param(field)),
     }
 }
+
+/// A request body's checks as the completion handlers run them, up to the scheduler's
+/// request: the JSON read as a chat (`chat`) or a text completion body, the unknown
+/// fields counted, an assistant's tool calls in the history read, and [`prepare`], which
+/// compiles the constraint the body asks for (a format, or the calls a `tool_choice`
+/// requires). What a handler would answer 400 to is the error. Built for the fuzz
+/// targets of `cli/fuzz` only (`cfg(fuzzing)`).
+#[cfg(fuzzing)]
+pub(in crate::serve) fn check_body(
+    state: &AppState,
+    loaded: &Loaded,
+    chat: bool,
+    body: &[u8],
+) -> Result<Prepared, ApiError> {
+    let body = Ok(axum::body::Bytes::copy_from_slice(body));
+    if chat {
+        let body: ChatBody = super::parse(body)?;
+        state.note_unknown_fields(body.unknown.keys());
+        let prepared = prepare(&body.common, state, loaded, Kind::Chat)?;
+        for (i, m) in body.messages.iter().enumerate() {
+            if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_null()) {
+                tools::history_calls(i, calls)?;
+            }
+        }
+        Ok(prepared)
+    } else {
+        let body: CompletionBody = super::parse(body)?;
+        state.note_unknown_fields(body.unknown.keys());
+        prepare(&body.common, state, loaded, Kind::Text)
+    }
+}
