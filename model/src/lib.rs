@@ -28,6 +28,7 @@ pub mod logprobs;
 mod model;
 mod ops;
 mod plan;
+pub mod pooling;
 pub mod sampling;
 pub mod serve;
 pub mod tokenizer;
