@@ -126,7 +126,10 @@ impl<'m> Loop<'m> {
                     self.end_with_error(seq, &ServeError::ShuttingDown.to_string());
                 }
             }
+            // Embeddings are work of their own: their time is no part of the step's.
+            let embed_began = Instant::now();
             self.embed_some();
+            began += embed_began.elapsed();
             self.admit();
             let admitted = Instant::now();
             let stepped = self.step();
