@@ -7,7 +7,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use model::serve::EmbedRequest;
+use model::serve::{EmbedRequest, ServeError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
@@ -79,10 +79,14 @@ pub(super) fn check_lengths(inputs: &[Vec<u32>], context_size: usize) -> Result<
     Ok(())
 }
 
-/// `vector` as the response gives it.
+/// `vector` as the response gives it: as numbers, each written with the fewest digits
+/// that read back as the same f32 (not those of the f64 it widens to, twice as many).
 pub(super) fn encode_vector(vector: &[f32], encoding: Encoding) -> Value {
     match encoding {
-        Encoding::Float => json!(vector),
+        Encoding::Float => vector
+            .iter()
+            .map(|&v| Value::from(v.to_string().parse::<f64>().unwrap_or(f64::from(v))))
+            .collect(),
         Encoding::Base64 => {
             let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
             Value::String(base64(&bytes))
@@ -133,11 +137,15 @@ pub(super) async fn embeddings(
     check_lengths(&inputs, loaded.context_size)?;
     let tokens: usize = inputs.iter().map(Vec::len).sum();
     let (tx, rx) = oneshot::channel();
-    loaded.scheduler.embed(EmbedRequest {
+    let request = EmbedRequest {
         inputs,
         reply: Box::new(move |result| {
             let _ = tx.send(result);
         }),
+    };
+    loaded.scheduler.embed(request).map_err(|e| match e {
+        ServeError::TokenOutOfRange { .. } => ApiError::bad(format!("input: {e}")).param("input"),
+        other => other.into(),
     })?;
     let vectors = match rx.await {
         Ok(Ok(vectors)) => vectors,

@@ -360,6 +360,12 @@ fn vectors_in_base64_are_their_little_endian_f32_bytes() {
         encode_vector(&[1.0, -2.5], Encoding::Float),
         json!([1.0, -2.5])
     );
+    // The shortest digits of the f32, which read back as it.
+    let v = -0.032_539_073_f32;
+    let written = encode_vector(&[v], Encoding::Float).to_string();
+    assert_eq!(written, "[-0.032539073]");
+    let read: Vec<f64> = serde_json::from_str(&written).expect("numbers");
+    assert_eq!(read[0] as f32, v);
 }
 
 #[test]
