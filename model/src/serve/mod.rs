@@ -17,6 +17,11 @@
 //! still cached, where they survived). A cancelled request (its client is gone) is
 //! dropped at the start of the next step, and its blocks freed.
 //!
+//! Embeddings requests ([`Scheduler::embed`]) are work of another kind: between two
+//! steps the loop runs some of their inputs (a step's budget of tokens) through the same
+//! model to the last hidden states, in blocks of the pool it frees at once, and pools
+//! them ([`crate::pooling`]).
+//!
 //! The scheduler is plain threads and channels; requests come with a callback that
 //! receives their text, so any front end (the HTTP server in `cli`) can drive it.
 //!
