@@ -4,7 +4,8 @@ Run by `cli/tests/cli.rs` (`serve_answers_the_openai_client`) as
 `python serve_openai.py ROCMFORGE_BINARY MODEL_GGUF`. Every server binds 127.0.0.1 on a
 free port; every loop is bounded in count and time. Prints one line per check and
 exits non-zero on the first failure. The helpers are serve_common.py's; the tool-call
-checks are in serve_tools.py, run from here on a server of their own.
+checks are in serve_tools.py, those of embeddings and lists of prompts in
+serve_embeddings.py, each run from here on a server of its own.
 """
 
 import json
@@ -666,6 +667,9 @@ def _():
 
 # Tool calls, on a server of their own (serve_tools.py).
 import serve_tools  # noqa: E402,F401  (its checks run as it is imported)
+
+# Embeddings and lists of prompts, on a server of their own (serve_embeddings.py).
+import serve_embeddings  # noqa: E402,F401  (its checks run as it is imported)
 
 
 # A second server with a queue of one, to fill it, then stopped with SIGTERM mid-stream.

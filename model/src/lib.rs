@@ -32,6 +32,7 @@ mod model;
 mod ops;
 pub mod perplexity;
 mod plan;
+pub mod pooling;
 pub mod sampling;
 pub mod serve;
 pub mod tokenizer;

@@ -71,4 +71,15 @@ impl Model {
     ) -> Result<Vec<f32>, ModelError> {
         cpu::forward(&self.config, &self.plan, tokens, cache, Logits::All)
     }
+
+    /// Appends `tokens` to `cache` and returns every token's last hidden state after the
+    /// final norm, `n_embd` per token: the rows the output projection would read, which
+    /// [`crate::pooling`] turns into an embedding.
+    pub fn hidden_states(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, ModelError> {
+        cpu::hidden_states(&self.config, &self.plan, tokens, cache)
+    }
 }

@@ -8,6 +8,8 @@ mod chat;
 mod common;
 #[path = "real_models/constraint.rs"]
 mod constraint;
+#[path = "real_models/embedding.rs"]
+mod embedding;
 #[path = "real_models/forward.rs"]
 mod forward;
 #[path = "real_models/generate.rs"]

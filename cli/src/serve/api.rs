@@ -1,8 +1,9 @@
 //! The routes: OpenAI's chat and text completions (streamed as server-sent events or
-//! not), the model list, health, tokenize/detokenize and metrics, with OpenAI-shaped
-//! errors for every refusal.
+//! not), embeddings, the model list, health, tokenize/detokenize and metrics, with
+//! OpenAI-shaped errors for every refusal.
 
 mod completion;
+mod embeddings;
 mod logprobs;
 mod request;
 mod stream;
@@ -45,6 +46,8 @@ pub fn router(state: Shared) -> Router {
         .route("/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/embeddings", post(embeddings::embeddings))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)

@@ -140,6 +140,16 @@ fn scheduler_counters(out: &mut String, m: &SchedulerMetrics) {
             "Sequences pushed back to the queue to free KV blocks.",
             &m.preemptions,
         ),
+        (
+            "embedding_requests_total",
+            "Embeddings requests accepted into the queue.",
+            &m.embedding_requests,
+        ),
+        (
+            "embedding_tokens_total",
+            "Tokens of embeddings inputs run through the model.",
+            &m.embedding_tokens,
+        ),
     ];
     for (name, help, counter) in counters {
         gauge(name, help, "counter", get(counter));

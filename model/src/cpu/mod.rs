@@ -14,5 +14,7 @@ mod products;
 
 pub(crate) use layer::{layer, Context, Kv, Scratch, Segment};
 pub(crate) use offload::RowOffload;
-pub(crate) use pass::{embed, forward, layers_on_host, on_the_pool, output_logits};
+pub(crate) use pass::{
+    embed, final_norm, forward, hidden_states, layers_on_host, on_the_pool, output_logits,
+};
 pub use pass::{Logits, PROGRESS_TARGET};

@@ -107,6 +107,34 @@ fn run_layers(
     Ok(x)
 }
 
+/// Runs `tokens` through the model after the positions already in `cache`, appends their
+/// keys and values to it, and returns every token's last hidden state after the final
+/// norm (`n_embd` values per token): what the output projection would read.
+pub(crate) fn hidden_states(
+    config: &ModelConfig,
+    plan: &ExecutionPlan,
+    tokens: &[u32],
+    cache: &mut KvCache,
+) -> Result<Vec<f32>, ModelError> {
+    if tokens.is_empty() {
+        return Err(ModelError::EmptyInput);
+    }
+    cache.check_room(tokens.len())?;
+    let first_pos = cache.len();
+    let result = on_the_pool(|| run_layers(config, plan, tokens, cache, first_pos, Logits::All));
+    match result {
+        Ok(mut x) => {
+            cache.commit(tokens.len());
+            final_norm(config, plan, &mut x)?;
+            Ok(x)
+        }
+        Err(e) => {
+            cache.truncate(first_pos);
+            Err(e)
+        }
+    }
+}
+
 /// Runs the residual stream `x` (`n_embd` values per token) of tokens at positions
 /// `cache.len()..` through the transformer blocks `layers`, appending their keys and
 /// values to those layers of `cache` without committing them: the caller commits once
@@ -183,7 +211,7 @@ pub(crate) fn output_logits(
     logits: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
     let n = x.len() / config.n_embd;
-    ops::rms_norm_in_place(x, &vector(&plan.output_norm)?, config.rms_norm_eps);
+    final_norm(config, plan, x)?;
     linear(&plan.output, x, n, logits)?;
     if let Some(cap) = config.final_logit_softcap {
         let inv = 1.0 / cap;
@@ -191,5 +219,16 @@ pub(crate) fn output_logits(
             *l = (*l * inv).tanh() * cap;
         }
     }
+    Ok(())
+}
+
+/// The final norm of the residual rows `x`, in place: the last hidden states, as the
+/// output projection reads them.
+pub(crate) fn final_norm(
+    config: &ModelConfig,
+    plan: &ExecutionPlan,
+    x: &mut [f32],
+) -> Result<(), ModelError> {
+    ops::rms_norm_in_place(x, &vector(&plan.output_norm)?, config.rms_norm_eps);
     Ok(())
 }

@@ -18,6 +18,36 @@ impl GpuModel {
         self.logits(m)
     }
 
+    /// Runs the new tokens of several sequences as [`GpuModel::forward_batch`] does and
+    /// returns every token's last hidden state after the final norm, `n_embd` per token
+    /// in the segments' order, whatever their `logits` (no output product runs). The
+    /// residual rows come back from the device and take the final norm on the host, as
+    /// [`crate::Model::hidden_states`] computes it.
+    pub fn forward_batch_hidden(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+    ) -> Result<Vec<f32>, ModelError> {
+        let segments: Vec<BatchSegment<'_>> = segments
+            .iter()
+            .map(|s| BatchSegment {
+                logits: false,
+                ..*s
+            })
+            .collect();
+        self.eval_batch(&segments, BatchOut::Logits)?;
+        let n: usize = segments.iter().map(|s| s.tokens.len()).sum();
+        let mut rows = vec![0f32; n * self.config.n_embd];
+        let x = self.bufs.x_view(rows.len())?;
+        self.stream
+            .read_to_host(x, &mut rows)
+            .map_err(|source| ModelError::Gpu {
+                op: "reading the hidden states",
+                source,
+            })?;
+        crate::cpu::final_norm(&self.config, &self.plan, &mut rows)?;
+        Ok(rows)
+    }
+
     /// As [`GpuModel::forward_batch`], returning the greedy token (the first highest
     /// logit, taken on the device) of each segment that asks for logits.
     pub fn forward_batch_argmax(

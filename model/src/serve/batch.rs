@@ -11,7 +11,7 @@
 //! that get logits.
 
 use crate::config::ModelConfig;
-use crate::cpu::{embed, layer, on_the_pool, output_logits, Kv, Scratch};
+use crate::cpu::{embed, final_norm, layer, on_the_pool, output_logits, Kv, Scratch};
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
 
@@ -35,7 +35,40 @@ pub(crate) fn forward_batch(
     if segments.iter().all(|s| s.tokens.is_empty()) {
         return Err(ModelError::EmptyInput);
     }
-    on_the_pool(|| run(config, plan, pool, segments, context, logits))
+    on_the_pool(|| run(config, plan, pool, segments, context, Out::Logits(logits)))
+}
+
+/// Runs every segment's tokens and returns the last hidden state of each of them after
+/// the final norm, `n_embd` per token in segment order (embeddings: every row, whatever
+/// the segments' `logits`).
+pub(crate) fn hidden_batch(
+    config: &ModelConfig,
+    plan: &ExecutionPlan,
+    pool: &mut KvPool,
+    segments: &[Segment<'_>],
+    context: Context,
+) -> Result<Vec<f32>, ModelError> {
+    if segments.iter().all(|s| s.tokens.is_empty()) {
+        return Err(ModelError::EmptyInput);
+    }
+    let mut rows = Vec::new();
+    on_the_pool(|| {
+        run(
+            config,
+            plan,
+            pool,
+            segments,
+            context,
+            Out::Hidden(&mut rows),
+        )
+    })?;
+    Ok(rows)
+}
+
+/// What a batch leaves: the logits of the segments that ask, or every row's hidden state.
+enum Out<'a> {
+    Logits(&'a mut Vec<f32>),
+    Hidden(&'a mut Vec<f32>),
 }
 
 fn run(
@@ -44,7 +77,7 @@ fn run(
     pool: &mut KvPool,
     segments: &[Segment<'_>],
     context: Context,
-    logits: &mut Vec<f32>,
+    out: Out<'_>,
 ) -> Result<(), ModelError> {
     let tokens: Vec<u32> = segments
         .iter()
@@ -64,6 +97,7 @@ fn run(
         segments,
         context,
     };
+    let every_row = matches!(out, Out::Hidden(_));
     for (layer_idx, layer_plan) in plan.layers.iter().enumerate() {
         // The last layer carries only the rows of the segments that get logits.
         layer(
@@ -72,13 +106,18 @@ fn run(
             layer_idx,
             &mut x,
             &mut kv,
-            layer_idx == last,
+            layer_idx == last && !every_row,
             &mut scratch,
             None,
         )?;
     }
-    if x.is_empty() {
-        return Ok(());
+    match out {
+        Out::Hidden(rows) => {
+            final_norm(config, plan, &mut x)?;
+            *rows = x;
+            Ok(())
+        }
+        Out::Logits(_) if x.is_empty() => Ok(()),
+        Out::Logits(logits) => output_logits(config, plan, &mut x, logits),
     }
-    output_logits(config, plan, &mut x, logits)
 }

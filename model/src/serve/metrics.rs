@@ -161,6 +161,10 @@ pub struct SchedulerMetrics {
     pub computed_tokens: AtomicU64,
     /// Scheduler steps (forward passes).
     pub steps: AtomicU64,
+    /// Embeddings requests accepted into the queue, and the tokens of their inputs
+    /// computed.
+    pub embedding_requests: AtomicU64,
+    pub embedding_tokens: AtomicU64,
     /// Sequences pushed back to the queue to free blocks for others.
     pub preemptions: AtomicU64,
     /// Requests waiting to start.

@@ -17,6 +17,11 @@
 //! still cached, where they survived). A cancelled request (its client is gone) is
 //! dropped at the start of the next step, and its blocks freed.
 //!
+//! Embeddings requests ([`Scheduler::embed`]) are work of another kind: between two
+//! steps the loop runs some of their inputs (a step's budget of tokens) through the same
+//! model to the last hidden states, in blocks of the pool it frees at once, and pools
+//! them ([`crate::pooling`]).
+//!
 //! The scheduler is plain threads and channels; requests come with a callback that
 //! receives their text, so any front end (the HTTP server in `cli`) can drive it.
 //!
@@ -34,7 +39,7 @@ mod scheduler_loop;
 mod sequence;
 mod stop;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -216,8 +221,23 @@ pub struct LogprobsRequest {
     pub sink: Box<dyn FnMut(TokenLogprobs) + Send>,
 }
 
+/// Where an embeddings request's vectors go: one per input, in order, or why the
+/// request failed. Called once, on the scheduler thread.
+pub type EmbedReply = Box<dyn FnOnce(Result<Vec<Vec<f32>>, String>) + Send>;
+
+/// Texts to embed, as token ids: each input's vector is the mean of its last hidden
+/// states after the final norm, scaled to unit length ([`crate::pooling`]). The inputs
+/// run between the steps of the completions, through the same model, in blocks of the
+/// pool that are freed as soon as they are computed: they leave no keys and values
+/// behind.
+pub struct EmbedRequest {
+    pub inputs: Vec<Vec<TokenId>>,
+    pub reply: EmbedReply,
+}
+
 enum Message {
     Submit(Box<Request>, Option<LogprobsRequest>, Instant),
+    Embed(Box<EmbedRequest>),
     Shutdown(Duration),
 }
 
@@ -339,7 +359,32 @@ impl Scheduler {
         if !self.accepting.load(Ordering::SeqCst) {
             return Err(ServeError::ShuttingDown);
         }
-        let n = request.prompt.len();
+        self.check_prompt(&request.prompt)?;
+        self.check_tokens(request.logit_bias.iter().map(|&(t, _)| t))?;
+        let message = Message::Submit(Box::new(request), logprobs, Instant::now());
+        self.enqueue(message, &self.metrics.requests_received)
+    }
+
+    /// Queues an embeddings request, or says at once why it can never run or cannot run
+    /// now: no inputs, an empty one, one longer than the context or with a token outside
+    /// the vocabulary. It waits in the queue as a completion does.
+    pub fn embed(&self, request: EmbedRequest) -> Result<(), ServeError> {
+        if !self.accepting.load(Ordering::SeqCst) {
+            return Err(ServeError::ShuttingDown);
+        }
+        if request.inputs.is_empty() {
+            return Err(ServeError::EmptyPrompt);
+        }
+        for input in &request.inputs {
+            self.check_prompt(input)?;
+        }
+        let message = Message::Embed(Box::new(request));
+        self.enqueue(message, &self.metrics.embedding_requests)
+    }
+
+    /// A prompt the scheduler can run: some tokens, within the context and the vocabulary.
+    fn check_prompt(&self, prompt: &[TokenId]) -> Result<(), ServeError> {
+        let n = prompt.len();
         if n == 0 {
             return Err(ServeError::EmptyPrompt);
         }
@@ -349,17 +394,22 @@ impl Scheduler {
                 context_size: self.config.context_size,
             });
         }
-        if let Some(&token) = request
-            .prompt
-            .iter()
-            .chain(request.logit_bias.iter().map(|(t, _)| t))
-            .find(|&&t| t as usize >= self.n_vocab)
-        {
-            return Err(ServeError::TokenOutOfRange {
+        self.check_tokens(prompt.iter().copied())
+    }
+
+    fn check_tokens(&self, mut tokens: impl Iterator<Item = TokenId>) -> Result<(), ServeError> {
+        match tokens.find(|&t| t as usize >= self.n_vocab) {
+            Some(token) => Err(ServeError::TokenOutOfRange {
                 token,
                 n_vocab: self.n_vocab,
-            });
+            }),
+            None => Ok(()),
         }
+    }
+
+    /// Sends `message` to the scheduler thread if the queue has room, counting it in
+    /// `received`.
+    fn enqueue(&self, message: Message, received: &AtomicU64) -> Result<(), ServeError> {
         let limit = self.config.max_queue;
         let admitted = self
             .waiting
@@ -370,12 +420,12 @@ impl Scheduler {
             SchedulerMetrics::add(&self.metrics.rejected_queue_full, 1);
             return Err(ServeError::QueueFull { limit });
         }
-        SchedulerMetrics::add(&self.metrics.requests_received, 1);
+        SchedulerMetrics::add(received, 1);
         let sent = self
             .sender
             .lock()
             .map_err(|_| ServeError::ShuttingDown)?
-            .send(Message::Submit(Box::new(request), logprobs, Instant::now()));
+            .send(message);
         if sent.is_err() {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(ServeError::ShuttingDown);

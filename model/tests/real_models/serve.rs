@@ -621,3 +621,87 @@ fn constrained_requests_follow_their_grammars_in_a_batch() {
     }
     assert_eq!(collect(&plain_rx).0, alone);
 }
+
+/// Embeddings through the scheduler are `Model::hidden_states` pooled, whether the
+/// inputs run alone or beside a running stream, in batches of the step's budget; they
+/// leave no block held; bad ones are refused at once.
+#[test]
+fn smollm2_embeddings_run_between_steps_and_leave_no_blocks() {
+    use model::pooling::mean_pool_normalized;
+    use model::serve::EmbedRequest;
+    let (model, tokenizer) = load(SMOLLM2);
+    let texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Water boils at a temperature of",
+        "The quick brown fox jumps over the lazy dog.",
+    ];
+    let inputs: Vec<Vec<u32>> = texts.iter().map(|t| encode(&tokenizer, t)).collect();
+    let alone: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|tokens| {
+            let mut cache = model.new_cache(tokens.len());
+            let rows = model
+                .hidden_states(tokens, &mut cache)
+                .expect("hidden states");
+            mean_pool_normalized(&rows, model.config().n_embd)
+        })
+        .collect();
+    // A budget of 12 tokens a step: the 10-token inputs go one per step.
+    let scheduler = Scheduler::start(model.clone(), Arc::clone(&tokenizer), config(256, 512, 12))
+        .expect("starts");
+    let embed = |inputs: Vec<Vec<u32>>| {
+        let (tx, rx) = mpsc::channel();
+        scheduler
+            .embed(EmbedRequest {
+                inputs,
+                reply: Box::new(move |result| {
+                    let _ = tx.send(result);
+                }),
+            })
+            .map(|()| rx)
+    };
+    let prompt = encode(
+        &tokenizer,
+        "Once upon a time, in a small village by the sea,",
+    );
+    let (req, events, _) = request(prompt, 40, greedy());
+    scheduler.submit(req).expect("submitted");
+    let vectors = embed(inputs.clone())
+        .expect("queued")
+        .recv_timeout(Duration::from_secs(120))
+        .expect("a reply")
+        .expect("vectors");
+    let (text, _) = collect(&events);
+    assert!(!text.is_empty());
+    // Row by row, batching changes no bit.
+    assert_eq!(vectors, alone);
+    assert_eq!(vectors[0], vectors[2]);
+    assert_ne!(vectors[0], vectors[1]);
+    let m = scheduler.metrics();
+    assert_eq!(SchedulerMetrics::get(&m.embedding_requests), 1);
+    let tokens: usize = inputs.iter().map(Vec::len).sum();
+    assert_eq!(SchedulerMetrics::get(&m.embedding_tokens), tokens as u64);
+    // The gauges follow the stream's last event.
+    let start = Instant::now();
+    while SchedulerMetrics::get(&m.kv_blocks_used) != 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "blocks freed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for (bad, why) in [
+        (vec![], ServeError::EmptyPrompt),
+        (vec![vec![1], vec![]], ServeError::EmptyPrompt),
+        (
+            vec![vec![1; 257]],
+            ServeError::PromptTooLong {
+                prompt_tokens: 257,
+                context_size: 256,
+            },
+        ),
+    ] {
+        assert_eq!(embed(bad).err(), Some(why));
+    }
+    assert!(matches!(
+        embed(vec![vec![u32::MAX]]).err(),
+        Some(ServeError::TokenOutOfRange { .. })
+    ));
+}

@@ -19,8 +19,8 @@ use crate::serve::tools::{history_calls, CallParser, Piece};
 use crate::serve::Loaded;
 
 use super::logprobs;
-use super::request::{prepare, ChatBody, CompletionBody, Content, Prepared, PromptField};
-use super::stream::{EventStream, Meta, Phase};
+use super::request::{prepare, read_inputs, ChatBody, CompletionBody, Content, Inputs, Prepared};
+use super::stream::{ChoiceStream, EventStream, Meta, Phase};
 use super::{
     authorize, loaded, parse, random_seed, unix_time, ApiError, Shared, SYSTEM_FINGERPRINT,
 };
@@ -110,8 +110,11 @@ pub(super) async fn chat_completions(
             e.to_string(),
         )
     })??;
-    run_request(loaded, prompt, prepared, Kind::Chat).await
+    run_request(loaded, vec![(prompt, prepared)], Kind::Chat).await
 }
+
+/// Most prompts one text completion request may list.
+pub(super) const MAX_PROMPTS: usize = 64;
 
 pub(super) async fn completions(
     State(state): State<Shared>,
@@ -122,31 +125,39 @@ pub(super) async fn completions(
     let body: CompletionBody = parse(body)?;
     state.note_unknown_fields(body.unknown.keys());
     let loaded = loaded(&state)?;
-    let prepared = prepare(&body.common, &state, loaded, Kind::Text)?;
-    let prompt = match body.prompt {
-        PromptField::Tokens(tokens) => tokens,
-        PromptField::Text(text) => encode(&state, text).await?,
-        PromptField::Texts(mut texts) => {
-            if texts.len() != 1 {
-                return Err(
-                    ApiError::bad(format!("one prompt per request, got {}", texts.len()))
-                        .param("prompt"),
-                );
-            }
-            encode(&state, texts.remove(0)).await?
-        }
-    };
-    run_request(loaded, prompt, prepared, Kind::Text).await
+    let inputs = read_inputs(&body.prompt, "prompt", MAX_PROMPTS)?;
+    // Each prompt its own settings: a constraint follows one output.
+    let mut jobs = Vec::with_capacity(inputs.len());
+    for prompt in encode(&state, inputs, "prompt").await? {
+        jobs.push((prompt, prepare(&body.common, &state, loaded, Kind::Text)?));
+    }
+    run_request(loaded, jobs, Kind::Text).await
 }
 
-async fn encode(state: &Shared, text: String) -> Result<Vec<u32>, ApiError> {
+/// The token ids of `inputs` (texts tokenized as prompts are: BOS and EOS where the
+/// vocabulary asks for them, control tokens recognised), off the async threads; a 400
+/// naming `field` when a text does not tokenize.
+pub(super) async fn encode(
+    state: &Shared,
+    inputs: Inputs,
+    field: &'static str,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let texts = match inputs {
+        Inputs::Tokens(lists) => return Ok(lists),
+        Inputs::Texts(texts) => texts,
+    };
     let state = Arc::clone(state);
     tokio::task::spawn_blocking(move || {
         let loaded = state.loaded.get().expect("loaded before encoding");
-        loaded
-            .tokenizer
-            .encode(&text, EncodeOptions::PROMPT)
-            .map_err(|e| ApiError::bad(e.to_string()).param("prompt"))
+        texts
+            .iter()
+            .map(|text| {
+                loaded
+                    .tokenizer
+                    .encode(text, EncodeOptions::PROMPT)
+                    .map_err(|e| ApiError::bad(e.to_string()).param(field))
+            })
+            .collect()
     })
     .await
     .map_err(|e| {
@@ -170,52 +181,66 @@ impl Drop for CancelOnDrop {
     }
 }
 
+/// Runs each prompt with its settings as a sequence of its own (they batch together in
+/// the scheduler) and answers with one choice per prompt, in order: a response, or
+/// server-sent events whose chunks carry their choice's index. The response's settings
+/// (model name, streaming, usage, tools) are the first prompt's; `jobs` is not empty.
 pub(super) async fn run_request(
     loaded: &Loaded,
-    prompt: Vec<u32>,
-    p: Prepared,
+    jobs: Vec<(Vec<u32>, Prepared)>,
     kind: Kind,
 ) -> Result<Response, ApiError> {
-    let n = prompt.len();
-    if n > loaded.context_size {
-        return Err(ServeError::PromptTooLong {
-            prompt_tokens: n,
-            context_size: loaded.context_size,
+    for (prompt, _) in &jobs {
+        if prompt.len() > loaded.context_size {
+            return Err(ServeError::PromptTooLong {
+                prompt_tokens: prompt.len(),
+                context_size: loaded.context_size,
+            }
+            .into());
         }
-        .into());
     }
-    let mut parser = p
+    let first = &jobs.first().expect("at least one prompt").1;
+    let (model_name, stream, include_usage) =
+        (first.model.clone(), first.stream, first.include_usage);
+    let wants_logprobs = first.logprobs.is_some();
+    let mut parser = first
         .tools
         .as_ref()
         .map(|plan| CallParser::for_request(plan.syntax, &plan.request));
-    let room = loaded.context_size.saturating_sub(n).max(1);
-    let max_tokens = p.max_tokens.unwrap_or(room);
+    let choices = jobs.len();
     let (tx, rx) = mpsc::unbounded_channel();
+    // One flag for all the prompts: a client gone, or one prompt failed, ends them all.
     let cancel = Arc::new(AtomicBool::new(false));
-    let logprobs = p.logprobs.map(|top| {
-        let tx = tx.clone();
-        LogprobsRequest {
-            top,
-            sink: Box::new(move |token| {
-                // A client gone is seen by the events' sender.
-                let _ = tx.send(Out::Logprobs(token));
-            }),
-        }
-    });
-    let request = Request {
-        prompt,
-        max_tokens,
-        sampling: p.sampling,
-        stop: p.stop,
-        presence_penalty: p.presence_penalty,
-        frequency_penalty: p.frequency_penalty,
-        logit_bias: p.logit_bias,
-        constraint: p.constraint,
-        cancel: Arc::clone(&cancel),
-        events: Box::new(move |event| tx.send(Out::Event(event)).is_ok()),
-    };
-    let guard = CancelOnDrop(Some(cancel));
-    loaded.scheduler.submit_with(request, logprobs)?;
+    let guard = CancelOnDrop(Some(Arc::clone(&cancel)));
+    for (index, (prompt, p)) in jobs.into_iter().enumerate() {
+        let room = loaded.context_size.saturating_sub(prompt.len()).max(1);
+        let max_tokens = p.max_tokens.unwrap_or(room);
+        let logprobs = p.logprobs.map(|top| {
+            let tx = tx.clone();
+            LogprobsRequest {
+                top,
+                sink: Box::new(move |token| {
+                    // A client gone is seen by the events' sender.
+                    let _ = tx.send((index, Out::Logprobs(token)));
+                }),
+            }
+        });
+        let events = tx.clone();
+        let request = Request {
+            prompt,
+            max_tokens,
+            sampling: p.sampling,
+            stop: p.stop,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            logit_bias: p.logit_bias,
+            constraint: p.constraint,
+            cancel: Arc::clone(&cancel),
+            events: Box::new(move |event| events.send((index, Out::Event(event))).is_ok()),
+        };
+        loaded.scheduler.submit_with(request, logprobs)?;
+    }
+    drop(tx);
     let meta = Meta {
         id: format!(
             "{}-{:x}",
@@ -227,19 +252,24 @@ pub(super) async fn run_request(
             random_seed()
         ),
         created: unix_time(),
-        model: p.model.clone(),
+        model: model_name,
         kind,
     };
-    if p.stream {
+    if stream {
         let stream = EventStream {
             rx,
             meta,
-            include_usage: p.include_usage,
+            include_usage,
             phase: Phase::Start,
             guard,
             parser,
-            logprobs: p.logprobs.map(|_| Vec::new()),
-            offset: 0,
+            choices: (0..choices)
+                .map(|_| ChoiceStream {
+                    logprobs: wants_logprobs.then(Vec::new),
+                    offset: 0,
+                })
+                .collect(),
+            finishes: Vec::with_capacity(choices),
         };
         let mut response = Response::new(Body::from_stream(stream));
         let h = response.headers_mut();
@@ -252,15 +282,20 @@ pub(super) async fn run_request(
     }
     let mut rx = rx;
     let mut guard = guard;
-    let mut text = String::new();
-    let mut tokens = Vec::new();
-    let finish = loop {
+    let mut texts = vec![String::new(); choices];
+    let mut tokens: Vec<Vec<TokenLogprobs>> = (0..choices).map(|_| Vec::new()).collect();
+    let mut finishes: Vec<Option<Finish>> = vec![None; choices];
+    let mut left = choices;
+    while left > 0 {
         match rx.recv().await {
-            Some(Out::Logprobs(token)) => tokens.push(token),
-            Some(Out::Event(Event::Text(piece))) => text.push_str(&piece),
-            Some(Out::Event(Event::Done(finish))) => break finish,
-            Some(Out::Event(Event::Error(message))) => {
-                guard.0 = None;
+            Some((i, Out::Logprobs(token))) => tokens[i].push(token),
+            Some((i, Out::Event(Event::Text(piece)))) => texts[i].push_str(&piece),
+            Some((i, Out::Event(Event::Done(finish)))) => {
+                finishes[i] = Some(finish);
+                left -= 1;
+            }
+            Some((_, Out::Event(Event::Error(message)))) => {
+                // The other prompts are cancelled as the guard drops.
                 return Err(ApiError::unavailable(message));
             }
             None => {
@@ -271,46 +306,52 @@ pub(super) async fn run_request(
                 ))
             }
         }
-    };
+    }
     guard.0 = None;
-    let logprobs = match p.logprobs {
-        Some(_) => logprobs::format(kind, &tokens, &mut 0),
-        None => Value::Null,
-    };
-    let choice = match kind {
-        Kind::Chat => {
-            let mut message = json!({"role": "assistant", "content": text});
-            let mut reason = finish.reason.as_str();
-            if let Some(parser) = &mut parser {
-                let (content, calls) = split_calls(parser, &text);
-                if !calls.is_empty() {
-                    message["tool_calls"] = Value::Array(calls);
-                    reason = "tool_calls";
+    let finishes: Vec<Finish> = finishes.into_iter().flatten().collect();
+    let mut answers = Vec::with_capacity(choices);
+    for (index, ((text, tokens), finish)) in
+        texts.into_iter().zip(&tokens).zip(&finishes).enumerate()
+    {
+        let logprobs = match wants_logprobs {
+            true => logprobs::format(kind, tokens, &mut 0),
+            false => Value::Null,
+        };
+        answers.push(match kind {
+            Kind::Chat => {
+                let mut message = json!({"role": "assistant", "content": text});
+                let mut reason = finish.reason.as_str();
+                if let Some(parser) = &mut parser {
+                    let (content, calls) = split_calls(parser, &text);
+                    if !calls.is_empty() {
+                        message["tool_calls"] = Value::Array(calls);
+                        reason = "tool_calls";
+                    }
+                    message["content"] = content.map_or(Value::Null, Value::String);
                 }
-                message["content"] = content.map_or(Value::Null, Value::String);
+                json!({
+                    "index": index,
+                    "message": message,
+                    "finish_reason": reason,
+                    "logprobs": logprobs,
+                })
             }
-            json!({
-                "index": 0,
-                "message": message,
-                "finish_reason": reason,
+            Kind::Text => json!({
+                "index": index,
+                "text": text,
+                "finish_reason": finish.reason.as_str(),
                 "logprobs": logprobs,
-            })
-        }
-        Kind::Text => json!({
-            "index": 0,
-            "text": text,
-            "finish_reason": finish.reason.as_str(),
-            "logprobs": logprobs,
-        }),
-    };
+            }),
+        });
+    }
     Ok(axum::Json(json!({
         "id": meta.id,
         "object": if kind == Kind::Chat { "chat.completion" } else { "text_completion" },
         "created": meta.created,
         "model": meta.model,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": [choice],
-        "usage": usage(&finish),
+        "choices": answers,
+        "usage": usage(&finishes),
     }))
     .into_response())
 }
@@ -333,11 +374,15 @@ pub(super) fn split_calls(parser: &mut CallParser, text: &str) -> (Option<String
     (Some(content), calls)
 }
 
-pub(super) fn usage(finish: &Finish) -> Value {
+/// The usage of a request's choices, summed.
+pub(super) fn usage(finishes: &[Finish]) -> Value {
+    let sum = |field: fn(&Finish) -> usize| finishes.iter().map(field).sum::<usize>();
+    let prompt = sum(|f| f.prompt_tokens);
+    let completion = sum(|f| f.completion_tokens);
     json!({
-        "prompt_tokens": finish.prompt_tokens,
-        "completion_tokens": finish.completion_tokens,
-        "total_tokens": finish.prompt_tokens + finish.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": finish.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(|f| f.cached_tokens)},
     })
 }

@@ -237,18 +237,97 @@ pub(super) struct ChatBody {
     pub(super) unknown: Unknown,
 }
 
-/// A prompt: text, a list of one text, or token ids.
-#[derive(Deserialize)]
-#[serde(untagged)]
-pub(super) enum PromptField {
-    Text(String),
+/// What a completion's `prompt` or an embeddings request's `input` holds, read by
+/// [`read_inputs`]: texts to tokenize, or token ids, one list per input.
+#[derive(Debug, PartialEq)]
+pub(super) enum Inputs {
     Texts(Vec<String>),
-    Tokens(Vec<u32>),
+    Tokens(Vec<Vec<u32>>),
+}
+
+impl Inputs {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Inputs::Texts(texts) => texts.len(),
+            Inputs::Tokens(lists) => lists.len(),
+        }
+    }
+}
+
+/// Reads `value`, the request's `field`, as OpenAI gives prompts and embeddings inputs:
+/// a string, a list of strings, a list of token ids (one input) or a list of lists of
+/// token ids, at most `limit` inputs. Anything else, an empty list or one of more than
+/// `limit` is a 400 naming the field; so is a token id that is not a `u32`. An empty
+/// input (`""`, `[[]]`) passes: whether it is empty once tokenized is the caller's.
+pub(super) fn read_inputs(
+    value: &Value,
+    field: &'static str,
+    limit: usize,
+) -> Result<Inputs, ApiError> {
+    let bad = |why: String| Err(ApiError::bad(format!("{field}: {why}")).param(field));
+    let shape = "must be a string, a list of strings, a list of token ids or a list of lists \
+                 of token ids";
+    let ids = |items: &[Value]| -> Option<Vec<u32>> {
+        items
+            .iter()
+            .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+            .collect()
+    };
+    let items = match value {
+        Value::String(text) => return Ok(Inputs::Texts(vec![text.clone()])),
+        Value::Array(items) => items,
+        other => return bad(format!("{shape}, got {}", kind_of(other))),
+    };
+    if items.is_empty() {
+        return bad("must not be an empty list".to_owned());
+    }
+    if items.iter().all(Value::is_number) {
+        return match ids(items) {
+            Some(ids) => Ok(Inputs::Tokens(vec![ids])),
+            None => bad("token ids must be integers from 0 to 4294967295".to_owned()),
+        };
+    }
+    if items.len() > limit {
+        return bad(format!("at most {limit} inputs, got {}", items.len()));
+    }
+    if items.iter().all(Value::is_string) {
+        let texts = items.iter().filter_map(Value::as_str).map(str::to_owned);
+        return Ok(Inputs::Texts(texts.collect()));
+    }
+    if items.iter().all(Value::is_array) {
+        let mut lists = Vec::with_capacity(items.len());
+        for (i, item) in items.iter().enumerate() {
+            let list = item.as_array().map_or(&[][..], Vec::as_slice);
+            match ids(list) {
+                Some(ids) => lists.push(ids),
+                None => {
+                    return bad(format!(
+                        "item {i}: token ids must be integers from 0 to 4294967295"
+                    ))
+                }
+            }
+        }
+        return Ok(Inputs::Tokens(lists));
+    }
+    bad(format!("{shape}, got a list of mixed or other values"))
+}
+
+/// The JSON type of `value`, for messages.
+fn kind_of(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
 }
 
 #[derive(Deserialize)]
 pub(super) struct CompletionBody {
-    pub(super) prompt: PromptField,
+    /// Read by [`read_inputs`].
+    pub(super) prompt: Value,
     #[serde(flatten)]
     pub(super) common: Common,
     /// After `common`, which takes its own fields first.

@@ -5,7 +5,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use axum::body::Bytes;
-use model::serve::{Event, TokenLogprobs};
+use model::serve::{Event, Finish, TokenLogprobs};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -23,13 +23,16 @@ pub(super) struct Meta {
 }
 
 impl Meta {
-    fn chunk(&self, delta_or_text: Value, finish: Option<&str>) -> Value {
+    /// A chunk of choice `index`.
+    fn chunk(&self, index: usize, delta_or_text: Value, finish: Option<&str>) -> Value {
         let choice = match self.kind {
             Kind::Chat => json!({
-                "index": 0, "delta": delta_or_text, "finish_reason": finish, "logprobs": Value::Null,
+                "index": index, "delta": delta_or_text, "finish_reason": finish,
+                "logprobs": Value::Null,
             }),
             Kind::Text => json!({
-                "index": 0, "text": delta_or_text, "finish_reason": finish, "logprobs": Value::Null,
+                "index": index, "text": delta_or_text, "finish_reason": finish,
+                "logprobs": Value::Null,
             }),
         };
         json!({
@@ -49,16 +52,25 @@ pub(super) enum Phase {
     Done,
 }
 
-/// Server-sent events of one request. Dropping it (the client went away) cancels the
-/// request.
+/// Server-sent events of one request: of each of its choices (one per prompt), as their
+/// events come, ending once every choice has finished. Dropping it (the client went
+/// away) cancels the request.
 pub(super) struct EventStream {
-    pub(super) rx: mpsc::UnboundedReceiver<Out>,
+    /// Each choice's events, by its index.
+    pub(super) rx: mpsc::UnboundedReceiver<(usize, Out)>,
     pub(super) meta: Meta,
     pub(super) include_usage: bool,
     pub(super) phase: Phase,
     pub(super) guard: CancelOnDrop,
-    /// Reads the text into tool calls when the request offers tools.
+    /// Reads the text into tool calls when the request offers tools (chat: one choice).
     pub(super) parser: Option<CallParser>,
+    pub(super) choices: Vec<ChoiceStream>,
+    /// The ends of the choices finished so far.
+    pub(super) finishes: Vec<Finish>,
+}
+
+/// Where one choice of a streamed request stands.
+pub(super) struct ChoiceStream {
     /// When the request asks for log-probabilities: those of the tokens whose text has
     /// not gone out yet. They go with the next chunk.
     pub(super) logprobs: Option<Vec<TokenLogprobs>>,
@@ -67,14 +79,15 @@ pub(super) struct EventStream {
 }
 
 impl EventStream {
-    /// `chunks` as server-sent events, the first carrying the log-probabilities of the
-    /// tokens not yet sent (when the request asks for them).
-    fn send(&mut self, mut chunks: Vec<Value>) -> Vec<u8> {
-        let pending = self.logprobs.as_mut().filter(|p| !p.is_empty());
+    /// `chunks` of choice `index` as server-sent events, the first carrying the
+    /// log-probabilities of its tokens not yet sent (when the request asks for them).
+    fn send(&mut self, index: usize, mut chunks: Vec<Value>) -> Vec<u8> {
+        let choice = &mut self.choices[index];
+        let pending = choice.logprobs.as_mut().filter(|p| !p.is_empty());
         if let (Some(pending), Some(first)) = (pending, chunks.first_mut()) {
             let tokens = std::mem::take(pending);
             first["choices"][0]["logprobs"] =
-                logprobs::format(self.meta.kind, &tokens, &mut self.offset);
+                logprobs::format(self.meta.kind, &tokens, &mut choice.offset);
         }
         let mut out = Vec::new();
         for chunk in &chunks {
@@ -84,9 +97,10 @@ impl EventStream {
     }
 
     /// A last event carrying the error, then the end of the stream.
+    /// The guard stays armed: the request's other choices are cancelled as the stream
+    /// drops.
     fn end_with_error(&mut self, message: &str) -> Bytes {
         self.phase = Phase::Done;
-        self.guard.0 = None;
         let mut out = sse(&ApiError::unavailable(message).body()).to_vec();
         out.extend_from_slice(b"data: [DONE]\n\n");
         Bytes::from(out)
@@ -101,7 +115,7 @@ impl Meta {
         let mut out = Vec::new();
         for piece in pieces {
             match piece {
-                Piece::Text(text) => out.push(self.chunk(json!({"content": text}), None)),
+                Piece::Text(text) => out.push(self.chunk(0, json!({"content": text}), None)),
                 Piece::Call { index, call } => {
                     let head = json!({"tool_calls": [{
                         "index": index, "id": call.id, "type": "function",
@@ -110,8 +124,8 @@ impl Meta {
                     let arguments = json!({"tool_calls": [{
                         "index": index, "function": {"arguments": call.arguments},
                     }]});
-                    out.push(self.chunk(head, None));
-                    out.push(self.chunk(arguments, None));
+                    out.push(self.chunk(0, head, None));
+                    out.push(self.chunk(0, arguments, None));
                 }
             }
         }
@@ -133,9 +147,9 @@ impl futures_core::Stream for EventStream {
             Phase::Start => {
                 this.phase = Phase::Running;
                 if this.meta.kind == Kind::Chat {
-                    let first = this
-                        .meta
-                        .chunk(json!({"role": "assistant", "content": ""}), None);
+                    let first =
+                        this.meta
+                            .chunk(0, json!({"role": "assistant", "content": ""}), None);
                     return Poll::Ready(Some(Ok(sse(&first))));
                 }
             }
@@ -147,13 +161,13 @@ impl futures_core::Stream for EventStream {
                 Poll::Ready(event) => event,
             };
             let bytes = match event {
-                Some(Out::Logprobs(token)) => {
-                    if let Some(pending) = &mut this.logprobs {
+                Some((i, Out::Logprobs(token))) => {
+                    if let Some(pending) = &mut this.choices[i].logprobs {
                         pending.push(token);
                     }
                     continue;
                 }
-                Some(Out::Event(Event::Text(piece))) => {
+                Some((i, Out::Event(Event::Text(piece)))) => {
                     let chunks = match &mut this.parser {
                         Some(parser) => {
                             let chunks = this.meta.pieces(parser.push(&piece));
@@ -168,14 +182,13 @@ impl futures_core::Stream for EventStream {
                                 Kind::Chat => json!({"content": piece}),
                                 Kind::Text => json!(piece),
                             };
-                            vec![this.meta.chunk(delta, None)]
+                            vec![this.meta.chunk(i, delta, None)]
                         }
                     };
-                    Bytes::from(this.send(chunks))
+                    Bytes::from(this.send(i, chunks))
                 }
-                Some(Out::Event(Event::Done(finish))) => {
-                    this.phase = Phase::Done;
-                    this.guard.0 = None;
+                Some((i, Out::Event(Event::Done(finish)))) => {
+                    this.finishes.push(finish);
                     let empty = match this.meta.kind {
                         Kind::Chat => json!({}),
                         Kind::Text => json!(""),
@@ -188,18 +201,22 @@ impl futures_core::Stream for EventStream {
                             reason = "tool_calls";
                         }
                     }
-                    chunks.push(this.meta.chunk(empty, Some(reason)));
-                    let mut out = this.send(chunks);
-                    if this.include_usage {
-                        let mut last = this.meta.chunk(Value::Null, None);
-                        last["choices"] = json!([]);
-                        last["usage"] = usage(&finish);
-                        out.extend_from_slice(&sse(&last));
+                    chunks.push(this.meta.chunk(i, empty, Some(reason)));
+                    let mut out = this.send(i, chunks);
+                    if this.finishes.len() == this.choices.len() {
+                        this.phase = Phase::Done;
+                        this.guard.0 = None;
+                        if this.include_usage {
+                            let mut last = this.meta.chunk(0, Value::Null, None);
+                            last["choices"] = json!([]);
+                            last["usage"] = usage(&this.finishes);
+                            out.extend_from_slice(&sse(&last));
+                        }
+                        out.extend_from_slice(b"data: [DONE]\n\n");
                     }
-                    out.extend_from_slice(b"data: [DONE]\n\n");
                     Bytes::from(out)
                 }
-                Some(Out::Event(Event::Error(message))) => this.end_with_error(&message),
+                Some((_, Out::Event(Event::Error(message)))) => this.end_with_error(&message),
                 None => this.end_with_error("the request ended without a result"),
             };
             return Poll::Ready(Some(Ok(bytes)));

@@ -254,3 +254,134 @@ fn fields_no_part_of_a_body_takes_are_collected_by_name() {
             .expect("a completion body");
     assert!(text.unknown.is_empty(), "{:?}", text.unknown.keys());
 }
+
+#[test]
+fn prompts_and_inputs_read_as_openai_gives_them() {
+    use super::request::{read_inputs, Inputs};
+    let read = |value: Value| read_inputs(&value, "input", 3);
+    let texts = |t: &[&str]| Inputs::Texts(t.iter().map(|s| s.to_string()).collect());
+    assert_eq!(read(json!("hi")).ok(), Some(texts(&["hi"])));
+    assert_eq!(read(json!(["a", "b"])).ok(), Some(texts(&["a", "b"])));
+    assert_eq!(read(json!([""])).ok(), Some(texts(&[""])));
+    assert_eq!(
+        read(json!([1, 2, 3, 4])).ok(),
+        Some(Inputs::Tokens(vec![vec![1, 2, 3, 4]]))
+    );
+    assert_eq!(
+        read(json!([[1, 2], [3], []])).ok(),
+        Some(Inputs::Tokens(vec![vec![1, 2], vec![3], vec![]]))
+    );
+    assert_eq!(read(json!([4294967295u32])).ok().map(|i| i.len()), Some(1));
+    for (bad, part) in [
+        (json!([]), "empty"),
+        (json!(["a", "b", "c", "d"]), "at most 3"),
+        (json!([[1], [2], [3], [4]]), "at most 3"),
+        (json!(["a", 1]), "mixed"),
+        (json!([[1], "a"]), "mixed"),
+        (json!([-1]), "integers"),
+        (json!([1.5]), "integers"),
+        (json!([4294967296u64]), "integers"),
+        (json!([[1], [-2]]), "item 1"),
+        (json!({"text": "a"}), "an object"),
+        (json!(null), "null"),
+        (json!(7), "a number"),
+    ] {
+        let error = read(bad.clone()).expect_err(&bad.to_string());
+        assert_eq!(error.param, Some("input"), "{bad}");
+        assert!(error.message.starts_with("input: "), "{}", error.message);
+        assert!(error.message.contains(part), "{bad}: {}", error.message);
+    }
+}
+
+#[test]
+fn embeddings_settings_take_float_or_base64_and_refuse_dimensions() {
+    use super::embeddings::{settings, EmbeddingsBody, Encoding};
+    let of = |body: Value| {
+        let body: EmbeddingsBody = serde_json::from_value(body).expect("a body");
+        settings(&body).map_err(|e| (e.param, e.message))
+    };
+    assert_eq!(of(json!({"input": "a"})), Ok(Encoding::Float));
+    assert_eq!(
+        of(json!({"input": "a", "encoding_format": "float", "dimensions": null})),
+        Ok(Encoding::Float)
+    );
+    assert_eq!(
+        of(json!({"input": "a", "encoding_format": "base64", "user": "u"})),
+        Ok(Encoding::Base64)
+    );
+    let (param, message) = of(json!({"input": "a", "dimensions": 64})).expect_err("refused");
+    assert_eq!(param, Some("dimensions"));
+    assert!(message.contains("64"), "{message}");
+    let (param, message) =
+        of(json!({"input": "a", "encoding_format": "hex"})).expect_err("refused");
+    assert_eq!(param, Some("encoding_format"));
+    assert!(message.contains("hex"), "{message}");
+    let body: EmbeddingsBody =
+        serde_json::from_value(json!({"input": "a", "user": "u", "extra": 1})).expect("a body");
+    assert_eq!(body.unknown.keys().collect::<Vec<_>>(), ["extra"]);
+}
+
+#[test]
+fn embeddings_inputs_must_have_tokens_within_the_context() {
+    use super::embeddings::check_lengths;
+    assert!(check_lengths(&[vec![1, 2], vec![3]], 2).is_ok());
+    let error = check_lengths(&[vec![1], vec![]], 2).expect_err("empty");
+    assert_eq!(error.param, Some("input"));
+    assert!(error.message.contains("item 1"), "{}", error.message);
+    let error = check_lengths(&[vec![1, 2, 3]], 2).expect_err("too long");
+    assert!(
+        error.message.contains("3 tokens") && error.message.contains("holds 2"),
+        "{}",
+        error.message
+    );
+}
+
+#[test]
+fn vectors_in_base64_are_their_little_endian_f32_bytes() {
+    use super::embeddings::{base64, encode_vector, Encoding};
+    // RFC 4648's test vectors.
+    for (plain, encoded) in [
+        ("", ""),
+        ("f", "Zg=="),
+        ("fo", "Zm8="),
+        ("foo", "Zm9v"),
+        ("foob", "Zm9vYg=="),
+        ("fooba", "Zm9vYmE="),
+        ("foobar", "Zm9vYmFy"),
+    ] {
+        assert_eq!(base64(plain.as_bytes()), encoded);
+    }
+    // 1.0 is 00 00 80 3f; -2.5 is 00 00 20 c0.
+    assert_eq!(
+        encode_vector(&[1.0, -2.5], Encoding::Base64),
+        json!("AACAPwAAIMA=")
+    );
+    assert_eq!(
+        encode_vector(&[1.0, -2.5], Encoding::Float),
+        json!([1.0, -2.5])
+    );
+    // The shortest digits of the f32, which read back as it.
+    let v = -0.032_539_073_f32;
+    let written = encode_vector(&[v], Encoding::Float).to_string();
+    assert_eq!(written, "[-0.032539073]");
+    let read: Vec<f64> = serde_json::from_str(&written).expect("numbers");
+    assert_eq!(read[0] as f32, v);
+}
+
+#[test]
+fn usage_sums_the_choices() {
+    use super::completion::usage;
+    use model::serve::{Finish, FinishReason};
+    let finish = |prompt, completion, cached| Finish {
+        reason: FinishReason::Length,
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        cached_tokens: cached,
+    };
+    let u = usage(&[finish(5, 8, 0), finish(7, 2, 4)]);
+    assert_eq!(
+        u,
+        json!({"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22,
+            "prompt_tokens_details": {"cached_tokens": 4}})
+    );
+}

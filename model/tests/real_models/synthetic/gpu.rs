@@ -18,7 +18,7 @@ use tensor_store::TensorStore;
 
 use super::generate::{build_decoded, Blocks, SPECS};
 use super::{argmax, load_file, open_spec, spec};
-use batched::{batched, scheduler_on_gpu};
+use batched::{batched, embeddings_on_gpu, scheduler_on_gpu};
 use check::check;
 
 /// The spread of a row: its standard deviation.
@@ -410,6 +410,16 @@ fn gpu_scheduler_qwen2_gqa4() {
 #[test]
 fn gpu_scheduler_gpt_oss() {
     scheduler_on_gpu("gpt-oss");
+}
+
+#[test]
+fn gpu_embeddings_llama_q4_k() {
+    embeddings_on_gpu("llama-q4_k");
+}
+
+#[test]
+fn gpu_embeddings_gemma3() {
+    embeddings_on_gpu("gemma3");
 }
 
 macro_rules! gpu_batched_matches_alone {

@@ -339,3 +339,93 @@ pub(super) fn scheduler_on_gpu(name: &str) {
         prompts.len()
     );
 }
+
+/// Embeddings through the scheduler on a GPU (`GpuModel::forward_batch_hidden`, the
+/// inputs in blocks of the pool, several per batch and over several turns of the loop)
+/// against the CPU's `Model::hidden_states` pooled the same way: each vector of unit
+/// length, pointing where the CPU's does (cosine at least 0.999: the device's products
+/// and f16 keys round otherwise), the same input twice the same bits, no block left
+/// held.
+pub(super) fn embeddings_on_gpu(name: &str) {
+    use std::sync::{mpsc, Arc};
+    use std::time::Duration;
+
+    use model::pooling::mean_pool_normalized;
+    use model::serve::{EmbedRequest, Scheduler, SchedulerConfig, SchedulerMetrics};
+
+    let test = format!("gpu_embeddings_{name}");
+    let (_dir, store, model) = open_spec(name);
+    let tokenizer = Arc::new(Tokenizer::from_metadata(store.metadata()).expect("tokenizer"));
+    let n_vocab = model.config().n_vocab as u32;
+    let context = 160usize;
+    let stream = |seed: u32, len: usize| -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| 1 + (seed.wrapping_mul(7919) + i * 31 + i * i) % (n_vocab - 1))
+            .collect()
+    };
+    let mut inputs: Vec<Vec<u32>> = [1, 7, 40, 100, 150]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| stream(i as u32 + 1, len))
+        .collect();
+    inputs.push(inputs[2].clone());
+    let Some(probe) = gpu_model(&test, &model, UploadMode::Eager, context) else {
+        return;
+    };
+    drop(probe);
+    let d = model.config().n_embd;
+    let cpu: Vec<Vec<f32>> = inputs
+        .iter()
+        .map(|tokens| {
+            let mut cache = model.new_cache(tokens.len());
+            let rows = model.hidden_states(tokens, &mut cache).expect("cpu");
+            mean_pool_normalized(&rows, d)
+        })
+        .collect();
+    let config = SchedulerConfig {
+        max_sequences: 4,
+        max_queue: 16,
+        step_tokens: 64,
+        context_size: context,
+        pool_positions: 2 * context,
+        block_size: 16,
+        attention: model::AttentionMethod::default(),
+    };
+    let options = GpuOptions {
+        device: 0,
+        mode: UploadMode::Eager,
+        budget: None,
+        context_size: context,
+        stop: None,
+        tuning: GpuTuning::default(),
+    };
+    let scheduler = Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
+        .unwrap_or_else(|e| panic!("{test}: {e}"));
+    let (tx, rx) = mpsc::channel();
+    scheduler
+        .embed(EmbedRequest {
+            inputs: inputs.clone(),
+            reply: Box::new(move |result| {
+                let _ = tx.send(result);
+            }),
+        })
+        .expect("queued");
+    let gpu = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("a reply")
+        .unwrap_or_else(|e| panic!("{test}: {e}"));
+    assert_eq!(gpu.len(), inputs.len(), "{test}");
+    for (i, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+        assert_eq!(g.len(), d, "{test}: input {i}");
+        let norm = g.iter().map(|v| v * v).sum::<f32>().sqrt();
+        assert!(
+            (norm - 1.0).abs() < 1e-4,
+            "{test}: input {i}: length {norm}"
+        );
+        let cosine: f32 = g.iter().zip(c).map(|(a, b)| a * b).sum();
+        assert!(cosine >= 0.999, "{test}: input {i}: cosine {cosine}");
+    }
+    assert_eq!(gpu[2], gpu[5], "{test}: the same input twice");
+    let m = scheduler.metrics();
+    assert_eq!(SchedulerMetrics::get(&m.kv_blocks_used), 0, "{test}");
+}
