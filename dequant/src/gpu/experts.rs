@@ -90,22 +90,34 @@ pub enum SlotInput {
 pub const MATMUL_TILE_TOKENS: usize = 128;
 
 /// Slots an expert gets on average from which the routed products take the matrix
-/// units rather than the decode products in tiles of one slot.
+/// units rather than the decode products in tiles of one slot; one more for a mixture
+/// of fewer than [`MANY_EXPERTS`] experts.
 pub const MATMUL_FROM_SLOTS_PER_EXPERT: usize = 1;
+
+/// Experts from which one slot an expert on average takes the matrix units.
+pub const MANY_EXPERTS: usize = 64;
 
 /// Slots a tile takes for `n_slots` slots over `n_experts` experts, which also says which
 /// products run ([`routed_products`]): one (the decode products, Q8 input) while the
 /// experts get fewer than [`MATMUL_FROM_SLOTS_PER_EXPERT`] on average (decoding a few
-/// sequences), else [`MATMUL_TILE_TOKENS`] (the matrix units, f16 input: prompts and
-/// larger batches).
+/// sequences; two for fewer than [`MANY_EXPERTS`] experts), else [`MATMUL_TILE_TOKENS`]
+/// (the matrix units, f16 input: prompts and larger batches).
 ///
 /// Measured on an H200 with Qwen3-30B-A3B's shape (128 experts, 8 a token), batched
 /// decoding in tokens/s: at 8 sequences (half a slot an expert) tiles of one 958, the
-/// matrix units 849; at 16 sequences (one) tiles of [`MAX_TOKENS`] 1,060, the matrix
-/// units 1,330; at 24, 1,180 against 1,759; at 32, 1,073 against 2,240. Tiles of
-/// [`MAX_TOKENS`] were never the fastest, so no count takes them here.
+/// matrix units 849; at 16 sequences (one) tiles of [`MAX_TOKENS`] 1,060, tiles of one
+/// 1,291, the matrix units 1,330 to 1,604; at 24, 1,180 against 1,759; at 32, 1,073
+/// against 2,240. Tiles of [`MAX_TOKENS`] were never the fastest, so no count takes them
+/// here. With gpt-oss-20b's (32 experts of 2880 by 2880, 4 a token) at 8 sequences (one
+/// slot an expert) tiles of one gave 569, the matrix units 435: each of the 32 tiles
+/// then computes 128 slots' products for about one.
 pub fn tile_tokens_for(n_slots: usize, n_experts: usize) -> usize {
-    if n_slots >= MATMUL_FROM_SLOTS_PER_EXPERT * n_experts {
+    let per_expert = if n_experts >= MANY_EXPERTS {
+        MATMUL_FROM_SLOTS_PER_EXPERT
+    } else {
+        MATMUL_FROM_SLOTS_PER_EXPERT + 1
+    };
+    if n_slots >= per_expert * n_experts {
         MATMUL_TILE_TOKENS
     } else {
         1
@@ -547,6 +559,9 @@ mod tests {
         // Prompts and batches: tiles of the matrix units from a slot an expert on average.
         assert_eq!(tile_tokens_for(128, 128), MATMUL_TILE_TOKENS);
         assert_eq!(tile_tokens_for(127, 128), 1);
+        // Fewer experts: from two slots an expert (gpt-oss at 8 and 16 sequences).
+        assert_eq!(tile_tokens_for(32, 32), 1);
+        assert_eq!(tile_tokens_for(64, 32), MATMUL_TILE_TOKENS);
         assert_eq!(max_tiles(4096, 128, MATMUL_TILE_TOKENS), 32 + 128);
     }
 }
