@@ -391,14 +391,7 @@ pub(super) fn embeddings_on_gpu(name: &str) {
         block_size: 16,
         attention: model::AttentionMethod::default(),
     };
-    let options = GpuOptions {
-        device: 0,
-        mode: UploadMode::Eager,
-        budget: None,
-        context_size: context,
-        stop: None,
-        tuning: GpuTuning::default(),
-    };
+    let options = GpuOptions::new(UploadMode::Eager, context);
     let scheduler = Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
         .unwrap_or_else(|e| panic!("{test}: {e}"));
     let (tx, rx) = mpsc::channel();
