@@ -4,7 +4,6 @@
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Write};
-use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,12 +17,11 @@ use model::perplexity::{
 };
 use model::tokenizer::{EncodeOptions, Tokenizer};
 use model::{Model, ModelError};
-use tensor_store::{LoadMode, TensorStore};
 
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::install_ctrl_c;
 use crate::load::LoadModeArg;
-use crate::{models, options};
+use crate::options;
 
 /// llama-perplexity's default window.
 pub const DEFAULT_CTX: usize = 512;
@@ -32,9 +30,8 @@ pub const DEFAULT_BATCH: usize = 2048;
 
 #[derive(clap::Args)]
 pub struct PerplexityArgs {
-    /// The GGUF model. Default: SmolLM2-135M-Instruct from the models cache.
-    #[arg(long, short = 'm', visible_alias = "model", value_name = "FILE")]
-    gguf: Option<PathBuf>,
+    #[command(flatten)]
+    model: options::ModelArgs,
     /// The text to score (not read with --kl-divergence: the base file holds the tokens).
     #[arg(
         long,
@@ -60,9 +57,6 @@ pub struct PerplexityArgs {
     /// Compare the model with the base file's log-probabilities.
     #[arg(long, requires = "kl_divergence_base")]
     kl_divergence: bool,
-    /// Worker threads for the computation (default and most: one per core).
-    #[arg(long, short = 't')]
-    threads: Option<NonZeroUsize>,
     /// Where to compute: the GPU when one is usable (auto), the GPU or an error (gpu),
     /// or the CPU (llama.cpp's figures to the printed digit).
     #[arg(long, value_enum, default_value = "auto")]
@@ -77,12 +71,6 @@ pub struct PerplexityArgs {
     /// softmax (off), each as llama.cpp computes it.
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
     flash_attn: options::FlashAttn,
-    /// Read the file instead of mapping it.
-    #[arg(long)]
-    no_mmap: bool,
-    /// Never download the default model.
-    #[arg(long)]
-    offline: bool,
     #[command(flatten)]
     tuning: options::TuningArgs,
 }
@@ -98,7 +86,7 @@ fn parse_chunks(text: &str) -> Result<usize, String> {
 
 pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
     let tuning = args.tuning.apply();
-    let threads = options::worker_threads(args.threads)?;
+    let threads = options::worker_threads(args.model.threads)?;
     if args.ctx_size == Some(0) {
         bail!("--ctx-size must be at least 3 tokens");
     }
@@ -137,19 +125,7 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
     let stop = install_ctrl_c()?;
     let gpu_start = GpuStart::begin(args.device, 0);
 
-    let path = models::model_path(
-        args.gguf.as_deref(),
-        Some(models::Fetch {
-            offline: args.offline,
-            progress: false,
-        }),
-    )?;
-    let mode = if args.no_mmap {
-        LoadMode::Read
-    } else {
-        LoadMode::Mmap
-    };
-    let store = TensorStore::open_with(&path, mode)?;
+    let (path, store) = args.model.open(false)?;
     let tokenizer = Tokenizer::from_metadata(store.metadata())
         .with_context(|| format!("{}: tokenizer", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
