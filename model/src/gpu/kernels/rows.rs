@@ -116,22 +116,20 @@ pub fn gated(
         )?;
         devices.push(q.device_ordinal());
     }
-    let (mut gate_bias, mut up_bias, mut ids, mut bias_rows) = (None, None, None, 0);
-    if let Some(b) = biases {
+    // Each bias present is whole rows of `width` for every slot's expert, both the
+    // same count of experts.
+    let mut bias_rows = Vec::new();
+    if let Some(b) = &biases {
         if gate.is_none() && b.gate.is_some() {
             expect(K, "the gate projection for its bias", 0, n)?;
         }
         expect(K, "the values modulo the width", n % width.max(1), 0)?;
-        let rows = n / width.max(1);
-        for (bias, into) in [(b.gate, &mut gate_bias), (b.up, &mut up_bias)] {
-            if let Some(bias) = bias {
-                let slot = SlotBias { bias, ids: b.ids };
-                let r = slot.check(K, rows, width, &mut devices)?;
-                if ids.is_some() {
-                    expect(K, "the up bias's rows", r as usize, bias_rows as usize)?;
-                }
-                (*into, ids, bias_rows) = (Some(bias), Some(b.ids), r);
-            }
+        for bias in [b.gate, b.up].into_iter().flatten() {
+            let slot = SlotBias { bias, ids: b.ids };
+            bias_rows.push(slot.check(K, n / width.max(1), width, &mut devices)?);
+        }
+        if let [g, u] = bias_rows[..] {
+            expect(K, "the up bias's rows", u as usize, g as usize)?;
         }
     }
     let device = on_device(stream, &devices)?;
@@ -150,11 +148,11 @@ pub fn gated(
         act.code(),
         out_ptr,
         q8_ptr,
-        ptr_or_null(gate_bias),
-        ptr_or_null(up_bias),
-        ptr_or_null(ids),
+        ptr_or_null(biases.and_then(|b| b.gate)),
+        ptr_or_null(biases.and_then(|b| b.up)),
+        ptr_or_null(biases.filter(|_| !bias_rows.is_empty()).map(|b| b.ids)),
         small(K, "the width", width)?,
-        bias_rows,
+        bias_rows.first().copied().unwrap_or(0),
         device,
         stream.as_raw(),
     )
