@@ -97,11 +97,23 @@ __global__ void add_at_kernel(float* __restrict__ x, const int* __restrict__ at,
     if (i < count) x[at[i]] += values[i];
 }
 
+// Row rows[k] of x (rows of n values) keeps the values whose bit is set in mask k
+// (bit i % 32 of word i / 32, n_words words a mask); the others become -inf. A grammar's
+// mask before the argmax; grid (blocks of 256 values, masks).
+__global__ void mask_rows_kernel(float* __restrict__ x, int n, const int* __restrict__ rows,
+                                 const uint32_t* __restrict__ words, int n_words) {
+    rf_chain_wait();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const uint32_t word = words[(size_t)blockIdx.y * n_words + (i >> 5)];
+    if (!((word >> (i & 31)) & 1u)) x[(size_t)rows[blockIdx.y] * n + i] = -INFINITY;
+}
+
 constexpr int kArgmaxThreads = 1024;
 
 // For each row (a workgroup each) of n values: the index of the largest value (the
-// smallest index among equals), written to token[row]; a NaN or +inf anywhere in the row
-// writes UINT32_MAX instead.
+// smallest index among equals), written to token[row]; a NaN or +inf anywhere in the row,
+// or no value above -inf (every token masked), writes UINT32_MAX instead.
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const float* __restrict__ x, int n, uint32_t* __restrict__ token) {
     rf_chain_wait();
@@ -146,7 +158,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
                 idx = best_i[g];
             }
         }
-        *token = (bad || idx >= n) ? 0xFFFFFFFFu : (uint32_t)idx;
+        *token = (bad || idx >= n || v == -INFINITY) ? 0xFFFFFFFFu : (uint32_t)idx;
     }
 }
 
@@ -240,6 +252,17 @@ int rf_add_at(void* x, const void* at, const void* values, int count, int device
     if (count < 1) return (int)hipErrorInvalidValue;
     rfLaunchChained(add_at_kernel, dim3(blocks_for((size_t)count, 256)), dim3(256), 0,
                     (hipStream_t)stream, (float*)x, (const int*)at, (const float*)values, count);
+    return (int)hipGetLastError();
+}
+
+int rf_mask_rows(void* x, int n, const void* rows, const void* words, int n_words, int n_masks,
+                 int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n < 1 || n_masks < 1 || n_words < (n + 31) / 32) return (int)hipErrorInvalidValue;
+    rfLaunchChained(mask_rows_kernel, dim3(blocks_for((size_t)n, 256), n_masks), dim3(256), 0,
+                    (hipStream_t)stream, (float*)x, n, (const int*)rows, (const uint32_t*)words,
+                    n_words);
     return (int)hipGetLastError();
 }
 

@@ -200,23 +200,32 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
-    /// Sets to -inf the logit of every token the grammar cannot take next. Where the
-    /// grammar may end, every end-of-generation token stays. An error when the grammar
-    /// is in a state it cannot continue from.
-    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+    /// The tokens of a vocabulary of `n_vocab` ids the grammar can take next. Where the
+    /// grammar may end, every end-of-generation token is allowed; where it may not, none
+    /// is. An error when the grammar is in a state it cannot continue from.
+    pub fn next_mask(&mut self, n_vocab: usize) -> Result<TokenMask, String> {
         let mask = self.matcher.compute_mask().map_err(|e| e.to_string())?;
         let ends = self.eog.iter().any(|&t| mask.is_allowed(t));
-        for (id, logit) in logits.iter_mut().enumerate() {
-            let id = id as TokenId;
-            let allowed = if self.eog.contains(&id) {
-                ends
-            } else {
-                (id as usize) < mask.len() && mask.is_allowed(id)
-            };
-            if !allowed {
-                *logit = f32::NEG_INFINITY;
+        let mut words = vec![0u32; n_vocab.div_ceil(32)];
+        let known = mask.as_slice();
+        let whole = (mask.len() / 32).min(n_vocab / 32);
+        words[..whole].copy_from_slice(&known[..whole]);
+        for id in whole * 32..n_vocab.min(mask.len()) {
+            if mask.is_allowed(id as TokenId) {
+                words[id / 32] |= 1 << (id % 32);
             }
         }
+        let mut mask = TokenMask { words, n_vocab };
+        for &t in &self.eog {
+            mask.set(t, ends);
+        }
+        Ok(mask)
+    }
+
+    /// Sets to -inf the logit of every token the grammar cannot take next (see
+    /// [`Constraint::next_mask`]).
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        self.next_mask(logits.len())?.apply(logits);
         Ok(())
     }
 
@@ -232,6 +241,72 @@ impl Constraint {
     /// Whether the output so far is a whole text of the grammar.
     pub fn is_accepting(&mut self) -> bool {
         self.matcher.is_accepting().unwrap_or(false)
+    }
+}
+
+/// The tokens a grammar allows next, a bit per token id (bit `id % 32` of word
+/// `id / 32`), over the model's vocabulary.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenMask {
+    words: Vec<u32>,
+    n_vocab: usize,
+}
+
+impl TokenMask {
+    /// The mask over `n_vocab` ids that allows every id in `allowed` within it.
+    pub fn from_tokens(n_vocab: usize, allowed: impl IntoIterator<Item = TokenId>) -> TokenMask {
+        let mut mask = TokenMask {
+            words: vec![0; n_vocab.div_ceil(32)],
+            n_vocab,
+        };
+        for t in allowed {
+            mask.set(t, true);
+        }
+        mask
+    }
+
+    fn set(&mut self, token: TokenId, allowed: bool) {
+        let id = token as usize;
+        if id < self.n_vocab {
+            let bit = 1u32 << (id % 32);
+            if allowed {
+                self.words[id / 32] |= bit;
+            } else {
+                self.words[id / 32] &= !bit;
+            }
+        }
+    }
+
+    /// The ids it is over.
+    pub fn n_vocab(&self) -> usize {
+        self.n_vocab
+    }
+
+    /// Its bits, `n_vocab.div_ceil(32)` words; the bits past `n_vocab` are clear.
+    pub fn words(&self) -> &[u32] {
+        &self.words
+    }
+
+    /// Whether it allows `token`.
+    pub fn allows(&self, token: TokenId) -> bool {
+        let id = token as usize;
+        id < self.n_vocab && self.words[id / 32] >> (id % 32) & 1 == 1
+    }
+
+    /// Sets to -inf each logit whose token it does not allow (every one past its ids).
+    pub fn apply(&self, logits: &mut [f32]) {
+        for (chunk, &word) in logits.chunks_mut(32).zip(&self.words) {
+            if word == u32::MAX {
+                continue;
+            }
+            for (bit, logit) in chunk.iter_mut().enumerate() {
+                if word >> bit & 1 == 0 {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let covered = (self.words.len() * 32).min(logits.len());
+        logits[covered..].fill(f32::NEG_INFINITY);
     }
 }
 

@@ -236,3 +236,51 @@ fn specs_that_do_not_compile_say_why() {
         }
     }
 }
+
+#[test]
+fn a_mask_applies_its_bits_to_any_row() {
+    // 70 ids: two whole words and six bits of a third.
+    let allowed = [0, 5, 31, 32, 63, 64, 69];
+    let mask = TokenMask::from_tokens(70, allowed.iter().copied().chain([70, 1000]));
+    assert_eq!(mask.words().len(), 3);
+    assert_eq!(
+        mask.words()[2] >> 6,
+        0,
+        "bits past the vocabulary are clear"
+    );
+    for len in [70, 64, 100] {
+        let mut row = vec![1.5f32; len];
+        mask.apply(&mut row);
+        for (id, &v) in row.iter().enumerate() {
+            let want = allowed.contains(&(id as TokenId));
+            assert_eq!(v.is_finite(), want, "row of {len}, id {id}");
+            assert_eq!(mask.allows(id as TokenId), want, "id {id}");
+        }
+    }
+}
+
+#[test]
+fn a_grammars_mask_is_its_bits_and_ends_with_any_end_token() {
+    let t = Arc::new(spm());
+    // Ids past the tokenizer's (a model's padded output) are never allowed.
+    let n_vocab = t.n_tokens() + 40;
+    let grammars = Grammars::new(Arc::clone(&t), n_vocab).unwrap();
+    let mut c = grammars
+        .compile(&ConstraintSpec::Regex("a?".into()))
+        .unwrap();
+    let mask = c.next_mask(n_vocab).unwrap();
+    assert_eq!(mask.n_vocab(), n_vocab);
+    let allowed: Vec<TokenId> = (0..n_vocab as TokenId)
+        .filter(|&i| mask.allows(i))
+        .collect();
+    // The empty text is whole, so the end (</s>) is allowed, beside "a".
+    assert_eq!(allowed, vec![2, byte(b'a')]);
+    let mut logits = vec![0.0; n_vocab];
+    c.mask(&mut logits).unwrap();
+    let finite: Vec<TokenId> = (0..n_vocab as TokenId)
+        .filter(|&i| logits[i as usize].is_finite())
+        .collect();
+    assert_eq!(finite, allowed);
+    // After "a" the grammar is whole and allows nothing more: it is complete.
+    assert!(c.commit(byte(b'a')).unwrap());
+}

@@ -5,6 +5,7 @@ use super::forward::{self, Layout, PagedBatch, PagedSegment};
 use super::kernels;
 use super::pass::End;
 use super::{BatchSegment, GpuModel, MAX_BATCH};
+use crate::constraint::TokenMask;
 use crate::ModelError;
 
 impl GpuModel {
@@ -71,61 +72,18 @@ impl GpuModel {
         if biases.is_empty() {
             return self.forward_batch_argmax(segments);
         }
-        let n_vocab = self.config.n_vocab;
-        let rows = segments.iter().filter(|s| s.logits).count();
-        let mut at: Vec<i32> = Vec::with_capacity(biases.len());
-        for &(row, token, _) in biases {
-            let index = row * n_vocab + token as usize;
-            if row >= rows || token as usize >= n_vocab || index > i32::MAX as usize {
-                return Err(ModelError::InvalidBatch(format!(
-                    "a bias of token {token} in row {row}, but the batch has {rows} rows of \
-                     {n_vocab} logits"
-                )));
-            }
-            at.push(index as i32);
-        }
-        let mut distinct = at.clone();
-        distinct.sort_unstable();
-        if distinct.windows(2).any(|w| w[0] == w[1]) {
-            return Err(ModelError::InvalidBatch(
-                "two biases of one token in one row".into(),
-            ));
-        }
-        let m = self.eval_batch(segments, BatchOut::OnDevice)?;
-        let gpu = |op| move |source| ModelError::Gpu { op, source };
-        let count = at.len();
-        let room = match self.bias_room.take() {
-            Some(room) if room.0.len() >= 2 * count => room,
-            _ => (
-                self.device
-                    .alloc_pinned::<i32>(2 * count)
-                    .map_err(gpu("pinned"))?,
-                self.device.alloc::<i32>(2 * count).map_err(gpu("biases"))?,
-            ),
-        };
-        let (host, device) = self.bias_room.insert(room);
-        {
-            let staged = host.as_mut_slice().map_err(gpu("writing the biases"))?;
-            staged[..count].copy_from_slice(&at);
-            for (dst, &(_, _, bias)) in staged[count..2 * count].iter_mut().zip(biases) {
-                *dst = bias.to_bits() as i32;
-            }
-        }
-        let view = device.view_mut();
-        let view = view.slice_mut(0..2 * count).map_err(gpu("biases"))?;
-        self.stream
-            .copy_h2d_async(host, 0..2 * count, view)
-            .map_err(gpu("copying the biases"))?;
-        let entries = device.view();
-        let at = entries.slice(0..count).map_err(gpu("biases"))?;
-        let values = entries
-            .slice(count..2 * count)
-            .and_then(|v| v.cast::<f32>())
-            .map_err(gpu("biases"))?;
-        kernels::add_at(self.bufs.logits_mut(m * n_vocab)?, at, values, &self.stream)?;
-        forward::argmax_rows(&self.config, &mut self.bufs, m, &self.stream)?;
-        self.copy_rows_back(m, true)?;
-        Ok(self.greedy_tokens(m)?.to_vec())
+        self.launch_batch(segments)?.argmax(biases, &[])
+    }
+
+    /// Queues the pass of [`GpuModel::forward_batch`] and returns while the device runs
+    /// it: the host is free for other work (a grammar's masks for these very rows) until
+    /// it asks the [`LaunchedBatch`] for the results.
+    pub fn launch_batch(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+    ) -> Result<LaunchedBatch<'_>, ModelError> {
+        let rows = self.eval_batch(segments, BatchOut::OnDevice)?;
+        Ok(LaunchedBatch { gpu: self, rows })
     }
 
     /// Checks a batch against the cache, lays it out in device memory, runs it and
@@ -294,6 +252,175 @@ impl GpuModel {
                 op: "replaying a batch's decode step",
                 source,
             })
+    }
+}
+
+/// A paged batch whose pass is queued on the device ([`GpuModel::launch_batch`]); its
+/// logits stay there until it is asked for them or for its greedy tokens.
+#[must_use = "the batch's results are read through it"]
+pub struct LaunchedBatch<'g> {
+    gpu: &'g mut GpuModel,
+    rows: usize,
+}
+
+impl<'g> LaunchedBatch<'g> {
+    /// Its rows of logits: one for each segment that asked for them.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Waits for the pass and returns its logits (`n_vocab` a row, in the segments'
+    /// order), as [`GpuModel::forward_batch`] does.
+    pub fn logits(self) -> Result<&'g [f32], ModelError> {
+        let gpu = self.gpu;
+        if self.rows > 0 {
+            gpu.copy_rows_back(self.rows, false)?;
+        }
+        gpu.logits(self.rows)
+    }
+
+    /// The greedy token of each row (its first highest logit), taken on the device after
+    /// the row was added its `biases` (as [`GpuModel::forward_batch_argmax_biased`]) and
+    /// then held to its mask: `masks` are `(row, mask)`, at most one a row, over the
+    /// model's vocabulary; a token a row's mask does not allow is never its token. The
+    /// same tokens as adding the biases to the rows, setting every masked logit to -inf
+    /// ([`TokenMask::apply`]) and taking the first highest; only the tokens come back.
+    /// A row with no logit above -inf (its mask allows nothing), or with a NaN or +inf,
+    /// is an error ([`ModelError::BadLogits`]).
+    pub fn argmax(
+        self,
+        biases: &[(usize, u32, f32)],
+        masks: &[(usize, &TokenMask)],
+    ) -> Result<Vec<u32>, ModelError> {
+        let gpu = self.gpu;
+        let m = self.rows;
+        if m == 0 {
+            return Ok(Vec::new());
+        }
+        let n_vocab = gpu.config.n_vocab;
+        let extras = Extras::lay_out(m, n_vocab, biases, masks)?;
+        gpu.add_extras(&extras, m)?;
+        forward::argmax_rows(&gpu.config, &mut gpu.bufs, m, &gpu.stream)?;
+        gpu.copy_rows_back(m, true)?;
+        Ok(gpu.greedy_tokens(m)?.to_vec())
+    }
+}
+
+/// A batch's biases and masks, laid out as the device takes them: one run of 32-bit
+/// words, `[bias indices | bias values' bits | mask rows | masks' words]`.
+struct Extras {
+    staged: Vec<i32>,
+    biases: usize,
+    masks: usize,
+}
+
+impl Extras {
+    /// Checks `biases` and `masks` against a batch of `rows` rows of `n_vocab` logits
+    /// and lays them out.
+    fn lay_out(
+        rows: usize,
+        n_vocab: usize,
+        biases: &[(usize, u32, f32)],
+        masks: &[(usize, &TokenMask)],
+    ) -> Result<Extras, ModelError> {
+        let bad = |what: String| Err(ModelError::InvalidBatch(what));
+        let n_words = n_vocab.div_ceil(32);
+        let mut staged = Vec::with_capacity(2 * biases.len() + masks.len() * (1 + n_words));
+        for &(row, token, _) in biases {
+            let index = row * n_vocab + token as usize;
+            if row >= rows || token as usize >= n_vocab || index > i32::MAX as usize {
+                return bad(format!(
+                    "a bias of token {token} in row {row}, but the batch has {rows} rows of \
+                     {n_vocab} logits"
+                ));
+            }
+            staged.push(index as i32);
+        }
+        let mut distinct = staged.clone();
+        distinct.sort_unstable();
+        if distinct.windows(2).any(|w| w[0] == w[1]) {
+            return bad("two biases of one token in one row".into());
+        }
+        staged.extend(biases.iter().map(|&(_, _, b)| b.to_bits() as i32));
+        let mut masked = vec![false; rows];
+        for &(row, mask) in masks {
+            if row >= rows || mask.n_vocab() != n_vocab {
+                return bad(format!(
+                    "a mask of {} tokens for row {row}, but the batch has {rows} rows of \
+                     {n_vocab} logits",
+                    mask.n_vocab()
+                ));
+            }
+            if std::mem::replace(&mut masked[row], true) {
+                return bad(format!("two masks for row {row}"));
+            }
+            staged.push(row as i32);
+        }
+        for &(_, mask) in masks {
+            staged.extend(mask.words().iter().map(|&w| w as i32));
+        }
+        Ok(Extras {
+            staged,
+            biases: biases.len(),
+            masks: masks.len(),
+        })
+    }
+}
+
+impl GpuModel {
+    /// Copies `extras` over and applies them to the first `m` rows of logits on the
+    /// device: the biases added, then the masks.
+    fn add_extras(&mut self, extras: &Extras, m: usize) -> Result<(), ModelError> {
+        let len = extras.staged.len();
+        if len == 0 {
+            return Ok(());
+        }
+        let n_vocab = self.config.n_vocab;
+        let gpu = |op| move |source| ModelError::Gpu { op, source };
+        let room = match self.extras_room.take() {
+            Some(room) if room.0.len() >= len => room,
+            _ => {
+                let size = len.next_power_of_two();
+                (
+                    self.device
+                        .alloc_pinned::<i32>(size)
+                        .map_err(gpu("pinned"))?,
+                    self.device.alloc::<i32>(size).map_err(gpu("biases"))?,
+                )
+            }
+        };
+        let (host, device) = self.extras_room.insert(room);
+        host.as_mut_slice().map_err(gpu("writing the biases"))?[..len]
+            .copy_from_slice(&extras.staged);
+        let view = device.view_mut();
+        let view = view.slice_mut(0..len).map_err(gpu("biases"))?;
+        self.stream
+            .copy_h2d_async(host, 0..len, view)
+            .map_err(gpu("copying the biases"))?;
+        let staged = device.view();
+        let part = |from: usize, count: usize| staged.slice(from..from + count);
+        let (b, k) = (extras.biases, extras.masks);
+        if b > 0 {
+            let at = part(0, b).map_err(gpu("biases"))?;
+            let values = part(b, b)
+                .and_then(|v| v.cast::<f32>())
+                .map_err(gpu("biases"))?;
+            kernels::add_at(self.bufs.logits_mut(m * n_vocab)?, at, values, &self.stream)?;
+        }
+        if k > 0 {
+            let rows = part(2 * b, k).map_err(gpu("masks"))?;
+            let words = part(2 * b + k, len - 2 * b - k)
+                .and_then(|v| v.cast::<u32>())
+                .map_err(gpu("masks"))?;
+            kernels::mask_rows(
+                self.bufs.logits_mut(m * n_vocab)?,
+                n_vocab,
+                rows,
+                words,
+                &self.stream,
+            )?;
+        }
+        Ok(())
     }
 }
 

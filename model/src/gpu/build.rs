@@ -205,7 +205,7 @@ impl GpuModel {
             step: None,
             batch_steps: HashMap::new(),
             batch_graphs: true,
-            bias_room: None,
+            extras_room: None,
             host_tokens,
             host_logits,
             host_positions,

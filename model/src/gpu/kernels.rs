@@ -354,6 +354,16 @@ mod sys {
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
+        pub(super) fn rf_mask_rows(
+            x: *mut c_void,
+            n: c_int,
+            rows: *const c_void,
+            words: *const c_void,
+            n_words: c_int,
+            n_masks: c_int,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
         pub(super) fn rf_select_rows(
             src: *const c_void,
             dim: c_int,
@@ -479,6 +489,6 @@ pub use experts::{moe_combine, moe_route, moe_tiles, Gating, MAX_USED};
 pub use flash_attention::flash_attention;
 pub use norm_rope::{qk_rope_kv, rms_norm, HeadExtras, HeadShape};
 pub use rows::{
-    add_at, add_bias, advance, argmax, gated, gather_rows, scale, select_rows, softcap,
+    add_at, add_bias, advance, argmax, gated, gather_rows, mask_rows, scale, select_rows, softcap,
     GateActivation, GatedBias, SlotBias,
 };

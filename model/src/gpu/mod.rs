@@ -27,6 +27,7 @@
 //! safe types and the typed wrappers of [`kernels`].
 
 mod batch;
+pub use batch::LaunchedBatch;
 mod build;
 mod forward;
 mod host;
@@ -232,9 +233,9 @@ pub struct GpuModel {
     batch_steps: HashMap<(usize, bool), Graph>,
     /// Whether paged decode steps replay captured graphs ([`GpuModel::set_batch_graphs`]).
     batch_graphs: bool,
-    /// [`GpuModel::forward_batch_argmax_biased`]'s entries (indices, then the values'
-    /// bits), staged and on the device; grown as needed.
-    bias_room: Option<(PinnedBuffer<i32>, DeviceBuffer<i32>)>,
+    /// [`LaunchedBatch::argmax`]'s biases and masks (see `batch::Extras`), staged and on
+    /// the device; grown as needed.
+    extras_room: Option<(PinnedBuffer<i32>, DeviceBuffer<i32>)>,
     host_tokens: PinnedBuffer<u32>,
     host_logits: PinnedBuffer<f32>,
     /// The host side of the first positions a pass writes: its own, or each chunk's of a

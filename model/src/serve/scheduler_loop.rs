@@ -5,21 +5,19 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use rayon::prelude::*;
-
-use crate::gpu::{BatchSegment, GpuModel, GpuOptions, PageOptions, MAX_BATCH, PROMPT_BATCH};
+use crate::gpu::{GpuModel, GpuOptions, PageOptions, PROMPT_BATCH};
 use crate::logprobs::TokenLogprob;
 use crate::sampling::Sampler;
-use crate::tokenizer::{TokenId, Tokenizer};
+use crate::tokenizer::Tokenizer;
 use crate::{Model, ModelError};
 
-use super::batch::{self, Segment};
 use super::pool::KvPool;
 use super::sequence::{distinct_tokens, Sequence};
 use super::stop::{StopCheck, StopMatcher};
 mod embed;
+mod step;
 
 use super::{
     EmbedRequest, Event, FinishReason, LogprobEntry, Message, SchedulerConfig, SchedulerMetrics,
@@ -46,13 +44,6 @@ pub(super) struct Loop<'m> {
     /// The step's logits, kept from step to step: its pages stay mapped, and each
     /// sequence's biases, penalties and sampling work on its row in place.
     logits: Vec<f32>,
-}
-
-/// When a step's forward pass ran, and how long its sampling took.
-struct StepTimes {
-    forward_began: Instant,
-    forward_ended: Instant,
-    sample: Duration,
 }
 
 impl<'m> Loop<'m> {
@@ -183,6 +174,7 @@ impl<'m> Loop<'m> {
                     events: request.events,
                     logprobs,
                     chosen_logprobs: None,
+                    next_mask: None,
                     mask_time: None,
                     arrived,
                     last_token: None,
@@ -323,219 +315,6 @@ impl<'m> Loop<'m> {
         Ok(true)
     }
 
-    /// One forward pass over every running sequence; when it ran one, its times.
-    fn step(&mut self) -> Option<StepTimes> {
-        if self.running.is_empty() {
-            return None;
-        }
-        let mut feed = self.feed();
-        self.reserve_feed(&mut feed);
-        let segments: Vec<Segment<'_>> = self
-            .running
-            .iter()
-            .zip(&feed)
-            .map(|(seq, &n)| Segment {
-                tokens: &seq.tokens[seq.computed..seq.computed + n],
-                first_pos: seq.computed,
-                table: &seq.table,
-                logits: n > 0 && seq.computed + n == seq.tokens.len(),
-            })
-            .collect();
-        if segments.iter().all(|s| s.tokens.is_empty()) {
-            return None;
-        }
-        let computed: usize = feed.iter().sum();
-        // On the GPU, when every sequence that takes a token this step takes the first
-        // highest logit (its biases added), the device adds the biases and picks them,
-        // and only the tokens come back.
-        let argmax = self.gpu.is_some()
-            && self
-                .running
-                .iter()
-                .zip(&segments)
-                .filter(|(_, s)| s.logits)
-                .all(|(seq, _)| seq.takes_device_argmax());
-        let forward_began = Instant::now();
-        let logits = &mut self.logits;
-        let result = match &mut self.gpu {
-            Some(gpu) if argmax => {
-                let biases: Vec<&[(TokenId, f32)]> = self
-                    .running
-                    .iter()
-                    .map(|seq| seq.logit_bias.as_slice())
-                    .collect();
-                gpu_step_argmax(gpu, &segments, &biases).map(StepOut::Tokens)
-            }
-            Some(gpu) => gpu_step(gpu, &segments, logits).map(|()| StepOut::Logits),
-            None => batch::forward_batch(
-                self.model.config(),
-                self.model.plan(),
-                &mut self.pool,
-                &segments,
-                batch::Context {
-                    size: self.config.context_size,
-                    attention: self.config.attention,
-                },
-                logits,
-            )
-            .map(|()| StepOut::Logits),
-        };
-        let forward_ended = Instant::now();
-        self.metrics
-            .forward_duration
-            .observe(forward_ended - forward_began);
-        let mut times = StepTimes {
-            forward_began,
-            forward_ended,
-            sample: Duration::ZERO,
-        };
-        let wants: Vec<bool> = segments.iter().map(|s| s.logits).collect();
-        drop(segments);
-        SchedulerMetrics::add(&self.metrics.steps, 1);
-        SchedulerMetrics::add(&self.metrics.computed_tokens, computed as u64);
-        let out = match result {
-            Ok(out) => out,
-            Err(e) => {
-                SchedulerMetrics::add(&self.metrics.failed, self.running.len() as u64);
-                for seq in std::mem::take(&mut self.running) {
-                    self.end_with_error(seq, &e.to_string());
-                }
-                return Some(times);
-            }
-        };
-        let takers = self.mark_computed(&feed, &wants);
-        let tokens = self.sample(out, &wants, &mut times);
-        self.take_tokens(&takers, tokens);
-        Some(times)
-    }
-
-    /// How many tokens each running sequence feeds the step, within the step's budget.
-    fn feed(&self) -> Vec<usize> {
-        // Decoding sequences first (one token each), then prompt chunks, oldest first.
-        let mut feed = vec![0usize; self.running.len()];
-        let mut budget = self.config.step_tokens;
-        for (i, seq) in self.running.iter().enumerate() {
-            if seq.tokens.len() - seq.computed == 1 {
-                feed[i] = 1;
-                budget = budget.saturating_sub(1);
-            }
-        }
-        // With no stream waiting on this step, prompts are read whole: a prompt alone is
-        // then one batch, as `generate` computes it.
-        if feed.iter().all(|&n| n == 0) {
-            budget = usize::MAX;
-        }
-        for (i, seq) in self.running.iter().enumerate() {
-            let pending = seq.tokens.len() - seq.computed;
-            if pending > 1 && budget > 0 {
-                feed[i] = pending.min(budget);
-                budget -= feed[i];
-            }
-        }
-        feed
-    }
-
-    /// Reserves the blocks for each sequence's `feed`, in order, until the pool is full;
-    /// a sequence that alone does not fit ends with an error.
-    fn reserve_feed(&mut self, feed: &mut Vec<usize>) {
-        let mut i = 0;
-        while i < self.running.len() {
-            let target = self.running[i].computed + feed[i];
-            if feed[i] == 0 {
-                i += 1;
-                continue;
-            }
-            match self.reserve(i, target) {
-                Ok(true) => i += 1,
-                Ok(false) => break,
-                Err(()) => {
-                    // Alone it does not fit: cannot happen with a pool of a whole
-                    // context, but never loop on it.
-                    let seq = self.running.remove(i);
-                    feed.remove(i);
-                    self.end_with_error(seq, "the KV pool is too small for this request");
-                }
-            }
-        }
-        feed.truncate(self.running.len());
-    }
-
-    /// Counts each sequence's fed tokens as computed and offers its full blocks to the
-    /// pool's registry; returns the sequences that take a token.
-    fn mark_computed(&mut self, feed: &[usize], wants: &[bool]) -> Vec<usize> {
-        let bs = self.pool.block_size();
-        let mut takers = Vec::new();
-        for (i, (&n, &want)) in feed.iter().zip(wants).enumerate() {
-            let seq = &mut self.running[i];
-            seq.computed += n;
-            let full = seq.computed / bs;
-            while seq.offered < full {
-                let j = seq.offered;
-                let parent = j.checked_sub(1).map(|p| seq.table[p]);
-                self.pool
-                    .register(seq.table[j], parent, &seq.tokens[j * bs..(j + 1) * bs]);
-                seq.offered += 1;
-            }
-            if want {
-                takers.push(i);
-            }
-        }
-        takers
-    }
-
-    /// The tokens of the sequences that `wants`: the device's, or sampled from their rows
-    /// of the step's logits.
-    fn sample(
-        &mut self,
-        out: StepOut,
-        wants: &[bool],
-        times: &mut StepTimes,
-    ) -> Vec<Result<TokenId, String>> {
-        match out {
-            StepOut::Tokens(tokens) => tokens.into_iter().map(Ok).collect(),
-            StepOut::Logits => {
-                let began = Instant::now();
-                let n_vocab = self.model.config().n_vocab;
-                let mut rows: Vec<(&mut Sequence<'m>, &mut [f32])> = self
-                    .running
-                    .iter_mut()
-                    .zip(wants)
-                    .filter_map(|(seq, &want)| want.then_some(seq))
-                    .zip(self.logits.chunks_exact_mut(n_vocab))
-                    .collect();
-                let tokens = choose_all(&mut rows);
-                for (seq, _) in &mut rows {
-                    if let Some(time) = seq.mask_time.take() {
-                        self.metrics.constraint_mask.observe(time);
-                    }
-                }
-                times.sample = began.elapsed();
-                tokens
-            }
-        }
-    }
-
-    /// Takes each taker's token and ends the sequences it finishes.
-    fn take_tokens(&mut self, takers: &[usize], tokens: Vec<Result<TokenId, String>>) {
-        let mut finished = Vec::new();
-        for (&i, token) in takers.iter().zip(tokens) {
-            let ends = match token {
-                Ok(token) => self.take_token(i, token),
-                Err(message) => Some(Err(message)),
-            };
-            if let Some(reason) = ends {
-                finished.push((i, reason));
-            }
-        }
-        for (i, reason) in finished.into_iter().rev() {
-            let seq = self.running.remove(i);
-            match reason {
-                Ok(reason) => self.end(seq, reason),
-                Err(message) => self.end_with_error(seq, &message),
-            }
-        }
-    }
-
     /// Takes `token` as `running[i]`'s next and hands out its text. Returns how the
     /// sequence ends, if it does.
     fn take_token(&mut self, i: usize, token: u32) -> Option<Result<FinishReason, String>> {
@@ -666,106 +445,4 @@ fn token_logprobs(
         chosen: entry(&chosen),
         top: top.iter().map(entry).collect(),
     }
-}
-
-/// What a step gives the sequences that take a token: rows of logits (in the loop's
-/// buffer), or (the device's argmax) the tokens themselves.
-enum StepOut {
-    Logits,
-    Tokens(Vec<u32>),
-}
-
-/// Below this many sequences taking a token, or worker threads, their sampling runs on
-/// the scheduler thread alone. From it on, the rows go to the worker threads: a row of a
-/// large vocabulary takes microseconds to scan from memory, about what waking a worker
-/// costs. With fewer workers (a small CPU, where the forward pass and the clients take
-/// every core) the hand-over measured slower than one row after the other.
-const PARALLEL_SAMPLING: usize = 4;
-
-/// Each sequence's next token from its row of logits, in order. The sequences sample
-/// independently (each its own sampler, biases and row), so many of them share the
-/// worker threads when there are enough: the same tokens as one after the other.
-fn choose_all(rows: &mut [(&mut Sequence<'_>, &mut [f32])]) -> Vec<Result<TokenId, String>> {
-    if rows.len() < PARALLEL_SAMPLING || rayon::current_num_threads() < PARALLEL_SAMPLING {
-        return rows.iter_mut().map(|(seq, row)| seq.choose(row)).collect();
-    }
-    crate::cpu::on_the_pool(|| {
-        rows.par_iter_mut()
-            .map(|(seq, row)| seq.choose(row))
-            .collect()
-    })
-}
-
-/// A step on the GPU: the segments in batches of at most the model's batch of tokens (a
-/// long prompt in pieces, each after the ones before it), their logits in order into
-/// `logits`.
-fn gpu_step(
-    gpu: &mut GpuModel,
-    segments: &[Segment<'_>],
-    logits: &mut Vec<f32>,
-) -> Result<(), ModelError> {
-    logits.clear();
-    in_batches(gpu, segments, |gpu, batch, _| {
-        logits.extend_from_slice(gpu.forward_batch(batch)?);
-        Ok(())
-    })
-}
-
-/// As [`gpu_step`], the greedy tokens taken on the device instead of the logits, each
-/// segment's row first added its `biases` there.
-fn gpu_step_argmax(
-    gpu: &mut GpuModel,
-    segments: &[Segment<'_>],
-    biases: &[&[(TokenId, f32)]],
-) -> Result<Vec<u32>, ModelError> {
-    let mut tokens = Vec::new();
-    let mut entries = Vec::new();
-    in_batches(gpu, segments, |gpu, batch, origins| {
-        entries.clear();
-        let rows = batch.iter().zip(origins).filter(|(s, _)| s.logits);
-        for (row, (_, &origin)) in rows.enumerate() {
-            entries.extend(biases[origin].iter().map(|&(t, b)| (row, t, b)));
-        }
-        tokens.extend(gpu.forward_batch_argmax_biased(batch, &entries)?);
-        Ok(())
-    })?;
-    Ok(tokens)
-}
-
-/// Runs `segments` through `run` in batches of at most the model's batch of tokens, in
-/// order; `run` also gets, for each of the batch's pieces, the index of its segment.
-fn in_batches(
-    gpu: &mut GpuModel,
-    segments: &[Segment<'_>],
-    mut run: impl FnMut(&mut GpuModel, &[BatchSegment<'_>], &[usize]) -> Result<(), ModelError>,
-) -> Result<(), ModelError> {
-    let room = gpu.prompt_batch().max(MAX_BATCH);
-    let mut batch: Vec<BatchSegment<'_>> = Vec::new();
-    let mut origins: Vec<usize> = Vec::new();
-    let mut used = 0;
-    for (origin, seg) in segments.iter().enumerate() {
-        let mut first = 0;
-        while first < seg.tokens.len() {
-            if used == room {
-                run(gpu, &batch, &origins)?;
-                batch.clear();
-                origins.clear();
-                used = 0;
-            }
-            let take = (seg.tokens.len() - first).min(room - used);
-            batch.push(BatchSegment {
-                tokens: &seg.tokens[first..first + take],
-                first_pos: seg.first_pos + first,
-                table: seg.table,
-                logits: seg.logits && first + take == seg.tokens.len(),
-            });
-            origins.push(origin);
-            used += take;
-            first += take;
-        }
-    }
-    if !batch.is_empty() {
-        run(gpu, &batch, &origins)?;
-    }
-    Ok(())
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::constraint::Constraint;
+use crate::constraint::{Constraint, TokenMask};
 use crate::logprobs::{top_logprobs, TokenLogprob};
 use crate::sampling::Sampler;
 use crate::tokenizer::{StreamDecoder, TokenId};
@@ -46,6 +46,9 @@ pub(super) struct Sequence<'t> {
     /// The log-probabilities of the token [`Sequence::choose`] chose last (taken with
     /// the token): the token's own, and the top ones.
     pub(super) chosen_logprobs: Option<(TokenLogprob, Vec<TokenLogprob>)>,
+    /// The grammar's mask for its next token, when the step computed it already (on the
+    /// GPU, while the device ran the pass); taken by the token's choice.
+    pub(super) next_mask: Option<Result<TokenMask, String>>,
     /// How long the grammar's mask took for the token [`Sequence::choose`] chose last
     /// (taken by the step into [`super::SchedulerMetrics::constraint_mask`]).
     pub(super) mask_time: Option<std::time::Duration>,
@@ -60,12 +63,11 @@ pub(super) struct Sequence<'t> {
 impl Sequence<'_> {
     /// Whether its next token is the first highest logit of the model's logits with its
     /// biases added (as [`Sequence::choose`] adds them): greedy, with no penalty, and
-    /// biases of distinct tokens (the device adds them all at once), and no grammar (its
-    /// mask is computed here), and no log-probabilities (they are computed from the row
-    /// here).
+    /// biases of distinct tokens (the device adds them all at once), and no
+    /// log-probabilities (they are computed from the row here). A grammar's mask goes to
+    /// the device with the step.
     pub(super) fn takes_device_argmax(&self) -> bool {
-        self.constraint.is_none()
-            && self.logprobs.is_none()
+        self.logprobs.is_none()
             && self.sampler.is_plain_greedy()
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
@@ -96,9 +98,16 @@ impl Sequence<'_> {
             }
         }
         if let Some(constraint) = &mut self.constraint {
-            let began = Instant::now();
-            constraint.mask(logits)?;
-            self.mask_time = Some(began.elapsed());
+            let mask = match self.next_mask.take() {
+                Some(mask) => mask?,
+                None => {
+                    let began = Instant::now();
+                    let mask = constraint.next_mask(logits.len())?;
+                    self.mask_time = Some(began.elapsed());
+                    mask
+                }
+            };
+            mask.apply(logits);
         }
         if let Some(asked) = &self.logprobs {
             let (softmax, top) = top_logprobs(logits, asked.top);

@@ -1,5 +1,5 @@
 //! The typed wrappers of `kernels/rows.hip`'s launchers: the gated activations, the
-//! embedding row gather, scaling, the logits' soft cap, argmax, sparse additions, row
+//! embedding row gather, scaling, the logits' soft cap, argmax, sparse additions, masks, row
 //! selection and the position counter.
 
 #[cfg(hip_platform = "none")]
@@ -258,7 +258,8 @@ pub fn softcap(
 }
 
 /// For each of the `token.len()` rows that `x` holds, the index of its largest value (the
-/// first among equals) into `token[row]`; `u32::MAX` for a row holding a NaN or +inf.
+/// first among equals) into `token[row]`; `u32::MAX` for a row holding a NaN or +inf, or
+/// nothing above -inf.
 pub fn argmax(
     x: DeviceView<'_, f32>,
     mut token: DeviceViewMut<'_, u32>,
@@ -308,6 +309,44 @@ pub fn add_at(
         at.as_ptr(),
         values.as_ptr(),
         small(K, "entries", at.len())?,
+        device,
+        stream.as_raw(),
+    )
+}
+
+/// For each mask `k`: row `rows[k]` of `x` (rows of `n` values) keeps the values whose
+/// bit is set in `words`' `k`-th run of `n.div_ceil(32)` words (bit `i % 32` of word
+/// `i / 32`) and the others become -inf. The rows are the caller's to keep within `x`.
+pub fn mask_rows(
+    mut x: DeviceViewMut<'_, f32>,
+    n: usize,
+    rows: DeviceView<'_, i32>,
+    words: DeviceView<'_, u32>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "mask_rows";
+    let n_words = n.div_ceil(32);
+    expect_at_least(K, "masks", rows.len(), 1)?;
+    expect_at_least(K, "values a row", n, 1)?;
+    expect(K, "the masks' words", words.len(), rows.len() * n_words)?;
+    expect(K, "the values modulo a row", x.len() % n, 0)?;
+    let device = on_device(
+        stream,
+        &[
+            x.device_ordinal(),
+            rows.device_ordinal(),
+            words.device_ordinal(),
+        ],
+    )?;
+    launch!(
+        rf_mask_rows,
+        "mask_rows",
+        x.as_mut_ptr(),
+        small(K, "values a row", n)?,
+        rows.as_ptr(),
+        words.as_ptr(),
+        small(K, "words a mask", n_words)?,
+        small(K, "masks", rows.len())?,
         device,
         stream.as_raw(),
     )

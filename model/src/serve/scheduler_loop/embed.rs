@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 
 use super::super::batch::{self, Segment};
 use super::super::{EmbedRequest, SchedulerMetrics};
-use super::{in_batches, Loop};
+use super::step::in_batches;
+use super::Loop;
 
 impl Loop<'_> {
     /// Computes the next inputs of the oldest embeddings request, between two steps: as

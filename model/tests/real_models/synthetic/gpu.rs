@@ -6,6 +6,9 @@ mod batched;
 /// Each model's prompt and decoding steps, the GPU against the CPU.
 #[path = "gpu/check.rs"]
 mod check;
+/// Requests held to a grammar on the GPU scheduler.
+#[path = "gpu/constrained.rs"]
+mod constrained;
 /// Stop requests, injected allocation failures and budgets beyond the device.
 #[path = "../gpu/faults.rs"]
 mod faults;
@@ -20,6 +23,7 @@ use super::generate::{build_decoded, Blocks, SPECS};
 use super::{argmax, load_file, open_spec, spec};
 use batched::{batched, embeddings_on_gpu, scheduler_on_gpu};
 use check::check;
+use constrained::constrained_on_gpu;
 
 /// The spread of a row: its standard deviation.
 fn spread(row: &[f32]) -> f32 {
@@ -390,6 +394,16 @@ gpu_refuses_type! {
     gpu_llama_tq2_0 => "llama-tq2_0": "TQ2_0",
     gpu_llama_tq1_0_random => "llama-tq1_0-random": "TQ1_0",
     gpu_llama_tq2_0_random => "llama-tq2_0-random": "TQ2_0",
+}
+
+#[test]
+fn gpu_constrained_llama_q4_k() {
+    constrained_on_gpu("llama-q4_k");
+}
+
+#[test]
+fn gpu_constrained_gemma3() {
+    constrained_on_gpu("gemma3");
 }
 
 #[test]

@@ -9,6 +9,7 @@ use super::*;
 /// alone, every row of logits is held to the tolerance rule above. The decoding
 /// steps' captured graphs give the bits of the same launches queued one by one.
 pub(super) fn batched(name: &str) {
+    use model::constraint::TokenMask;
     use model::gpu::{BatchSegment, PageOptions};
     let test = format!("gpu_batched_{name}");
     let (_dir, _store, model) = open_spec(name);
@@ -178,6 +179,55 @@ pub(super) fn batched(name: &str) {
         assert_eq!(
             biased, want,
             "{test}: step {step}: device argmax of biased rows"
+        );
+        // Launched, its logits are the same bits; and its greedy tokens held to masks
+        // (a grammar's) besides the biases: every other row's mask leaves out its best
+        // token and a fifth of the others, the other rows are free.
+        let launched = gpu.launch_batch(&segments).expect("launched batch");
+        let again = launched.logits().expect("launched batch's logits");
+        assert!(
+            again
+                .iter()
+                .zip(&logits)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{test}: step {step}: a launched batch's logits differ"
+        );
+        let masks: Vec<(usize, TokenMask)> = logits
+            .chunks(nv)
+            .enumerate()
+            .step_by(2)
+            .map(|(row, r)| {
+                let top = argmax(r) as u32;
+                let free = |t: u32| t != top && !(7 * t + (row + step) as u32).is_multiple_of(5);
+                (
+                    row,
+                    TokenMask::from_tokens(nv, (0..n_vocab).filter(|&t| free(t))),
+                )
+            })
+            .collect();
+        let refs: Vec<(usize, &TokenMask)> = masks.iter().map(|(r, m)| (*r, m)).collect();
+        let launched = gpu.launch_batch(&segments).expect("launched batch");
+        assert_eq!(launched.rows(), logits.len() / nv, "{test}: launched rows");
+        let masked = launched
+            .argmax(&biases, &refs)
+            .expect("masked argmax batch");
+        let want: Vec<u32> = logits
+            .chunks(nv)
+            .enumerate()
+            .map(|(row, r)| {
+                let mut r = r.to_vec();
+                for &(_, t, b) in biases.iter().filter(|e| e.0 == row) {
+                    r[t as usize] += b;
+                }
+                if let Some((_, mask)) = masks.iter().find(|m| m.0 == row) {
+                    mask.apply(&mut r);
+                }
+                argmax(&r) as u32
+            })
+            .collect();
+        assert_eq!(
+            masked, want,
+            "{test}: step {step}: device argmax of biased, masked rows"
         );
     }
     assert_eq!(
