@@ -284,3 +284,17 @@ fn a_grammars_mask_is_its_bits_and_ends_with_any_end_token() {
     // After "a" the grammar is whole and allows nothing more: it is complete.
     assert!(c.commit(byte(b'a')).unwrap());
 }
+
+#[test]
+fn a_token_the_grammar_does_not_allow_is_refused() {
+    let t = Arc::new(spm());
+    let grammars = Grammars::new(Arc::clone(&t), t.n_tokens()).unwrap();
+    let mut c = grammars
+        .compile(&ConstraintSpec::Regex("[a-c]+".into()))
+        .unwrap();
+    assert!(!c.commit(byte(b'a')).unwrap());
+    let refused = c.commit(byte(b'z')).unwrap_err();
+    assert!(refused.contains(&byte(b'z').to_string()), "{refused}");
+    // After a refusal the grammar gives no mask: the sequence cannot go on.
+    assert!(c.next_mask(t.n_tokens()).is_err());
+}

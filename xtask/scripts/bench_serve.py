@@ -335,6 +335,7 @@ def run_level(clients, count, processes, constrain=False):
         "ttft_p99_ms": percentile(ttft, 99) * 1e3 if ttft else None,
         "tpot_p50_ms": percentile(tpot, 50) * 1e3 if tpot else None,
         "tpot_mean_ms": sum(tpot) / len(tpot) * 1e3 if tpot else None,
+        "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / wall,
         "total_tokens_per_s": (out_tokens + len(results) * prompt_tokens) / wall,
         "steady_s": steady and steady["steady_s"],

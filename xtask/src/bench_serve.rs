@@ -31,9 +31,9 @@
 //! and the grammar mask's cost per token, p50 and p99, from the bucket deltas of the
 //! server's `rocmforge_constraint_mask_seconds` histogram over the constrained run
 //! (interpolated within a bucket, as Prometheus' `histogram_quantile` does, so only as
-//! fine as the buckets). The server computes each mask inline, after the forward pass
-//! and before the sampler (the step's sample phase): its cost is on every step's
-//! critical path.
+//! fine as the buckets), and warns when a level generated more constrained tokens than
+//! the server computed masks. On a GPU the server computes the masks while the device
+//! runs the step; on the CPU, after the forward pass and before the sampler.
 //!
 //! The two do not measure quite the same thing: ours is end to end, through HTTP and the
 //! Python client (which shares the CPU), requests arriving as clients are free;
@@ -545,6 +545,7 @@ fn compare_constrained(plain: &[Value], constrained: &[Value]) -> Vec<Value> {
                 "plain_tpot_p50_ms": field(p, "tpot_p50_ms"),
                 "constrained_tpot_p50_ms": field(Some(c), "tpot_p50_ms"),
                 "masks": count,
+                "generated": c["output_tokens"],
                 "mask_mean_us": c["mask_sum_s"]
                     .as_f64()
                     .filter(|_| count > 0)
@@ -621,13 +622,25 @@ fn print_constrained(kind: &str, rows: &[Value]) {
             num(&r["mask_p99_us"], 1),
         );
     }
+    for r in rows {
+        let (masks, generated) = (r["masks"].as_u64(), r["generated"].as_u64());
+        if let (Some(masks), Some(generated)) = (masks, generated) {
+            if masks < generated {
+                println!(
+                    "WARNING: {} clients: {generated} tokens generated under the grammar \
+                     but only {masks} masks: some constrained tokens were not masked",
+                    r["clients"]
+                );
+            }
+        }
+    }
     println!(
         "out/s: generated tokens/s, tot/s: with the prompts', over the wall time; ratio: \
          constrained / unconstrained. Mask: the grammar's token mask, once per generated \
-         token, timed in the server (rocmforge_constraint_mask_seconds); p50/p99 are \
-         interpolated within its buckets (10 us to 100 ms), the mean is exact. The mask is \
-         computed inline between the forward pass and the sampler, on the step's critical \
-         path. Constrained requests end where the format does (tok/req), unconstrained \
+         token (at least as many masks as tokens), timed in the server \
+         (rocmforge_constraint_mask_seconds); p50/p99 are interpolated within its buckets \
+         (10 us to 100 ms), the mean is exact. On a GPU the masks are computed while the \
+         device runs the step; on the CPU, between the forward pass and the sampler. Constrained requests end where the format does (tok/req), unconstrained \
          ones run the full --gen-tokens."
     );
 }

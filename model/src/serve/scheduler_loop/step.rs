@@ -50,7 +50,10 @@ impl<'m> Loop<'m> {
         if self.gpu.is_some() {
             masks.n_vocab = self.model.config().n_vocab;
             for (i, seq) in self.running.iter_mut().enumerate() {
-                if let (true, Some(c)) = (wants[i], seq.constraint.take()) {
+                if !wants[i] {
+                    continue;
+                }
+                if let Some(c) = seq.constraint.take() {
                     masks.constraints.push((i, c));
                 }
             }

@@ -6,7 +6,7 @@ mod batched;
 /// Each model's prompt and decoding steps, the GPU against the CPU.
 #[path = "gpu/check.rs"]
 mod check;
-/// Requests held to a grammar on the GPU scheduler.
+/// Requests held to a grammar on the scheduler, on the GPU (and the CPU beside it).
 #[path = "gpu/constrained.rs"]
 mod constrained;
 /// Stop requests, injected allocation failures and budgets beyond the device.
@@ -23,7 +23,7 @@ use super::generate::{build_decoded, Blocks, SPECS};
 use super::{argmax, load_file, open_spec, spec};
 use batched::{batched, embeddings_on_gpu, scheduler_on_gpu};
 use check::check;
-use constrained::constrained_on_gpu;
+use constrained::{constrained_on_cpu, constrained_on_gpu};
 
 /// The spread of a row: its standard deviation.
 fn spread(row: &[f32]) -> f32 {
@@ -404,6 +404,16 @@ fn gpu_constrained_llama_q4_k() {
 #[test]
 fn gpu_constrained_gemma3() {
     constrained_on_gpu("gemma3");
+}
+
+#[test]
+fn cpu_constrained_llama_q4_k() {
+    constrained_on_cpu("llama-q4_k");
+}
+
+#[test]
+fn cpu_constrained_gemma3() {
+    constrained_on_cpu("gemma3");
 }
 
 #[test]

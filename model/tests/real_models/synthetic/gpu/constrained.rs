@@ -6,6 +6,15 @@ use super::*;
 /// requests that ask for log-probabilities). Either way every text is a whole sentence
 /// of the grammar, ended by it (`stop`), and every token's mask is counted.
 pub(super) fn constrained_on_gpu(name: &str) {
+    constrained(name, true);
+}
+
+/// As [`constrained_on_gpu`], on the CPU scheduler (each mask after the step's pass).
+pub(super) fn constrained_on_cpu(name: &str) {
+    constrained(name, false);
+}
+
+fn constrained(name: &str, gpu: bool) {
     use std::sync::atomic::AtomicBool;
     use std::sync::{mpsc, Arc};
     use std::time::Duration;
@@ -14,15 +23,17 @@ pub(super) fn constrained_on_gpu(name: &str) {
     use model::sampling::SamplingParams;
     use model::serve::{Event, FinishReason, LogprobsRequest, Request, Scheduler, SchedulerConfig};
 
-    let test = format!("gpu_constrained_{name}");
+    let test = format!("{}_constrained_{name}", if gpu { "gpu" } else { "cpu" });
     let (_dir, store, model) = open_spec(name);
     let tokenizer = Arc::new(Tokenizer::from_metadata(store.metadata()).expect("tokenizer"));
     let n_vocab = model.config().n_vocab;
     let context = 128usize;
-    let Some(probe) = gpu_model(&test, &model, UploadMode::Eager, context) else {
-        return;
-    };
-    drop(probe);
+    if gpu {
+        let Some(probe) = gpu_model(&test, &model, UploadMode::Eager, context) else {
+            return;
+        };
+        drop(probe);
+    }
     let grammars = Grammars::new(Arc::clone(&tokenizer), n_vocab).expect("grammars");
     // Words of letters, a few of them, and a full stop: at most 28 bytes, so at most
     // 28 tokens before the grammar ends the text.
@@ -37,23 +48,32 @@ pub(super) fn constrained_on_gpu(name: &str) {
                 .iter()
                 .all(|w| (2..=6).contains(&w.len()) && w.bytes().all(|b| b.is_ascii_lowercase()))
     };
+    let step_tokens = 64;
     let config = SchedulerConfig {
         max_sequences: 8,
         max_queue: 16,
-        step_tokens: 64,
+        step_tokens,
         context_size: context,
         pool_positions: 4 * context,
         block_size: 16,
         attention: model::AttentionMethod::default(),
     };
-    let options = GpuOptions::new(UploadMode::Background, context);
-    let scheduler = Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
-        .unwrap_or_else(|e| panic!("{test}: {e}"));
+    let scheduler = if gpu {
+        let options = GpuOptions::new(UploadMode::Background, context);
+        Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
+    } else {
+        Scheduler::start(model.clone(), Arc::clone(&tokenizer), config)
+    }
+    .unwrap_or_else(|e| panic!("{test}: {e}"));
     let prompt = |seed: u32, len: u32| -> Vec<u32> {
         (0..len)
             .map(|i| 1 + (seed * 7919 + i * 31 + i * i) % (n_vocab as u32 - 1))
             .collect()
     };
+    // The last prompt is longer than a step's tokens: it is read over two steps, while
+    // the others already take tokens.
+    let prompt_lens = [3, 8, 13, 18, 23, 90];
+    assert!(prompt_lens[5] > step_tokens && prompt_lens[5] + 28 <= context);
     let mut generated = 0;
     // First every request's tokens on the device, then every request's on the host.
     for with_logprobs in [false, true] {
@@ -61,7 +81,7 @@ pub(super) fn constrained_on_gpu(name: &str) {
             .map(|i| {
                 let (tx, rx) = mpsc::channel();
                 let request = Request {
-                    prompt: prompt(i + 1, 3 + 5 * i),
+                    prompt: prompt(i + 1, prompt_lens[i as usize] as u32),
                     max_tokens: 40,
                     sampling: SamplingParams::greedy().validate().expect("greedy"),
                     stop: Vec::new(),
@@ -112,5 +132,5 @@ pub(super) fn constrained_on_gpu(name: &str) {
         masks >= generated,
         "{test}: {masks} masks for {generated} generated tokens"
     );
-    eprintln!("gpu constrained {name:<13} 12 requests, {generated} tokens, {masks} masks");
+    eprintln!("{test}: 12 requests, {generated} tokens, {masks} masks");
 }
