@@ -103,6 +103,25 @@ struct Route<'a> {
     tile_tokens: usize,
 }
 
+impl<'a> Route<'a> {
+    /// The routing in `tiles` and `order` of `slots` slots among `count` experts, in
+    /// tiles of up to `tile_tokens` slots.
+    fn new(
+        tiles: &'a ArenaBuffer,
+        order: &'a ArenaBuffer,
+        slots: usize,
+        count: usize,
+        tile_tokens: usize,
+    ) -> Result<Route<'a>, ModelError> {
+        let n_tiles = experts::max_tiles(slots, count, tile_tokens);
+        Ok(Route {
+            tiles: view::<i32>(tiles, 3 * n_tiles)?,
+            order: view::<i32>(order, slots)?,
+            tile_tokens,
+        })
+    }
+}
+
 /// The routed products of `mats` on `input` (`n_x` rows).
 fn routed(
     mats: &[GpuExperts<'_>],
@@ -292,13 +311,28 @@ fn routed_ffn(
     sum_into: Option<DeviceViewMut<'_, f32>>,
     stream: &Stream,
 ) -> Result<bool, ModelError> {
+    gate_up(config, e, h, moe, n, tile_tokens, stream)?;
+    // The activations (after each slot's expert's biases, gpt-oss), then down, each slot
+    // from its own.
+    activation(e, moe, n, tile_tokens, stream)?;
+    down(config, e, moe, n, tile_tokens, sum_into, stream)
+}
+
+/// Gate and up of every slot's expert (one launch when they share a type), from the
+/// layer's input in the form its products take, into `moe.gate` and `moe.up`.
+fn gate_up(
+    config: &ModelConfig,
+    e: &ExpertWeights,
+    h: DeviceView<'_, f32>,
+    moe: &mut MoeBuffers,
+    n: usize,
+    tile_tokens: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
     let d = config.n_embd;
     let (k, count) = (e.used, e.count);
     let slots = n * k;
     let ff = e.up.rows;
-    let n_tiles = experts::max_tiles(slots, count, tile_tokens);
-    // Gate and up of every slot's expert (one launch when they share a type), from the
-    // layer's input in the form its products take.
     let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
     if mm {
         row_scales(
@@ -311,13 +345,7 @@ fn routed_ffn(
         )
         .map_err(routed_error(&e.up))?;
     }
-    let tiles = view::<i32>(&moe.tiles, 3 * n_tiles)?;
-    let order = view::<i32>(&moe.order, slots)?;
-    let route = Route {
-        tiles,
-        order,
-        tile_tokens,
-    };
+    let route = Route::new(&moe.tiles, &moe.order, slots, count, tile_tokens)?;
     let up = e.up.gpu()?;
     let gate = e.gate.as_ref().map(ExpertTensor::gpu).transpose()?;
     let input = if mm {
@@ -376,8 +404,21 @@ fn routed_ffn(
         )
         .map_err(routed_error(&e.up))?,
     }
-    // The activations (after each slot's expert's biases, gpt-oss), then down, each slot
-    // from its own.
+    Ok(())
+}
+
+/// The gated activation of gate and up (after each slot's expert's biases, gpt-oss), in
+/// the form down's products take: f32 for the matrix units, Q8 blocks otherwise.
+fn activation(
+    e: &ExpertWeights,
+    moe: &mut MoeBuffers,
+    n: usize,
+    tile_tokens: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let slots = n * e.used;
+    let ff = e.up.rows;
+    let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
     let gate_bias = e
         .gate
         .as_ref()
@@ -394,7 +435,8 @@ fn routed_ffn(
         None
     };
     kernels::gated(
-        gate.is_some()
+        e.gate
+            .is_some()
             .then(|| view(&moe.gate, slots * ff))
             .transpose()?,
         view(&moe.up, slots * ff)?,
@@ -408,6 +450,26 @@ fn routed_ffn(
             .transpose()?,
         stream,
     )?;
+    Ok(())
+}
+
+/// Down of every slot's expert on its own activations, each slot's output into
+/// `moe.out`, or weighted and added to `sum_into` (see [`routed_ffn`]); returns whether
+/// they were added.
+fn down(
+    config: &ModelConfig,
+    e: &ExpertWeights,
+    moe: &mut MoeBuffers,
+    n: usize,
+    tile_tokens: usize,
+    sum_into: Option<DeviceViewMut<'_, f32>>,
+    stream: &Stream,
+) -> Result<bool, ModelError> {
+    let d = config.n_embd;
+    let k = e.used;
+    let slots = n * k;
+    let ff = e.up.rows;
+    let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
     let input = if mm {
         row_scales(
             view(&moe.act, slots * ff)?,
@@ -439,6 +501,7 @@ fn routed_ffn(
         .map_err(routed_error(&e.down))?;
         return Ok(true);
     }
+    let route = Route::new(&moe.tiles, &moe.order, slots, e.count, tile_tokens)?;
     routed(
         &[e.down.gpu()?],
         input,
