@@ -56,7 +56,6 @@ use crate::plan::ExecutionPlan;
 use crate::{Model, ModelError};
 use forward::{Buffers, PageShape};
 use host::HostLayers;
-pub(crate) use weights::check_plan;
 use weights::{Held, LayerWeights, RopeContext};
 
 /// Most tokens the decode products and one attention launch take, and the chunk of
