@@ -9,6 +9,7 @@ use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, Pinn
 
 use super::experts;
 use super::products::{batched, float_rows_few, matvec_error, SKINNY_FROM, SKINNY_MIN_BYTES};
+use super::{view, view_at, view_mut, view_mut_at};
 use crate::config::ModelConfig;
 use crate::gpu::kernels::{attention_chunk, AttentionShape, Pages};
 use crate::gpu::weights::Matrix;
@@ -474,38 +475,4 @@ impl Buffers {
             .write_staged(host, &[value], dst)
             .map_err(gpu("setting the position"))
     }
-}
-
-pub(super) fn view<T: bytemuck::Pod>(
-    buf: &ArenaBuffer,
-    len: usize,
-) -> Result<DeviceView<'_, T>, ModelError> {
-    buf.view::<T>()
-        .and_then(|v| v.slice(0..len))
-        .map_err(gpu("viewing a buffer"))
-}
-
-pub(super) fn view_at<T: bytemuck::Pod>(
-    buf: &ArenaBuffer,
-    range: std::ops::Range<usize>,
-) -> Result<DeviceView<'_, T>, ModelError> {
-    buf.view::<T>()
-        .and_then(|v| v.slice(range))
-        .map_err(gpu("viewing a buffer"))
-}
-
-pub(super) fn view_mut<T: bytemuck::Pod>(
-    buf: &mut ArenaBuffer,
-    len: usize,
-) -> Result<DeviceViewMut<'_, T>, ModelError> {
-    view_mut_at(buf, 0..len)
-}
-
-pub(super) fn view_mut_at<T: bytemuck::Pod>(
-    buf: &mut ArenaBuffer,
-    range: std::ops::Range<usize>,
-) -> Result<DeviceViewMut<'_, T>, ModelError> {
-    buf.view_mut::<T>()
-        .and_then(|v| v.slice_mut(range))
-        .map_err(gpu("viewing a buffer"))
 }

@@ -6,7 +6,8 @@ use dequant::gpu::matmul;
 use dequant::gpu::matvec::{self, takes_q8, GpuActivations, GpuMatrix};
 use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 
-use super::buffers::{view, view_mut, BatchInput};
+use super::buffers::BatchInput;
+use super::{view, view_mut};
 use crate::gpu::kernels;
 use crate::gpu::weights::Matrix;
 use crate::gpu::MAX_BATCH;
