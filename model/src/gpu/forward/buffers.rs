@@ -8,11 +8,10 @@ use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, PinnedBuffer, Stream};
 
 use super::experts;
-use super::products::{batched, float_rows_few, matvec_error, SKINNY_FROM, SKINNY_MIN_BYTES};
+use super::products::BatchInput;
 use super::{view, view_at, view_mut, view_mut_at};
 use crate::config::ModelConfig;
 use crate::gpu::kernels::{attention_chunk, AttentionShape, Pages};
-use crate::gpu::weights::Matrix;
 use crate::gpu::{arena, MAX_BATCH};
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
@@ -23,82 +22,6 @@ fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
 
 /// Alignment of every buffer in the arena.
 const ALIGN: usize = 256;
-
-/// The batch products' input: per-token scales (the first `scales_bytes`), then the
-/// tokens' activations divided by them, in f16; and the room their products split
-/// their columns in (partial sums, and tile counters that hold zeros between products).
-pub(super) struct BatchInput {
-    buf: ArenaBuffer,
-    scales_bytes: usize,
-    partials: ArenaBuffer,
-    counters: ArenaBuffer,
-    /// Whether the device runs the skinny batch products
-    /// ([`matmul::skinny_available`]).
-    skinny: bool,
-}
-
-impl BatchInput {
-    /// Whether the products of `m` on `n` tokens take the batch products ([`matmul`],
-    /// f32 input) rather than the decode products (Q8 blocks for quantized weights): past
-    /// [`MAX_BATCH`] tokens but for float matrices of few rows ([`float_rows_few`]); from [`SKINNY_FROM`] tokens where the device runs the
-    /// skinny products, they take the type (`matmul::skinny_prefers`) and the matrix holds
-    /// at least [`SKINNY_MIN_BYTES`], where they are faster (ARCHITECTURE.md says by how
-    /// much).
-    pub(super) fn takes(&self, m: &Matrix, n: usize) -> bool {
-        (batched(n) && !float_rows_few(m))
-            || (self.skinny
-                && n >= SKINNY_FROM
-                && matmul::skinny_prefers(m.ty)
-                && m.byte_len() >= SKINNY_MIN_BYTES)
-    }
-
-    /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
-    /// the f16 activations and their per-token scales ([`matmul::row_scales`]), with the
-    /// room to split the products.
-    pub(super) fn prepare(
-        &mut self,
-        input: DeviceView<'_, f32>,
-        n: usize,
-        mats: &[&Matrix],
-        stream: &Stream,
-    ) -> Result<
-        (
-            DeviceView<'_, f16>,
-            DeviceView<'_, f32>,
-            matmul::SplitScratch<'_>,
-        ),
-        ModelError,
-    > {
-        let (split, cols) = (self.scales_bytes, mats[0].cols);
-        let cut = gpu("viewing the batch input");
-        let whole = self.buf.view_mut::<u8>().map_err(&cut)?;
-        let (s, x16) = whole.split_at_mut(split).map_err(&cut)?;
-        let s = s
-            .cast_mut::<f32>()
-            .and_then(|v| v.slice_mut(0..n))
-            .map_err(&cut)?;
-        let x16 = x16
-            .cast_mut::<f16>()
-            .and_then(|v| v.slice_mut(0..n * cols))
-            .map_err(&cut)?;
-        matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(mats))?;
-        let whole = self.buf.view::<u8>().map_err(&cut)?;
-        let s = whole
-            .slice(0..split)
-            .and_then(|v| v.cast::<f32>())
-            .and_then(|v| v.slice(0..n))
-            .map_err(&cut)?;
-        let x16 = whole
-            .slice(split..split + 2 * n * cols)
-            .and_then(|v| v.cast::<f16>())
-            .map_err(&cut)?;
-        let room = matmul::SplitScratch {
-            partials: view_mut::<f32>(&mut self.partials, matmul::SPLIT_PARTIALS)?,
-            counters: view_mut::<u32>(&mut self.counters, matmul::SPLIT_COUNTERS)?,
-        };
-        Ok((x16, s, room))
-    }
-}
 
 /// How many sequences a paged batch holds at most, and the cache's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
