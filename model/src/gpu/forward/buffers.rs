@@ -2,12 +2,12 @@
 //! counter and the f16 KV cache, carved from one allocation; and the layout of a paged
 //! batch's tokens in it.
 
+use dequant::gpu::experts;
 use dequant::gpu::matmul;
 use dequant::gpu::matvec::q8_bytes;
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, PinnedBuffer, Stream};
 
-use super::experts;
 use super::products::BatchInput;
 use super::{view, view_at, view_mut, view_mut_at};
 use crate::config::ModelConfig;
@@ -141,7 +141,7 @@ pub(in crate::gpu) struct Buffers {
     /// Whether a prompt's attention may take the matrix units (`GpuTuning::flash_mma`).
     pub(super) flash_mma: bool,
     /// The experts' room, for a model with a mixture of experts.
-    pub(super) moe: Option<experts::MoeBuffers>,
+    pub(super) moe: Option<MoeBuffers>,
 }
 
 impl Buffers {
@@ -220,7 +220,7 @@ impl Buffers {
             4,                                      // bad
             4 * paged.map_or(0, |p| p.meta_len(b)), // meta
         ];
-        let moe_sizes = experts::MoeBuffers::sizes(c, b);
+        let moe_sizes = MoeBuffers::sizes(c, b);
         let total = sizes
             .iter()
             .chain(moe_sizes.iter().flatten())
@@ -277,7 +277,7 @@ impl Buffers {
             flash_mma,
             moe: moe_sizes
                 .is_some()
-                .then(|| experts::MoeBuffers::new(&mut next))
+                .then(|| MoeBuffers::new(&mut next))
                 .transpose()?,
         };
         // The arena's buffers free their ranges when dropped; the allocation itself
@@ -397,5 +397,77 @@ impl Buffers {
         stream
             .write_staged(host, &[value], dst)
             .map_err(gpu("setting the position"))
+    }
+}
+
+/// The room of the experts' block for up to `tokens` tokens: router logits, the routing,
+/// the layer's input in Q8 blocks, the experts' intermediate and output rows, and for
+/// the products on the matrix units (prompts) the f16 input with its row scales and the
+/// experts' activations in f32.
+pub(in crate::gpu) struct MoeBuffers {
+    pub(super) logits: ArenaBuffer,
+    pub(super) shared_gate: ArenaBuffer,
+    pub(super) ids: ArenaBuffer,
+    pub(super) weights: ArenaBuffer,
+    pub(super) tiles: ArenaBuffer,
+    pub(super) order: ArenaBuffer,
+    pub(super) q8_in: ArenaBuffer,
+    pub(super) q8_act: ArenaBuffer,
+    pub(super) gate: ArenaBuffer,
+    pub(super) up: ArenaBuffer,
+    pub(super) out: ArenaBuffer,
+    pub(super) x16: ArenaBuffer,
+    pub(super) scales: ArenaBuffer,
+    pub(super) act: ArenaBuffer,
+}
+
+impl MoeBuffers {
+    /// Bytes of each buffer, in the order [`MoeBuffers::new`] takes them.
+    pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 14]> {
+        let e = config.experts?;
+        let slots = tokens * e.used;
+        let tiles =
+            experts::max_tiles(slots, e.count, experts::tile_tokens_for(slots, e.count)).max(slots);
+        let d = config.n_embd;
+        // The matrix units' input and activations, where some count of tokens takes them.
+        let mm = experts::tile_tokens_for(slots, e.count) == experts::MATMUL_TILE_TOKENS;
+        let mm_rows = if mm { slots } else { 0 };
+        Some([
+            4 * tokens * e.count,
+            4 * tokens,
+            4 * slots,
+            4 * slots,
+            4 * 3 * tiles,
+            4 * slots,
+            q8_bytes(tokens, d),
+            q8_bytes(slots, e.n_ff),
+            4 * slots * e.n_ff,
+            4 * slots * e.n_ff,
+            4 * slots * d,
+            2 * mm_rows * d.max(e.n_ff),
+            4 * mm_rows,
+            4 * mm_rows * e.n_ff,
+        ])
+    }
+
+    pub fn new(
+        mut next: impl FnMut() -> Result<ArenaBuffer, ModelError>,
+    ) -> Result<MoeBuffers, ModelError> {
+        Ok(MoeBuffers {
+            logits: next()?,
+            shared_gate: next()?,
+            ids: next()?,
+            weights: next()?,
+            tiles: next()?,
+            order: next()?,
+            q8_in: next()?,
+            q8_act: next()?,
+            gate: next()?,
+            up: next()?,
+            out: next()?,
+            x16: next()?,
+            scales: next()?,
+            act: next()?,
+        })
     }
 }

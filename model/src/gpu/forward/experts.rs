@@ -10,83 +10,12 @@ use dequant::gpu::matvec::q8_bytes;
 use half::f16;
 use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 
+use super::buffers::MoeBuffers;
 use super::{product_error, products, takes_q8_for, view, view_mut, Buffers};
 use crate::config::ModelConfig;
 use crate::gpu::kernels;
 use crate::gpu::weights::{ExpertTensor, ExpertWeights, Norm, SharedExpert};
 use crate::ModelError;
-
-/// The room of the experts' block for up to `tokens` tokens: router logits, the routing,
-/// the layer's input in Q8 blocks, the experts' intermediate and output rows, and for
-/// the products on the matrix units (prompts) the f16 input with its row scales and the
-/// experts' activations in f32.
-pub(in crate::gpu) struct MoeBuffers {
-    logits: ArenaBuffer,
-    shared_gate: ArenaBuffer,
-    ids: ArenaBuffer,
-    weights: ArenaBuffer,
-    tiles: ArenaBuffer,
-    order: ArenaBuffer,
-    q8_in: ArenaBuffer,
-    q8_act: ArenaBuffer,
-    gate: ArenaBuffer,
-    up: ArenaBuffer,
-    out: ArenaBuffer,
-    x16: ArenaBuffer,
-    scales: ArenaBuffer,
-    act: ArenaBuffer,
-}
-
-impl MoeBuffers {
-    /// Bytes of each buffer, in the order [`MoeBuffers::new`] takes them.
-    pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 14]> {
-        let e = config.experts?;
-        let slots = tokens * e.used;
-        let tiles =
-            experts::max_tiles(slots, e.count, experts::tile_tokens_for(slots, e.count)).max(slots);
-        let d = config.n_embd;
-        // The matrix units' input and activations, where some count of tokens takes them.
-        let mm = experts::tile_tokens_for(slots, e.count) == experts::MATMUL_TILE_TOKENS;
-        let mm_rows = if mm { slots } else { 0 };
-        Some([
-            4 * tokens * e.count,
-            4 * tokens,
-            4 * slots,
-            4 * slots,
-            4 * 3 * tiles,
-            4 * slots,
-            q8_bytes(tokens, d),
-            q8_bytes(slots, e.n_ff),
-            4 * slots * e.n_ff,
-            4 * slots * e.n_ff,
-            4 * slots * d,
-            2 * mm_rows * d.max(e.n_ff),
-            4 * mm_rows,
-            4 * mm_rows * e.n_ff,
-        ])
-    }
-
-    pub fn new(
-        mut next: impl FnMut() -> Result<ArenaBuffer, ModelError>,
-    ) -> Result<MoeBuffers, ModelError> {
-        Ok(MoeBuffers {
-            logits: next()?,
-            shared_gate: next()?,
-            ids: next()?,
-            weights: next()?,
-            tiles: next()?,
-            order: next()?,
-            q8_in: next()?,
-            q8_act: next()?,
-            gate: next()?,
-            up: next()?,
-            out: next()?,
-            x16: next()?,
-            scales: next()?,
-            act: next()?,
-        })
-    }
-}
 
 fn routed_error<'a>(
     t: &'a ExpertTensor,
