@@ -6,8 +6,9 @@
 //! them into generated translation units: as `__constant__` arrays before
 //! `kernels/dequant.hip` (the decoders) and `kernels/matmul.hip` (the batch products,
 //! which decode tiles with them), and the grids the decode products read as `static const
-//! __device__` arrays in global memory before `kernels/matvec.hip`. A missing table or a
-//! table of the wrong length fails the build.
+//! __device__` arrays in global memory before `kernels/matvec.hip` (the decode products,
+//! which include `kernels/matvec_experts.hip`). A missing table or a table of the wrong
+//! length fails the build.
 //!
 //! The product files are compiled once per weight type ([`PRODUCT_TYPES`]), each unit a
 //! device module of its own: the runtimes load a module's code whole at the first use of
@@ -145,6 +146,7 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/decode_iquants.h",
     "kernels/matvec.hip",
     "kernels/matvec_tasks.h",
+    "kernels/matvec_experts.hip",
     "kernels/matmul.hip",
     "kernels/matmul_decode.h",
     "kernels/matmul_launch.h",

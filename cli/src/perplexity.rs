@@ -91,37 +91,8 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
         bail!("--ctx-size must be at least 3 tokens");
     }
     // Read the inputs before the model: a missing file is said at once.
-    let text = match (&args.file, args.kl_divergence) {
-        (Some(path), false) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the text {}", path.display()))?,
-        ),
-        (Some(path), true) => {
-            eprintln!(
-                "note: --kl-divergence scores the base file's tokens; {} is not read",
-                path.display()
-            );
-            None
-        }
-        (None, _) => None,
-    };
-    let mut base_in = None;
-    if args.kl_divergence {
-        let path = args.kl_divergence_base.as_ref().expect("clap requires it");
-        let file = File::open(path)
-            .with_context(|| format!("opening the base file {}", path.display()))?;
-        let len = file.metadata()?.len();
-        let reader = BaseReader::open(BufReader::new(file), len)
-            .with_context(|| format!("base file {}", path.display()))?;
-        let n_ctx = reader.header().n_ctx;
-        if let Some(c) = args.ctx_size.filter(|&c| c != n_ctx) {
-            bail!(
-                "base file {}: its n_ctx is {n_ctx}, but --ctx-size is {c}",
-                path.display()
-            );
-        }
-        base_in = Some((path.clone(), reader));
-    }
+    let text = read_text(args)?;
+    let base_in = open_base(args)?;
     let stop = install_ctrl_c()?;
     let gpu_start = GpuStart::begin(args.device, 0);
 
@@ -185,80 +156,133 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
         }
         None => {
             let text = text.expect("clap requires --file");
-            let tokens = tokenizer.encode(
-                &text,
-                EncodeOptions {
-                    add_special: true,
-                    parse_special: false,
-                },
-            )?;
-            let options = Options {
-                n_ctx,
-                batch: args.batch_size,
-                chunks: args.chunks,
-                bos,
-            };
-            let mut base_out =
-                match &args.kl_divergence_base {
-                    Some(path) => Some((
-                        path,
-                        BufWriter::new(File::create(path).with_context(|| {
-                            format!("creating the base file {}", path.display())
-                        })?),
-                    )),
-                    None => None,
-                };
-            let windows = perplexity::Windows::plan(tokens.len(), n_ctx, args.chunks)
-                .with_context(|| format!("{}", args.file.as_ref().expect("a text").display()))?;
-            eprintln!(
-                "perplexity: {} tokens, {} windows of {n_ctx}, {} scored each, batch {}",
-                tokens.len(),
-                windows.n_chunk,
-                windows.scored(),
-                args.batch_size.min(n_ctx)
-            );
-            let mut write_error = None;
-            let mut on_chunk = |i: usize, ppl: f64| {
-                if write_error.is_none() {
-                    if let Err(e) =
-                        write!(out, "[{i}]{},", fixed(ppl, 0, 4)).and_then(|()| out.flush())
-                    {
-                        write_error = Some(e);
-                    }
-                }
-            };
-            let outcome = perplexity::perplexity(
-                &mut source,
-                &tokens,
-                &options,
-                base_out.as_mut().map(|(_, w)| w as &mut dyn Write),
-                &mut on_chunk,
-            )
-            .with_context(|| match &base_out {
-                Some((path, _)) => format!("writing the base file {}", path.display()),
-                None => "perplexity".to_owned(),
-            })?;
-            if let Some(e) = write_error {
-                return Err(e).context("writing to stdout");
-            }
-            writeln!(out)?;
-            match outcome.sums.estimate() {
-                Some(e) => writeln!(
-                    out,
-                    "Final estimate: PPL = {} +/- {}",
-                    fixed(e.ppl, 0, 4),
-                    fixed(e.error, 0, 5)
-                )?,
-                None => eprintln!(
-                    "warning: PPL = {}, but the spread of log(prob) is not positive: no \
-                     uncertainty",
-                    fixed(outcome.sums.ppl(), 0, 4)
-                ),
-            }
+            score_text(&mut source, &tokenizer, &text, bos, n_ctx, args, &mut out)?;
         }
     }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The text of --file, unless the run compares with a base file (which holds the tokens).
+fn read_text(args: &PerplexityArgs) -> Result<Option<String>> {
+    Ok(match (&args.file, args.kl_divergence) {
+        (Some(path), false) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the text {}", path.display()))?,
+        ),
+        (Some(path), true) => {
+            eprintln!(
+                "note: --kl-divergence scores the base file's tokens; {} is not read",
+                path.display()
+            );
+            None
+        }
+        (None, _) => None,
+    })
+}
+
+/// With --kl-divergence, the base file opened and its header checked against --ctx-size.
+fn open_base(args: &PerplexityArgs) -> Result<Option<(PathBuf, BaseReader<BufReader<File>>)>> {
+    if !args.kl_divergence {
+        return Ok(None);
+    }
+    let path = args.kl_divergence_base.as_ref().expect("clap requires it");
+    let file =
+        File::open(path).with_context(|| format!("opening the base file {}", path.display()))?;
+    let len = file.metadata()?.len();
+    let reader = BaseReader::open(BufReader::new(file), len)
+        .with_context(|| format!("base file {}", path.display()))?;
+    let n_ctx = reader.header().n_ctx;
+    if let Some(c) = args.ctx_size.filter(|&c| c != n_ctx) {
+        bail!(
+            "base file {}: its n_ctx is {n_ctx}, but --ctx-size is {c}",
+            path.display()
+        );
+    }
+    Ok(Some((path.clone(), reader)))
+}
+
+/// The perplexity of `text` over windows of n_ctx tokens, each window's figure printed as
+/// it is scored and the final estimate after them; with --kl-divergence-base, the scored
+/// positions' log-probabilities written to that file too.
+fn score_text(
+    source: &mut Stoppable<'_>,
+    tokenizer: &Tokenizer,
+    text: &str,
+    bos: Option<u32>,
+    n_ctx: usize,
+    args: &PerplexityArgs,
+    out: &mut dyn Write,
+) -> Result<()> {
+    let tokens = tokenizer.encode(
+        text,
+        EncodeOptions {
+            add_special: true,
+            parse_special: false,
+        },
+    )?;
+    let options = Options {
+        n_ctx,
+        batch: args.batch_size,
+        chunks: args.chunks,
+        bos,
+    };
+    let mut base_out = match &args.kl_divergence_base {
+        Some(path) => Some((
+            path,
+            BufWriter::new(
+                File::create(path)
+                    .with_context(|| format!("creating the base file {}", path.display()))?,
+            ),
+        )),
+        None => None,
+    };
+    let windows = perplexity::Windows::plan(tokens.len(), n_ctx, args.chunks)
+        .with_context(|| format!("{}", args.file.as_ref().expect("a text").display()))?;
+    eprintln!(
+        "perplexity: {} tokens, {} windows of {n_ctx}, {} scored each, batch {}",
+        tokens.len(),
+        windows.n_chunk,
+        windows.scored(),
+        args.batch_size.min(n_ctx)
+    );
+    let mut write_error = None;
+    let mut on_chunk = |i: usize, ppl: f64| {
+        if write_error.is_none() {
+            if let Err(e) = write!(out, "[{i}]{},", fixed(ppl, 0, 4)).and_then(|()| out.flush()) {
+                write_error = Some(e);
+            }
+        }
+    };
+    let outcome = perplexity::perplexity(
+        source,
+        &tokens,
+        &options,
+        base_out.as_mut().map(|(_, w)| w as &mut dyn Write),
+        &mut on_chunk,
+    )
+    .with_context(|| match &base_out {
+        Some((path, _)) => format!("writing the base file {}", path.display()),
+        None => "perplexity".to_owned(),
+    })?;
+    if let Some(e) = write_error {
+        return Err(e).context("writing to stdout");
+    }
+    writeln!(out)?;
+    match outcome.sums.estimate() {
+        Some(e) => writeln!(
+            out,
+            "Final estimate: PPL = {} +/- {}",
+            fixed(e.ppl, 0, 4),
+            fixed(e.error, 0, 5)
+        )?,
+        None => eprintln!(
+            "warning: PPL = {}, but the spread of log(prob) is not positive: no \
+             uncertainty",
+            fixed(outcome.sums.ppl(), 0, 4)
+        ),
+    }
+    Ok(())
 }
 
 /// A source that stops between windows once Ctrl-C was pressed.

@@ -1,10 +1,10 @@
 // experts.hip: a mixture of experts' feed-forward block on the GPU, around the routed
-// products (dequant's rf_matvec_experts_NAME in kernels/matvec.hip for a few tokens,
-// rf_matmul_experts_NAME in kernels/matmul.hip for prompts and batches): the router's
-// choice of experts per token, the grouping of the chosen slots by expert into tiles, and
-// the weighted sum of the experts' outputs (with a shared expert's, behind its gate) added
-// to the residual stream. Nothing comes back to the host: a decode step stays one
-// graph.
+// products (dequant's rf_matvec_experts_NAME in kernels/matvec_experts.hip for a few
+// tokens, rf_matmul_experts_NAME in kernels/matmul.hip for prompts and batches): the
+// router's choice of experts per token, the grouping of the chosen slots by expert into
+// tiles, and the weighted sum of the experts' outputs (with a shared expert's, behind its
+// gate) added to the residual stream. Nothing comes back to the host: a decode step stays
+// one graph.
 //
 // A slot is one token's choice of one expert: token t's slots are t·k .. t·k + k - 1, in
 // the order the router ranks them. Tiles are (expert, first, count) triples over `order`,

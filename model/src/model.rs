@@ -39,14 +39,6 @@ impl Model {
         &self.plan
     }
 
-    /// Whether the GPU forward pass runs this model: its architecture and features
-    /// ([`ModelConfig::check_gpu_support`]) and every weight's type; the error names what
-    /// it does not run.
-    pub fn check_gpu_support(&self) -> Result<(), ModelError> {
-        self.config.check_gpu_support()?;
-        crate::gpu::check_plan(&self.plan)
-    }
-
     /// The file the weights come from.
     pub fn store(&self) -> &TensorStore {
         &self.store

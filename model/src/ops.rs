@@ -5,12 +5,12 @@
 
 mod attention;
 mod expf;
-mod flash;
 pub mod route;
 
-pub use attention::{attention, attention_in, AttentionMethod, AttentionShape, Layout};
+pub use attention::{
+    attention, attention_in, AttentionMethod, AttentionShape, FlashContext, Layout,
+};
 pub use expf::expf;
-pub use flash::FlashContext;
 
 use crate::config::{RopeStyle, Yarn};
 

@@ -199,14 +199,81 @@ pub fn run(args: &[String]) -> Result<()> {
         Some(t) => t,
         None => std::thread::available_parallelism().map_or(1, usize::from),
     };
+    let (server, base) = start_server(&rocmforge, &model, &o, threads)?;
+    let model_id = model
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("model")
+        .trim_end_matches(".gguf")
+        .to_owned();
+    let output = run_client(&python, &base, &model_id, &o)?;
+    drop(server);
+    ensure!(
+        output.status.success(),
+        "the benchmark client failed ({})",
+        output.status
+    );
+    let lines: Vec<Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()
+        .context("the benchmark client's output")?;
+    let (constrained, ours): (Vec<Value>, Vec<Value>) = lines
+        .into_iter()
+        .partition(|level| level["phase"] == "constrained");
+    let constrained = o
+        .constrained
+        .as_ref()
+        .map(|_| compare_constrained(&ours, &constrained));
+    let llama = match &o.llama_batched_bench {
+        Some(path) => Some(llama_batched_bench(path, &model, &o, threads)?),
+        None => None,
+    };
+    let comparison = llama.as_ref().map(|rows| compare_llama(&ours, rows));
+    let report = json!({
+        "model": model_id,
+        "prompt_tokens": o.prompt_tokens,
+        "gen_tokens": o.gen_tokens,
+        "threads": threads,
+        "rocmforge": ours,
+        "llama_batched_bench": llama,
+        "comparison": comparison,
+        "constraint": o.constrained,
+        "constrained": constrained,
+    });
+    if o.json {
+        println!("{report:#}");
+    } else {
+        print_table(&report);
+        if let Some(rows) = &constrained {
+            print_constrained(o.constrained.as_deref().unwrap_or("?"), rows);
+        }
+    }
+    let failures: u64 = ours
+        .iter()
+        .chain(constrained.iter().flatten())
+        .filter_map(|l| l["n_failures"].as_u64())
+        .sum();
+    ensure!(failures == 0, "{failures} requests failed");
+    Ok(())
+}
+
+/// Starts `rocmforge serve` on a free loopback port, sized for the largest level and
+/// with `threads` threads; returns it and the address it listens on.
+fn start_server(
+    rocmforge: &Path,
+    model: &Path,
+    o: &Options,
+    threads: usize,
+) -> Result<(Server, String)> {
     let max_clients = o.clients.iter().copied().max().unwrap_or(1);
     let context = o.prompt_tokens + o.gen_tokens;
 
-    let mut command = Command::new(&rocmforge);
+    let mut command = Command::new(rocmforge);
     command
         .arg("serve")
         .arg("--gguf")
-        .arg(&model)
+        .arg(model)
         .args(["--host", "127.0.0.1", "--port", "0"])
         .args(["--max-sequences", &max_clients.to_string()])
         .args([
@@ -235,12 +302,17 @@ pub fn run(args: &[String]) -> Result<()> {
     };
     // Keep reading the server's stderr so that it never blocks on a full pipe.
     std::thread::spawn(move || lines.for_each(drop));
-    let model_id = model
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("model")
-        .trim_end_matches(".gguf")
-        .to_owned();
+    Ok((server, base))
+}
+
+/// Runs the benchmark client against the server at `base`, every level in turn; its
+/// standard output holds one JSON line a level.
+fn run_client(
+    python: &Path,
+    base: &str,
+    model_id: &str,
+    o: &Options,
+) -> Result<std::process::Output> {
     let levels = o
         .clients
         .iter()
@@ -248,9 +320,9 @@ pub fn run(args: &[String]) -> Result<()> {
         .collect::<Vec<_>>()
         .join(",");
     let script = crate::workspace_root().join("xtask/scripts/bench_serve.py");
-    let output = Command::new(&python)
+    Command::new(python)
         .arg(&script)
-        .args([&base, &model_id, &levels])
+        .args([base, model_id, &levels])
         .args([
             // 0: 4 per client.
             o.requests.unwrap_or(0).to_string(),
@@ -261,72 +333,27 @@ pub fn run(args: &[String]) -> Result<()> {
         ])
         .stderr(Stdio::inherit())
         .output()
-        .context("running the benchmark client")?;
-    drop(server);
-    ensure!(
-        output.status.success(),
-        "the benchmark client failed ({})",
-        output.status
-    );
-    let lines: Vec<Value> = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()
-        .context("the benchmark client's output")?;
-    let (constrained, ours): (Vec<Value>, Vec<Value>) = lines
-        .into_iter()
-        .partition(|level| level["phase"] == "constrained");
-    let constrained = o
-        .constrained
-        .as_ref()
-        .map(|_| compare_constrained(&ours, &constrained));
-    let llama = match &o.llama_batched_bench {
-        Some(path) => Some(llama_batched_bench(path, &model, &o, threads)?),
-        None => None,
-    };
-    let comparison: Option<Vec<Value>> = llama.as_ref().map(|rows| {
-        ours.iter()
-            .map(|level| {
-                let theirs = rows
-                    .iter()
-                    .find(|r| r["pl"] == level["clients"])
-                    .and_then(|r| r["speed"].as_f64());
-                let mine = level["total_tokens_per_s"].as_f64();
-                json!({
-                    "clients": level["clients"],
-                    "rocmforge_tokens_per_s": mine,
-                    "llama_cpp_tokens_per_s": theirs,
-                    "ratio": mine.zip(theirs).map(|(m, t)| m / t),
-                })
+        .context("running the benchmark client")
+}
+
+/// Each level's aggregate tokens/s beside llama-batched-bench's for as many sequences
+/// (`rows`), with their ratio.
+fn compare_llama(ours: &[Value], rows: &[Value]) -> Vec<Value> {
+    ours.iter()
+        .map(|level| {
+            let theirs = rows
+                .iter()
+                .find(|r| r["pl"] == level["clients"])
+                .and_then(|r| r["speed"].as_f64());
+            let mine = level["total_tokens_per_s"].as_f64();
+            json!({
+                "clients": level["clients"],
+                "rocmforge_tokens_per_s": mine,
+                "llama_cpp_tokens_per_s": theirs,
+                "ratio": mine.zip(theirs).map(|(m, t)| m / t),
             })
-            .collect()
-    });
-    let report = json!({
-        "model": model_id,
-        "prompt_tokens": o.prompt_tokens,
-        "gen_tokens": o.gen_tokens,
-        "threads": threads,
-        "rocmforge": ours,
-        "llama_batched_bench": llama,
-        "comparison": comparison,
-        "constraint": o.constrained,
-        "constrained": constrained,
-    });
-    if o.json {
-        println!("{report:#}");
-    } else {
-        print_table(&report);
-        if let Some(rows) = &constrained {
-            print_constrained(o.constrained.as_deref().unwrap_or("?"), rows);
-        }
-    }
-    let failures: u64 = ours
-        .iter()
-        .chain(constrained.iter().flatten())
-        .filter_map(|l| l["n_failures"].as_u64())
-        .sum();
-    ensure!(failures == 0, "{failures} requests failed");
-    Ok(())
+        })
+        .collect()
 }
 
 /// llama.cpp's `llama-batched-bench` on the same model and shapes: one line per

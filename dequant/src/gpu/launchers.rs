@@ -94,7 +94,7 @@ product_launchers! {
         );
         /// `rf_matvec_load_NAME` (see `kernels/matvec.hip`).
         matvec_load: MatvecLoadFn = fn(n_cols: c_int, n_tokens: c_int, device: c_int);
-        /// `rf_matvec_experts_NAME` (see `kernels/matvec.hip`).
+        /// `rf_matvec_experts_NAME` (see `kernels/matvec_experts.hip`).
         matvec_experts: MatvecExpertsFn = fn(
             weights: *const *const c_void,
             outs: *const *mut c_void,
@@ -112,7 +112,7 @@ product_launchers! {
             device: c_int,
             stream: *mut c_void,
         );
-        /// `rf_matvec_experts_sum_NAME` (see `kernels/matvec.hip`).
+        /// `rf_matvec_experts_sum_NAME` (see `kernels/matvec_experts.hip`).
         matvec_experts_sum: MatvecExpertsSumFn = fn(
             weights: *const c_void,
             expert_bytes: usize,

@@ -11,15 +11,14 @@ use std::sync::atomic::AtomicBool;
 
 use dequant::gpu::matvec::{self, q8_bytes};
 use gguf_format::GgmlType;
-use hip_backend::Stream;
+use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 
 use super::kernels;
 use super::weights::{FfnWeights, Globals, LayerWeights};
-use super::MAX_BATCH;
+use super::{gpu, MAX_BATCH};
 use crate::config::ModelConfig;
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
-use buffers::{view, view_at, view_mut};
 pub(super) use buffers::{Buffers, Layout, PageShape, PagedBatch, PagedSegment};
 use ffn::dense_ffn;
 pub(super) use products::product_error;
@@ -314,4 +313,39 @@ pub(super) fn body(
         layer(config, layer_idx, w, bufs, n, layout, stream)?;
     }
     Ok(())
+}
+
+/// The first `len` elements of an arena buffer, as `T`.
+fn view<T: bytemuck::Pod>(buf: &ArenaBuffer, len: usize) -> Result<DeviceView<'_, T>, ModelError> {
+    buf.view::<T>()
+        .and_then(|v| v.slice(0..len))
+        .map_err(gpu("viewing a buffer"))
+}
+
+/// Elements `range` of an arena buffer, as `T`.
+fn view_at<T: bytemuck::Pod>(
+    buf: &ArenaBuffer,
+    range: std::ops::Range<usize>,
+) -> Result<DeviceView<'_, T>, ModelError> {
+    buf.view::<T>()
+        .and_then(|v| v.slice(range))
+        .map_err(gpu("viewing a buffer"))
+}
+
+/// The first `len` elements of an arena buffer, as `T`, to write.
+fn view_mut<T: bytemuck::Pod>(
+    buf: &mut ArenaBuffer,
+    len: usize,
+) -> Result<DeviceViewMut<'_, T>, ModelError> {
+    view_mut_at(buf, 0..len)
+}
+
+/// Elements `range` of an arena buffer, as `T`, to write.
+fn view_mut_at<T: bytemuck::Pod>(
+    buf: &mut ArenaBuffer,
+    range: std::ops::Range<usize>,
+) -> Result<DeviceViewMut<'_, T>, ModelError> {
+    buf.view_mut::<T>()
+        .and_then(|v| v.slice_mut(range))
+        .map_err(gpu("viewing a buffer"))
 }

@@ -23,7 +23,7 @@ use hip_backend::{Device, PinnedBuffer, Stream};
 
 use super::forward::Buffers;
 use super::host_rows::HostRows;
-use super::{GpuOptions, MAX_BATCH};
+use super::{gpu, GpuOptions, HOST_TOKENS};
 use crate::config::ModelConfig;
 use crate::cpu::layers_on_host;
 use crate::cpu::RowOffload;
@@ -31,16 +31,6 @@ use crate::kv_cache::KvCache;
 use crate::ops::AttentionMethod;
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
-
-/// Most tokens of a pass whose layers beyond the budget run on the host; longer chunks
-/// stream those layers' weights through the device. The host's work grows with the
-/// tokens, the upload's does not: at a few tokens the host wins by far (a layer of a
-/// 7B model is about 1 ms of a 16-core CPU per token against about 5 ms of copying).
-pub const HOST_TOKENS: usize = MAX_BATCH;
-
-pub(super) fn gpu(op: &'static str) -> impl Fn(hip_backend::HipError) -> ModelError {
-    move |source| ModelError::Gpu { op, source }
-}
 
 /// The host's half of a model over budget: its layers' KV cache and the page-locked
 /// buffers the residual stream and the keys and values cross in.

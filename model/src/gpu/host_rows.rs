@@ -25,7 +25,7 @@ use hip_backend::{Device, DeviceBuffer, HostRegistration, PinnedBuffer, Stream};
 use tensor_store::TensorHandle;
 
 use super::forward::product_error;
-use super::host::{gpu, HOST_TOKENS};
+use super::{gpu, HOST_TOKENS};
 use crate::cpu::RowOffload;
 use crate::plan::{ExecutionPlan, LayerPlan, Linear};
 use crate::ModelError;

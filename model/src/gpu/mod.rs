@@ -48,7 +48,6 @@ use tensor_store::device::{DeviceCache, HipTarget, StagingRing, UploadMode, Uplo
 use tensor_store::TensorHandle;
 
 pub use build::check_experts_fit;
-pub use host::HOST_TOKENS;
 pub use kernels::{KernelError, ShapeError};
 
 use crate::config::ModelConfig;
@@ -56,12 +55,16 @@ use crate::plan::ExecutionPlan;
 use crate::{Model, ModelError};
 use forward::{Buffers, PageShape};
 use host::HostLayers;
-pub(crate) use weights::check_plan;
 use weights::{Held, LayerWeights, RopeContext};
 
 /// Most tokens the decode products and one attention launch take, and the chunk of
 /// [`GpuModel::forward_all_logits`]; longer prompts take the batch products.
 pub const MAX_BATCH: usize = dequant::gpu::matvec::MAX_TOKENS;
+/// Most tokens of a pass whose layers beyond the budget run on the host; longer chunks
+/// stream those layers' weights through the device. The host's work grows with the
+/// tokens, the upload's does not: at a few tokens the host wins by far (a layer of a
+/// 7B model is about 1 ms of a 16-core CPU per token against about 5 ms of copying).
+pub const HOST_TOKENS: usize = MAX_BATCH;
 /// Most tokens of a prompt one forward pass takes unless [`GpuModel::with_prompt_batch`]
 /// says otherwise: longer prompts run in chunks of this many. Past [`MAX_BATCH`] tokens
 /// the products run on the matrix units (`dequant::gpu::matmul`) and attention in one
@@ -378,6 +381,11 @@ pub(super) fn check_stop(stop: Option<&AtomicBool>) -> Result<(), ModelError> {
         Some(stop) if stop.load(Ordering::Relaxed) => Err(ModelError::Interrupted),
         _ => Ok(()),
     }
+}
+
+/// A runtime error of the GPU while doing `op`, as [`ModelError::Gpu`].
+fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
+    move |source| ModelError::Gpu { op, source }
 }
 
 /// The arena of activations and KV cache could not be made: say what and how much.

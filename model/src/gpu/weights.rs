@@ -13,7 +13,7 @@ use dequant::gpu::experts::GpuExperts;
 use super::kernels::{self, norm_type_code, NormWeight};
 use crate::config::{ExpertActivation, Gating, ModelConfig};
 use crate::plan::{ExecutionPlan, ExpertMatrices, FfnPlan, LayerPlan, Linear, Vector};
-use crate::ModelError;
+use crate::{Model, ModelError};
 
 type Tensor = DeviceTensor<HipTarget>;
 
@@ -420,10 +420,20 @@ impl Held {
     }
 }
 
+impl Model {
+    /// Whether the GPU forward pass runs this model: its architecture and features
+    /// ([`ModelConfig::check_gpu_support`]) and every weight's type; the error names what
+    /// it does not run.
+    pub fn check_gpu_support(&self) -> Result<(), ModelError> {
+        self.config().check_gpu_support()?;
+        check_plan(self.plan())
+    }
+}
+
 /// Refuses, before anything is uploaded, a plan the GPU kernels cannot run: matrices of
 /// a type the GPU does not multiply, biases and RoPE factors other than F32, norms other
 /// than F32/F16/BF16.
-pub(crate) fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
+fn check_plan(plan: &ExecutionPlan) -> Result<(), ModelError> {
     let refuse = |h: &TensorHandle| ModelError::UnsupportedTensorType {
         name: h.name().to_owned(),
         ggml_type: h.ggml_type(),

@@ -30,11 +30,14 @@
 //! whose cache has not wrapped around.
 //!
 //! That is llama.cpp's attention with flash attention off (`-fa off`). With it on (its
-//! default on CPUs), [`super::flash`] computes it instead; [`AttentionMethod`] chooses.
+//! default on CPUs), [`flash`] computes it instead; [`AttentionMethod`] chooses.
+
+mod flash;
 
 use rayon::prelude::*;
 
-use super::flash::{self, FlashContext};
+pub use flash::FlashContext;
+
 use super::{expf, round_f16};
 
 /// Which of llama.cpp's two CPU attention computations to reproduce: they round

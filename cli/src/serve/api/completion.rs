@@ -212,35 +212,7 @@ pub(super) async fn run_request(
     // One flag for all the prompts: a client gone, or one prompt failed, ends them all.
     let cancel = Arc::new(AtomicBool::new(false));
     let guard = CancelOnDrop(Some(Arc::clone(&cancel)));
-    for (index, (prompt, p)) in jobs.into_iter().enumerate() {
-        let room = loaded.context_size.saturating_sub(prompt.len()).max(1);
-        let max_tokens = p.max_tokens.unwrap_or(room);
-        let logprobs = p.logprobs.map(|top| {
-            let tx = tx.clone();
-            LogprobsRequest {
-                top,
-                sink: Box::new(move |token| {
-                    // A client gone is seen by the events' sender.
-                    let _ = tx.send((index, Out::Logprobs(token)));
-                }),
-            }
-        });
-        let events = tx.clone();
-        let request = Request {
-            prompt,
-            max_tokens,
-            sampling: p.sampling,
-            stop: p.stop,
-            presence_penalty: p.presence_penalty,
-            frequency_penalty: p.frequency_penalty,
-            logit_bias: p.logit_bias,
-            constraint: p.constraint,
-            cancel: Arc::clone(&cancel),
-            events: Box::new(move |event| events.send((index, Out::Event(event))).is_ok()),
-        };
-        loaded.scheduler.submit_with(request, logprobs)?;
-    }
-    drop(tx);
+    submit(loaded, jobs, tx, &cancel)?;
     let meta = Meta {
         id: format!(
             "{}-{:x}",
@@ -280,8 +252,76 @@ pub(super) async fn run_request(
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
     }
-    let mut rx = rx;
     let mut guard = guard;
+    // On an error the other prompts are cancelled as the guard drops.
+    let outputs = collect(rx, choices).await?;
+    guard.0 = None;
+    let answers = answers(kind, &outputs, wants_logprobs, parser.as_mut());
+    Ok(axum::Json(json!({
+        "id": meta.id,
+        "object": if kind == Kind::Chat { "chat.completion" } else { "text_completion" },
+        "created": meta.created,
+        "model": meta.model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": answers,
+        "usage": usage(&outputs.finishes),
+    }))
+    .into_response())
+}
+
+/// Submits each prompt with its settings to the scheduler, as a sequence of its own whose
+/// events (and log-probabilities, when asked for) `tx` carries under the prompt's index.
+fn submit(
+    loaded: &Loaded,
+    jobs: Vec<(Vec<u32>, Prepared)>,
+    tx: mpsc::UnboundedSender<(usize, Out)>,
+    cancel: &Arc<AtomicBool>,
+) -> Result<(), ApiError> {
+    for (index, (prompt, p)) in jobs.into_iter().enumerate() {
+        let room = loaded.context_size.saturating_sub(prompt.len()).max(1);
+        let max_tokens = p.max_tokens.unwrap_or(room);
+        let logprobs = p.logprobs.map(|top| {
+            let tx = tx.clone();
+            LogprobsRequest {
+                top,
+                sink: Box::new(move |token| {
+                    // A client gone is seen by the events' sender.
+                    let _ = tx.send((index, Out::Logprobs(token)));
+                }),
+            }
+        });
+        let events = tx.clone();
+        let request = Request {
+            prompt,
+            max_tokens,
+            sampling: p.sampling,
+            stop: p.stop,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            logit_bias: p.logit_bias,
+            constraint: p.constraint,
+            cancel: Arc::clone(cancel),
+            events: Box::new(move |event| events.send((index, Out::Event(event))).is_ok()),
+        };
+        loaded.scheduler.submit_with(request, logprobs)?;
+    }
+    Ok(())
+}
+
+/// What each choice of a request answered without streaming, by its index.
+struct Outputs {
+    texts: Vec<String>,
+    /// Each token's log-probabilities, when the request asks for them.
+    tokens: Vec<Vec<TokenLogprobs>>,
+    finishes: Vec<Finish>,
+}
+
+/// Reads the channel until every one of the `choices` choices is done; the first error
+/// ends the request.
+async fn collect(
+    mut rx: mpsc::UnboundedReceiver<(usize, Out)>,
+    choices: usize,
+) -> Result<Outputs, ApiError> {
     let mut texts = vec![String::new(); choices];
     let mut tokens: Vec<Vec<TokenLogprobs>> = (0..choices).map(|_| Vec::new()).collect();
     let mut finishes: Vec<Option<Finish>> = vec![None; choices];
@@ -295,7 +335,6 @@ pub(super) async fn run_request(
                 left -= 1;
             }
             Some((_, Out::Event(Event::Error(message)))) => {
-                // The other prompts are cancelled as the guard drops.
                 return Err(ApiError::unavailable(message));
             }
             None => {
@@ -307,11 +346,30 @@ pub(super) async fn run_request(
             }
         }
     }
-    guard.0 = None;
-    let finishes: Vec<Finish> = finishes.into_iter().flatten().collect();
-    let mut answers = Vec::with_capacity(choices);
-    for (index, ((text, tokens), finish)) in
-        texts.into_iter().zip(&tokens).zip(&finishes).enumerate()
+    let finishes = finishes.into_iter().flatten().collect();
+    Ok(Outputs {
+        texts,
+        tokens,
+        finishes,
+    })
+}
+
+/// The response's `choices`: each choice's text (a chat's message, its tool calls read
+/// out of the text when the request offers tools), how it finished and its
+/// log-probabilities.
+fn answers(
+    kind: Kind,
+    outputs: &Outputs,
+    wants_logprobs: bool,
+    mut parser: Option<&mut CallParser>,
+) -> Vec<Value> {
+    let mut answers = Vec::with_capacity(outputs.texts.len());
+    for (index, ((text, tokens), finish)) in outputs
+        .texts
+        .iter()
+        .zip(&outputs.tokens)
+        .zip(&outputs.finishes)
+        .enumerate()
     {
         let logprobs = match wants_logprobs {
             true => logprobs::format(kind, tokens, &mut 0),
@@ -322,7 +380,7 @@ pub(super) async fn run_request(
                 let mut message = json!({"role": "assistant", "content": text});
                 let mut reason = finish.reason.as_str();
                 if let Some(parser) = &mut parser {
-                    let (content, calls) = split_calls(parser, &text);
+                    let (content, calls) = split_calls(parser, text);
                     if !calls.is_empty() {
                         message["tool_calls"] = Value::Array(calls);
                         reason = "tool_calls";
@@ -344,16 +402,7 @@ pub(super) async fn run_request(
             }),
         });
     }
-    Ok(axum::Json(json!({
-        "id": meta.id,
-        "object": if kind == Kind::Chat { "chat.completion" } else { "text_completion" },
-        "created": meta.created,
-        "model": meta.model,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": answers,
-        "usage": usage(&finishes),
-    }))
-    .into_response())
+    answers
 }
 
 /// The whole output read by `parser`: the text that is no call (`None` when calls

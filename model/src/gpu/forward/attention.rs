@@ -6,8 +6,9 @@ use dequant::gpu::matvec::{self, q8_bytes};
 use half::f16;
 use hip_backend::Stream;
 
-use super::buffers::{pages, view, view_at, view_mut, view_mut_at, Buffers, Layout, PagedBatch};
+use super::buffers::{pages, Buffers, Layout, PagedBatch};
 use super::products::{batched, matvec_error, needs, products, residual, takes_q8_for, Residual};
+use super::{view, view_at, view_mut, view_mut_at};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::gpu::kernels::{self, AttentionShape, HeadExtras, HeadShape};
 use crate::gpu::weights::{LayerWeights, Matrix};

@@ -2,16 +2,16 @@
 //! counter and the f16 KV cache, carved from one allocation; and the layout of a paged
 //! batch's tokens in it.
 
+use dequant::gpu::experts;
 use dequant::gpu::matmul;
 use dequant::gpu::matvec::q8_bytes;
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, PinnedBuffer, Stream};
 
-use super::experts;
-use super::products::{batched, float_rows_few, matvec_error, SKINNY_FROM, SKINNY_MIN_BYTES};
+use super::products::BatchInput;
+use super::{view, view_at, view_mut, view_mut_at};
 use crate::config::ModelConfig;
 use crate::gpu::kernels::{attention_chunk, AttentionShape, Pages};
-use crate::gpu::weights::Matrix;
 use crate::gpu::{arena, MAX_BATCH};
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
@@ -22,82 +22,6 @@ fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
 
 /// Alignment of every buffer in the arena.
 const ALIGN: usize = 256;
-
-/// The batch products' input: per-token scales (the first `scales_bytes`), then the
-/// tokens' activations divided by them, in f16; and the room their products split
-/// their columns in (partial sums, and tile counters that hold zeros between products).
-pub(super) struct BatchInput {
-    buf: ArenaBuffer,
-    scales_bytes: usize,
-    partials: ArenaBuffer,
-    counters: ArenaBuffer,
-    /// Whether the device runs the skinny batch products
-    /// ([`matmul::skinny_available`]).
-    skinny: bool,
-}
-
-impl BatchInput {
-    /// Whether the products of `m` on `n` tokens take the batch products ([`matmul`],
-    /// f32 input) rather than the decode products (Q8 blocks for quantized weights): past
-    /// [`MAX_BATCH`] tokens but for float matrices of few rows ([`float_rows_few`]); from [`SKINNY_FROM`] tokens where the device runs the
-    /// skinny products, they take the type (`matmul::skinny_prefers`) and the matrix holds
-    /// at least [`SKINNY_MIN_BYTES`], where they are faster (ARCHITECTURE.md says by how
-    /// much).
-    pub(super) fn takes(&self, m: &Matrix, n: usize) -> bool {
-        (batched(n) && !float_rows_few(m))
-            || (self.skinny
-                && n >= SKINNY_FROM
-                && matmul::skinny_prefers(m.ty)
-                && m.byte_len() >= SKINNY_MIN_BYTES)
-    }
-
-    /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
-    /// the f16 activations and their per-token scales ([`matmul::row_scales`]), with the
-    /// room to split the products.
-    pub(super) fn prepare(
-        &mut self,
-        input: DeviceView<'_, f32>,
-        n: usize,
-        mats: &[&Matrix],
-        stream: &Stream,
-    ) -> Result<
-        (
-            DeviceView<'_, f16>,
-            DeviceView<'_, f32>,
-            matmul::SplitScratch<'_>,
-        ),
-        ModelError,
-    > {
-        let (split, cols) = (self.scales_bytes, mats[0].cols);
-        let cut = gpu("viewing the batch input");
-        let whole = self.buf.view_mut::<u8>().map_err(&cut)?;
-        let (s, x16) = whole.split_at_mut(split).map_err(&cut)?;
-        let s = s
-            .cast_mut::<f32>()
-            .and_then(|v| v.slice_mut(0..n))
-            .map_err(&cut)?;
-        let x16 = x16
-            .cast_mut::<f16>()
-            .and_then(|v| v.slice_mut(0..n * cols))
-            .map_err(&cut)?;
-        matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(mats))?;
-        let whole = self.buf.view::<u8>().map_err(&cut)?;
-        let s = whole
-            .slice(0..split)
-            .and_then(|v| v.cast::<f32>())
-            .and_then(|v| v.slice(0..n))
-            .map_err(&cut)?;
-        let x16 = whole
-            .slice(split..split + 2 * n * cols)
-            .and_then(|v| v.cast::<f16>())
-            .map_err(&cut)?;
-        let room = matmul::SplitScratch {
-            partials: view_mut::<f32>(&mut self.partials, matmul::SPLIT_PARTIALS)?,
-            counters: view_mut::<u32>(&mut self.counters, matmul::SPLIT_COUNTERS)?,
-        };
-        Ok((x16, s, room))
-    }
-}
 
 /// How many sequences a paged batch holds at most, and the cache's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -217,7 +141,7 @@ pub(in crate::gpu) struct Buffers {
     /// Whether a prompt's attention may take the matrix units (`GpuTuning::flash_mma`).
     pub(super) flash_mma: bool,
     /// The experts' room, for a model with a mixture of experts.
-    pub(super) moe: Option<experts::MoeBuffers>,
+    pub(super) moe: Option<MoeBuffers>,
 }
 
 impl Buffers {
@@ -296,7 +220,7 @@ impl Buffers {
             4,                                      // bad
             4 * paged.map_or(0, |p| p.meta_len(b)), // meta
         ];
-        let moe_sizes = experts::MoeBuffers::sizes(c, b);
+        let moe_sizes = MoeBuffers::sizes(c, b);
         let total = sizes
             .iter()
             .chain(moe_sizes.iter().flatten())
@@ -353,7 +277,7 @@ impl Buffers {
             flash_mma,
             moe: moe_sizes
                 .is_some()
-                .then(|| experts::MoeBuffers::new(&mut next))
+                .then(|| MoeBuffers::new(&mut next))
                 .transpose()?,
         };
         // The arena's buffers free their ranges when dropped; the allocation itself
@@ -476,36 +400,74 @@ impl Buffers {
     }
 }
 
-pub(super) fn view<T: bytemuck::Pod>(
-    buf: &ArenaBuffer,
-    len: usize,
-) -> Result<DeviceView<'_, T>, ModelError> {
-    buf.view::<T>()
-        .and_then(|v| v.slice(0..len))
-        .map_err(gpu("viewing a buffer"))
+/// The room of the experts' block for up to `tokens` tokens: router logits, the routing,
+/// the layer's input in Q8 blocks, the experts' intermediate and output rows, and for
+/// the products on the matrix units (prompts) the f16 input with its row scales and the
+/// experts' activations in f32.
+pub(in crate::gpu) struct MoeBuffers {
+    pub(super) logits: ArenaBuffer,
+    pub(super) shared_gate: ArenaBuffer,
+    pub(super) ids: ArenaBuffer,
+    pub(super) weights: ArenaBuffer,
+    pub(super) tiles: ArenaBuffer,
+    pub(super) order: ArenaBuffer,
+    pub(super) q8_in: ArenaBuffer,
+    pub(super) q8_act: ArenaBuffer,
+    pub(super) gate: ArenaBuffer,
+    pub(super) up: ArenaBuffer,
+    pub(super) out: ArenaBuffer,
+    pub(super) x16: ArenaBuffer,
+    pub(super) scales: ArenaBuffer,
+    pub(super) act: ArenaBuffer,
 }
 
-pub(super) fn view_at<T: bytemuck::Pod>(
-    buf: &ArenaBuffer,
-    range: std::ops::Range<usize>,
-) -> Result<DeviceView<'_, T>, ModelError> {
-    buf.view::<T>()
-        .and_then(|v| v.slice(range))
-        .map_err(gpu("viewing a buffer"))
-}
+impl MoeBuffers {
+    /// Bytes of each buffer, in the order [`MoeBuffers::new`] takes them.
+    pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 14]> {
+        let e = config.experts?;
+        let slots = tokens * e.used;
+        let tiles =
+            experts::max_tiles(slots, e.count, experts::tile_tokens_for(slots, e.count)).max(slots);
+        let d = config.n_embd;
+        // The matrix units' input and activations, where some count of tokens takes them.
+        let mm = experts::tile_tokens_for(slots, e.count) == experts::MATMUL_TILE_TOKENS;
+        let mm_rows = if mm { slots } else { 0 };
+        Some([
+            4 * tokens * e.count,
+            4 * tokens,
+            4 * slots,
+            4 * slots,
+            4 * 3 * tiles,
+            4 * slots,
+            q8_bytes(tokens, d),
+            q8_bytes(slots, e.n_ff),
+            4 * slots * e.n_ff,
+            4 * slots * e.n_ff,
+            4 * slots * d,
+            2 * mm_rows * d.max(e.n_ff),
+            4 * mm_rows,
+            4 * mm_rows * e.n_ff,
+        ])
+    }
 
-pub(super) fn view_mut<T: bytemuck::Pod>(
-    buf: &mut ArenaBuffer,
-    len: usize,
-) -> Result<DeviceViewMut<'_, T>, ModelError> {
-    view_mut_at(buf, 0..len)
-}
-
-pub(super) fn view_mut_at<T: bytemuck::Pod>(
-    buf: &mut ArenaBuffer,
-    range: std::ops::Range<usize>,
-) -> Result<DeviceViewMut<'_, T>, ModelError> {
-    buf.view_mut::<T>()
-        .and_then(|v| v.slice_mut(range))
-        .map_err(gpu("viewing a buffer"))
+    pub fn new(
+        mut next: impl FnMut() -> Result<ArenaBuffer, ModelError>,
+    ) -> Result<MoeBuffers, ModelError> {
+        Ok(MoeBuffers {
+            logits: next()?,
+            shared_gate: next()?,
+            ids: next()?,
+            weights: next()?,
+            tiles: next()?,
+            order: next()?,
+            q8_in: next()?,
+            q8_act: next()?,
+            gate: next()?,
+            up: next()?,
+            out: next()?,
+            x16: next()?,
+            scales: next()?,
+            act: next()?,
+        })
+    }
 }

@@ -10,83 +10,12 @@ use dequant::gpu::matvec::q8_bytes;
 use half::f16;
 use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 
+use super::buffers::MoeBuffers;
 use super::{product_error, products, takes_q8_for, view, view_mut, Buffers};
 use crate::config::ModelConfig;
 use crate::gpu::kernels;
 use crate::gpu::weights::{ExpertTensor, ExpertWeights, Norm, SharedExpert};
 use crate::ModelError;
-
-/// The room of the experts' block for up to `tokens` tokens: router logits, the routing,
-/// the layer's input in Q8 blocks, the experts' intermediate and output rows, and for
-/// the products on the matrix units (prompts) the f16 input with its row scales and the
-/// experts' activations in f32.
-pub(in crate::gpu) struct MoeBuffers {
-    logits: ArenaBuffer,
-    shared_gate: ArenaBuffer,
-    ids: ArenaBuffer,
-    weights: ArenaBuffer,
-    tiles: ArenaBuffer,
-    order: ArenaBuffer,
-    q8_in: ArenaBuffer,
-    q8_act: ArenaBuffer,
-    gate: ArenaBuffer,
-    up: ArenaBuffer,
-    out: ArenaBuffer,
-    x16: ArenaBuffer,
-    scales: ArenaBuffer,
-    act: ArenaBuffer,
-}
-
-impl MoeBuffers {
-    /// Bytes of each buffer, in the order [`MoeBuffers::new`] takes them.
-    pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 14]> {
-        let e = config.experts?;
-        let slots = tokens * e.used;
-        let tiles =
-            experts::max_tiles(slots, e.count, experts::tile_tokens_for(slots, e.count)).max(slots);
-        let d = config.n_embd;
-        // The matrix units' input and activations, where some count of tokens takes them.
-        let mm = experts::tile_tokens_for(slots, e.count) == experts::MATMUL_TILE_TOKENS;
-        let mm_rows = if mm { slots } else { 0 };
-        Some([
-            4 * tokens * e.count,
-            4 * tokens,
-            4 * slots,
-            4 * slots,
-            4 * 3 * tiles,
-            4 * slots,
-            q8_bytes(tokens, d),
-            q8_bytes(slots, e.n_ff),
-            4 * slots * e.n_ff,
-            4 * slots * e.n_ff,
-            4 * slots * d,
-            2 * mm_rows * d.max(e.n_ff),
-            4 * mm_rows,
-            4 * mm_rows * e.n_ff,
-        ])
-    }
-
-    pub fn new(
-        mut next: impl FnMut() -> Result<ArenaBuffer, ModelError>,
-    ) -> Result<MoeBuffers, ModelError> {
-        Ok(MoeBuffers {
-            logits: next()?,
-            shared_gate: next()?,
-            ids: next()?,
-            weights: next()?,
-            tiles: next()?,
-            order: next()?,
-            q8_in: next()?,
-            q8_act: next()?,
-            gate: next()?,
-            up: next()?,
-            out: next()?,
-            x16: next()?,
-            scales: next()?,
-            act: next()?,
-        })
-    }
-}
 
 fn routed_error<'a>(
     t: &'a ExpertTensor,
@@ -101,6 +30,25 @@ struct Route<'a> {
     tiles: DeviceView<'a, i32>,
     order: DeviceView<'a, i32>,
     tile_tokens: usize,
+}
+
+impl<'a> Route<'a> {
+    /// The routing in `tiles` and `order` of `slots` slots among `count` experts, in
+    /// tiles of up to `tile_tokens` slots.
+    fn new(
+        tiles: &'a ArenaBuffer,
+        order: &'a ArenaBuffer,
+        slots: usize,
+        count: usize,
+        tile_tokens: usize,
+    ) -> Result<Route<'a>, ModelError> {
+        let n_tiles = experts::max_tiles(slots, count, tile_tokens);
+        Ok(Route {
+            tiles: view::<i32>(tiles, 3 * n_tiles)?,
+            order: view::<i32>(order, slots)?,
+            tile_tokens,
+        })
+    }
 }
 
 /// The routed products of `mats` on `input` (`n_x` rows).
@@ -292,13 +240,28 @@ fn routed_ffn(
     sum_into: Option<DeviceViewMut<'_, f32>>,
     stream: &Stream,
 ) -> Result<bool, ModelError> {
+    gate_up(config, e, h, moe, n, tile_tokens, stream)?;
+    // The activations (after each slot's expert's biases, gpt-oss), then down, each slot
+    // from its own.
+    activation(e, moe, n, tile_tokens, stream)?;
+    down(config, e, moe, n, tile_tokens, sum_into, stream)
+}
+
+/// Gate and up of every slot's expert (one launch when they share a type), from the
+/// layer's input in the form its products take, into `moe.gate` and `moe.up`.
+fn gate_up(
+    config: &ModelConfig,
+    e: &ExpertWeights,
+    h: DeviceView<'_, f32>,
+    moe: &mut MoeBuffers,
+    n: usize,
+    tile_tokens: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
     let d = config.n_embd;
     let (k, count) = (e.used, e.count);
     let slots = n * k;
     let ff = e.up.rows;
-    let n_tiles = experts::max_tiles(slots, count, tile_tokens);
-    // Gate and up of every slot's expert (one launch when they share a type), from the
-    // layer's input in the form its products take.
     let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
     if mm {
         row_scales(
@@ -311,13 +274,7 @@ fn routed_ffn(
         )
         .map_err(routed_error(&e.up))?;
     }
-    let tiles = view::<i32>(&moe.tiles, 3 * n_tiles)?;
-    let order = view::<i32>(&moe.order, slots)?;
-    let route = Route {
-        tiles,
-        order,
-        tile_tokens,
-    };
+    let route = Route::new(&moe.tiles, &moe.order, slots, count, tile_tokens)?;
     let up = e.up.gpu()?;
     let gate = e.gate.as_ref().map(ExpertTensor::gpu).transpose()?;
     let input = if mm {
@@ -376,8 +333,21 @@ fn routed_ffn(
         )
         .map_err(routed_error(&e.up))?,
     }
-    // The activations (after each slot's expert's biases, gpt-oss), then down, each slot
-    // from its own.
+    Ok(())
+}
+
+/// The gated activation of gate and up (after each slot's expert's biases, gpt-oss), in
+/// the form down's products take: f32 for the matrix units, Q8 blocks otherwise.
+fn activation(
+    e: &ExpertWeights,
+    moe: &mut MoeBuffers,
+    n: usize,
+    tile_tokens: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let slots = n * e.used;
+    let ff = e.up.rows;
+    let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
     let gate_bias = e
         .gate
         .as_ref()
@@ -394,7 +364,8 @@ fn routed_ffn(
         None
     };
     kernels::gated(
-        gate.is_some()
+        e.gate
+            .is_some()
             .then(|| view(&moe.gate, slots * ff))
             .transpose()?,
         view(&moe.up, slots * ff)?,
@@ -408,6 +379,26 @@ fn routed_ffn(
             .transpose()?,
         stream,
     )?;
+    Ok(())
+}
+
+/// Down of every slot's expert on its own activations, each slot's output into
+/// `moe.out`, or weighted and added to `sum_into` (see [`routed_ffn`]); returns whether
+/// they were added.
+fn down(
+    config: &ModelConfig,
+    e: &ExpertWeights,
+    moe: &mut MoeBuffers,
+    n: usize,
+    tile_tokens: usize,
+    sum_into: Option<DeviceViewMut<'_, f32>>,
+    stream: &Stream,
+) -> Result<bool, ModelError> {
+    let d = config.n_embd;
+    let k = e.used;
+    let slots = n * k;
+    let ff = e.up.rows;
+    let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
     let input = if mm {
         row_scales(
             view(&moe.act, slots * ff)?,
@@ -439,6 +430,7 @@ fn routed_ffn(
         .map_err(routed_error(&e.down))?;
         return Ok(true);
     }
+    let route = Route::new(&moe.tiles, &moe.order, slots, e.count, tile_tokens)?;
     routed(
         &[e.down.gpu()?],
         input,

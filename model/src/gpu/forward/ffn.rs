@@ -3,8 +3,9 @@
 use dequant::gpu::matvec::q8_bytes;
 use hip_backend::Stream;
 
-use super::buffers::{view, view_mut, Buffers};
+use super::buffers::Buffers;
 use super::products::{needs, products, residual, takes_q8_for, Residual};
+use super::{view, view_mut};
 use crate::config::{Activation, ModelConfig};
 use crate::gpu::kernels;
 use crate::gpu::weights::Matrix;

@@ -4,12 +4,13 @@
 
 use dequant::gpu::matmul;
 use dequant::gpu::matvec::{self, takes_q8, GpuActivations, GpuMatrix};
+use half::f16;
 use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 
-use super::buffers::{view, view_mut, BatchInput};
+use super::{view, view_mut};
 use crate::gpu::kernels;
 use crate::gpu::weights::Matrix;
-use crate::gpu::MAX_BATCH;
+use crate::gpu::{gpu, MAX_BATCH};
 use crate::ModelError;
 
 fn gpu_matrix<'a>(m: &'a Matrix) -> Result<GpuMatrix<'a>, ModelError> {
@@ -74,6 +75,82 @@ pub(super) const FLOAT_FEW_ROWS: usize = 512;
 /// Whether `m` is a float matrix of at most [`FLOAT_FEW_ROWS`] rows.
 pub(super) fn float_rows_few(m: &Matrix) -> bool {
     !takes_q8(m.ty) && m.rows <= FLOAT_FEW_ROWS
+}
+
+/// The batch products' input: per-token scales (the first `scales_bytes`), then the
+/// tokens' activations divided by them, in f16; and the room their products split
+/// their columns in (partial sums, and tile counters that hold zeros between products).
+pub(super) struct BatchInput {
+    pub(super) buf: ArenaBuffer,
+    pub(super) scales_bytes: usize,
+    pub(super) partials: ArenaBuffer,
+    pub(super) counters: ArenaBuffer,
+    /// Whether the device runs the skinny batch products
+    /// ([`matmul::skinny_available`]).
+    pub(super) skinny: bool,
+}
+
+impl BatchInput {
+    /// Whether the products of `m` on `n` tokens take the batch products ([`matmul`],
+    /// f32 input) rather than the decode products (Q8 blocks for quantized weights): past
+    /// [`MAX_BATCH`] tokens but for float matrices of few rows ([`float_rows_few`]); from [`SKINNY_FROM`] tokens where the device runs the
+    /// skinny products, they take the type (`matmul::skinny_prefers`) and the matrix holds
+    /// at least [`SKINNY_MIN_BYTES`], where they are faster (ARCHITECTURE.md says by how
+    /// much).
+    pub(super) fn takes(&self, m: &Matrix, n: usize) -> bool {
+        (batched(n) && !float_rows_few(m))
+            || (self.skinny
+                && n >= SKINNY_FROM
+                && matmul::skinny_prefers(m.ty)
+                && m.byte_len() >= SKINNY_MIN_BYTES)
+    }
+
+    /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
+    /// the f16 activations and their per-token scales ([`matmul::row_scales`]), with the
+    /// room to split the products.
+    pub(super) fn prepare(
+        &mut self,
+        input: DeviceView<'_, f32>,
+        n: usize,
+        mats: &[&Matrix],
+        stream: &Stream,
+    ) -> Result<
+        (
+            DeviceView<'_, f16>,
+            DeviceView<'_, f32>,
+            matmul::SplitScratch<'_>,
+        ),
+        ModelError,
+    > {
+        let (split, cols) = (self.scales_bytes, mats[0].cols);
+        let cut = gpu("viewing the batch input");
+        let whole = self.buf.view_mut::<u8>().map_err(&cut)?;
+        let (s, x16) = whole.split_at_mut(split).map_err(&cut)?;
+        let s = s
+            .cast_mut::<f32>()
+            .and_then(|v| v.slice_mut(0..n))
+            .map_err(&cut)?;
+        let x16 = x16
+            .cast_mut::<f16>()
+            .and_then(|v| v.slice_mut(0..n * cols))
+            .map_err(&cut)?;
+        matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(mats))?;
+        let whole = self.buf.view::<u8>().map_err(&cut)?;
+        let s = whole
+            .slice(0..split)
+            .and_then(|v| v.cast::<f32>())
+            .and_then(|v| v.slice(0..n))
+            .map_err(&cut)?;
+        let x16 = whole
+            .slice(split..split + 2 * n * cols)
+            .and_then(|v| v.cast::<f16>())
+            .map_err(&cut)?;
+        let room = matmul::SplitScratch {
+            partials: view_mut::<f32>(&mut self.partials, matmul::SPLIT_PARTIALS)?,
+            counters: view_mut::<u32>(&mut self.counters, matmul::SPLIT_COUNTERS)?,
+        };
+        Ok((x16, s, room))
+    }
 }
 
 /// Whether the products of `m` on `n` tokens take Q8 blocks.

@@ -8,14 +8,14 @@
 //!
 //! - **one position at a time** (batches of fewer than [`Q_TILE`] queries): the query is
 //!   rounded to f16 and each score is ggml's f16 dot product
-//!   ([`Lanes::Dot`](super::attention::Lanes)); `exp` is the C library's `expf`; the
+//!   ([`Lanes::Dot`](super::Lanes)); `exp` is the C library's `expf`; the
 //!   accumulator is f16, each step `acc = f16(fma(v, p, acc))` and a new maximum
 //!   `acc = f16(acc · e^(M_old − M))`; `S = fma(S, ms, p)`; the output is
 //!   `f32(acc) · (1/S)`.
 //! - **tiles** (batches of [`Q_TILE`] queries or more): keys and values in tiles of
 //!   [`KV_TILE`] cache positions from position 0; a score is one chain of fused
 //!   multiply-adds over the head's dimensions with the query in f32; per tile the
-//!   maximum, `exp` by ggml's vectorised polynomial ([`super::expf`]) summed per group of
+//!   maximum, `exp` by ggml's vectorised polynomial ([`crate::ops::expf`]) summed per group of
 //!   eight like its softmax, and `acc += p · v` as one chain per output element in f32.
 //!   Tiles with no visible position are skipped.
 //! - **split keys** (a single query whose view of the cache is at least
@@ -27,8 +27,8 @@
 //! cache (the positions used, rounded up to [`KV_PAD`], at most the context) and its
 //! thread count. [`FlashContext`] carries them.
 
-use super::attention::{dot_f16_lanes, reduce8, AttentionShape, Layout};
-use super::{expf, round_f16};
+use super::{dot_f16_lanes, reduce8, AttentionShape, Layout};
+use crate::ops::{expf, round_f16};
 
 /// Queries per tile; batches of at least this many take the tiled kernel.
 pub const Q_TILE: usize = 64;
