@@ -48,6 +48,7 @@ use tensor_store::device::{DeviceCache, HipTarget, StagingRing, UploadMode, Uplo
 use tensor_store::TensorHandle;
 
 pub use build::check_experts_fit;
+use host::gpu;
 pub use host::HOST_TOKENS;
 pub use kernels::{KernelError, ShapeError};
 
@@ -341,10 +342,7 @@ impl GpuModel {
     }
 
     fn sync(&self) -> Result<(), ModelError> {
-        self.stream.synchronize().map_err(|source| ModelError::Gpu {
-            op: "synchronizing",
-            source,
-        })
+        self.stream.synchronize().map_err(gpu("synchronizing"))
     }
 
     fn set_position(&mut self, len: usize) -> Result<(), ModelError> {

@@ -5,20 +5,17 @@
 use dequant::gpu::matmul;
 use dequant::gpu::matvec::q8_bytes;
 use half::f16;
-use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, PinnedBuffer, Stream};
+use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, PinnedBuffer, Stream};
 
 use super::experts;
 use super::products::{batched, float_rows_few, matvec_error, SKINNY_FROM, SKINNY_MIN_BYTES};
 use crate::config::ModelConfig;
+use crate::gpu::host::gpu;
 use crate::gpu::kernels::{attention_chunk, AttentionShape, Pages};
 use crate::gpu::weights::Matrix;
 use crate::gpu::{arena, MAX_BATCH};
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
-
-fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
-    move |source| ModelError::Gpu { op, source }
-}
 
 /// Alignment of every buffer in the arena.
 const ALIGN: usize = 256;
@@ -412,6 +409,17 @@ impl Buffers {
         (a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim_v)
     }
 
+    /// The elements of `positions` in a layer's cached keys, and in its values (the
+    /// contiguous layout of one sequence).
+    fn kv_ranges(
+        &self,
+        positions: std::ops::Range<usize>,
+    ) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (kd, vd) = self.kv_dims();
+        let (s, e) = (positions.start, positions.end);
+        (s * kd..e * kd, s * vd..e * vd)
+    }
+
     /// `layer`'s cached keys and values of `positions`, in the contiguous layout of one
     /// sequence (position `p`'s row at `p`).
     pub fn kv_view(
@@ -419,11 +427,10 @@ impl Buffers {
         layer: usize,
         positions: std::ops::Range<usize>,
     ) -> Result<(DeviceView<'_, f16>, DeviceView<'_, f16>), ModelError> {
-        let (kd, vd) = self.kv_dims();
-        let (s, e) = (positions.start, positions.end);
+        let (k, v) = self.kv_ranges(positions);
         Ok((
-            view_at::<f16>(&self.k_cache[layer], s * kd..e * kd)?,
-            view_at::<f16>(&self.v_cache[layer], s * vd..e * vd)?,
+            view_at::<f16>(&self.k_cache[layer], k)?,
+            view_at::<f16>(&self.v_cache[layer], v)?,
         ))
     }
 
@@ -433,11 +440,10 @@ impl Buffers {
         layer: usize,
         positions: std::ops::Range<usize>,
     ) -> Result<(DeviceViewMut<'_, f16>, DeviceViewMut<'_, f16>), ModelError> {
-        let (kd, vd) = self.kv_dims();
-        let (s, e) = (positions.start, positions.end);
+        let (k, v) = self.kv_ranges(positions);
         Ok((
-            view_mut_at::<f16>(&mut self.k_cache[layer], s * kd..e * kd)?,
-            view_mut_at::<f16>(&mut self.v_cache[layer], s * vd..e * vd)?,
+            view_mut_at::<f16>(&mut self.k_cache[layer], k)?,
+            view_mut_at::<f16>(&mut self.v_cache[layer], v)?,
         ))
     }
 
