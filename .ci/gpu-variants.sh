@@ -33,17 +33,8 @@ case " $variants " in
         ;;
 esac
 
-if [ -z "${GPU_CRATES:-}" ]; then
-    GPU_CRATES=""
-    for manifest in */Cargo.toml; do
-        dir="$(dirname "$manifest")"
-        if grep -qs 'hip_build\.rs' "$dir"/build.rs "$dir"/build/*.rs; then
-            GPU_CRATES="$GPU_CRATES $dir"
-        fi
-    done
-fi
-packages=()
-for crate in $GPU_CRATES; do packages+=(-p "$crate"); done
+# shellcheck source=gpu-crates.sh
+source .ci/gpu-crates.sh
 if [ ${#packages[@]} -eq 0 ]; then
     echo "gpu-variants: no crate with GPU code found" >&2
     exit 1

@@ -89,17 +89,9 @@ fn hyper_parameters_json(
     metadata: &Metadata,
     arch: &str,
 ) -> serde_json::Map<String, serde_json::Value> {
-    let mut found: serde_json::Map<String, serde_json::Value> = HYPER_PARAMETERS
-        .iter()
-        .filter_map(|k| {
-            let full = format!("{arch}.{k}");
-            metadata.get(&full).map(|v| (k.to_string(), value_json(v)))
-        })
-        .collect();
-    if let Ok(tokens) = metadata.get_string_array("tokenizer.ggml.tokens") {
-        found.insert("vocab_size".into(), json!(tokens.len()));
-    }
-    found
+    hyper_parameters_as(metadata, arch, value_json, |n| json!(n))
+        .into_iter()
+        .collect()
 }
 
 /// The `<arch>.*` keys shown as hyper-parameters.
@@ -119,15 +111,26 @@ const HYPER_PARAMETERS: [&str; 11] = [
 
 /// The hyper-parameters people look for first, from `<arch>.*` keys.
 fn hyper_parameters(metadata: &Metadata, arch: &str) -> Vec<(String, String)> {
-    let mut found: Vec<(String, String)> = HYPER_PARAMETERS
+    hyper_parameters_as(metadata, arch, value_text, |n| n.to_string())
+}
+
+/// The hyper-parameters' values that the file has, by `value`, then the vocabulary's
+/// size, by `count`.
+fn hyper_parameters_as<T>(
+    metadata: &Metadata,
+    arch: &str,
+    value: impl Fn(&Value) -> T,
+    count: impl Fn(usize) -> T,
+) -> Vec<(String, T)> {
+    let mut found: Vec<(String, T)> = HYPER_PARAMETERS
         .iter()
         .filter_map(|k| {
             let full = format!("{arch}.{k}");
-            metadata.get(&full).map(|v| (k.to_string(), value_text(v)))
+            metadata.get(&full).map(|v| (k.to_string(), value(v)))
         })
         .collect();
     if let Ok(tokens) = metadata.get_string_array("tokenizer.ggml.tokens") {
-        found.push(("vocab_size".into(), tokens.len().to_string()));
+        found.push(("vocab_size".into(), count(tokens.len())));
     }
     found
 }

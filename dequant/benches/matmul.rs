@@ -32,6 +32,12 @@ use dequant::matmul::{best_path, QuantizedMatrix};
 use dequant::DecodePath;
 use gguf_format::GgmlType;
 
+/// SplitMix64, for reproducible random blocks (the unit tests' generator).
+#[path = "../src/splitmix.rs"]
+#[allow(dead_code)]
+mod splitmix;
+use splitmix::Rng;
+
 /// Bytes of weight copies cycled through for the streamed figures (≫ the L3 cache).
 const STREAM_BYTES: usize = 512 << 20;
 /// Bytes read for the memory bandwidth reference.
@@ -84,28 +90,11 @@ fn options() -> Options {
     opts
 }
 
-/// splitmix64, for reproducible random blocks.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-}
-
 /// Random blocks of `ty` with small finite f16 scales (and finite float weights).
 fn random_weights(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     let mut rng = Rng(seed);
     let len = ty.row_bytes(cols as u64).expect("whole blocks") as usize * rows;
-    let mut bytes: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+    let mut bytes: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
     let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
     let scale_fields: &[usize] = match ty {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],

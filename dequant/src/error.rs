@@ -85,3 +85,43 @@ pub enum DequantError {
         other: (GgmlType, usize),
     },
 }
+
+impl DequantError {
+    /// Refuses `actual` activations unless they are `n_tokens` rows of `cols` values.
+    pub(crate) fn check_input(actual: usize, n_tokens: usize, cols: usize) -> Result<(), Self> {
+        Self::check_input_of(actual, n_tokens, cols, n_tokens.saturating_mul(cols))
+    }
+
+    /// Refuses `actual` units of the input of `n_tokens` rows of `cols` values unless
+    /// they are the `expected` (bytes of Q8 blocks, say).
+    pub(crate) fn check_input_of(
+        actual: usize,
+        n_tokens: usize,
+        cols: usize,
+        expected: usize,
+    ) -> Result<(), Self> {
+        if actual != expected {
+            return Err(DequantError::InputLength {
+                n_tokens,
+                cols,
+                expected,
+                actual,
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses an output of `actual` values unless it holds `n_tokens` rows of `rows`.
+    pub(crate) fn check_output(actual: usize, n_tokens: usize, rows: usize) -> Result<(), Self> {
+        let expected = n_tokens.saturating_mul(rows);
+        if actual != expected {
+            return Err(DequantError::ProductOutputLength {
+                n_tokens,
+                rows,
+                expected,
+                actual,
+            });
+        }
+        Ok(())
+    }
+}

@@ -31,6 +31,8 @@ mod decode;
 mod error;
 pub mod gpu;
 pub mod matmul;
+#[cfg(test)]
+mod splitmix;
 
 use gguf_format::GgmlType;
 use half::f16;

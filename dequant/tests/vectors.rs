@@ -105,43 +105,49 @@ fn the_vector_file_covers_every_expected_type() {
     assert_eq!(found.len(), EXPECTED_TYPES.len());
 }
 
-#[test]
-fn every_type_decodes_to_gguf_py_values_bit_for_bit() {
+/// A decoder's method decoding into one element type.
+type Decode<T> = fn(&Decoder, GgmlType, &[u8], &mut [T]) -> Result<(), dequant::DequantError>;
+
+/// Every vector decoded by every decoder with `decode` into values first set to `nan`,
+/// handed to `check` with the type, the decoder's name and the reference values.
+fn each_decoding<T: Copy>(
+    nan: T,
+    decode: Decode<T>,
+    mut check: impl FnMut(GgmlType, &str, &[T], &[f32]),
+) {
     let vectors = Vectors::load();
-    let mut failures = Vec::new();
     for (ty, q, expected) in vectors.cases() {
         for (name, decoder) in decoders() {
-            let mut got = vec![f32::NAN; expected.len()];
-            decoder
-                .decode_f32(ty, q, &mut got)
-                .unwrap_or_else(|e| panic!("{ty} {name}: {e}"));
-            if let Some((i, g, w)) = first_difference(&got, &expected) {
-                failures.push(format!("{ty} {name}: value {i} is {g:e}, expected {w:e}"));
-            }
+            let mut got = vec![nan; expected.len()];
+            decode(&decoder, ty, q, &mut got).unwrap_or_else(|e| panic!("{ty} {name}: {e}"));
+            check(ty, &name, &got, &expected);
         }
     }
+}
+
+#[test]
+fn every_type_decodes_to_gguf_py_values_bit_for_bit() {
+    let mut failures = Vec::new();
+    each_decoding(f32::NAN, Decoder::decode_f32, |ty, name, got, expected| {
+        if let Some((i, g, w)) = first_difference(got, expected) {
+            failures.push(format!("{ty} {name}: value {i} is {g:e}, expected {w:e}"));
+        }
+    });
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]
 fn every_type_decodes_to_f16_as_the_rounded_reference() {
-    let vectors = Vectors::load();
-    for (ty, q, expected) in vectors.cases() {
-        for (name, decoder) in decoders() {
-            let mut got = vec![f16::NAN; expected.len()];
-            decoder
-                .decode_f16(ty, q, &mut got)
-                .unwrap_or_else(|e| panic!("{ty} {name}: {e}"));
-            for (i, (g, w)) in got.iter().zip(&expected).enumerate() {
-                let w = f16::from_f32(*w);
-                assert_eq!(
-                    g.to_bits(),
-                    w.to_bits(),
-                    "{ty} {name}: value {i}: {g} vs {w}"
-                );
-            }
+    each_decoding(f16::NAN, Decoder::decode_f16, |ty, name, got, expected| {
+        for (i, (g, w)) in got.iter().zip(expected).enumerate() {
+            let w = f16::from_f32(*w);
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{ty} {name}: value {i}: {g} vs {w}"
+            );
         }
-    }
+    });
 }
 
 #[test]

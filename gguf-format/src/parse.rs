@@ -142,13 +142,7 @@ pub fn parse_prefix(prefix: &[u8], file_len: u64) -> Result<GgufFile, GgufError>
         if key.is_empty() {
             return Err(GgufError::EmptyKey { offset: key_offset });
         }
-        let type_offset = r.offset();
-        let type_id = r.u32()?;
-        let value_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType {
-            key: key.clone(),
-            type_id,
-            offset: type_offset,
-        })?;
+        let value_type = r.value_type(&key)?;
         let value = r.value(&key, value_type)?;
         metadata.insert(key, value)?;
     }
@@ -308,6 +302,17 @@ impl<'a> Reader<'a> {
         self.array().map(u64::from_le_bytes)
     }
 
+    /// The type id of `key`'s value (or of its array's elements), refused when unknown.
+    fn value_type(&mut self, key: &str) -> Result<ValueType, GgufError> {
+        let offset = self.offset();
+        let type_id = self.u32()?;
+        ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType {
+            key: key.to_owned(),
+            type_id,
+            offset,
+        })
+    }
+
     /// Bytes left in the whole file after the cursor (the prefix may hold fewer).
     fn remaining_in_file(&self) -> u64 {
         self.file_len.max(self.bytes.len() as u64) - self.offset()
@@ -387,13 +392,7 @@ impl<'a> Reader<'a> {
                 max: MAX_ARRAY_DEPTH,
             });
         }
-        let type_offset = self.offset();
-        let type_id = self.u32()?;
-        let element_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType {
-            key: key.to_owned(),
-            type_id,
-            offset: type_offset,
-        })?;
+        let element_type = self.value_type(key)?;
         let len = self.u64()?;
         self.check_count(
             "array element",

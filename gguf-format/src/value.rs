@@ -283,25 +283,23 @@ impl FromValue<'_> for bool {
     }
 }
 
-impl<'a> FromValue<'a> for &'a str {
-    const EXPECTED: &'static str = "string";
-    fn from_value(key: &str, value: &'a Value) -> Result<Self, GgufError> {
-        match value {
-            Value::String(s) => Ok(s),
-            other => Err(wrong_type(key, "string", other)),
+/// A borrow of the value one variant holds.
+macro_rules! borrowed_variant {
+    ($ty:ty, $variant:ident, $expected:literal) => {
+        impl<'a> FromValue<'a> for $ty {
+            const EXPECTED: &'static str = $expected;
+            fn from_value(key: &str, value: &'a Value) -> Result<Self, GgufError> {
+                match value {
+                    Value::$variant(v) => Ok(v),
+                    other => Err(wrong_type(key, $expected, other)),
+                }
+            }
         }
-    }
+    };
 }
 
-impl<'a> FromValue<'a> for &'a Array {
-    const EXPECTED: &'static str = "array";
-    fn from_value(key: &str, value: &'a Value) -> Result<Self, GgufError> {
-        match value {
-            Value::Array(a) => Ok(a),
-            other => Err(wrong_type(key, "array", other)),
-        }
-    }
-}
+borrowed_variant!(&'a str, String, "string");
+borrowed_variant!(&'a Array, Array, "array");
 
 /// The key-value metadata of a GGUF file, in file order, with lookup by key.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -62,23 +62,9 @@ pub const WATCHED_ENV: &[&str] = &[
     "PATH",
 ];
 
-/// The GPU platform a build targets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Platform {
-    Amd,
-    Nvidia,
-    None,
-}
+include!("platform.rs");
 
 impl Platform {
-    pub fn name(self) -> &'static str {
-        match self {
-            Platform::Amd => "amd",
-            Platform::Nvidia => "nvidia",
-            Platform::None => "none",
-        }
-    }
-
     pub fn parse(value: &str) -> Result<Platform, String> {
         match value.trim().to_ascii_lowercase().as_str() {
             "amd" | "rocm" | "hip" => Ok(Platform::Amd),

@@ -14,6 +14,7 @@ fn main() {
             .unwrap_or_else(|_| fail("CARGO_MANIFEST_DIR is not set")),
     );
     println!("cargo::rerun-if-changed=build/hip_build.rs");
+    println!("cargo::rerun-if-changed=build/platform.rs");
     let config =
         GpuConfig::detect(manifest_dir.join("include")).unwrap_or_else(|error| fail(&error));
     config.emit_cfg();

@@ -28,17 +28,8 @@ export HIP_PLATFORM="${HIP_PLATFORM:-nvidia}"
 GPU_TOOLCHAINS="$HIP_PLATFORM" source .ci/gpu-toolchains.sh
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target/gpu-$HIP_PLATFORM}"
 
-if [ -z "${GPU_CRATES:-}" ]; then
-    GPU_CRATES=""
-    for manifest in */Cargo.toml; do
-        dir="$(dirname "$manifest")"
-        if grep -qs 'hip_build\.rs' "$dir"/build.rs "$dir"/build/*.rs; then
-            GPU_CRATES="$GPU_CRATES $dir"
-        fi
-    done
-fi
-packages=()
-for crate in $GPU_CRATES; do packages+=(-p "$crate"); done
+# shellcheck source=../../.ci/gpu-crates.sh
+source .ci/gpu-crates.sh
 
 artifacts="$(mktemp)"
 trap 'rm -f "$artifacts"' EXIT

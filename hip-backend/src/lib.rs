@@ -105,27 +105,7 @@ pub use pinned::{prepare_pinned_ring, release_prepared_rings, PinnedBuffer};
 pub use registered::HostRegistration;
 pub use stream::{Event, Stream};
 
-/// The GPU platform this build targets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Platform {
-    /// AMD GPUs through ROCm's HIP runtime.
-    Amd,
-    /// NVIDIA GPUs through the CUDA runtime.
-    Nvidia,
-    /// No GPU support compiled in.
-    None,
-}
-
-impl Platform {
-    /// `amd`, `nvidia` or `none`, as `HIP_PLATFORM` spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Platform::Amd => "amd",
-            Platform::Nvidia => "nvidia",
-            Platform::None => "none",
-        }
-    }
-}
+include!("../build/platform.rs");
 
 impl std::fmt::Display for Platform {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

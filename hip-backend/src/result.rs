@@ -82,29 +82,32 @@ pub(crate) fn shim_platform_name() -> String {
     unsafe { runtime_string(sys::rfhip_platform_name()) }
 }
 
+/// The integer the runtime query `call` writes through its argument (`query`, which
+/// returns the call's status).
+fn query_int(call: &'static str, query: impl FnOnce(&mut c_int) -> c_int) -> Result<c_int> {
+    let mut value: c_int = 0;
+    check(call, query(&mut value))?;
+    Ok(value)
+}
+
 pub(crate) fn runtime_version() -> Result<i32> {
-    let mut version: c_int = 0;
-    // SAFETY: `version` is a live local the call writes once.
-    check("hipRuntimeGetVersion", unsafe {
-        sys::rfhip_runtime_version(&mut version)
-    })?;
-    Ok(version)
+    // SAFETY: the argument is a live local the call writes once.
+    query_int("hipRuntimeGetVersion", |v| unsafe {
+        sys::rfhip_runtime_version(v)
+    })
 }
 
 pub(crate) fn driver_version() -> Result<i32> {
-    let mut version: c_int = 0;
-    // SAFETY: `version` is a live local the call writes once.
-    check("hipDriverGetVersion", unsafe {
-        sys::rfhip_driver_version(&mut version)
-    })?;
-    Ok(version)
+    // SAFETY: the argument is a live local the call writes once.
+    query_int("hipDriverGetVersion", |v| unsafe {
+        sys::rfhip_driver_version(v)
+    })
 }
 
 pub(crate) fn device_count() -> Result<usize> {
-    let mut count: c_int = 0;
-    // SAFETY: `count` is a live local the call writes once.
-    check("hipGetDeviceCount", unsafe {
-        sys::rfhip_device_count(&mut count)
+    // SAFETY: the argument is a live local the call writes once.
+    let count = query_int("hipGetDeviceCount", |c| unsafe {
+        sys::rfhip_device_count(c)
     })?;
     Ok(usize::try_from(count).unwrap_or(0))
 }
@@ -157,20 +160,34 @@ fn allocation_error(call: &'static str, bytes: usize, code: c_int) -> HipError {
     status_error(call, code)
 }
 
-/// Allocates `bytes` (> 0) of device memory on the current device.
-pub(crate) fn malloc(bytes: usize) -> Result<NonNull<c_void>> {
-    crate::fault::check(crate::fault::Kind::Device, "hipMalloc", bytes)?;
+/// Allocates `bytes` with `alloc`, which writes the new pointer into its argument and
+/// returns the runtime's status; `call` names it in errors and, with `kind`, to
+/// [`crate::fault`].
+fn allocate(
+    kind: crate::fault::Kind,
+    call: &'static str,
+    bytes: usize,
+    alloc: impl FnOnce(&mut *mut c_void) -> c_int,
+) -> Result<NonNull<c_void>> {
+    crate::fault::check(kind, call, bytes)?;
     let mut raw: *mut c_void = ptr::null_mut();
-    // SAFETY: `raw` is a live local the call writes once.
-    let code = unsafe { sys::rfhip_malloc(&mut raw, bytes) };
+    let code = alloc(&mut raw);
     if code != 0 {
-        return Err(allocation_error("hipMalloc", bytes, code));
+        return Err(allocation_error(call, bytes, code));
     }
     NonNull::new(raw).ok_or_else(|| HipError::Api {
-        call: "hipMalloc",
+        call,
         code: 0,
         name: "nullPointer".into(),
         message: format!("the runtime returned a null pointer for {bytes} bytes"),
+    })
+}
+
+/// Allocates `bytes` (> 0) of device memory on the current device.
+pub(crate) fn malloc(bytes: usize) -> Result<NonNull<c_void>> {
+    allocate(crate::fault::Kind::Device, "hipMalloc", bytes, |raw| {
+        // SAFETY: `raw` is a live local the call writes once.
+        unsafe { sys::rfhip_malloc(raw, bytes) }
     })
 }
 
@@ -184,18 +201,9 @@ pub(crate) unsafe fn free(raw: NonNull<c_void>) -> Result<()> {
 
 /// Allocates `bytes` (> 0) of page-locked host memory, pinned for every device.
 pub(crate) fn host_alloc(bytes: usize) -> Result<NonNull<c_void>> {
-    crate::fault::check(crate::fault::Kind::Pinned, "hipHostMalloc", bytes)?;
-    let mut raw: *mut c_void = ptr::null_mut();
-    // SAFETY: `raw` is a live local the call writes once.
-    let code = unsafe { sys::rfhip_host_alloc(&mut raw, bytes) };
-    if code != 0 {
-        return Err(allocation_error("hipHostMalloc", bytes, code));
-    }
-    NonNull::new(raw).ok_or_else(|| HipError::Api {
-        call: "hipHostMalloc",
-        code: 0,
-        name: "nullPointer".into(),
-        message: format!("the runtime returned a null pointer for {bytes} bytes"),
+    allocate(crate::fault::Kind::Pinned, "hipHostMalloc", bytes, |raw| {
+        // SAFETY: `raw` is a live local the call writes once.
+        unsafe { sys::rfhip_host_alloc(raw, bytes) }
     })
 }
 

@@ -158,14 +158,19 @@ pub(crate) fn has_fma() -> bool {
     }
 }
 
-/// Calls `$plain(args)` or, where the CPU has FMA, `$fma(args)`: the same function
-/// compiled with FMA instructions.
+/// Calls `$plain(args)` (a function inlined into its callers) or, where the CPU has FMA,
+/// the same function compiled with FMA instructions.
 macro_rules! dispatch_fma {
-    ($fma:ident, $plain:ident ($($arg:expr),*)) => {{
+    ($plain:ident($($arg:ident: $ty:ty),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "fma")]
+        fn with_fma($($arg: $ty),*) {
+            $plain($($arg),*)
+        }
         #[cfg(target_arch = "x86_64")]
         if has_fma() {
-            // SAFETY: the CPU supports FMA, the only feature the callee is compiled for.
-            return unsafe { $fma($($arg),*) };
+            // SAFETY: the CPU supports FMA, the only feature `with_fma` is compiled for.
+            return unsafe { with_fma($($arg),*) };
         }
         $plain($($arg),*)
     }};
@@ -180,22 +185,13 @@ pub fn apply_rope(
     style: RopeStyle,
     table: &[(f32, f32)],
 ) {
-    dispatch_fma!(
-        apply_rope_fma,
-        apply_rope_impl(x, head_dim, rope_dims, style, table)
-    )
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma")]
-fn apply_rope_fma(
-    x: &mut [f32],
-    head_dim: usize,
-    rope_dims: usize,
-    style: RopeStyle,
-    table: &[(f32, f32)],
-) {
-    apply_rope_impl(x, head_dim, rope_dims, style, table);
+    dispatch_fma!(apply_rope_impl(
+        x: &mut [f32],
+        head_dim: usize,
+        rope_dims: usize,
+        style: RopeStyle,
+        table: &[(f32, f32)]
+    ))
 }
 
 #[inline(always)]
@@ -232,13 +228,7 @@ fn apply_rope_impl(
 /// backend does: `x / (1 + e^-x)` with its vectorised [`expf`] for each full group of
 /// eight values of a row, with the C library's `exp` for the rest.
 pub fn swiglu(gate: &mut [f32], up: &[f32], width: usize) {
-    dispatch_fma!(swiglu_fma, swiglu_impl(gate, up, width))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "fma")]
-fn swiglu_fma(gate: &mut [f32], up: &[f32], width: usize) {
-    swiglu_impl(gate, up, width);
+    dispatch_fma!(swiglu_impl(gate: &mut [f32], up: &[f32], width: usize))
 }
 
 #[inline(always)]

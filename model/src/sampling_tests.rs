@@ -58,6 +58,15 @@ fn chi_square(counts: &[usize], expected: &[f64]) -> f64 {
         .sum()
 }
 
+/// 100,000 draws of `sampler` from `logits` pass a chi-square test against the four
+/// probabilities `expected`: 3 degrees of freedom, whose 16.27 a correct sampler exceeds
+/// with probability 0.001.
+fn assert_draws_follow(mut sampler: Sampler, logits: &[f32], expected: &[f64]) {
+    let counts = histogram(&mut sampler, logits, 100_000);
+    let chi2 = chi_square(&counts, expected);
+    assert!(chi2 < 16.27, "chi-square {chi2} for {counts:?}");
+}
+
 #[test]
 fn defaults_are_llama_cpp_cli_defaults() {
     let p = SamplingParams::default();
@@ -297,12 +306,11 @@ fn a_seed_reproduces_its_draws() {
 #[test]
 fn draws_follow_the_softmax() {
     let expected = [0.1, 0.2, 0.3, 0.4];
-    let logits = logits_of(&expected);
-    let mut sampler = random(1.0, 0, 1.0, 0.0, 1);
-    let counts = histogram(&mut sampler, &logits, 100_000);
-    // 3 degrees of freedom: 16.27 is exceeded with probability 0.001 by a correct sampler.
-    let chi2 = chi_square(&counts, &expected);
-    assert!(chi2 < 16.27, "chi-square {chi2} for {counts:?}");
+    assert_draws_follow(
+        random(1.0, 0, 1.0, 0.0, 1),
+        &logits_of(&expected),
+        &expected,
+    );
 }
 
 #[test]
@@ -311,10 +319,7 @@ fn draws_at_temperature_two_follow_the_flattened_softmax() {
     let weights: Vec<f64> = [0.1f64, 0.2, 0.3, 0.4].iter().map(|p| p.sqrt()).collect();
     let total: f64 = weights.iter().sum();
     let expected: Vec<f64> = weights.iter().map(|w| w / total).collect();
-    let mut sampler = random(2.0, 0, 1.0, 0.0, 2);
-    let counts = histogram(&mut sampler, &logits, 100_000);
-    let chi2 = chi_square(&counts, &expected);
-    assert!(chi2 < 16.27, "chi-square {chi2} for {counts:?}");
+    assert_draws_follow(random(2.0, 0, 1.0, 0.0, 2), &logits, &expected);
 }
 
 #[test]

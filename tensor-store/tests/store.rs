@@ -49,13 +49,28 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
 }
 
 /// The error opening the first of `shards` (names and contents), written side by side.
-fn shard_error(shards: &[(&str, Vec<u8>)]) -> StoreError {
+fn shard_error(shards: &[(impl AsRef<str>, Vec<u8>)]) -> StoreError {
     let dir = tempfile::tempdir().unwrap();
     let paths: Vec<PathBuf> = shards
         .iter()
-        .map(|(name, bytes)| write(dir.path(), name, bytes))
+        .map(|(name, bytes)| write(dir.path(), name.as_ref(), bytes))
         .collect();
     TensorStore::open(&paths[0]).err().unwrap()
+}
+
+/// [`shard_error`] for shards `m-0000i-of-0000{count}.gguf` that hold the given ranges
+/// of [`default_tensors`] and no split keys.
+fn plain_shards_error(count: usize, ranges: &[std::ops::Range<usize>]) -> StoreError {
+    let t = default_tensors();
+    let shards: Vec<(String, Vec<u8>)> = ranges
+        .iter()
+        .enumerate()
+        .map(|(i, range)| {
+            let name = format!("m-{:05}-of-{count:05}.gguf", i + 1);
+            (name, small_model(&[], &t[range.clone()]))
+        })
+        .collect();
+    shard_error(&shards)
 }
 
 #[test]
@@ -181,11 +196,7 @@ fn split_model_opens_as_one_from_any_shard() {
 
 #[test]
 fn missing_shard_is_named() {
-    let t = default_tensors();
-    let err = shard_error(&[
-        ("m-00001-of-00003.gguf", small_model(&[], &t[..1])),
-        ("m-00002-of-00003.gguf", small_model(&[], &t[1..2])),
-    ]);
+    let err = plain_shards_error(3, &[0..1, 1..2]);
     assert!(
         matches!(&err, StoreError::MissingShard { index: 3, count: 3, missing, .. }
             if missing.ends_with("m-00003-of-00003.gguf")),
@@ -195,11 +206,7 @@ fn missing_shard_is_named() {
 
 #[test]
 fn tensor_in_two_shards_is_refused() {
-    let t = default_tensors();
-    let err = shard_error(&[
-        ("m-00001-of-00002.gguf", small_model(&[], &t[..2])),
-        ("m-00002-of-00002.gguf", small_model(&[], &t[1..])),
-    ]);
+    let err = plain_shards_error(2, &[0..2, 1..3]);
     assert!(
         matches!(&err, StoreError::DuplicateTensor { tensor, .. } if tensor == "b.weight"),
         "{err}"

@@ -98,13 +98,8 @@ fn parse(args: &[String]) -> Result<Options> {
         json: None,
     };
     let mut gguf = None;
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        let mut value = || {
-            it.next()
-                .with_context(|| format!("{arg} needs a value\n{USAGE}"))
-        };
-        match arg.as_str() {
+    crate::each_flag(args, USAGE, |arg, value| {
+        match arg {
             "--gguf" => gguf = Some(PathBuf::from(value()?)),
             "--rocmforge" => o.rocmforge = Some(value()?.into()),
             "--llama-completion" => o.llama_completion = Some(value()?.into()),
@@ -130,7 +125,8 @@ fn parse(args: &[String]) -> Result<Options> {
             "--json" => o.json = Some(value()?.into()),
             other => bail!("bench-ttft: unknown option {other:?}\n{USAGE}"),
         }
-    }
+        Ok(())
+    })?;
     o.gguf = gguf.with_context(|| format!("--gguf is required\n{USAGE}"))?;
     ensure!(o.runs > 0, "--runs must be positive");
     ensure!(

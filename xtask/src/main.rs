@@ -22,7 +22,7 @@ mod tidy;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 const USAGE: &str = "\
 usage: cargo xtask <task> [options]
@@ -134,6 +134,24 @@ pub(crate) fn workspace_root() -> PathBuf {
         return built;
     }
     std::env::current_dir().unwrap_or(built)
+}
+
+/// Hands each flag of `args` in turn to `on_flag`, with a way to take its value: the next
+/// argument, or an error naming the flag, then `usage`, when there is none.
+fn each_flag<'a>(
+    args: &'a [String],
+    usage: &str,
+    mut on_flag: impl FnMut(&str, &mut dyn FnMut() -> Result<&'a String>) -> Result<()>,
+) -> Result<()> {
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let mut value = || {
+            it.next()
+                .with_context(|| format!("{flag} needs a value\n{usage}"))
+        };
+        on_flag(flag, &mut value)?;
+    }
+    Ok(())
 }
 
 /// Command-line arguments from string literals, for the tests of the parsers.

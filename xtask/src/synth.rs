@@ -34,13 +34,8 @@ const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
 pub fn run(args: &[String]) -> Result<()> {
     let (mut preset, mut out, mut seed, mut tokenizer) = (None, None, 1u64, None);
     let mut tokenizer_only = false;
-    let mut args = args.iter();
-    while let Some(flag) = args.next() {
-        let mut value = || {
-            args.next()
-                .with_context(|| format!("{flag} needs a value\n{USAGE}"))
-        };
-        match flag.as_str() {
+    crate::each_flag(args, USAGE, |flag, value| {
+        match flag {
             "--preset" => preset = Some(value()?.clone()),
             "--out" => out = Some(PathBuf::from(value()?)),
             "--seed" => seed = value()?.parse().context("--seed takes a number")?,
@@ -48,7 +43,8 @@ pub fn run(args: &[String]) -> Result<()> {
             "--tokenizer-only" => tokenizer_only = true,
             other => bail!("unknown argument {other:?}\n{USAGE}"),
         }
-    }
+        Ok(())
+    })?;
     let out = out.with_context(|| format!("--out is required\n{USAGE}"))?;
     let tokenizer = tokenizer
         .unwrap_or_else(|| crate::fetch::models_dir().join(crate::fetch::SMOLLM2.file_name));

@@ -16,6 +16,8 @@
 // the binary alone uses is dead code in this crate.
 #![allow(dead_code, unused_imports)]
 
+#[path = "../../../testdata/byte_alphabet.rs"]
+mod byte_alphabet;
 #[path = "../../src/models.rs"]
 mod models;
 #[path = "../../src/options.rs"]
@@ -25,6 +27,7 @@ mod serve;
 
 use std::sync::OnceLock;
 
+use byte_alphabet::byte_char;
 use gguf_format::{GgmlType, GgufWriter};
 use libfuzzer_sys::fuzz_target;
 use serve::fuzzing::Checker;
@@ -58,17 +61,6 @@ const MERGES: &[(&str, &str)] = &[
     ("tr", "ue"),
     ("1", "2"),
 ];
-
-/// GPT-2's byte alphabet: printable bytes stand for themselves, the others for the
-/// characters from U+0100 on.
-fn byte_char(b: u8) -> char {
-    let printable = |b: u8| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-    if printable(b) {
-        return char::from(b);
-    }
-    let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(256 + rank).expect("a valid code point")
-}
 
 /// Small weights that differ from one another (the values do not matter here).
 fn values(n: usize, seed: usize) -> Vec<u8> {

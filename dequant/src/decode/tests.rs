@@ -5,27 +5,8 @@ use gguf_format::GgmlType;
 use half::f16;
 
 use super::TASK_VALUES;
+use crate::splitmix::Rng;
 use crate::{decoded_len, DecodePath, Decoder, DequantError};
-
-/// SplitMix64: a small seeded generator, so every run tests the same blocks.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn fill(&mut self, bytes: &mut [u8]) {
-        for chunk in bytes.chunks_mut(8) {
-            let word = self.next_u64().to_le_bytes();
-            chunk.copy_from_slice(&word[..chunk.len()]);
-        }
-    }
-}
 
 /// Random bytes for enough blocks of `ty` that the parallel driver splits them into
 /// several tasks, with a partial last task. Every bit pattern is a valid block: f16

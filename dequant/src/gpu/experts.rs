@@ -220,16 +220,7 @@ fn check_routed(
     )?;
     for (e, out) in experts.iter().zip(outs.iter()) {
         check_device(stream, e.all.bytes().device_ordinal(), out.device_ordinal())?;
-        let expected = n_slots * e.rows();
-        if out.len() != expected {
-            return Err(DequantError::ProductOutputLength {
-                n_tokens: n_slots,
-                rows: e.rows(),
-                expected,
-                actual: out.len(),
-            }
-            .into());
-        }
+        DequantError::check_output(out.len(), n_slots, e.rows())?;
     }
     Ok(Shape {
         n_tiles,
@@ -307,27 +298,11 @@ pub fn routed_products(
         RoutedInput::Q8(x) => (q8_bytes(n_x, cols), x.len()),
         RoutedInput::F16 { x16, scales } => {
             check_device(stream, scales.device_ordinal(), x16.device_ordinal())?;
-            if scales.len() != n_x {
-                return Err(DequantError::InputLength {
-                    n_tokens: n_x,
-                    cols: 1,
-                    expected: n_x,
-                    actual: scales.len(),
-                }
-                .into());
-            }
+            DequantError::check_input(scales.len(), n_x, 1)?;
             (n_x.saturating_mul(cols), x16.len())
         }
     };
-    if actual != expected {
-        return Err(DequantError::InputLength {
-            n_tokens: n_x,
-            cols,
-            expected,
-            actual,
-        }
-        .into());
-    }
+    DequantError::check_input_of(actual, n_x, cols, expected)?;
     launch(experts, input, tiles, order, shape, outs, stream)
 }
 
@@ -370,25 +345,8 @@ pub fn routed_sum(
         .into());
     }
     let cols = experts.cols();
-    if xq.len() != q8_bytes(n_slots, cols) {
-        return Err(DequantError::InputLength {
-            n_tokens: n_slots,
-            cols,
-            expected: q8_bytes(n_slots, cols),
-            actual: xq.len(),
-        }
-        .into());
-    }
-    let expected = n_tokens * experts.rows();
-    if out.len() != expected {
-        return Err(DequantError::ProductOutputLength {
-            n_tokens,
-            rows: experts.rows(),
-            expected,
-            actual: out.len(),
-        }
-        .into());
-    }
+    DequantError::check_input_of(xq.len(), n_slots, cols, q8_bytes(n_slots, cols))?;
+    DequantError::check_output(out.len(), n_tokens, experts.rows())?;
     let device = check_device(stream, xq.device_ordinal(), ids.device_ordinal())?;
     check_device(stream, weights.device_ordinal(), out.device_ordinal())?;
     check_device(

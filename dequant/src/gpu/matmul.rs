@@ -55,15 +55,7 @@ pub fn row_scales(
         }
         .into());
     }
-    if x16.len() != expected {
-        return Err(DequantError::ProductOutputLength {
-            n_tokens,
-            rows: cols,
-            expected,
-            actual: x16.len(),
-        }
-        .into());
-    }
+    DequantError::check_output(x16.len(), n_tokens, cols)?;
     let device = check_device(stream, x.device_ordinal(), out.device_ordinal())?;
     check_device(stream, x16.device_ordinal(), out.device_ordinal())?;
     launch_scales(x, n_tokens, cols, &mut out, &mut x16, device, stream)
@@ -223,38 +215,13 @@ pub fn matmul_with(
         }
         .into());
     }
-    let expected = n_tokens.checked_mul(cols).ok_or(too_large)?;
-    if x16.len() != expected {
-        return Err(DequantError::InputLength {
-            n_tokens,
-            cols,
-            expected,
-            actual: x16.len(),
-        }
-        .into());
-    }
-    if scales.len() != n_tokens {
-        return Err(DequantError::InputLength {
-            n_tokens,
-            cols: 1,
-            expected: n_tokens,
-            actual: scales.len(),
-        }
-        .into());
-    }
+    n_tokens.checked_mul(cols).ok_or(too_large)?;
+    DequantError::check_input(x16.len(), n_tokens, cols)?;
+    DequantError::check_input(scales.len(), n_tokens, 1)?;
     let device = check_device(stream, x16.device_ordinal(), scales.device_ordinal())?;
     for (m, out) in mats.iter().zip(outs.iter()) {
         check_device(stream, m.bytes().device_ordinal(), out.device_ordinal())?;
-        let expected = n_tokens * m.rows();
-        if out.len() != expected {
-            return Err(DequantError::ProductOutputLength {
-                n_tokens,
-                rows: m.rows(),
-                expected,
-                actual: out.len(),
-            }
-            .into());
-        }
+        DequantError::check_output(out.len(), n_tokens, m.rows())?;
     }
     if let Some(room) = &scratch {
         check_device(

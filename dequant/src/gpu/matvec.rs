@@ -141,7 +141,7 @@ pub fn quantize_q8(
         }
         .into());
     }
-    input_length(x.len(), n_tokens, n_cols)?;
+    DequantError::check_input(x.len(), n_tokens, n_cols)?;
     if out.len() != q8_bytes(n_tokens, n_cols) {
         return Err(DequantError::ProductOutputLength {
             n_tokens,
@@ -153,19 +153,6 @@ pub fn quantize_q8(
     }
     let device = check_device(stream, x.device_ordinal(), out.device_ordinal())?;
     launch_quantize(x, n_tokens, n_cols, &mut out, device, stream)
-}
-
-fn input_length(actual: usize, n_tokens: usize, cols: usize) -> Result<(), DequantError> {
-    let expected = n_tokens.saturating_mul(cols);
-    if actual != expected {
-        return Err(DequantError::InputLength {
-            n_tokens,
-            cols,
-            expected,
-            actual,
-        });
-    }
-    Ok(())
 }
 
 /// Checks that the GPU multiplies `ty` and that rows of `cols` values are whole blocks
@@ -248,19 +235,11 @@ pub fn matvec(
     let x_device = match (x, takes_q8(first.ty)) {
         (GpuActivations::Q8(q), true) => {
             let expected = q8_bytes(n_tokens, first.cols);
-            if q.len() != expected {
-                return Err(DequantError::InputLength {
-                    n_tokens,
-                    cols: first.cols,
-                    expected,
-                    actual: q.len(),
-                }
-                .into());
-            }
+            DequantError::check_input_of(q.len(), n_tokens, first.cols, expected)?;
             q.device_ordinal()
         }
         (GpuActivations::F32(f), false) => {
-            input_length(f.len(), n_tokens, first.cols)?;
+            DequantError::check_input(f.len(), n_tokens, first.cols)?;
             f.device_ordinal()
         }
         _ => {
@@ -270,16 +249,7 @@ pub fn matvec(
     let device = check_device(stream, x_device, x_device)?;
     for (m, out) in mats.iter().zip(outs.iter()) {
         check_device(stream, m.bytes.device_ordinal(), out.device_ordinal())?;
-        let expected = n_tokens * m.rows;
-        if out.len() != expected {
-            return Err(DequantError::ProductOutputLength {
-                n_tokens,
-                rows: m.rows,
-                expected,
-                actual: out.len(),
-            }
-            .into());
-        }
+        DequantError::check_output(out.len(), n_tokens, m.rows)?;
     }
     launch_matvec(mats, x, n_tokens, outs, accumulate, device, stream)
 }

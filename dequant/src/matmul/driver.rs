@@ -6,6 +6,8 @@ use gguf_format::GgmlType;
 use rayon::prelude::*;
 
 use super::activation::ActSet;
+#[cfg(target_arch = "x86_64")]
+use super::avx2::RowKernels;
 use super::formats::{self, Kernel};
 use super::QuantizedMatrix;
 use crate::{DecodePath, DequantError};
@@ -126,6 +128,32 @@ pub(crate) struct Out<'o> {
     pub token_stride: usize,
 }
 
+/// `$call::<K>$args` for `K` the kernel of `$m`'s type, in the repacked layout where
+/// [`repacked`] says so; returns `NoProductKernel` for a type without one.
+macro_rules! with_kernel {
+    ($m:expr, $call:ident $args:tt) => {
+        with_kernel!(
+            $m, $call $args,
+            repacked: [Q4_0 => Q4_0Packed, Q4_K => Q4_KPacked, IQ4_NL => IQ4_NLPacked,
+                       MXFP4 => MXFP4Packed],
+            plain: [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+                    Q6_K, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M,
+                    TQ1_0, TQ2_0, IQ4_NL, MXFP4]
+        )
+    };
+    ($m:expr, $call:ident $args:tt,
+     repacked: [$($packed_ty:ident => $packed:ident),*], plain: [$($ty:ident),*]) => {{
+        use formats::*;
+        let m: &QuantizedMatrix<'_> = $m;
+        let packed = repacked(m);
+        match m.ty() {
+            $(GgmlType::$packed_ty if packed => $call::<$packed> $args,)*
+            $(GgmlType::$ty => $call::<$ty> $args,)*
+            ty => return Err(DequantError::NoProductKernel { ty }),
+        }
+    }};
+}
+
 /// Computes `y` (token-major, `n_tokens × rows`) for validated, non-empty shapes.
 /// With `routed`, the tokens are the ones a mixture-of-experts router sent to this
 /// matrix (see [`QuantizedMatrix::matmul_routed`]).
@@ -137,43 +165,7 @@ pub(crate) fn run(
     y: &mut [f32],
     routed: bool,
 ) -> Result<(), DequantError> {
-    use formats::*;
-    match m.ty() {
-        GgmlType::F32 => run_kernel::<F32>(m, exec, x, n_tokens, y, routed),
-        GgmlType::F16 => run_kernel::<F16>(m, exec, x, n_tokens, y, routed),
-        GgmlType::BF16 => run_kernel::<BF16>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q4_0 if repacked(m) => run_kernel::<Q4_0Packed>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q4_0 => run_kernel::<Q4_0>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q4_1 => run_kernel::<Q4_1>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q5_0 => run_kernel::<Q5_0>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q5_1 => run_kernel::<Q5_1>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q8_0 => run_kernel::<Q8_0>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q2_K => run_kernel::<Q2_K>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q3_K => run_kernel::<Q3_K>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q4_K if repacked(m) => run_kernel::<Q4_KPacked>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q4_K => run_kernel::<Q4_K>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q5_K => run_kernel::<Q5_K>(m, exec, x, n_tokens, y, routed),
-        GgmlType::Q6_K => run_kernel::<Q6_K>(m, exec, x, n_tokens, y, routed),
-        GgmlType::IQ4_XS => run_kernel::<IQ4_XS>(m, exec, x, n_tokens, y, routed),
-        GgmlType::IQ3_S => run_kernel::<IQ3_S>(m, exec, x, n_tokens, y, routed),
-        GgmlType::IQ3_XXS => run_kernel::<IQ3_XXS>(m, exec, x, n_tokens, y, routed),
-        GgmlType::IQ2_XXS => run_kernel::<IQ2_XXS>(m, exec, x, n_tokens, y, routed),
-        GgmlType::IQ2_XS => run_kernel::<IQ2_XS>(m, exec, x, n_tokens, y, routed),
-        GgmlType::IQ2_S => run_kernel::<IQ2_S>(m, exec, x, n_tokens, y, routed),
-        GgmlType::IQ1_S => run_kernel::<IQ1_S>(m, exec, x, n_tokens, y, routed),
-        GgmlType::IQ1_M => run_kernel::<IQ1_M>(m, exec, x, n_tokens, y, routed),
-        GgmlType::TQ1_0 => run_kernel::<TQ1_0>(m, exec, x, n_tokens, y, routed),
-        GgmlType::TQ2_0 => run_kernel::<TQ2_0>(m, exec, x, n_tokens, y, routed),
-        GgmlType::IQ4_NL if repacked(m) => {
-            run_kernel::<IQ4_NLPacked>(m, exec, x, n_tokens, y, routed)
-        }
-        GgmlType::IQ4_NL => run_kernel::<IQ4_NL>(m, exec, x, n_tokens, y, routed),
-        GgmlType::MXFP4 if repacked(m) => {
-            run_kernel::<MXFP4Packed>(m, exec, x, n_tokens, y, routed)
-        }
-        GgmlType::MXFP4 => run_kernel::<MXFP4>(m, exec, x, n_tokens, y, routed),
-        ty => return Err(DequantError::NoProductKernel { ty }),
-    }
+    with_kernel!(m, run_kernel(m, exec, x, n_tokens, y, routed));
     Ok(())
 }
 
@@ -281,7 +273,6 @@ pub(crate) fn run_many(
     x: &[f32],
     ys: &mut [&mut [f32]],
 ) -> Result<(), DequantError> {
-    use formats::*;
     if ms.iter().any(|m| repacked(m) != repacked(&ms[0])) {
         // Different arithmetic per matrix: one product each.
         for (m, y) in ms.iter().zip(ys.iter_mut()) {
@@ -289,38 +280,7 @@ pub(crate) fn run_many(
         }
         return Ok(());
     }
-    match ms[0].ty() {
-        GgmlType::Q4_0 if repacked(&ms[0]) => run_many_kernel::<Q4_0Packed>(ms, exec, x, ys),
-        GgmlType::F32 => run_many_kernel::<F32>(ms, exec, x, ys),
-        GgmlType::F16 => run_many_kernel::<F16>(ms, exec, x, ys),
-        GgmlType::BF16 => run_many_kernel::<BF16>(ms, exec, x, ys),
-        GgmlType::Q4_0 => run_many_kernel::<Q4_0>(ms, exec, x, ys),
-        GgmlType::Q4_1 => run_many_kernel::<Q4_1>(ms, exec, x, ys),
-        GgmlType::Q5_0 => run_many_kernel::<Q5_0>(ms, exec, x, ys),
-        GgmlType::Q5_1 => run_many_kernel::<Q5_1>(ms, exec, x, ys),
-        GgmlType::Q8_0 => run_many_kernel::<Q8_0>(ms, exec, x, ys),
-        GgmlType::Q2_K => run_many_kernel::<Q2_K>(ms, exec, x, ys),
-        GgmlType::Q3_K => run_many_kernel::<Q3_K>(ms, exec, x, ys),
-        GgmlType::Q4_K if repacked(&ms[0]) => run_many_kernel::<Q4_KPacked>(ms, exec, x, ys),
-        GgmlType::Q4_K => run_many_kernel::<Q4_K>(ms, exec, x, ys),
-        GgmlType::Q5_K => run_many_kernel::<Q5_K>(ms, exec, x, ys),
-        GgmlType::Q6_K => run_many_kernel::<Q6_K>(ms, exec, x, ys),
-        GgmlType::IQ4_XS => run_many_kernel::<IQ4_XS>(ms, exec, x, ys),
-        GgmlType::IQ3_S => run_many_kernel::<IQ3_S>(ms, exec, x, ys),
-        GgmlType::IQ3_XXS => run_many_kernel::<IQ3_XXS>(ms, exec, x, ys),
-        GgmlType::IQ2_XXS => run_many_kernel::<IQ2_XXS>(ms, exec, x, ys),
-        GgmlType::IQ2_XS => run_many_kernel::<IQ2_XS>(ms, exec, x, ys),
-        GgmlType::IQ2_S => run_many_kernel::<IQ2_S>(ms, exec, x, ys),
-        GgmlType::IQ1_S => run_many_kernel::<IQ1_S>(ms, exec, x, ys),
-        GgmlType::IQ1_M => run_many_kernel::<IQ1_M>(ms, exec, x, ys),
-        GgmlType::TQ1_0 => run_many_kernel::<TQ1_0>(ms, exec, x, ys),
-        GgmlType::TQ2_0 => run_many_kernel::<TQ2_0>(ms, exec, x, ys),
-        GgmlType::IQ4_NL if repacked(&ms[0]) => run_many_kernel::<IQ4_NLPacked>(ms, exec, x, ys),
-        GgmlType::IQ4_NL => run_many_kernel::<IQ4_NL>(ms, exec, x, ys),
-        GgmlType::MXFP4 if repacked(&ms[0]) => run_many_kernel::<MXFP4Packed>(ms, exec, x, ys),
-        GgmlType::MXFP4 => run_many_kernel::<MXFP4>(ms, exec, x, ys),
-        ty => return Err(DequantError::NoProductKernel { ty }),
-    }
+    with_kernel!(&ms[0], run_many_kernel(ms, exec, x, ys));
     Ok(())
 }
 

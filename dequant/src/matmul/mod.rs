@@ -327,25 +327,7 @@ impl<'a> QuantizedMatrix<'a> {
 
     /// That `x` holds `n_tokens` rows of `cols` values and `y` `n_tokens` of `rows`.
     fn check_lengths(&self, x: &[f32], n_tokens: usize, y: &[f32]) -> Result<(), DequantError> {
-        let (rows, cols) = (self.rows, self.cols);
-        let expected_x = n_tokens.checked_mul(cols);
-        if expected_x != Some(x.len()) {
-            return Err(DequantError::InputLength {
-                n_tokens,
-                cols,
-                expected: expected_x.unwrap_or(usize::MAX),
-                actual: x.len(),
-            });
-        }
-        let expected_y = n_tokens.checked_mul(rows);
-        if expected_y != Some(y.len()) {
-            return Err(DequantError::ProductOutputLength {
-                n_tokens,
-                rows,
-                expected: expected_y.unwrap_or(usize::MAX),
-                actual: y.len(),
-            });
-        }
-        Ok(())
+        DequantError::check_input(x.len(), n_tokens, self.cols)?;
+        DequantError::check_output(y.len(), n_tokens, self.rows)
     }
 }

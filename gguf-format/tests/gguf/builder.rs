@@ -62,6 +62,12 @@ impl Bytes {
         self.u32(element_type).u64(len)
     }
 
+    /// An array of GGUF strings: its header, then each element.
+    pub fn strings(self, elements: &[&[u8]]) -> Bytes {
+        let header = self.array_header(ValueType::String.id(), elements.len() as u64);
+        elements.iter().fold(header, |b, e| b.string(e))
+    }
+
     /// A tensor info: name, dimensions, ggml type id and data offset.
     pub fn tensor(self, name: &str, shape: &[u64], type_id: u32, offset: u64) -> Bytes {
         let mut b = self.string(name.as_bytes()).u32(shape.len() as u32);
@@ -103,6 +109,14 @@ macro_rules! assert_parse_err {
     }};
 }
 pub(crate) use assert_parse_err;
+
+/// A file whose one metadata entry, `k`, is an array of `len` elements of type id
+/// `element_type`: its header, the elements left to the caller.
+pub fn one_array(element_type: u32, len: u64) -> Bytes {
+    Bytes::v3(0, 1)
+        .key("k", ValueType::Array)
+        .array_header(element_type, len)
+}
 
 /// A file with no metadata whose tensors are the given infos `(name, shape, type id,
 /// offset)`, followed by a data section of `data_len` bytes aligned to 32.

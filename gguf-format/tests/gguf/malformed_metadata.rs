@@ -5,7 +5,7 @@ use gguf_format::limits::{
 };
 use gguf_format::{parse, Array, GgufError, Value, ValueType};
 
-use crate::builder::{assert_parse_err, Bytes};
+use crate::builder::{assert_parse_err, one_array, Bytes};
 
 const ARRAY: u32 = 9;
 
@@ -88,9 +88,7 @@ fn invalid_utf8_in_a_string_array_element() {
     // Key at 24 (8 + 6), type at 38, array header at 42 (4 + 8), elements at 54.
     let b = Bytes::v3(0, 1)
         .key("tokens", ValueType::Array)
-        .array_header(ValueType::String.id(), 2)
-        .string(b"fine")
-        .string(b"\xed\xa0\x80");
+        .strings(&[b"fine", b"\xed\xa0\x80"]);
     assert_parse_err!(&b, GgufError::InvalidUtf8 { offset: 66 });
 }
 
@@ -101,11 +99,7 @@ fn character_split_between_two_string_array_elements() {
     // Elements at 54: "a" (54..63), "\xc3" (63..72), "" (72..80), "\xa9" (80..89).
     let b = Bytes::v3(0, 1)
         .key("tokens", ValueType::Array)
-        .array_header(ValueType::String.id(), 4)
-        .string(b"a")
-        .string(b"\xc3")
-        .string(b"")
-        .string(b"\xa9");
+        .strings(&[b"a", b"\xc3", b"", b"\xa9"]);
     assert_parse_err!(&b, GgufError::InvalidUtf8 { offset: 63 });
 }
 
@@ -127,10 +121,7 @@ fn unknown_value_type() {
 
 #[test]
 fn unknown_array_element_type() {
-    let b = Bytes::v3(0, 1)
-        .key("k", ValueType::Array)
-        .array_header(13, 1)
-        .u64(0);
+    let b = one_array(13, 1).u64(0);
     assert_parse_err!(&b, GgufError::UnknownValueType { ref key, type_id: 13, offset: 37 } if key == "k");
 }
 
@@ -179,9 +170,7 @@ fn arrays_of_arrays_of_mixed_element_types_parse() {
     let b = Bytes::v3(0, 1)
         .key("merges", ValueType::Array)
         .array_header(ARRAY, 3)
-        .array_header(ValueType::String.id(), 2)
-        .string(b"a b")
-        .string(b"c d")
+        .strings(&[b"a b", b"c d"])
         .array_header(ValueType::I16.id(), 1)
         .raw(&(-2i16).to_le_bytes())
         .array_header(ARRAY, 0)
@@ -199,9 +188,7 @@ fn arrays_of_arrays_of_mixed_element_types_parse() {
 
 #[test]
 fn array_length_above_the_cap() {
-    let b = Bytes::v3(0, 1)
-        .key("k", ValueType::Array)
-        .array_header(ValueType::U8.id(), MAX_ARRAY_LEN + 1);
+    let b = one_array(ValueType::U8.id(), MAX_ARRAY_LEN + 1);
     assert_parse_err!(&b, GgufError::CountTooLarge { what: "array element", count, max: MAX_ARRAY_LEN }
             if count == MAX_ARRAY_LEN + 1);
 }
@@ -209,10 +196,7 @@ fn array_length_above_the_cap() {
 #[test]
 fn array_length_beyond_the_bytes_left() {
     // 1000 u32 need 4000 bytes; 10 are left after the array header at 49.
-    let b = Bytes::v3(0, 1)
-        .key("k", ValueType::Array)
-        .array_header(ValueType::U32.id(), 1000)
-        .zeros(10);
+    let b = one_array(ValueType::U32.id(), 1000).zeros(10);
     assert_parse_err!(
         &b,
         GgufError::CountExceedsFile {
@@ -223,10 +207,7 @@ fn array_length_beyond_the_bytes_left() {
         }
     );
     // Strings take at least their 8-byte length each: 2 fit in 16 bytes, 3 do not.
-    let b = Bytes::v3(0, 1)
-        .key("k", ValueType::Array)
-        .array_header(ValueType::String.id(), 3)
-        .zeros(16);
+    let b = one_array(ValueType::String.id(), 3).zeros(16);
     assert_parse_err!(
         &b,
         GgufError::CountExceedsFile {
@@ -239,11 +220,7 @@ fn array_length_beyond_the_bytes_left() {
 
 #[test]
 fn array_of_strings_cut_inside_an_element() {
-    let b = Bytes::v3(0, 1)
-        .key("k", ValueType::Array)
-        .array_header(ValueType::String.id(), 2)
-        .u64(30)
-        .zeros(10);
+    let b = one_array(ValueType::String.id(), 2).u64(30).zeros(10);
     assert_parse_err!(
         &b,
         GgufError::UnexpectedEof {

@@ -57,53 +57,42 @@ fn check_file(bytes: &[u8], architecture: &str, expected: &[(GgmlType, usize)]) 
     file
 }
 
+/// [`check_file`] on the model `file`, with its layer count and vocabulary size.
+fn check_model(
+    file: &str,
+    architecture: &str,
+    (block_count, n_vocab): (u32, usize),
+    expected: &[(GgmlType, usize)],
+) -> GgufFile {
+    let bytes = read_model(file);
+    let file = check_file(&bytes, architecture, expected);
+    let key = format!("{architecture}.block_count");
+    assert_eq!(file.metadata.get_u32(&key), Ok(block_count));
+    let tokens = file.metadata.get_string_array("tokenizer.ggml.tokens");
+    assert_eq!(tokens.unwrap().len(), n_vocab);
+    file
+}
+
 #[test]
 fn smollm2_parses_and_rewrites_byte_identically() {
-    let bytes = read_model("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let file = check_file(
-        &bytes,
+    use GgmlType::{F32, Q4_1, Q8_0};
+    let file = check_model(
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
         "llama",
-        &[
-            (GgmlType::F32, 61),
-            (GgmlType::Q4_1, 210),
-            (GgmlType::Q8_0, 1),
-        ],
+        (30, 49152),
+        &[(F32, 61), (Q4_1, 210), (Q8_0, 1)],
     );
-    assert_eq!(
-        file.tensor("token_embd.weight").unwrap().ggml_type,
-        GgmlType::Q8_0
-    );
-    assert_eq!(file.metadata.get_u32("llama.block_count"), Ok(30));
-    assert_eq!(
-        file.metadata
-            .get_string_array("tokenizer.ggml.tokens")
-            .unwrap()
-            .len(),
-        49152
-    );
+    assert_eq!(file.tensor("token_embd.weight").unwrap().ggml_type, Q8_0);
 }
 
 #[test]
 fn gemma3_parses_and_rewrites_byte_identically() {
-    let bytes = read_model("gemma-3-270m-q4_k_m.gguf");
-    let file = check_file(
-        &bytes,
+    use GgmlType::{F32, Q4_K, Q5_0, Q6_K, Q8_0};
+    check_model(
+        "gemma-3-270m-q4_k_m.gguf",
         "gemma3",
-        &[
-            (GgmlType::F32, 109),
-            (GgmlType::Q5_0, 81),
-            (GgmlType::Q4_K, 27),
-            (GgmlType::Q8_0, 10),
-            (GgmlType::Q6_K, 9),
-        ],
-    );
-    assert_eq!(file.metadata.get_u32("gemma3.block_count"), Ok(18));
-    assert_eq!(
-        file.metadata
-            .get_string_array("tokenizer.ggml.tokens")
-            .unwrap()
-            .len(),
-        262144
+        (18, 262144),
+        &[(F32, 109), (Q5_0, 81), (Q4_K, 27), (Q8_0, 10), (Q6_K, 9)],
     );
 }
 

@@ -11,6 +11,7 @@ use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadOrder};
 use tensor_store::{StoreError, TensorStore};
 
 use super::forward::{Buffers, PageShape};
+use super::gpu;
 use super::host::HostLayers;
 use super::kernels;
 use super::weights::RopeContext;
@@ -446,10 +447,7 @@ pub fn check_experts_fit(
     let room = match budget {
         Some(budget) => budget,
         None => {
-            let info = device.memory_info().map_err(|source| ModelError::Gpu {
-                op: "memory info",
-                source,
-            })?;
+            let info = device.memory_info().map_err(gpu("memory info"))?;
             (info.free as u64).saturating_sub(RUNTIME_RESERVE)
         }
     };

@@ -344,10 +344,7 @@ impl GpuModel {
     }
 
     fn sync(&self) -> Result<(), ModelError> {
-        self.stream.synchronize().map_err(|source| ModelError::Gpu {
-            op: "synchronizing",
-            source,
-        })
+        self.stream.synchronize().map_err(gpu("synchronizing"))
     }
 
     fn set_position(&mut self, len: usize) -> Result<(), ModelError> {

@@ -7,6 +7,7 @@ use std::time::Instant;
 use hip_backend::Stream;
 
 use super::forward::{self, Buffers, Layout};
+use super::gpu;
 use super::prompt::embed_from_file;
 use super::weights::{self, Held, LayerWeights};
 use super::{check_stop, GpuModel, Want, HOST_TOKENS};
@@ -38,10 +39,7 @@ impl GpuModel {
         let graph = self.step.as_ref().expect("captured just above");
         graph
             .launch(&self.stream)
-            .map_err(|source| ModelError::Gpu {
-                op: "replaying the decode step",
-                source,
-            })
+            .map_err(gpu("replaying the decode step"))
     }
 
     /// Whether every weight is held, or can be now: all resident in a budget that holds
@@ -132,10 +130,7 @@ impl GpuModel {
             let tokens = self
                 .host_tokens
                 .as_slice()
-                .map_err(|source| ModelError::Gpu {
-                    op: "reading the tokens",
-                    source,
-                })?;
+                .map_err(gpu("reading the tokens"))?;
             let (config, plan, bufs) = (&self.config, &self.plan, &mut self.bufs);
             let host_rows = &mut self.host_rows;
             embed_from_file(config, plan, &tokens[..n], bufs, host_rows, &self.stream)?;

@@ -1,6 +1,7 @@
 //! One sequence's calls: its tokens checked and appended to the KV cache, and what the
 //! call hands back (logits, every token's logits, or the greedy token) copied to the host.
 
+use super::gpu;
 use super::{GpuModel, Want, MAX_BATCH};
 use crate::ModelError;
 
@@ -40,10 +41,7 @@ impl GpuModel {
         let tokens = &self
             .host_tokens
             .as_slice()
-            .map_err(|source| ModelError::Gpu {
-                op: "reading the tokens",
-                source,
-            })?[..n];
+            .map_err(gpu("reading the tokens"))?[..n];
         if tokens.contains(&u32::MAX) {
             return Err(ModelError::BadLogits);
         }
@@ -66,10 +64,7 @@ impl GpuModel {
         let all = self
             .host_logits
             .as_slice()
-            .map_err(|source| ModelError::Gpu {
-                op: "reading the logits",
-                source,
-            })?;
+            .map_err(gpu("reading the logits"))?;
         Ok(&all[..n * self.config.n_vocab])
     }
 

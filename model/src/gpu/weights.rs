@@ -10,6 +10,7 @@ use tensor_store::TensorHandle;
 
 use dequant::gpu::experts::GpuExperts;
 
+use super::gpu;
 use super::kernels::{self, norm_type_code, NormWeight};
 use crate::config::{ExpertActivation, Gating, ModelConfig};
 use crate::plan::{ExecutionPlan, ExpertMatrices, FfnPlan, LayerPlan, Linear, Vector};
@@ -61,10 +62,7 @@ impl Matrix {
             .buffer()
             .bytes()
             .slice(self.range.clone())
-            .map_err(|source| ModelError::Gpu {
-                op: "viewing a matrix's rows",
-                source,
-            })
+            .map_err(gpu("viewing a matrix's rows"))
     }
 
     pub fn name(&self) -> &str {
@@ -128,10 +126,7 @@ impl Floats {
         self.tensor
             .buffer()
             .view::<f32>()
-            .map_err(|source| ModelError::Gpu {
-                op: "viewing an f32 vector",
-                source,
-            })
+            .map_err(gpu("viewing an f32 vector"))
     }
 }
 

@@ -109,12 +109,7 @@ fn windows_are_whole_and_at_least_two() {
 #[test]
 fn windows_start_with_bos_and_score_their_second_half() {
     let tokens = text_tokens(40, 50);
-    let options = Options {
-        n_ctx: 16,
-        batch: 2048,
-        chunks: None,
-        bos: Some(1),
-    };
+    let options = options_for(16, 2048, Some(1));
     let mut fake = Fake::new(50);
     let mut seen = Vec::new();
     let outcome = perplexity(&mut fake, &tokens, &options, None, &mut |i, ppl| {
@@ -148,12 +143,7 @@ fn the_batch_size_cuts_calls_but_not_the_figures() {
     let tokens = text_tokens(70, 30);
     let run = |batch| {
         let mut fake = Fake::new(30);
-        let options = Options {
-            n_ctx: 32,
-            batch,
-            chunks: None,
-            bos: None,
-        };
+        let options = options_for(32, batch, None);
         let outcome = perplexity(&mut fake, &tokens, &options, None, &mut |_, _| {}).unwrap();
         (outcome.sums, fake.calls.len())
     };
@@ -188,6 +178,25 @@ fn nearest_int_rows_round_trip() {
     assert_eq!(q[0], 0);
 }
 
+/// Options for windows of `n_ctx` tokens, calls of `batch`, all the text.
+fn options_for(n_ctx: usize, batch: usize, bos: Option<u32>) -> Options {
+    Options {
+        n_ctx,
+        batch,
+        chunks: None,
+        bos,
+    }
+}
+
+/// KL-divergence options for calls of `batch`, all the base file.
+fn kld_options_for(batch: usize, bos: Option<u32>) -> KldOptions {
+    KldOptions {
+        batch,
+        chunks: None,
+        bos,
+    }
+}
+
 fn saved_base(tokens: &[u32], n_vocab: usize, options: &Options) -> (Vec<u8>, NllSums) {
     let mut fake = Fake::new(n_vocab);
     let mut bytes = Vec::new();
@@ -198,12 +207,7 @@ fn saved_base(tokens: &[u32], n_vocab: usize, options: &Options) -> (Vec<u8>, Nl
 #[test]
 fn a_base_file_round_trips_and_a_model_matches_itself() {
     let tokens = text_tokens(100, 40);
-    let options = Options {
-        n_ctx: 32,
-        batch: 7,
-        chunks: None,
-        bos: Some(2),
-    };
+    let options = options_for(32, 7, Some(2));
     let (bytes, sums) = saved_base(&tokens, 40, &options);
     let expected_len = base::file_size(32, 40, 3).unwrap();
     assert_eq!(bytes.len() as u64, expected_len);
@@ -215,11 +219,7 @@ fn a_base_file_round_trips_and_a_model_matches_itself() {
     assert_eq!(reader.header().n_chunk, 3);
     assert_eq!(reader.header().tokens, tokens[..96]);
 
-    let kld_options = KldOptions {
-        batch: 32,
-        chunks: None,
-        bos: Some(2),
-    };
+    let kld_options = kld_options_for(32, Some(2));
     let mut fake = Fake::new(40);
     let mut chunks = 0;
     let outcome = kl_divergence(&mut fake, &mut reader, &kld_options, &mut |_, _| {
@@ -246,19 +246,10 @@ fn a_base_file_round_trips_and_a_model_matches_itself() {
 #[test]
 fn a_base_file_for_another_vocabulary_is_refused() {
     let tokens = text_tokens(64, 40);
-    let options = Options {
-        n_ctx: 32,
-        batch: 32,
-        chunks: None,
-        bos: None,
-    };
+    let options = options_for(32, 32, None);
     let (bytes, _) = saved_base(&tokens, 40, &options);
     let mut reader = BaseReader::open(&bytes[..], bytes.len() as u64).unwrap();
-    let kld_options = KldOptions {
-        batch: 32,
-        chunks: None,
-        bos: None,
-    };
+    let kld_options = kld_options_for(32, None);
     let error = kl_divergence(
         &mut Fake::new(41),
         &mut reader,
@@ -276,12 +267,7 @@ fn a_base_file_for_another_vocabulary_is_refused() {
 #[test]
 fn malformed_base_files_are_refused_naming_what_is_wrong() {
     let tokens = text_tokens(64, 40);
-    let options = Options {
-        n_ctx: 32,
-        batch: 32,
-        chunks: None,
-        bos: None,
-    };
+    let options = options_for(32, 32, None);
     let (good, _) = saved_base(&tokens, 40, &options);
     let open = |bytes: &[u8]| BaseReader::open(bytes, bytes.len() as u64).err();
 

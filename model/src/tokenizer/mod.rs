@@ -90,6 +90,20 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// The `which` special token (`id`) when `wanted`; an error when wanted and the
+/// vocabulary has none.
+fn added_special(
+    wanted: bool,
+    id: Option<TokenId>,
+    which: &'static str,
+) -> Result<Option<TokenId>, TokenizerError> {
+    match (wanted, id) {
+        (false, _) => Ok(None),
+        (true, Some(id)) => Ok(Some(id)),
+        (true, None) => Err(TokenizerError::MissingSpecialToken { which }),
+    }
+}
+
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes.
     pub fn from_metadata(metadata: &Metadata) -> Result<Tokenizer, TokenizerError> {
@@ -140,14 +154,11 @@ impl Tokenizer {
         options: EncodeOptions,
     ) -> Result<Vec<TokenId>, TokenizerError> {
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
-        if options.add_special && self.vocab.add_bos {
-            out.push(
-                self.vocab
-                    .special
-                    .bos
-                    .ok_or(TokenizerError::MissingSpecialToken { which: "bos" })?,
-            );
-        }
+        out.extend(added_special(
+            options.add_special && self.vocab.add_bos,
+            self.vocab.special.bos,
+            "bos",
+        )?);
         // SentencePiece adds its leading space to text at the start or after a special token.
         let mut after_special = true;
         for fragment in self.special_matcher.split(text, options.parse_special) {
@@ -168,14 +179,11 @@ impl Tokenizer {
                 }
             }
         }
-        if options.add_special && self.vocab.add_eos {
-            out.push(
-                self.vocab
-                    .special
-                    .eos
-                    .ok_or(TokenizerError::MissingSpecialToken { which: "eos" })?,
-            );
-        }
+        out.extend(added_special(
+            options.add_special && self.vocab.add_eos,
+            self.vocab.special.eos,
+            "eos",
+        )?);
         Ok(out)
     }
 

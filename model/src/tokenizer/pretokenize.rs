@@ -229,6 +229,18 @@ impl<'a> Splitter<'a> {
         (n, last_newline_end)
     }
 
+    /// The last alternatives of the patterns, `\s+(?!\S)|\s+|.`, at `pos` with `n`
+    /// white-space code points: ends the word there and returns its end.
+    fn whitespace_or_one(&mut self, pos: usize, n: usize) -> usize {
+        let end = if n > 0 {
+            self.trailing_whitespace(pos, n)
+        } else {
+            pos + 1
+        };
+        self.cut(end);
+        end
+    }
+
     /// `\s+(?!\S)|\s+` at `pos` with `n` white-space code points: the end of the match.
     fn trailing_whitespace(&self, pos: usize, n: usize) -> usize {
         if n > 1 && self.cp(pos + n) != OUTSIDE {
@@ -269,13 +281,7 @@ impl<'a> Splitter<'a> {
                 continue;
             }
             let (n, _) = self.whitespace_run(pos);
-            if n > 0 {
-                pos = self.trailing_whitespace(pos, n);
-                self.cut(pos);
-                continue;
-            }
-            pos += 1;
-            self.cut(pos);
+            pos = self.whitespace_or_one(pos, n);
         }
     }
 
@@ -336,13 +342,7 @@ impl<'a> Splitter<'a> {
                 self.cut(pos);
                 continue;
             }
-            if n > 0 {
-                pos = self.trailing_whitespace(pos, n);
-                self.cut(pos);
-                continue;
-            }
-            pos += 1;
-            self.cut(pos);
+            pos = self.whitespace_or_one(pos, n);
         }
     }
 

@@ -36,12 +36,14 @@ pub fn read_metadata(path: &Path) -> Metadata {
 /// llama.cpp's reference outputs for a model, from the repository's `testdata/golden`
 /// (compiled into the test binary, so it runs from anywhere).
 pub fn golden(file: &str) -> serde_json::Value {
-    let text = match file {
-        SMOLLM2 => include_str!("../../../testdata/golden/SmolLM2-135M-Instruct.Q4_1.json"),
-        GEMMA3 => include_str!("../../../testdata/golden/gemma-3-270m-q4_k_m.json"),
-        other => panic!("no reference outputs for {other}"),
-    };
-    serde_json::from_str(text).expect("golden file is JSON")
+    reference_of(
+        file,
+        "reference outputs",
+        [
+            include_str!("../../../testdata/golden/SmolLM2-135M-Instruct.Q4_1.json"),
+            include_str!("../../../testdata/golden/gemma-3-270m-q4_k_m.json"),
+        ],
+    )
 }
 
 /// llama.cpp's outputs with flash attention on (its default on a CPU), from the
@@ -49,10 +51,22 @@ pub fn golden(file: &str) -> serde_json::Value {
 /// log-sum-exp of every prompt position, and 32 greedy tokens with the rows they were
 /// taken from.
 pub fn golden_flash(file: &str) -> serde_json::Value {
+    reference_of(
+        file,
+        "flash-attention reference outputs",
+        [
+            include_str!("../../../testdata/golden-fa/SmolLM2-135M-Instruct.Q4_1.json"),
+            include_str!("../../../testdata/golden-fa/gemma-3-270m-q4_k_m.json"),
+        ],
+    )
+}
+
+/// The JSON of `file`'s `what`, among those of [`SMOLLM2`] and [`GEMMA3`] in that order.
+fn reference_of(file: &str, what: &str, [smollm2, gemma3]: [&str; 2]) -> serde_json::Value {
     let text = match file {
-        SMOLLM2 => include_str!("../../../testdata/golden-fa/SmolLM2-135M-Instruct.Q4_1.json"),
-        GEMMA3 => include_str!("../../../testdata/golden-fa/gemma-3-270m-q4_k_m.json"),
-        other => panic!("no flash-attention reference outputs for {other}"),
+        SMOLLM2 => smollm2,
+        GEMMA3 => gemma3,
+        other => panic!("no {what} for {other}"),
     };
     serde_json::from_str(text).expect("golden file is JSON")
 }

@@ -73,15 +73,21 @@ fn mean_pooled_hidden_states_are_llama_cpp_embeddings() {
     }
 }
 
-#[test]
-fn the_pooled_vector_is_the_plain_mean_scaled_to_unit_length() {
-    let model = load();
-    let d = model.config().n_embd;
+/// The reference text's tokens and their hidden states, in one call.
+fn reference_hidden_states(model: &Model) -> (Vec<u32>, Vec<f32>) {
     let tokens = ids(&reference()["tokens"]);
     let mut cache = model.new_cache(tokens.len());
     let rows = model
         .hidden_states(&tokens, &mut cache)
         .expect("hidden states");
+    (tokens, rows)
+}
+
+#[test]
+fn the_pooled_vector_is_the_plain_mean_scaled_to_unit_length() {
+    let model = load();
+    let d = model.config().n_embd;
+    let (tokens, rows) = reference_hidden_states(&model);
     // Straightforwardly: sum each component in f32, divide, then divide by the length.
     let n = tokens.len() as f32;
     let mean: Vec<f32> = (0..d)
@@ -100,11 +106,7 @@ fn the_pooled_vector_is_the_plain_mean_scaled_to_unit_length() {
 fn hidden_states_of_a_prompt_are_those_of_its_tokens_one_by_one() {
     let model = load();
     let d = model.config().n_embd;
-    let tokens = ids(&reference()["tokens"]);
-    let mut cache = model.new_cache(tokens.len());
-    let whole = model
-        .hidden_states(&tokens, &mut cache)
-        .expect("hidden states");
+    let (tokens, whole) = reference_hidden_states(&model);
     let mut cache = model.new_cache(tokens.len());
     let mut stepped = Vec::new();
     for &token in &tokens {

@@ -26,24 +26,36 @@ fn device_error(op: &'static str) -> impl Fn(HipError) -> StoreError {
     move |source| StoreError::Device { op, source }
 }
 
+/// `requested` bytes as a length, refused when the address space cannot hold them.
+fn addressable(requested: u64) -> Result<usize, StoreError> {
+    usize::try_from(requested).map_err(|_| StoreError::DeviceAlloc {
+        requested,
+        reason: "larger than the address space".to_owned(),
+    })
+}
+
+/// A failure to allocate `requested` bytes for the arena or in it: a refusal for want of
+/// room (the device's or the arena's), or another failure.
+fn arena_error(requested: u64) -> impl Fn(HipError) -> StoreError {
+    move |source| match source {
+        HipError::OutOfMemory { .. } | HipError::ArenaFull { .. } => StoreError::DeviceAlloc {
+            requested,
+            reason: source.to_string(),
+        },
+        other => StoreError::Device {
+            op: "arena allocation",
+            source: other,
+        },
+    }
+}
+
 impl HipTarget {
     /// Opens an arena of `arena_bytes` on `device` and a stream for the uploads.
     pub fn new(device: &Device, arena_bytes: u64) -> Result<HipTarget, StoreError> {
         let counters_at_start = device.allocation_counters();
-        let capacity = usize::try_from(arena_bytes).map_err(|_| StoreError::DeviceAlloc {
-            requested: arena_bytes,
-            reason: "larger than the address space".to_owned(),
-        })?;
-        let arena = device.new_arena(capacity).map_err(|source| match source {
-            HipError::OutOfMemory { .. } => StoreError::DeviceAlloc {
-                requested: arena_bytes,
-                reason: source.to_string(),
-            },
-            other => StoreError::Device {
-                op: "arena allocation",
-                source: other,
-            },
-        })?;
+        let arena = device
+            .new_arena(addressable(arena_bytes)?)
+            .map_err(arena_error(arena_bytes))?;
         let stream = device
             .new_stream()
             .map_err(device_error("stream creation"))?;
@@ -103,22 +115,9 @@ impl DeviceTarget for HipTarget {
     }
 
     fn alloc(&self, bytes: u64) -> Result<ArenaBuffer, StoreError> {
-        let len = usize::try_from(bytes).map_err(|_| StoreError::DeviceAlloc {
-            requested: bytes,
-            reason: "larger than the address space".to_owned(),
-        })?;
         self.arena
-            .alloc(len, TENSOR_ALIGN as usize)
-            .map_err(|source| match source {
-                HipError::ArenaFull { .. } => StoreError::DeviceAlloc {
-                    requested: bytes,
-                    reason: source.to_string(),
-                },
-                other => StoreError::Device {
-                    op: "arena allocation",
-                    source: other,
-                },
-            })
+            .alloc(addressable(bytes)?, TENSOR_ALIGN as usize)
+            .map_err(arena_error(bytes))
     }
 
     fn alloc_staging(&self, bytes: usize) -> Result<PinnedBuffer<u8>, StoreError> {

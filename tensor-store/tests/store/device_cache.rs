@@ -89,16 +89,24 @@ fn lazy_cache<T: DeviceTarget>(target: T, m: &Model) -> DeviceCache<T> {
     .unwrap()
 }
 
+/// [`lazy_cache`] on the host, holding at most `budget` bytes.
+fn budgeted_cache(m: &Model, budget: u64) -> DeviceCache<HostTarget> {
+    let cfg = CacheConfig {
+        budget: Some(budget),
+        ..config(UploadMode::Lazy)
+    };
+    DeviceCache::new(HostTarget::new(), &m.store, UploadOrder::empty(), cfg).unwrap()
+}
+
 /// A cache of `m` on `target` in `mode`, with [`config`]'s settings, uploading in the
 /// file's order.
 fn cache_in_file_order<T: DeviceTarget>(target: T, m: &Model, mode: UploadMode) -> DeviceCache<T> {
-    DeviceCache::new(
-        target,
-        &m.store,
-        UploadOrder::file_order(&m.store),
-        config(mode),
-    )
-    .unwrap()
+    ordered_cache(target, m, config(mode))
+}
+
+/// A cache of `m` on `target` with `cfg`, uploading in the file's order.
+fn ordered_cache<T: DeviceTarget>(target: T, m: &Model, cfg: CacheConfig) -> DeviceCache<T> {
+    DeviceCache::new(target, &m.store, UploadOrder::file_order(&m.store), cfg).unwrap()
 }
 
 fn handles(m: &Model) -> Vec<TensorHandle> {
@@ -233,11 +241,7 @@ fn async_requests_share_one_upload_and_never_block_the_runtime() {
 fn the_budget_evicts_the_least_recently_used_and_evicted_tensors_upload_again() {
     let m = model(3, 4096);
     let all = handles(&m);
-    let cfg = CacheConfig {
-        budget: Some(3 * 4096),
-        ..config(UploadMode::Lazy)
-    };
-    let cache = DeviceCache::new(HostTarget::new(), &m.store, UploadOrder::empty(), cfg).unwrap();
+    let cache = budgeted_cache(&m, 3 * 4096);
     let (a, b, c, d) = (&all[0], &all[1], &all[2], &all[3]);
     for h in [a, b, c] {
         cache.get(h).unwrap();
@@ -262,11 +266,7 @@ fn the_budget_evicts_the_least_recently_used_and_evicted_tensors_upload_again() 
 fn the_counters_move_with_hits_misses_evictions_and_uploaded_bytes() {
     let m = model(2, 4096);
     let all = handles(&m);
-    let cfg = CacheConfig {
-        budget: Some(2 * 4096),
-        ..config(UploadMode::Lazy)
-    };
-    let cache = DeviceCache::new(HostTarget::new(), &m.store, UploadOrder::empty(), cfg).unwrap();
+    let cache = budgeted_cache(&m, 2 * 4096);
     let stats = cache.stats();
     assert_eq!(
         (
@@ -294,11 +294,7 @@ fn the_counters_move_with_hits_misses_evictions_and_uploaded_bytes() {
 fn tensors_in_use_are_not_evicted_and_out_of_memory_leaves_the_cache_usable() {
     let m = model(2, 4096);
     let all = handles(&m);
-    let cfg = CacheConfig {
-        budget: Some(2 * 4096 + 100),
-        ..config(UploadMode::Lazy)
-    };
-    let cache = DeviceCache::new(HostTarget::new(), &m.store, UploadOrder::empty(), cfg).unwrap();
+    let cache = budgeted_cache(&m, 2 * 4096 + 100);
     let held_a = cache.get(&all[0]).unwrap();
     let held_b = cache.get(&all[1]).unwrap();
     let error = cache.get(&all[2]).unwrap_err();
@@ -346,20 +342,12 @@ fn device_allocation_failures_evict_first_and_then_report_out_of_memory() {
 fn a_tensor_larger_than_the_budget_fails_without_evicting_anything() {
     let m = model(1, 4096);
     let all = handles(&m);
-    let cfg = CacheConfig {
-        budget: Some(4096 + 4095),
-        ..config(UploadMode::Lazy)
-    };
-    let cache = DeviceCache::new(HostTarget::new(), &m.store, UploadOrder::empty(), cfg).unwrap();
+    let cache = budgeted_cache(&m, 4096 + 4095);
     cache.get(&all[0]).unwrap();
     // Two tensors requested together do not fit, but each alone does.
     let error = cache.get_many([&all[1], &all[2]]).unwrap_err();
     assert!(error.is_out_of_memory(), "{error}");
-    let cfg = CacheConfig {
-        budget: Some(100),
-        ..config(UploadMode::Lazy)
-    };
-    let small = DeviceCache::new(HostTarget::new(), &m.store, UploadOrder::empty(), cfg).unwrap();
+    let small = budgeted_cache(&m, 100);
     assert!(small.get(&all[0]).unwrap_err().is_out_of_memory());
     assert_eq!(small.stats().evictions, 0);
     assert_eq!(small.target().stats().allocations, 0);
@@ -374,7 +362,7 @@ fn cancellation_publishes_nothing_half_uploaded() {
         chunk_bytes: 4096,
         ..config(UploadMode::Background)
     };
-    let cache = DeviceCache::new(target, &m.store, UploadOrder::file_order(&m.store), cfg).unwrap();
+    let cache = ordered_cache(target, &m, cfg);
     wait_until("a first tensor", || cache.progress().tensors_done >= 1);
     let all = handles(&m);
     let last = all.last().unwrap().clone();
@@ -460,7 +448,7 @@ fn a_request_moves_a_tensor_to_the_front() {
         chunk_bytes: 4096,
         ..config(UploadMode::Background)
     };
-    let cache = DeviceCache::new(target, &m.store, UploadOrder::file_order(&m.store), cfg).unwrap();
+    let cache = ordered_cache(target, &m, cfg);
     let last = handles(&m).pop().unwrap();
     let before = cache.progress().tensors_done;
     let got = cache.get(&last).unwrap();
@@ -505,13 +493,7 @@ fn a_model_larger_than_the_budget_still_runs_layer_by_layer() {
         budget: Some(5 * 8192),
         ..config(UploadMode::Background)
     };
-    let cache = DeviceCache::new(
-        HostTarget::new(),
-        &m.store,
-        UploadOrder::file_order(&m.store),
-        cfg,
-    )
-    .unwrap();
+    let cache = ordered_cache(HostTarget::new(), &m, cfg);
     cache.wait_idle().unwrap();
     // The background upload stops at the budget; it never evicts.
     assert_eq!(cache.stats().evictions, 0);
@@ -566,13 +548,7 @@ fn direct_reads_give_the_same_bytes() {
         direct_io: true,
         ..config(UploadMode::Eager)
     };
-    let cache = DeviceCache::new(
-        HostTarget::new(),
-        &m.store,
-        UploadOrder::file_order(&m.store),
-        cfg,
-    )
-    .unwrap();
+    let cache = ordered_cache(HostTarget::new(), &m, cfg);
     for h in handles(&m) {
         assert_eq!(
             cache.get(&h).unwrap().buffer().as_slice(),
@@ -600,35 +576,16 @@ fn foreign_handles_and_bad_settings_are_refused() {
         ),
         Err(StoreError::ForeignTensor { .. })
     ));
+    let with = |change: fn(&mut CacheConfig)| {
+        let mut cfg = CacheConfig::default();
+        change(&mut cfg);
+        cfg
+    };
     for (cfg, name) in [
-        (
-            CacheConfig {
-                readers: 0,
-                ..CacheConfig::default()
-            },
-            "readers",
-        ),
-        (
-            CacheConfig {
-                cold_readers: 300,
-                ..CacheConfig::default()
-            },
-            "cold_readers",
-        ),
-        (
-            CacheConfig {
-                staging_buffers: 0,
-                ..CacheConfig::default()
-            },
-            "staging_buffers",
-        ),
-        (
-            CacheConfig {
-                chunk_bytes: 100,
-                ..CacheConfig::default()
-            },
-            "chunk_bytes",
-        ),
+        (with(|c| c.readers = 0), "readers"),
+        (with(|c| c.cold_readers = 300), "cold_readers"),
+        (with(|c| c.staging_buffers = 0), "staging_buffers"),
+        (with(|c| c.chunk_bytes = 100), "chunk_bytes"),
     ] {
         match DeviceCache::new(HostTarget::new(), &m.store, UploadOrder::empty(), cfg) {
             Err(StoreError::InvalidCacheConfig { name: found, .. }) => assert_eq!(found, name),

@@ -295,8 +295,28 @@ pub fn print(header: &Header, rows: &[Row]) {
     print_targets(header, rows);
 }
 
+fn verdict(met: bool) -> &'static str {
+    if met {
+        "met"
+    } else {
+        "not met"
+    }
+}
+
+/// One line for each row and its ratio, met when the ratio is at most `target`.
+fn print_ratios(ratios: Vec<(&Row, f64)>, target: f64) {
+    for (row, ratio) in ratios {
+        println!(
+            "  {:>6} tokens  {:<22} {:>7}  {}",
+            row.tokens,
+            row.engine.label(),
+            format!("{ratio:.2}x"),
+            verdict(ratio <= target)
+        );
+    }
+}
+
 fn print_targets(header: &Header, rows: &[Row]) {
-    let verdict = |met: bool| if met { "met" } else { "not met" };
     println!("target warm: ours <= {WARM_TARGET_VS_LLAMA:.2}x llama.cpp's median");
     let warm: Vec<_> = rows
         .iter()
@@ -306,15 +326,7 @@ fn print_targets(header: &Header, rows: &[Row]) {
     if warm.is_empty() {
         println!("  not measured: no --llama-completion");
     }
-    for (row, ratio) in warm {
-        println!(
-            "  {:>6} tokens  {:<22} {:>7}  {}",
-            row.tokens,
-            row.engine.label(),
-            format!("{ratio:.2}x"),
-            verdict(ratio <= WARM_TARGET_VS_LLAMA)
-        );
-    }
+    print_ratios(warm, WARM_TARGET_VS_LLAMA);
     println!(
         "target cold: ours <= {COLD_TARGET_VS_READ:.2}x the file's read time (cold, 16 MiB reads)"
     );
@@ -328,15 +340,7 @@ fn print_targets(header: &Header, rows: &[Row]) {
             None => println!("  not measured: pass --cold"),
         }
     }
-    for (row, ratio) in cold {
-        println!(
-            "  {:>6} tokens  {:<22} {:>7}  {}",
-            row.tokens,
-            row.engine.label(),
-            format!("{ratio:.2}x"),
-            verdict(ratio <= COLD_TARGET_VS_READ)
-        );
-    }
+    print_ratios(cold, COLD_TARGET_VS_READ);
     println!(
         "target overlap: background first token <= max(upload, prefill) + {OVERLAP_SHOWN:.2} x \
          min(upload, prefill), from the runtime's start (phases: the eager mode's)"

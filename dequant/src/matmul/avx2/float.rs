@@ -153,24 +153,4 @@ unsafe fn chains<W: Float>(row: &[u8], x: &[f32], n: usize) -> f32 {
     finish_chains(W::KIND, &lanes, |i| W::one(row, i), x, whole..n)
 }
 
-macro_rules! entry {
-    ($name:ident, $format:ty) => {
-        /// `R` rows against `N` tokens.
-        ///
-        /// # Safety
-        /// The CPU must support AVX2, FMA and F16C.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub(crate) unsafe fn $name<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            acts: [FloatRow<'_>; N],
-        ) -> [[f32; N]; R] {
-            // SAFETY: the features are present per this function's contract.
-            unsafe { dot::<$format, R, N>(rows, acts) }
-        }
-    };
-}
-
-entry!(dot_f32, F32);
-entry!(dot_f16, F16);
-entry!(dot_bf16, BF16);
+entries!("`R` rows against `N` tokens.", FloatRow: dot_f32 => F32, dot_f16 => F16, dot_bf16 => BF16);

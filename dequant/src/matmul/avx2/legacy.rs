@@ -610,34 +610,20 @@ unsafe fn dot<L: Legacy, const R: usize, const N: usize>(
     out
 }
 
-macro_rules! entry {
-    ($name:ident, $format:ty) => {
-        /// `R` rows against `N` tokens: one of them must be 1, the other at most 4.
-        ///
-        /// # Safety
-        /// The CPU must support AVX2, FMA and F16C.
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub(crate) unsafe fn $name<const R: usize, const N: usize>(
-            rows: [&[u8]; R],
-            acts: [Q8Row<'_>; N],
-        ) -> [[f32; N]; R] {
-            // SAFETY: the features are present per this function's contract.
-            unsafe { dot::<$format, R, N>(rows, acts) }
-        }
-    };
-}
-
-entry!(dot_q4_0, Q4_0);
-entry!(dot_q4_0_packed, Q4_0Packed);
-entry!(dot_q4_1, Q4_1);
-entry!(dot_q5_0, Q5_0);
-entry!(dot_q5_1, Q5_1);
-entry!(dot_q8_0, Q8_0);
-entry!(dot_iq4_nl, IQ4NL);
-entry!(dot_iq4_nl_packed, IQ4NLPacked);
-entry!(dot_mxfp4, MXFP4);
-entry!(dot_mxfp4_packed, MXFP4Packed);
+entries!(
+    "`R` rows against `N` tokens: one of them must be 1, the other at most 4.",
+    Q8Row:
+    dot_q4_0 => Q4_0,
+    dot_q4_0_packed => Q4_0Packed,
+    dot_q4_1 => Q4_1,
+    dot_q5_0 => Q5_0,
+    dot_q5_1 => Q5_1,
+    dot_q8_0 => Q8_0,
+    dot_iq4_nl => IQ4NL,
+    dot_iq4_nl_packed => IQ4NLPacked,
+    dot_mxfp4 => MXFP4,
+    dot_mxfp4_packed => MXFP4Packed,
+);
 
 /// The integer dot product `Σ q · qx` of one block with 32 activations, summed over
 /// the lanes: the quantity the portable `*_block` functions compute.

@@ -2,12 +2,32 @@
 //!
 //! Every function here is compiled for those features and may run only on a CPU that
 //! has them. [`Avx2`] is the proof: it is made only by [`Avx2::detect`], and the safe
-//! entry point [`Avx2::rows`] takes it by value. The loops (`rows`) also drive the
+//! entry point [`RowKernels::rows`] takes it by value. The loops (`rows`) also drive the
 //! AVX-512 path's kernels (`super::avx512`).
 //!
 //! Each kernel computes one weight row against `N` tokens at once (`N` ≤ 4), so a
 //! block's weights are unpacked once and meet every token of the batch while they sit
 //! in registers.
+
+/// The kernel entry points `$name`, each `R` rows against `N` tokens of activation rows
+/// `$row`, by the module's `dot` for the format `$format`; `$doc` says what they take.
+macro_rules! entries {
+    ($doc:literal, $row:ident: $($name:ident => $format:ty),+ $(,)?) => {$(
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// The CPU must support AVX2, FMA and F16C.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(crate) unsafe fn $name<const R: usize, const N: usize>(
+            rows: [&[u8]; R],
+            acts: [$row<'_>; N],
+        ) -> [[f32; N]; R] {
+            // SAFETY: the features are present per this function's contract.
+            unsafe { dot::<$format, R, N>(rows, acts) }
+        }
+    )+};
+}
 
 pub(crate) mod float;
 pub(crate) mod kquants;
@@ -33,25 +53,11 @@ impl Avx2 {
             && is_x86_feature_detected!("f16c");
         present.then_some(Avx2(()))
     }
-
-    /// Every row of `w` (rows of `row_bytes`, whole blocks) against `tokens` of `acts`.
-    pub(crate) fn rows<K: Kernel>(
-        self,
-        w: &[u8],
-        row_bytes: usize,
-        acts: &K::Acts,
-        tokens: Range<usize>,
-        out: Out<'_>,
-    ) {
-        // SAFETY: `self` exists only when `detect` found AVX2, FMA and F16C on this CPU,
-        // the only requirement of `rows` and of the AVX2 kernels.
-        unsafe { rows::<K, Self>(self, w, row_bytes, acts, tokens, out) }
-    }
 }
 
 /// A set of row kernels that [`rows`] can drive, a proof that the CPU can run them:
 /// the AVX2 kernels ([`Avx2`]) or the AVX-512 ones
-/// ([`Avx512`](crate::matmul::avx512::Avx512)).
+/// ([`Avx512`](crate::matmul::avx512::Avx512)), each made only by its `detect`.
 pub(crate) trait RowKernels: Copy {
     /// `K`'s `R` rows · `N` tokens in this set.
     fn dot<K: Kernel, const R: usize, const N: usize>(
@@ -59,6 +65,20 @@ pub(crate) trait RowKernels: Copy {
         rows: [&[u8]; R],
         acts: [<K::Acts as ActSet>::Row<'_>; N],
     ) -> [[f32; N]; R];
+
+    /// Every row of `w` (rows of `row_bytes`, whole blocks) against `tokens` of `acts`.
+    fn rows<K: Kernel>(
+        self,
+        w: &[u8],
+        row_bytes: usize,
+        acts: &K::Acts,
+        tokens: Range<usize>,
+        out: Out<'_>,
+    ) {
+        // SAFETY: `self` exists only when its `detect` found AVX2, FMA and F16C (and, for
+        // the AVX-512 set, its own features) on this CPU, the only requirement of `rows`.
+        unsafe { rows::<K, Self>(self, w, row_bytes, acts, tokens, out) }
+    }
 }
 
 impl RowKernels for Avx2 {
@@ -74,7 +94,7 @@ impl RowKernels for Avx2 {
     }
 }
 
-/// The loops of [`Avx2::rows`], and of the AVX-512 path's: `P` is the kernels' set. One
+/// The loops of [`RowKernels::rows`], for either set: `P` is the kernels' set. One
 /// token: four rows per kernel call, which shares each activation load between them and
 /// keeps four independent accumulations in flight. A batch: blocks of rows small enough to stay in L2, and for each, tiles of
 /// tokens small enough to stay in L1 passing over every row, four tokens per kernel

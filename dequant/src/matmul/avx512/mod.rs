@@ -11,18 +11,16 @@
 //! weights times activations of at most 127: at most 16002).
 //!
 //! [`Avx512`] is the proof that the CPU has the features, made only by
-//! [`Avx512::detect`]; the safe entry point [`Avx512::rows`] takes it by value. The
+//! [`Avx512::detect`]; the safe entry point [`RowKernels::rows`] takes it by value. The
 //! loops around the kernels are the AVX2 path's (`avx2::rows`); the formats without
 //! AVX-512 kernels run their AVX2 kernels there (every AVX-512 CPU has AVX2).
 
 pub(crate) mod kquants;
 
 use std::arch::x86_64::*;
-use std::ops::Range;
 
 use super::activation::ActSet;
 use super::avx2::RowKernels;
-use super::driver::Out;
 use super::formats::Kernel;
 
 /// Proof that the CPU supports AVX-512 F, BW, VL and VNNI, and AVX2, FMA and F16C.
@@ -38,20 +36,6 @@ impl Avx512 {
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512vnni");
         present.then_some(Avx512(()))
-    }
-
-    /// Every row of `w` (rows of `row_bytes`, whole blocks) against `tokens` of `acts`.
-    pub(crate) fn rows<K: Kernel>(
-        self,
-        w: &[u8],
-        row_bytes: usize,
-        acts: &K::Acts,
-        tokens: Range<usize>,
-        out: Out<'_>,
-    ) {
-        // SAFETY: `self` exists only when `detect` found AVX2, FMA and F16C (with the
-        // AVX-512 features) on this CPU, the only requirement of `rows`.
-        unsafe { super::avx2::rows::<K, Self>(self, w, row_bytes, acts, tokens, out) }
     }
 }
 

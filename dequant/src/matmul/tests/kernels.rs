@@ -85,6 +85,13 @@ fn activation_cases(len: usize, rng: &mut Rng) -> Vec<Vec<i8>> {
     cases
 }
 
+/// The sums of `qx`'s groups of [`BSUM_GROUP`], as a `Q8_K` row keeps them.
+fn bsums(qx: &[i8]) -> Vec<i16> {
+    qx.chunks_exact(BSUM_GROUP)
+        .map(|g| g.iter().map(|&q| i16::from(q)).sum())
+        .collect()
+}
+
 #[test]
 fn avx2_block_integers_equal_the_portable_ones_exactly() {
     #[cfg(target_arch = "x86_64")]
@@ -122,10 +129,7 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
         for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
             for block in block_cases(ty, &mut rng) {
                 for qx in activation_cases(QK_K, &mut rng) {
-                    let bsums: Vec<i16> = qx
-                        .chunks_exact(BSUM_GROUP)
-                        .map(|g| g.iter().map(|&q| i16::from(q)).sum())
-                        .collect();
+                    let bsums = bsums(&qx);
                     let expected = match ty {
                         GgmlType::Q4_K => portable::q4_k_block(&one(&block), &qx, &bsums),
                         GgmlType::Q5_K => portable::q5_k_block(&one(&block), &qx, &bsums),
@@ -141,10 +145,7 @@ fn avx2_block_integers_equal_the_portable_ones_exactly() {
         for ty in LANE_TYPES {
             for block in block_cases(ty, &mut rng) {
                 for qx in activation_cases(QK_K, &mut rng) {
-                    let bsums: Vec<i16> = qx
-                        .chunks_exact(BSUM_GROUP)
-                        .map(|g| g.iter().map(|&q| i16::from(q)).sum())
-                        .collect();
+                    let bsums = bsums(&qx);
                     let expected = portable_lanes(ty, &block, &qx, &bsums);
                     let got =
                         crate::matmul::avx2::lanes::block_lanes(proof, ty, &block, &qx, &bsums);
@@ -174,10 +175,7 @@ fn avx512_block_integers_equal_the_avx2_ones_exactly() {
         for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
             for block in block_cases(ty, &mut rng) {
                 for qx in activation_cases(QK_K, &mut rng) {
-                    let bsums: Vec<i16> = qx
-                        .chunks_exact(BSUM_GROUP)
-                        .map(|g| g.iter().map(|&q| i16::from(q)).sum())
-                        .collect();
+                    let bsums = bsums(&qx);
                     let context = format!("{ty} block {block:?} activations {qx:?}");
                     if ty != GgmlType::Q6_K {
                         let five = ty == GgmlType::Q5_K;
@@ -287,10 +285,7 @@ fn lane_integers_sum_to_the_plain_integer_product() {
                 .map(|&w| w / factor)
                 .collect();
             for qx in activation_cases(QK_K, &mut rng) {
-                let bsums: Vec<i16> = qx
-                    .chunks_exact(BSUM_GROUP)
-                    .map(|g| g.iter().map(|&q| i16::from(q)).sum())
-                    .collect();
+                let bsums = bsums(&qx);
                 let ints = portable_lanes(ty, &block, &qx, &bsums);
                 let plain: i64 = w
                     .iter()

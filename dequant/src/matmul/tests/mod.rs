@@ -26,6 +26,7 @@ use gguf_format::GgmlType;
 use super::activation::{ActSet, Q8KActs, Q8_0Acts, Q8_1Acts, QK8, QK_K};
 use super::{is_path_available, QuantizedMatrix};
 use crate::blocks::{BlockQ4_1, BlockQ5_1};
+pub(super) use crate::splitmix::Rng;
 use crate::DecodePath;
 
 /// Every type the CPU multiplies ([`super::is_supported`]), so that a type made
@@ -34,31 +35,6 @@ pub(super) fn types() -> impl Iterator<Item = GgmlType> {
     GgmlType::ALL
         .into_iter()
         .filter(|&ty| super::is_supported(ty))
-}
-
-/// splitmix64: small, seedable, good enough for test data.
-pub(super) struct Rng(pub(super) u64);
-
-impl Rng {
-    pub(super) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[lo, hi)`.
-    pub(super) fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
-        let unit = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        lo + (hi - lo) * unit
-    }
-
-    pub(super) fn bytes(&mut self, out: &mut [u8]) {
-        for b in out {
-            *b = self.next_u64() as u8;
-        }
-    }
 }
 
 fn put_f16(bytes: &mut [u8], at: usize, v: f32) {
@@ -214,39 +190,37 @@ pub(super) fn quantized_view(
         }
         32 => {
             let acts = Q8_0Acts::prepare(x, n_tokens, cols);
-            let mut xq = Vec::new();
-            let mut step = Vec::new();
-            for t in 0..n_tokens {
+            let rows = (0..n_tokens).map(|t| {
                 let row = acts.row(t);
-                xq.extend(
-                    row.qs
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &q)| f32::from(q) * row.ds[i / QK8][0]),
-                );
-                // A value is off by at most half the exact step plus 127 times the
-                // scale's rounding to f16 (2^-11 of it): within half of this `step`.
-                step.extend((0..cols).map(|i| row.ds[i / QK8][0] * (1.0 + 127.0 / 1024.0)));
-            }
-            (xq, step)
+                (row.qs, (0..cols).map(|i| row.ds[i / QK8][0]).collect())
+            });
+            // A value is off by at most half the exact step plus 127 times the scale's
+            // rounding to f16 (2^-11 of it): within half of this `step`.
+            scaled_rows(rows, 1.0 + 127.0 / 1024.0)
         }
         _ => {
             let acts = Q8KActs::prepare(x, n_tokens, cols);
-            let mut xq = Vec::new();
-            let mut step = Vec::new();
-            for t in 0..n_tokens {
+            let rows = (0..n_tokens).map(|t| {
                 let row = acts.row(t);
-                xq.extend(
-                    row.qs
-                        .iter()
-                        .enumerate()
-                        .map(|(i, &q)| f32::from(q) * row.d[i / QK_K]),
-                );
-                step.extend((0..cols).map(|i| row.d[i / QK_K]));
-            }
-            (xq, step)
+                (row.qs, (0..cols).map(|i| row.d[i / QK_K]).collect())
+            });
+            scaled_rows(rows, 1.0)
         }
     }
+}
+
+/// Rows of quantized values `q` and the scale `d` of each, as the values `q · d` they
+/// stand for and the steps `d · step_per_scale`.
+fn scaled_rows<'a>(
+    rows: impl Iterator<Item = (&'a [i8], Vec<f32>)>,
+    step_per_scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let (mut xq, mut step) = (Vec::new(), Vec::new());
+    for (qs, scales) in rows {
+        xq.extend(qs.iter().zip(&scales).map(|(&q, &d)| f32::from(q) * d));
+        step.extend(scales.iter().map(|&d| d * step_per_scale));
+    }
+    (xq, step)
 }
 
 /// What the f16 rounding of the activations' block sums adds to one row's product with
@@ -269,6 +243,22 @@ pub(super) fn sum_rounding(ty: GgmlType, row: &[u8], x_t: &[f32]) -> f64 {
             f64::from(m) * (f64::from(s) - f64::from(d) * f64::from(sum))
         })
         .sum()
+}
+
+/// A row's product `w_r · xq_t` with one token's quantized activations, in f64, and the
+/// sum of its terms' magnitudes, which bounds its rounding.
+pub(super) fn dot_and_magnitude(w_r: &[f32], xq_t: &[f32]) -> (f64, f64) {
+    let dot = w_r
+        .iter()
+        .zip(xq_t)
+        .map(|(&a, &b)| f64::from(a) * f64::from(b))
+        .sum::<f64>();
+    let magnitude = w_r
+        .iter()
+        .zip(xq_t)
+        .map(|(&a, &b)| f64::from(a * b).abs())
+        .sum();
+    (dot, magnitude)
 }
 
 pub(super) fn paths() -> Vec<DecodePath> {
@@ -304,17 +294,8 @@ pub(super) fn check_against_reference(
             for (r, w_r) in w.iter().enumerate() {
                 let got = f64::from(y[t * rows + r]);
                 let sums = sum_rounding(ty, row_bytes[r], x_t);
-                let on_quantized: f64 = sums
-                    + w_r
-                        .iter()
-                        .zip(xq_t)
-                        .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                        .sum::<f64>();
-                let magnitude: f64 = w_r
-                    .iter()
-                    .zip(xq_t)
-                    .map(|(&a, &b)| f64::from(a * b).abs())
-                    .sum();
+                let (dot, magnitude) = dot_and_magnitude(w_r, xq_t);
+                let on_quantized = sums + dot;
                 let rounding = 1e-5 * magnitude + 1e-30;
                 let context = format!("{ty} {rows}x{cols} token {t} row {r} on {}", path.name());
                 assert!(

@@ -1,6 +1,6 @@
 //! The products on the real models' weights (`cargo xtask fetch-models`).
 
-use super::{dequantize_row, paths, quantized_view, random_x, sum_rounding};
+use super::{dequantize_row, dot_and_magnitude, paths, quantized_view, random_x, sum_rounding};
 use crate::matmul::QuantizedMatrix;
 
 /// `$ROCMFORGE_MODELS`, else `~/.cache/rocmforge/models` (`cargo xtask fetch-models`).
@@ -62,17 +62,8 @@ fn real_model_weights_match_the_reference() {
                         let xq_t = &xq[t * cols..(t + 1) * cols];
                         let row = &weights[r * row_bytes..][..row_bytes];
                         let x_t = &x[t * cols..(t + 1) * cols];
-                        let reference: f64 = sum_rounding(ty, row, x_t)
-                            + w_r
-                                .iter()
-                                .zip(xq_t)
-                                .map(|(&a, &b)| f64::from(a) * f64::from(b))
-                                .sum::<f64>();
-                        let magnitude: f64 = w_r
-                            .iter()
-                            .zip(xq_t)
-                            .map(|(&a, &b)| f64::from(a * b).abs())
-                            .sum();
+                        let (dot, magnitude) = dot_and_magnitude(w_r, xq_t);
+                        let reference = sum_rounding(ty, row, x_t) + dot;
                         let got = f64::from(y[t * rows + r]);
                         assert!(
                             (got - reference).abs() <= 1e-5 * magnitude + 1e-30,

@@ -6,19 +6,16 @@ use dequant::gpu::experts;
 use dequant::gpu::matmul;
 use dequant::gpu::matvec::q8_bytes;
 use half::f16;
-use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, HipError, PinnedBuffer, Stream};
+use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, PinnedBuffer, Stream};
 
 use super::products::BatchInput;
 use super::{view, view_at, view_mut, view_mut_at};
 use crate::config::ModelConfig;
+use crate::gpu::gpu;
 use crate::gpu::kernels::{attention_chunk, AttentionShape, Pages};
 use crate::gpu::{arena, MAX_BATCH};
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
-
-fn gpu(op: &'static str) -> impl Fn(HipError) -> ModelError {
-    move |source| ModelError::Gpu { op, source }
-}
 
 /// Alignment of every buffer in the arena.
 const ALIGN: usize = 256;
@@ -336,6 +333,17 @@ impl Buffers {
         (a.n_kv_heads * a.head_dim, a.n_kv_heads * a.head_dim_v)
     }
 
+    /// The elements of `positions` in a layer's cached keys, and in its values (the
+    /// contiguous layout of one sequence).
+    fn kv_ranges(
+        &self,
+        positions: std::ops::Range<usize>,
+    ) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (kd, vd) = self.kv_dims();
+        let (s, e) = (positions.start, positions.end);
+        (s * kd..e * kd, s * vd..e * vd)
+    }
+
     /// `layer`'s cached keys and values of `positions`, in the contiguous layout of one
     /// sequence (position `p`'s row at `p`).
     pub fn kv_view(
@@ -343,11 +351,10 @@ impl Buffers {
         layer: usize,
         positions: std::ops::Range<usize>,
     ) -> Result<(DeviceView<'_, f16>, DeviceView<'_, f16>), ModelError> {
-        let (kd, vd) = self.kv_dims();
-        let (s, e) = (positions.start, positions.end);
+        let (k, v) = self.kv_ranges(positions);
         Ok((
-            view_at::<f16>(&self.k_cache[layer], s * kd..e * kd)?,
-            view_at::<f16>(&self.v_cache[layer], s * vd..e * vd)?,
+            view_at::<f16>(&self.k_cache[layer], k)?,
+            view_at::<f16>(&self.v_cache[layer], v)?,
         ))
     }
 
@@ -357,11 +364,10 @@ impl Buffers {
         layer: usize,
         positions: std::ops::Range<usize>,
     ) -> Result<(DeviceViewMut<'_, f16>, DeviceViewMut<'_, f16>), ModelError> {
-        let (kd, vd) = self.kv_dims();
-        let (s, e) = (positions.start, positions.end);
+        let (k, v) = self.kv_ranges(positions);
         Ok((
-            view_mut_at::<f16>(&mut self.k_cache[layer], s * kd..e * kd)?,
-            view_mut_at::<f16>(&mut self.v_cache[layer], s * vd..e * vd)?,
+            view_mut_at::<f16>(&mut self.k_cache[layer], k)?,
+            view_mut_at::<f16>(&mut self.v_cache[layer], v)?,
         ))
     }
 

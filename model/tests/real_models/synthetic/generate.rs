@@ -26,35 +26,8 @@ pub const N_EMBD: usize = 256;
 pub const N_FF: usize = 512;
 const CONTEXT_LENGTH: u32 = 1024;
 
-/// The architecture a synthetic model declares.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    Llama,
-    Qwen2,
-    Qwen3,
-    Phi3,
-    Gemma2,
-    Gemma3,
-    Qwen2Moe,
-    Qwen3Moe,
-    GptOss,
-}
-
-impl Arch {
-    fn name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-            Arch::Qwen3 => "qwen3",
-            Arch::Phi3 => "phi3",
-            Arch::Gemma2 => "gemma2",
-            Arch::Gemma3 => "gemma3",
-            Arch::Qwen2Moe => "qwen2moe",
-            Arch::Qwen3Moe => "qwen3moe",
-            Arch::GptOss => "gpt-oss",
-        }
-    }
-}
+/// The architecture a synthetic model declares (its `general.architecture` name).
+pub use model::Architecture as Arch;
 
 /// What a quantized tensor's blocks hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

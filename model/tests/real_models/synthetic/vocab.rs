@@ -7,6 +7,10 @@
 
 use gguf_format::{GgufError, GgufWriter};
 
+#[path = "../../../../testdata/byte_alphabet.rs"]
+mod byte_alphabet;
+use byte_alphabet::byte_char;
+
 /// The tokenizer family of a synthetic model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VocabStyle {
@@ -75,17 +79,6 @@ const MERGES: &[(&str, &str)] = &[
     ("s", "er"),
     ("u", "ser"),
 ];
-
-/// The character GPT-2's byte-level BPE uses for each byte: printable Latin-1 bytes
-/// stand for themselves, the others for the code points from U+0100 up, in byte order.
-fn byte_char(b: u8) -> char {
-    let printable = |b: u8| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
-    if printable(b) {
-        return char::from(b);
-    }
-    let rank = (0..b).filter(|&x| !printable(x)).count() as u32;
-    char::from_u32(256 + rank).expect("a valid code point")
-}
 
 /// Adds the `tokenizer.ggml.*` keys of `style`; returns the vocabulary size.
 pub fn add_tokenizer(w: &mut GgufWriter, style: VocabStyle) -> Result<usize, GgufError> {

@@ -77,8 +77,7 @@ fn the_staging_ring_comes_in_regions_unless_separate_buffers_are_asked_for() {
             staging_ring: ring,
             ..config(UploadMode::Lazy)
         };
-        let cache =
-            DeviceCache::new(target, &m.store, UploadOrder::file_order(&m.store), cfg).unwrap();
+        let cache = ordered_cache(target, &m, cfg);
         // The buffers after the first come from a thread of their own.
         let counts = || {
             (
