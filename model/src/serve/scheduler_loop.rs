@@ -13,6 +13,7 @@ use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
 use crate::{Model, ModelError};
 
+use super::batch;
 use super::pool::KvPool;
 use super::sequence::{distinct_tokens, Sequence};
 use super::stop::{StopCheck, StopMatcher};
@@ -205,6 +206,14 @@ impl<'m> Loop<'m> {
                     self.end_with_error(seq, &ServeError::ShuttingDown.to_string());
                 }
             }
+        }
+    }
+
+    /// The CPU's batches' context: the window and how attention is computed.
+    fn batch_context(&self) -> batch::Context {
+        batch::Context {
+            size: self.config.context_size,
+            attention: self.config.attention,
         }
     }
 

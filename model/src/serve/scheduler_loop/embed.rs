@@ -56,6 +56,7 @@ impl Loop<'_> {
                 logits: true,
             })
             .collect();
+        let context = self.batch_context();
         let rows = match &mut self.gpu {
             Some(gpu) => {
                 let mut rows = Vec::new();
@@ -70,10 +71,7 @@ impl Loop<'_> {
                 self.model.plan(),
                 &mut self.pool,
                 &segments,
-                batch::Context {
-                    size: self.config.context_size,
-                    attention: self.config.attention,
-                },
+                context,
             ),
         };
         drop(segments);

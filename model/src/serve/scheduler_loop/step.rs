@@ -80,6 +80,7 @@ impl<'m> Loop<'m> {
                 logits,
             })
             .collect();
+        let context = self.batch_context();
         let forward_began = Instant::now();
         let logits = &mut self.logits;
         let result = match &mut self.gpu {
@@ -97,10 +98,7 @@ impl<'m> Loop<'m> {
                 self.model.plan(),
                 &mut self.pool,
                 &segments,
-                batch::Context {
-                    size: self.config.context_size,
-                    attention: self.config.attention,
-                },
+                context,
                 logits,
             )
             .map(|()| StepOut::Logits),
