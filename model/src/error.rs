@@ -80,7 +80,7 @@ pub enum ModelError {
     },
     /// A GPU kernel refused its arguments (a bug, or a model shape it cannot take).
     #[error("gpu kernel: {0}")]
-    GpuKernel(#[from] crate::gpu::KernelError),
+    GpuKernel(#[from] KernelError),
     /// Device memory for activations and the KV cache could not be had.
     #[error(
         "the GPU has no room for {what}: {requested} bytes needed, {free} of {total} bytes free \
@@ -116,4 +116,29 @@ impl From<hip_backend::HipError> for ModelError {
             source,
         }
     }
+}
+
+/// A GPU kernel wrapper (`gpu::kernels`) was given buffers that do not fit the shapes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kernel}: {what} holds {actual} elements, expected {expected}")]
+pub struct ShapeError {
+    pub kernel: &'static str,
+    pub what: &'static str,
+    pub expected: usize,
+    pub actual: usize,
+}
+
+/// What a GPU kernel wrapper can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+    #[error(transparent)]
+    Hip(#[from] hip_backend::HipError),
+    #[error("{kernel}: {what} is {value}, not a positive number")]
+    NotPositive {
+        kernel: &'static str,
+        what: &'static str,
+        value: f32,
+    },
 }

@@ -27,6 +27,7 @@ mod error;
 pub mod generate;
 pub mod gpu;
 mod kv_cache;
+pub(crate) mod kv_pool;
 pub mod logprobs;
 mod model;
 mod ops;

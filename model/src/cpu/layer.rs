@@ -7,9 +7,9 @@
 
 use crate::config::{Activation, ModelConfig};
 use crate::kv_cache::KvCache;
+use crate::kv_pool::{BlockId, KvPool};
 use crate::ops::{self, AttentionMethod, AttentionShape, FlashContext, Layout};
 use crate::plan::{FfnPlan, LayerPlan};
-use crate::serve::pool::{BlockId, KvPool};
 use crate::ModelError;
 
 use super::moe::{experts_block, MoeScratch};

@@ -12,30 +12,7 @@ use dequant::gpu::matvec::q8_bytes;
 use gguf_format::GgmlType;
 use hip_backend::{DeviceView, HipError, Stream};
 
-/// A kernel wrapper was given buffers that do not fit the shapes.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{kernel}: {what} holds {actual} elements, expected {expected}")]
-pub struct ShapeError {
-    pub kernel: &'static str,
-    pub what: &'static str,
-    pub expected: usize,
-    pub actual: usize,
-}
-
-/// What a wrapper can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum KernelError {
-    #[error(transparent)]
-    Shape(#[from] ShapeError),
-    #[error(transparent)]
-    Hip(#[from] HipError),
-    #[error("{kernel}: {what} is {value}, not a positive number")]
-    NotPositive {
-        kernel: &'static str,
-        what: &'static str,
-        value: f32,
-    },
-}
+pub use crate::error::{KernelError, ShapeError};
 
 /// A soft cap as the kernels take it: the cap, or 0 for none; a cap that is not a
 /// positive number is refused.

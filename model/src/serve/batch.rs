@@ -15,7 +15,7 @@ use crate::cpu::{embed, final_norm, layer, on_the_pool, output_logits, Kv, Scrat
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
 
-use super::pool::KvPool;
+use crate::kv_pool::KvPool;
 
 pub(crate) use crate::cpu::{Context, Segment};
 

@@ -8,7 +8,7 @@
 //! and decode are the same thing here: a sequence has tokens the model has not seen yet,
 //! and the step that feeds the last of them gives it logits to sample from.
 //!
-//! Sequences keep their keys and values in one shared [`pool`] of blocks: a sequence
+//! Sequences keep their keys and values in one shared [pool](crate::kv_pool) of blocks: a sequence
 //! takes blocks as it grows and gives them back when it ends, so the context is not split
 //! into fixed slots. A prompt that starts with blocks some earlier request computed (a
 //! system prompt, the earlier turns of a chat) takes them instead of computing them. A
@@ -34,7 +34,6 @@
 
 mod batch;
 mod metrics;
-pub(crate) mod pool;
 mod scheduler_loop;
 mod sequence;
 mod stop;

@@ -14,9 +14,9 @@ use crate::tokenizer::Tokenizer;
 use crate::{Model, ModelError};
 
 use super::batch;
-use super::pool::KvPool;
 use super::sequence::{distinct_tokens, Sequence};
 use super::stop::{StopCheck, StopMatcher};
+use crate::kv_pool::KvPool;
 mod embed;
 mod step;
 

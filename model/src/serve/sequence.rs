@@ -11,9 +11,9 @@ use crate::logprobs::{top_logprobs, TokenLogprob};
 use crate::sampling::Sampler;
 use crate::tokenizer::{StreamDecoder, TokenId};
 
-use super::pool::BlockId;
 use super::stop::StopMatcher;
 use super::{Event, EventSink, Finish, FinishReason, LogprobsRequest};
+use crate::kv_pool::BlockId;
 
 /// A request being served.
 pub(super) struct Sequence<'t> {

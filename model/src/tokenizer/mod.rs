@@ -22,7 +22,6 @@ mod special;
 mod spm;
 mod stream;
 mod unicode;
-mod unicode_table;
 mod vocab;
 
 use gguf_format::Metadata;

@@ -3,7 +3,11 @@
 //! The classes come from Unicode 15.1 general categories (the table llama.cpp uses, so that
 //! both split text at the same places); `unicode_table.rs` is generated from that data.
 
-use super::unicode_table::CLASS_RANGES;
+/// The generated table, a child of this module: it names the classes defined here.
+#[path = "unicode_table.rs"]
+mod table;
+
+use table::CLASS_RANGES;
 
 /// The general-category group of a code point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
