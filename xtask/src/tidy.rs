@@ -4,7 +4,7 @@
 //! the allowed dependency edges between our crates, which crates may start a runtime or
 //! install a subscriber, crate docs, and source hygiene.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -476,4 +476,140 @@ fn long_work_is_not_run_quietly() {
         "wheel.rs no longer runs pip: update this test"
     );
     assert!(!wheel.contains("\"--quiet\""), "wheel.rs runs pip quietly");
+}
+
+/// Most lines a source file may hold: past it a file wants splitting by what it does.
+const MOST_LINES: usize = 800;
+
+/// No source file (Rust, HIP, C headers) is over [`MOST_LINES`], generated tables aside
+/// (their first lines say they are generated).
+#[test]
+fn no_source_file_is_over_the_line_limit() {
+    let root = crate::workspace_root();
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    for dir in ["dequant", "model", "hip-backend"] {
+        for code in LIBRARY_CODE {
+            files_with(
+                &root.join(dir).join(code),
+                &["hip", "h", "cu", "c"],
+                &mut files,
+            );
+        }
+    }
+    assert!(files.len() > 200, "found only {} source files", files.len());
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("readable");
+        let generated = text
+            .lines()
+            .take(3)
+            .any(|l| l.contains("GENERATED FILE") || l.contains("@generated"));
+        let lines = text.lines().count();
+        assert!(
+            generated || lines <= MOST_LINES,
+            "{} has {lines} lines, over {MOST_LINES}: split it by what its parts do",
+            file.display()
+        );
+    }
+}
+
+/// The modules that `file` (under `model/src`) names through `crate::`, among `tops`, in
+/// its code outside comments and test modules.
+fn crate_modules_named(text: &str, tops: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut named = BTreeSet::new();
+    for (_, line) in code_outside_tests(text) {
+        let code = line.split("//").next().unwrap_or("");
+        for (at, _) in code.match_indices("crate::") {
+            let rest = &code[at + "crate::".len()..];
+            // `crate::{a, b::c}` names several.
+            let names: Vec<&str> = match rest.strip_prefix('{') {
+                Some(group) => group
+                    .split(['}', ','])
+                    .map(|n| n.trim().split("::").next().unwrap_or(""))
+                    .collect(),
+                None => vec![rest
+                    .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                    .next()
+                    .unwrap_or("")],
+            };
+            named.extend(
+                names
+                    .into_iter()
+                    .filter(|n| tops.contains(*n))
+                    .map(String::from),
+            );
+        }
+    }
+    named
+}
+
+/// The `model` crate's top-level modules (`cpu`, `gpu`, `serve`, `error`, ...) use each
+/// other in one direction only: no chain of `use crate::…` leads from a module back to
+/// itself. A circle means no module of it can be read, tested or moved alone.
+#[test]
+fn the_model_crates_modules_import_in_no_circle() {
+    let src = crate::workspace_root().join("model/src");
+    let tops: BTreeSet<String> = std::fs::read_dir(&src)
+        .expect("model/src")
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            match name.strip_suffix(".rs") {
+                Some("lib") => None,
+                Some(stem) => Some(stem.to_owned()),
+                None => e.path().is_dir().then_some(name),
+            }
+        })
+        .collect();
+    assert!(tops.contains("gpu") && tops.contains("serve"), "{tops:?}");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let texts: Vec<(PathBuf, String)> = files
+        .into_iter()
+        .map(|f| {
+            let text = std::fs::read_to_string(&f).expect("readable");
+            (f, text)
+        })
+        .collect();
+    let tests: Vec<PathBuf> = texts
+        .iter()
+        .flat_map(|(file, text)| test_module_files(file, text))
+        .collect();
+    let mut uses: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (file, text) in &texts {
+        let rel = file.strip_prefix(&src).expect("under model/src");
+        let first = rel.components().next().expect("a path");
+        let top = first.as_os_str().to_string_lossy();
+        let top = top.strip_suffix(".rs").unwrap_or(&top).to_owned();
+        if top == "lib" || tests.iter().any(|t| file.starts_with(t)) {
+            continue;
+        }
+        let named = crate_modules_named(text, &tops);
+        uses.entry(top.clone())
+            .or_default()
+            .extend(named.into_iter().filter(|n| *n != top));
+    }
+    // A depth-first walk from each module: reaching it again is a circle.
+    for start in &tops {
+        let mut stack: Vec<Vec<&String>> = vec![vec![start]];
+        let mut seen: BTreeSet<&String> = BTreeSet::new();
+        while let Some(path) = stack.pop() {
+            let last = *path.last().expect("non-empty");
+            for next in uses.get(last).into_iter().flatten() {
+                assert!(
+                    next != start,
+                    "model's modules import in a circle: {} -> {start}",
+                    path.iter()
+                        .map(|m| m.as_str())
+                        .collect::<Vec<_>>()
+                        .join(" -> ")
+                );
+                if seen.insert(next) {
+                    let mut longer = path.clone();
+                    longer.push(next);
+                    stack.push(longer);
+                }
+            }
+        }
+    }
 }
