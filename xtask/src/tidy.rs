@@ -294,6 +294,27 @@ fn test_module_files(file: &Path, text: &str) -> Vec<PathBuf> {
     found
 }
 
+/// `files` with their texts, but those of out-of-line `#[cfg(test)]` modules (and
+/// their submodules) that a Rust file among them declares.
+fn sources_outside_tests(files: Vec<PathBuf>) -> Vec<(PathBuf, String)> {
+    let texts: Vec<(PathBuf, String)> = files
+        .into_iter()
+        .map(|file| {
+            let text = std::fs::read_to_string(&file).expect("readable");
+            (file, text)
+        })
+        .collect();
+    let tests: Vec<PathBuf> = texts
+        .iter()
+        .filter(|(file, _)| file.extension().is_some_and(|e| e == "rs"))
+        .flat_map(|(file, text)| test_module_files(file, text))
+        .collect();
+    texts
+        .into_iter()
+        .filter(|(file, _)| !tests.iter().any(|t| file.starts_with(t)))
+        .collect()
+}
+
 /// `text` without its whole-line comments and its inline `#[cfg(test)]` modules (as
 /// rustfmt lays them out: `mod name {` after the attributes, closed by a `}` alone at the
 /// attribute's indentation), each remaining line with its index.
@@ -355,22 +376,7 @@ fn libraries_never_read_the_environment() {
                 &mut files,
             );
         }
-        let texts: Vec<(PathBuf, String)> = files
-            .into_iter()
-            .map(|file| {
-                let text = std::fs::read_to_string(&file).expect("readable");
-                (file, text)
-            })
-            .collect();
-        let tests: Vec<PathBuf> = texts
-            .iter()
-            .filter(|(file, _)| file.extension().is_some_and(|e| e == "rs"))
-            .flat_map(|(file, text)| test_module_files(file, text))
-            .collect();
-        for (file, text) in &texts {
-            if tests.iter().any(|t| file.starts_with(t)) {
-                continue;
-            }
+        for (file, text) in &sources_outside_tests(files) {
             scanned += 1;
             for (number, line) in code_outside_tests(text) {
                 for needle in needles {
@@ -564,24 +570,13 @@ fn the_model_crates_modules_import_in_no_circle() {
     assert!(tops.contains("gpu") && tops.contains("serve"), "{tops:?}");
     let mut files = Vec::new();
     rust_files(&src, &mut files);
-    let texts: Vec<(PathBuf, String)> = files
-        .into_iter()
-        .map(|f| {
-            let text = std::fs::read_to_string(&f).expect("readable");
-            (f, text)
-        })
-        .collect();
-    let tests: Vec<PathBuf> = texts
-        .iter()
-        .flat_map(|(file, text)| test_module_files(file, text))
-        .collect();
     let mut uses: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for (file, text) in &texts {
+    for (file, text) in &sources_outside_tests(files) {
         let rel = file.strip_prefix(&src).expect("under model/src");
         let first = rel.components().next().expect("a path");
         let top = first.as_os_str().to_string_lossy();
         let top = top.strip_suffix(".rs").unwrap_or(&top).to_owned();
-        if top == "lib" || tests.iter().any(|t| file.starts_with(t)) {
+        if top == "lib" {
             continue;
         }
         let named = crate_modules_named(text, &tops);
