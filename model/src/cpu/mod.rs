@@ -13,6 +13,7 @@ mod pass;
 mod products;
 
 pub(crate) use layer::{layer, Context, Kv, Scratch, Segment};
+pub(crate) use moe::{routed_part, MoeScratch, Pick};
 pub(crate) use offload::RowOffload;
 pub(crate) use pass::{
     embed, final_norm, forward, hidden_states, layers_on_host, on_the_pool, output_logits,

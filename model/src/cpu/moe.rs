@@ -11,6 +11,8 @@
 
 use std::borrow::Cow;
 
+use rayon::prelude::*;
+
 use crate::config::{ExpertActivation, Experts, Gating, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT};
 use crate::ops::{self, route};
 use crate::plan::{DenseFfn, ExpertMatrices, ExpertsPlan, Linear};
@@ -44,12 +46,7 @@ pub(crate) fn experts_block(
 ) -> Result<(), ModelError> {
     let e = &plan.experts;
     let d = h.len() / n;
-    let up_bias = biases(&plan.up)?;
-    let gate_bias = match &plan.gate {
-        Some(gate) => biases(gate)?,
-        None => None,
-    };
-    let down_bias = biases(&plan.down)?;
+    let biases = ExpertBiases::of(plan)?;
     linear(&plan.router, h, n, &mut s.logits)?;
     route_tokens(e, &s.logits, &mut s.probs, &mut s.chosen);
 
@@ -64,33 +61,7 @@ pub(crate) fn experts_block(
         if tokens.is_empty() {
             continue;
         }
-        let m = tokens.len();
-        s.x.clear();
-        for &(t, _) in tokens {
-            s.x.extend_from_slice(&h[t * d..(t + 1) * d]);
-        }
-        routed_product(&plan.up.expert(expert), &s.x, m, &mut s.up)?;
-        add_expert_bias(&up_bias, plan.up.rows, expert, &mut s.up);
-        match &plan.gate {
-            Some(gate) => {
-                routed_product(&gate.expert(expert), &s.x, m, &mut s.gate)?;
-                add_expert_bias(&gate_bias, gate.rows, expert, &mut s.gate);
-            }
-            // No gate: SiLU of the up projection alone (`silu(x) · 1` is `silu(x)`).
-            None => {
-                std::mem::swap(&mut s.gate, &mut s.up);
-                s.up.clear();
-                s.up.resize(s.gate.len(), 1.0);
-            }
-        }
-        match e.activation {
-            ExpertActivation::Silu => ops::swiglu(&mut s.gate, &s.up, e.n_ff),
-            ExpertActivation::SwigluOai => {
-                ops::swiglu_oai(&mut s.gate, &s.up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
-            }
-        }
-        routed_product(&plan.down.expert(expert), &s.gate, m, &mut s.down)?;
-        add_expert_bias(&down_bias, plan.down.rows, expert, &mut s.down);
+        expert_ffn(plan, &biases, expert, h, tokens, s)?;
         for (row, &(t, rank)) in s.down.chunks_exact(d).zip(tokens) {
             let weight = s.chosen[t * e.used + rank].1;
             let at = (t * e.used + rank) * d;
@@ -112,6 +83,225 @@ pub(crate) fn experts_block(
     if let Some((ffn, gate)) = &plan.shared {
         shared_expert(ffn, gate, h, n, s, out)?;
     }
+    Ok(())
+}
+
+/// One token's route to one expert: the token's row, the expert's rank among the
+/// token's choices, the expert and its weight.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Pick {
+    pub token: usize,
+    pub rank: usize,
+    pub expert: usize,
+    pub weight: f32,
+}
+
+/// `out[t] = Σ w · expert(h[t])` over the `picks` of each token `t` (rows of `h`, which
+/// holds `out.len() / d` rows), in the order of their ranks: a part of a routed block
+/// that another device computes the rest of (no router, no shared expert). Each expert
+/// multiplies its tokens as [`experts_block`] does, so a pick's product is the bits the
+/// whole block gives it.
+pub(crate) fn routed_part(
+    plan: &ExpertsPlan,
+    h: &[f32],
+    picks: &[Pick],
+    s: &mut MoeScratch,
+    out: &mut [f32],
+) -> Result<(), ModelError> {
+    let d = plan.up.cols;
+    let biases = ExpertBiases::of(plan)?;
+    out.fill(0.0);
+    if one_token_part(plan, &biases, h, picks, s, out)? {
+        return Ok(());
+    }
+    let mut by_expert: Vec<usize> = (0..picks.len()).collect();
+    by_expert.sort_by_key(|&i| (picks[i].expert, picks[i].token));
+    let groups: Vec<&[usize]> = by_expert
+        .chunk_by(|&a, &b| picks[a].expert == picks[b].expert)
+        .collect();
+    // The experts side by side (each product's rows are its own whichever thread
+    // computes them), then the weighted outputs of each pick, summed per token in rank
+    // order.
+    let downs = groups
+        .par_iter()
+        .map(|group| {
+            let mut scratch = MoeScratch::default();
+            let tokens: Vec<(usize, usize)> = group
+                .iter()
+                .map(|&p| (picks[p].token, picks[p].rank))
+                .collect();
+            expert_ffn(
+                plan,
+                &biases,
+                picks[group[0]].expert,
+                h,
+                &tokens,
+                &mut scratch,
+            )?;
+            Ok(scratch.down)
+        })
+        .collect::<Result<Vec<Vec<f32>>, ModelError>>()?;
+    resize(&mut s.ranked, picks.len() * d);
+    for (group, down) in groups.iter().zip(&downs) {
+        for (row, &p) in down.chunks_exact(d).zip(*group) {
+            let weight = picks[p].weight;
+            for (o, &v) in s.ranked[p * d..(p + 1) * d].iter_mut().zip(row) {
+                *o = v * weight;
+            }
+        }
+    }
+    let mut by_rank: Vec<usize> = (0..picks.len()).collect();
+    by_rank.sort_by_key(|&p| (picks[p].token, picks[p].rank));
+    for p in by_rank {
+        let t = picks[p].token;
+        add(&mut out[t * d..(t + 1) * d], &s.ranked[p * d..(p + 1) * d]);
+    }
+    Ok(())
+}
+
+/// [`routed_part`] when every pick is one token's (a decode step): the gate and up
+/// products of all its experts in one parallel loop over the token's activations
+/// prepared once, then the down products side by side. Each product is the bits its own
+/// `matvec` gives. Returns false, doing nothing, for other picks or experts without a
+/// gate or whose gate and up differ in type.
+fn one_token_part(
+    plan: &ExpertsPlan,
+    biases: &ExpertBiases<'_>,
+    h: &[f32],
+    picks: &[Pick],
+    s: &mut MoeScratch,
+    out: &mut [f32],
+) -> Result<bool, ModelError> {
+    let Some(gate) = &plan.gate else {
+        return Ok(false);
+    };
+    let Some(first) = picks.first() else {
+        return Ok(true);
+    };
+    if picks.iter().any(|p| p.token != first.token)
+        || gate.weight.ggml_type() != plan.up.weight.ggml_type()
+    {
+        return Ok(false);
+    }
+    let d = plan.up.cols;
+    let ff = plan.up.rows;
+    let t = first.token;
+    let x = &h[t * d..(t + 1) * d];
+    let lins: Vec<Linear> = picks
+        .iter()
+        .flat_map(|p| [gate.expert(p.expert), plan.up.expert(p.expert)])
+        .collect();
+    let mats = lins
+        .iter()
+        .map(|l| matrix_rows(l, 0..l.rows))
+        .collect::<Result<Vec<_>, _>>()?;
+    resize(&mut s.gate, 2 * picks.len() * ff);
+    let mut ys: Vec<&mut [f32]> = s.gate.chunks_exact_mut(ff).collect();
+    dequant::matmul::QuantizedMatrix::matvec_many(&mats, x, &mut ys).map_err(|source| {
+        ModelError::Matmul {
+            name: format!("{} + {}", gate.weight.name(), plan.up.weight.name()),
+            source,
+        }
+    })?;
+    let e = &plan.experts;
+    let acts: Vec<Vec<f32>> = picks
+        .iter()
+        .zip(s.gate.chunks_exact(2 * ff))
+        .map(|(p, gate_up)| {
+            let (mut g, mut u) = (gate_up[..ff].to_vec(), gate_up[ff..].to_vec());
+            add_expert_bias(&biases.gate, ff, p.expert, &mut g);
+            add_expert_bias(&biases.up, ff, p.expert, &mut u);
+            match e.activation {
+                ExpertActivation::Silu => ops::swiglu(&mut g, &u, e.n_ff),
+                ExpertActivation::SwigluOai => {
+                    ops::swiglu_oai(&mut g, &u, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+                }
+            }
+            g
+        })
+        .collect();
+    let downs = picks
+        .par_iter()
+        .zip(&acts)
+        .map(|(p, act)| {
+            let mut down = Vec::new();
+            routed_product(&plan.down.expert(p.expert), act, 1, &mut down)?;
+            add_expert_bias(&biases.down, plan.down.rows, p.expert, &mut down);
+            Ok(down)
+        })
+        .collect::<Result<Vec<Vec<f32>>, ModelError>>()?;
+    // Weighted, then summed in rank order.
+    let mut order: Vec<usize> = (0..picks.len()).collect();
+    order.sort_by_key(|&i| picks[i].rank);
+    let o = &mut out[t * d..(t + 1) * d];
+    for i in order {
+        let weight = picks[i].weight;
+        for (o, &v) in o.iter_mut().zip(&downs[i]) {
+            *o += v * weight;
+        }
+    }
+    Ok(true)
+}
+
+/// The experts' biases (gpt-oss), every expert's row, as f32.
+struct ExpertBiases<'a> {
+    gate: Option<Cow<'a, [f32]>>,
+    up: Option<Cow<'a, [f32]>>,
+    down: Option<Cow<'a, [f32]>>,
+}
+
+impl<'a> ExpertBiases<'a> {
+    fn of(plan: &'a ExpertsPlan) -> Result<ExpertBiases<'a>, ModelError> {
+        Ok(ExpertBiases {
+            gate: match &plan.gate {
+                Some(gate) => biases(gate)?,
+                None => None,
+            },
+            up: biases(&plan.up)?,
+            down: biases(&plan.down)?,
+        })
+    }
+}
+
+/// Expert `expert`'s gated feed-forward of the rows `tokens` name (`(token, rank)`) of
+/// `h`, into `s.down`, a row per token.
+fn expert_ffn(
+    plan: &ExpertsPlan,
+    biases: &ExpertBiases<'_>,
+    expert: usize,
+    h: &[f32],
+    tokens: &[(usize, usize)],
+    s: &mut MoeScratch,
+) -> Result<(), ModelError> {
+    let e = &plan.experts;
+    let d = plan.up.cols;
+    let m = tokens.len();
+    s.x.clear();
+    for &(t, _) in tokens {
+        s.x.extend_from_slice(&h[t * d..(t + 1) * d]);
+    }
+    routed_product(&plan.up.expert(expert), &s.x, m, &mut s.up)?;
+    add_expert_bias(&biases.up, plan.up.rows, expert, &mut s.up);
+    match &plan.gate {
+        Some(gate) => {
+            routed_product(&gate.expert(expert), &s.x, m, &mut s.gate)?;
+            add_expert_bias(&biases.gate, gate.rows, expert, &mut s.gate);
+        }
+        // No gate: SiLU of the up projection alone (`silu(x) · 1` is `silu(x)`).
+        None => {
+            std::mem::swap(&mut s.gate, &mut s.up);
+            s.up.clear();
+            s.up.resize(s.gate.len(), 1.0);
+        }
+    }
+    match e.activation {
+        ExpertActivation::Silu => ops::swiglu(&mut s.gate, &s.up, e.n_ff),
+        ExpertActivation::SwigluOai => {
+            ops::swiglu_oai(&mut s.gate, &s.up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+        }
+    }
+    routed_product(&plan.down.expert(expert), &s.gate, m, &mut s.down)?;
+    add_expert_bias(&biases.down, plan.down.rows, expert, &mut s.down);
     Ok(())
 }
 
