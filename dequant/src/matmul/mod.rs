@@ -41,6 +41,7 @@ mod portable;
 mod tests;
 
 use gguf_format::GgmlType;
+use rayon::prelude::*;
 
 use crate::{DecodePath, DequantError};
 
@@ -302,11 +303,12 @@ impl<'a> QuantizedMatrix<'a> {
             // Repacked: the batched kernels give each token its GEMV when told.
             return self.run(best_path(), x, n_tokens, y, true);
         }
+        // Each token's GEMV, the tokens side by side: a row's dot product is the same
+        // whichever thread computes it.
         let (cols, rows) = (self.cols, self.rows);
-        for (xt, yt) in x.chunks_exact(cols).zip(y.chunks_exact_mut(rows)) {
-            self.matvec(xt, yt)?;
-        }
-        Ok(())
+        x.par_chunks_exact(cols)
+            .zip(y.par_chunks_exact_mut(rows))
+            .try_for_each(|(xt, yt)| self.matvec(xt, yt))
     }
 
     /// Whether llama.cpp multiplies a group of routed tokens with this matrix as it does
