@@ -202,6 +202,7 @@ impl GpuModel {
         // tables and rows are read from device memory, so one graph serves every step of
         // that many sequences.
         let decode_step = self.batch_graphs
+            && !self.experts_pooled()
             && batch.n_logits == n
             && batch.segments.iter().all(|s| s.len == 1)
             && self.can_hold()?;

@@ -10,6 +10,7 @@ use hip_backend::{Device, PinnedBuffer};
 use tensor_store::device::{CacheConfig, DeviceCache, HipTarget, UploadOrder};
 use tensor_store::{StoreError, TensorStore};
 
+use super::expert_pool::{self, ExpertPools};
 use super::forward::{Buffers, PageShape};
 use super::gpu;
 use super::host::HostLayers;
@@ -142,7 +143,9 @@ impl GpuModel {
             order,
             keep_layers,
             stream_keep,
+            pool_slots,
         } = residency;
+        let mut bufs = bufs;
         let target = HipTarget::new(&device, arena_bytes.max(1)).map_err(|error| match error {
             StoreError::DeviceAlloc { requested, .. } => {
                 out_of_memory(&device, "the weights", requested)
@@ -156,6 +159,23 @@ impl GpuModel {
         let staged = Staged::alloc(&device, &config, &bufs, capacity, prompt_batch, batch_room)?;
         let budget = (!hold_all).then_some(arena_bytes);
         let (cache, uploaded) = start_cache(target, store, order, options, budget)?;
+        if let Some(slots) = pool_slots {
+            tracing::info!(
+                weights_mib = arena_bytes >> 20,
+                model_mib = model_bytes >> 20,
+                slots,
+                experts = config.experts.map_or(0, |e| e.count),
+                "a mixture of experts over its budget: every weight but the routed experts \
+                 on the device, and a pool of experts a layer resident by use"
+            );
+            bufs.experts = Some(ExpertPools::new(
+                &device,
+                &plan,
+                slots,
+                batch_room,
+                config.n_embd,
+            )?);
+        }
         // One sequence over budget: its decode steps compute the layers that are not held
         // on the host rather than upload them every token.
         if !hold_all {
@@ -235,6 +255,9 @@ struct Residency {
     order: UploadOrder,
     keep_layers: usize,
     stream_keep: usize,
+    /// A mixture of experts over its budget: the slots of each layer's pool of experts
+    /// (the cache then holds every other weight).
+    pool_slots: Option<usize>,
 }
 
 impl Residency {
@@ -264,7 +287,16 @@ impl Residency {
         let arena_bytes = budget.min(model_bytes);
         let hold_all = arena_bytes >= model_bytes;
         if let (false, Some(e)) = (hold_all, config.experts) {
-            return Err(experts_over_budget(e, model_bytes, arena_bytes));
+            let fit = PoolFit::of(plan, &order, e, budget)?;
+            return Ok(Residency {
+                arena_bytes: fit.other_bytes,
+                hold_all: true,
+                embed_on_host: false,
+                order: fit.order,
+                keep_layers: 0,
+                stream_keep: 0,
+                pool_slots: Some(fit.slots),
+            });
         }
         // Over budget, the embeddings stay in the file: a pass gathers its few rows on the
         // host, and their room holds more layers (unless they are the output matrix too).
@@ -299,6 +331,58 @@ impl Residency {
             order,
             keep_layers,
             stream_keep,
+            pool_slots: None,
+        })
+    }
+}
+
+/// How a mixture of experts over its budget sits in it: every weight but the routed
+/// experts' matrices (`order`, `other_bytes` of the device cache) and the slots of each
+/// layer's pool of experts in the rest.
+struct PoolFit {
+    order: UploadOrder,
+    other_bytes: u64,
+    slots: usize,
+}
+
+impl PoolFit {
+    fn of(
+        plan: &ExecutionPlan,
+        order: &UploadOrder,
+        experts: Experts,
+        budget: u64,
+    ) -> Result<PoolFit, ModelError> {
+        let pooled: std::collections::HashSet<usize> = expert_pool::pooled_tensors(plan)
+            .iter()
+            .map(|t| t.index())
+            .collect();
+        let order = UploadOrder::by_layer(
+            order
+                .tensors()
+                .iter()
+                .filter(|t| !pooled.contains(&t.index())),
+        );
+        let other_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
+        // A margin for the pools' alignment (each matrix's slots start on 256 bytes).
+        let room = (budget - budget / 256).saturating_sub(other_bytes);
+        if other_bytes > budget {
+            return Err(ModelError::GpuUnsupported {
+                what: format!(
+                    "a mixture of experts ({} experts) whose weights other than the routed \
+                     experts take {} MiB, over a GPU budget of {} MiB",
+                    experts.count,
+                    other_bytes >> 20,
+                    budget >> 20
+                ),
+                supported: "a budget that holds every weight but the routed experts".to_owned(),
+            });
+        }
+        let per_slot: u64 = expert_pool::slot_bytes(plan).iter().sum();
+        let slots = (room / per_slot.max(1)).min(experts.count as u64) as usize;
+        Ok(PoolFit {
+            order,
+            other_bytes,
+            slots,
         })
     }
 }
@@ -420,11 +504,11 @@ fn start_cache(
 }
 
 /// Refuses a mixture of experts that routes a token to more experts than the routing
-/// kernel takes ([`kernels::MAX_USED`]), or whose weights do not all fit on `device` (its free
-/// memory less [`RUNTIME_RESERVE`], or `budget` bytes): the GPU runs experts only when
-/// every one is resident, where a dense model over its budget runs its other layers on
-/// the host or streams them. [`GpuModel::new`] decides the same once the activations are
-/// placed; this check, before anything is allocated, lets a caller choose the CPU instead.
+/// kernel takes ([`kernels::MAX_USED`]), or whose weights other than the routed experts
+/// do not fit on `device` (its free memory less [`RUNTIME_RESERVE`], or `budget` bytes):
+/// the routed experts that do not fit run from a pool resident by use, the others on the
+/// host. [`GpuModel::new`] decides the same once the activations are placed; this check,
+/// before anything is allocated, lets a caller choose the CPU instead.
 pub fn check_experts_fit(
     model: &Model,
     device: &Device,
@@ -452,21 +536,9 @@ pub fn check_experts_fit(
         }
     };
     if model_bytes > room {
-        return Err(experts_over_budget(experts, model_bytes, room));
+        PoolFit::of(model.plan(), &order, experts, room)?;
     }
     Ok(())
-}
-
-fn experts_over_budget(experts: Experts, model_bytes: u64, room: u64) -> ModelError {
-    ModelError::GpuUnsupported {
-        what: format!(
-            "a mixture of experts ({} experts, {} MiB) over a GPU budget of {} MiB",
-            experts.count,
-            model_bytes >> 20,
-            room >> 20
-        ),
-        supported: "mixtures of experts whose weights all fit the GPU budget".to_owned(),
-    }
 }
 
 /// How many of the first layers of `order` (its `blk.N` groups, in layer order) stay

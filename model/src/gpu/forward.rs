@@ -5,6 +5,7 @@ mod attention;
 mod buffers;
 mod experts;
 mod ffn;
+mod pooled;
 mod products;
 
 use std::sync::atomic::AtomicBool;

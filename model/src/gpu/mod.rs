@@ -29,6 +29,8 @@
 mod batch;
 pub use batch::LaunchedBatch;
 mod build;
+mod expert_pool;
+pub use expert_pool::ExpertStats;
 mod forward;
 mod host;
 mod host_rows;
@@ -294,6 +296,18 @@ impl GpuModel {
     /// Whether `tensor`, one of the model's, is on the device now.
     pub fn is_resident(&self, tensor: &TensorHandle) -> bool {
         self.cache.is_resident(tensor)
+    }
+
+    /// Over budget, a mixture of experts' pools of experts resident by use: what they
+    /// have done since the model was built (`None`: every expert is on the device, or
+    /// the model has none).
+    pub fn expert_stats(&self) -> Option<ExpertStats> {
+        self.bufs.experts.as_ref().map(|p| p.stats())
+    }
+
+    /// Whether the routed experts run from pools resident by use.
+    fn experts_pooled(&self) -> bool {
+        self.bufs.experts.is_some()
     }
 
     /// Positions in the KV cache.

@@ -18,7 +18,13 @@ impl GpuModel {
     /// Pins every weight once the budget allows it; true when all are held.
     pub(super) fn ensure_held(&mut self) -> Result<bool, ModelError> {
         if self.held.is_none() && self.hold_all {
-            self.held = Some(Held::fetch(&self.cache, &self.plan, self.rope_context)?);
+            let pooled = self.experts_pooled();
+            self.held = Some(Held::fetch(
+                &self.cache,
+                &self.plan,
+                self.rope_context,
+                pooled,
+            )?);
         }
         if self.held.is_some() {
             self.first_weights.get_or_init(Instant::now);
@@ -152,17 +158,20 @@ impl GpuModel {
                 return Err(stopped);
             }
             let kept = layer_idx < keep;
+            let pooled = self.experts_pooled();
+            let fetch = |model: &GpuModel| {
+                let layer = &model.plan.layers[layer_idx];
+                LayerWeights::fetch(&model.cache, layer_idx, layer, model.rope_context, pooled)
+            };
             if kept && layer_idx == self.kept.len() {
-                let layer = &self.plan.layers[layer_idx];
-                self.kept
-                    .push(LayerWeights::fetch(&self.cache, layer, self.rope_context)?);
+                let weights = fetch(self)?;
+                self.kept.push(weights);
             }
             let fetched;
             let layer = if kept {
                 &self.kept[layer_idx]
             } else {
-                let layer = &self.plan.layers[layer_idx];
-                fetched = LayerWeights::fetch(&self.cache, layer, self.rope_context)?;
+                fetched = fetch(self)?;
                 &fetched
             };
             tracing::trace!(layer = layer_idx, "a pass's layer queued");

@@ -35,7 +35,8 @@ impl GpuModel {
             self.write_tokens(chunk)?;
             let output = if i == last { want } else { Want::Logits };
             let wants_output = i == last;
-            if chunk.len() == 1 && wants_output && self.ensure_held()? {
+            // A pooled mixture of experts reads each layer's routing back: no graph.
+            if chunk.len() == 1 && wants_output && !self.experts_pooled() && self.ensure_held()? {
                 self.replay_step()?;
             } else {
                 self.run_direct(chunk.len(), output)?;
@@ -153,7 +154,13 @@ impl GpuModel {
         for layer_idx in 0..self.plan.layers.len() {
             check_stop(self.stop.as_deref())?;
             let layer = &self.plan.layers[layer_idx];
-            let weights = LayerWeights::fetch(&self.cache, layer, self.rope_context)?;
+            let weights = LayerWeights::fetch(
+                &self.cache,
+                layer_idx,
+                layer,
+                self.rope_context,
+                self.experts_pooled(),
+            )?;
             tracing::trace!(layer = layer_idx, "a prompt's layer queued over its chunks");
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);
             for (c, chunk) in chunks.iter().enumerate() {

@@ -165,8 +165,11 @@ pub(super) enum FfnWeights {
 }
 
 /// A mixture of experts on the device: the router, the 3-D expert tensors whole (an
-/// expert is a range of their bytes), and the shared expert with its gate.
+/// expert is a range of their bytes) or, over budget, their shapes only (the experts
+/// are in the layer's pool, `super::expert_pool`), and the shared expert with its gate.
 pub(super) struct ExpertWeights {
+    /// The layer's index, which names its pool.
+    pub layer: usize,
     pub router: Matrix,
     pub router_bias: Option<Floats>,
     pub gate: Option<ExpertTensor>,
@@ -188,10 +191,12 @@ pub(super) struct SharedExpert {
     pub gate_inp: Matrix,
 }
 
-/// `ffn_{gate,up,down}_exps` on the device: `count` matrices of `rows × cols`, with
-/// their biases (gpt-oss: `count` rows of `rows` values).
+/// `ffn_{gate,up,down}_exps` on the device: `count` matrices of `rows × cols` (or, in
+/// a pool, none: see [`ExpertWeights`]), with their biases (gpt-oss: `count` rows of
+/// `rows` values).
 pub(super) struct ExpertTensor {
-    tensor: Tensor,
+    tensor: Option<Tensor>,
+    name: String,
     pub bias: Option<Floats>,
     pub ty: GgmlType,
     pub count: usize,
@@ -200,12 +205,15 @@ pub(super) struct ExpertTensor {
 }
 
 impl ExpertTensor {
+    /// The tensor from the cache, or only its shape and biases when `pooled`.
     fn fetch(
         cache: &DeviceCache<HipTarget>,
         m: &ExpertMatrices,
+        pooled: bool,
     ) -> Result<ExpertTensor, ModelError> {
         Ok(ExpertTensor {
-            tensor: cache.get(&m.weight)?,
+            tensor: (!pooled).then(|| cache.get(&m.weight)).transpose()?,
+            name: m.weight.name().to_owned(),
             bias: m
                 .bias
                 .as_ref()
@@ -219,17 +227,20 @@ impl ExpertTensor {
     }
 
     pub fn name(&self) -> &str {
-        self.tensor.name()
+        &self.name
     }
 
     /// The tensor as the routed products take it.
     pub fn gpu(&self) -> Result<GpuExperts<'_>, ModelError> {
+        let Some(tensor) = &self.tensor else {
+            unreachable!("a pooled layer's products take the pool's slots")
+        };
         GpuExperts::new(
             self.ty,
             self.count,
             self.rows,
             self.cols,
-            self.tensor.buffer().bytes(),
+            tensor.buffer().bytes(),
         )
         .map_err(|source| ModelError::Matmul {
             name: self.name().to_owned(),
@@ -239,7 +250,13 @@ impl ExpertTensor {
 }
 
 impl FfnWeights {
-    fn fetch(cache: &DeviceCache<HipTarget>, ffn: &FfnPlan) -> Result<FfnWeights, ModelError> {
+    /// Layer `layer`'s feed-forward weights; `pooled`: its experts are in a pool.
+    fn fetch(
+        cache: &DeviceCache<HipTarget>,
+        ffn: &FfnPlan,
+        layer: usize,
+        pooled: bool,
+    ) -> Result<FfnWeights, ModelError> {
         let e = match ffn {
             FfnPlan::Dense(f) => {
                 return Ok(FfnWeights::Dense {
@@ -263,14 +280,15 @@ impl FfnWeights {
             })
             .transpose()?;
         Ok(FfnWeights::Experts(Box::new(ExpertWeights {
+            layer,
             router: Matrix::fetch(cache, &e.router)?,
             gate: e
                 .gate
                 .as_ref()
-                .map(|g| ExpertTensor::fetch(cache, g))
+                .map(|g| ExpertTensor::fetch(cache, g, pooled))
                 .transpose()?,
-            up: ExpertTensor::fetch(cache, &e.up)?,
-            down: ExpertTensor::fetch(cache, &e.down)?,
+            up: ExpertTensor::fetch(cache, &e.up, pooled)?,
+            down: ExpertTensor::fetch(cache, &e.down, pooled)?,
             shared,
             count: e.experts.count,
             used: e.experts.used,
@@ -323,12 +341,15 @@ fn rope_factors(layer: &LayerPlan, context: RopeContext) -> Option<&Vector> {
 }
 
 impl LayerWeights {
-    /// Asks the cache for every tensor of `layer`, in the order the layer reads them,
-    /// with the RoPE factors of a cache of `context`.
+    /// Asks the cache for every tensor of layer `index`, `layer`, in the order the layer
+    /// reads them, with the RoPE factors of a cache of `context`; but for its experts'
+    /// matrices when they are `pooled`.
     pub fn fetch(
         cache: &DeviceCache<HipTarget>,
+        index: usize,
         layer: &LayerPlan,
         context: RopeContext,
+        pooled: bool,
     ) -> Result<LayerWeights, ModelError> {
         let norm = |v: &Option<Vector>| v.as_ref().map(|v| Norm::fetch(cache, v)).transpose();
         let bias = |l: &Linear| l.bias.as_ref().map(|h| Floats::fetch(cache, h)).transpose();
@@ -354,7 +375,7 @@ impl LayerWeights {
             bo: bias(&layer.wo)?,
             post_attn_norm: norm(&layer.post_attn_norm)?,
             ffn_norm: Norm::fetch(cache, &layer.ffn_norm)?,
-            ffn: FfnWeights::fetch(cache, &layer.ffn)?,
+            ffn: FfnWeights::fetch(cache, &layer.ffn, index, pooled)?,
             post_ffn_norm: norm(&layer.post_ffn_norm)?,
         })
     }
@@ -396,12 +417,14 @@ impl Held {
         cache: &DeviceCache<HipTarget>,
         plan: &ExecutionPlan,
         context: RopeContext,
+        pooled: bool,
     ) -> Result<Held, ModelError> {
         let globals = Globals::fetch(cache, plan, true)?;
         let layers = plan
             .layers
             .iter()
-            .map(|l| LayerWeights::fetch(cache, l, context))
+            .enumerate()
+            .map(|(i, l)| LayerWeights::fetch(cache, i, l, context, pooled))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Held { layers, globals })
     }

@@ -11,6 +11,7 @@ use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, PinnedBuffer, 
 use super::products::BatchInput;
 use super::{view, view_at, view_mut, view_mut_at};
 use crate::config::ModelConfig;
+use crate::gpu::expert_pool::ExpertPools;
 use crate::gpu::gpu;
 use crate::gpu::kernels::{attention_chunk, AttentionShape, Pages};
 use crate::gpu::{arena, MAX_BATCH};
@@ -139,6 +140,9 @@ pub(in crate::gpu) struct Buffers {
     pub(super) flash_mma: bool,
     /// The experts' room, for a model with a mixture of experts.
     pub(super) moe: Option<MoeBuffers>,
+    /// Over its budget, a mixture of experts' pools of resident experts (set by the
+    /// model once it has placed its weights).
+    pub(in crate::gpu) experts: Option<ExpertPools>,
 }
 
 impl Buffers {
@@ -272,6 +276,7 @@ impl Buffers {
             attn_rows: rows,
             logit_rows: rows,
             flash_mma,
+            experts: None,
             moe: moe_sizes
                 .is_some()
                 .then(|| MoeBuffers::new(&mut next))

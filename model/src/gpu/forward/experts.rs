@@ -51,6 +51,28 @@ impl<'a> Route<'a> {
     }
 }
 
+/// The routed experts' matrices as the products take them: the layer's 3-D tensors
+/// whole (`count` experts), or a pool's slots of them (`count` slots).
+#[derive(Clone, Copy)]
+pub(super) struct Mats<'a> {
+    pub gate: Option<GpuExperts<'a>>,
+    pub up: GpuExperts<'a>,
+    pub down: GpuExperts<'a>,
+    pub count: usize,
+}
+
+impl<'a> Mats<'a> {
+    /// The layer's own tensors.
+    fn of(e: &'a ExpertWeights) -> Result<Mats<'a>, ModelError> {
+        Ok(Mats {
+            gate: e.gate.as_ref().map(ExpertTensor::gpu).transpose()?,
+            up: e.up.gpu()?,
+            down: e.down.gpu()?,
+            count: e.count,
+        })
+    }
+}
+
 /// The routed products of `mats` on `input` (`n_x` rows).
 fn routed(
     mats: &[GpuExperts<'_>],
@@ -91,8 +113,10 @@ pub(super) fn block(
     n: usize,
     stream: &Stream,
 ) -> Result<(), ModelError> {
+    if bufs.experts.is_some() {
+        return super::pooled::block(config, e, norm, bufs, n, stream);
+    }
     let d = config.n_embd;
-    let (k, slots) = (e.used, n * e.used);
     let tile_tokens = norm_and_route(config, e, norm, bufs, n, stream)?;
     let Some(moe) = bufs.moe.as_mut() else {
         unreachable!("the buffers of a model with experts hold the experts' room")
@@ -102,6 +126,7 @@ pub(super) fn block(
     let summed = routed_ffn(
         config,
         e,
+        Mats::of(e)?,
         view(&bufs.h, n * d)?,
         moe,
         n,
@@ -114,6 +139,20 @@ pub(super) fn block(
     if summed {
         return Ok(());
     }
+    shared_and_combine(config, e, bufs, n, stream)
+}
+
+/// The shared expert (Qwen 2 MoE), then the routed slots' outputs in the experts' room,
+/// weighted (with down's biases, gpt-oss), and the shared expert's added to `x`.
+pub(super) fn shared_and_combine(
+    config: &ModelConfig,
+    e: &ExpertWeights,
+    bufs: &mut Buffers,
+    n: usize,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    let d = config.n_embd;
+    let (k, slots) = (e.used, n * e.used);
     if let Some(sh) = &e.shared {
         shared_expert(config, sh, bufs, n, stream)?;
     }
@@ -153,7 +192,7 @@ pub(super) fn block(
 /// The layer's input normed into `h` (f32) and the experts' Q8 input, the router's
 /// logits, the choice of each token's experts and their weights, and the slots grouped
 /// into tiles; returns the most slots a tile holds ([`experts::tile_tokens_for`]).
-fn norm_and_route(
+pub(super) fn norm_and_route(
     config: &ModelConfig,
     e: &ExpertWeights,
     norm: &Norm,
@@ -230,9 +269,10 @@ fn norm_and_route(
 /// In tiles of one slot (a few tokens), given `sum_into`, down's outputs are weighted
 /// and added to it instead ([`experts::routed_sum`]); returns whether they were.
 #[allow(clippy::too_many_arguments)]
-fn routed_ffn(
+pub(super) fn routed_ffn(
     config: &ModelConfig,
     e: &ExpertWeights,
+    mats: Mats<'_>,
     h: DeviceView<'_, f32>,
     moe: &mut MoeBuffers,
     n: usize,
@@ -240,18 +280,20 @@ fn routed_ffn(
     sum_into: Option<DeviceViewMut<'_, f32>>,
     stream: &Stream,
 ) -> Result<bool, ModelError> {
-    gate_up(config, e, h, moe, n, tile_tokens, stream)?;
+    gate_up(config, e, mats, h, moe, n, tile_tokens, stream)?;
     // The activations (after each slot's expert's biases, gpt-oss), then down, each slot
     // from its own.
     activation(e, moe, n, tile_tokens, stream)?;
-    down(config, e, moe, n, tile_tokens, sum_into, stream)
+    down(config, e, mats, moe, n, tile_tokens, sum_into, stream)
 }
 
 /// Gate and up of every slot's expert (one launch when they share a type), from the
 /// layer's input in the form its products take, into `moe.gate` and `moe.up`.
+#[allow(clippy::too_many_arguments)]
 fn gate_up(
     config: &ModelConfig,
     e: &ExpertWeights,
+    mats: Mats<'_>,
     h: DeviceView<'_, f32>,
     moe: &mut MoeBuffers,
     n: usize,
@@ -259,7 +301,7 @@ fn gate_up(
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = config.n_embd;
-    let (k, count) = (e.used, e.count);
+    let (k, count) = (e.used, mats.count);
     let slots = n * k;
     let ff = e.up.rows;
     let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
@@ -275,8 +317,7 @@ fn gate_up(
         .map_err(routed_error(&e.up))?;
     }
     let route = Route::new(&moe.tiles, &moe.order, slots, count, tile_tokens)?;
-    let up = e.up.gpu()?;
-    let gate = e.gate.as_ref().map(ExpertTensor::gpu).transpose()?;
+    let (up, gate) = (mats.up, mats.gate);
     let input = if mm {
         RoutedInput::F16 {
             x16: view(&moe.x16, n * d)?,
@@ -385,9 +426,11 @@ fn activation(
 /// Down of every slot's expert on its own activations, each slot's output into
 /// `moe.out`, or weighted and added to `sum_into` (see [`routed_ffn`]); returns whether
 /// they were added.
+#[allow(clippy::too_many_arguments)]
 fn down(
     config: &ModelConfig,
     e: &ExpertWeights,
+    mats: Mats<'_>,
     moe: &mut MoeBuffers,
     n: usize,
     tile_tokens: usize,
@@ -418,7 +461,7 @@ fn down(
     };
     if let (Some(mut x), RoutedInput::Q8(xq)) = (sum_into, input) {
         experts::routed_sum(
-            &e.down.gpu()?,
+            &mats.down,
             xq,
             view(&moe.ids, slots)?,
             view(&moe.weights, slots)?,
@@ -430,9 +473,9 @@ fn down(
         .map_err(routed_error(&e.down))?;
         return Ok(true);
     }
-    let route = Route::new(&moe.tiles, &moe.order, slots, e.count, tile_tokens)?;
+    let route = Route::new(&moe.tiles, &moe.order, slots, mats.count, tile_tokens)?;
     routed(
-        &[e.down.gpu()?],
+        &[mats.down],
         input,
         slots,
         SlotInput::Own,

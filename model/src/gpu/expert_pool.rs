@@ -1,0 +1,584 @@
+//! Experts resident by use: a mixture of experts larger than its GPU budget.
+//!
+//! Everything but the routed experts' matrices stays on the device (attention, norms,
+//! the router, shared experts, the experts' biases, the head). What is left of the
+//! budget becomes a pool per layer of the same number of slots, each holding one
+//! expert's `gate`, `up` and `down` matrices as the file's blocks. A token's routes are
+//! read back after the router, layer by layer: the routes to a resident expert are
+//! multiplied on the device (the routed products read slot indices instead of expert
+//! indices), the others on the CPU from the mapped file with the CPU's own kernels
+//! ([`crate::cpu::routed_part`]), at the same time, and the CPU's weighted sum is added
+//! on the device.
+//!
+//! A missed expert is promoted in the background: a thread copies its bytes from the
+//! mapped file into a page-locked staging buffer (`promoter`), a later pass queues their
+//! copy to the slot on a stream of its own, and the slot serves routes once that copy has
+//! landed. A pass never waits for either. Free slots take every missed expert (its first route uploads it); a full
+//! pool admits a missed expert only when it was routed more often lately than the
+//! least-recently-routed expert it would evict (counts halved every few routes), so that
+//! a router that spreads its tokens evenly does not churn the pool, and one that favours
+//! some experts keeps those.
+//!
+//! The tokens depend on residency only within the GPU's tolerance: a route's product is
+//! the CPU's bits or the GPU's, and the two halves' sums are added in a different order
+//! than one device's.
+
+mod promoter;
+
+use hip_backend::{Device, DeviceBuffer, DeviceView, DeviceViewMut, Event, PinnedBuffer, Stream};
+use tensor_store::TensorHandle;
+
+use super::gpu;
+use crate::cpu::{routed_part, MoeScratch, Pick};
+use crate::plan::{ExecutionPlan, ExpertMatrices, ExpertsPlan, FfnPlan};
+use crate::ModelError;
+use promoter::{Job, Promoter};
+
+/// A layer's route counts are halved once it has routed this many tokens per expert.
+const AGING_ROUTES_PER_EXPERT: u64 = 8;
+
+/// What the pools have done since the model was built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExpertStats {
+    /// Routes of a token to an expert resident on the device, multiplied there.
+    pub hits: u64,
+    /// Routes to an expert that was not, multiplied on the host.
+    pub misses: u64,
+    /// Experts copied into a slot.
+    pub promotions: u64,
+    /// Of those, the ones that took a slot from another expert.
+    pub evictions: u64,
+    /// Slots of each layer's pool.
+    pub slots_per_layer: usize,
+    /// Experts in the pools now, over every layer.
+    pub resident: usize,
+}
+
+/// Bytes of one expert's matrices (`gate` if any, `up`, `down`) of each layer with
+/// experts, in layer order: what a slot of that layer's pool takes.
+pub(super) fn slot_bytes(plan: &ExecutionPlan) -> Vec<u64> {
+    plan.layers
+        .iter()
+        .filter_map(|l| match &l.ffn {
+            FfnPlan::Experts(e) => Some(matrices(e).map(expert_bytes).sum()),
+            FfnPlan::Dense(_) => None,
+        })
+        .collect()
+}
+
+/// The routed experts' 3-D tensors: what the pools hold instead of the device cache.
+pub(super) fn pooled_tensors(plan: &ExecutionPlan) -> Vec<TensorHandle> {
+    plan.layers
+        .iter()
+        .filter_map(|l| match &l.ffn {
+            FfnPlan::Experts(e) => Some(matrices(e).map(|m| m.weight.clone())),
+            FfnPlan::Dense(_) => None,
+        })
+        .flatten()
+        .collect()
+}
+
+fn matrices(e: &ExpertsPlan) -> impl Iterator<Item = &ExpertMatrices> {
+    e.gate.iter().chain([&e.up, &e.down])
+}
+
+/// Bytes of one expert of `m`.
+fn expert_bytes(m: &ExpertMatrices) -> u64 {
+    m.weight.size() / m.count.max(1) as u64
+}
+
+/// A slot of a layer's pool.
+enum Slot {
+    Free,
+    /// Its expert's bytes are being staged on the host.
+    Staging,
+    /// Its expert's copy is queued; it serves routes once `done` has passed.
+    Arriving {
+        expert: usize,
+        done: Event,
+    },
+    /// Serving routes; `last`: the pass that last routed a token to it.
+    Resident {
+        expert: usize,
+        last: u64,
+    },
+}
+
+/// One of a pooled expert's matrices: where its slots are in the pools' memory, and
+/// where the experts' bytes are in the file.
+struct PoolMatrix {
+    /// The slots' bytes within `ExpertPools::memory`.
+    at: usize,
+    expert_bytes: usize,
+    tensor: TensorHandle,
+}
+
+/// The pool of one layer with experts.
+struct LayerPool {
+    plan: ExpertsPlan,
+    /// `gate` (if the experts have one), `up`, `down`.
+    mats: Vec<PoolMatrix>,
+    /// Each expert's slot, resident or arriving.
+    slot_of: Vec<Option<usize>>,
+    slots: Vec<Slot>,
+    /// Routes to each expert lately (halved every `AGING_ROUTES_PER_EXPERT · count`).
+    uses: Vec<u32>,
+    routes: u64,
+}
+
+/// The host side of a pooled layer's routes: read back from the device, split, and the
+/// host's half of the sum on its way back.
+struct HostSide {
+    ids: PinnedBuffer<i32>,
+    weights: PinnedBuffer<f32>,
+    h: PinnedBuffer<f32>,
+    slot_ids: PinnedBuffer<i32>,
+    device_weights: PinnedBuffer<f32>,
+    partial: PinnedBuffer<f32>,
+    picks: Vec<Pick>,
+    scratch: MoeScratch,
+    out: Vec<f32>,
+}
+
+/// The pools of every layer with experts, and what their passes share.
+pub(in crate::gpu) struct ExpertPools {
+    /// Every pool's slots, in one allocation.
+    memory: DeviceBuffer<u8>,
+    /// Indexed by layer; `None` for a dense layer.
+    layers: Vec<Option<LayerPool>>,
+    slots_per_layer: usize,
+    promoter: Promoter,
+    /// Promotions' copies.
+    copies: Stream,
+    device: Device,
+    spare_events: Vec<Event>,
+    /// Passes routed so far, the clock of `Slot::Resident::last`.
+    clock: u64,
+    stats: ExpertStats,
+    host: HostSide,
+    /// The slot of each route, as the device's products read it.
+    pub(super) slot_ids: DeviceBuffer<i32>,
+    /// The host's weighted sum, and ones to add it with.
+    pub(super) partial: DeviceBuffer<f32>,
+    pub(super) ones: DeviceBuffer<f32>,
+}
+
+/// How a layer's routes were split: how many go to the device.
+pub(super) struct Split {
+    pub on_device: usize,
+    pub on_host: usize,
+}
+
+impl ExpertPools {
+    /// Pools of `slots` slots for each layer of `plan` with experts, on `device`, for
+    /// passes of up to `max_tokens` tokens.
+    pub fn new(
+        device: &Device,
+        plan: &ExecutionPlan,
+        slots: usize,
+        max_tokens: usize,
+        d: usize,
+    ) -> Result<ExpertPools, ModelError> {
+        let alloc = gpu("the experts' pools");
+        let mut layers = Vec::with_capacity(plan.layers.len());
+        let mut used = 0;
+        let mut total = 0;
+        for layer in &plan.layers {
+            let FfnPlan::Experts(e) = &layer.ffn else {
+                layers.push(None);
+                continue;
+            };
+            used = used.max(e.experts.used);
+            let mats: Vec<PoolMatrix> = matrices(e)
+                .map(|m| {
+                    let expert_bytes = expert_bytes(m) as usize;
+                    // Each matrix's slots start on a 256-byte boundary.
+                    let at = total;
+                    total += (slots * expert_bytes).next_multiple_of(256);
+                    PoolMatrix {
+                        at,
+                        expert_bytes,
+                        tensor: m.weight.clone(),
+                    }
+                })
+                .collect();
+            let count = e.experts.count;
+            layers.push(Some(LayerPool {
+                plan: (**e).clone(),
+                mats,
+                slot_of: vec![None; count],
+                slots: (0..slots).map(|_| Slot::Free).collect(),
+                uses: vec![0; count],
+                routes: 0,
+            }));
+        }
+        let staging = slot_bytes(plan).into_iter().max().unwrap_or(0) as usize;
+        let promoter = Promoter::new(device, staging)?;
+        let routes = max_tokens * used.max(1);
+        let pinned = |len: usize| device.alloc_pinned::<f32>(len.max(1)).map_err(&alloc);
+        let pinned_i32 = |len: usize| device.alloc_pinned::<i32>(len.max(1)).map_err(&alloc);
+        let mut ones = device.alloc::<f32>(max_tokens.max(1)).map_err(&alloc)?;
+        let stream = device.new_stream().map_err(gpu("stream"))?;
+        stream
+            .write_from_host(&vec![1.0f32; max_tokens.max(1)], ones.view_mut())
+            .map_err(&alloc)?;
+        let memory = device
+            .alloc::<u8>(total.max(1))
+            .map_err(|source| match source {
+                hip_backend::HipError::OutOfMemory { .. } => {
+                    super::out_of_memory(device, "the pools of experts", total as u64)
+                }
+                other => ModelError::Gpu {
+                    op: "the experts' pools",
+                    source: other,
+                },
+            })?;
+        Ok(ExpertPools {
+            memory,
+            layers,
+            slots_per_layer: slots,
+            promoter,
+            copies: stream,
+            device: device.clone(),
+            spare_events: Vec::new(),
+            clock: 0,
+            stats: ExpertStats {
+                slots_per_layer: slots,
+                ..ExpertStats::default()
+            },
+            host: HostSide {
+                ids: pinned_i32(routes)?,
+                weights: pinned(routes)?,
+                h: pinned(max_tokens * d)?,
+                slot_ids: pinned_i32(routes)?,
+                device_weights: pinned(routes)?,
+                partial: pinned(max_tokens * d)?,
+                picks: Vec::new(),
+                scratch: MoeScratch::default(),
+                out: Vec::new(),
+            },
+            slot_ids: device.alloc::<i32>(routes.max(1)).map_err(&alloc)?,
+            partial: device
+                .alloc::<f32>((max_tokens * d).max(1))
+                .map_err(&alloc)?,
+            ones,
+        })
+    }
+
+    /// Slots of each layer's pool.
+    pub fn slots(&self) -> usize {
+        self.slots_per_layer
+    }
+
+    pub fn stats(&self) -> ExpertStats {
+        ExpertStats {
+            resident: self
+                .layers
+                .iter()
+                .flatten()
+                .flat_map(|l| &l.slots)
+                .filter(|s| matches!(s, Slot::Resident { .. }))
+                .count(),
+            ..self.stats
+        }
+    }
+
+    /// Reads back the device's routing of `n` tokens (`ids` and `weights`, `k` routes
+    /// each) and the layer's normed input `h` (`d` wide), and waits for them.
+    pub fn read_routes(
+        &mut self,
+        stream: &Stream,
+        ids: DeviceView<'_, i32>,
+        weights: DeviceView<'_, f32>,
+        h: DeviceView<'_, f32>,
+    ) -> Result<(), ModelError> {
+        let read = gpu("reading a layer's routes back");
+        let host = &mut self.host;
+        stream
+            .copy_d2h_async(ids, &mut host.ids, 0..ids.len())
+            .map_err(&read)?;
+        stream
+            .copy_d2h_async(weights, &mut host.weights, 0..weights.len())
+            .map_err(&read)?;
+        stream
+            .copy_d2h_async(h, &mut host.h, 0..h.len())
+            .map_err(&read)?;
+        stream.synchronize().map_err(&read)
+    }
+
+    /// Queues the copies of the experts staged on the host since the last call into
+    /// their slots, which serve routes once they have landed.
+    fn land(&mut self) -> Result<(), ModelError> {
+        for mut job in self.promoter.staged() {
+            let Some(Some(pool)) = self.layers.get_mut(job.layer) else {
+                unreachable!("a job is sent for a pooled layer")
+            };
+            if let Some(why) = job.failed.take() {
+                tracing::warn!(layer = job.layer, expert = job.expert, %why, "an expert could not be staged");
+                pool.slots[job.slot] = Slot::Free;
+                pool.slot_of[job.expert] = None;
+                self.promoter.give_back(job.buffer);
+                continue;
+            }
+            let copy = gpu("promoting an expert");
+            let mut from = 0;
+            for m in &pool.mats {
+                let eb = m.expert_bytes;
+                let to = m.at + job.slot * eb;
+                let dst = self.memory.slice_mut(to..to + eb).map_err(&copy)?;
+                self.copies
+                    .copy_h2d_async(&mut job.buffer, from..from + eb, dst)
+                    .map_err(&copy)?;
+                from += eb;
+            }
+            let done = match self.spare_events.pop() {
+                Some(event) => event,
+                None => self.device.new_event().map_err(gpu("event"))?,
+            };
+            done.record(&self.copies).map_err(&copy)?;
+            pool.slots[job.slot] = Slot::Arriving {
+                expert: job.expert,
+                done,
+            };
+            self.promoter.give_back(job.buffer);
+        }
+        Ok(())
+    }
+
+    /// Queues the copies of the `routes` device routes' slots (into `slot_ids`) and
+    /// weights (into `weights`) that [`ExpertPools::split`] made.
+    pub fn send_routes(
+        &mut self,
+        stream: &Stream,
+        routes: usize,
+        weights: DeviceViewMut<'_, f32>,
+    ) -> Result<(), ModelError> {
+        let send = gpu("sending a layer's device routes");
+        let host = &mut self.host;
+        let slots = self.slot_ids.slice_mut(0..routes).map_err(&send)?;
+        stream
+            .copy_h2d_async(&mut host.slot_ids, 0..routes, slots)
+            .map_err(&send)?;
+        stream
+            .copy_h2d_async(&mut host.device_weights, 0..routes, weights)
+            .map_err(&send)
+    }
+
+    /// Layer `layer`'s pool's matrices as the routed products take them.
+    pub fn matrices(&self, layer: usize) -> Result<Vec<DeviceView<'_, u8>>, ModelError> {
+        let pool = self.layer(layer)?;
+        let slots = self.slots_per_layer;
+        pool.mats
+            .iter()
+            .map(|m| {
+                self.memory
+                    .slice(m.at..m.at + slots * m.expert_bytes)
+                    .map_err(gpu("a pool's slots"))
+            })
+            .collect()
+    }
+
+    fn layer(&self, layer: usize) -> Result<&LayerPool, ModelError> {
+        self.layers
+            .get(layer)
+            .and_then(Option::as_ref)
+            .ok_or(ModelError::InvalidGpuOption {
+                name: "expert pool",
+                value: layer.to_string(),
+                reason: "a layer without experts has no pool",
+            })
+    }
+
+    /// Splits the `n · k` routes read back (`readback`) of layer `layer` between the
+    /// device (the slots of resident experts, in `host.slot_ids` with their weights in
+    /// `host.device_weights`; the host's routes point at a slot in use, weighted 0) and
+    /// the host (`host.picks`), and queues the promotions of missed experts.
+    pub fn split(&mut self, layer: usize, n: usize, k: usize) -> Result<Split, ModelError> {
+        self.clock += 1;
+        let clock = self.clock;
+        self.land()?;
+        let Some(Some(pool)) = self.layers.get_mut(layer) else {
+            return Err(ModelError::InvalidGpuOption {
+                name: "expert pool",
+                value: layer.to_string(),
+                reason: "a layer without experts has no pool",
+            });
+        };
+        // Copies that have landed.
+        for slot in pool.slots.iter_mut() {
+            if let Slot::Arriving { expert, done } = slot {
+                if done.is_complete().map_err(gpu("a promotion's copy"))? {
+                    let expert = *expert;
+                    let Slot::Arriving { done, .. } = std::mem::replace(
+                        slot,
+                        Slot::Resident {
+                            expert,
+                            last: clock,
+                        },
+                    ) else {
+                        unreachable!("matched just above")
+                    };
+                    self.spare_events.push(done);
+                }
+            }
+        }
+        let host = &mut self.host;
+        let ids = host.ids.as_slice().map_err(gpu("the routes"))?;
+        let weights = host.weights.as_slice().map_err(gpu("the routes"))?;
+        let slot_ids = host.slot_ids.as_mut_slice().map_err(gpu("the routes"))?;
+        let device_weights = host
+            .device_weights
+            .as_mut_slice()
+            .map_err(gpu("the routes"))?;
+        let count = pool.slot_of.len();
+        host.picks.clear();
+        let mut in_use = vec![false; pool.slots.len()];
+        let mut missed = Vec::new();
+        let mut first_slot = None;
+        for i in 0..n * k {
+            let expert = usize::try_from(ids[i])
+                .ok()
+                .filter(|&x| x < count)
+                .ok_or_else(|| {
+                    ModelError::InvalidBatch(format!(
+                        "layer {layer}'s router chose expert {} of {count}",
+                        ids[i]
+                    ))
+                })?;
+            pool.uses[expert] = pool.uses[expert].saturating_add(1);
+            match pool.slot_of[expert].map(|s| (s, &mut pool.slots[s])) {
+                Some((s, Slot::Resident { last, .. })) => {
+                    *last = clock;
+                    in_use[s] = true;
+                    first_slot.get_or_insert(s);
+                    slot_ids[i] = s as i32;
+                    device_weights[i] = weights[i];
+                }
+                _ => {
+                    host.picks.push(Pick {
+                        token: i / k,
+                        rank: i % k,
+                        expert,
+                        weight: weights[i],
+                    });
+                    if pool.slot_of[expert].is_none() && !missed.contains(&expert) {
+                        missed.push(expert);
+                    }
+                    device_weights[i] = 0.0;
+                    slot_ids[i] = -1;
+                }
+            }
+        }
+        // The host's routes on the device read a slot in use, weighted 0.
+        let dummy = first_slot.unwrap_or(0) as i32;
+        for id in slot_ids[..n * k].iter_mut().filter(|id| **id < 0) {
+            *id = dummy;
+        }
+        let on_host = host.picks.len();
+        self.stats.hits += (n * k - on_host) as u64;
+        self.stats.misses += on_host as u64;
+        pool.routes += (n * k) as u64;
+        if pool.routes >= AGING_ROUTES_PER_EXPERT * count as u64 {
+            pool.routes = 0;
+            pool.uses.iter_mut().for_each(|u| *u /= 2);
+        }
+        // The most routed of the missed first.
+        missed.sort_by_key(|&x| std::cmp::Reverse(pool.uses[x]));
+        let mut evicted_now = false;
+        for expert in missed {
+            let Some(buffer) = self.promoter.buffer() else {
+                break;
+            };
+            let slot = match pool.slots.iter().position(|s| matches!(s, Slot::Free)) {
+                Some(free) => Some(free),
+                // One eviction a layer a pass, of the least recently routed expert not in
+                // use now, routed less often lately than the newcomer.
+                None if !evicted_now => pool
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(s, slot)| match slot {
+                        Slot::Resident { expert, last } if !in_use[s] => Some((s, *expert, *last)),
+                        _ => None,
+                    })
+                    .min_by_key(|&(_, _, last)| last)
+                    .filter(|&(_, old, _)| pool.uses[expert] > pool.uses[old] + 1)
+                    .map(|(s, old, _)| {
+                        pool.slot_of[old] = None;
+                        self.stats.evictions += 1;
+                        evicted_now = true;
+                        tracing::debug!(layer, expert = old, "expert evicted");
+                        s
+                    }),
+                None => None,
+            };
+            let Some(slot) = slot else {
+                self.promoter.give_back(buffer);
+                break;
+            };
+            pool.slots[slot] = Slot::Staging;
+            pool.slot_of[expert] = Some(slot);
+            let parts = pool
+                .mats
+                .iter()
+                .map(|m| {
+                    let eb = m.expert_bytes;
+                    (m.tensor.clone(), expert * eb..(expert + 1) * eb)
+                })
+                .collect();
+            self.promoter.send(Job {
+                layer,
+                slot,
+                expert,
+                parts,
+                buffer,
+                failed: None,
+            });
+            self.stats.promotions += 1;
+            tracing::debug!(layer, expert, slot, "expert promoted");
+        }
+        Ok(Split {
+            on_device: n * k - on_host,
+            on_host,
+        })
+    }
+
+    /// Computes the host's routes of layer `layer` on the `n` rows (`d` wide) of its
+    /// normed input read back, and queues the copy of their weighted sums, a row per
+    /// token, into `partial`.
+    pub fn host_part(
+        &mut self,
+        stream: &Stream,
+        layer: usize,
+        n: usize,
+        d: usize,
+    ) -> Result<(), ModelError> {
+        let Some(Some(pool)) = self.layers.get(layer) else {
+            unreachable!("split took this layer's routes")
+        };
+        let host = &mut self.host;
+        let h = host.h.as_slice().map_err(gpu("the layer's input"))?;
+        host.out.resize(n * d, 0.0);
+        routed_part(
+            &pool.plan,
+            &h[..n * d],
+            &host.picks,
+            &mut host.scratch,
+            &mut host.out,
+        )?;
+        let send = gpu("sending the host's experts' sum");
+        let partial = host.partial.as_mut_slice().map_err(&send)?;
+        partial[..n * d].copy_from_slice(&host.out);
+        let dst = self.partial.slice_mut(0..n * d).map_err(&send)?;
+        stream
+            .copy_h2d_async(&mut host.partial, 0..n * d, dst)
+            .map_err(&send)
+    }
+}
+
+impl Drop for ExpertPools {
+    fn drop(&mut self) {
+        // The staging buffers go once the copies from them have run.
+        self.copies.synchronize().ok();
+    }
+}

@@ -1,0 +1,122 @@
+//! The host side of promotions: a thread that copies an expert's bytes from the mapped
+//! file into a page-locked staging buffer, from which the pass queues the copy to the
+//! device. Reading the mapping never blocks a pass, and the device's copy engine reads
+//! page-locked memory at the link's full rate.
+
+use std::ops::Range;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use hip_backend::{Device, PinnedBuffer};
+use tensor_store::TensorHandle;
+
+use crate::gpu::gpu;
+use crate::ModelError;
+
+/// Staging buffers, each one expert's matrices: promotions under way at once.
+pub(super) const STAGING: usize = 8;
+
+/// One expert's matrices to stage: which slot of which layer they go to, their bytes in
+/// the file, and (once staged) the buffer holding them one after the other.
+pub(super) struct Job {
+    pub layer: usize,
+    pub slot: usize,
+    pub expert: usize,
+    /// Each matrix's tensor and its expert's bytes within it.
+    pub parts: Vec<(TensorHandle, Range<usize>)>,
+    pub buffer: PinnedBuffer<u8>,
+    /// Why the bytes could not be read, if they could not.
+    pub failed: Option<String>,
+}
+
+pub(super) struct Promoter {
+    jobs: Option<mpsc::Sender<Job>>,
+    staged: mpsc::Receiver<Job>,
+    free: Vec<PinnedBuffer<u8>>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl Promoter {
+    /// [`STAGING`] buffers of `bytes` each on `device`, and the thread that fills them.
+    pub fn new(device: &Device, bytes: usize) -> Result<Promoter, ModelError> {
+        let free = (0..STAGING)
+            .map(|_| device.alloc_pinned::<u8>(bytes.max(1)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(gpu("the experts' staging buffers"))?;
+        let (jobs, todo) = mpsc::channel::<Job>();
+        let (done, staged) = mpsc::channel::<Job>();
+        let worker = std::thread::Builder::new()
+            .name("rocmforge-experts".to_owned())
+            .spawn(move || {
+                for mut job in todo {
+                    job.failed = stage(&mut job).err();
+                    if done.send(job).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| ModelError::InvalidGpuOption {
+                name: "expert promotions",
+                value: e.to_string(),
+                reason: "the thread that stages experts could not start",
+            })?;
+        Ok(Promoter {
+            jobs: Some(jobs),
+            staged,
+            free,
+            worker: Some(worker),
+        })
+    }
+
+    /// A free staging buffer, if one is.
+    pub fn buffer(&mut self) -> Option<PinnedBuffer<u8>> {
+        self.free.pop()
+    }
+
+    /// Gives a buffer back (its pending copies order its next use).
+    pub fn give_back(&mut self, buffer: PinnedBuffer<u8>) {
+        self.free.push(buffer);
+    }
+
+    /// Hands `job` to the thread; on failure, the buffer comes back.
+    pub fn send(&mut self, job: Job) {
+        if let Some(jobs) = &self.jobs {
+            if let Err(mpsc::SendError(job)) = jobs.send(job) {
+                self.free.push(job.buffer);
+            }
+        }
+    }
+
+    /// The jobs staged since the last call.
+    pub fn staged(&mut self) -> Vec<Job> {
+        self.staged.try_iter().collect()
+    }
+}
+
+/// Copies `job`'s parts into its buffer, one after the other.
+fn stage(job: &mut Job) -> Result<(), String> {
+    let buffer = job.buffer.as_mut_slice().map_err(|e| e.to_string())?;
+    let mut at = 0;
+    for (tensor, range) in &job.parts {
+        let bytes = tensor.bytes().map_err(|e| e.to_string())?;
+        let src = bytes
+            .get(range.clone())
+            .ok_or_else(|| format!("{}: bytes {range:?} out of range", tensor.name()))?;
+        buffer
+            .get_mut(at..at + src.len())
+            .ok_or_else(|| "a staging buffer smaller than an expert".to_owned())?
+            .copy_from_slice(src);
+        at += src.len();
+    }
+    Ok(())
+}
+
+impl Drop for Promoter {
+    fn drop(&mut self) {
+        // The thread ends once its queue is closed and emptied.
+        self.jobs = None;
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
+    }
+}
