@@ -154,6 +154,56 @@ fn scheduler_counters(out: &mut String, m: &SchedulerMetrics) {
     for (name, help, counter) in counters {
         gauge(name, help, "counter", get(counter));
     }
+    // A mixture of experts over its GPU budget: its pools of experts resident by use
+    // (every value 0 without them).
+    let pools = m.expert_pools();
+    gauge(
+        "expert_pools_enabled",
+        "1 when routed experts run from pools resident by use (a mixture of experts over its GPU budget).",
+        "gauge",
+        if pools.is_some() { 1.0 } else { 0.0 },
+    );
+    let pools = pools.unwrap_or_default();
+    for (name, help, kind, value) in [
+        (
+            "expert_hits_total",
+            "Routes of a token to an expert resident on the device.",
+            "counter",
+            pools.hits,
+        ),
+        (
+            "expert_misses_total",
+            "Routes of a token to an expert not resident, computed on the host.",
+            "counter",
+            pools.misses,
+        ),
+        (
+            "expert_promotions_total",
+            "Experts copied into a slot of their layer's pool.",
+            "counter",
+            pools.promotions,
+        ),
+        (
+            "expert_evictions_total",
+            "Experts whose slot was given to another.",
+            "counter",
+            pools.evictions,
+        ),
+        (
+            "expert_pool_slots",
+            "Slots of each layer's pool of experts.",
+            "gauge",
+            pools.slots_per_layer as u64,
+        ),
+        (
+            "experts_resident",
+            "Experts resident in the pools, over every layer.",
+            "gauge",
+            pools.resident as u64,
+        ),
+    ] {
+        gauge(name, help, kind, value as f64);
+    }
     let _ = writeln!(
         out,
         "# HELP rocmforge_requests_finished_total Finished requests by reason.\n\

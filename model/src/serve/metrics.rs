@@ -198,6 +198,9 @@ pub struct SchedulerMetrics {
     step_phase_ns: [AtomicU64; StepPhase::ALL.len()],
     /// The counters of the device cache holding the weights, when a GPU computes.
     device_cache: std::sync::Mutex<Option<tensor_store::device::CacheStats>>,
+    /// What the pools of experts resident by use did, when a GPU computes a mixture of
+    /// experts over its budget.
+    expert_pools: std::sync::Mutex<Option<crate::gpu::ExpertStats>>,
 }
 
 impl SchedulerMetrics {
@@ -232,6 +235,17 @@ impl SchedulerMetrics {
     pub(crate) fn set_device_cache(&self, stats: tensor_store::device::CacheStats) {
         if let Ok(mut c) = self.device_cache.lock() {
             *c = Some(stats);
+        }
+    }
+
+    /// The pools of experts' counters (`None`: no pools).
+    pub fn expert_pools(&self) -> Option<crate::gpu::ExpertStats> {
+        self.expert_pools.lock().map_or(None, |c| *c)
+    }
+
+    pub(crate) fn set_expert_pools(&self, stats: Option<crate::gpu::ExpertStats>) {
+        if let Ok(mut c) = self.expert_pools.lock() {
+            *c = stats;
         }
     }
 }

@@ -432,6 +432,7 @@ impl<'m> Loop<'m> {
         SchedulerMetrics::set(&m.kv_blocks_cached, self.pool.blocks_cached() as u64);
         if let Some(gpu) = &self.gpu {
             m.set_device_cache(gpu.cache().stats());
+            m.set_expert_pools(gpu.expert_stats());
         }
     }
 }
