@@ -12,6 +12,9 @@ mod constrained;
 /// Stop requests, injected allocation failures and budgets beyond the device.
 #[path = "../gpu/faults.rs"]
 mod faults;
+/// A mixture of experts over its budget, its experts resident by use.
+#[path = "gpu/pooled.rs"]
+mod pooled;
 
 use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
 use model::tokenizer::{EncodeOptions, Tokenizer};
@@ -268,7 +271,22 @@ fn gpu_model_with_batch(
     context: usize,
     batch: usize,
 ) -> Option<GpuModel> {
-    let options = GpuOptions::new(mode, context);
+    gpu_model_within(test, model, mode, context, batch, None)
+}
+
+/// As [`gpu_model_with_batch`], the weights within `budget` bytes.
+fn gpu_model_within(
+    test: &str,
+    model: &Model,
+    mode: UploadMode,
+    context: usize,
+    batch: usize,
+    budget: Option<u64>,
+) -> Option<GpuModel> {
+    let options = GpuOptions {
+        budget,
+        ..GpuOptions::new(mode, context)
+    };
     match GpuModel::with_prompt_batch(model, &options, batch) {
         Ok(gpu) => Some(gpu),
         Err(model::ModelError::Gpu { source, .. }) if source.is_unavailable() => {
@@ -466,9 +484,9 @@ gpu_batched_matches_alone! {
     gpu_batched_gpt_oss => "gpt-oss",
 }
 
-/// A mixture of experts whose weights do not fit the GPU budget is refused, naming the
-/// experts and the sizes, rather than run with experts the device cannot hold.
-/// (Without a GPU the device is refused first.)
+/// A mixture of experts whose weights other than the routed experts do not fit the GPU
+/// budget is refused, naming the experts and the sizes. (Without a GPU the device is
+/// refused first.)
 #[test]
 fn gpu_experts_over_budget_are_refused() {
     let (_dir, _store, model) = open_spec("qwen3moe-random");
@@ -478,7 +496,10 @@ fn gpu_experts_over_budget_are_refused() {
     };
     match GpuModel::new(&model, &options) {
         Err(model::ModelError::GpuUnsupported { what, .. }) => {
-            assert!(what.contains("32 experts"), "{what}")
+            assert!(
+                what.contains("32 experts") && what.contains("other than the routed experts"),
+                "{what}"
+            )
         }
         Err(model::ModelError::Gpu { .. }) => {}
         Err(other) => panic!("refused for another reason: {other}"),

@@ -1,7 +1,17 @@
 use super::*;
 
 pub(super) fn check(name: &str) {
-    let test = format!("gpu_{name}");
+    check_within(name, &format!("gpu_{name}"), |_| None);
+}
+
+/// [`check`] with the weights' budget `budget` gives for the model (`None`: the whole
+/// model); returns what the pools of experts did, if the model ran with them.
+pub(super) fn check_within(
+    name: &str,
+    test: &str,
+    budget: impl Fn(&Model) -> Option<u64>,
+) -> Option<model::gpu::ExpertStats> {
+    let test = test.to_owned();
     let (_dir, store, model) = open_spec(name);
     let tokenizer = Tokenizer::from_metadata(store.metadata()).expect("tokenizer");
     let options = EncodeOptions {
@@ -17,9 +27,9 @@ pub(super) fn check(name: &str) {
     let longest = PREFILL_LENGTHS.into_iter().max().expect("lengths");
     let sequence: Vec<u32> = tokens.iter().copied().cycle().take(longest).collect();
     let context = (tokens.len() + greedy_len).max(longest + 1);
-    let Some(mut gpu) = gpu_model(&test, &model, UploadMode::Background, context) else {
-        return;
-    };
+    let budget = budget(&model);
+    let open = |mode, batch| gpu_model_within(&test, &model, mode, context, batch, budget);
+    let mut gpu = open(UploadMode::Background, PROMPT_BATCH)?;
     let exact = Exact::of(name);
     let mut reroutes = Reroutes::of(name);
     let may_reroute = reroutes.allowed();
@@ -117,11 +127,7 @@ pub(super) fn check(name: &str) {
     }
     // The same prompts in chunks smaller than themselves.
     for (batch, len) in SMALL_BATCHES {
-        let Some(mut chunked) =
-            gpu_model_with_batch(&test, &model, UploadMode::Eager, context, batch)
-        else {
-            return;
-        };
+        let mut chunked = open(UploadMode::Eager, batch)?;
         assert_eq!(chunked.prompt_batch(), batch, "{name}: chunk size");
         let (_, c, e) = cpu_last
             .iter()
@@ -188,4 +194,5 @@ pub(super) fn check(name: &str) {
             String::new()
         }
     );
+    gpu.expert_stats()
 }
