@@ -27,6 +27,15 @@
 //! hold are computed on the host while decoding and streamed through the budget's room for
 //! a prompt; llama.cpp computes its other layers on the CPU.
 //!
+//! With `--cpu-moe 12,24,36,48` (a mixture of experts): tg and pp with the weights'
+//! budget at what llama.cpp's `-ncmoe N` keeps on the GPU (every weight but the routed
+//! experts of the first N layers, from the tensors' sizes), beside `llama-bench -ngl 99
+//! -ncmoe N`. Ours holds every weight but the routed experts, and in the rest a pool of
+//! each layer's experts resident by use; the routes to the others run on the host. Its
+//! decoded tokens there are a fixed pseudo-random sequence rather than the greedy token
+//! fed back, so that the routes spread over the experts as a text's do (a random model
+//! fed its own greedy tokens repeats a few, and so a few experts).
+//!
 //! Without a usable GPU it says why in one line and exits non-zero.
 
 use std::path::{Path, PathBuf};
@@ -53,6 +62,8 @@ struct Options {
     ntg: usize,
     llama_batched_bench: Option<PathBuf>,
     budgets: Vec<u64>,
+    /// `--cpu-moe`: llama.cpp's `-ncmoe` values to match.
+    cpu_moe: Vec<usize>,
     /// `--no-batch-graphs`: the batched decoding steps' launches queued one by one.
     batch_graphs: bool,
 }
@@ -70,6 +81,7 @@ fn parse(args: &[String]) -> Result<Options> {
         ntg: 128,
         llama_batched_bench: None,
         budgets: Vec::new(),
+        cpu_moe: Vec::new(),
         batch_graphs: true,
     };
     let mut it = args.iter();
@@ -91,6 +103,9 @@ fn parse(args: &[String]) -> Result<Options> {
             "--budgets" => {
                 o.budgets =
                     numbers(value()?).context("--budgets takes percentages like 25,50,75")?;
+            }
+            "--cpu-moe" => {
+                o.cpu_moe = numbers(value()?).context("--cpu-moe takes layer counts like 12,24")?;
             }
             "--no-batch-graphs" => o.batch_graphs = false,
             other => bail!("bench-gpu: unknown option {other:?}"),
@@ -179,6 +194,9 @@ pub fn run(args: &[String]) -> Result<()> {
         for &percent in &o.budgets {
             rows.extend(budget_rows(&o, path, &name, percent)?);
         }
+        for &layers in &o.cpu_moe {
+            rows.extend(cpu_moe_rows(&o, path, &name, layers)?);
+        }
     }
     if let Some(out) = &o.json {
         let doc = json!({ "device": device.name(), "results": rows });
@@ -232,6 +250,21 @@ fn ours(
     repeat: usize,
     budget: Option<u64>,
 ) -> Result<Ours> {
+    ours_with_stats(path, tokens, prompt, repeat, budget, false).map(|(ours, _)| ours)
+}
+
+/// [`ours`], with what the pools of experts did over every run (a mixture of experts
+/// over its budget). `varied`: the decoded tokens are a fixed pseudo-random sequence,
+/// not the greedy token fed back (which on a random model repeats a few tokens, and so
+/// a few experts).
+fn ours_with_stats(
+    path: &Path,
+    tokens: usize,
+    prompt: usize,
+    repeat: usize,
+    budget: Option<u64>,
+    varied: bool,
+) -> Result<(Ours, Option<model::gpu::ExpertStats>)> {
     let store = TensorStore::open(path).with_context(|| format!("opening {}", path.display()))?;
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
     let share = token_share(&model);
@@ -267,19 +300,24 @@ fn ours(
         sorted.sort_by(f64::total_cmp);
         sorted[sorted.len() / 2]
     };
+    let n_vocab = model.config().n_vocab as u64;
     let mut runs = Vec::new();
     for _ in 0..repeat {
         gpu.clear()?;
         let start = Instant::now();
         let mut token = 1;
-        for _ in 0..tokens {
-            token = gpu.forward_argmax(&[token])?;
+        for i in 0..tokens {
+            let next = gpu.forward_argmax(&[token])?;
+            token = if varied {
+                (1 + (i as u64 * 7919 + runs.len() as u64 * 104_729) % (n_vocab - 1)) as u32
+            } else {
+                next
+            };
         }
         runs.push(tokens as f64 / start.elapsed().as_secs_f64());
     }
     // A prompt of `prompt` tokens in one call, as llama-bench's pp test feeds it.
     let prompt_result = if prompt > 0 {
-        let n_vocab = model.config().n_vocab as u64;
         let ids: Vec<u32> = (0..prompt as u64)
             .map(|i| (1 + (i * 7919) % (n_vocab - 1)) as u32)
             .collect();
@@ -296,15 +334,18 @@ fn ours(
     } else {
         None
     };
-    Ok(Ours {
-        tokens_per_s: median(&runs),
-        runs,
-        weight_bytes,
-        weight_values,
-        prompt: prompt_result,
-        n_layers: model.config().n_layers,
-        host_layers: gpu.host_layers(),
-    })
+    Ok((
+        Ours {
+            tokens_per_s: median(&runs),
+            runs,
+            weight_bytes,
+            weight_values,
+            prompt: prompt_result,
+            n_layers: model.config().n_layers,
+            host_layers: gpu.host_layers(),
+        },
+        gpu.expert_stats(),
+    ))
 }
 
 /// tg and pp with the weights' budget at `percent` of the model, beside llama-bench with
@@ -349,6 +390,105 @@ fn budget_rows(o: &Options, path: &Path, name: &str, percent: u64) -> Result<Vec
             "budget_bytes": budget,
             "host_layers": ours.host_layers,
             "llama_cpp_gpu_layers": ngl,
+            "ours_tokens_per_s": mine,
+            "llama_cpp_tokens_per_s": llama,
+            "ratio": llama.map(|t| mine / t),
+        }));
+    }
+    Ok(rows)
+}
+
+/// tg and pp with the weights' budget at what llama.cpp holds on the GPU with `-ncmoe
+/// layers`, beside it: printed, and returned as JSON rows.
+fn cpu_moe_rows(o: &Options, path: &Path, name: &str, layers: usize) -> Result<Vec<Value>> {
+    let store = TensorStore::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let model = Model::load(&store)?;
+    let handles = model.plan().handles();
+    let on_cpu = |h: &TensorHandle| {
+        h.name().ends_with("_exps.weight")
+            && h.name()
+                .strip_prefix("blk.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|n| n.parse::<usize>().ok())
+                .is_some_and(|l| l < layers)
+    };
+    let on_gpu: u64 = handles
+        .iter()
+        .filter(|h| !on_cpu(h))
+        .map(|h| h.size())
+        .sum();
+    // The same bytes, each tensor aligned as our arena places it, and the pools' margin
+    // (a 256th: each matrix's slots start on 256 bytes).
+    let aligned = handles.len() as u64 * 256;
+    let budget = (on_gpu + aligned) * 256 / 255 + 1;
+    let routed: u64 = handles
+        .iter()
+        .filter(|h| h.name().ends_with("_exps.weight"))
+        .map(|h| h.size())
+        .sum();
+    let share = token_share(&model);
+    let routed_per_token = handles
+        .iter()
+        .filter(|h| h.name().ends_with("_exps.weight"))
+        .map(|h| h.size() as f64 * share(h))
+        .sum::<f64>();
+    let off_gpu: u64 = handles
+        .iter()
+        .filter(|h| h.name().ends_with("_exps.weight") && on_cpu(h))
+        .map(|h| h.size())
+        .sum();
+    drop(handles);
+    drop(model);
+    drop(store);
+    let (ours, stats) = ours_with_stats(path, o.tokens, o.prompt, o.repeat, Some(budget), true)?;
+    let theirs = match &o.llama_bench {
+        Some(bench) => Some(llama_bench_with(
+            bench,
+            path,
+            o.tokens,
+            o.prompt,
+            o.repeat,
+            &["-ngl", "99", "-ncmoe", &layers.to_string()],
+        )?),
+        None => None,
+    };
+    let hit_rate = stats.map_or(1.0, |s| s.hits as f64 / (s.hits + s.misses).max(1) as f64);
+    let note = format!(
+        "budget {} MiB (llama.cpp -ncmoe {layers}: {} MiB of weights on the GPU, {} of {} MiB \
+         of routed experts off it); ours: {} slots a layer, {:.0}% of routes on the GPU, {} promotions, {} \
+         evictions; routed experts {:.0} MB a token",
+        budget >> 20,
+        on_gpu >> 20,
+        off_gpu >> 20,
+        routed >> 20,
+        stats.map_or(0, |s| s.slots_per_layer),
+        100.0 * hit_rate,
+        stats.map_or(0, |s| s.promotions),
+        stats.map_or(0, |s| s.evictions),
+        routed_per_token / 1e6,
+    );
+    let mut tests = vec![(
+        format!("tg{}", o.tokens),
+        ours.tokens_per_s,
+        theirs.map(|t| t.tg),
+    )];
+    if let Some((pp, _)) = ours.prompt {
+        tests.push((format!("pp{}", o.prompt), pp, theirs.and_then(|t| t.pp)));
+    }
+    let mut rows = Vec::new();
+    for (test, mine, llama) in tests {
+        let label = format!("{test}@ncmoe{layers}");
+        print_row(name, &label, mine, llama, &note);
+        rows.push(json!({
+            "model": path.display().to_string(),
+            "test": label,
+            "budget_bytes": budget,
+            "llama_cpp_ncmoe": layers,
+            "slots_per_layer": stats.map(|s| s.slots_per_layer),
+            "hits": stats.map(|s| s.hits),
+            "misses": stats.map(|s| s.misses),
+            "promotions": stats.map(|s| s.promotions),
+            "evictions": stats.map(|s| s.evictions),
             "ours_tokens_per_s": mine,
             "llama_cpp_tokens_per_s": llama,
             "ratio": llama.map(|t| mine / t),
@@ -526,17 +666,30 @@ fn llama_bench(
     repeat: usize,
     ngl: usize,
 ) -> Result<Theirs> {
+    llama_bench_with(
+        bench,
+        model,
+        tokens,
+        prompt,
+        repeat,
+        &["-ngl", &ngl.to_string()],
+    )
+}
+
+/// llama-bench's tg and pp with the placement `placement` (`-ngl N`, `-ncmoe N`).
+fn llama_bench_with(
+    bench: &Path,
+    model: &Path,
+    tokens: usize,
+    prompt: usize,
+    repeat: usize,
+    placement: &[&str],
+) -> Result<Theirs> {
     let output = Command::new(bench)
         .args(["-m"])
         .arg(model)
-        .args([
-            "-ngl",
-            &ngl.to_string(),
-            "-p",
-            &prompt.to_string(),
-            "-n",
-            &tokens.to_string(),
-        ])
+        .args(placement)
+        .args(["-p", &prompt.to_string(), "-n", &tokens.to_string()])
         .args(["-r", &repeat.to_string(), "-o", "json"])
         .output()
         .with_context(|| format!("running {}", bench.display()))?;

@@ -256,7 +256,11 @@ pub fn write_model(preset: &Preset, tokenizer_from: &Path, out: &Path, seed: u64
                     };
                     let n = left.min(per_fill);
                     buffer.resize(n, 0);
-                    fill_blocks(decl.ggml_type, &mut buffer, &mut rng);
+                    if decl.name.ends_with("ffn_gate_inp.weight") {
+                        fill_router(&mut buffer, &mut rng);
+                    } else {
+                        fill_blocks(decl.ggml_type, &mut buffer, &mut rng);
+                    }
                     if filled.send((t, buffer)).is_err() {
                         return;
                     }
@@ -370,6 +374,17 @@ fn f16_fields(ty: GgmlType) -> &'static [(usize, bool)] {
     }
 }
 
+/// Fills an F32 router (`ffn_gate_inp`) with noise centred on 0 (±0.1, uniform): each
+/// expert's logit is then a token's own, and tokens spread over the experts about evenly.
+/// (Rows near 1, like a norm's, share one large component: every token of a layer then
+/// chose the same few experts, which no trained router does.)
+pub fn fill_router(out: &mut [u8], rng: &mut Rng) {
+    for value in out.chunks_exact_mut(4) {
+        let noise = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        value.copy_from_slice(&(0.2 * noise - 0.1).to_le_bytes());
+    }
+}
+
 /// Fills whole blocks of `ty` with random bits and sets their scales to small finite
 /// values; F32 data gets values near 1 (norm weights).
 pub fn fill_blocks(ty: GgmlType, out: &mut [u8], rng: &mut Rng) {
@@ -400,9 +415,33 @@ pub fn fill_blocks(ty: GgmlType, out: &mut [u8], rng: &mut Rng) {
                     }
                     b[at..at + 2].copy_from_slice(&h.to_le_bytes());
                 }
+                centre_k_quant(ty, b);
             }
         }
     }
+}
+
+/// Makes a `Q4_K` or `Q5_K` block's weights average 0, as trained weights about do: every
+/// group's scale 2 and minimum 15 (`Q4_K`, quants 0 to 15) or 31 (`Q5_K`, 0 to 31), with
+/// `dmin` equal to `d`, so a group decodes to `d · (2q − 15)` or `d · (2q − 31)`. With
+/// random scales and minima every weight of a matrix leans one way, every output of a
+/// layer shares one large component, and a mixture of experts' router sends every token
+/// of a layer to the same few experts.
+fn centre_k_quant(ty: GgmlType, b: &mut [u8]) {
+    let min: u8 = match ty {
+        GgmlType::Q4_K => 15,
+        GgmlType::Q5_K => 31,
+        _ => return,
+    };
+    let d = [b[0], b[1]];
+    b[2..4].copy_from_slice(&d);
+    // Groups 0-3: the scale in bytes 0-3 and the minimum in bytes 4-7 (low six bits);
+    // groups 4-7: the low four bits of each in bytes 8-11, the top two of the minimum in
+    // the top bits of bytes 4-7 (those of the scale, in bytes 0-3, stay 0).
+    let scales = &mut b[4..16];
+    scales[..4].fill(2);
+    scales[4..8].fill(min | (min >> 4) << 6);
+    scales[8..].fill(2 | (min & 0xf) << 4);
 }
 
 #[cfg(test)]
@@ -477,6 +516,49 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// K-quant blocks decode to weights that average about 0 (a router's rows too), so
+    /// that a random mixture of experts' tokens spread over its experts.
+    #[test]
+    fn k_quant_weights_and_routers_are_centred() {
+        let mut rng = Rng::new(11);
+        // Each group's scale and minimum as llama.cpp unpacks them (`get_scale_min_k4`).
+        let scale_min = |q: &[u8], j: usize| {
+            if j < 4 {
+                (q[j] & 63, q[j + 4] & 63)
+            } else {
+                (
+                    (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4),
+                    (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+                )
+            }
+        };
+        for (ty, levels) in [(GgmlType::Q4_K, 16.0), (GgmlType::Q5_K, 32.0)] {
+            let block = ty.type_size() as usize;
+            let mut data = vec![0u8; block * 8];
+            fill_blocks(ty, &mut data, &mut rng);
+            for b in data.chunks_exact(block) {
+                assert_eq!(b[0..2], b[2..4], "{ty:?}: dmin is d");
+                for j in 0..8 {
+                    let (sc, m) = scale_min(&b[4..16], j);
+                    // The mean of sc · q − m over uniform quants 0..levels-1.
+                    let mean = f32::from(sc) * (levels - 1.0) / 2.0 - f32::from(m);
+                    assert!(sc > 0 && mean.abs() < 0.6, "{ty:?} group {j}: {sc} {m}");
+                }
+            }
+        }
+        let mut router = vec![0u8; 4 * 4096];
+        fill_router(&mut router, &mut rng);
+        let values: Vec<f32> = router
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let mean = values.iter().sum::<f32>() / values.len() as f32;
+        assert!(
+            mean.abs() < 0.005 && values.iter().all(|v| v.abs() <= 0.1),
+            "{mean}"
+        );
     }
 
     /// The 135m preset declares exactly SmolLM2's tensors: names, types and shapes.
