@@ -254,7 +254,7 @@ fn ours(
 }
 
 /// [`ours`], with what the pools of experts did over every run (a mixture of experts
-/// over its budget). `varied`: the decoded tokens are a fixed pseudo-random sequence,
+/// over its budget; their waits and host time those of the decode runs alone). `varied`: the decoded tokens are a fixed pseudo-random sequence,
 /// not the greedy token fed back (which on a random model repeats a few tokens, and so
 /// a few experts).
 fn ours_with_stats(
@@ -290,6 +290,8 @@ fn ours_with_stats(
         ..GpuOptions::new(UploadMode::Eager, tokens.max(prompt).max(4) + 1)
     };
     let mut gpu = GpuModel::new(&model, &options).context("setting the model up on the GPU")?;
+    // Over budget, the pools of experts filled as a server's are before it serves.
+    gpu.wait_experts_resident()?;
     // Warm-up: every weight used once (and the decode step captured).
     let mut token = gpu.forward_argmax(&[1])?;
     for _ in 0..3 {
@@ -301,6 +303,7 @@ fn ours_with_stats(
         sorted[sorted.len() / 2]
     };
     let n_vocab = model.config().n_vocab as u64;
+    let before_tg = gpu.expert_stats();
     let mut runs = Vec::new();
     for _ in 0..repeat {
         gpu.clear()?;
@@ -316,6 +319,7 @@ fn ours_with_stats(
         }
         runs.push(tokens as f64 / start.elapsed().as_secs_f64());
     }
+    let after_tg = gpu.expert_stats();
     // A prompt of `prompt` tokens in one call, as llama-bench's pp test feeds it.
     let prompt_result = if prompt > 0 {
         let ids: Vec<u32> = (0..prompt as u64)
@@ -344,7 +348,15 @@ fn ours_with_stats(
             n_layers: model.config().n_layers,
             host_layers: gpu.host_layers(),
         },
-        gpu.expert_stats(),
+        gpu.expert_stats().map(|end| {
+            // The decode runs' own share of the waits and the host's time.
+            let (b, a) = (before_tg.unwrap_or_default(), after_tg.unwrap_or_default());
+            model::gpu::ExpertStats {
+                wait_ns: a.wait_ns - b.wait_ns,
+                host_ns: a.host_ns - b.host_ns,
+                ..end
+            }
+        }),
     ))
 }
 
@@ -456,7 +468,8 @@ fn cpu_moe_rows(o: &Options, path: &Path, name: &str, layers: usize) -> Result<V
     let note = format!(
         "budget {} MiB (llama.cpp -ncmoe {layers}: {} MiB of weights on the GPU, {} of {} MiB \
          of routed experts off it); ours: {} slots a layer, {:.0}% of routes on the GPU, {} promotions, {} \
-         evictions; routed experts {:.0} MB a token",
+         evictions; routed experts {:.0} MB a token; a decoded token waited {:.2} ms for \
+         its routes and spent {:.2} ms on the host's",
         budget >> 20,
         on_gpu >> 20,
         off_gpu >> 20,
@@ -466,6 +479,8 @@ fn cpu_moe_rows(o: &Options, path: &Path, name: &str, layers: usize) -> Result<V
         stats.map_or(0, |s| s.promotions),
         stats.map_or(0, |s| s.evictions),
         routed_per_token / 1e6,
+        stats.map_or(0.0, |s| s.wait_ns as f64 / 1e6) / (o.tokens * o.repeat) as f64,
+        stats.map_or(0.0, |s| s.host_ns as f64 / 1e6) / (o.tokens * o.repeat) as f64,
     );
     let mut tests = vec![(
         format!("tg{}", o.tokens),

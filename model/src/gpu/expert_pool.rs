@@ -13,8 +13,9 @@
 //! A missed expert is promoted in the background: a thread copies its bytes from the
 //! mapped file into a page-locked staging buffer (`promoter`), a later pass queues their
 //! copy to the slot on a stream of its own, and the slot serves routes once that copy has
-//! landed. A pass never waits for either. Free slots take every missed expert (its first route uploads it); a full
-//! pool admits a missed expert only when it was routed more often lately than the
+//! landed. A pass never waits for either. Free slots take every missed expert (its first
+//! route uploads it), and the most routed experts not in the pool yet; a full pool admits
+//! a missed expert only when it was routed at least twice as often lately as the
 //! least-recently-routed expert it would evict (counts halved every few routes), so that
 //! a router that spreads its tokens evenly does not churn the pool, and one that favours
 //! some experts keeps those.
@@ -52,6 +53,11 @@ pub struct ExpertStats {
     pub slots_per_layer: usize,
     /// Experts in the pools now, over every layer.
     pub resident: usize,
+    /// Nanoseconds the passes waited for the device's routes (its work up to each
+    /// router included), and spent on the host's routes (the CPU's products and the
+    /// copy of their sum queued).
+    pub wait_ns: u64,
+    pub host_ns: u64,
 }
 
 /// Bytes of one expert's matrices (`gate` if any, `up`, `down`) of each layer with
@@ -293,6 +299,7 @@ impl ExpertPools {
         h: DeviceView<'_, f32>,
     ) -> Result<(), ModelError> {
         let read = gpu("reading a layer's routes back");
+        let began = std::time::Instant::now();
         let host = &mut self.host;
         stream
             .copy_d2h_async(ids, &mut host.ids, 0..ids.len())
@@ -303,7 +310,27 @@ impl ExpertPools {
         stream
             .copy_d2h_async(h, &mut host.h, 0..h.len())
             .map_err(&read)?;
-        stream.synchronize().map_err(&read)
+        stream.synchronize().map_err(&read)?;
+        self.stats.wait_ns += began.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
+    /// Lands the staged experts, promotes more into free slots, and says whether every
+    /// slot of every pool is resident: a step of waiting for the pools to fill without
+    /// a pass (the passes fill them too, by use).
+    pub fn fill(&mut self) -> Result<bool, ModelError> {
+        self.land()?;
+        let mut full = true;
+        for (layer, pool) in self.layers.iter_mut().enumerate() {
+            let Some(pool) = pool else { continue };
+            arrived(pool, &mut self.spare_events, self.clock)?;
+            fill_free(&mut self.promoter, &mut self.stats, pool, layer);
+            full &= pool
+                .slots
+                .iter()
+                .all(|s| matches!(s, Slot::Resident { .. }));
+        }
+        Ok(full)
     }
 
     /// Queues the copies of the experts staged on the host since the last call into
@@ -404,24 +431,7 @@ impl ExpertPools {
                 reason: "a layer without experts has no pool",
             });
         };
-        // Copies that have landed.
-        for slot in pool.slots.iter_mut() {
-            if let Slot::Arriving { expert, done } = slot {
-                if done.is_complete().map_err(gpu("a promotion's copy"))? {
-                    let expert = *expert;
-                    let Slot::Arriving { done, .. } = std::mem::replace(
-                        slot,
-                        Slot::Resident {
-                            expert,
-                            last: clock,
-                        },
-                    ) else {
-                        unreachable!("matched just above")
-                    };
-                    self.spare_events.push(done);
-                }
-            }
-        }
+        arrived(pool, &mut self.spare_events, clock)?;
         let host = &mut self.host;
         let ids = host.ids.as_slice().map_err(gpu("the routes"))?;
         let weights = host.weights.as_slice().map_err(gpu("the routes"))?;
@@ -492,7 +502,8 @@ impl ExpertPools {
             let slot = match pool.slots.iter().position(|s| matches!(s, Slot::Free)) {
                 Some(free) => Some(free),
                 // One eviction a layer a pass, of the least recently routed expert not in
-                // use now, routed less often lately than the newcomer.
+                // use now, routed at most half as often lately as the newcomer: an even
+                // router's counts differ by chance, and each eviction copies an expert.
                 None if !evicted_now => pool
                     .slots
                     .iter()
@@ -502,7 +513,7 @@ impl ExpertPools {
                         _ => None,
                     })
                     .min_by_key(|&(_, _, last)| last)
-                    .filter(|&(_, old, _)| pool.uses[expert] > pool.uses[old] + 1)
+                    .filter(|&(_, old, _)| pool.uses[expert] >= 2 * pool.uses[old] + 2)
                     .map(|(s, old, _)| {
                         pool.slot_of[old] = None;
                         self.stats.evictions += 1;
@@ -516,27 +527,18 @@ impl ExpertPools {
                 self.promoter.give_back(buffer);
                 break;
             };
-            pool.slots[slot] = Slot::Staging;
-            pool.slot_of[expert] = Some(slot);
-            let parts = pool
-                .mats
-                .iter()
-                .map(|m| {
-                    let eb = m.expert_bytes;
-                    (m.tensor.clone(), expert * eb..(expert + 1) * eb)
-                })
-                .collect();
-            self.promoter.send(Job {
+            promote(
+                &mut self.promoter,
+                &mut self.stats,
+                pool,
                 layer,
                 slot,
                 expert,
-                parts,
                 buffer,
-                failed: None,
-            });
-            self.stats.promotions += 1;
-            tracing::debug!(layer, expert, slot, "expert promoted");
+            );
         }
+        // Free slots take the most routed experts not in the pool yet.
+        fill_free(&mut self.promoter, &mut self.stats, pool, layer);
         Ok(Split {
             on_device: n * k - on_host,
             on_host,
@@ -553,6 +555,7 @@ impl ExpertPools {
         n: usize,
         d: usize,
     ) -> Result<(), ModelError> {
+        let began = std::time::Instant::now();
         let Some(Some(pool)) = self.layers.get(layer) else {
             unreachable!("split took this layer's routes")
         };
@@ -572,7 +575,79 @@ impl ExpertPools {
         let dst = self.partial.slice_mut(0..n * d).map_err(&send)?;
         stream
             .copy_h2d_async(&mut host.partial, 0..n * d, dst)
-            .map_err(&send)
+            .map_err(&send)?;
+        self.stats.host_ns += began.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+}
+
+/// The slots of `pool` whose copies have landed become resident (`clock`: now).
+fn arrived(pool: &mut LayerPool, spare: &mut Vec<Event>, clock: u64) -> Result<(), ModelError> {
+    for slot in pool.slots.iter_mut() {
+        if let Slot::Arriving { expert, done } = slot {
+            if done.is_complete().map_err(gpu("a promotion's copy"))? {
+                let expert = *expert;
+                let resident = Slot::Resident {
+                    expert,
+                    last: clock,
+                };
+                let Slot::Arriving { done, .. } = std::mem::replace(slot, resident) else {
+                    unreachable!("matched just above")
+                };
+                spare.push(done);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Hands expert `expert` of layer `layer` to the promoter, for slot `slot` of its pool,
+/// staged in `buffer`.
+fn promote(
+    promoter: &mut Promoter,
+    stats: &mut ExpertStats,
+    pool: &mut LayerPool,
+    layer: usize,
+    slot: usize,
+    expert: usize,
+    buffer: PinnedBuffer<u8>,
+) {
+    pool.slots[slot] = Slot::Staging;
+    pool.slot_of[expert] = Some(slot);
+    let parts = pool
+        .mats
+        .iter()
+        .map(|m| {
+            let eb = m.expert_bytes;
+            (m.tensor.clone(), expert * eb..(expert + 1) * eb)
+        })
+        .collect();
+    promoter.send(Job {
+        layer,
+        slot,
+        expert,
+        parts,
+        buffer,
+        failed: None,
+    });
+    stats.promotions += 1;
+    tracing::debug!(layer, expert, slot, "expert promoted");
+}
+
+/// While `pool` has free slots and the promoter staging buffers, promotes the experts
+/// routed most often lately (the lowest index first among equals) that are not in it.
+fn fill_free(promoter: &mut Promoter, stats: &mut ExpertStats, pool: &mut LayerPool, layer: usize) {
+    while let Some(slot) = pool.slots.iter().position(|s| matches!(s, Slot::Free)) {
+        let Some(expert) = (0..pool.slot_of.len())
+            .filter(|&x| pool.slot_of[x].is_none())
+            .max_by_key(|&x| (pool.uses[x], std::cmp::Reverse(x)))
+        else {
+            return;
+        };
+        let Some(buffer) = promoter.buffer() else {
+            return;
+        };
+        promote(promoter, stats, pool, layer, slot, expert, buffer);
     }
 }
 

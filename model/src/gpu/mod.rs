@@ -357,6 +357,20 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Over budget, a mixture of experts: waits until every slot of its pools of experts
+    /// holds one (the passes fill them by use too, without waiting), or the stop request.
+    /// Nothing to wait for otherwise.
+    pub fn wait_experts_resident(&mut self) -> Result<(), ModelError> {
+        while let Some(pools) = self.bufs.experts.as_mut() {
+            check_stop(self.stop.as_deref())?;
+            if pools.fill()? {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
     fn sync(&self) -> Result<(), ModelError> {
         self.stream.synchronize().map_err(gpu("synchronizing"))
     }

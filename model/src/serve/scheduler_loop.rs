@@ -87,8 +87,9 @@ impl<'m> Loop<'m> {
             n_blocks: self.pool.n_blocks(),
             max_sequences: self.config.max_sequences,
         };
-        let gpu = GpuModel::with_pages(self.model, &options, PROMPT_BATCH, pages)?;
+        let mut gpu = GpuModel::with_pages(self.model, &options, PROMPT_BATCH, pages)?;
         gpu.wait_loaded()?;
+        gpu.wait_experts_resident()?;
         self.pool.drop_storage();
         self.gpu = Some(gpu);
         self.update_gauges();

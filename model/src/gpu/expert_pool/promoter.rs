@@ -1,10 +1,10 @@
-//! The host side of promotions: a thread that copies an expert's bytes from the mapped
+//! The host side of promotions: threads that copy an expert's bytes from the mapped
 //! file into a page-locked staging buffer, from which the pass queues the copy to the
 //! device. Reading the mapping never blocks a pass, and the device's copy engine reads
 //! page-locked memory at the link's full rate.
 
 use std::ops::Range;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
 use hip_backend::{Device, PinnedBuffer};
@@ -14,7 +14,9 @@ use crate::gpu::gpu;
 use crate::ModelError;
 
 /// Staging buffers, each one expert's matrices: promotions under way at once.
-pub(super) const STAGING: usize = 8;
+pub(super) const STAGING: usize = 16;
+/// Threads that stage them: copying from the page cache runs at a few GB/s a thread.
+const STAGERS: usize = 4;
 
 /// One expert's matrices to stage: which slot of which layer they go to, their bytes in
 /// the file, and (once staged) the buffer holding them one after the other.
@@ -33,38 +35,47 @@ pub(super) struct Promoter {
     jobs: Option<mpsc::Sender<Job>>,
     staged: mpsc::Receiver<Job>,
     free: Vec<PinnedBuffer<u8>>,
-    worker: Option<JoinHandle<()>>,
+    workers: Vec<JoinHandle<()>>,
 }
 
 impl Promoter {
-    /// [`STAGING`] buffers of `bytes` each on `device`, and the thread that fills them.
+    /// [`STAGING`] buffers of `bytes` each on `device`, and the threads that fill them.
     pub fn new(device: &Device, bytes: usize) -> Result<Promoter, ModelError> {
         let free = (0..STAGING)
             .map(|_| device.alloc_pinned::<u8>(bytes.max(1)))
             .collect::<Result<Vec<_>, _>>()
             .map_err(gpu("the experts' staging buffers"))?;
         let (jobs, todo) = mpsc::channel::<Job>();
+        let todo = Arc::new(Mutex::new(todo));
         let (done, staged) = mpsc::channel::<Job>();
-        let worker = std::thread::Builder::new()
-            .name("rocmforge-experts".to_owned())
-            .spawn(move || {
-                for mut job in todo {
-                    job.failed = stage(&mut job).err();
-                    if done.send(job).is_err() {
-                        break;
-                    }
-                }
+        let workers = (0..STAGERS)
+            .map(|i| {
+                let (todo, done) = (Arc::clone(&todo), done.clone());
+                std::thread::Builder::new()
+                    .name(format!("rocmforge-experts-{i}"))
+                    .spawn(move || loop {
+                        let job = match todo.lock() {
+                            Ok(todo) => todo.recv(),
+                            Err(_) => return,
+                        };
+                        let Ok(mut job) = job else { return };
+                        job.failed = stage(&mut job).err();
+                        if done.send(job).is_err() {
+                            return;
+                        }
+                    })
+                    .map_err(|e| ModelError::InvalidGpuOption {
+                        name: "expert promotions",
+                        value: e.to_string(),
+                        reason: "the threads that stage experts could not start",
+                    })
             })
-            .map_err(|e| ModelError::InvalidGpuOption {
-                name: "expert promotions",
-                value: e.to_string(),
-                reason: "the thread that stages experts could not start",
-            })?;
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Promoter {
             jobs: Some(jobs),
             staged,
             free,
-            worker: Some(worker),
+            workers,
         })
     }
 
@@ -78,7 +89,7 @@ impl Promoter {
         self.free.push(buffer);
     }
 
-    /// Hands `job` to the thread; on failure, the buffer comes back.
+    /// Hands `job` to the threads; on failure, the buffer comes back.
     pub fn send(&mut self, job: Job) {
         if let Some(jobs) = &self.jobs {
             if let Err(mpsc::SendError(job)) = jobs.send(job) {
@@ -115,7 +126,7 @@ impl Drop for Promoter {
     fn drop(&mut self) {
         // The thread ends once its queue is closed and emptied.
         self.jobs = None;
-        if let Some(worker) = self.worker.take() {
+        for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
     }

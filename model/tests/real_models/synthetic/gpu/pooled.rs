@@ -59,3 +59,90 @@ gpu_pooled! {
     gpu_pooled_gpt_oss_half => "gpt-oss" at 0.5,
     gpu_pooled_gpt_oss_long_quarter => "gpt-oss-long" at 0.25,
 }
+
+/// Waiting for the pools fills every slot; the decode steps after it find most of their
+/// routes resident. Every device and page-locked allocation of such a model failed in
+/// turn is a clear error that leaves the device's memory as it was.
+#[test]
+fn gpu_pools_fill_and_their_allocation_failures_are_clear_errors() {
+    let test = "gpu_pools_fill_and_their_allocation_failures_are_clear_errors";
+    let (_dir, _store, model) = open_spec("qwen3moe-random");
+    let budget = experts_budget(&model, 0.5);
+    let open = || {
+        let options = GpuOptions {
+            budget: Some(budget),
+            ..GpuOptions::new(UploadMode::Eager, 64)
+        };
+        GpuModel::new(&model, &options)
+    };
+    let mut gpu = match open() {
+        Ok(gpu) => gpu,
+        Err(model::ModelError::Gpu { source, .. }) if source.is_unavailable() => {
+            skip(test, &source.to_string());
+            return;
+        }
+        Err(error) => panic!("{test}: {error}"),
+    };
+    gpu.wait_experts_resident().expect("the pools fill");
+    let filled = gpu.expert_stats().expect("pools");
+    let layers = model.config().n_layers;
+    assert_eq!(
+        filled.resident,
+        filled.slots_per_layer * layers,
+        "{test}: {filled:?}"
+    );
+    let mut token = 1;
+    for _ in 0..8 {
+        token = gpu.forward_argmax(&[token]).expect("decode");
+    }
+    let after = gpu.expert_stats().expect("pools");
+    assert!(
+        after.hits > filled.hits,
+        "{test}: no route found its expert: {after:?}"
+    );
+    drop(gpu);
+
+    let device = hip_backend::Device::open(0).expect("a device");
+    let free = || {
+        device.synchronize().expect("idle");
+        device.memory_info().expect("memory info").free
+    };
+    let before = free();
+    for (kind, arm) in [
+        (
+            "device",
+            hip_backend::fault::fail_device_allocation as fn(u64) -> hip_backend::fault::Armed,
+        ),
+        ("page-locked", hip_backend::fault::fail_pinned_allocation),
+    ] {
+        let mut failures = 0;
+        for nth in 1..=96 {
+            let armed = arm(nth);
+            let outcome = open().and_then(|mut gpu| {
+                gpu.wait_experts_resident()?;
+                gpu.forward(&[1, 2, 3])
+            });
+            let fired = armed.fired();
+            drop(armed);
+            match outcome {
+                Err(error) => {
+                    assert!(fired, "{test}: {kind} allocation {nth}: {error}");
+                    let text = error.to_string();
+                    assert!(
+                        text.contains("no room for") || text.contains("out of memory"),
+                        "{test}: {kind} allocation {nth}: unclear error: {text}"
+                    );
+                    failures += 1;
+                }
+                Ok(_) if !fired => break,
+                Ok(_) => {}
+            }
+            assert!(
+                free() >= before,
+                "{test}: {kind} allocation {nth} failed and leaked"
+            );
+            assert!(nth < 96, "{test}: {kind}: more allocations than expected");
+        }
+        assert!(failures > 0, "{test}: no {kind} allocation failed");
+    }
+}
