@@ -384,30 +384,21 @@ fn budget_rows(o: &Options, path: &Path, name: &str, percent: u64) -> Result<Vec
         ours.host_layers,
         ours.n_layers
     );
-    let mut tests = vec![(
-        format!("tg{}", o.tokens),
-        ours.tokens_per_s,
-        theirs.map(|t| t.tg),
-    )];
-    if let Some((pp, _)) = ours.prompt {
-        tests.push((format!("pp{}", o.prompt), pp, theirs.and_then(|t| t.pp)));
-    }
-    let mut rows = Vec::new();
-    for (test, mine, llama) in tests {
-        let label = format!("{test}@{percent}%");
-        print_row(name, &label, mine, llama, &note);
-        rows.push(json!({
-            "model": path.display().to_string(),
-            "test": label,
-            "budget_bytes": budget,
-            "host_layers": ours.host_layers,
-            "llama_cpp_gpu_layers": ngl,
-            "ours_tokens_per_s": mine,
-            "llama_cpp_tokens_per_s": llama,
-            "ratio": llama.map(|t| mine / t),
-        }));
-    }
-    Ok(rows)
+    let fields = json!({
+        "budget_bytes": budget,
+        "host_layers": ours.host_layers,
+        "llama_cpp_gpu_layers": ngl,
+    });
+    Ok(tg_pp_rows(
+        o,
+        path,
+        name,
+        &format!("{percent}%"),
+        &ours,
+        theirs,
+        &note,
+        fields,
+    ))
 }
 
 /// tg and pp with the weights' budget at what llama.cpp holds on the GPU with `-ncmoe
@@ -482,6 +473,34 @@ fn cpu_moe_rows(o: &Options, path: &Path, name: &str, layers: usize) -> Result<V
         stats.map_or(0.0, |s| s.wait_ns as f64 / 1e6) / (o.tokens * o.repeat) as f64,
         stats.map_or(0.0, |s| s.host_ns as f64 / 1e6) / (o.tokens * o.repeat) as f64,
     );
+    let fields = json!({
+        "budget_bytes": budget,
+        "llama_cpp_ncmoe": layers,
+        "slots_per_layer": stats.map(|s| s.slots_per_layer),
+        "hits": stats.map(|s| s.hits),
+        "misses": stats.map(|s| s.misses),
+        "promotions": stats.map(|s| s.promotions),
+        "evictions": stats.map(|s| s.evictions),
+    });
+    let label = format!("ncmoe{layers}");
+    Ok(tg_pp_rows(
+        o, path, name, &label, &ours, theirs, &note, fields,
+    ))
+}
+
+/// Our tg and pp beside llama.cpp's, labelled `test@label`: printed with `note`, and
+/// returned as JSON rows with `fields` added.
+#[allow(clippy::too_many_arguments)]
+fn tg_pp_rows(
+    o: &Options,
+    path: &Path,
+    name: &str,
+    label: &str,
+    ours: &Ours,
+    theirs: Option<Theirs>,
+    note: &str,
+    fields: Value,
+) -> Vec<Value> {
     let mut tests = vec![(
         format!("tg{}", o.tokens),
         ours.tokens_per_s,
@@ -492,24 +511,21 @@ fn cpu_moe_rows(o: &Options, path: &Path, name: &str, layers: usize) -> Result<V
     }
     let mut rows = Vec::new();
     for (test, mine, llama) in tests {
-        let label = format!("{test}@ncmoe{layers}");
-        print_row(name, &label, mine, llama, &note);
-        rows.push(json!({
+        let label = format!("{test}@{label}");
+        print_row(name, &label, mine, llama, note);
+        let mut row = json!({
             "model": path.display().to_string(),
             "test": label,
-            "budget_bytes": budget,
-            "llama_cpp_ncmoe": layers,
-            "slots_per_layer": stats.map(|s| s.slots_per_layer),
-            "hits": stats.map(|s| s.hits),
-            "misses": stats.map(|s| s.misses),
-            "promotions": stats.map(|s| s.promotions),
-            "evictions": stats.map(|s| s.evictions),
             "ours_tokens_per_s": mine,
             "llama_cpp_tokens_per_s": llama,
             "ratio": llama.map(|t| mine / t),
-        }));
+        });
+        if let (Some(row), Some(fields)) = (row.as_object_mut(), fields.as_object()) {
+            row.extend(fields.clone());
+        }
+        rows.push(row);
     }
-    Ok(rows)
+    rows
 }
 
 /// Batched decoding of each of `o.parallel` sequence counts, ours beside
