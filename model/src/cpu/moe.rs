@@ -397,3 +397,122 @@ fn shared_expert(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Experts;
+    use crate::cpu::offload::tests::q4_k_rows;
+    use gguf_format::{GgmlType, GgufWriter};
+    use tensor_store::TensorStore;
+
+    /// Every route of an experts block handed to `routed_part` gives the block's own
+    /// bits (no shared expert): for one token (its gate and up products fused) and for a
+    /// few (grouped by expert); one token's routes alone give its row; no route, zeros.
+    #[test]
+    fn the_routed_part_of_every_route_is_the_blocks_bits() {
+        let (d, ff, count, used) = (256usize, 256usize, 8usize, 3usize);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("moe.gguf");
+        let mut writer = GgufWriter::new();
+        writer
+            .add_metadata("general.architecture", "qwen3moe")
+            .unwrap();
+        let names = ["gate", "up", "down"];
+        let mut data: Vec<Vec<u8>> = names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let (cols, rows) = if *name == "down" { (ff, d) } else { (d, ff) };
+                writer
+                    .add_tensor(
+                        name,
+                        GgmlType::Q4_K,
+                        &[cols as u64, rows as u64, count as u64],
+                    )
+                    .unwrap();
+                q4_k_rows(rows * count, cols, 5 + i as u64)
+            })
+            .collect();
+        writer
+            .add_tensor("router", GgmlType::F32, &[d as u64, count as u64])
+            .unwrap();
+        data.push(
+            (0..d * count)
+                .flat_map(|i| (((i * 7919 % 211) as f32 - 105.0) / 400.0).to_le_bytes())
+                .collect(),
+        );
+        let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        std::fs::write(&path, writer.to_bytes(&refs).unwrap()).unwrap();
+        let store = TensorStore::open(&path).unwrap();
+        let matrices = |name: &str, rows, cols| ExpertMatrices {
+            weight: store.tensor(name).unwrap(),
+            bias: None,
+            count,
+            rows,
+            cols,
+        };
+        let plan = ExpertsPlan {
+            experts: Experts {
+                count,
+                used,
+                n_ff: ff,
+                normalize: true,
+                shared_n_ff: None,
+                gating: Gating::Softmax,
+                activation: ExpertActivation::Silu,
+            },
+            router: Linear {
+                weight: store.tensor("router").unwrap(),
+                bias: None,
+                rows: count,
+                cols: d,
+                first_row: 0,
+            },
+            gate: Some(matrices("gate", ff, d)),
+            up: matrices("up", ff, d),
+            down: matrices("down", d, ff),
+            shared: None,
+        };
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for n in [1, 4] {
+            let h: Vec<f32> = (0..n * d)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 24.0)
+                .collect();
+            let mut s = MoeScratch::default();
+            let mut whole = Vec::new();
+            experts_block(&plan, &h, n, &mut s, &mut whole).unwrap();
+            let mut logits = Vec::new();
+            linear(&plan.router, &h, n, &mut logits).unwrap();
+            let (mut probs, mut chosen) = (Vec::new(), Vec::new());
+            route_tokens(&plan.experts, &logits, &mut probs, &mut chosen);
+            let picks: Vec<Pick> = chosen
+                .iter()
+                .enumerate()
+                .map(|(i, &(expert, weight))| Pick {
+                    token: i / used,
+                    rank: i % used,
+                    expert: expert as usize,
+                    weight,
+                })
+                .collect();
+            let mut part = vec![f32::NAN; n * d];
+            routed_part(&plan, &h, &picks, &mut s, &mut part).unwrap();
+            assert_eq!(bits(&part), bits(&whole), "{n} tokens, every route");
+            // One token's routes alone: its row of the block, and nothing elsewhere.
+            let t = n - 1;
+            let own: Vec<Pick> = picks.iter().copied().filter(|p| p.token == t).collect();
+            routed_part(&plan, &h, &own, &mut s, &mut part).unwrap();
+            for (row, (got, want)) in part.chunks(d).zip(whole.chunks(d)).enumerate() {
+                if row == t {
+                    assert_eq!(bits(got), bits(want), "{n} tokens, token {t}'s routes");
+                } else {
+                    assert!(got.iter().all(|&v| v == 0.0), "{n} tokens, row {row}");
+                }
+            }
+            let empty: Vec<Pick> = Vec::new();
+            routed_part(&plan, &h, &empty, &mut s, &mut part).unwrap();
+            assert!(part.iter().all(|&v| v == 0.0), "{n} tokens: no route");
+        }
+    }
+}

@@ -154,7 +154,7 @@ fn cpu_rows<const K: usize>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use gguf_format::{GgmlType, GgufWriter};
     use tensor_store::TensorStore;
@@ -206,7 +206,7 @@ mod tests {
     }
 
     /// Q4_K blocks with small finite scales and random quants.
-    fn q4_k_rows(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    pub(in crate::cpu) fn q4_k_rows(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let mut state = seed | 1;
         let mut next = move || {
             state ^= state << 13;
