@@ -336,15 +336,18 @@ impl ExpertPools {
     /// Queues the copies of the experts staged on the host since the last call into
     /// their slots, which serve routes once they have landed.
     fn land(&mut self) -> Result<(), ModelError> {
+        // A job that could not read its expert frees its slot and fails the call, once
+        // every other job has landed.
+        let mut failure = None;
         for mut job in self.promoter.staged() {
             let Some(Some(pool)) = self.layers.get_mut(job.layer) else {
                 unreachable!("a job is sent for a pooled layer")
             };
-            if let Some(why) = job.failed.take() {
-                tracing::warn!(layer = job.layer, expert = job.expert, %why, "an expert could not be staged");
+            if let Some(error) = job.failed.take() {
                 pool.slots[job.slot] = Slot::Free;
                 pool.slot_of[job.expert] = None;
                 self.promoter.give_back(job.buffer);
+                failure.get_or_insert(error);
                 continue;
             }
             let copy = gpu("promoting an expert");
@@ -369,7 +372,7 @@ impl ExpertPools {
             };
             self.promoter.give_back(job.buffer);
         }
-        Ok(())
+        failure.map_or(Ok(()), Err)
     }
 
     /// Queues the copies of the `routes` device routes' slots (into `slot_ids`) and

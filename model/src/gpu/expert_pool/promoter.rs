@@ -28,7 +28,7 @@ pub(super) struct Job {
     pub parts: Vec<(TensorHandle, Range<usize>)>,
     pub buffer: PinnedBuffer<u8>,
     /// Why the bytes could not be read, if they could not.
-    pub failed: Option<String>,
+    pub failed: Option<ModelError>,
 }
 
 pub(super) struct Promoter {
@@ -105,18 +105,27 @@ impl Promoter {
 }
 
 /// Copies `job`'s parts into its buffer, one after the other.
-fn stage(job: &mut Job) -> Result<(), String> {
-    let buffer = job.buffer.as_mut_slice().map_err(|e| e.to_string())?;
+fn stage(job: &mut Job) -> Result<(), ModelError> {
+    let buffer = job.buffer.as_mut_slice()?;
+    let room = buffer.len();
     let mut at = 0;
     for (tensor, range) in &job.parts {
-        let bytes = tensor.bytes().map_err(|e| e.to_string())?;
+        let bytes = tensor.bytes()?;
         let src = bytes
             .get(range.clone())
-            .ok_or_else(|| format!("{}: bytes {range:?} out of range", tensor.name()))?;
-        buffer
+            .ok_or_else(|| ModelError::TensorShape {
+                name: tensor.name().to_owned(),
+                expected: vec![range.end as u64],
+                found: vec![bytes.len() as u64],
+            })?;
+        let dst = buffer
             .get_mut(at..at + src.len())
-            .ok_or_else(|| "a staging buffer smaller than an expert".to_owned())?
-            .copy_from_slice(src);
+            .ok_or_else(|| ModelError::TensorShape {
+                name: format!("{} (a staging buffer)", tensor.name()),
+                expected: vec![(at + src.len()) as u64],
+                found: vec![room as u64],
+            })?;
+        dst.copy_from_slice(src);
         at += src.len();
     }
     Ok(())
