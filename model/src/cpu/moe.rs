@@ -49,6 +49,24 @@ pub(crate) fn experts_block(
     let biases = ExpertBiases::of(plan)?;
     linear(&plan.router, h, n, &mut s.logits)?;
     route_tokens(e, &s.logits, &mut s.probs, &mut s.chosen);
+    if n == 1 {
+        // A decode step: its experts' gate and up products in one parallel loop.
+        let picks: Vec<Pick> = (s.chosen.iter().enumerate())
+            .map(|(rank, &(expert, weight))| Pick {
+                token: 0,
+                rank,
+                expert: expert as usize,
+                weight,
+            })
+            .collect();
+        resize(out, d);
+        if one_token_part(plan, &biases, h, &picks, s, out)? {
+            if let Some((ffn, gate)) = &plan.shared {
+                shared_expert(ffn, gate, h, n, s, out)?;
+            }
+            return Ok(());
+        }
+    }
 
     // The tokens of each expert, in token order (as MUL_MAT_ID groups them), with the
     // rank each gave it.
@@ -233,11 +251,13 @@ fn one_token_part(
     // Weighted, then summed in rank order.
     let mut order: Vec<usize> = (0..picks.len()).collect();
     order.sort_by_key(|&i| picks[i].rank);
+    // The first rank's weighted output is copied, the others added, as `experts_block`
+    // sums them (so a row of negative zeros stays one).
     let o = &mut out[t * d..(t + 1) * d];
-    for i in order {
+    for (n, i) in order.into_iter().enumerate() {
         let weight = picks[i].weight;
         for (o, &v) in o.iter_mut().zip(&downs[i]) {
-            *o += v * weight;
+            *o = if n == 0 { v * weight } else { *o + v * weight };
         }
     }
     Ok(true)
