@@ -46,58 +46,18 @@ pub(crate) fn experts_block(
 ) -> Result<(), ModelError> {
     let e = &plan.experts;
     let d = h.len() / n;
-    let biases = ExpertBiases::of(plan)?;
     linear(&plan.router, h, n, &mut s.logits)?;
     route_tokens(e, &s.logits, &mut s.probs, &mut s.chosen);
-    if n == 1 {
-        // A decode step: its experts' gate and up products in one parallel loop.
-        let picks: Vec<Pick> = (s.chosen.iter().enumerate())
-            .map(|(rank, &(expert, weight))| Pick {
-                token: 0,
-                rank,
-                expert: expert as usize,
-                weight,
-            })
-            .collect();
-        resize(out, d);
-        if one_token_part(plan, &biases, h, &picks, s, out)? {
-            if let Some((ffn, gate)) = &plan.shared {
-                shared_expert(ffn, gate, h, n, s, out)?;
-            }
-            return Ok(());
-        }
-    }
-
-    // The tokens of each expert, in token order (as MUL_MAT_ID groups them), with the
-    // rank each gave it.
-    let mut routed: Vec<Vec<(usize, usize)>> = vec![Vec::new(); e.count];
-    for (i, &(expert, _)) in s.chosen.iter().enumerate() {
-        routed[expert as usize].push((i / e.used, i % e.used));
-    }
-    resize(&mut s.ranked, n * e.used * d);
-    for (expert, tokens) in routed.iter().enumerate() {
-        if tokens.is_empty() {
-            continue;
-        }
-        expert_ffn(plan, &biases, expert, h, tokens, s)?;
-        for (row, &(t, rank)) in s.down.chunks_exact(d).zip(tokens) {
-            let weight = s.chosen[t * e.used + rank].1;
-            let at = (t * e.used + rank) * d;
-            for (o, &v) in s.ranked[at..at + d].iter_mut().zip(row) {
-                *o = v * weight;
-            }
-        }
-    }
+    let picks: Vec<Pick> = (s.chosen.iter().enumerate())
+        .map(|(i, &(expert, weight))| Pick {
+            token: i / e.used,
+            rank: i % e.used,
+            expert: expert as usize,
+            weight,
+        })
+        .collect();
     resize(out, n * d);
-    for (o, ranks) in out
-        .chunks_exact_mut(d)
-        .zip(s.ranked.chunks_exact(e.used * d))
-    {
-        o.copy_from_slice(&ranks[..d]);
-        for rank in ranks[d..].chunks_exact(d) {
-            add(o, rank);
-        }
-    }
+    routed_part(plan, h, &picks, s, out)?;
     if let Some((ffn, gate)) = &plan.shared {
         shared_expert(ffn, gate, h, n, s, out)?;
     }
@@ -115,10 +75,10 @@ pub(crate) struct Pick {
 }
 
 /// `out[t] = Σ w · expert(h[t])` over the `picks` of each token `t` (rows of `h`, which
-/// holds `out.len() / d` rows), in the order of their ranks: a part of a routed block
-/// that another device computes the rest of (no router, no shared expert). Each expert
-/// multiplies its tokens as [`experts_block`] does, so a pick's product is the bits the
-/// whole block gives it.
+/// holds `out.len() / d` rows), in the order of their ranks: the routed experts of
+/// [`experts_block`] (every route), or the part of them that another device does not
+/// compute (no router, no shared expert). Each expert multiplies its tokens in token
+/// order, as llama.cpp's `MUL_MAT_ID` groups them.
 pub(crate) fn routed_part(
     plan: &ExpertsPlan,
     h: &[f32],
@@ -168,11 +128,20 @@ pub(crate) fn routed_part(
             }
         }
     }
+    // Each token's first rank copied, the others added in rank order (so a row of
+    // negative zeros stays one); a token without picks keeps zeros.
     let mut by_rank: Vec<usize> = (0..picks.len()).collect();
     by_rank.sort_by_key(|&p| (picks[p].token, picks[p].rank));
+    let mut last = None;
     for p in by_rank {
         let t = picks[p].token;
-        add(&mut out[t * d..(t + 1) * d], &s.ranked[p * d..(p + 1) * d]);
+        let (row, value) = (&mut out[t * d..(t + 1) * d], &s.ranked[p * d..(p + 1) * d]);
+        if last == Some(t) {
+            add(row, value);
+        } else {
+            row.copy_from_slice(value);
+        }
+        last = Some(t);
     }
     Ok(())
 }
@@ -426,11 +395,11 @@ mod tests {
     use gguf_format::{GgmlType, GgufWriter};
     use tensor_store::TensorStore;
 
-    /// Every route of an experts block handed to `routed_part` gives the block's own
-    /// bits (no shared expert): for one token (its gate and up products fused) and for a
-    /// few (grouped by expert); one token's routes alone give its row; no route, zeros.
+    /// One token's routes alone, handed to `routed_part`, give that token's row of the
+    /// whole experts block bit for bit (its experts multiplied without the other tokens,
+    /// fused for one token), and zeros elsewhere; no route gives zeros.
     #[test]
-    fn the_routed_part_of_every_route_is_the_blocks_bits() {
+    fn a_tokens_routes_alone_give_its_row_of_the_block() {
         let (d, ff, count, used) = (256usize, 256usize, 8usize, 3usize);
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("moe.gguf");
@@ -517,8 +486,6 @@ mod tests {
                 })
                 .collect();
             let mut part = vec![f32::NAN; n * d];
-            routed_part(&plan, &h, &picks, &mut s, &mut part).unwrap();
-            assert_eq!(bits(&part), bits(&whole), "{n} tokens, every route");
             // One token's routes alone: its row of the block, and nothing elsewhere.
             let t = n - 1;
             let own: Vec<Pick> = picks.iter().copied().filter(|p| p.token == t).collect();
