@@ -113,11 +113,11 @@ pub(super) fn block(
     n: usize,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    if bufs.experts.is_some() {
-        return super::pooled::block(config, e, norm, bufs, n, stream);
-    }
     let d = config.n_embd;
     let tile_tokens = norm_and_route(config, e, norm, bufs, n, stream)?;
+    if bufs.experts.is_some() {
+        return super::pooled::routed(config, e, bufs, n, tile_tokens, stream);
+    }
     let Some(moe) = bufs.moe.as_mut() else {
         unreachable!("the buffers of a model with experts hold the experts' room")
     };
@@ -192,7 +192,7 @@ pub(super) fn shared_and_combine(
 /// The layer's input normed into `h` (f32) and the experts' Q8 input, the router's
 /// logits, the choice of each token's experts and their weights, and the slots grouped
 /// into tiles; returns the most slots a tile holds ([`experts::tile_tokens_for`]).
-pub(super) fn norm_and_route(
+fn norm_and_route(
     config: &ModelConfig,
     e: &ExpertWeights,
     norm: &Norm,

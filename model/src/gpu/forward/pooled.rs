@@ -7,26 +7,26 @@
 use dequant::gpu::experts::{self, GpuExperts};
 use hip_backend::{DeviceView, Stream};
 
-use super::experts::{norm_and_route, routed_ffn, shared_and_combine, Mats};
+use super::experts::{routed_ffn, shared_and_combine, Mats};
 use super::{view, view_mut, Buffers};
 use crate::config::ModelConfig;
 use crate::gpu::gpu;
 use crate::gpu::kernels;
-use crate::gpu::weights::{ExpertTensor, ExpertWeights, Norm};
+use crate::gpu::weights::{ExpertTensor, ExpertWeights};
 use crate::ModelError;
 
-/// `x += moe(rms_norm(x))` for the `n` tokens in `x`, the experts from the layer's pool.
-pub(super) fn block(
+/// `x += moe(h)` for the `n` tokens of `h` once [`super::experts`] has normed and routed
+/// them (in tiles of `tile_tokens` slots), the experts from the layer's pool.
+pub(super) fn routed(
     config: &ModelConfig,
     e: &ExpertWeights,
-    norm: &Norm,
     bufs: &mut Buffers,
     n: usize,
+    tile_tokens: usize,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = config.n_embd;
     let (k, slots) = (e.used, n * e.used);
-    let tile_tokens = norm_and_route(config, e, norm, bufs, n, stream)?;
     let (Some(moe), Some(pools)) = (bufs.moe.as_mut(), bufs.experts.as_mut()) else {
         unreachable!("a pooled layer's buffers hold the experts' room")
     };
