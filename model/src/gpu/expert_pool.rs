@@ -24,6 +24,7 @@
 //! the CPU's bits or the GPU's, and the two halves' sums are added in a different order
 //! than one device's.
 
+mod layer;
 mod promoter;
 
 use hip_backend::{Device, DeviceBuffer, DeviceView, DeviceViewMut, Event, PinnedBuffer, Stream};
@@ -33,7 +34,8 @@ use super::gpu;
 use crate::cpu::{routed_part, MoeScratch, Pick};
 use crate::plan::{ExecutionPlan, ExpertMatrices, ExpertsPlan, FfnPlan};
 use crate::ModelError;
-use promoter::{Job, Promoter};
+use layer::{arrived, fill_free, promote, LayerPool, PoolMatrix, Slot};
+use promoter::Promoter;
 
 /// A layer's route counts are halved once it has routed this many tokens per expert.
 const AGING_ROUTES_PER_EXPERT: u64 = 8;
@@ -93,45 +95,6 @@ fn expert_bytes(m: &ExpertMatrices) -> u64 {
     m.weight.size() / m.count.max(1) as u64
 }
 
-/// A slot of a layer's pool.
-enum Slot {
-    Free,
-    /// Its expert's bytes are being staged on the host.
-    Staging,
-    /// Its expert's copy is queued; it serves routes once `done` has passed.
-    Arriving {
-        expert: usize,
-        done: Event,
-    },
-    /// Serving routes; `last`: the pass that last routed a token to it.
-    Resident {
-        expert: usize,
-        last: u64,
-    },
-}
-
-/// One of a pooled expert's matrices: where its slots are in the pools' memory, and
-/// where the experts' bytes are in the file.
-struct PoolMatrix {
-    /// The slots' bytes within `ExpertPools::memory`.
-    at: usize,
-    expert_bytes: usize,
-    tensor: TensorHandle,
-}
-
-/// The pool of one layer with experts.
-struct LayerPool {
-    plan: ExpertsPlan,
-    /// `gate` (if the experts have one), `up`, `down`.
-    mats: Vec<PoolMatrix>,
-    /// Each expert's slot, resident or arriving.
-    slot_of: Vec<Option<usize>>,
-    slots: Vec<Slot>,
-    /// Routes to each expert lately (halved every `AGING_ROUTES_PER_EXPERT · count`).
-    uses: Vec<u32>,
-    routes: u64,
-}
-
 /// The host side of a pooled layer's routes: read back from the device, split, and the
 /// host's half of the sum on its way back.
 struct HostSide {
@@ -143,7 +106,6 @@ struct HostSide {
     partial: PinnedBuffer<f32>,
     picks: Vec<Pick>,
     scratch: MoeScratch,
-    out: Vec<f32>,
 }
 
 /// The pools of every layer with experts, and what their passes share.
@@ -248,10 +210,7 @@ impl ExpertPools {
             device: device.clone(),
             spare_events: Vec::new(),
             clock: 0,
-            stats: ExpertStats {
-                slots_per_layer: slots,
-                ..ExpertStats::default()
-            },
+            stats: ExpertStats::default(),
             host: HostSide {
                 ids: pinned_i32(routes)?,
                 weights: pinned(routes)?,
@@ -261,7 +220,6 @@ impl ExpertPools {
                 partial: pinned(max_tokens * d)?,
                 picks: Vec::new(),
                 scratch: MoeScratch::default(),
-                out: Vec::new(),
             },
             slot_ids: device.alloc::<i32>(routes.max(1)).map_err(&alloc)?,
             partial: device
@@ -278,6 +236,7 @@ impl ExpertPools {
 
     pub fn stats(&self) -> ExpertStats {
         ExpertStats {
+            slots_per_layer: self.slots_per_layer,
             resident: self
                 .layers
                 .iter()
@@ -396,7 +355,7 @@ impl ExpertPools {
 
     /// Layer `layer`'s pool's matrices as the routed products take them.
     pub fn matrices(&self, layer: usize) -> Result<Vec<DeviceView<'_, u8>>, ModelError> {
-        let pool = self.layer(layer)?;
+        let pool = self.layer(layer);
         let slots = self.slots_per_layer;
         pool.mats
             .iter()
@@ -408,15 +367,11 @@ impl ExpertPools {
             .collect()
     }
 
-    fn layer(&self, layer: usize) -> Result<&LayerPool, ModelError> {
-        self.layers
-            .get(layer)
-            .and_then(Option::as_ref)
-            .ok_or(ModelError::InvalidGpuOption {
-                name: "expert pool",
-                value: layer.to_string(),
-                reason: "a layer without experts has no pool",
-            })
+    fn layer(&self, layer: usize) -> &LayerPool {
+        let Some(Some(pool)) = self.layers.get(layer) else {
+            unreachable!("only a layer with experts is pooled")
+        };
+        pool
     }
 
     /// Splits the `n · k` routes read back (`readback`) of layer `layer` between the
@@ -428,11 +383,7 @@ impl ExpertPools {
         let clock = self.clock;
         self.land()?;
         let Some(Some(pool)) = self.layers.get_mut(layer) else {
-            return Err(ModelError::InvalidGpuOption {
-                name: "expert pool",
-                value: layer.to_string(),
-                reason: "a layer without experts has no pool",
-            });
+            unreachable!("only a layer with experts is pooled")
         };
         arrived(pool, &mut self.spare_events, clock)?;
         let host = &mut self.host;
@@ -560,97 +511,25 @@ impl ExpertPools {
     ) -> Result<(), ModelError> {
         let began = std::time::Instant::now();
         let Some(Some(pool)) = self.layers.get(layer) else {
-            unreachable!("split took this layer's routes")
+            unreachable!("only a layer with experts is pooled")
         };
         let host = &mut self.host;
         let h = host.h.as_slice().map_err(gpu("the layer's input"))?;
-        host.out.resize(n * d, 0.0);
+        let send = gpu("sending the host's experts' sum");
+        let partial = host.partial.as_mut_slice().map_err(&send)?;
         routed_part(
             &pool.plan,
             &h[..n * d],
             &host.picks,
             &mut host.scratch,
-            &mut host.out,
+            &mut partial[..n * d],
         )?;
-        let send = gpu("sending the host's experts' sum");
-        let partial = host.partial.as_mut_slice().map_err(&send)?;
-        partial[..n * d].copy_from_slice(&host.out);
         let dst = self.partial.slice_mut(0..n * d).map_err(&send)?;
         stream
             .copy_h2d_async(&mut host.partial, 0..n * d, dst)
             .map_err(&send)?;
         self.stats.host_ns += began.elapsed().as_nanos() as u64;
         Ok(())
-    }
-}
-
-/// The slots of `pool` whose copies have landed become resident (`clock`: now).
-fn arrived(pool: &mut LayerPool, spare: &mut Vec<Event>, clock: u64) -> Result<(), ModelError> {
-    for slot in pool.slots.iter_mut() {
-        if let Slot::Arriving { expert, done } = slot {
-            if done.is_complete().map_err(gpu("a promotion's copy"))? {
-                let expert = *expert;
-                let resident = Slot::Resident {
-                    expert,
-                    last: clock,
-                };
-                let Slot::Arriving { done, .. } = std::mem::replace(slot, resident) else {
-                    unreachable!("matched just above")
-                };
-                spare.push(done);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Hands expert `expert` of layer `layer` to the promoter, for slot `slot` of its pool,
-/// staged in `buffer`.
-fn promote(
-    promoter: &mut Promoter,
-    stats: &mut ExpertStats,
-    pool: &mut LayerPool,
-    layer: usize,
-    slot: usize,
-    expert: usize,
-    buffer: PinnedBuffer<u8>,
-) {
-    pool.slots[slot] = Slot::Staging;
-    pool.slot_of[expert] = Some(slot);
-    let parts = pool
-        .mats
-        .iter()
-        .map(|m| {
-            let eb = m.expert_bytes;
-            (m.tensor.clone(), expert * eb..(expert + 1) * eb)
-        })
-        .collect();
-    promoter.send(Job {
-        layer,
-        slot,
-        expert,
-        parts,
-        buffer,
-        failed: None,
-    });
-    stats.promotions += 1;
-    tracing::debug!(layer, expert, slot, "expert promoted");
-}
-
-/// While `pool` has free slots and the promoter staging buffers, promotes the experts
-/// routed most often lately (the lowest index first among equals) that are not in it.
-fn fill_free(promoter: &mut Promoter, stats: &mut ExpertStats, pool: &mut LayerPool, layer: usize) {
-    while let Some(slot) = pool.slots.iter().position(|s| matches!(s, Slot::Free)) {
-        let Some(expert) = (0..pool.slot_of.len())
-            .filter(|&x| pool.slot_of[x].is_none())
-            .max_by_key(|&x| (pool.uses[x], std::cmp::Reverse(x)))
-        else {
-            return;
-        };
-        let Some(buffer) = promoter.buffer() else {
-            return;
-        };
-        promote(promoter, stats, pool, layer, slot, expert, buffer);
     }
 }
 
