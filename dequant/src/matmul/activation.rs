@@ -69,6 +69,12 @@ fn quantize_block(x: &[f32], qs: &mut [i8]) -> f32 {
     amax
 }
 
+/// One block of 32 quantized as llama.cpp's `quantize_row_q8_0` does: the values into
+/// `qs`, the scale returned (to be stored as f16).
+pub(crate) fn quantize_q8_0_block(x: &[f32], qs: &mut [i8]) -> f32 {
+    quantize_block(x, qs) / 127.0
+}
+
 /// `v` rounded to the nearest f16, back as f32.
 fn round_f16(v: f32) -> f32 {
     half::f16::from_f32(v).to_f32()
@@ -151,7 +157,7 @@ impl<const ROUND_SUM: bool> ActSet for Q8Acts<ROUND_SUM> {
             ds: vec![[0.0; 2]; n_blocks],
         };
         for_each_block(x, QK8, &mut acts.qs, &mut acts.ds, |xb, qb, ds| {
-            let d = quantize_block(xb, qb) / 127.0;
+            let d = quantize_q8_0_block(xb, qb);
             let d16 = round_f16(d);
             let sum = isum(qb) as f32;
             *ds = if ROUND_SUM {

@@ -37,6 +37,7 @@ mod driver;
 mod formats;
 mod grids;
 mod portable;
+pub mod rows;
 #[cfg(test)]
 mod tests;
 
