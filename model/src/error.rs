@@ -56,6 +56,9 @@ pub enum ModelError {
     TokenOutOfRange { token: u32, n_vocab: usize },
     #[error("{needed} positions needed but the context holds {capacity}")]
     ContextFull { needed: usize, capacity: usize },
+    /// A KV cache type the model or the settings cannot take.
+    #[error("KV cache type: {reason}")]
+    CacheType { reason: String },
     #[error("no tokens to process")]
     EmptyInput,
     /// A prompt chunk size that holds no token.

@@ -103,6 +103,8 @@ pub struct GenerateOptions {
     pub context_size: usize,
     /// How the CPU computes attention (the GPU has one way of its own).
     pub attention: AttentionMethod,
+    /// The precisions the CPU's KV cache stores keys and values at (the GPU's is f16).
+    pub kv_types: crate::KvTypes,
 }
 
 /// Why the loop ended.
@@ -210,7 +212,8 @@ where
     let cache = model
         .new_cache(positions)
         .with_attention(options.attention)
-        .with_context(options.context_size);
+        .with_context(options.context_size)
+        .with_types(model.config(), options.kv_types)?;
     let mut session = CpuSession::with_cache(model, cache);
     generate_with(
         &mut session,

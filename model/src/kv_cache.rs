@@ -1,24 +1,27 @@
 //! The key/value cache of the attention layers.
 
 use crate::config::ModelConfig;
-use crate::ops::{round_f16, AttentionMethod};
+use crate::kv_type::{CacheRows, KvTypes, RowStore};
+use crate::ops::AttentionMethod;
 use crate::ModelError;
 
 /// Keys and values of every layer for the positions processed so far.
 ///
-/// Values are rounded to f16 precision as they are stored, the precision of llama.cpp's
-/// default cache, but kept in f32 so the attention's dot products need no conversion.
-/// Per layer, position `p`'s keys are `k[p * kv_dim .. (p + 1) * kv_dim]`, heads side by
-/// side; values likewise. Memory is reserved up front for `capacity` positions so the
-/// decode loop never reallocates.
+/// By default values are rounded to f16 precision as they are stored, the precision of
+/// llama.cpp's default cache, but kept in f32 so the attention's dot products need no
+/// conversion; [`KvCache::with_types`] stores them in `Q8_0` or `Q4_0` blocks instead.
+/// Per layer, position `p`'s keys are row `p`, heads side by side; values likewise.
+/// Memory is reserved up front for `capacity` positions so the decode loop never
+/// reallocates.
 #[derive(Clone, Debug)]
 pub struct KvCache {
     capacity: usize,
     len: usize,
     k_dim: usize,
     v_dim: usize,
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    keys: Vec<RowStore>,
+    values: Vec<RowStore>,
+    types: KvTypes,
     attention: AttentionMethod,
     /// The context a run of this cache stands for (at least `capacity`).
     context: usize,
@@ -34,19 +37,51 @@ impl KvCache {
             len: 0,
             k_dim,
             v_dim,
-            keys: (0..config.n_layers)
-                .map(|_| Vec::with_capacity(capacity * k_dim))
-                .collect(),
-            values: (0..config.n_layers)
-                .map(|_| Vec::with_capacity(capacity * v_dim))
-                .collect(),
+            keys: Vec::new(),
+            values: Vec::new(),
+            types: KvTypes::default(),
             attention: AttentionMethod::default(),
             context: capacity,
         }
+        .stored(config.n_layers)
+    }
+
+    /// Reserves the layers' rows at the cache's types.
+    fn stored(mut self, n_layers: usize) -> KvCache {
+        let (cap, types) = (self.capacity, self.types);
+        self.keys = (0..n_layers)
+            .map(|_| RowStore::with_capacity(types.k, self.k_dim, cap))
+            .collect();
+        self.values = (0..n_layers)
+            .map(|_| RowStore::with_capacity(types.v, self.v_dim, cap))
+            .collect();
+        self.len = 0;
+        self
+    }
+
+    /// The same cache, empty, storing keys and values at `types` (llama.cpp's
+    /// `--cache-type-k/-v`), or an error when `config`'s model or the cache's attention
+    /// method cannot take them ([`KvTypes::check`]).
+    pub fn with_types(self, config: &ModelConfig, types: KvTypes) -> Result<KvCache, ModelError> {
+        types.check(config, self.attention)?;
+        let n_layers = self.keys.len();
+        Ok(KvCache { types, ..self }.stored(n_layers))
+    }
+
+    /// The precisions keys and values are stored at.
+    pub fn types(&self) -> KvTypes {
+        self.types
+    }
+
+    /// Bytes the stored keys and values of one position take, every layer (at f16, two
+    /// a value, as llama.cpp counts them; this cache keeps f16 values in f32).
+    pub fn bytes_per_position(&self) -> usize {
+        self.keys.len() * (self.types.k.row_bytes(self.k_dim) + self.types.v.row_bytes(self.v_dim))
     }
 
     /// The same cache computing attention as `method` says (a context setting in
-    /// llama.cpp too: `-fa on|off`). Flash attention unless set.
+    /// llama.cpp too: `-fa on|off`). Flash attention unless set; a quantized cache
+    /// (checked against the method by [`KvCache::with_types`]) always takes it.
     pub fn with_attention(mut self, method: AttentionMethod) -> KvCache {
         self.attention = method;
         self
@@ -54,7 +89,10 @@ impl KvCache {
 
     /// How attention over this cache is computed.
     pub fn attention(&self) -> AttentionMethod {
-        self.attention
+        match self.types.is_quantized() {
+            true => AttentionMethod::Flash,
+            false => self.attention,
+        }
     }
 
     /// The same cache standing for a run whose context holds `context` positions,
@@ -89,8 +127,8 @@ impl KvCache {
     /// Forgets every position, keeping the memory.
     pub fn clear(&mut self) {
         self.len = 0;
-        self.keys.iter_mut().for_each(Vec::clear);
-        self.values.iter_mut().for_each(Vec::clear);
+        self.keys.iter_mut().for_each(RowStore::clear);
+        self.values.iter_mut().for_each(RowStore::clear);
     }
 
     /// Refuses a batch of `n` more positions that would not fit.
@@ -108,8 +146,8 @@ impl KvCache {
     /// Appends `n` positions' keys and values for `layer`.
     pub(crate) fn append(&mut self, layer: usize, keys: &[f32], values: &[f32]) {
         debug_assert_eq!(keys.len() / self.k_dim, values.len() / self.v_dim);
-        self.keys[layer].extend(keys.iter().map(|&v| round_f16(v)));
-        self.values[layer].extend(values.iter().map(|&v| round_f16(v)));
+        self.keys[layer].push(keys);
+        self.values[layer].push(values);
     }
 
     /// Marks `n` positions appended to every layer as stored.
@@ -118,18 +156,24 @@ impl KvCache {
     }
 
     /// Every stored key and value of `layer`, the batch in flight included.
-    pub(crate) fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
-        (&self.keys[layer], &self.values[layer])
+    pub(crate) fn layer(&self, layer: usize) -> (CacheRows<'_>, CacheRows<'_>) {
+        (self.keys[layer].view(), self.values[layer].view())
+    }
+
+    /// Every stored key and value of `layer` of an f16 cache, as f32; `None` when the
+    /// cache is quantized.
+    pub(crate) fn layer_f16(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        match self.layer(layer) {
+            (CacheRows::F16(k), CacheRows::F16(v)) => Some((k, v)),
+            _ => None,
+        }
     }
 
     /// Drops positions past `len` (for a batch that failed half-way).
     pub(crate) fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
-        for k in &mut self.keys {
-            k.truncate(len * self.k_dim);
-        }
-        for v in &mut self.values {
-            v.truncate(len * self.v_dim);
+        for rows in self.keys.iter_mut().chain(&mut self.values) {
+            rows.truncate(len);
         }
     }
 }

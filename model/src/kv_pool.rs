@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 
 use crate::config::ModelConfig;
-use crate::ops::round_f16;
+use crate::kv_type::{CacheRows, KvTypes, RowStore};
 
 /// A block's id: its index in the pool.
 pub(crate) type BlockId = u32;
@@ -44,8 +44,9 @@ pub(crate) struct KvPool {
     block_size: usize,
     k_dim: usize,
     v_dim: usize,
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    keys: Vec<RowStore>,
+    values: Vec<RowStore>,
+    types: KvTypes,
     blocks: Vec<BlockState>,
     /// Unregistered blocks no sequence holds.
     free: Vec<BlockId>,
@@ -56,13 +57,20 @@ pub(crate) struct KvPool {
 impl KvPool {
     /// A pool of at least `positions` positions (whole blocks) for `config`'s model.
     /// Memory is reserved at once but only touched as blocks are used.
-    pub(crate) fn for_model(config: &ModelConfig, positions: usize, block_size: usize) -> KvPool {
+    /// Keys and values are stored at `types` (checked by the caller).
+    pub(crate) fn for_model(
+        config: &ModelConfig,
+        positions: usize,
+        block_size: usize,
+        types: KvTypes,
+    ) -> KvPool {
         KvPool::new(
             config.n_layers,
             config.n_kv_heads * config.head_dim,
             config.n_kv_heads * config.head_dim_v,
             positions,
             block_size,
+            types,
         )
     }
 
@@ -72,6 +80,7 @@ impl KvPool {
         v_dim: usize,
         positions: usize,
         block_size: usize,
+        types: KvTypes,
     ) -> KvPool {
         let block_size = block_size.max(1);
         let n_blocks = positions.div_ceil(block_size).max(1);
@@ -80,8 +89,13 @@ impl KvPool {
             block_size,
             k_dim,
             v_dim,
-            keys: (0..n_layers).map(|_| vec![0.0; slots * k_dim]).collect(),
-            values: (0..n_layers).map(|_| vec![0.0; slots * v_dim]).collect(),
+            keys: (0..n_layers)
+                .map(|_| RowStore::zeroed(types.k, k_dim, slots))
+                .collect(),
+            values: (0..n_layers)
+                .map(|_| RowStore::zeroed(types.v, v_dim, slots))
+                .collect(),
+            types,
             blocks: vec![BlockState::default(); n_blocks],
             free: (0..n_blocks as BlockId).rev().collect(),
             registry: HashMap::new(),
@@ -224,7 +238,8 @@ impl KvPool {
     }
 
     /// Stores `layer`'s keys and values of consecutive positions from `first_pos` of the
-    /// sequence whose blocks are `table`, at f16 precision (as [`crate::KvCache`] does).
+    /// sequence whose blocks are `table`, at the pool's precisions (as [`crate::KvCache`]
+    /// stores them).
     pub(crate) fn write(
         &mut self,
         layer: usize,
@@ -238,21 +253,20 @@ impl KvPool {
         for i in 0..n {
             let pos = first_pos + i;
             let slot = table[pos / bs] as usize * bs + pos % bs;
-            let k_dst = &mut self.keys[layer][slot * kd..(slot + 1) * kd];
-            for (d, &s) in k_dst.iter_mut().zip(&keys[i * kd..(i + 1) * kd]) {
-                *d = round_f16(s);
-            }
-            let v_dst = &mut self.values[layer][slot * vd..(slot + 1) * vd];
-            for (d, &s) in v_dst.iter_mut().zip(&values[i * vd..(i + 1) * vd]) {
-                *d = round_f16(s);
-            }
+            self.keys[layer].write(slot, &keys[i * kd..(i + 1) * kd]);
+            self.values[layer].write(slot, &values[i * vd..(i + 1) * vd]);
         }
     }
 
     /// Every row of `layer`'s keys and values; a sequence's position `j` is in row
     /// `table[j / block_size] * block_size + j % block_size`.
-    pub(crate) fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
-        (&self.keys[layer], &self.values[layer])
+    pub(crate) fn layer(&self, layer: usize) -> (CacheRows<'_>, CacheRows<'_>) {
+        (self.keys[layer].view(), self.values[layer].view())
+    }
+
+    /// The precisions keys and values are stored at.
+    pub(crate) fn types(&self) -> KvTypes {
+        self.types
     }
 
     /// Copies `layer`'s keys and values of positions `0..len` of the sequence whose
@@ -266,7 +280,7 @@ impl KvPool {
         keys: &mut Vec<f32>,
         values: &mut Vec<f32>,
     ) {
-        let (bs, kd, vd) = (self.block_size, self.k_dim, self.v_dim);
+        let bs = self.block_size;
         keys.clear();
         values.clear();
         let mut left = len;
@@ -276,8 +290,10 @@ impl KvPool {
             }
             let n = left.min(bs);
             let start = block as usize * bs;
-            keys.extend_from_slice(&self.keys[layer][start * kd..(start + n) * kd]);
-            values.extend_from_slice(&self.values[layer][start * vd..(start + n) * vd]);
+            for row in start..start + n {
+                self.keys[layer].extend_row(row, keys);
+                self.values[layer].extend_row(row, values);
+            }
             left -= n;
         }
     }
@@ -286,9 +302,11 @@ impl KvPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv_type::KvType;
+    use crate::ops::round_f16;
 
     fn pool(n_blocks: usize) -> KvPool {
-        KvPool::new(2, 3, 2, n_blocks * 4, 4)
+        KvPool::new(2, 3, 2, n_blocks * 4, 4, KvTypes::default())
     }
 
     #[test]
@@ -343,5 +361,32 @@ mod tests {
         p.gather(0, &table, n, &mut k, &mut v);
         assert_eq!(k, keys.iter().map(|&x| round_f16(x)).collect::<Vec<_>>());
         assert_eq!(v, values);
+    }
+
+    #[test]
+    fn quantized_pools_write_whole_rows_in_their_slots() {
+        let types = KvTypes {
+            k: KvType::Q8_0,
+            v: KvType::Q4_0,
+        };
+        let mut p = KvPool::new(1, 32, 64, 8, 4, types);
+        let (a, b) = (p.allocate().unwrap(), p.allocate().unwrap());
+        let table = [b, a];
+        let keys: Vec<f32> = (0..6 * 32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let values: Vec<f32> = (0..6 * 64).map(|i| (i as f32 * 0.11).cos()).collect();
+        p.write(0, &table, 0, &keys, &values);
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        p.gather(0, &table, 6, &mut k, &mut v);
+        // Each value within a step of its block: 127 steps of q8_0, 8 of q4_0.
+        for (rows, back, dim, steps) in [(&keys, &k, 32, 127.0), (&values, &v, 64, 8.0)] {
+            assert_eq!(back.len(), rows.len());
+            for (x, y) in rows.chunks(32).zip(back.chunks(32)) {
+                let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                for (a, b) in x.iter().zip(y) {
+                    assert!((a - b).abs() <= amax / steps * 1.01, "dim {dim}: {a} {b}");
+                }
+            }
+        }
+        assert_eq!(p.types(), types);
     }
 }

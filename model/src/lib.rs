@@ -28,6 +28,7 @@ pub mod generate;
 pub mod gpu;
 mod kv_cache;
 pub(crate) mod kv_pool;
+mod kv_type;
 pub mod logprobs;
 mod model;
 mod ops;
@@ -42,6 +43,7 @@ pub use config::{Activation, Architecture, LayerAttention, ModelConfig, RopeStyl
 pub use cpu::{Logits, PROGRESS_TARGET};
 pub use error::ModelError;
 pub use kv_cache::KvCache;
+pub use kv_type::{CacheRows, KvType, KvTypes};
 pub use model::Model;
 pub use ops::AttentionMethod;
 pub use plan::{ExecutionPlan, LayerPlan, Linear, Vector};

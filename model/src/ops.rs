@@ -7,9 +7,7 @@ mod attention;
 mod expf;
 pub mod route;
 
-pub use attention::{
-    attention, attention_in, AttentionMethod, AttentionShape, FlashContext, Layout,
-};
+pub use attention::{attention_in, AttentionMethod, AttentionShape, FlashContext, Layout};
 pub use expf::expf;
 
 use crate::config::{RopeStyle, Yarn};

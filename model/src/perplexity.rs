@@ -96,6 +96,13 @@ impl<'m> CpuWindows<'m> {
             .with_context(n_ctx);
         CpuWindows { model, cache }
     }
+
+    /// The same, with keys and values stored at `types`, or an error when the model or
+    /// the attention method cannot take them.
+    pub fn with_types(self, types: crate::KvTypes) -> Result<CpuWindows<'m>, ModelError> {
+        let cache = self.cache.with_types(self.model.config(), types)?;
+        Ok(CpuWindows { cache, ..self })
+    }
 }
 
 impl WindowLogits for CpuWindows<'_> {

@@ -8,6 +8,7 @@
 use crate::config::{Activation, ModelConfig};
 use crate::kv_cache::KvCache;
 use crate::kv_pool::{BlockId, KvPool};
+use crate::kv_type::fwht;
 use crate::ops::{self, AttentionMethod, AttentionShape, FlashContext, Layout};
 use crate::plan::{FfnPlan, LayerPlan};
 use crate::ModelError;
@@ -81,13 +82,47 @@ impl Kv<'_, '_> {
         config: &ModelConfig,
         layer_idx: usize,
         sinks: Option<&[f32]>,
+        q: &mut [f32],
+        k: &mut [f32],
+        v: &mut [f32],
+        out: &mut [f32],
+        carry_last: bool,
+    ) -> Carry {
+        let n = q.len() / (config.n_heads * config.head_dim);
+        // A quantized cache holds rotated rows, as llama.cpp's does (kv_type.rs).
+        let types = match self {
+            Kv::Cache(cache) => cache.types(),
+            Kv::Pool { pool, .. } => pool.types(),
+        };
+        if let Some(n_rot) = types.k_rotation(config.head_dim) {
+            fwht(q, n_rot);
+            fwht(k, n_rot);
+        }
+        let v_rotation = types.v_rotation(config.head_dim_v);
+        if let Some(n_rot) = v_rotation {
+            fwht(v, n_rot);
+        }
+        let carry = self.attend_rows(config, layer_idx, sinks, q, k, v, out, carry_last, n);
+        if let Some(n_rot) = v_rotation {
+            fwht(out, n_rot);
+        }
+        carry
+    }
+
+    /// [`Kv::attend`] once the rows are in the cache's frame.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_rows(
+        &mut self,
+        config: &ModelConfig,
+        layer_idx: usize,
+        sinks: Option<&[f32]>,
         q: &[f32],
         k: &[f32],
         v: &[f32],
         out: &mut [f32],
         carry_last: bool,
+        n: usize,
     ) -> Carry {
-        let n = q.len() / (config.n_heads * config.head_dim);
         match self {
             Kv::Cache(cache) => {
                 let shape = attention_shape(
@@ -100,7 +135,7 @@ impl Kv<'_, '_> {
                 );
                 cache.append(layer_idx, k, v);
                 let (keys, values) = cache.layer(layer_idx);
-                ops::attention(q, keys, values, &shape, out);
+                ops::attention_in(q, keys, values, &shape, Layout::Contiguous, out);
                 if carry_last && n > 1 {
                     Carry::Rows(vec![n - 1])
                 } else {
@@ -409,9 +444,9 @@ fn attention_block(
         config,
         layer_idx,
         sinks.as_deref(),
-        &s.q,
-        &s.k,
-        &s.v,
+        &mut s.q,
+        &mut s.k,
+        &mut s.v,
         &mut s.attn,
         carry_last,
     );

@@ -127,7 +127,12 @@ impl HostLayers {
             let rows = end - at;
             for layer in self.layers.clone() {
                 let staging = self.staging.as_mut_slice().map_err(gpu("staging"))?;
-                let (keys, values) = self.kv.layer(layer);
+                let (keys, values) =
+                    self.kv
+                        .layer_f16(layer)
+                        .ok_or_else(|| ModelError::CacheType {
+                            reason: "the host layers of a GPU model keep an f16 cache".into(),
+                        })?;
                 let (k_out, v_out) = staging.split_at_mut(rows * kd);
                 to_f16(&keys[at * kd..end * kd], k_out);
                 to_f16(&values[at * vd..end * vd], &mut v_out[..rows * vd]);

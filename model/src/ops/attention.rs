@@ -39,6 +39,7 @@ use rayon::prelude::*;
 pub use flash::FlashContext;
 
 use super::{expf, round_f16};
+use crate::kv_type::CacheRows;
 
 /// Which of llama.cpp's two CPU attention computations to reproduce: they round
 /// differently, so greedy text can part where two tokens' logits nearly tie.
@@ -96,7 +97,9 @@ const DOT_LANES: usize = 32;
 /// position up to and including the batch (`positions × n_kv_heads × head_dim`), at f16
 /// precision; `out` receives `n_tokens × n_heads × head_dim_v`. Work is split across
 /// (token, head) pairs.
+#[cfg(test)]
 pub fn attention(q: &[f32], keys: &[f32], values: &[f32], shape: &AttentionShape, out: &mut [f32]) {
+    let (keys, values) = (CacheRows::F16(keys), CacheRows::F16(values));
     attention_in(q, keys, values, shape, Layout::Contiguous, out);
 }
 
@@ -122,12 +125,15 @@ impl Layout<'_> {
     }
 }
 
-/// [`attention`] over keys and values stored as `layout` says. The sums are the same
-/// whatever the layout: lanes follow cache positions, not rows.
+/// [`attention`] over keys and values stored as `layout` says, at the precisions they
+/// were stored at. The sums are the same whatever the layout: lanes follow cache
+/// positions, not rows. A quantized cache is always computed as flash attention
+/// (llama.cpp's only way for quantized values; [`crate::KvTypes::check`] refuses the
+/// other method for one).
 pub fn attention_in(
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: CacheRows<'_>,
+    values: CacheRows<'_>,
     shape: &AttentionShape,
     layout: Layout<'_>,
     out: &mut [f32],
@@ -185,8 +191,8 @@ struct Head<'a> {
 fn head_fma(
     head: Head<'_>,
     qh: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: CacheRows<'_>,
+    values: CacheRows<'_>,
     shape: &AttentionShape,
     s: &mut Scratch,
     o: &mut [f32],
@@ -199,15 +205,17 @@ fn head_fma(
 fn head_any(
     head: Head<'_>,
     qh: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: CacheRows<'_>,
+    values: CacheRows<'_>,
     shape: &AttentionShape,
     s: &mut Scratch,
     o: &mut [f32],
 ) {
-    match shape.method {
-        AttentionMethod::Flash => flash_impl(head, qh, keys, values, shape, &mut s.flash, o),
-        AttentionMethod::Matmul => head_impl(head, qh, keys, values, shape, s, o),
+    match (shape.method, keys, values) {
+        (AttentionMethod::Matmul, CacheRows::F16(keys), CacheRows::F16(values)) => {
+            head_impl(head, qh, keys, values, shape, s, o)
+        }
+        _ => flash_impl(head, qh, keys, values, shape, &mut s.flash, o),
     }
 }
 
@@ -216,8 +224,8 @@ fn head_any(
 fn flash_impl(
     head: Head<'_>,
     qh: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: CacheRows<'_>,
+    values: CacheRows<'_>,
     shape: &AttentionShape,
     s: &mut flash::Scratch,
     o: &mut [f32],
@@ -226,6 +234,17 @@ fn flash_impl(
     let kvh = head.h / (shape.n_heads / shape.n_kv_heads);
     let pos = shape.first_pos + head.t;
     let start = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let sink = shape.sinks.map(|sinks| sinks[head.h]);
+    let (CacheRows::F16(keys), CacheRows::F16(values)) = (keys, values) else {
+        let rows = flash::MixedRows {
+            keys,
+            values,
+            layout: head.layout,
+            kvh,
+        };
+        flash::head_mixed(qh, rows, shape, start, pos, sink, s, o);
+        return;
+    };
     let rows = flash::Rows {
         keys,
         values,
@@ -235,7 +254,6 @@ fn flash_impl(
         k_stride: shape.n_kv_heads * hd,
         v_stride: shape.n_kv_heads * hdv,
     };
-    let sink = shape.sinks.map(|sinks| sinks[head.h]);
     flash::head(qh, rows, shape, head.n_tokens, start, pos, sink, s, o);
 }
 

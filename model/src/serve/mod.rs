@@ -99,6 +99,9 @@ pub struct SchedulerConfig {
     pub block_size: usize,
     /// How the CPU computes attention (the GPU has one way of its own).
     pub attention: crate::ops::AttentionMethod,
+    /// The precisions the CPU's pool stores keys and values at (the GPU's cache is
+    /// f16 and refuses others).
+    pub kv_types: crate::KvTypes,
 }
 
 impl SchedulerConfig {
@@ -282,6 +285,16 @@ impl Scheduler {
         gpu: Option<GpuOptions>,
     ) -> Result<Scheduler, ServeError> {
         config.validate()?;
+        config
+            .kv_types
+            .check(model.config(), config.attention)
+            .map_err(|e| ServeError::InvalidConfig(e.to_string()))?;
+        if gpu.is_some() && config.kv_types.is_quantized() {
+            return Err(ServeError::InvalidConfig(format!(
+                "a {}/{} KV cache is computed on the CPU only; the GPU's cache is f16",
+                config.kv_types.k, config.kv_types.v
+            )));
+        }
         let (sender, receiver) = mpsc::channel();
         let metrics = Arc::new(SchedulerMetrics::default());
         let waiting = Arc::new(AtomicUsize::new(0));

@@ -55,7 +55,12 @@ impl<'m> Loop<'m> {
         metrics: Arc<SchedulerMetrics>,
         waiting_count: Arc<AtomicUsize>,
     ) -> Loop<'m> {
-        let pool = KvPool::for_model(model.config(), config.pool_positions, config.block_size);
+        let pool = KvPool::for_model(
+            model.config(),
+            config.pool_positions,
+            config.block_size,
+            config.kv_types,
+        );
         SchedulerMetrics::set(&metrics.kv_blocks_total, pool.n_blocks() as u64);
         SchedulerMetrics::set(&metrics.kv_block_size, pool.block_size() as u64);
         Loop {

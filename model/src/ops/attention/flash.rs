@@ -23,11 +23,21 @@
 //!   runs the first kernel without the final division, and the chunks' partial results
 //!   are combined in order.
 //!
+//! A cache whose keys or values are quantized (`q8_0`, `q4_0`) takes none of these
+//! three: ggml runs the first kernel over the whole view for every batch and view size
+//! ([`head_mixed`]). Its query goes to the keys' dot product type (`Q8_0` blocks for
+//! quantized keys, f16 otherwise) and each score is that type's dot product; quantized
+//! value rows are decoded to f32 and accumulate in f32 (`acc = fma(v, p, acc)`, scaled
+//! by `e^(M_old − M)` in f32), f16 ones as in the first kernel.
+//!
 //! The third kernel depends on two things outside the call: llama.cpp's view of the
 //! cache (the positions used, rounded up to [`KV_PAD`], at most the context) and its
 //! thread count. [`FlashContext`] carries them.
 
+use dequant::matmul::rows::{dequantize_row, Q8Vector};
+
 use super::{dot_f16_lanes, reduce8, AttentionShape, Layout};
+use crate::kv_type::CacheRows;
 use crate::ops::{expf, round_f16};
 
 /// Queries per tile; batches of at least this many take the tiled kernel.
@@ -330,6 +340,128 @@ fn tiled(
     }
     if let Some(sink) = sink {
         // ggml leaves the maximum as it was here; nothing reads it after.
+        add_sink(sink, &mut m, &mut sum, &mut s.acc);
+    }
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    for (o, &a) in o.iter_mut().zip(&s.acc) {
+        *o = a * inv;
+    }
+}
+
+/// Where one (token, head) pair reads its cache rows when either keys or values are
+/// quantized.
+#[derive(Clone, Copy)]
+pub(super) struct MixedRows<'a> {
+    pub keys: CacheRows<'a>,
+    pub values: CacheRows<'a>,
+    pub layout: Layout<'a>,
+    /// The key/value head the query head reads.
+    pub kvh: usize,
+}
+
+impl<'a> MixedRows<'a> {
+    /// Head `kvh`'s part of cache position `j` in `rows`, whose heads hold `dim` values
+    /// each: `(Some(floats), None)` for f16 rows, `(None, Some(blocks))` for quantized.
+    #[inline(always)]
+    fn part(
+        rows: CacheRows<'a>,
+        layout: Layout<'_>,
+        j: usize,
+        kvh: usize,
+        dim: usize,
+        n_kv_heads: usize,
+    ) -> (Option<&'a [f32]>, Option<&'a [u8]>) {
+        let row = layout.row(j);
+        match rows {
+            CacheRows::F16(f) => {
+                let stride = n_kv_heads * dim;
+                (Some(&f[row * stride + kvh * dim..][..dim]), None)
+            }
+            CacheRows::Quant {
+                bytes, row_bytes, ..
+            } => {
+                let head = row_bytes / n_kv_heads;
+                (None, Some(&bytes[row * row_bytes + kvh * head..][..head]))
+            }
+        }
+    }
+}
+
+/// Flash attention of one query over positions `start..=pos` of a cache whose keys or
+/// values (or both) are quantized, into `o`, as ggml's first kernel computes it (the
+/// module documentation says how).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn head_mixed(
+    qh: &[f32],
+    rows: MixedRows<'_>,
+    shape: &AttentionShape,
+    start: usize,
+    pos: usize,
+    sink: Option<f32>,
+    s: &mut Scratch,
+    o: &mut [f32],
+) {
+    let (hd, hdv, nkv) = (shape.head_dim, shape.head_dim_v, shape.n_kv_heads);
+    // The query in the keys' dot product type. Head sizes are whole blocks: the cache
+    // refuses others when it is made.
+    let q8 = match rows.keys {
+        CacheRows::Quant { .. } => Q8Vector::new(qh).ok(),
+        CacheRows::F16(_) => {
+            s.q.clear();
+            s.q.extend(qh.iter().map(|&v| round_f16(v)));
+            None
+        }
+    };
+    let f16_values = matches!(rows.values, CacheRows::F16(_));
+    s.acc.clear();
+    s.acc.resize(hdv, 0.0);
+    s.part.clear();
+    s.part.resize(hdv, 0.0);
+    let (mut m, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+    for j in start..pos + 1 {
+        let dot = match MixedRows::part(rows.keys, rows.layout, j, rows.kvh, hd, nkv) {
+            (Some(k), _) => dot_f16_lanes(&s.q, k),
+            (None, Some(blocks)) => match (rows.keys, &q8) {
+                (CacheRows::Quant { ty, .. }, Some(q8)) => q8.dot(ty, blocks).unwrap_or(f32::NAN),
+                _ => f32::NAN,
+            },
+            (None, None) => f32::NAN,
+        };
+        let sc = score(shape, dot);
+        let v: &[f32] = match MixedRows::part(rows.values, rows.layout, j, rows.kvh, hdv, nkv) {
+            (Some(v), _) => v,
+            (None, Some(blocks)) => {
+                if let CacheRows::Quant { ty, .. } = rows.values {
+                    if dequantize_row(ty, blocks, &mut s.part).is_err() {
+                        s.part.fill(f32::NAN);
+                    }
+                }
+                &s.part
+            }
+            (None, None) => &s.part,
+        };
+        let (ms, vs) = if sc > m {
+            let ms = (m - sc).exp();
+            m = sc;
+            for a in s.acc.iter_mut() {
+                *a = if f16_values {
+                    round_f16(*a * ms)
+                } else {
+                    *a * ms
+                };
+            }
+            (ms, 1.0)
+        } else {
+            (1.0, (sc - m).exp())
+        };
+        for (a, &x) in s.acc.iter_mut().zip(v) {
+            let next = x.mul_add(vs, *a);
+            *a = if f16_values { round_f16(next) } else { next };
+        }
+        sum = sum.mul_add(ms, vs);
+    }
+    if let Some(sink) = sink {
         add_sink(sink, &mut m, &mut sum, &mut s.acc);
     }
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
