@@ -53,6 +53,8 @@ pub struct ChatArgs {
     /// softmax (off), each as llama.cpp computes it.
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
     flash_attn: options::FlashAttn,
+    #[command(flatten)]
+    cache_types: options::CacheTypeArgs,
     /// Show a long turn's progress (and the default model's download) on stderr even
     /// when it is not a terminal.
     #[arg(long)]
@@ -89,7 +91,8 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
     let context_size = context_size(args.ctx_size, model.config().n_ctx_train);
     let chosen = gpu_start
         .finish()?
-        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib);
+        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib)
+        .for_cache(args.cache_types.types(), args.gpu.device)?;
     let attention = args.flash_attn.method();
     let (backend, device) = match chosen {
         Chosen::Gpu { device, .. } => {
@@ -110,7 +113,9 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
             let cache = model
                 .new_cache(context_size)
                 .with_attention(attention)
-                .with_context(context_size);
+                .with_context(context_size)
+                .with_types(model.config(), args.cache_types.types())
+                .with_context(|| format!("{}", path.display()))?;
             let cpu = CpuChat {
                 model: &model,
                 cache,
@@ -132,6 +137,7 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
         turn: 0,
         max_tokens: args.max_tokens,
         attention,
+        kv_types: args.cache_types.types(),
     };
     if interactive {
         eprintln!(
@@ -241,6 +247,7 @@ struct Chat<'a> {
     turn: u64,
     max_tokens: usize,
     attention: AttentionMethod,
+    kv_types: model::KvTypes,
 }
 
 impl Chat<'_> {
@@ -306,6 +313,7 @@ impl Chat<'_> {
             // What is left of the context after the positions kept from earlier turns.
             context_size: self.context_size - reused,
             attention: self.attention,
+            kv_types: self.kv_types,
         };
         let stdout = std::io::stdout();
         let mut out = stdout.lock();

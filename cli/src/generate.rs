@@ -69,6 +69,8 @@ pub struct GenerateArgs {
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
     pub flash_attn: options::FlashAttn,
     #[command(flatten)]
+    pub cache_types: options::CacheTypeArgs,
+    #[command(flatten)]
     pub tuning: options::TuningArgs,
 }
 
@@ -157,7 +159,8 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     // `auto` computes on the CPU what the GPU does not run; `gpu` fails below, saying so.
     let chosen = gpu_start
         .finish()?
-        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib);
+        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib)
+        .for_cache(args.cache_types.types(), args.gpu.device)?;
 
     let text = if args.chat {
         chat_prompt(&store, &tokenizer, &path, &user_text)?
@@ -172,6 +175,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         max_tokens: args.max_tokens,
         context_size,
         attention: args.flash_attn.method(),
+        kv_types: args.cache_types.types(),
     };
 
     let stdout = std::io::stdout();

@@ -239,6 +239,30 @@ impl FlashAttn {
     }
 }
 
+/// `--cache-type-k` and `--cache-type-v`: the precisions the CPU's KV cache keeps keys
+/// and values at, as llama.cpp's `-ctk` and `-ctv` name them.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct CacheTypeArgs {
+    /// The precision of the KV cache's keys: f16, q8_0 or q4_0 (quantized types on the
+    /// CPU only, with flash attention).
+    #[arg(long = "cache-type-k", visible_alias = "ctk", value_name = "TYPE",
+          default_value = "f16", value_parser = model::KvType::parse)]
+    pub k: model::KvType,
+    /// The precision of the KV cache's values: f16, q8_0 or q4_0 (as for keys).
+    #[arg(long = "cache-type-v", visible_alias = "ctv", value_name = "TYPE",
+          default_value = "f16", value_parser = model::KvType::parse)]
+    pub v: model::KvType,
+}
+
+impl CacheTypeArgs {
+    pub fn types(self) -> model::KvTypes {
+        model::KvTypes {
+            k: self.k,
+            v: self.v,
+        }
+    }
+}
+
 /// `on` or `off`, for the tuning flags.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Switch {

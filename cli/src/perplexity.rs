@@ -72,6 +72,8 @@ pub struct PerplexityArgs {
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
     flash_attn: options::FlashAttn,
     #[command(flatten)]
+    cache_types: options::CacheTypeArgs,
+    #[command(flatten)]
     tuning: options::TuningArgs,
 }
 
@@ -110,7 +112,8 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
     };
     let chosen = gpu_start
         .finish()?
-        .for_model(&model, args.device, args.gpu_budget_mib);
+        .for_model(&model, args.device, args.gpu_budget_mib)
+        .for_cache(args.cache_types.types(), args.device)?;
     let mut gpu_model;
     let mut cpu_model;
     let source: &mut dyn WindowLogits = match chosen {
@@ -134,7 +137,9 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
         }
         Chosen::Cpu { reason } => {
             eprintln!("perplexity: computing on the CPU, {threads} threads ({reason})");
-            cpu_model = CpuWindows::new(&model, n_ctx, args.flash_attn.method());
+            cpu_model = CpuWindows::new(&model, n_ctx, args.flash_attn.method())
+                .with_types(args.cache_types.types())
+                .with_context(|| format!("{}", path.display()))?;
             &mut cpu_model
         }
     };

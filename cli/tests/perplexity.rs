@@ -109,6 +109,68 @@ fn gemma3_gives_llama_cpp_s_perplexity_with_bos_in_each_window() {
     );
 }
 
+/// A quantized KV cache (`-ctk`/`-ctv`): llama.cpp's figures for the same cache types,
+/// its rotation of what the cache holds and its kernels on the quantized rows included.
+#[test]
+fn quantized_caches_give_llama_cpp_s_perplexity() {
+    let text = text_path();
+    for (model, types, expected) in [
+        (
+            SMOLLM2,
+            ["q8_0", "q8_0"],
+            include_str!(
+                "../../testdata/perplexity/SmolLM2-135M-Instruct.Q4_1.c128.chunks4.ctk-q8_0.ctv-q8_0.txt"
+            ),
+        ),
+        (
+            SMOLLM2,
+            ["q4_0", "q4_0"],
+            include_str!(
+                "../../testdata/perplexity/SmolLM2-135M-Instruct.Q4_1.c128.chunks4.ctk-q4_0.ctv-q4_0.txt"
+            ),
+        ),
+        (
+            GEMMA3,
+            ["q8_0", "q8_0"],
+            include_str!(
+                "../../testdata/perplexity/gemma-3-270m-q4_k_m.c128.chunks4.ctk-q8_0.ctv-q8_0.txt"
+            ),
+        ),
+    ] {
+        let output = perplexity(
+            &model_path(model),
+            &[
+                "-f", &text, "-c", "128", "-b", "128", "--chunks", "4", "--ctk", types[0],
+                "--ctv", types[1],
+            ],
+        );
+        assert_eq!(stdout(&output), expected, "{model} {types:?}");
+    }
+}
+
+/// Cache types the model or the settings cannot take are refused in one line.
+#[test]
+fn cache_types_that_cannot_be_computed_are_refused() {
+    let model = model_path(SMOLLM2);
+    let text = text_path();
+    let output = perplexity(
+        &model,
+        &[
+            "-f",
+            &text,
+            "-c",
+            "128",
+            "--ctv",
+            "q8_0",
+            "--flash-attn",
+            "off",
+        ],
+    );
+    assert_fails_with(&output, "flash attention");
+    let output = perplexity(&model, &["-f", &text, "-c", "128", "--ctk", "q5_1"]);
+    assert_fails_with(&output, "\"q5_1\" is not one of f16, q8_0, q4_0");
+}
+
 /// Writes SmolLM2's base file; checks it is llama.cpp's to the byte, then compares the
 /// model with itself and, with flash attention off, with the base computed with it on.
 #[test]

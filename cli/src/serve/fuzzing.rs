@@ -39,6 +39,7 @@ impl Checker {
             ctx_size: 0,
             kv_pool: None,
             flash_attn: crate::options::FlashAttn::Auto,
+            kv_types: model::KvTypes::default(),
             max_sequences: 1,
             max_queue: 1,
             step_tokens: 16,

@@ -65,6 +65,8 @@ pub struct ServeArgs {
     /// matrix products around a softmax (off), each as llama.cpp computes it.
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
     flash_attn: crate::options::FlashAttn,
+    #[command(flatten)]
+    cache_types: crate::options::CacheTypeArgs,
     /// Most requests computed at once.
     #[arg(long, default_value_t = 8)]
     max_sequences: usize,
@@ -287,6 +289,7 @@ async fn serve(
         ctx_size: args.ctx_size,
         kv_pool: args.kv_pool,
         flash_attn: args.flash_attn,
+        kv_types: args.cache_types.types(),
         max_sequences: args.max_sequences,
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
@@ -378,6 +381,7 @@ struct LoadConfig {
     ctx_size: usize,
     kv_pool: Option<usize>,
     flash_attn: crate::options::FlashAttn,
+    kv_types: model::KvTypes,
     max_sequences: usize,
     max_queue: usize,
     step_tokens: usize,
@@ -422,8 +426,18 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         tracing::info!(syntax = syntax.name(), "tool calls");
     }
     state.set_progress(0.05);
+    let quantized_cache = config.kv_types.is_quantized();
     let on_gpu = match config.device.as_str() {
         "cpu" => false,
+        "gpu" if quantized_cache => bail!(
+            "--device gpu: a {}/{} KV cache is computed on the CPU only",
+            config.kv_types.k,
+            config.kv_types.v
+        ),
+        _ if quantized_cache => {
+            tracing::info!("serving on the CPU: a quantized KV cache is computed there only");
+            false
+        }
         device => match gpu_usable(&model) {
             Ok(()) => true,
             Err(why) if device == "auto" => {
@@ -478,6 +492,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         pool_positions: pool,
         block_size: 16,
         attention: config.flash_attn.method(),
+        kv_types: config.kv_types,
     };
     let grammars = Grammars::new(Arc::clone(&tokenizer), n_vocab).map_err(|e| {
         tracing::warn!(error = %e, "output constraints are not available");

@@ -4,16 +4,16 @@
 //   g++ -O1 -std=c++17 logitref.cpp -I$SRC/include -I$SRC/ggml/include -I$SRC/vendor \
 //       -L$BUILD/bin -Wl,-rpath,$BUILD/bin -lllama -lggml -lggml-base -o logitref
 // Run:
-//   logitref MODEL.gguf PROMPT.txt TOP_K SHA256 [GREEDY [FLASH_ATTN]] > refs.json
+//   logitref MODEL.gguf PROMPT.txt TOP_K SHA256 [GREEDY [FLASH_ATTN [TYPE_K [TYPE_V]]]] > refs.json
 //
 // It tokenizes the prompt file's text with llama_tokenize (add_special = true,
 // parse_special = true: what llama-tokenize does by default), evaluates every token in
-// one batch on the CPU (2 threads, flash attention as FLASH_ATTN says, the default f16 KV cache, one
-// micro-batch for the whole sequence) with logits at every position, and prints one JSON
-// object: the tokens, and per position the TOP_K largest logits with their ids (largest
-// first, ties to the lower id) and the log-sum-exp of the whole row. SHA256 is recorded
-// as given: the caller passes the file's hash so that the reference names the exact
-// bytes it was made from.
+// one batch on the CPU (2 threads, flash attention as FLASH_ATTN says, the KV cache types
+// TYPE_K and TYPE_V say, one micro-batch for the whole sequence) with logits at every
+// position, and prints one JSON object: the tokens, and per position the TOP_K largest
+// logits with their ids (largest first, ties to the lower id) and the log-sum-exp of the
+// whole row. SHA256 is recorded as given: the caller passes the file's hash so that the
+// reference names the exact bytes it was made from.
 //
 // With GREEDY > 0 it then decodes greedily from the prompt: the prompt again in one batch,
 // then GREEDY tokens one at a time (each its own batch of one, as llama-completion
@@ -24,6 +24,11 @@
 //
 // FLASH_ATTN is `off` (the default) or `on`: llama.cpp's `-fa`. The context is the
 // sequence's length (at least 64), which llama.cpp rounds up to 256.
+//
+// TYPE_K and TYPE_V are the KV cache's element types, `f16` (the default), `q8_0` or
+// `q4_0`: llama.cpp's `-ctk` and `-ctv`. Given, they are recorded as `type_k` and
+// `type_v`; left out, the output is what it was before they existed. A quantized V cache
+// needs flash attention.
 #include "llama.h"
 #include <nlohmann/json.hpp>
 
@@ -56,13 +61,35 @@ static double rounded(double v) {
 }
 
 int main(int argc, char ** argv) {
-    if (argc < 5 || argc > 7) {
-        fprintf(stderr, "usage: %s MODEL.gguf PROMPT.txt TOP_K SHA256 [GREEDY [on|off]]\n", argv[0]);
+    if (argc < 5 || argc > 9) {
+        fprintf(stderr, "usage: %s MODEL.gguf PROMPT.txt TOP_K SHA256 [GREEDY [on|off [TYPE_K [TYPE_V]]]]\n"
+                        "       TYPE_K, TYPE_V: f16 (default), q8_0 or q4_0\n", argv[0]);
         return 2;
     }
     const int top_k = std::atoi(argv[3]);
     const int greedy = argc >= 6 ? std::atoi(argv[5]) : 0;
-    const std::string flash = argc == 7 ? argv[6] : "off";
+    const std::string flash = argc >= 7 ? argv[6] : "off";
+    const bool cache_types = argc >= 8;
+    const std::string type_k = argc >= 8 ? argv[7] : "f16";
+    const std::string type_v = argc >= 9 ? argv[8] : "f16";
+    auto cache_type = [](const std::string & name, ggml_type * type) {
+        if (name == "f16") {
+            *type = GGML_TYPE_F16;
+        } else if (name == "q8_0") {
+            *type = GGML_TYPE_Q8_0;
+        } else if (name == "q4_0") {
+            *type = GGML_TYPE_Q4_0;
+        } else {
+            return false;
+        }
+        return true;
+    };
+    ggml_type ggml_type_k = GGML_TYPE_F16;
+    ggml_type ggml_type_v = GGML_TYPE_F16;
+    if (!cache_type(type_k, &ggml_type_k) || !cache_type(type_v, &ggml_type_v)) {
+        fprintf(stderr, "bad cache type %s or %s (f16, q8_0 or q4_0)\n", type_k.c_str(), type_v.c_str());
+        return 2;
+    }
     std::ifstream prompt_file(argv[2], std::ios::binary);
     if (!prompt_file || top_k <= 0 || greedy < 0 || (flash != "on" && flash != "off")) {
         fprintf(stderr, "cannot read %s, or bad TOP_K %s\n", argv[2], argv[3]);
@@ -98,6 +125,8 @@ int main(int argc, char ** argv) {
     cparams.n_threads = 2;
     cparams.n_threads_batch = 2;
     cparams.flash_attn_type = flash == "on" ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    cparams.type_k = ggml_type_k;
+    cparams.type_v = ggml_type_v;
     cparams.no_perf = true;
     llama_context * ctx = llama_init_from_model(model, cparams);
     if (!ctx) {
@@ -125,6 +154,10 @@ int main(int argc, char ** argv) {
     out["model"] = model_name;
     out["sha256"] = argv[4];
     out["flash_attn"] = flash;
+    if (cache_types) {
+        out["type_k"] = type_k;
+        out["type_v"] = type_v;
+    }
     out["prompt"] = prompt;
     out["n_vocab"] = n_vocab;
     out["tokens"] = tokens;

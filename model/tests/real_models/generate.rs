@@ -29,6 +29,7 @@ fn greedy(max_tokens: usize, context_size: usize) -> GenerateOptions {
         context_size,
         // The golden outputs were made with flash attention off.
         attention: AttentionMethod::Matmul,
+        kv_types: Default::default(),
     }
 }
 
@@ -149,6 +150,7 @@ fn flash_greedy_matches_llama_cpp(file: &str) {
         // The user's path: the generation loop with its defaults' attention.
         let options = GenerateOptions {
             attention: AttentionMethod::Flash,
+            kv_types: Default::default(),
             ..greedy(expected.len(), 4096)
         };
         let (output, _) = run(&model, &tokenizer, &prompt, &options);
@@ -252,6 +254,7 @@ fn seeded_sampling_repeats_itself() {
             max_tokens: 12,
             context_size: 4096,
             attention: AttentionMethod::Matmul,
+            kv_types: Default::default(),
         };
         run(&model, &tokenizer, &prompt, &options).0.tokens
     };

@@ -39,6 +39,7 @@ fn config(context_size: usize, pool_positions: usize, step_tokens: usize) -> Sch
         pool_positions,
         block_size: 16,
         attention: AttentionMethod::default(),
+        kv_types: model::KvTypes::default(),
     }
 }
 
@@ -90,6 +91,7 @@ fn generate_text(model: &Model, tokenizer: &Tokenizer, prompt: &[u32], n: usize)
         max_tokens: n,
         context_size: 4096,
         attention: AttentionMethod::default(),
+        kv_types: model::KvTypes::default(),
     };
     let stop = AtomicBool::new(false);
     generate(model, tokenizer, prompt, &options, &stop, |_| {
@@ -280,6 +282,7 @@ fn smollm2_sampled_requests_give_their_text_alone_and_batched() {
         max_tokens: 24,
         context_size: 4096,
         attention: AttentionMethod::default(),
+        kv_types: model::KvTypes::default(),
     };
     let stop = AtomicBool::new(false);
     let generated = generate(&model, &tokenizer, &prompts[0], &options, &stop, |_| {
@@ -431,6 +434,7 @@ fn batched_text_is_alone_or_a_near_tie(file: &str) -> usize {
         max_tokens: 32,
         context_size: 4096,
         attention: AttentionMethod::default(),
+        kv_types: model::KvTypes::default(),
     };
     let stop = AtomicBool::new(false);
     let alone: Vec<_> = prompts

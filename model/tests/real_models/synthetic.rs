@@ -31,7 +31,7 @@ use std::path::PathBuf;
 
 use gguf_format::GgmlType;
 use model::tokenizer::{EncodeOptions, Tokenizer};
-use model::{AttentionMethod, Model};
+use model::{AttentionMethod, KvType, KvTypes, Model};
 use sha2::{Digest, Sha256};
 use tensor_store::TensorStore;
 
@@ -91,7 +91,18 @@ fn oracle_dir_for(method: AttentionMethod) -> PathBuf {
 }
 
 fn reference(name: &str, method: AttentionMethod) -> Reference {
-    let path = oracle_dir_for(method).join(format!("{name}.json"));
+    reference_at(oracle_dir_for(method).join(format!("{name}.json")))
+}
+
+/// llama.cpp's references with a quantized KV cache (flash attention on):
+/// `oracle-kv/NAME.K-V.json`.
+fn kv_reference_path(name: &str, types: KvTypes) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/oracle-kv")
+        .join(format!("{name}.{}-{}.json", types.k, types.v))
+}
+
+fn reference_at(path: PathBuf) -> Reference {
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let json: serde_json::Value = serde_json::from_str(&text).expect("reference is JSON");
@@ -172,8 +183,18 @@ struct Measured {
 }
 
 fn compare(name: &str, tolerance: Tolerance, method: AttentionMethod) -> Measured {
-    let spec = spec(name).unwrap_or_else(|| panic!("no synthetic spec named {name}"));
     let reference = reference(name, method);
+    compare_to(name, tolerance, method, KvTypes::default(), reference)
+}
+
+fn compare_to(
+    name: &str,
+    tolerance: Tolerance,
+    method: AttentionMethod,
+    types: KvTypes,
+    reference: Reference,
+) -> Measured {
+    let spec = spec(name).unwrap_or_else(|| panic!("no synthetic spec named {name}"));
     let bytes = build(spec).expect("the generator writes a valid file");
     assert_eq!(
         hex_sha256(&bytes),
@@ -207,7 +228,9 @@ fn compare(name: &str, tolerance: Tolerance, method: AttentionMethod) -> Measure
     let mut cache = model
         .new_cache(tokens.len())
         .with_attention(method)
-        .with_context(context);
+        .with_context(context)
+        .with_types(model.config(), types)
+        .expect("the model takes the cache types");
     let logits = model
         .forward_all_logits(tokens, &mut cache)
         .expect("forward pass");
@@ -257,7 +280,9 @@ fn compare(name: &str, tolerance: Tolerance, method: AttentionMethod) -> Measure
         let mut cache = model
             .new_cache(context)
             .with_attention(method)
-            .with_context(context);
+            .with_context(context)
+            .with_types(model.config(), types)
+            .expect("the model takes the cache types");
         let mut row = model.forward(tokens, &mut cache).expect("prompt");
         for (step, (expected, &token)) in reference
             .greedy_positions
@@ -287,14 +312,31 @@ fn check(name: &str) {
 const REFERENCE_THREADS: usize = 2;
 
 fn check_with(name: &str, method: AttentionMethod) {
-    let tolerance = EXACT;
     let m = rayon::ThreadPoolBuilder::new()
         .num_threads(REFERENCE_THREADS)
         .build()
         .expect("a thread pool")
-        .install(|| compare(name, tolerance, method));
+        .install(|| compare(name, EXACT, method));
+    assert_measured(name, &format!("{method:?}"), &m);
+}
+
+/// `name` with keys and values stored at `types` against llama.cpp's references for
+/// that cache (`oracle-kv/`), to the same bound: the quantized rows, their rotation
+/// and their kernels are llama.cpp's.
+fn check_kv(name: &str, types: KvTypes) {
+    let reference = reference_at(kv_reference_path(name, types));
+    let m = rayon::ThreadPoolBuilder::new()
+        .num_threads(REFERENCE_THREADS)
+        .build()
+        .expect("a thread pool")
+        .install(|| compare_to(name, EXACT, AttentionMethod::Flash, types, reference));
+    assert_measured(name, &format!("ctk {} ctv {}", types.k, types.v), &m);
+}
+
+fn assert_measured(name: &str, what: &str, m: &Measured) {
+    let tolerance = EXACT;
     eprintln!(
-        "synthetic {name:<15} {method:?} argmax {:>2}/{:<2} ({} near ties)  max |Δ| top-8 {:.4}  \
+        "synthetic {name:<15} {what} argmax {:>2}/{:<2} ({} near ties)  max |Δ| top-8 {:.4}  \
          log-sum-exp {:.4}  rms {:.4}  (bounds {} / {})",
         m.argmax_agree,
         m.positions,
@@ -419,6 +461,91 @@ checks! {
     llama_moe_top1_random_matches_llama_cpp => "llama-moe-top1-random",
     gpt_oss_matches_llama_cpp => "gpt-oss",
     gpt_oss_long_matches_llama_cpp => "gpt-oss-long",
+}
+
+/// A test `$test` for each synthetic model `$name` with its keys and values stored at
+/// the types `$k` and `$v`, against llama.cpp's references for that cache.
+macro_rules! kv_checks {
+    ($($test:ident => $name:literal, $k:ident, $v:ident);* $(;)?) => {$(
+        #[test]
+        fn $test() {
+            check_kv($name, KvTypes { k: KvType::$k, v: KvType::$v });
+        }
+    )*};
+}
+
+kv_checks! {
+    llama_q4_k_q8_0_cache_matches_llama_cpp => "llama-q4_k", Q8_0, Q8_0;
+    llama_q4_k_q4_0_cache_matches_llama_cpp => "llama-q4_k", Q4_0, Q4_0;
+    llama_q4_k_q8_0_keys_matches_llama_cpp => "llama-q4_k", Q8_0, F16;
+    llama_q4_k_q4_0_values_matches_llama_cpp => "llama-q4_k", F16, Q4_0;
+    qwen3_q8_0_cache_matches_llama_cpp => "qwen3", Q8_0, Q8_0;
+    qwen3_q4_0_cache_matches_llama_cpp => "qwen3", Q4_0, Q4_0;
+    gemma2_q8_0_cache_matches_llama_cpp => "gemma2", Q8_0, Q8_0;
+    gemma2_q4_0_cache_matches_llama_cpp => "gemma2", Q4_0, Q4_0;
+    gemma2_q8_0_keys_matches_llama_cpp => "gemma2", Q8_0, F16;
+    gemma2_q4_0_values_matches_llama_cpp => "gemma2", F16, Q4_0;
+    gemma3_q8_0_cache_matches_llama_cpp => "gemma3", Q8_0, Q8_0;
+    gemma3_q4_0_cache_matches_llama_cpp => "gemma3", Q4_0, Q4_0;
+    gpt_oss_q8_0_cache_matches_llama_cpp => "gpt-oss", Q8_0, Q8_0;
+    gpt_oss_q4_0_cache_matches_llama_cpp => "gpt-oss", Q4_0, Q4_0;
+    llama3_q8_0_cache_matches_llama_cpp => "llama3", Q8_0, Q8_0;
+    llama3_q4_0_cache_matches_llama_cpp => "llama3", Q4_0, Q4_0;
+    phi3_q8_0_cache_matches_llama_cpp => "phi3", Q8_0, Q8_0;
+    phi3_q4_0_cache_matches_llama_cpp => "phi3", Q4_0, Q4_0;
+    llama_q4_k_long_q8_0_cache_matches_llama_cpp => "llama-q4_k-long", Q8_0, Q8_0;
+    llama_q4_k_long_q4_0_cache_matches_llama_cpp => "llama-q4_k-long", Q4_0, Q4_0;
+    gemma2_long_q8_0_cache_matches_llama_cpp => "gemma2-long", Q8_0, Q8_0;
+    gemma2_long_q4_0_cache_matches_llama_cpp => "gemma2-long", Q4_0, Q4_0;
+}
+
+/// Every reference in `oracle-kv/` has its test above.
+#[test]
+fn every_cache_type_reference_has_a_test() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/oracle-kv");
+    let source = include_str!("synthetic.rs");
+    for entry in std::fs::read_dir(&dir).expect("tests/data/oracle-kv") {
+        let file = entry
+            .expect("an entry")
+            .file_name()
+            .to_string_lossy()
+            .into_owned();
+        let Some(stem) = file.strip_suffix(".json") else {
+            continue;
+        };
+        let (name, types) = stem.rsplit_once('.').expect("NAME.K-V.json");
+        let (k, v) = types.split_once('-').expect("K-V");
+        let k = KvType::parse(k).expect("a cache type").name();
+        let v = KvType::parse(v).expect("a cache type").name();
+        let line = format!("=> \"{name}\", {}, {};", k.to_uppercase(), v.to_uppercase());
+        assert!(
+            source.contains(&line),
+            "{file} has no test in synthetic.rs ({line})"
+        );
+    }
+}
+
+/// What llama.cpp refuses for a quantized cache is refused here, with the reason: a
+/// head size that is not whole blocks, and (here only) the matrix-product attention.
+#[test]
+fn cache_types_a_model_cannot_take_are_refused() {
+    let (_dir, _store, model) = open_spec("llama-q4_k");
+    let q8 = KvTypes {
+        k: KvType::Q8_0,
+        v: KvType::Q8_0,
+    };
+    let err = model
+        .new_cache(8)
+        .with_attention(AttentionMethod::Matmul)
+        .with_types(model.config(), q8)
+        .expect_err("the matrix-product attention takes an f16 cache");
+    assert!(err.to_string().contains("flash attention"), "{err}");
+    let mut config = model.config().clone();
+    config.head_dim = 72;
+    let err = q8
+        .check(&config, AttentionMethod::Flash)
+        .expect_err("72 is not whole blocks of 32");
+    assert!(err.to_string().contains("72"), "{err}");
 }
 
 /// The synthetic model `name`, written to a temporary folder (kept while the guard

@@ -437,6 +437,7 @@ fn a_pass_stopped_inside_ends_generation_as_interrupted() {
         max_tokens: 10,
         context_size: 32,
         attention: model::AttentionMethod::default(),
+        kv_types: Default::default(),
     };
     for stop_on in [1, 3] {
         let mut session = StopsOnPass {

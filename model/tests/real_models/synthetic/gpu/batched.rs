@@ -302,6 +302,7 @@ pub(super) fn scheduler_on_gpu(name: &str) {
         pool_positions: 4 * context,
         block_size: 16,
         attention: model::AttentionMethod::default(),
+        kv_types: model::KvTypes::default(),
     };
     let options = GpuOptions::new(UploadMode::Background, context);
     let scheduler = Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
@@ -434,6 +435,7 @@ pub(super) fn embeddings_on_gpu(name: &str) {
         pool_positions: 2 * context,
         block_size: 16,
         attention: model::AttentionMethod::default(),
+        kv_types: model::KvTypes::default(),
     };
     let options = GpuOptions::new(UploadMode::Eager, context);
     let scheduler = Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)

@@ -57,6 +57,7 @@ fn constrained(name: &str, gpu: bool) {
         pool_positions: 4 * context,
         block_size: 16,
         attention: model::AttentionMethod::default(),
+        kv_types: model::KvTypes::default(),
     };
     let scheduler = if gpu {
         let options = GpuOptions::new(UploadMode::Background, context);
