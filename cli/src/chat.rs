@@ -197,6 +197,10 @@ impl Session for CpuChat<'_> {
         self.logits = self.model.forward(tokens, &mut self.cache)?;
         Ok(Next::Logits(&self.logits))
     }
+
+    fn shift(&mut self, keep: usize, discard: usize, _kept: &[TokenId]) -> Result<(), ModelError> {
+        self.model.shift_cache(&mut self.cache, keep, discard)
+    }
 }
 
 /// The KV cache of the conversation, on the device that computes.
@@ -314,6 +318,7 @@ impl Chat<'_> {
             context_size: self.context_size - reused,
             attention: self.attention,
             kv_types: self.kv_types,
+            context_shift: None,
         };
         let stdout = std::io::stdout();
         let mut out = stdout.lock();

@@ -70,8 +70,35 @@ pub struct GenerateArgs {
     pub flash_attn: options::FlashAttn,
     #[command(flatten)]
     pub cache_types: options::CacheTypeArgs,
+    /// When the context fills, keep its first tokens (--keep) and drop half of the rest
+    /// instead of stopping (llama.cpp's --context-shift), so generation goes on to
+    /// --max-tokens.
+    #[arg(long)]
+    pub context_shift: bool,
+    /// With --context-shift, the prompt's first tokens that always stay (a BOS token is
+    /// kept besides); -1 keeps the whole prompt.
+    #[arg(
+        long,
+        default_value_t = 0,
+        allow_negative_numbers = true,
+        requires = "context_shift"
+    )]
+    pub keep: i64,
     #[command(flatten)]
     pub tuning: options::TuningArgs,
+}
+
+/// The positions a context shift keeps, as llama.cpp counts them: `--keep` tokens of
+/// the prompt and the BOS token the tokenizer adds, or the whole prompt for a negative
+/// count or one past its end.
+fn kept_positions(keep: i64, prompt: usize, tokenizer: &Tokenizer) -> usize {
+    match usize::try_from(keep) {
+        Ok(keep) if keep <= prompt => {
+            let bos = tokenizer.adds_bos() && tokenizer.special_tokens().bos.is_some();
+            (keep + usize::from(bos)).min(prompt)
+        }
+        _ => prompt,
+    }
 }
 
 /// Set to `0`, a GPU's upload reads a cold model file with its readers alone; set to a
@@ -176,6 +203,9 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         context_size,
         attention: args.flash_attn.method(),
         kv_types: args.cache_types.types(),
+        context_shift: args
+            .context_shift
+            .then(|| kept_positions(args.keep, prompt.len(), &tokenizer)),
     };
 
     let stdout = std::io::stdout();
@@ -395,6 +425,7 @@ fn to_json(
         "tokens": output.tokens,
         "text": output.text,
         "stop_reason": output.stop_reason.name(),
+        "context_shifts": output.context_shifts,
         "seed": seed,
         "device": device.name,
         "timings": {

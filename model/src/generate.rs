@@ -32,6 +32,12 @@ pub trait Session {
     /// logits, or with `greedy` possibly the argmax alone (the first highest logit, as
     /// the greedy sampler picks it).
     fn eval(&mut self, tokens: &[TokenId], greedy: bool) -> Result<Next<'_>, ModelError>;
+
+    /// Makes room in a full context (llama.cpp's context shift): positions
+    /// `keep..keep + discard` leave the cache and the later ones move down by `discard`.
+    /// `kept` is every token the cache holds afterwards, in order, for a back end that
+    /// computes them again instead of moving its keys.
+    fn shift(&mut self, keep: usize, discard: usize, kept: &[TokenId]) -> Result<(), ModelError>;
 }
 
 /// The CPU back end: a model and its cache.
@@ -62,6 +68,11 @@ impl Session for CpuSession<'_> {
         self.logits = self.model.forward(tokens, &mut self.cache)?;
         Ok(Next::Logits(&self.logits))
     }
+
+    /// Moves the kept keys as llama.cpp does (their RoPE turned back).
+    fn shift(&mut self, keep: usize, discard: usize, _kept: &[TokenId]) -> Result<(), ModelError> {
+        self.model.shift_cache(&mut self.cache, keep, discard)
+    }
 }
 
 impl Session for GpuModel {
@@ -70,6 +81,16 @@ impl Session for GpuModel {
             return self.forward_argmax(tokens).map(Next::Token);
         }
         self.forward_logits(tokens).map(Next::Logits)
+    }
+
+    /// Computes the kept tokens again (the device's cache does not move its keys): the
+    /// same room made, the kept positions' keys and values those of the shorter text.
+    fn shift(&mut self, _keep: usize, _discard: usize, kept: &[TokenId]) -> Result<(), ModelError> {
+        self.clear()?;
+        if !kept.is_empty() {
+            self.forward_logits(kept)?;
+        }
+        Ok(())
     }
 }
 
@@ -105,6 +126,10 @@ pub struct GenerateOptions {
     pub attention: AttentionMethod,
     /// The precisions the CPU's KV cache stores keys and values at (the GPU's is f16).
     pub kv_types: crate::KvTypes,
+    /// When the context fills: stop (`None`), or shift it (llama.cpp's
+    /// `--context-shift`), keeping this many first positions and dropping half of the
+    /// rest, so generation goes on up to `max_tokens`.
+    pub context_shift: Option<usize>,
 }
 
 /// Why the loop ended.
@@ -187,6 +212,8 @@ pub struct Generation {
     pub text: String,
     pub stop_reason: StopReason,
     pub timings: Timings,
+    /// How many times the context was shifted to make room (`context_shift`).
+    pub context_shifts: usize,
 }
 
 /// Continues `prompt_tokens` with `model` on the CPU, handing each new piece of text to
@@ -246,6 +273,7 @@ where
         text: String::new(),
         stop_reason: StopReason::MaxTokens,
         timings: Timings::default(),
+        context_shifts: 0,
     };
     if options.max_tokens == 0 {
         return Ok(output);
@@ -266,6 +294,8 @@ where
     let mut decode_start = start;
     let mut positions = 0usize;
     let mut input: Vec<TokenId> = prompt_tokens.to_vec();
+    // With a context shift, the tokens the cache holds, in order.
+    let mut held: Vec<TokenId> = Vec::new();
     let mut decoder = tokenizer.stream_decoder(false);
     let stop_reason = loop {
         let token = {
@@ -280,6 +310,9 @@ where
             }
         };
         positions += input.len();
+        if options.context_shift.is_some() {
+            held.extend_from_slice(&input);
+        }
         if output.timings.first_token.is_none() {
             decode_start = Instant::now();
             output.timings.prompt = decode_start - start;
@@ -304,8 +337,27 @@ where
         if output.tokens.len() >= options.max_tokens {
             break StopReason::MaxTokens;
         }
-        if positions >= options.context_size {
-            break StopReason::ContextFull;
+        match options.context_shift {
+            None if positions >= options.context_size => break StopReason::ContextFull,
+            // As llama.cpp: when the next token would fill the context, the first `keep`
+            // stay and half of the rest leaves.
+            Some(keep) if positions + 1 >= options.context_size => {
+                let keep = keep.min(positions);
+                let discard = (positions - keep) / 2;
+                if discard == 0 {
+                    break StopReason::ContextFull;
+                }
+                held.drain(keep..keep + discard);
+                match session.shift(keep, discard, &held) {
+                    Ok(()) => {}
+                    Err(ModelError::Interrupted) => break StopReason::Interrupted,
+                    Err(error) => return Err(error.into()),
+                }
+                positions -= discard;
+                output.context_shifts += 1;
+                tracing::debug!(keep, discard, positions, "context shifted");
+            }
+            _ => {}
         }
         if stop.load(Ordering::Relaxed) {
             break StopReason::Interrupted;

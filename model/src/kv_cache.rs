@@ -169,6 +169,32 @@ impl KvCache {
         }
     }
 
+    /// The keys of position `pos` in layer `layer`, decoded to f32 (every KV head side
+    /// by side), or `None` past the positions held.
+    pub fn key(&self, layer: usize, pos: usize) -> Option<Vec<f32>> {
+        let rows = self.keys.get(layer)?;
+        (pos < self.len).then(|| {
+            let mut out = vec![0.0; self.k_dim];
+            rows.read(pos, &mut out);
+            out
+        })
+    }
+
+    /// Removes positions `range` of every layer, moving the later ones down (their keys
+    /// need their RoPE turned back by as many positions: [`crate::Model::shift_cache`]).
+    pub(crate) fn remove_positions(&mut self, range: std::ops::Range<usize>) {
+        let range = range.start.min(self.len)..range.end.min(self.len);
+        for rows in self.keys.iter_mut().chain(&mut self.values) {
+            rows.remove_rows(range.clone());
+        }
+        self.len -= range.len();
+    }
+
+    /// The key rows of `layer`, to rewrite.
+    pub(crate) fn keys_mut(&mut self, layer: usize) -> &mut RowStore {
+        &mut self.keys[layer]
+    }
+
     /// Drops positions past `len` (for a batch that failed half-way).
     pub(crate) fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);

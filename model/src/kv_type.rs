@@ -244,6 +244,37 @@ impl RowStore {
         }
     }
 
+    /// Removes rows `range`, moving the later ones down.
+    pub(crate) fn remove_rows(&mut self, range: std::ops::Range<usize>) {
+        match self.ty.ggml() {
+            None => {
+                self.floats
+                    .drain(range.start * self.dim..range.end * self.dim);
+            }
+            Some(_) => {
+                let rb = self.row_bytes;
+                self.bytes.drain(range.start * rb..range.end * rb);
+            }
+        }
+    }
+
+    /// Row `row`'s values into `out` (`dim` of them), decoded when quantized.
+    pub(crate) fn read(&self, row: usize, out: &mut [f32]) {
+        match self.view() {
+            CacheRows::F16(f) => out.copy_from_slice(&f[row * self.dim..(row + 1) * self.dim]),
+            CacheRows::Quant {
+                ty,
+                bytes,
+                row_bytes,
+            } => dequant::matmul::rows::dequantize_row(
+                ty,
+                &bytes[row * row_bytes..(row + 1) * row_bytes],
+                out,
+            )
+            .expect("whole blocks"),
+        }
+    }
+
     /// Keeps the first `rows` rows.
     pub(crate) fn truncate(&mut self, rows: usize) {
         self.floats.truncate(rows * self.dim);

@@ -49,6 +49,18 @@ impl Model {
         KvCache::new(&self.config, max_positions)
     }
 
+    /// Removes positions `keep..keep + discard` of `cache` (llama.cpp's context shift):
+    /// the later positions move down by `discard`, their keys turned back by as many
+    /// positions of RoPE, so that decoding continues in the room made.
+    pub fn shift_cache(
+        &self,
+        cache: &mut KvCache,
+        keep: usize,
+        discard: usize,
+    ) -> Result<(), ModelError> {
+        cpu::shift(&self.config, &self.plan, cache, keep, discard)
+    }
+
     /// Appends `tokens` to `cache` and returns the logits of the last one.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache) -> Result<Vec<f32>, ModelError> {
         cpu::forward(&self.config, &self.plan, tokens, cache, Logits::Last)

@@ -11,6 +11,7 @@ mod moe;
 mod offload;
 mod pass;
 mod products;
+mod shift;
 
 pub(crate) use layer::{layer, Context, Kv, Scratch, Segment};
 pub(crate) use moe::{routed_part, MoeScratch, Pick};
@@ -19,3 +20,4 @@ pub(crate) use pass::{
     embed, final_norm, forward, hidden_states, layers_on_host, on_the_pool, output_logits,
 };
 pub use pass::{Logits, PROGRESS_TARGET};
+pub(crate) use shift::shift;

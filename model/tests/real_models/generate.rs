@@ -30,6 +30,7 @@ fn greedy(max_tokens: usize, context_size: usize) -> GenerateOptions {
         // The golden outputs were made with flash attention off.
         attention: AttentionMethod::Matmul,
         kv_types: Default::default(),
+        context_shift: None,
     }
 }
 
@@ -151,6 +152,7 @@ fn flash_greedy_matches_llama_cpp(file: &str) {
         let options = GenerateOptions {
             attention: AttentionMethod::Flash,
             kv_types: Default::default(),
+            context_shift: None,
             ..greedy(expected.len(), 4096)
         };
         let (output, _) = run(&model, &tokenizer, &prompt, &options);
@@ -255,6 +257,7 @@ fn seeded_sampling_repeats_itself() {
             context_size: 4096,
             attention: AttentionMethod::Matmul,
             kv_types: Default::default(),
+            context_shift: None,
         };
         run(&model, &tokenizer, &prompt, &options).0.tokens
     };

@@ -92,6 +92,7 @@ fn generate_text(model: &Model, tokenizer: &Tokenizer, prompt: &[u32], n: usize)
         context_size: 4096,
         attention: AttentionMethod::default(),
         kv_types: model::KvTypes::default(),
+        context_shift: None,
     };
     let stop = AtomicBool::new(false);
     generate(model, tokenizer, prompt, &options, &stop, |_| {
@@ -283,6 +284,7 @@ fn smollm2_sampled_requests_give_their_text_alone_and_batched() {
         context_size: 4096,
         attention: AttentionMethod::default(),
         kv_types: model::KvTypes::default(),
+        context_shift: None,
     };
     let stop = AtomicBool::new(false);
     let generated = generate(&model, &tokenizer, &prompts[0], &options, &stop, |_| {
@@ -435,6 +437,7 @@ fn batched_text_is_alone_or_a_near_tie(file: &str) -> usize {
         context_size: 4096,
         attention: AttentionMethod::default(),
         kv_types: model::KvTypes::default(),
+        context_shift: None,
     };
     let stop = AtomicBool::new(false);
     let alone: Vec<_> = prompts

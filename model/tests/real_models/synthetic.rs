@@ -525,6 +525,85 @@ fn every_cache_type_reference_has_a_test() {
     }
 }
 
+/// A context shift turns the moved keys back by the positions dropped: the first
+/// layer's keys (which depend on the token and its position alone) are then those a
+/// pass over the shorter text computes, up to the rounding of the cache's type.
+#[test]
+fn shifted_keys_are_the_keys_of_the_shorter_text() {
+    for (name, types, bound) in [
+        ("llama-q4_k", KvTypes::default(), 4e-3),
+        ("qwen3", KvTypes::default(), 4e-3),
+        ("phi3-long", KvTypes::default(), 4e-3),
+        ("gemma2", KvTypes::default(), 4e-3),
+        (
+            "llama-q4_k",
+            KvTypes {
+                k: KvType::Q8_0,
+                v: KvType::Q8_0,
+            },
+            3e-2,
+        ),
+        (
+            "gemma3",
+            KvTypes {
+                k: KvType::Q8_0,
+                v: KvType::F16,
+            },
+            3e-2,
+        ),
+    ] {
+        let (_dir, _store, model) = open_spec(name);
+        let n_vocab = model.config().n_vocab as u32;
+        let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % n_vocab).collect();
+        let (keep, discard) = (4, 10);
+        let cache = |n| {
+            model
+                .new_cache(n)
+                .with_types(model.config(), types)
+                .expect("cache types")
+        };
+        let mut shifted = cache(40);
+        model.forward(&tokens, &mut shifted).expect("forward");
+        model
+            .shift_cache(&mut shifted, keep, discard)
+            .expect("shift");
+        assert_eq!(shifted.len(), 40 - discard);
+        let shorter: Vec<u32> = tokens[..keep]
+            .iter()
+            .chain(&tokens[keep + discard..])
+            .copied()
+            .collect();
+        let mut fresh = cache(40);
+        model.forward(&shorter, &mut fresh).expect("forward");
+        let mut worst = 0.0f32;
+        for pos in 0..shorter.len() {
+            let (a, b) = (shifted.key(0, pos).unwrap(), fresh.key(0, pos).unwrap());
+            let scale = b.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            for (x, y) in a.iter().zip(&b) {
+                worst = worst.max((x - y).abs() / scale);
+            }
+        }
+        eprintln!("{name} {types:?}: largest relative difference {worst:.2e}");
+        assert!(worst <= bound, "{name} {types:?}: {worst} > {bound}");
+        // Without the turn back, the moved keys would be far off.
+        let mut unturned = cache(40);
+        model.forward(&tokens, &mut unturned).expect("forward");
+        let (a, b) = (
+            unturned.key(0, keep + discard + 5).unwrap(),
+            fresh.key(0, keep + 5).unwrap(),
+        );
+        let scale = b.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let off = a
+            .iter()
+            .zip(&b)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs() / scale));
+        assert!(
+            off > 10.0 * bound,
+            "{name}: the test would not see a missing shift"
+        );
+    }
+}
+
 /// What llama.cpp refuses for a quantized cache is refused here, with the reason: a
 /// head size that is not whole blocks, and (here only) the matrix-product attention.
 #[test]

@@ -419,6 +419,15 @@ impl Session for StopsOnPass {
         self.logits[self.passes + 100] = 1.0;
         Ok(Next::Logits(&self.logits))
     }
+
+    fn shift(
+        &mut self,
+        _keep: usize,
+        _discard: usize,
+        _kept: &[TokenId],
+    ) -> Result<(), ModelError> {
+        Ok(())
+    }
 }
 
 /// Without a GPU too: an interruption inside a pass ends generation as a Ctrl-C after a
@@ -438,6 +447,7 @@ fn a_pass_stopped_inside_ends_generation_as_interrupted() {
         context_size: 32,
         attention: model::AttentionMethod::default(),
         kv_types: Default::default(),
+        context_shift: None,
     };
     for stop_on in [1, 3] {
         let mut session = StopsOnPass {
