@@ -40,6 +40,7 @@ impl Checker {
             kv_pool: None,
             flash_attn: crate::options::FlashAttn::Auto,
             kv_types: model::KvTypes::default(),
+            context_shift: None,
             max_sequences: 1,
             max_queue: 1,
             step_tokens: 16,

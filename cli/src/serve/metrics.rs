@@ -141,6 +141,11 @@ fn scheduler_counters(out: &mut String, m: &SchedulerMetrics) {
             &m.preemptions,
         ),
         (
+            "context_shifts_total",
+            "Sequences whose full context was shifted to go on (--context-shift).",
+            &m.context_shifts,
+        ),
+        (
             "embedding_requests_total",
             "Embeddings requests accepted into the queue.",
             &m.embedding_requests,

@@ -67,6 +67,14 @@ pub struct ServeArgs {
     flash_attn: crate::options::FlashAttn,
     #[command(flatten)]
     cache_types: crate::options::CacheTypeArgs,
+    /// When a request fills its context, keep its first --keep tokens (and a BOS
+    /// token) and drop half of the rest instead of finishing it with reason `length`
+    /// (llama.cpp's --context-shift); the request then computes what it keeps again.
+    #[arg(long)]
+    context_shift: bool,
+    /// With --context-shift, the first tokens of each request that always stay.
+    #[arg(long, default_value_t = 0, requires = "context_shift")]
+    keep: usize,
     /// Most requests computed at once.
     #[arg(long, default_value_t = 8)]
     max_sequences: usize,
@@ -290,6 +298,7 @@ async fn serve(
         kv_pool: args.kv_pool,
         flash_attn: args.flash_attn,
         kv_types: args.cache_types.types(),
+        context_shift: args.context_shift.then_some(args.keep),
         max_sequences: args.max_sequences,
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
@@ -382,6 +391,8 @@ struct LoadConfig {
     kv_pool: Option<usize>,
     flash_attn: crate::options::FlashAttn,
     kv_types: model::KvTypes,
+    /// Tokens a context shift keeps (a BOS token besides), or none without one.
+    context_shift: Option<usize>,
     max_sequences: usize,
     max_queue: usize,
     step_tokens: usize,
@@ -493,6 +504,10 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         block_size: 16,
         attention: config.flash_attn.method(),
         kv_types: config.kv_types,
+        context_shift: config.context_shift.map(|keep| {
+            let bos = tokenizer.adds_bos() && tokenizer.special_tokens().bos.is_some();
+            keep + usize::from(bos)
+        }),
     };
     let grammars = Grammars::new(Arc::clone(&tokenizer), n_vocab).map_err(|e| {
         tracing::warn!(error = %e, "output constraints are not available");

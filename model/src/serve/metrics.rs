@@ -167,6 +167,8 @@ pub struct SchedulerMetrics {
     pub embedding_tokens: AtomicU64,
     /// Sequences pushed back to the queue to free blocks for others.
     pub preemptions: AtomicU64,
+    /// Sequences whose full context was shifted to go on (`context_shift`).
+    pub context_shifts: AtomicU64,
     /// Requests waiting to start.
     pub waiting: AtomicU64,
     /// Sequences being computed.

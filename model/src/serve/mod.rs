@@ -102,6 +102,11 @@ pub struct SchedulerConfig {
     /// The precisions the CPU's pool stores keys and values at (the GPU's cache is
     /// f16 and refuses others).
     pub kv_types: crate::KvTypes,
+    /// When a sequence fills its context: finish it (`None`, reason `length`), or shift
+    /// its context (llama.cpp's `--context-shift`): its first this-many tokens stay,
+    /// half of the rest leaves, and the sequence goes back to the queue to compute the
+    /// tokens it keeps again (from the pool's shared blocks where it can).
+    pub context_shift: Option<usize>,
 }
 
 impl SchedulerConfig {

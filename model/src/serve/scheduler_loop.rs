@@ -187,6 +187,7 @@ impl<'m> Loop<'m> {
                     last_token: None,
                     cached_tokens: 0,
                     counted: true,
+                    shifted: false,
                 };
                 if self.deadline.is_some() {
                     self.end_with_error(seq, &ServeError::ShuttingDown.to_string());
@@ -334,6 +335,7 @@ impl<'m> Loop<'m> {
     /// sequence ends, if it does.
     fn take_token(&mut self, i: usize, token: u32) -> Option<Result<FinishReason, String>> {
         let context_size = self.config.context_size;
+        let shift_context = self.config.context_shift;
         let metrics = Arc::clone(&self.metrics);
         let tokenizer = self.tokenizer;
         let seq = &mut self.running[i];
@@ -384,10 +386,33 @@ impl<'m> Loop<'m> {
         if complete {
             return Some(Ok(FinishReason::Stop));
         }
-        if seq.generated >= seq.max_tokens || seq.computed >= context_size {
+        if seq.generated >= seq.max_tokens {
             return Some(Ok(FinishReason::Length));
         }
+        if seq.computed >= context_size {
+            match shift_context.map(|keep| shift(seq, keep)) {
+                Some(true) => {}
+                _ => return Some(Ok(FinishReason::Length)),
+            }
+        }
         None
+    }
+
+    /// Sends the sequences whose context was shifted back to the front of the queue,
+    /// their blocks freed: the next admission computes what they keep.
+    fn requeue_shifted(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if !self.running[i].shifted {
+                i += 1;
+                continue;
+            }
+            let mut seq = self.running.remove(i);
+            seq.shifted = false;
+            self.release(&mut seq);
+            SchedulerMetrics::add(&self.metrics.context_shifts, 1);
+            self.waiting.push_front(seq);
+        }
     }
 
     /// Hands out the text still held and the final event, and frees the blocks.
@@ -461,4 +486,20 @@ fn token_logprobs(
         chosen: entry(&chosen),
         top: top.iter().map(entry).collect(),
     }
+}
+
+/// Drops the oldest half of `seq`'s tokens after its first `keep` (llama.cpp's context
+/// shift) and marks it for the queue; false when nothing can go.
+fn shift(seq: &mut Sequence<'_>, keep: usize) -> bool {
+    // Every token but the newest has its keys and values in the context.
+    let held = seq.tokens.len() - 1;
+    let keep = keep.min(held);
+    let discard = (held - keep) / 2;
+    if discard == 0 {
+        return false;
+    }
+    seq.tokens.drain(keep..keep + discard);
+    seq.shifted = true;
+    tracing::debug!(keep, discard, "context shifted");
+    true
 }

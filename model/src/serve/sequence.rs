@@ -58,6 +58,9 @@ pub(super) struct Sequence<'t> {
     /// Whether it counts against the queue's limit while waiting (new requests do,
     /// preempted ones do not).
     pub(super) counted: bool,
+    /// Set when its context was shifted: it goes back to the queue to compute its
+    /// tokens again.
+    pub(super) shifted: bool,
 }
 
 impl Sequence<'_> {

@@ -40,6 +40,7 @@ fn config(context_size: usize, pool_positions: usize, step_tokens: usize) -> Sch
         block_size: 16,
         attention: AttentionMethod::default(),
         kv_types: model::KvTypes::default(),
+        context_shift: None,
     }
 }
 
@@ -342,6 +343,39 @@ fn smollm2_prompts_reuse_cached_blocks() {
         SchedulerMetrics::get(&m.prompt_tokens_cached),
         results[1].2.cached_tokens as u64
     );
+}
+
+/// With a context shift, a request that fills its context goes on to `max_tokens`: its
+/// first tokens stay, half of the rest leaves, and it computes what it keeps again.
+/// Until the first shift its text is the text of a request that stops there.
+#[test]
+fn smollm2_context_shift_goes_on_past_a_full_context() {
+    let (model, tokenizer) = load("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let prompt = encode(&tokenizer, "The history of the printing press");
+    let mut shifting = config(48, 96, 32);
+    shifting.context_shift = Some(4);
+    let plain = Scheduler::start(model.clone(), Arc::clone(&tokenizer), config(48, 96, 32))
+        .expect("scheduler starts");
+    let (req, rx, _) = request(prompt.clone(), 100, greedy());
+    plain.submit(req).unwrap();
+    let (stopped, finish) = collect(&rx);
+    assert_eq!(finish.reason, FinishReason::Length);
+    assert!(finish.completion_tokens < 100, "{finish:?}");
+    let scheduler =
+        Scheduler::start(model, Arc::clone(&tokenizer), shifting).expect("scheduler starts");
+    let (req, rx, _) = request(prompt.clone(), 100, greedy());
+    scheduler.submit(req).unwrap();
+    let (text, finish) = collect(&rx);
+    assert_eq!(finish.reason, FinishReason::Length);
+    assert_eq!(finish.completion_tokens, 100, "{finish:?}");
+    assert_eq!(finish.prompt_tokens, prompt.len());
+    assert!(text.starts_with(&stopped), "{stopped:?} / {text:?}");
+    assert!(text.len() > stopped.len());
+    let shifts = scheduler
+        .metrics()
+        .context_shifts
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(shifts >= 2, "{shifts} shifts");
 }
 
 #[test]

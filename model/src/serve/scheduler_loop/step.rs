@@ -264,6 +264,7 @@ impl<'m> Loop<'m> {
                 Err(message) => self.end_with_error(seq, &message),
             }
         }
+        self.requeue_shifted();
     }
 }
 

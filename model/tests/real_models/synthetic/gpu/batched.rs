@@ -303,6 +303,7 @@ pub(super) fn scheduler_on_gpu(name: &str) {
         block_size: 16,
         attention: model::AttentionMethod::default(),
         kv_types: model::KvTypes::default(),
+        context_shift: None,
     };
     let options = GpuOptions::new(UploadMode::Background, context);
     let scheduler = Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
@@ -436,6 +437,7 @@ pub(super) fn embeddings_on_gpu(name: &str) {
         block_size: 16,
         attention: model::AttentionMethod::default(),
         kv_types: model::KvTypes::default(),
+        context_shift: None,
     };
     let options = GpuOptions::new(UploadMode::Eager, context);
     let scheduler = Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)

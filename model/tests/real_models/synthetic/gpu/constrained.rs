@@ -58,6 +58,7 @@ fn constrained(name: &str, gpu: bool) {
         block_size: 16,
         attention: model::AttentionMethod::default(),
         kv_types: model::KvTypes::default(),
+        context_shift: None,
     };
     let scheduler = if gpu {
         let options = GpuOptions::new(UploadMode::Background, context);
