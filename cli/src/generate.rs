@@ -273,7 +273,8 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     }
     log_timings(&output);
     if args.json {
-        let json = to_json(&output, load_ms, seed, &device, &moments);
+        let kv = (args.cache_types.types(), model.config());
+        let json = to_json(&output, load_ms, seed, &device, &moments, kv);
         serde_json::to_writer(&mut out, &json)?;
         writeln!(out)?;
     } else {
@@ -418,6 +419,7 @@ fn to_json(
     seed: u64,
     device: &DeviceReport,
     moments: &Moments,
+    (kv_types, config): (model::KvTypes, &model::ModelConfig),
 ) -> serde_json::Value {
     let t = &output.timings;
     json!({
@@ -426,6 +428,11 @@ fn to_json(
         "text": output.text,
         "stop_reason": output.stop_reason.name(),
         "context_shifts": output.context_shifts,
+        "kv_cache": {
+            "type_k": kv_types.k.name(),
+            "type_v": kv_types.v.name(),
+            "bytes_per_token": kv_types.bytes_per_position(config),
+        },
         "seed": seed,
         "device": device.name,
         "timings": {

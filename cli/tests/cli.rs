@@ -238,6 +238,13 @@ fn context_shift_continues_past_a_full_context() {
         let tokens = ids(&json["tokens"]);
         assert_eq!(tokens.len(), 100, "{json}");
         assert!(json["context_shifts"].as_u64().unwrap() >= 2, "{json}");
+        // 30 layers of 3 KV heads of 64: f16 two bytes a value, q8_0 34 per 32.
+        let bytes = json["kv_cache"]["bytes_per_token"].as_u64().unwrap();
+        assert_eq!(
+            bytes,
+            if cache == "f16" { 23_040 } else { 12_240 },
+            "{json}"
+        );
         if cache == "f16" {
             // The shift comes one position before the plain run stops.
             let before = stopped.len() - 1;

@@ -73,12 +73,6 @@ impl KvCache {
         self.types
     }
 
-    /// Bytes the stored keys and values of one position take, every layer (at f16, two
-    /// a value, as llama.cpp counts them; this cache keeps f16 values in f32).
-    pub fn bytes_per_position(&self) -> usize {
-        self.keys.len() * (self.types.k.row_bytes(self.k_dim) + self.types.v.row_bytes(self.v_dim))
-    }
-
     /// The same cache computing attention as `method` says (a context setting in
     /// llama.cpp too: `-fa on|off`). Flash attention unless set; a quantized cache
     /// (checked against the method by [`KvCache::with_types`]) always takes it.

@@ -131,6 +131,16 @@ impl KvTypes {
         Ok(())
     }
 
+    /// Bytes one position's keys and values take in every layer of `config`'s model
+    /// at these types (f16 at two bytes a value, as llama.cpp counts it).
+    pub fn bytes_per_position(self, config: &ModelConfig) -> usize {
+        let (k_dim, v_dim) = (
+            config.n_kv_heads * config.head_dim,
+            config.n_kv_heads * config.head_dim_v,
+        );
+        config.n_layers * (self.k.row_bytes(k_dim) + self.v.row_bytes(v_dim))
+    }
+
     /// The size of the rotation of queries and keys for a key head of `head_dim`, when
     /// there is one.
     pub(crate) fn k_rotation(self, head_dim: usize) -> Option<usize> {
