@@ -1,8 +1,9 @@
 //! The key/value cache of the attention layers.
 
 use crate::config::ModelConfig;
-use crate::kv_type::{CacheRows, KvTypes, RowStore};
+use crate::kv_type::{KvTypes, RowStore};
 use crate::ops::AttentionMethod;
+use crate::ops::CacheRows;
 use crate::ModelError;
 
 /// Keys and values of every layer for the positions processed so far.

@@ -13,7 +13,8 @@
 use std::collections::HashMap;
 
 use crate::config::ModelConfig;
-use crate::kv_type::{CacheRows, KvTypes, RowStore};
+use crate::kv_type::{KvTypes, RowStore};
+use crate::ops::CacheRows;
 
 /// A block's id: its index in the pool.
 pub(crate) type BlockId = u32;

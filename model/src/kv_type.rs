@@ -20,7 +20,7 @@
 use gguf_format::GgmlType;
 
 use crate::config::ModelConfig;
-use crate::ops::{round_f16, AttentionMethod};
+use crate::ops::{round_f16, AttentionMethod, CacheRows};
 use crate::ModelError;
 
 /// The precision keys or values are stored at.
@@ -338,20 +338,6 @@ fn quantize(ty: GgmlType, x: &[f32], dim: usize, out: &mut [u8]) {
     for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(rb)) {
         dequant::matmul::rows::quantize_row(ty, xr, or).expect("whole blocks");
     }
-}
-
-/// A layer's stored keys or values, as the attention reads them: position `p`'s row is
-/// row `p` (or the row a paged layout maps it to), heads side by side.
-#[derive(Clone, Copy, Debug)]
-pub enum CacheRows<'a> {
-    /// f16 values as f32, `dim` a row.
-    F16(&'a [f32]),
-    /// Rows of blocks of `ty`, `row_bytes` a row.
-    Quant {
-        ty: GgmlType,
-        bytes: &'a [u8],
-        row_bytes: usize,
-    },
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@ pub use config::{Activation, Architecture, LayerAttention, ModelConfig, RopeStyl
 pub use cpu::{Logits, PROGRESS_TARGET};
 pub use error::ModelError;
 pub use kv_cache::KvCache;
-pub use kv_type::{CacheRows, KvType, KvTypes};
+pub use kv_type::{KvType, KvTypes};
 pub use model::Model;
-pub use ops::AttentionMethod;
+pub use ops::{AttentionMethod, CacheRows};
 pub use plan::{ExecutionPlan, LayerPlan, Linear, Vector};

@@ -7,7 +7,9 @@ mod attention;
 mod expf;
 pub mod route;
 
-pub use attention::{attention_in, AttentionMethod, AttentionShape, FlashContext, Layout};
+pub use attention::{
+    attention_in, AttentionMethod, AttentionShape, CacheRows, FlashContext, Layout,
+};
 pub use expf::expf;
 
 use crate::config::{RopeStyle, Yarn};

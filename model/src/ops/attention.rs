@@ -34,12 +34,12 @@
 
 mod flash;
 
+use gguf_format::GgmlType;
 use rayon::prelude::*;
 
 pub use flash::FlashContext;
 
 use super::{expf, round_f16};
-use crate::kv_type::CacheRows;
 
 /// Which of llama.cpp's two CPU attention computations to reproduce: they round
 /// differently, so greedy text can part where two tokens' logits nearly tie.
@@ -50,6 +50,20 @@ pub enum AttentionMethod {
     Flash,
     /// Two matrix products around a softmax (`-fa off`).
     Matmul,
+}
+
+/// A layer's stored keys or values, as the attention reads them: position `p`'s row is
+/// row `p` (or the row a paged layout maps it to), heads side by side.
+#[derive(Clone, Copy, Debug)]
+pub enum CacheRows<'a> {
+    /// f16 values as f32, `dim` a row.
+    F16(&'a [f32]),
+    /// Rows of blocks of `ty`, `row_bytes` a row.
+    Quant {
+        ty: GgmlType,
+        bytes: &'a [u8],
+        row_bytes: usize,
+    },
 }
 
 /// The shapes of one attention call.

@@ -36,8 +36,7 @@
 
 use dequant::matmul::rows::{dequantize_row, Q8Vector};
 
-use super::{dot_f16_lanes, reduce8, AttentionShape, Layout};
-use crate::kv_type::CacheRows;
+use super::{dot_f16_lanes, reduce8, AttentionShape, CacheRows, Layout};
 use crate::ops::{expf, round_f16};
 
 /// Queries per tile; batches of at least this many take the tiled kernel.

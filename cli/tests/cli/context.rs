@@ -1,0 +1,62 @@
+//! `generate --context-shift` end to end on SmolLM2.
+
+use super::{assert_stderr_has, greedy_json, ids, model_path, run};
+
+/// `--context-shift`: when the context fills, its first `--keep` tokens stay and half of
+/// the rest leaves, so generation goes on to `--max-tokens`; until the first shift the
+/// text is the text of a run that stops when the context is full. With a quantized
+/// cache too.
+#[test]
+fn context_shift_continues_past_a_full_context() {
+    let model = model_path("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let prompt = "The history of the printing press";
+    let full = greedy_json(&model, prompt, &["--max-tokens", "100", "-c", "48"]);
+    assert_eq!(full["stop_reason"], "context_full", "{full}");
+    let stopped = ids(&full["tokens"]);
+    for cache in ["f16", "q8_0"] {
+        let json = greedy_json(
+            &model,
+            prompt,
+            &[
+                "--max-tokens",
+                "100",
+                "-c",
+                "48",
+                "--context-shift",
+                "--keep",
+                "4",
+                "--ctk",
+                cache,
+                "--ctv",
+                cache,
+            ],
+        );
+        assert_eq!(json["stop_reason"], "max_tokens", "{json}");
+        let tokens = ids(&json["tokens"]);
+        assert_eq!(tokens.len(), 100, "{json}");
+        assert!(json["context_shifts"].as_u64().unwrap() >= 2, "{json}");
+        // 30 layers of 3 KV heads of 64: f16 two bytes a value, q8_0 34 per 32.
+        let bytes = json["kv_cache"]["bytes_per_token"].as_u64().unwrap();
+        assert_eq!(
+            bytes,
+            if cache == "f16" { 23_040 } else { 12_240 },
+            "{json}"
+        );
+        if cache == "f16" {
+            // The shift comes one position before the plain run stops.
+            let before = stopped.len() - 1;
+            assert_eq!(tokens[..before], stopped[..before], "{json}");
+        }
+    }
+    let output = run(&[
+        "generate",
+        "--gguf",
+        model.to_str().unwrap(),
+        "--prompt",
+        prompt,
+        "--keep",
+        "4",
+    ]);
+    assert!(!output.status.success());
+    assert_stderr_has(&output, "--context-shift");
+}
