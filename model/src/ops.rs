@@ -304,9 +304,138 @@ pub fn round_f16(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
 }
 
+/// `acc[i] = f16(fma(x[i], s, acc[i]))` for every `i`: ggml's `ggml_vec_mad_f16` on an
+/// accumulator held at f16 precision. Eight lanes at a time with F16C's conversions
+/// where the CPU has them (the same rounding, to nearest even, as [`round_f16`]).
+#[inline(always)]
+pub fn fma_round_f16(acc: &mut [f32], x: &[f32], s: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if has_f16c() {
+        // SAFETY: the CPU has AVX2, FMA and F16C, the features the function needs.
+        unsafe { f16c::fma_round(acc, x, s) };
+        return;
+    }
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a = round_f16(v.mul_add(s, *a));
+    }
+}
+
+/// `acc[i] = f16(acc[i] · s)` for every `i`: ggml's `ggml_vec_scale_f16`, as
+/// [`fma_round_f16`] computes it.
+#[inline(always)]
+pub fn scale_round_f16(acc: &mut [f32], s: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if has_f16c() {
+        // SAFETY: as in `fma_round_f16`.
+        unsafe { f16c::scale_round(acc, s) };
+        return;
+    }
+    for a in acc.iter_mut() {
+        *a = round_f16(*a * s);
+    }
+}
+
+/// Whether the CPU has AVX2, FMA and F16C (the standard library caches the detection).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn has_f16c() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// The f16 accumulator's loops on eight lanes.
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::*;
+
+    /// Rounds eight lanes to f16 (to nearest even) and back.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn round8(v: __m256) -> __m256 {
+        _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn fma_round(acc: &mut [f32], x: &[f32], s: f32) {
+        let n = acc.len().min(x.len());
+        let whole = n / 8 * 8;
+        let sv = _mm256_set1_ps(s);
+        let (a, b) = (acc.as_mut_ptr(), x.as_ptr());
+        let mut i = 0;
+        while i < whole {
+            // SAFETY: `i + 8 <= n`, within both slices.
+            unsafe {
+                let r = _mm256_fmadd_ps(_mm256_loadu_ps(b.add(i)), sv, _mm256_loadu_ps(a.add(i)));
+                _mm256_storeu_ps(a.add(i), round8(r));
+            }
+            i += 8;
+        }
+        for j in whole..n {
+            acc[j] = super::round_f16(x[j].mul_add(s, acc[j]));
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scale_round(acc: &mut [f32], s: f32) {
+        let whole = acc.len() / 8 * 8;
+        let sv = _mm256_set1_ps(s);
+        let a = acc.as_mut_ptr();
+        let mut i = 0;
+        while i < whole {
+            // SAFETY: `i + 8 <= acc.len()`.
+            unsafe {
+                _mm256_storeu_ps(
+                    a.add(i),
+                    round8(_mm256_mul_ps(_mm256_loadu_ps(a.add(i)), sv)),
+                )
+            };
+            i += 8;
+        }
+        for v in &mut acc[whole..] {
+            *v = super::round_f16(*v * s);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_f16_accumulator_loops_round_as_one_value_at_a_time() {
+        let x: Vec<f32> = (0..67)
+            .map(|i| ((i * 37) % 101) as f32 * 0.731 - 30.0)
+            .collect();
+        let mut acc: Vec<f32> = (0..67).map(|i| round_f16(i as f32 * 1.37 - 40.0)).collect();
+        acc[5] = 65_000.0;
+        for s in [0.3f32, 1.0, 7.5e-5, 3.0] {
+            let mut expected = acc.clone();
+            for (a, &v) in expected.iter_mut().zip(&x) {
+                *a = round_f16(v.mul_add(s, *a));
+            }
+            let mut got = acc.clone();
+            fma_round_f16(&mut got, &x, s);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "fma, s = {s}"
+            );
+            let mut expected = acc.clone();
+            expected.iter_mut().for_each(|a| *a = round_f16(*a * s));
+            let mut got = acc.clone();
+            scale_round_f16(&mut got, s);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "scale, s = {s}"
+            );
+        }
+    }
 
     #[test]
     fn rms_norm_matches_the_definition() {

@@ -37,7 +37,7 @@
 use dequant::matmul::rows::{dequantize_row, Q8Vector};
 
 use super::{dot_f16_lanes, reduce8, AttentionShape, CacheRows, Layout};
-use crate::ops::{expf, round_f16};
+use crate::ops::{expf, fma_round_f16, round_f16, scale_round_f16};
 
 /// Queries per tile; batches of at least this many take the tiled kernel.
 pub const Q_TILE: usize = 64;
@@ -82,16 +82,12 @@ impl Online<'_> {
         let (ms, vs) = if score > self.m {
             let ms = (self.m - score).exp();
             self.m = score;
-            for a in self.acc.iter_mut() {
-                *a = round_f16(*a * ms);
-            }
+            scale_round_f16(self.acc, ms);
             (ms, 1.0)
         } else {
             (1.0, (score - self.m).exp())
         };
-        for (a, &x) in self.acc.iter_mut().zip(v) {
-            *a = round_f16(x.mul_add(vs, *a));
-        }
+        fma_round_f16(self.acc, v, vs);
         self.s = self.s.mul_add(ms, vs);
     }
 }
@@ -443,20 +439,21 @@ pub(super) fn head_mixed(
         let (ms, vs) = if sc > m {
             let ms = (m - sc).exp();
             m = sc;
-            for a in s.acc.iter_mut() {
-                *a = if f16_values {
-                    round_f16(*a * ms)
-                } else {
-                    *a * ms
-                };
+            if f16_values {
+                scale_round_f16(&mut s.acc, ms);
+            } else {
+                s.acc.iter_mut().for_each(|a| *a *= ms);
             }
             (ms, 1.0)
         } else {
             (1.0, (sc - m).exp())
         };
-        for (a, &x) in s.acc.iter_mut().zip(v) {
-            let next = x.mul_add(vs, *a);
-            *a = if f16_values { round_f16(next) } else { next };
+        if f16_values {
+            fma_round_f16(&mut s.acc, v, vs);
+        } else {
+            for (a, &x) in s.acc.iter_mut().zip(v) {
+                *a = x.mul_add(vs, *a);
+            }
         }
         sum = sum.mul_add(ms, vs);
     }
