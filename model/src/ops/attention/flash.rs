@@ -67,12 +67,13 @@ impl FlashContext {
     }
 }
 
-/// Running state of one query: maximum, sum and the f16 accumulator of the first
-/// kernel.
+/// Running state of one query: maximum, sum and the accumulator of the first kernel,
+/// held at f16 precision (f16 values) or in f32 (quantized values).
 struct Online<'s> {
     m: f32,
     s: f32,
     acc: &'s mut [f32],
+    f16: bool,
 }
 
 impl Online<'_> {
@@ -82,12 +83,22 @@ impl Online<'_> {
         let (ms, vs) = if score > self.m {
             let ms = (self.m - score).exp();
             self.m = score;
-            scale_round_f16(self.acc, ms);
+            if self.f16 {
+                scale_round_f16(self.acc, ms);
+            } else {
+                self.acc.iter_mut().for_each(|a| *a *= ms);
+            }
             (ms, 1.0)
         } else {
             (1.0, (score - self.m).exp())
         };
-        fma_round_f16(self.acc, v, vs);
+        if self.f16 {
+            fma_round_f16(self.acc, v, vs);
+        } else {
+            for (a, &x) in self.acc.iter_mut().zip(v) {
+                *a = x.mul_add(vs, *a);
+            }
+        }
         self.s = self.s.mul_add(ms, vs);
     }
 }
@@ -205,6 +216,7 @@ fn one_chunk(
         m: f32::NEG_INFINITY,
         s: 0.0,
         acc: &mut s.acc,
+        f16: true,
     };
     for j in range {
         let sc = score(shape, dot_f16_lanes(&s.q, rows.key(j, hd)));
@@ -413,7 +425,12 @@ pub(super) fn head_mixed(
     s.acc.resize(hdv, 0.0);
     s.part.clear();
     s.part.resize(hdv, 0.0);
-    let (mut m, mut sum) = (f32::NEG_INFINITY, 0.0f32);
+    let mut state = Online {
+        m: f32::NEG_INFINITY,
+        s: 0.0,
+        acc: &mut s.acc,
+        f16: f16_values,
+    };
     for j in start..pos + 1 {
         let dot = match MixedRows::part(rows.keys, rows.layout, j, rows.kvh, hd, nkv) {
             (Some(k), _) => dot_f16_lanes(&s.q, k),
@@ -436,27 +453,9 @@ pub(super) fn head_mixed(
             }
             (None, None) => &s.part,
         };
-        let (ms, vs) = if sc > m {
-            let ms = (m - sc).exp();
-            m = sc;
-            if f16_values {
-                scale_round_f16(&mut s.acc, ms);
-            } else {
-                s.acc.iter_mut().for_each(|a| *a *= ms);
-            }
-            (ms, 1.0)
-        } else {
-            (1.0, (sc - m).exp())
-        };
-        if f16_values {
-            fma_round_f16(&mut s.acc, v, vs);
-        } else {
-            for (a, &x) in s.acc.iter_mut().zip(v) {
-                *a = x.mul_add(vs, *a);
-            }
-        }
-        sum = sum.mul_add(ms, vs);
+        state.push(sc, v);
     }
+    let (mut m, mut sum) = (state.m, state.s);
     if let Some(sink) = sink {
         add_sink(sink, &mut m, &mut sum, &mut s.acc);
     }
