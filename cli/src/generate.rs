@@ -93,10 +93,7 @@ pub struct GenerateArgs {
 /// count or one past its end.
 fn kept_positions(keep: i64, prompt: usize, tokenizer: &Tokenizer) -> usize {
     match usize::try_from(keep) {
-        Ok(keep) if keep <= prompt => {
-            let bos = tokenizer.adds_bos() && tokenizer.special_tokens().bos.is_some();
-            (keep + usize::from(bos)).min(prompt)
-        }
+        Ok(keep) if keep <= prompt => options::kept_by_shift(keep, tokenizer).min(prompt),
         _ => prompt,
     }
 }

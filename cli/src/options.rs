@@ -263,6 +263,13 @@ impl CacheTypeArgs {
     }
 }
 
+/// The first positions a context shift keeps for `--keep N`, as llama.cpp counts them:
+/// N tokens and the BOS token the tokenizer adds.
+pub fn kept_by_shift(keep: usize, tokenizer: &model::tokenizer::Tokenizer) -> usize {
+    let bos = tokenizer.adds_bos() && tokenizer.special_tokens().bos.is_some();
+    keep + usize::from(bos)
+}
+
 /// `on` or `off`, for the tuning flags.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Switch {

@@ -504,10 +504,9 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         block_size: 16,
         attention: config.flash_attn.method(),
         kv_types: config.kv_types,
-        context_shift: config.context_shift.map(|keep| {
-            let bos = tokenizer.adds_bos() && tokenizer.special_tokens().bos.is_some();
-            keep + usize::from(bos)
-        }),
+        context_shift: config
+            .context_shift
+            .map(|keep| crate::options::kept_by_shift(keep, &tokenizer)),
     };
     let grammars = Grammars::new(Arc::clone(&tokenizer), n_vocab).map_err(|e| {
         tracing::warn!(error = %e, "output constraints are not available");

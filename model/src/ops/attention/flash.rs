@@ -76,7 +76,19 @@ struct Online<'s> {
     f16: bool,
 }
 
-impl Online<'_> {
+impl<'s> Online<'s> {
+    /// A query's state before any position: `acc` cleared to `dim` zeros.
+    fn start(acc: &'s mut Vec<f32>, dim: usize, f16: bool) -> Online<'s> {
+        acc.clear();
+        acc.resize(dim, 0.0);
+        Online {
+            m: f32::NEG_INFINITY,
+            s: 0.0,
+            acc,
+            f16,
+        }
+    }
+
     /// Adds cache position `j` with score `score` (already scaled and capped).
     #[inline(always)]
     fn push(&mut self, score: f32, v: &[f32]) {
@@ -210,14 +222,7 @@ fn one_chunk(
     let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
     s.q.clear();
     s.q.extend(qh.iter().map(|&v| round_f16(v)));
-    s.acc.clear();
-    s.acc.resize(hdv, 0.0);
-    let mut state = Online {
-        m: f32::NEG_INFINITY,
-        s: 0.0,
-        acc: &mut s.acc,
-        f16: true,
-    };
+    let mut state = Online::start(&mut s.acc, hdv, true);
     for j in range {
         let sc = score(shape, dot_f16_lanes(&s.q, rows.key(j, hd)));
         state.push(sc, rows.value(j, hdv));
@@ -421,16 +426,9 @@ pub(super) fn head_mixed(
         }
     };
     let f16_values = matches!(rows.values, CacheRows::F16(_));
-    s.acc.clear();
-    s.acc.resize(hdv, 0.0);
     s.part.clear();
     s.part.resize(hdv, 0.0);
-    let mut state = Online {
-        m: f32::NEG_INFINITY,
-        s: 0.0,
-        acc: &mut s.acc,
-        f16: f16_values,
-    };
+    let mut state = Online::start(&mut s.acc, hdv, f16_values);
     for j in start..pos + 1 {
         let dot = match MixedRows::part(rows.keys, rows.layout, j, rows.kvh, hd, nkv) {
             (Some(k), _) => dot_f16_lanes(&s.q, k),
