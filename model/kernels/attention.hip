@@ -1,6 +1,7 @@
-// attention.hip: attention of a few queries against the f16 KV cache, split along the
-// keys, each query's chunks merged by the last of them to finish; Gemma 2's optional
-// soft cap on the scores. Shared helpers and conventions: transformer_common.h.
+// attention.hip: attention of a few queries against the KV cache (f16, Q8_0 or Q4_0),
+// split along the keys, each query's chunks merged by the last of them to finish;
+// Gemma 2's optional soft cap on the scores; the rotation that turns the output of a
+// quantized value cache back. Shared helpers and conventions: transformer_common.h.
 #include "transformer_common.h"
 
 namespace rf {
@@ -27,6 +28,9 @@ struct AttnArgs {
     // (gpt-oss's sinks); null: none. A sink far above the scores makes the sum infinite
     // and the output 0, its limit.
     const float* sinks;
+    // The run of the Walsh-Hadamard rotation the value cache's rows hold (a quantized
+    // cache's), which the output is turned back by; 0: none.
+    int v_rot;
 };
 
 
@@ -46,17 +50,20 @@ __device__ __forceinline__ float sum_lanes(float v, int width) {
 // finish (counted in `done`, which it sets back to zero for the next launch) merges them
 // into the output: no second kernel.
 //
-// Scores: each key's dot product is taken by a few lanes (8 halves, 16 bytes, a lane at a
-// time), so a 128-thread workgroup scores many keys at once; where a lane takes one piece
-// of each key (heads of 64, 128 or 256), it loads the pieces of kAttnUnroll keys before
-// it multiplies any, so that their loads are in flight together. Values: each thread
-// takes eight dimensions (16 bytes) of every G-th key, G = 128 / (head_dim_v / 8), again
-// kAttnUnroll keys' loads ahead (heads of other widths: two dimensions, one key at a
-// time), and the G partial sums meet in shared memory.
-template <bool kPaged>
+// Scores: each key's dot product is taken by a few lanes (a piece a lane at a time: 8
+// halves, or 16 quants with their scale, `Piece`), so a 128-thread workgroup scores many
+// keys at once; where a lane takes one piece of each key (heads of 64, 128 or 256), it
+// loads the pieces of kAttnUnroll keys before it multiplies any, so that their loads are
+// in flight together. Values: each thread takes a piece of every G-th key, G = 128 /
+// (head_dim_v / piece), again kAttnUnroll keys' loads ahead (f16 heads of other widths:
+// two dimensions, one key at a time), and the G partial sums meet in shared memory.
+//
+// KT, VT: the caches' element types (kCache*); a quantized value cache needs value heads
+// of whole blocks, so its values always take the eight-dimension path.
+template <bool kPaged, int KT, int VT>
 __global__ void __launch_bounds__(kAttnThreads)
-    attention_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
-                     const __half* __restrict__ v_cache, AttnArgs a, const int* __restrict__ pos,
+    attention_kernel(const float* __restrict__ q, CacheView k_cache, CacheView v_cache,
+                     AttnArgs a, const int* __restrict__ pos,
                      Pages pg, float* part_ml, float* part_acc, unsigned* done, float* __restrict__ out,
                      void* __restrict__ out_q8) {
     rf_chain_wait();
@@ -64,10 +71,11 @@ __global__ void __launch_bounds__(kAttnThreads)
     __shared__ float scores[kAttnMaxChunk];
     __shared__ int merges;
     __shared__ float red[kAttnThreads / 32];
-    __shared__ float pv[kAttnThreads * 8];
+    // Values a piece of a key or value row holds.
+    constexpr int KN = Piece<KT>::kValues, VN = Piece<VT>::kValues;
+    __shared__ float pv[kAttnThreads * VN];
     const int chunk = blockIdx.x, h = blockIdx.y, token = blockIdx.z;
     const int kvh = h / (a.n_heads / a.n_kv_heads);
-    const int kv_dim = a.n_kv_heads * a.head_dim, v_dim = a.n_kv_heads * a.head_dim_v;
     const int p = kPaged ? pg.positions[token] : pos[0] + token;
     const int* table = kPaged ? pg.tables + pg.table_start[token] : nullptr;
     const int lo_visible = a.window > 0 ? max(0, p - a.window + 1) : 0;
@@ -81,35 +89,34 @@ __global__ void __launch_bounds__(kAttnThreads)
     for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) qs[i] = qh[i];
     __syncthreads();
     const int n = hi - lo;
-    // Lanes per key: pieces of 8 halves per head, rounded down to a power of two, ≤ 32.
-    const int pieces = a.head_dim / 8;
+    // Lanes per key: pieces per head, rounded down to a power of two, ≤ 32.
+    const int pieces = a.head_dim / KN;
     int lanes = 1;
     while (lanes * 2 <= pieces && lanes < 32) lanes *= 2;
     const int per_pass = blockDim.x / lanes;
     const int sub = threadIdx.x % lanes, slot_in_pass = threadIdx.x / lanes;
-    // The dot product of this lane's piece(s) of key row `row` with the query.
-    auto piece_dot = [&](uint4 raw, int c) {
-        const __half2* k2 = reinterpret_cast<const __half2*>(&raw);
+    // The dot product of piece c (dimensions KN·c..KN·c + KN - 1) of a key with the query.
+    // (A quantized piece's scale is taken once, on the sum.)
+    auto piece_dot = [&](const Piece<KT>& raw, int c) {
+        float kf[KN];
+        expand_unscaled(raw, kf);
         float s = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float2 kf = __half22float2(k2[e]);
-            s += qs[8 * c + 2 * e] * kf.x + qs[8 * c + 2 * e + 1] * kf.y;
-        }
-        return s;
+        for (int e = 0; e < KN; e += 2) s += qs[KN * c + e] * kf[e] + qs[KN * c + e + 1] * kf[e + 1];
+        return s * piece_scale(raw);
     };
-    auto key_at = [&](int i) {
-        const size_t row = kPaged ? cache_row(table, pg.shift, lo + i) : (size_t)(lo + i);
-        return k_cache + row * kv_dim + kvh * a.head_dim;
+    auto row_of = [&](int i) -> size_t {
+        return kPaged ? cache_row(table, pg.shift, lo + i) : (size_t)(lo + i);
     };
+    const int k_first = kvh * a.head_dim;
     if (pieces == lanes) {
         for (int base = 0; base < n; base += per_pass * kAttnUnroll) {
-            uint4 raw[kAttnUnroll];
+            Piece<KT> raw[kAttnUnroll];
 #pragma unroll
             for (int u = 0; u < kAttnUnroll; ++u) {
                 const int i = base + u * per_pass + slot_in_pass;
-                raw[u] = i < n ? *reinterpret_cast<const uint4*>(key_at(i) + 8 * sub)
-                               : make_uint4(0u, 0u, 0u, 0u);
+                raw[u] = i < n ? load_piece<KT>(k_cache, row_of(i), k_first + KN * sub)
+                               : zero_piece<KT>();
             }
 #pragma unroll
             for (int u = 0; u < kAttnUnroll; ++u) {
@@ -124,9 +131,9 @@ __global__ void __launch_bounds__(kAttnThreads)
             const int i = base + slot_in_pass;
             float s = 0.0f;
             if (i < n) {
-                const __half* kr = key_at(i);
+                const size_t row = row_of(i);
                 for (int c = sub; c < pieces; c += lanes) {
-                    s += piece_dot(*reinterpret_cast<const uint4*>(kr + 8 * c), c);
+                    s += piece_dot(load_piece<KT>(k_cache, row, k_first + KN * c), c);
                 }
             }
             s = sum_lanes(s, lanes);
@@ -151,68 +158,83 @@ __global__ void __launch_bounds__(kAttnThreads)
         l += e;
     }
     l = block_sum(l);  // also orders the writes to scores before the reads below
-    // Values: thread (run of `width` dimensions d, key group g): eight dimensions of
-    // 16-byte rows, else two.
-    const int width = a.head_dim_v % 8 == 0 ? 8 : 2;
+    // Values: thread (run of `width` dimensions d, key group g): a piece of each row,
+    // else (f16 heads of other widths) two dimensions.
+    const int width = a.head_dim_v % VN == 0 ? VN : 2;
     const int runs = a.head_dim_v / width;
     const int groups = blockDim.x / runs;
     const int d0 = (threadIdx.x % runs) * width, g = threadIdx.x / runs;
-    auto value_at = [&](int i) {
-        const size_t row = kPaged ? cache_row(table, pg.shift, lo + i) : (size_t)(lo + i);
-        return v_cache + row * v_dim + kvh * a.head_dim_v + d0;
-    };
-    if (g < groups && width == 8) {
-        float acc[8] = {};
+    const int v_first = kvh * a.head_dim_v + d0;
+    if (g < groups && width == VN) {
+        float acc[VN] = {};
         for (int base = g; base < n; base += groups * kAttnUnroll) {
-            uint4 raw[kAttnUnroll];
+            Piece<VT> raw[kAttnUnroll];
 #pragma unroll
             for (int u = 0; u < kAttnUnroll; ++u) {
                 const int i = base + u * groups;
-                raw[u] = i < n ? *reinterpret_cast<const uint4*>(value_at(i))
-                               : make_uint4(0u, 0u, 0u, 0u);
+                raw[u] = i < n ? load_piece<VT>(v_cache, row_of(i), v_first) : zero_piece<VT>();
             }
 #pragma unroll
             for (int u = 0; u < kAttnUnroll; ++u) {
                 const int i = base + u * groups;
-                const float p_i = i < n ? scores[i] : 0.0f;
-                const __half2* v2 = reinterpret_cast<const __half2*>(&raw[u]);
+                // The weight times the piece's scale, once.
+                const float p_i = (i < n ? scores[i] : 0.0f) * piece_scale(raw[u]);
+                float vf[VN];
+                expand_unscaled(raw[u], vf);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float2 vf = __half22float2(v2[e]);
-                    acc[2 * e] += p_i * vf.x;
-                    acc[2 * e + 1] += p_i * vf.y;
-                }
+                for (int e = 0; e < VN; ++e) acc[e] += p_i * vf[e];
             }
         }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) pv[8 * threadIdx.x + e] = acc[e];
+        for (int e = 0; e < VN; ++e) pv[VN * threadIdx.x + e] = acc[e];
     } else if (g < groups) {
-        float2 acc = make_float2(0.0f, 0.0f);
-        for (int i = g; i < n; i += groups) {
-            const float2 vf = __half22float2(*reinterpret_cast<const __half2*>(value_at(i)));
-            acc.x += scores[i] * vf.x;
-            acc.y += scores[i] * vf.y;
+        if constexpr (VT == kCacheF16) {
+            const __half* vc = reinterpret_cast<const __half*>(v_cache.data);
+            float2 acc = make_float2(0.0f, 0.0f);
+            for (int i = g; i < n; i += groups) {
+                const float2 vf = __half22float2(
+                    *reinterpret_cast<const __half2*>(vc + row_of(i) * v_cache.dim + v_first));
+                acc.x += scores[i] * vf.x;
+                acc.y += scores[i] * vf.y;
+            }
+            pv[VN * threadIdx.x] = acc.x;
+            pv[VN * threadIdx.x + 1] = acc.y;
         }
-        pv[8 * threadIdx.x] = acc.x;
-        pv[8 * threadIdx.x + 1] = acc.y;
     }
     __syncthreads();
     // One chunk covers every key: this is the output, and no merge follows.
     const bool alone = first_chunk == last_chunk;
     const size_t first = ((size_t)token * a.n_heads + h) * a.head_dim_v;
     const Q8Out q8 = q8_layout(out_q8, (size_t)gridDim.z * a.n_heads * a.head_dim_v);
+    // The output, complete in `ys` (the scores' room, done with): turned back where the
+    // values are rotated, then written (and quantized).
+    float* ys = scores;
+    auto emit = [&]() {
+        __syncthreads();
+        if (a.v_rot > 0) fwht_shared(ys, a.head_dim_v, a.v_rot);
+        for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
+            out[first + d] = ys[d];
+            if (out_q8) quantize32(ys[d], q8, first + d);
+        }
+    };
     for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
         float total = 0.0f;
-        for (int gg = 0; gg < groups; ++gg) total += pv[8 * (gg * runs + d / width) + d % width];
-        if (alone) {
+        for (int gg = 0; gg < groups; ++gg) total += pv[VN * (gg * runs + d / width) + d % width];
+        if (alone && VT == kCacheF16) {
+            // (An f16 cache is never rotated: written as it is.)
             const float y = total / (a.sinks ? l + expf(a.sinks[h] - m) : l);
             out[first + d] = y;
             if (out_q8) quantize32(y, q8, first + d);
+        } else if (alone) {
+            ys[d] = total / (a.sinks ? l + expf(a.sinks[h] - m) : l);
         } else {
             part_acc[slot * a.head_dim_v + d] = total;
         }
     }
-    if (alone) return;
+    if (alone) {
+        if constexpr (VT != kCacheF16) emit();
+        return;
+    }
     if (threadIdx.x == 0) {
         part_ml[2 * slot] = m;
         part_ml[2 * slot + 1] = l;
@@ -244,8 +266,67 @@ __global__ void __launch_bounds__(kAttnThreads)
         for (int c = first_chunk; c <= last_chunk; ++c) {
             acc += expf(ml[2 * c] - mm) * accs[(size_t)c * a.head_dim_v + d];
         }
-        out[first + d] = acc * inv;
-        if (out_q8) quantize32(acc * inv, q8, first + d);
+        if constexpr (VT == kCacheF16) {
+            out[first + d] = acc * inv;
+            if (out_q8) quantize32(acc * inv, q8, first + d);
+        } else {
+            ys[d] = acc * inv;
+        }
+    }
+    if constexpr (VT != kCacheF16) emit();
+}
+
+// x (n values, n a multiple of 64) multiplied in runs of 64 by the normalised 64 × 64
+// Walsh-Hadamard matrix, in place: the output of attention over a value cache that
+// holds rotated values, turned back. A 32-lane group a run, two values a lane (i and
+// i + 32), in the order of the host's kv_type::fwht.
+__global__ void __launch_bounds__(128) hadamard64_kernel(float* __restrict__ x, size_t runs) {
+    rf_chain_wait();
+    const size_t run = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (run >= runs) return;  // whole groups leave together
+    const int lane = threadIdx.x & 31;
+    float* r = x + run * 64;
+    const float scale = 1.0f / sqrtf(64.0f);
+    float lo = r[lane] * scale, hi = r[lane + 32] * scale;
+    for (int h = 1; h < 32; h <<= 1) {
+        const float plo = rf_shfl_xor(lo, h), phi = rf_shfl_xor(hi, h);
+        const bool upper = (lane & h) != 0;
+        lo = upper ? plo - lo : lo + plo;
+        hi = upper ? phi - hi : hi + phi;
+    }
+    r[lane] = lo + hi;
+    r[lane + 32] = lo - hi;
+}
+
+// Launches attention_kernel's instance for the cache types KT, VT.
+template <int KT, int VT>
+static void launch_attention(dim3 grid, hipStream_t stream, bool paged, const float* q,
+                             CacheView kc, CacheView vc, AttnArgs a, const int* pos, Pages pg,
+                             float* part_ml, float* part_acc, unsigned* done, float* out,
+                             void* out_q8) {
+    if (paged) {
+        rfLaunchChained((attention_kernel<true, KT, VT>), grid, dim3(kAttnThreads), 0, stream, q,
+                        kc, vc, a, pos, pg, part_ml, part_acc, done, out, out_q8);
+    } else {
+        rfLaunchChained((attention_kernel<false, KT, VT>), grid, dim3(kAttnThreads), 0, stream, q,
+                        kc, vc, a, pos, pg, part_ml, part_acc, done, out, out_q8);
+    }
+}
+
+template <int KT>
+static void launch_attention_v(int v_type, dim3 grid, hipStream_t stream, bool paged,
+                               const float* q, CacheView kc, CacheView vc, AttnArgs a,
+                               const int* pos, Pages pg, float* part_ml, float* part_acc,
+                               unsigned* done, float* out, void* out_q8) {
+    if (v_type == kCacheQ8) {
+        launch_attention<KT, kCacheQ8>(grid, stream, paged, q, kc, vc, a, pos, pg, part_ml,
+                                       part_acc, done, out, out_q8);
+    } else if (v_type == kCacheQ4) {
+        launch_attention<KT, kCacheQ4>(grid, stream, paged, q, kc, vc, a, pos, pg, part_ml,
+                                       part_acc, done, out, out_q8);
+    } else {
+        launch_attention<KT, kCacheF16>(grid, stream, paged, q, kc, vc, a, pos, pg, part_ml,
+                                        part_acc, done, out, out_q8);
     }
 }
 
@@ -255,16 +336,20 @@ using namespace rf;
 
 extern "C" {
 
-int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
-                 int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                 float scale, float softcap, const void* sinks, int n_chunks, int chunk,
-                 const void* pos, const void* positions,
-                 const void* table_start, const void* tables, int shift, void* part_ml,
-                 void* part_acc, void* done, void* out, void* out_q8, int device,
+int rf_attention(const void* q, const void* k_cache, const void* v_cache, int k_type,
+                 int v_type, int cache_positions, int v_rot, int n_tokens, int n_heads, int n_kv_heads,
+                 int head_dim, int head_dim_v, int window, float scale, float softcap,
+                 const void* sinks, int n_chunks, int chunk, const void* pos,
+                 const void* positions, const void* table_start, const void* tables, int shift,
+                 void* part_ml, void* part_acc, void* done, void* out, void* out_q8, int device,
                  void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (chunk < 1 || chunk > kAttnMaxChunk) return (int)hipErrorInvalidValue;
+    if ((k_type != kCacheF16 && head_dim % 32 != 0) ||
+        (v_type != kCacheF16 && head_dim_v % 32 != 0)) {
+        return (int)hipErrorInvalidValue;
+    }
     // Chunks twice as long (each query's scratch then holds fewer) while the launch
     // would have more workgroups than it aims at.
     const long long keys = (long long)n_chunks * chunk;
@@ -273,21 +358,44 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int n_
         chunk *= 2;
         n_chunks = (int)((keys + chunk - 1) / chunk);
     }
-    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window,
-                  scale,   softcap,    n_chunks, chunk,      (const float*)sinks};
+    if (v_rot != 0 && (v_rot > head_dim_v || head_dim_v % v_rot != 0 || (v_rot & (v_rot - 1)))) {
+        return (int)hipErrorInvalidValue;
+    }
+    AttnArgs a = {n_heads, n_kv_heads, head_dim, head_dim_v, window, scale,
+                  softcap, n_chunks,   chunk,    (const float*)sinks, v_rot};
     const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
     const dim3 grid(n_chunks, n_heads, n_tokens);
-    if (positions) {
-        rfLaunchChained(attention_kernel<true>, grid, dim3(kAttnThreads), 0, (hipStream_t)stream,
-                        (const float*)q, (const __half*)k_cache, (const __half*)v_cache, a,
-                        (const int*)pos, pg, (float*)part_ml, (float*)part_acc,
-                        (unsigned*)done, (float*)out, out_q8);
+    const CacheView kc = cache_view(k_cache, k_type, cache_positions, n_kv_heads * head_dim);
+    const CacheView vc = cache_view(v_cache, v_type, cache_positions, n_kv_heads * head_dim_v);
+    const hipStream_t s = (hipStream_t)stream;
+    const bool paged = positions != nullptr;
+    const float* qp = (const float*)q;
+    const int* pp = (const int*)pos;
+    float* ml = (float*)part_ml;
+    float* acc = (float*)part_acc;
+    unsigned* dn = (unsigned*)done;
+    float* o = (float*)out;
+    if (k_type == kCacheQ8) {
+        launch_attention_v<kCacheQ8>(v_type, grid, s, paged, qp, kc, vc, a, pp, pg, ml, acc, dn,
+                                     o, out_q8);
+    } else if (k_type == kCacheQ4) {
+        launch_attention_v<kCacheQ4>(v_type, grid, s, paged, qp, kc, vc, a, pp, pg, ml, acc, dn,
+                                     o, out_q8);
     } else {
-        rfLaunchChained(attention_kernel<false>, grid, dim3(kAttnThreads), 0, (hipStream_t)stream,
-                        (const float*)q, (const __half*)k_cache, (const __half*)v_cache, a,
-                        (const int*)pos, pg, (float*)part_ml, (float*)part_acc,
-                        (unsigned*)done, (float*)out, out_q8);
+        launch_attention_v<kCacheF16>(v_type, grid, s, paged, qp, kc, vc, a, pp, pg, ml, acc, dn,
+                                      o, out_q8);
     }
+    return (int)hipGetLastError();
+}
+
+int rf_hadamard64(void* x, size_t n, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n % 64 != 0) return (int)hipErrorInvalidValue;
+    const size_t runs = n / 64;
+    if (runs == 0) return (int)hipSuccess;
+    rfLaunchChained(hadamard64_kernel, dim3((unsigned)((runs + 3) / 4)), dim3(128), 0,
+                    (hipStream_t)stream, (float*)x, runs);
     return (int)hipGetLastError();
 }
 

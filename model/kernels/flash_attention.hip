@@ -1,6 +1,7 @@
 // flash_attention.hip: attention of a prompt's chunk, tiled over queries and keys with
 // an online softmax, on the vector units or on the matrix units where the device has
-// them. Shared helpers and conventions: transformer_common.h.
+// them; a quantized cache's tiles are expanded to f16 as they are staged in shared
+// memory. Shared helpers and conventions: transformer_common.h.
 #include "transformer_common.h"
 
 namespace rf {
@@ -32,6 +33,7 @@ constexpr int kFlashKeys = 32;  // keys per tile: one per lane of a group
 
 struct FlashArgs {
     int n_tokens, n_heads, n_kv_heads, head_dim, head_dim_v;
+    int k_type, v_type;  // the caches' element types (kCache*)
     int window;  // 0: none
     float scale;
     float softcap;  // 0: none
@@ -41,12 +43,48 @@ struct FlashArgs {
     const float* sinks;
 };
 
-// Copies keys k0.. (kFlashKeys of them) of `width` halves (a multiple of 2) from a cache
-// whose rows are `stride` halves apart (row of key j: cache_row(table, shift, j)) into
-// shared words `pitch` apart; keys at or past k0 + `valid` become zeros.
-__device__ __forceinline__ void flash_stage(const __half* __restrict__ src, const int* table,
-                                            int shift, int k0, int stride, int width,
-                                            int valid, uint32_t* dst, int pitch) {
+// Values first..first + width - 1 (first and width multiples of 32) of keys k0..
+// (kFlashKeys of them) of a quantized cache of type T (row of key j:
+// cache_row(table, shift, j)), as f16 pairs into shared words `pitch` apart; keys at or
+// past k0 + `valid` become zeros.
+template <int T>
+__device__ __forceinline__ void flash_stage_blocks(const CacheView& src, const int* table,
+                                                   int shift, int k0, int first, int width,
+                                                   int valid, uint32_t* dst, int pitch) {
+    constexpr int N = Piece<T>::kValues;
+    const int pieces = width / N;
+    for (int idx = threadIdx.x; idx < kFlashKeys * pieces; idx += blockDim.x) {
+        const int j = idx / pieces, c = idx % pieces;
+        float v[N] = {};
+        if (j < valid) expand(load_piece<T>(src, cache_row(table, shift, k0 + j), first + N * c), v);
+        uint32_t* d = dst + j * pitch + (N / 2) * c;
+#pragma unroll
+        for (int e = 0; e < N / 2; ++e) {
+            const __half2 h = __floats2half2_rn(v[2 * e], v[2 * e + 1]);
+            d[e] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+    }
+}
+
+// As flash_stage_blocks for a cache of any type (`type`; kQuant: either cache of the
+// launch may be quantized, else both are f16): an f16 row's `width` halves (a multiple
+// of 2) copied as they are.
+template <bool kQuant>
+__device__ __forceinline__ void flash_stage(const CacheView& cache, int type, const int* table,
+                                            int shift, int k0, int first, int width, int valid,
+                                            uint32_t* dst, int pitch) {
+    if constexpr (kQuant) {
+        if (type == kCacheQ8) {
+            flash_stage_blocks<kCacheQ8>(cache, table, shift, k0, first, width, valid, dst, pitch);
+            return;
+        }
+        if (type == kCacheQ4) {
+            flash_stage_blocks<kCacheQ4>(cache, table, shift, k0, first, width, valid, dst, pitch);
+            return;
+        }
+    }
+    const __half* src = reinterpret_cast<const __half*>(cache.data) + first;
+    const int stride = cache.dim;
     if (width % 8 == 0) {
         const int pieces = width / 8;
         for (int idx = threadIdx.x; idx < kFlashKeys * pieces; idx += blockDim.x) {
@@ -82,10 +120,10 @@ __device__ __forceinline__ float2 half2_word(const uint32_t& w) {
 
 // kRows: rows per 32-lane group; kPairs: value pairs per lane and row (heads up to 64·kPairs
 // wide). kRows·kPairs = 16 in every instance: the same registers and shared memory.
-template <int kRows, int kPairs>
+template <int kRows, int kPairs, bool kQuant>
 __global__ void __launch_bounds__(kFlashThreads)
-    flash_attention_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
-                           const __half* __restrict__ v_cache, FlashArgs a,
+    flash_attention_kernel(const float* __restrict__ q, CacheView k_cache, CacheView v_cache,
+                           FlashArgs a,
                            const int* __restrict__ pos, const int* __restrict__ table,
                            int shift, float* __restrict__ out) {
     constexpr int kTileRows = kRows * kFlashGroups;
@@ -101,7 +139,6 @@ __global__ void __launch_bounds__(kFlashThreads)
     const int kvh = blockIdx.y;
     const int row0 = blockIdx.x * kTileRows;
     const int rows_here = min(kTileRows, a.n_tokens * group - row0);
-    const int kv_dim = a.n_kv_heads * a.head_dim, v_dim = a.n_kv_heads * a.head_dim_v;
     const int base = pos[0];
     // Keys any row of the tile sees: from the first row's window start to the last row.
     const int first_pos = base + row0 / group;
@@ -140,8 +177,8 @@ __global__ void __launch_bounds__(kFlashThreads)
     for (int k0 = lo_tile; k0 <= last_pos; k0 += kFlashKeys) {
         const int valid = min(kFlashKeys, last_pos - k0 + 1);
         __syncthreads();  // the last tile's values (and, first, the queries) are done with
-        flash_stage(k_cache + kvh * a.head_dim, table, shift, k0, kv_dim, a.head_dim, valid, kv,
-                    kPitch);
+        flash_stage<kQuant>(k_cache, a.k_type, table, shift, k0, kvh * a.head_dim, a.head_dim, valid,
+                    kv, kPitch);
         __syncthreads();
         // Scores of key k0 + lane against this group's rows, 4 pairs of dimensions a step
         // (head_dim is a multiple of 8).
@@ -183,8 +220,8 @@ __global__ void __launch_bounds__(kFlashThreads)
             ps[(g * kRows + i) * kFlashKeys + lane] = p;
         }
         __syncthreads();  // every group is done with the keys; the probabilities are out
-        flash_stage(v_cache + kvh * a.head_dim_v, table, shift, k0, v_dim, a.head_dim_v, valid,
-                    kv, kPitch);
+        flash_stage<kQuant>(v_cache, a.v_type, table, shift, k0, kvh * a.head_dim_v, a.head_dim_v,
+                    valid, kv, kPitch);
         __syncthreads();
         // Values: Σ_j p[i][j] · v[j], keys 4 at a time (the probabilities and values past
         // `valid` are zeros).
@@ -250,10 +287,10 @@ __device__ __forceinline__ uint32_t pack_half2(float x, float y) {
     return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-template <int D>
+template <int D, bool kQuant>
 __global__ void __launch_bounds__(kFmWarps * 32)
-    flash_mma_kernel(const float* __restrict__ q, const __half* __restrict__ k_cache,
-                     const __half* __restrict__ v_cache, FlashArgs a,
+    flash_mma_kernel(const float* __restrict__ q, CacheView k_cache, CacheView v_cache,
+                     FlashArgs a,
                      const int* __restrict__ pos, const int* __restrict__ table, int shift,
                      float* __restrict__ out) {
 #if defined(ROCMFORGE_HIP_MMA)
@@ -268,7 +305,6 @@ __global__ void __launch_bounds__(kFmWarps * 32)
     const int kvh = blockIdx.y;
     const int row0 = blockIdx.x * kFmRows;
     const int rows_here = min(kFmRows, a.n_tokens * group - row0);
-    const int kv_dim = a.n_kv_heads * D;
     const int base = pos[0];
     const int first_pos = base + row0 / group;
     const int last_pos = base + (row0 + rows_here - 1) / group;
@@ -314,9 +350,9 @@ __global__ void __launch_bounds__(kFmWarps * 32)
     for (int k0 = lo_tile; k0 <= last_pos; k0 += kFlashKeys) {
         const int valid = min(kFlashKeys, last_pos - k0 + 1);
         __syncthreads();  // every warp is done with the last tile
-        flash_stage(k_cache + kvh * D, table, shift, k0, kv_dim, D, valid,
+        flash_stage<kQuant>(k_cache, a.k_type, table, shift, k0, kvh * D, D, valid,
                     reinterpret_cast<uint32_t*>(ks), kPitch / 2);
-        flash_stage(v_cache + kvh * D, table, shift, k0, kv_dim, D, valid,
+        flash_stage<kQuant>(v_cache, a.v_type, table, shift, k0, kvh * D, D, valid,
                     reinterpret_cast<uint32_t*>(vs), kPitch / 2);
         __syncthreads();
         // Scores: keys 8n .. 8n + 7 of the tile in s[n].
@@ -426,33 +462,14 @@ __global__ void __launch_bounds__(kFmWarps * 32)
 #endif
 }
 
-}  // namespace rf
-
-using namespace rf;
-
-extern "C" {
-
-// allow_mma: whether the queries may take the matrix units where the device has them
-// (0 measures or tests the other kernel on such a device).
-int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, int n_tokens,
-                       int n_heads, int n_kv_heads, int head_dim, int head_dim_v, int window,
-                       float scale, float softcap, const void* sinks, const void* pos,
-                       const void* table, int shift, void* out, int allow_mma,
-                       int device, void* stream) {
-    hipError_t status = hipSetDevice(device);
-    if (status != hipSuccess) return (int)status;
-    const int widest = max(head_dim, head_dim_v);
-    if (n_tokens < 1 || n_kv_heads < 1 || n_heads % n_kv_heads != 0 || head_dim % 8 != 0 ||
-        head_dim_v % 2 != 0 || head_dim < 8 || head_dim_v < 2 || widest > kAttnMaxHead) {
-        return (int)hipErrorInvalidValue;
-    }
-    FlashArgs a = {n_tokens, n_heads, n_kv_heads, head_dim, head_dim_v,
-                   window,   scale,   softcap,    (const float*)sinks};
-    const int rows = n_tokens * (n_heads / n_kv_heads);
-    const hipStream_t s = (hipStream_t)stream;
+// Launches the instance of the tiled kernels for the shapes (rfLaunchChained's status
+// is the launcher's to read).
+template <bool kQuant>
+static void launch_flash(const void* q, CacheView kc, CacheView vc, FlashArgs a, int rows,
+                         int widest, const void* pos, const void* table, int shift, void* out,
+                         int allow_mma, hipStream_t s) {
+    const int head_dim = a.head_dim, head_dim_v = a.head_dim_v, n_kv_heads = a.n_kv_heads;
     const dim3 block(kFlashThreads);
-    const __half* kc = (const __half*)k_cache;
-    const __half* vc = (const __half*)v_cache;
     // On the matrix units where the device has them and the keys and values are heads
     // of the same whole k-steps.
     if (allow_mma && rf_mma_available() && head_dim == head_dim_v &&
@@ -464,28 +481,63 @@ int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, 
         float* o = (float*)out;
         const float* qp = (const float*)q;
         if (head_dim == 32) {
-            rfLaunchChained(flash_mma_kernel<32>, grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
+            rfLaunchChained((flash_mma_kernel<32, kQuant>), grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
                             shift, o);
         } else if (head_dim == 64) {
-            rfLaunchChained(flash_mma_kernel<64>, grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
+            rfLaunchChained((flash_mma_kernel<64, kQuant>), grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
                             shift, o);
         } else {
-            rfLaunchChained(flash_mma_kernel<128>, grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
+            rfLaunchChained((flash_mma_kernel<128, kQuant>), grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
                             shift, o);
         }
-        return (int)hipGetLastError();
+        return;
     }
     // The instance whose rows are the widest head's: 64 rows a workgroup for heads up to
     // 64 wide, 32 up to 128, 16 up to 256.
     if (widest <= 64) {
-        rfLaunchChained((flash_attention_kernel<16, 1>), dim3((rows + 63) / 64, n_kv_heads), block,
+        rfLaunchChained((flash_attention_kernel<16, 1, kQuant>), dim3((rows + 63) / 64, n_kv_heads), block,
                         0, s, (const float*)q, kc, vc, a, (const int*)pos, (const int*)table, shift, (float*)out);
     } else if (widest <= 128) {
-        rfLaunchChained((flash_attention_kernel<8, 2>), dim3((rows + 31) / 32, n_kv_heads), block,
+        rfLaunchChained((flash_attention_kernel<8, 2, kQuant>), dim3((rows + 31) / 32, n_kv_heads), block,
                         0, s, (const float*)q, kc, vc, a, (const int*)pos, (const int*)table, shift, (float*)out);
     } else {
-        rfLaunchChained((flash_attention_kernel<4, 4>), dim3((rows + 15) / 16, n_kv_heads), block,
+        rfLaunchChained((flash_attention_kernel<4, 4, kQuant>), dim3((rows + 15) / 16, n_kv_heads), block,
                         0, s, (const float*)q, kc, vc, a, (const int*)pos, (const int*)table, shift, (float*)out);
+    }
+}
+
+}  // namespace rf
+
+using namespace rf;
+
+extern "C" {
+
+// allow_mma: whether the queries may take the matrix units where the device has them
+// (0 measures or tests the other kernel on such a device).
+int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, int k_type,
+                       int v_type, int cache_positions, int n_tokens, int n_heads,
+                       int n_kv_heads, int head_dim, int head_dim_v, int window, float scale,
+                       float softcap, const void* sinks, const void* pos, const void* table,
+                       int shift, void* out, int allow_mma, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    const int widest = max(head_dim, head_dim_v);
+    if (n_tokens < 1 || n_kv_heads < 1 || n_heads % n_kv_heads != 0 || head_dim % 8 != 0 ||
+        head_dim_v % 2 != 0 || head_dim < 8 || head_dim_v < 2 || widest > kAttnMaxHead ||
+        (k_type != kCacheF16 && head_dim % 32 != 0) ||
+        (v_type != kCacheF16 && head_dim_v % 32 != 0)) {
+        return (int)hipErrorInvalidValue;
+    }
+    FlashArgs a = {n_tokens, n_heads, n_kv_heads, head_dim, head_dim_v, k_type,
+                   v_type,   window,  scale,      softcap,  (const float*)sinks};
+    const int rows = n_tokens * (n_heads / n_kv_heads);
+    const hipStream_t s = (hipStream_t)stream;
+    const CacheView kc = cache_view(k_cache, k_type, cache_positions, n_kv_heads * head_dim);
+    const CacheView vc = cache_view(v_cache, v_type, cache_positions, n_kv_heads * head_dim_v);
+    if (k_type != kCacheF16 || v_type != kCacheF16) {
+        launch_flash<true>(q, kc, vc, a, rows, widest, pos, table, shift, out, allow_mma, s);
+    } else {
+        launch_flash<false>(q, kc, vc, a, rows, widest, pos, table, shift, out, allow_mma, s);
     }
     return (int)hipGetLastError();
 }

@@ -78,16 +78,22 @@ struct RopeArgs {
     // with weight (1 - clamp((i - low) / max(0.001, high - low), 0, 1)) · ext_factor; an
     // ext_factor of 0: no mix.
     float yarn_low, yarn_high, ext_factor;
+    // The caches' element types (kCache*), and the runs of the Walsh-Hadamard rotation a
+    // quantized cache takes (0: none): queries and keys by k_rot, values by v_rot.
+    int k_type, v_type, k_rot, v_rot;
 };
 
+//
+// kQuant: either cache is quantized (its rows rotated and written a block at a time);
+// otherwise both are f16, written value by value.
+template <bool kQuant>
 __global__ void __launch_bounds__(kHeadThreads)
     qk_rope_kv_kernel(float* __restrict__ q, const float* __restrict__ k,
                       const float* __restrict__ v, const float* __restrict__ bq,
                       const float* __restrict__ bk, const float* __restrict__ bv,
                       const void* __restrict__ q_norm, const void* __restrict__ k_norm,
                       int norm_type, RopeArgs a, const int* __restrict__ pos, Pages pg,
-                      __half* __restrict__ k_cache, __half* __restrict__ v_cache,
-                      int heads_per_group) {
+                      CacheView k_cache, CacheView v_cache, int heads_per_group) {
     rf_chain_wait();
     __shared__ float head[512];
     // (cos, sin) · attn_factor of each pair: rope_dims / 2 <= head_dim / 2 <= 256.
@@ -123,6 +129,19 @@ __global__ void __launch_bounds__(kHeadThreads)
         const float* src = is_key ? k + (size_t)token * kv_dim + hh * a.head_dim
                                   : q + (size_t)token * q_dim + hh * a.head_dim;
         const float* bias = is_key ? bk : bq;
+        // A key head's values, loaded now so that the load's latency passes while the
+        // keys are normed, turned and quantized (head_dim_v <= 4 · blockDim.x).
+        float v_ahead[4] = {};
+        if constexpr (kQuant) {
+            if (is_key) {
+                const float* vs = v + (size_t)token * v_dim + hh * a.head_dim_v;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int i = threadIdx.x + k * blockDim.x;
+                    if (i < a.head_dim_v) v_ahead[k] = vs[i] + (bv ? bv[hh * a.head_dim_v + i] : 0.0f);
+                }
+            }
+        }
         for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
             head[i] = src[i] + (bias ? bias[hh * a.head_dim + i] : 0.0f);
         }
@@ -148,16 +167,46 @@ __global__ void __launch_bounds__(kHeadThreads)
             head[i1] = x0 * s + x1 * c;
         }
         __syncthreads();
+        if constexpr (kQuant) {
+            // A quantized key cache holds rotated keys, met by queries rotated alike.
+            if (a.k_rot > 0) fwht_shared(head, a.head_dim, a.k_rot);
+        }
         if (is_key) {
             const size_t row = cache_row(token_table(pg, token), pg.shift, p);
-            __half* kc = k_cache + row * kv_dim + hh * a.head_dim;
-            for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
-                kc[i] = __float2half(head[i]);
-            }
-            const float* vs = v + (size_t)token * v_dim + hh * a.head_dim_v;
-            __half* vc = v_cache + row * v_dim + hh * a.head_dim_v;
-            for (int i = threadIdx.x; i < a.head_dim_v; i += blockDim.x) {
-                vc[i] = __float2half(vs[i] + (bv ? bv[hh * a.head_dim_v + i] : 0.0f));
+            const size_t k0 = row * kv_dim + hh * a.head_dim;
+            const size_t v0 = row * v_dim + hh * a.head_dim_v;
+            if constexpr (!kQuant) {
+                __half* kc = reinterpret_cast<__half*>(const_cast<void*>(k_cache.data)) + k0;
+                for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
+                    kc[i] = __float2half(head[i]);
+                }
+                const float* vs = v + (size_t)token * v_dim + hh * a.head_dim_v;
+                __half* vc = reinterpret_cast<__half*>(const_cast<void*>(v_cache.data)) + v0;
+                for (int i = threadIdx.x; i < a.head_dim_v; i += blockDim.x) {
+                    vc[i] = __float2half(vs[i] + (bv ? bv[hh * a.head_dim_v + i] : 0.0f));
+                }
+            } else {
+                // (Whole 32-lane groups step together over a quantized row's blocks.)
+                void* kd = const_cast<void*>(k_cache.data);
+                __half* ks = const_cast<__half*>(k_cache.scales);
+                for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
+                    store_cached(kd, ks, a.k_type, k0 + i, head[i]);
+                }
+                // The values (loaded at the start) pass through `head`, the keys
+                // written: rotated, then stored a block at a time.
+                void* vd = const_cast<void*>(v_cache.data);
+                __half* vsc = const_cast<__half*>(v_cache.scales);
+                __syncthreads();
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int i = threadIdx.x + k * blockDim.x;
+                    if (i < a.head_dim_v) head[i] = v_ahead[k];
+                }
+                __syncthreads();
+                if (a.v_rot > 0) fwht_shared(head, a.head_dim_v, a.v_rot);
+                for (int i = threadIdx.x; i < a.head_dim_v; i += blockDim.x) {
+                    store_cached(vd, vsc, a.v_type, v0 + i, head[i]);
+                }
             }
         } else {
             float* dst = q + (size_t)token * q_dim + hh * a.head_dim;
@@ -193,12 +242,16 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
                   float attn_factor, const void* freq_factors, float q_scale, float eps,
                   float yarn_low, float yarn_high, float ext_factor, const void* pos,
                   const void* positions, const void* table_start, const void* tables,
-                  int shift, void* k_cache, void* v_cache, int device, void* stream) {
+                  int shift, void* k_cache, void* v_cache, int k_type, int v_type,
+                  int cache_positions, int k_rot, int v_rot, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     RopeArgs a = {head_dim,  head_dim_v, n_heads, n_kv_heads, rope_dims,
                   neox,      theta_scale, freq_scale, attn_factor, (const float*)freq_factors,
-                  q_scale,   eps,        yarn_low, yarn_high,  ext_factor};
+                  q_scale,   eps,        yarn_low, yarn_high,  ext_factor,
+                  k_type,    v_type,     k_rot,    v_rot};
+    const CacheView kc = cache_view(k_cache, k_type, cache_positions, n_kv_heads * head_dim);
+    const CacheView vc = cache_view(v_cache, v_type, cache_positions, n_kv_heads * head_dim_v);
     const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
     // A workgroup a head for a few tokens (a decode step's few heads fill the device
     // that way); for a prompt's chunk, runs of heads of one token, which compute its RoPE
@@ -206,11 +259,15 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
     // per workgroup.
     const int heads = n_heads + n_kv_heads;
     const int per_group = (long long)heads * n_tokens >= 4096 ? 8 : 1;
-    rfLaunchChained(qk_rope_kv_kernel, dim3((heads + per_group - 1) / per_group, n_tokens),
+    const bool quant = k_type != kCacheF16 || v_type != kCacheF16;
+    if (quant && head_dim_v > 4 * kHeadThreads) {
+        return (int)hipErrorInvalidValue;
+    }
+    rfLaunchChained(quant ? qk_rope_kv_kernel<true> : qk_rope_kv_kernel<false>,
+                       dim3((heads + per_group - 1) / per_group, n_tokens),
                        dim3(kHeadThreads), 0, (hipStream_t)stream, (float*)q, (const float*)k,
                        (const float*)v, (const float*)bq, (const float*)bk, (const float*)bv,
-                       q_norm, k_norm, norm_type, a, (const int*)pos, pg, (__half*)k_cache,
-                       (__half*)v_cache, per_group);
+                       q_norm, k_norm, norm_type, a, (const int*)pos, pg, kc, vc, per_group);
     return (int)hipGetLastError();
 }
 

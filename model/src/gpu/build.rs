@@ -96,6 +96,9 @@ impl GpuModel {
             });
         }
         model.check_gpu_support()?;
+        options
+            .kv_types
+            .check(model.config(), crate::AttentionMethod::Flash)?;
         check_tuning(&options.tuning)?;
         check_stop(options.stop.as_deref())?;
         let gpu = |op| move |source| ModelError::Gpu { op, source };
@@ -126,6 +129,7 @@ impl GpuModel {
             batch_room,
             pages.as_ref(),
             options.tuning.flash_mma,
+            options.kv_types,
         )?;
         let residency = Residency::plan(
             &device,
@@ -188,6 +192,19 @@ impl GpuModel {
             );
         }
         let host = if keep_layers < config.n_layers && !hold_all && pages.is_none() {
+            // The host layers' keys cross between the sides as f16.
+            if options.kv_types.is_quantized() {
+                return Err(ModelError::GpuUnsupported {
+                    what: format!(
+                        "a {}/{} KV cache with layers {}..{} over the weights' budget \
+                         computed on the host",
+                        options.kv_types.k, options.kv_types.v, keep_layers, config.n_layers
+                    ),
+                    supported: "an f16 cache over budget, or a quantized cache with every \
+                                layer on the device"
+                        .into(),
+                });
+            }
             Some(HostLayers::new(
                 &device,
                 &config,

@@ -5,12 +5,14 @@
 //! that every view lives on the stream's device, then queues the kernel. Built without
 //! GPU support, each returns [`HipError::BuiltWithoutGpu`] after its checks.
 //!
-//! Views of `f16` hold the KV cache; `q8` views hold Q8 activation blocks
+//! [`CacheView`]s hold the KV cache; `q8` views hold Q8 activation blocks
 //! (`dequant::gpu::matvec::q8_bytes`).
 
 use dequant::gpu::matvec::q8_bytes;
 use gguf_format::GgmlType;
-use hip_backend::{DeviceView, HipError, Stream};
+use hip_backend::{DeviceView, DeviceViewMut, HipError, Stream};
+
+use crate::kv_type::KvType;
 
 pub use crate::error::{KernelError, ShapeError};
 
@@ -174,6 +176,11 @@ mod sys {
             shift: c_int,
             k_cache: *mut c_void,
             v_cache: *mut c_void,
+            k_type: c_int,
+            v_type: c_int,
+            cache_positions: c_int,
+            k_rot: c_int,
+            v_rot: c_int,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -181,6 +188,10 @@ mod sys {
             q: *const c_void,
             k_cache: *const c_void,
             v_cache: *const c_void,
+            k_type: c_int,
+            v_type: c_int,
+            cache_positions: c_int,
+            v_rot: c_int,
             n_tokens: c_int,
             n_heads: c_int,
             n_kv_heads: c_int,
@@ -209,6 +220,9 @@ mod sys {
             q: *const c_void,
             k_cache: *const c_void,
             v_cache: *const c_void,
+            k_type: c_int,
+            v_type: c_int,
+            cache_positions: c_int,
             n_tokens: c_int,
             n_heads: c_int,
             n_kv_heads: c_int,
@@ -305,6 +319,12 @@ mod sys {
             x: *mut c_void,
             n: usize,
             s: f32,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_hadamard64(
+            x: *mut c_void,
+            n: usize,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
@@ -429,28 +449,99 @@ impl Pages<'_> {
     }
 }
 
-/// The checks both attention kernels make of the caches (`positions` whole positions of
-/// every key head) and of the position counter.
+/// One layer's cached keys or values on the device: `positions` rows of `dim` values of
+/// type `ty`. f16 rows are `dim` halves; a quantized cache (`Q8_0`, `Q4_0`: `dim` a
+/// multiple of 32) holds every row's quants first (a byte a value for `Q8_0`, a nibble
+/// for `Q4_0`, values `2i` and `2i + 1` the low and high nibble of byte `i`), then every
+/// row's f16 scales, one per block of 32 values: so that a head's quants are one aligned
+/// run. The bytes are those of llama.cpp's blocks, laid out for the device.
+#[derive(Clone, Copy)]
+pub struct CacheView<'a> {
+    pub bytes: DeviceView<'a, u8>,
+    pub ty: KvType,
+    pub positions: usize,
+    pub dim: usize,
+}
+
+/// As [`CacheView`], to write.
+pub struct CacheViewMut<'a> {
+    pub bytes: DeviceViewMut<'a, u8>,
+    pub ty: KvType,
+    pub positions: usize,
+    pub dim: usize,
+}
+
+/// The kernels' number of a cache type (`kCache*` in `transformer_common.h`).
+fn cache_code(ty: KvType) -> i32 {
+    match ty {
+        KvType::F16 => 0,
+        KvType::Q8_0 => 1,
+        KvType::Q4_0 => 2,
+    }
+}
+
+/// Checks a cache's bytes against its shape: `what` names it.
+fn check_cache(
+    k: &'static str,
+    what: &'static str,
+    ty: KvType,
+    bytes: usize,
+    positions: usize,
+    dim: usize,
+) -> Result<(), ShapeError> {
+    if ty.is_quantized() {
+        expect(k, "a quantized cache row's width modulo 32", dim % 32, 0)?;
+    }
+    expect_at_least(k, what, bytes, positions * ty.row_bytes(dim))
+}
+
+impl CacheView<'_> {
+    fn check(&self, k: &'static str, what: &'static str) -> Result<(), ShapeError> {
+        check_cache(k, what, self.ty, self.bytes.len(), self.positions, self.dim)
+    }
+}
+
+impl CacheViewMut<'_> {
+    fn check(&self, k: &'static str, what: &'static str) -> Result<(), ShapeError> {
+        check_cache(k, what, self.ty, self.bytes.len(), self.positions, self.dim)
+    }
+}
+
+/// The checks both attention kernels make of the caches (both of the same positions,
+/// at least the shape's, whole rows of every key head) and of the position counter.
 fn check_caches(
     k: &'static str,
     s: &AttentionShape,
-    k_cache: usize,
-    v_cache: usize,
+    k_cache: &CacheView<'_>,
+    v_cache: &CacheView<'_>,
     pos: usize,
 ) -> Result<(), KernelError> {
-    let positions = s.positions();
     expect_at_least(
         k,
-        "the key cache",
-        k_cache,
-        positions * s.n_kv_heads * s.head_dim,
+        "positions in the caches",
+        k_cache.positions,
+        s.positions(),
     )?;
-    expect_at_least(
+    expect(
         k,
-        "the value cache",
-        v_cache,
-        positions * s.n_kv_heads * s.head_dim_v,
+        "positions in the value cache",
+        v_cache.positions,
+        k_cache.positions,
     )?;
+    expect(
+        k,
+        "the key cache's row",
+        k_cache.dim,
+        s.n_kv_heads * s.head_dim,
+    )?;
+    expect(
+        k,
+        "the value cache's row",
+        v_cache.dim,
+        s.n_kv_heads * s.head_dim_v,
+    )?;
+    k_cache.check(k, "the key cache")?;
+    v_cache.check(k, "the value cache")?;
     expect(k, "the position", pos, 1)?;
     Ok(())
 }
@@ -461,7 +552,7 @@ mod flash_attention;
 mod norm_rope;
 mod rows;
 
-pub use attention::{attention, attention_chunk, AttentionShape};
+pub use attention::{attention, attention_chunk, hadamard64, AttentionShape};
 pub use experts::{moe_combine, moe_route, moe_tiles, Gating, MAX_USED};
 pub use flash_attention::flash_attention;
 pub use norm_rope::{qk_rope_kv, rms_norm, HeadExtras, HeadShape};

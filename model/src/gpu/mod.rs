@@ -90,6 +90,10 @@ pub struct GpuOptions {
     pub budget: Option<u64>,
     /// Most positions the KV cache holds.
     pub context_size: usize,
+    /// The KV cache's element types (default f16). A quantized cache holds what
+    /// llama.cpp's does (the same blocks, of rotated keys and values), computed within
+    /// the GPU's tolerance of the CPU; it needs every layer on the device.
+    pub kv_types: crate::KvTypes,
     /// A stop request (a Ctrl-C handler's flag, say). Once it is set, the eager upload
     /// and waits for a background upload cancel the uploads, and a forward pass stops at
     /// its next layer (or prompt chunk), all within about 10 ms of the work in hand;
@@ -110,6 +114,7 @@ impl GpuOptions {
             mode,
             budget: None,
             context_size,
+            kv_types: crate::KvTypes::default(),
             stop: None,
             tuning: GpuTuning::default(),
         }

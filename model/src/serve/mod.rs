@@ -294,12 +294,6 @@ impl Scheduler {
             .kv_types
             .check(model.config(), config.attention)
             .map_err(|e| ServeError::InvalidConfig(e.to_string()))?;
-        if gpu.is_some() && config.kv_types.is_quantized() {
-            return Err(ServeError::InvalidConfig(format!(
-                "a {}/{} KV cache is computed on the CPU only; the GPU's cache is f16",
-                config.kv_types.k, config.kv_types.v
-            )));
-        }
         let (sender, receiver) = mpsc::channel();
         let metrics = Arc::new(SchedulerMetrics::default());
         let waiting = Arc::new(AtomicUsize::new(0));

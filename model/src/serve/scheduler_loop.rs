@@ -84,6 +84,7 @@ impl<'m> Loop<'m> {
     pub(super) fn start_gpu(&mut self, options: GpuOptions) -> Result<(), ModelError> {
         let options = GpuOptions {
             context_size: self.config.context_size,
+            kv_types: self.config.kv_types,
             stop: None,
             ..options
         };

@@ -3,7 +3,6 @@
 //! the output projection into the residual stream.
 
 use dequant::gpu::matvec::{self, q8_bytes};
-use half::f16;
 use hip_backend::Stream;
 
 use super::buffers::{pages, Buffers, Layout, PagedBatch};
@@ -146,22 +145,25 @@ fn rope_kv(
         k_norm: w.k_norm.as_ref().map(|n| n.weight()),
         freq_factors: w.rope_freqs.as_ref().map(|f| f.view()).transpose()?,
     };
-    let cache_len = bufs.k_cache[layer_idx].len() / 2 / kv_dim.max(1);
     let token_pages = match layout {
         Layout::Contiguous => None,
         Layout::Paged(batch) => Some(pages(&bufs.meta, batch, 0..n)?),
     };
+    let q = view_mut::<f32>(&mut bufs.q, n * q_dim)?;
+    let (k, v) = (view(&bufs.k, n * kv_dim)?, view(&bufs.v, n * v_dim)?);
+    let pos = view(&bufs.pos, 1)?;
+    let (k_cache, v_cache) = bufs.kv.views_mut(layer_idx)?;
     kernels::qk_rope_kv(
-        view_mut::<f32>(&mut bufs.q, n * q_dim)?,
-        view(&bufs.k, n * kv_dim)?,
-        view(&bufs.v, n * v_dim)?,
+        q,
+        k,
+        v,
         extras,
         &head_shape,
         n,
-        view(&bufs.pos, 1)?,
+        pos,
         token_pages,
-        view_mut::<f16>(&mut bufs.k_cache[layer_idx], cache_len * kv_dim)?,
-        view_mut::<f16>(&mut bufs.v_cache[layer_idx], cache_len * v_dim)?,
+        k_cache,
+        v_cache,
         stream,
     )?;
     Ok(())
@@ -181,16 +183,16 @@ fn attend(
     stream: &Stream,
 ) -> Result<bool, ModelError> {
     let q_dim = c.n_heads * c.head_dim;
-    let kv_dim = c.n_kv_heads * c.head_dim;
-    let v_dim = c.n_kv_heads * c.head_dim_v;
     let attn_dim = c.n_heads * c.head_dim_v;
     let layer_cfg = c.layers[layer_idx];
-    let cache_len = bufs.k_cache[layer_idx].len() / 2 / kv_dim.max(1);
     let shape = AttentionShape {
         window: layer_cfg.sliding_window,
         ..bufs.attention
     };
     let sinks = w.sinks.as_ref().map(|s| s.view()).transpose()?;
+    // A quantized value cache holds rotated values: the split kernel turns its output
+    // back itself, the tiled one's is turned back after it.
+    let v_rotated = bufs.kv.types.v_rotation(c.head_dim_v).is_some();
     // The attention's output goes to the output projection quantized when it takes Q8
     // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
     let fused_q8 = takes_q8_for(&w.wo, n, &bufs.batch_in) && c.head_dim_v.is_multiple_of(32);
@@ -198,10 +200,11 @@ fn attend(
         paged_attention(batch, layer_idx, &shape, sinks, fused_q8, bufs, stream)?;
     } else if batched(n) {
         // A prompt's chunk: one launch over every query, tiled over queries and keys.
+        let (k_cache, v_cache) = bufs.kv.views(layer_idx)?;
         kernels::flash_attention(
             view(&bufs.q, n * q_dim)?,
-            view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
-            view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
+            k_cache,
+            v_cache,
             &shape,
             sinks,
             n,
@@ -211,13 +214,17 @@ fn attend(
             bufs.flash_mma,
             stream,
         )?;
+        if v_rotated {
+            kernels::hadamard64(view_mut::<f32>(&mut bufs.attn, n * attn_dim)?, stream)?;
+        }
     } else {
         // A few tokens (at most MAX_BATCH, the scratch the split attention has room for):
         // each query split along the keys, so that a short chunk still fills the device.
+        let (k_cache, v_cache) = bufs.kv.views(layer_idx)?;
         kernels::attention(
             view(&bufs.q, n * q_dim)?,
-            view::<f16>(&bufs.k_cache[layer_idx], cache_len * kv_dim)?,
-            view::<f16>(&bufs.v_cache[layer_idx], cache_len * v_dim)?,
+            k_cache,
+            v_cache,
             &shape,
             sinks,
             n,
@@ -252,8 +259,6 @@ fn paged_attention(
     let n = batch.n_tokens;
     let q_dim = shape.n_heads * shape.head_dim;
     let attn_dim = shape.n_heads * shape.head_dim_v;
-    let cache_len = bufs.k_cache[layer_idx].len() / 2;
-    let v_cache_len = bufs.v_cache[layer_idx].len() / 2;
     let tables_at = batch.tables_at();
     if fused_q8 && n > bufs.attn_rows {
         return Err(ModelError::InvalidBatch(format!(
@@ -265,10 +270,11 @@ fn paged_attention(
     let mut pending: Option<std::ops::Range<usize>> = None;
     let split = |rows: std::ops::Range<usize>, bufs: &mut Buffers| -> Result<(), ModelError> {
         let m = rows.len();
+        let (k_cache, v_cache) = bufs.kv.views(layer_idx)?;
         kernels::attention(
             view_at(&bufs.q, rows.start * q_dim..rows.end * q_dim)?,
-            view::<f16>(&bufs.k_cache[layer_idx], cache_len)?,
-            view::<f16>(&bufs.v_cache[layer_idx], v_cache_len)?,
+            k_cache,
+            v_cache,
             shape,
             sinks,
             m,
@@ -302,10 +308,11 @@ fn paged_attention(
             split(p, bufs)?;
         }
         let table = seg.table_at + tables_at..seg.table_at + tables_at + seg.table_len;
+        let (k_cache, v_cache) = bufs.kv.views(layer_idx)?;
         kernels::flash_attention(
             view_at(&bufs.q, rows.start * q_dim..rows.end * q_dim)?,
-            view::<f16>(&bufs.k_cache[layer_idx], cache_len)?,
-            view::<f16>(&bufs.v_cache[layer_idx], v_cache_len)?,
+            k_cache,
+            v_cache,
             shape,
             sinks,
             seg.len,
@@ -315,6 +322,12 @@ fn paged_attention(
             bufs.flash_mma,
             stream,
         )?;
+        if bufs.kv.types.v_rotation(shape.head_dim_v).is_some() {
+            kernels::hadamard64(
+                view_mut_at::<f32>(&mut bufs.attn, rows.start * attn_dim..rows.end * attn_dim)?,
+                stream,
+            )?;
+        }
     }
     if let Some(p) = pending {
         split(p, bufs)?;

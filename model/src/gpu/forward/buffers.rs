@@ -1,5 +1,5 @@
 //! The arena a pass runs in: the activations, the batch products' input, the position
-//! counter and the f16 KV cache, carved from one allocation; and the layout of a paged
+//! counter and the KV cache (f16 or quantized), carved from one allocation; and the layout of a paged
 //! batch's tokens in it.
 
 use dequant::gpu::experts;
@@ -13,8 +13,9 @@ use super::{view, view_at, view_mut, view_mut_at};
 use crate::config::ModelConfig;
 use crate::gpu::expert_pool::ExpertPools;
 use crate::gpu::gpu;
-use crate::gpu::kernels::{attention_chunk, AttentionShape, Pages};
+use crate::gpu::kernels::{attention_chunk, AttentionShape, CacheView, CacheViewMut, Pages};
 use crate::gpu::{arena, MAX_BATCH};
+use crate::kv_type::KvTypes;
 use crate::plan::ExecutionPlan;
 use crate::ModelError;
 
@@ -102,7 +103,7 @@ pub(super) fn pages<'a>(
 
 /// The activations of a prompt's chunk (and the Q8 blocks and logits of up to
 /// [`MAX_BATCH`] tokens, or of a paged batch's sequences), the position counter and the
-/// f16 KV cache, all carved from one arena allocated once.
+/// KV cache, all carved from one arena allocated once.
 pub(in crate::gpu) struct Buffers {
     pub(super) x: ArenaBuffer,
     pub(super) h: ArenaBuffer,
@@ -128,8 +129,8 @@ pub(in crate::gpu) struct Buffers {
     pub(super) bad: ArenaBuffer,
     /// A paged batch's layout (`PagedBatch`); empty without pages.
     pub(super) meta: ArenaBuffer,
-    pub(super) k_cache: Vec<ArenaBuffer>,
-    pub(super) v_cache: Vec<ArenaBuffer>,
+    /// Every layer's cached keys and values.
+    pub(super) kv: KvBuffers,
     pub(super) attention: AttentionShape,
     pub(super) row_bytes: usize,
     /// Most queries of one launch of the split attention (its scratch's rows).
@@ -146,6 +147,7 @@ pub(in crate::gpu) struct Buffers {
 }
 
 impl Buffers {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         device: &Device,
         config: &ModelConfig,
@@ -154,6 +156,7 @@ impl Buffers {
         batch: usize,
         paged: Option<&PageShape>,
         flash_mma: bool,
+        kv_types: KvTypes,
     ) -> Result<Buffers, ModelError> {
         // Activations for a prompt's chunk of `batch` tokens; Q8 blocks for the few
         // tokens of the decode products; logits and the split attention's scratch for
@@ -227,8 +230,8 @@ impl Buffers {
             .chain(moe_sizes.iter().flatten())
             .map(|&s| s.max(4).div_ceil(ALIGN) * ALIGN)
             .sum::<usize>()
-            + c.n_layers * (2 * positions * kv_dim).div_ceil(ALIGN) * ALIGN
-            + c.n_layers * (2 * positions * v_dim).div_ceil(ALIGN) * ALIGN;
+            + c.n_layers * (positions * kv_types.k.row_bytes(kv_dim)).div_ceil(ALIGN) * ALIGN
+            + c.n_layers * (positions * kv_types.v.row_bytes(v_dim)).div_ceil(ALIGN) * ALIGN;
         let arena = arena(device, total)?;
         let alloc = |bytes: usize| {
             arena
@@ -265,12 +268,18 @@ impl Buffers {
             pos: next()?,
             bad: next()?,
             meta: next()?,
-            k_cache: (0..c.n_layers)
-                .map(|_| alloc(2 * positions * kv_dim))
-                .collect::<Result<_, _>>()?,
-            v_cache: (0..c.n_layers)
-                .map(|_| alloc(2 * positions * v_dim))
-                .collect::<Result<_, _>>()?,
+            kv: KvBuffers {
+                k: (0..c.n_layers)
+                    .map(|_| alloc(positions * kv_types.k.row_bytes(kv_dim)))
+                    .collect::<Result<_, _>>()?,
+                v: (0..c.n_layers)
+                    .map(|_| alloc(positions * kv_types.v.row_bytes(v_dim)))
+                    .collect::<Result<_, _>>()?,
+                types: kv_types,
+                positions,
+                k_dim: kv_dim,
+                v_dim,
+            },
             attention,
             row_bytes,
             attn_rows: rows,
@@ -350,16 +359,18 @@ impl Buffers {
     }
 
     /// `layer`'s cached keys and values of `positions`, in the contiguous layout of one
-    /// sequence (position `p`'s row at `p`).
+    /// sequence (position `p`'s row at `p`), of an f16 cache (a quantized one is
+    /// refused).
     pub fn kv_view(
         &self,
         layer: usize,
         positions: std::ops::Range<usize>,
     ) -> Result<(DeviceView<'_, f16>, DeviceView<'_, f16>), ModelError> {
+        self.f16_only()?;
         let (k, v) = self.kv_ranges(positions);
         Ok((
-            view_at::<f16>(&self.k_cache[layer], k)?,
-            view_at::<f16>(&self.v_cache[layer], v)?,
+            view_at::<f16>(&self.kv.k[layer], k)?,
+            view_at::<f16>(&self.kv.v[layer], v)?,
         ))
     }
 
@@ -369,11 +380,25 @@ impl Buffers {
         layer: usize,
         positions: std::ops::Range<usize>,
     ) -> Result<(DeviceViewMut<'_, f16>, DeviceViewMut<'_, f16>), ModelError> {
+        self.f16_only()?;
         let (k, v) = self.kv_ranges(positions);
         Ok((
-            view_mut_at::<f16>(&mut self.k_cache[layer], k)?,
-            view_mut_at::<f16>(&mut self.v_cache[layer], v)?,
+            view_mut_at::<f16>(&mut self.kv.k[layer], k)?,
+            view_mut_at::<f16>(&mut self.kv.v[layer], v)?,
         ))
+    }
+
+    fn f16_only(&self) -> Result<(), ModelError> {
+        let types = self.kv.types;
+        if types.is_quantized() {
+            return Err(ModelError::CacheType {
+                reason: format!(
+                    "a {}/{} cache's rows cross to the host as f16 only",
+                    types.k, types.v
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Most rows of logits one pass computes.
@@ -408,6 +433,59 @@ impl Buffers {
         stream
             .write_staged(host, &[value], dst)
             .map_err(gpu("setting the position"))
+    }
+}
+
+/// Every layer's cached keys and values: `positions` rows each, of the types' bytes.
+pub(in crate::gpu) struct KvBuffers {
+    k: Vec<ArenaBuffer>,
+    v: Vec<ArenaBuffer>,
+    pub(super) types: KvTypes,
+    positions: usize,
+    k_dim: usize,
+    v_dim: usize,
+}
+
+impl KvBuffers {
+    /// Every position of `layer`'s cached keys and values.
+    pub fn views(&self, layer: usize) -> Result<(CacheView<'_>, CacheView<'_>), ModelError> {
+        let (p, t) = (self.positions, self.types);
+        Ok((
+            CacheView {
+                bytes: view::<u8>(&self.k[layer], p * t.k.row_bytes(self.k_dim))?,
+                ty: t.k,
+                positions: p,
+                dim: self.k_dim,
+            },
+            CacheView {
+                bytes: view::<u8>(&self.v[layer], p * t.v.row_bytes(self.v_dim))?,
+                ty: t.v,
+                positions: p,
+                dim: self.v_dim,
+            },
+        ))
+    }
+
+    /// As [`KvBuffers::views`], to write.
+    pub fn views_mut(
+        &mut self,
+        layer: usize,
+    ) -> Result<(CacheViewMut<'_>, CacheViewMut<'_>), ModelError> {
+        let (p, t) = (self.positions, self.types);
+        Ok((
+            CacheViewMut {
+                bytes: view_mut::<u8>(&mut self.k[layer], p * t.k.row_bytes(self.k_dim))?,
+                ty: t.k,
+                positions: p,
+                dim: self.k_dim,
+            },
+            CacheViewMut {
+                bytes: view_mut::<u8>(&mut self.v[layer], p * t.v.row_bytes(self.v_dim))?,
+                ty: t.v,
+                positions: p,
+                dim: self.v_dim,
+            },
+        ))
     }
 }
 

@@ -1,17 +1,18 @@
-//! The typed wrapper of `kernels/attention.hip`'s launcher: attention of a few queries
-//! against the f16 KV cache, split along the keys, and the shapes both attention
-//! kernels take.
+//! The typed wrappers of `kernels/attention.hip`'s launchers: attention of a few queries
+//! against the KV cache, split along the keys, and the shapes both attention kernels
+//! take; the rotation that turns a quantized value cache's output back.
 
-use half::f16;
 #[cfg(hip_platform = "none")]
 use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
 
 #[cfg(not(hip_platform = "none"))]
 use super::sys;
+use crate::kv_type::KvTypes;
+
 use super::{
-    check_caches, expect, expect_at_least, on_device, ptr_or_null, q8_bytes, small, soft_cap,
-    KernelError, Pages,
+    cache_code, check_caches, expect, expect_at_least, on_device, ptr_or_null, q8_bytes, small,
+    soft_cap, CacheView, KernelError, Pages,
 };
 
 /// Most keys a chunk of [`attention`]'s split along the cache may hold.
@@ -70,15 +71,17 @@ impl AttentionShape {
 
 /// Attention of `n_tokens` queries at positions `pos[0]..` (or, with `pages`, at the
 /// positions and against the blocks it gives; each query sees the keys up to its own
-/// position) against the f16 caches; `out` gets `n_tokens × n_heads ×
+/// position) against the caches (f16 or quantized, of any types: the key type's
+/// values meet the queries, the value type's are summed, and the output of a value
+/// cache that holds rotated values is turned back); `out` gets `n_tokens × n_heads ×
 /// head_dim_v` values, and `out_q8` (when given; `head_dim_v` a multiple of 32) the same
 /// as Q8 activation blocks. `done` must hold zeros, and is left so. `sinks` (one logit
 /// per query head) join each softmax's denominator.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: DeviceView<'_, f32>,
-    k_cache: DeviceView<'_, f16>,
-    v_cache: DeviceView<'_, f16>,
+    k_cache: CacheView<'_>,
+    v_cache: CacheView<'_>,
     shape: &AttentionShape,
     sinks: Option<DeviceView<'_, f32>>,
     n_tokens: usize,
@@ -101,7 +104,7 @@ pub fn attention(
     expect(K, "the queries", q.len(), n_tokens * s.n_heads * s.head_dim)?;
     expect_at_least(K, "256 keys per chunk", MAX_ATTENTION_CHUNK, s.chunk)?;
     expect_at_least(K, "keys per chunk", s.chunk, 1)?;
-    check_caches(K, s, k_cache.len(), v_cache.len(), pos.len())?;
+    check_caches(K, s, &k_cache, &v_cache, pos.len())?;
     expect(K, "the chunk maxima", part_ml.len(), s.ml_len(n_tokens))?;
     expect(K, "the chunk sums", part_acc.len(), s.acc_len(n_tokens))?;
     expect(K, "the chunk counters", done.len(), s.done_len(n_tokens))?;
@@ -113,8 +116,8 @@ pub fn attention(
     )?;
     let mut devices = vec![
         q.device_ordinal(),
-        k_cache.device_ordinal(),
-        v_cache.device_ordinal(),
+        k_cache.bytes.device_ordinal(),
+        v_cache.bytes.device_ordinal(),
         pos.device_ordinal(),
         part_ml.device_ordinal(),
         part_acc.device_ordinal(),
@@ -148,8 +151,12 @@ pub fn attention(
         rf_attention,
         "attention",
         q.as_ptr(),
-        k_cache.as_ptr(),
-        v_cache.as_ptr(),
+        k_cache.bytes.as_ptr(),
+        v_cache.bytes.as_ptr(),
+        cache_code(k_cache.ty),
+        cache_code(v_cache.ty),
+        c("cache positions", k_cache.positions)?,
+        v_rotation(&k_cache, &v_cache, s.head_dim_v),
         c("tokens", n_tokens)?,
         c("heads", s.n_heads)?,
         c("key heads", s.n_kv_heads)?,
@@ -174,6 +181,31 @@ pub fn attention(
         device,
         stream.as_raw(),
     )
+}
+
+/// `x` (a multiple of 64 values) multiplied in runs of 64 by the normalised 64 × 64
+/// Walsh-Hadamard matrix, in place: the attention's output over a quantized value cache
+/// (which holds values so rotated) turned back, as the CPU's `kv_type::fwht` does.
+pub fn hadamard64(mut x: DeviceViewMut<'_, f32>, stream: &Stream) -> Result<(), KernelError> {
+    const K: &str = "hadamard64";
+    expect(K, "the values modulo 64", x.len() % 64, 0)?;
+    let device = on_device(stream, &[x.device_ordinal()])?;
+    let n = x.len();
+    launch!(
+        rf_hadamard64,
+        "hadamard64",
+        x.as_mut_ptr(),
+        n,
+        device,
+        stream.as_raw()
+    )
+}
+
+/// The run of the rotation a value cache of `v`'s type holds, as the kernels take it
+/// (0: none).
+fn v_rotation(k: &CacheView<'_>, v: &CacheView<'_>, head_dim_v: usize) -> i32 {
+    let types = KvTypes { k: k.ty, v: v.ty };
+    types.v_rotation(head_dim_v).map_or(0, |n| n as i32)
 }
 
 #[cfg(test)]

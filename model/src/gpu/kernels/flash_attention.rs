@@ -1,7 +1,6 @@
 //! The typed wrapper of `kernels/flash_attention.hip`'s launcher: attention of a
 //! prompt's chunk, tiled over queries and keys.
 
-use half::f16;
 #[cfg(hip_platform = "none")]
 use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
@@ -9,12 +8,13 @@ use hip_backend::{DeviceView, DeviceViewMut, Stream};
 #[cfg(not(hip_platform = "none"))]
 use super::sys;
 use super::{
-    check_caches, expect, expect_at_least, on_device, ptr_or_null, small, soft_cap, AttentionShape,
-    KernelError,
+    cache_code, check_caches, expect, expect_at_least, on_device, ptr_or_null, small, soft_cap,
+    AttentionShape, CacheView, KernelError,
 };
 
 /// Attention of a prompt's `n_tokens` queries at positions `pos[0]..` (each seeing the
-/// keys up to its own position, within `shape.window`) against the f16 caches, in one
+/// keys up to its own position, within `shape.window`) against the caches (f16 or
+/// quantized: a tile of a quantized cache is expanded to f16 as it is staged), in one
 /// launch tiled over queries and keys (an online softmax: no scratch, whatever the
 /// number of queries). `out` gets `n_tokens × n_heads × head_dim_v` values, as
 /// [`attention`](fn@super::attention) writes them; the caches must hold the keys and
@@ -27,8 +27,8 @@ use super::{
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attention(
     q: DeviceView<'_, f32>,
-    k_cache: DeviceView<'_, f16>,
-    v_cache: DeviceView<'_, f16>,
+    k_cache: CacheView<'_>,
+    v_cache: CacheView<'_>,
     shape: &AttentionShape,
     sinks: Option<DeviceView<'_, f32>>,
     n_tokens: usize,
@@ -52,7 +52,7 @@ pub fn flash_attention(
     expect(K, "the queries", q.len(), n_tokens * s.n_heads * s.head_dim)?;
     let positions = s.positions();
     expect_at_least(K, "positions in the cache", positions, n_tokens)?;
-    check_caches(K, s, k_cache.len(), v_cache.len(), pos.len())?;
+    check_caches(K, s, &k_cache, &v_cache, pos.len())?;
     expect(
         K,
         "the output",
@@ -61,8 +61,8 @@ pub fn flash_attention(
     )?;
     let mut devices = vec![
         q.device_ordinal(),
-        k_cache.device_ordinal(),
-        v_cache.device_ordinal(),
+        k_cache.bytes.device_ordinal(),
+        v_cache.bytes.device_ordinal(),
         pos.device_ordinal(),
         out.device_ordinal(),
     ];
@@ -83,8 +83,11 @@ pub fn flash_attention(
         rf_flash_attention,
         "flash_attention",
         q.as_ptr(),
-        k_cache.as_ptr(),
-        v_cache.as_ptr(),
+        k_cache.bytes.as_ptr(),
+        v_cache.bytes.as_ptr(),
+        cache_code(k_cache.ty),
+        cache_code(v_cache.ty),
+        c("cache positions", k_cache.positions)?,
         c("tokens", n_tokens)?,
         c("heads", s.n_heads)?,
         c("key heads", s.n_kv_heads)?,

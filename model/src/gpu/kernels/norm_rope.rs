@@ -2,7 +2,6 @@
 //! quantization of its output, and the per-head Q/K norms, biases, RoPE and KV-cache
 //! write.
 
-use half::f16;
 #[cfg(hip_platform = "none")]
 use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
@@ -10,9 +9,10 @@ use hip_backend::{DeviceView, DeviceViewMut, Stream};
 #[cfg(not(hip_platform = "none"))]
 use super::sys;
 use super::{
-    expect, expect_at_least, on_device, ptr_or_null, q8_bytes, small, KernelError, NormWeight,
-    Pages,
+    cache_code, expect, expect_at_least, on_device, ptr_or_null, q8_bytes, small, CacheViewMut,
+    KernelError, NormWeight, Pages,
 };
+use crate::kv_type::KvTypes;
 
 /// `out (+)= rms_norm(x) · w` for `n_tokens` rows of `dim`; with `out_q8`, the normed
 /// rows (before any add) are also quantized to Q8 blocks (`dim` a multiple of 32).
@@ -103,8 +103,12 @@ pub struct HeadExtras<'a> {
 /// For `n_tokens` tokens at positions `pos[0]..` (or, with `pages`, at the positions and
 /// in the blocks it gives): biases, per-head norms, RoPE (its cosines and sines times
 /// `shape.attn_factor`) and the query scale on `q` (in
-/// place) and `k`; keys and values (with bias) written to the f16 caches at their
-/// positions. The caches must hold those positions.
+/// place) and `k`; keys and values (with bias) written to the caches at their
+/// positions, and quantized there as llama.cpp's CPU backend quantizes a cache row
+/// when the caches are: a quantized key cache holds keys rotated as
+/// [`KvTypes::k_rotation`] says (and the queries are rotated alike), a quantized value
+/// cache values rotated as [`KvTypes::v_rotation`] says (the attention's output must be
+/// turned back: [`hadamard64`](super::hadamard64)). The caches must hold those positions.
 #[allow(clippy::too_many_arguments)]
 pub fn qk_rope_kv(
     mut q: DeviceViewMut<'_, f32>,
@@ -115,8 +119,8 @@ pub fn qk_rope_kv(
     n_tokens: usize,
     pos: DeviceView<'_, i32>,
     pages: Option<Pages<'_>>,
-    mut k_cache: DeviceViewMut<'_, f16>,
-    mut v_cache: DeviceViewMut<'_, f16>,
+    mut k_cache: CacheViewMut<'_>,
+    mut v_cache: CacheViewMut<'_>,
     stream: &Stream,
 ) -> Result<(), KernelError> {
     const K: &str = "qk_rope_kv";
@@ -131,15 +135,27 @@ pub fn qk_rope_kv(
     expect(K, "the keys", k.len(), n_tokens * kv_dim)?;
     expect(K, "the values", v.len(), n_tokens * v_dim)?;
     expect(K, "the position", pos.len(), 1)?;
-    expect(K, "the key cache's row", k_cache.len() % kv_dim.max(1), 0)?;
-    expect(K, "the value cache's row", v_cache.len() % v_dim.max(1), 0)?;
+    expect(K, "the key cache's row", k_cache.dim, kv_dim)?;
+    expect(K, "the value cache's row", v_cache.dim, v_dim)?;
+    expect(
+        K,
+        "positions in the value cache",
+        v_cache.positions,
+        k_cache.positions,
+    )?;
+    k_cache.check(K, "the key cache")?;
+    v_cache.check(K, "the value cache")?;
+    let types = KvTypes {
+        k: k_cache.ty,
+        v: v_cache.ty,
+    };
     let mut devices = vec![
         q.device_ordinal(),
         k.device_ordinal(),
         v.device_ordinal(),
         pos.device_ordinal(),
-        k_cache.device_ordinal(),
-        v_cache.device_ordinal(),
+        k_cache.bytes.device_ordinal(),
+        v_cache.bytes.device_ordinal(),
     ];
     if let Some(p) = &pages {
         devices.extend(p.check(K, n_tokens)?);
@@ -208,8 +224,13 @@ pub fn qk_rope_kv(
         Pages::raw(pages)[1],
         Pages::raw(pages)[2],
         pages.map_or(0, |p| p.block_shift as i32),
-        k_cache.as_mut_ptr(),
-        v_cache.as_mut_ptr(),
+        k_cache.bytes.as_mut_ptr(),
+        v_cache.bytes.as_mut_ptr(),
+        cache_code(k_cache.ty),
+        cache_code(v_cache.ty),
+        c("cache positions", k_cache.positions)?,
+        types.k_rotation(s.head_dim).unwrap_or(0) as i32,
+        types.v_rotation(s.head_dim_v).unwrap_or(0) as i32,
         device,
         stream.as_raw(),
     )

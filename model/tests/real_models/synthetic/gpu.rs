@@ -12,6 +12,9 @@ mod constrained;
 /// Stop requests, injected allocation failures and budgets beyond the device.
 #[path = "../gpu/faults.rs"]
 mod faults;
+/// A quantized KV cache, the GPU against the CPU.
+#[path = "gpu/kv_types.rs"]
+mod kv_types;
 /// A mixture of experts over its budget, its experts resident by use.
 #[path = "gpu/pooled.rs"]
 mod pooled;
@@ -287,7 +290,13 @@ fn gpu_model_within(
         budget,
         ..GpuOptions::new(mode, context)
     };
-    match GpuModel::with_prompt_batch(model, &options, batch) {
+    gpu_model_of(test, model, &options, batch)
+}
+
+/// A GPU model of `model` set up as `options` says, prompts in chunks of `batch`
+/// tokens, or `None` after saying why the test is skipped.
+fn gpu_model_of(test: &str, model: &Model, options: &GpuOptions, batch: usize) -> Option<GpuModel> {
+    match GpuModel::with_prompt_batch(model, options, batch) {
         Ok(gpu) => Some(gpu),
         Err(model::ModelError::Gpu { source, .. }) if source.is_unavailable() => {
             skip(test, &source.to_string());
@@ -468,7 +477,7 @@ macro_rules! gpu_batched_matches_alone {
     ($($test:ident => $name:literal),* $(,)?) => {$(
         #[test]
         fn $test() {
-            batched($name);
+            batched($name, model::KvTypes::default());
         }
     )*};
 }

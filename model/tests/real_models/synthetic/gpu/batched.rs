@@ -7,11 +7,15 @@ use super::*;
 /// decode, one that starts on a block another sequence computed (a shared prefix), and
 /// blocks handed out out of order. Teacher-forced with the tokens each sequence chose
 /// alone, every row of logits is held to the tolerance rule above. The decoding
-/// steps' captured graphs give the bits of the same launches queued one by one.
-pub(super) fn batched(name: &str) {
+/// steps' captured graphs give the bits of the same launches queued one by one. Both
+/// caches hold `types`.
+pub(super) fn batched(name: &str, types: model::KvTypes) {
     use model::constraint::TokenMask;
     use model::gpu::{BatchSegment, PageOptions};
-    let test = format!("gpu_batched_{name}");
+    let test = match types.is_quantized() {
+        false => format!("gpu_batched_{name}"),
+        true => format!("gpu_batched_{}_{}_{name}", types.k, types.v),
+    };
     let (_dir, _store, model) = open_spec(name);
     let n_vocab = model.config().n_vocab as u32;
     let (context, block, steps) = (96usize, 16usize, 12usize);
@@ -32,7 +36,11 @@ pub(super) fn batched(name: &str) {
         (long, 2, 0),
         (shared, 4, block),
     ];
-    let Some(mut alone) = gpu_model(&test, &model, UploadMode::Eager, context) else {
+    let options = GpuOptions {
+        kv_types: types,
+        ..GpuOptions::new(UploadMode::Eager, context)
+    };
+    let Some(mut alone) = gpu_model_of(&test, &model, &options, PROMPT_BATCH) else {
         return;
     };
     // Alone: the logits after the prompt and after each greedy token.
@@ -49,7 +57,6 @@ pub(super) fn batched(name: &str) {
         expected.push((fed, rows));
     }
     drop(alone);
-    let options = GpuOptions::new(UploadMode::Eager, context);
     let pages = PageOptions {
         block_size: block,
         n_blocks: 64,
