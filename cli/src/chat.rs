@@ -91,15 +91,18 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
     let context_size = context_size(args.ctx_size, model.config().n_ctx_train);
     let chosen = gpu_start
         .finish()?
-        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib)
-        .for_cache(args.cache_types.types(), args.gpu.device)?;
+        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib);
     let attention = args.flash_attn.method();
     let (backend, device) = match chosen {
         Chosen::Gpu { device, .. } => {
             tracing::info!(gpu = device.name(), "device: gpu");
-            let gpu_options =
-                args.gpu
-                    .gpu_options(&device, context_size, &interrupt.stop, tuning.gpu);
+            let gpu_options = args.gpu.gpu_options(
+                &device,
+                context_size,
+                args.cache_types.types(),
+                &interrupt.stop,
+                tuning.gpu,
+            );
             let gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.gpu.batch_size)
                 .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
             (

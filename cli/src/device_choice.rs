@@ -59,23 +59,6 @@ impl Chosen {
     }
 }
 
-impl Chosen {
-    /// The choice once the KV cache's types are known: a quantized cache is computed on
-    /// the CPU only, so `auto` takes the CPU (saying why) and `gpu` is an error.
-    pub fn for_cache(self, types: model::KvTypes, arg: DeviceArg) -> Result<Chosen> {
-        if !types.is_quantized() || matches!(self, Chosen::Cpu { .. }) {
-            return Ok(self);
-        }
-        let what = format!("a {}/{} KV cache (keys/values)", types.k, types.v);
-        if arg == DeviceArg::Gpu {
-            bail!("{what} is computed on the CPU only: the GPU's cache is f16");
-        }
-        Ok(Chosen::Cpu {
-            reason: format!("{what} is computed on the CPU only"),
-        })
-    }
-}
-
 impl GpuStart {
     /// Starts GPU `ordinal`'s runtime on a thread, unless `arg` is `cpu`.
     pub fn begin(arg: DeviceArg, ordinal: usize) -> GpuStart {

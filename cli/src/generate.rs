@@ -183,8 +183,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     // `auto` computes on the CPU what the GPU does not run; `gpu` fails below, saying so.
     let chosen = gpu_start
         .finish()?
-        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib)
-        .for_cache(args.cache_types.types(), args.gpu.device)?;
+        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib);
 
     let text = if args.chat {
         chat_prompt(&store, &tokenizer, &path, &user_text)?
@@ -314,7 +313,8 @@ fn gpu_options(
         .saturating_add(args.max_tokens.saturating_sub(1))
         .clamp(1, context_size.max(1));
     // Ctrl-C during the upload, or during a prompt's pass, stops it.
-    args.gpu.gpu_options(device, context_size, stop, tuning)
+    args.gpu
+        .gpu_options(device, context_size, args.cache_types.types(), stop, tuning)
 }
 
 /// Drops the GPU model, its device memory, page-locked buffers and registrations, and

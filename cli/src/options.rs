@@ -128,13 +128,14 @@ pub struct DeviceArgs {
 }
 
 impl DeviceArgs {
-    /// The options of a model on `device`, its KV cache `context_size` positions long,
-    /// stopped between two layers once `stop` is set (an error `main` turns into status
-    /// 130).
+    /// The options of a model on `device`, its KV cache `context_size` positions long
+    /// of `kv_types`, stopped between two layers once `stop` is set (an error `main`
+    /// turns into status 130).
     pub fn gpu_options(
         &self,
         device: &Device,
         context_size: usize,
+        kv_types: model::KvTypes,
         stop: &Arc<AtomicBool>,
         tuning: GpuTuning,
     ) -> GpuOptions {
@@ -143,6 +144,7 @@ impl DeviceArgs {
             mode: self.load_mode.into(),
             budget: self.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
             context_size,
+            kv_types,
             stop: Some(Arc::clone(stop)),
             tuning,
         }
@@ -239,12 +241,12 @@ impl FlashAttn {
     }
 }
 
-/// `--cache-type-k` and `--cache-type-v`: the precisions the CPU's KV cache keeps keys
-/// and values at, as llama.cpp's `-ctk` and `-ctv` name them.
+/// `--cache-type-k` and `--cache-type-v`: the precisions the KV cache keeps keys and
+/// values at, as llama.cpp's `-ctk` and `-ctv` name them.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
 pub struct CacheTypeArgs {
-    /// The precision of the KV cache's keys: f16, q8_0 or q4_0 (quantized types on the
-    /// CPU only, with flash attention).
+    /// The precision of the KV cache's keys: f16, q8_0 or q4_0 (quantized types with
+    /// flash attention; on a GPU, with every layer on the device).
     #[arg(long = "cache-type-k", visible_alias = "ctk", value_name = "TYPE",
           default_value = "f16", value_parser = model::KvType::parse)]
     pub k: model::KvType,

@@ -112,8 +112,7 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
     };
     let chosen = gpu_start
         .finish()?
-        .for_model(&model, args.device, args.gpu_budget_mib)
-        .for_cache(args.cache_types.types(), args.device)?;
+        .for_model(&model, args.device, args.gpu_budget_mib);
     let mut gpu_model;
     let mut cpu_model;
     let source: &mut dyn WindowLogits = match chosen {
@@ -124,6 +123,7 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
                 mode: args.load_mode.into(),
                 budget: args.gpu_budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
                 context_size: n_ctx,
+                kv_types: args.cache_types.types(),
                 stop: Some(Arc::clone(&stop)),
                 tuning: tuning.gpu,
             };

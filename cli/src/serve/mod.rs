@@ -59,8 +59,13 @@ pub struct ServeArgs {
     ctx_size: usize,
     /// Positions of the KV pool all requests share (at least one context); default:
     /// twice the context size. Memory is only touched as it is used.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "kv_pool_mib")]
     kv_pool: Option<usize>,
+    /// The KV pool as device (or host) memory, in MiB: as many positions as that many
+    /// bytes hold at the cache's types (`--ctk`/`--ctv`; about twice f16's at q8_0).
+    /// Must hold at least one context.
+    #[arg(long, value_name = "MIB")]
+    kv_pool_mib: Option<u64>,
     /// On the CPU, flash attention (on; auto is on, as in llama.cpp on a CPU) or two
     /// matrix products around a softmax (off), each as llama.cpp computes it.
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
@@ -295,7 +300,11 @@ async fn serve(
 
     let config = LoadConfig {
         ctx_size: args.ctx_size,
-        kv_pool: args.kv_pool,
+        kv_pool: match (args.kv_pool, args.kv_pool_mib) {
+            (Some(positions), _) => Some(PoolSize::Positions(positions)),
+            (None, Some(mib)) => Some(PoolSize::Mib(mib)),
+            (None, None) => None,
+        },
         flash_attn: args.flash_attn,
         kv_types: args.cache_types.types(),
         context_shift: args.context_shift.then_some(args.keep),
@@ -386,9 +395,41 @@ async fn wait_for_signal() {
     }
 }
 
+/// How large the KV pool is: positions, or memory at the cache's types.
+#[derive(Clone, Copy, Debug)]
+enum PoolSize {
+    Positions(usize),
+    Mib(u64),
+}
+
+/// The KV pool's positions: `size` (default twice the context), at least one context
+/// of `context_size` positions; a pool given in MiB that holds fewer, at
+/// `bytes_per_position`, is an error rather than a larger pool.
+fn pool_positions(
+    size: Option<PoolSize>,
+    bytes_per_position: usize,
+    context_size: usize,
+) -> Result<usize> {
+    Ok(match size {
+        None => context_size.saturating_mul(2),
+        Some(PoolSize::Positions(positions)) => positions.max(context_size),
+        Some(PoolSize::Mib(mib)) => {
+            let bytes = usize::try_from(mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+            let positions = bytes / bytes_per_position.max(1);
+            if positions < context_size {
+                bail!(
+                    "{mib} MiB hold {positions} positions, less than one context \
+                     ({context_size})"
+                );
+            }
+            positions
+        }
+    })
+}
+
 struct LoadConfig {
     ctx_size: usize,
-    kv_pool: Option<usize>,
+    kv_pool: Option<PoolSize>,
     flash_attn: crate::options::FlashAttn,
     kv_types: model::KvTypes,
     /// Tokens a context shift keeps (a BOS token besides), or none without one.
@@ -437,18 +478,8 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         tracing::info!(syntax = syntax.name(), "tool calls");
     }
     state.set_progress(0.05);
-    let quantized_cache = config.kv_types.is_quantized();
     let on_gpu = match config.device.as_str() {
         "cpu" => false,
-        "gpu" if quantized_cache => bail!(
-            "--device gpu: a {}/{} KV cache is computed on the CPU only",
-            config.kv_types.k,
-            config.kv_types.v
-        ),
-        _ if quantized_cache => {
-            tracing::info!("serving on the CPU: a quantized KV cache is computed there only");
-            false
-        }
         device => match gpu_usable(&model) {
             Ok(()) => true,
             Err(why) if device == "auto" => {
@@ -485,10 +516,18 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         0 => n_ctx_train,
         n => n.min(n_ctx_train),
     };
-    let pool = config
-        .kv_pool
-        .unwrap_or(context_size.saturating_mul(2))
-        .max(context_size);
+    let per_position = config.kv_types.bytes_per_position(model.config());
+    let pool = pool_positions(config.kv_pool, per_position, context_size).with_context(|| {
+        format!(
+            "--kv-pool-mib: a {}/{} cache takes {per_position} bytes a position",
+            config.kv_types.k, config.kv_types.v
+        )
+    })?;
+    tracing::info!(
+        positions = pool,
+        mib = (pool as u64 * per_position as u64) >> 20,
+        "KV pool"
+    );
     let model_id = path
         .file_name()
         .and_then(|n| n.to_str())
@@ -519,6 +558,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
             mode: UploadMode::Background,
             budget: None,
             context_size,
+            kv_types: config.kv_types,
             stop: None,
             tuning: config.gpu_tuning,
         };
@@ -542,4 +582,28 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         grammars,
         device_cache,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pool_in_mib_holds_what_the_cache_types_fit() {
+        // SmolLM2-135M's bytes a position: f16 23,040, q8_0 12,240, q4_0 6,480.
+        let f16 = pool_positions(Some(PoolSize::Mib(64)), 23_040, 2048).expect("fits");
+        let q8 = pool_positions(Some(PoolSize::Mib(64)), 12_240, 2048).expect("fits");
+        let q4 = pool_positions(Some(PoolSize::Mib(64)), 6_480, 2048).expect("fits");
+        assert_eq!(f16, (64 << 20) / 23_040);
+        assert!(q8 * 100 >= f16 * 188, "{q8} against {f16}");
+        assert!(q4 >= 3 * f16, "{q4} against {f16}");
+        let small = pool_positions(Some(PoolSize::Mib(1)), 23_040, 2048).unwrap_err();
+        assert!(
+            small.to_string().contains("less than one context (2048)"),
+            "{small}"
+        );
+        assert_eq!(pool_positions(None, 1, 100).expect("default"), 200);
+        let positions = pool_positions(Some(PoolSize::Positions(10)), 1, 100);
+        assert_eq!(positions.expect("positions"), 100);
+    }
 }
