@@ -8,6 +8,7 @@
 
 mod bench_cpu;
 mod bench_gpu;
+mod bench_kv;
 mod bench_load;
 mod bench_serve;
 mod bench_ttft;
@@ -49,6 +50,10 @@ tasks:
                       batched decoding, and decoding with the weights' budget at those
                       percentages of the model (llama-bench -ngl at the same share),
                       next to llama.cpp's when its paths are given
+  bench-kv --gguf FILE [--llama-bench PATH] [--types f16,q8_0,q4_0] [--depths 0,4096]
+           [--tokens N] [--prompt N] [--repeat N] [--json FILE]
+                      GPU tg and pp after a context of each depth, for each KV cache
+                      type, next to llama-bench -d D -ctk T -ctv T -fa 1
   bench-serve [--clients 1,8,32] [--requests N] [--prompt-tokens 128] [--gen-tokens 128]
               [--threads N] [--gguf FILE] [--rocmforge PATH] [--llama-batched-bench PATH] [--json]
               [--device cpu|gpu] [--python PATH] [--constrained json_schema|grammar]
@@ -94,6 +99,7 @@ fn run(args: &[String]) -> Result<()> {
         "synth-model" => synth::run(rest),
         "bench-load" => bench_load::run(rest),
         "bench-gpu" => bench_gpu::run(rest),
+        "bench-kv" => bench_kv::run(rest),
         "bench-serve" => bench_serve::run(rest),
         "bench-ttft" => bench_ttft::run(rest),
         "-h" | "--help" | "help" => {
