@@ -221,9 +221,9 @@ struct Ours {
 
 /// llama-bench's figures for one model.
 #[derive(Clone, Copy)]
-struct Theirs {
-    tg: f64,
-    pp: Option<f64>,
+pub(crate) struct Theirs {
+    pub tg: f64,
+    pub pp: Option<f64>,
 }
 
 /// Whether `h` is a mixture of experts' 3-D expert tensor (`ffn_{gate,up,down}_exps`) or
@@ -707,8 +707,9 @@ fn llama_bench(
     )
 }
 
-/// llama-bench's tg and pp with the placement `placement` (`-ngl N`, `-ncmoe N`).
-fn llama_bench_with(
+/// llama-bench's tg and pp with the placement and settings `placement` (`-ngl N`,
+/// `-ncmoe N`, a cache type, a depth).
+pub(crate) fn llama_bench_with(
     bench: &Path,
     model: &Path,
     tokens: usize,

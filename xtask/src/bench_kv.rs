@@ -15,16 +15,17 @@
 //! Without a usable GPU it says why in one line and exits non-zero.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use hip_backend::Device;
 use model::gpu::{GpuModel, GpuOptions};
 use model::{KvType, KvTypes, Model};
-use serde_json::{json, Value};
+use serde_json::json;
 use tensor_store::device::UploadMode;
 use tensor_store::TensorStore;
+
+use crate::bench_gpu::llama_bench_with;
 
 struct Options {
     model: PathBuf,
@@ -227,38 +228,21 @@ fn llama_bench(
     types: KvTypes,
     depth: usize,
 ) -> Result<(f64, Option<f64>)> {
-    let output = Command::new(bench)
-        .arg("-m")
-        .arg(&o.model)
-        .args(["-ngl", "99", "-fa", "1", "-d", &depth.to_string()])
-        .args(["-ctk", types.k.name(), "-ctv", types.v.name()])
-        .args(["-p", &o.prompt.to_string(), "-n", &o.tokens.to_string()])
-        .args(["-r", &o.repeat.to_string(), "-o", "json"])
-        .output()
-        .with_context(|| format!("running {}", bench.display()))?;
-    if !output.status.success() {
-        bail!(
-            "{} failed: {}",
-            bench.display(),
-            String::from_utf8_lossy(&output.stderr)
-                .lines()
-                .last()
-                .unwrap_or("")
-        );
-    }
-    let doc: Value = serde_json::from_slice(&output.stdout).context("llama-bench's JSON")?;
-    let runs = doc.as_array().context("llama-bench's JSON is not a list")?;
-    let find = |key: &str| {
-        runs.iter()
-            .find(|r| r[key].as_u64().is_some_and(|n| n > 0))
-            .and_then(|r| r["avg_ts"].as_f64())
-    };
-    let tg = find("n_gen").context("llama-bench printed no generation test")?;
-    let pp = match o.prompt {
-        0 => None,
-        _ => Some(find("n_prompt").context("llama-bench printed no prompt test")?),
-    };
-    Ok((tg, pp))
+    let depth = depth.to_string();
+    let settings = [
+        "-ngl",
+        "99",
+        "-fa",
+        "1",
+        "-d",
+        &depth,
+        "-ctk",
+        types.k.name(),
+        "-ctv",
+        types.v.name(),
+    ];
+    let theirs = llama_bench_with(bench, &o.model, o.tokens, o.prompt, o.repeat, &settings)?;
+    Ok((theirs.tg, theirs.pp))
 }
 
 #[cfg(test)]
