@@ -89,9 +89,12 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
     let template = chat_template(&store, &path)?;
     let context_size = context_size(args.ctx_size, model.config().n_ctx_train);
-    let chosen = gpu_start
-        .finish()?
-        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib);
+    let chosen = gpu_start.finish()?.for_model(
+        &model,
+        args.gpu.device,
+        args.gpu.gpu_budget_mib,
+        args.cache_types.types(),
+    );
     let attention = args.flash_attn.method();
     let (backend, device) = match chosen {
         Chosen::Gpu { device, .. } => {

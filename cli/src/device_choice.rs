@@ -34,19 +34,22 @@ pub enum Chosen {
 
 impl Chosen {
     /// The device for `model`: the GPU when it runs the model (its architecture and
-    /// types, and a mixture of experts whose weights fit `budget_mib`, or the device's
-    /// free memory); otherwise `auto` (`arg`) computes on the CPU, saying why, and `gpu`
+    /// types, a mixture of experts whose weights fit `budget_mib`, or the device's free
+    /// memory, and a quantized KV cache, `kv_types`, only with every weight there);
+    /// otherwise `auto` (`arg`) computes on the CPU, saying why, and `gpu`
     /// keeps the GPU, whose model then fails naming the reason.
     pub fn for_model(
         self,
         model: &model::Model,
         arg: DeviceArg,
         budget_mib: Option<u64>,
+        kv_types: model::KvTypes,
     ) -> Chosen {
         let support = match &self {
             Chosen::Gpu { device, .. } => model.check_gpu_support().and_then(|()| {
                 let budget = budget_mib.map(|mib| mib.saturating_mul(1 << 20));
-                model::gpu::check_experts_fit(model, device, budget)
+                model::gpu::check_experts_fit(model, device, budget)?;
+                model::gpu::check_cache_fits(model, device, budget, kv_types)
             }),
             Chosen::Cpu { .. } => Ok(()),
         };

@@ -181,9 +181,12 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         "model loaded: execution plan built"
     );
     // `auto` computes on the CPU what the GPU does not run; `gpu` fails below, saying so.
-    let chosen = gpu_start
-        .finish()?
-        .for_model(&model, args.gpu.device, args.gpu.gpu_budget_mib);
+    let chosen = gpu_start.finish()?.for_model(
+        &model,
+        args.gpu.device,
+        args.gpu.gpu_budget_mib,
+        args.cache_types.types(),
+    );
 
     let text = if args.chat {
         chat_prompt(&store, &tokenizer, &path, &user_text)?

@@ -110,9 +110,12 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
         Some((_, reader)) => reader.header().n_ctx,
         None => args.ctx_size.unwrap_or(DEFAULT_CTX),
     };
-    let chosen = gpu_start
-        .finish()?
-        .for_model(&model, args.device, args.gpu_budget_mib);
+    let chosen = gpu_start.finish()?.for_model(
+        &model,
+        args.device,
+        args.gpu_budget_mib,
+        args.cache_types.types(),
+    );
     let mut gpu_model;
     let mut cpu_model;
     let source: &mut dyn WindowLogits = match chosen {

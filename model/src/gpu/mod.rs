@@ -49,7 +49,7 @@ use hip_backend::{Device, DeviceArena, DeviceBuffer, Graph, HipError, PinnedBuff
 use tensor_store::device::{DeviceCache, HipTarget, StagingRing, UploadMode, UploadOrder};
 use tensor_store::TensorHandle;
 
-pub use build::check_experts_fit;
+pub use build::{check_cache_fits, check_experts_fit};
 pub use kernels::{KernelError, ShapeError};
 
 use crate::config::ModelConfig;
