@@ -26,6 +26,100 @@ pub struct KvCache {
     attention: AttentionMethod,
     /// The context a run of this cache stands for (at least `capacity`).
     context: usize,
+    /// After a context shift, where llama.cpp's cache holds each position.
+    cells: Option<Cells>,
+}
+
+/// The cells of llama.cpp's cache for one sequence, as its allocator fills them: a
+/// context shift frees cells in the middle, and later tokens take the free cells from
+/// the first, so the cells stop following the positions. Flash attention's sums follow
+/// the cells: keeping them is what keeps the logits llama.cpp's past a shift.
+#[derive(Clone, Debug)]
+struct Cells {
+    /// The position each cell holds, `-1` when empty (the context rounded up to whole
+    /// `KV_PAD`s of cells, as llama.cpp sizes its cache).
+    pos: Vec<i32>,
+    /// Where the search for a free cell starts.
+    head: usize,
+    /// Positions `0..placed` have their cell.
+    placed: usize,
+}
+
+impl Cells {
+    /// Cells for `len` positions placed in order from the first cell, as they are before
+    /// any shift, in a cache of `context` positions.
+    fn in_order(len: usize, context: usize) -> Cells {
+        let n = context.div_ceil(crate::ops::KV_PAD) * crate::ops::KV_PAD;
+        let mut pos = vec![-1; n.max(len)];
+        for (p, cell) in pos.iter_mut().enumerate().take(len) {
+            *cell = p as i32;
+        }
+        Cells {
+            pos,
+            head: len,
+            placed: len,
+        }
+    }
+
+    /// Empties the cells of positions `range` (llama.cpp's `seq_rm`): the search
+    /// starts again at the first one freed, when it is before the head.
+    fn remove(&mut self, range: std::ops::Range<usize>) {
+        let mut first = None;
+        for (i, p) in self.pos.iter_mut().enumerate() {
+            if *p >= 0 && range.contains(&(*p as usize)) {
+                *p = -1;
+                first.get_or_insert(i);
+            }
+        }
+        if let Some(first) = first.filter(|&f| f < self.head) {
+            self.head = first;
+        }
+        self.placed = self.placed.min(range.start);
+    }
+
+    /// Moves positions `from..` down by `by` (llama.cpp's `seq_add`, which starts the
+    /// next search at the first cell).
+    fn move_down(&mut self, from: usize, by: usize) {
+        for p in self.pos.iter_mut() {
+            if *p >= 0 && *p as usize >= from {
+                *p -= by as i32;
+            }
+        }
+        self.head = 0;
+    }
+
+    /// Cells for positions `placed..end`, one batch, as llama.cpp's `find_slot` and
+    /// `apply_ubatch` take them: from the head (or the first cell, when the head is
+    /// past the used cells by more than two a token), the free ones in order, wrapping.
+    fn place(&mut self, end: usize) {
+        if end <= self.placed {
+            return;
+        }
+        let n_tokens = end - self.placed;
+        let used = self.pos.iter().filter(|&&p| p >= 0).count();
+        let mut head = self.head;
+        if head > used + 2 * n_tokens {
+            head = 0;
+        }
+        let mut last = head;
+        for p in self.placed..end {
+            // A free cell exists: the cache holds the context.
+            for _ in 0..=self.pos.len() {
+                if head >= self.pos.len() {
+                    head = 0;
+                }
+                let cell = head;
+                head += 1;
+                if self.pos[cell] < 0 {
+                    self.pos[cell] = p as i32;
+                    last = cell;
+                    break;
+                }
+            }
+        }
+        self.head = last + 1;
+        self.placed = end;
+    }
 }
 
 impl KvCache {
@@ -43,6 +137,7 @@ impl KvCache {
             types: KvTypes::default(),
             attention: AttentionMethod::default(),
             context: capacity,
+            cells: None,
         }
         .stored(config.n_layers)
     }
@@ -57,6 +152,7 @@ impl KvCache {
             .map(|_| RowStore::with_capacity(types.v, self.v_dim, cap))
             .collect();
         self.len = 0;
+        self.cells = None;
         self
     }
 
@@ -122,6 +218,7 @@ impl KvCache {
     /// Forgets every position, keeping the memory.
     pub fn clear(&mut self) {
         self.len = 0;
+        self.cells = None;
         self.keys.iter_mut().for_each(RowStore::clear);
         self.values.iter_mut().for_each(RowStore::clear);
     }
@@ -176,13 +273,36 @@ impl KvCache {
     }
 
     /// Removes positions `range` of every layer, moving the later ones down (their keys
-    /// need their RoPE turned back by as many positions: [`crate::Model::shift_cache`]).
+    /// need their RoPE turned back by as many positions: [`crate::Model::shift_cache`]),
+    /// and from then on keeps the cells llama.cpp's cache would hold them in.
     pub(crate) fn remove_positions(&mut self, range: std::ops::Range<usize>) {
         let range = range.start.min(self.len)..range.end.min(self.len);
         for rows in self.keys.iter_mut().chain(&mut self.values) {
             rows.remove_rows(range.clone());
         }
+        let (len, context) = (self.len, self.context);
+        let cells = self
+            .cells
+            .get_or_insert_with(|| Cells::in_order(len, context));
+        cells.remove(range.clone());
+        cells.move_down(range.end, range.len());
         self.len -= range.len();
+        cells.placed = self.len;
+    }
+
+    /// After a context shift, gives the `n` positions being added their cells in
+    /// llama.cpp's cache (once per batch: later calls find them placed).
+    pub(crate) fn place(&mut self, n: usize) {
+        let end = self.len + n;
+        if let Some(cells) = &mut self.cells {
+            cells.place(end);
+        }
+    }
+
+    /// After a context shift, the position each cell of llama.cpp's cache holds (`-1`:
+    /// empty); `None` before any shift (the cells then follow the positions).
+    pub(crate) fn cells(&self) -> Option<&[i32]> {
+        self.cells.as_ref().map(|cells| &cells.pos[..])
     }
 
     /// The key rows of `layer`, to rewrite.
@@ -192,9 +312,48 @@ impl KvCache {
 
     /// Drops positions past `len` (for a batch that failed half-way).
     pub(crate) fn truncate(&mut self, len: usize) {
+        if let Some(cells) = &mut self.cells {
+            cells.remove(len..usize::MAX);
+        }
         self.len = self.len.min(len);
         for rows in self.keys.iter_mut().chain(&mut self.values) {
             rows.truncate(len);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Cells;
+
+    /// llama.cpp's cells through a shift of a full 256-cell cache: the freed cells are
+    /// taken first, then the last free one, and a second shift frees the cells of the
+    /// oldest positions wherever they are.
+    #[test]
+    fn cells_follow_llama_cpp_s_allocator() {
+        let mut cells = Cells::in_order(255, 200);
+        assert_eq!(cells.pos.len(), 256);
+        // Keep 4, drop 125 of the 251 after them.
+        cells.remove(4..129);
+        cells.move_down(129, 125);
+        cells.placed = 130;
+        assert_eq!(cells.pos[129], 4);
+        assert_eq!(cells.pos[254], 129);
+        cells.place(131);
+        assert_eq!(cells.pos[4], 130, "the first freed cell");
+        cells.place(255);
+        assert_eq!(cells.pos[128], 254);
+        assert_eq!(cells.pos[255], -1, "not reached yet");
+        cells.place(256);
+        assert_eq!(cells.pos[255], 255);
+        // The second shift drops positions 4..129, the cells 129..254.
+        cells.remove(4..129);
+        cells.move_down(129, 125);
+        cells.placed = 131;
+        assert!(cells.pos[129..254].iter().all(|&p| p == -1));
+        assert_eq!(cells.pos[254], 4);
+        assert_eq!(cells.pos[4], 5);
+        cells.place(132);
+        assert_eq!(cells.pos[129], 131);
     }
 }

@@ -8,7 +8,7 @@ mod expf;
 pub mod route;
 
 pub use attention::{
-    attention_in, AttentionMethod, AttentionShape, CacheRows, FlashContext, Layout,
+    attention_in, AttentionMethod, AttentionShape, CacheRows, FlashContext, Layout, KV_PAD,
 };
 pub use expf::expf;
 

@@ -60,3 +60,67 @@ fn context_shift_continues_past_a_full_context() {
     assert!(!output.status.success());
     assert_stderr_has(&output, "--context-shift");
 }
+
+/// Past every shift, the text is llama.cpp's for the same settings, character for
+/// character: its `llama-completion --context-shift` on SmolLM2 (600 tokens in a
+/// context of 256, three shifts; two threads, as the split attention's chunks depend
+/// on them), with each cache type. After a shift llama.cpp's later tokens take the
+/// cells the shift freed, ahead of the moved ones, and its attention sums follow the
+/// cells: so do ours.
+#[test]
+fn context_shift_gives_llama_cpp_s_text() {
+    let model = model_path("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let prompt = "The history of the printing press";
+    let references = [
+        (
+            "f16",
+            include_str!(
+                "../../../testdata/context-shift/SmolLM2-135M-Instruct.Q4_1.c256.keep4.n600.f16.txt"
+            ),
+        ),
+        (
+            "q8_0",
+            include_str!(
+                "../../../testdata/context-shift/SmolLM2-135M-Instruct.Q4_1.c256.keep4.n600.q8_0.txt"
+            ),
+        ),
+        (
+            "q4_0",
+            include_str!(
+                "../../../testdata/context-shift/SmolLM2-135M-Instruct.Q4_1.c256.keep4.n600.q4_0.txt"
+            ),
+        ),
+    ];
+    for (cache, reference) in references {
+        let json = greedy_json(
+            &model,
+            prompt,
+            &[
+                "--max-tokens",
+                "600",
+                "-c",
+                "256",
+                "--context-shift",
+                "--keep",
+                "4",
+                "--threads",
+                "2",
+                "--device",
+                "cpu",
+                "--ctk",
+                cache,
+                "--ctv",
+                cache,
+            ],
+        );
+        assert_eq!(json["stop_reason"], "max_tokens", "{cache}: {json}");
+        assert_eq!(json["context_shifts"], 3, "{cache}: {json}");
+        let text = format!("{prompt}{}", json["text"].as_str().expect("text"));
+        // llama-completion ends its output with a blank line.
+        assert_eq!(
+            reference.strip_suffix("\n\n"),
+            Some(text.as_str()),
+            "{cache}: the text leaves llama.cpp's"
+        );
+    }
+}

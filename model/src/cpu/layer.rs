@@ -134,8 +134,20 @@ impl Kv<'_, '_> {
                     sinks,
                 );
                 cache.append(layer_idx, k, v);
+                // A token's step after a context shift walks llama.cpp's cells (its
+                // flash kernels; a sliding window's cache is one of its own there).
+                cache.place(n);
+                let layout = match cache.cells() {
+                    Some(pos) if n == 1 && shape.method == AttentionMethod::Flash => {
+                        match shape.window {
+                            None => Layout::Cells { pos },
+                            Some(_) => Layout::Contiguous,
+                        }
+                    }
+                    _ => Layout::Contiguous,
+                };
                 let (keys, values) = cache.layer(layer_idx);
-                ops::attention_in(q, keys, values, &shape, Layout::Contiguous, out);
+                ops::attention_in(q, keys, values, &shape, layout, out);
                 if carry_last && n > 1 {
                     Carry::Rows(vec![n - 1])
                 } else {

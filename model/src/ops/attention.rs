@@ -37,7 +37,7 @@ mod flash;
 use gguf_format::GgmlType;
 use rayon::prelude::*;
 
-pub use flash::FlashContext;
+pub use flash::{FlashContext, KV_PAD};
 
 use super::{expf, round_f16};
 
@@ -125,6 +125,12 @@ pub enum Layout<'a> {
     /// In blocks of `block_size` rows: position `j` in row
     /// `table[j / block_size] * block_size + j % block_size` (the scheduler's KV pool).
     Paged { table: &'a [u32], block_size: usize },
+    /// A single token's step after a context shift, visiting the positions in the order
+    /// of llama.cpp's cache cells: cell `j` holds position `pos[j]` (`-1`: empty), stored
+    /// in row `pos[j]`. Flash attention's sums follow the cells, as llama.cpp's do,
+    /// which is what keeps its logits after a shift (the one-position kernel and the
+    /// split one; the tiled kernel and `-fa off` take the positions in order).
+    Cells { pos: &'a [i32] },
 }
 
 impl Layout<'_> {
@@ -135,6 +141,34 @@ impl Layout<'_> {
             Layout::Paged { table, block_size } => {
                 table[j / block_size] as usize * block_size + j % block_size
             }
+            Layout::Cells { pos } => pos[j] as usize,
+        }
+    }
+
+    /// Whether index `j` of a range the kernels walk holds a position a query at `pos`
+    /// sees, `start` the first it sees: always for positions (the ranges are clipped
+    /// to them), for cells only an occupied one in the window.
+    #[inline(always)]
+    pub(super) fn sees(self, j: usize, start: usize, pos: usize) -> bool {
+        match self {
+            Layout::Cells { pos: cells } => {
+                let p = cells[j];
+                p >= 0 && (p as usize) >= start && (p as usize) <= pos
+            }
+            _ => true,
+        }
+    }
+
+    /// The indices the kernels walk for a query at `pos` seeing from `start`, and the
+    /// cells in use as llama.cpp counts them (one past the last occupied cell; the
+    /// positions up to `pos` without cells).
+    pub(super) fn walk(self, start: usize, pos: usize) -> (std::ops::Range<usize>, usize) {
+        match self {
+            Layout::Cells { pos: cells } => {
+                let used = cells.iter().rposition(|&p| p >= 0).map_or(0, |i| i + 1);
+                (0..used, used)
+            }
+            _ => (start..pos + 1, pos + 1),
         }
     }
 }

@@ -194,12 +194,13 @@ pub(super) fn head(
         tiled(qh, rows, shape, start, pos, sink, s, o);
         return;
     }
-    let view = shape.flash.view(pos + 1);
+    let (range, used) = rows.layout.walk(start, pos);
+    let view = shape.flash.view(used);
     if n_tokens == 1 && view >= SPLIT_MIN_KV {
         split(qh, rows, shape, view, start, pos, sink, s, o);
         return;
     }
-    let (mut m, mut sum) = one_chunk(qh, rows, shape, start..pos + 1, s);
+    let (mut m, mut sum) = one_chunk(qh, rows, shape, range, (start, pos), s);
     if let Some(sink) = sink {
         add_sink(sink, &mut m, &mut sum, &mut s.acc);
     }
@@ -209,14 +210,16 @@ pub(super) fn head(
     }
 }
 
-/// The first kernel over cache positions `range` (visible ones only), leaving the
-/// unnormalised accumulator in `s.acc`; returns `(M, S)`.
+/// The first kernel over cache positions (or cells) `range`, those a query at
+/// `seen.1` sees from `seen.0` only, leaving the unnormalised accumulator in `s.acc`;
+/// returns `(M, S)`.
 #[inline(always)]
 fn one_chunk(
     qh: &[f32],
     rows: Rows<'_>,
     shape: &AttentionShape,
     range: std::ops::Range<usize>,
+    seen: (usize, usize),
     s: &mut Scratch,
 ) -> (f32, f32) {
     let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
@@ -224,6 +227,9 @@ fn one_chunk(
     s.q.extend(qh.iter().map(|&v| round_f16(v)));
     let mut state = Online::start(&mut s.acc, hdv, true);
     for j in range {
+        if !rows.layout.sees(j, seen.0, seen.1) {
+            continue;
+        }
         let sc = score(shape, dot_f16_lanes(&s.q, rows.key(j, hd)));
         state.push(sc, rows.value(j, hdv));
     }
@@ -252,14 +258,20 @@ fn split(
     let mut fin = std::mem::take(&mut s.part);
     fin.clear();
     fin.resize(hdv, 0.0);
+    let cells = matches!(rows.layout, Layout::Cells { .. });
     for c in 0..threads {
         let (lo, hi) = (c * chunk, ((c + 1) * chunk).min(view));
-        let (lo, hi) = (lo.max(start), hi.min(pos + 1));
+        // Positions are clipped to the visible ones; cells are looked at one by one.
+        let (lo, hi) = match cells {
+            false => (lo.max(start), hi.min(pos + 1)),
+            true => (lo, hi.min(rows.layout.walk(start, pos).1)),
+        };
         let sink = sink.filter(|_| c == 0);
         if lo >= hi && sink.is_none() {
             continue;
         }
-        let (mut m_chunk, mut s_chunk) = one_chunk(qh, rows, shape, lo..hi.max(lo), s);
+        let range = lo..hi.max(lo);
+        let (mut m_chunk, mut s_chunk) = one_chunk(qh, rows, shape, range, (start, pos), s);
         if let Some(sink) = sink {
             add_sink(sink, &mut m_chunk, &mut s_chunk, &mut s.acc);
         }
@@ -429,7 +441,10 @@ pub(super) fn head_mixed(
     s.part.clear();
     s.part.resize(hdv, 0.0);
     let mut state = Online::start(&mut s.acc, hdv, f16_values);
-    for j in start..pos + 1 {
+    for j in rows.layout.walk(start, pos).0 {
+        if !rows.layout.sees(j, start, pos) {
+            continue;
+        }
         let dot = match MixedRows::part(rows.keys, rows.layout, j, rows.kvh, hd, nkv) {
             (Some(k), _) => dot_f16_lanes(&s.q, k),
             (None, Some(blocks)) => match (rows.keys, &q8) {
