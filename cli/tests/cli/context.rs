@@ -62,47 +62,74 @@ fn context_shift_continues_past_a_full_context() {
 }
 
 /// Past every shift, the text is llama.cpp's for the same settings, character for
-/// character: its `llama-completion --context-shift` on SmolLM2 (600 tokens in a
-/// context of 256, three shifts; two threads, as the split attention's chunks depend
-/// on them), with each cache type. After a shift llama.cpp's later tokens take the
-/// cells the shift freed, ahead of the moved ones, and its attention sums follow the
-/// cells: so do ours.
+/// character: its `llama-completion --context-shift` (a context of 256, two threads, as
+/// the split attention's chunks depend on them) on SmolLM2 with each cache type (600
+/// tokens, three shifts) and on Gemma 3 (400 tokens, two shifts; a BOS token kept
+/// besides `--keep`, sliding-window layers). After a shift llama.cpp's later tokens take
+/// the cells the shift freed, ahead of the moved ones, and its attention sums follow
+/// the cells: so do ours.
 #[test]
 fn context_shift_gives_llama_cpp_s_text() {
-    let model = model_path("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let prompt = "The history of the printing press";
-    let references = [
+    let smollm2 = "SmolLM2-135M-Instruct.Q4_1.gguf";
+    let printing = "The history of the printing press";
+    let runs = [
         (
+            smollm2,
+            printing,
             "f16",
+            "600",
+            "4",
+            3,
             include_str!(
                 "../../../testdata/context-shift/SmolLM2-135M-Instruct.Q4_1.c256.keep4.n600.f16.txt"
             ),
         ),
         (
+            smollm2,
+            printing,
             "q8_0",
+            "600",
+            "4",
+            3,
             include_str!(
                 "../../../testdata/context-shift/SmolLM2-135M-Instruct.Q4_1.c256.keep4.n600.q8_0.txt"
             ),
         ),
         (
+            smollm2,
+            printing,
             "q4_0",
+            "600",
+            "4",
+            3,
             include_str!(
                 "../../../testdata/context-shift/SmolLM2-135M-Instruct.Q4_1.c256.keep4.n600.q4_0.txt"
             ),
         ),
+        (
+            "gemma-3-270m-q4_k_m.gguf",
+            "Once upon a time",
+            "f16",
+            "400",
+            "2",
+            2,
+            include_str!(
+                "../../../testdata/context-shift/gemma-3-270m-q4_k_m.c256.keep2.n400.f16.txt"
+            ),
+        ),
     ];
-    for (cache, reference) in references {
+    for (model, prompt, cache, tokens, keep, shifts, reference) in runs {
         let json = greedy_json(
-            &model,
+            &model_path(model),
             prompt,
             &[
                 "--max-tokens",
-                "600",
+                tokens,
                 "-c",
                 "256",
                 "--context-shift",
                 "--keep",
-                "4",
+                keep,
                 "--threads",
                 "2",
                 "--device",
@@ -113,14 +140,15 @@ fn context_shift_gives_llama_cpp_s_text() {
                 cache,
             ],
         );
-        assert_eq!(json["stop_reason"], "max_tokens", "{cache}: {json}");
-        assert_eq!(json["context_shifts"], 3, "{cache}: {json}");
+        let run = format!("{model} {cache}");
+        assert_eq!(json["stop_reason"], "max_tokens", "{run}: {json}");
+        assert_eq!(json["context_shifts"], shifts, "{run}: {json}");
         let text = format!("{prompt}{}", json["text"].as_str().expect("text"));
         // llama-completion ends its output with a blank line.
         assert_eq!(
             reference.strip_suffix("\n\n"),
             Some(text.as_str()),
-            "{cache}: the text leaves llama.cpp's"
+            "{run}: the text leaves llama.cpp's"
         );
     }
 }
