@@ -65,8 +65,9 @@ constexpr int kHeadThreads = 128;
 
 // One workgroup per token and run of `heads_per_group` heads of the queries and of the
 // keys (heads n_heads..n_heads + n_kv_heads-1 are the keys): bias, per-head RMSNorm,
-// RoPE, the query scale; keys and values then go to the f16 cache at their positions. The
-// token's RoPE turns are computed once for its heads in the workgroup.
+// RoPE, the query scale; keys and values then go to the cache at their positions (with
+// a quantized cache, the values as heads of their own after the keys). The token's RoPE
+// turns are computed once for its heads in the workgroup.
 struct RopeArgs {
     int head_dim, head_dim_v, n_heads, n_kv_heads;
     int rope_dims, neox;
@@ -122,26 +123,37 @@ __global__ void __launch_bounds__(kHeadThreads)
     }
     // (The first head's barrier below orders these writes before any read.)
     const int first = blockIdx.x * heads_per_group;
-    const int last = min(first + heads_per_group, a.n_heads + a.n_kv_heads);
+    const int last = min(first + heads_per_group,
+                         a.n_heads + a.n_kv_heads + (kQuant ? a.n_kv_heads : 0));
     for (int h = first; h < last; ++h) {
+        if constexpr (kQuant) {
+            // Heads past the keys are the values', written by workgroups of their own
+            // so that they do not wait behind the keys' turns: biased, rotated, then
+            // stored a block at a time.
+            if (h >= a.n_heads + a.n_kv_heads) {
+                const int hv = h - a.n_heads - a.n_kv_heads;
+                const float* vs = v + (size_t)token * v_dim + hv * a.head_dim_v;
+                for (int i = threadIdx.x; i < a.head_dim_v; i += blockDim.x) {
+                    head[i] = vs[i] + (bv ? bv[hv * a.head_dim_v + i] : 0.0f);
+                }
+                __syncthreads();
+                if (a.v_rot > 0) fwht_shared(head, a.head_dim_v, a.v_rot);
+                const size_t row = cache_row(token_table(pg, token), pg.shift, p);
+                const size_t v0 = row * v_dim + hv * a.head_dim_v;
+                void* vd = const_cast<void*>(v_cache.data);
+                __half* vsc = const_cast<__half*>(v_cache.scales);
+                for (int i = threadIdx.x; i < a.head_dim_v; i += blockDim.x) {
+                    store_cached(vd, vsc, a.v_type, v0 + i, head[i]);
+                }
+                __syncthreads();  // every thread is done with `head`
+                continue;
+            }
+        }
         const bool is_key = h >= a.n_heads;
         const int hh = is_key ? h - a.n_heads : h;
         const float* src = is_key ? k + (size_t)token * kv_dim + hh * a.head_dim
                                   : q + (size_t)token * q_dim + hh * a.head_dim;
         const float* bias = is_key ? bk : bq;
-        // A key head's values, loaded now so that the load's latency passes while the
-        // keys are normed, turned and quantized (head_dim_v <= 4 · blockDim.x).
-        float v_ahead[4] = {};
-        if constexpr (kQuant) {
-            if (is_key) {
-                const float* vs = v + (size_t)token * v_dim + hh * a.head_dim_v;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const int i = threadIdx.x + k * blockDim.x;
-                    if (i < a.head_dim_v) v_ahead[k] = vs[i] + (bv ? bv[hh * a.head_dim_v + i] : 0.0f);
-                }
-            }
-        }
         for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
             head[i] = src[i] + (bias ? bias[hh * a.head_dim + i] : 0.0f);
         }
@@ -174,8 +186,8 @@ __global__ void __launch_bounds__(kHeadThreads)
         if (is_key) {
             const size_t row = cache_row(token_table(pg, token), pg.shift, p);
             const size_t k0 = row * kv_dim + hh * a.head_dim;
-            const size_t v0 = row * v_dim + hh * a.head_dim_v;
             if constexpr (!kQuant) {
+                const size_t v0 = row * v_dim + hh * a.head_dim_v;
                 __half* kc = reinterpret_cast<__half*>(const_cast<void*>(k_cache.data)) + k0;
                 for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
                     kc[i] = __float2half(head[i]);
@@ -191,21 +203,6 @@ __global__ void __launch_bounds__(kHeadThreads)
                 __half* ks = const_cast<__half*>(k_cache.scales);
                 for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) {
                     store_cached(kd, ks, a.k_type, k0 + i, head[i]);
-                }
-                // The values (loaded at the start) pass through `head`, the keys
-                // written: rotated, then stored a block at a time.
-                void* vd = const_cast<void*>(v_cache.data);
-                __half* vsc = const_cast<__half*>(v_cache.scales);
-                __syncthreads();
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const int i = threadIdx.x + k * blockDim.x;
-                    if (i < a.head_dim_v) head[i] = v_ahead[k];
-                }
-                __syncthreads();
-                if (a.v_rot > 0) fwht_shared(head, a.head_dim_v, a.v_rot);
-                for (int i = threadIdx.x; i < a.head_dim_v; i += blockDim.x) {
-                    store_cached(vd, vsc, a.v_type, v0 + i, head[i]);
                 }
             }
         } else {
@@ -257,9 +254,10 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
     // that way); for a prompt's chunk, runs of heads of one token, which compute its RoPE
     // turns once: on the H200, a 7B's 512-token chunk took 43 us a layer with one head
     // per workgroup.
-    const int heads = n_heads + n_kv_heads;
-    const int per_group = (long long)heads * n_tokens >= 4096 ? 8 : 1;
     const bool quant = k_type != kCacheF16 || v_type != kCacheF16;
+    // A quantized cache's values are heads of their own.
+    const int heads = n_heads + n_kv_heads + (quant ? n_kv_heads : 0);
+    const int per_group = (long long)heads * n_tokens >= 4096 ? 8 : 1;
     if (quant && head_dim_v > 4 * kHeadThreads) {
         return (int)hipErrorInvalidValue;
     }
