@@ -43,6 +43,8 @@ struct Cells {
     head: usize,
     /// Positions `0..placed` have their cell.
     placed: usize,
+    /// One past the last occupied cell.
+    end: usize,
 }
 
 impl Cells {
@@ -58,7 +60,13 @@ impl Cells {
             pos,
             head: len,
             placed: len,
+            end: len,
         }
+    }
+
+    /// Counts the cells up to the last occupied one again, after some were emptied.
+    fn settle(&mut self) {
+        self.end = self.pos.iter().rposition(|&p| p >= 0).map_or(0, |i| i + 1);
     }
 
     /// Empties the cells of positions `range` (llama.cpp's `seq_rm`): the search
@@ -75,6 +83,7 @@ impl Cells {
             self.head = first;
         }
         self.placed = self.placed.min(range.start);
+        self.settle();
     }
 
     /// Moves positions `from..` down by `by` (llama.cpp's `seq_add`, which starts the
@@ -113,6 +122,7 @@ impl Cells {
                 if self.pos[cell] < 0 {
                     self.pos[cell] = p as i32;
                     last = cell;
+                    self.end = self.end.max(cell + 1);
                     break;
                 }
             }
@@ -300,9 +310,10 @@ impl KvCache {
     }
 
     /// After a context shift, the position each cell of llama.cpp's cache holds (`-1`:
-    /// empty); `None` before any shift (the cells then follow the positions).
+    /// empty), up to the last occupied one (the cells llama.cpp's attention views);
+    /// `None` before any shift (the cells then follow the positions).
     pub(crate) fn cells(&self) -> Option<&[i32]> {
-        self.cells.as_ref().map(|cells| &cells.pos[..])
+        self.cells.as_ref().map(|cells| &cells.pos[..cells.end])
     }
 
     /// The key rows of `layer`, to rewrite.
@@ -353,6 +364,7 @@ mod tests {
         assert!(cells.pos[129..254].iter().all(|&p| p == -1));
         assert_eq!(cells.pos[254], 4);
         assert_eq!(cells.pos[4], 5);
+        assert_eq!(cells.end, 256, "the last cell holds a position");
         cells.place(132);
         assert_eq!(cells.pos[129], 131);
     }

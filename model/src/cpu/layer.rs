@@ -137,13 +137,9 @@ impl Kv<'_, '_> {
                 // A token's step after a context shift walks llama.cpp's cells (its
                 // flash kernels; a sliding window's cache is one of its own there).
                 cache.place(n);
+                let one_flash = n == 1 && shape.method == AttentionMethod::Flash;
                 let layout = match cache.cells() {
-                    Some(pos) if n == 1 && shape.method == AttentionMethod::Flash => {
-                        match shape.window {
-                            None => Layout::Cells { pos },
-                            Some(_) => Layout::Contiguous,
-                        }
-                    }
+                    Some(pos) if one_flash && shape.window.is_none() => Layout::Cells { pos },
                     _ => Layout::Contiguous,
                 };
                 let (keys, values) = cache.layer(layer_idx);

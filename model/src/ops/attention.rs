@@ -127,7 +127,7 @@ pub enum Layout<'a> {
     Paged { table: &'a [u32], block_size: usize },
     /// A single token's step after a context shift, visiting the positions in the order
     /// of llama.cpp's cache cells: cell `j` holds position `pos[j]` (`-1`: empty), stored
-    /// in row `pos[j]`. Flash attention's sums follow the cells, as llama.cpp's do,
+    /// in row `pos[j]`; the last cell is the last occupied one. Flash attention's sums follow the cells, as llama.cpp's do,
     /// which is what keeps its logits after a shift (the one-position kernel and the
     /// split one; the tiled kernel and `-fa off` take the positions in order).
     Cells { pos: &'a [i32] },
@@ -160,14 +160,11 @@ impl Layout<'_> {
     }
 
     /// The indices the kernels walk for a query at `pos` seeing from `start`, and the
-    /// cells in use as llama.cpp counts them (one past the last occupied cell; the
-    /// positions up to `pos` without cells).
+    /// cells in use as llama.cpp counts them (every cell; the positions up to `pos`
+    /// without cells).
     pub(super) fn walk(self, start: usize, pos: usize) -> (std::ops::Range<usize>, usize) {
         match self {
-            Layout::Cells { pos: cells } => {
-                let used = cells.iter().rposition(|&p| p >= 0).map_or(0, |i| i + 1);
-                (0..used, used)
-            }
+            Layout::Cells { pos: cells } => (0..cells.len(), cells.len()),
             _ => (start..pos + 1, pos + 1),
         }
     }

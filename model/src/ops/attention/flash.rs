@@ -258,14 +258,11 @@ fn split(
     let mut fin = std::mem::take(&mut s.part);
     fin.clear();
     fin.resize(hdv, 0.0);
-    let cells = matches!(rows.layout, Layout::Cells { .. });
+    // Positions are clipped to the visible ones; cells are looked at one by one.
+    let walked = rows.layout.walk(start, pos).0;
     for c in 0..threads {
         let (lo, hi) = (c * chunk, ((c + 1) * chunk).min(view));
-        // Positions are clipped to the visible ones; cells are looked at one by one.
-        let (lo, hi) = match cells {
-            false => (lo.max(start), hi.min(pos + 1)),
-            true => (lo, hi.min(rows.layout.walk(start, pos).1)),
-        };
+        let (lo, hi) = (lo.max(walked.start), hi.min(walked.end));
         let sink = sink.filter(|_| c == 0);
         if lo >= hi && sink.is_none() {
             continue;
