@@ -1,5 +1,17 @@
 use super::*;
 
+/// The tokens of the prompt of `name`'s spec, its special tokens added and parsed.
+pub(super) fn spec_prompt(name: &str, store: &TensorStore) -> Vec<u32> {
+    let tokenizer = Tokenizer::from_metadata(store.metadata()).expect("tokenizer");
+    let options = EncodeOptions {
+        add_special: true,
+        parse_special: true,
+    };
+    tokenizer
+        .encode(spec(name).expect("a spec").prompt, options)
+        .expect("prompt encodes")
+}
+
 pub(super) fn check(name: &str) {
     check_within(name, &format!("gpu_{name}"), |_| None);
 }
@@ -13,14 +25,7 @@ pub(super) fn check_within(
 ) -> Option<model::gpu::ExpertStats> {
     let test = test.to_owned();
     let (_dir, store, model) = open_spec(name);
-    let tokenizer = Tokenizer::from_metadata(store.metadata()).expect("tokenizer");
-    let options = EncodeOptions {
-        add_special: true,
-        parse_special: true,
-    };
-    let tokens = tokenizer
-        .encode(spec(name).expect("a spec").prompt, options)
-        .expect("prompt encodes");
+    let tokens = spec_prompt(name, &store);
     let n_vocab = model.config().n_vocab;
     let greedy_len = 32;
     // The prompts of PREFILL_LENGTHS are the first tokens of the prompt repeated.

@@ -86,14 +86,7 @@ pub(super) fn quantized_cache(name: &str, types: KvTypes) {
     if let Err(refused) = types.check(model.config(), AttentionMethod::Flash) {
         panic!("{test}: {refused}");
     }
-    let tokenizer = Tokenizer::from_metadata(store.metadata()).expect("tokenizer");
-    let options = EncodeOptions {
-        add_special: true,
-        parse_special: true,
-    };
-    let tokens = tokenizer
-        .encode(spec(name).expect("a spec").prompt, options)
-        .expect("prompt encodes");
+    let tokens = check::spec_prompt(name, &store);
     let n_vocab = model.config().n_vocab;
     let prompt: Vec<u32> = tokens.iter().copied().cycle().take(100).collect();
     let fed: Vec<u32> = tokens.iter().rev().copied().cycle().take(40).collect();
@@ -135,18 +128,19 @@ pub(super) fn quantized_cache(name: &str, types: KvTypes) {
     );
 }
 
-macro_rules! gpu_kv_types {
-    ($($test:ident => $name:literal: $k:literal / $v:literal),* $(,)?) => {$(
+/// A test per line `test => model: K / V`, each calling `$check(model, types)`.
+macro_rules! gpu_kv_tests {
+    ($check:ident: $($test:ident => $name:literal: $k:literal / $v:literal),* $(,)?) => {$(
         #[test]
         fn $test() {
-            quantized_cache($name, types($k, $v));
+            $check($name, types($k, $v));
         }
     )*};
 }
 
 // Heads of 32 (no rotation), 64 and 128 (rotated by 64 and 128), a soft cap and a
 // sliding window (gemma2), per-head norms (qwen3), sinks (gpt-oss), mixed types.
-gpu_kv_types! {
+gpu_kv_tests! { quantized_cache:
     gpu_kv_q8_0_llama_q4_k => "llama-q4_k": "q8_0" / "q8_0",
     gpu_kv_q4_0_llama_q4_k => "llama-q4_k": "q4_0" / "q4_0",
     gpu_kv_q8_0_f16_llama_q4_k => "llama-q4_k": "q8_0" / "f16",
@@ -164,17 +158,8 @@ gpu_kv_types! {
     gpu_kv_q4_0_gemma2_long => "gemma2-long": "q4_0" / "q4_0",
 }
 
-macro_rules! gpu_kv_batched {
-    ($($test:ident => $name:literal: $k:literal / $v:literal),* $(,)?) => {$(
-        #[test]
-        fn $test() {
-            batched($name, types($k, $v));
-        }
-    )*};
-}
-
 // A server's paged cache of these types against the contiguous one.
-gpu_kv_batched! {
+gpu_kv_tests! { batched:
     gpu_batched_q8_0_llama_q4_k => "llama-q4_k": "q8_0" / "q8_0",
     gpu_batched_q8_0_gemma3 => "gemma3": "q8_0" / "q8_0",
     gpu_batched_q4_0_llama_q4_k => "llama-q4_k": "q4_0" / "q4_0",
