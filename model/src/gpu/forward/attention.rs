@@ -190,9 +190,6 @@ fn attend(
         ..bufs.attention
     };
     let sinks = w.sinks.as_ref().map(|s| s.view()).transpose()?;
-    // A quantized value cache holds rotated values: the split kernel turns its output
-    // back itself, the tiled one's is turned back after it.
-    let v_rotated = bufs.kv.types.v_rotation(c.head_dim_v).is_some();
     // The attention's output goes to the output projection quantized when it takes Q8
     // blocks and the heads are whole blocks: the attention kernel quantizes it itself.
     let fused_q8 = takes_q8_for(&w.wo, n, &bufs.batch_in) && c.head_dim_v.is_multiple_of(32);
@@ -214,9 +211,7 @@ fn attend(
             bufs.flash_mma,
             stream,
         )?;
-        if v_rotated {
-            kernels::hadamard64(view_mut::<f32>(&mut bufs.attn, n * attn_dim)?, stream)?;
-        }
+        turn_back(bufs, c.head_dim_v, 0..n, stream)?;
     } else {
         // A few tokens (at most MAX_BATCH, the scratch the split attention has room for):
         // each query split along the keys, so that a short chunk still fills the device.
@@ -322,16 +317,28 @@ fn paged_attention(
             bufs.flash_mma,
             stream,
         )?;
-        if bufs.kv.types.v_rotation(shape.head_dim_v).is_some() {
-            kernels::hadamard64(
-                view_mut_at::<f32>(&mut bufs.attn, rows.start * attn_dim..rows.end * attn_dim)?,
-                stream,
-            )?;
-        }
+        turn_back(bufs, shape.head_dim_v, rows, stream)?;
     }
     if let Some(p) = pending {
         split(p, bufs)?;
     }
+    Ok(())
+}
+
+/// Turns the tiled attention's output of rows `rows` back out of the rotation a
+/// quantized value cache holds its values in (the split kernel turns its own back).
+fn turn_back(
+    bufs: &mut Buffers,
+    head_dim_v: usize,
+    rows: std::ops::Range<usize>,
+    stream: &Stream,
+) -> Result<(), ModelError> {
+    if bufs.kv.types.v_rotation(head_dim_v).is_none() {
+        return Ok(());
+    }
+    let width = bufs.attention.n_heads * head_dim_v;
+    let out = view_mut_at::<f32>(&mut bufs.attn, rows.start * width..rows.end * width)?;
+    kernels::hadamard64(out, stream)?;
     Ok(())
 }
 
