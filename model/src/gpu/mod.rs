@@ -31,6 +31,7 @@ pub use batch::LaunchedBatch;
 mod build;
 mod expert_pool;
 pub use expert_pool::ExpertStats;
+mod fits;
 mod forward;
 mod host;
 mod host_rows;
@@ -49,7 +50,7 @@ use hip_backend::{Device, DeviceArena, DeviceBuffer, Graph, HipError, PinnedBuff
 use tensor_store::device::{DeviceCache, HipTarget, StagingRing, UploadMode, UploadOrder};
 use tensor_store::TensorHandle;
 
-pub use build::{check_cache_fits, check_experts_fit};
+pub use fits::{check_cache_fits, check_experts_fit};
 pub use kernels::{KernelError, ShapeError};
 
 use crate::config::ModelConfig;
