@@ -5,6 +5,7 @@
 mod completion;
 mod embeddings;
 mod logprobs;
+mod replica;
 mod request;
 mod stream;
 #[cfg(test)]
@@ -50,6 +51,11 @@ pub fn router(state: Shared) -> Router {
         .route("/embeddings", post(embeddings::embeddings))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        // What a router in front of several replicas asks a worker (SGLang's router:
+        // the model it serves, and its load, for the policies that balance by it).
+        .route("/model_info", get(replica::model_info))
+        .route("/server_info", get(replica::server_info))
+        .route("/get_load", get(replica::load))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn_with_state(

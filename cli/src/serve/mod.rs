@@ -141,6 +141,8 @@ pub struct Loaded {
     /// they cannot.
     pub tool_syntax: Result<tools::ToolSyntax, String>,
     pub model_id: String,
+    /// The file's architecture, as GGUF names it (`llama`, `qwen3moe`).
+    pub architecture: &'static str,
     pub context_size: usize,
     pub n_vocab: usize,
     /// The vocabulary's trie for output constraints, built once; why not, when the
@@ -504,6 +506,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         .map(|n| n.trim_end_matches(".gguf").to_owned())
         .unwrap_or_else(|| "model".to_owned());
     let n_vocab = model.config().n_vocab;
+    let architecture = model.config().architecture.name();
     let scheduler_config = SchedulerConfig {
         max_sequences: config.max_sequences,
         max_queue: config.max_queue,
@@ -547,6 +550,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
         template,
         tool_syntax,
         model_id,
+        architecture,
         context_size,
         n_vocab,
         grammars,
