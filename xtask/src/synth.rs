@@ -20,7 +20,7 @@ use model::sampling::Xoshiro256;
 
 mod presets;
 
-pub use presets::{fallback, MoeStyle, Preset, PRESETS};
+pub use presets::{fallback, MoeStyle, Preset, Routing, PRESETS};
 
 const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
                      [--seed N] [--tokenizer-from GGUF]\n       \
@@ -28,7 +28,8 @@ const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
      PRESET: 7b-q4k, 1b-q4k, 135m-q4_1, tiny-q4_1, or Llama-2-7B's shapes in a\n        \
      llama-quantize mix: 7b-q2_k, 7b-q3_k_s, 7b-q3_k_m, 7b-q3_k_l, 7b-q4_k_s,\n        \
      7b-iq4_xs, 7b-iq3_m, 7b-iq2_m; or a Qwen 3 MoE: qwen3moe-30b-a3b-q4k (Qwen3-30B-A3B's\n        \
-     shapes), qwen3moe-small-q4k; or gpt-oss-20b-mxfp4 (gpt-oss-20b's shapes)";
+     shapes), qwen3moe-30b-a3b-skewed-q4k (the same, its routers favouring some experts\n        \
+     as Qwen3-30B-A3B's do), qwen3moe-small-q4k; or gpt-oss-20b-mxfp4 (gpt-oss-20b's shapes)";
 
 /// Parses the task's arguments and writes the model.
 pub fn run(args: &[String]) -> Result<()> {
@@ -242,6 +243,10 @@ pub fn write_model(preset: &Preset, tokenizer_from: &Path, out: &Path, seed: u64
         emptied.send(vec![0u8; CHUNK]).expect("receiver alive");
     }
     let tensors = writer.tensors();
+    let skewed = preset
+        .experts
+        .filter(|e| e.routing == Routing::Skewed)
+        .map(|e| (e.count as usize, preset.n_embd as usize));
     std::thread::scope(|s| -> Result<()> {
         s.spawn(move || {
             let mut rng = Rng::new(seed);
@@ -258,6 +263,10 @@ pub fn write_model(preset: &Preset, tokenizer_from: &Path, out: &Path, seed: u64
                     buffer.resize(n, 0);
                     if decl.name.ends_with("ffn_gate_inp.weight") {
                         fill_router(&mut buffer, &mut rng);
+                        if let Some((count, width)) = skewed {
+                            let first = (decl.size as usize - left) / 4;
+                            skew_router(&mut buffer, first, width, count, layer_of(&decl.name));
+                        }
                     } else {
                         fill_blocks(decl.ggml_type, &mut buffer, &mut rng);
                     }
@@ -383,6 +392,50 @@ pub fn fill_router(out: &mut [u8], rng: &mut Rng) {
         let noise = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
         value.copy_from_slice(&(0.2 * noise - 0.1).to_le_bytes());
     }
+}
+
+/// [`Routing::Skewed`]: scales the router rows of layer `layer` in `out`, whose first
+/// value is the router's `first`-th (rows of `width`, one per expert of `count`).
+fn skew_router(out: &mut [u8], first: usize, width: usize, count: usize, layer: usize) {
+    let scales = router_scales(count, layer);
+    for (i, value) in out.chunks_exact_mut(4).enumerate() {
+        let expert = (first + i) / width;
+        let v = f32::from_le_bytes(value.try_into().expect("4 bytes"));
+        value.copy_from_slice(&(v * scales[expert]).to_le_bytes());
+    }
+}
+
+/// The router row scale of each of `count` experts in layer `layer`
+/// ([`Routing::Skewed`]): the ranks in an order of the layer's own (a stride coprime
+/// with `count`, offset by the layer), so each layer favours other experts.
+pub fn router_scales(count: usize, layer: usize) -> Vec<f32> {
+    let mut stride = (count * 3 / 10) | 1;
+    while gcd(stride, count) != 1 {
+        stride += 2;
+    }
+    let mut scales = vec![1.0f32; count];
+    for rank in 0..count {
+        let p = (rank as f64 + 0.5) / count as f64;
+        let spread = (presets::ROUTER_SKEW * ((1.0 - p) / p).ln()).exp();
+        scales[(rank * stride + layer * 7) % count] = spread as f32;
+    }
+    scales
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The layer of a tensor named `blk.N.…` (0 for others).
+fn layer_of(name: &str) -> usize {
+    name.strip_prefix("blk.")
+        .and_then(|rest| rest.split('.').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Fills whole blocks of `ty` with random bits and sets their scales to small finite
@@ -558,6 +611,72 @@ mod tests {
         assert!(
             mean.abs() < 0.005 && values.iter().all(|v| v.abs() <= 0.1),
             "{mean}"
+        );
+    }
+
+    /// A skewed router's scales give the published spread: top 8 of 128 logits drawn
+    /// at those scales put 90% of the routes on about 65 experts and about 4.3% on the
+    /// first; each layer favours other experts; the rows are scaled whole.
+    #[test]
+    fn skewed_routers_favour_experts_as_qwen3_moe_s_do() {
+        let (count, used, tokens) = (128, 8, 20_000);
+        let scales = router_scales(count, 0);
+        let mut rng = Rng::new(5);
+        let mut uniform = || ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let mut routes = vec![0u64; count];
+        for _ in 0..tokens {
+            let mut logits: Vec<(f64, usize)> = (0..count)
+                .map(|e| {
+                    let gauss = (-2.0 * uniform().ln()).sqrt()
+                        * (2.0 * std::f64::consts::PI * uniform()).cos();
+                    (gauss * f64::from(scales[e]), e)
+                })
+                .collect();
+            logits.sort_by(|a, b| b.0.total_cmp(&a.0));
+            for &(_, e) in &logits[..used] {
+                routes[e] += 1;
+            }
+        }
+        routes.sort_unstable_by(|a, b| b.cmp(a));
+        let total = (tokens * used) as f64;
+        let mut covered = 0.0;
+        let ninety = routes
+            .iter()
+            .position(|&n| {
+                covered += n as f64 / total;
+                covered >= 0.9
+            })
+            .unwrap()
+            + 1;
+        let top = routes[0] as f64 / total;
+        assert!(
+            (60..=70).contains(&ninety),
+            "90% of routes on {ninety} experts"
+        );
+        assert!((0.038..0.048).contains(&top), "busiest expert {top}");
+        assert_ne!(router_scales(count, 1), scales, "each layer its own order");
+        let mut sorted = scales.clone();
+        sorted.sort_by(f32::total_cmp);
+        let mut again = router_scales(count, 3);
+        again.sort_by(f32::total_cmp);
+        assert_eq!(sorted, again, "the same spread in every layer");
+        // Rows of width 3 from value 6 on (experts 2 and 3), all ones before.
+        let mut rows = [1.0f32; 6]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<_>>();
+        skew_router(&mut rows, 6, 3, count, 0);
+        let got: Vec<f32> = rows
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(
+            got,
+            [scales[2]; 3]
+                .iter()
+                .chain(&[scales[3]; 3])
+                .copied()
+                .collect::<Vec<_>>()
         );
     }
 
