@@ -318,17 +318,18 @@ fn tiled(
         // Scores of the visible positions; the others are −∞.
         s.scores.clear();
         s.scores.resize(KV_TILE, f32::NEG_INFINITY);
-        for j in visible.clone() {
-            let k = rows.key(j, hd);
-            let mut acc = 0.0f32;
-            for (&kk, &qq) in k.iter().zip(qh) {
-                acc = kk.mul_add(qq, acc);
-            }
-            let mut sc = acc * scale;
+        tile_dots(
+            qh,
+            rows,
+            hd,
+            visible.clone(),
+            &mut s.scores[visible.start - tile..],
+        );
+        for sc in &mut s.scores[visible.start - tile..visible.end - tile] {
+            *sc *= scale;
             if let Some(cap) = shape.softcap {
-                sc = sc.tanh() * cap;
+                *sc = sc.tanh() * cap;
             }
-            s.scores[j - tile] = sc;
         }
         let tile_max = s.scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let m_new = m.max(tile_max);
@@ -366,6 +367,52 @@ fn tiled(
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     for (o, &a) in o.iter_mut().zip(&s.acc) {
         *o = a * inv;
+    }
+}
+
+/// Positions scored together by [`tile_dots`].
+const DOTS_AT_ONCE: usize = 8;
+
+/// `out[i]` = the query's dot product with the key of position `positions.start + i`,
+/// each one chain of fused multiply-adds over the head's dimensions in order (ggml's
+/// tiled kernel's score). A chain waits for its previous step, so the chains of
+/// [`DOTS_AT_ONCE`] positions advance side by side: the same steps in the same order for
+/// each score, several in flight at once.
+#[inline(always)]
+fn tile_dots(
+    qh: &[f32],
+    rows: Rows<'_>,
+    hd: usize,
+    positions: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let qh = &qh[..hd];
+    let mut j = positions.start;
+    while j + DOTS_AT_ONCE <= positions.end {
+        let k = |l: usize| rows.key(j + l, hd).iter();
+        let mut a = [0.0f32; DOTS_AT_ONCE];
+        // Zipped, not indexed: no bounds check between the steps.
+        let steps = qh.iter().zip(k(0)).zip(k(1)).zip(k(2)).zip(k(3));
+        let steps = steps.zip(k(4)).zip(k(5)).zip(k(6)).zip(k(7));
+        for ((((((((&q, &k0), &k1), &k2), &k3), &k4), &k5), &k6), &k7) in steps {
+            a[0] = k0.mul_add(q, a[0]);
+            a[1] = k1.mul_add(q, a[1]);
+            a[2] = k2.mul_add(q, a[2]);
+            a[3] = k3.mul_add(q, a[3]);
+            a[4] = k4.mul_add(q, a[4]);
+            a[5] = k5.mul_add(q, a[5]);
+            a[6] = k6.mul_add(q, a[6]);
+            a[7] = k7.mul_add(q, a[7]);
+        }
+        out[j - positions.start..][..DOTS_AT_ONCE].copy_from_slice(&a);
+        j += DOTS_AT_ONCE;
+    }
+    for j in j..positions.end {
+        let mut acc = 0.0f32;
+        for (&k, &q) in rows.key(j, hd).iter().zip(qh) {
+            acc = k.mul_add(q, acc);
+        }
+        out[j - positions.start] = acc;
     }
 }
 
