@@ -36,7 +36,8 @@ tasks:
                       next to llama.cpp's when its llama-bench path is given
   synth-model --preset PRESET --out FILE [--seed N]
                       a synthetic llama GGUF with real shapes and random weights;
-                      PRESET: 7b-q4k, 1b-q4k, 135m-q4_1, tiny-q4_1, or Llama-2-7B's
+                      PRESET: 7b-q4k, 70b-q4k (Llama-2-70B's shapes), 1b-q4k,
+                      135m-q4_1, tiny-q4_1, or Llama-2-7B's
                       shapes in a llama-quantize mix: 7b-q2_k, 7b-q3_k_s, 7b-q3_k_m,
                       7b-q3_k_l, 7b-q4_k_s, 7b-iq4_xs, 7b-iq3_m, 7b-iq2_m; or a Qwen 3
                       MoE: qwen3moe-30b-a3b-q4k (Qwen3-30B-A3B's shapes),

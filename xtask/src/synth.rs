@@ -25,7 +25,7 @@ pub use presets::{fallback, MoeStyle, Preset, Routing, PRESETS};
 const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
                      [--seed N] [--tokenizer-from GGUF]\n       \
                      cargo xtask synth-model --tokenizer-only --out FILE [--tokenizer-from GGUF]\n\
-     PRESET: 7b-q4k, 1b-q4k, 135m-q4_1, tiny-q4_1, or Llama-2-7B's shapes in a\n        \
+     PRESET: 7b-q4k, 70b-q4k, 1b-q4k, 135m-q4_1, tiny-q4_1, or Llama-2-7B's shapes in a\n        \
      llama-quantize mix: 7b-q2_k, 7b-q3_k_s, 7b-q3_k_m, 7b-q3_k_l, 7b-q4_k_s,\n        \
      7b-iq4_xs, 7b-iq3_m, 7b-iq2_m; or a Qwen 3 MoE: qwen3moe-30b-a3b-q4k (Qwen3-30B-A3B's\n        \
      shapes), qwen3moe-30b-a3b-skewed-q4k (the same, its routers favouring some experts\n        \
@@ -834,6 +834,42 @@ mod tests {
             type_and_shape(&w, "blk.3.ffn_down.weight"),
             (GgmlType::Q6_K, vec![11008, 4096])
         );
+    }
+
+    /// The 70B: Llama-2-70B's shapes, llama-quantize's Q4_K_M types for a 70B layer by
+    /// layer (80 layers: the first and last 10, and every third from layer 12, get Q6_K
+    /// attn_v and ffn_down), about 39 GiB.
+    #[test]
+    fn the_70b_preset_has_llama_2_70b_shapes_and_its_q4_k_m_types() {
+        use GgmlType::*;
+        let p = preset("70b-q4k");
+        let w = declare(p, &tokenizer()).unwrap();
+        assert_eq!(w.tensors().len(), 3 + 9 * 80);
+        let bytes = w.layout().unwrap().file_len;
+        assert!((40_000_000_000..43_000_000_000).contains(&bytes), "{bytes}");
+        assert_eq!(
+            type_and_shape(&w, "blk.79.attn_k.weight"),
+            (Q4_K, vec![8192, 1024])
+        );
+        assert_eq!(
+            type_and_shape(&w, "blk.0.ffn_down.weight"),
+            (Q6_K, vec![28_672, 8192])
+        );
+        let more_bits: Vec<u32> = (0..80)
+            .filter(|&l| p.layer_type("ffn_down", l) == Q6_K)
+            .collect();
+        let expected: Vec<u32> = (0..10).chain((12..70).step_by(3)).chain(70..80).collect();
+        assert_eq!(more_bits, expected);
+        for l in 0..80 {
+            let v = if expected.contains(&l) { Q6_K } else { Q5_K };
+            let down = if expected.contains(&l) { Q6_K } else { Q4_K };
+            assert_eq!(p.layer_type("attn_v", l), v, "attn_v {l}");
+            assert_eq!(p.layer_type("ffn_down", l), down, "ffn_down {l}");
+            for role in ["attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"] {
+                assert_eq!(p.layer_type(role, l), Q4_K, "{role} {l}");
+            }
+        }
+        assert_eq!(p.output_tensor_type(), Some(Q6_K));
     }
 
     #[test]

@@ -107,6 +107,16 @@ pub enum Mix {
     /// `IQ2_M`: attn_v IQ3_S (Q4_K with gqa4); attn_output IQ3_S; ffn_down IQ3_S in the
     /// first 1/8.
     IQ2M,
+    /// `Q4_K_M` of a 70B: attn_v and ffn_down Q6_K in the layers `use_more_bits` picks
+    /// (the first and last eighths, and every third between); elsewhere attn_v Q5_K (the
+    /// 70B size's rule lifts its Q4_K) and ffn_down `ffn_down_type` (Q4_K).
+    Q4KM70B,
+}
+
+/// llama-quant.cpp's `use_more_bits`: the layers a `_M` mix gives more bits.
+fn use_more_bits(layer: u32, n_layers: u32) -> bool {
+    let eighth = n_layers / 8;
+    layer < eighth || layer >= 7 * n_layers / 8 || (layer >= eighth && (layer - eighth) % 3 == 2)
 }
 
 impl Preset {
@@ -130,6 +140,12 @@ impl Preset {
             (Mix::IQ2M, "attn_v") => Some(if gqa4 { Q4_K } else { IQ3_S }),
             (Mix::IQ2M, "attn_output") => Some(IQ3_S),
             (Mix::IQ2M, "ffn_down") if first(8) => Some(IQ3_S),
+            (Mix::Q4KM70B, "attn_v") => Some(if use_more_bits(layer, self.n_layers) {
+                Q6_K
+            } else {
+                Q5_K
+            }),
+            (Mix::Q4KM70B, "ffn_down") if use_more_bits(layer, self.n_layers) => Some(Q6_K),
             _ => None,
         };
         let ty = rule.unwrap_or(if role == "ffn_down" {
@@ -258,6 +274,20 @@ pub const PRESETS: &[Preset] = &[
         ..LLAMA2_7B
     },
     SMOLLM2_135M,
+    // Llama-2-70B's shapes (80 layers, 8192 wide, 64 query heads and 8 KV heads, FFN
+    // 28,672) in the Q4_K_M mix as llama-quantize makes it for a 70B (about 39 GiB).
+    Preset {
+        name: "70b-q4k",
+        n_layers: 80,
+        n_embd: 8192,
+        n_ff: 28_672,
+        n_heads: 64,
+        n_kv_heads: 8,
+        ffn_down_type: GgmlType::Q4_K,
+        file_type: 15,
+        mix: Mix::Q4KM70B,
+        ..LLAMA2_7B
+    },
     // Two layers of 64 with SmolLM2's vocabulary: a forward pass that costs little but
     // the output projection, so that a server's host work per step shows on a CPU.
     Preset {
