@@ -291,14 +291,7 @@ fn ours_with_stats(
     };
     let mut gpu = GpuModel::new(&model, &options).context("setting the model up on the GPU")?;
     // Over budget, the pools of experts filled as a server's are before it serves.
-    let filling = Instant::now();
     gpu.wait_experts_resident()?;
-    if gpu.expert_stats().is_some() {
-        eprintln!(
-            "the pools of experts filled in {:.1} s",
-            filling.elapsed().as_secs_f64()
-        );
-    }
     // Warm-up: every weight used once (and the decode step captured).
     let mut token = gpu.forward_argmax(&[1])?;
     for _ in 0..3 {
