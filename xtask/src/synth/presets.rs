@@ -116,7 +116,7 @@ pub enum Mix {
 /// llama-quant.cpp's `use_more_bits`: the layers a `_M` mix gives more bits.
 fn use_more_bits(layer: u32, n_layers: u32) -> bool {
     let eighth = n_layers / 8;
-    layer < eighth || layer >= 7 * n_layers / 8 || (layer >= eighth && (layer - eighth) % 3 == 2)
+    layer < eighth || layer >= 7 * n_layers / 8 || (layer - eighth) % 3 == 2
 }
 
 impl Preset {
