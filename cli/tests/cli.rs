@@ -649,19 +649,43 @@ fn devices_names_a_runtime_status_once() {
     }
 }
 
-/// The Python that has the `openai` package: `$ROCMFORGE_PYTHON` (set by `cargo xtask
-/// test`, which installs the pinned package), else `python3`.
-fn openai_python() -> String {
+/// The Python that has the packages `modules` name (`openai`, `sglang_router`):
+/// `$ROCMFORGE_PYTHON` (set by `cargo xtask test`, which installs the pinned packages),
+/// else `python3`.
+fn python_with(modules: &[&str]) -> String {
     let python = std::env::var("ROCMFORGE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let found = Command::new(&python)
-        .args(["-c", "import openai"])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        found,
-        "{python} cannot import the openai package: run `cargo xtask test`, which installs it"
-    );
+    for module in modules {
+        let found = Command::new(&python)
+            .args(["-c", &format!("import {module}")])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(
+            found,
+            "{python} cannot import {module}: run `cargo xtask test`, which installs it"
+        );
+    }
     python
+}
+
+/// Runs the check script `tests/SCRIPT` against this build's `rocmforge` and SmolLM2
+/// with a Python that has `modules`; fails unless every check passed. Returns what the
+/// script printed.
+fn python_checks(script: &str, modules: &[&str]) -> String {
+    let model = model_path(SMOLLM2);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join(script);
+    let output = Command::new(python_with(modules))
+        .arg(&script)
+        .arg(env!("CARGO_BIN_EXE_rocmforge"))
+        .arg(&model)
+        .output()
+        .expect("python runs");
+    let out = String::from_utf8_lossy(&output.stdout).into_owned();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{out}\n{err}");
+    assert!(out.contains(" passed, 0 failed"), "{out}\n{err}");
+    out
 }
 
 /// `rocmforge serve` on loopback, driven by the official `openai` client: loading,
@@ -670,19 +694,7 @@ fn openai_python() -> String {
 /// a bounded load test and SIGTERM (`serve_openai.py` says what each check does).
 #[test]
 fn serve_answers_the_openai_client() {
-    let model = model_path(SMOLLM2);
-    let python = openai_python();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve_openai.py");
-    let output = Command::new(python)
-        .arg(&script)
-        .arg(env!("CARGO_BIN_EXE_rocmforge"))
-        .arg(&model)
-        .output()
-        .expect("python runs");
-    let out = String::from_utf8_lossy(&output.stdout);
-    let err = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{out}\n{err}");
-    assert!(out.contains(" passed, 0 failed"), "{out}\n{err}");
+    python_checks("serve_openai.py", &["openai"]);
 }
 
 /// `serve --device gpu` without a usable GPU is one line saying why and exit 1, before
