@@ -5,7 +5,9 @@
 //! same thread count for both engines (llama.cpp through `llama-bench`, when its path is
 //! given); the wall time of a whole `generate --max-tokens 1` process against
 //! `llama-completion -n 1`; and how much resident memory loading costs before the first
-//! token. Prints a table, and JSON with `--json`.
+//! token. Decode is also given as memory bandwidth: the weight bytes a token reads times
+//! the rate, against the machine's own read bandwidth at the same thread count
+//! (measured first, [`read_bandwidth`]). Prints a table, and JSON with `--json`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -77,6 +79,12 @@ pub fn run(args: &[String]) -> Result<()> {
         .num_threads(o.threads)
         .build_global()
         .context("sizing the thread pool")?;
+    let bandwidth = read_bandwidth();
+    eprintln!(
+        "this machine reads memory at {:.1} GB/s with {} threads",
+        bandwidth / 1e9,
+        o.threads
+    );
     let mut results = Vec::new();
     for model in &o.models {
         ensure!(
@@ -89,7 +97,9 @@ pub fn run(args: &[String]) -> Result<()> {
             model.display(),
             o.threads
         );
-        results.push(bench_model(model, &o)?);
+        let mut result = bench_model(model, &o)?;
+        result["read_bandwidth_bytes_per_s"] = json!(bandwidth);
+        results.push(result);
     }
     if o.json {
         println!("{}", serde_json::to_string_pretty(&Value::Array(results))?);
@@ -97,6 +107,48 @@ pub fn run(args: &[String]) -> Result<()> {
         print_table(&results);
     }
     Ok(())
+}
+
+/// Bytes of memory the pool's threads read per second, the best of three passes over a
+/// buffer of 1 GiB (far past any cache), each thread summing its share: the ceiling of
+/// a decode step, which streams the weights once.
+fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    const BYTES: usize = 1 << 30;
+    let buffer: Vec<u64> = (0..BYTES / 8).into_par_iter().map(|i| i as u64).collect();
+    let chunk = buffer.len().div_ceil(4 * rayon::current_num_threads());
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let sum = buffer
+            .par_chunks(chunk)
+            .map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v)))
+            .reduce(|| 0, u64::wrapping_add);
+        std::hint::black_box(sum);
+        best = best.max(BYTES as f64 / t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// The weight bytes one decoded token reads: every tensor of the plan once, but of
+/// token embeddings that are not also the output matrix, one row.
+fn decode_bytes(model: &Model) -> u64 {
+    let plan = model.plan();
+    let embd = &plan.token_embd.weight;
+    let tied = embd.index() == plan.output.weight.index();
+    let mut seen = std::collections::HashSet::new();
+    plan.handles()
+        .iter()
+        .filter(|h| seen.insert(h.index()))
+        .map(|h| {
+            let rows = h.shape().iter().skip(1).product::<u64>().max(1);
+            if h.index() == embd.index() && !tied {
+                h.size() / rows
+            } else {
+                h.size()
+            }
+        })
+        .sum()
 }
 
 /// The process's resident set (0 where `/proc/self/status` does not say).
@@ -170,6 +222,7 @@ fn bench_model(path: &Path, o: &Options) -> Result<Value> {
     Ok(json!({
         "model": path.file_name().map(|n| n.to_string_lossy().into_owned()),
         "model_bytes": std::fs::metadata(path)?.len(),
+        "decode_bytes_per_token": decode_bytes(&model),
         "threads": o.threads,
         "load_ms": load_ms,
         "rss_growth_bytes": rss_growth,
@@ -296,6 +349,23 @@ fn print_table(results: &[Value]) {
                 ratio(ours, theirs)
             );
         }
+        // Decode as bandwidth: the weights a token reads times the rate, and that as a
+        // share of what this machine's threads can read.
+        let per_token = r["decode_bytes_per_token"].as_f64().unwrap_or(0.0);
+        let machine = r["read_bandwidth_bytes_per_s"].as_f64().unwrap_or(0.0);
+        let bandwidth = |v: &Value| {
+            v.as_f64().map_or("-".into(), |tg| {
+                let bytes = tg * per_token;
+                format!("{:.1} GB/s ({:.0}%)", bytes / 1e9, 100.0 * bytes / machine)
+            })
+        };
+        println!(
+            "  tg128 reads {:.0} MB a token: ours {}, llama.cpp {}, of the machine's {:.1} GB/s",
+            per_token / 1e6,
+            bandwidth(&r["rocmforge"]["tg128"]),
+            bandwidth(&r["llama_cpp"]["tg128"]),
+            machine / 1e9
+        );
         let p = &r["first_token_process"];
         let median = |v: &Value| {
             v.as_array()
