@@ -50,6 +50,9 @@ use serde_json::{json, Value};
 use tensor_store::device::UploadMode;
 use tensor_store::{TensorHandle, TensorStore};
 
+mod cpu_moe;
+use cpu_moe::cpu_moe_rows;
+
 struct Options {
     models: Vec<PathBuf>,
     llama_bench: Option<PathBuf>,
@@ -354,6 +357,8 @@ fn ours_with_stats(
             model::gpu::ExpertStats {
                 wait_ns: a.wait_ns - b.wait_ns,
                 host_ns: a.host_ns - b.host_ns,
+                host_passes: a.host_passes - b.host_passes,
+                host_product_ns: a.host_product_ns - b.host_product_ns,
                 ..end
             }
         }),
@@ -398,93 +403,6 @@ fn budget_rows(o: &Options, path: &Path, name: &str, percent: u64) -> Result<Vec
         theirs,
         &note,
         fields,
-    ))
-}
-
-/// tg and pp with the weights' budget at what llama.cpp holds on the GPU with `-ncmoe
-/// layers`, beside it: printed, and returned as JSON rows.
-fn cpu_moe_rows(o: &Options, path: &Path, name: &str, layers: usize) -> Result<Vec<Value>> {
-    let store = TensorStore::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let model = Model::load(&store)?;
-    let handles = model.plan().handles();
-    let on_cpu = |h: &TensorHandle| {
-        h.name().ends_with("_exps.weight")
-            && h.name()
-                .strip_prefix("blk.")
-                .and_then(|r| r.split('.').next())
-                .and_then(|n| n.parse::<usize>().ok())
-                .is_some_and(|l| l < layers)
-    };
-    let on_gpu: u64 = handles
-        .iter()
-        .filter(|h| !on_cpu(h))
-        .map(|h| h.size())
-        .sum();
-    // The same bytes, each tensor aligned as our arena places it, and the pools' margin
-    // (a 256th: each matrix's slots start on 256 bytes).
-    let aligned = handles.len() as u64 * 256;
-    let budget = (on_gpu + aligned) * 256 / 255 + 1;
-    let routed: u64 = handles
-        .iter()
-        .filter(|h| h.name().ends_with("_exps.weight"))
-        .map(|h| h.size())
-        .sum();
-    let share = token_share(&model);
-    let routed_per_token = handles
-        .iter()
-        .filter(|h| h.name().ends_with("_exps.weight"))
-        .map(|h| h.size() as f64 * share(h))
-        .sum::<f64>();
-    let off_gpu: u64 = handles
-        .iter()
-        .filter(|h| h.name().ends_with("_exps.weight") && on_cpu(h))
-        .map(|h| h.size())
-        .sum();
-    drop(handles);
-    drop(model);
-    drop(store);
-    let (ours, stats) = ours_with_stats(path, o.tokens, o.prompt, o.repeat, Some(budget), true)?;
-    let theirs = match &o.llama_bench {
-        Some(bench) => Some(llama_bench_with(
-            bench,
-            path,
-            o.tokens,
-            o.prompt,
-            o.repeat,
-            &["-ngl", "99", "-ncmoe", &layers.to_string()],
-        )?),
-        None => None,
-    };
-    let hit_rate = stats.map_or(1.0, |s| s.hits as f64 / (s.hits + s.misses).max(1) as f64);
-    let note = format!(
-        "budget {} MiB (llama.cpp -ncmoe {layers}: {} MiB of weights on the GPU, {} of {} MiB \
-         of routed experts off it); ours: {} slots a layer, {:.0}% of routes on the GPU, {} promotions, {} \
-         evictions; routed experts {:.0} MB a token; a decoded token waited {:.2} ms for \
-         its routes and spent {:.2} ms on the host's",
-        budget >> 20,
-        on_gpu >> 20,
-        off_gpu >> 20,
-        routed >> 20,
-        stats.map_or(0, |s| s.slots_per_layer),
-        100.0 * hit_rate,
-        stats.map_or(0, |s| s.promotions),
-        stats.map_or(0, |s| s.evictions),
-        routed_per_token / 1e6,
-        stats.map_or(0.0, |s| s.wait_ns as f64 / 1e6) / (o.tokens * o.repeat) as f64,
-        stats.map_or(0.0, |s| s.host_ns as f64 / 1e6) / (o.tokens * o.repeat) as f64,
-    );
-    let fields = json!({
-        "budget_bytes": budget,
-        "llama_cpp_ncmoe": layers,
-        "slots_per_layer": stats.map(|s| s.slots_per_layer),
-        "hits": stats.map(|s| s.hits),
-        "misses": stats.map(|s| s.misses),
-        "promotions": stats.map(|s| s.promotions),
-        "evictions": stats.map(|s| s.evictions),
-    });
-    let label = format!("ncmoe{layers}");
-    Ok(tg_pp_rows(
-        o, path, name, &label, &ours, theirs, &note, fields,
     ))
 }
 

@@ -60,6 +60,10 @@ pub struct ExpertStats {
     /// copy of their sum queued).
     pub wait_ns: u64,
     pub host_ns: u64,
+    /// Layer passes that sent routes to the host, and the nanoseconds of theirs spent
+    /// in the CPU's products alone (the rest of `host_ns` is reading and queueing).
+    pub host_passes: u64,
+    pub host_product_ns: u64,
 }
 
 /// Bytes of one expert's matrices (`gate` if any, `up`, `down`) of each layer with
@@ -517,6 +521,7 @@ impl ExpertPools {
         let h = host.h.as_slice().map_err(gpu("the layer's input"))?;
         let send = gpu("sending the host's experts' sum");
         let partial = host.partial.as_mut_slice().map_err(&send)?;
+        let products = std::time::Instant::now();
         routed_part(
             &pool.plan,
             &h[..n * d],
@@ -524,6 +529,8 @@ impl ExpertPools {
             &mut host.scratch,
             &mut partial[..n * d],
         )?;
+        self.stats.host_product_ns += products.elapsed().as_nanos() as u64;
+        self.stats.host_passes += 1;
         let dst = self.partial.slice_mut(0..n * d).map_err(&send)?;
         stream
             .copy_h2d_async(&mut host.partial, 0..n * d, dst)
