@@ -31,7 +31,7 @@ use hip_backend::{Device, DeviceBuffer, DeviceView, DeviceViewMut, Event, Pinned
 use tensor_store::TensorHandle;
 
 use super::gpu;
-use crate::cpu::{routed_part, MoeScratch, Pick};
+use crate::cpu::{on_the_pool, routed_part, MoeScratch, Pick};
 use crate::plan::{ExecutionPlan, ExpertMatrices, ExpertsPlan, FfnPlan};
 use crate::ModelError;
 use layer::{arrived, fill_free, promote, LayerPool, PoolMatrix, Slot};
@@ -522,13 +522,11 @@ impl ExpertPools {
         let send = gpu("sending the host's experts' sum");
         let partial = host.partial.as_mut_slice().map_err(&send)?;
         let products = std::time::Instant::now();
-        routed_part(
-            &pool.plan,
-            &h[..n * d],
-            &host.picks,
-            &mut host.scratch,
-            &mut partial[..n * d],
-        )?;
+        // On one of the pool's workers: the products' parallel loops then start where it
+        // stands, instead of each handing its work over from this thread and sleeping
+        // until the pool is done (two hand-overs a pass, each a thread woken).
+        let (plan, picks, scratch) = (&pool.plan, &host.picks, &mut host.scratch);
+        on_the_pool(|| routed_part(plan, &h[..n * d], picks, scratch, &mut partial[..n * d]))?;
         self.stats.host_product_ns += products.elapsed().as_nanos() as u64;
         self.stats.host_passes += 1;
         let dst = self.partial.slice_mut(0..n * d).map_err(&send)?;
