@@ -105,7 +105,8 @@ impl Cells {
             return;
         }
         let n_tokens = end - self.placed;
-        let used = self.pos.iter().filter(|&&p| p >= 0).count();
+        // The cells in use are those of positions `0..placed`, one each.
+        let used = self.placed;
         let mut head = self.head;
         if head > used + 2 * n_tokens {
             head = 0;

@@ -130,22 +130,21 @@ fn read_bandwidth() -> f64 {
     best
 }
 
-/// The weight bytes one decoded token reads: every tensor of the plan once, but of
-/// token embeddings that are not also the output matrix, one row.
+/// The weight bytes one decoded token reads: every tensor of the plan once (a mixture's
+/// experts, the share a token is routed to), but of token embeddings that are not also
+/// the output matrix, one row.
 fn decode_bytes(model: &Model) -> u64 {
     let plan = model.plan();
-    let embd = &plan.token_embd.weight;
-    let tied = embd.index() == plan.output.weight.index();
-    let mut seen = std::collections::HashSet::new();
+    let embd = plan.token_embd.weight.index();
+    let tied = embd == plan.output.weight.index();
+    let share = crate::bench_gpu::token_share(model);
     plan.handles()
         .iter()
-        .filter(|h| seen.insert(h.index()))
         .map(|h| {
-            let rows = h.shape().iter().skip(1).product::<u64>().max(1);
-            if h.index() == embd.index() && !tied {
-                h.size() / rows
+            if h.index() == embd && !tied {
+                h.size() / h.shape().iter().skip(1).product::<u64>().max(1)
             } else {
-                h.size()
+                (h.size() as f64 * share(h)) as u64
             }
         })
         .sum()

@@ -237,7 +237,7 @@ fn is_experts(h: &TensorHandle) -> bool {
 
 /// The share of each weight a token reads: all of it, or of a mixture's expert tensors,
 /// the `used` of `count` experts it is routed to.
-fn token_share(model: &Model) -> impl Fn(&TensorHandle) -> f64 {
+pub(crate) fn token_share(model: &Model) -> impl Fn(&TensorHandle) -> f64 {
     let routed = model
         .config()
         .experts
