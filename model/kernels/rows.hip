@@ -127,12 +127,25 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     float v = -INFINITY;
     int idx = n;
     bool local_bad = false;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float xi = x[i];
-        if (xi != xi || xi == INFINITY) local_bad = true;
-        if (xi > v || (xi == v && i < idx)) {
-            v = xi;
-            idx = i;
+    // Eight loads in flight a thread before their comparisons: a vocabulary's row is
+    // tens of loads a thread, which one at a time would each wait for memory.
+    constexpr int kAhead = 8;
+    for (int first = threadIdx.x; first < n; first += kAhead * blockDim.x) {
+        float xs[kAhead];
+#pragma unroll
+        for (int k = 0; k < kAhead; ++k) {
+            const int i = first + k * blockDim.x;
+            xs[k] = i < n ? x[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int k = 0; k < kAhead; ++k) {
+            const int i = first + k * blockDim.x;
+            const float xi = xs[k];
+            if (xi != xi || xi == INFINITY) local_bad = true;
+            if (i < n && (xi > v || (xi == v && i < idx))) {
+                v = xi;
+                idx = i;
+            }
         }
     }
     if (local_bad) bad = 1;
