@@ -186,6 +186,14 @@ pub fn attention_in(
     let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
     let n_tokens = q.len() / (shape.n_heads * hd).max(1);
     let fma = super::has_fma();
+    if let (AttentionMethod::Flash, CacheRows::F16(k), CacheRows::F16(v)) =
+        (shape.method, keys, values)
+    {
+        if n_tokens >= flash::Q_TILE {
+            flash::tiled_blocks(q, k, v, shape, layout, n_tokens, fma, out);
+            return;
+        }
+    }
     out.par_chunks_mut(hdv)
         .zip(q.par_chunks(hd))
         .enumerate()
