@@ -1,0 +1,287 @@
+//! The tiled kernel of [`super`] by blocks of queries: a batch's (token, head) pairs
+//! in tasks of [`Q_BLOCK`] tokens that share each tile of keys.
+
+use super::{tile_update, tiled_output, AttentionShape, Layout, Rows, KV_TILE};
+
+/// Tokens a task of [`tiled_blocks`] takes, each with all its query heads.
+const Q_BLOCK: usize = 16;
+
+/// Scratch of one task of [`tiled_blocks`].
+#[derive(Default)]
+struct BlockScratch {
+    /// A tile of one key head's keys, dimension-major: dimension `d` of position
+    /// `tile + l` at `d · KV_TILE + l`.
+    kt: Vec<f32>,
+    /// Each query's running maximum and sum.
+    state: Vec<(f32, f32)>,
+    /// Each query's accumulator, `head_dim_v` values apiece.
+    acc: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+/// The tiled kernel (see [`tiled`](super::tiled)) for every (token, head) pair of a batch of at
+/// least [`Q_TILE`](super::Q_TILE) tokens, in tasks of [`Q_BLOCK`] tokens: `q` is `n_tokens ×
+/// n_heads × head_dim`, `out` `n_tokens × n_heads × head_dim_v`, `keys` and `values`
+/// an f16 cache's rows. A task turns each tile of a key head's keys dimension-major
+/// once ([`BlockScratch::kt`]) and scores every query of the block that sees the tile
+/// from it, a vector of positions at a time, where the one-query kernel reads each
+/// key whole for every query. Each score is still one chain of fused multiply-adds
+/// over the head's dimensions in order, from zero, and the rest is [`tile_update`] and
+/// [`tiled_output`]: the results are [`tiled`](super::tiled)'s, bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub(in super::super) fn tiled_blocks(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    shape: &AttentionShape,
+    layout: Layout<'_>,
+    n_tokens: usize,
+    fma: bool,
+    out: &mut [f32],
+) {
+    use rayon::prelude::*;
+    let width = shape.n_heads * shape.head_dim_v;
+    out.par_chunks_mut(Q_BLOCK * width)
+        .enumerate()
+        .for_each_init(BlockScratch::default, |s, (b, o)| {
+            let tokens = b * Q_BLOCK..(b * Q_BLOCK + Q_BLOCK).min(n_tokens);
+            #[cfg(target_arch = "x86_64")]
+            if fma {
+                // SAFETY: the caller found FMA on this CPU, the feature `block_fma` needs.
+                unsafe { block_fma(q, keys, values, shape, layout, tokens, s, o) };
+                return;
+            }
+            let _ = fma;
+            block(q, keys, values, shape, layout, tokens, s, o);
+        });
+}
+
+/// [`block`] compiled with FMA instructions (a fused multiply-add is exactly
+/// specified either way: the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fma")]
+#[allow(clippy::too_many_arguments)]
+fn block_fma(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    shape: &AttentionShape,
+    layout: Layout<'_>,
+    tokens: std::ops::Range<usize>,
+    s: &mut BlockScratch,
+    o: &mut [f32],
+) {
+    block(q, keys, values, shape, layout, tokens, s, o);
+}
+
+/// One task of [`tiled_blocks`]: the queries of `tokens`, into `o` (their rows of the
+/// output).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn block(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    shape: &AttentionShape,
+    layout: Layout<'_>,
+    tokens: std::ops::Range<usize>,
+    s: &mut BlockScratch,
+    o: &mut [f32],
+) {
+    let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
+    let (n_heads, n_kv) = (shape.n_heads, shape.n_kv_heads);
+    let group = n_heads / n_kv;
+    let t0 = tokens.start;
+    let pos_of = |t: usize| shape.first_pos + t;
+    let start_of = |t: usize| {
+        shape
+            .window
+            .map_or(0, |w| (pos_of(t) + 1).saturating_sub(w))
+    };
+    // The positions any query of the block sees: from the first token's first to the
+    // last token's own.
+    let last = pos_of(tokens.end - 1);
+    let n_queries = tokens.len() * group;
+    for kvh in 0..n_kv {
+        let rows = Rows {
+            keys,
+            values,
+            layout,
+            k_off: kvh * hd,
+            v_off: kvh * hdv,
+            k_stride: n_kv * hd,
+            v_stride: n_kv * hdv,
+        };
+        s.state.clear();
+        s.state.resize(n_queries, (f32::NEG_INFINITY, 0.0));
+        s.acc.clear();
+        s.acc.resize(n_queries * hdv, 0.0);
+        let mut tile = start_of(t0) / KV_TILE * KV_TILE;
+        while tile <= last {
+            // The tile's keys up to the block's last position, dimension-major.
+            let filled = (tile + KV_TILE).min(last + 1) - tile;
+            s.kt.clear();
+            s.kt.resize(hd * KV_TILE, 0.0);
+            for l in 0..filled {
+                for (d, &k) in rows.key(tile + l, hd).iter().enumerate() {
+                    s.kt[d * KV_TILE + l] = k;
+                }
+            }
+            for (i, t) in tokens.clone().enumerate() {
+                let (start, pos) = (start_of(t), pos_of(t));
+                // The tiles the one-query kernel visits: those from its first visible
+                // position's to its own.
+                if tile > pos || tile + KV_TILE <= start {
+                    continue;
+                }
+                let visible = tile.max(start)..(tile + KV_TILE).min(pos + 1);
+                for g in 0..group {
+                    let h = kvh * group + g;
+                    let qh = &q[(t * n_heads + h) * hd..][..hd];
+                    let dots = kt_dots(qh, &s.kt);
+                    s.scores.clear();
+                    s.scores.resize(KV_TILE, f32::NEG_INFINITY);
+                    for j in visible.clone() {
+                        s.scores[j - tile] = dots[j - tile];
+                    }
+                    let query = i * group + g;
+                    tile_update(
+                        rows,
+                        shape,
+                        tile,
+                        visible.clone(),
+                        &mut s.scores,
+                        &mut s.state[query],
+                        &mut s.acc[query * hdv..][..hdv],
+                    );
+                }
+            }
+            tile += KV_TILE;
+        }
+        for i in 0..tokens.len() {
+            for g in 0..group {
+                let (h, query) = (kvh * group + g, i * group + g);
+                let sink = shape.sinks.map(|sinks| sinks[h]);
+                tiled_output(
+                    s.state[query],
+                    sink,
+                    &mut s.acc[query * hdv..][..hdv],
+                    &mut o[(i * n_heads + h) * hdv..][..hdv],
+                );
+            }
+        }
+    }
+}
+
+/// The query's dot products with the [`KV_TILE`] keys of a dimension-major tile `kt`:
+/// for each position one chain of fused multiply-adds over the dimensions in order,
+/// from zero, as [`tile_dots`](super::tile_dots) takes it; the positions side by side, so a step is a
+/// few vector instructions.
+#[inline(always)]
+fn kt_dots(qh: &[f32], kt: &[f32]) -> [f32; KV_TILE] {
+    let mut a = [0.0f32; KV_TILE];
+    for (&qd, row) in qh.iter().zip(kt.chunks_exact(KV_TILE)) {
+        for (a, &k) in a.iter_mut().zip(row) {
+            *a = k.mul_add(qd, *a);
+        }
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::super::AttentionMethod;
+    use super::super::{tiled, FlashContext, Scratch};
+    use super::*;
+    use crate::ops::round_f16;
+
+    /// Values in [-2, 2) from xorshift64 with 24 significant bits.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 22) as f32 - 2.0
+            })
+            .collect()
+    }
+
+    /// [`values`] rounded to f16, as a cache holds them.
+    fn cached(n: usize, seed: u64) -> Vec<f32> {
+        values(n, seed).into_iter().map(round_f16).collect()
+    }
+
+    /// The blocks of [`tiled_blocks`] against [`tiled`](super::super::tiled) query by query, bit for bit:
+    /// grouped heads, a window, a soft cap, sinks, a batch that starts past position 0
+    /// and ends inside a block.
+    #[test]
+    fn query_blocks_give_the_one_query_kernels_bits() {
+        let cases = [
+            // (heads, kv heads, head dim, value dim, first position, tokens, window, cap, sinks)
+            (4, 1, 256, 256, 0, 100, None, None, false),
+            (9, 3, 64, 64, 37, 130, None, None, false),
+            (8, 4, 32, 48, 5, 64, Some(40), Some(30.0), true),
+            (2, 2, 16, 16, 200, 77, Some(100), None, true),
+        ];
+        for (n, &(nh, nkv, hd, hdv, first_pos, n_tokens, window, softcap, sinks)) in
+            cases.iter().enumerate()
+        {
+            let positions = first_pos + n_tokens;
+            let q = values(n_tokens * nh * hd, 1 + n as u64);
+            let keys = cached(positions * nkv * hd, 100 + n as u64);
+            let vals = cached(positions * nkv * hdv, 200 + n as u64);
+            let sink_logits = values(nh, 300 + n as u64);
+            let shape = AttentionShape {
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                head_dim_v: hdv,
+                first_pos,
+                window,
+                scale: 1.0 / (hd as f32).sqrt(),
+                softcap,
+                sinks: sinks.then_some(&sink_logits[..]),
+                method: AttentionMethod::Flash,
+                flash: FlashContext {
+                    context: positions,
+                    threads: 2,
+                },
+            };
+            let mut blocks = vec![0.0f32; n_tokens * nh * hdv];
+            let fma = crate::ops::has_fma();
+            let layout = Layout::Contiguous;
+            tiled_blocks(&q, &keys, &vals, &shape, layout, n_tokens, fma, &mut blocks);
+            let mut s = Scratch::default();
+            for t in 0..n_tokens {
+                for h in 0..nh {
+                    let kvh = h / (nh / nkv);
+                    let rows = Rows {
+                        keys: &keys,
+                        values: &vals,
+                        layout,
+                        k_off: kvh * hd,
+                        v_off: kvh * hdv,
+                        k_stride: nkv * hd,
+                        v_stride: nkv * hdv,
+                    };
+                    let pos = first_pos + t;
+                    let start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let sink = shape.sinks.map(|s| s[h]);
+                    let mut one = vec![0.0f32; hdv];
+                    let qh = &q[(t * nh + h) * hd..][..hd];
+                    tiled(qh, rows, &shape, start, pos, sink, &mut s, &mut one);
+                    let got = &blocks[(t * nh + h) * hdv..][..hdv];
+                    for (d, (a, b)) in one.iter().zip(got).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "case {n}, token {t}, head {h}, dimension {d}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
