@@ -19,15 +19,16 @@ struct BlockScratch {
     scores: Vec<f32>,
 }
 
-/// The tiled kernel (see [`tiled`](super::tiled)) for every (token, head) pair of a batch of at
-/// least [`Q_TILE`](super::Q_TILE) tokens, in tasks of [`Q_BLOCK`] tokens: `q` is `n_tokens ×
-/// n_heads × head_dim`, `out` `n_tokens × n_heads × head_dim_v`, `keys` and `values`
-/// an f16 cache's rows. A task turns each tile of a key head's keys dimension-major
-/// once ([`BlockScratch::kt`]) and scores every query of the block that sees the tile
-/// from it, a vector of positions at a time, where the one-query kernel reads each
-/// key whole for every query. Each score is still one chain of fused multiply-adds
-/// over the head's dimensions in order, from zero, and the rest is [`tile_update`] and
-/// [`tiled_output`]: the results are [`tiled`](super::tiled)'s, bit for bit.
+/// The tiled kernel (see [`tiled`](super::tiled)) for every (token, head) pair of a
+/// batch of at least [`Q_TILE`](super::Q_TILE) tokens, in tasks of [`Q_BLOCK`] tokens:
+/// `q` is `n_tokens × n_heads × head_dim`, `out` `n_tokens × n_heads × head_dim_v`,
+/// `keys` and `values` an f16 cache's rows. A task turns each tile of a key head's keys
+/// dimension-major once ([`BlockScratch::kt`]) and scores every query of the block that
+/// sees the tile from it, a vector of positions at a time, where the one-query kernel
+/// reads each key whole for every query. Each score is still one chain of fused
+/// multiply-adds over the head's dimensions in order, from zero, and the rest is
+/// [`tile_update`] and [`tiled_output`]: the results are [`tiled`](super::tiled)'s, bit
+/// for bit.
 #[allow(clippy::too_many_arguments)]
 pub(in super::super) fn tiled_blocks(
     q: &[f32],
@@ -175,8 +176,8 @@ fn block(
 
 /// The query's dot products with the [`KV_TILE`] keys of a dimension-major tile `kt`:
 /// for each position one chain of fused multiply-adds over the dimensions in order,
-/// from zero, as [`tile_dots`](super::tile_dots) takes it; the positions side by side, so a step is a
-/// few vector instructions.
+/// from zero, as [`tile_dots`](super::tile_dots) takes it; the positions side by side,
+/// so a step is a few vector instructions.
 #[inline(always)]
 fn kt_dots(qh: &[f32], kt: &[f32]) -> [f32; KV_TILE] {
     let mut a = [0.0f32; KV_TILE];
@@ -213,13 +214,14 @@ mod tests {
         values(n, seed).into_iter().map(round_f16).collect()
     }
 
-    /// The blocks of [`tiled_blocks`] against [`tiled`](super::super::tiled) query by query, bit for bit:
-    /// grouped heads, a window, a soft cap, sinks, a batch that starts past position 0
-    /// and ends inside a block.
+    /// The blocks of [`tiled_blocks`] against [`tiled`](super::super::tiled) query by
+    /// query, bit for bit: grouped heads, a window, a soft cap, sinks, a batch that
+    /// starts past position 0 and ends inside a block.
     #[test]
     fn query_blocks_give_the_one_query_kernels_bits() {
         let cases = [
-            // (heads, kv heads, head dim, value dim, first position, tokens, window, cap, sinks)
+            // (heads, kv heads, head dim, value dim, first position, tokens, window,
+            // cap, sinks)
             (4, 1, 256, 256, 0, 100, None, None, false),
             (9, 3, 64, 64, 37, 130, None, None, false),
             (8, 4, 32, 48, 5, 64, Some(40), Some(30.0), true),
