@@ -12,8 +12,8 @@ use super::formats::{self, Kernel};
 use super::QuantizedMatrix;
 use crate::{DecodePath, DequantError};
 
-/// Weight bytes a task should at least cover, so that splitting never costs more than
-/// the work it shares out.
+/// Work a task should at least cover (weight bytes, times tokens in a batch), so that
+/// splitting never costs more than the work it shares out.
 const MIN_CHUNK_BYTES: usize = 32 * 1024;
 /// Called from outside the pool, a product hands its work to the pool's threads and
 /// waits for them: measured at 10–20 µs on a 2-core VM, about what one core needs for
@@ -90,7 +90,11 @@ pub(crate) fn split(rows: usize, row_bytes: usize, n_tokens: usize, act_row_byte
         return Split::Tokens(per_task);
     }
     let balanced = rows.div_ceil(threads * TASKS_PER_THREAD);
-    let chunk = balanced.max(MIN_CHUNK_BYTES.div_ceil(row_bytes.max(1)));
+    // At least MIN_CHUNK_BYTES of work a task: a row of a batch is a row's bytes for
+    // every token (a prompt's small matrices, a key or value projection of a few hundred
+    // rows, would otherwise be cut into fewer tasks than threads).
+    let row_work = row_bytes.max(1).saturating_mul(n_tokens.max(1));
+    let chunk = balanced.max(MIN_CHUNK_BYTES.div_ceil(row_work));
     Split::Rows(chunk.next_multiple_of(4).min(rows.max(1)))
 }
 
