@@ -90,6 +90,15 @@ pub struct AttentionShape<'a> {
     pub flash: FlashContext,
 }
 
+impl AttentionShape<'_> {
+    /// The cache positions token `t` of the call sees: from the first in its window to
+    /// its own, both included.
+    pub(crate) fn seen_by(&self, t: usize) -> (usize, usize) {
+        let pos = self.first_pos + t;
+        (self.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos)
+    }
+}
+
 /// How a product's fused multiply-add chains are laid out and reduced.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Lanes {
@@ -190,7 +199,14 @@ pub fn attention_in(
         (shape.method, keys, values)
     {
         if n_tokens >= flash::Q_TILE {
-            flash::tiled_blocks(q, k, v, shape, layout, n_tokens, fma, out);
+            let batch = flash::Batch {
+                q,
+                keys: k,
+                values: v,
+                shape,
+                layout,
+            };
+            flash::tiled_blocks(&batch, n_tokens, fma, out);
             return;
         }
     }
@@ -283,10 +299,8 @@ fn flash_impl(
     s: &mut flash::Scratch,
     o: &mut [f32],
 ) {
-    let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
     let kvh = head.h / (shape.n_heads / shape.n_kv_heads);
-    let pos = shape.first_pos + head.t;
-    let start = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let (start, pos) = shape.seen_by(head.t);
     let sink = shape.sinks.map(|sinks| sinks[head.h]);
     let (CacheRows::F16(keys), CacheRows::F16(values)) = (keys, values) else {
         let rows = flash::MixedRows {
@@ -298,15 +312,7 @@ fn flash_impl(
         flash::head_mixed(qh, rows, shape, start, pos, sink, s, o);
         return;
     };
-    let rows = flash::Rows {
-        keys,
-        values,
-        layout: head.layout,
-        k_off: kvh * hd,
-        v_off: kvh * hdv,
-        k_stride: shape.n_kv_heads * hd,
-        v_stride: shape.n_kv_heads * hdv,
-    };
+    let rows = flash::Rows::of_kv_head(keys, values, head.layout, shape, kvh);
     flash::head(qh, rows, shape, head.n_tokens, start, pos, sink, s, o);
 }
 
@@ -325,8 +331,7 @@ fn head_impl(
     let kvh = head.h / (shape.n_heads / shape.n_kv_heads);
     let k_stride = shape.n_kv_heads * hd;
     let v_stride = shape.n_kv_heads * hdv;
-    let pos = shape.first_pos + head.t;
-    let start = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    let (start, pos) = shape.seen_by(head.t);
     let lanes = if head.n_tokens >= 2 {
         Lanes::Gemm
     } else {

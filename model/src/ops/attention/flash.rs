@@ -41,7 +41,7 @@ use crate::ops::{expf, fma_round_f16, round_f16, scale_round_f16};
 
 mod blocks;
 
-pub(super) use blocks::tiled_blocks;
+pub(super) use blocks::{tiled_blocks, Batch};
 
 /// Queries per tile; batches of at least this many take the tiled kernel.
 pub const Q_TILE: usize = 64;
@@ -167,7 +167,27 @@ pub(super) struct Rows<'a> {
     pub v_stride: usize,
 }
 
-impl Rows<'_> {
+impl<'a> Rows<'a> {
+    /// Key head `kvh`'s rows of an f16 cache's `keys` and `values`, heads side by side.
+    pub(super) fn of_kv_head(
+        keys: &'a [f32],
+        values: &'a [f32],
+        layout: Layout<'a>,
+        shape: &AttentionShape,
+        kvh: usize,
+    ) -> Rows<'a> {
+        let (hd, hdv, n_kv) = (shape.head_dim, shape.head_dim_v, shape.n_kv_heads);
+        Rows {
+            keys,
+            values,
+            layout,
+            k_off: kvh * hd,
+            v_off: kvh * hdv,
+            k_stride: n_kv * hd,
+            v_stride: n_kv * hdv,
+        }
+    }
+
     #[inline(always)]
     fn key(&self, j: usize, hd: usize) -> &[f32] {
         &self.keys[self.layout.row(j) * self.k_stride + self.k_off..][..hd]

@@ -1,10 +1,22 @@
 //! The tiled kernel of [`super`] by blocks of queries: a batch's (token, head) pairs
 //! in tasks of [`Q_BLOCK`] tokens that share each tile of keys.
 
+use std::ops::Range;
+
 use super::{tile_update, tiled_output, AttentionShape, Layout, Rows, KV_TILE};
 
 /// Tokens a task of [`tiled_blocks`] takes, each with all its query heads.
 const Q_BLOCK: usize = 16;
+
+/// A batch's queries and the cache they attend to: `q` is `n_tokens × n_heads ×
+/// head_dim`, `keys` and `values` an f16 cache's rows, heads side by side.
+pub(in super::super) struct Batch<'a> {
+    pub q: &'a [f32],
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub shape: &'a AttentionShape<'a>,
+    pub layout: Layout<'a>,
+}
 
 /// Scratch of one task of [`tiled_blocks`].
 #[derive(Default)]
@@ -16,32 +28,25 @@ struct BlockScratch {
     state: Vec<(f32, f32)>,
     /// Each query's accumulator, `head_dim_v` values apiece.
     acc: Vec<f32>,
-    scores: Vec<f32>,
 }
 
 /// The tiled kernel (see [`tiled`](super::tiled)) for every (token, head) pair of a
-/// batch of at least [`Q_TILE`](super::Q_TILE) tokens, in tasks of [`Q_BLOCK`] tokens:
-/// `q` is `n_tokens × n_heads × head_dim`, `out` `n_tokens × n_heads × head_dim_v`,
-/// `keys` and `values` an f16 cache's rows. A task turns each tile of a key head's keys
-/// dimension-major once ([`BlockScratch::kt`]) and scores every query of the block that
-/// sees the tile from it, a vector of positions at a time, where the one-query kernel
-/// reads each key whole for every query. Each score is still one chain of fused
-/// multiply-adds over the head's dimensions in order, from zero, and the rest is
-/// [`tile_update`] and [`tiled_output`]: the results are [`tiled`](super::tiled)'s, bit
-/// for bit.
-#[allow(clippy::too_many_arguments)]
+/// batch of `n_tokens`, at least [`Q_TILE`](super::Q_TILE), into `out` (`n_tokens ×
+/// n_heads × head_dim_v`), in tasks of [`Q_BLOCK`] tokens. A task turns each tile of a
+/// key head's keys dimension-major once ([`BlockScratch::kt`]) and scores every query
+/// of the block that sees the tile from it, a vector of positions at a time, where the
+/// one-query kernel reads each key whole for every query. Each score is still one chain
+/// of fused multiply-adds over the head's dimensions in order, from zero, and the rest
+/// is [`tile_update`] and [`tiled_output`]: the results are [`tiled`](super::tiled)'s,
+/// bit for bit. `fma`: the CPU has FMA instructions.
 pub(in super::super) fn tiled_blocks(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    shape: &AttentionShape,
-    layout: Layout<'_>,
+    batch: &Batch<'_>,
     n_tokens: usize,
     fma: bool,
     out: &mut [f32],
 ) {
     use rayon::prelude::*;
-    let width = shape.n_heads * shape.head_dim_v;
+    let width = batch.shape.n_heads * batch.shape.head_dim_v;
     out.par_chunks_mut(Q_BLOCK * width)
         .enumerate()
         .for_each_init(BlockScratch::default, |s, (b, o)| {
@@ -49,11 +54,11 @@ pub(in super::super) fn tiled_blocks(
             #[cfg(target_arch = "x86_64")]
             if fma {
                 // SAFETY: the caller found FMA on this CPU, the feature `block_fma` needs.
-                unsafe { block_fma(q, keys, values, shape, layout, tokens, s, o) };
+                unsafe { block_fma(batch, tokens, s, o) };
                 return;
             }
             let _ = fma;
-            block(q, keys, values, shape, layout, tokens, s, o);
+            block(batch, tokens, s, o);
         });
 }
 
@@ -61,97 +66,60 @@ pub(in super::super) fn tiled_blocks(
 /// specified either way: the same bits).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma")]
-#[allow(clippy::too_many_arguments)]
-fn block_fma(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    shape: &AttentionShape,
-    layout: Layout<'_>,
-    tokens: std::ops::Range<usize>,
-    s: &mut BlockScratch,
-    o: &mut [f32],
-) {
-    block(q, keys, values, shape, layout, tokens, s, o);
+fn block_fma(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut [f32]) {
+    block(batch, tokens, s, o);
 }
 
 /// One task of [`tiled_blocks`]: the queries of `tokens`, into `o` (their rows of the
 /// output).
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn block(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    shape: &AttentionShape,
-    layout: Layout<'_>,
-    tokens: std::ops::Range<usize>,
-    s: &mut BlockScratch,
-    o: &mut [f32],
-) {
+fn block(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut [f32]) {
+    let shape = batch.shape;
     let (hd, hdv) = (shape.head_dim, shape.head_dim_v);
     let (n_heads, n_kv) = (shape.n_heads, shape.n_kv_heads);
     let group = n_heads / n_kv;
-    let t0 = tokens.start;
-    let pos_of = |t: usize| shape.first_pos + t;
-    let start_of = |t: usize| {
-        shape
-            .window
-            .map_or(0, |w| (pos_of(t) + 1).saturating_sub(w))
-    };
     // The positions any query of the block sees: from the first token's first to the
     // last token's own.
-    let last = pos_of(tokens.end - 1);
+    let first = shape.seen_by(tokens.start).0;
+    let last = shape.seen_by(tokens.end - 1).1;
     let n_queries = tokens.len() * group;
+    // Positions of a tile past the block's last keep the keys of an earlier tile: no
+    // query sees them.
+    s.kt.resize(hd * KV_TILE, 0.0);
     for kvh in 0..n_kv {
-        let rows = Rows {
-            keys,
-            values,
-            layout,
-            k_off: kvh * hd,
-            v_off: kvh * hdv,
-            k_stride: n_kv * hd,
-            v_stride: n_kv * hdv,
-        };
+        let rows = Rows::of_kv_head(batch.keys, batch.values, batch.layout, shape, kvh);
         s.state.clear();
         s.state.resize(n_queries, (f32::NEG_INFINITY, 0.0));
         s.acc.clear();
         s.acc.resize(n_queries * hdv, 0.0);
-        let mut tile = start_of(t0) / KV_TILE * KV_TILE;
+        let mut tile = first / KV_TILE * KV_TILE;
         while tile <= last {
-            // The tile's keys up to the block's last position, dimension-major.
-            let filled = (tile + KV_TILE).min(last + 1) - tile;
-            s.kt.clear();
-            s.kt.resize(hd * KV_TILE, 0.0);
-            for l in 0..filled {
+            for l in 0..(tile + KV_TILE).min(last + 1) - tile {
                 for (d, &k) in rows.key(tile + l, hd).iter().enumerate() {
                     s.kt[d * KV_TILE + l] = k;
                 }
             }
             for (i, t) in tokens.clone().enumerate() {
-                let (start, pos) = (start_of(t), pos_of(t));
+                let (start, pos) = shape.seen_by(t);
                 // The tiles the one-query kernel visits: those from its first visible
                 // position's to its own.
                 if tile > pos || tile + KV_TILE <= start {
                     continue;
                 }
                 let visible = tile.max(start)..(tile + KV_TILE).min(pos + 1);
+                let seen = visible.start - tile..visible.end - tile;
                 for g in 0..group {
                     let h = kvh * group + g;
-                    let qh = &q[(t * n_heads + h) * hd..][..hd];
-                    let dots = kt_dots(qh, &s.kt);
-                    s.scores.clear();
-                    s.scores.resize(KV_TILE, f32::NEG_INFINITY);
-                    for j in visible.clone() {
-                        s.scores[j - tile] = dots[j - tile];
-                    }
+                    let dots = kt_dots(&batch.q[(t * n_heads + h) * hd..][..hd], &s.kt);
+                    let mut scores = [f32::NEG_INFINITY; KV_TILE];
+                    scores[seen.clone()].copy_from_slice(&dots[seen.clone()]);
                     let query = i * group + g;
                     tile_update(
                         rows,
                         shape,
                         tile,
                         visible.clone(),
-                        &mut s.scores,
+                        &mut scores,
                         &mut s.state[query],
                         &mut s.acc[query * hdv..][..hdv],
                     );
@@ -162,10 +130,9 @@ fn block(
         for i in 0..tokens.len() {
             for g in 0..group {
                 let (h, query) = (kvh * group + g, i * group + g);
-                let sink = shape.sinks.map(|sinks| sinks[h]);
                 tiled_output(
                     s.state[query],
-                    sink,
+                    shape.sinks.map(|sinks| sinks[h]),
                     &mut s.acc[query * hdv..][..hdv],
                     &mut o[(i * n_heads + h) * hdv..][..hdv],
                 );
@@ -254,20 +221,19 @@ mod tests {
             let mut blocks = vec![0.0f32; n_tokens * nh * hdv];
             let fma = crate::ops::has_fma();
             let layout = Layout::Contiguous;
-            tiled_blocks(&q, &keys, &vals, &shape, layout, n_tokens, fma, &mut blocks);
+            let batch = Batch {
+                q: &q,
+                keys: &keys,
+                values: &vals,
+                shape: &shape,
+                layout,
+            };
+            tiled_blocks(&batch, n_tokens, fma, &mut blocks);
             let mut s = Scratch::default();
             for t in 0..n_tokens {
                 for h in 0..nh {
                     let kvh = h / (nh / nkv);
-                    let rows = Rows {
-                        keys: &keys,
-                        values: &vals,
-                        layout,
-                        k_off: kvh * hd,
-                        v_off: kvh * hdv,
-                        k_stride: nkv * hd,
-                        v_stride: nkv * hdv,
-                    };
+                    let rows = Rows::of_kv_head(&keys, &vals, layout, &shape, kvh);
                     let pos = first_pos + t;
                     let start = window.map_or(0, |w| (pos + 1).saturating_sub(w));
                     let sink = shape.sinks.map(|s| s[h]);
