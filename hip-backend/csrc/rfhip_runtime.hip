@@ -149,6 +149,25 @@ int rfhip_memcpy_d2h_async(void* dst, const void* src, size_t bytes, void* strea
 int rfhip_memcpy_d2d_async(void* dst, const void* src, size_t bytes, void* stream) {
     return (int)hipMemcpyAsync(dst, src, bytes, hipMemcpyDeviceToDevice, as_stream(stream));
 }
+// A copy between two devices' memory (or within one), ordered on `stream`: over the
+// devices' link where peer access is on, staged through the host by the runtime otherwise.
+int rfhip_memcpy_peer_async(void* dst, int dst_device, const void* src, int src_device,
+                            size_t bytes, void* stream) {
+    return (int)hipMemcpyPeerAsync(dst, dst_device, src, src_device, bytes, as_stream(stream));
+}
+int rfhip_device_can_access_peer(int* can, int device, int peer) {
+    *can = 0;
+    return (int)hipDeviceCanAccessPeer(can, device, peer);
+}
+// Lets the current device read and write `peer`'s memory; done already is success.
+int rfhip_device_enable_peer_access(int peer) {
+    hipError_t status = hipDeviceEnablePeerAccess(peer, 0);
+    if (status == hipErrorPeerAccessAlreadyEnabled) {
+        (void)hipGetLastError();
+        return (int)hipSuccess;
+    }
+    return (int)status;
+}
 int rfhip_memset_async(void* dst, int byte_value, size_t bytes, void* stream) {
     return (int)hipMemsetAsync(dst, byte_value, bytes, as_stream(stream));
 }

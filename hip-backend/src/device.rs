@@ -253,6 +253,35 @@ impl Device {
         self.info.total_memory
     }
 
+    /// Makes this device the calling thread's current one. The runtime launches a kernel
+    /// on the current device's context, so a thread that drives several devices binds
+    /// each before queuing kernels on its streams (allocations, streams and copies bind
+    /// by themselves).
+    pub fn make_current(&self) -> Result<()> {
+        self.context.bind()
+    }
+
+    /// Whether this device can read and write `peer`'s memory directly (over NVLink,
+    /// PCIe or Infinity Fabric); a device is its own peer.
+    pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
+        if peer.ordinal() == self.ordinal() {
+            return Ok(true);
+        }
+        result::device_can_access_peer(self.ordinal(), peer.ordinal())
+    }
+
+    /// Lets this device reach `peer`'s memory directly, so that copies between the two
+    /// ([`Stream::copy_peer_async`]) take the devices' link rather than the host. Allowed
+    /// already, or `peer` being this device: nothing to do. Fails where
+    /// [`Device::can_access_peer`] says no.
+    pub fn enable_peer_access(&self, peer: &Device) -> Result<()> {
+        if peer.ordinal() == self.ordinal() {
+            return Ok(());
+        }
+        self.context.bind()?;
+        result::device_enable_peer_access(peer.ordinal())
+    }
+
     /// Free and total device memory now.
     pub fn memory_info(&self) -> Result<MemoryInfo> {
         self.context.bind()?;

@@ -273,6 +273,45 @@ pub(crate) unsafe fn memcpy_async(
     check("hipMemcpyAsync", code)
 }
 
+/// Queues a copy of `bytes` from `src` on device `src_device` to `dst` on `dst_device`.
+///
+/// # Safety
+/// `dst` and `src` are device memory of their devices, valid for `bytes` until the copy
+/// completes; `stream` is live.
+pub(crate) unsafe fn memcpy_peer_async(
+    dst: *mut c_void,
+    dst_device: usize,
+    src: *const c_void,
+    src_device: usize,
+    bytes: usize,
+    stream: RawStream,
+) -> Result<()> {
+    let (dst_device, src_device) = (ordinal_to_c(dst_device)?, ordinal_to_c(src_device)?);
+    // SAFETY: pointer validity and lifetime are this function's contract.
+    check("hipMemcpyPeerAsync", unsafe {
+        sys::rfhip_memcpy_peer_async(dst, dst_device, src, src_device, bytes, stream)
+    })
+}
+
+/// Whether `device` can read and write `peer`'s memory directly.
+pub(crate) fn device_can_access_peer(device: usize, peer: usize) -> Result<bool> {
+    let (device, peer) = (ordinal_to_c(device)?, ordinal_to_c(peer)?);
+    // SAFETY: the out-pointer is a live local the call writes once.
+    let can = query_int("hipDeviceCanAccessPeer", |c| unsafe {
+        sys::rfhip_device_can_access_peer(c, device, peer)
+    })?;
+    Ok(can != 0)
+}
+
+/// Lets the current device reach `peer`'s memory (already allowed: success).
+pub(crate) fn device_enable_peer_access(peer: usize) -> Result<()> {
+    let peer = ordinal_to_c(peer)?;
+    // SAFETY: takes a plain integer; a bad ordinal is reported as a status.
+    check("hipDeviceEnablePeerAccess", unsafe {
+        sys::rfhip_device_enable_peer_access(peer)
+    })
+}
+
 /// Queues setting `bytes` of device memory at `dst` to `byte_value`.
 ///
 /// # Safety

@@ -232,6 +232,34 @@ impl Stream {
         }
     }
 
+    /// Queues a copy from one device's memory to another's (or the same one's), ordered on
+    /// this stream, which may be of either device. Over the devices' link once
+    /// [`Device::enable_peer_access`](crate::Device::enable_peer_access) has been called
+    /// for them, through the host otherwise.
+    pub fn copy_peer_async<T: Pod>(
+        &self,
+        src: DeviceView<'_, T>,
+        mut dst: DeviceViewMut<'_, T>,
+    ) -> Result<()> {
+        same_length("copy_peer_async", src.len(), dst.len())?;
+        let bytes = src.size_bytes();
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both are live device allocations of `bytes` on the devices they name;
+        // the host never touches device memory, and frees wait for queued work.
+        unsafe {
+            result::memcpy_peer_async(
+                dst.as_mut_ptr(),
+                dst.device_ordinal(),
+                src.as_ptr(),
+                src.device_ordinal(),
+                bytes,
+                self.raw,
+            )
+        }
+    }
+
     /// Copies `src` into `dst` through `staging` (page-locked, at least `src.len()` long)
     /// and returns at once: one asynchronous copy, ordered on this stream like its
     /// kernels. From ordinary memory ([`Stream::write_from_host`]) the runtime stages the

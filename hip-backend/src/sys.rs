@@ -104,6 +104,16 @@ mod linked {
             bytes: usize,
             stream: *mut c_void,
         ) -> c_int;
+        pub fn rfhip_memcpy_peer_async(
+            dst: *mut c_void,
+            dst_device: c_int,
+            src: *const c_void,
+            src_device: c_int,
+            bytes: usize,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub fn rfhip_device_can_access_peer(can: *mut c_int, device: c_int, peer: c_int) -> c_int;
+        pub fn rfhip_device_enable_peer_access(peer: c_int) -> c_int;
         pub fn rfhip_memset_async(
             dst: *mut c_void,
             byte_value: c_int,
@@ -228,6 +238,22 @@ mod stub {
         _: usize,
         _: *mut c_void,
     ) -> c_int {
+        NO_GPU
+    }
+    pub unsafe fn rfhip_memcpy_peer_async(
+        _: *mut c_void,
+        _: c_int,
+        _: *const c_void,
+        _: c_int,
+        _: usize,
+        _: *mut c_void,
+    ) -> c_int {
+        NO_GPU
+    }
+    pub unsafe fn rfhip_device_can_access_peer(_: *mut c_int, _: c_int, _: c_int) -> c_int {
+        NO_GPU
+    }
+    pub unsafe fn rfhip_device_enable_peer_access(_: c_int) -> c_int {
         NO_GPU
     }
     pub unsafe fn rfhip_memset_async(_: *mut c_void, _: c_int, _: usize, _: *mut c_void) -> c_int {

@@ -545,3 +545,55 @@ fn the_arena_is_one_allocation_carved_into_aligned_disjoint_buffers() {
     assert_eq!(device.allocation_counters().since(&before).device_frees, 1);
     device.check_err().expect("releases succeeded");
 }
+
+/// Copies between two devices' memory (device 0 and the last: the same device on a
+/// machine of one), with peer access where the devices have it, ordered by an event of
+/// the first device that the second's stream waits for.
+#[test]
+fn peer_copies_cross_devices_in_event_order() {
+    let Some(first) = device_or_skip("peer_copies_cross_devices_in_event_order") else {
+        return;
+    };
+    let count = Device::count().expect("count");
+    let second = Device::open(count - 1).expect("the last device");
+    assert!(first.can_access_peer(&first).expect("peer query"));
+    if first.can_access_peer(&second).expect("peer query") {
+        first.enable_peer_access(&second).expect("peer access");
+        // Twice is no error.
+        first
+            .enable_peer_access(&second)
+            .expect("peer access again");
+        second.enable_peer_access(&first).expect("peer access back");
+    }
+    let len = 4 << 20;
+    let data = random_words(len, 29);
+    let (s1, s2) = (
+        first.new_stream().expect("stream"),
+        second.new_stream().expect("stream"),
+    );
+    let mut pinned = first.alloc_pinned::<u32>(len).expect("pinned");
+    pinned
+        .as_mut_slice()
+        .expect("host access")
+        .copy_from_slice(&data);
+    let mut a = first.alloc::<u32>(len).expect("alloc");
+    let mut b = second.alloc::<u32>(len).expect("alloc");
+    let mut back = first.alloc::<u32>(len).expect("alloc");
+    let handed = first.new_sync_event().expect("event");
+    s1.copy_h2d_async(&mut pinned, 0..len, a.view_mut())
+        .expect("h2d");
+    s1.copy_peer_async(a.view(), b.view_mut())
+        .expect("peer copy");
+    handed.record(&s1).expect("record");
+    // The second device's stream copies it back once the first has handed it over.
+    s2.wait_event(&handed).expect("wait");
+    s2.copy_peer_async(b.view(), back.view_mut())
+        .expect("peer copy back");
+    s2.synchronize().expect("sync");
+    assert_eq!(read_back(&s1, &back), data);
+    let short = second.alloc::<u32>(len - 1).expect("alloc");
+    assert!(matches!(
+        s1.copy_peer_async(short.view(), back.view_mut()),
+        Err(HipError::LengthMismatch { .. })
+    ));
+}
