@@ -15,7 +15,7 @@ use super::forward::{Buffers, PageShape};
 use super::host::HostLayers;
 use super::weights::RopeContext;
 use super::{
-    check_stop, check_tuning, first_use_order, out_of_memory, GpuModel, GpuOptions, PageOptions,
+    check_stop, check_tuning, out_of_memory, use_order, GpuModel, GpuOptions, PageOptions, Part,
     MAX_BATCH, PROMPT_BATCH, RUNTIME_RESERVE,
 };
 use crate::config::{Experts, ModelConfig};
@@ -37,7 +37,8 @@ impl GpuModel {
         options: &GpuOptions,
         prompt_batch: usize,
     ) -> Result<GpuModel, ModelError> {
-        GpuModel::build(model, options, prompt_batch, None)
+        let whole = Part::whole(model.config().n_layers);
+        GpuModel::build(model, options, prompt_batch, None, whole)
     }
 
     /// As [`GpuModel::with_prompt_batch`], with the KV cache also a pool of `pages`'
@@ -79,14 +80,19 @@ impl GpuModel {
             max_sequences: pages.max_sequences,
             table_len: options.context_size.max(1).div_ceil(pages.block_size),
         };
-        GpuModel::build(model, options, prompt_batch, Some(shape))
+        let whole = Part::whole(model.config().n_layers);
+        GpuModel::build(model, options, prompt_batch, Some(shape), whole)
     }
 
-    fn build(
+    /// The model that computes `part` of `model` on `options.device`: the whole model, or
+    /// one stage of a [`LayerSplit`](super::LayerSplit), which takes only its layers'
+    /// weights (and the embeddings or the head where it has them) and its layers' cache.
+    pub(super) fn build(
         model: &Model,
         options: &GpuOptions,
         prompt_batch: usize,
         pages: Option<PageShape>,
+        part: Part,
     ) -> Result<GpuModel, ModelError> {
         if prompt_batch == 0 {
             return Err(ModelError::InvalidPromptBatch {
@@ -101,10 +107,9 @@ impl GpuModel {
         check_stop(options.stop.as_deref())?;
         let gpu = |op| move |source| ModelError::Gpu { op, source };
         let device = Device::open(options.device).map_err(gpu("device"))?;
-        let config = model.config().clone();
-        let plan = model.plan().clone();
+        let (config, plan) = part.narrow(model.config(), model.plan());
         let store: &TensorStore = model.store();
-        let order = first_use_order(model);
+        let order = use_order(&plan, &part);
         let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
 
         // Activations and the KV cache first: their size is known, and failing here
@@ -147,6 +152,23 @@ impl GpuModel {
             stream_keep,
             pool_slots,
         } = residency;
+        let whole = part.is_whole(model.config().n_layers);
+        if !whole && (!hold_all || pool_slots.is_some()) {
+            return Err(ModelError::GpuUnsupported {
+                what: format!(
+                    "layers {}..{} of a layer split, {} MiB of weights, over GPU {}'s budget \
+                     of {} MiB",
+                    part.layers.start,
+                    part.layers.end,
+                    model_bytes >> 20,
+                    options.device,
+                    arena_bytes >> 20
+                ),
+                supported: "a split whose every device holds its layers (more devices, other \
+                            split ratios, or a larger budget)"
+                    .into(),
+            });
+        }
         let mut bufs = bufs;
         let target = HipTarget::new(&device, arena_bytes.max(1)).map_err(|error| match error {
             StoreError::DeviceAlloc { requested, .. } => {
@@ -251,6 +273,7 @@ impl GpuModel {
             pages,
             rope_context: RopeContext::for_cache(model.config(), capacity),
             stop: options.stop.clone(),
+            part,
             device,
         };
         // The position and the attention's counters start at zero.

@@ -160,11 +160,14 @@ fn output_logits(
         Rows::OfX(first) => view_at(&bufs.x, first * d..(first + rows) * d)?,
         Rows::InProj => view(&bufs.proj, rows * d)?,
     };
-    let out = &globals.output;
+    let Some(head) = &globals.head else {
+        unreachable!("logits are computed by the part of the model that has the head")
+    };
+    let out = &head.output;
     let (want_f32, want_q8) = needs(&[out], rows, &bufs.batch_in);
     kernels::rms_norm(
         input,
-        globals.output_norm.weight(),
+        head.output_norm.weight(),
         rows,
         d,
         config.rms_norm_eps,
@@ -266,11 +269,11 @@ pub(super) fn tail(
     if last_only {
         argmax_rows(config, bufs, 1, stream)?;
     }
-    kernels::advance(view_mut::<i32>(&mut bufs.pos, 1)?, n, stream)?;
-    Ok(())
+    advance(bufs, n, stream)
 }
 
-/// The whole forward pass of `n` tokens with every weight held.
+/// The whole forward pass of `n` tokens with every weight held (of a stage of a layer
+/// split without the head: its layers, and the position advanced).
 pub(super) fn step(
     config: &ModelConfig,
     layers: &[LayerWeights],
@@ -291,12 +294,23 @@ pub(super) fn step(
         stream,
         None,
     )?;
+    if globals.head.is_none() {
+        return advance(bufs, n, stream);
+    }
     finish(config, globals, bufs, n, last_only, stream)?;
     tail(config, bufs, n, last_only, stream)
 }
 
-/// The embeddings and every transformer block of `n` tokens laid out as `layout`, with
-/// every weight held; stopping before a layer once `stop` is set.
+/// The position advanced past `n` tokens.
+pub(super) fn advance(bufs: &mut Buffers, n: usize, stream: &Stream) -> Result<(), ModelError> {
+    kernels::advance(view_mut::<i32>(&mut bufs.pos, 1)?, n, stream)?;
+    Ok(())
+}
+
+/// The embeddings (where this part of the model makes them: a later stage of a layer
+/// split finds its residual stream copied in) and every transformer block of `n` tokens
+/// laid out as `layout`, with every weight held; stopping before a layer once `stop` is
+/// set.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn body(
     config: &ModelConfig,
@@ -308,7 +322,9 @@ pub(super) fn body(
     stream: &Stream,
     stop: Option<&AtomicBool>,
 ) -> Result<(), ModelError> {
-    embed(config, globals, bufs, n, stream)?;
+    if globals.token_embd.is_some() {
+        embed(config, globals, bufs, n, stream)?;
+    }
     for (layer_idx, w) in layers.iter().enumerate() {
         super::check_stop(stop)?;
         layer(config, layer_idx, w, bufs, n, layout, stream)?;

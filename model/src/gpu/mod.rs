@@ -39,6 +39,7 @@ mod kernels;
 mod pass;
 mod prompt;
 mod sequence;
+mod split;
 mod weights;
 
 use std::collections::HashMap;
@@ -52,6 +53,7 @@ use tensor_store::TensorHandle;
 
 pub use fits::{check_cache_fits, check_experts_fit};
 pub use kernels::{KernelError, ShapeError};
+pub use split::{split_layers, LayerSplit, SplitOptions};
 
 use crate::config::ModelConfig;
 use crate::plan::ExecutionPlan;
@@ -195,17 +197,72 @@ pub enum Want {
 /// needs them first: they come first, with the final norm.
 pub fn first_use_order(model: &Model) -> UploadOrder {
     let plan = model.plan();
+    use_order(plan, &Part::whole(plan.layers.len()))
+}
+
+/// [`first_use_order`] of the tensors `part` of `plan` uses (`plan` already narrowed to
+/// its layers): the embeddings only where it makes them, the final norm and the output
+/// matrix only where it ends with the logits.
+fn use_order(plan: &ExecutionPlan, part: &Part) -> UploadOrder {
     let embd = &plan.token_embd.weight;
-    let head = [&plan.output_norm.handle, &plan.output.weight];
-    let is_head = |h: &TensorHandle| head.iter().any(|g| g.index() == h.index());
+    let tied = embd.index() == plan.output.weight.index();
+    let head = [&plan.output_norm.handle, &plan.output.weight]
+        .into_iter()
+        .filter(|_| part.head);
+    let is_head = |h: &TensorHandle| {
+        h.index() == plan.output_norm.handle.index() || h.index() == plan.output.weight.index()
+    };
     let layers = plan
         .handles()
         .into_iter()
         .filter(|h| h.index() != embd.index() && !is_head(h));
-    if embd.index() == plan.output.weight.index() {
-        UploadOrder::by_layer(head.into_iter().chain(layers))
+    if tied {
+        // The table is the output matrix too: wherever either is used, it comes first.
+        let table = (part.embed && !part.head).then_some(embd);
+        UploadOrder::by_layer(head.chain(table).chain(layers))
     } else {
-        UploadOrder::by_layer(layers.chain(head).chain([embd]))
+        let table = part.embed.then_some(embd);
+        UploadOrder::by_layer(layers.chain(head).chain(table))
+    }
+}
+
+/// Which part of a model a [`GpuModel`] computes: all of it, or one stage of a
+/// [`LayerSplit`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Part {
+    /// The model's layers it runs.
+    pub layers: std::ops::Range<usize>,
+    /// Whether it makes the tokens' embeddings; otherwise the stage before it copies its
+    /// residual stream in.
+    pub embed: bool,
+    /// Whether it ends with the final norm and the logits; otherwise its residual stream
+    /// goes on to the next stage.
+    pub head: bool,
+}
+
+impl Part {
+    pub fn whole(n_layers: usize) -> Part {
+        Part {
+            layers: 0..n_layers,
+            embed: true,
+            head: true,
+        }
+    }
+
+    fn is_whole(&self, n_layers: usize) -> bool {
+        *self == Part::whole(n_layers)
+    }
+
+    /// The configuration and plan of this part's layers alone: layer `i` of theirs is
+    /// the model's layer `layers.start + i` (every per-layer setting is in
+    /// `config.layers` and the plan's layers, so narrowing both keeps each layer's own).
+    fn narrow(&self, config: &ModelConfig, plan: &ExecutionPlan) -> (ModelConfig, ExecutionPlan) {
+        let mut config = config.clone();
+        let mut plan = plan.clone();
+        config.layers = config.layers[self.layers.clone()].to_vec();
+        config.n_layers = self.layers.len();
+        plan.layers = plan.layers[self.layers.clone()].to_vec();
+        (config, plan)
     }
 }
 
@@ -269,6 +326,9 @@ pub struct GpuModel {
     rope_context: RopeContext,
     /// [`GpuOptions::stop`].
     stop: Option<Arc<AtomicBool>>,
+    /// The layers this model computes (the whole model's, unless it is a stage of a
+    /// [`LayerSplit`]), and whether it embeds and ends with the logits.
+    part: Part,
     device: Device,
 }
 

@@ -22,6 +22,7 @@ impl GpuModel {
             self.held = Some(Held::fetch(
                 &self.cache,
                 &self.plan,
+                &self.part,
                 self.rope_context,
                 pooled,
             )?);
@@ -72,10 +73,16 @@ impl GpuModel {
         layout: Layout<'_>,
         end: End,
     ) -> Result<(), ModelError> {
+        // A stage of a layer split without the head hands its residual stream on.
+        let end = if self.part.head { end } else { End::Hidden };
         let finish = |config: &ModelConfig,
                       globals: &weights::Globals,
                       bufs: &mut Buffers,
                       stream: &Stream| match end {
+            End::Hidden => match layout {
+                Layout::Contiguous => forward::advance(bufs, n, stream),
+                Layout::Paged(_) => Ok(()),
+            },
             End::Last { last_only } => {
                 forward::finish(config, globals, bufs, n, last_only, stream)?;
                 forward::tail(config, bufs, n, last_only, stream)
@@ -144,8 +151,9 @@ impl GpuModel {
         let globals = if self.head_after_layers(on_host_embed) {
             None
         } else {
-            let globals = weights::Globals::fetch(&self.cache, &self.plan, !on_host_embed)?;
-            if !on_host_embed {
+            let globals =
+                weights::Globals::fetch(&self.cache, &self.plan, &self.part, !on_host_embed)?;
+            if globals.token_embd.is_some() {
                 forward::embed(&self.config, &globals, &mut self.bufs, n, &self.stream)?;
             }
             Some(globals)
@@ -216,6 +224,9 @@ impl GpuModel {
     /// output matrix too, which every pass waits for.
     pub(super) fn embeds_on_host(&self, single: bool) -> bool {
         let embd = &self.plan.token_embd.weight;
+        if !self.part.embed {
+            return false;
+        }
         self.embed_on_host
             || (single
                 && self.hold_all
@@ -240,7 +251,7 @@ impl GpuModel {
     ) -> Result<weights::Globals, ModelError> {
         match early {
             Some(globals) => Ok(globals),
-            None => weights::Globals::fetch(&self.cache, &self.plan, false),
+            None => weights::Globals::fetch(&self.cache, &self.plan, &self.part, false),
         }
     }
 
@@ -256,7 +267,7 @@ impl GpuModel {
         head_after_layers: bool,
         last_only: bool,
     ) -> Result<(), ModelError> {
-        if head_after_layers && last_only && layer_idx == 0 {
+        if self.part.head && head_after_layers && last_only && layer_idx == 0 {
             forward::load_last_token_head(&self.plan, &self.stream)?;
             tracing::trace!("the output product's code loaded");
         }
@@ -275,6 +286,12 @@ impl GpuModel {
 /// of all its tokens, or the logit rows of a paged batch.
 #[derive(Clone, Copy)]
 pub(super) enum End {
-    Last { last_only: bool },
-    Rows { argmax: bool },
+    Last {
+        last_only: bool,
+    },
+    Rows {
+        argmax: bool,
+    },
+    /// A stage of a layer split that hands its residual stream to the next: no logits.
+    Hidden,
 }

@@ -122,7 +122,12 @@ impl GpuModel {
         let on_device = if on_host_embed {
             None
         } else {
-            Some(weights::Globals::fetch(&self.cache, &self.plan, true)?)
+            Some(weights::Globals::fetch(
+                &self.cache,
+                &self.plan,
+                &self.part,
+                true,
+            )?)
         };
         for (c, chunk) in chunks.iter().enumerate() {
             self.write_tokens(chunk)?;
@@ -144,7 +149,12 @@ impl GpuModel {
         let globals = match on_device {
             Some(globals) => Some(globals),
             None if self.head_after_layers(on_host_embed) => None,
-            None => Some(weights::Globals::fetch(&self.cache, &self.plan, false)?),
+            None => Some(weights::Globals::fetch(
+                &self.cache,
+                &self.plan,
+                &self.part,
+                false,
+            )?),
         };
         tracing::trace!(
             chunks = chunks.len(),

@@ -10,8 +10,8 @@ use tensor_store::TensorHandle;
 
 use dequant::gpu::experts::GpuExperts;
 
-use super::gpu;
 use super::kernels::{self, norm_type_code, NormWeight};
+use super::{gpu, Part};
 use crate::config::{ExpertActivation, Gating, ModelConfig};
 use crate::plan::{ExecutionPlan, ExpertMatrices, FfnPlan, LayerPlan, Linear, Vector};
 use crate::{Model, ModelError};
@@ -383,25 +383,38 @@ impl LayerWeights {
 
 /// The weights outside the blocks.
 pub(super) struct Globals {
-    /// `None` when the embeddings are gathered on the host (a model over its budget).
+    /// `None` when the embeddings are gathered on the host (a model over its budget), or
+    /// made by another stage of a layer split.
     pub token_embd: Option<Matrix>,
+    /// `None` for a stage of a layer split that hands its residual stream on.
+    pub head: Option<Head>,
+}
+
+/// The final norm and the output matrix.
+pub(super) struct Head {
     pub output_norm: Norm,
     pub output: Matrix,
 }
 
 impl Globals {
-    /// The shared tensors; the embeddings only when `embed_on_device`.
+    /// The shared tensors `part` uses; the embeddings only when `embed_on_device`.
     pub fn fetch(
         cache: &DeviceCache<HipTarget>,
         plan: &ExecutionPlan,
+        part: &Part,
         embed_on_device: bool,
     ) -> Result<Globals, ModelError> {
+        let head = || -> Result<Head, ModelError> {
+            Ok(Head {
+                output_norm: Norm::fetch(cache, &plan.output_norm)?,
+                output: Matrix::fetch(cache, &plan.output)?,
+            })
+        };
         Ok(Globals {
-            token_embd: embed_on_device
+            token_embd: (embed_on_device && part.embed)
                 .then(|| Matrix::fetch(cache, &plan.token_embd))
                 .transpose()?,
-            output_norm: Norm::fetch(cache, &plan.output_norm)?,
-            output: Matrix::fetch(cache, &plan.output)?,
+            head: part.head.then(head).transpose()?,
         })
     }
 }
@@ -416,10 +429,11 @@ impl Held {
     pub fn fetch(
         cache: &DeviceCache<HipTarget>,
         plan: &ExecutionPlan,
+        part: &Part,
         context: RopeContext,
         pooled: bool,
     ) -> Result<Held, ModelError> {
-        let globals = Globals::fetch(cache, plan, true)?;
+        let globals = Globals::fetch(cache, plan, part, true)?;
         let layers = plan
             .layers
             .iter()

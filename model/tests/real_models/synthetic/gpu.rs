@@ -18,6 +18,9 @@ mod kv_types;
 /// A mixture of experts over its budget, its experts resident by use.
 #[path = "gpu/pooled.rs"]
 mod pooled;
+/// A model split by layers over several GPUs (or several stages of one), against one.
+#[path = "gpu/split.rs"]
+mod split;
 
 use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
 use model::tokenizer::{EncodeOptions, Tokenizer};

@@ -1,0 +1,511 @@
+//! A model split by layers over several GPUs: each device holds a contiguous run of
+//! layers (the first also the embeddings, the last the final norm and the output
+//! matrix), uploads only those from the one mapped file, all devices at once, and keeps
+//! its layers' KV cache. A chunk's residual stream crosses from one device to the next
+//! with a peer copy (over the devices' link where they have one, through the host
+//! otherwise).
+//!
+//! Every stage is a [`GpuModel`] of its part of the model: the same kernels on the same
+//! weights, so the logits are the one-device model's, bit for bit. The stages are
+//! ordered by events, not by the host: while the second device runs a prompt's chunk,
+//! the first already runs the next one.
+
+use std::ops::Range;
+
+use hip_backend::{Device, Event};
+
+use super::{gpu, GpuModel, GpuOptions, Part, Want, MAX_BATCH};
+use crate::{Model, ModelError};
+
+/// How a model is split by layers over several GPUs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SplitOptions {
+    /// The GPUs' ordinals in the order of the layers: the first makes the embeddings,
+    /// the last the logits. An ordinal may repeat (two stages on one device run the
+    /// same code, for tests).
+    pub devices: Vec<usize>,
+    /// Each device's share of the weights (its layers, and the output matrix on the
+    /// last), in the order of `devices`; `None`: equal shares.
+    pub ratios: Option<Vec<f64>>,
+}
+
+/// The layers each of `n_parts` devices holds, contiguous and in order, so that each
+/// device's share of the weights read a token (its layers' bytes, and on the last the
+/// output matrix's) is as near its share of `ratios` as whole layers allow; every device
+/// holds at least one layer.
+pub fn split_layers(
+    model: &Model,
+    n_parts: usize,
+    ratios: Option<&[f64]>,
+) -> Result<Vec<Range<usize>>, ModelError> {
+    let plan = model.plan();
+    let mut layer_bytes = vec![0u64; plan.layers.len()];
+    for handle in plan.handles() {
+        let layer = handle
+            .name()
+            .strip_prefix("blk.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|n| n.parse::<usize>().ok());
+        if let Some(bytes) = layer.and_then(|l| layer_bytes.get_mut(l)) {
+            *bytes += handle.size();
+        }
+    }
+    let head_bytes = plan.output.weight.size();
+    split_by_bytes(&layer_bytes, head_bytes, n_parts, ratios)
+}
+
+fn split_by_bytes(
+    layer_bytes: &[u64],
+    head_bytes: u64,
+    n_parts: usize,
+    ratios: Option<&[f64]>,
+) -> Result<Vec<Range<usize>>, ModelError> {
+    let bad = |ratios: &[f64], reason| ModelError::InvalidGpuOption {
+        name: "tensor_split",
+        value: format!("{ratios:?} for {n_parts} devices"),
+        reason,
+    };
+    let n_layers = layer_bytes.len();
+    if n_parts == 0 || n_parts > n_layers {
+        return Err(ModelError::InvalidGpuOption {
+            name: "devices",
+            value: n_parts.to_string(),
+            reason: "a layer split needs between one device and one device a layer",
+        });
+    }
+    let equal = vec![1.0; n_parts];
+    let ratios = ratios.unwrap_or(&equal);
+    if ratios.len() != n_parts {
+        return Err(bad(ratios, "one ratio a device"));
+    }
+    if ratios.iter().any(|r| !r.is_finite() || *r <= 0.0) {
+        return Err(bad(ratios, "every ratio must be a positive number"));
+    }
+    let total_ratio: f64 = ratios.iter().sum();
+    let total = (layer_bytes.iter().sum::<u64>() + head_bytes) as f64;
+    // Part k ends at the layer boundary nearest to where its share of the bytes ends,
+    // leaving at least one layer to it and to each part after it.
+    let mut ends = Vec::with_capacity(n_parts);
+    let mut start = 0;
+    let mut share = 0.0;
+    for (k, ratio) in ratios.iter().enumerate() {
+        let parts_after = n_parts - 1 - k;
+        if parts_after == 0 {
+            ends.push(n_layers);
+            break;
+        }
+        share += ratio / total_ratio;
+        let target = share * total;
+        let mut end = start + 1;
+        let mut bytes: f64 = layer_bytes[..end].iter().sum::<u64>() as f64;
+        while end < n_layers - parts_after {
+            let next = bytes + layer_bytes[end] as f64;
+            if (next - target).abs() > (bytes - target).abs() {
+                break;
+            }
+            bytes = next;
+            end += 1;
+        }
+        ends.push(end);
+        start = end;
+    }
+    let mut start = 0;
+    Ok(ends
+        .into_iter()
+        .map(|end| {
+            let range = start..end;
+            start = end;
+            range
+        })
+        .collect())
+}
+
+/// A model split by layers over several GPUs ([`SplitOptions`]), with one sequence's KV
+/// cache spread with its layers: the one-device [`GpuModel`]'s calls for one sequence,
+/// and its logits, bit for bit.
+pub struct LayerSplit {
+    stages: Vec<GpuModel>,
+    /// Per stage but the last: recorded once its residual stream is on the next stage.
+    handed: Vec<Event>,
+    /// Per stage: recorded once it has done with its residual stream (its layers have
+    /// run and it has handed the stream on), which the stage before waits for before it
+    /// copies the next chunk's stream in.
+    freed: Vec<Event>,
+    n_embd: usize,
+    n_vocab: usize,
+}
+
+impl LayerSplit {
+    /// Splits `model` over `split.devices` as [`split_layers`] says, each stage set up as
+    /// `options` says (its `device` is replaced by the stage's), with prompts in chunks
+    /// of `prompt_batch` tokens. Every device uploads its weights at once, from the one
+    /// mapped file; in [`UploadMode::Eager`](tensor_store::device::UploadMode::Eager)
+    /// this returns once all have.
+    pub fn new(
+        model: &Model,
+        options: &GpuOptions,
+        split: &SplitOptions,
+        prompt_batch: usize,
+    ) -> Result<LayerSplit, ModelError> {
+        let ranges = split_layers(model, split.devices.len(), split.ratios.as_deref())?;
+        let devices = split
+            .devices
+            .iter()
+            .map(|&d| Device::open(d).map_err(gpu("device")))
+            .collect::<Result<Vec<_>, _>>()?;
+        // Peer access where the devices have it; copies go through the host otherwise.
+        for pair in devices.windows(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            if a.can_access_peer(b).map_err(gpu("peer access"))? {
+                a.enable_peer_access(b).map_err(gpu("peer access"))?;
+                b.enable_peer_access(a).map_err(gpu("peer access"))?;
+            } else {
+                tracing::info!(
+                    from = a.ordinal(),
+                    to = b.ordinal(),
+                    "no peer access between the devices: their copies go through the host"
+                );
+            }
+        }
+        // Every stage's upload runs in the background while the next stage is built;
+        // an eager caller then waits for them all.
+        let eager = options.mode == tensor_store::device::UploadMode::Eager;
+        let last = ranges.len() - 1;
+        let mut stages = Vec::with_capacity(ranges.len());
+        for (k, layers) in ranges.into_iter().enumerate() {
+            let part = Part {
+                layers,
+                embed: k == 0,
+                head: k == last,
+            };
+            let stage_options = GpuOptions {
+                device: split.devices[k],
+                mode: if eager {
+                    tensor_store::device::UploadMode::Background
+                } else {
+                    options.mode
+                },
+                ..options.clone()
+            };
+            tracing::info!(
+                device = split.devices[k],
+                layers = ?part.layers,
+                "a stage of the layer split"
+            );
+            stages.push(GpuModel::build(
+                model,
+                &stage_options,
+                prompt_batch,
+                None,
+                part,
+            )?);
+        }
+        let events = |stages: &[GpuModel]| {
+            stages
+                .iter()
+                .map(|s| s.device.new_sync_event().map_err(gpu("event")))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let handed = events(&stages[..last])?;
+        let freed = events(&stages)?;
+        let config = model.config();
+        let split = LayerSplit {
+            stages,
+            handed,
+            freed,
+            n_embd: config.n_embd,
+            n_vocab: config.n_vocab,
+        };
+        if eager {
+            split.wait_loaded()?;
+        }
+        Ok(split)
+    }
+
+    /// The model's configuration (every stage's but its layers).
+    pub fn n_vocab(&self) -> usize {
+        self.n_vocab
+    }
+
+    /// Each stage's device and layers, in order.
+    pub fn stages(&self) -> Vec<(usize, Range<usize>)> {
+        self.stages
+            .iter()
+            .map(|s| (s.device.ordinal(), s.part.layers.clone()))
+            .collect()
+    }
+
+    /// The stages' models, in order (their caches' progress and statistics).
+    pub fn parts(&self) -> &[GpuModel] {
+        &self.stages
+    }
+
+    /// When every device had all of its weights once (not yet: `None`).
+    pub fn uploaded_at(&self) -> Option<std::time::Instant> {
+        let all: Option<Vec<_>> = self.stages.iter().map(GpuModel::uploaded_at).collect();
+        all?.into_iter().max()
+    }
+
+    /// When the last stage's first pass had in hand the last of the weights it waits for
+    /// (the stages before it waited for theirs earlier).
+    pub fn first_pass_weights_at(&self) -> Option<std::time::Instant> {
+        self.last().first_pass_weights_at()
+    }
+
+    /// Waits until every device has all of its weights.
+    pub fn wait_loaded(&self) -> Result<(), ModelError> {
+        self.stages.iter().try_for_each(GpuModel::wait_loaded)
+    }
+
+    /// Positions in the KV cache.
+    pub fn len(&self) -> usize {
+        self.stages[0].len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Most positions the KV cache holds.
+    pub fn capacity(&self) -> usize {
+        self.stages[0].capacity
+    }
+
+    /// Forgets every position.
+    pub fn clear(&mut self) -> Result<(), ModelError> {
+        self.set_position(0)
+    }
+
+    fn set_position(&mut self, len: usize) -> Result<(), ModelError> {
+        for stage in &mut self.stages {
+            stage.device.make_current().map_err(gpu("device"))?;
+            stage.set_position(len)?;
+        }
+        Ok(())
+    }
+
+    /// Appends `tokens` to the KV cache and returns the logits of the last one.
+    pub fn forward_logits(&mut self, tokens: &[u32]) -> Result<&[f32], ModelError> {
+        self.eval(tokens, Want::Logits)?;
+        self.last().logits(1)
+    }
+
+    /// Appends `tokens` and returns the greedy choice after the last one, taken on the
+    /// last device.
+    pub fn forward_argmax(&mut self, tokens: &[u32]) -> Result<u32, ModelError> {
+        self.eval(tokens, Want::Argmax)?;
+        Ok(self.last().greedy_tokens(1)?[0])
+    }
+
+    /// Appends `tokens` and returns the logits of every one of them, `n_vocab` each.
+    pub fn forward_all_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        let mut out = Vec::with_capacity(tokens.len() * self.n_vocab);
+        for chunk in tokens.chunks(MAX_BATCH) {
+            self.eval(chunk, Want::AllLogits)?;
+            out.extend_from_slice(self.last().logits(chunk.len())?);
+        }
+        Ok(out)
+    }
+
+    fn last(&self) -> &GpuModel {
+        self.stages.last().expect("a split has a stage")
+    }
+
+    /// Runs `tokens` through every stage, in chunks of the prompt batch, and leaves what
+    /// `want` asks for in the last stage's pinned buffers; on failure the cache is left
+    /// as it was.
+    fn eval(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
+        if tokens.is_empty() {
+            return Err(ModelError::EmptyInput);
+        }
+        let needed = self.len() + tokens.len();
+        if needed > self.capacity() {
+            return Err(ModelError::ContextFull {
+                needed,
+                capacity: self.capacity(),
+            });
+        }
+        if want == Want::AllLogits && tokens.len() > MAX_BATCH {
+            return Err(ModelError::EmptyInput);
+        }
+        self.stages[0].check_tokens(tokens)?;
+        let start = self.len();
+        let result = self.run_chunks(tokens, want);
+        if result.is_err() {
+            for stage in &self.stages {
+                stage.sync().ok();
+            }
+            self.set_position(start)?;
+        }
+        result
+    }
+
+    fn run_chunks(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
+        let chunk_len = if want == Want::AllLogits {
+            tokens.len()
+        } else {
+            self.stages[0].prompt_batch
+        };
+        let chunks: Vec<&[u32]> = tokens.chunks(chunk_len).collect();
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let output = if i == last { want } else { Want::Logits };
+            self.run_chunk(chunk, output, i == last)?;
+        }
+        let n = tokens.len() - last * chunk_len;
+        let head = self.stages.last_mut().expect("a split has a stage");
+        head.copy_back(n, want)
+    }
+
+    /// One chunk through every stage, each stage's work queued after the stream it
+    /// takes is on its device, and before the next chunk overwrites it.
+    fn run_chunk(&mut self, chunk: &[u32], want: Want, last: bool) -> Result<(), ModelError> {
+        let n = chunk.len();
+        let rows = n * self.n_embd;
+        let LayerSplit {
+            stages,
+            handed,
+            freed,
+            ..
+        } = self;
+        for k in 0..stages.len() {
+            let (done, rest) = stages.split_at_mut(k + 1);
+            let stage = &mut done[k];
+            super::check_stop(stage.stop.as_deref())?;
+            stage.device.make_current().map_err(gpu("device"))?;
+            if k == 0 {
+                stage.write_tokens(chunk)?;
+            } else {
+                stage
+                    .stream
+                    .wait_event(&handed[k - 1])
+                    .map_err(gpu("waiting for the residual stream"))?;
+            }
+            stage.run_stage(n, want, last)?;
+            if let Some(next) = rest.first_mut() {
+                // The next stage's stream is free once it has done with the chunk before.
+                stage
+                    .stream
+                    .wait_event(&freed[k + 1])
+                    .map_err(gpu("waiting for the next stage"))?;
+                stage
+                    .stream
+                    .copy_peer_async(stage.bufs.x_view(rows)?, next.bufs.x_mut(rows)?)
+                    .map_err(gpu("handing the residual stream on"))?;
+                handed[k]
+                    .record(&stage.stream)
+                    .map_err(gpu("handing the residual stream on"))?;
+            }
+            freed[k]
+                .record(&stage.stream)
+                .map_err(gpu("handing the residual stream on"))?;
+        }
+        Ok(())
+    }
+}
+
+impl GpuModel {
+    /// One chunk of `n` tokens through this stage's layers: its tokens staged already
+    /// (the first stage) or its residual stream in `x` (the others). The last chunk of a
+    /// call that wants one token's result replays the captured decode step.
+    fn run_stage(&mut self, n: usize, want: Want, last: bool) -> Result<(), ModelError> {
+        if n == 1 && last && self.ensure_held()? {
+            self.replay_step()?;
+        } else {
+            self.run_direct(n, want)?;
+        }
+        self.len += n;
+        Ok(())
+    }
+}
+
+impl crate::generate::Session for LayerSplit {
+    fn eval(
+        &mut self,
+        tokens: &[u32],
+        greedy: bool,
+    ) -> Result<crate::generate::Next<'_>, ModelError> {
+        if greedy {
+            return self
+                .forward_argmax(tokens)
+                .map(crate::generate::Next::Token);
+        }
+        self.forward_logits(tokens)
+            .map(crate::generate::Next::Logits)
+    }
+
+    /// Computes the kept tokens again, as one device's model does.
+    fn shift(&mut self, _keep: usize, _discard: usize, kept: &[u32]) -> Result<(), ModelError> {
+        self.clear()?;
+        if !kept.is_empty() {
+            self.forward_logits(kept)?;
+        }
+        Ok(())
+    }
+}
+
+impl crate::perplexity::WindowLogits for LayerSplit {
+    fn n_vocab(&self) -> usize {
+        self.n_vocab
+    }
+
+    fn start_window(&mut self) -> Result<(), ModelError> {
+        self.clear()
+    }
+
+    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.forward_all_logits(tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_split_by_their_bytes_and_the_ratios() {
+        let even = [10u64; 8];
+        let split = |bytes: &[u64], head, n, ratios: Option<&[f64]>| {
+            split_by_bytes(bytes, head, n, ratios).unwrap()
+        };
+        assert_eq!(split(&even, 0, 1, None), vec![0..8]);
+        assert_eq!(split(&even, 0, 2, None), vec![0..4, 4..8]);
+        assert_eq!(split(&even, 0, 4, None), vec![0..2, 2..4, 4..6, 6..8]);
+        // The output matrix counts on the last device: it takes fewer layers.
+        assert_eq!(split(&even, 20, 2, None), vec![0..5, 5..8]);
+        assert_eq!(split(&even, 0, 2, Some(&[3.0, 1.0])), vec![0..6, 6..8]);
+        // Every device keeps a layer, however small its share.
+        assert_eq!(
+            split(&even, 0, 3, Some(&[100.0, 1.0, 1.0])),
+            vec![0..6, 6..7, 7..8]
+        );
+        assert_eq!(
+            split(&even, 0, 3, Some(&[1.0, 1.0, 100.0])),
+            vec![0..1, 1..2, 2..8]
+        );
+        assert_eq!(split(&even, 0, 8, None).len(), 8);
+        // Uneven layers: the boundary nearest the share.
+        assert_eq!(split(&[1, 1, 1, 9], 0, 2, None), vec![0..3, 3..4]);
+    }
+
+    #[test]
+    fn a_split_it_cannot_make_is_refused() {
+        let even = [10u64; 4];
+        for (n, ratios) in [
+            (0, None),
+            (5, None),
+            (2, Some(&[1.0][..])),
+            (2, Some(&[1.0, 0.0][..])),
+            (2, Some(&[1.0, f64::NAN][..])),
+            (2, Some(&[-1.0, 2.0][..])),
+        ] {
+            assert!(
+                matches!(
+                    split_by_bytes(&even, 0, n, ratios),
+                    Err(ModelError::InvalidGpuOption { .. })
+                ),
+                "{n} {ratios:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,133 @@
+use super::*;
+use model::gpu::{LayerSplit, SplitOptions};
+
+/// The stages a split takes on this machine: `stages` of them, over every GPU in turn
+/// (several stages on one device where there are fewer devices: the same code, with
+/// copies within a device instead of between two).
+fn devices(stages: usize) -> Vec<usize> {
+    let count = hip_backend::Device::count().unwrap_or(1).max(1);
+    (0..stages).map(|k| k % count).collect()
+}
+
+/// A model split by layers gives the one-device model's results bit for bit: a prompt
+/// in several chunks (the stages then run different chunks at once), decode steps
+/// through the captured graphs, every token's logits, the greedy token, and the cache
+/// cleared and filled again. `ratios` moves the layer boundaries.
+fn split_matches_one_device(name: &str, test: &str, stages: usize, ratios: Option<Vec<f64>>) {
+    let (_dir, _store, model) = open_spec(name);
+    let (context, batch) = (96, 16);
+    let options = GpuOptions::new(UploadMode::Background, context);
+    let Some(mut one) = gpu_model_of(test, &model, &options, batch) else {
+        return;
+    };
+    let split = SplitOptions {
+        devices: devices(stages),
+        ratios,
+    };
+    let mut many =
+        LayerSplit::new(&model, &options, &split, batch).unwrap_or_else(|e| panic!("{test}: {e}"));
+    let layout = many.stages();
+    eprintln!("{test}: stages {layout:?}");
+    assert_eq!(layout.len(), stages, "{test}");
+    assert_eq!(
+        layout.last().map(|s| s.1.end),
+        Some(model.config().n_layers)
+    );
+    let n_vocab = model.config().n_vocab as u32;
+    let prompt: Vec<u32> = (0..53u32).map(|i| (i * 7 + 3) % n_vocab).collect();
+    for round in 0..2 {
+        let a = one.forward(&prompt).expect("one device");
+        let b = many.forward_logits(&prompt).expect("split").to_vec();
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "{test}: round {round}: the prompt's logits"
+        );
+        let mut token = argmax(&a) as u32;
+        for step in 0..12 {
+            let (a, b) = if step % 3 == 2 {
+                let a = one.forward_argmax(&[token]).expect("one device");
+                (a, many.forward_argmax(&[token]).expect("split"))
+            } else {
+                let a = one.forward(&[token]).expect("one device");
+                let b = many.forward_logits(&[token]).expect("split").to_vec();
+                assert_eq!(bits(&a), bits(&b), "{test}: round {round}: step {step}");
+                (argmax(&a) as u32, argmax(&b) as u32)
+            };
+            assert_eq!(a, b, "{test}: round {round}: step {step}'s token");
+            token = a;
+        }
+        let tail = [token, 5 % n_vocab, 11 % n_vocab, 2];
+        let a = one.forward_all_logits(&tail).expect("one device");
+        let b = many.forward_all_logits(&tail).expect("split");
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "{test}: round {round}: every token's logits"
+        );
+        assert_eq!(many.len(), one.len());
+        one.clear().expect("clear");
+        many.clear().expect("clear");
+    }
+    // A call past the context fails and leaves the cache as it was.
+    many.forward_logits(&prompt).expect("split");
+    let long = vec![1u32; context];
+    assert!(matches!(
+        many.forward_logits(&long),
+        Err(model::ModelError::ContextFull { .. })
+    ));
+    assert_eq!(many.len(), prompt.len());
+}
+
+fn bits(row: &[f32]) -> Vec<u32> {
+    row.iter().map(|v| v.to_bits()).collect()
+}
+
+macro_rules! gpu_split {
+    ($($test:ident => $name:literal over $stages:literal $(at $ratios:expr)?),* $(,)?) => {$(
+        #[test]
+        fn $test() {
+            #[allow(unused_mut, unused_assignments)]
+            let mut ratios: Option<Vec<f64>> = None;
+            $(ratios = Some($ratios.to_vec());)?
+            split_matches_one_device($name, stringify!($test), $stages, ratios);
+        }
+    )*};
+}
+
+gpu_split! {
+    gpu_split_llama_q4_k => "llama-q4_k" over 2,
+    gpu_split_llama_mha_tied => "llama-mha-tied" over 2,
+    gpu_split_qwen2_tied => "qwen2-tied" over 2,
+    gpu_split_gemma3 => "gemma3" over 3 at [1.0, 2.0, 3.0],
+    gpu_split_phi3_long => "phi3-long" over 2,
+    gpu_split_qwen3moe => "qwen3moe-random" over 2,
+    gpu_split_gpt_oss => "gpt-oss" over 2 at [3.0, 1.0],
+}
+
+/// A split that a device cannot hold is refused, naming the layers and the budget.
+#[test]
+fn gpu_split_over_a_budget_is_refused() {
+    let (_dir, _store, model) = open_spec("llama-q4_k");
+    let options = GpuOptions {
+        budget: Some(4096),
+        ..GpuOptions::new(UploadMode::Background, 32)
+    };
+    let split = SplitOptions {
+        devices: devices(2),
+        ratios: None,
+    };
+    match LayerSplit::new(&model, &options, &split, 16) {
+        Err(model::ModelError::Gpu { source, .. }) if source.is_unavailable() => {
+            skip("gpu_split_over_a_budget_is_refused", &source.to_string())
+        }
+        Err(model::ModelError::GpuUnsupported { what, .. }) => {
+            assert!(
+                what.contains("layers 0..") && what.contains("budget"),
+                "{what}"
+            )
+        }
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("a split over its budget was accepted"),
+    }
+}
