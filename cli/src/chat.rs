@@ -19,10 +19,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 
+use crate::on_gpu::OnGpu;
 use anyhow::{bail, Context, Result};
 use model::chat::{ChatMessage, ChatTemplate};
 use model::generate::{generate_with, GenerateOptions, Generation, Next, Session, StopReason};
-use model::gpu::GpuModel;
 use model::tokenizer::{TokenId, Tokenizer};
 use model::{AttentionMethod, KvCache, Model, ModelError};
 
@@ -81,7 +81,8 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
     let tuning = args.tuning.apply();
     options::worker_threads(args.model.threads)?;
     let interrupt = ChatInterrupt::install(interactive)?;
-    let gpu_start = GpuStart::begin(args.gpu.device, 0);
+    let placement = args.gpu.placement.placement()?;
+    let gpu_start = GpuStart::begin(args.gpu.device, args.gpu.placement.first_device());
 
     let (path, store) = args.model.open(args.progress)?;
     let tokenizer = Tokenizer::from_metadata(store.metadata())
@@ -94,6 +95,7 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
         args.gpu.device,
         args.gpu.gpu_budget_mib,
         args.cache_types.types(),
+        &placement,
     );
     let attention = args.flash_attn.method();
     let (backend, device) = match chosen {
@@ -106,8 +108,8 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
                 &interrupt.stop,
                 tuning.gpu,
             );
-            let gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.gpu.batch_size)
-                .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
+            let gpu = OnGpu::new(&model, &gpu_options, &placement, args.gpu.batch_size)
+                .with_context(|| format!("{} ({})", path.display(), device.name()))?;
             (
                 Backend::Gpu(Box::new(gpu)),
                 format!("GPU {}", device.name()),
@@ -212,14 +214,14 @@ impl Session for CpuChat<'_> {
 /// The KV cache of the conversation, on the device that computes.
 enum Backend<'m> {
     Cpu(CpuChat<'m>),
-    Gpu(Box<GpuModel>),
+    Gpu(Box<OnGpu>),
 }
 
 impl Backend<'_> {
     fn session(&mut self) -> &mut dyn Session {
         match self {
             Backend::Cpu(cpu) => cpu,
-            Backend::Gpu(gpu) => gpu.as_mut(),
+            Backend::Gpu(gpu) => gpu.session(),
         }
     }
 

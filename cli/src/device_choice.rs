@@ -44,8 +44,12 @@ impl Chosen {
         arg: DeviceArg,
         budget_mib: Option<u64>,
         kv_types: model::KvTypes,
+        placement: &crate::options::Placement,
     ) -> Chosen {
+        let split = matches!(placement, crate::options::Placement::Layers(_));
         let support = match &self {
+            // A split's stages check their own devices as they are built.
+            Chosen::Gpu { .. } if split => model.check_gpu_support(),
             Chosen::Gpu { device, .. } => model.check_gpu_support().and_then(|()| {
                 let budget = budget_mib.map(|mib| mib.saturating_mul(1 << 20));
                 model::gpu::check_experts_fit(model, device, budget)?;

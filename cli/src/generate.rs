@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use hip_backend::Device;
 use model::chat::ChatTemplate;
 use model::generate::{generate, generate_with, GenerateOptions, Generation, StopReason};
-use model::gpu::{GpuModel, GpuOptions, GpuTuning};
+use model::gpu::{GpuOptions, GpuTuning};
 use model::sampling::Xoshiro256;
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
@@ -24,6 +24,7 @@ use tensor_store::TensorStore;
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::{install_ctrl_c, EXIT_INTERRUPTED};
 use crate::load::LoadModeArg;
+use crate::on_gpu::OnGpu;
 use crate::options;
 
 /// llama.cpp's default context size.
@@ -159,6 +160,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
     let threads = options::worker_threads(args.model.threads)?;
     let user_text = options::prompt_text(args.prompt.as_deref(), args.file.as_deref())?;
     let stop = install_ctrl_c()?;
+    let placement = args.gpu.placement.placement()?;
     // The GPU runtime starts while the file is read and parsed, and the host memory of
     // the upload's staging ring is made resident meanwhile.
     let gpu_start = start_gpu(args, &tuning);
@@ -186,6 +188,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         args.gpu.device,
         args.gpu.gpu_budget_mib,
         args.cache_types.types(),
+        &placement,
     );
 
     let text = if args.chat {
@@ -231,10 +234,11 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
             tracing::info!(gpu = device.name(), "device: gpu");
             let gpu_options =
                 gpu_options(args, &device, prompt.len(), context_size, &stop, tuning.gpu);
-            let mut gpu = GpuModel::with_prompt_batch(&model, &gpu_options, args.gpu.batch_size)
-                .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
+            let mut gpu = OnGpu::new(&model, &gpu_options, &placement, args.gpu.batch_size)
+                .with_context(|| format!("{} ({})", path.display(), device.name()))?;
+            let session = gpu.session();
             let output =
-                generate_with(&mut gpu, &tokenizer, &prompt, &options, &stop, &mut on_text)?;
+                generate_with(session, &tokenizer, &prompt, &options, &stop, &mut on_text)?;
             let report = DeviceReport {
                 name: "gpu",
                 context_ms: Some(since_start(ready_at)),
@@ -291,7 +295,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
 /// Starts the GPU runtime (unless the CPU was asked for) and makes the host memory of
 /// the upload's staging ring resident meanwhile.
 fn start_gpu(args: &GenerateArgs, tuning: &Tuning) -> GpuStart {
-    let gpu_start = GpuStart::begin(args.gpu.device, 0);
+    let gpu_start = GpuStart::begin(args.gpu.device, args.gpu.placement.first_device());
     if args.gpu.device != DeviceArg::Cpu {
         tensor_store::device::CacheConfig {
             staging_ring: tuning.gpu.staging_ring,
@@ -322,7 +326,7 @@ fn gpu_options(
 
 /// Drops the GPU model, its device memory, page-locked buffers and registrations, and
 /// logs how long that took.
-fn give_back(gpu_model: Option<GpuModel>) {
+fn give_back(gpu_model: Option<OnGpu>) {
     if let Some(gpu) = gpu_model {
         let started = Instant::now();
         drop(gpu);

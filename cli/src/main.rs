@@ -11,6 +11,7 @@ mod inspect;
 mod interrupt;
 mod load;
 mod models;
+mod on_gpu;
 mod options;
 mod perplexity;
 mod progress;

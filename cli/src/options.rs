@@ -125,6 +125,98 @@ pub struct DeviceArgs {
     /// of this many (the device memory for activations grows with it).
     #[arg(long, short = 'b', default_value_t = PROMPT_BATCH, value_parser = parse_batch_size)]
     pub batch_size: usize,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+}
+
+/// Which GPUs take the model, and how it is split over several.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct PlacementArgs {
+    /// The GPUs to use, by ordinal (`rocmforge devices` lists them), comma-separated, in
+    /// the order of the layers when the model is split. Default: GPU 0.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub devices: Vec<usize>,
+    /// How a model is spread over several GPUs: `none` (one GPU), `layer` (each GPU a
+    /// contiguous run of layers and their KV cache; the residual stream crosses between
+    /// them), or `tensor` (not available in this version). Default: `layer` when
+    /// `--devices` names several GPUs, else `none`.
+    #[arg(long, value_enum)]
+    pub split_mode: Option<SplitMode>,
+    /// With `--split-mode layer`, each GPU's share of the weights, comma-separated in
+    /// the order of `--devices` (e.g. `3,1`). Default: equal shares.
+    #[arg(long, value_name = "RATIOS", value_delimiter = ',')]
+    pub tensor_split: Vec<f64>,
+}
+
+/// `--split-mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SplitMode {
+    None,
+    Layer,
+    Tensor,
+}
+
+/// Where a model goes: one GPU, or several split by layers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Placement {
+    One(usize),
+    Layers(model::gpu::SplitOptions),
+}
+
+impl PlacementArgs {
+    /// The placement the flags ask for, or an error naming the flag that cannot be
+    /// honoured.
+    pub fn placement(&self) -> Result<Placement> {
+        let devices = if self.devices.is_empty() {
+            vec![0]
+        } else {
+            self.devices.clone()
+        };
+        let mode = self.split_mode.unwrap_or(if devices.len() > 1 {
+            SplitMode::Layer
+        } else {
+            SplitMode::None
+        });
+        let ratios = (!self.tensor_split.is_empty()).then(|| self.tensor_split.clone());
+        match mode {
+            SplitMode::Tensor => bail!(
+                "--split-mode tensor: not available in this version of rocmforge; \
+                 --split-mode layer splits a model over several GPUs"
+            ),
+            SplitMode::None if devices.len() > 1 => bail!(
+                "--devices names {} GPUs but --split-mode none uses one: name one GPU, or \
+                 use --split-mode layer",
+                devices.len()
+            ),
+            SplitMode::None if ratios.is_some() => {
+                bail!("--tensor-split needs --split-mode layer and several --devices")
+            }
+            SplitMode::None => Ok(Placement::One(devices[0])),
+            SplitMode::Layer => {
+                if let Some(r) = &ratios {
+                    if r.len() != devices.len() {
+                        bail!(
+                            "--tensor-split gives {} ratios for {} devices: one a device",
+                            r.len(),
+                            devices.len()
+                        );
+                    }
+                }
+                if devices.len() == 1 {
+                    return Ok(Placement::One(devices[0]));
+                }
+                Ok(Placement::Layers(model::gpu::SplitOptions {
+                    devices,
+                    ratios,
+                }))
+            }
+        }
+    }
+
+    /// The first GPU the model goes to (the one whose runtime starts first).
+    pub fn first_device(&self) -> usize {
+        self.devices.first().copied().unwrap_or(0)
+    }
 }
 
 impl DeviceArgs {

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use model::gpu::{GpuModel, GpuOptions};
+use model::gpu::GpuOptions;
 use model::perplexity::base::BaseReader;
 use model::perplexity::{
     self, median, percentile, CpuWindows, KldOptions, KldStats, Options, WindowLogits,
@@ -21,6 +21,7 @@ use model::{Model, ModelError};
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::install_ctrl_c;
 use crate::load::LoadModeArg;
+use crate::on_gpu::OnGpu;
 use crate::options;
 
 /// llama-perplexity's default window.
@@ -67,6 +68,8 @@ pub struct PerplexityArgs {
     /// On a GPU, the device memory the weights may take, in MiB.
     #[arg(long, value_name = "MIB")]
     gpu_budget_mib: Option<u64>,
+    #[command(flatten)]
+    placement: options::PlacementArgs,
     /// On the CPU, flash attention (on; auto is on) or two matrix products around a
     /// softmax (off), each as llama.cpp computes it.
     #[arg(long, visible_alias = "fa", value_enum, default_value = "auto")]
@@ -96,7 +99,8 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
     let text = read_text(args)?;
     let base_in = open_base(args)?;
     let stop = install_ctrl_c()?;
-    let gpu_start = GpuStart::begin(args.device, 0);
+    let placement = args.placement.placement()?;
+    let gpu_start = GpuStart::begin(args.device, args.placement.first_device());
 
     let (path, store) = args.model.open(false)?;
     let tokenizer = Tokenizer::from_metadata(store.metadata())
@@ -115,6 +119,7 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
         args.device,
         args.gpu_budget_mib,
         args.cache_types.types(),
+        &placement,
     );
     let mut gpu_model;
     let mut cpu_model;
@@ -130,13 +135,10 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
                 stop: Some(Arc::clone(&stop)),
                 tuning: tuning.gpu,
             };
-            gpu_model = GpuModel::with_prompt_batch(
-                &model,
-                &gpu_options,
-                args.batch_size.min(n_ctx).max(1),
-            )
-            .with_context(|| format!("{} on GPU {}", path.display(), device.name()))?;
-            &mut gpu_model
+            let batch = args.batch_size.min(n_ctx).max(1);
+            gpu_model = OnGpu::new(&model, &gpu_options, &placement, batch)
+                .with_context(|| format!("{} ({})", path.display(), device.name()))?;
+            gpu_model.windows()
         }
         Chosen::Cpu { reason } => {
             eprintln!("perplexity: computing on the CPU, {threads} threads ({reason})");

@@ -17,6 +17,8 @@ mod golden;
 mod interrupt;
 #[path = "../../testdata/models.rs"]
 mod models;
+#[path = "cli/placement.rs"]
+mod placement;
 #[path = "cli/replicas.rs"]
 mod replicas;
 #[path = "common/stderr.rs"]

@@ -1,0 +1,50 @@
+//! `--devices`, `--split-mode` and `--tensor-split`: what cannot be honoured is refused
+//! in one line before the model is read.
+
+use super::{assert_fails_with, run};
+
+#[test]
+fn placements_that_cannot_be_honoured_are_refused_in_one_line() {
+    for (args, expected) in [
+        (
+            &["--devices", "0,1", "--split-mode", "none"][..],
+            "--split-mode none uses one",
+        ),
+        (
+            &["--split-mode", "tensor"][..],
+            "--split-mode tensor: not available",
+        ),
+        (
+            &["--devices", "0,1", "--tensor-split", "1"][..],
+            "--tensor-split gives 1 ratios for 2 devices",
+        ),
+        (
+            &["--tensor-split", "1,1"][..],
+            "--tensor-split needs --split-mode layer",
+        ),
+    ] {
+        for command in ["generate", "chat"] {
+            let mut all = vec![command, "-m", "no-such-model.gguf"];
+            if command == "generate" {
+                all.extend(["-p", "hello"]);
+            }
+            all.extend(args);
+            assert_fails_with(&run(&all), expected);
+        }
+    }
+}
+
+#[test]
+fn a_bad_split_ratio_is_refused_by_the_argument_parser() {
+    let output = run(&[
+        "generate",
+        "-m",
+        "x.gguf",
+        "-p",
+        "hi",
+        "--tensor-split",
+        "1,x",
+    ]);
+    assert!(!output.status.success());
+    assert!(!super::stderr(&output).contains("panicked"));
+}
