@@ -36,6 +36,10 @@
 //! fed back, so that the routes spread over the experts as a text's do (a random model
 //! fed its own greedy tokens repeats a few, and so a few experts).
 //!
+//! With `--devices 0,1` (and `--tensor-split 3,1`): tg and pp with the model split by
+//! layers over those GPUs, and the time to have it resident, beside one GPU's and
+//! `llama-bench -sm layer` and `-sm tensor` over the same GPUs (`bench_gpu/split.rs`).
+//!
 //! Without a usable GPU it says why in one line and exits non-zero.
 
 use std::path::{Path, PathBuf};
@@ -51,7 +55,9 @@ use tensor_store::device::UploadMode;
 use tensor_store::{TensorHandle, TensorStore};
 
 mod cpu_moe;
+mod split;
 use cpu_moe::cpu_moe_rows;
+use split::split_rows;
 
 struct Options {
     models: Vec<PathBuf>,
@@ -69,6 +75,10 @@ struct Options {
     cpu_moe: Vec<usize>,
     /// `--no-batch-graphs`: the batched decoding steps' launches queued one by one.
     batch_graphs: bool,
+    /// `--devices 0,1`: also split by layers over these GPUs.
+    devices: Vec<usize>,
+    /// `--tensor-split 3,1`: the split's shares.
+    tensor_split: Option<Vec<f64>>,
 }
 
 fn parse(args: &[String]) -> Result<Options> {
@@ -86,6 +96,8 @@ fn parse(args: &[String]) -> Result<Options> {
         budgets: Vec::new(),
         cpu_moe: Vec::new(),
         batch_graphs: true,
+        devices: Vec::new(),
+        tensor_split: None,
     };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
@@ -111,6 +123,13 @@ fn parse(args: &[String]) -> Result<Options> {
                 o.cpu_moe = numbers(value()?).context("--cpu-moe takes layer counts like 12,24")?;
             }
             "--no-batch-graphs" => o.batch_graphs = false,
+            "--devices" => {
+                o.devices = numbers(value()?).context("--devices takes ordinals like 0,1")?;
+            }
+            "--tensor-split" => {
+                o.tensor_split =
+                    Some(numbers(value()?).context("--tensor-split takes shares like 3,1")?);
+            }
             other => bail!("bench-gpu: unknown option {other:?}"),
         }
     }
@@ -199,6 +218,9 @@ pub fn run(args: &[String]) -> Result<()> {
         }
         for &layers in &o.cpu_moe {
             rows.extend(cpu_moe_rows(&o, path, &name, layers)?);
+        }
+        if o.devices.len() > 1 {
+            rows.extend(split_rows(&o, path, &name, &o.devices)?);
         }
     }
     if let Some(out) = &o.json {
@@ -300,11 +322,6 @@ fn ours_with_stats(
     for _ in 0..3 {
         token = gpu.forward_argmax(&[token])?;
     }
-    let median = |runs: &[f64]| {
-        let mut sorted = runs.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        sorted[sorted.len() / 2]
-    };
     let n_vocab = model.config().n_vocab as u64;
     let before_tg = gpu.expert_stats();
     let mut runs = Vec::new();
@@ -625,6 +642,13 @@ fn llama_bench(
     )
 }
 
+/// The middle of `runs` (the upper middle of an even count).
+fn median(runs: &[f64]) -> f64 {
+    let mut sorted = runs.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
 /// llama-bench's tg and pp with the placement and settings `placement` (`-ngl N`,
 /// `-ncmoe N`, a cache type, a depth).
 pub(crate) fn llama_bench_with(
@@ -635,7 +659,27 @@ pub(crate) fn llama_bench_with(
     repeat: usize,
     placement: &[&str],
 ) -> Result<Theirs> {
-    let output = Command::new(bench)
+    llama_bench_on(bench, model, tokens, prompt, repeat, placement, "")
+}
+
+/// [`llama_bench_with`] on the GPUs `visible` names (CUDA's and HIP's visible-device
+/// lists: `0,1`); empty, the process's own.
+fn llama_bench_on(
+    bench: &Path,
+    model: &Path,
+    tokens: usize,
+    prompt: usize,
+    repeat: usize,
+    placement: &[&str],
+    visible: &str,
+) -> Result<Theirs> {
+    let mut command = Command::new(bench);
+    if !visible.is_empty() {
+        command
+            .env("CUDA_VISIBLE_DEVICES", visible)
+            .env("HIP_VISIBLE_DEVICES", visible);
+    }
+    let output = command
         .args(["-m"])
         .arg(model)
         .args(placement)

@@ -1,0 +1,166 @@
+//! `bench-gpu --devices 0,1`: the model split by layers over those GPUs
+//! (`LayerSplit`), beside our one-GPU figures of the same run and llama.cpp's `-sm
+//! layer` and `-sm tensor` over the same GPUs: tg, pp and the time to have every weight
+//! resident (warm page cache, eager upload).
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use model::gpu::{GpuModel, GpuOptions, LayerSplit, SplitOptions};
+use model::Model;
+use serde_json::{json, Value};
+use tensor_store::device::UploadMode;
+use tensor_store::TensorStore;
+
+use super::{llama_bench_on, median, print_row, Options, Theirs};
+
+/// Our tg and pp split over `devices`, and the resident time of one GPU and of the
+/// split, beside llama-bench's splits over the same GPUs: printed, and returned as JSON.
+pub(super) fn split_rows(
+    o: &Options,
+    path: &Path,
+    name: &str,
+    devices: &[usize],
+) -> Result<Vec<Value>> {
+    let store = TensorStore::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
+    let context = o.tokens.max(o.prompt).max(4) + 1;
+    let options = GpuOptions {
+        tuning: crate::tuning().gpu,
+        ..GpuOptions::new(UploadMode::Eager, context)
+    };
+    // Resident times: the model on the first GPU alone, then split (each eager upload
+    // from the page cache, which the first has filled).
+    let start = Instant::now();
+    let one = GpuModel::new(
+        &model,
+        &GpuOptions {
+            device: devices[0],
+            ..options.clone()
+        },
+    )?;
+    let one_s = start.elapsed().as_secs_f64();
+    drop(one);
+    let split = SplitOptions {
+        devices: devices.to_vec(),
+        ratios: o.tensor_split.clone(),
+    };
+    let start = Instant::now();
+    let mut gpu = LayerSplit::new(&model, &options, &split, model::gpu::PROMPT_BATCH)?;
+    let split_s = start.elapsed().as_secs_f64();
+    let stages = gpu.stages();
+    let n_vocab = model.config().n_vocab as u64;
+    // Warm-up: every weight used once, every stage's decode step captured.
+    let mut token = gpu.forward_argmax(&[1])?;
+    for _ in 0..3 {
+        token = gpu.forward_argmax(&[token])?;
+    }
+    let mut tg = Vec::new();
+    for _ in 0..o.repeat {
+        gpu.clear()?;
+        let start = Instant::now();
+        let mut token = 1;
+        for _ in 0..o.tokens {
+            token = gpu.forward_argmax(&[token])?;
+        }
+        tg.push(o.tokens as f64 / start.elapsed().as_secs_f64());
+    }
+    let mut pp = Vec::new();
+    if o.prompt > 0 {
+        let ids: Vec<u32> = (0..o.prompt as u64)
+            .map(|i| (1 + (i * 7919) % (n_vocab - 1)) as u32)
+            .collect();
+        gpu.clear()?;
+        gpu.forward_argmax(&ids)?;
+        for _ in 0..o.repeat {
+            gpu.clear()?;
+            let start = Instant::now();
+            gpu.forward_argmax(&ids)?;
+            pp.push(o.prompt as f64 / start.elapsed().as_secs_f64());
+        }
+    }
+    drop(gpu);
+    let visible = devices
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let theirs = |mode: &str| -> Option<Theirs> {
+        let bench = o.llama_bench.as_ref()?;
+        let args = ["-ngl", "99", "-sm", mode];
+        match llama_bench_on(bench, path, o.tokens, o.prompt, o.repeat, &args, &visible) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                println!("llama-bench -sm {mode}: {e}");
+                None
+            }
+        }
+    };
+    let (layer, tensor) = (theirs("layer"), theirs("tensor"));
+    let best = |pick: fn(&Theirs) -> Option<f64>| {
+        [layer, tensor]
+            .iter()
+            .flatten()
+            .filter_map(pick)
+            .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))))
+    };
+    let label = format!("split {visible}");
+    let note = format!(
+        "layers {}; llama.cpp -sm layer {} / -sm tensor {}",
+        stages
+            .iter()
+            .map(|(d, l)| format!("{}..{} on {d}", l.start, l.end))
+            .collect::<Vec<_>>()
+            .join(", "),
+        layer.map_or("-".into(), |t| format!("{:.1}/{}", t.tg, fmt(t.pp))),
+        tensor.map_or("-".into(), |t| format!("{:.1}/{}", t.tg, fmt(t.pp))),
+    );
+    let mut rows = Vec::new();
+    let mut tests = vec![(
+        format!("tg{}", o.tokens),
+        median(&tg),
+        tg.clone(),
+        best(|t| Some(t.tg)),
+    )];
+    if !pp.is_empty() {
+        tests.push((
+            format!("pp{}", o.prompt),
+            median(&pp),
+            pp.clone(),
+            best(|t| t.pp),
+        ));
+    }
+    for (test, mine, runs, llama) in tests {
+        let test = format!("{test}@{label}");
+        print_row(name, &test, mine, llama, &note);
+        rows.push(json!({
+            "model": path.display().to_string(),
+            "test": test,
+            "devices": devices,
+            "stages": stages.iter().map(|(d, l)| json!({"device": d, "layers": [l.start, l.end]})).collect::<Vec<_>>(),
+            "ours_tokens_per_s": mine,
+            "ours_runs": runs,
+            "llama_cpp_best_split_tokens_per_s": llama,
+            "llama_cpp_layer": layer.map(|t| json!({"tg": t.tg, "pp": t.pp})),
+            "llama_cpp_tensor": tensor.map(|t| json!({"tg": t.tg, "pp": t.pp})),
+            "ratio": llama.map(|t| mine / t),
+        }));
+    }
+    println!(
+        "{name:<32} resident  one GPU {one_s:.2} s, split over {visible} {split_s:.2} s ({:.2}x)",
+        split_s / one_s
+    );
+    rows.push(json!({
+        "model": path.display().to_string(),
+        "test": format!("resident@{label}"),
+        "one_gpu_s": one_s,
+        "split_s": split_s,
+        "ratio": split_s / one_s,
+    }));
+    Ok(rows)
+}
+
+fn fmt(pp: Option<f64>) -> String {
+    pp.map_or("-".into(), |p| format!("{p:.0}"))
+}
