@@ -51,15 +51,12 @@ hipError_t launch_tiles(const MatmulMats& mats, int cols, const __half* x, const
                         SplitRoom room, hipStream_t stream, ExpertTiles et = {}) {
     const int bytes = shared_bytes<F, BM>(staged);
 #if defined(ROCMFORGE_HIP_NVIDIA)
-    // Past 48 KB a kernel's dynamic shared memory needs raising its limit, once (the
-    // limit holds for the process; setting it again is harmless).
-    static std::atomic<bool> raised{false};
-    if (bytes > 48 * 1024 && !raised.load(std::memory_order_relaxed)) {
-        const hipError_t status = hipFuncSetAttribute(
-            (const void*)matmul_kernel<F, BM, kExperts>, hipFuncAttributeMaxDynamicSharedMemorySize,
-            bytes);
+    // Past 48 KB a kernel's dynamic shared memory needs raising its limit, once a device.
+    static std::atomic<unsigned long long> raised{0};
+    if (bytes > 48 * 1024) {
+        const hipError_t status =
+            rf_raise_shared_memory(matmul_kernel<F, BM, kExperts>, bytes, raised);
         if (status != hipSuccess) return status;
-        raised.store(true, std::memory_order_relaxed);
     }
 #endif
     const dim3 grid((unsigned)g.token_tiles, (unsigned)g.tiles, (unsigned)g.splits);

@@ -643,13 +643,11 @@ hipError_t launch_skinny_nt(const MatmulMats& mats, int cols, const __half* x,
     }
     const int bytes = SkLayout<F, NT>::kBytes;
 #if defined(ROCMFORGE_HIP_NVIDIA)
-    // Past 48 KB a kernel's dynamic shared memory needs raising its limit, once.
-    static std::atomic<bool> raised{false};
-    if (bytes > 48 * 1024 && !raised.load(std::memory_order_relaxed)) {
-        const hipError_t status = hipFuncSetAttribute(
-            (const void*)skinny_kernel<F, NT>, hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    // Past 48 KB a kernel's dynamic shared memory needs raising its limit, once a device.
+    static std::atomic<unsigned long long> raised{0};
+    if (bytes > 48 * 1024) {
+        const hipError_t status = rf_raise_shared_memory(skinny_kernel<F, NT>, bytes, raised);
         if (status != hipSuccess) return status;
-        raised.store(true, std::memory_order_relaxed);
     }
 #endif
     const dim3 grid((unsigned)groups, (unsigned)tiles, (unsigned)splits);

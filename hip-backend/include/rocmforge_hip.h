@@ -277,6 +277,25 @@ inline bool rf_mma_available() { return false; }
 
 #endif
 
+// Raises `kernel`'s limit of dynamic shared memory to `bytes` on the calling thread's
+// current device, once a device: the limit is each device's own, so a process that runs
+// kernels on several devices raises it on each. `raised` holds a bit a device (past 64
+// devices it is set at every call, which is harmless).
+#include <atomic>
+template <typename Kernel>
+inline hipError_t rf_raise_shared_memory(Kernel kernel, int bytes,
+                                         std::atomic<unsigned long long>& raised) {
+    int device = 0;
+    hipError_t status = hipGetDevice(&device);
+    if (status != hipSuccess) return status;
+    const unsigned long long bit = device >= 0 && device < 64 ? 1ULL << device : 0;
+    if (bit != 0 && (raised.load(std::memory_order_relaxed) & bit) != 0) return hipSuccess;
+    status = hipFuncSetAttribute((const void*)kernel, hipFuncAttributeMaxDynamicSharedMemorySize,
+                                 bytes);
+    if (status == hipSuccess) raised.fetch_or(bit, std::memory_order_relaxed);
+    return status;
+}
+
 // The half sums of a Q8 activation block (dequant's kernels/matvec.hip reads them after
 // the blocks' scales): each lane of a 32-lane group gives its block's quantized value;
 // every lane gets the sums of lanes 0–15 and 16–31 packed in one int, the first in the
