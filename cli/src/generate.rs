@@ -24,7 +24,7 @@ use tensor_store::TensorStore;
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::{install_ctrl_c, EXIT_INTERRUPTED};
 use crate::load::LoadModeArg;
-use crate::on_gpu::OnGpu;
+use crate::on_gpu::{placement_for, OnGpu};
 use crate::options;
 
 /// llama.cpp's default context size.
@@ -183,7 +183,15 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         "model loaded: execution plan built"
     );
     // `auto` computes on the CPU what the GPU does not run; `gpu` fails below, saying so.
-    let chosen = gpu_start.finish()?.for_model(
+    let chosen = gpu_start.finish()?;
+    let placement = placement_for(
+        &args.gpu.placement,
+        placement,
+        &chosen,
+        &model,
+        args.gpu.gpu_budget_mib,
+    );
+    let chosen = chosen.for_model(
         &model,
         args.gpu.device,
         args.gpu.gpu_budget_mib,

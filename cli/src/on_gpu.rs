@@ -94,3 +94,38 @@ impl OnGpu {
         }
     }
 }
+
+/// The placement to use: the one the flags asked for (`asked`), or, when they named no
+/// GPU and no split and no weights' budget was given, every usable GPU split by layers
+/// should the model's weights not fit the chosen GPU's free memory (one GPU holds the
+/// model otherwise, as the flags' default says).
+pub fn placement_for(
+    flags: &crate::options::PlacementArgs,
+    asked: Placement,
+    chosen: &crate::device_choice::Chosen,
+    model: &Model,
+    budget_mib: Option<u64>,
+) -> Placement {
+    let crate::device_choice::Chosen::Gpu { device, .. } = chosen else {
+        return asked;
+    };
+    if !flags.devices.is_empty() || flags.split_mode.is_some() || budget_mib.is_some() {
+        return asked;
+    }
+    let weights: u64 = model.plan().handles().iter().map(|h| h.size()).sum();
+    let free = device.memory_info().map_or(u64::MAX, |m| m.free as u64);
+    let count = hip_backend::Device::count().unwrap_or(1);
+    if count < 2 || weights.saturating_add(model::gpu::RUNTIME_RESERVE) <= free {
+        return asked;
+    }
+    tracing::info!(
+        weights_mib = weights >> 20,
+        free_mib = free >> 20,
+        gpus = count,
+        "the model does not fit one GPU: split by layers over every GPU"
+    );
+    Placement::Layers(model::gpu::SplitOptions {
+        devices: (0..count).collect(),
+        ratios: None,
+    })
+}

@@ -133,7 +133,9 @@ pub struct DeviceArgs {
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct PlacementArgs {
     /// The GPUs to use, by ordinal (`rocmforge devices` lists them), comma-separated, in
-    /// the order of the layers when the model is split. Default: GPU 0.
+    /// the order of the layers when the model is split. Default: GPU 0, or every GPU,
+    /// split by layers, when the model's weights do not fit GPU 0's free memory and no
+    /// `--gpu-budget-mib` is given.
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub devices: Vec<usize>,
     /// How a model is spread over several GPUs: `none` (one GPU), `layer` (each GPU a

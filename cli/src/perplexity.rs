@@ -21,7 +21,7 @@ use model::{Model, ModelError};
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::install_ctrl_c;
 use crate::load::LoadModeArg;
-use crate::on_gpu::OnGpu;
+use crate::on_gpu::{placement_for, OnGpu};
 use crate::options;
 
 /// llama-perplexity's default window.
@@ -114,7 +114,15 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
         Some((_, reader)) => reader.header().n_ctx,
         None => args.ctx_size.unwrap_or(DEFAULT_CTX),
     };
-    let chosen = gpu_start.finish()?.for_model(
+    let chosen = gpu_start.finish()?;
+    let placement = placement_for(
+        &args.placement,
+        placement,
+        &chosen,
+        &model,
+        args.gpu_budget_mib,
+    );
+    let chosen = chosen.for_model(
         &model,
         args.device,
         args.gpu_budget_mib,

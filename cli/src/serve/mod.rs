@@ -55,6 +55,11 @@ pub struct ServeArgs {
     /// CPU), cpu or gpu.
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "gpu"])]
     device: String,
+    /// The GPU to serve on, by ordinal (`rocmforge devices` lists them); default 0. A
+    /// server computes on one GPU: run one server per GPU behind a router to use several
+    /// (see "More than one machine" in the README).
+    #[arg(long, value_name = "N", value_delimiter = ',')]
+    devices: Vec<usize>,
     /// Most positions of one request (prompt and generated tokens); 0 means the model's
     /// training context.
     #[arg(long, default_value_t = DEFAULT_CTX_SIZE)]
@@ -222,10 +227,20 @@ impl AppState {
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
+    let gpu = match args.devices[..] {
+        [] => 0,
+        [one] => one,
+        // A server computes on one GPU.
+        _ => bail!(
+            "--devices names {} GPUs, but a server computes on one: run one server per GPU \
+             behind a router",
+            args.devices.len()
+        ),
+    };
     if args.device == "gpu" {
         // Said before listening: nothing could be served.
-        if let Err(e) = hip_backend::Device::open(0) {
-            bail!("--device gpu: no usable GPU: {e}");
+        if let Err(e) = hip_backend::Device::open(gpu) {
+            bail!("--device gpu: no usable GPU {gpu}: {e}");
         }
     }
     if args.max_sequences == 0 || args.step_tokens == 0 {
@@ -316,6 +331,7 @@ async fn serve(
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
         device: args.device.clone(),
+        gpu: args.devices.first().copied().unwrap_or(0),
         gpu_tuning,
         delay: Duration::from_millis(args.debug_load_delay_ms),
         template_source,
@@ -411,16 +427,18 @@ struct LoadConfig {
     step_tokens: usize,
     /// `auto`, `cpu` or `gpu`.
     device: String,
+    /// The GPU's ordinal.
+    gpu: usize,
     gpu_tuning: GpuTuning,
     delay: Duration,
     /// `--chat-template-file`'s template, in place of the file's.
     template_source: Option<String>,
 }
 
-/// Whether `model` can run on the first GPU: the reason when not.
-fn gpu_usable(model: &Model) -> std::result::Result<(), String> {
+/// Whether `model` can run on GPU `gpu`: the reason when not.
+fn gpu_usable(model: &Model, gpu: usize) -> std::result::Result<(), String> {
     model.check_gpu_support().map_err(|e| e.to_string())?;
-    let device = hip_backend::Device::open(0).map_err(|e| e.to_string())?;
+    let device = hip_backend::Device::open(gpu).map_err(|e| e.to_string())?;
     model::gpu::check_experts_fit(model, &device, None).map_err(|e| e.to_string())
 }
 
@@ -452,7 +470,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     state.set_progress(0.05);
     let on_gpu = match config.device.as_str() {
         "cpu" => false,
-        device => match gpu_usable(&model) {
+        device => match gpu_usable(&model, config.gpu) {
             Ok(()) => true,
             Err(why) if device == "auto" => {
                 tracing::info!(%why, "serving on the CPU");
@@ -527,7 +545,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     let tokens = Arc::clone(&tokenizer);
     let (scheduler, device_cache) = if on_gpu {
         let options = GpuOptions {
-            device: 0,
+            device: config.gpu,
             mode: UploadMode::Background,
             budget: None,
             context_size,
