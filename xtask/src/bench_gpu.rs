@@ -166,8 +166,18 @@ pub fn run(args: &[String]) -> Result<()> {
     let mut rows = Vec::new();
     for path in &o.models {
         let ours = ours(path, o.tokens, o.prompt, o.repeat, None)?;
+        // Beside a split, llama.cpp's one-GPU figures come from its first GPU alone.
+        let first = o.devices.first().map_or_else(String::new, usize::to_string);
         let theirs = match &o.llama_bench {
-            Some(bench) => Some(llama_bench(bench, path, o.tokens, o.prompt, o.repeat, 99)?),
+            Some(bench) => Some(llama_bench_on(
+                bench,
+                path,
+                o.tokens,
+                o.prompt,
+                o.repeat,
+                &["-ngl", "99"],
+                &first,
+            )?),
             None => None,
         };
         let name = path

@@ -33,7 +33,7 @@ pub(super) fn split_rows(
     // Resident times: the model on the first GPU alone, then split (each eager upload
     // from the page cache, which the first has filled).
     let start = Instant::now();
-    let one = GpuModel::new(
+    let mut one = GpuModel::new(
         &model,
         &GpuOptions {
             device: devices[0],
@@ -41,6 +41,12 @@ pub(super) fn split_rows(
         },
     )?;
     let one_s = start.elapsed().as_secs_f64();
+    // The logits of a prompt and of a decode step after it, to hold the split's against.
+    let n_vocab = model.config().n_vocab as u64;
+    let probe: Vec<u32> = (0..(context - 2).min(77) as u64)
+        .map(|i| (1 + (i * 104_729) % (n_vocab - 1)) as u32)
+        .collect();
+    let one_logits = [one.forward(&probe)?, one.forward(&[3])?];
     drop(one);
     let split = SplitOptions {
         devices: devices.to_vec(),
@@ -50,7 +56,15 @@ pub(super) fn split_rows(
     let mut gpu = LayerSplit::new(&model, &options, &split, model::gpu::PROMPT_BATCH)?;
     let split_s = start.elapsed().as_secs_f64();
     let stages = gpu.stages();
-    let n_vocab = model.config().n_vocab as u64;
+    let split_logits = [
+        gpu.forward_logits(&probe)?.to_vec(),
+        gpu.forward_logits(&[3])?.to_vec(),
+    ];
+    let same_bits = one_logits.iter().zip(&split_logits).all(|(a, b)| {
+        a.iter()
+            .map(|v| v.to_bits())
+            .eq(b.iter().map(|v| v.to_bits()))
+    });
     // Warm-up: every weight used once, every stage's decode step captured.
     let mut token = gpu.forward_argmax(&[1])?;
     for _ in 0..3 {
@@ -107,12 +121,17 @@ pub(super) fn split_rows(
     };
     let label = format!("split {visible}");
     let note = format!(
-        "layers {}; llama.cpp -sm layer {} / -sm tensor {}",
+        "layers {}; logits {}; llama.cpp -sm layer {} / -sm tensor {}",
         stages
             .iter()
             .map(|(d, l)| format!("{}..{} on {d}", l.start, l.end))
             .collect::<Vec<_>>()
             .join(", "),
+        if same_bits {
+            "the one GPU's bit for bit"
+        } else {
+            "DIFFER from the one GPU's"
+        },
         layer.map_or("-".into(), |t| format!("{:.1}/{}", t.tg, fmt(t.pp))),
         tensor.map_or("-".into(), |t| format!("{:.1}/{}", t.tg, fmt(t.pp))),
     );
@@ -145,6 +164,7 @@ pub(super) fn split_rows(
             "llama_cpp_layer": layer.map(|t| json!({"tg": t.tg, "pp": t.pp})),
             "llama_cpp_tensor": tensor.map(|t| json!({"tg": t.tg, "pp": t.pp})),
             "ratio": llama.map(|t| mine / t),
+            "logits_bit_for_bit": same_bits,
         }));
     }
     println!(
