@@ -127,5 +127,6 @@ pub fn placement_for(
     Placement::Layers(model::gpu::SplitOptions {
         devices: (0..count).collect(),
         ratios: None,
+        chunk: None,
     })
 }

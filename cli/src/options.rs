@@ -210,6 +210,7 @@ impl PlacementArgs {
                 Ok(Placement::Layers(model::gpu::SplitOptions {
                     devices,
                     ratios,
+                    chunk: None,
                 }))
             }
         }

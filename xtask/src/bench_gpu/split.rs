@@ -51,6 +51,7 @@ pub(super) fn split_rows(
     let split = SplitOptions {
         devices: devices.to_vec(),
         ratios: o.tensor_split.clone(),
+        chunk: None,
     };
     let start = Instant::now();
     let mut gpu = LayerSplit::new(&model, &options, &split, model::gpu::PROMPT_BATCH)?;
@@ -80,18 +81,23 @@ pub(super) fn split_rows(
         }
         tg.push(o.tokens as f64 / start.elapsed().as_secs_f64());
     }
+    // The prompt cut into chunks for the pipeline (the default), and in one chunk.
     let mut pp = Vec::new();
+    let mut pp_whole = Vec::new();
     if o.prompt > 0 {
         let ids: Vec<u32> = (0..o.prompt as u64)
             .map(|i| (1 + (i * 7919) % (n_vocab - 1)) as u32)
             .collect();
-        gpu.clear()?;
-        gpu.forward_argmax(&ids)?;
-        for _ in 0..o.repeat {
+        for (chunk, runs) in [(None, &mut pp), (Some(o.prompt), &mut pp_whole)] {
+            gpu.set_chunk(chunk);
             gpu.clear()?;
-            let start = Instant::now();
             gpu.forward_argmax(&ids)?;
-            pp.push(o.prompt as f64 / start.elapsed().as_secs_f64());
+            for _ in 0..o.repeat {
+                gpu.clear()?;
+                let start = Instant::now();
+                gpu.forward_argmax(&ids)?;
+                runs.push(o.prompt as f64 / start.elapsed().as_secs_f64());
+            }
         }
     }
     drop(gpu);
@@ -143,6 +149,12 @@ pub(super) fn split_rows(
         best(|t| Some(t.tg)),
     )];
     if !pp.is_empty() {
+        tests.push((
+            format!("pp{} whole", o.prompt),
+            median(&pp_whole),
+            pp_whole.clone(),
+            best(|t| t.pp),
+        ));
         tests.push((
             format!("pp{}", o.prompt),
             median(&pp),

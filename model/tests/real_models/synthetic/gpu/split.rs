@@ -23,6 +23,7 @@ fn split_matches_one_device(name: &str, test: &str, stages: usize, ratios: Optio
     let split = SplitOptions {
         devices: devices(stages),
         ratios,
+        chunk: None,
     };
     let mut many =
         LayerSplit::new(&model, &options, &split, batch).unwrap_or_else(|e| panic!("{test}: {e}"));
@@ -105,6 +106,37 @@ gpu_split! {
     gpu_split_gpt_oss => "gpt-oss" over 2 at [3.0, 1.0],
 }
 
+/// A prompt flows through the devices in chunks: its logits are those of one device
+/// taking chunks of the same size. Cut as asked (`chunk`), and by default, where a
+/// model this small keeps its prompt whole (its chunks' products would not outweigh
+/// their fixed costs).
+#[test]
+fn gpu_split_takes_a_prompt_in_the_chunks_of_one_device() {
+    let test = "gpu_split_takes_a_prompt_in_the_chunks_of_one_device";
+    let (_dir, _store, model) = open_spec("llama-q4_k");
+    let options = GpuOptions::new(UploadMode::Eager, 512);
+    let chunk = model::gpu::PIPELINE_CHUNK;
+    let n_vocab = model.config().n_vocab as u32;
+    // Three chunks of the pipeline's size, the last a short one.
+    let prompt: Vec<u32> = (0..(2 * chunk + 44) as u32)
+        .map(|i| (i * 13 + 1) % n_vocab)
+        .collect();
+    for (asked, one_batch) in [(Some(chunk), chunk), (None, PROMPT_BATCH)] {
+        let Some(mut one) = gpu_model_of(test, &model, &options, one_batch) else {
+            return;
+        };
+        let split = SplitOptions {
+            devices: devices(2),
+            ratios: None,
+            chunk: asked,
+        };
+        let mut many = LayerSplit::new(&model, &options, &split, PROMPT_BATCH).expect("split");
+        let a = one.forward(&prompt).expect("one device");
+        let b = many.forward_logits(&prompt).expect("split").to_vec();
+        assert_eq!(bits(&a), bits(&b), "{test}: chunks of {asked:?}");
+    }
+}
+
 /// A split that a device cannot hold is refused, naming the layers and the budget.
 #[test]
 fn gpu_split_over_a_budget_is_refused() {
@@ -116,6 +148,7 @@ fn gpu_split_over_a_budget_is_refused() {
     let split = SplitOptions {
         devices: devices(2),
         ratios: None,
+        chunk: None,
     };
     match LayerSplit::new(&model, &options, &split, 16) {
         Err(model::ModelError::Gpu { source, .. }) if source.is_unavailable() => {
