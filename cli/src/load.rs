@@ -33,6 +33,23 @@ pub struct LoadArgs {
     /// The GPU's ordinal, as `rocmforge devices` lists them.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Several GPUs, comma-separated: each uploads its share of the layers at the same
+    /// time, as `generate --devices` splits the model (`--split-mode layer`).
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        conflicts_with = "device"
+    )]
+    devices: Vec<usize>,
+    /// With `--devices`, each GPU's share of the weights (default: equal shares).
+    #[arg(
+        long,
+        value_name = "RATIOS",
+        value_delimiter = ',',
+        requires = "devices"
+    )]
+    tensor_split: Vec<f64>,
     /// Device memory the weights may use, in MiB; layers beyond it are evicted least
     /// recently used first. Default: the whole model.
     #[arg(long)]
@@ -78,12 +95,16 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     // the interruption into status 130.
     let stop = install_ctrl_c()?;
     let path = model_path(args.gguf.as_deref(), None)?;
+    if args.devices.len() > 1 {
+        return run_split(args, &path, stop);
+    }
+    let device_ordinal = args.devices.first().copied().unwrap_or(args.device);
     let start = Instant::now();
     let ms = move || start.elapsed().as_secs_f64() * 1e3;
 
     tracing::info!(path = %path.display(), "model file");
-    let device = Device::open(args.device)
-        .with_context(|| format!("cannot use GPU {} to load {}", args.device, path.display()))?;
+    let device = Device::open(device_ordinal)
+        .with_context(|| format!("cannot use GPU {device_ordinal} to load {}", path.display()))?;
     let device_ms = ms();
     tracing::info!(device = %device.info().name, ms = format_args!("{device_ms:.1}"), "device");
     let store = TensorStore::open(&path)?;
@@ -190,6 +211,107 @@ pub fn run(args: &LoadArgs) -> Result<()> {
             "  device allocations {}, evictions {}",
             allocations.device_allocations, stats.evictions
         );
+    }
+    Ok(())
+}
+
+/// `--devices` with several GPUs: each uploads its part of a layer split, all at once
+/// (eager), each with a cache of its own; reports each device's bytes and time, and the
+/// time until every one is resident.
+fn run_split(
+    args: &LoadArgs,
+    path: &std::path::Path,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Result<()> {
+    let start = Instant::now();
+    let ms = move || start.elapsed().as_secs_f64() * 1e3;
+    let store = TensorStore::open(path)?;
+    let model = model::Model::load(&store).with_context(|| format!("{}", path.display()))?;
+    let ratios = (!args.tensor_split.is_empty()).then_some(&args.tensor_split[..]);
+    let ranges = model::gpu::split_layers(&model, args.devices.len(), ratios)
+        .with_context(|| format!("{}", path.display()))?;
+    let orders = model::gpu::stage_orders(&model, &ranges);
+    let plan_ms = ms();
+    let loads: Vec<Result<(f64, u64, String)>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = args
+            .devices
+            .iter()
+            .zip(orders)
+            .map(|(&ordinal, order)| {
+                let (store, stop) = (&store, Arc::clone(&stop));
+                scope.spawn(move || -> Result<(f64, u64, String)> {
+                    let device = Device::open(ordinal)
+                        .with_context(|| format!("cannot use GPU {ordinal}"))?;
+                    let bytes =
+                        HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
+                    let target = HipTarget::new(&device, bytes)?;
+                    let mut config = CacheConfig {
+                        mode: UploadMode::Eager,
+                        direct_io: args.direct_io,
+                        staging_ring: args.staging.staging_ring(),
+                        stop: Some(stop),
+                        ..CacheConfig::default()
+                    };
+                    if let Some(readers) = args.readers {
+                        config.readers = readers.max(1);
+                        config.cold_readers = config.readers;
+                    }
+                    let cache = DeviceCache::new(target, store, order, config)?;
+                    cache.wait_idle()?;
+                    let uploaded = cache.progress().bytes_uploaded;
+                    Ok((ms(), uploaded, device.info().name.clone()))
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    let all_ms = ms();
+    let mut devices = Vec::new();
+    for ((&ordinal, layers), load) in args.devices.iter().zip(&ranges).zip(loads) {
+        let (done_ms, bytes, name) = load?;
+        devices.push(json!({
+            "device": ordinal,
+            "name": name,
+            "layers": [layers.start, layers.end],
+            "bytes": bytes,
+            "resident_ms": done_ms,
+        }));
+    }
+    let total: u64 = devices.iter().filter_map(|d| d["bytes"].as_u64()).sum();
+    let gb_per_s = total as f64 / (all_ms - plan_ms).max(1e-3) / 1e6;
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "file": path.display().to_string(),
+                "mode": "eager",
+                "devices": devices,
+                "plan_ms": plan_ms,
+                "all_resident_ms": all_ms,
+                "upload_gb_per_s": gb_per_s,
+            })
+        );
+    } else {
+        println!(
+            "{}: split by layers over {} GPUs (eager)",
+            path.display(),
+            devices.len()
+        );
+        println!("  model planned    {plan_ms:8.1} ms");
+        for d in &devices {
+            println!(
+                "  GPU {} layers {}..{}: {:.1} MiB resident at {:.1} ms",
+                d["device"],
+                d["layers"][0],
+                d["layers"][1],
+                d["bytes"].as_u64().unwrap_or(0) as f64 / (1u64 << 20) as f64,
+                d["resident_ms"].as_f64().unwrap_or(0.0)
+            );
+        }
+        println!("  all resident     {all_ms:8.1} ms  ({gb_per_s:.1} GB/s)");
     }
     Ok(())
 }

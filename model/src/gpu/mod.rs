@@ -53,7 +53,7 @@ use tensor_store::TensorHandle;
 
 pub use fits::{check_cache_fits, check_experts_fit};
 pub use kernels::{KernelError, ShapeError};
-pub use split::{split_layers, LayerSplit, SplitOptions, PIPELINE_CHUNK};
+pub use split::{split_layers, stage_orders, LayerSplit, SplitOptions, PIPELINE_CHUNK};
 
 use crate::config::ModelConfig;
 use crate::plan::ExecutionPlan;

@@ -57,6 +57,29 @@ pub fn split_layers(
     split_by_bytes(&layer_bytes, head_bytes, n_parts, ratios)
 }
 
+/// What each device of a layer split over `ranges` ([`split_layers`]) uploads, in the
+/// order its first pass uses it: its layers' tensors, with the embeddings on the first
+/// and the final norm and the output matrix on the last.
+pub fn stage_orders(
+    model: &Model,
+    ranges: &[Range<usize>],
+) -> Vec<tensor_store::device::UploadOrder> {
+    let last = ranges.len().saturating_sub(1);
+    ranges
+        .iter()
+        .enumerate()
+        .map(|(k, layers)| {
+            let part = Part {
+                layers: layers.clone(),
+                embed: k == 0,
+                head: k == last,
+            };
+            let (_, plan) = part.narrow(model.config(), model.plan());
+            super::use_order(&plan, &part)
+        })
+        .collect()
+}
+
 /// `of` summed over each layer's tensors.
 fn per_layer(model: &Model, of: impl Fn(&tensor_store::TensorHandle) -> f64) -> Vec<f64> {
     let plan = model.plan();
