@@ -19,10 +19,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 
-use crate::on_gpu::{placement_for, OnGpu};
+use crate::on_gpu::{self, placement_for};
 use anyhow::{bail, Context, Result};
 use model::chat::{ChatMessage, ChatTemplate};
 use model::generate::{generate_with, GenerateOptions, Generation, Next, Session, StopReason};
+use model::gpu::GpuEngine;
 use model::tokenizer::{TokenId, Tokenizer};
 use model::{AttentionMethod, KvCache, Model, ModelError};
 
@@ -116,7 +117,7 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
                 &interrupt.stop,
                 tuning.gpu,
             );
-            let gpu = OnGpu::new(&model, &gpu_options, &placement, args.gpu.batch_size)
+            let gpu = on_gpu::engine(&model, &gpu_options, &placement, args.gpu.batch_size)
                 .with_context(|| format!("{} ({})", path.display(), device.name()))?;
             (
                 Backend::Gpu(Box::new(gpu)),
@@ -222,7 +223,7 @@ impl Session for CpuChat<'_> {
 /// The KV cache of the conversation, on the device that computes.
 enum Backend<'m> {
     Cpu(CpuChat<'m>),
-    Gpu(Box<OnGpu>),
+    Gpu(Box<GpuEngine>),
 }
 
 impl Backend<'_> {

@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use hip_backend::Device;
 use model::chat::ChatTemplate;
 use model::generate::{generate, generate_with, GenerateOptions, Generation, StopReason};
-use model::gpu::{GpuOptions, GpuTuning};
+use model::gpu::{GpuEngine, GpuOptions, GpuTuning};
 use model::sampling::Xoshiro256;
 use model::tokenizer::{EncodeOptions, TokenId, Tokenizer};
 use model::Model;
@@ -24,7 +24,7 @@ use tensor_store::TensorStore;
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::{install_ctrl_c, EXIT_INTERRUPTED};
 use crate::load::LoadModeArg;
-use crate::on_gpu::{placement_for, OnGpu};
+use crate::on_gpu::{self, placement_for};
 use crate::options;
 
 /// llama.cpp's default context size.
@@ -242,7 +242,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
             tracing::info!(gpu = device.name(), "device: gpu");
             let gpu_options =
                 gpu_options(args, &device, prompt.len(), context_size, &stop, tuning.gpu);
-            let mut gpu = OnGpu::new(&model, &gpu_options, &placement, args.gpu.batch_size)
+            let mut gpu = on_gpu::engine(&model, &gpu_options, &placement, args.gpu.batch_size)
                 .with_context(|| format!("{} ({})", path.display(), device.name()))?;
             let session = gpu.session();
             let output =
@@ -334,7 +334,7 @@ fn gpu_options(
 
 /// Drops the GPU model, its device memory, page-locked buffers and registrations, and
 /// logs how long that took.
-fn give_back(gpu_model: Option<OnGpu>) {
+fn give_back(gpu_model: Option<GpuEngine>) {
     if let Some(gpu) = gpu_model {
         let started = Instant::now();
         drop(gpu);

@@ -21,7 +21,7 @@ use model::{Model, ModelError};
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::install_ctrl_c;
 use crate::load::LoadModeArg;
-use crate::on_gpu::{placement_for, OnGpu};
+use crate::on_gpu::{self, placement_for};
 use crate::options;
 
 /// llama-perplexity's default window.
@@ -144,7 +144,7 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
                 tuning: tuning.gpu,
             };
             let batch = args.batch_size.min(n_ctx).max(1);
-            gpu_model = OnGpu::new(&model, &gpu_options, &placement, batch)
+            gpu_model = on_gpu::engine(&model, &gpu_options, &placement, batch)
                 .with_context(|| format!("{} ({})", path.display(), device.name()))?;
             gpu_model.windows()
         }

@@ -55,10 +55,11 @@ pub struct ServeArgs {
     /// CPU), cpu or gpu.
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "gpu"])]
     device: String,
-    /// The GPU to serve on, by ordinal (`rocmforge devices` lists them); default 0. A
-    /// server computes on one GPU: run one server per GPU behind a router to use several
-    /// (see "More than one machine" in the README).
-    #[arg(long, value_name = "N", value_delimiter = ',')]
+    /// The GPUs to serve on, by ordinal (`rocmforge devices` lists them); default 0.
+    /// Several split the model by layers (for a model larger than one GPU: a server's
+    /// steps run the GPUs one after the other, so replicas behind a router serve more
+    /// requests when each GPU holds the model; see "More than one machine").
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
     devices: Vec<usize>,
     /// Most positions of one request (prompt and generated tokens); 0 means the model's
     /// training context.
@@ -227,16 +228,7 @@ impl AppState {
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
-    let gpu = match args.devices[..] {
-        [] => 0,
-        [one] => one,
-        // A server computes on one GPU.
-        _ => bail!(
-            "--devices names {} GPUs, but a server computes on one: run one server per GPU \
-             behind a router",
-            args.devices.len()
-        ),
-    };
+    let gpu = args.devices.first().copied().unwrap_or(0);
     if args.device == "gpu" {
         // Said before listening: nothing could be served.
         if let Err(e) = hip_backend::Device::open(gpu) {
@@ -332,6 +324,11 @@ async fn serve(
         step_tokens: args.step_tokens,
         device: args.device.clone(),
         gpu: args.devices.first().copied().unwrap_or(0),
+        split: (args.devices.len() > 1).then(|| model::gpu::SplitOptions {
+            devices: args.devices.clone(),
+            ratios: None,
+            chunk: None,
+        }),
         gpu_tuning,
         delay: Duration::from_millis(args.debug_load_delay_ms),
         template_source,
@@ -427,8 +424,10 @@ struct LoadConfig {
     step_tokens: usize,
     /// `auto`, `cpu` or `gpu`.
     device: String,
-    /// The GPU's ordinal.
+    /// The (first) GPU's ordinal.
     gpu: usize,
+    /// Several GPUs: the model split by layers over them.
+    split: Option<model::gpu::SplitOptions>,
     gpu_tuning: GpuTuning,
     delay: Duration,
     /// `--chat-template-file`'s template, in place of the file's.
@@ -436,9 +435,13 @@ struct LoadConfig {
 }
 
 /// Whether `model` can run on GPU `gpu`: the reason when not.
-fn gpu_usable(model: &Model, gpu: usize) -> std::result::Result<(), String> {
+fn gpu_usable(model: &Model, gpu: usize, split: bool) -> std::result::Result<(), String> {
     model.check_gpu_support().map_err(|e| e.to_string())?;
     let device = hip_backend::Device::open(gpu).map_err(|e| e.to_string())?;
+    if split {
+        // Each device of a split checks its own share as it is built.
+        return Ok(());
+    }
     model::gpu::check_experts_fit(model, &device, None).map_err(|e| e.to_string())
 }
 
@@ -470,7 +473,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     state.set_progress(0.05);
     let on_gpu = match config.device.as_str() {
         "cpu" => false,
-        device => match gpu_usable(&model, config.gpu) {
+        device => match gpu_usable(&model, config.gpu, config.split.is_some()) {
             Ok(()) => true,
             Err(why) if device == "auto" => {
                 tracing::info!(%why, "serving on the CPU");
@@ -553,7 +556,13 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
             stop: None,
             tuning: config.gpu_tuning,
         };
-        let scheduler = Scheduler::start_on_gpu(model, tokens, scheduler_config, options)?;
+        let scheduler = match &config.split {
+            None => Scheduler::start_on_gpu(model, tokens, scheduler_config, options)?,
+            Some(split) => {
+                tracing::info!(devices = ?split.devices, "the model split by layers");
+                Scheduler::start_on_gpus(model, tokens, scheduler_config, options, split.clone())?
+            }
+        };
         tracing::info!(device = "gpu", "serving");
         let metrics = Arc::clone(scheduler.metrics());
         let stats: DeviceCacheStats = Box::new(move || metrics.device_cache().unwrap_or_default());

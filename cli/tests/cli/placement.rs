@@ -48,9 +48,3 @@ fn a_bad_split_ratio_is_refused_by_the_argument_parser() {
     assert!(!output.status.success());
     assert!(!super::stderr(&output).contains("panicked"));
 }
-
-#[test]
-fn a_server_on_several_gpus_is_refused_before_it_listens() {
-    let output = run(&["serve", "--gguf", "no-such-model.gguf", "--devices", "0,1"]);
-    assert_fails_with(&output, "but a server computes on one");
-}

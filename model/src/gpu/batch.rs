@@ -36,7 +36,11 @@ impl GpuModel {
             })
             .collect();
         self.eval_batch(&segments, BatchOut::Logits)?;
-        let n: usize = segments.iter().map(|s| s.tokens.len()).sum();
+        self.hidden_rows(segments.iter().map(|s| s.tokens.len()).sum())
+    }
+
+    /// The first `n` rows of the residual stream, after the final norm, on the host.
+    pub(super) fn hidden_rows(&self, n: usize) -> Result<Vec<f32>, ModelError> {
         let mut rows = vec![0f32; n * self.config.n_embd];
         let x = self.bufs.x_view(rows.len())?;
         self.stream
@@ -94,6 +98,34 @@ impl GpuModel {
         out: BatchOut,
     ) -> Result<usize, ModelError> {
         let argmax = out == BatchOut::Tokens;
+        let batch = self.lay_out_batch(segments)?;
+        self.run_batch(&batch, argmax)?;
+        self.finish_batch(&batch, out)
+    }
+
+    /// What [`GpuModel::eval_batch`] hands back once `batch` has run: its rows of
+    /// logits or greedy tokens copied back, as `out` says, and how many there are.
+    pub(super) fn finish_batch(
+        &mut self,
+        batch: &PagedBatch,
+        out: BatchOut,
+    ) -> Result<usize, ModelError> {
+        let m = batch.n_logits;
+        if m == 0 {
+            return self.sync().map(|()| 0);
+        }
+        if out != BatchOut::OnDevice {
+            self.copy_rows_back(m, out == BatchOut::Tokens)?;
+        }
+        Ok(m)
+    }
+
+    /// Checks a batch against the cache and lays it out in device memory: its tokens,
+    /// positions, tables and rows of logits.
+    pub(super) fn lay_out_batch(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+    ) -> Result<PagedBatch, ModelError> {
         let bad = |what: String| Err(ModelError::InvalidBatch(what));
         let Some((shape, _)) = &self.pages else {
             return bad("the model was set up without a paged cache (GpuModel::with_pages)".into());
@@ -198,6 +230,13 @@ impl GpuModel {
                 .copy_h2d_async(host_meta, 0..meta_len, dst)
                 .map_err(gpu("copying the batch"))?;
         }
+        Ok(batch)
+    }
+
+    /// Runs a batch laid out by [`GpuModel::lay_out_batch`] (a stage of a layer split
+    /// without the head: its layers only).
+    pub(super) fn run_batch(&mut self, batch: &PagedBatch, argmax: bool) -> Result<(), ModelError> {
+        let n = batch.n_tokens;
         // A decode step's layout depends on its number of sequences only: the positions,
         // tables and rows are read from device memory, so one graph serves every step of
         // that many sequences.
@@ -207,18 +246,10 @@ impl GpuModel {
             && batch.segments.iter().all(|s| s.len == 1)
             && self.can_hold()?;
         if decode_step {
-            self.replay_batch_step(&batch, argmax)?;
+            self.replay_batch_step(batch, argmax)
         } else {
-            self.run_layers(n, Layout::Paged(&batch), End::Rows { argmax })?;
+            self.run_layers(n, Layout::Paged(batch), End::Rows { argmax })
         }
-        let m = batch.n_logits;
-        if m == 0 {
-            return self.sync().map(|()| 0);
-        }
-        if out != BatchOut::OnDevice {
-            self.copy_rows_back(m, argmax)?;
-        }
-        Ok(m)
     }
 
     /// A paged decode step (`batch`: one token of each sequence, every row's logits)
@@ -243,6 +274,10 @@ impl GpuModel {
                     stream,
                     None,
                 )?;
+                if globals.head.is_none() {
+                    // A stage of a layer split that hands its residual stream on.
+                    return Ok(());
+                }
                 forward::finish_rows(config, globals, bufs, batch, argmax, stream)
             })?;
             self.batch_steps.insert(key, graph);
@@ -258,6 +293,14 @@ impl GpuModel {
 
 /// A paged batch whose pass is queued on the device ([`GpuModel::launch_batch`]); its
 /// logits stay there until it is asked for them or for its greedy tokens.
+impl<'g> LaunchedBatch<'g> {
+    /// The batch whose `rows` rows of logits `gpu` has on the device (a layer split's
+    /// last stage).
+    pub(super) fn of(gpu: &'g mut GpuModel, rows: usize) -> LaunchedBatch<'g> {
+        LaunchedBatch { gpu, rows }
+    }
+}
+
 #[must_use = "the batch's results are read through it"]
 pub struct LaunchedBatch<'g> {
     gpu: &'g mut GpuModel,
@@ -428,7 +471,7 @@ impl GpuModel {
 /// What a paged batch leaves: its rows of logits copied back, its greedy tokens copied
 /// back, or its logits on the device (for more work there).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BatchOut {
+pub(super) enum BatchOut {
     Logits,
     Tokens,
     OnDevice,

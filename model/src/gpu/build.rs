@@ -51,6 +51,16 @@ impl GpuModel {
         prompt_batch: usize,
         pages: PageOptions,
     ) -> Result<GpuModel, ModelError> {
+        let shape = GpuModel::page_shape(options, pages)?;
+        let whole = Part::whole(model.config().n_layers);
+        GpuModel::build(model, options, prompt_batch, Some(shape), whole)
+    }
+
+    /// The paged cache's shape `pages` asks for, checked.
+    pub(super) fn page_shape(
+        options: &GpuOptions,
+        pages: PageOptions,
+    ) -> Result<PageShape, ModelError> {
         let bad = |what: String| Err(ModelError::InvalidBatch(what));
         if !pages.block_size.is_power_of_two() {
             return bad(format!(
@@ -74,14 +84,12 @@ impl GpuModel {
                 pages.n_blocks, pages.block_size
             ));
         }
-        let shape = PageShape {
+        Ok(PageShape {
             n_blocks: pages.n_blocks,
             block_shift: pages.block_size.trailing_zeros(),
             max_sequences: pages.max_sequences,
             table_len: options.context_size.max(1).div_ceil(pages.block_size),
-        };
-        let whole = Part::whole(model.config().n_layers);
-        GpuModel::build(model, options, prompt_batch, Some(shape), whole)
+        })
     }
 
     /// The model that computes `part` of `model` on `options.device`: the whole model, or

@@ -29,6 +29,8 @@
 mod batch;
 pub use batch::LaunchedBatch;
 mod build;
+mod engine;
+pub use engine::GpuEngine;
 mod expert_pool;
 pub use expert_pool::ExpertStats;
 mod fits;

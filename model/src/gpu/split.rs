@@ -228,6 +228,30 @@ impl LayerSplit {
         split: &SplitOptions,
         prompt_batch: usize,
     ) -> Result<LayerSplit, ModelError> {
+        LayerSplit::build(model, options, split, prompt_batch, None)
+    }
+
+    /// As [`LayerSplit::new`], each device's KV cache also a pool of `pages`' blocks (of
+    /// its layers), for [`LayerSplit::launch_batch`] as [`GpuModel::with_pages`] is for
+    /// [`GpuModel::launch_batch`]: the same block tables serve every device.
+    pub fn with_pages(
+        model: &Model,
+        options: &GpuOptions,
+        split: &SplitOptions,
+        prompt_batch: usize,
+        pages: super::PageOptions,
+    ) -> Result<LayerSplit, ModelError> {
+        let shape = GpuModel::page_shape(options, pages)?;
+        LayerSplit::build(model, options, split, prompt_batch, Some(shape))
+    }
+
+    fn build(
+        model: &Model,
+        options: &GpuOptions,
+        split: &SplitOptions,
+        prompt_batch: usize,
+        pages: Option<super::forward::PageShape>,
+    ) -> Result<LayerSplit, ModelError> {
         let ranges = split_layers(model, split.devices.len(), split.ratios.as_deref())?;
         let min_chunk = pipeline_chunk(model, &ranges);
         let devices = split
@@ -285,7 +309,7 @@ impl LayerSplit {
                         "a stage of the layer split"
                     );
                     scope.spawn(move || {
-                        GpuModel::build(model, &stage_options, prompt_batch, None, part)
+                        GpuModel::build(model, &stage_options, prompt_batch, pages, part)
                     })
                 })
                 .collect();
@@ -411,6 +435,117 @@ impl LayerSplit {
 
     fn last(&self) -> &GpuModel {
         self.stages.last().expect("a split has a stage")
+    }
+
+    /// Most tokens of a prompt's chunk, and of a paged batch.
+    pub fn prompt_batch(&self) -> usize {
+        self.stages[0].prompt_batch
+    }
+
+    /// The devices' weight caches' counters, added up (the budget too).
+    pub fn cache_stats(&self) -> tensor_store::device::CacheStats {
+        let mut sum = tensor_store::device::CacheStats::default();
+        for stage in &self.stages {
+            let s = stage.cache.stats();
+            sum.uploads += s.uploads;
+            sum.uploaded_bytes += s.uploaded_bytes;
+            sum.evictions += s.evictions;
+            sum.hits += s.hits;
+            sum.misses += s.misses;
+            sum.resident_tensors += s.resident_tensors;
+            sum.resident_bytes += s.resident_bytes;
+            sum.reserved_bytes += s.reserved_bytes;
+            sum.loading_bytes += s.loading_bytes;
+            sum.budget = sum.budget.saturating_add(s.budget);
+        }
+        sum
+    }
+
+    /// Runs a paged batch through every device ([`GpuModel::launch_batch`]'s work, each
+    /// device its layers) and leaves its logits on the last device.
+    pub fn launch_batch(
+        &mut self,
+        segments: &[super::BatchSegment<'_>],
+    ) -> Result<super::LaunchedBatch<'_>, ModelError> {
+        let rows = self.eval_batch(segments, super::batch::BatchOut::OnDevice)?;
+        let last = self.stages.last_mut().expect("a split has a stage");
+        Ok(super::LaunchedBatch::of(last, rows))
+    }
+
+    /// [`GpuModel::forward_batch_hidden`] over the devices: every token's hidden state
+    /// after the final norm.
+    pub fn forward_batch_hidden(
+        &mut self,
+        segments: &[super::BatchSegment<'_>],
+    ) -> Result<Vec<f32>, ModelError> {
+        self.stages
+            .last()
+            .expect("a split has a stage")
+            .device
+            .make_current()
+            .map_err(gpu("device"))?;
+        let segments: Vec<super::BatchSegment<'_>> = segments
+            .iter()
+            .map(|s| super::BatchSegment {
+                logits: false,
+                ..*s
+            })
+            .collect();
+        self.eval_batch(&segments, super::batch::BatchOut::Logits)?;
+        let last = self.stages.last().expect("a split has a stage");
+        last.hidden_rows(segments.iter().map(|s| s.tokens.len()).sum())
+    }
+
+    /// A paged batch through every stage, each queued after the residual stream it
+    /// takes is on its device and before the next batch overwrites it; the last
+    /// stage's rows copied back as `out` says.
+    fn eval_batch(
+        &mut self,
+        segments: &[super::BatchSegment<'_>],
+        out: super::batch::BatchOut,
+    ) -> Result<usize, ModelError> {
+        let argmax = out == super::batch::BatchOut::Tokens;
+        let rows = segments.iter().map(|s| s.tokens.len()).sum::<usize>() * self.n_embd;
+        let LayerSplit {
+            stages,
+            handed,
+            freed,
+            ..
+        } = self;
+        let mut last_batch = None;
+        for k in 0..stages.len() {
+            let (done, rest) = stages.split_at_mut(k + 1);
+            let stage = &mut done[k];
+            stage.device.make_current().map_err(gpu("device"))?;
+            let batch = stage.lay_out_batch(segments)?;
+            if k > 0 {
+                stage
+                    .stream
+                    .wait_event(&handed[k - 1])
+                    .map_err(gpu("waiting for the residual stream"))?;
+            }
+            stage.run_batch(&batch, argmax)?;
+            if let Some(next) = rest.first_mut() {
+                stage
+                    .stream
+                    .wait_event(&freed[k + 1])
+                    .map_err(gpu("waiting for the next stage"))?;
+                stage
+                    .stream
+                    .copy_peer_async(stage.bufs.x_view(rows)?, next.bufs.x_mut(rows)?)
+                    .map_err(gpu("handing the residual stream on"))?;
+                handed[k]
+                    .record(&stage.stream)
+                    .map_err(gpu("handing the residual stream on"))?;
+            }
+            freed[k]
+                .record(&stage.stream)
+                .map_err(gpu("handing the residual stream on"))?;
+            last_batch = Some(batch);
+        }
+        let batch = last_batch.expect("a split has a stage");
+        let last = stages.last_mut().expect("a split has a stage");
+        last.finish_batch(&batch, out)
     }
 
     /// Runs `tokens` through every stage, in chunks of the prompt batch, and leaves what

@@ -280,14 +280,26 @@ impl Scheduler {
         config: SchedulerConfig,
         options: GpuOptions,
     ) -> Result<Scheduler, ServeError> {
-        Scheduler::start_with(model, tokenizer, config, Some(options))
+        Scheduler::start_with(model, tokenizer, config, Some((options, None)))
+    }
+
+    /// As [`Scheduler::start_on_gpu`], the model split by layers over several GPUs as
+    /// `split` says (each device its layers' part of every block of the pool).
+    pub fn start_on_gpus(
+        model: Model,
+        tokenizer: Arc<Tokenizer>,
+        config: SchedulerConfig,
+        options: GpuOptions,
+        split: crate::gpu::SplitOptions,
+    ) -> Result<Scheduler, ServeError> {
+        Scheduler::start_with(model, tokenizer, config, Some((options, Some(split))))
     }
 
     fn start_with(
         model: Model,
         tokenizer: Arc<Tokenizer>,
         config: SchedulerConfig,
-        gpu: Option<GpuOptions>,
+        gpu: Option<(GpuOptions, Option<crate::gpu::SplitOptions>)>,
     ) -> Result<Scheduler, ServeError> {
         config.validate()?;
         config
@@ -307,7 +319,9 @@ impl Scheduler {
                 .name("scheduler".into())
                 .spawn(move || {
                     let mut looper = Loop::new(&model, &tokenizer, config, metrics, waiting);
-                    if let Some(Err(e)) = gpu.map(|options| looper.start_gpu(options)) {
+                    let started =
+                        gpu.map(|(options, split)| looper.start_gpu(options, split.as_ref()));
+                    if let Some(Err(e)) = started {
                         let _ = ready_tx.send(Err(ServeError::Gpu(e.to_string())));
                         return;
                     }

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::gpu::{GpuModel, GpuOptions, PageOptions, PROMPT_BATCH};
+use crate::gpu::{GpuEngine, GpuOptions, PageOptions, SplitOptions, PROMPT_BATCH};
 use crate::logprobs::TokenLogprob;
 use crate::sampling::Sampler;
 use crate::tokenizer::Tokenizer;
@@ -35,7 +35,7 @@ pub(super) struct Loop<'m> {
     waiting_count: Arc<AtomicUsize>,
     pool: KvPool,
     /// The GPU that computes the steps (the CPU when `None`).
-    gpu: Option<GpuModel>,
+    gpu: Option<GpuEngine>,
     waiting: VecDeque<Sequence<'m>>,
     running: Vec<Sequence<'m>>,
     /// Embeddings requests, oldest first, with the vectors of their first inputs.
@@ -81,7 +81,11 @@ impl<'m> Loop<'m> {
 
     /// Moves the steps to a GPU whose paged cache has the pool's blocks, and waits for
     /// every weight to be there. The pool then keeps only the books.
-    pub(super) fn start_gpu(&mut self, options: GpuOptions) -> Result<(), ModelError> {
+    pub(super) fn start_gpu(
+        &mut self,
+        options: GpuOptions,
+        split: Option<&SplitOptions>,
+    ) -> Result<(), ModelError> {
         let options = GpuOptions {
             context_size: self.config.context_size,
             kv_types: self.config.kv_types,
@@ -93,7 +97,7 @@ impl<'m> Loop<'m> {
             n_blocks: self.pool.n_blocks(),
             max_sequences: self.config.max_sequences,
         };
-        let mut gpu = GpuModel::with_pages(self.model, &options, PROMPT_BATCH, pages)?;
+        let mut gpu = GpuEngine::with_pages(self.model, &options, split, PROMPT_BATCH, pages)?;
         gpu.wait_loaded()?;
         gpu.wait_experts_resident()?;
         self.pool.drop_storage();
@@ -463,7 +467,7 @@ impl<'m> Loop<'m> {
         SchedulerMetrics::set(&m.kv_blocks_used, self.pool.blocks_in_use() as u64);
         SchedulerMetrics::set(&m.kv_blocks_cached, self.pool.blocks_cached() as u64);
         if let Some(gpu) = &self.gpu {
-            m.set_device_cache(gpu.cache().stats());
+            m.set_device_cache(gpu.cache_stats());
             m.set_expert_pools(gpu.expert_stats());
         }
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::constraint::{Constraint, TokenMask};
-use crate::gpu::{BatchSegment, GpuModel, MAX_BATCH};
+use crate::gpu::{BatchSegment, GpuEngine, MAX_BATCH};
 use crate::tokenizer::TokenId;
 use crate::ModelError;
 
@@ -300,7 +300,7 @@ fn choose_all(rows: &mut [(&mut Sequence<'_>, &mut [f32])]) -> Vec<Result<TokenI
 /// long prompt in pieces, each after the ones before it), their logits in order into
 /// `logits`; `masks` computed while the device runs the first batch.
 fn gpu_step(
-    gpu: &mut GpuModel,
+    gpu: &mut GpuEngine,
     segments: &[Segment<'_>],
     logits: &mut Vec<f32>,
     masks: &mut StepMasks,
@@ -317,7 +317,7 @@ fn gpu_step(
 /// As [`gpu_step`], the greedy tokens taken on the device instead of the logits, each
 /// segment's row first added its `biases` there and held to its grammar's mask.
 fn gpu_step_argmax(
-    gpu: &mut GpuModel,
+    gpu: &mut GpuEngine,
     segments: &[Segment<'_>],
     biases: &[&[(TokenId, f32)]],
     masks: &mut StepMasks,
@@ -398,9 +398,9 @@ impl StepMasks {
 /// Runs `segments` through `run` in batches of at most the model's batch of tokens, in
 /// order; `run` also gets, for each of the batch's pieces, the index of its segment.
 pub(super) fn in_batches(
-    gpu: &mut GpuModel,
+    gpu: &mut GpuEngine,
     segments: &[Segment<'_>],
-    mut run: impl FnMut(&mut GpuModel, &[BatchSegment<'_>], &[usize]) -> Result<(), ModelError>,
+    mut run: impl FnMut(&mut GpuEngine, &[BatchSegment<'_>], &[usize]) -> Result<(), ModelError>,
 ) -> Result<(), ModelError> {
     let room = gpu.prompt_batch().max(MAX_BATCH);
     let mut batch: Vec<BatchSegment<'_>> = Vec::new();

@@ -30,7 +30,7 @@ use tensor_store::TensorStore;
 
 use super::generate::{build_decoded, Blocks, SPECS};
 use super::{argmax, load_file, open_spec, spec};
-use batched::{batched, embeddings_on_gpu, scheduler_on_gpu};
+use batched::{batched, embeddings_on_gpu, scheduler_on, scheduler_on_gpu};
 use check::check;
 use constrained::{constrained_on_cpu, constrained_on_gpu};
 

@@ -251,6 +251,12 @@ pub(super) fn batched(name: &str, types: model::KvTypes) {
 /// the alone run (its top two within the tolerance rule); the device cache's counters
 /// reach the scheduler's metrics.
 pub(super) fn scheduler_on_gpu(name: &str) {
+    scheduler_on(name, 1);
+}
+
+/// [`scheduler_on_gpu`] with the model split by layers over `stages` devices (more than
+/// one; several stages share a device where the machine has fewer).
+pub(super) fn scheduler_on(name: &str, stages: usize) {
     use std::sync::atomic::AtomicBool;
     use std::sync::{mpsc, Arc};
     use std::time::Duration;
@@ -258,7 +264,7 @@ pub(super) fn scheduler_on_gpu(name: &str) {
     use model::sampling::SamplingParams;
     use model::serve::{Event, Request, Scheduler, SchedulerConfig};
 
-    let test = format!("gpu_scheduler_{name}");
+    let test = format!("gpu_scheduler_{name}_over_{stages}");
     let (_dir, store, model) = open_spec(name);
     let tokenizer = Arc::new(Tokenizer::from_metadata(store.metadata()).expect("tokenizer"));
     let n_vocab = model.config().n_vocab as u32;
@@ -313,8 +319,19 @@ pub(super) fn scheduler_on_gpu(name: &str) {
         context_shift: None,
     };
     let options = GpuOptions::new(UploadMode::Background, context);
-    let scheduler = Scheduler::start_on_gpu(model.clone(), Arc::clone(&tokenizer), config, options)
-        .unwrap_or_else(|e| panic!("{test}: {e}"));
+    let tokens = Arc::clone(&tokenizer);
+    let scheduler = if stages > 1 {
+        let count = hip_backend::Device::count().unwrap_or(1).max(1);
+        let split = model::gpu::SplitOptions {
+            devices: (0..stages).map(|k| k % count).collect(),
+            ratios: None,
+            chunk: None,
+        };
+        Scheduler::start_on_gpus(model.clone(), tokens, config, options, split)
+    } else {
+        Scheduler::start_on_gpu(model.clone(), tokens, config, options)
+    }
+    .unwrap_or_else(|e| panic!("{test}: {e}"));
     let receivers: Vec<_> = prompts
         .iter()
         .map(|prompt| {

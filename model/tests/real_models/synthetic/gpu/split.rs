@@ -1,5 +1,5 @@
 use super::*;
-use model::gpu::{LayerSplit, SplitOptions};
+use model::gpu::{BatchSegment, LayerSplit, PageOptions, SplitOptions};
 
 /// The stages a split takes on this machine: `stages` of them, over every GPU in turn
 /// (several stages on one device where there are fewer devices: the same code, with
@@ -163,4 +163,119 @@ fn gpu_split_over_a_budget_is_refused() {
         Err(other) => panic!("refused for another reason: {other}"),
         Ok(_) => panic!("a split over its budget was accepted"),
     }
+}
+
+/// Paged batches over a split: a batch of prompts, then decode steps (captured as
+/// graphs), their logits and greedy tokens and the hidden states, the one-device model's
+/// bit for bit.
+fn paged_batches_match_one_device(name: &str, test: &str) {
+    let (_dir, _store, model) = open_spec(name);
+    let options = GpuOptions::new(UploadMode::Eager, 128);
+    let pages = PageOptions {
+        block_size: 16,
+        n_blocks: 32,
+        max_sequences: 4,
+    };
+    let one = match GpuModel::with_pages(&model, &options, PROMPT_BATCH, pages) {
+        Ok(gpu) => gpu,
+        Err(model::ModelError::Gpu { source, .. }) if source.is_unavailable() => {
+            return skip(test, &source.to_string())
+        }
+        Err(e) => panic!("{test}: {e}"),
+    };
+    let split = SplitOptions {
+        devices: devices(2),
+        ratios: None,
+        chunk: None,
+    };
+    let many = LayerSplit::with_pages(&model, &options, &split, PROMPT_BATCH, pages)
+        .unwrap_or_else(|e| panic!("{test}: {e}"));
+    let mut engines = [
+        model::gpu::GpuEngine::One(Box::new(one)),
+        model::gpu::GpuEngine::Split(many),
+    ];
+    let n_vocab = model.config().n_vocab as u32;
+    let tables: Vec<Vec<u32>> = (0..3u32).map(|s| (s * 8..s * 8 + 8).collect()).collect();
+    let prompts: Vec<Vec<u32>> = [5u32, 17, 40]
+        .iter()
+        .map(|&len| (0..len).map(|i| (i * 11 + len) % n_vocab).collect())
+        .collect();
+    let mut results: Vec<Vec<Vec<u32>>> = Vec::new();
+    for engine in &mut engines {
+        let mut seen = Vec::new();
+        let segments: Vec<BatchSegment<'_>> = prompts
+            .iter()
+            .zip(&tables)
+            .map(|(p, t)| BatchSegment {
+                tokens: p,
+                first_pos: 0,
+                table: t,
+                logits: true,
+            })
+            .collect();
+        let logits = engine.launch_batch(&segments).expect("prompts").logits();
+        seen.push(bits(logits.expect("logits")));
+        let mut next: Vec<u32> = (0..3).map(|s| 7 + s).collect();
+        let mut lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        for step in 0..6 {
+            let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+            let segments: Vec<BatchSegment<'_>> = (0..3)
+                .map(|s| BatchSegment {
+                    tokens: &tokens[s],
+                    first_pos: lens[s],
+                    table: &tables[s],
+                    logits: true,
+                })
+                .collect();
+            let launched = engine.launch_batch(&segments).expect("a decode step");
+            if step % 2 == 0 {
+                next = launched.argmax(&[], &[]).expect("greedy");
+                seen.push(next.clone());
+            } else {
+                let rows = launched.logits().expect("logits");
+                seen.push(bits(rows));
+                next = (0..3)
+                    .map(|s| argmax(&rows[s * n_vocab as usize..][..n_vocab as usize]) as u32)
+                    .collect();
+            }
+            for len in &mut lens {
+                *len += 1;
+            }
+        }
+        let last = [next[0], 3 % n_vocab];
+        let hidden = engine
+            .forward_batch_hidden(&[BatchSegment {
+                tokens: &last,
+                first_pos: lens[0],
+                table: &tables[0],
+                logits: false,
+            }])
+            .expect("hidden states");
+        seen.push(bits(&hidden));
+        results.push(seen);
+    }
+    assert_eq!(results[0].len(), results[1].len());
+    for (i, (a, b)) in results[0].iter().zip(&results[1]).enumerate() {
+        assert_eq!(a, b, "{test}: result {i}");
+    }
+}
+
+#[test]
+fn gpu_split_paged_batches_llama_q4_k() {
+    paged_batches_match_one_device("llama-q4_k", "gpu_split_paged_batches_llama_q4_k");
+}
+
+#[test]
+fn gpu_split_paged_batches_gpt_oss() {
+    paged_batches_match_one_device("gpt-oss", "gpu_split_paged_batches_gpt_oss");
+}
+
+#[test]
+fn gpu_split_scheduler_gemma3() {
+    scheduler_on("gemma3", 3);
+}
+
+#[test]
+fn gpu_split_scheduler_qwen3moe() {
+    scheduler_on("qwen3moe-random", 2);
 }

@@ -1,0 +1,179 @@
+//! [`GpuEngine`]: a model on one GPU ([`GpuModel`]) or split by layers over several
+//! ([`LayerSplit`]), behind the calls its users make of either: one sequence's (the
+//! generation loop's [`Session`], perplexity's [`WindowLogits`]) and paged batches'
+//! (the server's scheduler).
+
+use std::time::Instant;
+
+use tensor_store::device::CacheStats;
+
+use super::{
+    BatchSegment, ExpertStats, GpuModel, GpuOptions, LaunchedBatch, LayerSplit, PageOptions,
+    SplitOptions,
+};
+use crate::generate::Session;
+use crate::perplexity::WindowLogits;
+use crate::{Model, ModelError};
+
+/// A model on one GPU, or split by layers over several.
+pub enum GpuEngine {
+    One(Box<GpuModel>),
+    Split(LayerSplit),
+}
+
+impl GpuEngine {
+    /// `model` on `options.device` alone (`split`: `None`), or split as `split` says;
+    /// prompts in chunks of `prompt_batch`.
+    pub fn new(
+        model: &Model,
+        options: &GpuOptions,
+        split: Option<&SplitOptions>,
+        prompt_batch: usize,
+    ) -> Result<GpuEngine, ModelError> {
+        Ok(match split {
+            None => GpuEngine::One(Box::new(GpuModel::with_prompt_batch(
+                model,
+                options,
+                prompt_batch,
+            )?)),
+            Some(split) => GpuEngine::Split(LayerSplit::new(model, options, split, prompt_batch)?),
+        })
+    }
+
+    /// As [`GpuEngine::new`], with a paged KV cache of `pages` for paged batches.
+    pub fn with_pages(
+        model: &Model,
+        options: &GpuOptions,
+        split: Option<&SplitOptions>,
+        prompt_batch: usize,
+        pages: PageOptions,
+    ) -> Result<GpuEngine, ModelError> {
+        Ok(match split {
+            None => GpuEngine::One(Box::new(GpuModel::with_pages(
+                model,
+                options,
+                prompt_batch,
+                pages,
+            )?)),
+            Some(split) => GpuEngine::Split(LayerSplit::with_pages(
+                model,
+                options,
+                split,
+                prompt_batch,
+                pages,
+            )?),
+        })
+    }
+
+    pub fn session(&mut self) -> &mut dyn Session {
+        match self {
+            GpuEngine::One(gpu) => gpu.as_mut(),
+            GpuEngine::Split(gpu) => gpu,
+        }
+    }
+
+    pub fn windows(&mut self) -> &mut dyn WindowLogits {
+        match self {
+            GpuEngine::One(gpu) => gpu.as_mut(),
+            GpuEngine::Split(gpu) => gpu,
+        }
+    }
+
+    /// Positions in the KV cache of one sequence.
+    pub fn len(&self) -> usize {
+        match self {
+            GpuEngine::One(gpu) => gpu.len(),
+            GpuEngine::Split(gpu) => gpu.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets every position of one sequence.
+    pub fn clear(&mut self) -> Result<(), ModelError> {
+        match self {
+            GpuEngine::One(gpu) => gpu.clear(),
+            GpuEngine::Split(gpu) => gpu.clear(),
+        }
+    }
+
+    /// When every weight had been uploaded once.
+    pub fn uploaded_at(&self) -> Option<Instant> {
+        match self {
+            GpuEngine::One(gpu) => gpu.uploaded_at(),
+            GpuEngine::Split(gpu) => gpu.uploaded_at(),
+        }
+    }
+
+    /// When the first pass had the last of the weights it waits for.
+    pub fn first_pass_weights_at(&self) -> Option<Instant> {
+        match self {
+            GpuEngine::One(gpu) => gpu.first_pass_weights_at(),
+            GpuEngine::Split(gpu) => gpu.first_pass_weights_at(),
+        }
+    }
+
+    /// Waits until every weight is on its device.
+    pub fn wait_loaded(&self) -> Result<(), ModelError> {
+        match self {
+            GpuEngine::One(gpu) => gpu.wait_loaded(),
+            GpuEngine::Split(gpu) => gpu.wait_loaded(),
+        }
+    }
+
+    /// [`GpuModel::wait_experts_resident`] (a split holds every expert: nothing to wait for).
+    pub fn wait_experts_resident(&mut self) -> Result<(), ModelError> {
+        match self {
+            GpuEngine::One(gpu) => gpu.wait_experts_resident(),
+            GpuEngine::Split(_) => Ok(()),
+        }
+    }
+
+    /// Most tokens of a prompt's chunk, and of a paged batch.
+    pub fn prompt_batch(&self) -> usize {
+        match self {
+            GpuEngine::One(gpu) => gpu.prompt_batch(),
+            GpuEngine::Split(gpu) => gpu.prompt_batch(),
+        }
+    }
+
+    /// The weights' device caches' counters (a split's added up).
+    pub fn cache_stats(&self) -> CacheStats {
+        match self {
+            GpuEngine::One(gpu) => gpu.cache().stats(),
+            GpuEngine::Split(gpu) => gpu.cache_stats(),
+        }
+    }
+
+    /// [`GpuModel::expert_stats`] (a split holds every expert: `None`).
+    pub fn expert_stats(&self) -> Option<ExpertStats> {
+        match self {
+            GpuEngine::One(gpu) => gpu.expert_stats(),
+            GpuEngine::Split(_) => None,
+        }
+    }
+
+    /// [`GpuModel::launch_batch`].
+    pub fn launch_batch(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+    ) -> Result<LaunchedBatch<'_>, ModelError> {
+        match self {
+            GpuEngine::One(gpu) => gpu.launch_batch(segments),
+            GpuEngine::Split(gpu) => gpu.launch_batch(segments),
+        }
+    }
+
+    /// [`GpuModel::forward_batch_hidden`].
+    pub fn forward_batch_hidden(
+        &mut self,
+        segments: &[BatchSegment<'_>],
+    ) -> Result<Vec<f32>, ModelError> {
+        match self {
+            GpuEngine::One(gpu) => gpu.forward_batch_hidden(segments),
+            GpuEngine::Split(gpu) => gpu.forward_batch_hidden(segments),
+        }
+    }
+}
