@@ -15,6 +15,10 @@ use std::ops::Range;
 
 use hip_backend::{Device, Event};
 
+mod sizes;
+
+use sizes::{chunk_len, per_layer, pipeline_chunk, split_by_bytes};
+
 use super::{gpu, GpuModel, GpuOptions, Part, Want, MAX_BATCH};
 use crate::{Model, ModelError};
 
@@ -78,123 +82,6 @@ pub fn stage_orders(
             super::use_order(&plan, &part)
         })
         .collect()
-}
-
-/// `of` summed over each layer's tensors.
-fn per_layer(model: &Model, of: impl Fn(&tensor_store::TensorHandle) -> f64) -> Vec<f64> {
-    let plan = model.plan();
-    let mut sums = vec![0.0; plan.layers.len()];
-    for handle in plan.handles() {
-        let layer = handle
-            .name()
-            .strip_prefix("blk.")
-            .and_then(|rest| rest.split('.').next())
-            .and_then(|n| n.parse::<usize>().ok());
-        if let Some(sum) = layer.and_then(|l| sums.get_mut(l)) {
-            *sum += of(handle);
-        }
-    }
-    sums
-}
-
-/// The arithmetic a prompt's chunk gives each device at the least, in operations, where
-/// [`SplitOptions::chunk`]'s default cuts a prompt: about 20 ms of an H100's or H200's
-/// products, so that a chunk's fixed costs (its launches, the copy between devices)
-/// stay small beside it. Measured on two H200: a 70B's 512-token prompt in four chunks
-/// of 128 ran 1.27x as fast as in one, a 7B's (a fifth of this work a chunk) 0.86x.
-const PIPELINE_WORK: f64 = 3.2e12;
-
-/// The fewest tokens of a chunk that gives the device with the most products `PIPELINE_WORK`
-/// (two operations a weight and token; a mixture's experts their routed share).
-fn pipeline_chunk(model: &Model, ranges: &[Range<usize>]) -> usize {
-    let routed = model
-        .config()
-        .experts
-        .map_or(1.0, |e| e.used as f64 / e.count as f64);
-    let values = per_layer(model, |h| {
-        let matrix = h.shape().len() >= 2 && !h.name().contains("norm");
-        let share = if h.name().contains("_exps.") {
-            routed
-        } else {
-            1.0
-        };
-        if matrix {
-            h.shape().iter().product::<u64>() as f64 * share
-        } else {
-            0.0
-        }
-    });
-    let most = ranges
-        .iter()
-        .map(|r| values[r.clone()].iter().sum::<f64>())
-        .fold(0.0, f64::max);
-    ((PIPELINE_WORK / (2.0 * most.max(1.0))).ceil() as usize).max(PIPELINE_CHUNK)
-}
-
-fn split_by_bytes(
-    layer_bytes: &[u64],
-    head_bytes: u64,
-    n_parts: usize,
-    ratios: Option<&[f64]>,
-) -> Result<Vec<Range<usize>>, ModelError> {
-    let bad = |ratios: &[f64], reason| ModelError::InvalidGpuOption {
-        name: "tensor_split",
-        value: format!("{ratios:?} for {n_parts} devices"),
-        reason,
-    };
-    let n_layers = layer_bytes.len();
-    if n_parts == 0 || n_parts > n_layers {
-        return Err(ModelError::InvalidGpuOption {
-            name: "devices",
-            value: n_parts.to_string(),
-            reason: "a layer split needs between one device and one device a layer",
-        });
-    }
-    let equal = vec![1.0; n_parts];
-    let ratios = ratios.unwrap_or(&equal);
-    if ratios.len() != n_parts {
-        return Err(bad(ratios, "one ratio a device"));
-    }
-    if ratios.iter().any(|r| !r.is_finite() || *r <= 0.0) {
-        return Err(bad(ratios, "every ratio must be a positive number"));
-    }
-    let total_ratio: f64 = ratios.iter().sum();
-    let total = (layer_bytes.iter().sum::<u64>() + head_bytes) as f64;
-    // Part k ends at the layer boundary nearest to where its share of the bytes ends,
-    // leaving at least one layer to it and to each part after it.
-    let mut ends = Vec::with_capacity(n_parts);
-    let mut start = 0;
-    let mut share = 0.0;
-    for (k, ratio) in ratios.iter().enumerate() {
-        let parts_after = n_parts - 1 - k;
-        if parts_after == 0 {
-            ends.push(n_layers);
-            break;
-        }
-        share += ratio / total_ratio;
-        let target = share * total;
-        let mut end = start + 1;
-        let mut bytes: f64 = layer_bytes[..end].iter().sum::<u64>() as f64;
-        while end < n_layers - parts_after {
-            let next = bytes + layer_bytes[end] as f64;
-            if (next - target).abs() > (bytes - target).abs() {
-                break;
-            }
-            bytes = next;
-            end += 1;
-        }
-        ends.push(end);
-        start = end;
-    }
-    let mut start = 0;
-    Ok(ends
-        .into_iter()
-        .map(|end| {
-            let range = start..end;
-            start = end;
-            range
-        })
-        .collect())
 }
 
 /// A model split by layers over several GPUs ([`SplitOptions`]), with one sequence's KV
@@ -496,8 +383,7 @@ impl LayerSplit {
         last.hidden_rows(segments.iter().map(|s| s.tokens.len()).sum())
     }
 
-    /// A paged batch through every stage, each queued after the residual stream it
-    /// takes is on its device and before the next batch overwrites it; the last
+    /// A paged batch through every stage ([`LayerSplit::through_stages`]), the last
     /// stage's rows copied back as `out` says.
     fn eval_batch(
         &mut self,
@@ -505,46 +391,16 @@ impl LayerSplit {
         out: super::batch::BatchOut,
     ) -> Result<usize, ModelError> {
         let argmax = out == super::batch::BatchOut::Tokens;
-        let rows = segments.iter().map(|s| s.tokens.len()).sum::<usize>() * self.n_embd;
-        let LayerSplit {
-            stages,
-            handed,
-            freed,
-            ..
-        } = self;
-        let mut last_batch = None;
-        for k in 0..stages.len() {
-            let (done, rest) = stages.split_at_mut(k + 1);
-            let stage = &mut done[k];
-            stage.device.make_current().map_err(gpu("device"))?;
+        let n = segments.iter().map(|s| s.tokens.len()).sum::<usize>();
+        let mut laid_out = None;
+        self.through_stages(n, |_, stage| {
             let batch = stage.lay_out_batch(segments)?;
-            if k > 0 {
-                stage
-                    .stream
-                    .wait_event(&handed[k - 1])
-                    .map_err(gpu("waiting for the residual stream"))?;
-            }
             stage.run_batch(&batch, argmax)?;
-            if let Some(next) = rest.first_mut() {
-                stage
-                    .stream
-                    .wait_event(&freed[k + 1])
-                    .map_err(gpu("waiting for the next stage"))?;
-                stage
-                    .stream
-                    .copy_peer_async(stage.bufs.x_view(rows)?, next.bufs.x_mut(rows)?)
-                    .map_err(gpu("handing the residual stream on"))?;
-                handed[k]
-                    .record(&stage.stream)
-                    .map_err(gpu("handing the residual stream on"))?;
-            }
-            freed[k]
-                .record(&stage.stream)
-                .map_err(gpu("handing the residual stream on"))?;
-            last_batch = Some(batch);
-        }
-        let batch = last_batch.expect("a split has a stage");
-        let last = stages.last_mut().expect("a split has a stage");
+            laid_out = Some(batch);
+            Ok(())
+        })?;
+        let batch = laid_out.expect("a split has a stage");
+        let last = self.stages.last_mut().expect("a split has a stage");
         last.finish_batch(&batch, out)
     }
 
@@ -600,10 +456,26 @@ impl LayerSplit {
         head.copy_back(n, want)
     }
 
-    /// One chunk through every stage, each stage's work queued after the stream it
-    /// takes is on its device, and before the next chunk overwrites it.
+    /// One chunk through every stage.
     fn run_chunk(&mut self, chunk: &[u32], want: Want, last: bool) -> Result<(), ModelError> {
         let n = chunk.len();
+        self.through_stages(n, |k, stage| {
+            if k == 0 {
+                stage.write_tokens(chunk)?;
+            }
+            stage.run_stage(n, want, last)
+        })
+    }
+
+    /// `work` of `n` tokens queued on every stage in turn (`work(k, stage)`), each
+    /// stage's after the residual stream it takes is on its device (the stage before
+    /// copies it over, then records `handed`), and the stream handed on before the next
+    /// work overwrites it (a stage waits for its successor's `freed` before copying).
+    fn through_stages(
+        &mut self,
+        n: usize,
+        mut work: impl FnMut(usize, &mut GpuModel) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
         let rows = n * self.n_embd;
         let LayerSplit {
             stages,
@@ -616,17 +488,15 @@ impl LayerSplit {
             let stage = &mut done[k];
             super::check_stop(stage.stop.as_deref())?;
             stage.device.make_current().map_err(gpu("device"))?;
-            if k == 0 {
-                stage.write_tokens(chunk)?;
-            } else {
+            if k > 0 {
                 stage
                     .stream
                     .wait_event(&handed[k - 1])
                     .map_err(gpu("waiting for the residual stream"))?;
             }
-            stage.run_stage(n, want, last)?;
+            work(k, stage)?;
             if let Some(next) = rest.first_mut() {
-                // The next stage's stream is free once it has done with the chunk before.
+                // The next stage's stream is free once it has done with the work before.
                 stage
                     .stream
                     .wait_event(&freed[k + 1])
@@ -645,23 +515,6 @@ impl LayerSplit {
         }
         Ok(())
     }
-}
-
-/// The tokens of each chunk of a prompt of `n` over `stages` devices: `asked`, or up to
-/// twice as many chunks as devices, as many as hold `min_chunk` tokens; at most `batch`.
-fn chunk_len(
-    n: usize,
-    batch: usize,
-    stages: usize,
-    asked: Option<usize>,
-    min_chunk: usize,
-) -> usize {
-    let len = match asked {
-        Some(chunk) => chunk,
-        None if stages == 1 => batch,
-        None => n.div_ceil((n / min_chunk.max(1)).clamp(1, 2 * stages)),
-    };
-    len.clamp(1, batch)
 }
 
 impl GpuModel {
@@ -715,73 +568,5 @@ impl crate::perplexity::WindowLogits for LayerSplit {
 
     fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
         self.forward_all_logits(tokens)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn layers_split_by_their_bytes_and_the_ratios() {
-        let even = [10u64; 8];
-        let split = |bytes: &[u64], head, n, ratios: Option<&[f64]>| {
-            split_by_bytes(bytes, head, n, ratios).unwrap()
-        };
-        assert_eq!(split(&even, 0, 1, None), vec![0..8]);
-        assert_eq!(split(&even, 0, 2, None), vec![0..4, 4..8]);
-        assert_eq!(split(&even, 0, 4, None), vec![0..2, 2..4, 4..6, 6..8]);
-        // The output matrix counts on the last device: it takes fewer layers.
-        assert_eq!(split(&even, 20, 2, None), vec![0..5, 5..8]);
-        assert_eq!(split(&even, 0, 2, Some(&[3.0, 1.0])), vec![0..6, 6..8]);
-        // Every device keeps a layer, however small its share.
-        assert_eq!(
-            split(&even, 0, 3, Some(&[100.0, 1.0, 1.0])),
-            vec![0..6, 6..7, 7..8]
-        );
-        assert_eq!(
-            split(&even, 0, 3, Some(&[1.0, 1.0, 100.0])),
-            vec![0..1, 1..2, 2..8]
-        );
-        assert_eq!(split(&even, 0, 8, None).len(), 8);
-        // Uneven layers: the boundary nearest the share.
-        assert_eq!(split(&[1, 1, 1, 9], 0, 2, None), vec![0..3, 3..4]);
-    }
-
-    #[test]
-    fn prompts_are_cut_into_chunks_long_enough_for_the_pipeline() {
-        // A 70B over two devices: four chunks of 128; a 7B (464 at the least): whole.
-        assert_eq!(chunk_len(512, 512, 2, None, 128), 128);
-        assert_eq!(chunk_len(512, 512, 2, None, 464), 512);
-        assert_eq!(chunk_len(2048, 512, 2, None, 464), 512);
-        assert_eq!(chunk_len(1000, 512, 2, None, 464), 500);
-        assert_eq!(chunk_len(100, 512, 2, None, 128), 100);
-        assert_eq!(chunk_len(4096, 512, 3, None, 128), 512);
-        // One device, or a size asked for: the prompt batch bounds it.
-        assert_eq!(chunk_len(512, 256, 1, None, 128), 256);
-        assert_eq!(chunk_len(512, 256, 2, Some(64), 128), 64);
-        assert_eq!(chunk_len(512, 256, 2, Some(1000), 128), 256);
-        assert_eq!(chunk_len(512, 256, 2, Some(0), 128), 1);
-    }
-
-    #[test]
-    fn a_split_it_cannot_make_is_refused() {
-        let even = [10u64; 4];
-        for (n, ratios) in [
-            (0, None),
-            (5, None),
-            (2, Some(&[1.0][..])),
-            (2, Some(&[1.0, 0.0][..])),
-            (2, Some(&[1.0, f64::NAN][..])),
-            (2, Some(&[-1.0, 2.0][..])),
-        ] {
-            assert!(
-                matches!(
-                    split_by_bytes(&even, 0, n, ratios),
-                    Err(ModelError::InvalidGpuOption { .. })
-                ),
-                "{n} {ratios:?}"
-            );
-        }
     }
 }
