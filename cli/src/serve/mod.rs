@@ -61,6 +61,14 @@ pub struct ServeArgs {
     /// requests when each GPU holds the model; see "More than one machine").
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     devices: Vec<usize>,
+    /// With several `--devices`, each GPU's share of the weights (e.g. `3,1`).
+    #[arg(
+        long,
+        value_name = "RATIOS",
+        value_delimiter = ',',
+        requires = "devices"
+    )]
+    tensor_split: Vec<f64>,
     /// Most positions of one request (prompt and generated tokens); 0 means the model's
     /// training context.
     #[arg(long, default_value_t = DEFAULT_CTX_SIZE)]
@@ -229,6 +237,13 @@ impl AppState {
 
 pub fn run(args: &ServeArgs) -> Result<()> {
     let gpu = args.devices.first().copied().unwrap_or(0);
+    if !args.tensor_split.is_empty() && args.tensor_split.len() != args.devices.len() {
+        bail!(
+            "--tensor-split gives {} ratios for {} devices: one a device",
+            args.tensor_split.len(),
+            args.devices.len()
+        );
+    }
     if args.device == "gpu" {
         // Said before listening: nothing could be served.
         if let Err(e) = hip_backend::Device::open(gpu) {
@@ -326,7 +341,7 @@ async fn serve(
         gpu: args.devices.first().copied().unwrap_or(0),
         split: (args.devices.len() > 1).then(|| model::gpu::SplitOptions {
             devices: args.devices.clone(),
-            ratios: None,
+            ratios: (!args.tensor_split.is_empty()).then(|| args.tensor_split.clone()),
             chunk: None,
         }),
         gpu_tuning,

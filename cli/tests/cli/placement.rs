@@ -48,3 +48,17 @@ fn a_bad_split_ratio_is_refused_by_the_argument_parser() {
     assert!(!output.status.success());
     assert!(!super::stderr(&output).contains("panicked"));
 }
+
+#[test]
+fn a_server_refuses_split_ratios_that_do_not_match_its_devices() {
+    let output = run(&[
+        "serve",
+        "--gguf",
+        "no-such-model.gguf",
+        "--devices",
+        "0,1",
+        "--tensor-split",
+        "1,2,3",
+    ]);
+    assert_fails_with(&output, "--tensor-split gives 3 ratios for 2 devices");
+}
