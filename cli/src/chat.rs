@@ -230,7 +230,7 @@ impl Backend<'_> {
     fn session(&mut self) -> &mut dyn Session {
         match self {
             Backend::Cpu(cpu) => cpu,
-            Backend::Gpu(gpu) => gpu.session(),
+            Backend::Gpu(gpu) => gpu.as_mut(),
         }
     }
 

@@ -244,7 +244,7 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
                 gpu_options(args, &device, prompt.len(), context_size, &stop, tuning.gpu);
             let mut gpu = on_gpu::engine(&model, &gpu_options, &placement, args.gpu.batch_size)
                 .with_context(|| format!("{} ({})", path.display(), device.name()))?;
-            let session = gpu.session();
+            let session: &mut dyn model::generate::Session = &mut gpu;
             let output =
                 generate_with(session, &tokenizer, &prompt, &options, &stop, &mut on_text)?;
             let report = DeviceReport {

@@ -146,7 +146,7 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
             let batch = args.batch_size.min(n_ctx).max(1);
             gpu_model = on_gpu::engine(&model, &gpu_options, &placement, batch)
                 .with_context(|| format!("{} ({})", path.display(), device.name()))?;
-            gpu_model.windows()
+            &mut gpu_model
         }
         Chosen::Cpu { reason } => {
             eprintln!("perplexity: computing on the CPU, {threads} threads ({reason})");

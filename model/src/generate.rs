@@ -94,6 +94,42 @@ impl Session for GpuModel {
     }
 }
 
+/// A model split by layers over several GPUs: the one-GPU model's calls.
+impl Session for crate::gpu::LayerSplit {
+    fn eval(&mut self, tokens: &[TokenId], greedy: bool) -> Result<Next<'_>, ModelError> {
+        if greedy {
+            return self.forward_argmax(tokens).map(Next::Token);
+        }
+        self.forward_logits(tokens).map(Next::Logits)
+    }
+
+    /// Computes the kept tokens again, as one GPU's model does.
+    fn shift(&mut self, _keep: usize, _discard: usize, kept: &[TokenId]) -> Result<(), ModelError> {
+        self.clear()?;
+        if !kept.is_empty() {
+            self.forward_logits(kept)?;
+        }
+        Ok(())
+    }
+}
+
+/// A model on one GPU or split over several.
+impl Session for crate::gpu::GpuEngine {
+    fn eval(&mut self, tokens: &[TokenId], greedy: bool) -> Result<Next<'_>, ModelError> {
+        match self {
+            crate::gpu::GpuEngine::One(gpu) => gpu.eval(tokens, greedy),
+            crate::gpu::GpuEngine::Split(gpu) => gpu.eval(tokens, greedy),
+        }
+    }
+
+    fn shift(&mut self, keep: usize, discard: usize, kept: &[TokenId]) -> Result<(), ModelError> {
+        match self {
+            crate::gpu::GpuEngine::One(gpu) => gpu.shift(keep, discard, kept),
+            crate::gpu::GpuEngine::Split(gpu) => gpu.shift(keep, discard, kept),
+        }
+    }
+}
+
 /// Why generation could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {

@@ -134,6 +134,40 @@ impl WindowLogits for GpuModel {
     }
 }
 
+impl WindowLogits for crate::gpu::LayerSplit {
+    fn n_vocab(&self) -> usize {
+        self.n_vocab()
+    }
+
+    fn start_window(&mut self) -> Result<(), ModelError> {
+        self.clear()
+    }
+
+    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.forward_all_logits(tokens)
+    }
+}
+
+impl WindowLogits for crate::gpu::GpuEngine {
+    fn n_vocab(&self) -> usize {
+        match self {
+            crate::gpu::GpuEngine::One(gpu) => gpu.config().n_vocab,
+            crate::gpu::GpuEngine::Split(gpu) => gpu.n_vocab(),
+        }
+    }
+
+    fn start_window(&mut self) -> Result<(), ModelError> {
+        self.clear()
+    }
+
+    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        match self {
+            crate::gpu::GpuEngine::One(gpu) => gpu.forward_all_logits(tokens),
+            crate::gpu::GpuEngine::Split(gpu) => gpu.forward_all_logits(tokens),
+        }
+    }
+}
+
 /// How a text is cut: `n_chunk` windows of `n_ctx` tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Windows {

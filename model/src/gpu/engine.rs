@@ -1,7 +1,7 @@
 //! [`GpuEngine`]: a model on one GPU ([`GpuModel`]) or split by layers over several
 //! ([`LayerSplit`]), behind the calls its users make of either: one sequence's (the
-//! generation loop's [`Session`], perplexity's [`WindowLogits`]) and paged batches'
-//! (the server's scheduler).
+//! generation loop's `Session` and perplexity's `WindowLogits` are implemented beside
+//! those traits) and paged batches' (the server's scheduler).
 
 use std::time::Instant;
 
@@ -11,8 +11,6 @@ use super::{
     BatchSegment, ExpertStats, GpuModel, GpuOptions, LaunchedBatch, LayerSplit, PageOptions,
     SplitOptions,
 };
-use crate::generate::Session;
-use crate::perplexity::WindowLogits;
 use crate::{Model, ModelError};
 
 /// A model on one GPU, or split by layers over several.
@@ -63,20 +61,6 @@ impl GpuEngine {
                 pages,
             )?),
         })
-    }
-
-    pub fn session(&mut self) -> &mut dyn Session {
-        match self {
-            GpuEngine::One(gpu) => gpu.as_mut(),
-            GpuEngine::Split(gpu) => gpu,
-        }
-    }
-
-    pub fn windows(&mut self) -> &mut dyn WindowLogits {
-        match self {
-            GpuEngine::One(gpu) => gpu.as_mut(),
-            GpuEngine::Split(gpu) => gpu,
-        }
     }
 
     /// Positions in the KV cache of one sequence.
