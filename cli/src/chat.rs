@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::AtomicBool;
 
-use crate::on_gpu::{self, placement_for};
+use crate::on_gpu;
 use anyhow::{bail, Context, Result};
 use model::chat::{ChatMessage, ChatTemplate};
 use model::generate::{generate_with, GenerateOptions, Generation, Next, Session, StopReason};
@@ -91,20 +91,14 @@ pub fn run(args: &ChatArgs) -> Result<ExitCode> {
     let model = Model::load(&store).with_context(|| format!("{}", path.display()))?;
     let template = chat_template(&store, &path)?;
     let context_size = context_size(args.ctx_size, model.config().n_ctx_train);
-    let chosen = gpu_start.finish()?;
-    let placement = placement_for(
-        &args.gpu.placement,
-        placement,
-        &chosen,
-        &model,
-        args.gpu.gpu_budget_mib,
-    );
-    let chosen = chosen.for_model(
+    let (chosen, placement) = on_gpu::choose(
+        gpu_start.finish()?,
         &model,
         args.gpu.device,
+        &args.gpu.placement,
+        placement,
         args.gpu.gpu_budget_mib,
         args.cache_types.types(),
-        &placement,
     );
     let attention = args.flash_attn.method();
     let (backend, device) = match chosen {

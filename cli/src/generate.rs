@@ -24,7 +24,7 @@ use tensor_store::TensorStore;
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::{install_ctrl_c, EXIT_INTERRUPTED};
 use crate::load::LoadModeArg;
-use crate::on_gpu::{self, placement_for};
+use crate::on_gpu;
 use crate::options;
 
 /// llama.cpp's default context size.
@@ -183,20 +183,14 @@ pub fn run(args: &GenerateArgs) -> Result<ExitCode> {
         "model loaded: execution plan built"
     );
     // `auto` computes on the CPU what the GPU does not run; `gpu` fails below, saying so.
-    let chosen = gpu_start.finish()?;
-    let placement = placement_for(
-        &args.gpu.placement,
-        placement,
-        &chosen,
-        &model,
-        args.gpu.gpu_budget_mib,
-    );
-    let chosen = chosen.for_model(
+    let (chosen, placement) = on_gpu::choose(
+        gpu_start.finish()?,
         &model,
         args.gpu.device,
+        &args.gpu.placement,
+        placement,
         args.gpu.gpu_budget_mib,
         args.cache_types.types(),
-        &placement,
     );
 
     let text = if args.chat {

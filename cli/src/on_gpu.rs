@@ -73,3 +73,20 @@ pub fn placement_for(
         chunk: None,
     })
 }
+
+/// The device that computes and where the model goes on it: the placement
+/// ([`placement_for`]) and then the choice of device for that placement
+/// ([`Chosen::for_model`](crate::device_choice::Chosen::for_model)).
+pub fn choose(
+    chosen: crate::device_choice::Chosen,
+    model: &Model,
+    arg: crate::device_choice::DeviceArg,
+    flags: &crate::options::PlacementArgs,
+    asked: Placement,
+    budget_mib: Option<u64>,
+    kv_types: model::KvTypes,
+) -> (crate::device_choice::Chosen, Placement) {
+    let placement = placement_for(flags, asked, &chosen, model, budget_mib);
+    let chosen = chosen.for_model(model, arg, budget_mib, kv_types, &placement);
+    (chosen, placement)
+}

@@ -21,7 +21,7 @@ use model::{Model, ModelError};
 use crate::device_choice::{Chosen, DeviceArg, GpuStart};
 use crate::interrupt::install_ctrl_c;
 use crate::load::LoadModeArg;
-use crate::on_gpu::{self, placement_for};
+use crate::on_gpu;
 use crate::options;
 
 /// llama-perplexity's default window.
@@ -114,20 +114,14 @@ pub fn run(args: &PerplexityArgs) -> Result<ExitCode> {
         Some((_, reader)) => reader.header().n_ctx,
         None => args.ctx_size.unwrap_or(DEFAULT_CTX),
     };
-    let chosen = gpu_start.finish()?;
-    let placement = placement_for(
-        &args.placement,
-        placement,
-        &chosen,
-        &model,
-        args.gpu_budget_mib,
-    );
-    let chosen = chosen.for_model(
+    let (chosen, placement) = on_gpu::choose(
+        gpu_start.finish()?,
         &model,
         args.device,
+        &args.placement,
+        placement,
         args.gpu_budget_mib,
         args.cache_types.types(),
-        &placement,
     );
     let mut gpu_model;
     let mut cpu_model;

@@ -75,43 +75,36 @@ impl Session for CpuSession<'_> {
     }
 }
 
-impl Session for GpuModel {
-    fn eval(&mut self, tokens: &[TokenId], greedy: bool) -> Result<Next<'_>, ModelError> {
-        if greedy {
-            return self.forward_argmax(tokens).map(Next::Token);
-        }
-        self.forward_logits(tokens).map(Next::Logits)
-    }
+/// A GPU back end's [`Session`]: the greedy token taken on the device, and a context
+/// shift that computes the kept tokens again (the device's cache does not move its keys:
+/// the same room made, the kept positions' keys and values those of the shorter text).
+macro_rules! gpu_session {
+    ($($ty:ty),*) => {$(
+        impl Session for $ty {
+            fn eval(&mut self, tokens: &[TokenId], greedy: bool) -> Result<Next<'_>, ModelError> {
+                if greedy {
+                    return self.forward_argmax(tokens).map(Next::Token);
+                }
+                self.forward_logits(tokens).map(Next::Logits)
+            }
 
-    /// Computes the kept tokens again (the device's cache does not move its keys): the
-    /// same room made, the kept positions' keys and values those of the shorter text.
-    fn shift(&mut self, _keep: usize, _discard: usize, kept: &[TokenId]) -> Result<(), ModelError> {
-        self.clear()?;
-        if !kept.is_empty() {
-            self.forward_logits(kept)?;
+            fn shift(
+                &mut self,
+                _keep: usize,
+                _discard: usize,
+                kept: &[TokenId],
+            ) -> Result<(), ModelError> {
+                self.clear()?;
+                if !kept.is_empty() {
+                    self.forward_logits(kept)?;
+                }
+                Ok(())
+            }
         }
-        Ok(())
-    }
+    )*};
 }
 
-/// A model split by layers over several GPUs: the one-GPU model's calls.
-impl Session for crate::gpu::LayerSplit {
-    fn eval(&mut self, tokens: &[TokenId], greedy: bool) -> Result<Next<'_>, ModelError> {
-        if greedy {
-            return self.forward_argmax(tokens).map(Next::Token);
-        }
-        self.forward_logits(tokens).map(Next::Logits)
-    }
-
-    /// Computes the kept tokens again, as one GPU's model does.
-    fn shift(&mut self, _keep: usize, _discard: usize, kept: &[TokenId]) -> Result<(), ModelError> {
-        self.clear()?;
-        if !kept.is_empty() {
-            self.forward_logits(kept)?;
-        }
-        Ok(())
-    }
-}
+gpu_session!(GpuModel, crate::gpu::LayerSplit);
 
 /// A model on one GPU or split over several.
 impl Session for crate::gpu::GpuEngine {

@@ -120,38 +120,31 @@ impl WindowLogits for CpuWindows<'_> {
     }
 }
 
-impl WindowLogits for GpuModel {
-    fn n_vocab(&self) -> usize {
-        self.config().n_vocab
-    }
+/// A GPU back end's windows: its cache cleared, and every token's logits.
+macro_rules! gpu_windows {
+    ($($ty:ty),*) => {$(
+        impl WindowLogits for $ty {
+            fn n_vocab(&self) -> usize {
+                self.n_vocab()
+            }
 
-    fn start_window(&mut self) -> Result<(), ModelError> {
-        self.clear()
-    }
+            fn start_window(&mut self) -> Result<(), ModelError> {
+                self.clear()
+            }
 
-    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        self.forward_all_logits(tokens)
-    }
+            fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+                self.forward_all_logits(tokens)
+            }
+        }
+    )*};
 }
 
-impl WindowLogits for crate::gpu::LayerSplit {
-    fn n_vocab(&self) -> usize {
-        self.n_vocab()
-    }
-
-    fn start_window(&mut self) -> Result<(), ModelError> {
-        self.clear()
-    }
-
-    fn forward(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        self.forward_all_logits(tokens)
-    }
-}
+gpu_windows!(GpuModel, crate::gpu::LayerSplit);
 
 impl WindowLogits for crate::gpu::GpuEngine {
     fn n_vocab(&self) -> usize {
         match self {
-            crate::gpu::GpuEngine::One(gpu) => gpu.config().n_vocab,
+            crate::gpu::GpuEngine::One(gpu) => gpu.n_vocab(),
             crate::gpu::GpuEngine::Split(gpu) => gpu.n_vocab(),
         }
     }

@@ -343,6 +343,11 @@ impl GpuModel {
         &self.device
     }
 
+    /// Logits a position.
+    pub fn n_vocab(&self) -> usize {
+        self.config.n_vocab
+    }
+
     /// The device cache of the weights (progress, statistics).
     pub fn cache(&self) -> &DeviceCache<HipTarget> {
         &self.cache

@@ -230,7 +230,7 @@ impl LayerSplit {
         Ok(split)
     }
 
-    /// The model's configuration (every stage's but its layers).
+    /// Logits a position.
     pub fn n_vocab(&self) -> usize {
         self.n_vocab
     }
