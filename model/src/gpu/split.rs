@@ -33,10 +33,11 @@ pub struct SplitOptions {
     /// last), in the order of `devices`; `None`: equal shares.
     pub ratios: Option<Vec<f64>>,
     /// Most tokens of a prompt's chunk as it flows through the devices; `None`: a prompt
-    /// is cut into twice as many chunks as there are devices, so that each device
-    /// computes one chunk while the others compute theirs, each chunk at most the prompt
-    /// batch and at least enough for its products to outweigh its fixed costs (at least
-    /// [`PIPELINE_CHUNK`] tokens, more for smaller models).
+    /// is cut into up to twice as many chunks as there are devices, so that each device
+    /// computes one chunk while the others compute theirs, but only into as many as are
+    /// long enough for their products to outweigh their fixed costs (at least
+    /// [`PIPELINE_CHUNK`] tokens, more for smaller models), each at most the prompt
+    /// batch.
     pub chunk: Option<usize>,
 }
 
