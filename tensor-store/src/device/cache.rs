@@ -105,6 +105,27 @@ pub struct CacheStats {
     pub budget: u64,
 }
 
+/// The counters of several caches (one a device of a model split over several) added
+/// up; their budgets too (unlimited stays `u64::MAX`).
+impl std::ops::Add for CacheStats {
+    type Output = CacheStats;
+
+    fn add(self, other: CacheStats) -> CacheStats {
+        CacheStats {
+            uploads: self.uploads + other.uploads,
+            uploaded_bytes: self.uploaded_bytes + other.uploaded_bytes,
+            evictions: self.evictions + other.evictions,
+            hits: self.hits + other.hits,
+            misses: self.misses + other.misses,
+            resident_tensors: self.resident_tensors + other.resident_tensors,
+            resident_bytes: self.resident_bytes + other.resident_bytes,
+            reserved_bytes: self.reserved_bytes + other.reserved_bytes,
+            loading_bytes: self.loading_bytes + other.loading_bytes,
+            budget: self.budget.saturating_add(other.budget),
+        }
+    }
+}
+
 enum State<T: DeviceTarget> {
     Absent,
     Loading(Arc<Slot<T>>),
