@@ -28,13 +28,7 @@ impl GpuModel {
         &mut self,
         segments: &[BatchSegment<'_>],
     ) -> Result<Vec<f32>, ModelError> {
-        let segments: Vec<BatchSegment<'_>> = segments
-            .iter()
-            .map(|s| BatchSegment {
-                logits: false,
-                ..*s
-            })
-            .collect();
+        let segments = without_logits(segments);
         self.eval_batch(&segments, BatchOut::Logits)?;
         self.hidden_rows(segments.iter().map(|s| s.tokens.len()).sum())
     }
@@ -293,14 +287,6 @@ impl GpuModel {
 
 /// A paged batch whose pass is queued on the device ([`GpuModel::launch_batch`]); its
 /// logits stay there until it is asked for them or for its greedy tokens.
-impl<'g> LaunchedBatch<'g> {
-    /// The batch whose `rows` rows of logits `gpu` has on the device (a layer split's
-    /// last stage).
-    pub(super) fn of(gpu: &'g mut GpuModel, rows: usize) -> LaunchedBatch<'g> {
-        LaunchedBatch { gpu, rows }
-    }
-}
-
 #[must_use = "the batch's results are read through it"]
 pub struct LaunchedBatch<'g> {
     gpu: &'g mut GpuModel,
@@ -308,6 +294,12 @@ pub struct LaunchedBatch<'g> {
 }
 
 impl<'g> LaunchedBatch<'g> {
+    /// The batch whose `rows` rows of logits `gpu` has on the device (a layer split's
+    /// last stage).
+    pub(super) fn of(gpu: &'g mut GpuModel, rows: usize) -> LaunchedBatch<'g> {
+        LaunchedBatch { gpu, rows }
+    }
+
     /// Its rows of logits: one for each segment that asked for them.
     pub fn rows(&self) -> usize {
         self.rows
@@ -466,6 +458,17 @@ impl GpuModel {
         }
         Ok(())
     }
+}
+
+/// `segments`, none of them asking for logits (a pass for the hidden states).
+pub(super) fn without_logits<'a>(segments: &[BatchSegment<'a>]) -> Vec<BatchSegment<'a>> {
+    segments
+        .iter()
+        .map(|s| BatchSegment {
+            logits: false,
+            ..*s
+        })
+        .collect()
 }
 
 /// What a paged batch leaves: its rows of logits copied back, its greedy tokens copied

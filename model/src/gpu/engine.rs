@@ -28,14 +28,7 @@ impl GpuEngine {
         split: Option<&SplitOptions>,
         prompt_batch: usize,
     ) -> Result<GpuEngine, ModelError> {
-        Ok(match split {
-            None => GpuEngine::One(Box::new(GpuModel::with_prompt_batch(
-                model,
-                options,
-                prompt_batch,
-            )?)),
-            Some(split) => GpuEngine::Split(LayerSplit::new(model, options, split, prompt_batch)?),
-        })
+        GpuEngine::build(model, options, split, prompt_batch, None)
     }
 
     /// As [`GpuEngine::new`], with a paged KV cache of `pages` for paged batches.
@@ -46,19 +39,31 @@ impl GpuEngine {
         prompt_batch: usize,
         pages: PageOptions,
     ) -> Result<GpuEngine, ModelError> {
+        GpuEngine::build(model, options, split, prompt_batch, Some(pages))
+    }
+
+    fn build(
+        model: &Model,
+        options: &GpuOptions,
+        split: Option<&SplitOptions>,
+        prompt_batch: usize,
+        pages: Option<PageOptions>,
+    ) -> Result<GpuEngine, ModelError> {
+        let shape = pages
+            .map(|pages| GpuModel::page_shape(options, pages))
+            .transpose()?;
         Ok(match split {
-            None => GpuEngine::One(Box::new(GpuModel::with_pages(
-                model,
-                options,
-                prompt_batch,
-                pages,
-            )?)),
-            Some(split) => GpuEngine::Split(LayerSplit::with_pages(
+            None => {
+                let part = super::Part::whole(model.config().n_layers);
+                let gpu = GpuModel::build(model, options, prompt_batch, shape, part)?;
+                GpuEngine::One(Box::new(gpu))
+            }
+            Some(split) => GpuEngine::Split(LayerSplit::build(
                 model,
                 options,
                 split,
                 prompt_batch,
-                pages,
+                shape,
             )?),
         })
     }

@@ -251,6 +251,20 @@ impl Part {
         }
     }
 
+    /// The parts of a layer split over `ranges`: the first embeds, the last has the head.
+    fn stages(ranges: &[std::ops::Range<usize>]) -> Vec<Part> {
+        let last = ranges.len().saturating_sub(1);
+        ranges
+            .iter()
+            .enumerate()
+            .map(|(k, layers)| Part {
+                layers: layers.clone(),
+                embed: k == 0,
+                head: k == last,
+            })
+            .collect()
+    }
+
     fn is_whole(&self, n_layers: usize) -> bool {
         *self == Part::whole(n_layers)
     }

@@ -35,17 +35,25 @@ impl GpuModel {
             self.write_tokens(chunk)?;
             let output = if i == last { want } else { Want::Logits };
             let wants_output = i == last;
-            // A pooled mixture of experts reads each layer's routing back: no graph.
-            if chunk.len() == 1 && wants_output && !self.experts_pooled() && self.ensure_held()? {
-                self.replay_step()?;
-            } else {
-                self.run_direct(chunk.len(), output)?;
-            }
-            self.len += chunk.len();
+            self.run_chunk(chunk.len(), output, wants_output)?;
             if wants_output {
                 self.copy_back(chunk.len(), want)?;
             }
         }
+        Ok(())
+    }
+
+    /// One chunk of `n` tokens, staged already (or, on a later stage of a layer split,
+    /// its residual stream in `x`), after the positions cached. The last chunk of a call
+    /// that wants one token's result (`last`) replays the captured decode step, unless a
+    /// pooled mixture of experts reads each layer's routing back (no graph).
+    pub(super) fn run_chunk(&mut self, n: usize, want: Want, last: bool) -> Result<(), ModelError> {
+        if n == 1 && last && !self.experts_pooled() && self.ensure_held()? {
+            self.replay_step()?;
+        } else {
+            self.run_direct(n, want)?;
+        }
+        self.len += n;
         Ok(())
     }
 

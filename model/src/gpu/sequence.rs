@@ -71,6 +71,21 @@ impl GpuModel {
     /// Runs `tokens` (in chunks of the prompt batch) after the positions already cached and
     /// leaves what `want` asks for in the pinned host buffers, the copy finished.
     fn eval(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
+        self.check_call(tokens, want)?;
+        let start = self.len;
+        let result = self.run_chunks(tokens, want);
+        tracing::trace!(tokens = tokens.len(), "a pass's results in hand");
+        if result.is_err() {
+            // Leave the cache as it was before the failed call.
+            self.set_position(start)?;
+        }
+        result
+    }
+
+    /// Whether a call may append `tokens` and hand back what `want` asks for: some
+    /// tokens, room for them in the cache, every token's logits only for a few, every id
+    /// within the vocabulary.
+    pub(super) fn check_call(&self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
         if tokens.is_empty() {
             return Err(ModelError::EmptyInput);
         }
@@ -84,15 +99,7 @@ impl GpuModel {
         if want == Want::AllLogits && tokens.len() > MAX_BATCH {
             return Err(ModelError::EmptyInput);
         }
-        self.check_tokens(tokens)?;
-        let start = self.len;
-        let result = self.run_chunks(tokens, want);
-        tracing::trace!(tokens = tokens.len(), "a pass's results in hand");
-        if result.is_err() {
-            // Leave the cache as it was before the failed call.
-            self.set_position(start)?;
-        }
-        result
+        self.check_tokens(tokens)
     }
 
     pub(super) fn write_tokens(&mut self, chunk: &[u32]) -> Result<(), ModelError> {

@@ -69,16 +69,9 @@ pub fn stage_orders(
     model: &Model,
     ranges: &[Range<usize>],
 ) -> Vec<tensor_store::device::UploadOrder> {
-    let last = ranges.len().saturating_sub(1);
-    ranges
-        .iter()
-        .enumerate()
-        .map(|(k, layers)| {
-            let part = Part {
-                layers: layers.clone(),
-                embed: k == 0,
-                head: k == last,
-            };
+    Part::stages(ranges)
+        .into_iter()
+        .map(|part| {
             let (_, plan) = part.narrow(model.config(), model.plan());
             super::use_order(&plan, &part)
         })
@@ -133,7 +126,7 @@ impl LayerSplit {
         LayerSplit::build(model, options, split, prompt_batch, Some(shape))
     }
 
-    fn build(
+    pub(super) fn build(
         model: &Model,
         options: &GpuOptions,
         split: &SplitOptions,
@@ -165,24 +158,18 @@ impl LayerSplit {
         // context, its buffers and its upload start together); an eager caller then
         // waits for every upload.
         let eager = options.mode == tensor_store::device::UploadMode::Eager;
-        let last = ranges.len() - 1;
-        let parts: Vec<(GpuOptions, Part)> = ranges
+        let parts: Vec<(GpuOptions, Part)> = Part::stages(&ranges)
             .into_iter()
-            .enumerate()
-            .map(|(k, layers)| {
+            .zip(&split.devices)
+            .map(|(part, &device)| {
                 let stage_options = GpuOptions {
-                    device: split.devices[k],
+                    device,
                     mode: if eager {
                         tensor_store::device::UploadMode::Background
                     } else {
                         options.mode
                     },
                     ..options.clone()
-                };
-                let part = Part {
-                    layers,
-                    embed: k == 0,
-                    head: k == last,
                 };
                 (stage_options, part)
             })
@@ -213,7 +200,7 @@ impl LayerSplit {
                 .map(|s| s.device.new_sync_event().map_err(gpu("event")))
                 .collect::<Result<Vec<_>, _>>()
         };
-        let handed = events(&stages[..last])?;
+        let handed = events(&stages[..stages.len() - 1])?;
         let freed = events(&stages)?;
         let config = model.config();
         let split = LayerSplit {
@@ -242,11 +229,6 @@ impl LayerSplit {
             .iter()
             .map(|s| (s.device.ordinal(), s.part.layers.clone()))
             .collect()
-    }
-
-    /// The stages' models, in order (their caches' progress and statistics).
-    pub fn parts(&self) -> &[GpuModel] {
-        &self.stages
     }
 
     /// Sets [`SplitOptions::chunk`].
@@ -332,21 +314,10 @@ impl LayerSplit {
 
     /// The devices' weight caches' counters, added up (the budget too).
     pub fn cache_stats(&self) -> tensor_store::device::CacheStats {
-        let mut sum = tensor_store::device::CacheStats::default();
-        for stage in &self.stages {
-            let s = stage.cache.stats();
-            sum.uploads += s.uploads;
-            sum.uploaded_bytes += s.uploaded_bytes;
-            sum.evictions += s.evictions;
-            sum.hits += s.hits;
-            sum.misses += s.misses;
-            sum.resident_tensors += s.resident_tensors;
-            sum.resident_bytes += s.resident_bytes;
-            sum.reserved_bytes += s.reserved_bytes;
-            sum.loading_bytes += s.loading_bytes;
-            sum.budget = sum.budget.saturating_add(s.budget);
-        }
-        sum
+        self.stages
+            .iter()
+            .map(|s| s.cache.stats())
+            .fold(Default::default(), std::ops::Add::add)
     }
 
     /// Runs a paged batch through every device ([`GpuModel::launch_batch`]'s work, each
@@ -366,19 +337,7 @@ impl LayerSplit {
         &mut self,
         segments: &[super::BatchSegment<'_>],
     ) -> Result<Vec<f32>, ModelError> {
-        self.stages
-            .last()
-            .expect("a split has a stage")
-            .device
-            .make_current()
-            .map_err(gpu("device"))?;
-        let segments: Vec<super::BatchSegment<'_>> = segments
-            .iter()
-            .map(|s| super::BatchSegment {
-                logits: false,
-                ..*s
-            })
-            .collect();
+        let segments = super::batch::without_logits(segments);
         self.eval_batch(&segments, super::batch::BatchOut::Logits)?;
         let last = self.stages.last().expect("a split has a stage");
         last.hidden_rows(segments.iter().map(|s| s.tokens.len()).sum())
@@ -409,20 +368,8 @@ impl LayerSplit {
     /// `want` asks for in the last stage's pinned buffers; on failure the cache is left
     /// as it was.
     fn eval(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
-        if tokens.is_empty() {
-            return Err(ModelError::EmptyInput);
-        }
-        let needed = self.len() + tokens.len();
-        if needed > self.capacity() {
-            return Err(ModelError::ContextFull {
-                needed,
-                capacity: self.capacity(),
-            });
-        }
-        if want == Want::AllLogits && tokens.len() > MAX_BATCH {
-            return Err(ModelError::EmptyInput);
-        }
-        self.stages[0].check_tokens(tokens)?;
+        // Every stage holds as many positions as the first.
+        self.stages[0].check_call(tokens, want)?;
         let start = self.len();
         let result = self.run_chunks(tokens, want);
         if result.is_err() {
@@ -464,7 +411,7 @@ impl LayerSplit {
             if k == 0 {
                 stage.write_tokens(chunk)?;
             }
-            stage.run_stage(n, want, last)
+            stage.run_chunk(n, want, last)
         })
     }
 
@@ -514,21 +461,6 @@ impl LayerSplit {
                 .record(&stage.stream)
                 .map_err(gpu("handing the residual stream on"))?;
         }
-        Ok(())
-    }
-}
-
-impl GpuModel {
-    /// One chunk of `n` tokens through this stage's layers: its tokens staged already
-    /// (the first stage) or its residual stream in `x` (the others). The last chunk of a
-    /// call that wants one token's result replays the captured decode step.
-    fn run_stage(&mut self, n: usize, want: Want, last: bool) -> Result<(), ModelError> {
-        if n == 1 && last && self.ensure_held()? {
-            self.replay_step()?;
-        } else {
-            self.run_direct(n, want)?;
-        }
-        self.len += n;
         Ok(())
     }
 }

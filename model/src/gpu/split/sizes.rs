@@ -12,19 +12,14 @@ pub(super) fn per_layer(
     model: &Model,
     of: impl Fn(&tensor_store::TensorHandle) -> f64,
 ) -> Vec<f64> {
-    let plan = model.plan();
-    let mut sums = vec![0.0; plan.layers.len()];
-    for handle in plan.handles() {
-        let layer = handle
-            .name()
-            .strip_prefix("blk.")
-            .and_then(|rest| rest.split('.').next())
-            .and_then(|n| n.parse::<usize>().ok());
-        if let Some(sum) = layer.and_then(|l| sums.get_mut(l)) {
-            *sum += of(handle);
-        }
-    }
-    sums
+    let order = tensor_store::device::UploadOrder::by_layer(model.plan().handles());
+    (0..model.plan().layers.len())
+        .map(|layer| {
+            order
+                .layer_group(layer)
+                .map_or(0.0, |g| order.group_tensors(g).iter().map(&of).sum())
+        })
+        .collect()
 }
 
 /// The arithmetic a prompt's chunk gives each device at the least, in operations, where

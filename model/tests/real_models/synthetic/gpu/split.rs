@@ -279,3 +279,59 @@ fn gpu_split_scheduler_gemma3() {
 fn gpu_split_scheduler_qwen3moe() {
     scheduler_on("qwen3moe-random", 2);
 }
+
+/// Which layers each device holds, and what each uploads, need no device: contiguous
+/// runs that cover the model, every tensor of the plan uploaded by the device whose
+/// layers (or embeddings, or head) use it, and no tensor of a layer elsewhere.
+#[test]
+fn split_layers_cover_the_model_and_each_device_uploads_its_own() {
+    for (name, parts) in [("gemma3", 3), ("llama-q4_k", 2), ("qwen2-tied", 2)] {
+        let (_dir, _store, model) = open_spec(name);
+        let ranges = model::gpu::split_layers(&model, parts, None).expect("a split");
+        assert_eq!(ranges.len(), parts, "{name}");
+        assert_eq!(ranges[0].start, 0, "{name}");
+        assert_eq!(ranges[parts - 1].end, model.config().n_layers, "{name}");
+        assert!(
+            ranges.windows(2).all(|w| w[0].end == w[1].start),
+            "{name}: {ranges:?}"
+        );
+        assert!(ranges.iter().all(|r| !r.is_empty()), "{name}: {ranges:?}");
+        let orders = model::gpu::stage_orders(&model, &ranges);
+        let plan = model.plan();
+        for handle in plan.handles() {
+            let holders: Vec<usize> = orders
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| o.tensors().iter().any(|t| t.index() == handle.index()))
+                .map(|(k, _)| k)
+                .collect();
+            let layer = handle
+                .name()
+                .strip_prefix("blk.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|n| n.parse::<usize>().ok());
+            let expected: Vec<usize> = match layer {
+                Some(l) => vec![ranges.iter().position(|r| r.contains(&l)).expect("a part")],
+                None if handle.index() == plan.output.weight.index()
+                    && handle.index() == plan.token_embd.weight.index() =>
+                {
+                    vec![0, parts - 1]
+                }
+                None if handle.index() == plan.token_embd.weight.index() => vec![0],
+                None if handle.index() == plan.output.weight.index()
+                    || handle.index() == plan.output_norm.handle.index() =>
+                {
+                    vec![parts - 1]
+                }
+                // Shared by every layer (RoPE factors): each device's first layer's.
+                None => holders.clone(),
+            };
+            assert_eq!(holders, expected, "{name}: {}", handle.name());
+            assert!(
+                !holders.is_empty(),
+                "{name}: {} uploaded nowhere",
+                handle.name()
+            );
+        }
+    }
+}
