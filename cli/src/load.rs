@@ -3,7 +3,7 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use std::time::Instant;
@@ -19,6 +19,7 @@ use tensor_store::TensorStore;
 
 use crate::interrupt::install_ctrl_c;
 use crate::models::model_path;
+use crate::options::Placement;
 
 #[derive(clap::Args)]
 pub struct LoadArgs {
@@ -31,25 +32,12 @@ pub struct LoadArgs {
     #[arg(long, value_enum, default_value = "background")]
     load_mode: LoadModeArg,
     /// The GPU's ordinal, as `rocmforge devices` lists them.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, conflicts_with = "devices")]
     device: usize,
-    /// Several GPUs, comma-separated: each uploads its share of the layers at the same
-    /// time, as `generate --devices` splits the model (`--split-mode layer`).
-    #[arg(
-        long,
-        value_name = "LIST",
-        value_delimiter = ',',
-        conflicts_with = "device"
-    )]
-    devices: Vec<usize>,
-    /// With `--devices`, each GPU's share of the weights (default: equal shares).
-    #[arg(
-        long,
-        value_name = "RATIOS",
-        value_delimiter = ',',
-        requires = "devices"
-    )]
-    tensor_split: Vec<f64>,
+    /// Several GPUs (`--devices 0,1`): each uploads its share of the layers at the same
+    /// time, as `generate --devices` splits the model.
+    #[command(flatten)]
+    placement: crate::options::PlacementArgs,
     /// Device memory the weights may use, in MiB; layers beyond it are evicted least
     /// recently used first. Default: the whole model.
     #[arg(long)]
@@ -95,10 +83,11 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     // the interruption into status 130.
     let stop = install_ctrl_c()?;
     let path = model_path(args.gguf.as_deref(), None)?;
-    if args.devices.len() > 1 {
-        return run_split(args, &path, stop);
-    }
-    let device_ordinal = args.devices.first().copied().unwrap_or(args.device);
+    let device_ordinal = match args.placement.placement()? {
+        Placement::Layers(split) => return run_split(args, &path, &split, stop),
+        Placement::One(_) if args.placement.devices.is_empty() => args.device,
+        Placement::One(device) => device,
+    };
     let start = Instant::now();
     let ms = move || start.elapsed().as_secs_f64() * 1e3;
 
@@ -119,49 +108,12 @@ pub fn run(args: &LoadArgs) -> Result<()> {
         ms = format_args!("{plan_ms:.1}"),
         "plan built"
     );
-    let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
-    let arena_bytes = args.budget_mib.map_or(model_bytes, |mib| {
-        model_bytes.min(mib.saturating_mul(1 << 20))
-    });
-    let target = HipTarget::new(&device, arena_bytes)?;
-
-    let mut cache_config = CacheConfig {
-        mode: args.load_mode.into(),
-        budget: args.budget_mib.map(|mib| mib.saturating_mul(1 << 20)),
-        direct_io: args.direct_io,
-        staging_ring: args.staging.staging_ring(),
-        stop: Some(stop),
-        ..CacheConfig::default()
-    };
-    if let Some(readers) = args.readers {
-        // However much of the file the page cache holds.
-        cache_config.readers = readers.max(1);
-        cache_config.cold_readers = cache_config.readers;
-    }
     let bar = ProgressBar::new(!args.no_progress && !args.json && std::io::stderr().is_terminal());
-    let first_groups: Vec<usize> = ["input", "blk.0"]
-        .iter()
-        .filter_map(|name| order.groups().iter().position(|g| g.name == *name))
-        .collect();
     let bar_in_callback = bar.clone();
-    let loaded = (|| -> Result<_> {
-        let cache = DeviceCache::with_progress(target, &store, order, cache_config, move |p| {
-            bar_in_callback.update(p, start);
-        })?;
-        // What a forward pass needs first: the embeddings and the first block.
-        for &g in &first_groups {
-            drop(cache.get_group(g)?);
-        }
-        let first_layer_ms = ms();
-        if let LoadModeArg::Lazy = args.load_mode {
-            // Each layer asked for in turn, as a forward pass would.
-            for g in 0..cache.order().groups().len() {
-                drop(cache.get_group(g)?);
-            }
-        }
-        cache.wait_idle()?;
-        Ok((cache, first_layer_ms))
-    })();
+    let loaded = upload(args, &device, &store, order, stop, move |p| {
+        bar_in_callback.update(p, start)
+    })
+    .map(|(cache, first_layer)| (cache, first_layer.duration_since(start).as_secs_f64() * 1e3));
     // The bar's line ends before anything else is printed, error or report.
     bar.finish();
     let (cache, first_layer_ms) = loaded?;
@@ -215,25 +167,74 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--devices` with several GPUs: each uploads its part of a layer split, all at once
-/// (eager), each with a cache of its own; reports each device's bytes and time, and the
-/// time until every one is resident.
+/// Uploads `order` from `store` to `device` as `args` say (the load mode, the weights'
+/// budget, the readers, the staging), reporting progress to `progress`: the cache once
+/// every tensor has been uploaded, and the moment the first block (and the embeddings)
+/// was resident.
+fn upload(
+    args: &LoadArgs,
+    device: &Device,
+    store: &TensorStore,
+    order: UploadOrder,
+    stop: Arc<AtomicBool>,
+    progress: impl Fn(&Progress) + Send + Sync + 'static,
+) -> Result<(DeviceCache<HipTarget>, Instant)> {
+    let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
+    let budget = args.budget_mib.map(|mib| mib.saturating_mul(1 << 20));
+    let target = HipTarget::new(device, budget.map_or(model_bytes, |b| model_bytes.min(b)))?;
+    let mut cache_config = CacheConfig {
+        mode: args.load_mode.into(),
+        budget,
+        direct_io: args.direct_io,
+        staging_ring: args.staging.staging_ring(),
+        stop: Some(stop),
+        ..CacheConfig::default()
+    };
+    if let Some(readers) = args.readers {
+        // However much of the file the page cache holds.
+        cache_config.readers = readers.max(1);
+        cache_config.cold_readers = cache_config.readers;
+    }
+    // What a forward pass needs first: the embeddings and the first block (of a later
+    // device of a split, its own first block).
+    let groups = order.groups();
+    let first_groups: Vec<usize> = (groups.iter().position(|g| g.name == "input").into_iter())
+        .chain(groups.iter().position(|g| g.name.starts_with("blk.")))
+        .collect();
+    let cache = DeviceCache::with_progress(target, store, order, cache_config, progress)?;
+    for &g in &first_groups {
+        drop(cache.get_group(g)?);
+    }
+    let first_layer = Instant::now();
+    if let LoadModeArg::Lazy = args.load_mode {
+        // Each layer asked for in turn, as a forward pass would.
+        for g in 0..cache.order().groups().len() {
+            drop(cache.get_group(g)?);
+        }
+    }
+    cache.wait_idle()?;
+    Ok((cache, first_layer))
+}
+
+/// Several GPUs: each uploads its part of a layer split, all at once, each with a cache
+/// of its own, as `args` say; reports each device's bytes and time, and the time until
+/// every one is resident.
 fn run_split(
     args: &LoadArgs,
     path: &std::path::Path,
-    stop: Arc<std::sync::atomic::AtomicBool>,
+    split: &model::gpu::SplitOptions,
+    stop: Arc<AtomicBool>,
 ) -> Result<()> {
     let start = Instant::now();
     let ms = move || start.elapsed().as_secs_f64() * 1e3;
     let store = TensorStore::open(path)?;
     let model = model::Model::load(&store).with_context(|| format!("{}", path.display()))?;
-    let ratios = (!args.tensor_split.is_empty()).then_some(&args.tensor_split[..]);
-    let ranges = model::gpu::split_layers(&model, args.devices.len(), ratios)
+    let ranges = model::gpu::split_layers(&model, split.devices.len(), split.ratios.as_deref())
         .with_context(|| format!("{}", path.display()))?;
     let orders = model::gpu::stage_orders(&model, &ranges);
     let plan_ms = ms();
     let loads: Vec<Result<(f64, u64, String)>> = std::thread::scope(|scope| {
-        let threads: Vec<_> = args
+        let threads: Vec<_> = split
             .devices
             .iter()
             .zip(orders)
@@ -242,22 +243,7 @@ fn run_split(
                 scope.spawn(move || -> Result<(f64, u64, String)> {
                     let device = Device::open(ordinal)
                         .with_context(|| format!("cannot use GPU {ordinal}"))?;
-                    let bytes =
-                        HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
-                    let target = HipTarget::new(&device, bytes)?;
-                    let mut config = CacheConfig {
-                        mode: UploadMode::Eager,
-                        direct_io: args.direct_io,
-                        staging_ring: args.staging.staging_ring(),
-                        stop: Some(stop),
-                        ..CacheConfig::default()
-                    };
-                    if let Some(readers) = args.readers {
-                        config.readers = readers.max(1);
-                        config.cold_readers = config.readers;
-                    }
-                    let cache = DeviceCache::new(target, store, order, config)?;
-                    cache.wait_idle()?;
+                    let (cache, _) = upload(args, &device, store, order, stop, |_| {})?;
                     let uploaded = cache.progress().bytes_uploaded;
                     Ok((ms(), uploaded, device.info().name.clone()))
                 })
@@ -270,7 +256,7 @@ fn run_split(
     });
     let all_ms = ms();
     let mut devices = Vec::new();
-    for ((&ordinal, layers), load) in args.devices.iter().zip(&ranges).zip(loads) {
+    for ((&ordinal, layers), load) in split.devices.iter().zip(&ranges).zip(loads) {
         let (done_ms, bytes, name) = load?;
         devices.push(json!({
             "device": ordinal,
@@ -287,7 +273,7 @@ fn run_split(
             "{}",
             json!({
                 "file": path.display().to_string(),
-                "mode": "eager",
+                "mode": format!("{:?}", UploadMode::from(args.load_mode)).to_lowercase(),
                 "devices": devices,
                 "plan_ms": plan_ms,
                 "all_resident_ms": all_ms,
@@ -296,9 +282,10 @@ fn run_split(
         );
     } else {
         println!(
-            "{}: split by layers over {} GPUs (eager)",
+            "{}: split by layers over {} GPUs ({:?})",
             path.display(),
-            devices.len()
+            devices.len(),
+            UploadMode::from(args.load_mode)
         );
         println!("  model planned    {plan_ms:8.1} ms");
         for d in &devices {

@@ -165,6 +165,16 @@ pub enum Placement {
     Layers(model::gpu::SplitOptions),
 }
 
+impl Placement {
+    /// The GPU the model goes to, or the first of a split's.
+    pub fn first_device(&self) -> usize {
+        match self {
+            Placement::One(device) => *device,
+            Placement::Layers(split) => split.devices[0],
+        }
+    }
+}
+
 impl PlacementArgs {
     /// The placement the flags ask for, or an error naming the flag that cannot be
     /// honoured.

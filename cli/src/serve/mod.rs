@@ -55,20 +55,11 @@ pub struct ServeArgs {
     /// CPU), cpu or gpu.
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "gpu"])]
     device: String,
-    /// The GPUs to serve on, by ordinal (`rocmforge devices` lists them); default 0.
-    /// Several split the model by layers (for a model larger than one GPU: a server's
-    /// steps run the GPUs one after the other, so replicas behind a router serve more
-    /// requests when each GPU holds the model; see "More than one machine").
-    #[arg(long, value_name = "LIST", value_delimiter = ',')]
-    devices: Vec<usize>,
-    /// With several `--devices`, each GPU's share of the weights (e.g. `3,1`).
-    #[arg(
-        long,
-        value_name = "RATIOS",
-        value_delimiter = ',',
-        requires = "devices"
-    )]
-    tensor_split: Vec<f64>,
+    /// The GPUs to serve on (`--devices`, default GPU 0), and how several split the
+    /// model. A server's steps run the GPUs of a split one after the other: for a model
+    /// one GPU holds, replicas behind a router serve more (see "More than one machine").
+    #[command(flatten)]
+    placement: crate::options::PlacementArgs,
     /// Most positions of one request (prompt and generated tokens); 0 means the model's
     /// training context.
     #[arg(long, default_value_t = DEFAULT_CTX_SIZE)]
@@ -236,14 +227,9 @@ impl AppState {
 }
 
 pub fn run(args: &ServeArgs) -> Result<()> {
-    let gpu = args.devices.first().copied().unwrap_or(0);
-    if !args.tensor_split.is_empty() && args.tensor_split.len() != args.devices.len() {
-        bail!(
-            "--tensor-split gives {} ratios for {} devices: one a device",
-            args.tensor_split.len(),
-            args.devices.len()
-        );
-    }
+    // Said before listening, as every other refusal.
+    args.placement.placement()?;
+    let gpu = args.placement.first_device();
     if args.device == "gpu" {
         // Said before listening: nothing could be served.
         if let Err(e) = hip_backend::Device::open(gpu) {
@@ -338,12 +324,7 @@ async fn serve(
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
         device: args.device.clone(),
-        gpu: args.devices.first().copied().unwrap_or(0),
-        split: (args.devices.len() > 1).then(|| model::gpu::SplitOptions {
-            devices: args.devices.clone(),
-            ratios: (!args.tensor_split.is_empty()).then(|| args.tensor_split.clone()),
-            chunk: None,
-        }),
+        placement: args.placement.placement()?,
         gpu_tuning,
         delay: Duration::from_millis(args.debug_load_delay_ms),
         template_source,
@@ -439,25 +420,29 @@ struct LoadConfig {
     step_tokens: usize,
     /// `auto`, `cpu` or `gpu`.
     device: String,
-    /// The (first) GPU's ordinal.
-    gpu: usize,
-    /// Several GPUs: the model split by layers over them.
-    split: Option<model::gpu::SplitOptions>,
+    /// The GPU, or the GPUs a split takes.
+    placement: crate::options::Placement,
     gpu_tuning: GpuTuning,
     delay: Duration,
     /// `--chat-template-file`'s template, in place of the file's.
     template_source: Option<String>,
 }
 
-/// Whether `model` can run on GPU `gpu`: the reason when not.
-fn gpu_usable(model: &Model, gpu: usize, split: bool) -> std::result::Result<(), String> {
+/// Whether `model` can run where `placement` puts it: the reason when not.
+fn gpu_usable(
+    model: &Model,
+    placement: &crate::options::Placement,
+) -> std::result::Result<(), String> {
+    use crate::options::Placement;
     model.check_gpu_support().map_err(|e| e.to_string())?;
-    let device = hip_backend::Device::open(gpu).map_err(|e| e.to_string())?;
-    if split {
+    let device = hip_backend::Device::open(placement.first_device()).map_err(|e| e.to_string())?;
+    match placement {
+        Placement::One(_) => {
+            model::gpu::check_experts_fit(model, &device, None).map_err(|e| e.to_string())
+        }
         // Each device of a split checks its own share as it is built.
-        return Ok(());
+        Placement::Layers(_) => Ok(()),
     }
-    model::gpu::check_experts_fit(model, &device, None).map_err(|e| e.to_string())
 }
 
 /// Opens the model, reads every weight page once (so the first requests do not wait on
@@ -488,7 +473,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     state.set_progress(0.05);
     let on_gpu = match config.device.as_str() {
         "cpu" => false,
-        device => match gpu_usable(&model, config.gpu, config.split.is_some()) {
+        device => match gpu_usable(&model, &config.placement) {
             Ok(()) => true,
             Err(why) if device == "auto" => {
                 tracing::info!(%why, "serving on the CPU");
@@ -563,7 +548,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     let tokens = Arc::clone(&tokenizer);
     let (scheduler, device_cache) = if on_gpu {
         let options = GpuOptions {
-            device: config.gpu,
+            device: config.placement.first_device(),
             mode: UploadMode::Background,
             budget: None,
             context_size,
@@ -571,9 +556,11 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
             stop: None,
             tuning: config.gpu_tuning,
         };
-        let scheduler = match &config.split {
-            None => Scheduler::start_on_gpu(model, tokens, scheduler_config, options)?,
-            Some(split) => {
+        let scheduler = match &config.placement {
+            crate::options::Placement::One(_) => {
+                Scheduler::start_on_gpu(model, tokens, scheduler_config, options)?
+            }
+            crate::options::Placement::Layers(split) => {
                 tracing::info!(devices = ?split.devices, "the model split by layers");
                 Scheduler::start_on_gpus(model, tokens, scheduler_config, options, split.clone())?
             }
