@@ -82,8 +82,9 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     // Ctrl-C stops the upload between two chunks and frees what it took; `main` turns
     // the interruption into status 130.
     let stop = install_ctrl_c()?;
+    let placement = args.placement.placement()?;
     let path = model_path(args.gguf.as_deref(), None)?;
-    let device_ordinal = match args.placement.placement()? {
+    let device_ordinal = match placement {
         Placement::Layers(split) => return run_split(args, &path, &split, stop),
         Placement::One(_) if args.placement.devices.is_empty() => args.device,
         Placement::One(device) => device,

@@ -23,12 +23,13 @@ fn placements_that_cannot_be_honoured_are_refused_in_one_line() {
             "--tensor-split needs --split-mode layer",
         ),
     ] {
-        for command in ["generate", "chat"] {
-            let mut all = vec![command, "-m", "no-such-model.gguf"];
-            if command == "generate" {
-                all.extend(["-p", "hello"]);
-            }
-            all.extend(args);
+        for command in [
+            &["generate", "-m", "no-such-model.gguf", "-p", "hello"][..],
+            &["chat", "-m", "no-such-model.gguf"],
+            &["load", "-m", "no-such-model.gguf"],
+            &["serve", "--gguf", "no-such-model.gguf"],
+        ] {
+            let all: Vec<&str> = command.iter().chain(args).copied().collect();
             assert_fails_with(&run(&all), expected);
         }
     }
