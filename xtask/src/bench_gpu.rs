@@ -43,7 +43,6 @@
 //! Without a usable GPU it says why in one line and exits non-zero.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -55,8 +54,11 @@ use tensor_store::device::UploadMode;
 use tensor_store::{TensorHandle, TensorStore};
 
 mod cpu_moe;
+mod llama;
 mod split;
 use cpu_moe::cpu_moe_rows;
+pub(crate) use llama::llama_bench_with;
+use llama::{llama_bench, llama_bench_on};
 use split::split_rows;
 
 struct Options {
@@ -631,98 +633,11 @@ fn ours_parallel(path: &Path, o: &Options) -> Result<Vec<Speeds>> {
     Ok(out)
 }
 
-/// llama-bench's average tokens/s for `-n tokens` (generation after an empty context)
-/// and, unless `prompt` is 0, `-p prompt` (one batch of prompt tokens), `ngl` layers on
-/// the GPU (99: all).
-fn llama_bench(
-    bench: &Path,
-    model: &Path,
-    tokens: usize,
-    prompt: usize,
-    repeat: usize,
-    ngl: usize,
-) -> Result<Theirs> {
-    llama_bench_with(
-        bench,
-        model,
-        tokens,
-        prompt,
-        repeat,
-        &["-ngl", &ngl.to_string()],
-    )
-}
-
 /// The middle of `runs` (the upper middle of an even count).
 fn median(runs: &[f64]) -> f64 {
     let mut sorted = runs.to_vec();
     sorted.sort_by(f64::total_cmp);
     sorted[sorted.len() / 2]
-}
-
-/// llama-bench's tg and pp with the placement and settings `placement` (`-ngl N`,
-/// `-ncmoe N`, a cache type, a depth).
-pub(crate) fn llama_bench_with(
-    bench: &Path,
-    model: &Path,
-    tokens: usize,
-    prompt: usize,
-    repeat: usize,
-    placement: &[&str],
-) -> Result<Theirs> {
-    llama_bench_on(bench, model, tokens, prompt, repeat, placement, "")
-}
-
-/// [`llama_bench_with`] on the GPUs `visible` names (CUDA's and HIP's visible-device
-/// lists: `0,1`); empty, the process's own.
-fn llama_bench_on(
-    bench: &Path,
-    model: &Path,
-    tokens: usize,
-    prompt: usize,
-    repeat: usize,
-    placement: &[&str],
-    visible: &str,
-) -> Result<Theirs> {
-    let mut command = Command::new(bench);
-    if !visible.is_empty() {
-        command
-            .env("CUDA_VISIBLE_DEVICES", visible)
-            .env("HIP_VISIBLE_DEVICES", visible);
-    }
-    let output = command
-        .args(["-m"])
-        .arg(model)
-        .args(placement)
-        .args(["-p", &prompt.to_string(), "-n", &tokens.to_string()])
-        .args(["-r", &repeat.to_string(), "-o", "json"])
-        .output()
-        .with_context(|| format!("running {}", bench.display()))?;
-    if !output.status.success() {
-        bail!(
-            "{} failed: {}",
-            bench.display(),
-            String::from_utf8_lossy(&output.stderr)
-                .lines()
-                .last()
-                .unwrap_or("")
-        );
-    }
-    let doc: Value = serde_json::from_slice(&output.stdout).context("llama-bench's JSON")?;
-    let runs = doc.as_array().context("llama-bench's JSON is not a list")?;
-    // Each test is one entry: n_prompt > 0 for the prompt test, n_gen > 0 for generation.
-    let find = |key: &str| {
-        runs.iter()
-            .find(|r| r[key].as_u64().is_some_and(|n| n > 0))
-            .and_then(|r| r["avg_ts"].as_f64())
-    };
-    Ok(Theirs {
-        tg: find("n_gen").context("llama-bench printed no generation test")?,
-        pp: if prompt > 0 {
-            Some(find("n_prompt").context("llama-bench printed no prompt test")?)
-        } else {
-            None
-        },
-    })
 }
 
 /// Device-to-device copy bandwidth (bytes read plus bytes written per second), the
