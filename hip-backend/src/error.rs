@@ -122,6 +122,22 @@ pub enum HipError {
     /// withheld from the program (and never freed) because the device may still use it.
     #[error("pinned buffer unusable: the copy last queued on it could not be confirmed finished: {reason}")]
     PinnedBufferPoisoned { reason: String },
+
+    /// The collectives library (NCCL or RCCL) could not be loaded: none of the paths
+    /// tried loads, or the one that does lacks an entry point this crate calls. `reason`
+    /// holds the dynamic loader's text for each path tried.
+    #[error(
+        "collectives library unavailable: tried {}: {reason}; tensor-parallel runs need \
+         NCCL (NVIDIA) or RCCL (AMD): install it where the dynamic loader finds it \
+         (LD_LIBRARY_PATH or the ldconfig cache) or give the full path of libnccl.so.2 \
+         or librccl.so.1",
+        tried.join(", ")
+    )]
+    CollectivesUnavailable { tried: Vec<String>, reason: String },
+
+    /// A communicator that cannot be made as asked (no devices, a device given twice).
+    #[error("invalid communicator: {reason}")]
+    InvalidCommunicator { reason: String },
 }
 
 impl HipError {

@@ -8,8 +8,9 @@
 //! into aligned sub-buffers. [`list_devices`] and [`PLATFORM`] serve `rocmforge devices`.
 //!
 //! **Architecture Invariant:** this crate knows nothing of GGUF, tensors or models; it
-//! moves bytes and runs nothing but copies. Kernels live in the crates that own their
-//! math (`dequant`, `model`) and are compiled with this crate's build configuration.
+//! moves bytes and runs nothing but copies (and, through [`collective`], the collectives
+//! library's all-reduce). Kernels live in the crates that own their math (`dequant`,
+//! `model`) and are compiled with this crate's build configuration.
 //!
 //! # Layers
 //! As in cudarc: `sys` declares the `rfhip_*` C functions of our runtime shim
@@ -37,6 +38,13 @@
 //! `README.md` says how to build and test each variant, and how to run the tests on a GPU
 //! machine that has no Rust toolchain (`scripts/collect-gpu-binaries.sh`,
 //! `scripts/gpu-suite.sh`).
+//!
+//! [`collective`] sums buffers over several GPUs of the process ([`Communicator`]'s
+//! all-reduce, capturable into a [`Graph`]) through NCCL (NVIDIA) or RCCL (AMD). That
+//! library is loaded at run time with `dlopen` ([`Collectives::load`]), never linked: it
+//! is hundreds of megabytes, and only tensor-parallel runs need it, so builds and
+//! single-GPU runs do without it. Without it, loading fails with
+//! [`HipError::CollectivesUnavailable`], which names the paths tried.
 //!
 //! [`fault`] is a testing hook: it makes a chosen device or page-locked allocation fail,
 //! as a full device would, so the paths that clean up after one can be tested.
@@ -76,6 +84,7 @@
 //! so no two crates can build for different platforms or targets.
 
 mod arena;
+pub mod collective;
 mod device;
 mod error;
 #[doc(hidden)]
@@ -93,6 +102,7 @@ mod sys;
 mod hip_build;
 
 pub use arena::{ArenaBuffer, ArenaStats, DeviceArena, RangeAllocator, DEFAULT_ARENA_ALIGN};
+pub use collective::{Collectives, Communicator};
 pub use device::{
     device_or_skip, list_devices, runtime_versions, Device, DeviceInfo, MemoryInfo, RuntimeVersions,
 };

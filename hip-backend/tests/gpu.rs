@@ -1,16 +1,20 @@
 //! The runtime end to end: buffers, typed views, pinned memory (single buffers and rings
-//! sharing one region), streams, events, copies and the arena, on device 0.
+//! sharing one region), streams, events, copies and the arena, on device 0; and the
+//! all-reduce of `hip_backend::collective` over every device.
 //!
 //! Tests that need a device print `SKIPPED <test>: <reason>` on stderr (outside the test
 //! harness's capture, so it shows in every run) and pass when the build has no GPU
 //! platform or the machine has no device. The first test runs everywhere: it checks that
 //! the "no GPU" cases are the typed errors they should be.
 
+use hip_backend::collective::{self, Collectives, Communicator};
 use hip_backend::{
-    device_or_skip, list_devices, runtime_versions, Device, DeviceBuffer, HipError, Platform,
-    Stream, DEFAULT_ARENA_ALIGN, PLATFORM,
+    device_or_skip, list_devices, runtime_versions, Device, DeviceBuffer, Graph, HipError,
+    Platform, Stream, DEFAULT_ARENA_ALIGN, PLATFORM,
 };
 use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
 
 /// Deterministic pseudo-random words (xorshift64).
 fn random_words(len: usize, seed: u64) -> Vec<u32> {
@@ -596,4 +600,190 @@ fn peer_copies_cross_devices_in_event_order() {
         s1.copy_peer_async(short.view(), back.view_mut()),
         Err(HipError::LengthMismatch { .. })
     ));
+}
+
+#[test]
+fn loading_collectives_from_a_missing_path_fails_naming_it() {
+    let missing = "/nonexistent/libnccl.so.2";
+    match (PLATFORM, Collectives::load(Some(Path::new(missing)))) {
+        (Platform::None, Err(HipError::BuiltWithoutGpu)) => {}
+        (_, Err(error @ HipError::CollectivesUnavailable { .. })) => {
+            let text = error.to_string();
+            assert!(text.contains(missing), "{text}");
+            assert!(text.contains("NCCL"), "{text}");
+        }
+        (platform, Err(other)) => panic!("{platform}: unexpected error {other}"),
+        (platform, Ok(lib)) => panic!("{platform}: {missing} loaded as {}", lib.path()),
+    }
+}
+
+/// The collectives library for the GPU test `test`: the file `ROCMFORGE_COLLECTIVES` names when
+/// it is set (a file that does not load fails the test), else the platform's default
+/// names through the dynamic loader's search path. `None` after writing
+/// `SKIPPED <test>: <reason>` to stderr when the default names do not load.
+fn collectives_or_skip(test: &str) -> Option<Arc<Collectives>> {
+    let named = std::env::var_os("ROCMFORGE_COLLECTIVES").filter(|path| !path.is_empty());
+    let loaded = Collectives::load(named.as_deref().map(Path::new));
+    match (named, loaded) {
+        (_, Ok(lib)) => Some(lib),
+        (Some(path), Err(error)) => {
+            panic!(
+                "{test}: ROCMFORGE_COLLECTIVES={} does not load: {error}",
+                path.display()
+            )
+        }
+        (None, Err(error)) => {
+            let line =
+                format!("SKIPPED {test}: {error} (ROCMFORGE_COLLECTIVES may name the library)\n");
+            let _ = std::io::stderr().write_all(line.as_bytes());
+            None
+        }
+    }
+}
+
+/// Captures the work `record` queues into one graph per stream, every stream capturing at
+/// once: collectives of several ranks, driven from one thread inside one group, are
+/// launched together when the group ends, onto all the ranks' streams.
+fn capture_together(
+    streams: &[Stream],
+    record: &mut dyn FnMut() -> Result<(), HipError>,
+) -> Result<Vec<Graph>, HipError> {
+    let Some((first, rest)) = streams.split_first() else {
+        record()?;
+        return Ok(Vec::new());
+    };
+    let mut inner = Vec::new();
+    let graph = first.capture(|_| {
+        inner = capture_together(rest, record)?;
+        Ok::<(), HipError>(())
+    })?;
+    inner.insert(0, graph);
+    Ok(inner)
+}
+
+/// Every device a rank: rank r's buffer holds (r + 1) · i at element i. One all-reduce,
+/// called for all ranks inside one group, leaves the sum on every rank; then the same
+/// all-reduce captured into one graph per rank and replayed twice sums twice.
+#[test]
+fn all_reduce_sums_every_ranks_buffer_directly_and_from_graphs() {
+    const TEST: &str = "all_reduce_sums_every_ranks_buffer_directly_and_from_graphs";
+    const LEN: usize = 1000;
+    if device_or_skip(TEST).is_none() {
+        return;
+    }
+    let Some(lib) = collectives_or_skip(TEST) else {
+        return;
+    };
+    let version = lib.version().expect("library version");
+    assert!(version > 0, "version {version}");
+    let count = Device::count().expect("count");
+    let line = format!("note: {} version {version}, {count} rank(s)\n", lib.path());
+    let _ = std::io::stderr().write_all(line.as_bytes());
+
+    let devices: Vec<Device> = (0..count)
+        .map(|ordinal| Device::open(ordinal).expect("open"))
+        .collect();
+    let comms = Communicator::for_devices(&lib, &devices).expect("communicator");
+    assert_eq!(comms.len(), count);
+    for (rank, comm) in comms.iter().enumerate() {
+        assert_eq!(
+            (comm.rank(), comm.size(), comm.device()),
+            (rank, count, rank)
+        );
+        comm.async_error().expect("no background error");
+    }
+    let streams: Vec<Stream> = devices
+        .iter()
+        .map(|device| device.new_stream().expect("stream"))
+        .collect();
+    let mut buffers: Vec<DeviceBuffer<f32>> = devices
+        .iter()
+        .map(|device| device.alloc::<f32>(LEN).expect("alloc"))
+        .collect();
+    let fill = |buffers: &mut [DeviceBuffer<f32>]| {
+        for (rank, (buffer, stream)) in buffers.iter_mut().zip(&streams).enumerate() {
+            let values: Vec<f32> = (0..LEN).map(|i| ((rank + 1) * i) as f32).collect();
+            stream
+                .write_from_host(&values, buffer.view_mut())
+                .expect("fill");
+        }
+    };
+    // Every rank holds `factor` times the sum over ranks, 1 + 2 + ... + count, of i.
+    let check = |buffers: &[DeviceBuffer<f32>], factor: usize, what: &str| {
+        let rank_sum = count * (count + 1) / 2;
+        let expected: Vec<f32> = (0..LEN).map(|i| (factor * rank_sum * i) as f32).collect();
+        for (rank, (buffer, stream)) in buffers.iter().zip(&streams).enumerate() {
+            stream.synchronize().expect("synchronize");
+            assert_eq!(read_back(stream, buffer), expected, "{what}: rank {rank}");
+        }
+    };
+
+    fill(&mut buffers);
+    collective::group(&lib, || {
+        comms
+            .iter()
+            .zip(&streams)
+            .zip(buffers.iter_mut())
+            .try_for_each(|((comm, stream), buffer)| comm.all_reduce_sum(buffer.view_mut(), stream))
+    })
+    .expect("group")
+    .expect("all-reduce");
+    check(&buffers, 1, "direct");
+
+    // A stream of another device, or an empty buffer, is refused or a no-op.
+    let other = &streams[count - 1];
+    if count > 1 {
+        assert!(matches!(
+            comms[0].all_reduce_sum(buffers[0].view_mut(), other),
+            Err(HipError::DeviceMismatch { .. })
+        ));
+    }
+    collective::group(&lib, || {
+        comms
+            .iter()
+            .zip(&streams)
+            .zip(buffers.iter_mut())
+            .try_for_each(|((comm, stream), buffer)| {
+                comm.all_reduce_sum(buffer.slice_mut(0..0)?, stream)
+            })
+    })
+    .expect("group")
+    .expect("an empty all-reduce queues nothing");
+
+    let graphs = {
+        let buffers = &mut buffers;
+        let comms = &comms;
+        let streams = &streams;
+        capture_together(streams, &mut || {
+            collective::group(&lib, || {
+                comms
+                    .iter()
+                    .zip(streams)
+                    .zip(buffers.iter_mut())
+                    .try_for_each(|((comm, stream), buffer)| {
+                        comm.all_reduce_sum(buffer.view_mut(), stream)
+                    })
+            })?
+        })
+        .expect("capture")
+    };
+    assert_eq!(graphs.len(), count);
+    fill(&mut buffers);
+    for (graph, stream) in graphs.iter().zip(&streams) {
+        graph.launch(stream).expect("replay");
+    }
+    check(&buffers, 1, "first replay");
+    for (graph, stream) in graphs.iter().zip(&streams) {
+        graph.launch(stream).expect("replay");
+    }
+    check(&buffers, count, "second replay");
+    for comm in &comms {
+        comm.async_error().expect("no background error");
+    }
+    // The library destroys a communicator only once the graphs that captured it are gone.
+    drop(graphs);
+    drop(comms);
+    for device in &devices {
+        device.check_err().expect("releases succeeded");
+    }
 }
