@@ -98,6 +98,11 @@ pub enum StoreError {
     /// A handle that does not belong to the store the device cache was built on.
     #[error("tensor {tensor:?} of {path} is not a tensor of this device cache's model")]
     ForeignTensor { tensor: String, path: PathBuf },
+    /// A part of a tensor ([`crate::device::TensorPart`]) that is not one: outside its
+    /// rows or columns, not made of whole blocks of its type, or empty. `reason` names
+    /// the offending range.
+    #[error("tensor {tensor:?}: invalid part: {reason}")]
+    BadPart { tensor: String, reason: String },
     /// A device cache setting out of its range.
     #[error("invalid device cache setting {name} = {value}: {reason}")]
     InvalidCacheConfig {

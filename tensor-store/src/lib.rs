@@ -16,7 +16,10 @@
 //! LRU eviction ([`device::DeviceCache`]), fed by a background upload pipeline (reader
 //! threads, a ring of staging buffers, asynchronous copies, per-layer readiness). It
 //! works against any [`device::DeviceTarget`]: a GPU through `hip-backend`, or host
-//! memory for tests and CPU runs.
+//! memory for tests and CPU runs. For tensor-parallel runs, [`device::upload_part`] puts
+//! a rectangular part of a tensor ([`device::TensorPart`]: some of its rows, or a range
+//! of columns in each) on a device outside the cache, gathered straight from the file
+//! into staging buffers; the caller owns the result.
 //!
 //! This crate does not decode or compute: it hands out bytes. It knows nothing of model
 //! architectures. It has no cargo features.

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 mod device_cache;
 #[path = "store/device_gpu.rs"]
 mod device_gpu;
+#[path = "store/device_part.rs"]
+mod device_part;
 
 use gguf_format::{GgmlType, GgufWriter};
 use tensor_store::{LoadMode, StoreError, TensorStore};

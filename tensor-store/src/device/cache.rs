@@ -14,12 +14,17 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use super::part::TensorPart;
 use super::slot::{Failure, Slot};
 use super::target::DeviceTarget;
 use crate::{StoreError, TensorHandle};
 
 /// A tensor resident on the device. While any clone is alive the cache will not evict
 /// it, so hold one for as long as device work that reads it may run.
+///
+/// It may also hold only a part of a tensor ([`DeviceTensor::part`]), uploaded by
+/// [`super::upload_part`] outside any cache: then its buffer holds the part's bytes and
+/// its size is the part's.
 pub struct DeviceTensor<T: DeviceTarget> {
     inner: Arc<Resident<T>>,
 }
@@ -27,6 +32,10 @@ pub struct DeviceTensor<T: DeviceTarget> {
 struct Resident<T: DeviceTarget> {
     handle: TensorHandle,
     buffer: T::Buffer,
+    /// The part of `handle` the buffer holds; `None` for the whole tensor.
+    part: Option<TensorPart>,
+    /// Bytes in the buffer: the tensor's size, or the part's.
+    size: u64,
 }
 
 impl<T: DeviceTarget> Clone for DeviceTensor<T> {
@@ -38,29 +47,60 @@ impl<T: DeviceTarget> Clone for DeviceTensor<T> {
 }
 
 impl<T: DeviceTarget> DeviceTensor<T> {
+    /// The whole tensor `handle`, in `buffer`.
     pub(crate) fn new(handle: TensorHandle, buffer: T::Buffer) -> DeviceTensor<T> {
+        let size = handle.size();
         DeviceTensor {
-            inner: Arc::new(Resident { handle, buffer }),
+            inner: Arc::new(Resident {
+                handle,
+                buffer,
+                part: None,
+                size,
+            }),
         }
     }
 
-    /// The device memory holding the tensor's raw GGUF bytes.
+    /// `part` of the tensor `handle`, in `buffer` (of `part.len()` bytes).
+    pub(crate) fn new_part(
+        handle: TensorHandle,
+        buffer: T::Buffer,
+        part: TensorPart,
+    ) -> DeviceTensor<T> {
+        let size = part.len();
+        DeviceTensor {
+            inner: Arc::new(Resident {
+                handle,
+                buffer,
+                part: Some(part),
+                size,
+            }),
+        }
+    }
+
+    /// The device memory holding the tensor's raw GGUF bytes (for a part, the part's
+    /// rows one after another, each of them the part's bytes of that row).
     pub fn buffer(&self) -> &T::Buffer {
         &self.inner.buffer
     }
 
-    /// The tensor this is a device copy of.
+    /// The tensor this is a device copy of (or of a part of).
     pub fn handle(&self) -> &TensorHandle {
         &self.inner.handle
     }
 
+    /// The tensor's name (a part's is its tensor's).
     pub fn name(&self) -> &str {
         self.inner.handle.name()
     }
 
-    /// Size in bytes.
+    /// Size in bytes: the tensor's, or for a part the part's.
     pub fn size(&self) -> u64 {
-        self.inner.handle.size()
+        self.inner.size
+    }
+
+    /// The part of the tensor this holds; `None` when it holds the whole tensor.
+    pub fn part(&self) -> Option<&TensorPart> {
+        self.inner.part.as_ref()
     }
 
     /// True when both are the same upload (the same device buffer).
@@ -79,6 +119,7 @@ impl<T: DeviceTarget> std::fmt::Debug for DeviceTensor<T> {
         f.debug_struct("DeviceTensor")
             .field("name", &self.name())
             .field("size", &self.size())
+            .field("part", &self.part())
             .finish()
     }
 }

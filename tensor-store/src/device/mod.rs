@@ -20,6 +20,11 @@
 //! - [`ReadAhead`] reads a cold file into the page cache in upload order from a thread
 //!   of its own, from before the device is ready, so that the readers find most pages
 //!   there.
+//! - [`upload_part`] puts a rectangular [`TensorPart`] of a tensor (some of its rows, or
+//!   a range of columns in each row: one device's share of a tensor-parallel weight) on
+//!   a device, outside any cache: the caller owns the result. It gathers the part
+//!   through two page-locked staging buffers, the copy of one overlapping the gathering
+//!   of the next.
 //! - [`DeviceTarget`] is all it needs from a device: [`HipTarget`] is a GPU (one arena,
 //!   one copy stream, page-locked staging), [`HostTarget`] is host memory, for tests and
 //!   CPU benchmarks, through exactly the same cache code.
@@ -33,6 +38,7 @@ mod hip;
 mod host;
 mod loader;
 mod order;
+mod part;
 mod pipeline;
 mod progress;
 pub mod read_ahead;
@@ -47,6 +53,7 @@ pub use loader::{
     CacheConfig, DeviceCache, GroupFuture, StagingRing, TensorFuture, UploadMode, STOP_POLL,
 };
 pub use order::{UploadGroup, UploadOrder};
+pub use part::{upload_part, upload_part_in, PartStaging, TensorPart, PART_STAGING_BYTES};
 pub use progress::{Progress, ProgressCallback};
 pub use read_ahead::ReadAhead;
 pub use target::{DeviceTarget, STAGING_ALIGN};
