@@ -46,7 +46,7 @@ impl Chosen {
         kv_types: model::KvTypes,
         placement: &crate::options::Placement,
     ) -> Chosen {
-        let split = matches!(placement, crate::options::Placement::Layers(_));
+        let split = !matches!(placement, crate::options::Placement::One(_));
         let support = match &self {
             // A split's stages check their own devices as they are built.
             Chosen::Gpu { .. } if split => model.check_gpu_support(),

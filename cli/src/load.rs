@@ -86,6 +86,7 @@ pub fn run(args: &LoadArgs) -> Result<()> {
     let path = model_path(args.gguf.as_deref(), None)?;
     let device_ordinal = match placement {
         Placement::Layers(split) => return run_split(args, &path, &split, stop),
+        Placement::Tensors(split) => return run_tensors(args, &path, &split, stop),
         Placement::One(_) if args.placement.devices.is_empty() => args.device,
         Placement::One(device) => device,
     };
@@ -300,6 +301,58 @@ fn run_split(
             );
         }
         println!("  all resident     {all_ms:8.1} ms  ({gb_per_s:.1} GB/s)");
+    }
+    Ok(())
+}
+
+/// `load --split-mode tensor`: every GPU's share of the model uploaded (each its parts
+/// of the matrices it cuts, and the weights it holds whole), timed to the moment all are
+/// resident.
+fn run_tensors(
+    args: &LoadArgs,
+    path: &std::path::Path,
+    split: &model::gpu::TensorOptions,
+    stop: Arc<AtomicBool>,
+) -> Result<()> {
+    let start = Instant::now();
+    let ms = move || start.elapsed().as_secs_f64() * 1e3;
+    let store = TensorStore::open(path)?;
+    let model = model::Model::load(&store).with_context(|| format!("{}", path.display()))?;
+    let plan_ms = ms();
+    let mut options = model::gpu::GpuOptions::new(UploadMode::Eager, 1);
+    options.device = split.devices[0];
+    options.stop = Some(stop);
+    let gpu = model::gpu::GpuEngine::tensor(&model, &options, split, 1)
+        .with_context(|| format!("split by tensors over GPUs {:?}", split.devices))?;
+    let all_ms = ms();
+    let (library, version) = match &gpu {
+        model::gpu::GpuEngine::Tensor(split) => split.library(),
+        _ => unreachable!("GpuEngine::tensor makes a split by tensors"),
+    };
+    let bytes: u64 = model.plan().handles().iter().map(|h| h.size()).sum();
+    let gb_per_s = bytes as f64 / (all_ms - plan_ms).max(1e-3) / 1e6;
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "file": path.display().to_string(),
+                "mode": "tensor",
+                "devices": split.devices,
+                "collectives": library,
+                "collectives_version": version,
+                "plan_ms": plan_ms,
+                "all_resident_ms": all_ms,
+                "model_gb_per_s": gb_per_s,
+            })
+        );
+    } else {
+        println!(
+            "{}: split by tensors over GPUs {:?} ({library})",
+            path.display(),
+            split.devices
+        );
+        println!("  model planned    {plan_ms:8.1} ms");
+        println!("  all resident     {all_ms:8.1} ms  ({gb_per_s:.1} GB/s of the model)");
     }
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! A model on the GPUs `--devices` and `--split-mode` name: a [`GpuEngine`] on one
-//! device or split by layers over several, and the placement to use when the flags name
+//! device or split by layers or by tensors over several, and the placement to use when the flags name
 //! none.
 
 use anyhow::{Context, Result};
@@ -32,6 +32,15 @@ pub fn engine(
                 for (device, layers) in split.stages() {
                     tracing::info!(device, ?layers, "layers on a GPU");
                 }
+            }
+            Ok(gpu)
+        }
+        Placement::Tensors(split) => {
+            let gpu = GpuEngine::tensor(model, options, split, prompt_batch)
+                .with_context(|| format!("split by tensors over GPUs {:?}", split.devices))?;
+            if let GpuEngine::Tensor(split) = &gpu {
+                let (library, version) = split.library();
+                tracing::info!(devices = ?split.devices(), library, ?version, "split by tensors");
             }
             Ok(gpu)
         }

@@ -140,14 +140,21 @@ pub struct PlacementArgs {
     pub devices: Vec<usize>,
     /// How a model is spread over several GPUs: `none` (one GPU), `layer` (each GPU a
     /// contiguous run of layers and their KV cache; the residual stream crosses between
-    /// them), or `tensor` (not available in this version). Default: `layer` when
-    /// `--devices` names several GPUs, else `none`.
+    /// them), or `tensor` (each GPU a share of every layer's heads and feed-forward rows,
+    /// added up by NCCL or RCCL after each block; one sequence at a time, so not for
+    /// `serve`). Default: `layer` when `--devices` names several GPUs, else `none`.
     #[arg(long, value_enum)]
     pub split_mode: Option<SplitMode>,
     /// With `--split-mode layer`, each GPU's share of the weights, comma-separated in
     /// the order of `--devices` (e.g. `3,1`). Default: equal shares.
     #[arg(long, value_name = "RATIOS", value_delimiter = ',')]
     pub tensor_split: Vec<f64>,
+    /// With `--split-mode tensor`, the collectives library to load (NCCL's
+    /// `libnccl.so.2` on NVIDIA, RCCL's `librccl.so.1` on AMD). Default: the
+    /// `ROCMFORGE_COLLECTIVES` environment variable, else those names through the
+    /// dynamic loader's search path (`LD_LIBRARY_PATH`).
+    #[arg(long, value_name = "PATH")]
+    pub collectives: Option<std::path::PathBuf>,
 }
 
 /// `--split-mode`.
@@ -158,11 +165,12 @@ pub enum SplitMode {
     Tensor,
 }
 
-/// Where a model goes: one GPU, or several split by layers.
+/// Where a model goes: one GPU, or several split by layers or by tensors.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Placement {
     One(usize),
     Layers(model::gpu::SplitOptions),
+    Tensors(model::gpu::TensorOptions),
 }
 
 impl Placement {
@@ -171,6 +179,7 @@ impl Placement {
         match self {
             Placement::One(device) => *device,
             Placement::Layers(split) => split.devices[0],
+            Placement::Tensors(split) => split.devices[0],
         }
     }
 }
@@ -191,10 +200,20 @@ impl PlacementArgs {
         });
         let ratios = (!self.tensor_split.is_empty()).then(|| self.tensor_split.clone());
         match mode {
-            SplitMode::Tensor => bail!(
-                "--split-mode tensor: not available in this version of rocmforge; \
-                 --split-mode layer splits a model over several GPUs"
+            SplitMode::Tensor if devices.len() < 2 => {
+                bail!("--split-mode tensor needs several GPUs: name them with --devices (e.g. 0,1)")
+            }
+            SplitMode::Tensor if ratios.is_some() => bail!(
+                "--tensor-split applies to --split-mode layer: a split by tensors gives each \
+                 GPU an equal share of the heads and rows"
             ),
+            SplitMode::Tensor => Ok(Placement::Tensors(model::gpu::TensorOptions {
+                devices,
+                library: self
+                    .collectives
+                    .clone()
+                    .or_else(|| std::env::var_os("ROCMFORGE_COLLECTIVES").map(Into::into)),
+            })),
             SplitMode::None if devices.len() > 1 => bail!(
                 "--devices names {} GPUs but --split-mode none uses one: name one GPU, or \
                  use --split-mode layer",

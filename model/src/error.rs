@@ -81,6 +81,10 @@ pub enum ModelError {
         #[source]
         source: hip_backend::HipError,
     },
+    /// The thread that drives one device of a split by tensors is gone (it panicked):
+    /// the split cannot go on.
+    #[error("the thread driving GPU {device} of a split by tensors {what}")]
+    DeviceThread { device: usize, what: &'static str },
     /// A GPU kernel refused its arguments (a bug, or a model shape it cannot take).
     #[error("gpu kernel: {0}")]
     GpuKernel(#[from] KernelError),

@@ -104,7 +104,7 @@ macro_rules! gpu_session {
     )*};
 }
 
-gpu_session!(GpuModel, crate::gpu::LayerSplit);
+gpu_session!(GpuModel, crate::gpu::LayerSplit, crate::gpu::TensorSplit);
 
 /// A model on one GPU or split over several.
 impl Session for crate::gpu::GpuEngine {
@@ -112,6 +112,7 @@ impl Session for crate::gpu::GpuEngine {
         match self {
             crate::gpu::GpuEngine::One(gpu) => gpu.eval(tokens, greedy),
             crate::gpu::GpuEngine::Split(gpu) => gpu.eval(tokens, greedy),
+            crate::gpu::GpuEngine::Tensor(gpu) => gpu.eval(tokens, greedy),
         }
     }
 
@@ -119,6 +120,7 @@ impl Session for crate::gpu::GpuEngine {
         match self {
             crate::gpu::GpuEngine::One(gpu) => gpu.shift(keep, discard, kept),
             crate::gpu::GpuEngine::Split(gpu) => gpu.shift(keep, discard, kept),
+            crate::gpu::GpuEngine::Tensor(gpu) => gpu.shift(keep, discard, kept),
         }
     }
 }

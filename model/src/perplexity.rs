@@ -139,13 +139,14 @@ macro_rules! gpu_windows {
     )*};
 }
 
-gpu_windows!(GpuModel, crate::gpu::LayerSplit);
+gpu_windows!(GpuModel, crate::gpu::LayerSplit, crate::gpu::TensorSplit);
 
 impl WindowLogits for crate::gpu::GpuEngine {
     fn n_vocab(&self) -> usize {
         match self {
             crate::gpu::GpuEngine::One(gpu) => gpu.n_vocab(),
             crate::gpu::GpuEngine::Split(gpu) => gpu.n_vocab(),
+            crate::gpu::GpuEngine::Tensor(gpu) => gpu.n_vocab(),
         }
     }
 
@@ -157,6 +158,7 @@ impl WindowLogits for crate::gpu::GpuEngine {
         match self {
             crate::gpu::GpuEngine::One(gpu) => gpu.forward_all_logits(tokens),
             crate::gpu::GpuEngine::Split(gpu) => gpu.forward_all_logits(tokens),
+            crate::gpu::GpuEngine::Tensor(gpu) => gpu.forward_all_logits(tokens),
         }
     }
 }

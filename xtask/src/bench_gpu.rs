@@ -38,7 +38,9 @@
 //!
 //! With `--devices 0,1` (and `--tensor-split 3,1`): tg and pp with the model split by
 //! layers over those GPUs, and the time to have it resident, beside one GPU's and
-//! `llama-bench -sm layer` and `-sm tensor` over the same GPUs (`bench_gpu/split.rs`).
+//! `llama-bench -sm layer` and `-sm tensor` over the same GPUs (`bench_gpu/split.rs`);
+//! then split by tensors (`bench_gpu/tensor.rs`; the collectives library from
+//! `ROCMFORGE_COLLECTIVES`, else the loader's search path).
 //!
 //! Without a usable GPU it says why in one line and exits non-zero.
 
@@ -56,6 +58,7 @@ use tensor_store::{TensorHandle, TensorStore};
 mod cpu_moe;
 mod llama;
 mod split;
+mod tensor;
 use cpu_moe::cpu_moe_rows;
 pub(crate) use llama::llama_bench_with;
 use llama::{llama_bench, llama_bench_on};

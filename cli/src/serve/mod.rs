@@ -228,7 +228,12 @@ impl AppState {
 
 pub fn run(args: &ServeArgs) -> Result<()> {
     // Said before listening, as every other refusal.
-    args.placement.placement()?;
+    if let crate::options::Placement::Tensors(_) = args.placement.placement()? {
+        anyhow::bail!(
+            "--split-mode tensor runs one sequence at a time; the server batches many: use \
+             --split-mode layer over several GPUs, or one GPU"
+        );
+    }
     let gpu = args.placement.first_device();
     if args.device == "gpu" {
         // Said before listening: nothing could be served.
@@ -441,7 +446,7 @@ fn gpu_usable(
             model::gpu::check_experts_fit(model, &device, None).map_err(|e| e.to_string())
         }
         // Each device of a split checks its own share as it is built.
-        Placement::Layers(_) => Ok(()),
+        Placement::Layers(_) | Placement::Tensors(_) => Ok(()),
     }
 }
 
@@ -563,6 +568,9 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
             crate::options::Placement::Layers(split) => {
                 tracing::info!(devices = ?split.devices, "the model split by layers");
                 Scheduler::start_on_gpus(model, tokens, scheduler_config, options, split.clone())?
+            }
+            crate::options::Placement::Tensors(_) => {
+                unreachable!("`run` refuses a split by tensors before loading")
             }
         };
         tracing::info!(device = "gpu", "serving");

@@ -12,7 +12,18 @@ fn placements_that_cannot_be_honoured_are_refused_in_one_line() {
         ),
         (
             &["--split-mode", "tensor"][..],
-            "--split-mode tensor: not available",
+            "--split-mode tensor needs several GPUs",
+        ),
+        (
+            &[
+                "--devices",
+                "0,1",
+                "--split-mode",
+                "tensor",
+                "--tensor-split",
+                "1,1",
+            ][..],
+            "--tensor-split applies to --split-mode layer",
         ),
         (
             &["--devices", "0,1", "--tensor-split", "1"][..],
@@ -62,4 +73,18 @@ fn a_server_refuses_split_ratios_that_do_not_match_its_devices() {
         "1,2,3",
     ]);
     assert_fails_with(&output, "--tensor-split gives 3 ratios for 2 devices");
+}
+
+#[test]
+fn serve_refuses_a_split_by_tensors_before_reading_the_model() {
+    let output = run(&[
+        "serve",
+        "--gguf",
+        "no-such-model.gguf",
+        "--devices",
+        "0,1",
+        "--split-mode",
+        "tensor",
+    ]);
+    assert_fails_with(&output, "--split-mode tensor runs one sequence at a time");
 }

@@ -118,7 +118,14 @@ impl GpuModel {
         let (config, plan) = part.narrow(model.config(), model.plan());
         let store: &TensorStore = model.store();
         let order = use_order(&plan, &part);
-        let model_bytes = HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()));
+        // Split by tensors, the device's parts of the matrices it cuts come on top.
+        let part_sizes = part
+            .shard
+            .as_ref()
+            .map(|s| s.sizes(&config, &plan))
+            .unwrap_or_default();
+        let model_bytes =
+            HipTarget::arena_bytes_for(order.tensors().iter().map(|t| t.size()).chain(part_sizes));
 
         // Activations and the KV cache first: their size is known, and failing here
         // costs no upload.
@@ -162,12 +169,20 @@ impl GpuModel {
         } = residency;
         let whole = part.is_whole(model.config().n_layers);
         if !whole && (!hold_all || pool_slots.is_some()) {
+            let share = match &part.shard {
+                Some(shard) => format!(
+                    "share {} of {} of a split by tensors",
+                    shard.rank + 1,
+                    shard.ranks
+                ),
+                None => format!(
+                    "layers {}..{} of a layer split",
+                    part.layers.start, part.layers.end
+                ),
+            };
             return Err(ModelError::GpuUnsupported {
                 what: format!(
-                    "layers {}..{} of a layer split, {} MiB of weights, over GPU {}'s budget \
-                     of {} MiB",
-                    part.layers.start,
-                    part.layers.end,
+                    "{share}, {} MiB of weights, over GPU {}'s budget of {} MiB",
                     model_bytes >> 20,
                     options.device,
                     arena_bytes >> 20
@@ -191,6 +206,10 @@ impl GpuModel {
         let staged = Staged::alloc(&device, &config, &bufs, capacity, prompt_batch, batch_room)?;
         let budget = (!hold_all).then_some(arena_bytes);
         let (cache, uploaded) = start_cache(target, store, order, options, budget)?;
+        let parts = match &part.shard {
+            Some(shard) => shard.upload(&config, &plan, &cache)?,
+            None => Vec::new(),
+        };
         if let Some(slots) = pool_slots {
             tracing::info!(
                 weights_mib = arena_bytes >> 20,
@@ -282,6 +301,7 @@ impl GpuModel {
             rope_context: RopeContext::for_cache(model.config(), capacity),
             stop: options.stop.clone(),
             part,
+            parts,
             device,
         };
         // The position and the attention's counters start at zero.

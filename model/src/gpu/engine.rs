@@ -1,5 +1,5 @@
-//! [`GpuEngine`]: a model on one GPU ([`GpuModel`]) or split by layers over several
-//! ([`LayerSplit`]), behind the calls its users make of either: one sequence's (the
+//! [`GpuEngine`]: a model on one GPU ([`GpuModel`]), split by layers over several
+//! ([`LayerSplit`]) or by tensors ([`TensorSplit`]), behind the calls its users make of either: one sequence's (the
 //! generation loop's `Session` and perplexity's `WindowLogits` are implemented beside
 //! those traits) and paged batches' (the server's scheduler).
 
@@ -9,14 +9,15 @@ use tensor_store::device::CacheStats;
 
 use super::{
     BatchSegment, ExpertStats, GpuModel, GpuOptions, LaunchedBatch, LayerSplit, PageOptions,
-    SplitOptions,
+    SplitOptions, TensorOptions, TensorSplit,
 };
 use crate::{Model, ModelError};
 
-/// A model on one GPU, or split by layers over several.
+/// A model on one GPU, or split by layers or by tensors over several.
 pub enum GpuEngine {
     One(Box<GpuModel>),
     Split(LayerSplit),
+    Tensor(Box<TensorSplit>),
 }
 
 impl GpuEngine {
@@ -29,6 +30,18 @@ impl GpuEngine {
         prompt_batch: usize,
     ) -> Result<GpuEngine, ModelError> {
         GpuEngine::build(model, options, split, prompt_batch, None)
+    }
+
+    /// `model` split by tensors as `split` says ([`TensorSplit::new`]). It runs one
+    /// sequence: paged batches are refused.
+    pub fn tensor(
+        model: &Model,
+        options: &GpuOptions,
+        split: &TensorOptions,
+        prompt_batch: usize,
+    ) -> Result<GpuEngine, ModelError> {
+        let split = TensorSplit::new(model, options, split, prompt_batch)?;
+        Ok(GpuEngine::Tensor(Box::new(split)))
     }
 
     /// As [`GpuEngine::new`], with a paged KV cache of `pages` for paged batches.
@@ -73,6 +86,7 @@ impl GpuEngine {
         match self {
             GpuEngine::One(gpu) => gpu.len(),
             GpuEngine::Split(gpu) => gpu.len(),
+            GpuEngine::Tensor(gpu) => gpu.len(),
         }
     }
 
@@ -85,6 +99,7 @@ impl GpuEngine {
         match self {
             GpuEngine::One(gpu) => gpu.clear(),
             GpuEngine::Split(gpu) => gpu.clear(),
+            GpuEngine::Tensor(gpu) => gpu.clear(),
         }
     }
 
@@ -93,6 +108,7 @@ impl GpuEngine {
         match self {
             GpuEngine::One(gpu) => gpu.uploaded_at(),
             GpuEngine::Split(gpu) => gpu.uploaded_at(),
+            GpuEngine::Tensor(gpu) => gpu.uploaded_at(),
         }
     }
 
@@ -101,6 +117,7 @@ impl GpuEngine {
         match self {
             GpuEngine::One(gpu) => gpu.first_pass_weights_at(),
             GpuEngine::Split(gpu) => gpu.first_pass_weights_at(),
+            GpuEngine::Tensor(gpu) => gpu.first_pass_weights_at(),
         }
     }
 
@@ -109,6 +126,8 @@ impl GpuEngine {
         match self {
             GpuEngine::One(gpu) => gpu.wait_loaded(),
             GpuEngine::Split(gpu) => gpu.wait_loaded(),
+            // Its weights were uploaded before it was returned.
+            GpuEngine::Tensor(_) => Ok(()),
         }
     }
 
@@ -116,7 +135,7 @@ impl GpuEngine {
     pub fn wait_experts_resident(&mut self) -> Result<(), ModelError> {
         match self {
             GpuEngine::One(gpu) => gpu.wait_experts_resident(),
-            GpuEngine::Split(_) => Ok(()),
+            GpuEngine::Split(_) | GpuEngine::Tensor(_) => Ok(()),
         }
     }
 
@@ -125,6 +144,7 @@ impl GpuEngine {
         match self {
             GpuEngine::One(gpu) => gpu.prompt_batch(),
             GpuEngine::Split(gpu) => gpu.prompt_batch(),
+            GpuEngine::Tensor(gpu) => gpu.prompt_batch(),
         }
     }
 
@@ -133,6 +153,7 @@ impl GpuEngine {
         match self {
             GpuEngine::One(gpu) => gpu.cache().stats(),
             GpuEngine::Split(gpu) => gpu.cache_stats(),
+            GpuEngine::Tensor(gpu) => gpu.cache_stats(),
         }
     }
 
@@ -140,7 +161,7 @@ impl GpuEngine {
     pub fn expert_stats(&self) -> Option<ExpertStats> {
         match self {
             GpuEngine::One(gpu) => gpu.expert_stats(),
-            GpuEngine::Split(_) => None,
+            GpuEngine::Split(_) | GpuEngine::Tensor(_) => None,
         }
     }
 
@@ -152,6 +173,7 @@ impl GpuEngine {
         match self {
             GpuEngine::One(gpu) => gpu.launch_batch(segments),
             GpuEngine::Split(gpu) => gpu.launch_batch(segments),
+            GpuEngine::Tensor(_) => Err(paged_refused()),
         }
     }
 
@@ -163,6 +185,15 @@ impl GpuEngine {
         match self {
             GpuEngine::One(gpu) => gpu.forward_batch_hidden(segments),
             GpuEngine::Split(gpu) => gpu.forward_batch_hidden(segments),
+            GpuEngine::Tensor(_) => Err(paged_refused()),
         }
+    }
+}
+
+/// A split by tensors runs one sequence: paged batches (the server's) are refused.
+fn paged_refused() -> ModelError {
+    ModelError::GpuUnsupported {
+        what: "paged batches on a model split by tensors".into(),
+        supported: "one sequence (generate, chat, perplexity), or a split by layers".into(),
     }
 }

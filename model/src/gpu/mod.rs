@@ -41,7 +41,9 @@ mod kernels;
 mod pass;
 mod prompt;
 mod sequence;
+mod shard;
 mod split;
+mod tensor_split;
 mod weights;
 
 use std::collections::HashMap;
@@ -56,6 +58,7 @@ use tensor_store::TensorHandle;
 pub use fits::{check_cache_fits, check_experts_fit};
 pub use kernels::{KernelError, ShapeError};
 pub use split::{split_layers, stage_orders, LayerSplit, SplitOptions, PIPELINE_CHUNK};
+pub use tensor_split::{TensorOptions, TensorSplit};
 
 use crate::config::ModelConfig;
 use crate::plan::ExecutionPlan;
@@ -214,10 +217,16 @@ fn use_order(plan: &ExecutionPlan, part: &Part) -> UploadOrder {
     let is_head = |h: &TensorHandle| {
         h.index() == plan.output_norm.handle.index() || h.index() == plan.output.weight.index()
     };
+    // A split by tensors uploads its parts of the matrices it cuts itself.
+    let cut = part
+        .shard
+        .as_ref()
+        .map(|_| shard::Shard::cut_tensors(plan))
+        .unwrap_or_default();
     let layers = plan
         .handles()
         .into_iter()
-        .filter(|h| h.index() != embd.index() && !is_head(h));
+        .filter(|h| h.index() != embd.index() && !is_head(h) && !cut.contains(&h.index()));
     if tied {
         // The table is the output matrix too: wherever either is used, it comes first.
         let table = (part.embed && !part.head).then_some(embd);
@@ -228,8 +237,8 @@ fn use_order(plan: &ExecutionPlan, part: &Part) -> UploadOrder {
     }
 }
 
-/// Which part of a model a [`GpuModel`] computes: all of it, or one stage of a
-/// [`LayerSplit`].
+/// Which part of a model a [`GpuModel`] computes: all of it, one stage of a
+/// [`LayerSplit`], or one device's share of a [`TensorSplit`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Part {
     /// The model's layers it runs.
@@ -238,8 +247,10 @@ pub(crate) struct Part {
     /// residual stream in.
     pub embed: bool,
     /// Whether it ends with the final norm and the logits; otherwise its residual stream
-    /// goes on to the next stage.
+    /// goes on to the next stage (or, split by tensors, the leading device makes them).
     pub head: bool,
+    /// Split by tensors: the heads and feed-forward rows of every layer it computes.
+    pub shard: Option<shard::Shard>,
 }
 
 impl Part {
@@ -248,6 +259,7 @@ impl Part {
             layers: 0..n_layers,
             embed: true,
             head: true,
+            shard: None,
         }
     }
 
@@ -261,6 +273,7 @@ impl Part {
                 layers: layers.clone(),
                 embed: k == 0,
                 head: k == last,
+                shard: None,
             })
             .collect()
     }
@@ -277,6 +290,9 @@ impl Part {
         let mut plan = plan.clone();
         config.layers = config.layers[self.layers.clone()].to_vec();
         config.n_layers = self.layers.len();
+        if let Some(shard) = &self.shard {
+            shard.narrow(&mut config);
+        }
         plan.layers = plan.layers[self.layers.clone()].to_vec();
         (config, plan)
     }
@@ -345,6 +361,8 @@ pub struct GpuModel {
     /// The layers this model computes (the whole model's, unless it is a stage of a
     /// [`LayerSplit`]), and whether it embeds and ends with the logits.
     part: Part,
+    /// Split by tensors: this device's parts of each layer's matrices (empty otherwise).
+    parts: Vec<shard::LayerParts>,
     device: Device,
 }
 

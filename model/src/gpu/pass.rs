@@ -25,6 +25,7 @@ impl GpuModel {
                 &self.part,
                 self.rope_context,
                 pooled,
+                &self.parts,
             )?);
         }
         if self.held.is_some() {
@@ -169,7 +170,15 @@ impl GpuModel {
             let pooled = self.experts_pooled();
             let fetch = |model: &GpuModel| {
                 let layer = &model.plan.layers[layer_idx];
-                LayerWeights::fetch(&model.cache, layer_idx, layer, model.rope_context, pooled)
+                let parts = model.parts.get(layer_idx);
+                LayerWeights::fetch(
+                    &model.cache,
+                    layer_idx,
+                    layer,
+                    model.rope_context,
+                    pooled,
+                    parts,
+                )
             };
             if kept && layer_idx == self.kept.len() {
                 let weights = fetch(self)?;
@@ -275,6 +284,12 @@ impl GpuModel {
     }
 
     pub(super) fn all_resident(&self) -> bool {
+        // A device of a split by tensors holds its parts of the cut matrices outside the
+        // cache: the cache's order is the rest.
+        if self.part.shard.is_some() {
+            let order = self.cache.order().tensors();
+            return order.iter().all(|h| self.cache.is_resident(h));
+        }
         self.plan
             .handles()
             .iter()

@@ -36,8 +36,12 @@ impl GpuModel {
             let output = if i == last { want } else { Want::Logits };
             let wants_output = i == last;
             self.run_chunk(chunk.len(), output, wants_output)?;
-            if wants_output {
+            if wants_output && self.part.head {
                 self.copy_back(chunk.len(), want)?;
+            } else if wants_output {
+                // A device of a split by tensors without the head: its share is done once
+                // its stream is.
+                self.sync()?;
             }
         }
         Ok(())
@@ -178,6 +182,7 @@ impl GpuModel {
                 layer,
                 self.rope_context,
                 self.experts_pooled(),
+                self.parts.get(layer_idx),
             )?;
             tracing::trace!(layer = layer_idx, "a prompt's layer queued over its chunks");
             let (config, bufs, stream) = (&self.config, &mut self.bufs, &self.stream);

@@ -70,7 +70,7 @@ impl GpuModel {
 
     /// Runs `tokens` (in chunks of the prompt batch) after the positions already cached and
     /// leaves what `want` asks for in the pinned host buffers, the copy finished.
-    fn eval(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
+    pub(super) fn eval(&mut self, tokens: &[u32], want: Want) -> Result<(), ModelError> {
         self.check_call(tokens, want)?;
         let start = self.len;
         let result = self.run_chunks(tokens, want);

@@ -11,6 +11,7 @@ use tensor_store::TensorHandle;
 use dequant::gpu::experts::GpuExperts;
 
 use super::kernels::{self, norm_type_code, NormWeight};
+use super::shard::{LayerParts, PartMatrix};
 use super::{gpu, Part};
 use crate::config::{ExpertActivation, Gating, ModelConfig};
 use crate::plan::{ExecutionPlan, ExpertMatrices, FfnPlan, LayerPlan, Linear, Vector};
@@ -68,6 +69,17 @@ impl Matrix {
     pub fn name(&self) -> &str {
         self.tensor.name()
     }
+
+    /// A device's part of a matrix split by tensors: its bytes are the part's.
+    fn of_part(part: &PartMatrix) -> Matrix {
+        Matrix {
+            tensor: part.tensor.clone(),
+            ty: part.tensor.handle().ggml_type(),
+            rows: part.rows,
+            cols: part.cols,
+            range: 0..part.tensor.size() as usize,
+        }
+    }
 }
 
 /// The bytes of `lin`'s rows within its tensor's: rows `first_row..first_row + rows` of
@@ -120,6 +132,12 @@ impl Floats {
         Ok(Floats {
             tensor: cache.get(handle)?,
         })
+    }
+
+    fn of_part(tensor: &Tensor) -> Floats {
+        Floats {
+            tensor: tensor.clone(),
+        }
     }
 
     pub fn view(&self) -> Result<DeviceView<'_, f32>, ModelError> {
@@ -343,42 +361,102 @@ fn rope_factors(layer: &LayerPlan, context: RopeContext) -> Option<&Vector> {
 impl LayerWeights {
     /// Asks the cache for every tensor of layer `index`, `layer`, in the order the layer
     /// reads them, with the RoPE factors of a cache of `context`; but for its experts'
-    /// matrices when they are `pooled`.
+    /// matrices when they are `pooled`, and for the parts this device holds of a model
+    /// split by tensors (`parts`).
     pub fn fetch(
         cache: &DeviceCache<HipTarget>,
         index: usize,
         layer: &LayerPlan,
         context: RopeContext,
         pooled: bool,
+        parts: Option<&LayerParts>,
     ) -> Result<LayerWeights, ModelError> {
         let norm = |v: &Option<Vector>| v.as_ref().map(|v| Norm::fetch(cache, v)).transpose();
         let bias = |l: &Linear| l.bias.as_ref().map(|h| Floats::fetch(cache, h)).transpose();
+        let part_bias = |b: &Option<Tensor>| b.as_ref().map(Floats::of_part);
+        let matrices = match parts {
+            Some(p) => AttentionMatrices {
+                wq: Matrix::of_part(&p.wq),
+                wk: Matrix::of_part(&p.wk),
+                wv: Matrix::of_part(&p.wv),
+                bq: part_bias(&p.bq),
+                bk: part_bias(&p.bk),
+                bv: part_bias(&p.bv),
+                sinks: part_bias(&p.sinks),
+                wo: Matrix::of_part(&p.wo),
+                // The devices' partial sums hold the bias once: the leading device's.
+                bo: if p.leads { bias(&layer.wo)? } else { None },
+            },
+            None => AttentionMatrices {
+                wq: Matrix::fetch(cache, &layer.wq)?,
+                wk: Matrix::fetch(cache, &layer.wk)?,
+                wv: Matrix::fetch(cache, &layer.wv)?,
+                bq: bias(&layer.wq)?,
+                bk: bias(&layer.wk)?,
+                bv: bias(&layer.wv)?,
+                sinks: layer
+                    .attn_sinks
+                    .as_ref()
+                    .map(|v| Floats::fetch(cache, &v.handle))
+                    .transpose()?,
+                wo: Matrix::fetch(cache, &layer.wo)?,
+                bo: bias(&layer.wo)?,
+            },
+        };
+        let AttentionMatrices {
+            wq,
+            wk,
+            wv,
+            bq,
+            bk,
+            bv,
+            sinks,
+            wo,
+            bo,
+        } = matrices;
+        let ffn = match parts {
+            Some(p) => FfnWeights::Dense {
+                gate: Matrix::of_part(&p.gate),
+                up: Matrix::of_part(&p.up),
+                down: Matrix::of_part(&p.down),
+            },
+            None => FfnWeights::fetch(cache, &layer.ffn, index, pooled)?,
+        };
         Ok(LayerWeights {
             attn_norm: Norm::fetch(cache, &layer.attn_norm)?,
-            wq: Matrix::fetch(cache, &layer.wq)?,
-            wk: Matrix::fetch(cache, &layer.wk)?,
-            wv: Matrix::fetch(cache, &layer.wv)?,
-            bq: bias(&layer.wq)?,
-            bk: bias(&layer.wk)?,
-            bv: bias(&layer.wv)?,
+            wq,
+            wk,
+            wv,
+            bq,
+            bk,
+            bv,
             q_norm: norm(&layer.q_norm)?,
             k_norm: norm(&layer.k_norm)?,
             rope_freqs: rope_factors(layer, context)
                 .map(|v| Floats::fetch(cache, &v.handle))
                 .transpose()?,
-            sinks: layer
-                .attn_sinks
-                .as_ref()
-                .map(|v| Floats::fetch(cache, &v.handle))
-                .transpose()?,
-            wo: Matrix::fetch(cache, &layer.wo)?,
-            bo: bias(&layer.wo)?,
+            sinks,
+            wo,
+            bo,
             post_attn_norm: norm(&layer.post_attn_norm)?,
             ffn_norm: Norm::fetch(cache, &layer.ffn_norm)?,
-            ffn: FfnWeights::fetch(cache, &layer.ffn, index, pooled)?,
+            ffn,
             post_ffn_norm: norm(&layer.post_ffn_norm)?,
         })
     }
+}
+
+/// The attention's matrices and vectors of one layer, whole or a device's parts.
+struct AttentionMatrices {
+    wq: Matrix,
+    wk: Matrix,
+    wv: Matrix,
+    bq: Option<Floats>,
+    bk: Option<Floats>,
+    bv: Option<Floats>,
+    sinks: Option<Floats>,
+    wo: Matrix,
+    bo: Option<Floats>,
 }
 
 /// The weights outside the blocks.
@@ -432,13 +510,14 @@ impl Held {
         part: &Part,
         context: RopeContext,
         pooled: bool,
+        parts: &[LayerParts],
     ) -> Result<Held, ModelError> {
         let globals = Globals::fetch(cache, plan, part, true)?;
         let layers = plan
             .layers
             .iter()
             .enumerate()
-            .map(|(i, l)| LayerWeights::fetch(cache, i, l, context, pooled))
+            .map(|(i, l)| LayerWeights::fetch(cache, i, l, context, pooled, parts.get(i)))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Held { layers, globals })
     }

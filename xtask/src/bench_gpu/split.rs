@@ -1,5 +1,5 @@
 //! `bench-gpu --devices 0,1`: the model split by layers over those GPUs
-//! (`LayerSplit`), beside our one-GPU figures of the same run and llama.cpp's `-sm
+//! (`LayerSplit`), then by tensors (`bench_gpu/tensor.rs`), beside our one-GPU figures of the same run and llama.cpp's `-sm
 //! layer` and `-sm tensor` over the same GPUs: tg, pp and the time to have every weight
 //! resident (warm page cache, eager upload).
 
@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use tensor_store::device::UploadMode;
 use tensor_store::TensorStore;
 
+use super::tensor::{tensor_rows, Against};
 use super::{llama_bench_on, median, print_row, Options, Theirs};
 
 /// Our tg and pp split over `devices`, and the resident time of one GPU and of the
@@ -47,6 +48,18 @@ pub(super) fn split_rows(
         .map(|i| (1 + (i * 104_729) % (n_vocab - 1)) as u32)
         .collect();
     let one_logits = [one.forward(&probe)?, one.forward(&[3])?];
+    // Our one GPU's tg, the split by tensors' yardstick.
+    let mut one_tg = Vec::new();
+    one.forward_argmax(&[1])?;
+    for _ in 0..o.repeat {
+        one.clear()?;
+        let start = Instant::now();
+        let mut token = 1;
+        for _ in 0..o.tokens {
+            token = one.forward_argmax(&[token])?;
+        }
+        one_tg.push(o.tokens as f64 / start.elapsed().as_secs_f64());
+    }
     drop(one);
     let split = SplitOptions {
         devices: devices.to_vec(),
@@ -183,6 +196,14 @@ pub(super) fn split_rows(
         "{name:<32} resident  one GPU {one_s:.2} s, split over {visible} {split_s:.2} s ({:.2}x)",
         split_s / one_s
     );
+    let against = Against {
+        llama_tg: best(|t| Some(t.tg)),
+        llama_pp: best(|t| t.pp),
+        one_tg: median(&one_tg),
+        one_s,
+        probe: &probe,
+        one_logits: &one_logits,
+    };
     rows.push(json!({
         "model": path.display().to_string(),
         "test": format!("resident@{label}"),
@@ -190,6 +211,9 @@ pub(super) fn split_rows(
         "split_s": split_s,
         "ratio": split_s / one_s,
     }));
+    rows.extend(tensor_rows(
+        o, path, name, devices, &model, &options, &against,
+    )?);
     Ok(rows)
 }
 

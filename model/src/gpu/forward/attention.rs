@@ -380,6 +380,7 @@ fn project(
         x: &mut bufs.x,
         proj: &mut bufs.proj,
         batch_in: &mut bufs.batch_in,
+        team: bufs.team.as_ref(),
     };
     residual(m, bias, f32_in, q8_in, post_norm, into, n, eps, stream)
 }

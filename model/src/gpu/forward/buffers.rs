@@ -144,6 +144,9 @@ pub(in crate::gpu) struct Buffers {
     /// Over its budget, a mixture of experts' pools of resident experts (set by the
     /// model once it has placed its weights).
     pub(in crate::gpu) experts: Option<ExpertPools>,
+    /// Split by tensors: the devices' communicator, whose all-reduce sums the partial
+    /// products of the matrices cut by columns (set by the split once built).
+    pub(in crate::gpu) team: Option<hip_backend::Communicator>,
 }
 
 impl Buffers {
@@ -286,6 +289,7 @@ impl Buffers {
             logit_rows: rows,
             flash_mma,
             experts: None,
+            team: None,
             moe: moe_sizes
                 .is_some()
                 .then(|| MoeBuffers::new(&mut next))

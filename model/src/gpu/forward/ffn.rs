@@ -70,13 +70,23 @@ pub(super) fn dense_ffn(
             .transpose()?,
         stream,
     )?;
-    let (x, proj, batch_in) = (&mut bufs.x, &mut bufs.proj, &mut bufs.batch_in);
+    let (x, proj, batch_in, team) = (
+        &mut bufs.x,
+        &mut bufs.proj,
+        &mut bufs.batch_in,
+        bufs.team.as_ref(),
+    );
     let (f32_in, q8_in) = if down_q8 {
         (None, Some(view(&bufs.q8, q8_bytes(n, c.n_ff))?))
     } else {
         (Some(view(&bufs.act, n * c.n_ff)?), None)
     };
-    let into = Residual { x, proj, batch_in };
+    let into = Residual {
+        x,
+        proj,
+        batch_in,
+        team,
+    };
     residual(down, None, f32_in, q8_in, post_ffn, into, n, eps, stream)
 }
 

@@ -242,15 +242,22 @@ pub(super) fn products(
 }
 
 /// Where a residual product writes: the residual stream `x`, `proj` for a post-norm's
-/// input, and the batch products' input.
+/// input, and the batch products' input; split by tensors, the devices' communicator.
 pub(super) struct Residual<'a> {
     pub(super) x: &'a mut ArenaBuffer,
     pub(super) proj: &'a mut ArenaBuffer,
     pub(super) batch_in: &'a mut BatchInput,
+    pub(super) team: Option<&'a hip_backend::Communicator>,
 }
 
 /// `x += input · mᵀ + bias`, or with a post-norm `x += rms_norm(input · mᵀ + bias)`
 /// (through `proj`).
+///
+/// Split by tensors, `m` is this device's columns and `input` its part of the input:
+/// the devices' products are partial sums, added up by an all-reduce before the
+/// post-norm (or, without one, of the residual stream itself: the leading device adds
+/// its product and the bias to the stream, the others write theirs over it). Every
+/// device then holds the same stream.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn residual(
     m: &Matrix,
@@ -264,7 +271,13 @@ pub(super) fn residual(
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = m.rows;
-    let Residual { x, proj, batch_in } = into;
+    let Residual {
+        x,
+        proj,
+        batch_in,
+        team,
+    } = into;
+    let leads = team.is_none_or(|t| t.rank() == 0);
     let out = if post_norm.is_some() {
         &mut *proj
     } else {
@@ -276,12 +289,16 @@ pub(super) fn residual(
         q8_in,
         n,
         vec![view_mut::<f32>(out, n * d)?],
-        post_norm.is_none(),
+        post_norm.is_none() && leads,
         batch_in,
         stream,
     )?;
     if let Some(bias) = bias {
         kernels::add_bias(view_mut::<f32>(out, n * d)?, d, bias, stream)?;
+    }
+    if let Some(team) = team {
+        team.all_reduce_sum(view_mut::<f32>(out, n * d)?, stream)
+            .map_err(gpu("adding up the devices' partial products"))?;
     }
     if let Some(norm) = post_norm {
         kernels::rms_norm(

@@ -21,6 +21,9 @@ mod pooled;
 /// A model split by layers over several GPUs (or several stages of one), against one.
 #[path = "gpu/split.rs"]
 mod split;
+/// A model split by tensors over two GPUs, against one.
+#[path = "gpu/tensor.rs"]
+mod tensor;
 
 use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
 use model::tokenizer::{EncodeOptions, Tokenizer};

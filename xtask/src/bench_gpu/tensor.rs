@@ -1,0 +1,188 @@
+//! `bench-gpu --devices 0,1`: the model split by tensors over those GPUs
+//! (`TensorSplit`), beside our one-GPU figures of the same run and llama.cpp's best
+//! split (`-sm layer` or `-sm tensor`) over the same GPUs: tg, pp, the time to have every
+//! share resident, and how far its logits stray from the one GPU's (the devices add
+//! their partial sums in another order). A model the split cannot cut is said in one
+//! line, not measured.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Result;
+use model::gpu::{GpuOptions, TensorOptions, TensorSplit};
+use model::Model;
+use serde_json::{json, Value};
+
+use super::{median, print_row, Options};
+
+/// What the rows are held against: llama.cpp's best split's tg and pp, our one GPU's
+/// tg (same run), the one GPU's logits of `probe` and of a decode step after it, and
+/// its resident time.
+pub(super) struct Against<'a> {
+    pub llama_tg: Option<f64>,
+    pub llama_pp: Option<f64>,
+    pub one_tg: f64,
+    pub one_s: f64,
+    pub probe: &'a [u32],
+    pub one_logits: &'a [Vec<f32>; 2],
+}
+
+/// Our tg and pp split by tensors over `devices`: printed, and returned as JSON.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn tensor_rows(
+    o: &Options,
+    path: &Path,
+    name: &str,
+    devices: &[usize],
+    model: &Model,
+    options: &GpuOptions,
+    against: &Against<'_>,
+) -> Result<Vec<Value>> {
+    let split = TensorOptions {
+        devices: devices.to_vec(),
+        library: std::env::var_os("ROCMFORGE_COLLECTIVES").map(Into::into),
+    };
+    let label = format!(
+        "tensor {}",
+        devices
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let start = Instant::now();
+    let mut gpu = match TensorSplit::new(model, options, &split, model::gpu::PROMPT_BATCH) {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            println!("{name:<32} split by tensors: not measured: {e}");
+            return Ok(vec![json!({
+                "model": path.display().to_string(),
+                "test": format!("refused@{label}"),
+                "reason": e.to_string(),
+            })]);
+        }
+    };
+    let split_s = start.elapsed().as_secs_f64();
+    let (library, version) = gpu.library();
+    let logits = [
+        gpu.forward_logits(against.probe)?.to_vec(),
+        gpu.forward_logits(&[3])?.to_vec(),
+    ];
+    // The largest difference from the one GPU's logits, as a fraction of their spread,
+    // and whether the greedy tokens agree.
+    let stray: Vec<(f64, bool)> = against
+        .one_logits
+        .iter()
+        .zip(&logits)
+        .map(|(a, b)| (largest_of_spread(a, b), argmax(a) == argmax(b)))
+        .collect();
+    let mut token = gpu.forward_argmax(&[1])?;
+    for _ in 0..3 {
+        token = gpu.forward_argmax(&[token])?;
+    }
+    let mut tg = Vec::new();
+    for _ in 0..o.repeat {
+        gpu.clear()?;
+        let start = Instant::now();
+        let mut token = 1;
+        for _ in 0..o.tokens {
+            token = gpu.forward_argmax(&[token])?;
+        }
+        tg.push(o.tokens as f64 / start.elapsed().as_secs_f64());
+    }
+    let mut pp = Vec::new();
+    if o.prompt > 0 {
+        let n_vocab = model.config().n_vocab as u64;
+        let ids: Vec<u32> = (0..o.prompt as u64)
+            .map(|i| (1 + (i * 7919) % (n_vocab - 1)) as u32)
+            .collect();
+        gpu.clear()?;
+        gpu.forward_argmax(&ids)?;
+        for _ in 0..o.repeat {
+            gpu.clear()?;
+            let start = Instant::now();
+            gpu.forward_argmax(&ids)?;
+            pp.push(o.prompt as f64 / start.elapsed().as_secs_f64());
+        }
+    }
+    drop(gpu);
+    let note = format!(
+        "{library} ({}); logits stray {:.3}/{:.3} of their spread, greedy tokens {}; \
+         tg {:.2}x our one GPU's",
+        version.map_or("-".into(), |v| v.to_string()),
+        stray[0].0,
+        stray[1].0,
+        if stray.iter().all(|s| s.1) {
+            "the same"
+        } else {
+            "DIFFER"
+        },
+        median(&tg) / against.one_tg,
+    );
+    let mut rows = Vec::new();
+    let mut tests = vec![(format!("tg{}", o.tokens), tg, against.llama_tg)];
+    if !pp.is_empty() {
+        tests.push((format!("pp{}", o.prompt), pp, against.llama_pp));
+    }
+    for (test, runs, llama) in tests {
+        let test = format!("{test}@{label}");
+        let mine = median(&runs);
+        print_row(name, &test, mine, llama, &note);
+        rows.push(json!({
+            "model": path.display().to_string(),
+            "test": test,
+            "devices": devices,
+            "collectives": library,
+            "collectives_version": version,
+            "ours_tokens_per_s": mine,
+            "ours_runs": runs,
+            "ours_one_gpu_tg": against.one_tg,
+            "llama_cpp_best_split_tokens_per_s": llama,
+            "ratio": llama.map(|t| mine / t),
+            "logits_largest_difference_of_spread": stray.iter().map(|s| s.0).collect::<Vec<_>>(),
+            "greedy_tokens_agree": stray.iter().all(|s| s.1),
+        }));
+    }
+    println!(
+        "{name:<32} resident  one GPU {:.2} s, split by tensors {split_s:.2} s ({:.2}x)",
+        against.one_s,
+        split_s / against.one_s
+    );
+    rows.push(json!({
+        "model": path.display().to_string(),
+        "test": format!("resident@{label}"),
+        "one_gpu_s": against.one_s,
+        "split_s": split_s,
+        "ratio": split_s / against.one_s,
+    }));
+    Ok(rows)
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv {
+                (i, v)
+            } else {
+                (bi, bv)
+            }
+        })
+        .0
+}
+
+/// The largest difference between two rows over `a`'s standard deviation.
+fn largest_of_spread(a: &[f32], b: &[f32]) -> f64 {
+    let n = a.len() as f64;
+    let mean = a.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+    let var = a
+        .iter()
+        .map(|&v| (f64::from(v) - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let max = a
+        .iter()
+        .zip(b)
+        .fold(0f64, |m, (x, y)| m.max(f64::from((x - y).abs())));
+    max / var.sqrt().max(f64::MIN_POSITIVE)
+}
