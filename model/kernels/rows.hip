@@ -296,3 +296,69 @@ int rf_advance(void* pos, int n, int device, void* stream) {
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------------------------------
+// A small all-reduce among the devices of one process over their peer links, one block a
+// device: each device writes its values into every device's inbox (its own slot), raises
+// its flag there, waits for every device's flag in its own inbox, then sums the slots in
+// device order, so that every device computes the same sum bit for bit. The inboxes are
+// double-buffered by the parity of a counter each device keeps (every device runs the same
+// all-reduces in the same order, so the counters agree): a device that runs ahead writes
+// the other half, and cannot run two ahead, since it waits for everyone's flag of the one
+// before. Flags only grow, so a flag already past the awaited count also releases.
+
+#define RF_MESH_MAX 8
+
+struct RfMesh {
+    float* inbox[RF_MESH_MAX];     // device p's inbox: [2][ranks][capacity] floats
+    unsigned* flags[RF_MESH_MAX];  // device p's flags: [ranks], flag q raised by device q
+};
+
+__global__ void __launch_bounds__(1024) peer_all_reduce_kernel(
+    float* x, size_t n, int rank, int ranks, size_t capacity, RfMesh mesh, unsigned* counter) {
+    __shared__ unsigned epoch;
+    if (threadIdx.x == 0) epoch = *((volatile unsigned*)counter) + 1;
+    __syncthreads();
+    const unsigned e = epoch;
+    const size_t half = (size_t)(e & 1u) * (size_t)ranks * capacity;
+    for (int p = 0; p < ranks; ++p) {
+        float* slot = mesh.inbox[p] + half + (size_t)rank * capacity;
+        for (size_t i = threadIdx.x; i < n; i += blockDim.x) slot[i] = x[i];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < (unsigned)ranks) {
+        volatile unsigned* theirs = mesh.flags[threadIdx.x] + rank;
+        *theirs = e;
+        volatile unsigned* mine = mesh.flags[rank] + threadIdx.x;
+        while ((int)(*mine - e) < 0) {
+        }
+    }
+    __syncthreads();
+    __threadfence_system();
+    const float* in = mesh.inbox[rank] + half;
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const volatile float* v = in;
+        float s = v[i];
+        for (int q = 1; q < ranks; ++q) s += v[(size_t)q * capacity + i];
+        x[i] = s;
+    }
+    if (threadIdx.x == 0) *((volatile unsigned*)counter) = e;
+}
+
+extern "C" int rf_peer_all_reduce(void* x, size_t n, int rank, int ranks, size_t capacity,
+                       void* const* inboxes, void* const* flags, void* counter, int device,
+                       void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (ranks < 1 || ranks > RF_MESH_MAX || rank < 0 || rank >= ranks || n > capacity)
+        return (int)hipErrorInvalidValue;
+    RfMesh mesh;
+    for (int p = 0; p < RF_MESH_MAX; ++p) {
+        mesh.inbox[p] = p < ranks ? (float*)inboxes[p] : nullptr;
+        mesh.flags[p] = p < ranks ? (unsigned*)flags[p] : nullptr;
+    }
+    hipLaunchKernelGGL(peer_all_reduce_kernel, dim3(1), dim3(1024), 0, (hipStream_t)stream,
+                       (float*)x, n, rank, ranks, capacity, mesh, (unsigned*)counter);
+    return (int)hipGetLastError();
+}

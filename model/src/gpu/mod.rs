@@ -43,6 +43,7 @@ mod prompt;
 mod sequence;
 mod shard;
 mod split;
+mod team;
 mod tensor_split;
 mod weights;
 

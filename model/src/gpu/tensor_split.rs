@@ -23,6 +23,7 @@ use hip_backend::{Collectives, Communicator, Device};
 use tensor_store::device::{CacheStats, UploadMode};
 
 use super::shard::Shard;
+use super::team::Team;
 use super::{check_stop, gpu, GpuModel, GpuOptions, Part, Want, MAX_BATCH};
 use crate::{Model, ModelError};
 
@@ -127,10 +128,10 @@ fn warm(model: &mut GpuModel) -> Result<(), ModelError> {
         .team
         .take()
         .expect("a device of a split has a team");
-    let reduced = model.bufs.x_mut(1).and_then(|x| {
-        team.all_reduce_sum(x, &model.stream)
-            .map_err(gpu("a first all-reduce"))
-    });
+    let reduced = model
+        .bufs
+        .x_mut(1)
+        .and_then(|x| team.all_reduce_sum(x, &model.stream));
     model.bufs.team = Some(team);
     reduced?;
     model.sync()
@@ -186,6 +187,7 @@ impl TensorSplit {
             .map(|&d| Device::open(d).map_err(gpu("device")))
             .collect::<Result<Vec<_>, _>>()?;
         let comms = Communicator::for_devices(&library, &opened).map_err(gpu("collectives"))?;
+        let teams = Team::for_devices(&opened, comms)?;
         tracing::info!(
             library = library.path(),
             devices = ?devices,
@@ -222,8 +224,8 @@ impl TensorSplit {
                 .collect()
         });
         let mut ranks = built.into_iter().collect::<Result<Vec<_>, _>>()?;
-        for (rank, comm) in ranks.iter_mut().zip(comms) {
-            rank.bufs.team = Some(comm);
+        for (rank, team) in ranks.iter_mut().zip(teams) {
+            rank.bufs.team = Some(team);
         }
         let mut ranks = ranks.into_iter();
         let lead = ranks.next().expect("a split has two devices or more");

@@ -236,6 +236,72 @@ pub fn scale(mut x: DeviceViewMut<'_, f32>, s: f32, stream: &Stream) -> Result<(
     )
 }
 
+/// The most devices [`peer_all_reduce`] adds up.
+pub const PEER_MAX: usize = 8;
+
+/// `x` summed over `inboxes.len()` devices (this one `rank`), in place, through their
+/// inboxes (`[2][ranks][capacity]` floats each, `n ≤ capacity`) and flags (`ranks + 1`
+/// counters each, zero at first: one raised by each device, then the device's own count
+/// of such sums). Every device must queue the same sums in the same order; each then
+/// holds the same result, bit for bit.
+///
+/// `inboxes` and `flags` are device addresses, one each a device in rank order: the
+/// kernel writes the other devices' over the peer links. The caller has enabled peer
+/// access between every pair, keeps every device's buffers alive while a sum may run,
+/// and queues nothing else that reads or writes them.
+pub fn peer_all_reduce(
+    mut x: DeviceViewMut<'_, f32>,
+    rank: usize,
+    inboxes: &[usize],
+    flags: &[usize],
+    capacity: usize,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    let device = on_device(stream, &[x.device_ordinal()])?;
+    const K: &str = "peer all-reduce";
+    let ranks = inboxes.len();
+    let shape = |what, expected, actual| -> KernelError {
+        ShapeError {
+            kernel: K,
+            what,
+            expected,
+            actual,
+        }
+        .into()
+    };
+    if ranks == 0 || ranks > PEER_MAX {
+        return Err(shape("devices", PEER_MAX, ranks));
+    }
+    if flags.len() != ranks {
+        return Err(shape("the devices' flags", ranks, flags.len()));
+    }
+    if rank >= ranks {
+        return Err(shape("this device's rank below the devices'", ranks, rank));
+    }
+    let n = x.len();
+    if n > capacity {
+        return Err(shape("values the inboxes hold", capacity, n));
+    }
+    // This device's count of sums follows its flags.
+    let counter = (flags[rank] + ranks * std::mem::size_of::<u32>()) as *mut std::ffi::c_void;
+    let inboxes: Vec<*mut std::ffi::c_void> = inboxes.iter().map(|&a| a as *mut _).collect();
+    let flags: Vec<*mut std::ffi::c_void> = flags.iter().map(|&a| a as *mut _).collect();
+    launch!(
+        rf_peer_all_reduce,
+        "peer all-reduce",
+        x.as_mut_ptr(),
+        n,
+        rank as i32,
+        ranks as i32,
+        capacity,
+        inboxes.as_ptr(),
+        flags.as_ptr(),
+        counter,
+        device,
+        stream.as_raw()
+    )
+}
+
 /// `x = cap · tanh(x · (1/cap))`: the final logits' soft cap (`cap` a positive number).
 pub fn softcap(
     mut x: DeviceViewMut<'_, f32>,

@@ -17,7 +17,9 @@ fn tensor_split(test: &str, model: &Model, options: &GpuOptions) -> Option<Tenso
         devices: vec![0, 1],
         library: std::env::var_os("ROCMFORGE_COLLECTIVES").map(Into::into),
     };
-    match TensorSplit::new(model, options, &split, 16) {
+    // Prompts in one chunk of up to 128 tokens: a long one's sums go through NCCL, a few
+    // tokens' (and every decode step's) over the peer links.
+    match TensorSplit::new(model, options, &split, 128) {
         Ok(split) => Some(split),
         Err(model::ModelError::Gpu { source, .. })
             if source.is_unavailable()
@@ -47,14 +49,15 @@ fn alike(test: &str, what: &str, a: &[f32], b: &[f32]) {
     );
 }
 
-/// A model split by tensors over two GPUs against the model on one: a prompt's logits,
-/// decode steps (captured graphs with the all-reduces inside) fed the one device's
+/// A model split by tensors over two GPUs against the model on one: a prompt's logits
+/// (its sums through NCCL), decode steps (captured graphs with the sums over the peer
+/// links inside) fed the one device's
 /// tokens, the greedy token, every token's logits, the cache cleared and filled again,
 /// all within the GPU's tolerance (the devices' partial sums are added in another order
 /// than one device's).
 fn tensor_matches_one_device(name: &str, test: &str) {
     let (_dir, _store, model) = open_spec(name);
-    let (context, batch) = (96, 16);
+    let (context, batch) = (160, 16);
     let options = GpuOptions::new(UploadMode::Eager, context);
     let Some(mut one) = gpu_model_of(test, &model, &options, batch) else {
         return;
@@ -64,8 +67,9 @@ fn tensor_matches_one_device(name: &str, test: &str) {
     };
     assert_eq!(many.devices(), vec![0, 1]);
     let n_vocab = model.config().n_vocab as u32;
-    // Longer than the prompt batch: chunks of the batch products, then the decode path.
-    let prompt: Vec<u32> = (0..53u32).map(|i| (i * 7 + 3) % n_vocab).collect();
+    // Longer than the one device's prompt batch; on the split, one chunk whose sums
+    // (90 tokens of 256 values) go through NCCL.
+    let prompt: Vec<u32> = (0..90u32).map(|i| (i * 7 + 3) % n_vocab).collect();
     for round in 0..2 {
         let a = one.forward(&prompt).expect("one device");
         let b = many.forward_logits(&prompt).expect("split").to_vec();
