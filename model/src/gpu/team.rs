@@ -31,14 +31,15 @@ pub(in crate::gpu) struct Team {
 }
 
 impl Team {
-    /// The teams of `devices` (in rank order, one communicator each): the peer links'
-    /// inboxes where every pair of devices has peer access (enabled here), NCCL alone
-    /// otherwise.
+    /// The teams of `devices` (in rank order, one communicator each): with `peer_sums`,
+    /// the peer links' inboxes where every pair of devices has peer access (enabled
+    /// here); NCCL alone otherwise.
     pub fn for_devices(
         devices: &[Device],
         comms: Vec<Communicator>,
+        peer_sums: bool,
     ) -> Result<Vec<Team>, ModelError> {
-        let peers = if devices.len() <= PEER_MAX && all_peers(devices)? {
+        let peers = if peer_sums && devices.len() <= PEER_MAX && all_peers(devices)? {
             Some(Arc::new(
                 devices
                     .iter()
@@ -46,7 +47,7 @@ impl Team {
                     .collect::<Result<Vec<_>, _>>()?,
             ))
         } else {
-            tracing::info!("not every pair of devices has peer access: every sum through NCCL");
+            tracing::info!(peer_sums, "every sum through the collectives library");
             None
         };
         Ok(comms

@@ -35,6 +35,10 @@ pub struct TensorOptions {
     /// The collectives library (NCCL or RCCL) to load; `None`: the platform's usual
     /// names through the dynamic loader's search path.
     pub library: Option<PathBuf>,
+    /// Whether a sum of a few tokens (a decode step's) goes over the devices' peer links
+    /// where every pair has them, rather than through the library (which every larger
+    /// sum takes). Both give every device the same bits.
+    pub peer_sums: bool,
 }
 
 /// What a device's thread is asked to do.
@@ -187,7 +191,7 @@ impl TensorSplit {
             .map(|&d| Device::open(d).map_err(gpu("device")))
             .collect::<Result<Vec<_>, _>>()?;
         let comms = Communicator::for_devices(&library, &opened).map_err(gpu("collectives"))?;
-        let teams = Team::for_devices(&opened, comms)?;
+        let teams = Team::for_devices(&opened, comms, split.peer_sums)?;
         tracing::info!(
             library = library.path(),
             devices = ?devices,

@@ -41,6 +41,7 @@ pub(super) fn tensor_rows(
     let split = TensorOptions {
         devices: devices.to_vec(),
         library: std::env::var_os("ROCMFORGE_COLLECTIVES").map(Into::into),
+        peer_sums: true,
     };
     let label = format!(
         "tensor {}",
@@ -85,16 +86,7 @@ pub(super) fn tensor_rows(
     for _ in 0..3 {
         token = gpu.forward_argmax(&[token])?;
     }
-    let mut tg = Vec::new();
-    for _ in 0..o.repeat {
-        gpu.clear()?;
-        let start = Instant::now();
-        let mut token = 1;
-        for _ in 0..o.tokens {
-            token = gpu.forward_argmax(&[token])?;
-        }
-        tg.push(o.tokens as f64 / start.elapsed().as_secs_f64());
-    }
+    let tg = decode_rates(o, &mut gpu)?;
     let mut pp = Vec::new();
     if o.prompt > 0 {
         let n_vocab = model.config().n_vocab as u64;
@@ -111,9 +103,18 @@ pub(super) fn tensor_rows(
         }
     }
     drop(gpu);
+    // The same decode with every sum through the library, for what the peer links save.
+    let library_sums = TensorOptions {
+        peer_sums: false,
+        ..split.clone()
+    };
+    let mut gpu = TensorSplit::new(model, options, &library_sums, model::gpu::PROMPT_BATCH)?;
+    gpu.forward_argmax(&[1])?;
+    let tg_library = decode_rates(o, &mut gpu)?;
+    drop(gpu);
     let note = format!(
         "{library} ({}); logits stray {:.3}/{:.3} of their spread, greedy tokens {}; \
-         tg {:.2}x our one GPU's",
+         tg {:.2}x our one GPU's ({:.2}x with every sum through the library)",
         version.map_or("-".into(), |v| v.to_string()),
         stray[0].0,
         stray[1].0,
@@ -123,9 +124,17 @@ pub(super) fn tensor_rows(
             "DIFFER"
         },
         median(&tg) / against.one_tg,
+        median(&tg_library) / against.one_tg,
     );
     let mut rows = Vec::new();
-    let mut tests = vec![(format!("tg{}", o.tokens), tg, against.llama_tg)];
+    let mut tests = vec![
+        (format!("tg{}", o.tokens), tg, against.llama_tg),
+        (
+            format!("tg{} library sums", o.tokens),
+            tg_library,
+            against.llama_tg,
+        ),
+    ];
     if !pp.is_empty() {
         tests.push((format!("pp{}", o.prompt), pp, against.llama_pp));
     }
@@ -161,6 +170,21 @@ pub(super) fn tensor_rows(
         "ratio": split_s / against.one_s,
     }));
     Ok(rows)
+}
+
+/// Decode rates, `o.repeat` runs of `o.tokens` greedy steps from an empty cache.
+fn decode_rates(o: &Options, gpu: &mut TensorSplit) -> Result<Vec<f64>> {
+    let mut tg = Vec::new();
+    for _ in 0..o.repeat {
+        gpu.clear()?;
+        let start = Instant::now();
+        let mut token = 1;
+        for _ in 0..o.tokens {
+            token = gpu.forward_argmax(&[token])?;
+        }
+        tg.push(o.tokens as f64 / start.elapsed().as_secs_f64());
+    }
+    Ok(tg)
 }
 
 fn argmax(row: &[f32]) -> usize {

@@ -4,7 +4,12 @@ use model::gpu::{GpuEngine, TensorOptions, TensorSplit};
 /// A split by tensors over the first two GPUs, or `None` after saying why the test is
 /// skipped: fewer than two GPUs, or no collectives library (NCCL or RCCL; the
 /// environment's `ROCMFORGE_COLLECTIVES` may name it).
-fn tensor_split(test: &str, model: &Model, options: &GpuOptions) -> Option<TensorSplit> {
+fn tensor_split(
+    test: &str,
+    model: &Model,
+    options: &GpuOptions,
+    peer_sums: bool,
+) -> Option<TensorSplit> {
     let count = hip_backend::Device::count().unwrap_or(0);
     if count < 2 {
         skip(
@@ -16,6 +21,7 @@ fn tensor_split(test: &str, model: &Model, options: &GpuOptions) -> Option<Tenso
     let split = TensorOptions {
         devices: vec![0, 1],
         library: std::env::var_os("ROCMFORGE_COLLECTIVES").map(Into::into),
+        peer_sums,
     };
     // Prompts in one chunk of up to 128 tokens: a long one's sums go through NCCL, a few
     // tokens' (and every decode step's) over the peer links.
@@ -55,14 +61,14 @@ fn alike(test: &str, what: &str, a: &[f32], b: &[f32]) {
 /// tokens, the greedy token, every token's logits, the cache cleared and filled again,
 /// all within the GPU's tolerance (the devices' partial sums are added in another order
 /// than one device's).
-fn tensor_matches_one_device(name: &str, test: &str) {
+fn tensor_matches_one_device(name: &str, test: &str, peer_sums: bool) {
     let (_dir, _store, model) = open_spec(name);
     let (context, batch) = (160, 16);
     let options = GpuOptions::new(UploadMode::Eager, context);
     let Some(mut one) = gpu_model_of(test, &model, &options, batch) else {
         return;
     };
-    let Some(mut many) = tensor_split(test, &model, &options) else {
+    let Some(mut many) = tensor_split(test, &model, &options, peer_sums) else {
         return;
     };
     assert_eq!(many.devices(), vec![0, 1]);
@@ -125,21 +131,23 @@ fn tensor_matches_one_device(name: &str, test: &str) {
 }
 
 macro_rules! gpu_tensor {
-    ($($test:ident => $name:literal),* $(,)?) => {$(
+    ($($test:ident => $name:literal, peer sums $peer:literal),* $(,)?) => {$(
         #[test]
         fn $test() {
-            tensor_matches_one_device($name, stringify!($test));
+            tensor_matches_one_device($name, stringify!($test), $peer);
         }
     )*};
 }
 
 gpu_tensor! {
     // Biases on the queries, keys and values (cut with their rows), grouped queries.
-    gpu_tensor_qwen2_tied => "qwen2-tied",
+    gpu_tensor_qwen2_tied => "qwen2-tied", peer sums true,
     // Fused `attn_qkv` and gate/up tensors, cut within their parts.
-    gpu_tensor_phi3_long => "phi3-long",
+    gpu_tensor_phi3_long => "phi3-long", peer sums true,
     // Queries and keys normed per head.
-    gpu_tensor_qwen3 => "qwen3",
+    gpu_tensor_qwen3 => "qwen3", peer sums true,
+    // Every sum through the collectives library.
+    gpu_tensor_qwen3_library_sums => "qwen3", peer sums false,
 }
 
 /// What a split by tensors cannot cut is refused before anything is uploaded, naming
@@ -158,6 +166,7 @@ fn gpu_tensor_refuses_what_it_cannot_cut() {
         let split = TensorOptions {
             devices: vec![0, 1],
             library: None,
+            peer_sums: true,
         };
         match TensorSplit::new(&model, &options, &split, 16) {
             Err(model::ModelError::GpuUnsupported { what, .. }) => {
@@ -170,7 +179,7 @@ fn gpu_tensor_refuses_what_it_cannot_cut() {
     // Paged batches (the server's) are refused by the engine, not run wrongly.
     let (_dir, _store, model) = open_spec("qwen2-tied");
     let options = GpuOptions::new(UploadMode::Eager, 32);
-    let Some(split) = tensor_split(test, &model, &options) else {
+    let Some(split) = tensor_split(test, &model, &options, true) else {
         return;
     };
     let mut engine = GpuEngine::Tensor(Box::new(split));
