@@ -213,7 +213,6 @@ impl PlacementArgs {
                     .collectives
                     .clone()
                     .or_else(|| std::env::var_os("ROCMFORGE_COLLECTIVES").map(Into::into)),
-                peer_sums: true,
             })),
             SplitMode::None if devices.len() > 1 => bail!(
                 "--devices names {} GPUs but --split-mode none uses one: name one GPU, or \

@@ -322,18 +322,6 @@ mod sys {
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
-        pub(super) fn rf_peer_all_reduce(
-            x: *mut c_void,
-            n: usize,
-            rank: c_int,
-            ranks: c_int,
-            capacity: usize,
-            inboxes: *const *mut c_void,
-            flags: *const *mut c_void,
-            counter: *mut c_void,
-            device: c_int,
-            stream: *mut c_void,
-        ) -> c_int;
         pub(super) fn rf_hadamard64(
             x: *mut c_void,
             n: usize,
@@ -569,6 +557,6 @@ pub use experts::{moe_combine, moe_route, moe_tiles, Gating, MAX_USED};
 pub use flash_attention::flash_attention;
 pub use norm_rope::{qk_rope_kv, rms_norm, HeadExtras, HeadShape};
 pub use rows::{
-    add_at, add_bias, advance, argmax, gated, gather_rows, mask_rows, peer_all_reduce, scale,
-    select_rows, softcap, GateActivation, GatedBias, SlotBias, PEER_MAX,
+    add_at, add_bias, advance, argmax, gated, gather_rows, mask_rows, scale, select_rows, softcap,
+    GateActivation, GatedBias, SlotBias,
 };

@@ -43,7 +43,6 @@ mod prompt;
 mod sequence;
 mod shard;
 mod split;
-mod team;
 mod tensor_split;
 mod weights;
 

@@ -23,7 +23,6 @@ use hip_backend::{Collectives, Communicator, Device};
 use tensor_store::device::{CacheStats, UploadMode};
 
 use super::shard::Shard;
-use super::team::Team;
 use super::{check_stop, gpu, GpuModel, GpuOptions, Part, Want, MAX_BATCH};
 use crate::{Model, ModelError};
 
@@ -35,10 +34,6 @@ pub struct TensorOptions {
     /// The collectives library (NCCL or RCCL) to load; `None`: the platform's usual
     /// names through the dynamic loader's search path.
     pub library: Option<PathBuf>,
-    /// Whether a sum of a few tokens (a decode step's) goes over the devices' peer links
-    /// where every pair has them, rather than through the library (which every larger
-    /// sum takes). Both give every device the same bits.
-    pub peer_sums: bool,
 }
 
 /// What a device's thread is asked to do.
@@ -132,10 +127,10 @@ fn warm(model: &mut GpuModel) -> Result<(), ModelError> {
         .team
         .take()
         .expect("a device of a split has a team");
-    let reduced = model
-        .bufs
-        .x_mut(1)
-        .and_then(|x| team.all_reduce_sum(x, &model.stream));
+    let reduced = model.bufs.x_mut(1).and_then(|x| {
+        team.all_reduce_sum(x, &model.stream)
+            .map_err(gpu("a first all-reduce"))
+    });
     model.bufs.team = Some(team);
     reduced?;
     model.sync()
@@ -191,7 +186,6 @@ impl TensorSplit {
             .map(|&d| Device::open(d).map_err(gpu("device")))
             .collect::<Result<Vec<_>, _>>()?;
         let comms = Communicator::for_devices(&library, &opened).map_err(gpu("collectives"))?;
-        let teams = Team::for_devices(&opened, comms, split.peer_sums)?;
         tracing::info!(
             library = library.path(),
             devices = ?devices,
@@ -228,8 +222,8 @@ impl TensorSplit {
                 .collect()
         });
         let mut ranks = built.into_iter().collect::<Result<Vec<_>, _>>()?;
-        for (rank, team) in ranks.iter_mut().zip(teams) {
-            rank.bufs.team = Some(team);
+        for (rank, comm) in ranks.iter_mut().zip(comms) {
+            rank.bufs.team = Some(comm);
         }
         let mut ranks = ranks.into_iter();
         let lead = ranks.next().expect("a split has two devices or more");

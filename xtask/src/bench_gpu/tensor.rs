@@ -41,7 +41,6 @@ pub(super) fn tensor_rows(
     let split = TensorOptions {
         devices: devices.to_vec(),
         library: std::env::var_os("ROCMFORGE_COLLECTIVES").map(Into::into),
-        peer_sums: true,
     };
     let label = format!(
         "tensor {}",
@@ -103,18 +102,9 @@ pub(super) fn tensor_rows(
         }
     }
     drop(gpu);
-    // The same decode with every sum through the library, for what the peer links save.
-    let library_sums = TensorOptions {
-        peer_sums: false,
-        ..split.clone()
-    };
-    let mut gpu = TensorSplit::new(model, options, &library_sums, model::gpu::PROMPT_BATCH)?;
-    gpu.forward_argmax(&[1])?;
-    let tg_library = decode_rates(o, &mut gpu)?;
-    drop(gpu);
     let note = format!(
         "{library} ({}); logits stray {:.3}/{:.3} of their spread, greedy tokens {}; \
-         tg {:.2}x our one GPU's ({:.2}x with every sum through the library)",
+         tg {:.2}x our one GPU's",
         version.map_or("-".into(), |v| v.to_string()),
         stray[0].0,
         stray[1].0,
@@ -124,17 +114,9 @@ pub(super) fn tensor_rows(
             "DIFFER"
         },
         median(&tg) / against.one_tg,
-        median(&tg_library) / against.one_tg,
     );
     let mut rows = Vec::new();
-    let mut tests = vec![
-        (format!("tg{}", o.tokens), tg, against.llama_tg),
-        (
-            format!("tg{} library sums", o.tokens),
-            tg_library,
-            against.llama_tg,
-        ),
-    ];
+    let mut tests = vec![(format!("tg{}", o.tokens), tg, against.llama_tg)];
     if !pp.is_empty() {
         tests.push((format!("pp{}", o.prompt), pp, against.llama_pp));
     }

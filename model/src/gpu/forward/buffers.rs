@@ -146,7 +146,7 @@ pub(in crate::gpu) struct Buffers {
     pub(in crate::gpu) experts: Option<ExpertPools>,
     /// Split by tensors: the devices' communicator, whose all-reduce sums the partial
     /// products of the matrices cut by columns (set by the split once built).
-    pub(in crate::gpu) team: Option<crate::gpu::team::Team>,
+    pub(in crate::gpu) team: Option<hip_backend::Communicator>,
 }
 
 impl Buffers {

@@ -247,7 +247,7 @@ pub(super) struct Residual<'a> {
     pub(super) x: &'a mut ArenaBuffer,
     pub(super) proj: &'a mut ArenaBuffer,
     pub(super) batch_in: &'a mut BatchInput,
-    pub(super) team: Option<&'a crate::gpu::team::Team>,
+    pub(super) team: Option<&'a hip_backend::Communicator>,
 }
 
 /// `x += input · mᵀ + bias`, or with a post-norm `x += rms_norm(input · mᵀ + bias)`
@@ -297,7 +297,8 @@ pub(super) fn residual(
         kernels::add_bias(view_mut::<f32>(out, n * d)?, d, bias, stream)?;
     }
     if let Some(team) = team {
-        team.all_reduce_sum(view_mut::<f32>(out, n * d)?, stream)?;
+        team.all_reduce_sum(view_mut::<f32>(out, n * d)?, stream)
+            .map_err(gpu("adding up the devices' partial products"))?;
     }
     if let Some(norm) = post_norm {
         kernels::rms_norm(

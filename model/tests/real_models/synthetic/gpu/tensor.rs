@@ -4,12 +4,7 @@ use model::gpu::{GpuEngine, TensorOptions, TensorSplit};
 /// A split by tensors over the first two GPUs, or `None` after saying why the test is
 /// skipped: fewer than two GPUs, or no collectives library (NCCL or RCCL; the
 /// environment's `ROCMFORGE_COLLECTIVES` may name it).
-fn tensor_split(
-    test: &str,
-    model: &Model,
-    options: &GpuOptions,
-    peer_sums: bool,
-) -> Option<TensorSplit> {
+fn tensor_split(test: &str, model: &Model, options: &GpuOptions) -> Option<TensorSplit> {
     let count = hip_backend::Device::count().unwrap_or(0);
     if count < 2 {
         skip(
@@ -21,10 +16,8 @@ fn tensor_split(
     let split = TensorOptions {
         devices: vec![0, 1],
         library: std::env::var_os("ROCMFORGE_COLLECTIVES").map(Into::into),
-        peer_sums,
     };
-    // Prompts in one chunk of up to 128 tokens: a long one's sums go through NCCL, a few
-    // tokens' (and every decode step's) over the peer links.
+    // Prompts in one chunk of up to 128 tokens.
     match TensorSplit::new(model, options, &split, 128) {
         Ok(split) => Some(split),
         Err(model::ModelError::Gpu { source, .. })
@@ -55,26 +48,24 @@ fn alike(test: &str, what: &str, a: &[f32], b: &[f32]) {
     );
 }
 
-/// A model split by tensors over two GPUs against the model on one: a prompt's logits
-/// (its sums through NCCL), decode steps (captured graphs with the sums over the peer
-/// links inside) fed the one device's
+/// A model split by tensors over two GPUs against the model on one: a prompt's logits,
+/// decode steps (captured graphs with the all-reduces inside) fed the one device's
 /// tokens, the greedy token, every token's logits, the cache cleared and filled again,
 /// all within the GPU's tolerance (the devices' partial sums are added in another order
 /// than one device's).
-fn tensor_matches_one_device(name: &str, test: &str, peer_sums: bool) {
+fn tensor_matches_one_device(name: &str, test: &str) {
     let (_dir, _store, model) = open_spec(name);
     let (context, batch) = (160, 16);
     let options = GpuOptions::new(UploadMode::Eager, context);
     let Some(mut one) = gpu_model_of(test, &model, &options, batch) else {
         return;
     };
-    let Some(mut many) = tensor_split(test, &model, &options, peer_sums) else {
+    let Some(mut many) = tensor_split(test, &model, &options) else {
         return;
     };
     assert_eq!(many.devices(), vec![0, 1]);
     let n_vocab = model.config().n_vocab as u32;
-    // Longer than the one device's prompt batch; on the split, one chunk whose sums
-    // (90 tokens of 256 values) go through NCCL.
+    // Longer than the one device's prompt batch; one chunk on the split.
     let prompt: Vec<u32> = (0..90u32).map(|i| (i * 7 + 3) % n_vocab).collect();
     for round in 0..2 {
         let a = one.forward(&prompt).expect("one device");
@@ -131,23 +122,21 @@ fn tensor_matches_one_device(name: &str, test: &str, peer_sums: bool) {
 }
 
 macro_rules! gpu_tensor {
-    ($($test:ident => $name:literal, peer sums $peer:literal),* $(,)?) => {$(
+    ($($test:ident => $name:literal),* $(,)?) => {$(
         #[test]
         fn $test() {
-            tensor_matches_one_device($name, stringify!($test), $peer);
+            tensor_matches_one_device($name, stringify!($test));
         }
     )*};
 }
 
 gpu_tensor! {
     // Biases on the queries, keys and values (cut with their rows), grouped queries.
-    gpu_tensor_qwen2_tied => "qwen2-tied", peer sums true,
+    gpu_tensor_qwen2_tied => "qwen2-tied",
     // Fused `attn_qkv` and gate/up tensors, cut within their parts.
-    gpu_tensor_phi3_long => "phi3-long", peer sums true,
+    gpu_tensor_phi3_long => "phi3-long",
     // Queries and keys normed per head.
-    gpu_tensor_qwen3 => "qwen3", peer sums true,
-    // Every sum through the collectives library.
-    gpu_tensor_qwen3_library_sums => "qwen3", peer sums false,
+    gpu_tensor_qwen3 => "qwen3",
 }
 
 /// What a split by tensors cannot cut is refused before anything is uploaded, naming
@@ -166,7 +155,6 @@ fn gpu_tensor_refuses_what_it_cannot_cut() {
         let split = TensorOptions {
             devices: vec![0, 1],
             library: None,
-            peer_sums: true,
         };
         match TensorSplit::new(&model, &options, &split, 16) {
             Err(model::ModelError::GpuUnsupported { what, .. }) => {
@@ -179,7 +167,7 @@ fn gpu_tensor_refuses_what_it_cannot_cut() {
     // Paged batches (the server's) are refused by the engine, not run wrongly.
     let (_dir, _store, model) = open_spec("qwen2-tied");
     let options = GpuOptions::new(UploadMode::Eager, 32);
-    let Some(split) = tensor_split(test, &model, &options, true) else {
+    let Some(split) = tensor_split(test, &model, &options) else {
         return;
     };
     let mut engine = GpuEngine::Tensor(Box::new(split));
