@@ -24,7 +24,7 @@ use crate::ModelError;
 type Tensor = DeviceTensor<HipTarget>;
 
 /// Most threads a device gathers its parts from the file with.
-const UPLOAD_THREADS: usize = 4;
+const UPLOAD_THREADS: usize = 8;
 
 /// Elements of a run of feed-forward rows: whole Q8 blocks of the activations the down
 /// projection takes, whatever the down matrix's own blocks.
@@ -210,9 +210,10 @@ impl Shard {
             .flat_map(|layer| self.layer_parts(config, layer))
             .collect();
         let next = AtomicUsize::new(0);
+        // Half the cores, as the cache's readers take, at most `UPLOAD_THREADS`.
         let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(UPLOAD_THREADS);
+            .map_or(1, |n| n.get() / 2)
+            .clamp(1, UPLOAD_THREADS);
         let uploaded: Vec<Vec<(usize, Result<Tensor, ModelError>)>> = std::thread::scope(|scope| {
             let workers: Vec<_> = (0..threads)
                 .map(|_| {
