@@ -102,6 +102,15 @@ pub(super) fn tensor_rows(
         }
     }
     drop(gpu);
+    // What one of a decode step's sums costs alone: two a layer.
+    let sum_us = all_reduce_us(devices, model.config().n_embd, &split)?;
+    println!(
+        "{name:<32} all-reduce of {} values, in a captured graph: {sum_us:.1} µs; {:.0} µs \
+         a token for {} layers",
+        model.config().n_embd,
+        2.0 * sum_us * model.config().n_layers as f64,
+        model.config().n_layers
+    );
     let note = format!(
         "{library} ({}); logits stray {:.3}/{:.3} of their spread, greedy tokens {}; \
          tg {:.2}x our one GPU's",
@@ -146,12 +155,76 @@ pub(super) fn tensor_rows(
     );
     rows.push(json!({
         "model": path.display().to_string(),
+        "test": format!("all_reduce@{label}"),
+        "values": model.config().n_embd,
+        "microseconds": sum_us,
+    }));
+    rows.push(json!({
+        "model": path.display().to_string(),
         "test": format!("resident@{label}"),
         "one_gpu_s": against.one_s,
         "split_s": split_s,
         "ratio": split_s / against.one_s,
     }));
     Ok(rows)
+}
+
+/// Microseconds one all-reduce of `values` floats over `devices` takes, alone: each
+/// device captures 64 of them in a graph (its own thread, as the split drives them), and
+/// the graphs are replayed 20 times.
+fn all_reduce_us(devices: &[usize], values: usize, split: &TensorOptions) -> Result<f64> {
+    use hip_backend::{Collectives, Communicator, Device, HipError};
+    const SUMS: usize = 64;
+    const REPLAYS: usize = 20;
+    let library = Collectives::load(split.library.as_deref())?;
+    let opened = devices
+        .iter()
+        .map(|&d| Device::open(d))
+        .collect::<Result<Vec<_>, _>>()?;
+    let comms = Communicator::for_devices(&library, &opened)?;
+    let ready = std::sync::Barrier::new(devices.len());
+    let times: Vec<Result<f64, HipError>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = opened
+            .iter()
+            .zip(comms)
+            .map(|(device, comm)| {
+                let ready = &ready;
+                scope.spawn(move || -> Result<f64, HipError> {
+                    device.make_current()?;
+                    let mut buf = device.alloc::<f32>(values)?;
+                    let stream = device.new_stream()?;
+                    // The connections are made outside the capture.
+                    comm.all_reduce_sum(buf.view_mut(), &stream)?;
+                    stream.synchronize()?;
+                    let graph = stream.capture(|s| {
+                        (0..SUMS).try_for_each(|_| comm.all_reduce_sum(buf.view_mut(), s))
+                    })?;
+                    graph.launch(&stream)?;
+                    stream.synchronize()?;
+                    ready.wait();
+                    let start = Instant::now();
+                    for _ in 0..REPLAYS {
+                        graph.launch(&stream)?;
+                    }
+                    stream.synchronize()?;
+                    let us = start.elapsed().as_secs_f64() * 1e6 / (SUMS * REPLAYS) as f64;
+                    // The graph holds the communicator's work: it goes first.
+                    drop(graph);
+                    drop(comm);
+                    Ok(us)
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    let mut slowest = 0f64;
+    for t in times {
+        slowest = slowest.max(t?);
+    }
+    Ok(slowest)
 }
 
 /// Decode rates, `o.repeat` runs of `o.tokens` greedy steps from an empty cache.
