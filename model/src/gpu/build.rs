@@ -92,6 +92,30 @@ impl GpuModel {
         })
     }
 
+    /// The models that compute each of `parts` of `model`, each on its `options.device`,
+    /// built at once on a thread each (a device's runtime context, its buffers and its
+    /// upload start together); the first failure once all have finished.
+    pub(super) fn build_each(
+        model: &Model,
+        parts: Vec<(GpuOptions, Part)>,
+        prompt_batch: usize,
+        pages: Option<PageShape>,
+    ) -> Result<Vec<GpuModel>, ModelError> {
+        let built: Vec<Result<GpuModel, ModelError>> = std::thread::scope(|scope| {
+            let threads: Vec<_> = parts
+                .into_iter()
+                .map(|(options, part)| {
+                    scope.spawn(move || GpuModel::build(model, &options, prompt_batch, pages, part))
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
+        built.into_iter().collect()
+    }
+
     /// The model that computes `part` of `model` on `options.device`: the whole model, or
     /// one stage of a [`LayerSplit`](super::LayerSplit), which takes only its layers'
     /// weights (and the embeddings or the head where it has them) and its layers' cache.
@@ -117,7 +141,7 @@ impl GpuModel {
         let device = Device::open(options.device).map_err(gpu("device"))?;
         let (config, plan) = part.narrow(model.config(), model.plan());
         let store: &TensorStore = model.store();
-        let order = use_order(&plan, &part);
+        let order = use_order(&config, &plan, &part);
         // Split by tensors, the device's parts of the matrices it cuts come on top.
         let part_sizes = part
             .shard

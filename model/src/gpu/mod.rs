@@ -202,13 +202,14 @@ pub enum Want {
 /// needs them first: they come first, with the final norm.
 pub fn first_use_order(model: &Model) -> UploadOrder {
     let plan = model.plan();
-    use_order(plan, &Part::whole(plan.layers.len()))
+    use_order(model.config(), plan, &Part::whole(plan.layers.len()))
 }
 
-/// [`first_use_order`] of the tensors `part` of `plan` uses (`plan` already narrowed to
-/// its layers): the embeddings only where it makes them, the final norm and the output
-/// matrix only where it ends with the logits.
-fn use_order(plan: &ExecutionPlan, part: &Part) -> UploadOrder {
+/// [`first_use_order`] of the tensors `part` of `plan` uses (`config` and `plan` already
+/// narrowed to its part): the embeddings only where it makes them, the final norm and the
+/// output matrix only where it ends with the logits, and split by tensors none of those
+/// it takes parts of.
+fn use_order(config: &ModelConfig, plan: &ExecutionPlan, part: &Part) -> UploadOrder {
     let embd = &plan.token_embd.weight;
     let tied = embd.index() == plan.output.weight.index();
     let head = [&plan.output_norm.handle, &plan.output.weight]
@@ -221,7 +222,7 @@ fn use_order(plan: &ExecutionPlan, part: &Part) -> UploadOrder {
     let cut = part
         .shard
         .as_ref()
-        .map(|_| shard::Shard::cut_tensors(plan))
+        .map(|s| s.cut_tensors(config, plan))
         .unwrap_or_default();
     let layers = plan
         .handles()
@@ -300,6 +301,14 @@ impl Part {
 
 /// A model whose forward pass runs on a GPU, with its KV cache there.
 pub struct GpuModel {
+    // The captured graphs come first, so that they are dropped first: before the weights
+    // and buffers they read, and before a split by tensors' communicator (in `bufs`),
+    // whose release waits for the graphs that hold its all-reduces.
+    /// The decode step, captured once every weight is held.
+    step: Option<Graph>,
+    /// Paged decode steps (one token of each of `n` sequences, every row's logits, with
+    /// the greedy tokens or not), captured once per shape once every weight is held.
+    batch_steps: HashMap<(usize, bool), Graph>,
     config: ModelConfig,
     plan: ExecutionPlan,
     stream: Stream,
@@ -326,11 +335,6 @@ pub struct GpuModel {
     /// Most tokens of a prompt's chunk.
     prompt_batch: usize,
     len: usize,
-    /// The decode step, captured once every weight is held.
-    step: Option<Graph>,
-    /// Paged decode steps (one token of each of `n` sequences, every row's logits, with
-    /// the greedy tokens or not), captured once per shape once every weight is held.
-    batch_steps: HashMap<(usize, bool), Graph>,
     /// Whether paged decode steps replay captured graphs ([`GpuModel::set_batch_graphs`]).
     batch_graphs: bool,
     /// [`LaunchedBatch::argmax`]'s biases and masks (see `batch::Extras`), staged and on
@@ -362,7 +366,7 @@ pub struct GpuModel {
     /// [`LayerSplit`]), and whether it embeds and ends with the logits.
     part: Part,
     /// Split by tensors: this device's parts of each layer's matrices (empty otherwise).
-    parts: Vec<shard::LayerParts>,
+    parts: Vec<shard::LayerParts<shard::PartMatrix>>,
     device: Device,
 }
 

@@ -131,66 +131,84 @@ impl Shard {
         self.rank == 0
     }
 
-    /// The tensors each device takes a part of, not the whole: not uploaded whole.
-    pub fn cut_tensors(plan: &ExecutionPlan) -> HashSet<usize> {
-        let mut cut = HashSet::new();
-        for layer in &plan.layers {
-            for lin in [&layer.wq, &layer.wk, &layer.wv] {
-                cut.insert(lin.weight.index());
-                cut.extend(lin.bias.iter().map(TensorHandle::index));
-            }
-            cut.insert(layer.wo.weight.index());
-            cut.extend(layer.attn_sinks.iter().map(|v| v.handle.index()));
-            if let Some(ffn) = layer.ffn.dense() {
-                for lin in [&ffn.gate, &ffn.up, &ffn.down] {
-                    cut.insert(lin.weight.index());
-                }
-            }
-        }
-        cut
+    /// The tensors the cache does not upload: those this device takes parts of, and
+    /// `attn_output`'s bias, which the leading device takes whole as its part and the
+    /// others do not use.
+    pub fn cut_tensors(&self, config: &ModelConfig, plan: &ExecutionPlan) -> HashSet<usize> {
+        let biases = plan.layers.iter().filter_map(|l| l.wo.bias.as_ref());
+        self.cuts(config, plan)
+            .flat_map(LayerParts::into_vec)
+            .map(|(handle, _)| handle)
+            .chain(biases.cloned())
+            .map(|handle| handle.index())
+            .collect()
     }
 
-    /// The parts of `layer` this device takes, each with the rows and columns of the
-    /// tensor it is (`layer` of a plan [`Shard::all`] accepted).
-    fn layer_parts(&self, config: &ModelConfig, layer: &LayerPlan) -> Vec<(TensorHandle, Cut)> {
+    /// What this device takes of every layer, each part with the rows and columns of
+    /// the tensor it is (of a plan [`Shard::all`] accepted).
+    fn cuts<'a>(
+        &'a self,
+        config: &'a ModelConfig,
+        plan: &'a ExecutionPlan,
+    ) -> impl Iterator<Item = LayerParts<(TensorHandle, Cut)>> + 'a {
+        plan.layers
+            .iter()
+            .map(|layer| self.layer_cuts(config, layer))
+    }
+
+    fn layer_cuts(
+        &self,
+        config: &ModelConfig,
+        layer: &LayerPlan,
+    ) -> LayerParts<(TensorHandle, Cut)> {
         let (hd, hd_v) = (config.head_dim, config.head_dim_v);
         let (q, kv) = (&self.heads, &self.kv_heads);
-        let q_rows = q.start * hd..q.end * hd;
-        let k_rows = kv.start * hd..kv.end * hd;
-        let v_rows = kv.start * hd_v..kv.end * hd_v;
-        let mut parts = Vec::new();
-        for (lin, rows) in [
-            (&layer.wq, &q_rows),
-            (&layer.wk, &k_rows),
-            (&layer.wv, &v_rows),
-        ] {
-            parts.push((lin.weight.clone(), Cut::rows_of(lin, rows)));
-            if let Some(bias) = &lin.bias {
-                parts.push((bias.clone(), Cut::vector(rows)));
-            }
-        }
-        if let Some(sinks) = &layer.attn_sinks {
-            parts.push((sinks.handle.clone(), Cut::vector(q)));
-        }
-        parts.push((
-            layer.wo.weight.clone(),
-            Cut::cols_of(&layer.wo, q.start * hd_v..q.end * hd_v),
-        ));
+        let rows = |lin: &Linear, rows: Range<usize>| {
+            let bias = lin
+                .bias
+                .as_ref()
+                .map(|b| (b.clone(), Cut::vector(rows.clone())));
+            ((lin.weight.clone(), Cut::rows_of(lin, rows)), bias)
+        };
+        let (wq, bq) = rows(&layer.wq, q.start * hd..q.end * hd);
+        let (wk, bk) = rows(&layer.wk, kv.start * hd..kv.end * hd);
+        let (wv, bv) = rows(&layer.wv, kv.start * hd_v..kv.end * hd_v);
         let ffn = layer.ffn.dense().expect("Shard::all refuses experts");
-        parts.push((ffn.gate.weight.clone(), Cut::rows_of(&ffn.gate, &self.ff)));
-        parts.push((ffn.up.weight.clone(), Cut::rows_of(&ffn.up, &self.ff)));
-        parts.push((
-            ffn.down.weight.clone(),
-            Cut::cols_of(&ffn.down, self.ff.clone()),
-        ));
-        parts
+        LayerParts {
+            wq,
+            bq,
+            wk,
+            bk,
+            wv,
+            bv,
+            sinks: (layer.attn_sinks.as_ref()).map(|v| (v.handle.clone(), Cut::vector(q.clone()))),
+            wo: (
+                layer.wo.weight.clone(),
+                Cut::cols_of(&layer.wo, q.start * hd_v..q.end * hd_v),
+            ),
+            // The devices' partial sums hold the bias once: the leading device's.
+            bo: (layer.wo.bias.as_ref())
+                .filter(|_| self.leads())
+                .map(|b| (b.clone(), Cut::vector(0..layer.wo.rows))),
+            gate: (
+                ffn.gate.weight.clone(),
+                Cut::rows_of(&ffn.gate, self.ff.clone()),
+            ),
+            up: (
+                ffn.up.weight.clone(),
+                Cut::rows_of(&ffn.up, self.ff.clone()),
+            ),
+            down: (
+                ffn.down.weight.clone(),
+                Cut::cols_of(&ffn.down, self.ff.clone()),
+            ),
+        }
     }
 
     /// The size of every part this device takes, in bytes.
     pub fn sizes(&self, config: &ModelConfig, plan: &ExecutionPlan) -> Vec<u64> {
-        plan.layers
-            .iter()
-            .flat_map(|l| self.layer_parts(config, l))
+        self.cuts(config, plan)
+            .flat_map(LayerParts::into_vec)
             .map(|(h, cut)| cut.bytes(h.ggml_type()))
             .collect()
     }
@@ -203,101 +221,76 @@ impl Shard {
         config: &ModelConfig,
         plan: &ExecutionPlan,
         cache: &DeviceCache<HipTarget>,
-    ) -> Result<Vec<LayerParts>, ModelError> {
-        let parts: Vec<(TensorHandle, Cut)> = plan
-            .layers
-            .iter()
-            .flat_map(|layer| self.layer_parts(config, layer))
-            .collect();
-        let next = AtomicUsize::new(0);
-        // Half the cores, as the cache's readers take, at most `UPLOAD_THREADS`.
-        let threads = std::thread::available_parallelism()
-            .map_or(1, |n| n.get() / 2)
-            .clamp(1, UPLOAD_THREADS);
-        let uploaded: Vec<Vec<(usize, Result<Tensor, ModelError>)>> = std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    scope.spawn(|| {
-                        let mut staging = PartStaging::default();
-                        let mut done = Vec::new();
-                        loop {
-                            let i = next.fetch_add(1, Ordering::Relaxed);
-                            let Some((handle, cut)) = parts.get(i) else {
-                                break;
-                            };
-                            let tensor = TensorPart::of(
-                                handle,
-                                cut.rows.start as u64..cut.rows.end as u64,
-                                cut.cols.start as u64..cut.cols.end as u64,
-                            )
+    ) -> Result<Vec<LayerParts<PartMatrix>>, ModelError> {
+        let cuts: Vec<LayerParts<(TensorHandle, Cut)>> = self.cuts(config, plan).collect();
+        let parts: Vec<&(TensorHandle, Cut)> =
+            cuts.iter().flat_map(|c| c.as_ref().into_vec()).collect();
+        let mut tensors = upload_all(&parts, cache)?.into_iter();
+        Ok(cuts
+            .into_iter()
+            .map(|layer| {
+                layer.map(|(_, cut)| {
+                    let tensor = tensors.next().expect("one tensor a part");
+                    PartMatrix::from((tensor, cut))
+                })
+            })
+            .collect())
+    }
+}
+
+/// Uploads `parts` to `cache`'s device, in that order, gathered from the file by a few
+/// threads at once, each with its page-locked staging; the first failure stops them.
+fn upload_all(
+    parts: &[&(TensorHandle, Cut)],
+    cache: &DeviceCache<HipTarget>,
+) -> Result<Vec<Tensor>, ModelError> {
+    let next = AtomicUsize::new(0);
+    // Half the cores, as the cache's readers take, at most `UPLOAD_THREADS`.
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get() / 2)
+        .clamp(1, UPLOAD_THREADS);
+    let uploaded: Vec<Vec<(usize, Result<Tensor, ModelError>)>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut staging = PartStaging::default();
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some((handle, cut)) = parts.get(i) else {
+                            break;
+                        };
+                        let u64s = |r: &Range<usize>| r.start as u64..r.end as u64;
+                        let tensor = TensorPart::of(handle, u64s(&cut.rows), u64s(&cut.cols))
                             .and_then(|part| {
                                 upload_part_in(cache.target(), handle, &part, &mut staging)
                             })
                             .map_err(ModelError::from);
-                            let failed = tensor.is_err();
-                            done.push((i, tensor));
-                            if failed {
-                                // The others stop at their next part.
-                                next.store(parts.len(), Ordering::Relaxed);
-                                break;
-                            }
+                        let failed = tensor.is_err();
+                        done.push((i, tensor));
+                        if failed {
+                            // The others stop at their next part.
+                            next.store(parts.len(), Ordering::Relaxed);
+                            break;
                         }
-                        done
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        });
-        let mut tensors: Vec<Option<Tensor>> = (0..parts.len()).map(|_| None).collect();
-        for (i, tensor) in uploaded.into_iter().flatten() {
-            tensors[i] = Some(tensor?);
-        }
-        let mut tensors = tensors
-            .into_iter()
-            .zip(parts)
-            .map(|(t, (_, cut))| t.map(|t| (t, cut)));
-        plan.layers
-            .iter()
-            .map(|layer| {
-                let mut next = || {
-                    tensors.next().flatten().ok_or(ModelError::GpuUnsupported {
-                        what: "a split by tensors whose upload stopped".into(),
-                        supported: "an upload of every part".into(),
-                    })
-                };
-                let mut with_bias = |lin: &Linear| -> Result<_, ModelError> {
-                    let matrix = next()?;
-                    let bias = lin.bias.as_ref().map(|_| next().map(|b| b.0)).transpose()?;
-                    Ok((matrix, bias))
-                };
-                let (wq, bq) = with_bias(&layer.wq)?;
-                let (wk, bk) = with_bias(&layer.wk)?;
-                let (wv, bv) = with_bias(&layer.wv)?;
-                let sinks = layer
-                    .attn_sinks
-                    .as_ref()
-                    .map(|_| next().map(|s| s.0))
-                    .transpose()?;
-                Ok(LayerParts {
-                    wq: PartMatrix::from(wq),
-                    bq,
-                    wk: PartMatrix::from(wk),
-                    bk,
-                    wv: PartMatrix::from(wv),
-                    bv,
-                    sinks,
-                    wo: PartMatrix::from(next()?),
-                    gate: PartMatrix::from(next()?),
-                    up: PartMatrix::from(next()?),
-                    down: PartMatrix::from(next()?),
-                    leads: self.leads(),
+                    }
+                    done
                 })
             })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
+    });
+    let mut tensors: Vec<Option<Tensor>> = (0..parts.len()).map(|_| None).collect();
+    for (i, tensor) in uploaded.into_iter().flatten() {
+        tensors[i] = Some(tensor?);
     }
+    Ok(tensors
+        .into_iter()
+        .map(|t| t.expect("every part uploaded when none failed"))
+        .collect())
 }
 
 /// Rows and columns (elements) of a tensor seen as rows of its first dimension.
@@ -310,7 +303,7 @@ struct Cut {
 impl Cut {
     /// Rows `rows` of `lin` (of its own rows, which start `lin.first_row` into a fused
     /// tensor), every column.
-    fn rows_of(lin: &Linear, rows: &Range<usize>) -> Cut {
+    fn rows_of(lin: &Linear, rows: Range<usize>) -> Cut {
         Cut {
             rows: lin.first_row + rows.start..lin.first_row + rows.end,
             cols: 0..lin.cols,
@@ -326,10 +319,10 @@ impl Cut {
     }
 
     /// Elements `values` of a vector (one row).
-    fn vector(values: &Range<usize>) -> Cut {
+    fn vector(values: Range<usize>) -> Cut {
         Cut {
             rows: 0..1,
-            cols: values.clone(),
+            cols: values,
         }
     }
 
@@ -356,21 +349,102 @@ impl From<(Tensor, Cut)> for PartMatrix {
     }
 }
 
-/// One layer's parts on one device ([`Shard::upload`]).
-pub(super) struct LayerParts {
-    pub wq: PartMatrix,
-    pub bq: Option<Tensor>,
-    pub wk: PartMatrix,
-    pub bk: Option<Tensor>,
-    pub wv: PartMatrix,
-    pub bv: Option<Tensor>,
-    pub sinks: Option<Tensor>,
-    pub wo: PartMatrix,
-    pub gate: PartMatrix,
-    pub up: PartMatrix,
-    pub down: PartMatrix,
-    /// Whether this device adds the output projection's bias ([`Shard::leads`]).
-    pub leads: bool,
+/// What a split by tensors cuts of one layer, each a `T`: the parts' cuts, or a
+/// device's parts uploaded ([`Shard::upload`]). The biases and sinks are those the
+/// model has (and `bo` only on the leading device).
+pub(super) struct LayerParts<T> {
+    pub wq: T,
+    pub bq: Option<T>,
+    pub wk: T,
+    pub bk: Option<T>,
+    pub wv: T,
+    pub bv: Option<T>,
+    pub sinks: Option<T>,
+    pub wo: T,
+    pub bo: Option<T>,
+    pub gate: T,
+    pub up: T,
+    pub down: T,
+}
+
+impl<T> LayerParts<T> {
+    /// The parts, in the one order [`LayerParts::map`] also takes them in.
+    fn into_vec(self) -> Vec<T> {
+        let LayerParts {
+            wq,
+            bq,
+            wk,
+            bk,
+            wv,
+            bv,
+            sinks,
+            wo,
+            bo,
+            gate,
+            up,
+            down,
+        } = self;
+        [
+            Some(wq),
+            bq,
+            Some(wk),
+            bk,
+            Some(wv),
+            bv,
+            sinks,
+            Some(wo),
+            bo,
+        ]
+        .into_iter()
+        .chain([Some(gate), Some(up), Some(down)])
+        .flatten()
+        .collect()
+    }
+
+    /// Each part through `f`, in [`LayerParts::into_vec`]'s order.
+    fn map<U>(self, mut f: impl FnMut(T) -> U) -> LayerParts<U> {
+        let wq = f(self.wq);
+        let bq = self.bq.map(&mut f);
+        let wk = f(self.wk);
+        let bk = self.bk.map(&mut f);
+        let wv = f(self.wv);
+        let bv = self.bv.map(&mut f);
+        let sinks = self.sinks.map(&mut f);
+        let wo = f(self.wo);
+        let bo = self.bo.map(&mut f);
+        let (gate, up, down) = (f(self.gate), f(self.up), f(self.down));
+        LayerParts {
+            wq,
+            bq,
+            wk,
+            bk,
+            wv,
+            bv,
+            sinks,
+            wo,
+            bo,
+            gate,
+            up,
+            down,
+        }
+    }
+
+    fn as_ref(&self) -> LayerParts<&T> {
+        LayerParts {
+            wq: &self.wq,
+            bq: self.bq.as_ref(),
+            wk: &self.wk,
+            bk: self.bk.as_ref(),
+            wv: &self.wv,
+            bv: self.bv.as_ref(),
+            sinks: self.sinks.as_ref(),
+            wo: &self.wo,
+            bo: self.bo.as_ref(),
+            gate: &self.gate,
+            up: &self.up,
+            down: &self.down,
+        }
+    }
 }
 
 fn lcm(a: usize, b: usize) -> usize {

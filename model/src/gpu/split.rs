@@ -72,8 +72,8 @@ pub fn stage_orders(
     Part::stages(ranges)
         .into_iter()
         .map(|part| {
-            let (_, plan) = part.narrow(model.config(), model.plan());
-            super::use_order(&plan, &part)
+            let (config, plan) = part.narrow(model.config(), model.plan());
+            super::use_order(&config, &plan, &part)
         })
         .collect()
 }
@@ -174,26 +174,14 @@ impl LayerSplit {
                 (stage_options, part)
             })
             .collect();
-        let built: Vec<Result<GpuModel, ModelError>> = std::thread::scope(|scope| {
-            let threads: Vec<_> = parts
-                .into_iter()
-                .map(|(stage_options, part)| {
-                    tracing::info!(
-                        device = stage_options.device,
-                        layers = ?part.layers,
-                        "a stage of the layer split"
-                    );
-                    scope.spawn(move || {
-                        GpuModel::build(model, &stage_options, prompt_batch, pages, part)
-                    })
-                })
-                .collect();
-            threads
-                .into_iter()
-                .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        });
-        let stages = built.into_iter().collect::<Result<Vec<_>, _>>()?;
+        for (stage_options, part) in &parts {
+            tracing::info!(
+                device = stage_options.device,
+                layers = ?part.layers,
+                "a stage of the layer split"
+            );
+        }
+        let stages = GpuModel::build_each(model, parts, prompt_batch, pages)?;
         let events = |stages: &[GpuModel]| {
             stages
                 .iter()

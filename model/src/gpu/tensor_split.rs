@@ -70,7 +70,6 @@ impl Worker {
                         break;
                     }
                 }
-                leave(&mut model);
             })
             .map_err(|_| ModelError::DeviceThread {
                 device,
@@ -136,14 +135,6 @@ fn warm(model: &mut GpuModel) -> Result<(), ModelError> {
     model.sync()
 }
 
-/// Lets go of a device's share: its captured graphs (which hold its all-reduces) go
-/// before its communicator, whose release waits for them.
-fn leave(model: &mut GpuModel) {
-    model.step = None;
-    model.batch_steps.clear();
-    model.bufs.team = None;
-}
-
 /// A model split by tensors over several GPUs ([`TensorOptions`]), with one sequence's
 /// KV cache split by heads.
 pub struct TensorSplit {
@@ -194,34 +185,26 @@ impl TensorSplit {
         // The devices' shares are built at once, each on a thread of its own. A device
         // never stops between all-reduces on its own (the others would wait for it
         // forever): the split checks `stop` between calls.
-        let built: Vec<Result<GpuModel, ModelError>> = std::thread::scope(|scope| {
-            let threads: Vec<_> = shards
-                .into_iter()
-                .zip(devices)
-                .map(|(shard, &device)| {
-                    let rank_options = GpuOptions {
-                        device,
-                        mode: UploadMode::Eager,
-                        stop: None,
-                        ..options.clone()
-                    };
-                    let part = Part {
-                        layers: 0..model.config().n_layers,
-                        embed: true,
-                        head: shard.leads(),
-                        shard: Some(shard),
-                    };
-                    scope.spawn(move || {
-                        GpuModel::build(model, &rank_options, prompt_batch, None, part)
-                    })
-                })
-                .collect();
-            threads
-                .into_iter()
-                .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        });
-        let mut ranks = built.into_iter().collect::<Result<Vec<_>, _>>()?;
+        let parts = shards
+            .into_iter()
+            .zip(devices)
+            .map(|(shard, &device)| {
+                let rank_options = GpuOptions {
+                    device,
+                    mode: UploadMode::Eager,
+                    stop: None,
+                    ..options.clone()
+                };
+                let part = Part {
+                    layers: 0..model.config().n_layers,
+                    embed: true,
+                    head: shard.leads(),
+                    shard: Some(shard),
+                };
+                (rank_options, part)
+            })
+            .collect();
+        let mut ranks = GpuModel::build_each(model, parts, prompt_batch, None)?;
         for (rank, comm) in ranks.iter_mut().zip(comms) {
             rank.bufs.team = Some(comm);
         }
@@ -359,6 +342,5 @@ impl Drop for TensorSplit {
     fn drop(&mut self) {
         // The other devices' threads end before the first device's share goes.
         self.workers.clear();
-        leave(&mut self.lead);
     }
 }

@@ -369,51 +369,21 @@ impl LayerWeights {
         layer: &LayerPlan,
         context: RopeContext,
         pooled: bool,
-        parts: Option<&LayerParts>,
+        parts: Option<&LayerParts<PartMatrix>>,
     ) -> Result<LayerWeights, ModelError> {
         let norm = |v: &Option<Vector>| v.as_ref().map(|v| Norm::fetch(cache, v)).transpose();
-        let bias = |l: &Linear| l.bias.as_ref().map(|h| Floats::fetch(cache, h)).transpose();
-        let part_bias = |b: &Option<Tensor>| b.as_ref().map(Floats::of_part);
-        let matrices = match parts {
-            Some(p) => AttentionMatrices {
-                wq: Matrix::of_part(&p.wq),
-                wk: Matrix::of_part(&p.wk),
-                wv: Matrix::of_part(&p.wv),
-                bq: part_bias(&p.bq),
-                bk: part_bias(&p.bk),
-                bv: part_bias(&p.bv),
-                sinks: part_bias(&p.sinks),
-                wo: Matrix::of_part(&p.wo),
-                // The devices' partial sums hold the bias once: the leading device's.
-                bo: if p.leads { bias(&layer.wo)? } else { None },
-            },
-            None => AttentionMatrices {
-                wq: Matrix::fetch(cache, &layer.wq)?,
-                wk: Matrix::fetch(cache, &layer.wk)?,
-                wv: Matrix::fetch(cache, &layer.wv)?,
-                bq: bias(&layer.wq)?,
-                bk: bias(&layer.wk)?,
-                bv: bias(&layer.wv)?,
-                sinks: layer
-                    .attn_sinks
-                    .as_ref()
-                    .map(|v| Floats::fetch(cache, &v.handle))
-                    .transpose()?,
-                wo: Matrix::fetch(cache, &layer.wo)?,
-                bo: bias(&layer.wo)?,
-            },
+        // This device's part where it holds parts, else the whole from the cache.
+        let matrix = |part: fn(&LayerParts<PartMatrix>) -> &PartMatrix, lin: &Linear| {
+            parts.map_or_else(
+                || Matrix::fetch(cache, lin),
+                |p| Ok(Matrix::of_part(part(p))),
+            )
         };
-        let AttentionMatrices {
-            wq,
-            wk,
-            wv,
-            bq,
-            bk,
-            bv,
-            sinks,
-            wo,
-            bo,
-        } = matrices;
+        let vector = |part: fn(&LayerParts<PartMatrix>) -> Option<&PartMatrix>,
+                      whole: Option<&TensorHandle>| match parts {
+            Some(p) => Ok(part(p).map(|m| Floats::of_part(&m.tensor))),
+            None => whole.map(|h| Floats::fetch(cache, h)).transpose(),
+        };
         let ffn = match parts {
             Some(p) => FfnWeights::Dense {
                 gate: Matrix::of_part(&p.gate),
@@ -424,39 +394,29 @@ impl LayerWeights {
         };
         Ok(LayerWeights {
             attn_norm: Norm::fetch(cache, &layer.attn_norm)?,
-            wq,
-            wk,
-            wv,
-            bq,
-            bk,
-            bv,
+            wq: matrix(|p| &p.wq, &layer.wq)?,
+            wk: matrix(|p| &p.wk, &layer.wk)?,
+            wv: matrix(|p| &p.wv, &layer.wv)?,
+            bq: vector(|p| p.bq.as_ref(), layer.wq.bias.as_ref())?,
+            bk: vector(|p| p.bk.as_ref(), layer.wk.bias.as_ref())?,
+            bv: vector(|p| p.bv.as_ref(), layer.wv.bias.as_ref())?,
             q_norm: norm(&layer.q_norm)?,
             k_norm: norm(&layer.k_norm)?,
             rope_freqs: rope_factors(layer, context)
                 .map(|v| Floats::fetch(cache, &v.handle))
                 .transpose()?,
-            sinks,
-            wo,
-            bo,
+            sinks: vector(
+                |p| p.sinks.as_ref(),
+                layer.attn_sinks.as_ref().map(|v| &v.handle),
+            )?,
+            wo: matrix(|p| &p.wo, &layer.wo)?,
+            bo: vector(|p| p.bo.as_ref(), layer.wo.bias.as_ref())?,
             post_attn_norm: norm(&layer.post_attn_norm)?,
             ffn_norm: Norm::fetch(cache, &layer.ffn_norm)?,
             ffn,
             post_ffn_norm: norm(&layer.post_ffn_norm)?,
         })
     }
-}
-
-/// The attention's matrices and vectors of one layer, whole or a device's parts.
-struct AttentionMatrices {
-    wq: Matrix,
-    wk: Matrix,
-    wv: Matrix,
-    bq: Option<Floats>,
-    bk: Option<Floats>,
-    bv: Option<Floats>,
-    sinks: Option<Floats>,
-    wo: Matrix,
-    bo: Option<Floats>,
 }
 
 /// The weights outside the blocks.
@@ -510,7 +470,7 @@ impl Held {
         part: &Part,
         context: RopeContext,
         pooled: bool,
-        parts: &[LayerParts],
+        parts: &[LayerParts<PartMatrix>],
     ) -> Result<Held, ModelError> {
         let globals = Globals::fetch(cache, plan, part, true)?;
         let layers = plan
