@@ -57,6 +57,7 @@ use tensor_store::{TensorHandle, TensorStore};
 
 mod cpu_moe;
 mod llama;
+mod rates;
 mod split;
 mod tensor;
 use cpu_moe::cpu_moe_rows;
@@ -357,18 +358,10 @@ fn ours_with_stats(
     let after_tg = gpu.expert_stats();
     // A prompt of `prompt` tokens in one call, as llama-bench's pp test feeds it.
     let prompt_result = if prompt > 0 {
-        let ids: Vec<u32> = (0..prompt as u64)
-            .map(|i| (1 + (i * 7919) % (n_vocab - 1)) as u32)
-            .collect();
-        gpu.clear()?;
-        gpu.forward_argmax(&ids)?;
-        let mut pp_runs = Vec::new();
-        for _ in 0..repeat {
-            gpu.clear()?;
-            let start = Instant::now();
-            gpu.forward_argmax(&ids)?;
-            pp_runs.push(prompt as f64 / start.elapsed().as_secs_f64());
-        }
+        let ids = rates::prompt_ids(n_vocab, prompt);
+        let pp_runs = rates::prompt_rates(repeat, &ids, &mut gpu, GpuModel::clear, |g, ids| {
+            g.forward_argmax(ids).map(drop)
+        })?;
         Some((median(&pp_runs), pp_runs))
     } else {
         None

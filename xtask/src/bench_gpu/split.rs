@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 use tensor_store::device::UploadMode;
 use tensor_store::TensorStore;
 
+use super::rates::{decode_rates, prompt_ids, prompt_rates};
 use super::tensor::{tensor_rows, Against};
 use super::{llama_bench_on, median, print_row, Options, Theirs};
 
@@ -49,17 +50,10 @@ pub(super) fn split_rows(
         .collect();
     let one_logits = [one.forward(&probe)?, one.forward(&[3])?];
     // Our one GPU's tg, the split by tensors' yardstick.
-    let mut one_tg = Vec::new();
     one.forward_argmax(&[1])?;
-    for _ in 0..o.repeat {
-        one.clear()?;
-        let start = Instant::now();
-        let mut token = 1;
-        for _ in 0..o.tokens {
-            token = one.forward_argmax(&[token])?;
-        }
-        one_tg.push(o.tokens as f64 / start.elapsed().as_secs_f64());
-    }
+    let one_tg = decode_rates(o.repeat, o.tokens, &mut one, GpuModel::clear, |g, t| {
+        g.forward_argmax(&[t])
+    })?;
     drop(one);
     let split = SplitOptions {
         devices: devices.to_vec(),
@@ -84,33 +78,19 @@ pub(super) fn split_rows(
     for _ in 0..3 {
         token = gpu.forward_argmax(&[token])?;
     }
-    let mut tg = Vec::new();
-    for _ in 0..o.repeat {
-        gpu.clear()?;
-        let start = Instant::now();
-        let mut token = 1;
-        for _ in 0..o.tokens {
-            token = gpu.forward_argmax(&[token])?;
-        }
-        tg.push(o.tokens as f64 / start.elapsed().as_secs_f64());
-    }
+    let tg = decode_rates(o.repeat, o.tokens, &mut gpu, LayerSplit::clear, |g, t| {
+        g.forward_argmax(&[t])
+    })?;
     // The prompt cut into chunks for the pipeline (the default), and in one chunk.
     let mut pp = Vec::new();
     let mut pp_whole = Vec::new();
     if o.prompt > 0 {
-        let ids: Vec<u32> = (0..o.prompt as u64)
-            .map(|i| (1 + (i * 7919) % (n_vocab - 1)) as u32)
-            .collect();
+        let ids = prompt_ids(n_vocab, o.prompt);
         for (chunk, runs) in [(None, &mut pp), (Some(o.prompt), &mut pp_whole)] {
             gpu.set_chunk(chunk);
-            gpu.clear()?;
-            gpu.forward_argmax(&ids)?;
-            for _ in 0..o.repeat {
-                gpu.clear()?;
-                let start = Instant::now();
-                gpu.forward_argmax(&ids)?;
-                runs.push(o.prompt as f64 / start.elapsed().as_secs_f64());
-            }
+            *runs = prompt_rates(o.repeat, &ids, &mut gpu, LayerSplit::clear, |g, ids| {
+                g.forward_argmax(ids).map(drop)
+            })?;
         }
     }
     drop(gpu);

@@ -13,6 +13,7 @@ use model::gpu::{GpuOptions, TensorOptions, TensorSplit};
 use model::Model;
 use serde_json::{json, Value};
 
+use super::rates::{decode_rates, prompt_ids, prompt_rates};
 use super::{median, print_row, Options};
 
 /// What the rows are held against: llama.cpp's best split's tg and pp, our one GPU's
@@ -85,21 +86,15 @@ pub(super) fn tensor_rows(
     for _ in 0..3 {
         token = gpu.forward_argmax(&[token])?;
     }
-    let tg = decode_rates(o, &mut gpu)?;
+    let tg = decode_rates(o.repeat, o.tokens, &mut gpu, TensorSplit::clear, |g, t| {
+        g.forward_argmax(&[t])
+    })?;
     let mut pp = Vec::new();
     if o.prompt > 0 {
-        let n_vocab = model.config().n_vocab as u64;
-        let ids: Vec<u32> = (0..o.prompt as u64)
-            .map(|i| (1 + (i * 7919) % (n_vocab - 1)) as u32)
-            .collect();
-        gpu.clear()?;
-        gpu.forward_argmax(&ids)?;
-        for _ in 0..o.repeat {
-            gpu.clear()?;
-            let start = Instant::now();
-            gpu.forward_argmax(&ids)?;
-            pp.push(o.prompt as f64 / start.elapsed().as_secs_f64());
-        }
+        let ids = prompt_ids(model.config().n_vocab as u64, o.prompt);
+        pp = prompt_rates(o.repeat, &ids, &mut gpu, TensorSplit::clear, |g, ids| {
+            g.forward_argmax(ids).map(drop)
+        })?;
     }
     drop(gpu);
     // What one of a decode step's sums costs alone: two a layer.
@@ -225,21 +220,6 @@ fn all_reduce_us(devices: &[usize], values: usize, split: &TensorOptions) -> Res
         slowest = slowest.max(t?);
     }
     Ok(slowest)
-}
-
-/// Decode rates, `o.repeat` runs of `o.tokens` greedy steps from an empty cache.
-fn decode_rates(o: &Options, gpu: &mut TensorSplit) -> Result<Vec<f64>> {
-    let mut tg = Vec::new();
-    for _ in 0..o.repeat {
-        gpu.clear()?;
-        let start = Instant::now();
-        let mut token = 1;
-        for _ in 0..o.tokens {
-            token = gpu.forward_argmax(&[token])?;
-        }
-        tg.push(o.tokens as f64 / start.elapsed().as_secs_f64());
-    }
-    Ok(tg)
 }
 
 fn argmax(row: &[f32]) -> usize {
