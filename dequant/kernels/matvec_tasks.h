@@ -549,16 +549,27 @@ struct MIQ1_M {
 // aligned words that hold bytes of the block): an E8M0 exponent e, then 16 bytes of
 // 4-bit indices (values 0-15 low nibbles, 16-31 high) into the E2M1 values, doubled to
 // integers (0 1 2 3 4 6 8 12, then their negatives): values 2^(e - 128)·w.
-__device__ __forceinline__ uint32_t mxfp4_value(uint32_t n) {
-    const uint64_t lo = 0x0C08060403020100ull;  //  0  1  2  3  4  6  8  12
-    const uint64_t hi = 0xF4F8FAFCFDFEFF00ull;  //  0 -1 -2 -3 -4 -6 -8 -12
-    return (uint32_t)(((n < 8 ? lo : hi) >> (8 * (n & 7))) & 0xFF);
-}
-
-__device__ __forceinline__ int mxfp4_word(uint32_t q, int high) {
-    const uint32_t n = high ? (q >> 4) & 0x0F0F0F0Fu : q & 0x0F0F0F0Fu;
-    return (int)(mxfp4_value(n & 0xF) | (mxfp4_value((n >> 8) & 0xF) << 8) |
-                 (mxfp4_value((n >> 16) & 0xF) << 16) | (mxfp4_value(n >> 24) << 24));
+//
+// The indices become values by byte permutes, four at a time: a permute's selector takes
+// the low three bits of each of its four nibbles, so the 16 bits of two bytes of indices
+// (low, high, low, high) look up four magnitudes in the table's positive half and four in
+// its negative half, and a third permute takes each byte from one or the other by the
+// nibble's top bit (the sign). Two more put the low nibbles' values in one word and the
+// high nibbles' in another. Nine permutes and a few logic operations for eight values,
+// where a lookup a value took about eight operations each.
+__device__ __forceinline__ void mxfp4_words(uint32_t q, int& low, int& high) {
+    constexpr uint32_t kPos0 = 0x03020100u, kPos1 = 0x0C080604u;  //  0  1  2  3 |  4  6  8  12
+    constexpr uint32_t kNeg0 = 0xFDFEFF00u, kNeg1 = 0xF4F8FAFCu;  //  0 -1 -2 -3 | -4 -6 -8 -12
+    uint32_t v[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const uint32_t s = q >> (16 * i);  // indices of bytes 2i and 2i + 1: low, high, low, high
+        const uint32_t pos = __byte_perm(kPos0, kPos1, s);
+        const uint32_t neg = __byte_perm(kNeg0, kNeg1, s);
+        v[i] = __byte_perm(pos, neg, 0x3210u | ((s & 0x8888u) >> 1));
+    }
+    low = (int)__byte_perm(v[0], v[1], 0x6420u);
+    high = (int)__byte_perm(v[0], v[1], 0x7531u);
 }
 
 struct MMXFP4 {
@@ -568,10 +579,7 @@ struct MMXFP4 {
         int q[4];
         load_words<4>(blk + 1, q);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            w[i] = mxfp4_word((uint32_t)q[i], 0);
-            w[i + 4] = mxfp4_word((uint32_t)q[i], 1);
-        }
+        for (int i = 0; i < 4; ++i) mxfp4_words((uint32_t)q[i], w[i], w[i + 4]);
         a[0] = a[1] = e8m0_to_f32_half(blk[0]);
         b[0] = b[1] = 0.0f;
         xb[0] = 0;
