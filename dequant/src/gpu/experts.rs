@@ -6,8 +6,8 @@
 //! grouped by expert into *tiles* of at most [`tile_tokens_for`] slots of one expert, and
 //! a tile's expert rows are read once for all its slots ([`routed_products`]): in the
 //! decode products (Q8 activations, tiles of one slot or of
-//! [`MAX_TOKENS`](super::matvec::MAX_TOKENS)) while the experts get less than a slot
-//! each, on the matrix units (f16 activations, tiles of up to [`MATMUL_TILE_TOKENS`])
+//! [`MAX_TOKENS`](super::matvec::MAX_TOKENS)) while the experts get a few slots each
+//! at most, on the matrix units (f16 activations, tiles of up to [`MATMUL_TILE_TOKENS`])
 //! for prompts and larger batches. The caller (a kernel of its
 //! own, on the device) writes the tiles as `(expert, first, count)` triples of `i32` and
 //! `order`, the slots listed expert by expert; the grid is sized for
@@ -89,33 +89,39 @@ pub enum SlotInput {
 /// [`routed_products`]; the tiles of tokens of `kernels/matmul.hip`).
 pub const MATMUL_TILE_TOKENS: usize = 128;
 
-/// Slots an expert gets on average from which the routed products take the matrix
-/// units rather than the decode products in tiles of one slot; one more for a mixture
-/// of fewer than [`MANY_EXPERTS`] experts.
-pub const MATMUL_FROM_SLOTS_PER_EXPERT: usize = 1;
+/// Slots an expert of a mixture of at least [`MANY_EXPERTS`] experts gets on average from
+/// which the routed products take the matrix units rather than the decode products in
+/// tiles of one slot.
+pub const MATMUL_FROM_SLOTS_PER_EXPERT: usize = 4;
 
-/// Experts from which one slot an expert on average takes the matrix units.
+/// The same for a mixture of fewer experts.
+pub const MATMUL_FROM_SLOTS_PER_FEW_EXPERTS: usize = 2;
+
+/// Experts from which a mixture takes [`MATMUL_FROM_SLOTS_PER_EXPERT`].
 pub const MANY_EXPERTS: usize = 64;
 
 /// Slots a tile takes for `n_slots` slots over `n_experts` experts, which also says which
 /// products run ([`routed_products`]): one (the decode products, Q8 input) while the
 /// experts get fewer than [`MATMUL_FROM_SLOTS_PER_EXPERT`] on average (decoding a few
-/// sequences; two for fewer than [`MANY_EXPERTS`] experts), else [`MATMUL_TILE_TOKENS`]
-/// (the matrix units, f16 input: prompts and larger batches).
+/// dozen sequences; [`MATMUL_FROM_SLOTS_PER_FEW_EXPERTS`] for fewer than
+/// [`MANY_EXPERTS`] experts), else [`MATMUL_TILE_TOKENS`] (the matrix units, f16 input:
+/// prompts and larger batches).
 ///
-/// Measured on an H200 with Qwen3-30B-A3B's shape (128 experts, 8 a token), batched
-/// decoding in tokens/s: at 8 sequences (half a slot an expert) tiles of one 958, the
-/// matrix units 849; at 16 sequences (one) tiles of [`MAX_TOKENS`] 1,060, tiles of one
-/// 1,291, the matrix units 1,330 to 1,604; at 24, 1,180 against 1,759; at 32, 1,073
-/// against 2,240. Tiles of [`MAX_TOKENS`] were never the fastest, so no count takes them
-/// here. With gpt-oss-20b's (32 experts of 2880 by 2880, 4 a token) at 8 sequences (one
-/// slot an expert) tiles of one gave 569, the matrix units 435: each of the 32 tiles
-/// then computes 128 slots' products for about one.
+/// Each slot of a tile of one reads its expert's rows on its own, where a tile of the
+/// matrix units reads them once for all its slots but computes 128 slots' products
+/// whatever its count. Measured on an H200 (`cargo xtask bench-gpu --parallel N`, S_TG in
+/// tokens/s, tiles of one / matrix units): Qwen3-30B-A3B's shape (128 experts, 8 a
+/// token) at 16 sequences (one slot an expert) 1,172 / 579, 32 (two) 1,322 / 868, 48
+/// (three) 1,415 / 1,189, 64 (four) 1,460 / 1,508. With gpt-oss-20b's (32 experts of
+/// 2880 by 2880, 4 a token) at 8 sequences (one slot an expert) tiles of one gave 569,
+/// the matrix units 435. Tiles of [`MAX_TOKENS`] (the decode products for up to eight
+/// slots of one expert at once) lost to one or the other at every count measured on
+/// Qwen3-30B-A3B's shape, so no count takes them here.
 pub fn tile_tokens_for(n_slots: usize, n_experts: usize) -> usize {
     let per_expert = if n_experts >= MANY_EXPERTS {
         MATMUL_FROM_SLOTS_PER_EXPERT
     } else {
-        MATMUL_FROM_SLOTS_PER_EXPERT + 1
+        MATMUL_FROM_SLOTS_PER_FEW_EXPERTS
     };
     if n_slots >= per_expert * n_experts {
         MATMUL_TILE_TOKENS
@@ -514,9 +520,12 @@ mod tests {
         assert_eq!(max_tiles(4096, 128, 8), 512 + 128);
         // Fewer slots than experts: at most one part-filled tile per slot.
         assert_eq!(max_tiles(16, 32, 8), 2 + 16);
-        // Prompts and batches: tiles of the matrix units from a slot an expert on average.
-        assert_eq!(tile_tokens_for(128, 128), MATMUL_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(127, 128), 1);
+        // Prompts and batches: tiles of the matrix units from four slots an expert on
+        // average (64 sequences of Qwen3-30B-A3B's 128 experts, 8 a token).
+        assert_eq!(tile_tokens_for(256, 128), 1);
+        assert_eq!(tile_tokens_for(511, 128), 1);
+        assert_eq!(tile_tokens_for(512, 128), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(4096, 128), MATMUL_TILE_TOKENS);
         // Fewer experts: from two slots an expert (gpt-oss at 8 and 16 sequences).
         assert_eq!(tile_tokens_for(32, 32), 1);
         assert_eq!(tile_tokens_for(64, 32), MATMUL_TILE_TOKENS);
