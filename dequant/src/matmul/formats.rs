@@ -80,7 +80,13 @@ macro_rules! kernel {
 kernel!(F32, F32Acts, portable::dot_f32, avx2::float::dot_f32);
 kernel!(F16, F16Acts, portable::dot_f16, avx2::float::dot_f16);
 kernel!(BF16, BF16Acts, portable::dot_bf16, avx2::float::dot_bf16);
-kernel!(Q4_0, Q8_0Acts, portable::dot_q4_0, avx2::legacy::dot_q4_0);
+kernel!(
+    Q4_0,
+    Q8_0Acts,
+    portable::dot_q4_0,
+    avx2::legacy::dot_q4_0,
+    avx512::legacy::dot_q4_0
+);
 // `Q4_0` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
 // machines and multiplies block by block.
 kernel!(
@@ -90,14 +96,27 @@ kernel!(
     avx2::legacy::dot_q4_0_packed
 );
 kernel!(Q4_1, Q8_1Acts, portable::dot_q4_1, avx2::legacy::dot_q4_1);
-kernel!(Q5_0, Q8_0Acts, portable::dot_q5_0, avx2::legacy::dot_q5_0);
+kernel!(
+    Q5_0,
+    Q8_0Acts,
+    portable::dot_q5_0,
+    avx2::legacy::dot_q5_0,
+    avx512::legacy::dot_q5_0
+);
 kernel!(Q5_1, Q8_1Acts, portable::dot_q5_1, avx2::legacy::dot_q5_1);
-kernel!(Q8_0, Q8_0Acts, portable::dot_q8_0, avx2::legacy::dot_q8_0);
+kernel!(
+    Q8_0,
+    Q8_0Acts,
+    portable::dot_q8_0,
+    avx2::legacy::dot_q8_0,
+    avx512::legacy::dot_q8_0
+);
 kernel!(
     IQ4_NL,
     Q8_0Acts,
     portable::dot_iq4_nl,
-    avx2::legacy::dot_iq4_nl
+    avx2::legacy::dot_iq4_nl,
+    avx512::legacy::dot_iq4_nl
 );
 // `IQ4_NL` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
 // machines and multiplies block by block.

@@ -40,17 +40,17 @@ const _: () = assert!(offset_of!(BlockQ5_1, d) == 0 && offset_of!(BlockQ5_1, m) 
 
 /// One block's quantized weights, unpacked once for all tokens.
 #[derive(Clone, Copy)]
-struct Quants {
+pub(crate) struct Quants {
     /// The 32 weights as unsigned bytes (for the symmetric formats, their magnitudes).
-    q: __m256i,
+    pub(crate) q: __m256i,
     /// For the symmetric formats, the signed weights whose signs go onto the
     /// activations.
-    signs: __m256i,
+    pub(crate) signs: __m256i,
 }
 
 /// How one legacy format unpacks and multiplies. Every block starts with its f16
 /// scale `d`, followed by the f16 offset `m` in the formats that have one.
-trait Legacy {
+pub(crate) trait Legacy {
     const BYTES: usize;
     /// The second f16 of a block is its offset `m`.
     const HAS_M: bool;
@@ -84,7 +84,7 @@ trait Legacy {
 /// `p..p + 16` must be readable.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles(p: *const u8) -> __m256i {
+pub(crate) unsafe fn nibbles(p: *const u8) -> __m256i {
     // SAFETY: readable per the contract; `loadu` has no alignment requirement.
     let packed = unsafe { _mm_loadu_si128(p.cast()) };
     // Both halves hold the 16 bytes; the upper one shifted right by 4.
@@ -117,14 +117,14 @@ unsafe fn high_bits(p: *const u8) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(0x10))
 }
 
-struct Q4_0;
+pub(crate) struct Q4_0;
 /// `Q4_0` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8 rows).
 struct Q4_0Packed;
 struct Q4_1;
-struct Q5_0;
+pub(crate) struct Q5_0;
 struct Q5_1;
-struct Q8_0;
-struct IQ4NL;
+pub(crate) struct Q8_0;
+pub(crate) struct IQ4NL;
 /// `IQ4_NL` as llama.cpp's repacked kernels multiply it (matrices of a multiple of 8 rows).
 struct IQ4NLPacked;
 struct MXFP4;
@@ -361,7 +361,7 @@ fn signed_int(w: &Quants, qx: __m256i) -> __m256i {
 }
 
 /// Blocks that every row and activation row can supply.
-fn blocks<const R: usize, const N: usize>(
+pub(crate) fn blocks<const R: usize, const N: usize>(
     rows: &[&[u8]; R],
     bytes: usize,
     acts: &[Q8Row<'_>; N],
@@ -380,7 +380,7 @@ fn blocks<const R: usize, const N: usize>(
 /// The CPU must support AVX2, FMA and F16C; block `b` must lie inside every row.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scales<L: Legacy, const R: usize>(rows: &[&[u8]; R], b: usize) -> __m256 {
+pub(crate) unsafe fn scales<L: Legacy, const R: usize>(rows: &[&[u8]; R], b: usize) -> __m256 {
     const { assert!(R <= 4) };
     if L::E8M0 {
         let mut scales = [0.0f32; 8];
@@ -417,7 +417,7 @@ unsafe fn scales<L: Legacy, const R: usize>(rows: &[&[u8]; R], b: usize) -> __m2
 /// # Safety
 /// `b` must be below `a.ds.len()`.
 #[inline]
-unsafe fn ds_bits(a: &Q8Row<'_>, b: usize) -> u64 {
+pub(crate) unsafe fn ds_bits(a: &Q8Row<'_>, b: usize) -> u64 {
     // SAFETY: in bounds per the contract; [f32; 2] has no padding, and an unaligned read
     // needs no alignment.
     unsafe { a.ds.as_ptr().add(b).cast::<u64>().read_unaligned() }
@@ -591,7 +591,7 @@ unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot<L: Legacy, const R: usize, const N: usize>(
+pub(crate) unsafe fn dot<L: Legacy, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     acts: [Q8Row<'_>; N],
 ) -> [[f32; N]; R] {
@@ -624,6 +624,41 @@ entries!(
     dot_mxfp4 => MXFP4,
     dot_mxfp4_packed => MXFP4Packed,
 );
+
+/// The eight i32 lanes of a symmetric legacy format's block (`Q4_0`, `Q5_0`, `Q8_0`,
+/// `IQ4_NL`) against 32 activations, as the batched kernels fuse them into their
+/// accumulators.
+#[cfg(test)]
+pub(crate) fn block_lanes(
+    _proof: super::Avx2,
+    ty: gguf_format::GgmlType,
+    block: &[u8],
+    qx: &[i8],
+) -> [i32; 8] {
+    use gguf_format::GgmlType as T;
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn lanes<L: Legacy>(block: &[u8], qx: &[i8]) -> [i32; 8] {
+        assert!(block.len() >= L::BYTES && qx.len() >= QK8);
+        let mut out = [0i32; 8];
+        // SAFETY: the lengths were just checked; the features are present, as calling
+        // this function requires; `out` holds eight i32.
+        unsafe {
+            let int = L::int(&L::quants(block.as_ptr()), load32(qx.as_ptr().cast()));
+            _mm256_storeu_si256(out.as_mut_ptr().cast(), int);
+        }
+        out
+    }
+    // SAFETY: `_proof` shows the CPU has the features.
+    unsafe {
+        match ty {
+            T::Q4_0 => lanes::<Q4_0>(block, qx),
+            T::Q5_0 => lanes::<Q5_0>(block, qx),
+            T::Q8_0 => lanes::<Q8_0>(block, qx),
+            T::IQ4_NL => lanes::<IQ4NL>(block, qx),
+            other => panic!("{other} is not a symmetric legacy format"),
+        }
+    }
+}
 
 /// The integer dot product `Σ q · qx` of one block with 32 activations, summed over
 /// the lanes: the quantity the portable `*_block` functions compute.

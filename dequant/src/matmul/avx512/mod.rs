@@ -16,6 +16,7 @@
 //! AVX-512 kernels run their AVX2 kernels there (every AVX-512 CPU has AVX2).
 
 pub(crate) mod kquants;
+pub(crate) mod legacy;
 
 use std::arch::x86_64::*;
 

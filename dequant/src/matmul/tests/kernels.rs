@@ -202,6 +202,38 @@ fn avx512_block_integers_equal_the_avx2_ones_exactly() {
     }
 }
 
+/// The AVX-512 kernel of the symmetric legacy formats' batches computes the AVX2
+/// kernel's eight integer lanes of every block, on blocks and activations at the
+/// extremes of their ranges and random ones (`Q8_0`'s -128, whose magnitude is 128;
+/// `Q5_0`'s weights from -16 to 15, whose signs come from the high bits).
+#[test]
+fn avx512_legacy_lanes_equal_the_avx2_ones_exactly() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::matmul::{avx2, avx512};
+        let (Some(avx2_proof), Some(proof)) = (avx2::Avx2::detect(), avx512::Avx512::detect())
+        else {
+            eprintln!("SKIPPED: this cpu has no avx-512 f, bw, vl and vnni");
+            return;
+        };
+        let mut rng = Rng(5120);
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q5_0,
+            GgmlType::Q8_0,
+            GgmlType::IQ4_NL,
+        ] {
+            for block in block_cases(ty, &mut rng) {
+                for qx in activation_cases(QK8, &mut rng) {
+                    let expected = avx2::legacy::block_lanes(avx2_proof, ty, &block, &qx);
+                    let got = avx512::legacy::block_lanes(proof, ty, &block, &qx);
+                    assert_eq!(got, expected, "{ty} block {block:?} activations {qx:?}");
+                }
+            }
+        }
+    }
+}
+
 /// The formats whose super-blocks llama.cpp multiplies lane by lane (`lane_dot`).
 const LANE_TYPES: [GgmlType; 12] = [
     GgmlType::Q2_K,
