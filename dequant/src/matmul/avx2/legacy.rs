@@ -417,7 +417,7 @@ pub(crate) unsafe fn scales<L: Legacy, const R: usize>(rows: &[&[u8]; R], b: usi
 /// # Safety
 /// `b` must be below `a.ds.len()`.
 #[inline]
-pub(crate) unsafe fn ds_bits(a: &Q8Row<'_>, b: usize) -> u64 {
+unsafe fn ds_bits(a: &Q8Row<'_>, b: usize) -> u64 {
     // SAFETY: in bounds per the contract; [f32; 2] has no padding, and an unaligned read
     // needs no alignment.
     unsafe { a.ds.as_ptr().add(b).cast::<u64>().read_unaligned() }
@@ -503,6 +503,36 @@ unsafe fn dot_rows<L: Legacy, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) 
     out
 }
 
+/// Block `b`'s products of one row's (d, offset) pair with each of `N` ≤ 4 tokens'
+/// (dx, s) pairs: lane `2t` holds `d · dx_t`, lane `2t + 1` the offset's term. The
+/// tokens' pairs fill the lanes of one vector and meet the block's pair, repeated, in
+/// one multiply.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; block `b` must lie inside the row and every
+/// activation row.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn token_scales<L: Legacy, const N: usize>(
+    row: &[u8],
+    acts: &[Q8Row<'_>; N],
+    b: usize,
+) -> __m256 {
+    const { assert!(N <= 4) };
+    let mut pairs = [0.0f64; 4];
+    for t in 0..N {
+        // SAFETY: block b lies inside the activation row per the contract.
+        pairs[t] = f64::from_bits(unsafe { ds_bits(&acts[t], b) });
+    }
+    let ds = _mm256_castpd_ps(_mm256_setr_pd(pairs[0], pairs[1], pairs[2], pairs[3]));
+    // SAFETY: block b lies inside the row per the contract.
+    let dm = unsafe { scales::<L, 1>(&[row], b) };
+    let dm = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm256_castpd256_pd128(
+        _mm256_castps_pd(dm),
+    )));
+    _mm256_mul_ps(dm, ds)
+}
+
 /// One row against `N` ≤ 4 tokens. The tokens' (dx, s) pairs fill the lanes of one
 /// vector and meet the block's (d, offset) pair, repeated, in one multiply.
 ///
@@ -525,24 +555,14 @@ unsafe fn dot_tokens<L: Legacy, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]
     let mut totals = [0.0f32; N];
     let mut offsets = _mm256_setzero_ps();
     for b in 0..nb {
-        let mut pairs = [0.0f64; 4];
-        for t in 0..N {
-            // SAFETY: `b < nb` bounds the index by the activation row's length.
-            pairs[t] = f64::from_bits(unsafe { ds_bits(&acts[t], b) });
-        }
-        let ds = _mm256_castpd_ps(_mm256_setr_pd(pairs[0], pairs[1], pairs[2], pairs[3]));
-        // SAFETY: `b < nb` keeps the block inside the row; the features are present per
-        // this function's contract.
-        let (dm, quants) = unsafe {
+        // SAFETY: `b < nb` keeps the block inside the row and the activation rows; the
+        // features are present per this function's contract.
+        let (products, quants) = unsafe {
             (
-                scales::<L, 1>(&rows, b),
+                token_scales::<L, N>(row, &acts, b),
                 L::quants(row.as_ptr().add(b * L::BYTES)),
             )
         };
-        let dm = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm256_castpd256_pd128(
-            _mm256_castps_pd(dm),
-        )));
-        let products = _mm256_mul_ps(dm, ds);
         if L::HAS_M {
             offsets = _mm256_add_ps(offsets, products);
         }

@@ -22,7 +22,7 @@ use std::mem::offset_of;
 use crate::blocks::BlockQ5_0;
 use crate::matmul::activation::{Q8Row, QK8};
 use crate::matmul::avx2::legacy::{
-    blocks, ds_bits, nibbles, scales, Legacy, IQ4NL as IQ4NLFormat, Q4_0 as Q4_0Format,
+    blocks, nibbles, token_scales, Legacy, IQ4NL as IQ4NLFormat, Q4_0 as Q4_0Format,
     Q5_0 as Q5_0Format, Q8_0 as Q8_0Format,
 };
 use crate::matmul::avx2::{hsum_ps, load32};
@@ -127,25 +127,15 @@ unsafe fn dot_tokens<L: Symmetric, const N: usize>(row: &[u8], acts: [Q8Row<'_>;
     let mut last_acc = _mm256_setzero_ps();
     let zero = _mm512_setzero_si512();
     for b in 0..nb {
-        // The scales exactly as the AVX2 kernel forms them: lane 2t holds d · dx_t.
-        let mut pairs = [0.0f64; 4];
-        for t in 0..N {
-            // SAFETY: `b < nb` bounds the index by the activation row's length.
-            pairs[t] = f64::from_bits(unsafe { ds_bits(&acts[t], b) });
-        }
-        let ds = _mm256_castpd_ps(_mm256_setr_pd(pairs[0], pairs[1], pairs[2], pairs[3]));
-        // SAFETY: `b < nb` keeps the block inside the row; the features are present per
-        // this function's contract.
-        let (dm, (magnitudes256, negative256)) = unsafe {
+        // The scales as the AVX2 kernel forms them (lane 2t holds d · dx_t).
+        // SAFETY: `b < nb` keeps the block inside the row and the activation rows; the
+        // features are present per this function's contract.
+        let (products, (magnitudes256, negative256)) = unsafe {
             (
-                scales::<L, 1>(&rows, b),
+                token_scales::<L, N>(row, &acts, b),
                 L::unpack(row.as_ptr().add(b * L::BYTES)),
             )
         };
-        let dm = _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm256_castpd256_pd128(
-            _mm256_castps_pd(dm),
-        )));
-        let products = _mm256_mul_ps(dm, ds);
         let magnitudes = _mm512_broadcast_i64x4(magnitudes256);
         let negative = u64::from(negative256) | (u64::from(negative256) << 32);
         for (p, acc) in pairs_acc.iter_mut().enumerate().take(N / 2) {
