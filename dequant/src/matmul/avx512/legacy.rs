@@ -99,8 +99,7 @@ unsafe fn dot<L: Symmetric, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     acts: [Q8Row<'_>; N],
 ) -> [[f32; N]; R] {
-    let takes = !(L::HAS_M || L::TOTALS || L::E8M0 || (L::PAIRED && L::PAIRED_BATCH));
-    if R == 1 && N >= 2 && takes {
+    if R == 1 && N >= 2 {
         let mut out = [[0.0f32; N]; R];
         // SAFETY: the features are present per this function's contract.
         out[0] = unsafe { dot_tokens::<L, N>(rows[0], acts) };
@@ -119,13 +118,14 @@ unsafe fn dot<L: Symmetric, const R: usize, const N: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn dot_tokens<L: Symmetric, const N: usize>(row: &[u8], acts: [Q8Row<'_>; N]) -> [f32; N] {
     const { assert!(N <= 4) };
+    // What makes a format symmetric here: no offset, eight lanes fused block by block.
+    const { assert!(!(L::HAS_M || L::TOTALS || L::E8M0 || (L::PAIRED && L::PAIRED_BATCH))) };
     let rows = [row];
     let nb = blocks(&rows, L::BYTES, &acts);
     // Tokens 2p and 2p + 1 in the halves of pair p's accumulators; an odd last token in
     // 256 bits, as the AVX2 kernel holds it.
     let mut pairs_acc = [_mm512_setzero_ps(); 2];
     let mut last_acc = _mm256_setzero_ps();
-    let zero = _mm512_setzero_si512();
     for b in 0..nb {
         // The scales as the AVX2 kernel forms them (lane 2t holds d · dx_t).
         // SAFETY: `b < nb` keeps the block inside the row and the activation rows; the
@@ -136,17 +136,13 @@ unsafe fn dot_tokens<L: Symmetric, const N: usize>(row: &[u8], acts: [Q8Row<'_>;
                 L::unpack(row.as_ptr().add(b * L::BYTES)),
             )
         };
-        let magnitudes = _mm512_broadcast_i64x4(magnitudes256);
-        let negative = u64::from(negative256) | (u64::from(negative256) << 32);
+        let (magnitudes, negative) = widen(magnitudes256, negative256);
         for (p, acc) in pairs_acc.iter_mut().enumerate().take(N / 2) {
-            let (t0, t1) = (2 * p as i32, 2 * p as i32 + 1);
             // SAFETY: `b < nb` bounds both loads by the activation rows' lengths.
             let (x0, x1) = unsafe { (qx(&acts[2 * p], b), qx(&acts[2 * p + 1], b)) };
-            let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x0), x1);
-            let x = _mm512_mask_sub_epi8(x, negative, zero, x);
-            let int = _mm512_dpbusd_epi32(zero, magnitudes, x);
-            // Lane 2t of the products in every lane of token t's half.
-            let (l0, l1) = (2 * t0, 2 * t1);
+            let int = pair_lanes(magnitudes, negative, x0, x1);
+            // Lane 2t of the products in every lane of token t's half (t = 2p, 2p + 1).
+            let (l0, l1) = (4 * p as i32, 4 * p as i32 + 2);
             let scale = _mm512_permutexvar_ps(
                 _mm512_setr_epi32(
                     l0, l0, l0, l0, l0, l0, l0, l0, l1, l1, l1, l1, l1, l1, l1, l1,
@@ -159,8 +155,7 @@ unsafe fn dot_tokens<L: Symmetric, const N: usize>(row: &[u8], acts: [Q8Row<'_>;
             let t = N - 1;
             // SAFETY: `b < nb` bounds the load by the activation row's length.
             let x = unsafe { qx(&acts[t], b) };
-            let x = _mm256_mask_sub_epi8(x, negative256, _mm256_setzero_si256(), x);
-            let int = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes256, x);
+            let int = single_lanes(magnitudes256, negative256, x);
             let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * t as i32));
             last_acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, last_acc);
         }
@@ -180,6 +175,35 @@ unsafe fn dot_tokens<L: Symmetric, const N: usize>(row: &[u8], acts: [Q8Row<'_>;
         *o = hsum_ps(acc) + 0.0;
     }
     out
+}
+
+/// A block's magnitudes and negative weights' mask repeated for both halves of a
+/// 512-bit step.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn widen(magnitudes: __m256i, negative: u32) -> (__m512i, u64) {
+    (
+        _mm512_broadcast_i64x4(magnitudes),
+        u64::from(negative) | (u64::from(negative) << 32),
+    )
+}
+
+/// Two tokens' eight integer lanes against a block (`widen`'s), token 0's in the low
+/// half: their activations negated where the weight is negative, one `vpdpbusd`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn pair_lanes(magnitudes: __m512i, negative: u64, x0: __m256i, x1: __m256i) -> __m512i {
+    let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x0), x1);
+    let zero = _mm512_setzero_si512();
+    _mm512_dpbusd_epi32(zero, magnitudes, _mm512_mask_sub_epi8(x, negative, zero, x))
+}
+
+/// One token's eight integer lanes against a block, as [`pair_lanes`] in 256 bits.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn single_lanes(magnitudes: __m256i, negative: u32, x: __m256i) -> __m256i {
+    let zero = _mm256_setzero_si256();
+    _mm256_dpbusd_epi32(zero, magnitudes, _mm256_mask_sub_epi8(x, negative, zero, x))
 }
 
 /// Block `b`'s 32 activations of token row `a`.
@@ -219,7 +243,8 @@ avx512_entries!(
 );
 
 /// The eight i32 lanes of a block against 32 activations as [`dot_tokens`] computes
-/// them (the AVX2 kernel's, by `avx2::legacy::block_lanes`).
+/// them, in both halves of a pair and alone (the AVX2 kernel's, by
+/// `avx2::legacy::block_lanes`).
 #[cfg(test)]
 pub(crate) fn block_lanes(
     _proof: super::Avx512,
@@ -231,25 +256,26 @@ pub(crate) fn block_lanes(
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     fn lanes<L: Symmetric>(block: &[u8], qx: &[i8]) -> [i32; 8] {
         assert!(block.len() >= L::BYTES && qx.len() >= QK8);
-        let mut out = [0i32; 16];
+        let (mut pair, mut single) = ([0i32; 16], [0i32; 8]);
         // SAFETY: the lengths were just checked; the features are present, as calling
-        // this function requires; `out` holds sixteen i32.
+        // this function requires; the outputs hold sixteen and eight i32.
         unsafe {
             let (magnitudes, negative) = L::unpack(block.as_ptr());
             let x = load32(qx.as_ptr().cast());
-            // Both halves of a 512-bit step, as the kernel takes a pair of tokens.
-            let x = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x), x);
-            let negative = u64::from(negative) | (u64::from(negative) << 32);
-            let x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-            let int = _mm512_dpbusd_epi32(
-                _mm512_setzero_si512(),
-                _mm512_broadcast_i64x4(magnitudes),
-                x,
+            let (wide, mask) = widen(magnitudes, negative);
+            _mm512_storeu_si512(pair.as_mut_ptr().cast(), pair_lanes(wide, mask, x, x));
+            _mm256_storeu_si256(
+                single.as_mut_ptr().cast(),
+                single_lanes(magnitudes, negative, x),
             );
-            _mm512_storeu_si512(out.as_mut_ptr().cast(), int);
         }
-        assert_eq!(out[..8], out[8..], "the two halves of a step differ");
-        out[..8].try_into().expect("eight lanes")
+        assert_eq!(pair[..8], pair[8..], "the two halves of a pair differ");
+        assert_eq!(
+            pair[..8],
+            single,
+            "a pair's lanes differ from a single token's"
+        );
+        single
     }
     // SAFETY: `_proof` shows the CPU has the features.
     unsafe {
