@@ -322,13 +322,10 @@ fn run_tensors(
     let mut options = model::gpu::GpuOptions::new(UploadMode::Eager, 1);
     options.device = split.devices[0];
     options.stop = Some(stop);
-    let gpu = model::gpu::GpuEngine::tensor(&model, &options, split, 1)
+    let gpu = model::gpu::TensorSplit::new(&model, &options, split, 1)
         .with_context(|| format!("split by tensors over GPUs {:?}", split.devices))?;
     let all_ms = ms();
-    let (library, version) = match &gpu {
-        model::gpu::GpuEngine::Tensor(split) => split.library(),
-        _ => unreachable!("GpuEngine::tensor makes a split by tensors"),
-    };
+    let (library, version) = gpu.library();
     let bytes: u64 = model.plan().handles().iter().map(|h| h.size()).sum();
     let gb_per_s = bytes as f64 / (all_ms - plan_ms).max(1e-3) / 1e6;
     if args.json {

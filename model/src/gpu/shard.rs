@@ -368,37 +368,11 @@ pub(super) struct LayerParts<T> {
 }
 
 impl<T> LayerParts<T> {
-    /// The parts, in the one order [`LayerParts::map`] also takes them in.
+    /// The parts, in the order [`LayerParts::map`] takes them in.
     fn into_vec(self) -> Vec<T> {
-        let LayerParts {
-            wq,
-            bq,
-            wk,
-            bk,
-            wv,
-            bv,
-            sinks,
-            wo,
-            bo,
-            gate,
-            up,
-            down,
-        } = self;
-        [
-            Some(wq),
-            bq,
-            Some(wk),
-            bk,
-            Some(wv),
-            bv,
-            sinks,
-            Some(wo),
-            bo,
-        ]
-        .into_iter()
-        .chain([Some(gate), Some(up), Some(down)])
-        .flatten()
-        .collect()
+        let mut parts = Vec::with_capacity(12);
+        self.map(|t| parts.push(t));
+        parts
     }
 
     /// Each part through `f`, in [`LayerParts::into_vec`]'s order.
