@@ -485,9 +485,10 @@ hipError_t launch_tokens(const MatvecMats& mats, int n_mats, int n_cols, const X
     });
 }
 
-// Loads the code of the kernel launch_tokens picks for n_tokens tokens of rows n_cols
-// wide. The runtimes load a module at the first use of one of its kernels, which a
-// launch pays for; asking for the kernel's attributes is such a use.
+// Loads the code of the module launch_tokens launches for n_tokens tokens of rows
+// n_cols wide. The runtimes load a module whole at the first use of one of its kernels,
+// which a launch pays for; asking for a kernel's attributes is such a use (this one asks
+// for the kernel of many rows: which of the unit's kernels does not matter).
 template <typename T, typename X>
 hipError_t load_tokens(int n_cols, int n_tokens) {
     return with_tokens(n_tokens, [&](auto nt) {
