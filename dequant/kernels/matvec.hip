@@ -35,11 +35,11 @@
 //   MXFP4    the E2M1 values, doubled                    a = 2^(e - 128)        b = 0
 //
 // Shape. A workgroup of kMatvecThreads threads computes kRows rows (1, 2 or 4; more rows
-// per workgroup for narrow matrices), each row by kMatvecThreads/kRows threads (a
-// multiple of 32), for NT tokens at once (1 to 8): a weight task is decoded once and
-// meets every token's activations. Partial sums are reduced in 32-lane groups with
-// shuffles (which works for 32- and 64-lane wavefronts alike), then across the groups in
-// shared memory. Up to three matrices of one type and width (a layer's q, k and v, or
+// per workgroup for narrow matrices; 8 for the routed experts of one slot a tile), each
+// row by kMatvecThreads/kRows threads (a multiple of 32, or 16), for NT tokens at once (1
+// to 8): a weight task is decoded once and meets every token's activations. Partial sums
+// are reduced in 32-lane groups with shuffles (which works for 32- and 64-lane wavefronts
+// alike), then across the groups in shared memory; a row of 16 threads by shuffles alone. Up to three matrices of one type and width (a layer's q, k and v, or
 // gate and up) run in one launch: rows are numbered across them.
 //
 // Units. The build compiles this file once per weight type, with RF_MATVEC_TYPE (its
@@ -113,6 +113,18 @@ __device__ __forceinline__ float sum32(float v) {
 // row's first thread.
 template <int NT, typename Write>
 __device__ __forceinline__ void reduce_row(float (&acc)[NT], int tpr, Write write) {
+    if (tpr < 32) {
+        // A row of 16 threads (a narrow matrix's, with_group_rows): within its lanes.
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            for (int mask = tpr / 2; mask > 0; mask >>= 1) acc[j] += rf_shfl_xor(acc[j], mask);
+        }
+        if (threadIdx.x % tpr == 0) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j) write(j, acc[j]);
+        }
+        return;
+    }
     __shared__ float partial[kMatvecThreads / 32][NT];
     const int lane_group = threadIdx.x / 32;
 #pragma unroll
@@ -400,8 +412,21 @@ void launch_kernel(unsigned grid, const MatvecMats& mats, int n_mats, int n_cols
 // layer under ncu on an H200).
 constexpr unsigned kFewFloatRows = 512;
 
-template <typename T, typename X, typename F>
+// The routed experts' products of one slot a tile (matvec_experts.hip) may also take 8
+// rows a workgroup, 16 threads a row (kMaxRows = kOneTokenMaxRows), by the same rule: a
+// 12-task Q6_K row of 768 columns (Qwen3-30B-A3B's experts' down) keeps 75% of 16 threads
+// busy, 38% of 32, and its 8 slots' 16,384 rows then take half the workgroups, where the
+// kernel's 104 registers a thread leave room for 4 workgroups of 128 threads on each of an
+// H200's 132 multiprocessors: 2,048 workgroups ran in four waves. On an H200 that shape
+// then decoded one token 7% faster, 8 sequences 17% and 32 sequences 33% faster;
+// gpt-oss-20b's rows (2,880 columns, 90 tasks) keep 4 rows either way. The dense products
+// keep 4: with 8, a SmolLM2-135M shape's tg64 fell from 1,555 to 1,466 tokens/s and a
+// 7B's from 441 to 426 (docs/measurements.md).
+constexpr int kOneTokenMaxRows = 8;
+
+template <typename T, typename X, int kMaxRows = 4, typename F>
 hipError_t with_group_rows(int n_cols, F&& f, unsigned total_rows = ~0u) {
+    static_assert(kMaxRows == 4 || kMaxRows == kOneTokenMaxRows, "4 or 8 rows at most");
     if constexpr (!std::is_same<X, uint8_t>::value) {
         if (total_rows <= kFewFloatRows) return f(std::integral_constant<int, 1>{});
     }
@@ -410,7 +435,7 @@ hipError_t with_group_rows(int n_cols, F&& f, unsigned total_rows = ~0u) {
     if constexpr (std::is_same<X, uint8_t>::value) work = n_cols / T::kValues * T::kTasks;
     int best_rows = 1;
     float best = 0.0f;
-    for (int rows = 1; rows <= 4; rows *= 2) {
+    for (int rows = 1; rows <= kMaxRows; rows *= 2) {
         const int tpr = kMatvecThreads / rows;
         const int passes = (work + tpr - 1) / tpr;
         const float busy = (float)work / (float)(passes * tpr);
@@ -418,6 +443,9 @@ hipError_t with_group_rows(int n_cols, F&& f, unsigned total_rows = ~0u) {
             best = busy;
             best_rows = rows;
         }
+    }
+    if constexpr (kMaxRows == kOneTokenMaxRows) {
+        if (best_rows == kOneTokenMaxRows) return f(std::integral_constant<int, kOneTokenMaxRows>{});
     }
     if (best_rows == 4) return f(std::integral_constant<int, 4>{});
     if (best_rows == 2) return f(std::integral_constant<int, 2>{});
@@ -472,16 +500,13 @@ hipError_t launch_tokens(const MatvecMats& mats, int n_mats, int n_cols, const X
         }
     }
     return with_tokens(n_tokens, [&](auto nt) {
-        return with_group_rows<T, X>(
-            n_cols,
-            [&](auto rows) {
-                constexpr int kRows = decltype(rows)::value;
-                launch_kernel<T, decltype(nt)::value, kRows>((total + kRows - 1) / kRows, mats,
-                                                             n_mats, n_cols, x, accumulate,
-                                                             stream);
-                return hipGetLastError();
-            },
-            total);
+        auto go = [&](auto rows) {
+            constexpr int kRows = decltype(rows)::value;
+            launch_kernel<T, decltype(nt)::value, kRows>((total + kRows - 1) / kRows, mats,
+                                                         n_mats, n_cols, x, accumulate, stream);
+            return hipGetLastError();
+        };
+        return with_group_rows<T, X>(n_cols, go, total);
     });
 }
 

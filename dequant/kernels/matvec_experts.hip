@@ -6,7 +6,8 @@
 // products share its module with its dense ones. They run on the dense products' parts:
 // the weight tasks and the Q8 activations (row_dots), the row reductions (reduce_row),
 // and the rows a workgroup takes, chosen as for a dense product of the same width
-// (with_group_rows).
+// (with_group_rows), with 8 rows (16 threads a row) among the choices for one slot a
+// tile.
 //
 // Launchers, all returning the platform's native status (0 on success); only the
 // quantized types' units run them, the float types' return hipErrorInvalidValue:
@@ -154,7 +155,7 @@ hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, 
     auto go = [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
         constexpr int rpt = kRowsPerThread<NT>;
-        return with_group_rows<T, uint8_t>(n_cols, [&](auto rows) {
+        auto shape = [&](auto rows) {
             constexpr int kRows = decltype(rows)::value;
             const unsigned groups = (total + kRows - 1) / kRows;
             rfLaunchChained((matvec_experts_kernel<T, NT, kRows, rpt>),
@@ -162,7 +163,9 @@ hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, 
                             dim3(kMatvecThreads), 0, stream, mats, n_cols, tiles, order,
                             slot_div, xq, n_x);
             return hipGetLastError();
-        });
+        };
+        if constexpr (NT == 1) return with_group_rows<T, uint8_t, kOneTokenMaxRows>(n_cols, shape);
+        return with_group_rows<T, uint8_t>(n_cols, shape);
     };
     if (tile_tokens == 1) return go(std::integral_constant<int, 1>{});
     if (tile_tokens == kMaxTokens) return go(std::integral_constant<int, kMaxTokens>{});
@@ -178,7 +181,7 @@ hipError_t launch_experts_sum(const uint8_t* w, size_t expert_bytes, int rows, i
                               const uint8_t* xq, int n_x, float* out, hipStream_t stream) {
     if constexpr (std::is_same<X, uint8_t>::value) {
         constexpr int rpt = kRowsPerThread<1>;
-        return with_group_rows<T, uint8_t>(n_cols, [&](auto group) {
+        return with_group_rows<T, uint8_t, kOneTokenMaxRows>(n_cols, [&](auto group) {
             constexpr int kRows = decltype(group)::value;
             const unsigned groups = ((unsigned)rows + kRows - 1) / kRows;
             rfLaunchChained((matvec_experts_sum_kernel<T, kRows, rpt>),

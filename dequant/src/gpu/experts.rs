@@ -261,7 +261,11 @@ pub enum RoutedInput<'a> {
 /// check them).
 ///
 /// Q8 input runs the decode products, for tiles of 1 or [`MAX_TOKENS`] slots: each
-/// slot's product is bit for bit its expert's [`matvec`](super::matvec::matvec). f16
+/// slot's product is its expert's [`matvec`](super::matvec::matvec), bit for bit where a
+/// row takes at most 16 tasks (a block of 32 values, or a quarter of a K-quant's 256);
+/// in tiles of one slot a narrower row may run on 16 threads where the dense product
+/// runs it on 32, and a thread then adds two tasks in one fused multiply-add where the
+/// dense product adds them by a shuffle (the same sums, rounded once less). f16
 /// input runs the matrix units, for tiles of up to [`MATMUL_TILE_TOKENS`]: each slot's
 /// product agrees with its expert's to rounding, as [`matmul`](super::matmul::matmul)
 /// agrees with `matvec`.
