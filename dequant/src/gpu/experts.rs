@@ -89,44 +89,33 @@ pub enum SlotInput {
 /// [`routed_products`]; the tiles of tokens of `kernels/matmul.hip`).
 pub const MATMUL_TILE_TOKENS: usize = 128;
 
-/// Slots an expert of a mixture of at least [`MANY_EXPERTS`] experts gets on average from
-/// which the routed products take the matrix units rather than the decode products in
-/// tiles of one slot.
-pub const MATMUL_FROM_SLOTS_PER_EXPERT: usize = 4;
-
-/// The same for a mixture of fewer experts.
-pub const MATMUL_FROM_SLOTS_PER_FEW_EXPERTS: usize = 2;
-
-/// Experts from which a mixture takes [`MATMUL_FROM_SLOTS_PER_EXPERT`].
-pub const MANY_EXPERTS: usize = 64;
+/// Slots an expert gets on average from which the routed products take the matrix units
+/// rather than the decode products in tiles of one slot.
+pub const MATMUL_FROM_SLOTS_PER_EXPERT: usize = 8;
 
 /// Slots a tile takes for `n_slots` slots over `n_experts` experts, which also says which
 /// products run ([`routed_products`]): one (the decode products, Q8 input) while the
-/// experts get fewer than [`MATMUL_FROM_SLOTS_PER_EXPERT`] on average (decoding a few
-/// dozen sequences; [`MATMUL_FROM_SLOTS_PER_FEW_EXPERTS`] for fewer than
-/// [`MANY_EXPERTS`] experts), else [`MATMUL_TILE_TOKENS`] (the matrix units, f16 input:
+/// experts get fewer than [`MATMUL_FROM_SLOTS_PER_EXPERT`] on average (decoding up to a
+/// few dozen sequences), else [`MATMUL_TILE_TOKENS`] (the matrix units, f16 input:
 /// prompts and larger batches).
 ///
 /// Each slot of a tile of one reads its expert's rows on its own, where a tile of the
 /// matrix units reads them once for all its slots but computes 128 slots' products
-/// whatever its count. Measured on an H200 (`cargo xtask bench-gpu --parallel N`, S_TG in
-/// tokens/s, tiles of one / matrix units): Qwen3-30B-A3B's shape (128 experts, 8 a
-/// token) at 16 sequences (one slot an expert) 1,172 / 579, 32 (two) 1,322 / 868, 48
-/// (three) 1,415 / 1,189, 64 (four) 1,460 / 1,508. With gpt-oss-20b's (32 experts of
-/// 2880 by 2880, 4 a token) at 8 sequences (one slot an expert) tiles of one gave 569,
-/// the matrix units 435. Tiles of [`MAX_TOKENS`] (the decode products for up to eight
-/// slots of one expert at once) lost to one or the other at every count measured on
-/// Qwen3-30B-A3B's shape; on gpt-oss's they won at two to four slots an expert (16
-/// sequences 1,006 against 714, 32: 1,502 against 1,223), but with them the GPU test
-/// of the gpt-oss model left its bounds on more rows than routing ties explain, a cause
-/// not yet found. So no count takes them here.
+/// whatever its count. Measured on an H200 (`cargo xtask bench-gpu --tokens 32
+/// --parallel N`, S_TG in tokens/s, tiles of one / matrix units), with the one-slot
+/// products on 16 threads a narrow row (`kernels/matvec.hip`, `kOneTokenMaxRows`):
+/// Qwen3-30B-A3B's shape (128 experts, 8 a token) at 64 sequences (four slots an
+/// expert) 2,059 / 1,520, at 96 (six) 2,047 / 2,017; gpt-oss-20b's (32 experts of 2880 by
+/// 2880, 4 a token) at 16 sequences (two) 1,438 / 714, 24 (three) 1,511 / 971, 32 (four)
+/// 1,566 / 1,226, 64 (eight) 1,644 / 2,220. Tiles of [`MAX_TOKENS`] (the decode products
+/// for up to eight slots of one expert at once) lost to one or the other at every count
+/// measured on Qwen3-30B-A3B's shape; on gpt-oss's they won at two to four slots an
+/// expert against the matrix units (16 sequences 1,006 against 714, 32: 1,502 against
+/// 1,223) but not against today's tiles of one, and with them the GPU test of the gpt-oss
+/// model left its bounds on more rows than routing ties explain, a cause not yet found.
+/// So no count takes them here.
 pub fn tile_tokens_for(n_slots: usize, n_experts: usize) -> usize {
-    let per_expert = if n_experts >= MANY_EXPERTS {
-        MATMUL_FROM_SLOTS_PER_EXPERT
-    } else {
-        MATMUL_FROM_SLOTS_PER_FEW_EXPERTS
-    };
-    if n_slots >= per_expert * n_experts {
+    if n_slots >= MATMUL_FROM_SLOTS_PER_EXPERT * n_experts {
         MATMUL_TILE_TOKENS
     } else {
         1
@@ -527,15 +516,16 @@ mod tests {
         assert_eq!(max_tiles(4096, 128, 8), 512 + 128);
         // Fewer slots than experts: at most one part-filled tile per slot.
         assert_eq!(max_tiles(16, 32, 8), 2 + 16);
-        // Prompts and batches: tiles of the matrix units from four slots an expert on
-        // average (64 sequences of Qwen3-30B-A3B's 128 experts, 8 a token).
-        assert_eq!(tile_tokens_for(256, 128), 1);
-        assert_eq!(tile_tokens_for(511, 128), 1);
-        assert_eq!(tile_tokens_for(512, 128), MATMUL_TILE_TOKENS);
+        // Prompts and batches: tiles of the matrix units from eight slots an expert on
+        // average (128 sequences of Qwen3-30B-A3B's 128 experts, 8 a token; 64 of
+        // gpt-oss's 32 experts, 4 a token).
+        assert_eq!(tile_tokens_for(512, 128), 1);
+        assert_eq!(tile_tokens_for(1023, 128), 1);
+        assert_eq!(tile_tokens_for(1024, 128), MATMUL_TILE_TOKENS);
         assert_eq!(tile_tokens_for(4096, 128), MATMUL_TILE_TOKENS);
-        // Fewer experts: from two slots an expert (gpt-oss at 8 and 16 sequences).
-        assert_eq!(tile_tokens_for(32, 32), 1);
-        assert_eq!(tile_tokens_for(64, 32), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(128, 32), 1);
+        assert_eq!(tile_tokens_for(255, 32), 1);
+        assert_eq!(tile_tokens_for(256, 32), MATMUL_TILE_TOKENS);
         assert_eq!(max_tiles(4096, 128, MATMUL_TILE_TOKENS), 32 + 128);
     }
 }
