@@ -39,8 +39,9 @@
 // row by kMatvecThreads/kRows threads (a multiple of 32, or 16), for NT tokens at once (1
 // to 8): a weight task is decoded once and meets every token's activations. Partial sums
 // are reduced in 32-lane groups with shuffles (which works for 32- and 64-lane wavefronts
-// alike), then across the groups in shared memory; a row of 16 threads by shuffles alone. Up to three matrices of one type and width (a layer's q, k and v, or
-// gate and up) run in one launch: rows are numbered across them.
+// alike), then across the groups in shared memory; a row of 16 threads by shuffles alone.
+// Up to three matrices of one type and width (a layer's q, k and v, or gate and up) run in
+// one launch: rows are numbered across them.
 //
 // Units. The build compiles this file once per weight type, with RF_MATVEC_TYPE (its
 // ggml code) and RF_MATVEC_NAME (its name in the launchers' names) defined, and once
@@ -445,7 +446,9 @@ hipError_t with_group_rows(int n_cols, F&& f, unsigned total_rows = ~0u) {
         }
     }
     if constexpr (kMaxRows == kOneTokenMaxRows) {
-        if (best_rows == kOneTokenMaxRows) return f(std::integral_constant<int, kOneTokenMaxRows>{});
+        if (best_rows == kOneTokenMaxRows) {
+            return f(std::integral_constant<int, kOneTokenMaxRows>{});
+        }
     }
     if (best_rows == 4) return f(std::integral_constant<int, 4>{});
     if (best_rows == 2) return f(std::integral_constant<int, 2>{});
@@ -500,13 +503,16 @@ hipError_t launch_tokens(const MatvecMats& mats, int n_mats, int n_cols, const X
         }
     }
     return with_tokens(n_tokens, [&](auto nt) {
-        auto go = [&](auto rows) {
-            constexpr int kRows = decltype(rows)::value;
-            launch_kernel<T, decltype(nt)::value, kRows>((total + kRows - 1) / kRows, mats,
-                                                         n_mats, n_cols, x, accumulate, stream);
-            return hipGetLastError();
-        };
-        return with_group_rows<T, X>(n_cols, go, total);
+        return with_group_rows<T, X>(
+            n_cols,
+            [&](auto rows) {
+                constexpr int kRows = decltype(rows)::value;
+                launch_kernel<T, decltype(nt)::value, kRows>((total + kRows - 1) / kRows, mats,
+                                                             n_mats, n_cols, x, accumulate,
+                                                             stream);
+                return hipGetLastError();
+            },
+            total);
     });
 }
 

@@ -164,7 +164,9 @@ hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, 
                             slot_div, xq, n_x);
             return hipGetLastError();
         };
-        if constexpr (NT == 1) return with_group_rows<T, uint8_t, kOneTokenMaxRows>(n_cols, shape);
+        if constexpr (NT == 1) {
+            return with_group_rows<T, uint8_t, kOneTokenMaxRows>(n_cols, shape);
+        }
         return with_group_rows<T, uint8_t>(n_cols, shape);
     };
     if (tile_tokens == 1) return go(std::integral_constant<int, 1>{});

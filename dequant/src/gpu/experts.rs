@@ -101,8 +101,9 @@ pub const MATMUL_FROM_SLOTS_PER_EXPERT: usize = 8;
 ///
 /// Each slot of a tile of one reads its expert's rows on its own, where a tile of the
 /// matrix units reads them once for all its slots but computes 128 slots' products
-/// whatever its count. Measured on an H200 (`cargo xtask bench-gpu --tokens 32
-/// --parallel N`, S_TG in tokens/s, tiles of one / matrix units), with the one-slot
+/// whatever its count. Measured on an H200 (`cargo xtask bench-gpu --tokens 64 (32 at
+/// 64 and 96) --prompt 0 --parallel N`, S_TG in tokens/s, tiles of one / matrix units,
+/// the threshold set by a build made for it), with the one-slot
 /// products on 16 threads a narrow row (`kernels/matvec.hip`, `kOneTokenMaxRows`):
 /// Qwen3-30B-A3B's shape (128 experts, 8 a token) at 64 sequences (four slots an
 /// expert) 2,059 / 1,520, at 96 (six) 2,047 / 2,017; gpt-oss-20b's (32 experts of 2880 by

@@ -1,10 +1,9 @@
 //! The routed products against the dense ones: each slot's output is, bit for bit, the
 //! product of its expert's matrix alone with its token's activations (the same
 //! arithmetic per row and token, on rows of at most 16 tasks), for tiles of one slot and
-//! of eight, gate and up in one
-//! launch, slots reading their own rows, and tiles left empty; and the routed products
-//! on the matrix units against the f16-rounded product of each slot's expert, within the
-//! dense batch products' bound.
+//! of eight, gate and up in one launch, slots reading their own rows, and tiles left
+//! empty; and the routed products on the matrix units against the f16-rounded product of
+//! each slot's expert, within the dense batch products' bound.
 
 use gguf_format::GgmlType;
 use half::f16;
