@@ -10,6 +10,10 @@ pub(crate) trait Kernel {
     /// How the activations are prepared for this format.
     type Acts: ActSet;
 
+    /// Whether the AVX-512 path multiplies a batch four rows at a time
+    /// ([`Kernel::tile_avx512`]); else one.
+    const AVX512_TILES: bool = false;
+
     /// One row of weights (whole blocks) · one token's activations, portable code.
     fn dot(row: &[u8], act: <Self::Acts as ActSet>::Row<'_>) -> f32;
 
@@ -34,18 +38,57 @@ pub(crate) trait Kernel {
         rows: [&[u8]; R],
         acts: [<Self::Acts as ActSet>::Row<'_>; N],
     ) -> [[f32; N]; R];
+
+    /// Four rows of weights · `N` ≤ 4 tokens on the AVX-512 path, with the bits of
+    /// [`Kernel::dot_avx512`] row by row (which this default calls).
+    ///
+    /// # Safety
+    /// As [`Kernel::dot_avx512`].
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn tile_avx512<const N: usize>(
+        rows: [&[u8]; 4],
+        acts: [<Self::Acts as ActSet>::Row<'_>; N],
+    ) -> [[f32; N]; 4] {
+        let mut out = [[0.0f32; N]; 4];
+        for (o, row) in out.iter_mut().zip(rows) {
+            // SAFETY: the caller upholds this function's contract, which is the callee's.
+            *o = unsafe { Self::dot_avx512::<1, N>([row], acts) }[0];
+        }
+        out
+    }
 }
 
 macro_rules! kernel {
     ($name:ident, $acts:ty, $portable:path, $avx2:path) => {
         kernel!($name, $acts, $portable, $avx2, $avx2);
     };
+    ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path, tiles = $tile:path) => {
+        kernel!($name, $acts, $portable, $avx2, $avx512, {
+            const AVX512_TILES: bool = true;
+
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn tile_avx512<const N: usize>(
+                rows: [&[u8]; 4],
+                acts: [<Self::Acts as ActSet>::Row<'_>; N],
+            ) -> [[f32; N]; 4] {
+                // SAFETY: the caller upholds this function's contract, which is the
+                // callee's.
+                unsafe { $tile(rows, acts) }
+            }
+        });
+    };
     ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path) => {
+        kernel!($name, $acts, $portable, $avx2, $avx512, {});
+    };
+    ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path, {$($tiles:tt)*}) => {
         #[allow(non_camel_case_types)]
         pub(crate) struct $name;
 
         impl Kernel for $name {
             type Acts = $acts;
+            $($tiles)*
 
             #[inline]
             fn dot(row: &[u8], act: <Self::Acts as ActSet>::Row<'_>) -> f32 {
@@ -85,7 +128,8 @@ kernel!(
     Q8_0Acts,
     portable::dot_q4_0,
     avx2::legacy::dot_q4_0,
-    avx512::legacy::dot_q4_0
+    avx512::legacy::dot_q4_0,
+    tiles = avx512::legacy::tile_q4_0
 );
 // `Q4_0` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
 // machines and multiplies block by block.
@@ -101,7 +145,8 @@ kernel!(
     Q8_0Acts,
     portable::dot_q5_0,
     avx2::legacy::dot_q5_0,
-    avx512::legacy::dot_q5_0
+    avx512::legacy::dot_q5_0,
+    tiles = avx512::legacy::tile_q5_0
 );
 kernel!(Q5_1, Q8_1Acts, portable::dot_q5_1, avx2::legacy::dot_q5_1);
 kernel!(
@@ -109,14 +154,16 @@ kernel!(
     Q8_0Acts,
     portable::dot_q8_0,
     avx2::legacy::dot_q8_0,
-    avx512::legacy::dot_q8_0
+    avx512::legacy::dot_q8_0,
+    tiles = avx512::legacy::tile_q8_0
 );
 kernel!(
     IQ4_NL,
     Q8_0Acts,
     portable::dot_iq4_nl,
     avx2::legacy::dot_iq4_nl,
-    avx512::legacy::dot_iq4_nl
+    avx512::legacy::dot_iq4_nl,
+    tiles = avx512::legacy::tile_iq4_nl
 );
 // `IQ4_NL` matrices whose row count is a multiple of 8, which llama.cpp repacks on AVX2
 // machines and multiplies block by block.

@@ -66,6 +66,25 @@ pub(crate) trait RowKernels: Copy {
         acts: [<K::Acts as ActSet>::Row<'_>; N],
     ) -> [[f32; N]; R];
 
+    /// Whether a batch takes `K`'s rows four at a time in this set ([`RowKernels::tile`]).
+    fn tiles<K: Kernel>(self) -> bool {
+        false
+    }
+
+    /// `K`'s four rows · `N` tokens in this set, with the bits of [`RowKernels::dot`]
+    /// row by row (which this default calls).
+    fn tile<K: Kernel, const N: usize>(
+        self,
+        rows: [&[u8]; 4],
+        acts: [<K::Acts as ActSet>::Row<'_>; N],
+    ) -> [[f32; N]; 4] {
+        let mut out = [[0.0f32; N]; 4];
+        for (o, row) in out.iter_mut().zip(rows) {
+            *o = self.dot::<K, 1, N>([row], acts)[0];
+        }
+        out
+    }
+
     /// Every row of `w` (rows of `row_bytes`, whole blocks) against `tokens` of `acts`.
     fn rows<K: Kernel>(
         self,
@@ -142,7 +161,15 @@ pub(crate) unsafe fn rows<K: Kernel, P: RowKernels>(
     for r0 in (0..n_rows).step_by(block) {
         for t0 in (0..n_tokens).step_by(tile) {
             let t1 = (t0 + tile).min(n_tokens);
-            for r in r0..(r0 + block).min(n_rows) {
+            let r1 = (r0 + block).min(n_rows);
+            let mut r = r0;
+            if kernels.tiles::<K>() {
+                while r + 4 <= r1 {
+                    at.run_tile(r, t0, t1);
+                    r += 4;
+                }
+            }
+            for r in r..r1 {
                 let mut t = t0;
                 while t + 4 <= t1 {
                     at.run::<1, 4>(r, t);
@@ -190,6 +217,35 @@ struct Tile<'a, 'r, 'o, K: Kernel, P> {
 }
 
 impl<K: Kernel, P: RowKernels> Tile<'_, '_, '_, K, P> {
+    /// Rows `r0..r0 + 4` · tokens `t0..t1` by the four-row tiles, four tokens a call.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn run_tile(&mut self, r0: usize, t0: usize, t1: usize) {
+        let mut t = t0;
+        while t + 4 <= t1 {
+            self.tile::<4>(r0, t);
+            t += 4;
+        }
+        match t1 - t {
+            3 => self.tile::<3>(r0, t),
+            2 => self.tile::<2>(r0, t),
+            1 => self.tile::<1>(r0, t),
+            _ => {}
+        }
+    }
+
+    /// Rows `r0..r0 + 4` · tokens `t0..t0 + N` into the output, by the tiles.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn tile<const N: usize>(&mut self, r0: usize, t0: usize) {
+        let rows = std::array::from_fn(|i| {
+            &self.w[(r0 + i) * self.row_bytes..(r0 + i + 1) * self.row_bytes]
+        });
+        let acts = std::array::from_fn(|j| self.acts[t0 + j]);
+        let dots = self.kernels.tile::<K, N>(rows, acts);
+        self.store(r0, t0, &dots);
+    }
+
     /// Rows `r0..r0 + R` · tokens `t0..t0 + N` into the output.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -201,6 +257,17 @@ impl<K: Kernel, P: RowKernels> Tile<'_, '_, '_, K, P> {
         let mut acts = [self.acts[t0]; N];
         acts.copy_from_slice(&self.acts[t0..t0 + N]);
         let dots = self.kernels.dot::<K, R, N>(rows, acts);
+        self.store(r0, t0, &dots);
+    }
+
+    /// `dots[i][j]` as row `r0 + i`'s product with token `t0 + j`.
+    #[inline]
+    fn store<const R: usize, const N: usize>(
+        &mut self,
+        r0: usize,
+        t0: usize,
+        dots: &[[f32; N]; R],
+    ) {
         let Out {
             data,
             row_stride,

@@ -1,5 +1,11 @@
 //! AVX-512 kernels of the symmetric legacy formats (`Q4_0`, `Q5_0`, `Q8_0`, `IQ4_NL`) in
-//! batches: one row against two to four tokens, two tokens a 512-bit step.
+//! batches: tiles of four rows against two to four tokens ([`dot_tile`]), and one row
+//! against two to four tokens, two tokens a 512-bit step.
+//!
+//! The tiles take each weight as an unsigned byte, `w + OFFSET`, and start each lane's
+//! accumulation at `-OFFSET` times its four activations' sum, so that one `vpdpbusd`
+//! gives a row and a pair of tokens their exact integers. The one-row kernel below moves
+//! the signs onto the activations instead.
 //!
 //! A block's 32 weight magnitudes fill both 256-bit halves of a vector, and two tokens'
 //! 32 activations, negated where the weight is negative (a mask from the weights' sign
@@ -19,10 +25,11 @@
 use std::arch::x86_64::*;
 use std::mem::offset_of;
 
-use crate::blocks::BlockQ5_0;
+use crate::blocks::{BlockIQ4_NL, BlockQ4_0, BlockQ5_0, BlockQ8_0};
+use crate::decode::grids::KVALUES_IQ4NL;
 use crate::matmul::activation::{Q8Row, QK8};
 use crate::matmul::avx2::legacy::{
-    blocks, nibbles, token_scales, Legacy, IQ4NL as IQ4NLFormat, Q4_0 as Q4_0Format,
+    blocks, nibbles, scales, token_scales, Legacy, IQ4NL as IQ4NLFormat, Q4_0 as Q4_0Format,
     Q5_0 as Q5_0Format, Q8_0 as Q8_0Format,
 };
 use crate::matmul::avx2::{hsum_ps, load32};
@@ -87,6 +94,89 @@ impl Symmetric for Q5_0Format {
     }
 }
 
+/// A symmetric format's weights as unsigned bytes, `w + OFFSET`, for the tiles of
+/// several rows and tokens ([`dot_tile`]).
+trait Offset: Symmetric {
+    /// What the bytes add to the weights (each sum fits a byte).
+    const OFFSET: u8;
+
+    /// # Safety
+    /// The CPU must support the AVX-512 path's features; `block..block + BYTES` must
+    /// be readable.
+    unsafe fn offset_quants(block: *const u8) -> __m256i;
+}
+
+impl Offset for Q4_0Format {
+    const OFFSET: u8 = 8;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn offset_quants(block: *const u8) -> __m256i {
+        // SAFETY: the block is readable per the contract; qs lies inside it.
+        unsafe { nibbles(block.add(offset_of!(BlockQ4_0, qs))) }
+    }
+}
+
+impl Offset for Q5_0Format {
+    const OFFSET: u8 = 16;
+
+    /// The nibble plus 16 where the high bit is set.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn offset_quants(block: *const u8) -> __m256i {
+        let (qs, qh) = (offset_of!(BlockQ5_0, qs), offset_of!(BlockQ5_0, qh));
+        // SAFETY: the block is readable per the contract; qs and qh lie inside it.
+        let (low, high) = unsafe {
+            (
+                nibbles(block.add(qs)),
+                block.add(qh).cast::<u32>().read_unaligned(),
+            )
+        };
+        _mm256_mask_add_epi8(low, high, low, _mm256_set1_epi8(16))
+    }
+}
+
+impl Offset for Q8_0Format {
+    const OFFSET: u8 = 128;
+
+    /// The byte's sign bit flipped.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn offset_quants(block: *const u8) -> __m256i {
+        // SAFETY: the block is readable per the contract; qs (32 bytes) lies inside it.
+        let q = unsafe { load32(block.add(offset_of!(BlockQ8_0, qs))) };
+        _mm256_xor_si256(q, _mm256_set1_epi8(i8::MIN))
+    }
+}
+
+impl Offset for IQ4NLFormat {
+    const OFFSET: u8 = 128;
+
+    /// The level looked up in the table of levels plus 128.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn offset_quants(block: *const u8) -> __m256i {
+        const TABLE: [u8; 16] = {
+            let mut t = [0u8; 16];
+            let mut i = 0;
+            while i < 16 {
+                t[i] = (KVALUES_IQ4NL[i] as i16 + 128) as u8;
+                i += 1;
+            }
+            t
+        };
+        // SAFETY: the block is readable per the contract; qs lies inside it; the table
+        // holds 16 bytes.
+        let (q, table) = unsafe {
+            (
+                nibbles(block.add(offset_of!(BlockIQ4_NL, qs))),
+                _mm_loadu_si128(TABLE.as_ptr().cast()),
+            )
+        };
+        _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), q)
+    }
+}
+
 /// `R` rows against `N` tokens (one of them 1, the other at most 4): the batched
 /// kernel of this file for one row and two tokens or more of a format it takes, else the
 /// AVX2 kernel.
@@ -95,10 +185,19 @@ impl Symmetric for Q5_0Format {
 /// The CPU must support the AVX-512 path's features.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot<L: Symmetric, const R: usize, const N: usize>(
+unsafe fn dot<L: Offset, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     acts: [Q8Row<'_>; N],
 ) -> [[f32; N]; R] {
+    if N == 1 && !L::PAIRED {
+        // SAFETY: the features are present per this function's contract.
+        let dots = unsafe { dot_rows::<L, R>(rows, acts[0]) };
+        let mut out = [[0.0f32; N]; R];
+        for (o, dot) in out.iter_mut().zip(dots) {
+            o[0] = dot;
+        }
+        return out;
+    }
     if R == 1 && N >= 2 {
         let mut out = [[0.0f32; N]; R];
         // SAFETY: the features are present per this function's contract.
@@ -167,12 +266,105 @@ unsafe fn dot_tokens<L: Symmetric, const N: usize>(row: &[u8], acts: [Q8Row<'_>;
         } else if t % 2 == 0 {
             _mm512_castps512_ps256(pairs_acc[t / 2])
         } else {
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(
-                pairs_acc[t / 2],
-            )))
+            high_half(pairs_acc[t / 2])
         };
         // The AVX2 kernel adds its offsets' lanes, zeros for these formats.
         *o = hsum_ps(acc) + 0.0;
+    }
+    out
+}
+
+/// `R` ≤ 4 rows against `N` (2 to 4) tokens of a symmetric format, each product as the
+/// AVX2 kernel's `dot_tokens` computes it.
+///
+/// The weights are unsigned bytes here, `w + OFFSET`, so one `vpdpbusd` multiplies a
+/// row's block with a pair of tokens without moving any signs. Each lane's four products
+/// then carry `OFFSET` times the sum of their four activations too; that sum, taken from
+/// the pair once per block, starts the accumulation, so the lanes come out as the exact
+/// integers of the signed products. A block's pairs of tokens and its rows are each
+/// loaded and unpacked once for the whole tile.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_tile<L: Offset, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8Row<'_>; N],
+) -> [[f32; N]; R] {
+    const { assert!(R <= 4 && N <= 4) };
+    if N < 2 {
+        // SAFETY: the features are present per this function's contract.
+        return unsafe { dot_columns::<L, R, N>(rows, acts) };
+    }
+    const { assert!(!(L::HAS_M || L::TOTALS || L::E8M0 || (L::PAIRED && L::PAIRED_BATCH))) };
+    let nb = blocks(&rows, L::BYTES, &acts);
+    let pairs = N / 2;
+    let zero = _mm512_setzero_si512();
+    let offset = _mm512_set1_epi8(L::OFFSET as i8);
+    // Pair p's tokens in the halves of accumulators [r][p]; an odd last token in 256 bits.
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    let mut last = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        let (mut x, mut start, mut dx) = ([zero; 2], [zero; 2], [_mm512_setzero_ps(); 2]);
+        for p in 0..pairs {
+            let (a0, a1) = (&acts[2 * p], &acts[2 * p + 1]);
+            // SAFETY: `b < nb` bounds both loads by the activation rows' lengths.
+            let (x0, x1) = unsafe { (qx(a0, b), qx(a1, b)) };
+            x[p] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x0), x1);
+            start[p] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, x[p]));
+            dx[p] = _mm512_mask_broadcastss_ps(
+                _mm512_set1_ps(a0.ds[b][0]),
+                0xFF00,
+                _mm_set_ss(a1.ds[b][0]),
+            );
+        }
+        let (mut x_last, mut start_last, mut dx_last) = (
+            _mm256_setzero_si256(),
+            _mm256_setzero_si256(),
+            _mm256_setzero_ps(),
+        );
+        if N % 2 == 1 {
+            let a = &acts[N - 1];
+            // SAFETY: `b < nb` bounds the load by the activation row's length.
+            x_last = unsafe { qx(a, b) };
+            let zero = _mm256_setzero_si256();
+            let sums = _mm256_dpbusd_epi32(zero, _mm512_castsi512_si256(offset), x_last);
+            start_last = _mm256_sub_epi32(zero, sums);
+            dx_last = _mm256_set1_ps(a.ds[b][0]);
+        }
+        // SAFETY: block b lies inside every row.
+        let d = _mm512_castps256_ps512(unsafe { scales::<L, R>(&rows, b) });
+        for r in 0..R {
+            // SAFETY: block b lies inside row r.
+            let u256 = unsafe { L::offset_quants(rows[r].as_ptr().add(b * L::BYTES)) };
+            let u = _mm512_broadcast_i64x4(u256);
+            let dr = _mm512_permutexvar_ps(_mm512_set1_epi32(2 * r as i32), d);
+            for p in 0..pairs {
+                let int = _mm512_dpbusd_epi32(start[p], u, x[p]);
+                let scale = _mm512_mul_ps(dr, dx[p]);
+                acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(int), scale, acc[r][p]);
+            }
+            if N % 2 == 1 {
+                let int = _mm256_dpbusd_epi32(start_last, u256, x_last);
+                let scale = _mm256_mul_ps(_mm512_castps512_ps256(dr), dx_last);
+                last[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int), scale, last[r]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; N]; R];
+    for r in 0..R {
+        for (t, o) in out[r].iter_mut().enumerate() {
+            let lanes = if t == N - 1 && N % 2 == 1 {
+                last[r]
+            } else if t % 2 == 0 {
+                _mm512_castps512_ps256(acc[r][t / 2])
+            } else {
+                high_half(acc[r][t / 2])
+            };
+            // The AVX2 kernel adds its offsets' lanes, zeros for these formats.
+            *o = hsum_ps(lanes) + 0.0;
+        }
     }
     out
 }
@@ -217,8 +409,110 @@ unsafe fn qx(a: &Q8Row<'_>, b: usize) -> __m256i {
     unsafe { load32(a.qs.as_ptr().add(b * QK8).cast()) }
 }
 
+/// `R` ≤ 4 rows against one token of a symmetric format, as the AVX2 kernel's
+/// `dot_rows` computes them, two blocks a 512-bit step.
+///
+/// The weights are unsigned bytes, `w + OFFSET`, as in [`dot_tile`]: the token's two
+/// blocks are loaded once with the `OFFSET` share of their lanes for every row, and
+/// each row's two blocks take one `vpdpbusd` and one conversion. The eight lanes of
+/// the first block are then fused into the row's accumulators before those of the
+/// second, as the AVX2 kernel fuses them block after block.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_rows<L: Offset, const R: usize>(rows: [&[u8]; R], act: Q8Row<'_>) -> [f32; R] {
+    const { assert!(R <= 4) };
+    const { assert!(!(L::HAS_M || L::TOTALS || L::E8M0)) };
+    // A paired format's single tokens sum even and odd blocks apart.
+    debug_assert!(!L::PAIRED);
+    let nb = blocks(&rows, L::BYTES, &[act]);
+    let zero = _mm512_setzero_si512();
+    let offset = _mm512_set1_epi8(L::OFFSET as i8);
+    let mut acc = [_mm256_setzero_ps(); R];
+    // Lanes 2r of a block's products with the token's scale: row r's d · dx.
+    let products = |b: usize| {
+        // SAFETY: the callers keep block b inside every row and the activation row.
+        unsafe { _mm256_mul_ps(scales::<L, R>(&rows, b), _mm256_set1_ps(act.ds[b][0])) }
+    };
+    let unsigned = |r: usize, b: usize| {
+        // SAFETY: the callers keep block b inside row r.
+        unsafe { L::offset_quants(rows[r].as_ptr().add(b * L::BYTES)) }
+    };
+    let mut b = 0;
+    while b + 2 <= nb {
+        // SAFETY: blocks b and b + 1 lie inside the activation row: 64 readable bytes.
+        let x = unsafe { _mm512_loadu_si512(act.qs.as_ptr().add(b * QK8).cast()) };
+        let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, x));
+        let both = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            _mm512_castps_pd(_mm512_castps256_ps512(products(b))),
+            _mm256_castps_pd(products(b + 1)),
+        ));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let u =
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(unsigned(r, b)), unsigned(r, b + 1));
+            let lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, u, x));
+            let (l0, l1) = (2 * r as i32, 2 * r as i32 + 8);
+            let scale = _mm512_permutexvar_ps(
+                _mm512_setr_epi32(
+                    l0, l0, l0, l0, l0, l0, l0, l0, l1, l1, l1, l1, l1, l1, l1, l1,
+                ),
+                both,
+            );
+            *acc = _mm256_fmadd_ps(
+                _mm512_castps512_ps256(lanes),
+                _mm512_castps512_ps256(scale),
+                *acc,
+            );
+            *acc = _mm256_fmadd_ps(high_half(lanes), high_half(scale), *acc);
+        }
+        b += 2;
+    }
+    if b < nb {
+        // SAFETY: block b lies inside the activation row.
+        let x = unsafe { qx(&act, b) };
+        let zero = _mm256_setzero_si256();
+        let sums = _mm256_dpbusd_epi32(zero, _mm512_castsi512_si256(offset), x);
+        let start = _mm256_sub_epi32(zero, sums);
+        let products = products(b);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let lanes = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(start, unsigned(r, b), x));
+            let scale = _mm256_permutevar8x32_ps(products, _mm256_set1_epi32(2 * r as i32));
+            *acc = _mm256_fmadd_ps(lanes, scale, *acc);
+        }
+    }
+    // The AVX2 kernel adds its offsets' lanes, zeros for these formats.
+    acc.map(|acc| hsum_ps(acc) + 0.0)
+}
+
+/// The upper eight lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn high_half(v: __m512) -> __m256 {
+    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+}
+
+/// One row's products at a time: a tile's single token.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_columns<L: Offset, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    acts: [Q8Row<'_>; N],
+) -> [[f32; N]; R] {
+    let mut out = [[0.0f32; N]; R];
+    for (o, row) in out.iter_mut().zip(rows) {
+        // SAFETY: the features are present per this function's contract.
+        *o = unsafe { dot::<L, 1, N>([row], acts) }[0];
+    }
+    out
+}
+
 macro_rules! avx512_entries {
-    ($($name:ident => $format:ty),+ $(,)?) => {$(
+    ($($name:ident, $tile:ident => $format:ty),+ $(,)?) => {$(
         /// `R` rows against `N` tokens: one of them must be 1, the other at most 4.
         ///
         /// # Safety
@@ -232,14 +526,28 @@ macro_rules! avx512_entries {
             // SAFETY: the features are present per this function's contract.
             unsafe { dot::<$format, R, N>(rows, acts) }
         }
+
+        /// Four rows against `N` ≤ 4 tokens, a batch's tile.
+        ///
+        /// # Safety
+        /// The CPU must support the AVX-512 path's features.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        pub(crate) unsafe fn $tile<const N: usize>(
+            rows: [&[u8]; 4],
+            acts: [Q8Row<'_>; N],
+        ) -> [[f32; N]; 4] {
+            // SAFETY: the features are present per this function's contract.
+            unsafe { dot_tile::<$format, 4, N>(rows, acts) }
+        }
     )+};
 }
 
 avx512_entries!(
-    dot_q4_0 => Q4_0Format,
-    dot_q5_0 => Q5_0Format,
-    dot_q8_0 => Q8_0Format,
-    dot_iq4_nl => IQ4NLFormat,
+    dot_q4_0, tile_q4_0 => Q4_0Format,
+    dot_q5_0, tile_q5_0 => Q5_0Format,
+    dot_q8_0, tile_q8_0 => Q8_0Format,
+    dot_iq4_nl, tile_iq4_nl => IQ4NLFormat,
 );
 
 /// The eight i32 lanes of a block against 32 activations as [`dot_tokens`] computes

@@ -51,6 +51,20 @@ impl RowKernels for Avx512 {
         // on this CPU, their only requirement (they bound every access by their slices).
         unsafe { K::dot_avx512::<R, N>(rows, acts) }
     }
+
+    fn tiles<K: Kernel>(self) -> bool {
+        K::AVX512_TILES
+    }
+
+    #[inline(always)]
+    fn tile<K: Kernel, const N: usize>(
+        self,
+        rows: [&[u8]; 4],
+        acts: [<K::Acts as ActSet>::Row<'_>; N],
+    ) -> [[f32; N]; 4] {
+        // SAFETY: as `dot`'s.
+        unsafe { K::tile_avx512::<N>(rows, acts) }
+    }
 }
 
 /// The i32 lanes of `v` summed: the lanes of each 128-bit part, then the parts, as the
