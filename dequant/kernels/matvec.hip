@@ -109,13 +109,19 @@ __device__ __forceinline__ float sum32(float v) {
     return v;
 }
 
-// Sums acc[0..NT) over the threads of one row (tpr threads, a multiple of 32, starting
-// at a multiple of tpr) and writes row results through `write(token, value)` from the
-// row's first thread.
+// Whether reduce_row uses shared memory for rows of tpr threads: a workgroup that
+// reduces again must then pass a barrier first.
+__host__ __device__ constexpr bool reduce_needs_barrier(int tpr) { return tpr > 32; }
+
+// Sums acc[0..NT) over the threads of one row (tpr threads, 16 or a multiple of 32,
+// starting at a multiple of tpr) and writes row results through `write(token, value)`
+// from the row's first thread.
 template <int NT, typename Write>
 __device__ __forceinline__ void reduce_row(float (&acc)[NT], int tpr, Write write) {
-    if (tpr < 32) {
-        // A row of 16 threads (a narrow matrix's, with_group_rows): within its lanes.
+    if (tpr <= 32) {
+        // A row of at most 32 threads (16: a narrow matrix's, with_group_rows): within its
+        // lanes, by sum32's additions when it takes a whole group of 32. No shared memory,
+        // so the callers need no barrier after it (reduce_needs_barrier).
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             for (int mask = tpr / 2; mask > 0; mask >>= 1) acc[j] += rf_shfl_xor(acc[j], mask);
@@ -288,7 +294,8 @@ __global__ void __launch_bounds__(kMatvecThreads)
             float* y = r[rr].y + (size_t)j * r[rr].rows + r[rr].local;
             *y = accumulate ? *y + s : s;
         });
-        __syncthreads();  // the reduction's shared memory is used again for the next row
+        // The reduction's shared memory is used again for the next row.
+        if constexpr (reduce_needs_barrier(tpr)) __syncthreads();
     }
 }
 

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
             float* y = (mat[rr] ? mats.y[1] : mats.y[0]) + (size_t)slot[j] * mats.rows + local[rr];
             *y = s;
         });
-        __syncthreads();
+        if constexpr (reduce_needs_barrier(tpr)) __syncthreads();
     }
 }
 
@@ -136,7 +136,8 @@ __global__ void __launch_bounds__(kMatvecThreads)
 #pragma unroll
         for (int rr = 0; rr < RPT; ++rr) {
             reduce_row<1>(acc[rr], tpr, [&](int, float dot) { total[rr] += dot * weight; });
-            __syncthreads();  // the reduction's shared memory is used again next
+            // The reduction's shared memory is used again next.
+            if constexpr (reduce_needs_barrier(tpr)) __syncthreads();
         }
     }
 #pragma unroll
