@@ -345,26 +345,26 @@ fn tiled(
             visible.clone(),
             &mut s.scores[visible.start - tile..],
         );
-        tile_update(
-            rows,
+        tile_softmax(
             shape,
             tile,
-            visible,
+            visible.clone(),
             &mut s.scores,
             &mut state,
             &mut s.acc,
         );
+        tile_values(rows, hdv, tile, visible, &s.scores, &mut s.acc);
         tile += KV_TILE;
     }
     tiled_output(state, sink, &mut s.acc, o);
 }
 
-/// One tile of the tiled kernel after its scores: `scores` holds the tile's
-/// [`KV_TILE`] raw dot products (−∞ outside `visible`); the query's running maximum
-/// and sum (`state`) and accumulator `acc` take the tile in.
+/// One tile of the tiled kernel after its scores, but for its values: `scores` holds
+/// the tile's [`KV_TILE`] raw dot products (−∞ outside `visible`) and becomes the
+/// positions' weights; the query's running maximum and sum (`state`) take the tile in,
+/// and its accumulator `acc` is rescaled for it. [`tile_values`] then adds the values.
 #[inline(always)]
-fn tile_update(
-    rows: Rows<'_>,
+fn tile_softmax(
     shape: &AttentionShape,
     tile: usize,
     visible: std::ops::Range<usize>,
@@ -372,7 +372,6 @@ fn tile_update(
     state: &mut (f32, f32),
     acc: &mut [f32],
 ) {
-    let hdv = shape.head_dim_v;
     let (m, sum) = state;
     let scale = match shape.softcap {
         None => shape.scale,
@@ -404,13 +403,79 @@ fn tile_update(
         total += f64::from(reduce8(lanes));
     }
     *sum = (f64::from(*sum) + total) as f32;
-    for j in visible {
-        let p = scores[j - tile];
-        let v = rows.value(j, hdv);
-        for (a, &vv) in acc.iter_mut().zip(v) {
-            *a = vv.mul_add(p, *a);
+}
+
+/// The value rows of the `visible` positions of the tile at `tile`, weighted, added to
+/// each query's accumulator: `probs` holds `accs.len() / hdv` queries' weights
+/// ([`KV_TILE`] apiece, [`tile_softmax`]'s), `accs` their accumulators side by side. Each
+/// value is one chain of fused multiply-adds over the positions in order. The queries
+/// of a group ([`tile_values_grouped`]) share each value row's loads, their
+/// accumulators held in registers a few dimensions at a time.
+#[inline(always)]
+fn tile_values(
+    rows: Rows<'_>,
+    hdv: usize,
+    tile: usize,
+    visible: std::ops::Range<usize>,
+    probs: &[f32],
+    accs: &mut [f32],
+) {
+    let done = match accs.len() / hdv {
+        1 => tile_values_grouped::<1>(rows, hdv, tile, visible.clone(), probs, accs),
+        2 => tile_values_grouped::<2>(rows, hdv, tile, visible.clone(), probs, accs),
+        4 => tile_values_grouped::<4>(rows, hdv, tile, visible.clone(), probs, accs),
+        8 => tile_values_grouped::<8>(rows, hdv, tile, visible.clone(), probs, accs),
+        _ => 0,
+    };
+    // The dimensions past the groups' (all of them for other group sizes), query by query.
+    for (p, acc) in probs.chunks_exact(KV_TILE).zip(accs.chunks_exact_mut(hdv)) {
+        for j in visible.clone() {
+            let p = p[j - tile];
+            let v = &rows.value(j, hdv)[done..];
+            for (a, &vv) in acc[done..].iter_mut().zip(v) {
+                *a = vv.mul_add(p, *a);
+            }
         }
     }
+}
+
+/// Dimensions [`tile_values_grouped`] takes at once.
+const VALUE_CHUNK: usize = 16;
+
+/// [`tile_values`] for `G` queries, [`VALUE_CHUNK`] dimensions at a time: returns the
+/// dimensions done (the whole chunks).
+#[inline(always)]
+fn tile_values_grouped<const G: usize>(
+    rows: Rows<'_>,
+    hdv: usize,
+    tile: usize,
+    visible: std::ops::Range<usize>,
+    probs: &[f32],
+    accs: &mut [f32],
+) -> usize {
+    let chunks = hdv / VALUE_CHUNK;
+    for c in 0..chunks {
+        let dims = c * VALUE_CHUNK..(c + 1) * VALUE_CHUNK;
+        let mut a = [[0.0f32; VALUE_CHUNK]; G];
+        for (g, a) in a.iter_mut().enumerate() {
+            a.copy_from_slice(&accs[g * hdv..][dims.clone()]);
+        }
+        for j in visible.clone() {
+            let v: &[f32; VALUE_CHUNK] = rows.value(j, hdv)[dims.clone()]
+                .try_into()
+                .expect("a chunk of dimensions");
+            for (g, a) in a.iter_mut().enumerate() {
+                let p = probs[g * KV_TILE + j - tile];
+                for (a, &vv) in a.iter_mut().zip(v) {
+                    *a = vv.mul_add(p, *a);
+                }
+            }
+        }
+        for (g, a) in a.iter().enumerate() {
+            accs[g * hdv..][dims.clone()].copy_from_slice(a);
+        }
+    }
+    chunks * VALUE_CHUNK
 }
 
 /// The tiled kernel's output from a query's final maximum and sum (`state`) and its

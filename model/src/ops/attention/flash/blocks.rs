@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use super::{tile_update, tiled_output, AttentionShape, Layout, Rows, KV_TILE};
+use super::{tile_softmax, tile_values, tiled_output, AttentionShape, Layout, Rows, KV_TILE};
 
 /// Tokens a task of [`tiled_blocks`] takes, each with all its query heads.
 const Q_BLOCK: usize = 16;
@@ -28,6 +28,8 @@ struct BlockScratch {
     state: Vec<(f32, f32)>,
     /// Each query's accumulator, `head_dim_v` values apiece.
     acc: Vec<f32>,
+    /// One token's group of queries' weights of a tile's positions, [`KV_TILE`] apiece.
+    probs: Vec<f32>,
 }
 
 /// The tiled kernel (see [`tiled`](super::tiled)) for every (token, head) pair of a
@@ -35,10 +37,11 @@ struct BlockScratch {
 /// n_heads × head_dim_v`), in tasks of [`Q_BLOCK`] tokens. A task turns each tile of a
 /// key head's keys dimension-major once ([`BlockScratch::kt`]) and scores every query
 /// of the block that sees the tile from it, a vector of positions at a time, where the
-/// one-query kernel reads each key whole for every query. Each score is still one chain
-/// of fused multiply-adds over the head's dimensions in order, from zero, and the rest
-/// is [`tile_update`] and [`tiled_output`]: the results are [`tiled`](super::tiled)'s,
-/// bit for bit. `fma`: the CPU has FMA instructions.
+/// one-query kernel reads each key whole for every query; a token's group of query
+/// heads takes each value row together. Each score is still one chain of fused
+/// multiply-adds over the head's dimensions in order, from zero, and the rest is
+/// [`tile_softmax`], [`tile_values`] and [`tiled_output`]: the results are
+/// [`tiled`](super::tiled)'s, bit for bit. `fma`: the CPU has FMA instructions.
 pub(in super::super) fn tiled_blocks(
     batch: &Batch<'_>,
     n_tokens: usize,
@@ -86,6 +89,7 @@ fn block(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut 
     // Positions of a tile past the block's last keep the keys of an earlier tile: no
     // query sees them.
     s.kt.resize(hd * KV_TILE, 0.0);
+    s.probs.resize(group * KV_TILE, 0.0);
     for kvh in 0..n_kv {
         let rows = Rows::of_kv_head(batch.keys, batch.values, batch.layout, shape, kvh);
         s.state.clear();
@@ -114,8 +118,7 @@ fn block(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut 
                     let mut scores = [f32::NEG_INFINITY; KV_TILE];
                     scores[seen.clone()].copy_from_slice(&dots[seen.clone()]);
                     let query = i * group + g;
-                    tile_update(
-                        rows,
+                    tile_softmax(
                         shape,
                         tile,
                         visible.clone(),
@@ -123,7 +126,17 @@ fn block(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut 
                         &mut s.state[query],
                         &mut s.acc[query * hdv..][..hdv],
                     );
+                    s.probs[g * KV_TILE..][..KV_TILE].copy_from_slice(&scores);
                 }
+                // The group's queries take the tile's values together.
+                tile_values(
+                    rows,
+                    hdv,
+                    tile,
+                    visible,
+                    &s.probs,
+                    &mut s.acc[i * group * hdv..][..group * hdv],
+                );
             }
             tile += KV_TILE;
         }
@@ -182,8 +195,8 @@ mod tests {
     }
 
     /// The blocks of [`tiled_blocks`] against [`tiled`](super::super::tiled) query by
-    /// query, bit for bit: grouped heads, a window, a soft cap, sinks, a batch that
-    /// starts past position 0 and ends inside a block.
+    /// query, bit for bit: groups of 1, 2, 3, 4 and 8 heads, a window, a soft cap, sinks,
+    /// a batch that starts past position 0 and ends inside a block.
     #[test]
     fn query_blocks_give_the_one_query_kernels_bits() {
         let cases = [
@@ -193,6 +206,8 @@ mod tests {
             (9, 3, 64, 64, 37, 130, None, None, false),
             (8, 4, 32, 48, 5, 64, Some(40), Some(30.0), true),
             (2, 2, 16, 16, 200, 77, Some(100), None, true),
+            // Eight heads a key head, and value rows past the last whole chunk.
+            (8, 1, 32, 40, 3, 40, None, None, false),
         ];
         for (n, &(nh, nkv, hd, hdv, first_pos, n_tokens, window, softcap, sinks)) in
             cases.iter().enumerate()
