@@ -7,7 +7,7 @@
 //!
 //! Each kernel computes one weight row against `N` tokens at once (`N` ≤ 4), so a
 //! block's weights are unpacked once and meet every token of the batch while they sit
-//! in registers.
+//! in registers (the AVX-512 set also has tiles of four rows for some formats).
 
 /// The kernel entry points `$name`, each `R` rows against `N` tokens of activation rows
 /// `$row`, by the module's `dot` for the format `$format`; `$doc` says what they take.
@@ -115,9 +115,11 @@ impl RowKernels for Avx2 {
 
 /// The loops of [`RowKernels::rows`], for either set: `P` is the kernels' set. One
 /// token: four rows per kernel call, which shares each activation load between them and
-/// keeps four independent accumulations in flight. A batch: blocks of rows small enough to stay in L2, and for each, tiles of
-/// tokens small enough to stay in L1 passing over every row, four tokens per kernel
-/// call, so each weight block is unpacked once for four tokens.
+/// keeps four independent accumulations in flight. A batch: blocks of rows small enough
+/// to stay in L2, and for each, tiles of tokens small enough to stay in L1 passing over
+/// every row, four tokens per kernel call, so each weight block is unpacked once for
+/// four tokens; four rows at a time too where the set has tiles for the format
+/// ([`RowKernels::tiles`]), so each token's block is loaded once for four rows.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C (which every `P` proves).
