@@ -50,12 +50,8 @@ pub(crate) trait Kernel {
         rows: [&[u8]; 4],
         acts: [<Self::Acts as ActSet>::Row<'_>; N],
     ) -> [[f32; N]; 4] {
-        let mut out = [[0.0f32; N]; 4];
-        for (o, row) in out.iter_mut().zip(rows) {
-            // SAFETY: the caller upholds this function's contract, which is the callee's.
-            *o = unsafe { Self::dot_avx512::<1, N>([row], acts) }[0];
-        }
-        out
+        // SAFETY: the caller upholds this function's contract, which is the callee's.
+        rows.map(|row| unsafe { Self::dot_avx512::<1, N>([row], acts) }[0])
     }
 }
 

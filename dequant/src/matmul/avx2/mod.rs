@@ -78,11 +78,7 @@ pub(crate) trait RowKernels: Copy {
         rows: [&[u8]; 4],
         acts: [<K::Acts as ActSet>::Row<'_>; N],
     ) -> [[f32; N]; 4] {
-        let mut out = [[0.0f32; N]; 4];
-        for (o, row) in out.iter_mut().zip(rows) {
-            *o = self.dot::<K, 1, N>([row], acts)[0];
-        }
-        out
+        rows.map(|row| self.dot::<K, 1, N>([row], acts)[0])
     }
 
     /// Every row of `w` (rows of `row_bytes`, whole blocks) against `tokens` of `acts`.
