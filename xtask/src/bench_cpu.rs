@@ -73,15 +73,8 @@ fn parse_options(args: &[String]) -> Result<Options> {
     Ok(o)
 }
 
-/// The variable that keeps the products on the AVX2 kernels when it is `0`, as it does
-/// for `rocmforge` (whose processes here inherit it).
-const CPU_AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
-
 pub fn run(args: &[String]) -> Result<()> {
     let o = parse_options(args)?;
-    // Before any product: the choice of kernels is made once per process.
-    let avx512_off = std::env::var(CPU_AVX512_ENV).is_ok_and(|v| v.trim() == "0");
-    dequant::matmul::set_avx512_allowed(!avx512_off);
     rayon::ThreadPoolBuilder::new()
         .num_threads(o.threads)
         .build_global()
