@@ -146,6 +146,7 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/decode_iquants.h",
     "kernels/matvec.hip",
     "kernels/matvec_tasks.h",
+    "kernels/matvec_rows.h",
     "kernels/matvec_experts.hip",
     "kernels/matmul.hip",
     "kernels/matmul_decode.h",
