@@ -95,8 +95,11 @@ fn bounds(stray: (f32, f32)) -> (f32, f32) {
 }
 
 /// The rows of the model of `name` with its weights decoded to F32, for the models
-/// random in every field (whose own arithmetic strays furthest); `None` for the
-/// others, held to the plain bounds.
+/// random in every field (whose own arithmetic strays furthest) and the mixtures of
+/// experts that route (whose CPU rows stray from the exact ones up to 0.47 of the
+/// spread on the gpt-oss model's 7-token prompt, its activations' Q8 rounding moving
+/// the gated products, where the GPU's tiles of one slot round their own); `None` for
+/// the others, held to the plain bounds.
 struct Exact {
     _dir: tempfile::TempDir,
     _store: TensorStore,
@@ -106,7 +109,8 @@ struct Exact {
 impl Exact {
     fn of(name: &str) -> Option<Exact> {
         let spec = spec(name).expect("a spec");
-        if spec.blocks != Blocks::Random {
+        let (experts, used, _) = spec.experts;
+        if spec.blocks != Blocks::Random && used == experts {
             return None;
         }
         let bytes = build_decoded(spec).expect("the generator writes a valid file");
