@@ -140,9 +140,12 @@ pub struct PlacementArgs {
     pub devices: Vec<usize>,
     /// How a model is spread over several GPUs: `none` (one GPU), `layer` (each GPU a
     /// contiguous run of layers and their KV cache; the residual stream crosses between
-    /// them), or `tensor` (each GPU a share of every layer's heads and feed-forward rows,
+    /// them), `tensor` (each GPU a share of every layer's heads and feed-forward rows,
     /// added up by NCCL or RCCL after each block; one sequence at a time, so not for
-    /// `serve`). Default: `layer` when `--devices` names several GPUs, else `none`.
+    /// `serve`), or `replicate` (`serve` only: each GPU a whole copy of the model and
+    /// its own KV pool, the requests spread over them). Default: `layer` when `--devices`
+    /// names several GPUs (for `serve`: `replicate` when the model fits each of them),
+    /// else `none`.
     #[arg(long, value_enum)]
     pub split_mode: Option<SplitMode>,
     /// With `--split-mode layer`, each GPU's share of the weights, comma-separated in
@@ -163,6 +166,7 @@ pub enum SplitMode {
     None,
     Layer,
     Tensor,
+    Replicate,
 }
 
 /// Where a model goes: one GPU, or several split by layers or by tensors.
@@ -200,6 +204,11 @@ impl PlacementArgs {
         });
         let ratios = (!self.tensor_split.is_empty()).then(|| self.tensor_split.clone());
         match mode {
+            SplitMode::Replicate => bail!(
+                "--split-mode replicate is for `serve`, which spreads requests over the \
+                 copies: one stream runs on one copy (use --split-mode layer or tensor to \
+                 spread one model over several GPUs)"
+            ),
             SplitMode::Tensor if devices.len() < 2 => {
                 bail!("--split-mode tensor needs several GPUs: name them with --devices (e.g. 0,1)")
             }

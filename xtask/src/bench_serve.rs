@@ -21,7 +21,10 @@
 //! beside ours with the ratio (ours / llama.cpp, above 1 when we are faster).
 //!
 //! `--device gpu` serves on the GPU (and runs llama.cpp with every layer there, with
-//! flash attention); the default is the CPU. `--python PATH` runs the client with an
+//! flash attention); the default is the CPU. `--devices LIST` and `--split-mode MODE`
+//! go to the server as they are: `--devices 0,1` serves on two GPUs (a copy of the
+//! model on each when it fits each); llama.cpp's reference keeps its own defaults (on
+//! a machine with several GPUs, its layers split over all of them). `--python PATH` runs the client with an
 //! interpreter that already has `openai` (on a machine without the package registry)
 //! instead of the pinned virtual environment made under `target/`.
 //!
@@ -62,6 +65,9 @@ struct Options {
     llama_batched_bench: Option<PathBuf>,
     python: Option<PathBuf>,
     gpu: bool,
+    /// `--devices` and `--split-mode`, passed to the server as they are.
+    devices: Option<String>,
+    split_mode: Option<String>,
     json: bool,
     /// `json_schema` or `grammar`: each level also run with that constraint.
     constrained: Option<String>,
@@ -80,6 +86,8 @@ fn parse_options(args: &[String]) -> Result<Options> {
         llama_batched_bench: None,
         python: None,
         gpu: false,
+        devices: None,
+        split_mode: None,
         json: false,
         constrained: None,
     };
@@ -115,6 +123,8 @@ fn parse_options(args: &[String]) -> Result<Options> {
                     other => bail!("--device: cpu or gpu, not {other:?}"),
                 }
             }
+            "--devices" => o.devices = Some(value()?.clone()),
+            "--split-mode" => o.split_mode = Some(value()?.clone()),
             "--json" => o.json = true,
             "--constrained" => {
                 let kind = value()?;
@@ -127,6 +137,10 @@ fn parse_options(args: &[String]) -> Result<Options> {
             other => bail!("bench-serve: unknown option {other:?}"),
         }
     }
+    ensure!(
+        o.gpu || (o.devices.is_none() && o.split_mode.is_none()),
+        "--devices and --split-mode need --device gpu"
+    );
     // Bounded: a benchmark never runs away with the machine.
     ensure!(
         !o.clients.is_empty() && o.clients.iter().all(|&c| (1..=256).contains(&c)),
@@ -288,6 +302,12 @@ fn start_server(
         .args(["--kv-pool", &(context * max_clients).to_string()])
         .stderr(Stdio::piped());
     command.args(["--threads", &threads.to_string()]);
+    if let Some(devices) = &o.devices {
+        command.args(["--devices", devices]);
+    }
+    if let Some(mode) = &o.split_mode {
+        command.args(["--split-mode", mode]);
+    }
     let mut server = Server(command.spawn().context("starting rocmforge serve")?);
     let stderr = server.0.stderr.take().context("the server's stderr")?;
     let mut lines = BufReader::new(stderr).lines();

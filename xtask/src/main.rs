@@ -59,7 +59,8 @@ tasks:
                       type, next to llama-bench -d D -ctk T -ctv T -fa 1
   bench-serve [--clients 1,8,32] [--requests N] [--prompt-tokens 128] [--gen-tokens 128]
               [--threads N] [--gguf FILE] [--rocmforge PATH] [--llama-batched-bench PATH] [--json]
-              [--device cpu|gpu] [--python PATH] [--constrained json_schema|grammar]
+              [--device cpu|gpu] [--devices LIST] [--split-mode MODE] [--python PATH]
+              [--constrained json_schema|grammar]
                       rocmforge serve on loopback under a bounded concurrency sweep:
                       time to first token, time per output token, aggregate tokens/s;
                       --constrained: also held to a format, with the mask's cost per token

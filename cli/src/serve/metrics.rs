@@ -13,7 +13,8 @@ pub fn render(state: &AppState) -> String {
     let Some(loaded) = state.loaded.get() else {
         return out;
     };
-    let m = loaded.scheduler.metrics();
+    // Every copy's counters added up, when the model is served by several.
+    let m = &*loaded.scheduler.metrics();
     scheduler_counters(&mut out, m);
     scheduler_gauges(&mut out, state, m);
     timings(&mut out, m);

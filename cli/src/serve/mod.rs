@@ -23,7 +23,7 @@ use anyhow::{bail, Context, Result};
 use model::chat::ChatTemplate;
 use model::constraint::Grammars;
 use model::gpu::{GpuOptions, GpuTuning};
-use model::serve::{Scheduler, SchedulerConfig};
+use model::serve::{Replicas, Scheduler, SchedulerConfig};
 use model::tokenizer::Tokenizer;
 use model::Model;
 use tensor_store::device::{CacheStats, UploadMode};
@@ -55,9 +55,10 @@ pub struct ServeArgs {
     /// CPU), cpu or gpu.
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "gpu"])]
     device: String,
-    /// The GPUs to serve on (`--devices`, default GPU 0), and how several split the
-    /// model. A server's steps run the GPUs of a split one after the other: for a model
-    /// one GPU holds, replicas behind a router serve more (see "More than one machine").
+    /// The GPUs to serve on (`--devices`, default GPU 0), and how several share the
+    /// model: a copy on each (`replicate`, the default when the model fits each GPU),
+    /// the requests spread over the copies; or split by layers (`layer`, the default
+    /// when it does not), whose steps run the GPUs one after the other.
     #[command(flatten)]
     placement: crate::options::PlacementArgs,
     /// Most positions of one request (prompt and generated tokens); 0 means the model's
@@ -139,7 +140,8 @@ pub struct ServeArgs {
 
 /// What the handlers need once the model is ready.
 pub struct Loaded {
-    pub scheduler: Scheduler,
+    /// One scheduler, or one a GPU the model is copied to.
+    pub scheduler: Replicas,
     pub tokenizer: Arc<Tokenizer>,
     pub template: Option<ChatTemplate>,
     /// How the template's model writes tool calls; why tools cannot be offered when
@@ -228,10 +230,10 @@ impl AppState {
 
 pub fn run(args: &ServeArgs) -> Result<()> {
     // Said before listening, as every other refusal.
-    if let crate::options::Placement::Tensors(_) = args.placement.placement()? {
+    if let Gpus::Placement(crate::options::Placement::Tensors(_)) = Gpus::of(&args.placement)? {
         anyhow::bail!(
             "--split-mode tensor runs one sequence at a time; the server batches many: use \
-             --split-mode layer over several GPUs, or one GPU"
+             --split-mode replicate or layer over several GPUs, or one GPU"
         );
     }
     let gpu = args.placement.first_device();
@@ -329,7 +331,7 @@ async fn serve(
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
         device: args.device.clone(),
-        placement: args.placement.placement()?,
+        gpus: Gpus::of(&args.placement)?,
         gpu_tuning,
         delay: Duration::from_millis(args.debug_load_delay_ms),
         template_source,
@@ -425,29 +427,155 @@ struct LoadConfig {
     step_tokens: usize,
     /// `auto`, `cpu` or `gpu`.
     device: String,
-    /// The GPU, or the GPUs a split takes.
-    placement: crate::options::Placement,
+    /// The GPU, the GPUs a split takes, or the GPUs with a copy each.
+    gpus: Gpus,
     gpu_tuning: GpuTuning,
     delay: Duration,
     /// `--chat-template-file`'s template, in place of the file's.
     template_source: Option<String>,
 }
 
-/// Whether `model` can run where `placement` puts it: the reason when not.
-fn gpu_usable(
-    model: &Model,
-    placement: &crate::options::Placement,
-) -> std::result::Result<(), String> {
+/// Where the server computes on GPUs: one model placed as the flags say (one GPU, or
+/// split over several), a copy on each of several GPUs, or several GPUs and no split
+/// mode named (a copy on each when the model fits each, else split by layers).
+#[derive(Clone, Debug, PartialEq)]
+enum Gpus {
+    Placement(crate::options::Placement),
+    Replicas(Vec<usize>),
+    Choose(Vec<usize>),
+}
+
+impl Gpus {
+    fn of(flags: &crate::options::PlacementArgs) -> Result<Gpus> {
+        use crate::options::SplitMode;
+        let several = flags.devices.len() > 1;
+        match flags.split_mode {
+            Some(SplitMode::Replicate) => {
+                if !flags.tensor_split.is_empty() {
+                    bail!("--tensor-split applies to --split-mode layer: each copy is whole");
+                }
+                let mut devices = flags.devices.clone();
+                if devices.is_empty() {
+                    devices.push(0);
+                }
+                Ok(Gpus::Replicas(distinct(devices)?))
+            }
+            None if several && flags.tensor_split.is_empty() => {
+                // Checks the devices as a split by layers would (refused lists say so now).
+                flags.placement()?;
+                Ok(Gpus::Choose(distinct(flags.devices.clone())?))
+            }
+            _ => Ok(Gpus::Placement(flags.placement()?)),
+        }
+    }
+
+    fn first_device(&self) -> usize {
+        match self {
+            Gpus::Placement(p) => p.first_device(),
+            Gpus::Replicas(d) | Gpus::Choose(d) => d[0],
+        }
+    }
+
+    /// [`Gpus::Choose`] decided for `model`: a copy on each GPU when its weights fit each
+    /// one's free memory (with the runtime's reserve), else split by layers.
+    fn resolve(self, model: &Model) -> Result<Gpus> {
+        let Gpus::Choose(devices) = self else {
+            return Ok(self);
+        };
+        let weights: u64 = model.plan().handles().iter().map(|h| h.size()).sum();
+        let mut fits = true;
+        for &d in &devices {
+            let device = hip_backend::Device::open(d).with_context(|| format!("GPU {d}"))?;
+            let free = device.memory_info().map_or(u64::MAX, |m| m.free as u64);
+            fits &= weights.saturating_add(model::gpu::RUNTIME_RESERVE) <= free;
+        }
+        if fits {
+            tracing::info!(
+                ?devices,
+                weights_mib = weights >> 20,
+                "a copy of the model on each GPU"
+            );
+            Ok(Gpus::Replicas(devices))
+        } else {
+            tracing::info!(
+                ?devices,
+                weights_mib = weights >> 20,
+                "the model does not fit each GPU: split by layers"
+            );
+            Ok(Gpus::Placement(crate::options::Placement::Layers(
+                model::gpu::SplitOptions {
+                    devices,
+                    ratios: None,
+                    chunk: None,
+                },
+            )))
+        }
+    }
+}
+
+/// `devices`, refused when it names a GPU twice (a copy or a share of the layers a GPU).
+fn distinct(devices: Vec<usize>) -> Result<Vec<usize>> {
+    let mut seen = devices.clone();
+    seen.sort_unstable();
+    seen.dedup();
+    if seen.len() != devices.len() {
+        bail!("--devices {devices:?} names a GPU twice: a GPU takes one copy or one share");
+    }
+    Ok(devices)
+}
+
+/// Whether `model` can run where `gpus` puts it: the reason when not.
+fn gpu_usable(model: &Model, gpus: &Gpus) -> std::result::Result<(), String> {
     use crate::options::Placement;
     model.check_gpu_support().map_err(|e| e.to_string())?;
-    let device = hip_backend::Device::open(placement.first_device()).map_err(|e| e.to_string())?;
-    match placement {
-        Placement::One(_) => {
-            model::gpu::check_experts_fit(model, &device, None).map_err(|e| e.to_string())
+    let fits = |d: usize| {
+        let device = hip_backend::Device::open(d).map_err(|e| format!("GPU {d}: {e}"))?;
+        model::gpu::check_experts_fit(model, &device, None).map_err(|e| format!("GPU {d}: {e}"))
+    };
+    match gpus {
+        Gpus::Placement(Placement::One(d)) => fits(*d),
+        Gpus::Replicas(devices) | Gpus::Choose(devices) => {
+            devices.iter().try_for_each(|&d| fits(d))
         }
         // Each device of a split checks its own share as it is built.
-        Placement::Layers(_) | Placement::Tensors(_) => Ok(()),
+        Gpus::Placement(Placement::Layers(_) | Placement::Tensors(_)) => {
+            hip_backend::Device::open(gpus.first_device())
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
     }
+}
+
+/// A scheduler on each of `devices`, each with its own copy of `model`, all started at
+/// once (each uploads its copy from the one mapped file); the first failure, naming
+/// its GPU, if any fails.
+fn start_replicas(
+    model: &Model,
+    tokens: &Arc<Tokenizer>,
+    config: SchedulerConfig,
+    devices: &[usize],
+    options: impl Fn(usize) -> GpuOptions + Sync,
+) -> Result<Vec<Scheduler>> {
+    tracing::info!(?devices, "a copy of the model on each GPU");
+    std::thread::scope(|scope| {
+        let started: Vec<_> = devices
+            .iter()
+            .map(|&device| {
+                let (model, tokens, options) = (model.clone(), Arc::clone(tokens), &options);
+                scope.spawn(move || {
+                    Scheduler::start_on_gpu(model, tokens, config, options(device))
+                        .with_context(|| format!("the copy on GPU {device}"))
+                })
+            })
+            .collect();
+        started
+            .into_iter()
+            .map(|s| {
+                s.join()
+                    .unwrap_or_else(|_| bail!("a replica's start panicked"))
+            })
+            .collect()
+    })
 }
 
 /// Opens the model, reads every weight page once (so the first requests do not wait on
@@ -478,7 +606,7 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     state.set_progress(0.05);
     let on_gpu = match config.device.as_str() {
         "cpu" => false,
-        device => match gpu_usable(&model, &config.placement) {
+        device => match gpu_usable(&model, &config.gpus) {
             Ok(()) => true,
             Err(why) if device == "auto" => {
                 tracing::info!(%why, "serving on the CPU");
@@ -552,8 +680,8 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
     });
     let tokens = Arc::clone(&tokenizer);
     let (scheduler, device_cache) = if on_gpu {
-        let options = GpuOptions {
-            device: config.placement.first_device(),
+        let options = |device| GpuOptions {
+            device,
             mode: UploadMode::Background,
             budget: None,
             context_size,
@@ -561,25 +689,49 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
             stop: None,
             tuning: config.gpu_tuning,
         };
-        let scheduler = match &config.placement {
-            crate::options::Placement::One(_) => {
-                Scheduler::start_on_gpu(model, tokens, scheduler_config, options)?
+        let schedulers = match config.gpus.clone().resolve(&model)? {
+            Gpus::Placement(crate::options::Placement::One(device)) => {
+                vec![Scheduler::start_on_gpu(
+                    model,
+                    tokens,
+                    scheduler_config,
+                    options(device),
+                )?]
             }
-            crate::options::Placement::Layers(split) => {
+            Gpus::Placement(crate::options::Placement::Layers(split)) => {
                 tracing::info!(devices = ?split.devices, "the model split by layers");
-                Scheduler::start_on_gpus(model, tokens, scheduler_config, options, split.clone())?
+                let first = options(split.devices[0]);
+                vec![Scheduler::start_on_gpus(
+                    model,
+                    tokens,
+                    scheduler_config,
+                    first,
+                    split,
+                )?]
             }
-            crate::options::Placement::Tensors(_) => {
-                unreachable!("`run` refuses a split by tensors before loading")
+            Gpus::Replicas(devices) => {
+                start_replicas(&model, &tokens, scheduler_config, &devices, options)?
+            }
+            Gpus::Placement(crate::options::Placement::Tensors(_)) | Gpus::Choose(_) => {
+                unreachable!("`run` refuses a split by tensors before loading; `resolve` chose")
             }
         };
-        tracing::info!(device = "gpu", "serving");
-        let metrics = Arc::clone(scheduler.metrics());
-        let stats: DeviceCacheStats = Box::new(move || metrics.device_cache().unwrap_or_default());
-        (scheduler, Some(stats))
+        tracing::info!(device = "gpu", replicas = schedulers.len(), "serving");
+        let metrics: Vec<_> = schedulers.iter().map(|s| Arc::clone(s.metrics())).collect();
+        let stats: DeviceCacheStats = Box::new(move || {
+            metrics
+                .iter()
+                .filter_map(|m| m.device_cache())
+                .reduce(|a, b| a + b)
+                .unwrap_or_default()
+        });
+        (Replicas::new(schedulers), Some(stats))
     } else {
         tracing::info!(device = "cpu", "serving");
-        (Scheduler::start(model, tokens, scheduler_config)?, None)
+        (
+            Replicas::new(vec![Scheduler::start(model, tokens, scheduler_config)?]),
+            None,
+        )
     };
     Ok(Loaded {
         scheduler,

@@ -88,3 +88,39 @@ fn serve_refuses_a_split_by_tensors_before_reading_the_model() {
     ]);
     assert_fails_with(&output, "--split-mode tensor runs one sequence at a time");
 }
+
+#[test]
+fn copies_of_the_model_are_for_serve_and_one_a_gpu() {
+    for command in [
+        &["generate", "-m", "no-such-model.gguf", "-p", "hello"][..],
+        &["chat", "-m", "no-such-model.gguf"],
+        &["load", "-m", "no-such-model.gguf"],
+    ] {
+        let all: Vec<&str> = command
+            .iter()
+            .chain(&["--devices", "0,1", "--split-mode", "replicate"])
+            .copied()
+            .collect();
+        assert_fails_with(&run(&all), "--split-mode replicate is for `serve`");
+    }
+    let serve = [
+        "serve",
+        "--gguf",
+        "no-such-model.gguf",
+        "--split-mode",
+        "replicate",
+    ];
+    for (args, expected) in [
+        (&["--devices", "0,0"][..], "names a GPU twice"),
+        (
+            &["--devices", "0,1", "--tensor-split", "1,1"],
+            "--tensor-split applies to --split-mode layer",
+        ),
+    ] {
+        let all: Vec<&str> = serve.iter().chain(args).copied().collect();
+        assert_fails_with(&run(&all), expected);
+    }
+    // The server's default over several GPUs checks them too.
+    let output = run(&["serve", "--gguf", "no-such-model.gguf", "--devices", "1,1"]);
+    assert_fails_with(&output, "names a GPU twice");
+}

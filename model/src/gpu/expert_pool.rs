@@ -66,6 +66,27 @@ pub struct ExpertStats {
     pub host_product_ns: u64,
 }
 
+/// The pools of several models (replicas of one) added up: every count and the experts
+/// resident; the slots of a layer's pool are each one's.
+impl std::ops::Add for ExpertStats {
+    type Output = ExpertStats;
+
+    fn add(self, other: ExpertStats) -> ExpertStats {
+        ExpertStats {
+            hits: self.hits + other.hits,
+            misses: self.misses + other.misses,
+            promotions: self.promotions + other.promotions,
+            evictions: self.evictions + other.evictions,
+            slots_per_layer: self.slots_per_layer.max(other.slots_per_layer),
+            resident: self.resident + other.resident,
+            wait_ns: self.wait_ns + other.wait_ns,
+            host_ns: self.host_ns + other.host_ns,
+            host_passes: self.host_passes + other.host_passes,
+            host_product_ns: self.host_product_ns + other.host_product_ns,
+        }
+    }
+}
+
 /// Bytes of one expert's matrices (`gate` if any, `up`, `down`) of each layer with
 /// experts, in layer order: what a slot of that layer's pool takes.
 pub(super) fn slot_bytes(plan: &ExecutionPlan) -> Vec<u64> {

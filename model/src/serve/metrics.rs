@@ -87,6 +87,21 @@ impl Histogram {
     }
 }
 
+impl Histogram {
+    /// Adds `other`'s observations (a histogram of the same bounds) to this one's.
+    fn add_from(&self, other: &Histogram) {
+        debug_assert_eq!(self.bounds, other.bounds, "histograms of other bounds");
+        for (mine, theirs) in self.buckets.iter().zip(&*other.buckets) {
+            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        let add = |mine: &AtomicU64, theirs: &AtomicU64| {
+            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
+        };
+        add(&self.sum_ns, &other.sum_ns);
+        add(&self.count, &other.count);
+    }
+}
+
 /// A [`Histogram`] with [`MASK_BUCKETS`].
 #[derive(Debug)]
 pub struct MaskHistogram(Histogram);
@@ -218,6 +233,69 @@ impl SchedulerMetrics {
         gauge.store(n, Ordering::Relaxed);
     }
 
+    /// The counters of several schedulers (replicas of one model) added up as read now:
+    /// counts, histograms, step phases, and the gauges (requests running and waiting,
+    /// blocks of the pools) too; the block size is theirs, the device caches' and the
+    /// experts' pools' counters added.
+    pub fn total(parts: &[&SchedulerMetrics]) -> SchedulerMetrics {
+        let total = SchedulerMetrics::default();
+        for part in parts {
+            for (mine, theirs) in total.summed().into_iter().zip(part.summed()) {
+                SchedulerMetrics::add(mine, SchedulerMetrics::get(theirs));
+            }
+            total.kv_block_size.fetch_max(
+                SchedulerMetrics::get(&part.kv_block_size),
+                Ordering::Relaxed,
+            );
+            total
+                .time_to_first_token
+                .add_from(&part.time_to_first_token);
+            total.inter_token.add_from(&part.inter_token);
+            total.request_duration.add_from(&part.request_duration);
+            total.step_duration.add_from(&part.step_duration);
+            total.forward_duration.add_from(&part.forward_duration);
+            total.constraint_mask.add_from(&part.constraint_mask);
+            for (mine, theirs) in total.step_phase_ns.iter().zip(&part.step_phase_ns) {
+                SchedulerMetrics::add(mine, SchedulerMetrics::get(theirs));
+            }
+            if let Some(stats) = part.device_cache() {
+                let sum = total.device_cache().map_or(stats, |t| t + stats);
+                total.set_device_cache(sum);
+            }
+            if let Some(stats) = part.expert_pools() {
+                let sum = total.expert_pools().map_or(stats, |t| t + stats);
+                total.set_expert_pools(Some(sum));
+            }
+        }
+        total
+    }
+
+    /// The counters and gauges that add up over replicas.
+    fn summed(&self) -> [&AtomicU64; 20] {
+        [
+            &self.requests_received,
+            &self.finished_stop,
+            &self.finished_length,
+            &self.cancelled,
+            &self.rejected_queue_full,
+            &self.failed,
+            &self.prompt_tokens,
+            &self.prompt_tokens_cached,
+            &self.generated_tokens,
+            &self.computed_tokens,
+            &self.steps,
+            &self.embedding_requests,
+            &self.embedding_tokens,
+            &self.preemptions,
+            &self.context_shifts,
+            &self.waiting,
+            &self.running,
+            &self.kv_blocks_total,
+            &self.kv_blocks_used,
+            &self.kv_blocks_cached,
+        ]
+    }
+
     /// Seconds the steps spent in `phase`, summed.
     pub fn step_phase_seconds(&self, phase: StepPhase) -> f64 {
         self.step_phase_ns[phase as usize].load(Ordering::Relaxed) as f64 / 1e9
@@ -284,6 +362,31 @@ mod tests {
         assert_eq!(s.buckets.last(), Some(&(0.1, 2)));
         assert_eq!(s.count, 3);
         assert!((s.sum_seconds - 0.200037).abs() < 1e-12);
+    }
+
+    #[test]
+    fn replicas_counters_add_up() {
+        let (a, b) = (SchedulerMetrics::default(), SchedulerMetrics::default());
+        SchedulerMetrics::add(&a.generated_tokens, 5);
+        SchedulerMetrics::add(&b.generated_tokens, 7);
+        SchedulerMetrics::set(&a.running, 3);
+        SchedulerMetrics::set(&b.running, 1);
+        SchedulerMetrics::set(&a.kv_block_size, 16);
+        SchedulerMetrics::set(&b.kv_block_size, 16);
+        a.time_to_first_token.observe(Duration::from_millis(3));
+        b.time_to_first_token.observe(Duration::from_millis(60));
+        b.add_step_phase(StepPhase::Sample, Duration::from_nanos(900));
+        let t = SchedulerMetrics::total(&[&a, &b]);
+        assert_eq!(SchedulerMetrics::get(&t.generated_tokens), 12);
+        assert_eq!(SchedulerMetrics::get(&t.running), 4);
+        assert_eq!(SchedulerMetrics::get(&t.kv_block_size), 16);
+        let ttft = t.time_to_first_token.snapshot();
+        assert_eq!(ttft.count, 2);
+        assert_eq!(ttft.buckets[0], (0.005, 1));
+        assert_eq!(ttft.buckets[3], (0.05, 1));
+        assert_eq!(ttft.buckets[4], (0.075, 2));
+        assert!((t.step_phase_seconds(StepPhase::Sample) - 9e-7).abs() < 1e-15);
+        assert_eq!(t.device_cache(), None);
     }
 
     #[test]

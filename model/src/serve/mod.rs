@@ -34,6 +34,7 @@
 
 mod batch;
 mod metrics;
+mod replicas;
 mod scheduler_loop;
 mod sequence;
 mod stop;
@@ -56,6 +57,7 @@ pub use metrics::{
     MASK_BUCKETS,
 };
 
+pub use replicas::Replicas;
 use scheduler_loop::Loop;
 
 /// Why a request was refused, or the scheduler could not start.

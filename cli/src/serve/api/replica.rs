@@ -25,9 +25,10 @@ pub(super) async fn model_info(
     Ok(axum::Json(model_fields(loaded(&state)?)).into_response())
 }
 
-/// The model's fields, and how the replica computes: one process, no tensor or data
-/// parallel ranks of its own (`tp_size`, `dp_size` 1), and the most requests it runs
-/// at once.
+/// The model's fields, and how the replica computes: one process, no tensor parallel
+/// ranks (`tp_size` 1), a data parallel rank for each copy of the model it serves on
+/// its GPUs (`dp_size`, 1 unless `--split-mode replicate`), and the most requests each
+/// runs at once.
 pub(super) async fn server_info(
     State(state): State<Shared>,
     headers: HeaderMap,
@@ -38,7 +39,7 @@ pub(super) async fn server_info(
     let mut info = model_fields(loaded);
     let extra = json!({
         "tp_size": 1,
-        "dp_size": 1,
+        "dp_size": loaded.scheduler.len(),
         "max_running_requests": config.max_sequences,
         "max_queued_requests": config.max_queue,
         "max_total_num_tokens": config.pool_positions,
@@ -50,24 +51,31 @@ pub(super) async fn server_info(
     Ok(axum::Json(info).into_response())
 }
 
-/// The replica's load, as one rank's entry: the requests being computed, those
-/// waiting to start, and the KV positions the running ones hold (`num_tokens`, what
-/// the router compares between replicas).
+/// The replica's load, an entry for each copy of the model it serves (a data parallel
+/// rank): the requests being computed, those waiting to start, and the KV positions the
+/// running ones hold (`num_tokens`, what the router compares between replicas).
 pub(super) async fn load(
     State(state): State<Shared>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     authorize(&state, &headers)?;
-    let m = loaded(&state)?.scheduler.metrics();
-    let get = |counter: &std::sync::atomic::AtomicU64| counter.load(Ordering::Relaxed);
-    let tokens = get(&m.kv_blocks_used) * get(&m.kv_block_size);
-    Ok(axum::Json(json!([{
-        "dp_rank": 0,
-        "num_reqs": get(&m.running),
-        "num_waiting_reqs": get(&m.waiting),
-        "num_tokens": tokens,
-    }]))
-    .into_response())
+    let ranks: Vec<Value> = loaded(&state)?
+        .scheduler
+        .schedulers()
+        .iter()
+        .enumerate()
+        .map(|(rank, scheduler)| {
+            let m = scheduler.metrics();
+            let get = |counter: &std::sync::atomic::AtomicU64| counter.load(Ordering::Relaxed);
+            json!({
+                "dp_rank": rank,
+                "num_reqs": get(&m.running),
+                "num_waiting_reqs": get(&m.waiting),
+                "num_tokens": get(&m.kv_blocks_used) * get(&m.kv_block_size),
+            })
+        })
+        .collect();
+    Ok(axum::Json(ranks).into_response())
 }
 
 fn model_fields(loaded: &Loaded) -> Value {
