@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
     }
 }
 
-// Launches matvec_experts_kernel for tiles of NT tokens (1 or kMaxTokens), with the rows
+// Launches matvec_experts_kernel for tiles of NT tokens (1, 4 or kMaxTokens), with the rows
 // a workgroup takes chosen as for the dense products.
 template <typename T>
 hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, int n_tiles,
@@ -171,6 +171,7 @@ hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, 
         return with_group_rows<T, uint8_t>(n_cols, shape);
     };
     if (tile_tokens == 1) return go(std::integral_constant<int, 1>{});
+    if (tile_tokens == 4) return go(std::integral_constant<int, 4>{});
     if (tile_tokens == kMaxTokens) return go(std::integral_constant<int, kMaxTokens>{});
     return hipErrorInvalidValue;
 }
@@ -217,8 +218,8 @@ extern "C" {
 
 // The products of routed experts (see matvec_experts_kernel): weights[m] (n_mats of 1
 // or 2) hold the experts' matrices of `rows` × n_cols, expert_bytes apart; outs[m] one
-// row per slot. tiles: n_tiles triples (expert, first, count) of at most tile_tokens (1
-// or 8) slots each, order the slots grouped by expert; xq: Q8 blocks of n_x rows. Only
+// row per slot. tiles: n_tiles triples (expert, first, count) of at most tile_tokens (1,
+// 4 or 8) slots each, order the slots grouped by expert; xq: Q8 blocks of n_x rows. Only
 // the quantized types' units run it; the float types' return hipErrorInvalidValue.
 int RF_MATVEC_JOIN(rf_matvec_experts, RF_MATVEC_NAME)(
     const void* const* weights, void* const* outs, int n_mats, int rows, int n_cols,

@@ -5,7 +5,7 @@
 //! A *slot* is one token's choice of one expert (`n_tokens × used` of them). The slots are
 //! grouped by expert into *tiles* of at most [`tile_tokens_for`] slots of one expert, and
 //! a tile's expert rows are read once for all its slots ([`routed_products`]): in the
-//! decode products (Q8 activations, tiles of one slot or of
+//! decode products (Q8 activations, tiles of one slot, of [`WIDE_TILE_TOKENS`] or of
 //! [`MAX_TOKENS`](super::matvec::MAX_TOKENS)) while the experts get a few slots each
 //! at most, on the matrix units (f16 activations, tiles of up to [`MATMUL_TILE_TOKENS`])
 //! for prompts and larger batches. The caller (a kernel of its
@@ -93,35 +93,64 @@ pub const MATMUL_TILE_TOKENS: usize = 128;
 /// rather than the decode products in tiles of one slot.
 pub const MATMUL_FROM_SLOTS_PER_EXPERT: usize = 8;
 
-/// Slots a tile takes for `n_slots` slots over `n_experts` experts, which also says which
-/// products run ([`routed_products`]): one (the decode products, Q8 input) while the
-/// experts get fewer than [`MATMUL_FROM_SLOTS_PER_EXPERT`] on average (decoding up to a
-/// few dozen sequences), else [`MATMUL_TILE_TOKENS`] (the matrix units, f16 input:
-/// prompts and larger batches).
+/// Experts at least this wide (their feed-forward width, the rows of gate and up and the
+/// columns of down) are *wide*: from [`WIDE_TILES_FROM_SLOTS_PER_EXPERT`] slots an expert
+/// their products take tiles of [`WIDE_TILE_TOKENS`] slots, and the matrix units from
+/// [`WIDE_MATMUL_FROM_SLOTS_PER_EXPERT`].
+pub const WIDE_EXPERT_FF: usize = 2048;
+
+/// Slots a tile of a wide expert's decode products holds.
+pub const WIDE_TILE_TOKENS: usize = 4;
+
+/// Slots a wide expert gets on average from which its products take tiles of
+/// [`WIDE_TILE_TOKENS`].
+pub const WIDE_TILES_FROM_SLOTS_PER_EXPERT: usize = 3;
+
+/// Slots a wide expert gets on average from which its products take the matrix units.
+pub const WIDE_MATMUL_FROM_SLOTS_PER_EXPERT: usize = 10;
+
+/// Slots a tile takes for `n_slots` slots over `n_experts` experts of feed-forward width
+/// `n_ff`, which also says which products run ([`routed_products`]): one, or four for
+/// wide experts ([`WIDE_EXPERT_FF`]) with a few slots each (the decode products, Q8
+/// input) while the experts get fewer than [`MATMUL_FROM_SLOTS_PER_EXPERT`] (wide:
+/// [`WIDE_MATMUL_FROM_SLOTS_PER_EXPERT`]) on average (decoding up to a few dozen
+/// sequences), else [`MATMUL_TILE_TOKENS`] (the matrix units, f16 input: prompts and
+/// larger batches).
 ///
-/// Each slot of a tile of one reads its expert's rows on its own, where a tile of the
-/// matrix units reads them once for all its slots but computes 128 slots' products
-/// whatever its count. Measured on an H200 (`cargo xtask bench-gpu --tokens 64 (32 at
-/// 64 and 96) --prompt 0 --parallel N`, S_TG in tokens/s, tiles of one / matrix units,
-/// the threshold set by a build made for it), with the one-slot
-/// products on 16 threads a narrow row (`kernels/matvec.hip`, `kOneTokenMaxRows`):
-/// Qwen3-30B-A3B's shape (128 experts, 8 a token) at 64 sequences (four slots an
-/// expert) 2,059 / 1,520, at 96 (six) 2,047 / 2,017; gpt-oss-20b's (32 experts of 2880 by
-/// 2880, 4 a token) at 16 sequences (two) 1,438 / 714, 24 (three) 1,511 / 971, 32 (four)
-/// 1,566 / 1,226, 64 (eight) 1,644 / 2,220. Tiles of [`MAX_TOKENS`] (the decode products
-/// for up to eight slots of one expert at once) lost to one or the other at every count
-/// measured on Qwen3-30B-A3B's shape; on gpt-oss's they won at two to four slots an
-/// expert against the matrix units (16 sequences 1,006 against 714, 32: 1,502 against
-/// 1,223) but not against tiles of one. So no count takes them here.
+/// Each slot of a tile of one reads its expert's rows on its own; a tile of four reads
+/// them once for its slots and computes four slots' dot products from each weight; a
+/// tile of the matrix units reads them once for all its slots but computes 128 slots'
+/// products whatever its count. Measured on an H200 (`cargo xtask bench-gpu --tokens 32
+/// or 64 --prompt 0 --parallel N`, S_TG in tokens/s, the tiles set by a build made for
+/// it), with the one-slot products on 16 threads a narrow row (`kernels/matvec.hip`,
+/// `kOneTokenMaxRows`):
+/// - Qwen3-30B-A3B's shape (128 experts of 768, 8 a token): tiles of one / matrix
+///   units at 64 sequences (four slots an expert) 2,059 / 1,520, at 96 (six) 2,047 /
+///   2,017; tiles of one / two / four at 32 sequences 1,843 / 1,305 / 1,128, at 64
+///   2,110 / 1,605 / 1,499. Its products of more than one slot run rows of 32 threads or
+///   more, which its narrow rows leave idle.
+/// - gpt-oss-20b's (32 experts of 2880 by 2880, 4 a token), tiles of one / two / four /
+///   eight / matrix units: 16 sequences (two slots an expert) 1,443 / 1,359 / 1,417 /
+///   1,012 / 714; 32 (four) 1,578 / 1,710 / 1,937 / 1,516 / 1,226; 64 (eight) tiles of
+///   four 2,437, eight 2,036, matrix units 2,214; 96 (twelve) four 2,546, matrix units
+///   2,977. Where the counts between those measured go is interpolated.
 ///
 /// A prompt of a few tokens over few experts (the GPU tests' gpt-oss model: 8 experts, 4
 /// a token) also runs in tiles of one, whose Q8 input rounds the GPU's activations as
 /// the CPU rounds its own; those tests hold such rows to bounds widened by the CPU's own
 /// distance from the exact products (`model/tests/real_models/synthetic/gpu.rs`,
 /// `Exact`).
-pub fn tile_tokens_for(n_slots: usize, n_experts: usize) -> usize {
-    if n_slots >= MATMUL_FROM_SLOTS_PER_EXPERT * n_experts {
+pub fn tile_tokens_for(n_slots: usize, n_experts: usize, n_ff: usize) -> usize {
+    let wide = n_ff >= WIDE_EXPERT_FF;
+    let matmul_from = if wide {
+        WIDE_MATMUL_FROM_SLOTS_PER_EXPERT
+    } else {
+        MATMUL_FROM_SLOTS_PER_EXPERT
+    };
+    if n_slots >= matmul_from * n_experts {
         MATMUL_TILE_TOKENS
+    } else if wide && n_slots >= WIDE_TILES_FROM_SLOTS_PER_EXPERT * n_experts {
+        WIDE_TILE_TOKENS
     } else {
         1
     }
@@ -254,7 +283,8 @@ pub enum RoutedInput<'a> {
 /// expert index or slot out of range there is the writer's error (the kernels do not
 /// check them).
 ///
-/// Q8 input runs the decode products, for tiles of 1 or [`MAX_TOKENS`] slots: each
+/// Q8 input runs the decode products, for tiles of 1, [`WIDE_TILE_TOKENS`] or
+/// [`MAX_TOKENS`] slots: each
 /// slot's product is its expert's [`matvec`](super::matvec::matvec), bit for bit where a
 /// row takes at most 16 tasks (a block of 32 values, or a quarter of a K-quant's 256);
 /// in tiles of one slot a narrower row may run on 16 threads where the dense product
@@ -277,7 +307,7 @@ pub fn routed_products(
 ) -> Result<(), GpuDequantError> {
     let (takes, x_device) = match input {
         RoutedInput::Q8(x) => (
-            tile_tokens == 1 || tile_tokens == MAX_TOKENS,
+            matches!(tile_tokens, 1 | WIDE_TILE_TOKENS | MAX_TOKENS),
             x.device_ordinal(),
         ),
         RoutedInput::F16 { x16, .. } => (tile_tokens == MATMUL_TILE_TOKENS, x16.device_ordinal()),
@@ -514,7 +544,7 @@ mod tests {
     #[test]
     fn tiles_cover_every_routing() {
         // One slot a tile: a tile per slot.
-        assert_eq!(tile_tokens_for(8, 128), 1);
+        assert_eq!(tile_tokens_for(8, 128, 768), 1);
         assert_eq!(max_tiles(8, 128, 1), 8);
         // Tiles of eight: 4096 slots over 128 experts take at most 512 full tiles and one
         // part-filled tile per expert.
@@ -522,16 +552,23 @@ mod tests {
         // Fewer slots than experts: at most one part-filled tile per slot.
         assert_eq!(max_tiles(16, 32, 8), 2 + 16);
         // Prompts and batches: tiles of the matrix units from eight slots an expert on
-        // average (128 sequences of Qwen3-30B-A3B's 128 experts, 8 a token).
-        assert_eq!(tile_tokens_for(512, 128), 1);
-        assert_eq!(tile_tokens_for(1023, 128), 1);
-        assert_eq!(tile_tokens_for(1024, 128), MATMUL_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(4096, 128), MATMUL_TILE_TOKENS);
-        // Fewer experts, the same count an expert (gpt-oss-20b's 32 experts, 4 a token:
-        // tiles of one up to 63 sequences).
-        assert_eq!(tile_tokens_for(128, 32), 1);
-        assert_eq!(tile_tokens_for(255, 32), 1);
-        assert_eq!(tile_tokens_for(256, 32), MATMUL_TILE_TOKENS);
+        // average (128 sequences of Qwen3-30B-A3B's 128 experts of 768, 8 a token).
+        assert_eq!(tile_tokens_for(512, 128, 768), 1);
+        assert_eq!(tile_tokens_for(1023, 128, 768), 1);
+        assert_eq!(tile_tokens_for(1024, 128, 768), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(4096, 128, 768), MATMUL_TILE_TOKENS);
+        // Few narrow experts, the same count an expert.
+        assert_eq!(tile_tokens_for(255, 32, 256), 1);
+        assert_eq!(tile_tokens_for(256, 32, 256), MATMUL_TILE_TOKENS);
+        // Wide experts (gpt-oss-20b's 32 of 2880, 4 a token): tiles of one to 23
+        // sequences, of four to 79, the matrix units from 80.
+        assert_eq!(tile_tokens_for(64, 32, 2880), 1);
+        assert_eq!(tile_tokens_for(95, 32, 2880), 1);
+        assert_eq!(tile_tokens_for(96, 32, 2880), WIDE_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(319, 32, 2880), WIDE_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(320, 32, 2880), MATMUL_TILE_TOKENS);
+        // Tiles of four never take more tiles than slots where they run.
+        assert!(max_tiles(96, 32, WIDE_TILE_TOKENS) <= 96);
         assert_eq!(max_tiles(4096, 128, MATMUL_TILE_TOKENS), 32 + 128);
     }
 }

@@ -11,6 +11,7 @@ use hip_backend::DeviceBuffer;
 
 use super::experts::{
     max_tiles, routed_products, GpuExperts, RoutedInput, SlotInput, MATMUL_TILE_TOKENS,
+    WIDE_TILE_TOKENS,
 };
 use super::matvec::{self, q8_bytes, MAX_TOKENS};
 use super::tests::gpu_or_skip;
@@ -180,7 +181,7 @@ fn routed_products_are_each_experts_own_product() {
             )
             .remove(0)
         });
-        for tile_tokens in [1, MAX_TOKENS] {
+        for tile_tokens in [1, WIDE_TILE_TOKENS, MAX_TOKENS] {
             let (tiles, order) = tiles_for(ids, count, tile_tokens);
             let tiles_dev = upload(&device, &stream, &tiles);
             let order_dev = upload(&device, &stream, &order);

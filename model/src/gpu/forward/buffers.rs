@@ -519,11 +519,13 @@ impl MoeBuffers {
     pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 14]> {
         let e = config.experts?;
         let slots = tokens * e.used;
-        let tiles =
-            experts::max_tiles(slots, e.count, experts::tile_tokens_for(slots, e.count)).max(slots);
+        let tile_tokens = experts::tile_tokens_for(slots, e.count, e.n_ff);
+        // Fewer slots take no more tiles than slots (tiles of one, or tiles of four from
+        // three slots an expert) or than the most's tiles.
+        let tiles = experts::max_tiles(slots, e.count, tile_tokens).max(slots);
         let d = config.n_embd;
         // The matrix units' input and activations, where some count of tokens takes them.
-        let mm = experts::tile_tokens_for(slots, e.count) == experts::MATMUL_TILE_TOKENS;
+        let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
         let mm_rows = if mm { slots } else { 0 };
         Some([
             4 * tokens * e.count,

@@ -229,7 +229,7 @@ fn norm_and_route(
         &mut bufs.batch_in,
         stream,
     )?;
-    let tile_tokens = experts::tile_tokens_for(slots, count);
+    let tile_tokens = experts::tile_tokens_for(slots, count, e.up.rows);
     let n_tiles = experts::max_tiles(slots, count, tile_tokens);
     let one_slot_tiles = if tile_tokens == 1 {
         Some((
