@@ -358,6 +358,16 @@ impl Scheduler {
         &self.config
     }
 
+    /// Whether the scheduler takes requests: not shut down, its thread not ended (a
+    /// thread that panicked has).
+    pub fn is_running(&self) -> bool {
+        self.accepting.load(Ordering::SeqCst)
+            && self
+                .thread
+                .lock()
+                .is_ok_and(|t| t.as_ref().is_some_and(|t| !t.is_finished()))
+    }
+
     pub fn metrics(&self) -> &Arc<SchedulerMetrics> {
         &self.metrics
     }

@@ -107,14 +107,18 @@ impl Replicas {
             let mut prefixes = self.prefixes.lock().map_err(|_| ServeError::ShuttingDown)?;
             let matched: Vec<usize> = prefixes.iter().map(|p| p.matched(&hashes)).collect();
             let order = choose(&self.loads(), &matched, self.next_turn());
-            // The first replica in that order with room in its queue takes it (another
-            // request may take that room first: then this one is refused as a full queue
-            // is, as on one scheduler).
+            // The first replica in that order that runs and has room in its queue takes
+            // it (another request may take that room first: then this one is refused as
+            // a full queue is, as on one scheduler).
             let limit = self.config().max_queue;
+            let takes = |i: usize| {
+                let s = &self.schedulers[i];
+                s.is_running() && s.waiting.load(Ordering::SeqCst) < limit
+            };
             let replica = order
                 .iter()
                 .copied()
-                .find(|&i| self.schedulers[i].waiting.load(Ordering::SeqCst) < limit)
+                .find(|&i| takes(i))
                 .unwrap_or(order[0]);
             prefixes[replica].insert(&hashes);
             replica
@@ -130,10 +134,15 @@ impl Replicas {
         self.schedulers[replica].submit_with(request, logprobs)
     }
 
-    /// Queues an embeddings request on the least loaded replica.
+    /// Queues an embeddings request on the least loaded replica that runs.
     pub fn embed(&self, request: EmbedRequest) -> Result<(), ServeError> {
         let order = choose(&self.loads(), &vec![0; self.len()], self.next_turn());
-        self.schedulers[order[0]].embed(request)
+        let replica = order
+            .iter()
+            .copied()
+            .find(|&i| self.schedulers[i].is_running())
+            .unwrap_or(order[0]);
+        self.schedulers[replica].embed(request)
     }
 
     /// Stops every replica as [`Scheduler::shutdown`] does, all at once.

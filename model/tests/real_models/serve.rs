@@ -412,9 +412,19 @@ fn smollm2_replicas_spread_requests_and_follow_their_prefixes() {
         received(0),
         received(1)
     );
+    // A replica that has stopped takes nothing: the other serves every request.
+    let stopped = usize::from(received(0) == 6);
+    replicas.schedulers()[stopped].shutdown(Duration::ZERO);
+    assert!(!replicas.schedulers()[stopped].is_running());
+    for prompt in &prompts[..2] {
+        let (req, rx, _) = request(prompt.clone(), 4, greedy());
+        replicas.submit(req).unwrap();
+        let (got, finish) = collect(&rx);
+        assert!(!got.is_empty() && finish.completion_tokens == 4);
+    }
     replicas.shutdown(Duration::ZERO);
     let total = replicas.metrics();
-    assert_eq!(SchedulerMetrics::get(&total.requests_received), 9);
+    assert_eq!(SchedulerMetrics::get(&total.requests_received), 11);
     let steps: u64 = replicas
         .schedulers()
         .iter()
