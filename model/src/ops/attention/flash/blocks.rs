@@ -98,11 +98,13 @@ fn block(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut 
         s.acc.resize(n_queries * hdv, 0.0);
         let mut tile = first / KV_TILE * KV_TILE;
         while tile <= last {
-            for l in 0..(tile + KV_TILE).min(last + 1) - tile {
-                for (d, &k) in rows.key(tile + l, hd).iter().enumerate() {
-                    s.kt[d * KV_TILE + l] = k;
-                }
-            }
+            transpose_keys(
+                &rows,
+                tile,
+                (tile + KV_TILE).min(last + 1) - tile,
+                hd,
+                &mut s.kt,
+            );
             for (i, t) in tokens.clone().enumerate() {
                 let (start, pos) = shape.seen_by(t);
                 // The tiles the one-query kernel visits: those from its first visible
@@ -112,11 +114,19 @@ fn block(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut 
                 }
                 let visible = tile.max(start)..(tile + KV_TILE).min(pos + 1);
                 let seen = visible.start - tile..visible.end - tile;
+                // The group's dot products, two queries a pass where there are two.
+                let q_of = |g: usize| &batch.q[(t * n_heads + kvh * group + g) * hd..][..hd];
+                let mut dots = [[0.0f32; KV_TILE]; 2];
                 for g in 0..group {
-                    let h = kvh * group + g;
-                    let dots = kt_dots(&batch.q[(t * n_heads + h) * hd..][..hd], &s.kt);
+                    if g.is_multiple_of(2) {
+                        if g + 1 < group {
+                            dots = kt_dots2(q_of(g), q_of(g + 1), &s.kt);
+                        } else {
+                            dots[0] = kt_dots(q_of(g), &s.kt);
+                        }
+                    }
                     let mut scores = [f32::NEG_INFINITY; KV_TILE];
-                    scores[seen.clone()].copy_from_slice(&dots[seen.clone()]);
+                    scores[seen.clone()].copy_from_slice(&dots[g % 2][seen.clone()]);
                     let query = i * group + g;
                     tile_softmax(
                         shape,
@@ -167,6 +177,97 @@ fn kt_dots(qh: &[f32], kt: &[f32]) -> [f32; KV_TILE] {
         }
     }
     a
+}
+
+/// [`kt_dots`] of two queries in one pass over the tile: each query's chains as
+/// [`kt_dots`] takes them (the same bits), the tile's rows read once for both.
+#[inline(always)]
+fn kt_dots2(q0: &[f32], q1: &[f32], kt: &[f32]) -> [[f32; KV_TILE]; 2] {
+    let (mut a, mut b) = ([0.0f32; KV_TILE], [0.0f32; KV_TILE]);
+    for ((&x, &y), row) in q0.iter().zip(q1).zip(kt.chunks_exact(KV_TILE)) {
+        for ((a, b), &k) in a.iter_mut().zip(b.iter_mut()).zip(row) {
+            *a = k.mul_add(x, *a);
+            *b = k.mul_add(y, *b);
+        }
+    }
+    [a, b]
+}
+
+/// The keys of positions `tile .. tile + n` of `rows` into `kt`, dimension-major
+/// (dimension `d` of position `tile + l` at `d · KV_TILE + l`): eight positions by
+/// eight dimensions at a time where the CPU has AVX2, else one value at a time. Only
+/// moves values.
+#[inline(always)]
+fn transpose_keys(rows: &Rows<'_>, tile: usize, n: usize, hd: usize, kt: &mut [f32]) {
+    let mut l0 = 0;
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") {
+        while l0 + 8 <= n {
+            let keys: [&[f32]; 8] = std::array::from_fn(|j| rows.key(tile + l0 + j, hd));
+            for d0 in (0..hd).step_by(8) {
+                // SAFETY: AVX2 is present (checked above); every key holds `hd` values
+                // and `kt` holds `hd` rows of KV_TILE, so the eight reads of eight
+                // values at `d0` and the eight writes of eight at `l0` are in bounds.
+                unsafe { transpose8(&keys, d0, &mut kt[d0 * KV_TILE + l0..]) };
+            }
+            l0 += 8;
+        }
+    }
+    for l in l0..n {
+        for (d, &k) in rows.key(tile + l, hd).iter().enumerate() {
+            kt[d * KV_TILE + l] = k;
+        }
+    }
+}
+
+/// Values `d0 .. d0 + 8` of eight keys, transposed: value `d0 + j` of key `i` to
+/// `out[j · KV_TILE + i]`.
+///
+/// # Safety
+/// The CPU must support AVX2; each key must hold `d0 + 8` values, `out` at least
+/// `7 · KV_TILE + 8`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose8(keys: &[&[f32]; 8], d0: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    debug_assert!(out.len() >= 7 * KV_TILE + 8 && keys.iter().all(|k| k.len() >= d0 + 8));
+    // SAFETY: in bounds per the contract.
+    let r: [__m256; 8] =
+        std::array::from_fn(|i| unsafe { _mm256_loadu_ps(keys[i].as_ptr().add(d0)) });
+    let t = [
+        _mm256_unpacklo_ps(r[0], r[1]),
+        _mm256_unpackhi_ps(r[0], r[1]),
+        _mm256_unpacklo_ps(r[2], r[3]),
+        _mm256_unpackhi_ps(r[2], r[3]),
+        _mm256_unpacklo_ps(r[4], r[5]),
+        _mm256_unpackhi_ps(r[4], r[5]),
+        _mm256_unpacklo_ps(r[6], r[7]),
+        _mm256_unpackhi_ps(r[6], r[7]),
+    ];
+    let u = [
+        _mm256_shuffle_ps::<0x44>(t[0], t[2]),
+        _mm256_shuffle_ps::<0xEE>(t[0], t[2]),
+        _mm256_shuffle_ps::<0x44>(t[1], t[3]),
+        _mm256_shuffle_ps::<0xEE>(t[1], t[3]),
+        _mm256_shuffle_ps::<0x44>(t[4], t[6]),
+        _mm256_shuffle_ps::<0xEE>(t[4], t[6]),
+        _mm256_shuffle_ps::<0x44>(t[5], t[7]),
+        _mm256_shuffle_ps::<0xEE>(t[5], t[7]),
+    ];
+    let c = [
+        _mm256_permute2f128_ps::<0x20>(u[0], u[4]),
+        _mm256_permute2f128_ps::<0x20>(u[1], u[5]),
+        _mm256_permute2f128_ps::<0x20>(u[2], u[6]),
+        _mm256_permute2f128_ps::<0x20>(u[3], u[7]),
+        _mm256_permute2f128_ps::<0x31>(u[0], u[4]),
+        _mm256_permute2f128_ps::<0x31>(u[1], u[5]),
+        _mm256_permute2f128_ps::<0x31>(u[2], u[6]),
+        _mm256_permute2f128_ps::<0x31>(u[3], u[7]),
+    ];
+    for (j, c) in c.into_iter().enumerate() {
+        // SAFETY: in bounds per the contract.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(j * KV_TILE), c) };
+    }
 }
 
 #[cfg(test)]
