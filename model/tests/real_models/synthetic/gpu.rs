@@ -394,6 +394,7 @@ checks! {
     gpu_qwen3moe_all_random => "qwen3moe-all-random",
     gpu_llama_moe_top1_random => "llama-moe-top1-random",
     gpu_gpt_oss => "gpt-oss",
+    gpu_gpt_oss_wide => "gpt-oss-wide",
     gpu_gpt_oss_long => "gpt-oss-long",
 }
 
@@ -474,6 +475,11 @@ fn gpu_scheduler_gpt_oss() {
 }
 
 #[test]
+fn gpu_scheduler_gpt_oss_wide() {
+    scheduler_on_gpu("gpt-oss-wide");
+}
+
+#[test]
 fn gpu_embeddings_llama_q4_k() {
     embeddings_on_gpu("llama-q4_k");
 }
@@ -501,6 +507,7 @@ gpu_batched_matches_alone! {
     gpu_batched_qwen3moe_random => "qwen3moe-random",
     gpu_batched_qwen2moe_random => "qwen2moe-random",
     gpu_batched_gpt_oss => "gpt-oss",
+    gpu_batched_gpt_oss_wide => "gpt-oss-wide",
 }
 
 /// A mixture of experts whose weights other than the routed experts do not fit the GPU

@@ -688,6 +688,14 @@ pub const SPECS: &[Spec] = &[
         ..LLAMA
     },
     GPT_OSS,
+    // Experts 2048 wide: the GPU's routed products take tiles of four slots from three
+    // slots an expert (a 7-token prompt, a batch of six sequences or more).
+    Spec {
+        name: "gpt-oss-wide",
+        experts: (8, 4, 2048),
+        seed: 142,
+        ..GPT_OSS
+    },
     // A prompt of about 470 tokens, beyond gpt-oss's own window of 128: flash
     // attention's tiled kernel and, decoding past 512 positions, its split one, whose
     // first chunk then sees no position but the sink.
