@@ -531,7 +531,8 @@ fn print_table(report: &Value) {
     }
     println!(
         "steady: while every client streams; step % / fwd %: the scheduler's time in steps / \
-         in forward passes, of the wall time (from the server's /metrics)"
+         in forward passes, of the wall time (from the server's /metrics; summed over the \
+         schedulers of a server with a copy of the model on each of several GPUs)"
     );
     println!();
     println!(
