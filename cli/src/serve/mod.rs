@@ -476,18 +476,22 @@ impl Gpus {
         }
     }
 
-    /// [`Gpus::Choose`] decided for `model`: a copy on each GPU when its weights fit each
-    /// one's free memory (with the runtime's reserve), else split by layers.
-    fn resolve(self, model: &Model) -> Result<Gpus> {
+    /// [`Gpus::Choose`] decided for `model`: a copy on each GPU when its weights and a KV
+    /// pool of `pool_bytes` fit each one's free memory (with the runtime's reserve), else
+    /// split by layers.
+    fn resolve(self, model: &Model, pool_bytes: u64) -> Result<Gpus> {
         let Gpus::Choose(devices) = self else {
             return Ok(self);
         };
         let weights: u64 = model.plan().handles().iter().map(|h| h.size()).sum();
+        let needed = weights
+            .saturating_add(pool_bytes)
+            .saturating_add(model::gpu::RUNTIME_RESERVE);
         let mut fits = true;
         for &d in &devices {
             let device = hip_backend::Device::open(d).with_context(|| format!("GPU {d}"))?;
             let free = device.memory_info().map_or(u64::MAX, |m| m.free as u64);
-            fits &= weights.saturating_add(model::gpu::RUNTIME_RESERVE) <= free;
+            fits &= needed <= free;
         }
         if fits {
             tracing::info!(
@@ -689,7 +693,8 @@ fn load(path: &std::path::Path, config: &LoadConfig, state: &AppState) -> Result
             stop: None,
             tuning: config.gpu_tuning,
         };
-        let schedulers = match config.gpus.clone().resolve(&model)? {
+        let pool_bytes = pool as u64 * per_position as u64;
+        let schedulers = match config.gpus.clone().resolve(&model, pool_bytes)? {
             Gpus::Placement(crate::options::Placement::One(device)) => {
                 vec![Scheduler::start_on_gpu(
                     model,
