@@ -30,6 +30,9 @@ struct BlockScratch {
     acc: Vec<f32>,
     /// One token's group of queries' weights of a tile's positions, [`KV_TILE`] apiece.
     probs: Vec<f32>,
+    /// Whether the CPU has AVX2, which [`transpose_keys`] moves eight values at a time
+    /// with (asked once a batch).
+    avx2: bool,
 }
 
 /// The tiled kernel (see [`tiled`](super::tiled)) for every (token, head) pair of a
@@ -50,9 +53,17 @@ pub(in super::super) fn tiled_blocks(
 ) {
     use rayon::prelude::*;
     let width = batch.shape.n_heads * batch.shape.head_dim_v;
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = std::arch::is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    let avx2 = false;
+    let scratch = || BlockScratch {
+        avx2,
+        ..BlockScratch::default()
+    };
     out.par_chunks_mut(Q_BLOCK * width)
         .enumerate()
-        .for_each_init(BlockScratch::default, |s, (b, o)| {
+        .for_each_init(scratch, |s, (b, o)| {
             let tokens = b * Q_BLOCK..(b * Q_BLOCK + Q_BLOCK).min(n_tokens);
             #[cfg(target_arch = "x86_64")]
             if fma {
@@ -98,13 +109,8 @@ fn block(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut 
         s.acc.resize(n_queries * hdv, 0.0);
         let mut tile = first / KV_TILE * KV_TILE;
         while tile <= last {
-            transpose_keys(
-                &rows,
-                tile,
-                (tile + KV_TILE).min(last + 1) - tile,
-                hd,
-                &mut s.kt,
-            );
+            let n = (tile + KV_TILE).min(last + 1) - tile;
+            transpose_keys(&rows, tile, n, hd, s.avx2, &mut s.kt);
             for (i, t) in tokens.clone().enumerate() {
                 let (start, pos) = shape.seen_by(t);
                 // The tiles the one-query kernel visits: those from its first visible
@@ -116,27 +122,27 @@ fn block(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut 
                 let seen = visible.start - tile..visible.end - tile;
                 // The group's dot products, two queries a pass where there are two.
                 let q_of = |g: usize| &batch.q[(t * n_heads + kvh * group + g) * hd..][..hd];
-                let mut dots = [[0.0f32; KV_TILE]; 2];
-                for g in 0..group {
-                    if g.is_multiple_of(2) {
-                        if g + 1 < group {
-                            dots = kt_dots2(q_of(g), q_of(g + 1), &s.kt);
-                        } else {
-                            dots[0] = kt_dots(q_of(g), &s.kt);
-                        }
+                for g0 in (0..group).step_by(2) {
+                    let dots = if g0 + 1 < group {
+                        kt_dots([q_of(g0), q_of(g0 + 1)], &s.kt)
+                    } else {
+                        let [dots] = kt_dots([q_of(g0)], &s.kt);
+                        [dots, [0.0; KV_TILE]]
+                    };
+                    for g in g0..(g0 + 2).min(group) {
+                        let mut scores = [f32::NEG_INFINITY; KV_TILE];
+                        scores[seen.clone()].copy_from_slice(&dots[g - g0][seen.clone()]);
+                        let query = i * group + g;
+                        tile_softmax(
+                            shape,
+                            tile,
+                            visible.clone(),
+                            &mut scores,
+                            &mut s.state[query],
+                            &mut s.acc[query * hdv..][..hdv],
+                        );
+                        s.probs[g * KV_TILE..][..KV_TILE].copy_from_slice(&scores);
                     }
-                    let mut scores = [f32::NEG_INFINITY; KV_TILE];
-                    scores[seen.clone()].copy_from_slice(&dots[g % 2][seen.clone()]);
-                    let query = i * group + g;
-                    tile_softmax(
-                        shape,
-                        tile,
-                        visible.clone(),
-                        &mut scores,
-                        &mut s.state[query],
-                        &mut s.acc[query * hdv..][..hdv],
-                    );
-                    s.probs[g * KV_TILE..][..KV_TILE].copy_from_slice(&scores);
                 }
                 // The group's queries take the tile's values together.
                 tile_values(
@@ -164,48 +170,40 @@ fn block(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut 
     }
 }
 
-/// The query's dot products with the [`KV_TILE`] keys of a dimension-major tile `kt`:
-/// for each position one chain of fused multiply-adds over the dimensions in order,
-/// from zero, as [`tile_dots`](super::tile_dots) takes it; the positions side by side,
-/// so a step is a few vector instructions.
+/// The dot products of `Q` queries with the [`KV_TILE`] keys of a dimension-major tile
+/// `kt`: for each query and position one chain of fused multiply-adds over the
+/// dimensions in order, from zero, as [`tile_dots`](super::tile_dots) takes it; the
+/// positions side by side, so a step is a few vector instructions, and the tile's rows
+/// read once for the `Q` queries.
 #[inline(always)]
-fn kt_dots(qh: &[f32], kt: &[f32]) -> [f32; KV_TILE] {
-    let mut a = [0.0f32; KV_TILE];
-    for (&qd, row) in qh.iter().zip(kt.chunks_exact(KV_TILE)) {
-        for (a, &k) in a.iter_mut().zip(row) {
-            *a = k.mul_add(qd, *a);
+fn kt_dots<const Q: usize>(qs: [&[f32]; Q], kt: &[f32]) -> [[f32; KV_TILE]; Q] {
+    let mut acc = [[0.0f32; KV_TILE]; Q];
+    for (d, row) in kt.chunks_exact(KV_TILE).enumerate().take(qs[0].len()) {
+        let qd = qs.map(|q| q[d]);
+        for (l, &k) in row.iter().enumerate() {
+            for (a, &x) in acc.iter_mut().zip(&qd) {
+                a[l] = k.mul_add(x, a[l]);
+            }
         }
     }
-    a
-}
-
-/// [`kt_dots`] of two queries in one pass over the tile: each query's chains as
-/// [`kt_dots`] takes them (the same bits), the tile's rows read once for both.
-#[inline(always)]
-fn kt_dots2(q0: &[f32], q1: &[f32], kt: &[f32]) -> [[f32; KV_TILE]; 2] {
-    let (mut a, mut b) = ([0.0f32; KV_TILE], [0.0f32; KV_TILE]);
-    for ((&x, &y), row) in q0.iter().zip(q1).zip(kt.chunks_exact(KV_TILE)) {
-        for ((a, b), &k) in a.iter_mut().zip(b.iter_mut()).zip(row) {
-            *a = k.mul_add(x, *a);
-            *b = k.mul_add(y, *b);
-        }
-    }
-    [a, b]
+    acc
 }
 
 /// The keys of positions `tile .. tile + n` of `rows` into `kt`, dimension-major
 /// (dimension `d` of position `tile + l` at `d · KV_TILE + l`): eight positions by
-/// eight dimensions at a time where the CPU has AVX2, else one value at a time. Only
-/// moves values.
+/// eight dimensions at a time where the CPU has AVX2 (`avx2`), else one value at a
+/// time. Only moves values.
 #[inline(always)]
-fn transpose_keys(rows: &Rows<'_>, tile: usize, n: usize, hd: usize, kt: &mut [f32]) {
+fn transpose_keys(rows: &Rows<'_>, tile: usize, n: usize, hd: usize, avx2: bool, kt: &mut [f32]) {
     let mut l0 = 0;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = avx2;
     #[cfg(target_arch = "x86_64")]
-    if hd.is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") {
+    if hd.is_multiple_of(8) && avx2 {
         while l0 + 8 <= n {
             let keys: [&[f32]; 8] = std::array::from_fn(|j| rows.key(tile + l0 + j, hd));
             for d0 in (0..hd).step_by(8) {
-                // SAFETY: AVX2 is present (checked above); every key holds `hd` values
+                // SAFETY: AVX2 is present (`avx2`); every key holds `hd` values
                 // and `kt` holds `hd` rows of KV_TILE, so the eight reads of eight
                 // values at `d0` and the eight writes of eight at `l0` are in bounds.
                 unsafe { transpose8(&keys, d0, &mut kt[d0 * KV_TILE + l0..]) };
