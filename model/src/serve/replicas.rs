@@ -10,8 +10,8 @@
 //! replica's pool holds) and sends a prompt to the replica holding its longest run of
 //! leading blocks, unless that replica has more requests in flight than the least
 //! loaded one by more than [`slack`]; then, and for prompts no replica has seen, the
-//! least loaded replica takes it (ties in turn). A replica whose queue is full passes
-//! the request to the next by load.
+//! least loaded replica takes it (ties in turn). A replica whose queue is full, or
+//! whose scheduler has stopped, passes the request to the next in that order.
 //!
 //! With one replica this is the scheduler itself: nothing is hashed or counted.
 
@@ -184,7 +184,7 @@ impl Drop for InFlight {
 /// holding a prompt's prefix may have in flight and still take it: a quarter more, and
 /// at least two (a prefix saves its prompt's computation, not more than a few
 /// sequences' share of the steps).
-pub fn slack(min_load: usize) -> usize {
+fn slack(min_load: usize) -> usize {
     (min_load / 4).max(2)
 }
 
@@ -192,7 +192,7 @@ pub fn slack(min_load: usize) -> usize {
 /// `matched` (leading blocks of the prompt each holds): the one with the longest match
 /// first if it is within [`slack`] of the least load, else by load; ties go in turn
 /// from `turn`.
-pub fn choose(loads: &[usize], matched: &[usize], turn: usize) -> Vec<usize> {
+fn choose(loads: &[usize], matched: &[usize], turn: usize) -> Vec<usize> {
     let n = loads.len();
     let min_load = loads.iter().copied().min().unwrap_or(0);
     let rotated = |i: usize| (i + n - turn % n) % n;
@@ -217,7 +217,7 @@ pub fn choose(loads: &[usize], matched: &[usize], turn: usize) -> Vec<usize> {
 
 /// The chained hashes of the full blocks of `prompt` (`block` tokens each): the k-th
 /// stands for the prompt's first k+1 blocks.
-pub fn block_hashes(prompt: &[TokenId], block: usize) -> Vec<u64> {
+fn block_hashes(prompt: &[TokenId], block: usize) -> Vec<u64> {
     let mut hasher = DefaultHasher::new();
     prompt
         .chunks_exact(block.max(1))
