@@ -326,7 +326,7 @@ fn run_tensors(
         .with_context(|| format!("split by tensors over GPUs {:?}", split.devices))?;
     let all_ms = ms();
     let (library, version) = gpu.library();
-    let bytes: u64 = model.plan().handles().iter().map(|h| h.size()).sum();
+    let bytes = crate::on_gpu::weight_bytes(&model);
     let gb_per_s = bytes as f64 / (all_ms - plan_ms).max(1e-3) / 1e6;
     if args.json {
         println!(

@@ -64,15 +64,14 @@ pub fn placement_for(
     if !flags.devices.is_empty() || flags.split_mode.is_some() || budget_mib.is_some() {
         return asked;
     }
-    let weights: u64 = model.plan().handles().iter().map(|h| h.size()).sum();
-    let free = device.memory_info().map_or(u64::MAX, |m| m.free as u64);
+    let weights = weight_bytes(model);
     let count = hip_backend::Device::count().unwrap_or(1);
-    if count < 2 || weights.saturating_add(model::gpu::RUNTIME_RESERVE) <= free {
+    if count < 2 || fits_free_memory(device, weights) {
         return asked;
     }
     tracing::info!(
         weights_mib = weights >> 20,
-        free_mib = free >> 20,
+        free_mib = free_bytes(device) >> 20,
         gpus = count,
         "the model does not fit one GPU: split by layers over every GPU"
     );
@@ -81,6 +80,21 @@ pub fn placement_for(
         ratios: None,
         chunk: None,
     })
+}
+
+/// Bytes of the model's weights as the file holds them (what a GPU uploads).
+pub fn weight_bytes(model: &Model) -> u64 {
+    model.plan().handles().iter().map(|h| h.size()).sum()
+}
+
+/// Free memory of `device` (unlimited when the runtime cannot say).
+fn free_bytes(device: &hip_backend::Device) -> u64 {
+    device.memory_info().map_or(u64::MAX, |m| m.free as u64)
+}
+
+/// Whether `bytes` and the runtime's reserve fit `device`'s free memory.
+pub fn fits_free_memory(device: &hip_backend::Device, bytes: u64) -> bool {
+    bytes.saturating_add(model::gpu::RUNTIME_RESERVE) <= free_bytes(device)
 }
 
 /// The device that computes and where the model goes on it: the placement
