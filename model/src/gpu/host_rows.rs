@@ -21,10 +21,11 @@
 
 use dequant::gpu::matvec::{self, GpuActivations, GpuMatrix};
 use gguf_format::GgmlType;
-use hip_backend::{Device, DeviceBuffer, HostRegistration, PinnedBuffer, Stream};
+use hip_backend::{Device, DeviceBuffer, PinnedBuffer, Stream};
 use tensor_store::TensorHandle;
 
 use super::forward::product_error;
+use super::mapped::Registered;
 use super::{gpu, HOST_TOKENS};
 use crate::cpu::RowOffload;
 use crate::plan::{ExecutionPlan, LayerPlan, Linear};
@@ -43,12 +44,7 @@ const ROW_STEP: usize = 32;
 /// The registered span of the file and what a pass needs to multiply its rows on the
 /// device.
 pub(super) struct HostRows {
-    // Dropped first: unregistered before the handles below let the mapping go.
-    registration: HostRegistration<'static>,
-    /// The file offset of the registration's first byte.
-    base: u64,
-    /// The tensors in the span, which keep the file mapped.
-    _tensors: Vec<TensorHandle>,
+    registered: Registered,
     share: f64,
     /// One group of products' rows at a time.
     staging: DeviceBuffer<u8>,
@@ -84,22 +80,8 @@ impl HostRows {
             .collect();
         let lins: Vec<&Linear> = groups.iter().flatten().copied().collect();
         let tensors: Vec<TensorHandle> = lins.iter().map(|l| l.weight.clone()).collect();
-        let Some(span) = mapped_span(&tensors)? else {
-            tracing::info!(
-                "host layers' rows all on the CPU: their weights are not mapped from one file"
-            );
+        let Some(registered) = Registered::new(device, tensors, "host layers' rows all")? else {
             return Ok(None);
-        };
-        // SAFETY: `span` lies within the file's mapping, which the handles kept in
-        // `_tensors` hold open (read-only, never moved) for as long as the registration,
-        // a field dropped before them.
-        let bytes: &'static [u8] = unsafe { std::slice::from_raw_parts(span.ptr, span.len) };
-        let registration = match device.register_host_read_only(bytes) {
-            Ok(registration) => registration,
-            Err(error) => {
-                tracing::info!(%error, "host layers' rows all on the CPU: the mapping cannot be registered");
-                return Ok(None);
-            }
         };
         // The most any group of products needs at once.
         let largest = |size: &dyn Fn(&Linear) -> usize| {
@@ -111,9 +93,7 @@ impl HostRows {
         let cols = lins.iter().map(|l| l.cols).max().unwrap_or(0);
         let alloc = gpu("buffers of the host layers' rows");
         Ok(Some(HostRows {
-            registration,
-            base: span.file_offset,
-            _tensors: tensors,
+            registered,
             share,
             staging: device.alloc::<u8>(staging).map_err(&alloc)?,
             x: device.alloc::<f32>(HOST_TOKENS * cols).map_err(&alloc)?,
@@ -154,45 +134,6 @@ fn row_bytes(lin: &Linear) -> usize {
         .ggml_type()
         .row_bytes(lin.cols as u64)
         .unwrap_or(0) as usize
-}
-
-/// A run of a file's mapped bytes: the pages around some tensors.
-struct Span {
-    ptr: *const u8,
-    len: usize,
-    file_offset: u64,
-}
-
-/// The whole pages of the mapping that hold `tensors`, if they are all mapped from one
-/// file, in one mapping.
-fn mapped_span(tensors: &[TensorHandle]) -> Result<Option<Span>, ModelError> {
-    const PAGE: usize = 4096;
-    let Some(first) = tensors.iter().min_by_key(|t| t.file_range().start) else {
-        return Ok(None);
-    };
-    if tensors
-        .iter()
-        .any(|t| !t.is_mapped() || t.path() != first.path())
-    {
-        return Ok(None);
-    }
-    let first_ptr = first.bytes()?.as_ptr() as usize;
-    let start = first_ptr - first_ptr % PAGE;
-    let file_offset = first.file_range().start - (first_ptr - start) as u64;
-    let mut end = start;
-    for t in tensors {
-        let bytes = t.bytes()?;
-        // One mapping: each tensor where its file offset puts it.
-        if bytes.as_ptr() as usize != start + (t.file_range().start - file_offset) as usize {
-            return Ok(None);
-        }
-        end = end.max(bytes.as_ptr() as usize + bytes.len());
-    }
-    Ok(Some(Span {
-        ptr: start as *const u8,
-        len: end.next_multiple_of(PAGE) - start,
-        file_offset,
-    }))
 }
 
 /// [`HostRows`] queuing on one stream.
@@ -258,8 +199,6 @@ impl OnStream<'_> {
         let mut filled = 0;
         for (lin, &part) in lins.iter().zip(parts) {
             let row_bytes = row_bytes(lin);
-            let offset =
-                (lin.weight.file_range().start - rows.base) as usize + lin.first_row * row_bytes;
             let len = part * row_bytes;
             let fetch = gpu("copying the host layers' rows to the device");
             let dst = rows
@@ -270,7 +209,8 @@ impl OnStream<'_> {
             // error) waits for this stream before the pass goes on, and the registration
             // lives as long as the host layers.
             unsafe {
-                stream.copy_registered_h2d_async(&rows.registration, offset..offset + len, dst)
+                rows.registered
+                    .copy(stream, &lin.weight, lin.first_row * row_bytes, dst)
             }
             .map_err(&fetch)?;
             staged.push(filled..filled + len);

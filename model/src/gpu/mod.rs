@@ -38,6 +38,7 @@ mod forward;
 mod host;
 mod host_rows;
 mod kernels;
+mod mapped;
 mod pass;
 mod prompt;
 mod sequence;
