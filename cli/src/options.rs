@@ -443,6 +443,13 @@ pub struct TuningArgs {
     /// Default: ROCMFORGE_HOST_ROWS_ON_GPU, else the share the CPU's threads give.
     #[arg(long, value_name = "SHARE", value_parser = rocmforge::tuning::parse_share)]
     host_rows_on_gpu: Option<f64>,
+    /// For a mixture of experts over the GPU's budget, the link slots a layer: slots of
+    /// the budget that take the experts a pass misses, copied from the mapped file,
+    /// rather than holding experts resident; 0 leaves every missed expert's routes to
+    /// the CPU. Default: ROCMFORGE_EXPERT_LINK_SLOTS, else up to 4 (a quarter of the
+    /// slots at most).
+    #[arg(long, value_name = "N")]
+    expert_link_slots: Option<usize>,
     #[command(flatten)]
     staging: StagingArgs,
 }
@@ -462,6 +469,9 @@ impl TuningArgs {
         }
         if let Some(share) = self.host_rows_on_gpu {
             tuning.gpu.host_rows_share = Some(share);
+        }
+        if let Some(slots) = self.expert_link_slots {
+            tuning.gpu.expert_link_slots = Some(slots);
         }
         if let Some(ring) = self.staging.staging_ring {
             tuning.gpu.staging_ring = ring.into();

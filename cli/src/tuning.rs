@@ -9,6 +9,7 @@
 //! | `ROCMFORGE_CHAINED_LAUNCH` | [`hip_backend::set_chained_launch`] | allowed; `0` launches every kernel plainly |
 //! | `ROCMFORGE_FLASH_MMA` | [`GpuTuning::flash_mma`] | allowed; `0` keeps a prompt's attention off the matrix units |
 //! | `ROCMFORGE_HOST_ROWS_ON_GPU` | [`GpuTuning::host_rows_share`] | the CPU's threads decide; a share between 0 and 1 |
+//! | `ROCMFORGE_EXPERT_LINK_SLOTS` | [`GpuTuning::expert_link_slots`] | up to 4 a layer, a quarter of the budget's slots at most; `0` leaves every missed expert's routes to the CPU |
 //! | `ROCMFORGE_STAGING_RING` | [`GpuTuning::staging_ring`] | `region`; `separate` allocates a buffer at a time |
 
 use model::gpu::GpuTuning;
@@ -22,6 +23,8 @@ pub const CHAINED_LAUNCH_ENV: &str = "ROCMFORGE_CHAINED_LAUNCH";
 pub const FLASH_MMA_ENV: &str = "ROCMFORGE_FLASH_MMA";
 /// A share between 0 and 1: the device's share of the host layers' rows.
 pub const HOST_ROWS_ON_GPU_ENV: &str = "ROCMFORGE_HOST_ROWS_ON_GPU";
+/// A count: a mixture of experts' link slots a layer over budget.
+pub const EXPERT_LINK_SLOTS_ENV: &str = "ROCMFORGE_EXPERT_LINK_SLOTS";
 /// `region` or `separate`: how the upload's staging buffers are allocated.
 pub const STAGING_RING_ENV: &str = "ROCMFORGE_STAGING_RING";
 
@@ -67,6 +70,14 @@ impl Tuning {
                 Ok(share) => tuning.gpu.host_rows_share = Some(share),
                 Err(_) => {
                     tracing::warn!(%value, "{HOST_ROWS_ON_GPU_ENV} is not a share between 0 and 1");
+                }
+            }
+        }
+        if let Some(value) = var(EXPERT_LINK_SLOTS_ENV) {
+            match value.trim().parse::<usize>() {
+                Ok(slots) => tuning.gpu.expert_link_slots = Some(slots),
+                Err(_) => {
+                    tracing::warn!(%value, "{EXPERT_LINK_SLOTS_ENV} is not a count of slots");
                 }
             }
         }
@@ -135,12 +146,14 @@ mod tests {
             (FLASH_MMA_ENV, "0"),
             (STAGING_RING_ENV, "separate"),
             (HOST_ROWS_ON_GPU_ENV, " 0.25\n"),
+            (EXPERT_LINK_SLOTS_ENV, "2"),
         ]);
         assert!(!tuning.cpu_avx512);
         assert!(!tuning.chained_launch);
         assert!(!tuning.gpu.flash_mma);
         assert_eq!(tuning.gpu.staging_ring, StagingRing::Separate);
         assert_eq!(tuning.gpu.host_rows_share, Some(0.25));
+        assert_eq!(tuning.gpu.expert_link_slots, Some(2));
     }
 
     #[test]
@@ -156,6 +169,8 @@ mod tests {
         assert_eq!(tuning, Tuning::default());
         assert_eq!(from(&[(STAGING_RING_ENV, " ")]), Tuning::default());
         assert_eq!(from(&[(HOST_ROWS_ON_GPU_ENV, "half")]), Tuning::default());
+        assert_eq!(from(&[(EXPERT_LINK_SLOTS_ENV, "-1")]), Tuning::default());
+        assert_eq!(from(&[(EXPERT_LINK_SLOTS_ENV, "four")]), Tuning::default());
         assert_eq!(parse_share("0"), Ok(0.0));
         assert_eq!(parse_share("1"), Ok(1.0));
         assert!(parse_share("NaN").is_err());

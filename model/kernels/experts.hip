@@ -159,9 +159,10 @@ __device__ void scan(int* a, int n) {
 }
 
 // One workgroup: the slots grouped by expert (order) and cut into tiles of at most
-// tile_tokens; the tiles past the routing's own, up to max_tiles, get a count of 0. The
-// order of slots within an expert follows the atomics and does not change any result
-// (each slot's products are its own).
+// tile_tokens; the tiles past the routing's own, up to max_tiles, get a count of 0. A
+// slot whose id is not an expert's (negative: a route computed elsewhere) is left out.
+// The order of slots within an expert follows the atomics and does not change any
+// result (each slot's products are its own).
 __global__ void __launch_bounds__(kTileThreads)
     tiles_kernel(const int* __restrict__ ids, int n_slots, int n_experts, int tile_tokens,
                  int max_tiles, int* __restrict__ tiles, int* __restrict__ order) {
@@ -172,7 +173,10 @@ __global__ void __launch_bounds__(kTileThreads)
     const int tid = threadIdx.x;
     for (int e = tid; e < n_experts; e += kTileThreads) count[e] = 0;
     __syncthreads();
-    for (int s = tid; s < n_slots; s += kTileThreads) atomicAdd(&count[ids[s]], 1);
+    for (int s = tid; s < n_slots; s += kTileThreads) {
+        const int e = ids[s];
+        if (e >= 0 && e < n_experts) atomicAdd(&count[e], 1);
+    }
     __syncthreads();
     for (int e = tid; e < n_experts; e += kTileThreads) {
         slot_end[e] = count[e];
@@ -198,12 +202,16 @@ __global__ void __launch_bounds__(kTileThreads)
         tiles[3 * tile + 2] = 0;
     }
     __syncthreads();
-    for (int s = tid; s < n_slots; s += kTileThreads) order[atomicAdd(&count[ids[s]], 1)] = s;
+    for (int s = tid; s < n_slots; s += kTileThreads) {
+        const int e = ids[s];
+        if (e >= 0 && e < n_experts) order[atomicAdd(&count[e], 1)] = s;
+    }
 }
 
 // x[t] += Σ_r w[t, r] · (y[t·k + r] + bias[ids[t·k + r]]) (rank by rank; the bias rows
 // of down's experts when given, gpt-oss), plus sigmoid(g[t]) · shared[t] when a shared
-// expert is given.
+// expert is given. A slot weighted 0 is skipped: its output may never have been written
+// (a route computed elsewhere, whose slot the products left out).
 __global__ void combine_kernel(const float* __restrict__ y, const float* __restrict__ w,
                                int n_tokens, int k, int d, const float* __restrict__ shared,
                                const float* __restrict__ shared_gate,
@@ -215,12 +223,14 @@ __global__ void combine_kernel(const float* __restrict__ y, const float* __restr
     const size_t t = i / d, c = i % d;
     float s = 0.0f;
     for (int r = 0; r < k; ++r) {
+        const float weight = w[t * k + r];
+        if (weight == 0.0f) continue;
         float v = y[(t * k + r) * d + c];
         if (bias) {
             const int e = ids[t * k + r];
             if (e >= 0 && e < n_bias_rows) v += bias[(size_t)e * d + c];
         }
-        s += v * w[t * k + r];
+        s += v * weight;
     }
     if (shared) s += shared[i] * (1.0f / (1.0f + expf(-shared_gate[t])));
     x[i] += s;

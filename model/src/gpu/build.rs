@@ -235,18 +235,22 @@ impl GpuModel {
             None => Vec::new(),
         };
         if let Some(slots) = pool_slots {
+            let link_slots = expert_pool::link_slots(slots, options.tuning.expert_link_slots);
             tracing::info!(
                 weights_mib = arena_bytes >> 20,
                 model_mib = model_bytes >> 20,
                 slots,
+                link_slots,
                 experts = config.experts.map_or(0, |e| e.count),
                 "a mixture of experts over its budget: every weight but the routed experts \
-                 on the device, and a pool of experts a layer resident by use"
+                 on the device, and a pool of experts a layer resident by use (of its slots, \
+                 the link slots take missed experts over the link)"
             );
             bufs.experts = Some(ExpertPools::new(
                 &device,
                 &plan,
                 slots,
+                link_slots,
                 batch_room,
                 config.n_embd,
             )?);

@@ -20,39 +20,72 @@
 //! a router that spreads its tokens evenly does not churn the pool, and one that favours
 //! some experts keeps those.
 //!
+//! A few more slots a layer, the link slots, hold no expert for long: once the
+//! experts' span of the mapped file is registered with the runtime (`link`), a pass
+//! copies some of the experts its pool misses straight from the mapping into them, at
+//! the link's rate (about 55 GB/s over an H200's PCIe 5, where 16 cores multiply one or
+//! two experts' few routes at 25 GB/s), and multiplies their routes on the device with
+//! the resident ones; the CPU takes the others. A few tokens leave the CPU a third of
+//! their misses (the least routed), so that both sides finish at about the same time,
+//! and give the link at most one round of them; a prompt's chunk gives the link every
+//! missed expert, a round of products for each fill of the link slots (the CPU's
+//! products of many tokens an expert are far slower than the link's copy).
+//!
 //! The tokens depend on residency only within the GPU's tolerance: a route's product is
 //! the CPU's bits or the GPU's, and the two halves' sums are added in a different order
 //! than one device's.
 
 mod layer;
+mod link;
 mod promoter;
 
 use hip_backend::{Device, DeviceBuffer, DeviceView, DeviceViewMut, Event, PinnedBuffer, Stream};
 use tensor_store::TensorHandle;
 
-use super::gpu;
+use super::{gpu, MAX_BATCH};
 use crate::cpu::{on_the_pool, routed_part, MoeScratch, Pick};
 use crate::plan::{ExecutionPlan, ExpertMatrices, ExpertsPlan, FfnPlan};
 use crate::ModelError;
 use layer::{arrived, fill_free, promote, LayerPool, PoolMatrix, Slot};
+use link::Link;
 use promoter::Promoter;
 
 /// A layer's route counts are halved once it has routed this many tokens per expert.
 const AGING_ROUTES_PER_EXPERT: u64 = 8;
+
+/// Link slots a layer unless the caller asks for another count
+/// ([`crate::gpu::GpuTuning::expert_link_slots`]), at most a quarter of the slots the
+/// budget holds: a decoded token of Qwen3-30B-A3B's shape misses about two of its eight
+/// routes a layer where three quarters of the experts are resident.
+pub(super) const LINK_SLOTS: usize = 4;
+
+/// How many of the `total` slots a layer that the budget holds become link slots:
+/// `asked`, or [`LINK_SLOTS`], at most a quarter of them (all of them when asked).
+pub(super) fn link_slots(total: usize, asked: Option<usize>) -> usize {
+    match asked {
+        Some(slots) => slots.min(total),
+        None => LINK_SLOTS.min(total / 4),
+    }
+}
 
 /// What the pools have done since the model was built.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ExpertStats {
     /// Routes of a token to an expert resident on the device, multiplied there.
     pub hits: u64,
-    /// Routes to an expert that was not, multiplied on the host.
+    /// Routes to an expert that was not: brought over the link and multiplied on the
+    /// device (`linked` of them), or multiplied on the host.
     pub misses: u64,
+    pub linked: u64,
     /// Experts copied into a slot.
     pub promotions: u64,
     /// Of those, the ones that took a slot from another expert.
     pub evictions: u64,
-    /// Slots of each layer's pool.
+    /// Slots of each layer's pool that hold experts resident.
     pub slots_per_layer: usize,
+    /// Link slots of each layer's pool, while the link is in place (0 before its
+    /// registration has ended, and where it failed).
+    pub link_slots: usize,
     /// Experts in the pools now, over every layer.
     pub resident: usize,
     /// Nanoseconds the passes waited for the device's routes (its work up to each
@@ -75,9 +108,11 @@ impl std::ops::Add for ExpertStats {
         ExpertStats {
             hits: self.hits + other.hits,
             misses: self.misses + other.misses,
+            linked: self.linked + other.linked,
             promotions: self.promotions + other.promotions,
             evictions: self.evictions + other.evictions,
             slots_per_layer: self.slots_per_layer.max(other.slots_per_layer),
+            link_slots: self.link_slots.max(other.link_slots),
             resident: self.resident + other.resident,
             wait_ns: self.wait_ns + other.wait_ns,
             host_ns: self.host_ns + other.host_ns,
@@ -130,6 +165,8 @@ struct HostSide {
     device_weights: PinnedBuffer<f32>,
     partial: PinnedBuffer<f32>,
     picks: Vec<Pick>,
+    /// The experts of this pass that come over the link.
+    linked: Vec<Linked>,
     scratch: MoeScratch,
 }
 
@@ -139,7 +176,10 @@ pub(in crate::gpu) struct ExpertPools {
     memory: DeviceBuffer<u8>,
     /// Indexed by layer; `None` for a dense layer.
     layers: Vec<Option<LayerPool>>,
+    /// Slots of experts resident by use, and after them the link slots.
     slots_per_layer: usize,
+    link_slots: usize,
+    link: Link,
     promoter: Promoter,
     /// Promotions' copies.
     copies: Stream,
@@ -156,22 +196,34 @@ pub(in crate::gpu) struct ExpertPools {
     pub(super) ones: DeviceBuffer<f32>,
 }
 
-/// How a layer's routes were split: how many go to the device.
+/// How a layer's routes were split: how many go to the device, in how many rounds of
+/// products (one, and one more for each time the link slots fill up).
 pub(super) struct Split {
     pub on_device: usize,
     pub on_host: usize,
+    pub rounds: usize,
+}
+
+/// A missed expert brought over the link: its round and link slot.
+struct Linked {
+    expert: usize,
+    round: usize,
+    slot: usize,
 }
 
 impl ExpertPools {
-    /// Pools of `slots` slots for each layer of `plan` with experts, on `device`, for
-    /// passes of up to `max_tokens` tokens.
+    /// Pools of `slots` slots (`link_slots` of them link slots) for each layer of
+    /// `plan` with experts, on `device`, for passes of up to `max_tokens` tokens.
     pub fn new(
         device: &Device,
         plan: &ExecutionPlan,
         slots: usize,
+        link_slots: usize,
         max_tokens: usize,
         d: usize,
     ) -> Result<ExpertPools, ModelError> {
+        let link_slots = link_slots.min(slots);
+        let slots = slots - link_slots;
         let alloc = gpu("the experts' pools");
         let mut layers = Vec::with_capacity(plan.layers.len());
         let mut used = 0;
@@ -187,7 +239,7 @@ impl ExpertPools {
                     let expert_bytes = expert_bytes(m) as usize;
                     // Each matrix's slots start on a 256-byte boundary.
                     let at = total;
-                    total += (slots * expert_bytes).next_multiple_of(256);
+                    total += ((slots + link_slots) * expert_bytes).next_multiple_of(256);
                     PoolMatrix {
                         at,
                         expert_bytes,
@@ -208,6 +260,17 @@ impl ExpertPools {
         let staging = slot_bytes(plan).into_iter().max().unwrap_or(0) as usize;
         let promoter = Promoter::new(device, staging)?;
         let routes = max_tokens * used.max(1);
+        // The most rounds a pass takes: every expert of a layer over the link.
+        let most_experts = plan
+            .layers
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                FfnPlan::Experts(e) => Some(e.experts.count),
+                FfnPlan::Dense(_) => None,
+            })
+            .max()
+            .unwrap_or(0);
+        let max_rounds = most_experts.div_ceil(link_slots.max(1)).max(1);
         let pinned = |len: usize| device.alloc_pinned::<f32>(len.max(1)).map_err(&alloc);
         let pinned_i32 = |len: usize| device.alloc_pinned::<i32>(len.max(1)).map_err(&alloc);
         let mut ones = device.alloc::<f32>(max_tokens.max(1)).map_err(&alloc)?;
@@ -230,6 +293,8 @@ impl ExpertPools {
             memory,
             layers,
             slots_per_layer: slots,
+            link_slots,
+            link: Link::new(device, pooled_tensors(plan), link_slots),
             promoter,
             copies: stream,
             device: device.clone(),
@@ -240,10 +305,11 @@ impl ExpertPools {
                 ids: pinned_i32(routes)?,
                 weights: pinned(routes)?,
                 h: pinned(max_tokens * d)?,
-                slot_ids: pinned_i32(routes)?,
+                slot_ids: pinned_i32(routes * max_rounds)?,
                 device_weights: pinned(routes)?,
                 partial: pinned(max_tokens * d)?,
                 picks: Vec::new(),
+                linked: Vec::new(),
                 scratch: MoeScratch::default(),
             },
             slot_ids: device.alloc::<i32>(routes.max(1)).map_err(&alloc)?,
@@ -254,14 +320,20 @@ impl ExpertPools {
         })
     }
 
-    /// Slots of each layer's pool.
-    pub fn slots(&self) -> usize {
-        self.slots_per_layer
+    /// Slots of each layer's pool as the routed products index them: the resident
+    /// ones, then the link slots.
+    pub fn device_slots(&self) -> usize {
+        self.slots_per_layer + self.link_slots
     }
 
     pub fn stats(&self) -> ExpertStats {
         ExpertStats {
             slots_per_layer: self.slots_per_layer,
+            link_slots: if self.link.ready() {
+                self.link_slots
+            } else {
+                0
+            },
             resident: self
                 .layers
                 .iter()
@@ -300,11 +372,12 @@ impl ExpertPools {
     }
 
     /// Lands the staged experts, promotes more into free slots, and says whether every
-    /// slot of every pool is resident: a step of waiting for the pools to fill without
-    /// a pass (the passes fill them too, by use).
+    /// slot of every pool is resident and the link's registration has ended: a step of
+    /// waiting for the pools to fill without a pass (the passes fill them too, by use).
     pub fn fill(&mut self) -> Result<bool, ModelError> {
         self.land()?;
-        let mut full = true;
+        self.link.poll();
+        let mut full = self.link.settled();
         for (layer, pool) in self.layers.iter_mut().enumerate() {
             let Some(pool) = pool else { continue };
             arrived(pool, &mut self.spare_events, self.clock)?;
@@ -359,8 +432,8 @@ impl ExpertPools {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Queues the copies of the `routes` device routes' slots (into `slot_ids`) and
-    /// weights (into `weights`) that [`ExpertPools::split`] made.
+    /// Queues the copies of the `routes` device routes' weights (into `weights`) that
+    /// [`ExpertPools::split`] made, and of the slots of its first round.
     pub fn send_routes(
         &mut self,
         stream: &Stream,
@@ -368,20 +441,64 @@ impl ExpertPools {
         weights: DeviceViewMut<'_, f32>,
     ) -> Result<(), ModelError> {
         let send = gpu("sending a layer's device routes");
-        let host = &mut self.host;
-        let slots = self.slot_ids.slice_mut(0..routes).map_err(&send)?;
         stream
-            .copy_h2d_async(&mut host.slot_ids, 0..routes, slots)
+            .copy_h2d_async(&mut self.host.device_weights, 0..routes, weights)
             .map_err(&send)?;
+        self.send_round(stream, routes, 0)
+    }
+
+    /// Queues the copy of the slots of the `routes` routes in round `round` into
+    /// `slot_ids` (after the products of the round before, which read them).
+    pub fn send_round(
+        &mut self,
+        stream: &Stream,
+        routes: usize,
+        round: usize,
+    ) -> Result<(), ModelError> {
+        let send = gpu("sending a layer's device routes");
+        let slots = self.slot_ids.slice_mut(0..routes).map_err(&send)?;
+        let from = round * routes;
         stream
-            .copy_h2d_async(&mut host.device_weights, 0..routes, weights)
+            .copy_h2d_async(&mut self.host.slot_ids, from..from + routes, slots)
             .map_err(&send)
+    }
+
+    /// Queues the copies of the experts [`ExpertPools::split`] gave the link in round
+    /// `round` into their link slots of layer `layer`, from the registered mapping.
+    pub fn fetch_linked(
+        &mut self,
+        stream: &Stream,
+        layer: usize,
+        round: usize,
+    ) -> Result<(), ModelError> {
+        if !self.host.linked.iter().any(|l| l.round == round) {
+            return Ok(());
+        }
+        let Some(registered) = self.link.poll() else {
+            unreachable!("experts go over the link only once it is ready")
+        };
+        let Some(Some(pool)) = self.layers.get(layer) else {
+            unreachable!("only a layer with experts is pooled")
+        };
+        let fetch = gpu("copying a missed expert over the link");
+        let linked = self.host.linked.iter().filter(|l| l.round == round);
+        for &Linked { expert, slot, .. } in linked {
+            for m in &pool.mats {
+                let eb = m.expert_bytes;
+                let to = m.at + slot * eb;
+                let dst = self.memory.slice_mut(to..to + eb).map_err(&fetch)?;
+                // SAFETY: the registration lives as long as the pools, whose drop waits
+                // for the device first.
+                unsafe { registered.copy(stream, &m.tensor, expert * eb, dst) }.map_err(&fetch)?;
+            }
+        }
+        Ok(())
     }
 
     /// Layer `layer`'s pool's matrices as the routed products take them.
     pub fn matrices(&self, layer: usize) -> Result<Vec<DeviceView<'_, u8>>, ModelError> {
         let pool = self.layer(layer);
-        let slots = self.slots_per_layer;
+        let slots = self.device_slots();
         pool.mats
             .iter()
             .map(|m| {
@@ -423,8 +540,8 @@ impl ExpertPools {
         host.picks.clear();
         let mut in_use = vec![false; pool.slots.len()];
         let mut missed = Vec::new();
-        let mut first_slot = None;
-        for i in 0..n * k {
+        let routes = n * k;
+        for i in 0..routes {
             let expert = usize::try_from(ids[i])
                 .ok()
                 .filter(|&x| x < count)
@@ -439,7 +556,6 @@ impl ExpertPools {
                 Some((s, Slot::Resident { last, .. })) => {
                     *last = clock;
                     in_use[s] = true;
-                    first_slot.get_or_insert(s);
                     slot_ids[i] = s as i32;
                     device_weights[i] = weights[i];
                 }
@@ -458,14 +574,39 @@ impl ExpertPools {
                 }
             }
         }
-        // The host's routes on the device read a slot in use, weighted 0.
-        let dummy = first_slot.unwrap_or(0) as i32;
-        for id in slot_ids[..n * k].iter_mut().filter(|id| **id < 0) {
-            *id = dummy;
+        let missed_routes = host.picks.len();
+        // Some of the missed experts over the link, when it is ready: in rounds of as
+        // many as there are link slots, each round's routes in slot ids of their own
+        // (the routes of the others -1: left out of that round's products).
+        host.linked.clear();
+        let mut rounds = 1;
+        if self.link_slots > 0 && self.link.poll().is_some() {
+            let per_round = self.link_slots;
+            let linked = over_the_link(&host.picks, n, per_round);
+            rounds = linked.len().div_ceil(per_round).max(1);
+            slot_ids[routes..rounds * routes].fill(-1);
+            host.linked
+                .extend(linked.into_iter().enumerate().map(|(j, expert)| Linked {
+                    expert,
+                    round: j / per_round,
+                    slot: self.slots_per_layer + j % per_round,
+                }));
+            let linked = &host.linked;
+            host.picks.retain(|p| {
+                let Some(l) = linked.iter().find(|l| l.expert == p.expert) else {
+                    return true;
+                };
+                let i = p.token * k + p.rank;
+                slot_ids[l.round * routes + i] = l.slot as i32;
+                device_weights[i] = p.weight;
+                false
+            });
         }
         let on_host = host.picks.len();
-        self.stats.hits += (n * k - on_host) as u64;
-        self.stats.misses += on_host as u64;
+        let linked = missed_routes - on_host;
+        self.stats.hits += (n * k - missed_routes) as u64;
+        self.stats.misses += missed_routes as u64;
+        self.stats.linked += linked as u64;
         pool.routes += (n * k) as u64;
         if pool.routes >= AGING_ROUTES_PER_EXPERT * count as u64 {
             pool.routes = 0;
@@ -519,8 +660,9 @@ impl ExpertPools {
         // Free slots take the most routed experts not in the pool yet.
         fill_free(&mut self.promoter, &mut self.stats, pool, layer);
         Ok(Split {
-            on_device: n * k - on_host,
+            on_device: routes - on_host,
             on_host,
+            rounds,
         })
     }
 
@@ -559,9 +701,85 @@ impl ExpertPools {
     }
 }
 
+/// Which of the experts of the host's routes `picks` (of a pass of `n` tokens) the link
+/// brings, the most routed first (the lowest index among equals). A few tokens
+/// ([`MAX_BATCH`] at most) leave the CPU the third least routed of them, and the link
+/// takes at most `link_slots` (one round); a prompt's chunk, whose experts each
+/// multiply many tokens, gives the link every one, in as many rounds as they take.
+fn over_the_link(picks: &[Pick], n: usize, link_slots: usize) -> Vec<usize> {
+    let mut routed: Vec<(usize, usize)> = Vec::new();
+    for p in picks {
+        match routed.iter_mut().find(|(x, _)| *x == p.expert) {
+            Some((_, routes)) => *routes += 1,
+            None => routed.push((p.expert, 1)),
+        }
+    }
+    routed.sort_by_key(|&(x, routes)| (std::cmp::Reverse(routes), x));
+    let to_link = if n <= MAX_BATCH {
+        (routed.len() - routed.len() / 3).min(link_slots)
+    } else if link_slots > 0 {
+        routed.len()
+    } else {
+        0
+    };
+    routed[..to_link].iter().map(|&(x, _)| x).collect()
+}
+
 impl Drop for ExpertPools {
     fn drop(&mut self) {
-        // The staging buffers go once the copies from them have run.
+        // The staging buffers go once the copies from them have run, and the link's
+        // registration once the passes' copies from it have.
         self.copies.synchronize().ok();
+        if self.link.ready() {
+            self.device.synchronize().ok();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_slots_are_a_quarter_of_the_budgets_at_most_unless_asked() {
+        assert_eq!(link_slots(96, None), LINK_SLOTS);
+        assert_eq!(link_slots(8, None), 2);
+        assert_eq!(link_slots(3, None), 0);
+        assert_eq!(link_slots(0, None), 0);
+        assert_eq!(link_slots(96, Some(0)), 0);
+        assert_eq!(link_slots(8, Some(6)), 6);
+        assert_eq!(link_slots(2, Some(6)), 2);
+    }
+
+    fn picks(routes: &[(usize, usize)]) -> Vec<Pick> {
+        routes
+            .iter()
+            .map(|&(token, expert)| Pick {
+                token,
+                rank: 0,
+                expert,
+                weight: 0.5,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_link_takes_the_most_routed_misses_and_a_decoded_token_leaves_the_cpu_a_third() {
+        // One token: five missed experts, the CPU keeps one (five thirds, rounded down)
+        // and the link takes up to its slots, lowest index first among equals.
+        let one = picks(&[(0, 9), (0, 4), (0, 7), (0, 2), (0, 5)]);
+        assert_eq!(over_the_link(&one, 1, 4), vec![2, 4, 5, 7]);
+        assert_eq!(over_the_link(&one, 1, 2), vec![2, 4]);
+        assert_eq!(over_the_link(&one[..2], 1, 4), vec![4, 9]);
+        assert_eq!(over_the_link(&one[..3], 1, 4), vec![4, 7]);
+        assert_eq!(over_the_link(&one, 1, 0), Vec::<usize>::new());
+        // A few tokens: the most routed first, the CPU's third left out.
+        let batch = picks(&[(0, 3), (1, 8), (1, 3), (2, 8), (2, 3), (3, 1), (3, 6)]);
+        assert_eq!(over_the_link(&batch, 4, 2), vec![3, 8]);
+        assert_eq!(over_the_link(&batch, 4, 8), vec![3, 8, 1]);
+        // A prompt's chunk: every missed expert, in as many rounds as they take.
+        assert_eq!(over_the_link(&batch, MAX_BATCH + 1, 2), vec![3, 8, 1, 6]);
+        assert!(over_the_link(&batch, MAX_BATCH + 1, 0).is_empty());
+        assert!(over_the_link(&[], 1, 4).is_empty());
     }
 }

@@ -142,6 +142,11 @@ pub struct GpuTuning {
     /// (between 0 and 1; 0 leaves every row to the CPU); `None`, the default: the share
     /// the CPU's threads give, so that both finish at about the same time.
     pub host_rows_share: Option<f64>,
+    /// Over budget, a mixture of experts' link slots a layer: of the slots the budget
+    /// holds, those that take the experts a pass misses over the link rather than
+    /// holding experts resident (`Some(0)`: none, the CPU computes every missed route);
+    /// `None`, the default: up to four, at most a quarter of the slots.
+    pub expert_link_slots: Option<usize>,
     /// How the upload's staging buffers are allocated
     /// ([`CacheConfig::staging_ring`](tensor_store::device::CacheConfig::staging_ring)).
     pub staging_ring: StagingRing,
@@ -152,6 +157,7 @@ impl Default for GpuTuning {
         GpuTuning {
             flash_mma: true,
             host_rows_share: None,
+            expert_link_slots: None,
             staging_ring: StagingRing::Region,
         }
     }

@@ -38,9 +38,16 @@ pub(super) fn routed(
     )?;
     let split = pools.split(e.layer, n, k)?;
     pools.send_routes(stream, slots, view_mut::<f32>(&mut moe.weights, slots)?)?;
-    if split.on_device > 0 {
-        let count = pools.slots();
-        let n_tiles = experts::max_tiles(slots, count, tile_tokens);
+    // The device's routes: the resident experts' and the link's first slots' in the
+    // first round, each later round the link slots filled again. (Without any, the
+    // combination skips every slot: each is weighted 0.)
+    let count = pools.device_slots();
+    let n_tiles = experts::max_tiles(slots, count, tile_tokens);
+    for round in 0..if split.on_device > 0 { split.rounds } else { 0 } {
+        if round > 0 {
+            pools.send_round(stream, slots, round)?;
+        }
+        pools.fetch_linked(stream, e.layer, round)?;
         let slot_ids = pools
             .slot_ids
             .slice(0..slots)
@@ -75,11 +82,6 @@ pub(super) fn routed(
             None,
             stream,
         )?;
-    } else {
-        // Every route on the host: the device's outputs, weighted 0, must be finite.
-        stream
-            .memset_async(view_mut::<f32>(&mut moe.out, slots * d)?, 0)
-            .map_err(gpu("clearing the experts' outputs"))?;
     }
     shared_and_combine(config, e, bufs, n, stream)?;
     if split.on_host == 0 {

@@ -122,8 +122,9 @@ pub fn moe_route(
     )
 }
 
-/// The slots of `ids` (expert indices below `n_experts`, as [`moe_route`] writes them)
-/// grouped by expert into `order`, and cut into `tiles` of at most `tile_tokens` slots
+/// The slots of `ids` (expert indices below `n_experts`, as [`moe_route`] writes them;
+/// a slot of another id, such as -1, is left out) grouped by expert into `order`, and
+/// cut into `tiles` of at most `tile_tokens` slots
 /// (`(expert, first, count)` triples, `tiles.len() / 3` of them, the unused with a count
 /// of 0): the layout `dequant::gpu::experts::routed_products` reads.
 pub fn moe_tiles(
@@ -165,7 +166,8 @@ pub fn moe_tiles(
 
 /// `x[t] += Σ_r weights[t, r] · y[t·used + r]` over `n_tokens` rows of `d` (with `bias`,
 /// each slot's expert's bias row added to its `y` first), plus `sigmoid(gate[t]) · s[t]`
-/// for a shared expert's output `s` and its gate's logits.
+/// for a shared expert's output `s` and its gate's logits. Slots weighted 0 are skipped,
+/// their rows of `y` never read.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_combine(
     y: DeviceView<'_, f32>,

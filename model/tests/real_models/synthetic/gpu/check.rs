@@ -13,15 +13,17 @@ pub(super) fn spec_prompt(name: &str, store: &TensorStore) -> Vec<u32> {
 }
 
 pub(super) fn check(name: &str) {
-    check_within(name, &format!("gpu_{name}"), |_| None);
+    check_within(name, &format!("gpu_{name}"), |_| None, false);
 }
 
 /// [`check`] with the weights' budget `budget` gives for the model (`None`: the whole
-/// model); returns what the pools of experts did, if the model ran with them.
+/// model), the pools of experts filled first when `wait_for_pools` (and the link in
+/// place); returns what the pools did, if the model ran with them.
 pub(super) fn check_within(
     name: &str,
     test: &str,
     budget: impl Fn(&Model) -> Option<u64>,
+    wait_for_pools: bool,
 ) -> Option<model::gpu::ExpertStats> {
     let test = test.to_owned();
     let (_dir, store, model) = open_spec(name);
@@ -35,6 +37,9 @@ pub(super) fn check_within(
     let budget = budget(&model);
     let open = |mode, batch| gpu_model_within(&test, &model, mode, context, batch, budget);
     let mut gpu = open(UploadMode::Background, PROMPT_BATCH)?;
+    if wait_for_pools {
+        gpu.wait_experts_resident().expect("the pools fill");
+    }
     let exact = Exact::of(name);
     let mut reroutes = Reroutes::of(name);
     let may_reroute = reroutes.allowed();
