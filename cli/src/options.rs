@@ -445,9 +445,10 @@ pub struct TuningArgs {
     host_rows_on_gpu: Option<f64>,
     /// For a mixture of experts over the GPU's budget, the link slots a layer: slots of
     /// the budget that take the experts a pass misses, copied from the mapped file,
-    /// rather than holding experts resident; 0 leaves every missed expert's routes to
-    /// the CPU. Default: ROCMFORGE_EXPERT_LINK_SLOTS, else up to 4 (a quarter of the
-    /// slots at most).
+    /// rather than holding experts resident (a budget without a slot gets them outside
+    /// it, shared by the layers); 0 leaves every missed expert's routes to the CPU.
+    /// Default: ROCMFORGE_EXPERT_LINK_SLOTS, else up to 4 (a quarter of the slots at
+    /// most).
     #[arg(long, value_name = "N")]
     expert_link_slots: Option<usize>,
     #[command(flatten)]

@@ -60,10 +60,14 @@ const AGING_ROUTES_PER_EXPERT: u64 = 8;
 pub(super) const LINK_SLOTS: usize = 4;
 
 /// How many of the `total` slots a layer that the budget holds become link slots:
-/// `asked`, or [`LINK_SLOTS`], at most a quarter of them (all of them when asked).
+/// `asked`, or [`LINK_SLOTS`], at most a quarter of them (all of them when asked). A
+/// budget without a slot gets link slots all the same ([`ExpertPools::new`] shares
+/// them among the layers, scratch of a few experts' bytes outside the budget).
 pub(super) fn link_slots(total: usize, asked: Option<usize>) -> usize {
     match asked {
+        Some(slots) if total == 0 => slots,
         Some(slots) => slots.min(total),
+        None if total == 0 => LINK_SLOTS,
         None => LINK_SLOTS.min(total / 4),
     }
 }
@@ -222,12 +226,45 @@ impl ExpertPools {
         max_tokens: usize,
         d: usize,
     ) -> Result<ExpertPools, ModelError> {
-        let link_slots = link_slots.min(slots);
-        let slots = slots - link_slots;
+        // Without a slot in the budget, the link slots are scratch that every layer
+        // shares (a layer's routed products finish before the next layer's copies, in
+        // the stream's order): one region a matrix, as large as its largest expert.
+        let shared_link = slots == 0 && link_slots > 0;
+        let link_slots = if shared_link {
+            link_slots
+        } else {
+            link_slots.min(slots)
+        };
+        let slots = slots - link_slots.min(slots);
         let alloc = gpu("the experts' pools");
         let mut layers = Vec::with_capacity(plan.layers.len());
         let mut used = 0;
         let mut total = 0;
+        let mut shared_at = Vec::new();
+        if shared_link {
+            for layer in &plan.layers {
+                let FfnPlan::Experts(e) = &layer.ffn else {
+                    continue;
+                };
+                for (i, m) in matrices(e).enumerate() {
+                    if shared_at.len() <= i {
+                        shared_at.push(0);
+                    }
+                    shared_at[i] = shared_at[i].max(expert_bytes(m) as usize);
+                }
+            }
+            for at in shared_at.iter_mut() {
+                let bytes = (link_slots * *at).next_multiple_of(256);
+                *at = total;
+                total += bytes;
+            }
+            tracing::info!(
+                link_slots,
+                mib = total >> 20,
+                "no slot of experts fits the budget: link slots shared by every layer, \
+                 outside it"
+            );
+        }
         for layer in &plan.layers {
             let FfnPlan::Experts(e) = &layer.ffn else {
                 layers.push(None);
@@ -235,11 +272,18 @@ impl ExpertPools {
             };
             used = used.max(e.experts.used);
             let mats: Vec<PoolMatrix> = matrices(e)
-                .map(|m| {
+                .enumerate()
+                .map(|(i, m)| {
                     let expert_bytes = expert_bytes(m) as usize;
                     // Each matrix's slots start on a 256-byte boundary.
-                    let at = total;
-                    total += ((slots + link_slots) * expert_bytes).next_multiple_of(256);
+                    let at = match shared_at.get(i) {
+                        Some(&at) => at,
+                        None => {
+                            let at = total;
+                            total += ((slots + link_slots) * expert_bytes).next_multiple_of(256);
+                            at
+                        }
+                    };
                     PoolMatrix {
                         at,
                         expert_bytes,
@@ -745,10 +789,13 @@ mod tests {
         assert_eq!(link_slots(96, None), LINK_SLOTS);
         assert_eq!(link_slots(8, None), 2);
         assert_eq!(link_slots(3, None), 0);
-        assert_eq!(link_slots(0, None), 0);
         assert_eq!(link_slots(96, Some(0)), 0);
         assert_eq!(link_slots(8, Some(6)), 6);
         assert_eq!(link_slots(2, Some(6)), 2);
+        // No slot in the budget: link slots shared by the layers, unless asked for none.
+        assert_eq!(link_slots(0, None), LINK_SLOTS);
+        assert_eq!(link_slots(0, Some(2)), 2);
+        assert_eq!(link_slots(0, Some(0)), 0);
     }
 
     fn picks(routes: &[(usize, usize)]) -> Vec<Pick> {

@@ -145,7 +145,8 @@ pub struct GpuTuning {
     /// Over budget, a mixture of experts' link slots a layer: of the slots the budget
     /// holds, those that take the experts a pass misses over the link rather than
     /// holding experts resident (`Some(0)`: none, the CPU computes every missed route);
-    /// `None`, the default: up to four, at most a quarter of the slots.
+    /// `None`, the default: up to four, at most a quarter of the slots. A budget without
+    /// a slot gets them as scratch outside it, shared by the layers.
     pub expert_link_slots: Option<usize>,
     /// How the upload's staging buffers are allocated
     /// ([`CacheConfig::staging_ring`](tensor_store::device::CacheConfig::staging_ring)).

@@ -72,6 +72,7 @@ gpu_pooled! {
     gpu_pooled_qwen3moe_half => "qwen3moe-random" at 0.5, ByUse,
     gpu_pooled_qwen3moe_half_linked => "qwen3moe-random" at 0.5, First,
     gpu_pooled_qwen3moe_none => "qwen3moe-random" at 0.0, ByUse,
+    gpu_pooled_qwen3moe_none_linked => "qwen3moe-random" at 0.0, First,
     gpu_pooled_qwen2moe_quarter => "qwen2moe-random" at 0.25, ByUse,
     gpu_pooled_llama_moe_half => "llama-moe-random" at 0.5, ByUse,
     gpu_pooled_gpt_oss_half => "gpt-oss" at 0.5, ByUse,
