@@ -38,93 +38,23 @@
 mod layer;
 mod link;
 mod promoter;
+mod stats;
 
 use hip_backend::{Device, DeviceBuffer, DeviceView, DeviceViewMut, Event, PinnedBuffer, Stream};
 use tensor_store::TensorHandle;
 
-use super::{gpu, MAX_BATCH};
+use super::gpu;
 use crate::cpu::{on_the_pool, routed_part, MoeScratch, Pick};
 use crate::plan::{ExecutionPlan, ExpertMatrices, ExpertsPlan, FfnPlan};
 use crate::ModelError;
 use layer::{arrived, fill_free, promote, LayerPool, PoolMatrix, Slot};
-use link::Link;
+pub(in crate::gpu) use link::link_slots;
+use link::{over_the_link, Link};
 use promoter::Promoter;
+pub use stats::ExpertStats;
 
 /// A layer's route counts are halved once it has routed this many tokens per expert.
 const AGING_ROUTES_PER_EXPERT: u64 = 8;
-
-/// Link slots a layer unless the caller asks for another count
-/// ([`crate::gpu::GpuTuning::expert_link_slots`]), at most a quarter of the slots the
-/// budget holds: a decoded token of Qwen3-30B-A3B's shape misses about two of its eight
-/// routes a layer where three quarters of the experts are resident.
-pub(super) const LINK_SLOTS: usize = 4;
-
-/// How many of the `total` slots a layer that the budget holds become link slots:
-/// `asked`, or [`LINK_SLOTS`], at most a quarter of them (all of them when asked). A
-/// budget without a slot gets link slots all the same ([`ExpertPools::new`] shares
-/// them among the layers, scratch of a few experts' bytes outside the budget).
-pub(super) fn link_slots(total: usize, asked: Option<usize>) -> usize {
-    match asked {
-        Some(slots) if total == 0 => slots,
-        Some(slots) => slots.min(total),
-        None if total == 0 => LINK_SLOTS,
-        None => LINK_SLOTS.min(total / 4),
-    }
-}
-
-/// What the pools have done since the model was built.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ExpertStats {
-    /// Routes of a token to an expert resident on the device, multiplied there.
-    pub hits: u64,
-    /// Routes to an expert that was not: brought over the link and multiplied on the
-    /// device (`linked` of them), or multiplied on the host.
-    pub misses: u64,
-    pub linked: u64,
-    /// Experts copied into a slot.
-    pub promotions: u64,
-    /// Of those, the ones that took a slot from another expert.
-    pub evictions: u64,
-    /// Slots of each layer's pool that hold experts resident.
-    pub slots_per_layer: usize,
-    /// Link slots of each layer's pool, while the link is in place (0 before its
-    /// registration has ended, and where it failed).
-    pub link_slots: usize,
-    /// Experts in the pools now, over every layer.
-    pub resident: usize,
-    /// Nanoseconds the passes waited for the device's routes (its work up to each
-    /// router included), and spent on the host's routes (the CPU's products and the
-    /// copy of their sum queued).
-    pub wait_ns: u64,
-    pub host_ns: u64,
-    /// Layer passes that sent routes to the host, and the nanoseconds of theirs spent
-    /// in the CPU's products alone (the rest of `host_ns` is reading and queueing).
-    pub host_passes: u64,
-    pub host_product_ns: u64,
-}
-
-/// The pools of several models (replicas of one) added up: every count and the experts
-/// resident; the slots of a layer's pool are each one's.
-impl std::ops::Add for ExpertStats {
-    type Output = ExpertStats;
-
-    fn add(self, other: ExpertStats) -> ExpertStats {
-        ExpertStats {
-            hits: self.hits + other.hits,
-            misses: self.misses + other.misses,
-            linked: self.linked + other.linked,
-            promotions: self.promotions + other.promotions,
-            evictions: self.evictions + other.evictions,
-            slots_per_layer: self.slots_per_layer.max(other.slots_per_layer),
-            link_slots: self.link_slots.max(other.link_slots),
-            resident: self.resident + other.resident,
-            wait_ns: self.wait_ns + other.wait_ns,
-            host_ns: self.host_ns + other.host_ns,
-            host_passes: self.host_passes + other.host_passes,
-            host_product_ns: self.host_product_ns + other.host_product_ns,
-        }
-    }
-}
 
 /// Bytes of one expert's matrices (`gate` if any, `up`, `down`) of each layer with
 /// experts, in layer order: what a slot of that layer's pool takes.
@@ -745,30 +675,6 @@ impl ExpertPools {
     }
 }
 
-/// Which of the experts of the host's routes `picks` (of a pass of `n` tokens) the link
-/// brings, the most routed first (the lowest index among equals). A few tokens
-/// ([`MAX_BATCH`] at most) leave the CPU the third least routed of them, and the link
-/// takes at most `link_slots` (one round); a prompt's chunk, whose experts each
-/// multiply many tokens, gives the link every one, in as many rounds as they take.
-fn over_the_link(picks: &[Pick], n: usize, link_slots: usize) -> Vec<usize> {
-    let mut routed: Vec<(usize, usize)> = Vec::new();
-    for p in picks {
-        match routed.iter_mut().find(|(x, _)| *x == p.expert) {
-            Some((_, routes)) => *routes += 1,
-            None => routed.push((p.expert, 1)),
-        }
-    }
-    routed.sort_by_key(|&(x, routes)| (std::cmp::Reverse(routes), x));
-    let to_link = if n <= MAX_BATCH {
-        (routed.len() - routed.len() / 3).min(link_slots)
-    } else if link_slots > 0 {
-        routed.len()
-    } else {
-        0
-    };
-    routed[..to_link].iter().map(|&(x, _)| x).collect()
-}
-
 impl Drop for ExpertPools {
     fn drop(&mut self) {
         // The staging buffers go once the copies from them have run, and the link's
@@ -777,56 +683,5 @@ impl Drop for ExpertPools {
         if self.link.ready() {
             self.device.synchronize().ok();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn link_slots_are_a_quarter_of_the_budgets_at_most_unless_asked() {
-        assert_eq!(link_slots(96, None), LINK_SLOTS);
-        assert_eq!(link_slots(8, None), 2);
-        assert_eq!(link_slots(3, None), 0);
-        assert_eq!(link_slots(96, Some(0)), 0);
-        assert_eq!(link_slots(8, Some(6)), 6);
-        assert_eq!(link_slots(2, Some(6)), 2);
-        // No slot in the budget: link slots shared by the layers, unless asked for none.
-        assert_eq!(link_slots(0, None), LINK_SLOTS);
-        assert_eq!(link_slots(0, Some(2)), 2);
-        assert_eq!(link_slots(0, Some(0)), 0);
-    }
-
-    fn picks(routes: &[(usize, usize)]) -> Vec<Pick> {
-        routes
-            .iter()
-            .map(|&(token, expert)| Pick {
-                token,
-                rank: 0,
-                expert,
-                weight: 0.5,
-            })
-            .collect()
-    }
-
-    #[test]
-    fn the_link_takes_the_most_routed_misses_and_a_decoded_token_leaves_the_cpu_a_third() {
-        // One token: five missed experts, the CPU keeps one (five thirds, rounded down)
-        // and the link takes up to its slots, lowest index first among equals.
-        let one = picks(&[(0, 9), (0, 4), (0, 7), (0, 2), (0, 5)]);
-        assert_eq!(over_the_link(&one, 1, 4), vec![2, 4, 5, 7]);
-        assert_eq!(over_the_link(&one, 1, 2), vec![2, 4]);
-        assert_eq!(over_the_link(&one[..2], 1, 4), vec![4, 9]);
-        assert_eq!(over_the_link(&one[..3], 1, 4), vec![4, 7]);
-        assert_eq!(over_the_link(&one, 1, 0), Vec::<usize>::new());
-        // A few tokens: the most routed first, the CPU's third left out.
-        let batch = picks(&[(0, 3), (1, 8), (1, 3), (2, 8), (2, 3), (3, 1), (3, 6)]);
-        assert_eq!(over_the_link(&batch, 4, 2), vec![3, 8]);
-        assert_eq!(over_the_link(&batch, 4, 8), vec![3, 8, 1]);
-        // A prompt's chunk: every missed expert, in as many rounds as they take.
-        assert_eq!(over_the_link(&batch, MAX_BATCH + 1, 2), vec![3, 8, 1, 6]);
-        assert!(over_the_link(&batch, MAX_BATCH + 1, 0).is_empty());
-        assert!(over_the_link(&[], 1, 4).is_empty());
     }
 }

@@ -1,5 +1,6 @@
-//! The routed experts' bytes in the mapped file, registered with the runtime so that a
-//! pass can copy the experts its pool misses straight into the link slots.
+//! The link slots: how many a layer gets, which of a pass's missed experts go through
+//! them, and the routed experts' bytes in the mapped file, registered with the runtime
+//! so that a pass can copy those experts straight into them.
 //!
 //! Registering pins every page of the experts' span (most of the file), which takes the
 //! runtime a while: it runs on a thread of its own, started by the first pass (or the
@@ -12,8 +13,53 @@ use std::thread::JoinHandle;
 use hip_backend::Device;
 use tensor_store::TensorHandle;
 
+use crate::cpu::Pick;
 use crate::gpu::mapped::Registered;
+use crate::gpu::MAX_BATCH;
 use crate::ModelError;
+
+/// Link slots a layer unless the caller asks for another count
+/// ([`crate::gpu::GpuTuning::expert_link_slots`]), at most a quarter of the slots the
+/// budget holds: a decoded token of Qwen3-30B-A3B's shape misses about two of its eight
+/// routes a layer where three quarters of the experts are resident.
+pub(super) const LINK_SLOTS: usize = 4;
+
+/// How many of the `total` slots a layer that the budget holds become link slots:
+/// `asked`, or [`LINK_SLOTS`], at most a quarter of them (all of them when asked). A
+/// budget without a slot gets link slots all the same ([`super::ExpertPools::new`] shares
+/// them among the layers, scratch of a few experts' bytes outside the budget).
+pub(in crate::gpu) fn link_slots(total: usize, asked: Option<usize>) -> usize {
+    match asked {
+        Some(slots) if total == 0 => slots,
+        Some(slots) => slots.min(total),
+        None if total == 0 => LINK_SLOTS,
+        None => LINK_SLOTS.min(total / 4),
+    }
+}
+
+/// Which of the experts of the host's routes `picks` (of a pass of `n` tokens) the link
+/// brings, the most routed first (the lowest index among equals). A few tokens
+/// ([`MAX_BATCH`] at most) leave the CPU the third least routed of them, and the link
+/// takes at most `link_slots` (one round); a prompt's chunk, whose experts each
+/// multiply many tokens, gives the link every one, in as many rounds as they take.
+pub(super) fn over_the_link(picks: &[Pick], n: usize, link_slots: usize) -> Vec<usize> {
+    let mut routed: Vec<(usize, usize)> = Vec::new();
+    for p in picks {
+        match routed.iter_mut().find(|(x, _)| *x == p.expert) {
+            Some((_, routes)) => *routes += 1,
+            None => routed.push((p.expert, 1)),
+        }
+    }
+    routed.sort_by_key(|&(x, routes)| (std::cmp::Reverse(routes), x));
+    let to_link = if n <= MAX_BATCH {
+        (routed.len() - routed.len() / 3).min(link_slots)
+    } else if link_slots > 0 {
+        routed.len()
+    } else {
+        0
+    };
+    routed[..to_link].iter().map(|&(x, _)| x).collect()
+}
 
 type Registering = JoinHandle<Result<Option<Registered>, ModelError>>;
 
@@ -110,5 +156,56 @@ impl Drop for Link {
         if let State::Registering(thread) = std::mem::replace(&mut self.state, State::Off) {
             thread.join().ok();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_slots_are_a_quarter_of_the_budgets_at_most_unless_asked() {
+        assert_eq!(link_slots(96, None), LINK_SLOTS);
+        assert_eq!(link_slots(8, None), 2);
+        assert_eq!(link_slots(3, None), 0);
+        assert_eq!(link_slots(96, Some(0)), 0);
+        assert_eq!(link_slots(8, Some(6)), 6);
+        assert_eq!(link_slots(2, Some(6)), 2);
+        // No slot in the budget: link slots shared by the layers, unless asked for none.
+        assert_eq!(link_slots(0, None), LINK_SLOTS);
+        assert_eq!(link_slots(0, Some(2)), 2);
+        assert_eq!(link_slots(0, Some(0)), 0);
+    }
+
+    fn picks(routes: &[(usize, usize)]) -> Vec<Pick> {
+        routes
+            .iter()
+            .map(|&(token, expert)| Pick {
+                token,
+                rank: 0,
+                expert,
+                weight: 0.5,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_link_takes_the_most_routed_misses_and_a_decoded_token_leaves_the_cpu_a_third() {
+        // One token: five missed experts, the CPU keeps one (five thirds, rounded down)
+        // and the link takes up to its slots, lowest index first among equals.
+        let one = picks(&[(0, 9), (0, 4), (0, 7), (0, 2), (0, 5)]);
+        assert_eq!(over_the_link(&one, 1, 4), vec![2, 4, 5, 7]);
+        assert_eq!(over_the_link(&one, 1, 2), vec![2, 4]);
+        assert_eq!(over_the_link(&one[..2], 1, 4), vec![4, 9]);
+        assert_eq!(over_the_link(&one[..3], 1, 4), vec![4, 7]);
+        assert_eq!(over_the_link(&one, 1, 0), Vec::<usize>::new());
+        // A few tokens: the most routed first, the CPU's third left out.
+        let batch = picks(&[(0, 3), (1, 8), (1, 3), (2, 8), (2, 3), (3, 1), (3, 6)]);
+        assert_eq!(over_the_link(&batch, 4, 2), vec![3, 8]);
+        assert_eq!(over_the_link(&batch, 4, 8), vec![3, 8, 1]);
+        // A prompt's chunk: every missed expert, in as many rounds as they take.
+        assert_eq!(over_the_link(&batch, MAX_BATCH + 1, 2), vec![3, 8, 1, 6]);
+        assert!(over_the_link(&batch, MAX_BATCH + 1, 0).is_empty());
+        assert!(over_the_link(&[], 1, 4).is_empty());
     }
 }
