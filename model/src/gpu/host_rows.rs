@@ -25,7 +25,7 @@ use hip_backend::{Device, DeviceBuffer, PinnedBuffer, Stream};
 use tensor_store::TensorHandle;
 
 use super::forward::product_error;
-use super::mapped::Registered;
+use super::mapped::{Pieces, Registered};
 use super::{gpu, HOST_TOKENS};
 use crate::cpu::RowOffload;
 use crate::plan::{ExecutionPlan, LayerPlan, Linear};
@@ -80,7 +80,9 @@ impl HostRows {
             .collect();
         let lins: Vec<&Linear> = groups.iter().flatten().copied().collect();
         let tensors: Vec<TensorHandle> = lins.iter().map(|l| l.weight.clone()).collect();
-        let Some(registered) = Registered::new(device, tensors, "host layers' rows all")? else {
+        let Some(registered) =
+            Registered::new(device, tensors, "host layers' rows all", Pieces::WHOLE)?
+        else {
             return Ok(None);
         };
         // The most any group of products needs at once.

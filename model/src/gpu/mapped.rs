@@ -7,49 +7,87 @@ use tensor_store::TensorHandle;
 
 use crate::ModelError;
 
-/// The mapped pages around some tensors, registered with a device's runtime.
+/// The mapped pages around some tensors, registered with a device's runtime in pieces
+/// of `piece` bytes (the last one shorter).
 pub(super) struct Registered {
     // Dropped first: unregistered before the handles below let the mapping go.
-    registration: HostRegistration<'static>,
-    /// The file offset of the registration's first byte.
+    pieces: Vec<HostRegistration<'static>>,
+    piece: usize,
+    /// The file offset of the first piece's first byte.
     base: u64,
     /// The tensors in the span, which keep the file mapped.
     _tensors: Vec<TensorHandle>,
 }
 
+/// How a span is registered: in pieces of `bytes` (a multiple of the page), with
+/// `pause` between two pieces. The runtime holds its lock while it pins a piece, and
+/// the other threads' calls (an upload's copies, a pass's launches) wait for it:
+/// pinning 18 GB at once stalled a model's upload and first token by half a second.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pieces {
+    pub bytes: usize,
+    pub pause: std::time::Duration,
+}
+
+impl Pieces {
+    /// The whole span in one registration.
+    pub const WHOLE: Pieces = Pieces {
+        bytes: usize::MAX,
+        pause: std::time::Duration::ZERO,
+    };
+}
+
 impl Registered {
-    /// Registers the pages of the mapping that hold `tensors` with `device`; `Ok(None)`
-    /// when they are not all mapped from one file in one mapping, or when the runtime
-    /// refuses the registration (both logged as `what` staying on the CPU).
+    /// Registers the pages of the mapping that hold `tensors` with `device`, in
+    /// `pieces`; `Ok(None)` when they are not all mapped from one file in one mapping,
+    /// or when the runtime refuses a piece (both logged as `what` staying on the CPU,
+    /// the pieces registered so far undone).
     pub fn new(
         device: &Device,
         tensors: Vec<TensorHandle>,
         what: &str,
+        pieces: Pieces,
     ) -> Result<Option<Registered>, ModelError> {
+        const PAGE: usize = 4096;
         let Some(span) = mapped_span(&tensors)? else {
             tracing::info!("{what} on the CPU: the weights are not mapped from one file");
             return Ok(None);
         };
-        // SAFETY: `span` lies within the file's mapping, which the handles kept in
-        // `_tensors` hold open (read-only, never moved) for as long as the registration,
-        // a field dropped before them.
-        let bytes: &'static [u8] = unsafe { std::slice::from_raw_parts(span.ptr, span.len) };
-        match device.register_host_read_only(bytes) {
-            Ok(registration) => Ok(Some(Registered {
-                registration,
-                base: span.file_offset,
-                _tensors: tensors,
-            })),
-            Err(error) => {
-                tracing::info!(%error, "{what} on the CPU: the mapping cannot be registered");
-                Ok(None)
-            }
+        if span.len == 0 {
+            return Ok(None);
         }
+        let piece = pieces.bytes.max(PAGE) / PAGE * PAGE;
+        let mut registered = Vec::with_capacity(span.len.div_ceil(piece));
+        let mut at = 0;
+        while at < span.len {
+            if at > 0 && !pieces.pause.is_zero() {
+                std::thread::sleep(pieces.pause);
+            }
+            let len = piece.min(span.len - at);
+            // SAFETY: `span` lies within the file's mapping, which the handles kept in
+            // `_tensors` hold open (read-only, never moved) for as long as the
+            // registrations, a field dropped before them.
+            let bytes: &'static [u8] = unsafe { std::slice::from_raw_parts(span.ptr.add(at), len) };
+            match device.register_host_read_only(bytes) {
+                Ok(registration) => registered.push(registration),
+                Err(error) => {
+                    tracing::info!(%error, "{what} on the CPU: the mapping cannot be registered");
+                    return Ok(None);
+                }
+            }
+            at += len;
+        }
+        Ok(Some(Registered {
+            pieces: registered,
+            piece,
+            base: span.file_offset,
+            _tensors: tensors,
+        }))
     }
 
     /// Bytes registered.
     pub fn len(&self) -> usize {
-        self.registration.len()
+        self.pieces.iter().map(|p| p.len()).sum()
     }
 
     /// Queues on `stream` a copy of `dst.len()` bytes of `tensor` (one of the tensors
@@ -65,14 +103,42 @@ impl Registered {
         from: usize,
         dst: DeviceViewMut<'_, u8>,
     ) -> Result<(), HipError> {
-        // A tensor outside the span gives a range the copy refuses.
-        let start = (tensor.file_range().start.checked_sub(self.base))
+        // A tensor outside the span gives a range the last piece's copy refuses.
+        let mut at = (tensor.file_range().start.checked_sub(self.base))
             .map_or(usize::MAX, |offset| offset as usize)
             .saturating_add(from);
-        let range = start..start.saturating_add(dst.len());
-        // SAFETY: the caller keeps the registration alive until the copy has run; the
-        // range is checked against the registration by the copy itself.
-        unsafe { stream.copy_registered_h2d_async(&self.registration, range, dst) }
+        let mut dst = dst;
+        // A copy across pieces is one copy a piece.
+        loop {
+            let index = (at / self.piece).min(self.pieces.len() - 1);
+            let within = at - index * self.piece;
+            let n = dst
+                .len()
+                .min(self.pieces[index].len().saturating_sub(within));
+            let (head, tail) = if n == 0 || n == dst.len() {
+                (dst, None)
+            } else {
+                let (head, tail) = dst.split_at_mut(n)?;
+                (head, Some(tail))
+            };
+            let len = head.len();
+            // SAFETY: the caller keeps the registrations alive until the copy has run;
+            // the range is checked against the piece by the copy itself.
+            unsafe {
+                stream.copy_registered_h2d_async(
+                    &self.pieces[index],
+                    within..within.saturating_add(len),
+                    head,
+                )
+            }?;
+            match tail {
+                Some(tail) => {
+                    at += len;
+                    dst = tail;
+                }
+                None => return Ok(()),
+            }
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use hip_backend::Device;
 use tensor_store::TensorHandle;
 
 use crate::cpu::Pick;
-use crate::gpu::mapped::Registered;
+use crate::gpu::mapped::{Pieces, Registered};
 use crate::gpu::MAX_BATCH;
 use crate::ModelError;
 
@@ -61,6 +61,14 @@ pub(super) fn over_the_link(picks: &[Pick], n: usize, link_slots: usize) -> Vec<
     routed[..to_link].iter().map(|&(x, _)| x).collect()
 }
 
+/// The experts' span registered 64 MiB at a time (about 2 ms of the runtime's lock on
+/// an H200's host), a millisecond apart, so that a pass's launches and the upload's
+/// copies get through in between; some 18 GB then take about a second.
+const PIECES: Pieces = Pieces {
+    bytes: 64 << 20,
+    pause: std::time::Duration::from_millis(1),
+};
+
 type Registering = JoinHandle<Result<Option<Registered>, ModelError>>;
 
 pub(super) struct Link {
@@ -101,7 +109,9 @@ impl Link {
             State::Idle { device, tensors } => {
                 let spawned = std::thread::Builder::new()
                     .name("rocmforge-experts-link".into())
-                    .spawn(move || Registered::new(&device, tensors, "missed experts' routes all"));
+                    .spawn(move || {
+                        Registered::new(&device, tensors, "missed experts' routes all", PIECES)
+                    });
                 match spawned {
                     Ok(thread) => *state = State::Registering(thread),
                     Err(error) => {
