@@ -168,7 +168,7 @@ impl ExpertPools {
         let slots = slots - link_slots.min(slots);
         let alloc = gpu("the experts' pools");
         let mut layers = Vec::with_capacity(plan.layers.len());
-        let mut used = 0;
+        let (mut used, mut most_experts) = (0, 0);
         let mut total = 0;
         let mut shared_at = Vec::new();
         if shared_link {
@@ -201,6 +201,7 @@ impl ExpertPools {
                 continue;
             };
             used = used.max(e.experts.used);
+            most_experts = most_experts.max(e.experts.count);
             let mats: Vec<PoolMatrix> = matrices(e)
                 .enumerate()
                 .map(|(i, m)| {
@@ -235,15 +236,6 @@ impl ExpertPools {
         let promoter = Promoter::new(device, staging)?;
         let routes = max_tokens * used.max(1);
         // The most rounds a pass takes: every expert of a layer over the link.
-        let most_experts = plan
-            .layers
-            .iter()
-            .filter_map(|l| match &l.ffn {
-                FfnPlan::Experts(e) => Some(e.experts.count),
-                FfnPlan::Dense(_) => None,
-            })
-            .max()
-            .unwrap_or(0);
         let max_rounds = most_experts.div_ceil(link_slots.max(1)).max(1);
         let pinned = |len: usize| device.alloc_pinned::<f32>(len.max(1)).map_err(&alloc);
         let pinned_i32 = |len: usize| device.alloc_pinned::<i32>(len.max(1)).map_err(&alloc);

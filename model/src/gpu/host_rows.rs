@@ -80,8 +80,13 @@ impl HostRows {
             .collect();
         let lins: Vec<&Linear> = groups.iter().flatten().copied().collect();
         let tensors: Vec<TensorHandle> = lins.iter().map(|l| l.weight.clone()).collect();
-        let Some(registered) =
-            Registered::new(device, tensors, "host layers' rows all", Pieces::WHOLE)?
+        let Some(registered) = Registered::new(
+            device,
+            tensors,
+            "host layers' rows all",
+            Pieces::WHOLE,
+            None,
+        )?
         else {
             return Ok(None);
         };

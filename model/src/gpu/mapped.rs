@@ -2,6 +2,8 @@
 //! the copy engine reads them at the link's full rate: the host layers' rows
 //! ([`super::host_rows`]) and the experts a pool misses ([`super::expert_pool`]).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use hip_backend::{Device, DeviceViewMut, HipError, HostRegistration, Stream};
 use tensor_store::TensorHandle;
 
@@ -40,13 +42,14 @@ impl Pieces {
 impl Registered {
     /// Registers the pages of the mapping that hold `tensors` with `device`, in
     /// `pieces`; `Ok(None)` when they are not all mapped from one file in one mapping,
-    /// or when the runtime refuses a piece (both logged as `what` staying on the CPU,
-    /// the pieces registered so far undone).
+    /// or when the runtime refuses a piece (both logged as `what` staying on the CPU),
+    /// or once `stop` is set before a piece (the pieces registered so far undone).
     pub fn new(
         device: &Device,
         tensors: Vec<TensorHandle>,
         what: &str,
         pieces: Pieces,
+        stop: Option<&AtomicBool>,
     ) -> Result<Option<Registered>, ModelError> {
         const PAGE: usize = 4096;
         let Some(span) = mapped_span(&tensors)? else {
@@ -62,6 +65,9 @@ impl Registered {
         while at < span.len {
             if at > 0 && !pieces.pause.is_zero() {
                 std::thread::sleep(pieces.pause);
+            }
+            if stop.is_some_and(|stop| stop.load(Ordering::Relaxed)) {
+                return Ok(None);
             }
             let len = piece.min(span.len - at);
             // SAFETY: `span` lies within the file's mapping, which the handles kept in

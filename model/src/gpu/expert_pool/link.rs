@@ -8,6 +8,8 @@
 //! the link once it has ended. Until then, and for good where the runtime refuses it,
 //! the CPU computes every missed route as before.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use hip_backend::Device;
@@ -69,7 +71,11 @@ const PIECES: Pieces = Pieces {
     pause: std::time::Duration::from_millis(1),
 };
 
-type Registering = JoinHandle<Result<Option<Registered>, ModelError>>;
+/// The registering thread, and the flag that stops it between two pieces.
+struct Registering {
+    thread: JoinHandle<Result<Option<Registered>, ModelError>>,
+    stop: Arc<AtomicBool>,
+}
 
 pub(super) struct Link {
     state: State,
@@ -107,20 +113,23 @@ impl Link {
         let state = &mut self.state;
         match std::mem::replace(state, State::Off) {
             State::Idle { device, tensors } => {
+                let stop = Arc::new(AtomicBool::new(false));
+                let stopped = Arc::clone(&stop);
                 let spawned = std::thread::Builder::new()
                     .name("rocmforge-experts-link".into())
                     .spawn(move || {
-                        Registered::new(&device, tensors, "missed experts' routes all", PIECES)
+                        let what = "missed experts' routes all";
+                        Registered::new(&device, tensors, what, PIECES, Some(&stopped))
                     });
                 match spawned {
-                    Ok(thread) => *state = State::Registering(thread),
+                    Ok(thread) => *state = State::Registering(Registering { thread, stop }),
                     Err(error) => {
                         tracing::info!(%error, "missed experts' routes all on the CPU: no thread to register them");
                     }
                 }
             }
-            State::Registering(thread) if thread.is_finished() => {
-                *state = match thread.join() {
+            State::Registering(r) if r.thread.is_finished() => {
+                *state = match r.thread.join() {
                     Ok(Ok(Some(registered))) => {
                         tracing::info!(
                             mib = registered.len() >> 20,
@@ -162,9 +171,11 @@ impl Link {
 
 impl Drop for Link {
     fn drop(&mut self) {
-        // A registration under way is waited for, and undone with the rest.
-        if let State::Registering(thread) = std::mem::replace(&mut self.state, State::Off) {
-            thread.join().ok();
+        // A registration under way stops before its next piece, and what it registered
+        // is undone.
+        if let State::Registering(r) = std::mem::replace(&mut self.state, State::Off) {
+            r.stop.store(true, Ordering::Relaxed);
+            r.thread.join().ok();
         }
     }
 }
