@@ -38,6 +38,7 @@
 mod layer;
 mod link;
 mod promoter;
+mod routes;
 mod stats;
 
 use hip_backend::{Device, DeviceBuffer, DeviceView, DeviceViewMut, Event, PinnedBuffer, Stream};
@@ -47,14 +48,15 @@ use super::gpu;
 use crate::cpu::{on_the_pool, routed_part, MoeScratch, Pick};
 use crate::plan::{ExecutionPlan, ExpertMatrices, ExpertsPlan, FfnPlan};
 use crate::ModelError;
-use layer::{arrived, fill_free, promote, LayerPool, PoolMatrix, Slot};
+use layer::{arrived, fill_free, LayerPool, PoolMatrix, Slot};
 pub(in crate::gpu) use link::link_slots;
-use link::{over_the_link, Link};
+use link::Link;
 use promoter::Promoter;
+use routes::Linked;
 pub use stats::ExpertStats;
 
 /// A layer's route counts are halved once it has routed this many tokens per expert.
-const AGING_ROUTES_PER_EXPERT: u64 = 8;
+pub(super) const AGING_ROUTES_PER_EXPERT: u64 = 8;
 
 /// Bytes of one expert's matrices (`gate` if any, `up`, `down`) of each layer with
 /// experts, in layer order: what a slot of that layer's pool takes.
@@ -128,21 +130,6 @@ pub(in crate::gpu) struct ExpertPools {
     /// The host's weighted sum, and ones to add it with.
     pub(super) partial: DeviceBuffer<f32>,
     pub(super) ones: DeviceBuffer<f32>,
-}
-
-/// How a layer's routes were split: how many go to the device, in how many rounds of
-/// products (one, and one more for each time the link slots fill up).
-pub(super) struct Split {
-    pub on_device: usize,
-    pub on_host: usize,
-    pub rounds: usize,
-}
-
-/// A missed expert brought over the link: its round and link slot.
-struct Linked {
-    expert: usize,
-    round: usize,
-    slot: usize,
 }
 
 impl ExpertPools {
@@ -480,156 +467,6 @@ impl ExpertPools {
             unreachable!("only a layer with experts is pooled")
         };
         pool
-    }
-
-    /// Splits the `n · k` routes read back (`readback`) of layer `layer` between the
-    /// device (the slots of resident experts, in `host.slot_ids` with their weights in
-    /// `host.device_weights`; the host's routes point at a slot in use, weighted 0) and
-    /// the host (`host.picks`), and queues the promotions of missed experts.
-    pub fn split(&mut self, layer: usize, n: usize, k: usize) -> Result<Split, ModelError> {
-        self.clock += 1;
-        let clock = self.clock;
-        self.land()?;
-        let Some(Some(pool)) = self.layers.get_mut(layer) else {
-            unreachable!("only a layer with experts is pooled")
-        };
-        arrived(pool, &mut self.spare_events, clock)?;
-        let host = &mut self.host;
-        let ids = host.ids.as_slice().map_err(gpu("the routes"))?;
-        let weights = host.weights.as_slice().map_err(gpu("the routes"))?;
-        let slot_ids = host.slot_ids.as_mut_slice().map_err(gpu("the routes"))?;
-        let device_weights = host
-            .device_weights
-            .as_mut_slice()
-            .map_err(gpu("the routes"))?;
-        let count = pool.slot_of.len();
-        host.picks.clear();
-        let mut in_use = vec![false; pool.slots.len()];
-        let mut missed = Vec::new();
-        let routes = n * k;
-        for i in 0..routes {
-            let expert = usize::try_from(ids[i])
-                .ok()
-                .filter(|&x| x < count)
-                .ok_or_else(|| {
-                    ModelError::InvalidBatch(format!(
-                        "layer {layer}'s router chose expert {} of {count}",
-                        ids[i]
-                    ))
-                })?;
-            pool.uses[expert] = pool.uses[expert].saturating_add(1);
-            match pool.slot_of[expert].map(|s| (s, &mut pool.slots[s])) {
-                Some((s, Slot::Resident { last, .. })) => {
-                    *last = clock;
-                    in_use[s] = true;
-                    slot_ids[i] = s as i32;
-                    device_weights[i] = weights[i];
-                }
-                _ => {
-                    host.picks.push(Pick {
-                        token: i / k,
-                        rank: i % k,
-                        expert,
-                        weight: weights[i],
-                    });
-                    if pool.slot_of[expert].is_none() && !missed.contains(&expert) {
-                        missed.push(expert);
-                    }
-                    device_weights[i] = 0.0;
-                    slot_ids[i] = -1;
-                }
-            }
-        }
-        let missed_routes = host.picks.len();
-        // Some of the missed experts over the link, when it is ready: in rounds of as
-        // many as there are link slots, each round's routes in slot ids of their own
-        // (the routes of the others -1: left out of that round's products).
-        host.linked.clear();
-        let mut rounds = 1;
-        if self.link_slots > 0 && self.link.poll().is_some() {
-            let per_round = self.link_slots;
-            let linked = over_the_link(&host.picks, n, per_round);
-            rounds = linked.len().div_ceil(per_round).max(1);
-            slot_ids[routes..rounds * routes].fill(-1);
-            host.linked
-                .extend(linked.into_iter().enumerate().map(|(j, expert)| Linked {
-                    expert,
-                    round: j / per_round,
-                    slot: self.slots_per_layer + j % per_round,
-                }));
-            let linked = &host.linked;
-            host.picks.retain(|p| {
-                let Some(l) = linked.iter().find(|l| l.expert == p.expert) else {
-                    return true;
-                };
-                let i = p.token * k + p.rank;
-                slot_ids[l.round * routes + i] = l.slot as i32;
-                device_weights[i] = p.weight;
-                false
-            });
-        }
-        let on_host = host.picks.len();
-        let linked = missed_routes - on_host;
-        self.stats.hits += (n * k - missed_routes) as u64;
-        self.stats.misses += missed_routes as u64;
-        self.stats.linked += linked as u64;
-        pool.routes += (n * k) as u64;
-        if pool.routes >= AGING_ROUTES_PER_EXPERT * count as u64 {
-            pool.routes = 0;
-            pool.uses.iter_mut().for_each(|u| *u /= 2);
-        }
-        // The most routed of the missed first.
-        missed.sort_by_key(|&x| std::cmp::Reverse(pool.uses[x]));
-        let mut evicted_now = false;
-        for expert in missed {
-            let Some(buffer) = self.promoter.buffer() else {
-                break;
-            };
-            let slot = match pool.slots.iter().position(|s| matches!(s, Slot::Free)) {
-                Some(free) => Some(free),
-                // One eviction a layer a pass, of the least recently routed expert not in
-                // use now, routed at most half as often lately as the newcomer: an even
-                // router's counts differ by chance, and each eviction copies an expert.
-                None if !evicted_now => pool
-                    .slots
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(s, slot)| match slot {
-                        Slot::Resident { expert, last } if !in_use[s] => Some((s, *expert, *last)),
-                        _ => None,
-                    })
-                    .min_by_key(|&(_, _, last)| last)
-                    .filter(|&(_, old, _)| pool.uses[expert] >= 2 * pool.uses[old] + 2)
-                    .map(|(s, old, _)| {
-                        pool.slot_of[old] = None;
-                        self.stats.evictions += 1;
-                        evicted_now = true;
-                        tracing::debug!(layer, expert = old, "expert evicted");
-                        s
-                    }),
-                None => None,
-            };
-            let Some(slot) = slot else {
-                self.promoter.give_back(buffer);
-                break;
-            };
-            promote(
-                &mut self.promoter,
-                &mut self.stats,
-                pool,
-                layer,
-                slot,
-                expert,
-                buffer,
-            );
-        }
-        // Free slots take the most routed experts not in the pool yet.
-        fill_free(&mut self.promoter, &mut self.stats, pool, layer);
-        Ok(Split {
-            on_device: routes - on_host,
-            on_host,
-            rounds,
-        })
     }
 
     /// Computes the host's routes of layer `layer` on the `n` rows (`d` wide) of its
