@@ -8,10 +8,10 @@ use crate::cpu::Pick;
 use crate::gpu::gpu;
 use crate::ModelError;
 
-/// How a layer's routes were split: how many go to the device, in how many rounds of
-/// products (one, and one more for each time the link slots fill up).
+/// How a layer's routes were split: how many go to the host, and in how many rounds of
+/// products the device's go (none without any; else one, and one more for each time
+/// the link slots fill up).
 pub(in crate::gpu) struct Split {
-    pub on_device: usize,
     pub on_host: usize,
     pub rounds: usize,
 }
@@ -169,9 +169,8 @@ impl ExpertPools {
         // Free slots take the most routed experts not in the pool yet.
         fill_free(&mut self.promoter, &mut self.stats, pool, layer);
         Ok(Split {
-            on_device: routes - on_host,
             on_host,
-            rounds,
+            rounds: if on_host < routes { rounds } else { 0 },
         })
     }
 }

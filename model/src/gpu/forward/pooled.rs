@@ -43,7 +43,7 @@ pub(super) fn routed(
     // combination skips every slot: each is weighted 0.)
     let count = pools.device_slots();
     let n_tiles = experts::max_tiles(slots, count, tile_tokens);
-    for round in 0..if split.on_device > 0 { split.rounds } else { 0 } {
+    for round in 0..split.rounds {
         if round > 0 {
             pools.send_round(stream, slots, round)?;
         }
