@@ -1,6 +1,6 @@
 //! model's build script: compiles the transformer kernels (`kernels/norm_rope.hip`,
 //! `kernels/attention.hip`, `kernels/flash_attention.hip`, `kernels/rows.hip`, which
-//! share `kernels/transformer_common.h`) and the
+//! share `kernels/transformer_common.h`; the norms' parts are `kernels/norm.h`) and the
 //! mixture-of-experts kernels (`kernels/experts.hip`) with hip-backend's GPU
 //! configuration, when that configuration has a platform. Each `.hip` file is a
 //! translation unit of its own.
@@ -19,7 +19,7 @@ const SOURCES: &[&str] = &[
     "kernels/experts.hip",
 ];
 /// The headers they include (a change re-runs the build).
-const HEADERS: &[&str] = &["kernels/transformer_common.h"];
+const HEADERS: &[&str] = &["kernels/transformer_common.h", "kernels/norm.h"];
 
 fn main() {
     let config = GpuConfig::from_dependency().unwrap_or_else(|error| fail(&error));

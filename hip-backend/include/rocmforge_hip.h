@@ -16,6 +16,9 @@
 //   rf_shfl32(value, src_lane)                  lane src_lane's value within the
 //                                               caller's group of 32 lanes (every lane
 //                                               of the warp must call it)
+//   rf_max32_u(value), rf_min32_u(value)        the largest or smallest unsigned value
+//                                               of the caller's group of 32 lanes, to
+//                                               every lane of it (every lane must call)
 //   rfLaunchChained(kernel, grid, block, shared_bytes, stream, args...)
 //   rf_chain_wait()                             chained launches, below
 //
@@ -131,6 +134,26 @@ __device__ __forceinline__ T rf_shfl_xor(T value, int lane_mask) {
 template <typename T>
 __device__ __forceinline__ T rf_shfl32(T value, int src_lane) {
     return __shfl_sync(0xffffffffu, value, src_lane, 32);
+}
+
+// One instruction a reduction from sm_80 on, else butterflies.
+__device__ __forceinline__ unsigned rf_max32_u(unsigned value) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(0xffffffffu, value);
+#else
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) value = max(value, rf_shfl_xor(value, mask));
+    return value;
+#endif
+}
+__device__ __forceinline__ unsigned rf_min32_u(unsigned value) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_min_sync(0xffffffffu, value);
+#else
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) value = min(value, rf_shfl_xor(value, mask));
+    return value;
+#endif
 }
 
 // Chained launches (see the top of this file). RF_CHAINED_LAUNCH is defined by the build
@@ -267,6 +290,17 @@ __device__ __forceinline__ T rf_shfl_xor(T value, int lane_mask) {
 template <typename T>
 __device__ __forceinline__ T rf_shfl32(T value, int src_lane) {
     return __shfl(value, src_lane, 32);
+}
+
+__device__ __forceinline__ unsigned rf_max32_u(unsigned value) {
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) value = max(value, rf_shfl_xor(value, mask));
+    return value;
+}
+__device__ __forceinline__ unsigned rf_min32_u(unsigned value) {
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) value = min(value, rf_shfl_xor(value, mask));
+    return value;
 }
 
 // Chained launches (see the top of this file): plain launches on AMD.

@@ -1,10 +1,11 @@
 // experts.hip: a mixture of experts' feed-forward block on the GPU, around the routed
 // products (dequant's rf_matvec_experts_NAME in kernels/matvec_experts.hip for a few
 // tokens, rf_matmul_experts_NAME in kernels/matmul.hip for prompts and batches): the
-// router's choice of experts per token, the grouping of the chosen slots by expert into
-// tiles, and the weighted sum of the experts' outputs (with a shared expert's, behind its
-// gate) added to the residual stream. Nothing comes back to the host: a decode step stays
-// one graph.
+// router's choice of experts per token (for one token also with its norm and the
+// router's product, in one cluster of workgroups), the grouping of the chosen slots by
+// expert into tiles, and the weighted sum of the experts' outputs (with a shared
+// expert's, behind its gate) added to the residual stream. Nothing comes back to the
+// host: a decode step stays one graph.
 //
 // A slot is one token's choice of one expert: token t's slots are t·k .. t·k + k - 1, in
 // the order the router ranks them. Tiles are (expert, first, count) triples over `order`,
@@ -15,11 +16,16 @@
 // before it reads what others write, every launcher returning the platform's status;
 // the wrappers in src/gpu/kernels/experts.rs are their only callers and check every
 // length.
-#include "rocmforge_hip.h"
+#include "norm.h"
 
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include <type_traits>
+#if defined(ROCMFORGE_HIP_NVIDIA) && defined(RF_CHAINED_LAUNCH)
+#include <cooperative_groups.h>
+#endif
 
 namespace rf_moe {
 
@@ -42,12 +48,19 @@ __device__ __forceinline__ float sum32(float v) {
     return v;
 }
 
-// Whether (va, ia) ranks before (vb, ib): the larger value, the smaller index among
-// equals; a NaN ranks last.
-__device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib) {
-    if (isnan(vb)) return !isnan(va) ? true : ia < ib;
-    if (isnan(va)) return false;
-    return va > vb || (va == vb && ia < ib);
+// A score's place in the ranking as one unsigned key: a larger key ranks first, equal
+// keys go to the smaller index. -0 and +0 take the same key, a NaN ranks below every
+// number (key 1), and 0 stands for no score (an expert already chosen, or none).
+__device__ __forceinline__ uint32_t rank_key(float v) {
+    if (isnan(v)) return 1u;
+    const uint32_t u = v == 0.0f ? 0u : __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The score a key was made from (+0 for either zero, a NaN for a NaN).
+__device__ __forceinline__ float key_score(uint32_t key) {
+    if (key == 1u) return NAN;
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
 // One 32-lane group per token: the k experts of the largest scores, in rank order, and
@@ -59,17 +72,22 @@ __device__ __forceinline__ bool ranks_before(float va, int ia, float vb, int ib)
 // for a few tokens) each slot is its own tile and order[s] = s. Each lane holds kPerLane
 // experts' scores (the launcher takes the fewest that hold n_experts): the choice of
 // each of the k ranks visits them all.
+// route_token: token t's routing, from its logits `row`, by one 32-lane group; the
+// kernels below call it.
+struct RouteArgs {
+    const float* bias;
+    int n_experts, k, gating, renorm;
+    int* ids;
+    float* weights;
+    int* tiles;
+    int* order;
+};
+
 template <int kPerLane>
-__global__ void __launch_bounds__(kRouteThreads)
-    route_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
-                 int n_tokens, int n_experts, int k,
-                 int gating, int renorm, int* __restrict__ ids, float* __restrict__ weights,
-                 int* __restrict__ tiles, int* __restrict__ order) {
-    rf_chain_wait();
+__device__ __forceinline__ void route_token(const float* row, int t, const RouteArgs& a) {
+    const int n_experts = a.n_experts, k = a.k, gating = a.gating;
+    const float* bias = a.bias;
     const int lane = threadIdx.x & 31;
-    const int t = blockIdx.x * (kRouteThreads / 32) + threadIdx.x / 32;
-    if (t >= n_tokens) return;  // whole 32-lane groups leave together
-    const float* row = logits + (size_t)t * n_experts;
     float v[kPerLane];
     float mx = -INFINITY;
 #pragma unroll
@@ -91,34 +109,33 @@ __global__ void __launch_bounds__(kRouteThreads)
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) v[i] *= inv;
     }
-    // Rank r's choice stays in lane r's registers (k ≤ 32, checked by the launcher).
-    uint32_t taken = 0;
+    // Rank r's choice stays in lane r's registers (k ≤ 32, checked by the launcher). Each
+    // rank takes the largest key of the group, then the smallest expert holding it: two
+    // reductions of the 32 lanes' best (one instruction each from sm_80 on).
+    uint32_t key[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) key[i] = lane + 32 * i < n_experts ? rank_key(v[i]) : 0u;
     float my_w = 0.0f;
     int my_id = 0;
     for (int r = 0; r < k; ++r) {
-        float best = NAN;
-        int best_e = INT32_MAX;
+        uint32_t best = 0u;
+        int best_i = 0;
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) {
-            const int e = lane + 32 * i;
-            if (e < n_experts && !(taken >> i & 1u) && ranks_before(v[i], e, best, best_e)) {
-                best = v[i];
-                best_e = e;
+            if (key[i] > best) {  // among equal keys the first, the smaller expert
+                best = key[i];
+                best_i = i;
             }
         }
+        const uint32_t top = rf_max32_u(best);
+        const uint32_t e = rf_min32_u(best == top ? (uint32_t)(lane + 32 * best_i) : 0xffffffffu);
 #pragma unroll
-        for (int mask = 16; mask > 0; mask >>= 1) {
-            const float ov = rf_shfl_xor(best, mask);
-            const int oe = rf_shfl_xor(best_e, mask);
-            if (ranks_before(ov, oe, best, best_e)) {
-                best = ov;
-                best_e = oe;
-            }
+        for (int i = 0; i < kPerLane; ++i) {
+            if ((uint32_t)(lane + 32 * i) == e) key[i] = 0u;
         }
-        if (best_e % 32 == lane) taken |= 1u << (best_e / 32);
         if (lane == r) {
-            my_w = best;
-            my_id = best_e;
+            my_w = key_score(top);
+            my_id = (int)e;
         }
     }
     // The weights. Every sum runs over the ranks in order, as the host's does.
@@ -129,22 +146,107 @@ __global__ void __launch_bounds__(kRouteThreads)
         float sum = 0.0f;
         for (int r = 0; r < k; ++r) sum += rf_shfl32(my_w, r);
         my_w *= 1.0f / sum;
-    } else if (renorm) {
+    } else if (a.renorm) {
         float sum = 0.0f;
         for (int r = 0; r < k; ++r) sum += rf_shfl32(my_w, r);
         my_w = my_w / fmaxf(sum, 6.103515625e-5f);
     }
     if (lane >= k) return;
     const int s = t * k + lane;
-    ids[s] = my_id;
-    weights[s] = my_w;
-    if (tiles) {
-        tiles[3 * s] = my_id;
-        tiles[3 * s + 1] = s;
-        tiles[3 * s + 2] = 1;
-        order[s] = s;
+    a.ids[s] = my_id;
+    a.weights[s] = my_w;
+    if (a.tiles) {
+        a.tiles[3 * s] = my_id;
+        a.tiles[3 * s + 1] = s;
+        a.tiles[3 * s + 2] = 1;
+        a.order[s] = s;
     }
 }
+
+template <int kPerLane>
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const float* __restrict__ logits, int n_tokens, RouteArgs a) {
+    rf_chain_wait();
+    const int t = blockIdx.x * (kRouteThreads / 32) + threadIdx.x / 32;
+    if (t >= n_tokens) return;  // whole 32-lane groups leave together
+    route_token<kPerLane>(logits + (size_t)t * a.n_experts, t, a);
+}
+
+#if defined(ROCMFORGE_HIP_NVIDIA) && defined(RF_CHAINED_LAUNCH)
+// One token's router behind its norm, and its routing, in one launch of one cluster of
+// kRouterCluster workgroups (thread block clusters: compute capability 9.0 and later).
+// Workgroup c takes the router's rows c·per .. c·per + per - 1 (per = n_experts /
+// kRouterCluster, at most a row a 32-lane group): it reads them before the chained wait
+// (no kernel writes them, so they arrive while the kernel before runs), norms the
+// token's row of x as rms_norm_kernel does (the same bits: norm.h), and puts each row's
+// dot product with it into the first workgroup's shared memory. After the cluster's
+// barrier the first workgroup routes the token (route_token) and writes the normed row
+// (`out`, `out_q8`) and the logits.
+constexpr int kRouterCluster = 8;
+// The router's values a lane keeps from before the wait; wider rows read the rest after.
+constexpr int kRouterPre = 64;
+// Most threads a workgroup (so that a lane's kRouterPre values stay in registers): rows
+// the norm takes on more threads (wider than 2,048) go through rms_norm_router instead.
+constexpr int kRouterThreads = 512;
+
+template <int kPerLane>
+__global__ void __cluster_dims__(kRouterCluster, 1, 1) __launch_bounds__(kRouterThreads)
+    router_route_kernel(const float* __restrict__ x, const void* __restrict__ norm_w,
+                        int w_type, int dim, float eps, const float* __restrict__ router,
+                        float* __restrict__ logits, float* __restrict__ out,
+                        void* __restrict__ out_q8, RouteArgs a) {
+    namespace cg = cooperative_groups;
+    extern __shared__ float h_shared[];  // the normed row (dim values)
+    __shared__ float scores[kMaxExperts];
+    const cg::cluster_group cluster = cg::this_cluster();
+    const int rank = (int)cluster.block_rank();
+    const int lane = threadIdx.x & 31, group = threadIdx.x / 32;
+    const int per = a.n_experts / kRouterCluster;
+    const int e = rank * per + group;
+    const bool has_row = group < per;
+    const float* r = router + (size_t)e * dim;
+    float rv[kRouterPre];
+#pragma unroll
+    for (int j = 0; j < kRouterPre; ++j) {
+        const int i = lane + 32 * j;
+        rv[j] = has_row && i < dim ? r[i] : 0.0f;
+    }
+    float v[rf::kNormPer], wv[rf::kNormPer];
+#pragma unroll
+    for (int j = 0; j < rf::kNormPer; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        wv[j] = i < dim ? rf::weight_at(norm_w, w_type, i) : 0.0f;
+    }
+    rf_chain_wait();
+    const float scale = rf::norm_scale([&](int i) { return x[i]; }, dim, eps, v);
+#pragma unroll
+    for (int j = 0; j < rf::kNormPer; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < dim) h_shared[i] = v[j] * scale * wv[j];
+    }
+    for (int i = threadIdx.x + rf::kNormPer * blockDim.x; i < dim; i += blockDim.x) {
+        h_shared[i] = x[i] * scale * rf::weight_at(norm_w, w_type, i);
+    }
+    __syncthreads();
+    if (has_row) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kRouterPre; ++j) {
+            const int i = lane + 32 * j;
+            if (i < dim) dot += rv[j] * h_shared[i];
+        }
+        for (int i = lane + 32 * kRouterPre; i < dim; i += 32) dot += r[i] * h_shared[i];
+        dot = sum32(dot);
+        if (lane == 0) *cluster.map_shared_rank(&scores[e], 0) = dot;
+    }
+    cluster.sync();
+    if (rank != 0) return;  // the whole workgroup leaves together
+    for (int i = threadIdx.x; i < a.n_experts; i += blockDim.x) logits[i] = scores[i];
+    if (group == 0) route_token<kPerLane>(scores, 0, a);
+    const rf::Q8Out q = rf::q8_layout(out_q8, (size_t)dim);
+    rf::store_normed(v, wv, x, norm_w, w_type, dim, scale, out, 0, q, out_q8 != nullptr, 0);
+}
+#endif
 
 // Inclusive prefix sums of a[0 .. n) (n ≤ kTileThreads) in shared memory, by the whole
 // workgroup.
@@ -236,6 +338,16 @@ __global__ void combine_kernel(const float* __restrict__ y, const float* __restr
     x[i] += s;
 }
 
+// Calls go(integral_constant<kPerLane>) with the fewest experts a lane that hold n_experts.
+template <typename Go>
+hipError_t with_per_lane(int n_experts, Go go) {
+    if (n_experts <= 32) return go(std::integral_constant<int, 1>{});
+    if (n_experts <= 64) return go(std::integral_constant<int, 2>{});
+    if (n_experts <= 128) return go(std::integral_constant<int, 4>{});
+    if (n_experts <= 256) return go(std::integral_constant<int, 8>{});
+    return go(std::integral_constant<int, 32>{});
+}
+
 }  // namespace rf_moe
 
 extern "C" {
@@ -250,24 +362,74 @@ int rf_moe_route(const void* logits, const void* bias, int n_tokens, int n_exper
         return (int)hipErrorInvalidValue;
     const int per_block = rf_moe::kRouteThreads / 32;
     const dim3 grid((n_tokens + per_block - 1) / per_block);
-#define RF_MOE_ROUTE(per_lane)                                                                 \
-    rfLaunchChained(rf_moe::route_kernel<per_lane>, grid, dim3(rf_moe::kRouteThreads), 0,    \
-                    (hipStream_t)stream, (const float*)logits, (const float*)bias, n_tokens,   \
-                    n_experts, k, gating,                                                      \
-                    renorm, (int*)ids, (float*)weights, (int*)tiles, (int*)order)
-    if (n_experts <= 32) {
-        RF_MOE_ROUTE(1);
-    } else if (n_experts <= 64) {
-        RF_MOE_ROUTE(2);
-    } else if (n_experts <= 128) {
-        RF_MOE_ROUTE(4);
-    } else if (n_experts <= 256) {
-        RF_MOE_ROUTE(8);
-    } else {
-        RF_MOE_ROUTE(32);
-    }
-#undef RF_MOE_ROUTE
-    return (int)hipGetLastError();
+    const rf_moe::RouteArgs a = {(const float*)bias, n_experts, k,          gating,
+                                 renorm,             (int*)ids, (float*)weights, (int*)tiles,
+                                 (int*)order};
+    return (int)rf_moe::with_per_lane(n_experts, [&](auto per_lane) {
+        constexpr int kPerLane = decltype(per_lane)::value;
+        rfLaunchChained(rf_moe::route_kernel<kPerLane>, grid, dim3(rf_moe::kRouteThreads), 0,
+                        (hipStream_t)stream, (const float*)logits, n_tokens, a);
+        return hipGetLastError();
+    });
+}
+
+// Whether rf_moe_router_route runs on the current device: a build whose every target has
+// thread block clusters (sm_90 and later), on a device that has them.
+int rf_moe_router_route_available(int device) {
+#if defined(ROCMFORGE_HIP_NVIDIA) && defined(RF_CHAINED_LAUNCH)
+    int major = 0;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+                   cudaSuccess &&
+               major >= 9
+               ? 1
+               : 0;
+#else
+    (void)device;
+    return 0;
+#endif
+}
+
+// One token's norm, router (F32 rows) and routing in one launch (router_route_kernel);
+// hipErrorInvalidValue where it does not run (rf_moe_router_route_available) or for
+// shapes it does not take: n_experts a multiple of the cluster's workgroups, each of them
+// a row a 32-lane group.
+int rf_moe_router_route(const void* x, const void* norm_w, int w_type, int dim, float eps,
+                        const void* router, const void* bias, int n_experts, int k, int gating,
+                        int renorm, void* logits, void* out, void* out_q8, void* ids,
+                        void* weights, void* tiles, void* order, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+#if defined(ROCMFORGE_HIP_NVIDIA) && defined(RF_CHAINED_LAUNCH)
+    const int threads = rf::norm_threads(dim);
+    if (!rf_moe_router_route_available(device) || dim < 1 || n_experts < 1 ||
+        n_experts > rf_moe::kMaxExperts || n_experts % rf_moe::kRouterCluster != 0 ||
+        threads > rf_moe::kRouterThreads || n_experts / rf_moe::kRouterCluster > threads / 32 ||
+        k < 1 || k > n_experts ||
+        k > rf_moe::kMaxUsed)
+        return (int)hipErrorInvalidValue;
+    const rf_moe::RouteArgs a = {(const float*)bias, n_experts, k,          gating,
+                                 renorm,             (int*)ids, (float*)weights, (int*)tiles,
+                                 (int*)order};
+    const size_t shared = (size_t)dim * sizeof(float);
+    return (int)rf_moe::with_per_lane(n_experts, [&](auto per_lane) {
+        constexpr int kPerLane = decltype(per_lane)::value;
+        auto kernel = rf_moe::router_route_kernel<kPerLane>;
+        if (shared > 48 * 1024) {
+            const hipError_t e = cudaFuncSetAttribute(
+                kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shared);
+            if (e != hipSuccess) return e;
+        }
+        rfLaunchChained(kernel, dim3(rf_moe::kRouterCluster), dim3(threads), shared,
+                        (hipStream_t)stream, (const float*)x, norm_w, w_type, dim, eps,
+                        (const float*)router, (float*)logits, (float*)out, out_q8, a);
+        return hipGetLastError();
+    });
+#else
+    (void)x, (void)norm_w, (void)w_type, (void)dim, (void)eps, (void)router, (void)bias;
+    (void)n_experts, (void)k, (void)gating, (void)renorm, (void)logits, (void)out, (void)out_q8;
+    (void)ids, (void)weights, (void)tiles, (void)order, (void)stream;
+    return (int)hipErrorInvalidValue;
+#endif
 }
 
 int rf_moe_tiles(const void* ids, int n_slots, int n_experts, int tile_tokens, int max_tiles,

@@ -1,22 +1,23 @@
-// norm_rope.hip: RMSNorm, fused with the quantization of its output to Q8 blocks, and
-// per-head Q/K norms, biases, RoPE and the KV-cache write, in one kernel. Shared helpers
-// and conventions: transformer_common.h.
-#include "transformer_common.h"
+// norm_rope.hip: RMSNorm, fused with the quantization of its output to Q8 blocks (and,
+// where asked, with a mixture of experts' weighted sum before it or its router's product
+// after it), and per-head Q/K norms, biases, RoPE and the KV-cache write, in one kernel.
+// Shared helpers and conventions: transformer_common.h.
+#include "norm.h"
 
 namespace rf {
 
-constexpr int kNormMaxThreads = 1024;
-// Values each thread keeps in registers; wider rows read the rest twice.
-constexpr int kNormPer = 4;
-
 // One workgroup per token: y = x / sqrt(mean(x²) + eps) · w. `out` (f32) gets y, or y added
 // to it; `out_q8` (optional) gets y quantized. The row is read once into registers.
+// With `slot_y`, a mixture of experts' weighted sum is added to x first (and x written
+// back): x[t] += Σ_r slot_w[t·used + r] · slot_y[t·used + r], rank by rank, a slot
+// weighted 0 skipped, as experts.hip's combine_kernel adds it.
 __global__ void __launch_bounds__(kNormMaxThreads)
-    rms_norm_kernel(const float* __restrict__ x, const void* __restrict__ w, int w_type,
-                    int dim, float eps, float* out, int add, void* __restrict__ out_q8) {
-    const float* row = x + (size_t)blockIdx.x * dim;
-    // The row and the weights are loaded before the reduction, so that no global read
-    // waits behind it; the weights (which no kernel writes) before the chained wait.
+    rms_norm_kernel(float* x, const void* __restrict__ w, int w_type, int dim, float eps,
+                    float* out, int add, void* __restrict__ out_q8,
+                    const float* __restrict__ slot_y, const float* __restrict__ slot_w, int used) {
+    float* row = x + (size_t)blockIdx.x * dim;
+    // The weights (which no kernel writes) are loaded before the chained wait, the row
+    // before the reduction, so that no global read waits behind it.
     float v[kNormPer], wv[kNormPer];
 #pragma unroll
     for (int k = 0; k < kNormPer; ++k) {
@@ -24,41 +25,66 @@ __global__ void __launch_bounds__(kNormMaxThreads)
         wv[k] = i < dim ? weight_at(w, w_type, i) : 0.0f;
     }
     rf_chain_wait();
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < kNormPer; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        v[k] = i < dim ? row[i] : 0.0f;
-        ss += v[k] * v[k];
-    }
-    for (int i = threadIdx.x + kNormPer * blockDim.x; i < dim; i += blockDim.x) {
-        ss += row[i] * row[i];
-    }
-    ss = block_sum(ss);
-    const float scale = rsqrtf(ss / (float)dim + eps);
+    // Element i of the row, with the experts' sum added and written back when given (a
+    // row's values past those kept in registers are read again by the thread that wrote
+    // them).
+    const size_t slot0 = (size_t)blockIdx.x * used;
+    auto load = [&](int i) {
+        float xi = row[i];
+        if (slot_y) {
+            float s = 0.0f;
+            for (int r = 0; r < used; ++r) {
+                const float weight = slot_w[slot0 + r];
+                if (weight == 0.0f) continue;
+                s += slot_y[(slot0 + r) * dim + i] * weight;
+            }
+            xi += s;
+            row[i] = xi;
+        }
+        return xi;
+    };
+    const float scale = norm_scale(load, dim, eps, v);
     float* o = out ? out + (size_t)blockIdx.x * dim : nullptr;
     const Q8Out q = q8_layout(out_q8, (size_t)gridDim.x * dim);
-    const size_t first = (size_t)blockIdx.x * dim;
-    // Whole 32-lane groups step together (the bound is rounded up to 32), so each group
-    // covers one Q8 block per step.
-    const int padded = (dim + 31) / 32 * 32;
-    auto emit = [&](int i, float xi, float wi) {
-        float y = 0.0f;
-        if (i < dim) {
-            y = xi * scale * wi;
-            if (o) o[i] = add ? o[i] + y : y;
-        }
-        if (out_q8) quantize32(y, q, first + i);
-    };
+    store_normed(v, wv, row, w, w_type, dim, scale, o, add, q, out_q8 != nullptr,
+                 (size_t)blockIdx.x * dim);
+}
+
+// A mixture of experts' router behind its norm, in one launch: workgroup (e, t) norms
+// token t's row of x as rms_norm_kernel does (the same bits), and writes the dot
+// product of the router's row e (f32) with it to logits[t · n_experts + e]. Workgroup
+// (0, t) also writes the normed row to `out` and its Q8 blocks to `out_q8`, as
+// rms_norm_kernel would. Each workgroup norms the row again instead of waiting for a
+// launch of its own to do it once.
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rms_norm_router_kernel(const float* __restrict__ x, const void* __restrict__ w, int w_type,
+                           int dim, float eps, const float* __restrict__ router, int n_experts,
+                           float* __restrict__ logits, float* __restrict__ out,
+                           void* __restrict__ out_q8) {
+    const int e = blockIdx.x, t = blockIdx.y;
+    const float* row = x + (size_t)t * dim;
+    const float* r = router + (size_t)e * dim;
+    float v[kNormPer], wv[kNormPer], rv[kNormPer];
 #pragma unroll
     for (int k = 0; k < kNormPer; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
-        if (i < padded) emit(i, v[k], wv[k]);
+        wv[k] = i < dim ? weight_at(w, w_type, i) : 0.0f;
+        rv[k] = i < dim ? r[i] : 0.0f;
     }
-    for (int i = threadIdx.x + kNormPer * blockDim.x; i < padded; i += blockDim.x) {
-        const bool in = i < dim;
-        emit(i, in ? row[i] : 0.0f, in ? weight_at(w, w_type, i) : 0.0f);
+    rf_chain_wait();
+    const float scale = norm_scale([&](int i) { return row[i]; }, dim, eps, v);
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kNormPer; ++k) dot += rv[k] * (v[k] * scale * wv[k]);
+    for (int i = threadIdx.x + kNormPer * blockDim.x; i < dim; i += blockDim.x) {
+        dot += r[i] * (row[i] * scale * weight_at(w, w_type, i));
     }
+    dot = block_sum(dot);
+    if (threadIdx.x == 0) logits[(size_t)t * n_experts + e] = dot;
+    if (e != 0) return;  // the whole workgroup leaves together
+    const Q8Out q = q8_layout(out_q8, (size_t)gridDim.y * dim);
+    store_normed(v, wv, row, w, w_type, dim, scale, out ? out + (size_t)t * dim : nullptr, 0, q,
+                 out_q8 != nullptr, (size_t)t * dim);
 }
 
 constexpr int kHeadThreads = 128;
@@ -221,14 +247,27 @@ using namespace rf;
 
 extern "C" {
 
-int rf_rms_norm(const void* x, const void* w, int w_type, int n_tokens, int dim, float eps,
-                void* out, int add, void* out_q8, int device, void* stream) {
+int rf_rms_norm(void* x, const void* w, int w_type, int n_tokens, int dim, float eps,
+                void* out, int add, void* out_q8, const void* slot_y, const void* slot_w, int used,
+                int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
-    // About four values a thread, in whole 32-lane groups.
-    const int threads = min(kNormMaxThreads, max(32, ((dim + 3) / 4 + 31) / 32 * 32));
-    rfLaunchChained(rms_norm_kernel, dim3(n_tokens), dim3(threads), 0, (hipStream_t)stream,
-                       (const float*)x, w, w_type, dim, eps, (float*)out, add, out_q8);
+    if (slot_y && (!slot_w || used < 1)) return (int)hipErrorInvalidValue;
+    rfLaunchChained(rms_norm_kernel, dim3(n_tokens), dim3(norm_threads(dim)), 0, (hipStream_t)stream,
+                    (float*)x, w, w_type, dim, eps, (float*)out, add, out_q8,
+                    (const float*)slot_y, (const float*)slot_w, used);
+    return (int)hipGetLastError();
+}
+
+int rf_rms_norm_router(const void* x, const void* w, int w_type, int n_tokens, int dim,
+                       float eps, const void* router, int n_experts, void* logits, void* out,
+                       void* out_q8, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_tokens < 1 || n_experts < 1 || dim < 1) return (int)hipErrorInvalidValue;
+    rfLaunchChained(rms_norm_router_kernel, dim3(n_experts, n_tokens), dim3(norm_threads(dim)), 0,
+                    (hipStream_t)stream, (const float*)x, w, w_type, dim, eps,
+                    (const float*)router, n_experts, (float*)logits, (float*)out, out_q8);
     return (int)hipGetLastError();
 }
 

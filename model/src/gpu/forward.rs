@@ -84,7 +84,10 @@ pub(super) fn decode_embeddings(
     Ok(())
 }
 
-/// One transformer block over the `n` tokens in `x`.
+/// One transformer block over the `n` tokens in `x`. `next_follows`: the caller runs the
+/// next layer right after this one, on the same stream (which may then add this layer's
+/// last sum to `x` in its first launch: `Buffers::pending_sum`).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn layer(
     config: &ModelConfig,
     layer_idx: usize,
@@ -92,6 +95,7 @@ pub(super) fn layer(
     bufs: &mut Buffers,
     n: usize,
     layout: Layout<'_>,
+    next_follows: bool,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let c = config;
@@ -103,7 +107,7 @@ pub(super) fn layer(
         FfnWeights::Dense { gate, up, down } => {
             dense_ffn(c, [gate, up, down], &w.ffn_norm, post_ffn, bufs, n, stream)
         }
-        FfnWeights::Experts(e) => experts::block(c, e, &w.ffn_norm, bufs, n, stream),
+        FfnWeights::Experts(e) => experts::block(c, e, &w.ffn_norm, bufs, n, next_follows, stream),
     }
 }
 
@@ -322,13 +326,17 @@ pub(super) fn body(
     stream: &Stream,
     stop: Option<&AtomicBool>,
 ) -> Result<(), ModelError> {
+    // (A pass stopped between two layers may have left a sum for the next.)
+    bufs.pending_sum = None;
     if globals.token_embd.is_some() {
         embed(config, globals, bufs, n, stream)?;
     }
     for (layer_idx, w) in layers.iter().enumerate() {
         super::check_stop(stop)?;
-        layer(config, layer_idx, w, bufs, n, layout, stream)?;
+        let next_follows = layer_idx + 1 < layers.len();
+        layer(config, layer_idx, w, bufs, n, layout, next_follows, stream)?;
     }
+    debug_assert!(bufs.pending_sum.is_none(), "the last layer leaves no sum");
     Ok(())
 }
 

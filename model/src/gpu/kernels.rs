@@ -131,7 +131,7 @@ mod sys {
     use std::ffi::{c_int, c_void};
     extern "C" {
         pub(super) fn rf_rms_norm(
-            x: *const c_void,
+            x: *mut c_void,
             w: *const c_void,
             w_type: c_int,
             n_tokens: c_int,
@@ -139,6 +139,24 @@ mod sys {
             eps: f32,
             out: *mut c_void,
             add: c_int,
+            out_q8: *mut c_void,
+            slot_y: *const c_void,
+            slot_w: *const c_void,
+            used: c_int,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_rms_norm_router(
+            x: *const c_void,
+            w: *const c_void,
+            w_type: c_int,
+            n_tokens: c_int,
+            dim: c_int,
+            eps: f32,
+            router: *const c_void,
+            n_experts: c_int,
+            logits: *mut c_void,
+            out: *mut c_void,
             out_q8: *mut c_void,
             device: c_int,
             stream: *mut c_void,
@@ -248,6 +266,29 @@ mod sys {
             k: c_int,
             gating: c_int,
             renorm: c_int,
+            ids: *mut c_void,
+            weights: *mut c_void,
+            tiles: *mut c_void,
+            order: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
+        pub(super) fn rf_moe_router_route_available(device: c_int) -> c_int;
+        pub(super) fn rf_moe_router_route(
+            x: *const c_void,
+            norm_w: *const c_void,
+            w_type: c_int,
+            dim: c_int,
+            eps: f32,
+            router: *const c_void,
+            bias: *const c_void,
+            n_experts: c_int,
+            k: c_int,
+            gating: c_int,
+            renorm: c_int,
+            logits: *mut c_void,
+            out: *mut c_void,
+            out_q8: *mut c_void,
             ids: *mut c_void,
             weights: *mut c_void,
             tiles: *mut c_void,
@@ -553,9 +594,13 @@ mod norm_rope;
 mod rows;
 
 pub use attention::{attention, attention_chunk, hadamard64, AttentionShape};
-pub use experts::{moe_combine, moe_route, moe_tiles, Gating, MAX_USED};
+pub use experts::{
+    moe_combine, moe_route, moe_router_route, moe_router_route_fits, moe_tiles, Gating, MAX_USED,
+};
 pub use flash_attention::flash_attention;
-pub use norm_rope::{qk_rope_kv, rms_norm, HeadExtras, HeadShape};
+pub use norm_rope::{
+    qk_rope_kv, rms_norm, rms_norm_router, rms_norm_summed, HeadExtras, HeadShape, SlotSum,
+};
 pub use rows::{
     add_at, add_bias, advance, argmax, gated, gather_rows, mask_rows, scale, select_rows, softcap,
     GateActivation, GatedBias, SlotBias,

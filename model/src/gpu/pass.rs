@@ -199,6 +199,7 @@ impl GpuModel {
                 &mut self.bufs,
                 n,
                 layout,
+                false,
                 &self.stream,
             )?;
             let last_only = matches!(end, End::Last { last_only: true });

@@ -203,6 +203,7 @@ impl GpuModel {
                     bufs,
                     n,
                     Layout::Contiguous,
+                    false,
                     stream,
                 )?;
                 let x = streams

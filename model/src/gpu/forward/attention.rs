@@ -61,21 +61,42 @@ fn qkv(
     let v_dim = c.n_kv_heads * c.head_dim_v;
     let qkv = [&w.wq, &w.wk, &w.wv];
     let (want_f32, want_q8) = needs(&qkv, n, &bufs.batch_in);
-    kernels::rms_norm(
-        view(&bufs.x, n * d)?,
-        w.attn_norm.weight(),
-        n,
-        d,
-        eps,
-        want_f32
-            .then(|| view_mut::<f32>(&mut bufs.h, n * d))
-            .transpose()?,
-        false,
-        want_q8
-            .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, d)))
-            .transpose()?,
-        stream,
-    )?;
+    let out = want_f32
+        .then(|| view_mut::<f32>(&mut bufs.h, n * d))
+        .transpose()?;
+    let out_q8 = want_q8
+        .then(|| view_mut::<u8>(&mut bufs.q8, q8_bytes(n, d)))
+        .transpose()?;
+    match bufs.pending_sum.take() {
+        // The last layer's experts, summed into x on the way.
+        Some(used) => {
+            let Some(moe) = bufs.moe.as_ref() else {
+                unreachable!("a pending sum is a mixture of experts'")
+            };
+            let sum = kernels::SlotSum {
+                outputs: view(&moe.out, n * used * d)?,
+                weights: view(&moe.weights, n * used)?,
+                used,
+            };
+            let x = view_mut::<f32>(&mut bufs.x, n * d)?;
+            let norm = w.attn_norm.weight();
+            kernels::rms_norm_summed(x, sum, norm, n, d, eps, out, false, out_q8, stream)?;
+        }
+        None => {
+            let x = view(&bufs.x, n * d)?;
+            kernels::rms_norm(
+                x,
+                w.attn_norm.weight(),
+                n,
+                d,
+                eps,
+                out,
+                false,
+                out_q8,
+                stream,
+            )?;
+        }
+    }
     products(
         &qkv,
         want_f32.then(|| view(&bufs.h, n * d)).transpose()?,

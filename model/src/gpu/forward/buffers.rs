@@ -147,6 +147,10 @@ pub(in crate::gpu) struct Buffers {
     /// Split by tensors: the devices' communicator, whose all-reduce sums the partial
     /// products of the matrices cut by columns (set by the split once built).
     pub(in crate::gpu) team: Option<hip_backend::Communicator>,
+    /// The experts a token used, while a mixture of experts' weighted sum of `moe.out`
+    /// is not yet in `x`: the next layer's norm adds it, in the same launch
+    /// (`experts::block` leaves it only where that norm comes next).
+    pub(super) pending_sum: Option<usize>,
 }
 
 impl Buffers {
@@ -290,6 +294,7 @@ impl Buffers {
             flash_mma,
             experts: None,
             team: None,
+            pending_sum: None,
             moe: moe_sizes
                 .is_some()
                 .then(|| MoeBuffers::new(&mut next))

@@ -23,47 +23,215 @@ pub fn rms_norm(
     n_tokens: usize,
     dim: usize,
     eps: f32,
-    mut out: Option<DeviceViewMut<'_, f32>>,
+    out: Option<DeviceViewMut<'_, f32>>,
     add: bool,
-    mut out_q8: Option<DeviceViewMut<'_, u8>>,
+    out_q8: Option<DeviceViewMut<'_, u8>>,
     stream: &Stream,
 ) -> Result<(), KernelError> {
-    const K: &str = "rms_norm";
-    expect(K, "the input", x.len(), n_tokens * dim)?;
-    w.check(K, dim)?;
-    let mut devices = vec![x.device_ordinal(), w.bytes.device_ordinal()];
-    if let Some(o) = &out {
-        expect(K, "the output", o.len(), n_tokens * dim)?;
-        devices.push(o.device_ordinal());
-    }
-    if let Some(q) = &out_q8 {
-        expect(K, "the Q8 output", q.len(), q8_bytes(n_tokens, dim))?;
-        expect(K, "the width modulo 32", dim % 32, 0)?;
-        devices.push(q.device_ordinal());
-    }
+    let norm = Norm::new(n_tokens, dim, eps, out, add, out_q8);
+    // The kernel writes x only when given a sum to add.
+    let x_ptr = x.as_ptr().cast_mut();
+    norm.launch((x_ptr, x.len(), x.device_ordinal()), None, w, stream)
+}
+
+/// A mixture of experts' slot outputs and weights, whose weighted sum
+/// [`rms_norm_summed`] adds to the residual stream before norming it.
+#[derive(Clone, Copy)]
+pub struct SlotSum<'a> {
+    /// Row `t · used + r` is token `t`'s rank-`r` expert's output (`dim` values).
+    pub outputs: DeviceView<'a, f32>,
+    /// The slots' weights, `n_tokens · used`; a slot weighted 0 is skipped.
+    pub weights: DeviceView<'a, f32>,
+    pub used: usize,
+}
+
+/// [`rms_norm`] after `x[t] += Σ_r weights[t·used + r] · outputs[t·used + r]` (rank by
+/// rank), which it writes back to `x`: the same bits as [`super::moe_combine`] (without
+/// shared expert or biases) followed by [`rms_norm`], in one launch.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_summed(
+    mut x: DeviceViewMut<'_, f32>,
+    sum: SlotSum<'_>,
+    w: NormWeight<'_>,
+    n_tokens: usize,
+    dim: usize,
+    eps: f32,
+    out: Option<DeviceViewMut<'_, f32>>,
+    add: bool,
+    out_q8: Option<DeviceViewMut<'_, u8>>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    let norm = Norm::new(n_tokens, dim, eps, out, add, out_q8);
+    let x_at = (x.as_mut_ptr(), x.len(), x.device_ordinal());
+    norm.launch(x_at, Some(sum), w, stream)
+}
+
+/// A mixture of experts' router behind its norm, in one launch: `logits[t · n_experts +
+/// e] = router[e] · rms_norm(x[t]) · w` for `n_tokens` rows of `dim`, the router's rows
+/// F32 (`router`: their bytes). `out` and `out_q8` get the normed rows as [`rms_norm`]
+/// gives them (the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_router(
+    x: DeviceView<'_, f32>,
+    w: NormWeight<'_>,
+    n_tokens: usize,
+    dim: usize,
+    eps: f32,
+    router: DeviceView<'_, u8>,
+    n_experts: usize,
+    mut logits: DeviceViewMut<'_, f32>,
+    out: Option<DeviceViewMut<'_, f32>>,
+    out_q8: Option<DeviceViewMut<'_, u8>>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "rms_norm_router";
+    let mut norm = Norm::new(n_tokens, dim, eps, out, false, out_q8);
+    let mut devices = norm.check(K, (x.len(), x.device_ordinal()), None, w)?;
+    expect(K, "the router's bytes", router.len(), n_experts * dim * 4)?;
+    expect(K, "the logits", logits.len(), n_tokens * n_experts)?;
+    devices.extend([router.device_ordinal(), logits.device_ordinal()]);
     let device = on_device(stream, &devices)?;
     let (n, d) = (small(K, "tokens", n_tokens)?, small(K, "width", dim)?);
-    let out_ptr = out
-        .as_mut()
-        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
-    let q8_ptr = out_q8
-        .as_mut()
-        .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+    let (out_ptr, q8_ptr) = norm.out_ptrs();
     launch!(
-        rf_rms_norm,
-        "rms_norm",
+        rf_rms_norm_router,
+        "rms_norm_router",
         x.as_ptr(),
         w.bytes.as_ptr(),
         w.type_code,
         n,
         d,
         eps,
+        router.as_ptr(),
+        small(K, "experts", n_experts)?,
+        logits.as_mut_ptr(),
         out_ptr,
-        i32::from(add),
         q8_ptr,
         device,
         stream.as_raw(),
     )
+}
+
+/// What both norms' launches share.
+struct Norm<'a> {
+    n_tokens: usize,
+    dim: usize,
+    eps: f32,
+    out: Option<DeviceViewMut<'a, f32>>,
+    add: bool,
+    out_q8: Option<DeviceViewMut<'a, u8>>,
+}
+
+impl<'a> Norm<'a> {
+    fn new(
+        n_tokens: usize,
+        dim: usize,
+        eps: f32,
+        out: Option<DeviceViewMut<'a, f32>>,
+        add: bool,
+        out_q8: Option<DeviceViewMut<'a, u8>>,
+    ) -> Norm<'a> {
+        Norm {
+            n_tokens,
+            dim,
+            eps,
+            out,
+            add,
+            out_q8,
+        }
+    }
+
+    /// Checks the lengths of x (its length and device), the weights, the outputs and any
+    /// sum; returns the devices they live on.
+    fn check(
+        &self,
+        kernel: &'static str,
+        (x_len, x_device): (usize, usize),
+        sum: Option<SlotSum<'_>>,
+        w: NormWeight<'_>,
+    ) -> Result<Vec<usize>, KernelError> {
+        let (n_tokens, dim) = (self.n_tokens, self.dim);
+        expect(kernel, "the input", x_len, n_tokens * dim)?;
+        w.check(kernel, dim)?;
+        let mut devices = vec![x_device, w.bytes.device_ordinal()];
+        if let Some(o) = &self.out {
+            expect(kernel, "the output", o.len(), n_tokens * dim)?;
+            devices.push(o.device_ordinal());
+        }
+        if let Some(q) = &self.out_q8 {
+            expect(kernel, "the Q8 output", q.len(), q8_bytes(n_tokens, dim))?;
+            expect(kernel, "the width modulo 32", dim % 32, 0)?;
+            devices.push(q.device_ordinal());
+        }
+        if let Some(s) = &sum {
+            expect_at_least(kernel, "the experts used", s.used, 1)?;
+            expect(
+                kernel,
+                "the experts' outputs",
+                s.outputs.len(),
+                n_tokens * s.used * dim,
+            )?;
+            expect(
+                kernel,
+                "the experts' weights",
+                s.weights.len(),
+                n_tokens * s.used,
+            )?;
+            devices.extend([s.outputs.device_ordinal(), s.weights.device_ordinal()]);
+        }
+        Ok(devices)
+    }
+
+    /// The outputs' pointers, null where not asked for.
+    fn out_ptrs(&mut self) -> (*mut std::ffi::c_void, *mut std::ffi::c_void) {
+        let out = self
+            .out
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+        let q8 = self
+            .out_q8
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |o| o.as_mut_ptr());
+        (out, q8)
+    }
+
+    /// Checks every length and device, then launches on `x` (its pointer, length and
+    /// device).
+    fn launch(
+        mut self,
+        (x, x_len, x_device): (*mut std::ffi::c_void, usize, usize),
+        sum: Option<SlotSum<'_>>,
+        w: NormWeight<'_>,
+        stream: &Stream,
+    ) -> Result<(), KernelError> {
+        const K: &str = "rms_norm";
+        let devices = self.check(K, (x_len, x_device), sum, w)?;
+        let device = on_device(stream, &devices)?;
+        let (n, d) = (
+            small(K, "tokens", self.n_tokens)?,
+            small(K, "width", self.dim)?,
+        );
+        let used = small(K, "experts used", sum.map_or(0, |s| s.used))?;
+        let (out_ptr, q8_ptr) = self.out_ptrs();
+        launch!(
+            rf_rms_norm,
+            "rms_norm",
+            x,
+            w.bytes.as_ptr(),
+            w.type_code,
+            n,
+            d,
+            self.eps,
+            out_ptr,
+            i32::from(self.add),
+            q8_ptr,
+            ptr_or_null(sum.map(|s| s.outputs)),
+            ptr_or_null(sum.map(|s| s.weights)),
+            used,
+            device,
+            stream.as_raw(),
+        )
+    }
 }
 
 /// Shapes and constants of [`qk_rope_kv`].
