@@ -67,7 +67,7 @@ __device__ __forceinline__ float max32(float v) {
 
 // Sum over the whole workgroup (blockDim.x a multiple of 32, at most 1024); every thread
 // gets the result.
-static __device__ float block_sum(float v) {
+static inline __device__ float block_sum(float v) {
     __shared__ float partial[32];
     __shared__ float total;
     v = sum32(v);
