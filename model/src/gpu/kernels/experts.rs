@@ -380,25 +380,36 @@ pub fn moe_combine(
 
 /// The device's choice of experts on ties, signed zeros and NaN scores, against the
 /// ranking the host's routing follows (larger first, the smaller index among equals, a
-/// NaN last); on a machine without a GPU they have nothing to run.
+/// NaN last); on a machine without a GPU it says SKIPPED.
 #[cfg(all(test, not(hip_platform = "none")))]
 mod tests {
     use hip_backend::Device;
 
     use super::*;
 
+    /// The first device, or None (and the SKIPPED line the test runner counts).
+    fn device(test: &str) -> Option<Device> {
+        match Device::count() {
+            Ok(n) if n > 0 => Some(Device::open(0).expect("device 0")),
+            Ok(_) => {
+                eprintln!("SKIPPED {test}: no GPU device");
+                None
+            }
+            Err(e) => {
+                eprintln!("SKIPPED {test}: {e}");
+                None
+            }
+        }
+    }
+
     /// Token rows of logits; the ids and weights the device gives for them.
     fn route(
+        device: &Device,
         logits: &[f32],
         n_experts: usize,
         used: usize,
         gating: Gating,
-    ) -> Option<(Vec<i32>, Vec<f32>)> {
-        if Device::count().unwrap_or(0) == 0 {
-            eprintln!("skipped: no GPU");
-            return None;
-        }
-        let device = Device::open(0).expect("device 0");
+    ) -> (Vec<i32>, Vec<f32>) {
         let stream = device.new_stream().expect("a stream");
         let arena = device.new_arena(1 << 20).expect("an arena");
         let n_tokens = logits.len() / n_experts;
@@ -430,7 +441,7 @@ mod tests {
         stream
             .read_to_host(weights.view().expect("view"), &mut out.1)
             .expect("weights back");
-        Some(out)
+        out
     }
 
     /// The `used` best of a row: larger first, equal values (-0 and +0 among them) by
@@ -448,6 +459,9 @@ mod tests {
 
     #[test]
     fn the_device_ranks_ties_zeros_and_nan_as_the_host_does() {
+        let Some(device) = device("the_device_ranks_ties_zeros_and_nan_as_the_host_does") else {
+            return;
+        };
         for (n_experts, used) in [(32, 4), (128, 8), (256, 8), (1024, 32)] {
             // Equal logits; values repeated by a stride (ties among the chosen and at the
             // cut); one clear order.
@@ -462,9 +476,7 @@ mod tests {
             ];
             let logits: Vec<f32> = rows.concat();
             let gating = Gating::Softmax { renormalize: true };
-            let Some((ids, weights)) = route(&logits, n_experts, used, gating) else {
-                return;
-            };
+            let (ids, weights) = route(&device, &logits, n_experts, used, gating);
             for (t, row) in rows.iter().enumerate() {
                 let got = &ids[t * used..(t + 1) * used];
                 assert_eq!(got, ranked(row, used), "{n_experts} experts, row {t}");
@@ -480,15 +492,12 @@ mod tests {
             row[3] = f32::NEG_INFINITY;
             row[n_experts / 2] = f32::NAN;
             let k = used.min(n_experts - 3);
-            let Some((ids, weights)) = route(&row, n_experts, k, Gating::SoftmaxOfChosen) else {
-                return;
-            };
+            let (ids, weights) = route(&device, &row, n_experts, k, Gating::SoftmaxOfChosen);
             assert_eq!(ids, ranked(&row, k), "{n_experts} experts, raw logits");
             assert!(weights.iter().all(|w| w.is_finite()), "{weights:?}");
             // Every expert chosen: the NaN and -inf ones last.
             if n_experts <= MAX_USED {
-                let (ids, _) = route(&row, n_experts, n_experts, Gating::SoftmaxOfChosen)
-                    .expect("a GPU, as above");
+                let (ids, _) = route(&device, &row, n_experts, n_experts, Gating::SoftmaxOfChosen);
                 assert_eq!(
                     ids,
                     ranked(&row, n_experts),
