@@ -387,21 +387,6 @@ mod tests {
 
     use super::*;
 
-    /// The first device, or None (and the SKIPPED line the test runner counts).
-    fn device(test: &str) -> Option<Device> {
-        match Device::count() {
-            Ok(n) if n > 0 => Some(Device::open(0).expect("device 0")),
-            Ok(_) => {
-                eprintln!("SKIPPED {test}: no GPU device");
-                None
-            }
-            Err(e) => {
-                eprintln!("SKIPPED {test}: {e}");
-                None
-            }
-        }
-    }
-
     /// Token rows of logits; the ids and weights the device gives for them.
     fn route(
         device: &Device,
@@ -459,7 +444,8 @@ mod tests {
 
     #[test]
     fn the_device_ranks_ties_zeros_and_nan_as_the_host_does() {
-        let Some(device) = device("the_device_ranks_ties_zeros_and_nan_as_the_host_does") else {
+        let test = "the_device_ranks_ties_zeros_and_nan_as_the_host_does";
+        let Some(device) = hip_backend::device_or_skip(test) else {
             return;
         };
         for (n_experts, used) in [(32, 4), (128, 8), (256, 8), (1024, 32)] {
