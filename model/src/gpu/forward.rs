@@ -7,6 +7,7 @@ mod experts;
 mod ffn;
 mod pooled;
 mod products;
+mod routing;
 
 use std::sync::atomic::AtomicBool;
 

@@ -7,7 +7,6 @@
 use dequant::gpu::experts::{self, routed_products, GpuExperts, RoutedInput, SlotInput};
 use dequant::gpu::matmul::row_scales;
 use dequant::gpu::matvec::q8_bytes;
-use gguf_format::GgmlType;
 use half::f16;
 use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 
@@ -118,7 +117,7 @@ pub(super) fn block(
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = config.n_embd;
-    let tile_tokens = norm_and_route(config, e, norm, bufs, n, stream)?;
+    let tile_tokens = super::routing::norm_and_route(config, e, norm, bufs, n, stream)?;
     if bufs.experts.is_some() {
         return super::pooled::routed(config, e, bufs, n, tile_tokens, stream);
     }
@@ -195,133 +194,6 @@ pub(super) fn shared_and_combine(
         stream,
     )?;
     Ok(())
-}
-
-/// The layer's input normed into `h` (f32) and the experts' Q8 input, the router's
-/// logits, the choice of each token's experts and their weights, and the slots grouped
-/// into tiles; returns the most slots a tile holds ([`experts::tile_tokens_for`]).
-fn norm_and_route(
-    config: &ModelConfig,
-    e: &ExpertWeights,
-    norm: &Norm,
-    bufs: &mut Buffers,
-    n: usize,
-    stream: &Stream,
-) -> Result<usize, ModelError> {
-    let d = config.n_embd;
-    let (k, count) = (e.used, e.count);
-    let slots = n * k;
-    let Some(moe) = bufs.moe.as_mut() else {
-        unreachable!("the buffers of a model with experts hold the experts' room")
-    };
-    let tile_tokens = experts::tile_tokens_for(slots, count, e.up.rows);
-    let n_tiles = experts::max_tiles(slots, count, tile_tokens);
-    // The layer's input, normed (f32 for float products, Q8 blocks for the experts), the
-    // router's logits, and the choice of experts. One token with an F32 router takes
-    // fewer launches (each is a wait on the step's path): norm, router and routing in
-    // one where the device has thread block clusters and the shapes fit, else the norm
-    // and the router in one (each router row's workgroup norming the row again).
-    let one_token_f32 =
-        n == 1 && e.router.ty == GgmlType::F32 && e.router.rows == count && e.router.cols == d;
-    let x = view(&bufs.x, n * d)?;
-    let h = view_mut::<f32>(&mut bufs.h, n * d)?;
-    let q8_in = view_mut::<u8>(&mut moe.q8_in, q8_bytes(n, d))?;
-    let logits = view_mut::<f32>(&mut moe.logits, n * count)?;
-    let bias = e.router_bias.as_ref().map(|b| b.view()).transpose()?;
-    let ids = view_mut::<i32>(&mut moe.ids, slots)?;
-    let weights = view_mut::<f32>(&mut moe.weights, slots)?;
-    let one_slot_tiles = if tile_tokens == 1 {
-        Some((
-            view_mut::<i32>(&mut moe.tiles, 3 * n_tiles)?,
-            view_mut::<i32>(&mut moe.order, slots)?,
-        ))
-    } else {
-        None
-    };
-    let eps = config.rms_norm_eps;
-    if one_token_f32 && kernels::moe_router_route_fits(stream.device_ordinal(), d, count) {
-        kernels::moe_router_route(
-            x,
-            norm.weight(),
-            eps,
-            e.router.bytes()?,
-            bias,
-            count,
-            k,
-            e.gating,
-            logits,
-            h,
-            q8_in,
-            ids,
-            weights,
-            one_slot_tiles,
-            stream,
-        )?;
-    } else {
-        if one_token_f32 {
-            let router = e.router.bytes()?;
-            let (h, q8) = (Some(h), Some(q8_in));
-            kernels::rms_norm_router(
-                x,
-                norm.weight(),
-                n,
-                d,
-                eps,
-                router,
-                count,
-                logits,
-                h,
-                q8,
-                stream,
-            )?;
-        } else {
-            kernels::rms_norm(
-                x,
-                norm.weight(),
-                n,
-                d,
-                eps,
-                Some(h),
-                false,
-                Some(q8_in),
-                stream,
-            )?;
-            products(
-                &[&e.router],
-                Some(view(&bufs.h, n * d)?),
-                Some(view(&moe.q8_in, q8_bytes(n, d))?),
-                n,
-                vec![logits],
-                false,
-                &mut bufs.batch_in,
-                stream,
-            )?;
-        }
-        let logits = view(&moe.logits, n * count)?;
-        kernels::moe_route(
-            logits,
-            bias,
-            n,
-            count,
-            k,
-            e.gating,
-            ids,
-            weights,
-            one_slot_tiles,
-            stream,
-        )?;
-    }
-    if tile_tokens > 1 {
-        kernels::moe_tiles(
-            view(&moe.ids, slots)?,
-            count,
-            tile_tokens,
-            view_mut::<i32>(&mut moe.tiles, 3 * n_tiles)?,
-            view_mut::<i32>(&mut moe.order, slots)?,
-            stream,
-        )?;
-    }
-    Ok(tile_tokens)
 }
 
 /// The routed experts' products for the `n` tokens of `h` (normed), by the routing in
