@@ -53,6 +53,28 @@ pub(crate) trait Kernel {
         // SAFETY: the caller upholds this function's contract, which is the callee's.
         rows.map(|row| unsafe { Self::dot_avx512::<1, N>([row], acts) }[0])
     }
+
+    /// Four rows of weights · eight tokens on the AVX-512 path, with the bits of
+    /// [`Kernel::tile_avx512`] (by default two of its tiles of four).
+    ///
+    /// # Safety
+    /// As [`Kernel::dot_avx512`].
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn tile8_avx512(
+        rows: [&[u8]; 4],
+        acts: [<Self::Acts as ActSet>::Row<'_>; 8],
+    ) -> [[f32; 8]; 4] {
+        let [a0, a1, a2, a3, a4, a5, a6, a7] = acts;
+        // SAFETY: the caller upholds this function's contract, which is the callee's.
+        let (lo, hi) = unsafe {
+            (
+                Self::tile_avx512::<4>(rows, [a0, a1, a2, a3]),
+                Self::tile_avx512::<4>(rows, [a4, a5, a6, a7]),
+            )
+        };
+        avx2::join_tiles(lo, hi)
+    }
 }
 
 macro_rules! kernel {
@@ -69,6 +91,17 @@ macro_rules! kernel {
                 rows: [&[u8]; 4],
                 acts: [<Self::Acts as ActSet>::Row<'_>; N],
             ) -> [[f32; N]; 4] {
+                // SAFETY: the caller upholds this function's contract, which is the
+                // callee's.
+                unsafe { $tile(rows, acts) }
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            #[inline(always)]
+            unsafe fn tile8_avx512(
+                rows: [&[u8]; 4],
+                acts: [<Self::Acts as ActSet>::Row<'_>; 8],
+            ) -> [[f32; 8]; 4] {
                 // SAFETY: the caller upholds this function's contract, which is the
                 // callee's.
                 unsafe { $tile(rows, acts) }

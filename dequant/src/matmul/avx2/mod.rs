@@ -81,6 +81,21 @@ pub(crate) trait RowKernels: Copy {
         rows.map(|row| self.dot::<K, 1, N>([row], acts)[0])
     }
 
+    /// `K`'s four rows · eight tokens in this set, with the bits of two
+    /// [`RowKernels::tile`]s of four (which this default calls).
+    fn tile8<K: Kernel>(
+        self,
+        rows: [&[u8]; 4],
+        acts: [<K::Acts as ActSet>::Row<'_>; 8],
+    ) -> [[f32; 8]; 4] {
+        let [a0, a1, a2, a3, a4, a5, a6, a7] = acts;
+        let (lo, hi) = (
+            self.tile::<K, 4>(rows, [a0, a1, a2, a3]),
+            self.tile::<K, 4>(rows, [a4, a5, a6, a7]),
+        );
+        join_tiles(lo, hi)
+    }
+
     /// Every row of `w` (rows of `row_bytes`, whole blocks) against `tokens` of `acts`.
     fn rows<K: Kernel>(
         self,
@@ -109,13 +124,20 @@ impl RowKernels for Avx2 {
     }
 }
 
+/// Two tiles of four rows · four tokens as one of four rows · eight (`lo`'s tokens
+/// first).
+pub(crate) fn join_tiles(lo: [[f32; 4]; 4], hi: [[f32; 4]; 4]) -> [[f32; 8]; 4] {
+    std::array::from_fn(|r| std::array::from_fn(|t| if t < 4 { lo[r][t] } else { hi[r][t - 4] }))
+}
+
 /// The loops of [`RowKernels::rows`], for either set: `P` is the kernels' set. One
 /// token: four rows per kernel call, which shares each activation load between them and
 /// keeps four independent accumulations in flight. A batch: blocks of rows small enough
 /// to stay in L2, and for each, tiles of tokens small enough to stay in L1 passing over
 /// every row, four tokens per kernel call, so each weight block is unpacked once for
 /// four tokens; four rows at a time too where the set has tiles for the format
-/// ([`RowKernels::tiles`]), so each token's block is loaded once for four rows.
+/// ([`RowKernels::tiles`]), so each token's block is loaded once for four rows, and
+/// those tiles take eight tokens a call ([`RowKernels::tile8`]).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C (which every `P` proves).
@@ -215,11 +237,21 @@ struct Tile<'a, 'r, 'o, K: Kernel, P> {
 }
 
 impl<K: Kernel, P: RowKernels> Tile<'_, '_, '_, K, P> {
-    /// Rows `r0..r0 + 4` · tokens `t0..t1` by the four-row tiles, four tokens a call.
+    /// Rows `r0..r0 + 4` · tokens `t0..t1` by the four-row tiles, eight tokens a call
+    /// (then four, then the rest).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn run_tile(&mut self, r0: usize, t0: usize, t1: usize) {
         let mut t = t0;
+        while t + 8 <= t1 {
+            let rows = std::array::from_fn(|i| {
+                &self.w[(r0 + i) * self.row_bytes..(r0 + i + 1) * self.row_bytes]
+            });
+            let acts = std::array::from_fn(|j| self.acts[t + j]);
+            let dots = self.kernels.tile8::<K>(rows, acts);
+            self.store(r0, t, &dots);
+            t += 8;
+        }
         while t + 4 <= t1 {
             self.tile::<4>(r0, t);
             t += 4;

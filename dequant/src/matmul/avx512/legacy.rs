@@ -1,5 +1,5 @@
 //! AVX-512 kernels of the symmetric legacy formats (`Q4_0`, `Q5_0`, `Q8_0`, `IQ4_NL`):
-//! batches in tiles of up to four rows against two to four tokens ([`dot_tile`]), two
+//! batches in tiles of up to four rows against two to eight tokens ([`dot_tile`]), two
 //! tokens a 512-bit step, and single tokens four rows a call, two blocks a step
 //! ([`dot_rows`]).
 //!
@@ -133,10 +133,11 @@ unsafe fn dot<L: Offset, const R: usize, const N: usize>(
     unsafe { crate::matmul::avx2::legacy::dot::<L, R, N>(rows, acts) }
 }
 
-/// `R` ≤ 4 rows against `N` (2 to 4) tokens of a symmetric format, each product as the
+/// `R` ≤ 4 rows against `N` (2 to 8) tokens of a symmetric format, each product as the
 /// AVX2 kernel's `dot_tokens` computes it: one `vpdpbusd` a row's block and a pair of
 /// tokens, each pair's [`offset_start`] taken once a block, and a block's pairs of
-/// tokens and its rows each loaded and unpacked once for the whole tile.
+/// tokens and its rows each loaded and unpacked once for the whole tile (so a tile of
+/// eight tokens unpacks each row's block once for four pairs).
 ///
 /// # Safety
 /// The CPU must support the AVX-512 path's features.
@@ -146,20 +147,28 @@ unsafe fn dot_tile<L: Offset, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     acts: [Q8Row<'_>; N],
 ) -> [[f32; N]; R] {
-    const { assert!(R <= 4 && N <= 4) };
+    const { assert!(R <= 4 && N <= MAX_PAIRS * 2) };
     if N < 2 {
+        // (Through a tile of exactly one token, so that no other width of the single-row
+        // kernels is instantiated.)
+        let one = [acts[0]];
         // SAFETY: the features are present per this function's contract.
-        return unsafe { dot_columns::<L, R, N>(rows, acts) };
+        let dots = unsafe { dot_columns::<L, R, 1>(rows, one) };
+        return std::array::from_fn(|r| std::array::from_fn(|_| dots[r][0]));
     }
     const { assert!(!(L::HAS_M || L::TOTALS || L::E8M0 || (L::PAIRED && L::PAIRED_BATCH))) };
     let nb = blocks(&rows, L::BYTES, &acts);
     let pairs = N / 2;
     let zero = _mm512_setzero_si512();
     // Pair p's tokens in the halves of accumulators [r][p]; an odd last token in 256 bits.
-    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    let mut acc = [[_mm512_setzero_ps(); MAX_PAIRS]; R];
     let mut last = [_mm256_setzero_ps(); R];
     for b in 0..nb {
-        let (mut x, mut start, mut dx) = ([zero; 2], [zero; 2], [_mm512_setzero_ps(); 2]);
+        let (mut x, mut start, mut dx) = (
+            [zero; MAX_PAIRS],
+            [zero; MAX_PAIRS],
+            [_mm512_setzero_ps(); MAX_PAIRS],
+        );
         for p in 0..pairs {
             let (a0, a1) = (&acts[2 * p], &acts[2 * p + 1]);
             // SAFETY: `b < nb` bounds both loads by the activation rows' lengths.
@@ -219,6 +228,9 @@ unsafe fn dot_tile<L: Offset, const R: usize, const N: usize>(
     }
     out
 }
+
+/// Most pairs of tokens of a [`dot_tile`].
+const MAX_PAIRS: usize = 4;
 
 /// Where the lanes of each token of `x` start against unsigned weights: `-OFFSET`
 /// times the sum of the lane's four activations, so that `vpdpbusd` from there gives
@@ -361,7 +373,7 @@ macro_rules! avx512_entries {
             unsafe { dot::<$format, R, N>(rows, acts) }
         }
 
-        /// Four rows against `N` ≤ 4 tokens, a batch's tile.
+        /// Four rows against `N` ≤ 8 tokens, a batch's tile.
         ///
         /// # Safety
         /// The CPU must support the AVX-512 path's features.

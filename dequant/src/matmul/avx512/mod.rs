@@ -65,6 +65,16 @@ impl RowKernels for Avx512 {
         // SAFETY: as `dot`'s.
         unsafe { K::tile_avx512::<N>(rows, acts) }
     }
+
+    #[inline(always)]
+    fn tile8<K: Kernel>(
+        self,
+        rows: [&[u8]; 4],
+        acts: [<K::Acts as ActSet>::Row<'_>; 8],
+    ) -> [[f32; 8]; 4] {
+        // SAFETY: as `dot`'s.
+        unsafe { K::tile8_avx512(rows, acts) }
+    }
 }
 
 /// The i32 lanes of `v` summed: the lanes of each 128-bit part, then the parts, as the
