@@ -384,6 +384,7 @@ fn ours_with_stats(
                 host_ns: a.host_ns - b.host_ns,
                 host_passes: a.host_passes - b.host_passes,
                 host_product_ns: a.host_product_ns - b.host_product_ns,
+                queue_ns: a.queue_ns - b.queue_ns,
                 ..end
             }
         }),

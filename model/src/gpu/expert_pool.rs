@@ -324,6 +324,11 @@ impl ExpertPools {
         Ok(())
     }
 
+    /// Counts `spent` splitting routes and queueing copies ([`ExpertStats::queue_ns`]).
+    pub fn queued(&mut self, spent: std::time::Duration) {
+        self.stats.queue_ns += spent.as_nanos() as u64;
+    }
+
     /// Lands the staged experts, promotes more into free slots, and says whether every
     /// slot of every pool is resident and the link's registration has ended: a step of
     /// waiting for the pools to fill without a pass (the passes fill them too, by use).

@@ -79,8 +79,8 @@ pub(super) fn cpu_moe_rows(
         "budget {} MiB (llama.cpp -ncmoe {layers}: {} MiB of weights on the GPU, {} of {} MiB \
          of routed experts off it); ours: {} slots a layer and {} link slots, {:.0}% of routes \
          resident, {:.0}% over the link, {} promotions, {} evictions; routed experts {:.0} MB a token; a decoded token waited {:.2} ms for \
-         its routes and spent {:.2} ms on the host's, in {:.1} layers of {:.0} µs ({:.0} in \
-         the products)",
+         its routes, spent {:.2} ms on the host's, in {:.1} layers of {:.0} µs ({:.0} in \
+         the products), and {:.2} ms splitting routes and queueing copies",
         budget >> 20,
         on_gpu >> 20,
         off_gpu >> 20,
@@ -97,6 +97,7 @@ pub(super) fn cpu_moe_rows(
         per_token(s.host_passes),
         per_pass(s.host_ns),
         per_pass(s.host_product_ns),
+        per_token(s.queue_ns) / 1e6,
     );
     let fields = json!({
         "budget_bytes": budget,

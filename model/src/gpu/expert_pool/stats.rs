@@ -29,6 +29,10 @@ pub struct ExpertStats {
     /// in the CPU's products alone (the rest of `host_ns` is reading and queueing).
     pub host_passes: u64,
     pub host_product_ns: u64,
+    /// Nanoseconds the passes spent between the device's routes and the device's
+    /// products: splitting the routes (with the promotions they call for) and queueing
+    /// the copies of the device's routes and of the experts over the link.
+    pub queue_ns: u64,
 }
 
 /// The pools of several models (replicas of one) added up: every count and the experts
@@ -50,6 +54,7 @@ impl std::ops::Add for ExpertStats {
             host_ns: self.host_ns + other.host_ns,
             host_passes: self.host_passes + other.host_passes,
             host_product_ns: self.host_product_ns + other.host_product_ns,
+            queue_ns: self.queue_ns + other.queue_ns,
         }
     }
 }

@@ -36,18 +36,22 @@ pub(super) fn routed(
         view(&moe.weights, slots)?,
         view(&bufs.h, n * d)?,
     )?;
+    let began = std::time::Instant::now();
     let split = pools.split(e.layer, n, k)?;
     pools.send_routes(stream, slots, view_mut::<f32>(&mut moe.weights, slots)?)?;
+    pools.queued(began.elapsed());
     // The device's routes: the resident experts' and the link's first slots' in the
     // first round, each later round the link slots filled again. (Without any, the
     // combination skips every slot: each is weighted 0.)
     let count = pools.device_slots();
     let n_tiles = experts::max_tiles(slots, count, tile_tokens);
     for round in 0..split.rounds {
+        let began = std::time::Instant::now();
         if round > 0 {
             pools.send_round(stream, slots, round)?;
         }
         pools.fetch_linked(stream, e.layer, round)?;
+        pools.queued(began.elapsed());
         let slot_ids = pools
             .slot_ids
             .slice(0..slots)
