@@ -12,8 +12,7 @@
 // Launchers, all returning the platform's native status (0 on success); only the
 // quantized types' units run them, the float types' return hipErrorInvalidValue:
 //   rf_matvec_experts_NAME(weights, outs, n_mats, rows, n_cols, expert_bytes, tiles,
-//                          n_tiles, tile_tokens, order, slot_div, xq, n_x, settled, device,
-//                          stream)
+//                          n_tiles, tile_tokens, order, slot_div, xq, n_x, device, stream)
 //   rf_matvec_experts_sum_NAME(weights, expert_bytes, rows, n_cols, ids, slot_weights, k,
 //                              n_tokens, xq, n_x, out, device, stream)
 // The Rust wrappers in src/gpu/matvec.rs are their only callers and check every length.
@@ -36,34 +35,25 @@ struct ExpertMats {
     size_t expert_bytes;
 };
 
-//
-// kSettled: the tiles and order were written at least two launches before this one, so
-// they are read before the chained wait (rf_load_settled), and with them the first task
-// of each thread's rows, while the kernel just before still runs (its activations are
-// read after the wait).
-template <typename W, int NT, int kRows, int RPT, bool kSettled>
+template <typename W, int NT, int kRows, int RPT>
 __global__ void __launch_bounds__(kMatvecThreads)
     matvec_experts_kernel(ExpertMats mats, int n_cols, const int* __restrict__ tiles,
                           const int* __restrict__ order, int slot_div,
                           const uint8_t* __restrict__ xq, int n_x) {
     constexpr int tpr = kMatvecThreads / kRows;
     const int sub = threadIdx.x / tpr, lane = threadIdx.x % tpr;
-    // Without kSettled, the tiles come from the kernel just before.
-    if (!kSettled) rf_chain_wait();
-    const int expert = rf_load_settled(tiles + 3 * blockIdx.y);
-    const int first = rf_load_settled(tiles + 3 * blockIdx.y + 1);
-    const int count = rf_load_settled(tiles + 3 * blockIdx.y + 2);
-    if (count <= 0) {
-        if (kSettled) rf_chain_wait();  // every path waits
-        return;  // the whole workgroup leaves together
-    }
+    rf_chain_wait();  // the tiles and the activations come from the kernels before
+    const int expert = tiles[3 * blockIdx.y];
+    const int first = tiles[3 * blockIdx.y + 1];
+    const int count = tiles[3 * blockIdx.y + 2];
+    if (count <= 0) return;  // the whole workgroup leaves together
     int slot[NT], xr[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         // A tile of fewer tokens repeats its last (its results are dropped): measured on
         // an H200, skipping the missing tokens' dot products instead made the launches
         // slower (the unrolled loops then branch per token).
-        slot[j] = rf_load_settled(order + first + (j < count ? j : count - 1));
+        slot[j] = order[first + (j < count ? j : count - 1)];
         xr[j] = slot[j] / slot_div;
     }
     const int total = mats.n_mats * mats.rows;
@@ -87,8 +77,8 @@ __global__ void __launch_bounds__(kMatvecThreads)
     const float* xd = reinterpret_cast<const float*>(xq + (size_t)n_x * n_cols);
     const int* xsums = reinterpret_cast<const int*>(xd + (size_t)n_x * (n_cols / 32));
     float acc[RPT][NT];
-    row_dots<W, NT, RPT, kSettled>(rows, any, lane, tpr, n_cols, xqs, xd, xsums,
-                                   [&](int j) { return xr[j]; }, acc);
+    row_dots<W, NT, RPT, false>(rows, any, lane, tpr, n_cols, xqs, xd, xsums,
+                                [&](int j) { return xr[j]; }, acc);
 #pragma unroll
     for (int rr = 0; rr < RPT; ++rr) {
         reduce_row<NT>(acc[rr], tpr, [&](int j, float s) {
@@ -158,11 +148,10 @@ __global__ void __launch_bounds__(kMatvecThreads)
 
 // Launches matvec_experts_kernel for tiles of NT tokens (1, 4 or kMaxTokens), with the rows
 // a workgroup takes chosen as for the dense products.
-// With `settled`, tiles of one read the routing before their chained wait (kSettled).
 template <typename T>
 hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, int n_tiles,
                           int tile_tokens, const int* order, int slot_div, const uint8_t* xq,
-                          int n_x, bool settled, hipStream_t stream) {
+                          int n_x, hipStream_t stream) {
     const unsigned total = (unsigned)(mats.n_mats * mats.rows);
     auto go = [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
@@ -170,16 +159,8 @@ hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, 
         auto shape = [&](auto rows) {
             constexpr int kRows = decltype(rows)::value;
             const unsigned groups = (total + kRows - 1) / kRows;
-            const dim3 grid((groups + rpt - 1) / rpt, (unsigned)n_tiles);
-            if constexpr (NT == 1) {
-                if (settled) {
-                    rfLaunchChained((matvec_experts_kernel<T, NT, kRows, rpt, true>), grid,
-                                    dim3(kMatvecThreads), 0, stream, mats, n_cols, tiles, order,
-                                    slot_div, xq, n_x);
-                    return hipGetLastError();
-                }
-            }
-            rfLaunchChained((matvec_experts_kernel<T, NT, kRows, rpt, false>), grid,
+            rfLaunchChained((matvec_experts_kernel<T, NT, kRows, rpt>),
+                            dim3((groups + rpt - 1) / rpt, (unsigned)n_tiles),
                             dim3(kMatvecThreads), 0, stream, mats, n_cols, tiles, order,
                             slot_div, xq, n_x);
             return hipGetLastError();
@@ -222,10 +203,10 @@ hipError_t launch_experts_sum(const uint8_t* w, size_t expert_bytes, int rows, i
 template <typename T, typename X>
 hipError_t launch_experts_of(const ExpertMats& mats, int n_cols, const int* tiles, int n_tiles,
                              int tile_tokens, const int* order, int slot_div, const uint8_t* xq,
-                             int n_x, bool settled, hipStream_t stream) {
+                             int n_x, hipStream_t stream) {
     if constexpr (std::is_same<X, uint8_t>::value) {
         return launch_experts<T>(mats, n_cols, tiles, n_tiles, tile_tokens, order, slot_div, xq,
-                                 n_x, settled, stream);
+                                 n_x, stream);
     } else {
         return hipErrorInvalidValue;
     }
@@ -238,14 +219,12 @@ extern "C" {
 // The products of routed experts (see matvec_experts_kernel): weights[m] (n_mats of 1
 // or 2) hold the experts' matrices of `rows` × n_cols, expert_bytes apart; outs[m] one
 // row per slot. tiles: n_tiles triples (expert, first, count) of at most tile_tokens (1,
-// 4 or 8) slots each, order the slots grouped by expert; xq: Q8 blocks of n_x rows.
-// settled (nonzero): tiles and order were written at least two launches before on the
-// stream (tiles of one read them, and their first weights, before the chained wait).
-// Only the quantized types' units run it; the float types' return hipErrorInvalidValue.
+// 4 or 8) slots each, order the slots grouped by expert; xq: Q8 blocks of n_x rows. Only
+// the quantized types' units run it; the float types' return hipErrorInvalidValue.
 int RF_MATVEC_JOIN(rf_matvec_experts, RF_MATVEC_NAME)(
     const void* const* weights, void* const* outs, int n_mats, int rows, int n_cols,
     size_t expert_bytes, const void* tiles, int n_tiles, int tile_tokens, const void* order,
-    int slot_div, const void* xq, int n_x, int settled, int device, void* stream) {
+    int slot_div, const void* xq, int n_x, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (n_mats < 1 || n_mats > 2 || rows < 1 || n_tiles < 1 || n_tiles > 65535 || slot_div < 1)
@@ -260,7 +239,7 @@ int RF_MATVEC_JOIN(rf_matvec_experts, RF_MATVEC_NAME)(
     mats.expert_bytes = expert_bytes;
     return (int)rf::launch_experts_of<rf::UnitType, rf::UnitInput>(
         mats, n_cols, (const int*)tiles, n_tiles, tile_tokens, (const int*)order, slot_div,
-        (const uint8_t*)xq, n_x, settled != 0, (hipStream_t)stream);
+        (const uint8_t*)xq, n_x, (hipStream_t)stream);
 }
 
 // Routed down products with the weighted sum fused (see matvec_experts_sum_kernel):

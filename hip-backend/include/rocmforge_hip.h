@@ -21,8 +21,6 @@
 //                                               every lane of it (every lane must call)
 //   rfLaunchChained(kernel, grid, block, shared_bytes, stream, args...)
 //   rf_chain_wait()                             chained launches, below
-//   rf_load_settled(p)                          an int an earlier kernel wrote, read
-//                                               past the multiprocessor's cache
 //
 // Chained launches. A kernel launched with rfLaunchChained may start while the kernel
 // before it in its stream is still finishing (NVIDIA's programmatic dependent launch, on
@@ -239,13 +237,6 @@ __device__ __forceinline__ void rf_chain_wait() {}
 #define rfLaunchChained hipLaunchKernelGGL
 #endif
 
-// A value some kernel earlier in the stream wrote, read from the device's L2 cache past
-// the multiprocessor's own (which may still hold the line from an earlier launch). A
-// chained kernel may read before its rf_chain_wait() what the kernel two launches before
-// it wrote: that kernel had finished before the one just before it passed its own wait,
-// which is what let this one start.
-__device__ __forceinline__ int rf_load_settled(const int* p) { return __ldcg(p); }
-
 // Matrix units, in the device pass for sm_80 and later: ROCMFORGE_HIP_MMA is defined and
 // these wrap the instructions the kernels tile with.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -314,7 +305,6 @@ __device__ __forceinline__ unsigned rf_min32_u(unsigned value) {
 
 // Chained launches (see the top of this file): plain launches on AMD.
 __device__ __forceinline__ void rf_chain_wait() {}
-__device__ __forceinline__ int rf_load_settled(const int* p) { return *p; }
 #define rfLaunchChained hipLaunchKernelGGL
 // No kernel is written for AMD's matrix instructions yet.
 inline bool rf_mma_available() { return false; }
@@ -353,5 +343,4 @@ __device__ __forceinline__ int rf_q8_half_sums(int q) {
     const int lo = upper ? other : s, hi = upper ? s : other;
     return (int)(((uint32_t)lo & 0xFFFFu) | ((uint32_t)hi << 16));
 }
-
 #endif  // ROCMFORGE_HIP_H

@@ -263,21 +263,6 @@ fn check_routed(
     })
 }
 
-/// Which launch on the stream wrote the tiles and order that routed products read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RouteWriter {
-    /// The launch just before the products (or any): they read the routing after their
-    /// chained wait.
-    Previous,
-    /// A launch at least two before the products, with nothing since writing the
-    /// tiles or order: the decode products in tiles of one read them, and each thread's
-    /// first weights, before their chained wait, while the launch just before them still
-    /// runs (`rocmforge_hip.h`, chained launches). Down's products after gate, up and
-    /// the gated activation are such a launch. Other products take it as
-    /// [`RouteWriter::Previous`].
-    Earlier,
-}
-
 /// The routed products' input: Q8 blocks for the decode products, or f16 rows and a
 /// scale each, as [`row_scales`](super::matmul::row_scales) makes them, for the matrix
 /// units'.
@@ -317,7 +302,6 @@ pub fn routed_products(
     tiles: DeviceView<'_, i32>,
     order: DeviceView<'_, i32>,
     tile_tokens: usize,
-    writer: RouteWriter,
     outs: &mut [DeviceViewMut<'_, f32>],
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
@@ -356,7 +340,7 @@ pub fn routed_products(
         }
     };
     DequantError::check_input_of(actual, n_x, cols, expected)?;
-    launch(experts, input, tiles, order, shape, writer, outs, stream)
+    launch(experts, input, tiles, order, shape, outs, stream)
 }
 
 /// The routed products of a few tokens' slots with their weighted sum fused (a mixture's
@@ -467,14 +451,12 @@ fn launch_sum(
 }
 
 #[cfg(not(hip_platform = "none"))]
-#[allow(clippy::too_many_arguments)]
 fn launch(
     experts: &[GpuExperts<'_>],
     input: RoutedInput<'_>,
     tiles: DeviceView<'_, i32>,
     order: DeviceView<'_, i32>,
     shape: Shape,
-    writer: RouteWriter,
     outs: &mut [DeviceViewMut<'_, f32>],
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
@@ -512,7 +494,6 @@ fn launch(
                     shape.slot_div as c_int,
                     x.as_ptr(),
                     shape.n_x as c_int,
-                    c_int::from(writer == RouteWriter::Earlier),
                     shape.device,
                     stream.as_raw(),
                 ),
@@ -544,14 +525,12 @@ fn launch(
 }
 
 #[cfg(hip_platform = "none")]
-#[allow(clippy::too_many_arguments)]
 fn launch(
     _: &[GpuExperts<'_>],
     _: RoutedInput<'_>,
     _: DeviceView<'_, i32>,
     _: DeviceView<'_, i32>,
     _: Shape,
-    _: RouteWriter,
     _: &mut [DeviceViewMut<'_, f32>],
     _: &Stream,
 ) -> Result<(), GpuDequantError> {

@@ -109,7 +109,6 @@ product_launchers! {
             slot_div: c_int,
             xq: *const c_void,
             n_x: c_int,
-            settled: c_int,
             device: c_int,
             stream: *mut c_void,
         );

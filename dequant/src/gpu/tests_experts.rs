@@ -10,8 +10,8 @@ use half::f16;
 use hip_backend::DeviceBuffer;
 
 use super::experts::{
-    max_tiles, routed_products, GpuExperts, RouteWriter, RoutedInput, SlotInput,
-    MATMUL_TILE_TOKENS, WIDE_TILE_TOKENS,
+    max_tiles, routed_products, GpuExperts, RoutedInput, SlotInput, MATMUL_TILE_TOKENS,
+    WIDE_TILE_TOKENS,
 };
 use super::matvec::{self, q8_bytes, MAX_TOKENS};
 use super::tests::gpu_or_skip;
@@ -197,7 +197,6 @@ fn routed_products_are_each_experts_own_product() {
                 tiles_dev.view(),
                 order_dev.view(),
                 tile_tokens,
-                RouteWriter::Previous,
                 &mut views,
                 &stream,
             )
@@ -224,7 +223,6 @@ fn routed_products_are_each_experts_own_product() {
                 tiles_dev.view(),
                 order_dev.view(),
                 tile_tokens,
-                RouteWriter::Earlier,
                 &mut [out.view_mut()],
                 &stream,
             )
@@ -267,7 +265,6 @@ fn mismatched_routed_products_are_refused() {
             tiles.view(),
             order.view(),
             tile_tokens,
-            RouteWriter::Previous,
             &mut [out.view_mut()],
             &stream,
         )
@@ -342,7 +339,6 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
             tiles_dev.view(),
             order_dev.view(),
             MATMUL_TILE_TOKENS,
-            RouteWriter::Previous,
             &mut views,
             &stream,
         )
@@ -368,7 +364,6 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
             tiles_dev.view(),
             order_dev.view(),
             MATMUL_TILE_TOKENS,
-            RouteWriter::Previous,
             &mut [out.view_mut()],
             &stream,
         )
@@ -390,7 +385,6 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
             tiles_dev.view(),
             order_dev.view(),
             MATMUL_TILE_TOKENS,
-            RouteWriter::Previous,
             &mut [out.view_mut()],
             &stream,
         )

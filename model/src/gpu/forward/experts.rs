@@ -4,9 +4,7 @@
 //! sum into the residual stream. Nothing is read back to the host, so a decode step stays
 //! one captured graph; the same sequence runs a prompt's chunk and a paged batch.
 
-use dequant::gpu::experts::{
-    self, routed_products, GpuExperts, RouteWriter, RoutedInput, SlotInput,
-};
+use dequant::gpu::experts::{self, routed_products, GpuExperts, RoutedInput, SlotInput};
 use dequant::gpu::matmul::row_scales;
 use dequant::gpu::matvec::q8_bytes;
 use half::f16;
@@ -32,7 +30,6 @@ struct Route<'a> {
     tiles: DeviceView<'a, i32>,
     order: DeviceView<'a, i32>,
     tile_tokens: usize,
-    writer: RouteWriter,
 }
 
 impl<'a> Route<'a> {
@@ -50,7 +47,6 @@ impl<'a> Route<'a> {
             tiles: view::<i32>(tiles, 3 * n_tiles)?,
             order: view::<i32>(order, slots)?,
             tile_tokens,
-            writer: RouteWriter::Previous,
         })
     }
 }
@@ -95,7 +91,6 @@ fn routed(
         route.tiles,
         route.order,
         route.tile_tokens,
-        route.writer,
         outs,
         stream,
     )
@@ -410,16 +405,7 @@ fn down(
         .map_err(routed_error(&e.down))?;
         return Ok(true);
     }
-    // Gate and up, then the activation, ran since the routing was written. Decoding one
-    // token, down's workgroups may start on their weights while the activation (a few
-    // workgroups) runs: Qwen3-30B-A3B's shape decoded 1.5% faster, gpt-oss-20b's 1.3%
-    // (H200, tg128). In a batch the activation's launch is larger and down's early
-    // workgroups took room from it: 32 sequences of Qwen3-30B-A3B's shape (down with its
-    // weighted sum) ran 3% slower, gpt-oss-20b's (tiles of four) 1.2%.
-    let mut route = Route::new(&moe.tiles, &moe.order, slots, mats.count, tile_tokens)?;
-    if n == 1 {
-        route.writer = RouteWriter::Earlier;
-    }
+    let route = Route::new(&moe.tiles, &moe.order, slots, mats.count, tile_tokens)?;
     routed(
         &[mats.down],
         input,
