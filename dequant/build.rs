@@ -152,6 +152,7 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/matmul_decode.h",
     "kernels/matmul_launch.h",
     "kernels/skinny.hip",
+    "kernels/skinny_rows.h",
 ];
 
 fn main() {

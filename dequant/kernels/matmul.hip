@@ -41,7 +41,8 @@
 //             fastest for the type and count, 1 the tiled kernel, 2 the skinny one of
 //             skinny.hip, refused where it does not apply)
 //   rf_matmul_experts_NAME(weights, outs, n_mats, rows, cols, expert_bytes, experts,
-//                  tiles, n_tiles, order, slot_div, x16, scales, device, stream)
+//                  tiles, n_tiles, tile_tokens, order, slot_div, x16, scales, device,
+//                  stream)
 //             (a mixture of experts' routed products, by tiles of slots: see ExpertTiles)
 // Each output: n_tokens × rows f32, token-major, as rf_matvec_NAME writes it.
 #include "common.h"
@@ -700,17 +701,19 @@ extern "C" int RF_MATMUL_JOIN(rf_matmul, RF_MATMUL_NAME)(
 
 // The routed experts' products (ExpertTiles): `weights` and `outs` hold n_mats (1 or
 // 2) tensors of `experts` matrices of `rows` × `cols`, expert_bytes apart; `tiles` holds
-// n_tiles triples (at most kMmTokens slots each), `order` the slots, `x16` and `scales`
-// the input's rows as rf_row_scales makes them (row slot / slot_div for a slot). Each
-// output: one row of `rows` f32 per slot.
+// n_tiles triples (at most tile_tokens slots each, at most kMmTokens), `order` the slots,
+// `x16` and `scales` the input's rows as rf_row_scales makes them (row slot / slot_div
+// for a slot). Each output: one row of `rows` f32 per slot.
 extern "C" int RF_MATMUL_JOIN(rf_matmul_experts, RF_MATMUL_NAME)(
     const void* const* weights, void* const* outs, int n_mats, int rows, int cols,
-    size_t expert_bytes, int experts, const void* tiles, int n_tiles, const void* order,
-    int slot_div, const void* x16, const void* scales, int device, void* stream) {
+    size_t expert_bytes, int experts, const void* tiles, int n_tiles, int tile_tokens,
+    const void* order, int slot_div, const void* x16, const void* scales, int device,
+    void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (n_mats < 1 || n_mats > 2 || rows < 1 || cols < 1 || cols % rf::kGroup != 0 ||
-        experts < 1 || n_tiles < 1 || slot_div < 1) {
+        experts < 1 || n_tiles < 1 || slot_div < 1 || tile_tokens < 1 ||
+        tile_tokens > rf::kMmTokens) {
         return (int)hipErrorInvalidValue;
     }
     rf::MatmulMats mats = {};
@@ -721,9 +724,9 @@ extern "C" int RF_MATMUL_JOIN(rf_matmul_experts, RF_MATMUL_NAME)(
         mats.rows[m] = rows;
     }
     const rf::ExpertTiles et = {(const int*)tiles, (const int*)order, slot_div, expert_bytes};
-    return (int)rf::launch_matmul_experts<rf::UnitFormat>(mats, cols, (const __half*)x16,
-                                                          (const float*)scales, n_tiles, experts,
-                                                          et, device, (hipStream_t)stream);
+    return (int)rf::launch_matmul_experts<rf::UnitFormat>(
+        mats, cols, (const __half*)x16, (const float*)scales, n_tiles, tile_tokens, experts, et,
+        device, (hipStream_t)stream);
 }
 
 #else

@@ -66,15 +66,25 @@ hipError_t launch_tiles(const MatmulMats& mats, int cols, const __half* x, const
     return hipGetLastError();
 }
 
-// The routed experts' products over `n_tiles` tiles of slots (ExpertTiles; the grid: x
-// the tiles, y the row tiles of each matrix), unsplit: 128-row tiles where they give
-// two workgroups a multiprocessor for the tiles a routing fills (one per expert when
-// every expert has slots), 64-row ones otherwise.
+// The routed experts' products over `n_tiles` tiles of up to `tile_tokens` slots
+// (ExpertTiles; the grid: x the tiles, y the row tiles of each matrix), unsplit: tiles
+// of up to kSkinnyMaxTokens slots through the skinny kernel where it takes them, else
+// 128-row tiles where they give two workgroups a multiprocessor for the tiles a routing
+// fills (one per expert when every expert has slots), 64-row ones otherwise.
 template <typename F>
 hipError_t launch_matmul_experts(const MatmulMats& mats, int cols, const __half* x,
-                                 const float* scales, int n_tiles, int n_experts,
-                                 const ExpertTiles& et, int device, hipStream_t stream) {
+                                 const float* scales, int n_tiles, int tile_tokens,
+                                 int n_experts, const ExpertTiles& et, int device,
+                                 hipStream_t stream) {
     const DeviceFacts facts = device_facts(device);
+    // (Only the types the skinny kernel reads with loads of their own get its experts'
+    // code: the others would not take it.)
+    if constexpr (SkinnyFast<F>::value) {
+        if (skinny_experts_take<F>(mats, et, tile_tokens, facts.staged)) {
+            return launch_skinny_experts<F>(mats, cols, x, scales, n_tiles, tile_tokens, et,
+                                            stream);
+        }
+    }
     TileGrid g = {0, n_tiles, 1};
     for (int m = 0; m < mats.n; ++m) g.tiles += (mats.rows[m] + 127) / 128;
     const long long filled = (long long)min(n_tiles, n_experts) * g.tiles;

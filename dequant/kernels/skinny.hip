@@ -32,7 +32,12 @@
 // the 16 consecutive columns 16q … 16q + 15 of the step (instruction i = 0 … 3). So each
 // lane decodes 16 consecutive values of each of its two rows (a block's natural unit),
 // and reads 32 consecutive bytes of each token's activations.
+//
+// The types with loads of their own, and each type's loads and decoders, are in
+// skinny_rows.h.
 #include <type_traits>
+
+#include "skinny_rows.h"
 
 namespace rf {
 
@@ -43,346 +48,6 @@ constexpr int kSkinnyK = 64;
 constexpr int kSkWarps = 8;
 constexpr int kSkThreads = 32 * kSkWarps;
 constexpr int kSkRows = 16 * kSkWarps;
-
-// The types with loads and decoders of their own here (SkinnyRow), and the alignment in
-// bytes their loads need of the matrices (a row's size is a multiple of it).
-template <typename F>
-struct SkinnyFast : std::false_type {};
-template <typename F>
-struct SkinnyAlign : std::integral_constant<int, 2> {};
-template <>
-struct SkinnyFast<Q4_0> : std::true_type {};
-template <>
-struct SkinnyFast<Q4_1> : std::true_type {};
-template <>
-struct SkinnyFast<Q5_0> : std::true_type {};
-template <>
-struct SkinnyFast<Q5_1> : std::true_type {};
-template <>
-struct SkinnyFast<Q8_0> : std::true_type {};
-template <>
-struct SkinnyFast<Q4_K> : std::true_type {};
-template <>
-struct SkinnyFast<Q5_K> : std::true_type {};
-template <>
-struct SkinnyFast<Q6_K> : std::true_type {};
-template <>
-struct SkinnyAlign<Q4_1> : std::integral_constant<int, 4> {};
-template <>
-struct SkinnyAlign<Q5_1> : std::integral_constant<int, 8> {};
-template <>
-struct SkinnyAlign<Q4_K> : std::integral_constant<int, 16> {};
-template <>
-struct SkinnyAlign<Q5_K> : std::integral_constant<int, 16> {};
-
-#if defined(RF_MM_MMA)
-// The loads below read a chunk's blocks from shared memory, where each row's copy keeps
-// the alignment its bytes have in device memory (modulo 16).
-
-// 16 bytes at a 2-byte aligned address (common.h's load_words).
-__device__ __forceinline__ uint4 load16_a2(const uint8_t* p) {
-    int w[4];
-    load_words<4>(p, w);
-    return make_uint4((uint32_t)w[0], (uint32_t)w[1], (uint32_t)w[2], (uint32_t)w[3]);
-}
-
-// 16 bytes at a 4-, 8- or 16-byte aligned address.
-__device__ __forceinline__ uint4 load16_a4(const uint8_t* p) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(p);
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-__device__ __forceinline__ uint4 load16_a8(const uint8_t* p) {
-    const uint2* w = reinterpret_cast<const uint2*>(p);
-    const uint2 a = w[0], b = w[1];
-    return make_uint4(a.x, a.y, b.x, b.y);
-}
-__device__ __forceinline__ uint4 load16_a16(const uint8_t* p) {
-    return *reinterpret_cast<const uint4*>(p);
-}
-// The two bytes at a 2-byte aligned address.
-__device__ __forceinline__ uint32_t load2(const uint8_t* p) {
-    return *reinterpret_cast<const unsigned short*>(p);
-}
-
-__device__ __forceinline__ __half2 half2_of_bits(uint32_t bits) {
-    return __half2half2(__ushort_as_half((unsigned short)(bits & 0xFFFF)));
-}
-
-// Sixteen small integers q (one a byte) as f16 pairs: ((q - offset) · scale) · d + add,
-// or (q - offset) · scale without the multiply-add; eight pairs, values 0..7 in `lo`,
-// 8..15 in `hi`. `off` is 1024 + offset: each byte becomes the half 1024 + q first.
-__device__ __forceinline__ void halves16(uint4 q, __half2 off, __half2 scale, __half2 d,
-                                         __half2 add, bool fma, uint4& lo, uint4& hi) {
-    uint32_t out[8];
-    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        __half2 a, b;
-        bytes_to_halves(words[i], a, b);
-        a = __hmul2(__hsub2(a, off), scale);
-        b = __hmul2(__hsub2(b, off), scale);
-        if (fma) {
-            a = __hfma2(a, d, add);
-            b = __hfma2(b, d, add);
-        }
-        out[2 * i] = half2_bits(a);
-        out[2 * i + 1] = half2_bits(b);
-    }
-    lo = make_uint4(out[0], out[1], out[2], out[3]);
-    hi = make_uint4(out[4], out[5], out[6], out[7]);
-}
-
-// The low (shift 0) or high (shift 4) nibbles of 16 bytes.
-__device__ __forceinline__ uint4 nibbles(uint4 v, int shift) {
-    return make_uint4((v.x >> shift) & 0x0F0F0F0Fu, (v.y >> shift) & 0x0F0F0F0Fu,
-                      (v.z >> shift) & 0x0F0F0F0Fu, (v.w >> shift) & 0x0F0F0F0Fu);
-}
-
-// How a lane reads and decodes its 16 values of a row for a step, from the row's copy in
-// shared memory (`row`: the chunk's first block; `k`: the column within the chunk):
-// `load` takes the raw bytes with the widest loads their alignment allows, `decode`
-// turns them into f16 pairs: for Q8_0, Q4_0, Q4_K and Q6_K the values HalfDecode gives,
-// for the others decode8's values rounded to f16 (but for a rare double rounding: Q4_1
-// and Q5_1 take d·q + m in one f16 multiply-add). Values past the row's end (`cols`,
-// counted from the chunk's start too; a multiple of 8) read as zeros. The general form
-// serves forced launches (comparisons, tests) of the types without a form of their own,
-// with the tiled kernel's decoders.
-template <typename F, typename Enable = void>
-struct SkinnyRow {
-    struct Raw {
-        const uint8_t* row;
-        int k;
-    };
-    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int) {
-        return Raw{row, k};
-    }
-    static __device__ __forceinline__ uint4 eight(const uint8_t* row, int k) {
-        const uint8_t* blk = row + (size_t)(k / F::kValues) * F::kBytes;
-        if constexpr (HalfDecode<F>::kHas) {
-            return HalfDecode<F>::decode8h(blk, k % F::kValues);
-        } else {
-            float v[kGroup];
-            F::decode8(blk, k % F::kValues, v);
-            return pack8(v);
-        }
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int cols, uint4& lo, uint4& hi) {
-        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-        lo = r.k < cols ? eight(r.row, r.k) : zero;
-        hi = r.k + 8 < cols ? eight(r.row, r.k + 8) : zero;
-    }
-};
-
-// The legacy 32-value blocks: a lane's 16 values are the low (first half of the block)
-// or high (second half) nibbles of the block's 16 quant bytes, or half of Q8_0's 32.
-// `head` holds d (and m, above it), `qh` the fifth bits of Q5_0/Q5_1. Rows of 32-value
-// blocks end on a whole block, so a lane's values are all inside the row or all past it.
-struct LegacyRaw {
-    uint4 q;
-    uint32_t head, qh;
-    int half;  // 0: values 0..15 of the block, 1: 16..31; -1: past the row's end
-};
-
-// The 5-bit values of a Q5_0/Q5_1 lane: its nibbles, and bits v .. v + 15 of qh.
-__device__ __forceinline__ uint4 five_bit_values(const LegacyRaw& r) {
-    const int v = r.half > 0 ? 16 : 0;
-    const uint4 q = nibbles(r.q, r.half > 0 ? 4 : 0);
-    return make_uint4(q.x | (uint32_t)spread4(r.qh, v), q.y | (uint32_t)spread4(r.qh, v + 4),
-                      q.z | (uint32_t)spread4(r.qh, v + 8), q.w | (uint32_t)spread4(r.qh, v + 12));
-}
-
-template <>
-struct SkinnyRow<Q4_0> {
-    using Raw = LegacyRaw;
-    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
-        Raw r{};
-        r.half = k < cols ? (k % 32) / 16 : -1;
-        if (r.half < 0) return r;
-        const uint8_t* blk = row + (size_t)(k / 32) * 18;
-        r.head = load2(blk);
-        r.q = load16_a2(blk + 2);
-        return r;
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
-        const __half2 d = half2_of_bits(r.head), zero = __float2half2_rn(0.0f);
-        halves16(nibbles(r.q, r.half > 0 ? 4 : 0), __float2half2_rn(1024.0f + 8.0f), d, zero,
-                 zero, false, lo, hi);
-        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
-    }
-};
-
-template <>
-struct SkinnyRow<Q4_1> {
-    using Raw = LegacyRaw;
-    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
-        Raw r{};
-        r.half = k < cols ? (k % 32) / 16 : -1;
-        if (r.half < 0) return r;
-        const uint8_t* blk = row + (size_t)(k / 32) * 20;
-        r.head = *reinterpret_cast<const uint32_t*>(blk);
-        r.q = load16_a4(blk + 4);
-        return r;
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
-        const __half2 one = __float2half2_rn(1.0f);
-        halves16(nibbles(r.q, r.half > 0 ? 4 : 0), __float2half2_rn(1024.0f), one,
-                 half2_of_bits(r.head), half2_of_bits(r.head >> 16), true, lo, hi);
-        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
-    }
-};
-
-template <>
-struct SkinnyRow<Q5_0> {
-    using Raw = LegacyRaw;
-    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
-        Raw r{};
-        r.half = k < cols ? (k % 32) / 16 : -1;
-        if (r.half < 0) return r;
-        const uint8_t* blk = row + (size_t)(k / 32) * 22;
-        r.head = load2(blk);
-        r.qh = load2(blk + 2) | (load2(blk + 4) << 16);
-        r.q = load16_a2(blk + 6);
-        return r;
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
-        const uint4 q = five_bit_values(r);
-        const __half2 zero = __float2half2_rn(0.0f);
-        halves16(q, __float2half2_rn(1024.0f + 16.0f), half2_of_bits(r.head), zero, zero, false,
-                 lo, hi);
-        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
-    }
-};
-
-template <>
-struct SkinnyRow<Q5_1> {
-    using Raw = LegacyRaw;
-    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
-        Raw r{};
-        r.half = k < cols ? (k % 32) / 16 : -1;
-        if (r.half < 0) return r;
-        const uint8_t* blk = row + (size_t)(k / 32) * 24;
-        const uint2 head = *reinterpret_cast<const uint2*>(blk);
-        r.head = head.x;
-        r.qh = head.y;
-        r.q = load16_a8(blk + 8);
-        return r;
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
-        const uint4 q = five_bit_values(r);
-        const __half2 one = __float2half2_rn(1.0f);
-        halves16(q, __float2half2_rn(1024.0f), one, half2_of_bits(r.head),
-                 half2_of_bits(r.head >> 16), true, lo, hi);
-        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
-    }
-};
-
-template <>
-struct SkinnyRow<Q8_0> {
-    using Raw = LegacyRaw;
-    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int cols) {
-        Raw r{};
-        r.half = k < cols ? (k % 32) / 16 : -1;
-        if (r.half < 0) return r;
-        const uint8_t* blk = row + (size_t)(k / 32) * 34;
-        r.head = load2(blk);
-        r.q = load16_a2(blk + 2 + 16 * r.half);
-        return r;
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
-        // Signed bytes as q + 128.
-        const uint4 q = make_uint4(r.q.x ^ 0x80808080u, r.q.y ^ 0x80808080u,
-                                   r.q.z ^ 0x80808080u, r.q.w ^ 0x80808080u);
-        const __half2 zero = __float2half2_rn(0.0f);
-        halves16(q, __float2half2_rn(1024.0f + 128.0f), half2_of_bits(r.head), zero, zero, false,
-                 lo, hi);
-        if (r.half < 0) lo = hi = make_uint4(0u, 0u, 0u, 0u);
-    }
-};
-
-// Q4_K and Q5_K: 144- and 176-byte super-blocks, 16-byte aligned when the row is. The 16
-// values of a lane are one half of a sub-block: 16 bytes of qs, one nibble each (and
-// Q5_K's fifth bits, bit `sub` of 16 bytes of qh).
-template <bool kFive>
-struct KRaw {
-    uint4 head;  // d, dmin, the 12 scale bytes
-    uint4 qs;
-    uint4 qh;  // Q5_K only
-    int sub;   // the sub-block (0..7)
-};
-
-template <bool kFive>
-struct SkinnyKRow {
-    using Raw = KRaw<kFive>;
-    static constexpr int kBytes = kFive ? 176 : 144;
-    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int) {
-        const uint8_t* blk = row + (size_t)(k / 256) * kBytes;
-        const int v = k % 256, c = v / 64, part = (v % 64) / 16;
-        Raw r;
-        r.head = load16_a16(blk);
-        r.qs = load16_a16(blk + (kFive ? 48 : 16) + 32 * c + 16 * (part % 2));
-        if (kFive) r.qh = load16_a16(blk + 16 + 16 * (part % 2));
-        r.sub = 2 * c + part / 2;
-        return r;
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
-        const int g = r.sub;
-        const int words[3] = {(int)r.head.y, (int)r.head.z, (int)r.head.w};
-        int sc, m;
-        k_scale_min(words, g, sc, m);
-        const __half2 d = half2_of_bits(r.head.x);
-        const float dmin = f16_bits_to_f32(r.head.x >> 16);
-        // As HalfDecode<Q4_K>: sc · q exact in f16, then d · (sc · q) - dmin·m rounded once.
-        const __half2 scale = __float2half2_rn(small_int_f32(sc));
-        const __half2 neg_min = __float2half2_rn(-mul(dmin, small_int_f32(m)));
-        uint4 q = nibbles(r.qs, 4 * (g % 2));
-        if (kFive) {
-            auto bit = [&](uint32_t h) { return ((h >> g) & 0x01010101u) << 4; };
-            q = make_uint4(q.x | bit(r.qh.x), q.y | bit(r.qh.y), q.z | bit(r.qh.z),
-                           q.w | bit(r.qh.w));
-        }
-        halves16(q, __float2half2_rn(1024.0f), scale, d, neg_min, true, lo, hi);
-    }
-};
-template <>
-struct SkinnyRow<Q4_K> : SkinnyKRow<false> {};
-template <>
-struct SkinnyRow<Q5_K> : SkinnyKRow<true> {};
-
-// Q6_K: 210-byte super-blocks (2-byte aligned). The 16 values of a lane share one scale;
-// their low four bits are 16 bytes of ql (one nibble each), their high two 16 bytes of qh.
-template <>
-struct SkinnyRow<Q6_K> {
-    struct Raw {
-        uint4 ql, qh;
-        uint32_t tail;  // d (low 16 bits) and the scale byte (bits 16..23)
-        int quarter;
-    };
-    static __device__ __forceinline__ Raw load(const uint8_t* row, int k, int) {
-        const uint8_t* blk = row + (size_t)(k / 256) * 210;
-        const int v = k % 256, h = v / 128, l = v % 128, quarter = l / 32, i0 = l % 32;
-        Raw r;
-        r.ql = load16_a2(blk + 64 * h + 32 * (quarter % 2) + i0);
-        r.qh = load16_a2(blk + 128 + 32 * h + i0);
-        r.tail = load2(blk + 208) | ((uint32_t)blk[192 + v / 16] << 16);
-        r.quarter = quarter;
-        return r;
-    }
-    static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {
-        // As HalfDecode<Q6_K>: d · sc rounded to f16 once, then (q - 32) times it.
-        const float dl = mul(f16_bits_to_f32(r.tail & 0xFFFF),
-                             small_int_f32((int)(int8_t)(uint8_t)(r.tail >> 16)));
-        const int s1 = 4 * (r.quarter / 2), s2 = 2 * r.quarter;
-        auto six = [&](uint32_t low, uint32_t high) {
-            return ((low >> s1) & 0x0F0F0F0Fu) | (((high >> s2) & 0x03030303u) << 4);
-        };
-        const uint4 q = make_uint4(six(r.ql.x, r.qh.x), six(r.ql.y, r.qh.y), six(r.ql.z, r.qh.z),
-                                   six(r.ql.w, r.qh.w));
-        const __half2 zero = __float2half2_rn(0.0f);
-        halves16(q, __float2half2_rn(1024.0f + 32.0f), __float2half2_rn(dl), zero, zero, false, lo,
-                 hi);
-    }
-};
-#endif
 
 // A chunk of a type: the columns a workgroup stages at a time (a super-block, or eight
 // blocks of 32, or 128 plain values), their bytes in a row, and the pitch of a row's copy
@@ -413,11 +78,16 @@ struct SkLayout {
 // The skinny product. Grid: x = token groups of 8·NT, y = tiles of kSkRows rows of the
 // matrices (numbered one matrix after the other), z = column splits; kSkThreads threads;
 // dynamic shared memory SkLayout<F, NT>::kBytes.
-template <typename F, int NT>
+//
+// With kExperts, a mixture's routed products: x is the tile (expert, first, count) of
+// `et.tiles` (at most 8·NT slots, the slots order[first ..]), the matrices are the
+// expert's (et.expert_bytes apart), slot s reads row s / et.slot_div of the input and
+// writes row s of the output; unsplit. A tile with no slots does nothing.
+template <typename F, int NT, bool kExperts = false>
 __global__ void __launch_bounds__(kSkThreads)
     skinny_kernel(MatmulMats mats, int cols, const __half* __restrict__ x,
                   const float* __restrict__ scales, int n_tokens, int accumulate, int splits,
-                  float* partials, unsigned* counters) {
+                  float* partials, unsigned* counters, ExpertTiles et) {
 #if defined(RF_MM_MMA)
     using R = SkinnyRow<F>;
     using C = SkChunk<F>;
@@ -437,11 +107,37 @@ __global__ void __launch_bounds__(kSkThreads)
             m = 2;
         }
     }
-    const uint8_t* __restrict__ w = m == 0 ? mats.w[0] : (m == 1 ? mats.w[1] : mats.w[2]);
+    // A tile of routed slots: its expert, and its slots in shared memory (the tiles are
+    // written by the kernel before, so they are read after the wait, and no weight can
+    // be asked for before it). Its tokens are then numbered within the tile.
+    int tok0 = (int)blockIdx.x * 8 * NT;
+    size_t expert_offset = 0;
+    __shared__ int slot_of[kExperts ? 8 * NT : 1];
+    if constexpr (kExperts) {
+        rf_chain_wait();
+        const int expert = et.tiles[3 * blockIdx.x];
+        const int first = et.tiles[3 * blockIdx.x + 1];
+        const int count = min(et.tiles[3 * blockIdx.x + 2], 8 * NT);
+        if (count <= 0) return;  // the whole workgroup leaves together
+        for (int t = threadIdx.x; t < count; t += kSkThreads) slot_of[t] = et.order[first + t];
+        __syncthreads();
+        expert_offset = (size_t)expert * et.expert_bytes;
+        tok0 = 0;
+        n_tokens = count;
+    }
+    // The row of the input that token t (counted from the launch's first) reads.
+    auto x_row = [&](int t) {
+        if constexpr (kExperts) {
+            return slot_of[t] / et.slot_div;
+        } else {
+            return t;
+        }
+    };
+    const uint8_t* __restrict__ w =
+        (m == 0 ? mats.w[0] : (m == 1 ? mats.w[1] : mats.w[2])) + expert_offset;
     float* __restrict__ y = m == 0 ? mats.y[0] : (m == 1 ? mats.y[1] : mats.y[2]);
     const int rows = m == 0 ? mats.rows[0] : (m == 1 ? mats.rows[1] : mats.rows[2]);
     const int tile_row0 = tile * kSkRows, row0 = tile_row0 + 16 * warp;
-    const int tok0 = (int)blockIdx.x * 8 * NT;
     const size_t row_bytes = (size_t)(cols / F::kValues) * F::kBytes;
     const uint8_t* w_end = w + (size_t)rows * row_bytes;
     const int chunks = (cols + C::kValues - 1) / C::kValues;
@@ -478,7 +174,7 @@ __global__ void __launch_bounds__(kSkThreads)
             const int t = p / kPieces, kk = (p % kPieces) * 8;
             const int k = c * C::kValues + kk;
             const bool valid = k < cols && tok0 + t < n_tokens;
-            const __half* src = valid ? x + (size_t)(tok0 + t) * cols + k : x;
+            const __half* src = valid ? x + (size_t)x_row(tok0 + t) * cols + k : x;
             copy16_async(x_stage(st) + t * L::kXPitch + kk, src, valid ? 16 : 0);
         }
     };
@@ -499,7 +195,7 @@ __global__ void __launch_bounds__(kSkThreads)
     // chained-launch wait: no kernel writes weights).
 #pragma unroll
     for (int i = 0; i < L::kStages - 1; ++i) copy_weights(c0 + i, i);
-    rf_chain_wait();
+    if constexpr (!kExperts) rf_chain_wait();
 #pragma unroll
     for (int i = 0; i < L::kStages - 1; ++i) {
         copy_acts(c0 + i, i);
@@ -596,7 +292,13 @@ __global__ void __launch_bounds__(kSkThreads)
         for (int e = 0; e < 4; ++e) {
             const int row = row0 + g + 8 * (e / 2);
             const int tok = tok0 + 8 * n + 2 * q + (e % 2);
-            if (row < rows && tok < n_tokens) put(y, rows, row, tok, acc[n][e], scales, accumulate);
+            if (row < rows && tok < n_tokens) {
+                if constexpr (kExperts) {
+                    y[(size_t)slot_of[tok] * rows + row] = acc[n][e] * scales[x_row(tok)];
+                } else {
+                    put(y, rows, row, tok, acc[n][e], scales, accumulate);
+                }
+            }
         }
     }
 #endif
@@ -652,7 +354,8 @@ hipError_t launch_skinny_nt(const MatmulMats& mats, int cols, const __half* x,
 #endif
     const dim3 grid((unsigned)groups, (unsigned)tiles, (unsigned)splits);
     rfLaunchChained((skinny_kernel<F, NT>), grid, dim3(kSkThreads), (size_t)bytes, stream, mats,
-                    cols, x, scales, n_tokens, accumulate, (int)splits, partials, counters);
+                    cols, x, scales, n_tokens, accumulate, (int)splits, partials, counters,
+                    ExpertTiles{});
     return hipGetLastError();
 }
 
@@ -672,6 +375,52 @@ hipError_t launch_skinny(const MatmulMats& mats, int cols, const __half* x, cons
     if (n_tokens <= 16) RF_SKINNY_NT(2);
     RF_SKINNY_NT(4);
 #undef RF_SKINNY_NT
+}
+
+// Whether the skinny kernel takes a mixture's routed products in tiles of up to
+// `tile_tokens` slots: as skinny_takes, with every expert's matrix aligned as the
+// type's loads need.
+template <typename F>
+bool skinny_experts_take(const MatmulMats& mats, const ExpertTiles& et, int tile_tokens,
+                         bool mma) {
+    return tile_tokens <= kSkinnyMaxTokens && et.expert_bytes % SkinnyAlign<F>::value == 0 &&
+           skinny_takes<F>(mats, tile_tokens, mma, false);
+}
+
+// The routed products of `n_tiles` tiles of up to `tile_tokens` slots (at most
+// kSkinnyMaxTokens): grid x the tiles, y the row tiles of each matrix.
+template <typename F, int NT>
+hipError_t launch_skinny_experts_nt(const MatmulMats& mats, int cols, const __half* x,
+                                    const float* scales, int n_tiles, const ExpertTiles& et,
+                                    hipStream_t stream) {
+    long long tiles = 0;
+    for (int m = 0; m < mats.n; ++m) tiles += (mats.rows[m] + kSkRows - 1) / kSkRows;
+    const int bytes = SkLayout<F, NT>::kBytes;
+#if defined(ROCMFORGE_HIP_NVIDIA)
+    static std::atomic<unsigned long long> raised{0};
+    if (bytes > 48 * 1024) {
+        const hipError_t status =
+            rf_raise_shared_memory(skinny_kernel<F, NT, true>, bytes, raised);
+        if (status != hipSuccess) return status;
+    }
+#endif
+    const dim3 grid((unsigned)n_tiles, (unsigned)tiles, 1u);
+    rfLaunchChained((skinny_kernel<F, NT, true>), grid, dim3(kSkThreads), (size_t)bytes, stream,
+                    mats, cols, x, scales, 0, 0, 1, (float*)nullptr, (unsigned*)nullptr, et);
+    return hipGetLastError();
+}
+
+template <typename F>
+hipError_t launch_skinny_experts(const MatmulMats& mats, int cols, const __half* x,
+                                 const float* scales, int n_tiles, int tile_tokens,
+                                 const ExpertTiles& et, hipStream_t stream) {
+#define RF_SKINNY_EXPERTS_NT(nt) \
+    return launch_skinny_experts_nt<F, nt>(mats, cols, x, scales, n_tiles, et, stream)
+    if (tile_tokens <= 8) RF_SKINNY_EXPERTS_NT(1);
+    if (tile_tokens <= 16) RF_SKINNY_EXPERTS_NT(2);
+    if (tile_tokens <= 32) RF_SKINNY_EXPERTS_NT(4);
+    RF_SKINNY_EXPERTS_NT(8);
+#undef RF_SKINNY_EXPERTS_NT
 }
 
 }  // namespace rf

@@ -109,6 +109,42 @@ pub const WIDE_TILES_FROM_SLOTS_PER_EXPERT: usize = 3;
 /// Slots a wide expert gets on average from which its products take the matrix units.
 pub const WIDE_MATMUL_FROM_SLOTS_PER_EXPERT: usize = 10;
 
+/// Slots a tile of the skinny routed products may hold (f16 input, the matrix units, each
+/// warp decoding its expert's rows straight into the matrix instructions' registers:
+/// `kernels/skinny.hip`), where the device and the experts' types take them
+/// ([`skinny_tiles`]). Elsewhere such tiles run the tiled kernel of the matrix units.
+pub const SKINNY_TILE_TOKENS: [usize; 3] = [16, 32, 64];
+
+/// Slots a wide expert gets on average from which its products take the skinny tiles
+/// ([`skinny_tiles`]), of 32 slots.
+pub const WIDE_SKINNY_FROM_SLOTS_PER_EXPERT: usize = 5;
+
+/// Slots an expert of another width gets on average from which its products take the
+/// skinny tiles, of 32 slots.
+pub const SKINNY_FROM_SLOTS_PER_EXPERT: usize = 3;
+
+/// Slots an expert gets on average from which the skinny tiles hold 64 slots.
+pub const SKINNY_64_FROM_SLOTS_PER_EXPERT: usize = 40;
+
+/// Slots an expert gets on average from which its products take the tiled kernel of the
+/// matrix units again (tiles of [`MATMUL_TILE_TOKENS`]) rather than the skinny tiles.
+pub const SKINNY_UNTIL_SLOTS_PER_EXPERT: usize = 96;
+
+/// Whether tiles of `tile_tokens` slots take f16 input and the matrix units (tiles of
+/// [`SKINNY_TILE_TOKENS`] or [`MATMUL_TILE_TOKENS`]) rather than Q8 input and the decode
+/// products (tiles of one, [`WIDE_TILE_TOKENS`] or [`MAX_TOKENS`]).
+pub fn takes_f16(tile_tokens: usize) -> bool {
+    tile_tokens >= SKINNY_TILE_TOKENS[0]
+}
+
+/// Whether a mixture's routed products may take tiles of [`SKINNY_TILE_TOKENS`] on the
+/// device: it runs the skinny products ([`skinny_available`](super::matmul::skinny_available))
+/// and every expert tensor's type is one they read with loads of their own
+/// ([`skinny_prefers`](super::matmul::skinny_prefers)).
+pub fn skinny_tiles(device_runs_skinny: bool, types: &[GgmlType]) -> bool {
+    device_runs_skinny && types.iter().all(|&ty| super::matmul::skinny_prefers(ty))
+}
+
 /// Slots a tile takes for `n_slots` slots over `n_experts` experts of feed-forward width
 /// `n_ff`, which also says which products run ([`routed_products`]): one, or four for
 /// wide experts ([`WIDE_EXPERT_FF`]) with a few slots each (the decode products, Q8
@@ -135,13 +171,47 @@ pub const WIDE_MATMUL_FROM_SLOTS_PER_EXPERT: usize = 10;
 ///   four 2,437, eight 2,036, matrix units 2,214; 96 (twelve) four 2,546, matrix units
 ///   2,977. Where the counts between those measured go is interpolated.
 ///
+/// With `skinny` ([`skinny_tiles`]: the device and the experts' types take the skinny
+/// products), tiles of 32 slots through them from [`SKINNY_FROM_SLOTS_PER_EXPERT`] (wide:
+/// [`WIDE_SKINNY_FROM_SLOTS_PER_EXPERT`]) slots an expert, of 64 from
+/// [`SKINNY_64_FROM_SLOTS_PER_EXPERT`], the tiled kernel from
+/// [`SKINNY_UNTIL_SLOTS_PER_EXPERT`]. Each tile reads its expert's rows once for its
+/// slots, and a token group of 8 without slots skips its matrix instructions. H200, the
+/// tiles forced by a build made for it (`--tokens 64 --prompt 512 --parallel N --npp 32
+/// --ntg 32`, S_TG in tokens/s; tiles of one / four / skinny 16 / 32 / 64 / tiled 128):
+/// - Qwen3-30B-A3B's shape: 32 sequences (two slots an expert) 1,965 / – / 1,863 / 1,972
+///   / 1,589 / 898; 64 (four) 2,197 / – / 3,190 / 3,387 / 2,751 / 1,578; 128 (eight)
+///   2,163 / – / 4,546 / 4,568 / 3,940 / 2,609; 192 (twelve) 2,263 / – / 6,227 / 6,708
+///   / 5,432 / 3,812; its 512-token prompt (32 slots an expert) skinny 16 / 32 / 64 /
+///   tiled 9,070 / 11,567 / 11,026 / 8,371 tokens/s.
+/// - gpt-oss-20b's: 32 sequences (four) 1,571 / 1,983 / 1,872 / 1,901 / 1,735 / 1,241;
+///   48 (six) 1,633 / 2,309 / 2,625 / 2,666 / 2,430 / 1,762; 64 (eight) 1,660 / 2,508 /
+///   3,251 / 3,367 / 3,096 / 2,263; 128 (sixteen) – / 2,783 / 4,451 / 5,395 / 5,103 /
+///   3,948; its 512-token prompt (64 slots an expert) skinny 32 / 64 / tiled 9,933 /
+///   11,874 / 11,840.
+///
 /// A prompt of a few tokens over few experts (the GPU tests' gpt-oss model: 8 experts, 4
 /// a token) also runs in tiles of one, whose Q8 input rounds the GPU's activations as
 /// the CPU rounds its own; those tests hold such rows to bounds widened by the CPU's own
 /// distance from the exact products (`model/tests/real_models/synthetic/gpu.rs`,
 /// `Exact`).
-pub fn tile_tokens_for(n_slots: usize, n_experts: usize, n_ff: usize) -> usize {
+pub fn tile_tokens_for(n_slots: usize, n_experts: usize, n_ff: usize, skinny: bool) -> usize {
     let wide = n_ff >= WIDE_EXPERT_FF;
+    if skinny {
+        let from = if wide {
+            WIDE_SKINNY_FROM_SLOTS_PER_EXPERT
+        } else {
+            SKINNY_FROM_SLOTS_PER_EXPERT
+        };
+        if n_slots >= from * n_experts {
+            if n_slots < SKINNY_64_FROM_SLOTS_PER_EXPERT * n_experts {
+                return 32;
+            }
+            if n_slots < SKINNY_UNTIL_SLOTS_PER_EXPERT * n_experts {
+                return 64;
+            }
+        }
+    }
     let matmul_from = if wide {
         WIDE_MATMUL_FROM_SLOTS_PER_EXPERT
     } else {
@@ -290,9 +360,10 @@ pub enum RoutedInput<'a> {
 /// in tiles of one slot a narrower row may run on 16 threads where the dense product
 /// runs it on 32, and a thread then adds two tasks in one fused multiply-add where the
 /// dense product adds them by a shuffle (the same sums, rounded once less). f16
-/// input runs the matrix units, for tiles of up to [`MATMUL_TILE_TOKENS`]: each slot's
-/// product agrees with its expert's to rounding, as [`matmul`](super::matmul::matmul)
-/// agrees with `matvec`.
+/// input runs the matrix units, for tiles of [`SKINNY_TILE_TOKENS`] (the skinny kernel,
+/// where it runs and takes the type; else the tiled one) or [`MATMUL_TILE_TOKENS`] (the
+/// tiled kernel): each slot's product agrees with its expert's to rounding, as
+/// [`matmul`](super::matmul::matmul) agrees with `matvec`.
 #[allow(clippy::too_many_arguments)]
 pub fn routed_products(
     experts: &[GpuExperts<'_>],
@@ -310,7 +381,10 @@ pub fn routed_products(
             matches!(tile_tokens, 1 | WIDE_TILE_TOKENS | MAX_TOKENS),
             x.device_ordinal(),
         ),
-        RoutedInput::F16 { x16, .. } => (tile_tokens == MATMUL_TILE_TOKENS, x16.device_ordinal()),
+        RoutedInput::F16 { x16, .. } => (
+            tile_tokens == MATMUL_TILE_TOKENS || SKINNY_TILE_TOKENS.contains(&tile_tokens),
+            x16.device_ordinal(),
+        ),
     };
     if !takes {
         return Err(DequantError::ProductTokens {
@@ -510,6 +584,7 @@ fn launch(
                     first.count() as c_int,
                     tiles.as_ptr(),
                     shape.n_tiles as c_int,
+                    shape.tile_tokens as c_int,
                     order.as_ptr(),
                     shape.slot_div as c_int,
                     x16.as_ptr(),
@@ -544,7 +619,7 @@ mod tests {
     #[test]
     fn tiles_cover_every_routing() {
         // One slot a tile: a tile per slot.
-        assert_eq!(tile_tokens_for(8, 128, 768), 1);
+        assert_eq!(tile_tokens_for(8, 128, 768, false), 1);
         assert_eq!(max_tiles(8, 128, 1), 8);
         // Tiles of eight: 4096 slots over 128 experts take at most 512 full tiles and one
         // part-filled tile per expert.
@@ -553,22 +628,39 @@ mod tests {
         assert_eq!(max_tiles(16, 32, 8), 2 + 16);
         // Prompts and batches: tiles of the matrix units from eight slots an expert on
         // average (128 sequences of Qwen3-30B-A3B's 128 experts of 768, 8 a token).
-        assert_eq!(tile_tokens_for(512, 128, 768), 1);
-        assert_eq!(tile_tokens_for(1023, 128, 768), 1);
-        assert_eq!(tile_tokens_for(1024, 128, 768), MATMUL_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(4096, 128, 768), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(512, 128, 768, false), 1);
+        assert_eq!(tile_tokens_for(1023, 128, 768, false), 1);
+        assert_eq!(tile_tokens_for(1024, 128, 768, false), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(4096, 128, 768, false), MATMUL_TILE_TOKENS);
         // Few narrow experts, the same count an expert.
-        assert_eq!(tile_tokens_for(255, 32, 256), 1);
-        assert_eq!(tile_tokens_for(256, 32, 256), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(255, 32, 256, false), 1);
+        assert_eq!(tile_tokens_for(256, 32, 256, false), MATMUL_TILE_TOKENS);
         // Wide experts (gpt-oss-20b's 32 of 2880, 4 a token): tiles of one to 23
         // sequences, of four to 79, the matrix units from 80.
-        assert_eq!(tile_tokens_for(64, 32, 2880), 1);
-        assert_eq!(tile_tokens_for(95, 32, 2880), 1);
-        assert_eq!(tile_tokens_for(96, 32, 2880), WIDE_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(319, 32, 2880), WIDE_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(320, 32, 2880), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(64, 32, 2880, false), 1);
+        assert_eq!(tile_tokens_for(95, 32, 2880, false), 1);
+        assert_eq!(tile_tokens_for(96, 32, 2880, false), WIDE_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(319, 32, 2880, false), WIDE_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(320, 32, 2880, false), MATMUL_TILE_TOKENS);
         // Tiles of four never take more tiles than slots where they run.
         assert!(max_tiles(96, 32, WIDE_TILE_TOKENS) <= 96);
         assert_eq!(max_tiles(4096, 128, MATMUL_TILE_TOKENS), 32 + 128);
+        // With the skinny products: wide experts take tiles of 32 from five slots an
+        // expert (tiles of four below), others from three (tiles of one below); tiles of
+        // 64 from 40 slots an expert, the tiled kernel again from 96.
+        assert_eq!(tile_tokens_for(95, 32, 2880, true), 1);
+        assert_eq!(tile_tokens_for(159, 32, 2880, true), WIDE_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(160, 32, 2880, true), 32);
+        assert_eq!(tile_tokens_for(1279, 32, 2880, true), 32);
+        assert_eq!(tile_tokens_for(2048, 32, 2880, true), 64);
+        assert_eq!(tile_tokens_for(96 * 32, 32, 2880, true), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(383, 128, 768, true), 1);
+        assert_eq!(tile_tokens_for(384, 128, 768, true), 32);
+        assert_eq!(tile_tokens_for(4096, 128, 768, true), 32);
+        assert!(SKINNY_TILE_TOKENS.iter().all(|&t| takes_f16(t)));
+        assert!(takes_f16(MATMUL_TILE_TOKENS));
+        assert!([1, WIDE_TILE_TOKENS, MAX_TOKENS]
+            .iter()
+            .all(|&t| !takes_f16(t)));
     }
 }

@@ -139,6 +139,7 @@ product_launchers! {
             experts: c_int,
             tiles: *const c_void,
             n_tiles: c_int,
+            tile_tokens: c_int,
             order: *const c_void,
             slot_div: c_int,
             x16: *const c_void,

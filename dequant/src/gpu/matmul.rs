@@ -120,7 +120,10 @@ pub const SKINNY_MAX_TOKENS: usize = 64;
 /// slower than the tiled kernel.
 pub fn skinny_prefers(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K)
+    matches!(
+        ty,
+        Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4_K | Q5_K | Q6_K | MXFP4
+    )
 }
 
 /// Whether [`BatchKernel::Skinny`] runs on `device`.

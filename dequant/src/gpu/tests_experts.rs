@@ -11,7 +11,7 @@ use hip_backend::DeviceBuffer;
 
 use super::experts::{
     max_tiles, routed_products, GpuExperts, RoutedInput, SlotInput, MATMUL_TILE_TOKENS,
-    WIDE_TILE_TOKENS,
+    SKINNY_TILE_TOKENS, WIDE_TILE_TOKENS,
 };
 use super::matvec::{self, q8_bytes, MAX_TOKENS};
 use super::tests::gpu_or_skip;
@@ -295,7 +295,6 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
         return;
     };
     let mut rng = Rng(777);
-    let (count, rows, cols) = (5, 200, 512);
     let n = 200;
     for ty in [
         GgmlType::Q4_K,
@@ -304,6 +303,10 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
         GgmlType::MXFP4,
         GgmlType::IQ2_XS,
     ] {
+        // MXFP4's rows of 25 blocks (425 bytes) start at every offset modulo 16, and end
+        // in a part of a chunk of the skinny products.
+        let (count, rows) = (5, 200);
+        let cols = if ty == GgmlType::MXFP4 { 800 } else { 512 };
         // Two thirds of the tokens choose expert 0 first: it takes more than a tile.
         let routed = Routed::new(ty, (count, rows, cols), n, &mut rng, |t, rng| {
             if t % 3 == 0 {
@@ -320,59 +323,65 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
         let f16_round = |v: f32| f16::from_f32(v).to_f32();
         let expected =
             routed.per_slot(|w, xt| reference_rounded(ty, w, rows, cols, xt, 1, f16_round));
+        let (x16, scales) = f16_input(&device, &stream, &routed.x, n, cols);
+        let (own16, own_scales) = f16_input(&device, &stream, &routed.own_rows(), slots, cols);
+        for tile_tokens in SKINNY_TILE_TOKENS.into_iter().chain([MATMUL_TILE_TOKENS]) {
+            let (tiles, order) = tiles_for(ids, count, tile_tokens);
+            let tiles_dev = upload(&device, &stream, &tiles);
+            let order_dev = upload(&device, &stream, &order);
+            let mut outs: Vec<_> = (0..2)
+                .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
+                .collect();
+            let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
+            routed_products(
+                &experts,
+                RoutedInput::F16 {
+                    x16: x16.view(),
+                    scales: scales.view(),
+                },
+                n,
+                SlotInput::Token { per_token: USED },
+                tiles_dev.view(),
+                order_dev.view(),
+                tile_tokens,
+                &mut views,
+                &stream,
+            )
+            .expect("routed products");
+            for (m, out) in outs.iter().enumerate() {
+                let err = relative_error(&download(&stream, out), &expected[m]);
+                assert!(
+                    err <= rounded_bound(ty),
+                    "{ty}: tensor {m}, tiles of {tile_tokens}, relative error {err:.2e}"
+                );
+            }
+            // Slots reading rows of their own.
+            let mut out = upload(&device, &stream, &vec![f32::NAN; slots * rows]);
+            routed_products(
+                &experts[..1],
+                RoutedInput::F16 {
+                    x16: own16.view(),
+                    scales: own_scales.view(),
+                },
+                slots,
+                SlotInput::Own,
+                tiles_dev.view(),
+                order_dev.view(),
+                tile_tokens,
+                &mut [out.view_mut()],
+                &stream,
+            )
+            .expect("routed products of own rows");
+            let err = relative_error(&download(&stream, &out), &expected[0]);
+            assert!(
+                err <= rounded_bound(ty),
+                "{ty}: own rows, tiles of {tile_tokens}, relative error {err:.2e}"
+            );
+        }
         let (tiles, order) = tiles_for(ids, count, MATMUL_TILE_TOKENS);
         let tiles_dev = upload(&device, &stream, &tiles);
         let order_dev = upload(&device, &stream, &order);
-        let (x16, scales) = f16_input(&device, &stream, &routed.x, n, cols);
-        let mut outs: Vec<_> = (0..2)
-            .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
-            .collect();
-        let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
-        routed_products(
-            &experts,
-            RoutedInput::F16 {
-                x16: x16.view(),
-                scales: scales.view(),
-            },
-            n,
-            SlotInput::Token { per_token: USED },
-            tiles_dev.view(),
-            order_dev.view(),
-            MATMUL_TILE_TOKENS,
-            &mut views,
-            &stream,
-        )
-        .expect("routed products");
-        for (m, out) in outs.iter().enumerate() {
-            let err = relative_error(&download(&stream, out), &expected[m]);
-            assert!(
-                err <= rounded_bound(ty),
-                "{ty}: tensor {m}, relative error {err:.2e}"
-            );
-        }
-        // Slots reading rows of their own.
-        let (own16, own_scales) = f16_input(&device, &stream, &routed.own_rows(), slots, cols);
         let mut out = upload(&device, &stream, &vec![f32::NAN; slots * rows]);
-        routed_products(
-            &experts[..1],
-            RoutedInput::F16 {
-                x16: own16.view(),
-                scales: own_scales.view(),
-            },
-            slots,
-            SlotInput::Own,
-            tiles_dev.view(),
-            order_dev.view(),
-            MATMUL_TILE_TOKENS,
-            &mut [out.view_mut()],
-            &stream,
-        )
-        .expect("routed products of own rows");
-        let err = relative_error(&download(&stream, &out), &expected[0]);
-        assert!(
-            err <= rounded_bound(ty),
-            "{ty}: own rows, relative error {err:.2e}"
-        );
         // An input of the wrong length is refused before any launch.
         assert!(routed_products(
             &experts[..1],

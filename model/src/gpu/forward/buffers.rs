@@ -524,13 +524,17 @@ impl MoeBuffers {
     pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 14]> {
         let e = config.experts?;
         let slots = tokens * e.used;
-        let tile_tokens = experts::tile_tokens_for(slots, e.count, e.n_ff);
+        // The tiles as a device with the skinny products, or without them, cuts them.
+        let choices = [false, true].map(|skinny| {
+            let tile_tokens = experts::tile_tokens_for(slots, e.count, e.n_ff, skinny);
+            (experts::max_tiles(slots, e.count, tile_tokens), tile_tokens)
+        });
         // Fewer slots take no more tiles than slots (tiles of one, or tiles of four from
         // three slots an expert) or than the most's tiles.
-        let tiles = experts::max_tiles(slots, e.count, tile_tokens).max(slots);
+        let tiles = choices.iter().map(|c| c.0).max().unwrap_or(0).max(slots);
         let d = config.n_embd;
         // The matrix units' input and activations, where some count of tokens takes them.
-        let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
+        let mm = choices.iter().any(|c| experts::takes_f16(c.1));
         let mm_rows = if mm { slots } else { 0 };
         Some([
             4 * tokens * e.count,

@@ -236,7 +236,7 @@ fn gate_up(
     let (k, count) = (e.used, mats.count);
     let slots = n * k;
     let ff = e.up.rows;
-    let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
+    let mm = experts::takes_f16(tile_tokens);
     if mm {
         row_scales(
             h,
@@ -320,7 +320,7 @@ fn activation(
 ) -> Result<(), ModelError> {
     let slots = n * e.used;
     let ff = e.up.rows;
-    let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
+    let mm = experts::takes_f16(tile_tokens);
     let gate_bias = e
         .gate
         .as_ref()
@@ -373,7 +373,7 @@ fn down(
     let k = e.used;
     let slots = n * k;
     let ff = e.up.rows;
-    let mm = tile_tokens == experts::MATMUL_TILE_TOKENS;
+    let mm = experts::takes_f16(tile_tokens);
     let input = if mm {
         row_scales(
             view(&moe.act, slots * ff)?,
