@@ -153,6 +153,7 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/matmul_launch.h",
     "kernels/skinny.hip",
     "kernels/skinny_rows.h",
+    "kernels/skinny_q8.h",
 ];
 
 fn main() {

@@ -43,6 +43,9 @@
 //   rf_matmul_experts_NAME(weights, outs, n_mats, rows, cols, expert_bytes, experts,
 //                  tiles, n_tiles, tile_tokens, order, slot_div, x16, scales, device,
 //                  stream)
+//   rf_matmul_experts_q8_NAME(weights, outs, n_mats, rows, cols, expert_bytes, tiles,
+//                  n_tiles, tile_tokens, order, slot_div, xq, n_x, device, stream)
+//             (MXFP4's from Q8 input, on the int8 matrix units: skinny_q8.h)
 //             (a mixture of experts' routed products, by tiles of slots: see ExpertTiles)
 // Each output: n_tokens × rows f32, token-major, as rf_matvec_NAME writes it.
 #include "common.h"
@@ -542,6 +545,7 @@ inline DeviceFacts device_facts(int device) {
 }  // namespace rf
 
 #include "skinny.hip"
+#include "skinny_q8.h"
 #include "matmul_launch.h"
 
 namespace rf {
@@ -727,6 +731,46 @@ extern "C" int RF_MATMUL_JOIN(rf_matmul_experts, RF_MATMUL_NAME)(
     return (int)rf::launch_matmul_experts<rf::UnitFormat>(
         mats, cols, (const __half*)x16, (const float*)scales, n_tiles, tile_tokens, experts, et,
         device, (hipStream_t)stream);
+}
+
+// The routed experts' products from Q8 input on the int8 matrix units (skinny_q8.h): as
+// rf_matmul_experts_NAME, with `xq` the input's n_x rows of Q8 activation blocks and tiles of
+// at most 64 slots. MXFP4 only, on NVIDIA sm_80 and later, for widths of whole pairs of
+// blocks: elsewhere hipErrorInvalidValue.
+extern "C" int RF_MATMUL_JOIN(rf_matmul_experts_q8, RF_MATMUL_NAME)(
+    const void* const* weights, void* const* outs, int n_mats, int rows, int cols,
+    size_t expert_bytes, const void* tiles, int n_tiles, int tile_tokens, const void* order,
+    int slot_div, const void* xq, int n_x, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_mats < 1 || n_mats > 2 || rows < 1 || cols < 1 || n_tiles < 1 || slot_div < 1 ||
+        tile_tokens < 1 || n_x < 1) {
+        return (int)hipErrorInvalidValue;
+    }
+    if constexpr (std::is_same<rf::UnitFormat, rf::MXFP4>::value) {
+        rf::MatmulMats mats = {};
+        mats.n = n_mats;
+        for (int m = 0; m < n_mats; ++m) {
+            mats.w[m] = (const uint8_t*)weights[m];
+            mats.y[m] = (float*)outs[m];
+            mats.rows[m] = rows;
+        }
+        const rf::ExpertTiles et = {(const int*)tiles, (const int*)order, slot_div,
+                                    expert_bytes};
+        return (int)rf::launch_skinny_q8<rf::MXFP4>(mats, cols, (const uint8_t*)xq, n_x,
+                                                    n_tiles, tile_tokens, et,
+                                                    rf::device_facts(device).staged,
+                                                    (hipStream_t)stream);
+    } else {
+        (void)weights;
+        (void)outs;
+        (void)expert_bytes;
+        (void)tiles;
+        (void)order;
+        (void)xq;
+        (void)stream;
+        return (int)hipErrorInvalidValue;
+    }
 }
 
 #else

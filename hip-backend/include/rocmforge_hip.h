@@ -269,6 +269,18 @@ __device__ __forceinline__ void rf_mma_16816(float (&c)[4], const uint32_t (&a)[
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// c += a · b for a 16 × 32 int8 tile a (row-major) and a 32 × 8 tile b (column-major),
+// int32 accumulated: the f16 instruction's pattern with four int8 values where it has
+// two f16 ones (lane l: a[0] row l / 4, columns 4·(l % 4) .. + 3; a[1] row l / 4 + 8;
+// a[2], a[3] the same 16 columns on; b0 and b1 column l / 4 of b, rows as a's columns).
+__device__ __forceinline__ void rf_mma_16832_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 #endif
 
 #else

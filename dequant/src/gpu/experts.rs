@@ -123,6 +123,13 @@ pub const WIDE_SKINNY_FROM_SLOTS_PER_EXPERT: usize = 5;
 /// skinny tiles, of 32 slots.
 pub const SKINNY_FROM_SLOTS_PER_EXPERT: usize = 3;
 
+/// Slots an expert gets on average from which MXFP4's int8 products ([`SkinnyTiles::Q8`])
+/// take tiles of 16 slots.
+pub const Q8_SKINNY_FROM_SLOTS_PER_EXPERT: usize = 2;
+
+/// Slots an expert gets on average from which MXFP4's int8 products take tiles of 32.
+pub const Q8_SKINNY_32_FROM_SLOTS_PER_EXPERT: usize = 12;
+
 /// Slots an expert gets on average from which the skinny tiles hold 64 slots.
 pub const SKINNY_64_FROM_SLOTS_PER_EXPERT: usize = 40;
 
@@ -130,19 +137,43 @@ pub const SKINNY_64_FROM_SLOTS_PER_EXPERT: usize = 40;
 /// matrix units again (tiles of [`MATMUL_TILE_TOKENS`]) rather than the skinny tiles.
 pub const SKINNY_UNTIL_SLOTS_PER_EXPERT: usize = 96;
 
-/// Whether tiles of `tile_tokens` slots take f16 input and the matrix units (tiles of
-/// [`SKINNY_TILE_TOKENS`] or [`MATMUL_TILE_TOKENS`]) rather than Q8 input and the decode
-/// products (tiles of one, [`WIDE_TILE_TOKENS`] or [`MAX_TOKENS`]).
-pub fn takes_f16(tile_tokens: usize) -> bool {
-    tile_tokens >= SKINNY_TILE_TOKENS[0]
+/// Which skinny products a mixture's routed products may take in tiles of
+/// [`SKINNY_TILE_TOKENS`] ([`skinny_tiles`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SkinnyTiles {
+    /// None: the device does not run them, or they do not read every tensor's type.
+    No,
+    /// The f16 products (`kernels/skinny.hip`), from f16 input.
+    F16,
+    /// MXFP4's products on the int8 matrix units (`kernels/skinny_q8.h`), from the Q8
+    /// input the decode products take.
+    Q8,
 }
 
-/// Whether a mixture's routed products may take tiles of [`SKINNY_TILE_TOKENS`] on the
-/// device: it runs the skinny products ([`skinny_available`](super::matmul::skinny_available))
-/// and every expert tensor's type is one they read with loads of their own
-/// ([`skinny_prefers`](super::matmul::skinny_prefers)).
-pub fn skinny_tiles(device_runs_skinny: bool, types: &[GgmlType]) -> bool {
-    device_runs_skinny && types.iter().all(|&ty| super::matmul::skinny_prefers(ty))
+/// Whether tiles of `tile_tokens` slots take f16 input and the matrix units (tiles of
+/// [`SKINNY_TILE_TOKENS`] through [`SkinnyTiles::F16`], or of [`MATMUL_TILE_TOKENS`])
+/// rather than Q8 input (tiles of one, [`WIDE_TILE_TOKENS`] or [`MAX_TOKENS`] in the
+/// decode products, or of [`SKINNY_TILE_TOKENS`] through [`SkinnyTiles::Q8`]).
+pub fn takes_f16(tile_tokens: usize, skinny: SkinnyTiles) -> bool {
+    tile_tokens == MATMUL_TILE_TOKENS
+        || (tile_tokens >= SKINNY_TILE_TOKENS[0] && skinny != SkinnyTiles::Q8)
+}
+
+/// Which skinny products a mixture's routed products may take on the device, for expert
+/// tensors of `types` whose rows are `widths` wide (the model's width, and the experts'
+/// feed-forward width): none where the device does not run the skinny products
+/// ([`skinny_available`](super::matmul::skinny_available)) or a type is not one they read
+/// with loads of their own ([`skinny_prefers`](super::matmul::skinny_prefers)); MXFP4's
+/// int8 products where every tensor is MXFP4 and every width a multiple of 64 (whole
+/// pairs of Q8 blocks); else the f16 ones.
+pub fn skinny_tiles(device_runs_skinny: bool, types: &[GgmlType], widths: &[usize]) -> SkinnyTiles {
+    if !device_runs_skinny || !types.iter().all(|&ty| super::matmul::skinny_prefers(ty)) {
+        SkinnyTiles::No
+    } else if types.iter().all(|&ty| ty == GgmlType::MXFP4) && widths.iter().all(|w| w % 64 == 0) {
+        SkinnyTiles::Q8
+    } else {
+        SkinnyTiles::F16
+    }
 }
 
 /// Slots a tile takes for `n_slots` slots over `n_experts` experts of feed-forward width
@@ -190,20 +221,39 @@ pub fn skinny_tiles(device_runs_skinny: bool, types: &[GgmlType]) -> bool {
 ///   3,948; its 512-token prompt (64 slots an expert) skinny 32 / 64 / tiled 9,933 /
 ///   11,874 / 11,840.
 ///
+/// With [`SkinnyTiles::Q8`] (MXFP4's int8 products), tiles of 16 from
+/// [`Q8_SKINNY_FROM_SLOTS_PER_EXPERT`] slots an expert, 32 from
+/// [`Q8_SKINNY_32_FROM_SLOTS_PER_EXPERT`], then as above. gpt-oss-20b's shape, one call
+/// (`--parallel N --npp 32 --ntg 32`; int8 tiles of 16 / 32 / 64): 16 sequences 1,637 /
+/// 1,579 / 1,539 (tiles of one 1,471), 32 sequences 2,672 / 2,595 / 2,523 (tiles of four
+/// 1,971), 64 sequences 4,571 / 4,533 / 4,411, 128 sequences 6,109 / 6,799 / 6,668, its
+/// 512-token prompt 9,692 / 12,566 / 14,534 (f16 skinny tiles of 64: 11,881).
+///
 /// A prompt of a few tokens over few experts (the GPU tests' gpt-oss model: 8 experts, 4
-/// a token) also runs in tiles of one, whose Q8 input rounds the GPU's activations as
-/// the CPU rounds its own; those tests hold such rows to bounds widened by the CPU's own
+/// a token) also runs in tiles of one (or, where the device runs them, in MXFP4's int8
+/// tiles), whose Q8 input rounds the GPU's activations as the CPU rounds its own; those tests hold such rows to bounds widened by the CPU's own
 /// distance from the exact products (`model/tests/real_models/synthetic/gpu.rs`,
 /// `Exact`).
-pub fn tile_tokens_for(n_slots: usize, n_experts: usize, n_ff: usize, skinny: bool) -> usize {
+pub fn tile_tokens_for(
+    n_slots: usize,
+    n_experts: usize,
+    n_ff: usize,
+    skinny: SkinnyTiles,
+) -> usize {
     let wide = n_ff >= WIDE_EXPERT_FF;
-    if skinny {
-        let from = if wide {
+    if skinny != SkinnyTiles::No {
+        let from = if skinny == SkinnyTiles::Q8 {
+            Q8_SKINNY_FROM_SLOTS_PER_EXPERT
+        } else if wide {
             WIDE_SKINNY_FROM_SLOTS_PER_EXPERT
         } else {
             SKINNY_FROM_SLOTS_PER_EXPERT
         };
         if n_slots >= from * n_experts {
+            if skinny == SkinnyTiles::Q8 && n_slots < Q8_SKINNY_32_FROM_SLOTS_PER_EXPERT * n_experts
+            {
+                return 16;
+            }
             if n_slots < SKINNY_64_FROM_SLOTS_PER_EXPERT * n_experts {
                 return 32;
             }
@@ -376,9 +426,11 @@ pub fn routed_products(
     outs: &mut [DeviceViewMut<'_, f32>],
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
+    let int8_tiles = experts.first().map(|e| e.ty()) == Some(GgmlType::MXFP4)
+        && SKINNY_TILE_TOKENS.contains(&tile_tokens);
     let (takes, x_device) = match input {
         RoutedInput::Q8(x) => (
-            matches!(tile_tokens, 1 | WIDE_TILE_TOKENS | MAX_TOKENS),
+            matches!(tile_tokens, 1 | WIDE_TILE_TOKENS | MAX_TOKENS) || int8_tiles,
             x.device_ordinal(),
         ),
         RoutedInput::F16 { x16, .. } => (
@@ -553,6 +605,26 @@ fn launch(
     // `c_int` (`GpuMatrix::new`, the checks above).
     let (status, what) = unsafe {
         match input {
+            RoutedInput::Q8(x) if shape.tile_tokens >= SKINNY_TILE_TOKENS[0] => (
+                (launchers.matmul_experts_q8)(
+                    weights.as_ptr(),
+                    out_ptrs.as_ptr(),
+                    n_mats,
+                    rows,
+                    cols,
+                    first.expert_bytes(),
+                    tiles.as_ptr(),
+                    shape.n_tiles as c_int,
+                    shape.tile_tokens as c_int,
+                    order.as_ptr(),
+                    shape.slot_div as c_int,
+                    x.as_ptr(),
+                    shape.n_x as c_int,
+                    shape.device,
+                    stream.as_raw(),
+                ),
+                "rf_matmul_experts_q8",
+            ),
             RoutedInput::Q8(x) => (
                 (launchers.matvec_experts)(
                     weights.as_ptr(),
@@ -619,7 +691,7 @@ mod tests {
     #[test]
     fn tiles_cover_every_routing() {
         // One slot a tile: a tile per slot.
-        assert_eq!(tile_tokens_for(8, 128, 768, false), 1);
+        assert_eq!(tile_tokens_for(8, 128, 768, SkinnyTiles::No), 1);
         assert_eq!(max_tiles(8, 128, 1), 8);
         // Tiles of eight: 4096 slots over 128 experts take at most 512 full tiles and one
         // part-filled tile per expert.
@@ -628,39 +700,102 @@ mod tests {
         assert_eq!(max_tiles(16, 32, 8), 2 + 16);
         // Prompts and batches: tiles of the matrix units from eight slots an expert on
         // average (128 sequences of Qwen3-30B-A3B's 128 experts of 768, 8 a token).
-        assert_eq!(tile_tokens_for(512, 128, 768, false), 1);
-        assert_eq!(tile_tokens_for(1023, 128, 768, false), 1);
-        assert_eq!(tile_tokens_for(1024, 128, 768, false), MATMUL_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(4096, 128, 768, false), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(512, 128, 768, SkinnyTiles::No), 1);
+        assert_eq!(tile_tokens_for(1023, 128, 768, SkinnyTiles::No), 1);
+        assert_eq!(
+            tile_tokens_for(1024, 128, 768, SkinnyTiles::No),
+            MATMUL_TILE_TOKENS
+        );
+        assert_eq!(
+            tile_tokens_for(4096, 128, 768, SkinnyTiles::No),
+            MATMUL_TILE_TOKENS
+        );
         // Few narrow experts, the same count an expert.
-        assert_eq!(tile_tokens_for(255, 32, 256, false), 1);
-        assert_eq!(tile_tokens_for(256, 32, 256, false), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(255, 32, 256, SkinnyTiles::No), 1);
+        assert_eq!(
+            tile_tokens_for(256, 32, 256, SkinnyTiles::No),
+            MATMUL_TILE_TOKENS
+        );
         // Wide experts (gpt-oss-20b's 32 of 2880, 4 a token): tiles of one to 23
         // sequences, of four to 79, the matrix units from 80.
-        assert_eq!(tile_tokens_for(64, 32, 2880, false), 1);
-        assert_eq!(tile_tokens_for(95, 32, 2880, false), 1);
-        assert_eq!(tile_tokens_for(96, 32, 2880, false), WIDE_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(319, 32, 2880, false), WIDE_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(320, 32, 2880, false), MATMUL_TILE_TOKENS);
+        assert_eq!(tile_tokens_for(64, 32, 2880, SkinnyTiles::No), 1);
+        assert_eq!(tile_tokens_for(95, 32, 2880, SkinnyTiles::No), 1);
+        assert_eq!(
+            tile_tokens_for(96, 32, 2880, SkinnyTiles::No),
+            WIDE_TILE_TOKENS
+        );
+        assert_eq!(
+            tile_tokens_for(319, 32, 2880, SkinnyTiles::No),
+            WIDE_TILE_TOKENS
+        );
+        assert_eq!(
+            tile_tokens_for(320, 32, 2880, SkinnyTiles::No),
+            MATMUL_TILE_TOKENS
+        );
         // Tiles of four never take more tiles than slots where they run.
         assert!(max_tiles(96, 32, WIDE_TILE_TOKENS) <= 96);
         assert_eq!(max_tiles(4096, 128, MATMUL_TILE_TOKENS), 32 + 128);
         // With the skinny products: wide experts take tiles of 32 from five slots an
         // expert (tiles of four below), others from three (tiles of one below); tiles of
         // 64 from 40 slots an expert, the tiled kernel again from 96.
-        assert_eq!(tile_tokens_for(95, 32, 2880, true), 1);
-        assert_eq!(tile_tokens_for(159, 32, 2880, true), WIDE_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(160, 32, 2880, true), 32);
-        assert_eq!(tile_tokens_for(1279, 32, 2880, true), 32);
-        assert_eq!(tile_tokens_for(2048, 32, 2880, true), 64);
-        assert_eq!(tile_tokens_for(96 * 32, 32, 2880, true), MATMUL_TILE_TOKENS);
-        assert_eq!(tile_tokens_for(383, 128, 768, true), 1);
-        assert_eq!(tile_tokens_for(384, 128, 768, true), 32);
-        assert_eq!(tile_tokens_for(4096, 128, 768, true), 32);
-        assert!(SKINNY_TILE_TOKENS.iter().all(|&t| takes_f16(t)));
-        assert!(takes_f16(MATMUL_TILE_TOKENS));
-        assert!([1, WIDE_TILE_TOKENS, MAX_TOKENS]
+        assert_eq!(tile_tokens_for(95, 32, 2880, SkinnyTiles::F16), 1);
+        assert_eq!(
+            tile_tokens_for(159, 32, 2880, SkinnyTiles::F16),
+            WIDE_TILE_TOKENS
+        );
+        assert_eq!(tile_tokens_for(160, 32, 2880, SkinnyTiles::F16), 32);
+        assert_eq!(tile_tokens_for(1279, 32, 2880, SkinnyTiles::F16), 32);
+        assert_eq!(tile_tokens_for(2048, 32, 2880, SkinnyTiles::F16), 64);
+        assert_eq!(
+            tile_tokens_for(96 * 32, 32, 2880, SkinnyTiles::F16),
+            MATMUL_TILE_TOKENS
+        );
+        assert_eq!(tile_tokens_for(383, 128, 768, SkinnyTiles::F16), 1);
+        assert_eq!(tile_tokens_for(384, 128, 768, SkinnyTiles::F16), 32);
+        assert_eq!(tile_tokens_for(4096, 128, 768, SkinnyTiles::F16), 32);
+        assert!(SKINNY_TILE_TOKENS
             .iter()
-            .all(|&t| !takes_f16(t)));
+            .all(|&t| takes_f16(t, SkinnyTiles::F16)));
+        assert!(!SKINNY_TILE_TOKENS
+            .iter()
+            .any(|&t| takes_f16(t, SkinnyTiles::Q8)));
+        assert!(takes_f16(MATMUL_TILE_TOKENS, SkinnyTiles::Q8));
+        for skinny in [SkinnyTiles::No, SkinnyTiles::F16, SkinnyTiles::Q8] {
+            assert!([1, WIDE_TILE_TOKENS, MAX_TOKENS]
+                .iter()
+                .all(|&t| !takes_f16(t, skinny)));
+        }
+        // MXFP4's int8 products: tiles of 16 from two slots an expert, 32 from 12, 64
+        // from 40, the tiled kernel from 96.
+        let q8 = SkinnyTiles::Q8;
+        assert_eq!(tile_tokens_for(63, 32, 2880, q8), 1);
+        assert_eq!(tile_tokens_for(64, 32, 2880, q8), 16);
+        assert_eq!(tile_tokens_for(383, 32, 2880, q8), 16);
+        assert_eq!(tile_tokens_for(384, 32, 2880, q8), 32);
+        assert_eq!(tile_tokens_for(2048, 32, 2880, q8), 64);
+        assert_eq!(tile_tokens_for(96 * 32, 32, 2880, q8), MATMUL_TILE_TOKENS);
+        // MXFP4's int8 products only where every tensor is MXFP4 and the widths allow.
+        use GgmlType::{MXFP4, Q4_K, Q8_0};
+        assert_eq!(
+            skinny_tiles(true, &[MXFP4; 3], &[2880, 2880]),
+            SkinnyTiles::Q8
+        );
+        assert_eq!(
+            skinny_tiles(true, &[MXFP4; 3], &[2880, 800]),
+            SkinnyTiles::F16
+        );
+        assert_eq!(
+            skinny_tiles(true, &[MXFP4, Q8_0], &[2880]),
+            SkinnyTiles::F16
+        );
+        assert_eq!(
+            skinny_tiles(true, &[Q4_K; 3], &[2048, 768]),
+            SkinnyTiles::F16
+        );
+        assert_eq!(skinny_tiles(false, &[MXFP4; 3], &[2880]), SkinnyTiles::No);
+        assert_eq!(
+            skinny_tiles(true, &[GgmlType::IQ2_XS, Q4_K], &[2048]),
+            SkinnyTiles::No
+        );
     }
 }

@@ -147,6 +147,24 @@ product_launchers! {
             device: c_int,
             stream: *mut c_void,
         );
+        /// `rf_matmul_experts_q8_NAME` (see `kernels/matmul.hip`).
+        matmul_experts_q8: MatmulExpertsQ8Fn = fn(
+            weights: *const *const c_void,
+            outs: *const *mut c_void,
+            n_mats: c_int,
+            rows: c_int,
+            cols: c_int,
+            expert_bytes: usize,
+            tiles: *const c_void,
+            n_tiles: c_int,
+            tile_tokens: c_int,
+            order: *const c_void,
+            slot_div: c_int,
+            xq: *const c_void,
+            n_x: c_int,
+            device: c_int,
+            stream: *mut c_void,
+        );
     }
     types {
         F32 => "f32",

@@ -400,3 +400,87 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
         .is_err());
     }
 }
+
+/// MXFP4's routed products on the int8 matrix units (tiles of up to 16, 32 and 64 slots
+/// from Q8 input, where the device runs them) against the decode products' tiles of one
+/// slot from the same input: the same integer sums of each block, scaled and added in
+/// another order, so within a few f32 roundings.
+#[test]
+fn mxfp4_routed_products_on_the_int8_matrix_units_match_the_decode_products() {
+    let Some((device, stream)) =
+        gpu_or_skip("mxfp4_routed_products_on_the_int8_matrix_units_match_the_decode_products")
+    else {
+        return;
+    };
+    if !super::matmul::skinny_available(&device) {
+        eprintln!(
+            "SKIPPED mxfp4_routed_products_on_the_int8_matrix_units_match_the_decode_products: \
+             the int8 products need an NVIDIA GPU of compute capability 8.0 or later"
+        );
+        return;
+    }
+    let mut rng = Rng(4711);
+    let ty = GgmlType::MXFP4;
+    // 34 blocks a row (578 bytes: rows start at every even offset modulo 16), a last
+    // chunk of two blocks, and two row tiles of 128, the second part-filled.
+    let (count, rows, cols) = (5, 200, 1088);
+    let n = 200;
+    let routed = Routed::new(ty, (count, rows, cols), n, &mut rng, |t, rng| {
+        if t % 3 == 0 {
+            (rng.next() % count as u64) as usize
+        } else {
+            0
+        }
+    });
+    let (ids, slots) = (&routed.ids, routed.slots());
+    let dev_tensors = routed.upload(&device, &stream);
+    let experts = routed.experts(&dev_tensors);
+    let run = |x: &DeviceBuffer<u8>, n_x, input, tile_tokens, n_mats: usize| {
+        let (tiles, order) = tiles_for(ids, count, tile_tokens);
+        let tiles_dev = upload(&device, &stream, &tiles);
+        let order_dev = upload(&device, &stream, &order);
+        let mut outs: Vec<_> = (0..n_mats)
+            .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
+            .collect();
+        let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
+        routed_products(
+            &experts[..n_mats],
+            RoutedInput::Q8(x.view()),
+            n_x,
+            input,
+            tiles_dev.view(),
+            order_dev.view(),
+            tile_tokens,
+            &mut views,
+            &stream,
+        )
+        .expect("routed products");
+        outs.iter()
+            .map(|o| download(&stream, o))
+            .collect::<Vec<_>>()
+    };
+    let x_dev = upload(&device, &stream, &routed.x);
+    let mut q8 = device.alloc::<u8>(q8_bytes(n, cols)).expect("q8");
+    matvec::quantize_q8(x_dev.view(), n, cols, q8.view_mut(), &stream).expect("quantize");
+    let own_dev = upload(&device, &stream, &routed.own_rows());
+    let mut own_q8 = device.alloc::<u8>(q8_bytes(slots, cols)).expect("q8");
+    matvec::quantize_q8(own_dev.view(), slots, cols, own_q8.view_mut(), &stream).expect("quantize");
+    let per_token = SlotInput::Token { per_token: USED };
+    let expected = run(&q8, n, per_token, 1, 2);
+    let as_f64 = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    for tile_tokens in SKINNY_TILE_TOKENS {
+        for (m, got) in run(&q8, n, per_token, tile_tokens, 2).iter().enumerate() {
+            let err = relative_error(got, &as_f64(&expected[m]));
+            assert!(
+                err <= 1e-5,
+                "tensor {m}, tiles of {tile_tokens}: relative error {err:.2e}"
+            );
+        }
+        let own = run(&own_q8, slots, SlotInput::Own, tile_tokens, 1);
+        let err = relative_error(&own[0], &as_f64(&expected[0]));
+        assert!(
+            err <= 1e-5,
+            "own rows, tiles of {tile_tokens}: relative error {err:.2e}"
+        );
+    }
+}

@@ -524,17 +524,23 @@ impl MoeBuffers {
     pub fn sizes(config: &ModelConfig, tokens: usize) -> Option<[usize; 14]> {
         let e = config.experts?;
         let slots = tokens * e.used;
-        // The tiles as a device with the skinny products, or without them, cuts them.
-        let choices = [false, true].map(|skinny| {
+        // The tiles as a device with either skinny products, or without them, cuts them.
+        let choices = [
+            experts::SkinnyTiles::No,
+            experts::SkinnyTiles::F16,
+            experts::SkinnyTiles::Q8,
+        ]
+        .map(|skinny| {
             let tile_tokens = experts::tile_tokens_for(slots, e.count, e.n_ff, skinny);
-            (experts::max_tiles(slots, e.count, tile_tokens), tile_tokens)
+            let f16 = experts::takes_f16(tile_tokens, skinny);
+            (experts::max_tiles(slots, e.count, tile_tokens), f16)
         });
         // Fewer slots take no more tiles than slots (tiles of one, or tiles of four from
         // three slots an expert) or than the most's tiles.
         let tiles = choices.iter().map(|c| c.0).max().unwrap_or(0).max(slots);
         let d = config.n_embd;
         // The matrix units' input and activations, where some count of tokens takes them.
-        let mm = choices.iter().any(|c| experts::takes_f16(c.1));
+        let mm = choices.iter().any(|c| c.1);
         let mm_rows = if mm { slots } else { 0 };
         Some([
             4 * tokens * e.count,

@@ -11,6 +11,7 @@ use half::f16;
 use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
 
 use super::buffers::MoeBuffers;
+use super::routing::Tiling;
 use super::{product_error, products, takes_q8_for, view, view_mut, Buffers};
 use crate::config::ModelConfig;
 use crate::gpu::kernels;
@@ -117,9 +118,9 @@ pub(super) fn block(
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = config.n_embd;
-    let tile_tokens = super::routing::norm_and_route(config, e, norm, bufs, n, stream)?;
+    let tiling = super::routing::norm_and_route(config, e, norm, bufs, n, stream)?;
     if bufs.experts.is_some() {
-        return super::pooled::routed(config, e, bufs, n, tile_tokens, stream);
+        return super::pooled::routed(config, e, bufs, n, tiling, stream);
     }
     let Some(moe) = bufs.moe.as_mut() else {
         unreachable!("the buffers of a model with experts hold the experts' room")
@@ -133,7 +134,7 @@ pub(super) fn block(
         view(&bufs.h, n * d)?,
         moe,
         n,
-        tile_tokens,
+        tiling,
         (e.shared.is_none() && e.down.bias.is_none() && n >= FUSED_SUM_FROM)
             .then(|| view_mut::<f32>(&mut bufs.x, n * d))
             .transpose()?,
@@ -208,15 +209,15 @@ pub(super) fn routed_ffn(
     h: DeviceView<'_, f32>,
     moe: &mut MoeBuffers,
     n: usize,
-    tile_tokens: usize,
+    tiling: Tiling,
     sum_into: Option<DeviceViewMut<'_, f32>>,
     stream: &Stream,
 ) -> Result<bool, ModelError> {
-    gate_up(config, e, mats, h, moe, n, tile_tokens, stream)?;
+    gate_up(config, e, mats, h, moe, n, tiling, stream)?;
     // The activations (after each slot's expert's biases, gpt-oss), then down, each slot
     // from its own.
-    activation(e, moe, n, tile_tokens, stream)?;
-    down(config, e, mats, moe, n, tile_tokens, sum_into, stream)
+    activation(e, moe, n, tiling, stream)?;
+    down(config, e, mats, moe, n, tiling, sum_into, stream)
 }
 
 /// Gate and up of every slot's expert (one launch when they share a type), from the
@@ -229,14 +230,14 @@ fn gate_up(
     h: DeviceView<'_, f32>,
     moe: &mut MoeBuffers,
     n: usize,
-    tile_tokens: usize,
+    tiling: Tiling,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = config.n_embd;
     let (k, count) = (e.used, mats.count);
     let slots = n * k;
     let ff = e.up.rows;
-    let mm = experts::takes_f16(tile_tokens);
+    let mm = tiling.f16();
     if mm {
         row_scales(
             h,
@@ -248,7 +249,7 @@ fn gate_up(
         )
         .map_err(routed_error(&e.up))?;
     }
-    let route = Route::new(&moe.tiles, &moe.order, slots, count, tile_tokens)?;
+    let route = Route::new(&moe.tiles, &moe.order, slots, count, tiling.tokens)?;
     let (up, gate) = (mats.up, mats.gate);
     let input = if mm {
         RoutedInput::F16 {
@@ -315,12 +316,12 @@ fn activation(
     e: &ExpertWeights,
     moe: &mut MoeBuffers,
     n: usize,
-    tile_tokens: usize,
+    tiling: Tiling,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let slots = n * e.used;
     let ff = e.up.rows;
-    let mm = experts::takes_f16(tile_tokens);
+    let mm = tiling.f16();
     let gate_bias = e
         .gate
         .as_ref()
@@ -365,7 +366,7 @@ fn down(
     mats: Mats<'_>,
     moe: &mut MoeBuffers,
     n: usize,
-    tile_tokens: usize,
+    tiling: Tiling,
     sum_into: Option<DeviceViewMut<'_, f32>>,
     stream: &Stream,
 ) -> Result<bool, ModelError> {
@@ -373,7 +374,7 @@ fn down(
     let k = e.used;
     let slots = n * k;
     let ff = e.up.rows;
-    let mm = experts::takes_f16(tile_tokens);
+    let mm = tiling.f16();
     let input = if mm {
         row_scales(
             view(&moe.act, slots * ff)?,
@@ -405,7 +406,7 @@ fn down(
         .map_err(routed_error(&e.down))?;
         return Ok(true);
     }
-    let route = Route::new(&moe.tiles, &moe.order, slots, mats.count, tile_tokens)?;
+    let route = Route::new(&moe.tiles, &moe.order, slots, mats.count, tiling.tokens)?;
     routed(
         &[mats.down],
         input,

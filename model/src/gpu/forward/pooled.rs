@@ -8,6 +8,7 @@ use dequant::gpu::experts::{self, GpuExperts};
 use hip_backend::{DeviceView, Stream};
 
 use super::experts::{routed_ffn, shared_and_combine, Mats};
+use super::routing::Tiling;
 use super::{view, view_mut, Buffers};
 use crate::config::ModelConfig;
 use crate::gpu::gpu;
@@ -16,13 +17,13 @@ use crate::gpu::weights::{ExpertTensor, ExpertWeights};
 use crate::ModelError;
 
 /// `x += moe(h)` for the `n` tokens of `h` once [`super::experts`] has normed and routed
-/// them (in tiles of `tile_tokens` slots), the experts from the layer's pool.
+/// them (as `tiling` says), the experts from the layer's pool.
 pub(super) fn routed(
     config: &ModelConfig,
     e: &ExpertWeights,
     bufs: &mut Buffers,
     n: usize,
-    tile_tokens: usize,
+    tiling: Tiling,
     stream: &Stream,
 ) -> Result<(), ModelError> {
     let d = config.n_embd;
@@ -44,7 +45,7 @@ pub(super) fn routed(
     // first round, each later round the link slots filled again. (Without any, the
     // combination skips every slot: each is weighted 0.)
     let count = pools.device_slots();
-    let n_tiles = experts::max_tiles(slots, count, tile_tokens);
+    let n_tiles = experts::max_tiles(slots, count, tiling.tokens);
     for round in 0..split.rounds {
         let began = std::time::Instant::now();
         if round > 0 {
@@ -59,7 +60,7 @@ pub(super) fn routed(
         kernels::moe_tiles(
             slot_ids,
             count,
-            tile_tokens,
+            tiling.tokens,
             view_mut::<i32>(&mut moe.tiles, 3 * n_tiles)?,
             view_mut::<i32>(&mut moe.order, slots)?,
             stream,
@@ -82,7 +83,7 @@ pub(super) fn routed(
             view(&bufs.h, n * d)?,
             moe,
             n,
-            tile_tokens,
+            tiling,
             None,
             stream,
         )?;

@@ -15,9 +15,24 @@ use crate::gpu::kernels;
 use crate::gpu::weights::{ExpertWeights, Norm};
 use crate::ModelError;
 
+/// How a layer's routed products run: tiles of up to `tokens` slots
+/// ([`experts::tile_tokens_for`]), and the skinny products they may take.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Tiling {
+    pub tokens: usize,
+    pub skinny: experts::SkinnyTiles,
+}
+
+impl Tiling {
+    /// Whether the products take f16 input ([`experts::takes_f16`]), else Q8 blocks.
+    pub fn f16(&self) -> bool {
+        experts::takes_f16(self.tokens, self.skinny)
+    }
+}
+
 /// The layer's input normed into `h` (f32) and the experts' Q8 input, the router's
 /// logits, the choice of each token's experts and their weights, and the slots grouped
-/// into tiles; returns the most slots a tile holds ([`experts::tile_tokens_for`]).
+/// into tiles; returns how the routed products run.
 pub(super) fn norm_and_route(
     config: &ModelConfig,
     e: &ExpertWeights,
@@ -25,7 +40,7 @@ pub(super) fn norm_and_route(
     bufs: &mut Buffers,
     n: usize,
     stream: &Stream,
-) -> Result<usize, ModelError> {
+) -> Result<Tiling, ModelError> {
     let d = config.n_embd;
     let (k, count) = (e.used, e.count);
     let slots = n * k;
@@ -40,6 +55,7 @@ pub(super) fn norm_and_route(
     let skinny = experts::skinny_tiles(
         bufs.batch_in.skinny,
         &types.into_iter().flatten().collect::<Vec<_>>(),
+        &[d, e.up.rows],
     );
     let tile_tokens = experts::tile_tokens_for(slots, count, e.up.rows, skinny);
     let n_tiles = experts::max_tiles(slots, count, tile_tokens);
@@ -148,5 +164,8 @@ pub(super) fn norm_and_route(
             stream,
         )?;
     }
-    Ok(tile_tokens)
+    Ok(Tiling {
+        tokens: tile_tokens,
+        skinny,
+    })
 }
