@@ -7,8 +7,9 @@
 //! a tile's expert rows are read once for all its slots ([`routed_products`]): in the
 //! decode products (Q8 activations, tiles of one slot, of [`WIDE_TILE_TOKENS`] or of
 //! [`MAX_TOKENS`](super::matvec::MAX_TOKENS)) while the experts get a few slots each
-//! at most, on the matrix units (f16 activations, tiles of up to [`MATMUL_TILE_TOKENS`])
-//! for prompts and larger batches. The caller (a kernel of its
+//! at most, on the matrix units for prompts and larger batches (f16 activations in tiles
+//! of [`SKINNY_TILE_TOKENS`] or [`MATMUL_TILE_TOKENS`]; MXFP4's Q8 activations on the
+//! int8 matrix units in tiles of [`SKINNY_TILE_TOKENS`]: [`SkinnyTiles`]). The caller (a kernel of its
 //! own, on the device) writes the tiles as `(expert, first, count)` triples of `i32` and
 //! `order`, the slots listed expert by expert; the grid is sized for
 //! [`max_tiles`], and tiles past the routing's own have a count of 0.
@@ -404,7 +405,10 @@ pub enum RoutedInput<'a> {
 /// check them).
 ///
 /// Q8 input runs the decode products, for tiles of 1, [`WIDE_TILE_TOKENS`] or
-/// [`MAX_TOKENS`] slots: each
+/// [`MAX_TOKENS`] slots, or for MXFP4 experts in tiles of [`SKINNY_TILE_TOKENS`] the int8
+/// matrix units (where the device runs the skinny products and the width is a multiple
+/// of 64: else the launch is refused), which give each block's integer sums as the
+/// decode products do and add them in another order. In the decode products each
 /// slot's product is its expert's [`matvec`](super::matvec::matvec), bit for bit where a
 /// row takes at most 16 tasks (a block of 32 values, or a quarter of a K-quant's 256);
 /// in tiles of one slot a narrower row may run on 16 threads where the dense product
