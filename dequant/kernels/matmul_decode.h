@@ -313,6 +313,12 @@ __device__ __forceinline__ void copy16_async(void* dst, const void* src, int byt
                  "l"(src), "r"(bytes)
                  : "memory");
 }
+// Four bytes, as copy16_async (through L1: `cg` takes only 16-byte copies).
+__device__ __forceinline__ void copy4_async(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(rf_smem_addr(dst)),
+                 "l"(src), "r"(bytes)
+                 : "memory");
+}
 __device__ __forceinline__ void copies_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }

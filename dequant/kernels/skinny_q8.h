@@ -30,14 +30,6 @@ namespace rf {
 // Blocks of 32 values a chunk.
 constexpr int kSq8Blocks = 8;
 
-// Four bytes copied asynchronously into shared memory (zeros where `bytes` is 0).
-__device__ __forceinline__ void copy4_async(void* dst, const void* src, int bytes) {
-#if defined(RF_MM_MMA)
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(rf_smem_addr(dst)),
-                 "l"(src), "r"(bytes)
-                 : "memory");
-#endif
-}
 
 // Shared memory: stages of the chunk's raw MXFP4 blocks of kSkRows rows (a row's copy
 // from the 16-byte boundary at or before its first byte: 136 bytes and up to 15 before

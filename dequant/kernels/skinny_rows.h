@@ -50,7 +50,7 @@ struct SkinnyAlign<MXFP4> : std::integral_constant<int, 1> {};
 // The loads below read a chunk's blocks from shared memory, where each row's copy keeps
 // the alignment its bytes have in device memory (modulo 16).
 
-// 16 bytes at a 2-byte aligned address (common.h's load_words).
+// 16 bytes at a 2-byte aligned address, or any other (common.h's load_words).
 __device__ __forceinline__ uint4 load16_a2(const uint8_t* p) {
     int w[4];
     load_words<4>(p, w);
@@ -356,8 +356,8 @@ struct SkinnyRow<Q6_K> {
 
 // MXFP4: 17-byte blocks (the scale byte, then 16 bytes of nibbles) at any byte offset. A
 // lane's 16 values are the low (first half of the block) or high (second half) nibbles
-// of the block's 16 bytes, read as five aligned words of shared memory and shifted into
-// place (the row's copy has room past its last block for the fifth). Values as
+// of the block's 16 bytes, read as aligned words of shared memory shifted into place
+// (load16_a2, which takes any offset). Values as
 // HalfDecode<MXFP4> gives them, blocks whose scale leaves f16's range through decode8.
 template <>
 struct SkinnyRow<MXFP4> {
@@ -371,12 +371,7 @@ struct SkinnyRow<MXFP4> {
         r.half = k < cols ? (k % 32) / 16 : -1;
         if (r.half < 0) return r;
         r.blk = row + (size_t)(k / 32) * 17;
-        const uint8_t* qs = r.blk + 1;
-        const uint32_t* w = reinterpret_cast<const uint32_t*>((uintptr_t)qs & ~(uintptr_t)3);
-        const uint32_t sh = 8u * (uint32_t)((uintptr_t)qs & 3);
-        const uint32_t w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4];
-        r.q = make_uint4(__funnelshift_r(w0, w1, sh), __funnelshift_r(w1, w2, sh),
-                         __funnelshift_r(w2, w3, sh), __funnelshift_r(w3, w4, sh));
+        r.q = load16_a2(r.blk + 1);
         return r;
     }
     static __device__ __forceinline__ void decode(const Raw& r, int, uint4& lo, uint4& hi) {

@@ -47,16 +47,13 @@ pub(super) fn norm_and_route(
     let Some(moe) = bufs.moe.as_mut() else {
         unreachable!("the buffers of a model with experts hold the experts' room")
     };
+    // (Without a gate tensor, up's type stands in for it.)
     let types = [
-        e.gate.as_ref().map(|g| g.ty),
-        Some(e.up.ty),
-        Some(e.down.ty),
+        e.gate.as_ref().map_or(e.up.ty, |g| g.ty),
+        e.up.ty,
+        e.down.ty,
     ];
-    let skinny = experts::skinny_tiles(
-        bufs.batch_in.skinny,
-        &types.into_iter().flatten().collect::<Vec<_>>(),
-        &[d, e.up.rows],
-    );
+    let skinny = experts::skinny_tiles(bufs.batch_in.skinny, &types, &[d, e.up.rows]);
     let tile_tokens = experts::tile_tokens_for(slots, count, e.up.rows, skinny);
     let n_tiles = experts::max_tiles(slots, count, tile_tokens);
     // The layer's input, normed (f32 for float products, Q8 blocks for the experts), the
