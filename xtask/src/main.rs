@@ -42,8 +42,10 @@ tasks:
                       7b-q3_k_l, 7b-q4_k_s, 7b-iq4_xs, 7b-iq3_m, 7b-iq2_m; or a Qwen 3
                       MoE: qwen3moe-30b-a3b-q4k (Qwen3-30B-A3B's shapes),
                       qwen3moe-30b-a3b-skewed-q4k (the same, its routers favouring
-                      some experts as Qwen3-30B-A3B's do), qwen3moe-small-q4k; or
-                      gpt-oss-20b-mxfp4 (gpt-oss-20b's shapes)
+                      some experts as Qwen3-30B-A3B's do), qwen3moe-30b-a3b-mxfp4
+                      (the same in llama-quantize's MXFP4_MOE: MXFP4 experts, Q8_0
+                      elsewhere), qwen3moe-small-q4k; or gpt-oss-20b-mxfp4
+                      (gpt-oss-20b's shapes)
   bench-load --gguf FILE [--device gpu|cpu] [--mode eager|background|lazy|all] [--cold]
              [--json [FILE]]  time to make a model resident on the device, per mode
   bench-gpu --gguf FILE… [--llama-bench PATH] [--tokens N] [--prompt N] [--repeat N] [--json FILE]

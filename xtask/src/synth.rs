@@ -29,7 +29,9 @@ const USAGE: &str = "usage: cargo xtask synth-model --preset PRESET --out FILE \
      llama-quantize mix: 7b-q2_k, 7b-q3_k_s, 7b-q3_k_m, 7b-q3_k_l, 7b-q4_k_s,\n        \
      7b-iq4_xs, 7b-iq3_m, 7b-iq2_m; or a Qwen 3 MoE: qwen3moe-30b-a3b-q4k (Qwen3-30B-A3B's\n        \
      shapes), qwen3moe-30b-a3b-skewed-q4k (the same, its routers favouring some experts\n        \
-     as Qwen3-30B-A3B's do), qwen3moe-small-q4k; or gpt-oss-20b-mxfp4 (gpt-oss-20b's shapes)";
+     as Qwen3-30B-A3B's do), qwen3moe-30b-a3b-mxfp4 (the same in llama-quantize's\n        \
+     MXFP4_MOE: MXFP4 experts, Q8_0 elsewhere), qwen3moe-small-q4k; or gpt-oss-20b-mxfp4\n        \
+     (gpt-oss-20b's shapes)";
 
 /// Parses the task's arguments and writes the model.
 pub fn run(args: &[String]) -> Result<()> {

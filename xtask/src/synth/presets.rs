@@ -111,6 +111,9 @@ pub enum Mix {
     /// (the first and last eighths, and every third between); elsewhere attn_v Q5_K (the
     /// 70B size's rule lifts its Q4_K) and ffn_down `ffn_down_type` (Q4_K).
     Q4KM70B,
+    /// `MXFP4_MOE`: every expert tensor (gate, up and down: `ffn_down_type`) MXFP4, the
+    /// other matrices `matrix_type` (Q8_0), as llama-quant.cpp's rule for 3-D tensors.
+    Mxfp4Moe,
 }
 
 /// llama-quant.cpp's `use_more_bits`: the layers a `_M` mix gives more bits.
@@ -146,6 +149,7 @@ impl Preset {
                 Q5_K
             }),
             (Mix::Q4KM70B, "ffn_down") if use_more_bits(layer, self.n_layers) => Some(Q6_K),
+            (Mix::Mxfp4Moe, "ffn_gate" | "ffn_up") => Some(MXFP4),
             _ => None,
         };
         let ty = rule.unwrap_or(if role == "ffn_down" {
@@ -388,6 +392,18 @@ pub const PRESETS: &[Preset] = &[
             routing: Routing::Skewed,
             ..QWEN3MOE_30B_A3B.experts.unwrap()
         }),
+        ..QWEN3MOE_30B_A3B
+    },
+    // The same shapes as llama-quantize's MXFP4_MOE writes them: MXFP4 experts, Q8_0
+    // attention, embeddings and output (about 17 GiB).
+    Preset {
+        name: "qwen3moe-30b-a3b-mxfp4",
+        embd_type: GgmlType::Q8_0,
+        matrix_type: GgmlType::Q8_0,
+        ffn_down_type: GgmlType::MXFP4,
+        output_type: Some(GgmlType::Q8_0),
+        file_type: 38,
+        mix: Mix::Mxfp4Moe,
         ..QWEN3MOE_30B_A3B
     },
     // The same layout, small enough for a CPU: 8 layers, 1024 wide, 64 experts of 512,

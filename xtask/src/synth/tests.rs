@@ -408,3 +408,37 @@ fn the_gpt_oss_preset_reads_as_gpt_oss_20b() {
         .any(|t| t.name == "blk.5.ffn_down_exps.bias"));
     assert!((11_000_000_000..12_500_000_000).contains(&layout.file_len));
 }
+
+#[test]
+fn the_mxfp4_moe_preset_takes_llama_quantizes_types() {
+    let w = declare(preset("qwen3moe-30b-a3b-mxfp4"), &tokenizer()).unwrap();
+    // Every expert tensor MXFP4; every other matrix Q8_0; the router and norms F32.
+    for (name, ty) in [
+        ("blk.7.ffn_gate_exps.weight", GgmlType::MXFP4),
+        ("blk.7.ffn_up_exps.weight", GgmlType::MXFP4),
+        ("blk.7.ffn_down_exps.weight", GgmlType::MXFP4),
+        ("blk.7.attn_q.weight", GgmlType::Q8_0),
+        ("blk.7.attn_k.weight", GgmlType::Q8_0),
+        ("blk.7.attn_v.weight", GgmlType::Q8_0),
+        ("blk.7.attn_output.weight", GgmlType::Q8_0),
+        ("blk.7.ffn_gate_inp.weight", GgmlType::F32),
+        ("token_embd.weight", GgmlType::Q8_0),
+        ("output.weight", GgmlType::Q8_0),
+    ] {
+        assert_eq!(type_and_shape(&w, name).0, ty, "{name}");
+    }
+    assert_eq!(
+        type_and_shape(&w, "blk.7.ffn_down_exps.weight").1,
+        vec![768, 2048, 128]
+    );
+    let layout = w.layout().unwrap();
+    let file = gguf_format::parse_prefix(&layout.header, layout.file_len).unwrap();
+    assert_eq!(
+        file.metadata
+            .get("general.file_type")
+            .and_then(|v| v.as_integer()),
+        Some(38)
+    );
+    let config = model::ModelConfig::from_metadata(&file.metadata).unwrap();
+    config.check_gpu_support().unwrap();
+}
