@@ -440,6 +440,7 @@ checks! {
     llama_moe_random_matches_llama_cpp => "llama-moe-random",
     qwen3moe_all_random_matches_llama_cpp => "qwen3moe-all-random",
     llama_moe_top1_random_matches_llama_cpp => "llama-moe-top1-random",
+    qwen3moe_mxfp4_random_matches_llama_cpp => "qwen3moe-mxfp4-random",
     gpt_oss_matches_llama_cpp => "gpt-oss",
     gpt_oss_wide_matches_llama_cpp => "gpt-oss-wide",
     gpt_oss_long_matches_llama_cpp => "gpt-oss-long",

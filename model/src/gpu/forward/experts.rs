@@ -126,7 +126,7 @@ pub(super) fn block(
         unreachable!("the buffers of a model with experts hold the experts' room")
     };
     // Without a shared expert or biases of down, from FUSED_SUM_FROM tokens, down may add
-    // its weighted sum to the residual stream itself.
+    // its weighted sum to the residual stream itself (where it runs in tiles of one).
     let summed = routed_ffn(
         config,
         e,
@@ -392,7 +392,10 @@ fn down(
     } else {
         RoutedInput::Q8(view(&moe.q8_act, q8_bytes(slots, ff))?)
     };
-    if let (Some(mut x), RoutedInput::Q8(xq)) = (sum_into, input) {
+    // The fused sum runs the products in tiles of one slot: only where the tiling chose
+    // them. Q8 input also feeds tiles of four (wide experts) and MXFP4's int8 tiles of
+    // 16 to 64, which read each expert's rows once for many slots.
+    if let (Some(mut x), RoutedInput::Q8(xq), 1) = (sum_into, input, tiling.tokens) {
         experts::routed_sum(
             &mats.down,
             xq,

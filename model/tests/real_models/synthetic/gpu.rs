@@ -393,6 +393,7 @@ checks! {
     gpu_llama_moe_random => "llama-moe-random",
     gpu_qwen3moe_all_random => "qwen3moe-all-random",
     gpu_llama_moe_top1_random => "llama-moe-top1-random",
+    gpu_qwen3moe_mxfp4_random => "qwen3moe-mxfp4-random",
     gpu_gpt_oss => "gpt-oss",
     gpu_gpt_oss_wide => "gpt-oss-wide",
     gpu_gpt_oss_long => "gpt-oss-long",
@@ -506,6 +507,7 @@ gpu_batched_matches_alone! {
     gpu_batched_llama_mqa => "llama-mqa",
     gpu_batched_qwen3moe_random => "qwen3moe-random",
     gpu_batched_qwen2moe_random => "qwen2moe-random",
+    gpu_batched_qwen3moe_mxfp4_random => "qwen3moe-mxfp4-random",
     gpu_batched_gpt_oss => "gpt-oss",
     gpu_batched_gpt_oss_wide => "gpt-oss-wide",
 }

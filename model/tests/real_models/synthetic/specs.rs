@@ -687,6 +687,30 @@ pub const SPECS: &[Spec] = &[
         seed: 133,
         ..LLAMA
     },
+    // Qwen 3 MoE as llama-quantize's MXFP4_MOE writes it: MXFP4 experts without biases,
+    // Q8_0 elsewhere. 32 experts, 4 per token: on the GPU, prompts of 16 tokens or more
+    // take MXFP4's int8 tiles for every routed product, down's included, and the
+    // weighted sum then runs on its own.
+    Spec {
+        name: "qwen3moe-mxfp4-random",
+        arch: Arch::Qwen3Moe,
+        vocab: VocabStyle::Qwen2,
+        n_heads: 8,
+        matrices: GgmlType::Q8_0,
+        overrides: &[
+            ("ffn_gate_exps", GgmlType::MXFP4),
+            ("ffn_up_exps", GgmlType::MXFP4),
+            ("ffn_down_exps", GgmlType::MXFP4),
+        ],
+        token_embd: GgmlType::Q8_0,
+        output: Some(GgmlType::Q8_0),
+        blocks: Blocks::Random,
+        rope_freq_base: 1_000_000.0,
+        experts: (32, 4, 256),
+        prompt: QWEN_PROMPT,
+        seed: 134,
+        ..LLAMA
+    },
     GPT_OSS,
     // Experts 2048 wide: the GPU's routed products take tiles of four slots from three
     // slots an expert (a 7-token prompt, a batch of six sequences or more).
