@@ -134,6 +134,13 @@ pub const Q8_SKINNY_32_FROM_SLOTS_PER_EXPERT: usize = 12;
 /// Slots an expert gets on average from which the skinny tiles hold 64 slots.
 pub const SKINNY_64_FROM_SLOTS_PER_EXPERT: usize = 40;
 
+/// Slots an expert narrower than [`WIDE_EXPERT_FF`] gets on average from which MXFP4's
+/// int8 products take tiles of 64.
+pub const Q8_SKINNY_64_FROM_SLOTS_PER_EXPERT: usize = 16;
+
+/// Slots a wide expert gets on average from which MXFP4's int8 products take tiles of 64.
+pub const WIDE_Q8_SKINNY_64_FROM_SLOTS_PER_EXPERT: usize = 24;
+
 /// Slots an expert gets on average from which its products take the tiled kernel of the
 /// matrix units again (tiles of [`MATMUL_TILE_TOKENS`]) rather than the skinny tiles.
 pub const SKINNY_UNTIL_SLOTS_PER_EXPERT: usize = 96;
@@ -224,11 +231,20 @@ pub fn skinny_tiles(device_runs_skinny: bool, types: &[GgmlType], widths: &[usiz
 ///
 /// With [`SkinnyTiles::Q8`] (MXFP4's int8 products), tiles of 16 from
 /// [`Q8_SKINNY_FROM_SLOTS_PER_EXPERT`] slots an expert, 32 from
-/// [`Q8_SKINNY_32_FROM_SLOTS_PER_EXPERT`], then as above. gpt-oss-20b's shape, one call
+/// [`Q8_SKINNY_32_FROM_SLOTS_PER_EXPERT`], 64 from
+/// [`Q8_SKINNY_64_FROM_SLOTS_PER_EXPERT`] (wide: [`WIDE_Q8_SKINNY_64_FROM_SLOTS_PER_EXPERT`]),
+/// the tiled kernel from [`SKINNY_UNTIL_SLOTS_PER_EXPERT`]. gpt-oss-20b's shape, one call
 /// (`--parallel N --npp 32 --ntg 32`; int8 tiles of 16 / 32 / 64): 16 sequences 1,637 /
 /// 1,579 / 1,539 (tiles of one 1,471), 32 sequences 2,672 / 2,595 / 2,523 (tiles of four
 /// 1,971), 64 sequences 4,571 / 4,533 / 4,411, 128 sequences 6,109 / 6,799 / 6,668, its
-/// 512-token prompt 9,692 / 12,566 / 14,534 (f16 skinny tiles of 64: 11,881).
+/// 512-token prompt 9,692 / 12,566 / 14,534 (f16 skinny tiles of 64: 11,881). Prompts
+/// (`--tokens 1 --prompt N --repeat 2`, tiles of 32 / 64, both runs within 0.3%):
+/// gpt-oss-20b's 128 tokens (16 slots an expert) 7,191 / 7,006, 192 (24) 9,041 / 9,286,
+/// 256 (32) 10,425 / 11,208, 320 (40) 10,956 / 12,105; Qwen3-30B-A3B's shape in MXFP4
+/// (`qwen3moe-30b-a3b-mxfp4`, experts of 768) 192 tokens (12) 8,653 / 8,872, 256 (16)
+/// 10,030 / 10,545, 320 (20) 10,397 / 11,051, 384 (24) 11,362 / 12,278, 512 (32) 12,682 /
+/// 13,966; its batches of 192 sequences (12 slots an expert) 6,658 with tiles of 32,
+/// 6,503 with 64.
 ///
 /// A prompt of a few tokens over few experts (the GPU tests' gpt-oss model: 8 experts, 4
 /// a token) also runs in tiles of one (or, where the device runs them, in MXFP4's int8
@@ -255,7 +271,12 @@ pub fn tile_tokens_for(
             {
                 return 16;
             }
-            if n_slots < SKINNY_64_FROM_SLOTS_PER_EXPERT * n_experts {
+            let from_64 = match (skinny, wide) {
+                (SkinnyTiles::Q8, false) => Q8_SKINNY_64_FROM_SLOTS_PER_EXPERT,
+                (SkinnyTiles::Q8, true) => WIDE_Q8_SKINNY_64_FROM_SLOTS_PER_EXPERT,
+                _ => SKINNY_64_FROM_SLOTS_PER_EXPERT,
+            };
+            if n_slots < from_64 * n_experts {
                 return 32;
             }
             if n_slots < SKINNY_UNTIL_SLOTS_PER_EXPERT * n_experts {

@@ -83,14 +83,21 @@ fn tiles_cover_every_routing() {
             .all(|&t| !takes_f16(t, skinny)));
     }
     // MXFP4's int8 products: tiles of 16 from two slots an expert, 32 from 12, 64
-    // from 40, the tiled kernel from 96.
+    // from 24 for wide experts and from 16 for others, the tiled kernel from 96.
     let q8 = SkinnyTiles::Q8;
     assert_eq!(tile_tokens_for(63, 32, 2880, q8), 1);
     assert_eq!(tile_tokens_for(64, 32, 2880, q8), 16);
     assert_eq!(tile_tokens_for(383, 32, 2880, q8), 16);
     assert_eq!(tile_tokens_for(384, 32, 2880, q8), 32);
-    assert_eq!(tile_tokens_for(2048, 32, 2880, q8), 64);
+    assert_eq!(tile_tokens_for(767, 32, 2880, q8), 32);
+    assert_eq!(tile_tokens_for(768, 32, 2880, q8), 64);
+    assert_eq!(tile_tokens_for(96 * 32 - 1, 32, 2880, q8), 64);
     assert_eq!(tile_tokens_for(96 * 32, 32, 2880, q8), MATMUL_TILE_TOKENS);
+    assert_eq!(tile_tokens_for(12 * 128, 128, 768, q8), 32);
+    assert_eq!(tile_tokens_for(16 * 128 - 1, 128, 768, q8), 32);
+    assert_eq!(tile_tokens_for(16 * 128, 128, 768, q8), 64);
+    // The f16 skinny tiles keep 64 from 40 for any width.
+    assert_eq!(tile_tokens_for(16 * 128, 128, 768, SkinnyTiles::F16), 32);
     // MXFP4's int8 products only where every tensor is MXFP4 and the widths allow.
     use GgmlType::{MXFP4, Q4_K, Q8_0};
     assert_eq!(
