@@ -91,6 +91,13 @@ const QWEN_PROMPT: &str = "<|im_start|>user\nThe cat sat on the mat. Is it a caf
 const GEMMA_PROMPT: &str =
     "<start_of_turn>user\nThe cat sat on the mat. Is it 42? Où?<end_of_turn>";
 
+/// Every expert tensor in MXFP4 (the other matrices in the spec's `matrices`).
+const MXFP4_EXPERTS: &[(&str, GgmlType)] = &[
+    ("ffn_gate_exps", GgmlType::MXFP4),
+    ("ffn_up_exps", GgmlType::MXFP4),
+    ("ffn_down_exps", GgmlType::MXFP4),
+];
+
 /// gpt-oss: biased projections, attention sinks, alternating sliding-window (8) and
 /// global layers, YaRN RoPE (gpt-oss's factor 32 over 4096 positions, so the ramp between
 /// kept and interpolated angles falls inside the head), 8 MXFP4 experts of which 4 per
@@ -104,11 +111,7 @@ const GPT_OSS: Spec = Spec {
     n_kv_heads: 2,
     head_dim: 32,
     matrices: GgmlType::Q8_0,
-    overrides: &[
-        ("ffn_gate_exps", GgmlType::MXFP4),
-        ("ffn_up_exps", GgmlType::MXFP4),
-        ("ffn_down_exps", GgmlType::MXFP4),
-    ],
+    overrides: MXFP4_EXPERTS,
     token_embd: GgmlType::Q8_0,
     output: Some(GgmlType::Q8_0),
     rope_freq_base: 150_000.0,
@@ -697,11 +700,7 @@ pub const SPECS: &[Spec] = &[
         vocab: VocabStyle::Qwen2,
         n_heads: 8,
         matrices: GgmlType::Q8_0,
-        overrides: &[
-            ("ffn_gate_exps", GgmlType::MXFP4),
-            ("ffn_up_exps", GgmlType::MXFP4),
-            ("ffn_down_exps", GgmlType::MXFP4),
-        ],
+        overrides: MXFP4_EXPERTS,
         token_embd: GgmlType::Q8_0,
         output: Some(GgmlType::Q8_0),
         blocks: Blocks::Random,
