@@ -630,8 +630,16 @@ fn launch(
     // `c_int` (`GpuMatrix::new`, the checks above).
     let (status, what) = unsafe {
         match input {
-            RoutedInput::Q8(x) if shape.tile_tokens >= SKINNY_TILE_TOKENS[0] => (
-                (launchers.matmul_experts_q8)(
+            RoutedInput::Q8(x) => {
+                // MXFP4's int8 tiles (kernels/skinny_q8.h) or the decode products, the
+                // same arguments either way.
+                let (launch, what): (super::launchers::MatvecExpertsFn, _) =
+                    if shape.tile_tokens >= SKINNY_TILE_TOKENS[0] {
+                        (launchers.matmul_experts_q8, "rf_matmul_experts_q8")
+                    } else {
+                        (launchers.matvec_experts, "rf_matvec_experts")
+                    };
+                let status = launch(
                     weights.as_ptr(),
                     out_ptrs.as_ptr(),
                     n_mats,
@@ -647,29 +655,9 @@ fn launch(
                     shape.n_x as c_int,
                     shape.device,
                     stream.as_raw(),
-                ),
-                "rf_matmul_experts_q8",
-            ),
-            RoutedInput::Q8(x) => (
-                (launchers.matvec_experts)(
-                    weights.as_ptr(),
-                    out_ptrs.as_ptr(),
-                    n_mats,
-                    rows,
-                    cols,
-                    first.expert_bytes(),
-                    tiles.as_ptr(),
-                    shape.n_tiles as c_int,
-                    shape.tile_tokens as c_int,
-                    order.as_ptr(),
-                    shape.slot_div as c_int,
-                    x.as_ptr(),
-                    shape.n_x as c_int,
-                    shape.device,
-                    stream.as_raw(),
-                ),
-                "rf_matvec_experts",
-            ),
+                );
+                (status, what)
+            }
             RoutedInput::F16 { x16, scales } => (
                 (launchers.matmul_experts)(
                     weights.as_ptr(),
