@@ -111,6 +111,42 @@ impl Routed {
             .collect()
     }
 
+    /// Every slot's results from each of `experts` (one output a tensor given), the
+    /// input `n_x` rows read as `slot_input` says, the slots in tiles of `tile_tokens`.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        device: &hip_backend::Device,
+        stream: &hip_backend::Stream,
+        experts: &[GpuExperts<'_>],
+        input: RoutedInput<'_>,
+        n_x: usize,
+        slot_input: SlotInput,
+        tile_tokens: usize,
+    ) -> Vec<Vec<f32>> {
+        let (tiles, order) = tiles_for(&self.ids, self.count, tile_tokens);
+        let tiles_dev = upload(device, stream, &tiles);
+        let order_dev = upload(device, stream, &order);
+        let mut outs: Vec<_> = experts
+            .iter()
+            .map(|_| upload(device, stream, &vec![f32::NAN; self.slots() * self.rows]))
+            .collect();
+        let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
+        routed_products(
+            experts,
+            input,
+            n_x,
+            slot_input,
+            tiles_dev.view(),
+            order_dev.view(),
+            tile_tokens,
+            &mut views,
+            stream,
+        )
+        .expect("routed products");
+        outs.iter().map(|o| download(stream, o)).collect()
+    }
+
     /// For each tensor, every slot's product with its expert's matrix alone and its
     /// token's row, as `product` computes it from the two.
     fn per_slot<T>(&self, mut product: impl FnMut(&[u8], &[f32]) -> Vec<T>) -> Vec<Vec<T>> {
@@ -161,7 +197,7 @@ fn routed_products_are_each_experts_own_product() {
         let routed = Routed::new(ty, (count, rows, cols), n, &mut rng, |_, rng| {
             (rng.next() % count as u64) as usize
         });
-        let (ids, slots) = (&routed.ids, routed.slots());
+        let slots = routed.slots();
         let dev_tensors = routed.upload(&device, &stream);
         let experts = routed.experts(&dev_tensors);
         let x_dev = upload(&device, &stream, &routed.x);
@@ -182,29 +218,12 @@ fn routed_products_are_each_experts_own_product() {
             .remove(0)
         });
         for tile_tokens in [1, WIDE_TILE_TOKENS, MAX_TOKENS] {
-            let (tiles, order) = tiles_for(ids, count, tile_tokens);
-            let tiles_dev = upload(&device, &stream, &tiles);
-            let order_dev = upload(&device, &stream, &order);
-            let mut outs: Vec<_> = (0..2)
-                .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
-                .collect();
-            let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
-            routed_products(
-                &experts,
-                RoutedInput::Q8(q8.view()),
-                n,
-                SlotInput::Token { per_token: USED },
-                tiles_dev.view(),
-                order_dev.view(),
-                tile_tokens,
-                &mut views,
-                &stream,
-            )
-            .expect("routed products");
+            let per_token = SlotInput::Token { per_token: USED };
+            let q8_in = RoutedInput::Q8(q8.view());
+            let outs = routed.run(&device, &stream, &experts, q8_in, n, per_token, tile_tokens);
             for (m, out) in outs.iter().enumerate() {
                 assert_eq!(
-                    download(&stream, out),
-                    expected[m],
+                    out, &expected[m],
                     "{ty}: tensor {m}, tiles of {tile_tokens}"
                 );
             }
@@ -214,22 +233,18 @@ fn routed_products_are_each_experts_own_product() {
             let mut own_q8 = device.alloc::<u8>(q8_bytes(slots, cols)).expect("q8");
             matvec::quantize_q8(own_dev.view(), slots, cols, own_q8.view_mut(), &stream)
                 .expect("quantize");
-            let mut out = upload(&device, &stream, &vec![f32::NAN; slots * rows]);
-            routed_products(
+            let own_in = RoutedInput::Q8(own_q8.view());
+            let own = routed.run(
+                &device,
+                &stream,
                 &experts[..1],
-                RoutedInput::Q8(own_q8.view()),
+                own_in,
                 slots,
                 SlotInput::Own,
-                tiles_dev.view(),
-                order_dev.view(),
                 tile_tokens,
-                &mut [out.view_mut()],
-                &stream,
-            )
-            .expect("routed products of own rows");
+            );
             assert_eq!(
-                download(&stream, &out),
-                expected[0],
+                own[0], expected[0],
                 "{ty}: own rows, tiles of {tile_tokens}"
             );
         }
@@ -326,53 +341,34 @@ fn routed_products_on_the_matrix_units_match_each_experts_product() {
         let (x16, scales) = f16_input(&device, &stream, &routed.x, n, cols);
         let (own16, own_scales) = f16_input(&device, &stream, &routed.own_rows(), slots, cols);
         for tile_tokens in SKINNY_TILE_TOKENS.into_iter().chain([MATMUL_TILE_TOKENS]) {
-            let (tiles, order) = tiles_for(ids, count, tile_tokens);
-            let tiles_dev = upload(&device, &stream, &tiles);
-            let order_dev = upload(&device, &stream, &order);
-            let mut outs: Vec<_> = (0..2)
-                .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
-                .collect();
-            let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
-            routed_products(
-                &experts,
-                RoutedInput::F16 {
-                    x16: x16.view(),
-                    scales: scales.view(),
-                },
-                n,
-                SlotInput::Token { per_token: USED },
-                tiles_dev.view(),
-                order_dev.view(),
-                tile_tokens,
-                &mut views,
-                &stream,
-            )
-            .expect("routed products");
+            let input = RoutedInput::F16 {
+                x16: x16.view(),
+                scales: scales.view(),
+            };
+            let per_token = SlotInput::Token { per_token: USED };
+            let outs = routed.run(&device, &stream, &experts, input, n, per_token, tile_tokens);
             for (m, out) in outs.iter().enumerate() {
-                let err = relative_error(&download(&stream, out), &expected[m]);
+                let err = relative_error(out, &expected[m]);
                 assert!(
                     err <= rounded_bound(ty),
                     "{ty}: tensor {m}, tiles of {tile_tokens}, relative error {err:.2e}"
                 );
             }
             // Slots reading rows of their own.
-            let mut out = upload(&device, &stream, &vec![f32::NAN; slots * rows]);
-            routed_products(
+            let own_in = RoutedInput::F16 {
+                x16: own16.view(),
+                scales: own_scales.view(),
+            };
+            let own = routed.run(
+                &device,
+                &stream,
                 &experts[..1],
-                RoutedInput::F16 {
-                    x16: own16.view(),
-                    scales: own_scales.view(),
-                },
+                own_in,
                 slots,
                 SlotInput::Own,
-                tiles_dev.view(),
-                order_dev.view(),
                 tile_tokens,
-                &mut [out.view_mut()],
-                &stream,
-            )
-            .expect("routed products of own rows");
-            let err = relative_error(&download(&stream, &out), &expected[0]);
+            );
+            let err = relative_error(&own[0], &expected[0]);
             assert!(
                 err <= rounded_bound(ty),
                 "{ty}: own rows, tiles of {tile_tokens}, relative error {err:.2e}"
@@ -432,32 +428,20 @@ fn mxfp4_routed_products_on_the_int8_matrix_units_match_the_decode_products() {
             0
         }
     });
-    let (ids, slots) = (&routed.ids, routed.slots());
+    let slots = routed.slots();
     let dev_tensors = routed.upload(&device, &stream);
     let experts = routed.experts(&dev_tensors);
     let run = |x: &DeviceBuffer<u8>, n_x, input, tile_tokens, n_mats: usize| {
-        let (tiles, order) = tiles_for(ids, count, tile_tokens);
-        let tiles_dev = upload(&device, &stream, &tiles);
-        let order_dev = upload(&device, &stream, &order);
-        let mut outs: Vec<_> = (0..n_mats)
-            .map(|_| upload(&device, &stream, &vec![f32::NAN; slots * rows]))
-            .collect();
-        let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
-        routed_products(
+        let q8_in = RoutedInput::Q8(x.view());
+        routed.run(
+            &device,
+            &stream,
             &experts[..n_mats],
-            RoutedInput::Q8(x.view()),
+            q8_in,
             n_x,
             input,
-            tiles_dev.view(),
-            order_dev.view(),
             tile_tokens,
-            &mut views,
-            &stream,
         )
-        .expect("routed products");
-        outs.iter()
-            .map(|o| download(&stream, o))
-            .collect::<Vec<_>>()
     };
     let x_dev = upload(&device, &stream, &routed.x);
     let mut q8 = device.alloc::<u8>(q8_bytes(n, cols)).expect("q8");
