@@ -125,8 +125,11 @@ pub(super) fn block(
     let Some(moe) = bufs.moe.as_mut() else {
         unreachable!("the buffers of a model with experts hold the experts' room")
     };
-    // Without a shared expert or biases of down, from FUSED_SUM_FROM tokens, down may add
-    // its weighted sum to the residual stream itself (where it runs in tiles of one).
+    // Without a shared expert or biases of down, from FUSED_SUM_FROM tokens, down adds its
+    // weighted sum to the residual stream itself where its slots run in tiles of one (the
+    // fused products' own); tiles of more slots read each expert's rows once for them.
+    let fuse_sum =
+        e.shared.is_none() && e.down.bias.is_none() && n >= FUSED_SUM_FROM && tiling.tokens == 1;
     let summed = routed_ffn(
         config,
         e,
@@ -135,7 +138,7 @@ pub(super) fn block(
         moe,
         n,
         tiling,
-        (e.shared.is_none() && e.down.bias.is_none() && n >= FUSED_SUM_FROM)
+        fuse_sum
             .then(|| view_mut::<f32>(&mut bufs.x, n * d))
             .transpose()?,
         stream,
@@ -199,8 +202,8 @@ pub(super) fn shared_and_combine(
 
 /// The routed experts' products for the `n` tokens of `h` (normed), by the routing in
 /// `moe`: gate and up, the gated activation, down, each slot's output into `moe.out`.
-/// In tiles of one slot (a few tokens), given `sum_into`, down's outputs are weighted
-/// and added to it instead ([`experts::routed_sum`]); returns whether they were.
+/// Given `sum_into` (only where `tiling` runs tiles of one slot), down's outputs are
+/// weighted and added to it instead ([`experts::routed_sum`]); returns whether they were.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn routed_ffn(
     config: &ModelConfig,
@@ -392,10 +395,11 @@ fn down(
     } else {
         RoutedInput::Q8(view(&moe.q8_act, q8_bytes(slots, ff))?)
     };
-    // The fused sum runs the products in tiles of one slot: only where the tiling chose
-    // them. Q8 input also feeds tiles of four (wide experts) and MXFP4's int8 tiles of
-    // 16 to 64, which read each expert's rows once for many slots.
-    if let (Some(mut x), RoutedInput::Q8(xq), 1) = (sum_into, input, tiling.tokens) {
+    debug_assert!(
+        sum_into.is_none() || tiling.tokens == 1,
+        "the fused sum's tiles are of one"
+    );
+    if let (Some(mut x), RoutedInput::Q8(xq)) = (sum_into, input) {
         experts::routed_sum(
             &mats.down,
             xq,
