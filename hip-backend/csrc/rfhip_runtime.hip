@@ -104,6 +104,15 @@ int rfhip_host_register(void* ptr, size_t bytes) {
 #endif
 }
 int rfhip_host_unregister(void* ptr) { return (int)hipHostUnregister(ptr); }
+// The address kernels read registered (mapped) host memory at.
+int rfhip_host_device_pointer(void** device, void* host) {
+    *device = nullptr;
+#ifdef ROCMFORGE_HIP_NVIDIA
+    return (int)cudaHostGetDevicePointer(device, host, 0);
+#else
+    return (int)hipHostGetDevicePointer(device, host, 0);
+#endif
+}
 
 int rfhip_device_props(int ordinal, rfhip_device_props_t* out) {
     memset(out, 0, sizeof(*out));

@@ -71,6 +71,24 @@ impl HostRegistration<'_> {
         self.len
     }
 
+    /// The address at which kernels on the device read the first registered byte (the
+    /// registration maps the pages for the device): loads from it cross the link, at
+    /// about the copy engine's rate for reads of whole lines. On NVIDIA devices with
+    /// unified addressing it is the host address itself.
+    pub fn device_ptr(&self) -> Result<u64> {
+        if self.len == 0 {
+            return Ok(0);
+        }
+        self.context.bind()?;
+        let mut device: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `host` is registered (mapped) for as long as `self`; the call only
+        // writes the address into `device`.
+        result::check("hipHostGetDevicePointer", unsafe {
+            sys::rfhip_host_device_pointer(&mut device, self.host)
+        })?;
+        Ok(device as u64)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

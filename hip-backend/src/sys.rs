@@ -85,6 +85,7 @@ mod linked {
         pub fn rfhip_host_register(ptr: *mut c_void, bytes: usize) -> c_int;
         pub fn rfhip_host_register_read_only(ptr: *mut c_void, bytes: usize) -> c_int;
         pub fn rfhip_host_unregister(ptr: *mut c_void) -> c_int;
+        pub fn rfhip_host_device_pointer(device: *mut *mut c_void, host: *mut c_void) -> c_int;
 
         pub fn rfhip_memcpy_h2d_async(
             dst: *mut c_void,
@@ -214,6 +215,9 @@ mod stub {
         NO_GPU
     }
     pub unsafe fn rfhip_host_unregister(_: *mut c_void) -> c_int {
+        NO_GPU
+    }
+    pub unsafe fn rfhip_host_device_pointer(_: *mut *mut c_void, _: *mut c_void) -> c_int {
         NO_GPU
     }
     pub unsafe fn rfhip_memcpy_h2d_async(
