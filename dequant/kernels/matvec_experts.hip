@@ -27,6 +27,10 @@ namespace rf {
 // m (one or two: gate and up) is `experts` matrices of `rows` rows one after the other,
 // expert_bytes apart; slot s's output is row s of y[m] (rows values each). A tile with
 // no tokens (the grid is sized for the most tiles a routing can take) does nothing.
+//
+// With expert_bytes 0, w[m] is instead a table of `experts` addresses, one matrix each
+// (device memory, or host memory mapped for the device: a mixture larger than its
+// budget reads the experts it does not hold where they lie).
 struct ExpertMats {
     const uint8_t* w[2];
     float* y[2];
@@ -34,6 +38,14 @@ struct ExpertMats {
     int rows;
     size_t expert_bytes;
 };
+
+// Expert `expert`'s matrix: expert_bytes apart from w, or, with expert_bytes 0, where
+// the table w says (see ExpertMats).
+__device__ __forceinline__ const uint8_t* expert_matrix(const uint8_t* w, size_t expert_bytes,
+                                                        int expert) {
+    if (expert_bytes != 0) return w + (size_t)expert * expert_bytes;
+    return reinterpret_cast<const uint8_t* const*>(w)[expert];
+}
 
 template <typename W, int NT, int kRows, int RPT>
 __global__ void __launch_bounds__(kMatvecThreads)
@@ -71,7 +83,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
         mat[rr] = gg >= mats.rows ? 1 : 0;
         local[rr] = gg - mat[rr] * mats.rows;
         const uint8_t* base = mat[rr] ? mats.w[1] : mats.w[0];
-        rows[rr] = base + (size_t)expert * mats.expert_bytes + (size_t)local[rr] * row_bytes;
+        rows[rr] = expert_matrix(base, mats.expert_bytes, expert) + (size_t)local[rr] * row_bytes;
     }
     const int8_t* xqs = reinterpret_cast<const int8_t*>(xq);
     const float* xd = reinterpret_cast<const float*>(xq + (size_t)n_x * n_cols);
@@ -95,7 +107,8 @@ __global__ void __launch_bounds__(kMatvecThreads)
 // order, slot s through expert ids[s] (`experts` matrices of `rows` rows, expert_bytes
 // apart) on row s of the Q8 input (n_x rows), and adds Σ_r weights[s] · (slot s's
 // product) to row t of out, summing the ranks in order as a separate weighted sum would.
-// Each slot's product is matvec_experts_kernel's for a tile of that one slot.
+// Each slot's product is matvec_experts_kernel's for a tile of that one slot; with
+// expert_bytes 0, w is a table of the experts' addresses as there.
 template <typename W, int kRows, int RPT>
 __global__ void __launch_bounds__(kMatvecThreads)
     matvec_experts_sum_kernel(const uint8_t* __restrict__ w, size_t expert_bytes, int rows,
@@ -125,7 +138,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
     for (int rr = 0; rr < RPT; ++rr) total[rr] = 0.0f;
     for (int r = 0; r < k; ++r) {
         const int s = t * k + r;
-        const uint8_t* expert = w + (size_t)ids[s] * expert_bytes;
+        const uint8_t* expert = expert_matrix(w, expert_bytes, ids[s]);
         const float weight = weights[s];
         const uint8_t* slot_rows[RPT];
 #pragma unroll
@@ -217,8 +230,8 @@ hipError_t launch_experts_of(const ExpertMats& mats, int n_cols, const int* tile
 extern "C" {
 
 // The products of routed experts (see matvec_experts_kernel): weights[m] (n_mats of 1
-// or 2) hold the experts' matrices of `rows` × n_cols, expert_bytes apart; outs[m] one
-// row per slot. tiles: n_tiles triples (expert, first, count) of at most tile_tokens (1,
+// or 2) hold the experts' matrices of `rows` × n_cols, expert_bytes apart (or, with
+// expert_bytes 0, a table of their addresses); outs[m] one row per slot. tiles: n_tiles triples (expert, first, count) of at most tile_tokens (1,
 // 4 or 8) slots each, order the slots grouped by expert; xq: Q8 blocks of n_x rows. Only
 // the quantized types' units run it; the float types' return hipErrorInvalidValue.
 int RF_MATVEC_JOIN(rf_matvec_experts, RF_MATVEC_NAME)(
@@ -243,7 +256,8 @@ int RF_MATVEC_JOIN(rf_matvec_experts, RF_MATVEC_NAME)(
 }
 
 // Routed down products with the weighted sum fused (see matvec_experts_sum_kernel):
-// weights: `experts` matrices of rows × n_cols, expert_bytes apart; ids and slot_weights:
+// weights: `experts` matrices of rows × n_cols, expert_bytes apart (or, with expert_bytes
+// 0, a table of their addresses); ids and slot_weights:
 // n_tokens × k slots in rank order; xq: Q8 blocks of n_x = n_tokens × k rows, one a slot;
 // out: n_tokens × rows, added to. Only the quantized types' units run it.
 int RF_MATVEC_JOIN(rf_matvec_experts_sum, RF_MATVEC_NAME)(

@@ -21,17 +21,30 @@ use half::f16;
 use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
 
-use super::matvec::{q8_bytes, takes_q8, GpuMatrix, MAX_TOKENS};
+use super::matvec::{matrix_bytes, q8_bytes, takes_q8, GpuMatrix, MAX_TOKENS};
 use super::{check_device, GpuDequantError};
 use crate::DequantError;
 
-/// The experts of one 3-D tensor (`ffn_{gate,up,down}_exps`) in device memory: `count`
-/// matrices of `rows × cols` of a quantized type, one after the other.
+/// The experts of one 3-D tensor (`ffn_{gate,up,down}_exps`) on the device: `count`
+/// matrices of `rows × cols` of a quantized type, one after the other in device memory
+/// ([`GpuExperts::new`]), or each where a table of addresses says
+/// ([`GpuExperts::from_table`]).
 #[derive(Clone, Copy, Debug)]
 pub struct GpuExperts<'a> {
-    all: GpuMatrix<'a>,
+    ty: GgmlType,
     count: usize,
     rows: usize,
+    cols: usize,
+    expert_bytes: usize,
+    at: Placement<'a>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Placement<'a> {
+    /// The `count` matrices one after the other.
+    Packed(DeviceView<'a, u8>),
+    /// The address of each expert's matrix, as the device reads it.
+    Table(DeviceView<'a, u64>),
 }
 
 impl<'a> GpuExperts<'a> {
@@ -44,18 +57,52 @@ impl<'a> GpuExperts<'a> {
         cols: usize,
         bytes: DeviceView<'a, u8>,
     ) -> Result<GpuExperts<'a>, DequantError> {
-        if !takes_q8(ty) {
-            return Err(DequantError::NoProductKernel { ty });
+        let all = GpuMatrix::new(ty, total_rows(ty, count, rows, cols)?, cols, bytes)?;
+        Ok(GpuExperts {
+            ty,
+            count,
+            rows,
+            cols: all.cols(),
+            expert_bytes: bytes.len() / count.max(1),
+            at: Placement::Packed(bytes),
+        })
+    }
+
+    /// The experts of a tensor whose matrices lie apart: `table[e]` is the address at
+    /// which the device reads expert `e`'s `rows × cols` matrix of type `ty`, in device
+    /// memory or in host memory mapped for the device. Only the decode products take
+    /// them ([`routed_products`] with Q8 input in their tiles, and [`routed_sum`]): a
+    /// slot's product is then the same as if its expert's matrix lay in a packed tensor.
+    ///
+    /// # Safety
+    /// Until the products launched with these experts have run, each of the table's
+    /// `count` entries must hold the device address of a whole matrix of `rows × cols`
+    /// of type `ty` (its GGUF blocks), readable by the stream's device and unchanged.
+    pub unsafe fn from_table(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        table: DeviceView<'a, u64>,
+    ) -> Result<GpuExperts<'a>, DequantError> {
+        let count = table.len();
+        if count == 0 {
+            return Err(DequantError::MatrixTooLarge { ty, rows, cols });
         }
-        let total = count
-            .checked_mul(rows)
-            .ok_or(DequantError::MatrixTooLarge { ty, rows, cols })?;
-        let all = GpuMatrix::new(ty, total, cols, bytes)?;
-        Ok(GpuExperts { all, count, rows })
+        // The packed tensor's limits, though its matrices lie apart.
+        matrix_bytes(ty, total_rows(ty, count, rows, cols)?, cols)?;
+        let expert_bytes = matrix_bytes(ty, rows, cols)?;
+        Ok(GpuExperts {
+            ty,
+            count,
+            rows,
+            cols,
+            expert_bytes,
+            at: Placement::Table(table),
+        })
     }
 
     pub fn ty(&self) -> GgmlType {
-        self.all.ty()
+        self.ty
     }
 
     /// Experts in the tensor.
@@ -69,13 +116,46 @@ impl<'a> GpuExperts<'a> {
     }
 
     pub fn cols(&self) -> usize {
-        self.all.cols()
+        self.cols
     }
 
     /// Bytes of one expert's matrix.
     pub fn expert_bytes(&self) -> usize {
-        self.all.bytes().len() / self.count.max(1)
+        self.expert_bytes
     }
+
+    /// Whether the matrices lie where a table says ([`GpuExperts::from_table`]).
+    pub fn is_table(&self) -> bool {
+        matches!(self.at, Placement::Table(_))
+    }
+
+    fn device_ordinal(&self) -> usize {
+        match self.at {
+            Placement::Packed(bytes) => bytes.device_ordinal(),
+            Placement::Table(table) => table.device_ordinal(),
+        }
+    }
+
+    /// The kernels' weights argument and stride between experts: the packed matrices
+    /// and their size, or the table and 0.
+    #[cfg(not(hip_platform = "none"))]
+    fn kernel_weights(&self) -> (*const std::ffi::c_void, usize) {
+        match self.at {
+            Placement::Packed(bytes) => (bytes.as_ptr(), self.expert_bytes),
+            Placement::Table(table) => (table.as_ptr(), 0),
+        }
+    }
+}
+
+/// The rows of `count` experts of `rows × cols` of type `ty` one after the other, once
+/// `ty` is known to be quantized and multiplied on the GPU.
+fn total_rows(ty: GgmlType, count: usize, rows: usize, cols: usize) -> Result<usize, DequantError> {
+    if !takes_q8(ty) {
+        return Err(DequantError::NoProductKernel { ty });
+    }
+    count
+        .checked_mul(rows)
+        .ok_or(DequantError::MatrixTooLarge { ty, rows, cols })
 }
 
 /// Where a slot's activations are: its token's row (`per_token` slots a token: the
@@ -168,13 +248,9 @@ fn check_routed(
         .into());
     }
     let device = check_device(stream, x_device, tiles.device_ordinal())?;
-    check_device(
-        stream,
-        order.device_ordinal(),
-        first.all.bytes().device_ordinal(),
-    )?;
+    check_device(stream, order.device_ordinal(), first.device_ordinal())?;
     for (e, out) in experts.iter().zip(outs.iter()) {
-        check_device(stream, e.all.bytes().device_ordinal(), out.device_ordinal())?;
+        check_device(stream, e.device_ordinal(), out.device_ordinal())?;
         DequantError::check_output(out.len(), n_slots, e.rows())?;
     }
     Ok(Shape {
@@ -251,6 +327,12 @@ pub fn routed_products(
         }
         .into());
     }
+    // Experts placed by a table run the decode products alone, all placed alike.
+    let tables = experts.iter().filter(|e| e.is_table()).count();
+    let decode = matches!(input, RoutedInput::Q8(_)) && !int8_tiles;
+    if tables > 0 && (tables != experts.len() || !decode) {
+        return Err(DequantError::TableExperts { tile_tokens }.into());
+    }
     let shape = check_routed(
         experts,
         n_x,
@@ -318,11 +400,7 @@ pub fn routed_sum(
     DequantError::check_output(out.len(), n_tokens, experts.rows())?;
     let device = check_device(stream, xq.device_ordinal(), ids.device_ordinal())?;
     check_device(stream, weights.device_ordinal(), out.device_ordinal())?;
-    check_device(
-        stream,
-        experts.all.bytes().device_ordinal(),
-        out.device_ordinal(),
-    )?;
+    check_device(stream, experts.device_ordinal(), out.device_ordinal())?;
     launch_sum(experts, xq, ids, weights, n_tokens, k, out, device, stream)
 }
 
@@ -341,15 +419,17 @@ fn launch_sum(
 ) -> Result<(), GpuDequantError> {
     use std::ffi::c_int;
     let launchers = super::launchers(experts.ty())?;
+    let (matrices, stride) = experts.kernel_weights();
     // SAFETY: `routed_sum` checked every length: the weights hold exactly `count`
-    // matrices, ids and weights one entry a slot, the input one row of Q8 blocks a slot,
+    // matrices (or a table of their addresses, which `GpuExperts::from_table`'s caller
+    // vouches for), ids and weights one entry a slot, the input one row of Q8 blocks a slot,
     // the output one row a token; all are on the stream's device and stay borrowed while
     // the kernel is queued. Rows, columns and counts fit in `c_int` (`GpuMatrix::new`,
     // the checks above).
     let status = unsafe {
         (launchers.matvec_experts_sum)(
-            experts.all.bytes().as_ptr(),
-            experts.expert_bytes(),
+            matrices,
+            stride,
             experts.rows() as c_int,
             experts.cols() as c_int,
             ids.as_ptr(),
@@ -394,7 +474,8 @@ fn launch(
 ) -> Result<(), GpuDequantError> {
     use std::ffi::{c_int, c_void};
     let first = &experts[0];
-    let weights: Vec<*const c_void> = experts.iter().map(|e| e.all.bytes().as_ptr()).collect();
+    let weights: Vec<*const c_void> = experts.iter().map(|e| e.kernel_weights().0).collect();
+    let stride = first.kernel_weights().1;
     let out_ptrs: Vec<*mut c_void> = outs.iter_mut().map(|o| o.as_mut_ptr()).collect();
     let launchers = super::launchers(first.ty())?;
     let (n_mats, rows, cols) = (
@@ -403,7 +484,8 @@ fn launch(
         first.cols() as c_int,
     );
     // SAFETY: `routed_products` checked every length: each weight view holds exactly its
-    // `count` matrices, each output one row per slot, the input `n_x` rows (of Q8 blocks,
+    // `count` matrices (or a table of their addresses, vouched for by
+    // `GpuExperts::from_table`'s caller, and then only the decode products run), each output one row per slot, the input `n_x` rows (of Q8 blocks,
     // or of f16 values with a scale each), `tiles` the most triples the grid reads and
     // `order` one entry per slot; all are on the stream's device and stay borrowed
     // (alive) while the kernel is queued. The pointer arrays live through the call,
@@ -426,7 +508,7 @@ fn launch(
                     n_mats,
                     rows,
                     cols,
-                    first.expert_bytes(),
+                    stride,
                     tiles.as_ptr(),
                     shape.n_tiles as c_int,
                     shape.tile_tokens as c_int,

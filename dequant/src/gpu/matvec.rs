@@ -71,16 +71,7 @@ impl<'a> GpuMatrix<'a> {
         cols: usize,
         bytes: DeviceView<'a, u8>,
     ) -> Result<GpuMatrix<'a>, DequantError> {
-        check_width(ty, cols)?;
-        let block_size = ty.block_size() as usize;
-        let overflow = DequantError::MatrixTooLarge { ty, rows, cols };
-        if rows > i32::MAX as usize || cols > i32::MAX as usize {
-            return Err(overflow);
-        }
-        let expected = (cols / block_size)
-            .checked_mul(ty.type_size() as usize)
-            .and_then(|row| row.checked_mul(rows))
-            .ok_or(overflow)?;
+        let expected = matrix_bytes(ty, rows, cols)?;
         if bytes.len() != expected {
             return Err(DequantError::WeightBytes {
                 ty,
@@ -114,6 +105,20 @@ impl<'a> GpuMatrix<'a> {
     pub fn bytes(&self) -> DeviceView<'a, u8> {
         self.bytes
     }
+}
+
+/// The bytes of a `rows × cols` matrix of type `ty`, once its width is checked (whole
+/// blocks of a type with a product kernel) and its sides fit the kernels' indices.
+pub(super) fn matrix_bytes(ty: GgmlType, rows: usize, cols: usize) -> Result<usize, DequantError> {
+    check_width(ty, cols)?;
+    let overflow = DequantError::MatrixTooLarge { ty, rows, cols };
+    if rows > i32::MAX as usize || cols > i32::MAX as usize {
+        return Err(overflow);
+    }
+    (cols / ty.block_size() as usize)
+        .checked_mul(ty.type_size() as usize)
+        .and_then(|row| row.checked_mul(rows))
+        .ok_or(overflow)
 }
 
 /// The input of a product: Q8 activation blocks for quantized weights, f32 values for

@@ -39,6 +39,8 @@ mod tests_experts;
 #[cfg(test)]
 mod tests_experts_sum;
 #[cfg(test)]
+mod tests_experts_table;
+#[cfg(test)]
 mod tests_experts_tiles;
 #[cfg(test)]
 mod tests_matvec;

@@ -23,7 +23,7 @@ use super::tests_matvec::{
 /// Tiles of at most `tile_tokens` slots of one expert, and the slots grouped by expert,
 /// as the model's grouping kernel lays them out (here in slot order within an expert),
 /// padded with empty tiles to [`max_tiles`].
-fn tiles_for(ids: &[usize], experts: usize, tile_tokens: usize) -> (Vec<i32>, Vec<i32>) {
+pub(super) fn tiles_for(ids: &[usize], experts: usize, tile_tokens: usize) -> (Vec<i32>, Vec<i32>) {
     let mut order = Vec::new();
     let mut tiles = Vec::new();
     for e in 0..experts {
@@ -43,21 +43,21 @@ fn tiles_for(ids: &[usize], experts: usize, tile_tokens: usize) -> (Vec<i32>, Ve
 /// Gate and up, two tensors of `count` random experts of `ty` (`rows` × `cols`), the
 /// activations of `n` tokens, and each token's two distinct experts, the first as
 /// `first` picks it from the token's index.
-struct Routed {
-    ty: GgmlType,
-    count: usize,
-    rows: usize,
-    cols: usize,
-    tensors: Vec<Vec<u8>>,
-    x: Vec<f32>,
-    ids: Vec<usize>,
+pub(super) struct Routed {
+    pub ty: GgmlType,
+    pub count: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub tensors: Vec<Vec<u8>>,
+    pub x: Vec<f32>,
+    pub ids: Vec<usize>,
 }
 
 /// Experts a token is routed to in [`Routed`].
-const USED: usize = 2;
+pub(super) const USED: usize = 2;
 
 impl Routed {
-    fn new(
+    pub(super) fn new(
         ty: GgmlType,
         (count, rows, cols): (usize, usize, usize),
         n: usize,
@@ -85,12 +85,12 @@ impl Routed {
         }
     }
 
-    fn slots(&self) -> usize {
+    pub(super) fn slots(&self) -> usize {
         self.ids.len()
     }
 
     /// The tensors on the device.
-    fn upload(
+    pub(super) fn upload(
         &self,
         device: &hip_backend::Device,
         stream: &hip_backend::Stream,
@@ -102,7 +102,7 @@ impl Routed {
     }
 
     /// The experts of the tensors uploaded as `dev`.
-    fn experts<'a>(&self, dev: &'a [DeviceBuffer<u8>]) -> Vec<GpuExperts<'a>> {
+    pub(super) fn experts<'a>(&self, dev: &'a [DeviceBuffer<u8>]) -> Vec<GpuExperts<'a>> {
         dev.iter()
             .map(|b| {
                 GpuExperts::new(self.ty, self.count, self.rows, self.cols, b.view())
@@ -114,7 +114,7 @@ impl Routed {
     /// Every slot's results from each of `experts` (one output a tensor given), the
     /// input `n_x` rows read as `slot_input` says, the slots in tiles of `tile_tokens`.
     #[allow(clippy::too_many_arguments)]
-    fn run(
+    pub(super) fn run(
         &self,
         device: &hip_backend::Device,
         stream: &hip_backend::Stream,
@@ -149,7 +149,10 @@ impl Routed {
 
     /// For each tensor, every slot's product with its expert's matrix alone and its
     /// token's row, as `product` computes it from the two.
-    fn per_slot<T>(&self, mut product: impl FnMut(&[u8], &[f32]) -> Vec<T>) -> Vec<Vec<T>> {
+    pub(super) fn per_slot<T>(
+        &self,
+        mut product: impl FnMut(&[u8], &[f32]) -> Vec<T>,
+    ) -> Vec<Vec<T>> {
         let expert_bytes = self.tensors[0].len() / self.count;
         (0..2)
             .map(|m| {
@@ -165,13 +168,13 @@ impl Routed {
     }
 
     /// The activations of slot `s`'s token.
-    fn token_row(&self, s: usize) -> &[f32] {
+    pub(super) fn token_row(&self, s: usize) -> &[f32] {
         let t = s / USED;
         &self.x[t * self.cols..(t + 1) * self.cols]
     }
 
     /// Rows of their own for the slots: row s holds token s / USED's values.
-    fn own_rows(&self) -> Vec<f32> {
+    pub(super) fn own_rows(&self) -> Vec<f32> {
         (0..self.slots())
             .flat_map(|s| self.token_row(s).to_vec())
             .collect()
