@@ -451,6 +451,12 @@ pub struct TuningArgs {
     /// most).
     #[arg(long, value_name = "N")]
     expert_link_slots: Option<usize>,
+    /// For a mixture of experts over the GPU's budget, whether a pass of a few tokens
+    /// reads the experts its pools miss in place, from the mapped file over the link,
+    /// once the file is registered; off splits their routes between the link slots and
+    /// the CPU. Default: on, unless ROCMFORGE_EXPERTS_IN_PLACE=0.
+    #[arg(long, value_enum)]
+    experts_in_place: Option<Switch>,
     #[command(flatten)]
     staging: StagingArgs,
 }
@@ -473,6 +479,9 @@ impl TuningArgs {
         }
         if let Some(slots) = self.expert_link_slots {
             tuning.gpu.expert_link_slots = Some(slots);
+        }
+        if let Some(switch) = self.experts_in_place {
+            tuning.gpu.experts_in_place = switch.on();
         }
         if let Some(ring) = self.staging.staging_ring {
             tuning.gpu.staging_ring = ring.into();

@@ -10,6 +10,7 @@
 //! | `ROCMFORGE_FLASH_MMA` | [`GpuTuning::flash_mma`] | allowed; `0` keeps a prompt's attention off the matrix units |
 //! | `ROCMFORGE_HOST_ROWS_ON_GPU` | [`GpuTuning::host_rows_share`] | the CPU's threads decide; a share between 0 and 1 |
 //! | `ROCMFORGE_EXPERT_LINK_SLOTS` | [`GpuTuning::expert_link_slots`] | up to 4 a layer, a quarter of the budget's slots at most; `0` leaves every missed expert's routes to the CPU |
+//! | `ROCMFORGE_EXPERTS_IN_PLACE` | [`GpuTuning::experts_in_place`] | on; `0` splits a few tokens' missed routes between the link slots and the CPU |
 //! | `ROCMFORGE_STAGING_RING` | [`GpuTuning::staging_ring`] | `region`; `separate` allocates a buffer at a time |
 
 use model::gpu::GpuTuning;
@@ -25,6 +26,8 @@ pub const FLASH_MMA_ENV: &str = "ROCMFORGE_FLASH_MMA";
 pub const HOST_ROWS_ON_GPU_ENV: &str = "ROCMFORGE_HOST_ROWS_ON_GPU";
 /// A count: a mixture of experts' link slots a layer over budget.
 pub const EXPERT_LINK_SLOTS_ENV: &str = "ROCMFORGE_EXPERT_LINK_SLOTS";
+/// Set to `0`, a mixture of experts over budget reads no missed expert in place.
+pub const EXPERTS_IN_PLACE_ENV: &str = "ROCMFORGE_EXPERTS_IN_PLACE";
 /// `region` or `separate`: how the upload's staging buffers are allocated.
 pub const STAGING_RING_ENV: &str = "ROCMFORGE_STAGING_RING";
 
@@ -81,6 +84,9 @@ impl Tuning {
                 }
             }
         }
+        if switched_off(var(EXPERTS_IN_PLACE_ENV)) {
+            tuning.gpu.experts_in_place = false;
+        }
         if let Some(value) = var(STAGING_RING_ENV) {
             match StagingRing::parse(&value) {
                 Some(ring) => tuning.gpu.staging_ring = ring,
@@ -136,6 +142,7 @@ mod tests {
         assert!(tuning.gpu.flash_mma);
         assert_eq!(tuning.gpu.staging_ring, StagingRing::Region);
         assert_eq!(tuning.gpu.host_rows_share, None);
+        assert!(tuning.gpu.experts_in_place);
     }
 
     #[test]
@@ -147,6 +154,7 @@ mod tests {
             (STAGING_RING_ENV, "separate"),
             (HOST_ROWS_ON_GPU_ENV, " 0.25\n"),
             (EXPERT_LINK_SLOTS_ENV, "2"),
+            (EXPERTS_IN_PLACE_ENV, "0"),
         ]);
         assert!(!tuning.cpu_avx512);
         assert!(!tuning.chained_launch);
@@ -154,6 +162,7 @@ mod tests {
         assert_eq!(tuning.gpu.staging_ring, StagingRing::Separate);
         assert_eq!(tuning.gpu.host_rows_share, Some(0.25));
         assert_eq!(tuning.gpu.expert_link_slots, Some(2));
+        assert!(!tuning.gpu.experts_in_place);
     }
 
     #[test]
@@ -165,6 +174,7 @@ mod tests {
             (FLASH_MMA_ENV, ""),
             (STAGING_RING_ENV, "rings"),
             (HOST_ROWS_ON_GPU_ENV, "1.5"),
+            (EXPERTS_IN_PLACE_ENV, "no"),
         ]);
         assert_eq!(tuning, Tuning::default());
         assert_eq!(from(&[(STAGING_RING_ENV, " ")]), Tuning::default());

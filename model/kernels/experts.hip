@@ -348,9 +348,106 @@ hipError_t with_per_lane(int n_experts, Go go) {
     return go(std::integral_constant<int, 32>{});
 }
 
+// A pass that reads missed experts in place stages them first: the expert of slot s,
+// where its matrices lie in the mapped range [lo, hi) (host memory read over the link),
+// is copied into slot s's room of `staged` (the first slot routed to it copies it), in
+// loads of 16 bytes of consecutive lanes: whole lines over the link, about twice the
+// rate of the products' own loads there. `pass` gets the table the products read: each
+// staged expert's room, every other entry as in `tables`. Grid: x over matrix m's
+// chunks of kStageChunk bytes (m = blockIdx.x / chunks), y over the slots, the last y
+// writing `pass`.
+constexpr int kStageThreads = 256;
+constexpr size_t kStageChunk = 64 * 1024;
+constexpr int kMaxStagedMats = 3;
+
+struct StageShape {
+    int n_mats;
+    int count;
+    int chunks;  // chunks of the largest matrix
+    size_t mat_bytes[kMaxStagedMats];
+    size_t mat_at[kMaxStagedMats];  // within a slot's room
+    size_t room;                    // a slot's room
+    uint64_t lo, hi;
+};
+
+// The first slot before n_slots routed to expert e, or -1.
+__device__ __forceinline__ int first_slot(const int* ids, int n_slots, int e) {
+    for (int s = 0; s < n_slots; ++s) {
+        if (ids[s] == e) return s;
+    }
+    return -1;
+}
+
+__global__ void __launch_bounds__(kStageThreads)
+    stage_kernel(const int* __restrict__ ids, int n_slots, const uint64_t* __restrict__ tables,
+                 StageShape shape, uint8_t* __restrict__ staged, uint64_t* __restrict__ pass) {
+    rf_chain_wait();  // the routes and the tables come from the work before
+    const int s = blockIdx.y;
+    if (s == n_slots) {
+        const int entries = shape.n_mats * shape.count;
+        for (int i = threadIdx.x; i < entries; i += kStageThreads) {
+            const int m = i / shape.count, e = i % shape.count;
+            const uint64_t at = tables[i];
+            const int first = (at >= shape.lo && at < shape.hi) ? first_slot(ids, n_slots, e) : -1;
+            pass[i] = first < 0 ? at
+                                : (uint64_t)(staged + (size_t)first * shape.room + shape.mat_at[m]);
+        }
+        return;
+    }
+    const int m = blockIdx.x / shape.chunks;
+    const size_t from = (size_t)(blockIdx.x % shape.chunks) * kStageChunk;
+    const int e = ids[s];
+    if (m >= shape.n_mats || from >= shape.mat_bytes[m] || e < 0 || e >= shape.count) return;
+    const uint64_t at = tables[m * shape.count + e];
+    if (at < shape.lo || at >= shape.hi || first_slot(ids, s, e) >= 0) return;
+    const size_t len = min(kStageChunk, shape.mat_bytes[m] - from);
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(at) + from;
+    uint8_t* dst = staged + (size_t)s * shape.room + shape.mat_at[m] + from;
+    if ((((uintptr_t)src | (uintptr_t)dst | len) & 15) == 0) {
+        const uint4* src16 = reinterpret_cast<const uint4*>(src);
+        uint4* dst16 = reinterpret_cast<uint4*>(dst);
+        for (size_t i = threadIdx.x; i < len / 16; i += kStageThreads) dst16[i] = src16[i];
+    } else {
+        for (size_t i = threadIdx.x; i < len; i += kStageThreads) dst[i] = src[i];
+    }
+}
+
 }  // namespace rf_moe
 
 extern "C" {
+
+// Stages the missed experts of a pass read in place (see stage_kernel): tables holds
+// n_mats tables of `count` addresses (mat_bytes[m] bytes each), [lo, hi) the mapped
+// range, staged room for n_slots slots of `room` bytes (each matrix at mat_at[m]),
+// pass the table the products read.
+int rf_moe_stage(const void* ids, int n_slots, const void* tables, int n_mats, int count,
+                 const size_t* mat_bytes, const size_t* mat_at, size_t room, uint64_t lo,
+                 uint64_t hi, void* staged, void* pass, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_slots < 1 || n_slots > 65534 || n_mats < 1 || n_mats > rf_moe::kMaxStagedMats ||
+        count < 1)
+        return (int)hipErrorInvalidValue;
+    rf_moe::StageShape shape = {};
+    shape.n_mats = n_mats;
+    shape.count = count;
+    size_t largest = 0;
+    for (int m = 0; m < n_mats; ++m) {
+        shape.mat_bytes[m] = mat_bytes[m];
+        shape.mat_at[m] = mat_at[m];
+        largest = largest > mat_bytes[m] ? largest : mat_bytes[m];
+    }
+    shape.chunks = (int)((largest + rf_moe::kStageChunk - 1) / rf_moe::kStageChunk);
+    if (shape.chunks < 1) shape.chunks = 1;
+    shape.room = room;
+    shape.lo = lo;
+    shape.hi = hi;
+    rfLaunchChained(rf_moe::stage_kernel, dim3((unsigned)(shape.chunks * n_mats), (unsigned)n_slots + 1),
+                    dim3(rf_moe::kStageThreads), 0, (hipStream_t)stream, (const int*)ids, n_slots,
+                    (const uint64_t*)tables, shape, (uint8_t*)staged, (uint64_t*)pass);
+    return (int)hipGetLastError();
+}
+
 
 int rf_moe_route(const void* logits, const void* bias, int n_tokens, int n_experts, int k,
                  int gating, int renorm, void* ids, void* weights, void* tiles, void* order,

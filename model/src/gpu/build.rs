@@ -251,6 +251,7 @@ impl GpuModel {
                 &plan,
                 slots,
                 link_slots,
+                options.tuning.experts_in_place,
                 batch_room,
                 config.n_embd,
             )?);

@@ -31,10 +31,23 @@
 //! missed expert, a round of products for each fill of the link slots (the CPU's
 //! products of many tokens an expert are far slower than the link's copy).
 //!
-//! The tokens depend on residency only within the GPU's tolerance: a route's product is
+//! Once the mapping is registered (and the device reads it as one run), a pass of a few
+//! tokens whose routed products are the decode products reads its missed experts in
+//! place instead (`in_place`): the device's products read every expert through a table
+//! of addresses, its slot's or its bytes in the mapping, at about the link's rate for
+//! the missed ones, with nothing read back before them and no route on the CPU; the
+//! routes are read back after the products and counted at the layer's next pass, which
+//! promotes and evicts as a split does. Such a pass gives the bits of a pass with every
+//! expert resident. While the passes read more than about 12 MB of experts a layer from
+//! the host, on average, they split their routes instead: the link alone then carries
+//! them slower than the link and the CPU together (`in_place::IN_PLACE_MAX_AWAY_BYTES`).
+//!
+//! The tokens of passes whose routes split depend on residency only within the GPU's
+//! tolerance: a route's product is
 //! the CPU's bits or the GPU's, and the two halves' sums are added in a different order
 //! than one device's.
 
+mod in_place;
 mod layer;
 mod link;
 mod promoter;
@@ -48,6 +61,8 @@ use super::gpu;
 use crate::cpu::{on_the_pool, routed_part, MoeScratch, Pick};
 use crate::plan::{ExecutionPlan, ExpertMatrices, ExpertsPlan, FfnPlan};
 use crate::ModelError;
+pub(in crate::gpu) use in_place::tables_of;
+use in_place::InPlace;
 use layer::{arrived, fill_free, LayerPool, PoolMatrix, Slot};
 pub(in crate::gpu) use link::link_slots;
 use link::Link;
@@ -117,8 +132,16 @@ pub(in crate::gpu) struct ExpertPools {
     link_slots: usize,
     link: Link,
     promoter: Promoter,
-    /// Promotions' copies.
+    /// Promotions' copies, and the event that orders them after a pass's work.
     copies: Stream,
+    order: Event,
+    /// Whether passes may read missed experts in place once the link is ready, and
+    /// what they read them through.
+    in_place_allowed: bool,
+    in_place: Option<InPlace>,
+    /// The bytes of experts not resident that a layer's pass read lately, on average
+    /// (`in_place::IN_PLACE_MAX_AWAY_BYTES`).
+    away_bytes: f64,
     device: Device,
     spare_events: Vec<Event>,
     /// Passes routed so far, the clock of `Slot::Resident::last`.
@@ -140,6 +163,7 @@ impl ExpertPools {
         plan: &ExecutionPlan,
         slots: usize,
         link_slots: usize,
+        in_place: bool,
         max_tokens: usize,
         d: usize,
     ) -> Result<ExpertPools, ModelError> {
@@ -250,6 +274,10 @@ impl ExpertPools {
             link: Link::new(device, pooled_tensors(plan), link_slots),
             promoter,
             copies: stream,
+            order: device.new_event().map_err(gpu("event"))?,
+            in_place_allowed: in_place,
+            in_place: None,
+            away_bytes: 0.0,
             device: device.clone(),
             spare_events: Vec::new(),
             clock: 0,
@@ -333,7 +361,7 @@ impl ExpertPools {
     /// slot of every pool is resident and the link's registration has ended: a step of
     /// waiting for the pools to fill without a pass (the passes fill them too, by use).
     pub fn fill(&mut self) -> Result<bool, ModelError> {
-        self.land()?;
+        self.land(None)?;
         self.link.poll();
         let mut full = self.link.settled();
         for (layer, pool) in self.layers.iter_mut().enumerate() {
@@ -349,12 +377,23 @@ impl ExpertPools {
     }
 
     /// Queues the copies of the experts staged on the host since the last call into
-    /// their slots, which serve routes once they have landed.
-    fn land(&mut self) -> Result<(), ModelError> {
+    /// their slots, which serve routes once they have landed; `after` them, the work
+    /// queued so far on that stream (a pass read in place that may still read a slot
+    /// taken from its expert).
+    fn land(&mut self, after: Option<&Stream>) -> Result<(), ModelError> {
+        let staged = self.promoter.staged();
+        if staged.is_empty() {
+            return Ok(());
+        }
+        if let Some(stream) = after {
+            let order = gpu("ordering a promotion after the passes");
+            self.order.record(stream).map_err(&order)?;
+            self.copies.wait_event(&self.order).map_err(&order)?;
+        }
         // A job that could not read its expert frees its slot and fails the call, once
         // every other job has landed.
         let mut failure = None;
-        for mut job in self.promoter.staged() {
+        for mut job in staged {
             let Some(Some(pool)) = self.layers.get_mut(job.layer) else {
                 unreachable!("a job is sent for a pooled layer")
             };

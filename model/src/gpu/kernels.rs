@@ -307,6 +307,22 @@ mod sys {
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;
+        pub(super) fn rf_moe_stage(
+            ids: *const c_void,
+            n_slots: c_int,
+            tables: *const c_void,
+            n_mats: c_int,
+            count: c_int,
+            mat_bytes: *const usize,
+            mat_at: *const usize,
+            room: usize,
+            lo: u64,
+            hi: u64,
+            staged: *mut c_void,
+            pass: *mut c_void,
+            device: c_int,
+            stream: *mut c_void,
+        ) -> c_int;
         pub(super) fn rf_moe_combine(
             y: *const c_void,
             w: *const c_void,
@@ -595,7 +611,8 @@ mod rows;
 
 pub use attention::{attention, attention_chunk, hadamard64, AttentionShape};
 pub use experts::{
-    moe_combine, moe_route, moe_router_route, moe_router_route_fits, moe_tiles, Gating, MAX_USED,
+    moe_combine, moe_route, moe_router_route, moe_router_route_fits, moe_stage, moe_tiles,
+    stage_room, Gating, Staging, MAX_USED,
 };
 pub use flash_attention::flash_attention;
 pub use norm_rope::{

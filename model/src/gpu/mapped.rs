@@ -17,6 +17,9 @@ pub(super) struct Registered {
     piece: usize,
     /// The file offset of the first piece's first byte.
     base: u64,
+    /// The device's address of the first piece's first byte, where the device reads the
+    /// pieces as one run (each piece's address the first's plus its offset).
+    device: Option<u64>,
     /// The tensors in the span, which keep the file mapped.
     _tensors: Vec<TensorHandle>,
 }
@@ -83,12 +86,30 @@ impl Registered {
             }
             at += len;
         }
+        let device = device_run(&registered, piece);
+        if device.is_none() {
+            tracing::info!("{what}: the device does not read the registered pieces as one run");
+        }
         Ok(Some(Registered {
             pieces: registered,
             piece,
             base: span.file_offset,
+            device,
             _tensors: tensors,
         }))
+    }
+
+    /// The device's addresses of the registered bytes, where it reads them as one run.
+    pub fn device_range(&self) -> Option<std::ops::Range<u64>> {
+        self.device.map(|at| at..at + self.len() as u64)
+    }
+
+    /// The address at which the device reads byte `from` of `tensor`'s data (one of the
+    /// tensors registered), for as long as `self` lives; `None` where the device does
+    /// not read the registered pieces as one run, or the byte is outside them.
+    pub fn device_address(&self, tensor: &TensorHandle, from: u64) -> Option<u64> {
+        let offset = tensor.file_range().start.checked_sub(self.base)? + from;
+        (offset < self.len() as u64).then_some(self.device? + offset)
     }
 
     /// Bytes registered.
@@ -146,6 +167,21 @@ impl Registered {
             }
         }
     }
+}
+
+/// The device's address of the first of `pieces` (each `piece` bytes but the last),
+/// where each piece's is the first's plus its offset: the device then reads the span as
+/// one run, and a matrix across two pieces as one.
+fn device_run(pieces: &[HostRegistration<'static>], piece: usize) -> Option<u64> {
+    let first = pieces.first()?.device_ptr().ok()?;
+    let mut at = first;
+    for p in pieces {
+        if p.device_ptr().ok()? != at {
+            return None;
+        }
+        at += piece as u64;
+    }
+    Some(first)
 }
 
 /// A run of a file's mapped bytes: the pages around some tensors.

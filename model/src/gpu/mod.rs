@@ -148,6 +148,11 @@ pub struct GpuTuning {
     /// `None`, the default: up to four, at most a quarter of the slots. A budget without
     /// a slot gets them as scratch outside it, shared by the layers.
     pub expert_link_slots: Option<usize>,
+    /// Over budget, whether a mixture of experts' passes of a few tokens read the experts
+    /// their pools miss in place, from the registered mapping over the link, once it is
+    /// registered (the device reading it as one run), rather than splitting their
+    /// routes between the device, the link slots and the CPU. Default `true`.
+    pub experts_in_place: bool,
     /// How the upload's staging buffers are allocated
     /// ([`CacheConfig::staging_ring`](tensor_store::device::CacheConfig::staging_ring)).
     pub staging_ring: StagingRing,
@@ -159,6 +164,7 @@ impl Default for GpuTuning {
             flash_mma: true,
             host_rows_share: None,
             expert_link_slots: None,
+            experts_in_place: true,
             staging_ring: StagingRing::Region,
         }
     }

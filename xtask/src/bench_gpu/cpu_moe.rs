@@ -73,12 +73,13 @@ pub(super) fn cpu_moe_rows(
     let routes = (s.hits + s.misses).max(1) as f64;
     let hit_rate = stats.map_or(1.0, |s| s.hits as f64 / routes);
     let link_rate = s.linked as f64 / routes;
+    let in_place_rate = s.in_place as f64 / routes;
     let per_token = |v: u64| v as f64 / (o.tokens * o.repeat) as f64;
     let per_pass = |ns: u64| ns as f64 / 1e3 / s.host_passes.max(1) as f64;
     let note = format!(
         "budget {} MiB (llama.cpp -ncmoe {layers}: {} MiB of weights on the GPU, {} of {} MiB \
          of routed experts off it); ours: {} slots a layer and {} link slots, {:.0}% of routes \
-         resident, {:.0}% over the link, {} promotions, {} evictions; routed experts {:.0} MB a token; a decoded token waited {:.2} ms for \
+         resident, {:.0}% over the link, {:.0}% read in place, {} promotions, {} evictions; routed experts {:.0} MB a token; a decoded token waited {:.2} ms for \
          its routes, spent {:.2} ms on the host's, in {:.1} layers of {:.0} µs ({:.0} in \
          the products), and {:.2} ms splitting routes and queueing copies",
         budget >> 20,
@@ -89,6 +90,7 @@ pub(super) fn cpu_moe_rows(
         s.link_slots,
         100.0 * hit_rate,
         100.0 * link_rate,
+        100.0 * in_place_rate,
         stats.map_or(0, |s| s.promotions),
         stats.map_or(0, |s| s.evictions),
         routed_per_token / 1e6,
@@ -106,6 +108,7 @@ pub(super) fn cpu_moe_rows(
         "hits": stats.map(|s| s.hits),
         "misses": stats.map(|s| s.misses),
         "linked": stats.map(|s| s.linked),
+        "in_place": stats.map(|s| s.in_place),
         "link_slots": stats.map(|s| s.link_slots),
         "promotions": stats.map(|s| s.promotions),
         "evictions": stats.map(|s| s.evictions),

@@ -16,6 +16,13 @@ pub(in crate::gpu) struct Split {
     pub rounds: usize,
 }
 
+/// A layer's routes counted: each route's resident slot (`None`: missed), and the
+/// missed experts not in the pool, in the order first routed.
+pub(super) struct Counted {
+    pub slots: Vec<Option<usize>>,
+    pub missed: Vec<usize>,
+}
+
 /// A missed expert brought over the link: its round and link slot.
 pub(super) struct Linked {
     pub expert: usize,
@@ -32,52 +39,40 @@ impl ExpertPools {
     pub fn split(&mut self, layer: usize, n: usize, k: usize) -> Result<Split, ModelError> {
         self.clock += 1;
         let clock = self.clock;
-        self.land()?;
+        self.land(None)?;
         let Some(Some(pool)) = self.layers.get_mut(layer) else {
             unreachable!("only a layer with experts is pooled")
         };
         arrived(pool, &mut self.spare_events, clock)?;
+        let routes = n * k;
+        let ids = self.host.ids.as_slice().map_err(gpu("the routes"))?[..routes].to_vec();
+        let counted = self.count_routes(layer, &ids)?;
+        let Some(Some(pool)) = self.layers.get(layer) else {
+            unreachable!("only a layer with experts is pooled")
+        };
         let host = &mut self.host;
-        let ids = host.ids.as_slice().map_err(gpu("the routes"))?;
         let weights = host.weights.as_slice().map_err(gpu("the routes"))?;
         let slot_ids = host.slot_ids.as_mut_slice().map_err(gpu("the routes"))?;
         let device_weights = host
             .device_weights
             .as_mut_slice()
             .map_err(gpu("the routes"))?;
-        let count = pool.slot_of.len();
         host.picks.clear();
         let mut in_use = vec![false; pool.slots.len()];
-        let mut missed = Vec::new();
-        let routes = n * k;
-        for i in 0..routes {
-            let expert = usize::try_from(ids[i])
-                .ok()
-                .filter(|&x| x < count)
-                .ok_or_else(|| {
-                    ModelError::InvalidBatch(format!(
-                        "layer {layer}'s router chose expert {} of {count}",
-                        ids[i]
-                    ))
-                })?;
-            pool.uses[expert] = pool.uses[expert].saturating_add(1);
-            match pool.slot_of[expert].map(|s| (s, &mut pool.slots[s])) {
-                Some((s, Slot::Resident { last, .. })) => {
-                    *last = clock;
+        for (i, slot) in counted.slots.iter().enumerate() {
+            match *slot {
+                Some(s) => {
                     in_use[s] = true;
                     slot_ids[i] = s as i32;
                     device_weights[i] = weights[i];
                 }
-                _ => {
+                None => {
                     host.picks.push(Pick {
                         token: i / k,
                         rank: i % k,
-                        expert,
+                        expert: ids[i] as usize,
                         weight: weights[i],
                     });
-                    if pool.slot_of[expert].is_none() && !missed.contains(&expert) {
-                        missed.push(expert);
-                    }
                     device_weights[i] = 0.0;
                     slot_ids[i] = -1;
                 }
@@ -112,11 +107,82 @@ impl ExpertPools {
             });
         }
         let on_host = host.picks.len();
-        let linked = missed_routes - on_host;
-        self.stats.hits += (n * k - missed_routes) as u64;
-        self.stats.misses += missed_routes as u64;
-        self.stats.linked += linked as u64;
-        pool.routes += (n * k) as u64;
+        self.stats.linked += (missed_routes - on_host) as u64;
+        self.admit(layer, routes, counted.missed, &in_use);
+        Ok(Split {
+            on_host,
+            rounds: if on_host < routes { rounds } else { 0 },
+        })
+    }
+
+    /// Counts the routes `ids` of layer `layer` (the pass now, `self.clock`): each
+    /// expert's uses, and each resident one's last pass, with the hits and misses; gives
+    /// each route's resident slot and the experts missed that are not in the pool.
+    pub(super) fn count_routes(
+        &mut self,
+        layer: usize,
+        ids: &[i32],
+    ) -> Result<Counted, ModelError> {
+        let clock = self.clock;
+        let Some(Some(pool)) = self.layers.get_mut(layer) else {
+            unreachable!("only a layer with experts is pooled")
+        };
+        let count = pool.slot_of.len();
+        let mut counted = Counted {
+            slots: Vec::with_capacity(ids.len()),
+            missed: Vec::new(),
+        };
+        // The experts not resident, distinct: the bytes the pass reads from the host.
+        let mut away: Vec<usize> = Vec::new();
+        for &id in ids {
+            let expert = usize::try_from(id)
+                .ok()
+                .filter(|&x| x < count)
+                .ok_or_else(|| {
+                    ModelError::InvalidBatch(format!(
+                        "layer {layer}'s router chose expert {id} of {count}"
+                    ))
+                })?;
+            pool.uses[expert] = pool.uses[expert].saturating_add(1);
+            match pool.slot_of[expert].map(|s| (s, &mut pool.slots[s])) {
+                Some((s, Slot::Resident { last, .. })) => {
+                    *last = clock;
+                    counted.slots.push(Some(s));
+                }
+                _ => {
+                    counted.slots.push(None);
+                    if !away.contains(&expert) {
+                        away.push(expert);
+                    }
+                    if pool.slot_of[expert].is_none() && !counted.missed.contains(&expert) {
+                        counted.missed.push(expert);
+                    }
+                }
+            }
+        }
+        let expert_bytes: usize = pool.mats.iter().map(|m| m.expert_bytes).sum();
+        self.note_away(away.len() * expert_bytes);
+        let hits = counted.slots.iter().filter(|s| s.is_some()).count();
+        self.stats.hits += hits as u64;
+        self.stats.misses += (ids.len() - hits) as u64;
+        Ok(counted)
+    }
+
+    /// After layer `layer`'s `routes` routes were counted: ages its counts, and
+    /// promotes the experts `missed` (not in the pool) that earn a slot, evicting at
+    /// most one expert not `in_use` by the pass, then fills the free slots.
+    pub(super) fn admit(
+        &mut self,
+        layer: usize,
+        routes: usize,
+        mut missed: Vec<usize>,
+        in_use: &[bool],
+    ) {
+        let Some(Some(pool)) = self.layers.get_mut(layer) else {
+            unreachable!("only a layer with experts is pooled")
+        };
+        let count = pool.slot_of.len();
+        pool.routes += routes as u64;
         if pool.routes >= AGING_ROUTES_PER_EXPERT * count as u64 {
             pool.routes = 0;
             pool.uses.iter_mut().for_each(|u| *u /= 2);
@@ -138,7 +204,11 @@ impl ExpertPools {
                     .iter()
                     .enumerate()
                     .filter_map(|(s, slot)| match slot {
-                        Slot::Resident { expert, last } if !in_use[s] => Some((s, *expert, *last)),
+                        Slot::Resident { expert, last }
+                            if !in_use.get(s).copied().unwrap_or(false) =>
+                        {
+                            Some((s, *expert, *last))
+                        }
                         _ => None,
                     })
                     .min_by_key(|&(_, _, last)| last)
@@ -168,9 +238,5 @@ impl ExpertPools {
         }
         // Free slots take the most routed experts not in the pool yet.
         fill_free(&mut self.promoter, &mut self.stats, pool, layer);
-        Ok(Split {
-            on_host,
-            rounds: if on_host < routes { rounds } else { 0 },
-        })
     }
 }

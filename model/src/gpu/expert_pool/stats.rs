@@ -9,6 +9,9 @@ pub struct ExpertStats {
     /// device (`linked` of them), or multiplied on the host.
     pub misses: u64,
     pub linked: u64,
+    /// Routes to an expert that was not resident, read in place from the registered
+    /// mapping by the device's products (of the misses too).
+    pub in_place: u64,
     /// Experts copied into a slot.
     pub promotions: u64,
     /// Of those, the ones that took a slot from another expert.
@@ -45,6 +48,7 @@ impl std::ops::Add for ExpertStats {
             hits: self.hits + other.hits,
             misses: self.misses + other.misses,
             linked: self.linked + other.linked,
+            in_place: self.in_place + other.in_place,
             promotions: self.promotions + other.promotions,
             evictions: self.evictions + other.evictions,
             slots_per_layer: self.slots_per_layer.max(other.slots_per_layer),

@@ -14,6 +14,7 @@ use super::buffers::MoeBuffers;
 use super::routing::Tiling;
 use super::{product_error, products, takes_q8_for, view, view_mut, Buffers};
 use crate::config::ModelConfig;
+use crate::gpu::expert_pool::tables_of;
 use crate::gpu::kernels;
 use crate::gpu::weights::{ExpertTensor, ExpertWeights, Norm, SharedExpert};
 use crate::ModelError;
@@ -72,6 +73,22 @@ impl<'a> Mats<'a> {
             count: e.count,
         })
     }
+
+    /// The layer's experts where a pool's `tables` place them (one a matrix: `gate` if
+    /// any, `up`, `down`), read in place.
+    fn placed(e: &ExpertWeights, tables: &[DeviceView<'a, u64>]) -> Result<Mats<'a>, ModelError> {
+        let first = usize::from(e.gate.is_some());
+        Ok(Mats {
+            gate: e
+                .gate
+                .as_ref()
+                .map(|g| tables_of(tables, g, 0))
+                .transpose()?,
+            up: tables_of(tables, &e.up, first)?,
+            down: tables_of(tables, &e.down, first + 1)?,
+            count: e.count,
+        })
+    }
 }
 
 /// The routed products of `mats` on `input` (`n_x` rows).
@@ -119,9 +136,19 @@ pub(super) fn block(
 ) -> Result<(), ModelError> {
     let d = config.n_embd;
     let tiling = super::routing::norm_and_route(config, e, norm, bufs, n, stream)?;
-    if bufs.experts.is_some() {
-        return super::pooled::routed(config, e, bufs, n, tiling, stream);
-    }
+    // Over budget, the pools' experts read in place where the pass allows it (the
+    // products then run as with every expert resident), else the routes split.
+    let mats = match (bufs.experts.as_mut(), bufs.moe.as_ref()) {
+        (None, _) => Mats::of(e)?,
+        (Some(pools), Some(moe)) if tiling.decode() => {
+            let ids = view(&moe.ids, n * e.used)?;
+            match pools.in_place(e.layer, ids, stream)? {
+                Some(tables) => Mats::placed(e, &tables)?,
+                None => return super::pooled::routed(config, e, bufs, n, tiling, stream),
+            }
+        }
+        (Some(_), _) => return super::pooled::routed(config, e, bufs, n, tiling, stream),
+    };
     let Some(moe) = bufs.moe.as_mut() else {
         unreachable!("the buffers of a model with experts hold the experts' room")
     };
@@ -133,7 +160,7 @@ pub(super) fn block(
     let summed = routed_ffn(
         config,
         e,
-        Mats::of(e)?,
+        mats,
         view(&bufs.h, n * d)?,
         moe,
         n,
@@ -143,6 +170,12 @@ pub(super) fn block(
             .transpose()?,
         stream,
     )?;
+    if let Some(pools) = bufs.experts.as_mut() {
+        let Some(moe) = bufs.moe.as_ref() else {
+            unreachable!("checked above")
+        };
+        pools.log_routes(e.layer, view(&moe.ids, n * e.used)?, stream)?;
+    }
     if summed {
         return Ok(());
     }

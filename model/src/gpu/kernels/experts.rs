@@ -493,3 +493,86 @@ mod tests {
         }
     }
 }
+
+/// Where a pass read in place finds its experts, and where it stages the missed ones
+/// ([`moe_stage`]).
+pub struct Staging<'a> {
+    /// The layer's tables: one a matrix (at most three), `count` addresses each, one
+    /// after the other.
+    pub tables: DeviceView<'a, u64>,
+    pub count: usize,
+    /// Bytes of one expert of each matrix.
+    pub mat_bytes: &'a [usize],
+    /// The device's addresses of the mapped range `[lo, hi)`: an expert there is staged.
+    pub mapped: std::ops::Range<u64>,
+}
+
+/// The room a slot takes in [`moe_stage`]'s `staged` for experts of `mat_bytes` (each
+/// matrix on a 256-byte boundary), and each matrix's place in it.
+pub fn stage_room(mat_bytes: &[usize]) -> (usize, Vec<usize>) {
+    let mut at = Vec::with_capacity(mat_bytes.len());
+    let mut room = 0;
+    for &bytes in mat_bytes {
+        at.push(room);
+        room += bytes.next_multiple_of(256);
+    }
+    (room, at)
+}
+
+/// Stages the missed experts of a pass read in place: each slot of `ids` whose expert
+/// lies in the mapped range (`staging.tables`, read on the device) has it copied into
+/// its room of `staged` ([`stage_room`] bytes a slot; the first slot routed to an
+/// expert copies it), over the link in whole lines; `pass` gets the tables the products
+/// read: the staged experts' rooms, the others' addresses as in `staging.tables`.
+pub fn moe_stage(
+    ids: DeviceView<'_, i32>,
+    staging: &Staging<'_>,
+    mut staged: DeviceViewMut<'_, u8>,
+    mut pass: DeviceViewMut<'_, u64>,
+    stream: &Stream,
+) -> Result<(), KernelError> {
+    const K: &str = "moe_stage";
+    let n_mats = staging.mat_bytes.len();
+    if !(1..=3).contains(&n_mats) {
+        return Err(ShapeError {
+            kernel: K,
+            what: "the matrices",
+            expected: 3,
+            actual: n_mats,
+        }
+        .into());
+    }
+    let entries = n_mats * staging.count;
+    expect(K, "the tables", staging.tables.len(), entries)?;
+    expect(K, "the pass's tables", pass.len(), entries)?;
+    let (room, at) = stage_room(staging.mat_bytes);
+    let slots = ids.len();
+    expect(K, "the staged room", staged.len(), slots * room)?;
+    let device = on_device(
+        stream,
+        &[
+            ids.device_ordinal(),
+            staging.tables.device_ordinal(),
+            staged.device_ordinal(),
+            pass.device_ordinal(),
+        ],
+    )?;
+    launch!(
+        rf_moe_stage,
+        "moe_stage",
+        ids.as_ptr(),
+        small(K, "slots", slots)?,
+        staging.tables.as_ptr(),
+        n_mats as i32,
+        small(K, "experts", staging.count)?,
+        staging.mat_bytes.as_ptr(),
+        at.as_ptr(),
+        room,
+        staging.mapped.start,
+        staging.mapped.end,
+        staged.as_mut_ptr(),
+        pass.as_mut_ptr(),
+        device,
+        stream.as_raw(),
+    )
+}

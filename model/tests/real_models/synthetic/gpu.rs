@@ -25,7 +25,7 @@ mod split;
 #[path = "gpu/tensor.rs"]
 mod tensor;
 
-use model::gpu::{GpuModel, GpuOptions, PROMPT_BATCH};
+use model::gpu::{GpuModel, GpuOptions, GpuTuning, PROMPT_BATCH};
 use model::tokenizer::{EncodeOptions, Tokenizer};
 use model::{AttentionMethod, Model};
 use tensor_store::device::UploadMode;
@@ -284,10 +284,19 @@ fn gpu_model_with_batch(
     context: usize,
     batch: usize,
 ) -> Option<GpuModel> {
-    gpu_model_within(test, model, mode, context, batch, None)
+    gpu_model_within(
+        test,
+        model,
+        mode,
+        context,
+        batch,
+        None,
+        GpuTuning::default(),
+    )
 }
 
-/// As [`gpu_model_with_batch`], the weights within `budget` bytes.
+/// As [`gpu_model_with_batch`], the weights within `budget` bytes, tuned as `tuning`
+/// says.
 fn gpu_model_within(
     test: &str,
     model: &Model,
@@ -295,9 +304,11 @@ fn gpu_model_within(
     context: usize,
     batch: usize,
     budget: Option<u64>,
+    tuning: GpuTuning,
 ) -> Option<GpuModel> {
     let options = GpuOptions {
         budget,
+        tuning,
         ..GpuOptions::new(mode, context)
     };
     gpu_model_of(test, model, &options, batch)

@@ -13,17 +13,25 @@ pub(super) fn spec_prompt(name: &str, store: &TensorStore) -> Vec<u32> {
 }
 
 pub(super) fn check(name: &str) {
-    check_within(name, &format!("gpu_{name}"), |_| None, false);
+    check_within(
+        name,
+        &format!("gpu_{name}"),
+        |_| None,
+        false,
+        GpuTuning::default(),
+    );
 }
 
 /// [`check`] with the weights' budget `budget` gives for the model (`None`: the whole
 /// model), the pools of experts filled first when `wait_for_pools` (and the link in
-/// place); returns what the pools did, if the model ran with them.
+/// place), tuned as `tuning` says; returns what the pools did, if the model ran with
+/// them.
 pub(super) fn check_within(
     name: &str,
     test: &str,
     budget: impl Fn(&Model) -> Option<u64>,
     wait_for_pools: bool,
+    tuning: GpuTuning,
 ) -> Option<model::gpu::ExpertStats> {
     let test = test.to_owned();
     let (_dir, store, model) = open_spec(name);
@@ -35,7 +43,7 @@ pub(super) fn check_within(
     let sequence: Vec<u32> = tokens.iter().copied().cycle().take(longest).collect();
     let context = (tokens.len() + greedy_len).max(longest + 1);
     let budget = budget(&model);
-    let open = |mode, batch| gpu_model_within(&test, &model, mode, context, batch, budget);
+    let open = |mode, batch| gpu_model_within(&test, &model, mode, context, batch, budget, tuning);
     let mut gpu = open(UploadMode::Background, PROMPT_BATCH)?;
     if wait_for_pools {
         gpu.wait_experts_resident().expect("the pools fill");

@@ -1,0 +1,354 @@
+//! Experts read in place: once the experts' span of the mapped file is registered and
+//! the device reads it as one run, a pass whose routed products are the decode products
+//! (a few tokens) finds each expert where it is: a resident expert in its slot, any
+//! other in the registered mapping, through a table of each expert's address per matrix
+//! ([`GpuExperts::from_table`]). A kernel on the device first stages the pass's missed
+//! experts from the mapping into a room of their own (`kernels::moe_stage`: loads of
+//! whole lines over the link, where the products' own loads of a few bytes there ran at
+//! about 30 GB/s) and writes the pass's tables; the products then read device memory.
+//! Nothing is read back before the products and the CPU computes no route, so a layer
+//! queues its launches as it would with every expert resident and the host runs ahead
+//! of the device; the products are the same bits as with every expert resident.
+//!
+//! The pools still learn from the routes: each layer's are read back after its products
+//! (into `log`), and counted at the layer's next pass (the pass before has ended by then:
+//! every pass ends synchronized), which promotes and evicts as a split would. A table is
+//! sent again only when its layer's residents have changed, before the layer's products
+//! of the pass that sees the change; a slot taken from an expert no longer appears in any
+//! table by the time the promotion's copy can land in it (the tables are rebuilt from the
+//! slots before each layer's products, and a promotion lands after its decision).
+
+use dequant::gpu::experts::GpuExperts;
+use hip_backend::{DeviceBuffer, DeviceView, PinnedBuffer, Stream};
+
+use super::layer::{arrived, Slot};
+use super::{ExpertPools, LayerPool};
+use crate::gpu::{gpu, kernels};
+use crate::ModelError;
+
+/// The most bytes of experts not resident that a layer's pass has read from the host
+/// lately (a moving average over layers' passes, [`ExpertPools::note_away`]) for the
+/// passes to keep reading them in place; above it they split their routes, and the CPU
+/// takes part of them. Measured on an H200 with 16 cores (`cargo xtask bench-gpu
+/// --tokens 64 --prompt 0 --repeat 2 --cpu-moe 12,24,36`, decode tokens/s, in place /
+/// split): Qwen3-30B-A3B's shape, about 3 MB an expert, with an even router 102.5 /
+/// 91.7 at 7 MB a layer's pass, 64.4 / 65.4 at 13 MB, 47.4 / 56.2 at 19 MB; with the
+/// router that favours some experts 221.6 / 182.9 at 1 MB, 124.2 / 115.8 at 4 MB, 74.6
+/// / 72.2 at 10 MB; gpt-oss-20b's, 13 MB an expert, 73.0 / 81.7 at 18 MB and 35.3 /
+/// 47.1 at 53 MB. Reading in place wins while the link alone carries a layer's misses
+/// faster than the link and the CPU together once the split's round trip is paid.
+pub(super) const IN_PLACE_MAX_AWAY_BYTES: f64 = 12.0 * 1024.0 * 1024.0;
+
+/// The weight of a layer's pass in the moving average of the bytes read from the host.
+const AWAY_WEIGHT: f64 = 1.0 / 64.0;
+
+/// Slots a pass read in place may have, in experts a token uses: the room to stage
+/// their experts in (device memory outside the budget) holds this many a token.
+const STAGED_TOKENS: usize = 2;
+
+/// The tables of experts' addresses, the room to stage missed experts in, and the routes
+/// read back.
+pub(super) struct InPlace {
+    /// Every pooled layer's tables, a matrix's after another (`gate` if any, `up`,
+    /// `down`), each the address of each expert's matrix as the device reads it.
+    tables: DeviceBuffer<u64>,
+    /// The tables a pass's products read (its staged experts in their rooms), and the
+    /// rooms: `staged_slots` of the largest layer's room.
+    pass: DeviceBuffer<u64>,
+    staged: DeviceBuffer<u8>,
+    staged_slots: usize,
+    /// The device's addresses of the registered mapping.
+    mapped: std::ops::Range<u64>,
+    /// Per layer (`None` without experts): where its tables start in `tables`, what
+    /// they hold as last sent, its page-locked copy on the way, and the device's
+    /// address of each matrix's experts in the registered mapping.
+    layers: Vec<Option<LayerTables>>,
+    /// Each layer's routes of its last pass, `routes` entries a layer.
+    log: PinnedBuffer<i32>,
+    routes: usize,
+    /// Layers whose routes in `log` are not counted yet, and how many they are.
+    pending: Vec<(usize, usize)>,
+}
+
+struct LayerTables {
+    at: usize,
+    mat_bytes: Vec<usize>,
+    sent: Option<Vec<u64>>,
+    staging: PinnedBuffer<u64>,
+    mapped: Vec<u64>,
+}
+
+impl InPlace {
+    /// Tables for `layers` (the pools' own, by layer), the experts' bytes in the mapping
+    /// at the device addresses `mapped` gives for a matrix's first expert, and room for
+    /// `routes` routes a layer; `None` where the mapping holds some matrix only in part.
+    pub fn new(
+        device: &hip_backend::Device,
+        layers: &[Option<LayerPool>],
+        mapped: (
+            impl Fn(&super::PoolMatrix) -> Option<u64>,
+            std::ops::Range<u64>,
+        ),
+        routes: usize,
+    ) -> Result<Option<InPlace>, ModelError> {
+        let (address, range) = mapped;
+        let alloc = gpu("the tables of experts read in place");
+        let (mut total, mut most, mut room, mut used) = (0, 0, 0, 0);
+        let mut tables = Vec::with_capacity(layers.len());
+        for pool in layers {
+            let Some(pool) = pool else {
+                tables.push(None);
+                continue;
+            };
+            let count = pool.slot_of.len();
+            let mut bases = Vec::with_capacity(pool.mats.len());
+            for m in &pool.mats {
+                let Some(base) = address(m) else {
+                    return Ok(None);
+                };
+                bases.push(base);
+            }
+            let entries = count * pool.mats.len();
+            let mat_bytes: Vec<usize> = pool.mats.iter().map(|m| m.expert_bytes).collect();
+            room = room.max(kernels::stage_room(&mat_bytes).0);
+            most = most.max(entries);
+            used = used.max(pool.plan.experts.used);
+            tables.push(Some(LayerTables {
+                at: total,
+                mat_bytes,
+                sent: None,
+                staging: device.alloc_pinned::<u64>(entries).map_err(&alloc)?,
+                mapped: bases,
+            }));
+            total += entries;
+        }
+        let staged_slots = STAGED_TOKENS * used.max(1);
+        tracing::info!(
+            mib = (staged_slots * room) >> 20,
+            "room to stage the missed experts of a pass read in place, outside the budget"
+        );
+        Ok(Some(InPlace {
+            tables: device.alloc::<u64>(total.max(1)).map_err(&alloc)?,
+            pass: device.alloc::<u64>(most.max(1)).map_err(&alloc)?,
+            staged: device.alloc::<u8>((staged_slots * room).max(1)).map_err(
+                |source| match source {
+                    hip_backend::HipError::OutOfMemory { .. } => super::super::out_of_memory(
+                        device,
+                        "the room to stage missed experts",
+                        (staged_slots * room) as u64,
+                    ),
+                    other => alloc(other),
+                },
+            )?,
+            staged_slots,
+            mapped: range,
+            layers: tables,
+            log: device
+                .alloc_pinned::<i32>((routes * layers.len()).max(1))
+                .map_err(&alloc)?,
+            routes,
+            pending: Vec::new(),
+        }))
+    }
+}
+
+impl ExpertPools {
+    /// The tables of layer `layer`'s matrices (`gate` if any, `up`, `down`) for a pass
+    /// of `routes` routes whose products are the decode products, once the experts can
+    /// be read in place (else `None`: the pass splits its routes). Counts the routes of
+    /// the passes before, lands promotions, and queues the layer's tables on `stream`
+    /// where its residents have changed.
+    pub fn in_place(
+        &mut self,
+        layer: usize,
+        ids: DeviceView<'_, i32>,
+        stream: &Stream,
+    ) -> Result<Option<Vec<DeviceView<'_, u64>>>, ModelError> {
+        let routes = ids.len();
+        if !self.in_place_allowed {
+            return Ok(None);
+        }
+        if self.in_place.is_none() {
+            let Some(registered) = self.link.poll() else {
+                return Ok(None);
+            };
+            let address = |m: &super::PoolMatrix| {
+                let last = m.tensor.size().checked_sub(1)?;
+                registered.device_address(&m.tensor, last)?;
+                registered.device_address(&m.tensor, 0)
+            };
+            let range = registered.device_range().unwrap_or(0..0);
+            let routes_cap = self.host.ids.len();
+            match InPlace::new(&self.device, &self.layers, (address, range), routes_cap)? {
+                Some(in_place) => {
+                    tracing::info!("missed experts read in place over the link");
+                    self.in_place = Some(in_place);
+                }
+                None => {
+                    tracing::info!(
+                        "missed experts copied over the link: the mapping is not read in place"
+                    );
+                    self.in_place_allowed = false;
+                    return Ok(None);
+                }
+            }
+        }
+        let Some(ip) = self.in_place.as_mut() else {
+            unreachable!("set just above")
+        };
+        if routes > ip.routes || routes > ip.staged_slots {
+            return Ok(None);
+        }
+        if ip.pending.iter().any(|&(l, _)| l == layer) {
+            self.count_in_place()?;
+        }
+        if self.away_bytes > IN_PLACE_MAX_AWAY_BYTES {
+            return Ok(None);
+        }
+        self.land(Some(stream))?;
+        self.clock += 1;
+        let Some(Some(pool)) = self.layers.get_mut(layer) else {
+            unreachable!("only a layer with experts is pooled")
+        };
+        arrived(pool, &mut self.spare_events, self.clock)?;
+        let Some(ip) = self.in_place.as_mut() else {
+            unreachable!("set above")
+        };
+        let Some(Some(tables)) = ip.layers.get_mut(layer) else {
+            unreachable!("a pooled layer has tables")
+        };
+        let pool: &LayerPool = pool;
+        let count = pool.slot_of.len();
+        let want = table(pool, &tables.mapped, self.memory.view().as_ptr() as u64);
+        let entries = want.len();
+        if tables.sent.as_ref() != Some(&want) {
+            let send = gpu("sending a layer's table of experts");
+            let staging = tables.staging.as_mut_slice().map_err(&send)?;
+            staging.copy_from_slice(&want);
+            let dst = ip
+                .tables
+                .slice_mut(tables.at..tables.at + entries)
+                .map_err(&send)?;
+            stream
+                .copy_h2d_async(&mut tables.staging, 0..entries, dst)
+                .map_err(&send)?;
+            tables.sent = Some(want);
+        }
+        // The missed experts staged over the link, and the tables that find them.
+        let stage = gpu("staging a pass's missed experts");
+        let staging = kernels::Staging {
+            tables: ip
+                .tables
+                .slice(tables.at..tables.at + entries)
+                .map_err(&stage)?,
+            count,
+            mat_bytes: &tables.mat_bytes,
+            mapped: ip.mapped.clone(),
+        };
+        let room = kernels::stage_room(&tables.mat_bytes).0;
+        kernels::moe_stage(
+            ids,
+            &staging,
+            ip.staged.slice_mut(0..routes * room).map_err(&stage)?,
+            ip.pass.slice_mut(0..entries).map_err(&stage)?,
+            stream,
+        )?;
+        (0..pool.mats.len())
+            .map(|m| {
+                let from = m * count;
+                ip.pass
+                    .slice(from..from + count)
+                    .map_err(gpu("a layer's table of experts"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+
+    /// Queues the read back of layer `layer`'s routes `ids` (a pass read in place), to be
+    /// counted at the layer's next pass.
+    pub fn log_routes(
+        &mut self,
+        layer: usize,
+        ids: DeviceView<'_, i32>,
+        stream: &Stream,
+    ) -> Result<(), ModelError> {
+        let Some(ip) = self.in_place.as_mut() else {
+            unreachable!("only a pass read in place logs its routes")
+        };
+        let at = layer * ip.routes;
+        stream
+            .copy_d2h_async(ids, &mut ip.log, at..at + ids.len())
+            .map_err(gpu("reading a layer's routes back"))?;
+        ip.pending.push((layer, ids.len()));
+        Ok(())
+    }
+
+    /// Adds a layer's pass that read `bytes` of experts not resident (from the mapping,
+    /// over the link or on the CPU) to the moving average the passes choose by.
+    pub(super) fn note_away(&mut self, bytes: usize) {
+        self.away_bytes += AWAY_WEIGHT * (bytes as f64 - self.away_bytes);
+    }
+
+    /// Counts the routes logged by passes read in place (they have ended: their log's
+    /// copies are waited for), as a split counts its own, with their promotions.
+    fn count_in_place(&mut self) -> Result<(), ModelError> {
+        let Some(ip) = self.in_place.as_mut() else {
+            return Ok(());
+        };
+        let pending = std::mem::take(&mut ip.pending);
+        let routes = ip.routes;
+        let log = ip
+            .log
+            .as_slice()
+            .map_err(gpu("the routes read back"))?
+            .to_vec();
+        for (layer, n) in pending {
+            self.clock += 1;
+            let ids = &log[layer * routes..layer * routes + n];
+            let counted = self.count_routes(layer, ids)?;
+            let hits = counted.slots.iter().filter(|s| s.is_some()).count();
+            self.stats.in_place += (n - hits) as u64;
+            self.admit(layer, n, counted.missed, &[]);
+        }
+        Ok(())
+    }
+}
+
+/// The table of `pool`'s matrices: each expert's address in the pools' `memory` while
+/// it is resident, else in the mapping (at `mapped[m]` for matrix `m`'s first expert).
+fn table(pool: &LayerPool, mapped: &[u64], memory: u64) -> Vec<u64> {
+    let count = pool.slot_of.len();
+    let mut table = Vec::with_capacity(count * pool.mats.len());
+    for (m, &mapped) in pool.mats.iter().zip(mapped) {
+        let eb = m.expert_bytes as u64;
+        table.extend((0..count).map(|x| match pool.slot_of[x] {
+            Some(slot) if matches!(pool.slots[slot], Slot::Resident { .. }) => {
+                memory + m.at as u64 + slot as u64 * eb
+            }
+            _ => mapped + x as u64 * eb,
+        }));
+    }
+    table
+}
+
+/// Layer matrix `index`'s experts (`tensor`) where `tables[index]` places them.
+pub(in crate::gpu) fn tables_of<'a>(
+    tables: &[DeviceView<'a, u64>],
+    tensor: &crate::gpu::weights::ExpertTensor,
+    index: usize,
+) -> Result<GpuExperts<'a>, ModelError> {
+    let Some(&table) = tables.get(index) else {
+        unreachable!("a table a pooled matrix")
+    };
+    // SAFETY: each entry is the address of one of the tensor's experts: its slot in the
+    // pools' memory (which lives as long as the pools) while resident, else its bytes in
+    // the registered mapping (registered as long as the pools, which wait for the device
+    // before dropping it). A slot's entry is replaced before the pass that follows the
+    // slot's reassignment, and the promotion's copy into it lands after that decision.
+    unsafe { GpuExperts::from_table(tensor.ty, tensor.rows, tensor.cols, table) }.map_err(
+        |source| ModelError::Matmul {
+            name: tensor.name().to_owned(),
+            source,
+        },
+    )
+}
