@@ -28,9 +28,9 @@ namespace rf {
 // expert_bytes apart; slot s's output is row s of y[m] (rows values each). A tile with
 // no tokens (the grid is sized for the most tiles a routing can take) does nothing.
 //
-// With expert_bytes 0, w[m] is instead a table of `experts` addresses, one matrix each
-// (device memory, or host memory mapped for the device: a mixture larger than its
-// budget reads the experts it does not hold where they lie).
+// With expert_bytes 0 (tiles of one slot only), w[m] is instead a table of `experts`
+// addresses, one matrix each (device memory, or host memory mapped for the device: a
+// mixture larger than its budget reads the experts it does not hold where they lie).
 struct ExpertMats {
     const uint8_t* w[2];
     float* y[2];
@@ -39,15 +39,20 @@ struct ExpertMats {
     size_t expert_bytes;
 };
 
-// Expert `expert`'s matrix: expert_bytes apart from w, or, with expert_bytes 0, where
-// the table w says (see ExpertMats).
+// Expert `expert`'s matrix: expert_bytes apart from w, or, for kTable (expert_bytes 0),
+// where the table w says (see ExpertMats). A kernel of its own for each: a choice at run
+// time made the packed products slower (one to four percent on an H200).
+template <bool kTable>
 __device__ __forceinline__ const uint8_t* expert_matrix(const uint8_t* w, size_t expert_bytes,
                                                         int expert) {
-    if (expert_bytes != 0) return w + (size_t)expert * expert_bytes;
-    return reinterpret_cast<const uint8_t* const*>(w)[expert];
+    if constexpr (kTable) {
+        return reinterpret_cast<const uint8_t* const*>(w)[expert];
+    } else {
+        return w + (size_t)expert * expert_bytes;
+    }
 }
 
-template <typename W, int NT, int kRows, int RPT>
+template <typename W, int NT, int kRows, int RPT, bool kTable>
 __global__ void __launch_bounds__(kMatvecThreads)
     matvec_experts_kernel(ExpertMats mats, int n_cols, const int* __restrict__ tiles,
                           const int* __restrict__ order, int slot_div,
@@ -83,7 +88,8 @@ __global__ void __launch_bounds__(kMatvecThreads)
         mat[rr] = gg >= mats.rows ? 1 : 0;
         local[rr] = gg - mat[rr] * mats.rows;
         const uint8_t* base = mat[rr] ? mats.w[1] : mats.w[0];
-        rows[rr] = expert_matrix(base, mats.expert_bytes, expert) + (size_t)local[rr] * row_bytes;
+        rows[rr] = expert_matrix<kTable>(base, mats.expert_bytes, expert) +
+                   (size_t)local[rr] * row_bytes;
     }
     const int8_t* xqs = reinterpret_cast<const int8_t*>(xq);
     const float* xd = reinterpret_cast<const float*>(xq + (size_t)n_x * n_cols);
@@ -109,7 +115,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
 // product) to row t of out, summing the ranks in order as a separate weighted sum would.
 // Each slot's product is matvec_experts_kernel's for a tile of that one slot; with
 // expert_bytes 0, w is a table of the experts' addresses as there.
-template <typename W, int kRows, int RPT>
+template <typename W, int kRows, int RPT, bool kTable>
 __global__ void __launch_bounds__(kMatvecThreads)
     matvec_experts_sum_kernel(const uint8_t* __restrict__ w, size_t expert_bytes, int rows,
                               int n_cols, const int* __restrict__ ids,
@@ -138,7 +144,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
     for (int rr = 0; rr < RPT; ++rr) total[rr] = 0.0f;
     for (int r = 0; r < k; ++r) {
         const int s = t * k + r;
-        const uint8_t* expert = expert_matrix(w, expert_bytes, ids[s]);
+        const uint8_t* expert = expert_matrix<kTable>(w, expert_bytes, ids[s]);
         const float weight = weights[s];
         const uint8_t* slot_rows[RPT];
 #pragma unroll
@@ -169,19 +175,26 @@ hipError_t launch_experts(const ExpertMats& mats, int n_cols, const int* tiles, 
     auto go = [&](auto nt) {
         constexpr int NT = decltype(nt)::value;
         constexpr int rpt = kRowsPerThread<NT>;
-        auto shape = [&](auto rows) {
+        auto shape = [&](auto rows, auto table) {
             constexpr int kRows = decltype(rows)::value;
             const unsigned groups = (total + kRows - 1) / kRows;
-            rfLaunchChained((matvec_experts_kernel<T, NT, kRows, rpt>),
+            rfLaunchChained((matvec_experts_kernel<T, NT, kRows, rpt, decltype(table)::value>),
                             dim3((groups + rpt - 1) / rpt, (unsigned)n_tiles),
                             dim3(kMatvecThreads), 0, stream, mats, n_cols, tiles, order,
                             slot_div, xq, n_x);
             return hipGetLastError();
         };
+        auto packed = [&](auto rows) { return shape(rows, std::false_type{}); };
         if constexpr (NT == 1) {
-            return with_group_rows<T, uint8_t, kOneTokenMaxRows>(n_cols, shape);
+            // Experts placed by a table: tiles of one slot alone.
+            if (mats.expert_bytes == 0) {
+                return with_group_rows<T, uint8_t, kOneTokenMaxRows>(
+                    n_cols, [&](auto rows) { return shape(rows, std::true_type{}); });
+            }
+            return with_group_rows<T, uint8_t, kOneTokenMaxRows>(n_cols, packed);
         }
-        return with_group_rows<T, uint8_t>(n_cols, shape);
+        if (mats.expert_bytes == 0) return hipErrorInvalidValue;
+        return with_group_rows<T, uint8_t>(n_cols, packed);
     };
     if (tile_tokens == 1) return go(std::integral_constant<int, 1>{});
     if (tile_tokens == 4) return go(std::integral_constant<int, 4>{});
@@ -198,15 +211,21 @@ hipError_t launch_experts_sum(const uint8_t* w, size_t expert_bytes, int rows, i
                               const uint8_t* xq, int n_x, float* out, hipStream_t stream) {
     if constexpr (std::is_same<X, uint8_t>::value) {
         constexpr int rpt = kRowsPerThread<1>;
-        return with_group_rows<T, uint8_t, kOneTokenMaxRows>(n_cols, [&](auto group) {
+        auto shape = [&](auto group, auto table) {
             constexpr int kRows = decltype(group)::value;
             const unsigned groups = ((unsigned)rows + kRows - 1) / kRows;
-            rfLaunchChained((matvec_experts_sum_kernel<T, kRows, rpt>),
+            rfLaunchChained((matvec_experts_sum_kernel<T, kRows, rpt, decltype(table)::value>),
                             dim3((groups + rpt - 1) / rpt, (unsigned)n_tokens),
                             dim3(kMatvecThreads), 0, stream, w, expert_bytes, rows, n_cols, ids,
                             weights, k, xq, n_x, out);
             return hipGetLastError();
-        });
+        };
+        if (expert_bytes == 0) {
+            return with_group_rows<T, uint8_t, kOneTokenMaxRows>(
+                n_cols, [&](auto group) { return shape(group, std::true_type{}); });
+        }
+        return with_group_rows<T, uint8_t, kOneTokenMaxRows>(
+            n_cols, [&](auto group) { return shape(group, std::false_type{}); });
     } else {
         return hipErrorInvalidValue;
     }

@@ -88,7 +88,7 @@ pub enum DequantError {
     /// the decode products take a table), or mixed with packed ones in one launch.
     #[error(
         "experts placed by a table of addresses take the decode products alone (Q8 input, \
-         tiles of 1, 4 or 8 slots), all of them placed that way; not tiles of {tile_tokens}"
+         tiles of one slot), all of them placed that way; not tiles of {tile_tokens}"
     )]
     TableExperts { tile_tokens: usize },
 }

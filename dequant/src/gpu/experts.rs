@@ -71,8 +71,9 @@ impl<'a> GpuExperts<'a> {
     /// The experts of a tensor whose matrices lie apart: `table[e]` is the address at
     /// which the device reads expert `e`'s `rows × cols` matrix of type `ty`, in device
     /// memory or in host memory mapped for the device. Only the decode products take
-    /// them ([`routed_products`] with Q8 input in their tiles, and [`routed_sum`]): a
-    /// slot's product is then the same as if its expert's matrix lay in a packed tensor.
+    /// them ([`routed_products`] with Q8 input in tiles of one slot, and
+    /// [`routed_sum`]): a slot's product is then the same as if its expert's matrix lay
+    /// in a packed tensor.
     ///
     /// # Safety
     /// Until the products launched with these experts have run, each of the table's
@@ -327,9 +328,10 @@ pub fn routed_products(
         }
         .into());
     }
-    // Experts placed by a table run the decode products alone, all placed alike.
+    // Experts placed by a table run the decode products in tiles of one slot alone, all
+    // placed alike.
     let tables = experts.iter().filter(|e| e.is_table()).count();
-    let decode = matches!(input, RoutedInput::Q8(_)) && !int8_tiles;
+    let decode = matches!(input, RoutedInput::Q8(_)) && tile_tokens == 1;
     if tables > 0 && (tables != experts.len() || !decode) {
         return Err(DequantError::TableExperts { tile_tokens }.into());
     }

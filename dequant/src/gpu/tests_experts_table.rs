@@ -125,13 +125,11 @@ fn experts_placed_by_a_table_give_the_packed_products() {
         let mut q8 = device.alloc::<u8>(q8_bytes(n, cols)).expect("q8");
         matvec::quantize_q8(x_dev.view(), n, cols, q8.view_mut(), &stream).expect("quantize");
         let per_token = SlotInput::Token { per_token: USED };
-        for tile_tokens in [1, WIDE_TILE_TOKENS, MAX_TOKENS] {
-            let q8_in = RoutedInput::Q8(q8.view());
-            let run = |experts: &[GpuExperts<'_>]| {
-                routed.run(&device, &stream, experts, q8_in, n, per_token, tile_tokens)
-            };
-            assert_eq!(run(&placed), run(&packed), "{ty}: tiles of {tile_tokens}");
-        }
+        let q8_in = RoutedInput::Q8(q8.view());
+        let run = |experts: &[GpuExperts<'_>]| {
+            routed.run(&device, &stream, experts, q8_in, n, per_token, 1)
+        };
+        assert_eq!(run(&placed), run(&packed), "{ty}: tiles of one slot");
 
         // The fused weighted sum, each slot reading a row of its own.
         let slots = routed.slots();
@@ -163,6 +161,32 @@ fn experts_placed_by_a_table_give_the_packed_products() {
 
         // The products that read experts packed refuse a table, as does a launch of
         // experts placed both ways.
+        for tile_tokens in [WIDE_TILE_TOKENS, MAX_TOKENS] {
+            let (tiles, order) = tiles_for(&routed.ids, count, tile_tokens);
+            let tiles_dev = upload(&device, &stream, &tiles);
+            let order_dev = upload(&device, &stream, &order);
+            let mut out = device.alloc::<f32>(slots * rows).expect("output");
+            let refused = routed_products(
+                &placed[..1],
+                RoutedInput::Q8(q8.view()),
+                n,
+                per_token,
+                tiles_dev.view(),
+                order_dev.view(),
+                tile_tokens,
+                &mut [out.view_mut()],
+                &stream,
+            );
+            assert!(
+                matches!(
+                    refused,
+                    Err(super::GpuDequantError::Layout(
+                        DequantError::TableExperts { .. }
+                    ))
+                ),
+                "{ty}: tiles of {tile_tokens} took a table: {refused:?}"
+            );
+        }
         let (tiles, order) = tiles_for(&routed.ids, count, MATMUL_TILE_TOKENS);
         let tiles_dev = upload(&device, &stream, &tiles);
         let order_dev = upload(&device, &stream, &order);

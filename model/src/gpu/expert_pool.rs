@@ -32,15 +32,16 @@
 //! products of many tokens an expert are far slower than the link's copy).
 //!
 //! Once the mapping is registered (and the device reads it as one run), a pass of a few
-//! tokens whose routed products are the decode products reads its missed experts in
-//! place instead (`in_place`): the device's products read every expert through a table
-//! of addresses, its slot's or its bytes in the mapping, at about the link's rate for
-//! the missed ones, with nothing read back before them and no route on the CPU; the
-//! routes are read back after the products and counted at the layer's next pass, which
-//! promotes and evicts as a split does. Such a pass gives the bits of a pass with every
-//! expert resident. While the passes read more than about 12 MB of experts a layer from
-//! the host, on average, they split their routes instead: the link alone then carries
-//! them slower than the link and the CPU together (`in_place::IN_PLACE_MAX_AWAY_BYTES`).
+//! tokens whose routed products are the decode products in tiles of one slot reads its
+//! missed experts in place instead (`in_place`): a kernel copies them from the mapping
+//! over the link into a room of their own, and the products read every expert through
+//! a table of addresses (its slot, or that room), with nothing read back before them
+//! and no route on the CPU; the routes are read back after the products and counted at
+//! the layer's next pass, which promotes and evicts as a split does. Such a pass gives
+//! the bits of a pass with every expert resident. While the passes read more than about
+//! 12 MB of experts a layer from the host, on average, they split their routes instead:
+//! the link alone then carries them slower than the link and the CPU together
+//! (`in_place::IN_PLACE_MAX_AWAY_BYTES`).
 //!
 //! The tokens of passes whose routes split depend on residency only within the GPU's
 //! tolerance: a route's product is

@@ -1,6 +1,6 @@
 //! Experts read in place: once the experts' span of the mapped file is registered and
 //! the device reads it as one run, a pass whose routed products are the decode products
-//! (a few tokens) finds each expert where it is: a resident expert in its slot, any
+//! in tiles of one slot (a few tokens) finds each expert where it is: a resident expert in its slot, any
 //! other in the registered mapping, through a table of each expert's address per matrix
 //! ([`GpuExperts::from_table`]). A kernel on the device first stages the pass's missed
 //! experts from the mapping into a room of their own (`kernels::moe_stage`: loads of
@@ -154,8 +154,8 @@ impl InPlace {
 
 impl ExpertPools {
     /// The tables of layer `layer`'s matrices (`gate` if any, `up`, `down`) for a pass
-    /// of `routes` routes whose products are the decode products, once the experts can
-    /// be read in place (else `None`: the pass splits its routes). Counts the routes of
+    /// of `routes` routes whose products are the decode products in tiles of one slot,
+    /// once the experts can be read in place (else `None`: the pass splits its routes). Counts the routes of
     /// the passes before, lands promotions, and queues the layer's tables on `stream`
     /// where its residents have changed.
     pub fn in_place(

@@ -140,7 +140,7 @@ pub(super) fn block(
     // products then run as with every expert resident), else the routes split.
     let mats = match (bufs.experts.as_mut(), bufs.moe.as_ref()) {
         (None, _) => Mats::of(e)?,
-        (Some(pools), Some(moe)) if tiling.decode() => {
+        (Some(pools), Some(moe)) if tiling.one_slot() => {
             let ids = view(&moe.ids, n * e.used)?;
             match pools.in_place(e.layer, ids, stream)? {
                 Some(tables) => Mats::placed(e, &tables)?,

@@ -4,7 +4,7 @@
 //! else the norm, the router's product and `kernels::moe_route`).
 
 use dequant::gpu::experts;
-use dequant::gpu::matvec::{q8_bytes, MAX_TOKENS};
+use dequant::gpu::matvec::q8_bytes;
 use gguf_format::GgmlType;
 use hip_backend::Stream;
 
@@ -29,11 +29,10 @@ impl Tiling {
         experts::takes_f16(self.tokens, self.skinny)
     }
 
-    /// Whether the products are the decode products (Q8 input in tiles of 1,
-    /// [`experts::WIDE_TILE_TOKENS`] or [`MAX_TOKENS`] slots), which also read
-    /// experts placed by a table.
-    pub fn decode(&self) -> bool {
-        matches!(self.tokens, 1 | experts::WIDE_TILE_TOKENS | MAX_TOKENS)
+    /// Whether the products are the decode products in tiles of one slot, which also
+    /// read experts placed by a table.
+    pub fn one_slot(&self) -> bool {
+        self.tokens == 1
     }
 }
 
