@@ -179,9 +179,21 @@ fn scheduler_counters(out: &mut String, m: &SchedulerMetrics) {
         ),
         (
             "expert_misses_total",
-            "Routes of a token to an expert not resident, computed on the host.",
+            "Routes of a token to an expert not resident: over the link, read in place, or on the host.",
             "counter",
             pools.misses,
+        ),
+        (
+            "expert_linked_total",
+            "Missed routes whose expert was copied into a link slot and multiplied on the device.",
+            "counter",
+            pools.linked,
+        ),
+        (
+            "expert_in_place_total",
+            "Missed routes whose expert the device read from the mapped file in place.",
+            "counter",
+            pools.in_place,
         ),
         (
             "expert_promotions_total",

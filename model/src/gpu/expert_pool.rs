@@ -143,6 +143,8 @@ pub(in crate::gpu) struct ExpertPools {
     /// The bytes of experts not resident that a layer's pass read lately, on average
     /// (`in_place::IN_PLACE_MAX_AWAY_BYTES`).
     away_bytes: f64,
+    /// Whether that average last sent the passes read in place to a split.
+    splitting: bool,
     device: Device,
     spare_events: Vec<Event>,
     /// Passes routed so far, the clock of `Slot::Resident::last`.
@@ -279,6 +281,7 @@ impl ExpertPools {
             in_place_allowed: in_place,
             in_place: None,
             away_bytes: 0.0,
+            splitting: false,
             device: device.clone(),
             spare_events: Vec::new(),
             clock: 0,

@@ -202,7 +202,20 @@ impl ExpertPools {
         if ip.pending.iter().any(|&(l, _)| l == layer) {
             self.count_in_place()?;
         }
-        if self.away_bytes > IN_PLACE_MAX_AWAY_BYTES {
+        let split = self.away_bytes > IN_PLACE_MAX_AWAY_BYTES;
+        if split != self.splitting {
+            self.splitting = split;
+            tracing::debug!(
+                mib_a_layer = self.away_bytes / (1024.0 * 1024.0),
+                "passes of a few tokens {} their missed experts",
+                if split {
+                    "split the routes to"
+                } else {
+                    "read in place"
+                }
+            );
+        }
+        if split {
             return Ok(None);
         }
         self.land(Some(stream))?;
