@@ -179,15 +179,22 @@ impl ExpertPools {
             };
             let range = registered.device_range().unwrap_or(0..0);
             let routes_cap = self.host.ids.len();
-            match InPlace::new(&self.device, &self.layers, (address, range), routes_cap)? {
-                Some(in_place) => {
+            // Reading in place only spares the passes their round trips: where its tables
+            // or its room cannot be had, the passes keep splitting their routes.
+            match InPlace::new(&self.device, &self.layers, (address, range), routes_cap) {
+                Ok(Some(in_place)) => {
                     tracing::info!("missed experts read in place over the link");
                     self.in_place = Some(in_place);
                 }
-                None => {
+                Ok(None) => {
                     tracing::info!(
                         "missed experts copied over the link: the mapping is not read in place"
                     );
+                    self.in_place_allowed = false;
+                    return Ok(None);
+                }
+                Err(error) => {
+                    tracing::info!(%error, "missed experts copied over the link, not read in place");
                     self.in_place_allowed = false;
                     return Ok(None);
                 }
