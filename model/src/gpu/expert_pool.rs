@@ -63,7 +63,7 @@ use crate::cpu::{on_the_pool, routed_part, MoeScratch, Pick};
 use crate::plan::{ExecutionPlan, ExpertMatrices, ExpertsPlan, FfnPlan};
 use crate::ModelError;
 pub(in crate::gpu) use in_place::tables_of;
-use in_place::InPlace;
+use in_place::{Away, InPlace};
 use layer::{arrived, fill_free, LayerPool, PoolMatrix, Slot};
 pub(in crate::gpu) use link::link_slots;
 use link::Link;
@@ -140,11 +140,9 @@ pub(in crate::gpu) struct ExpertPools {
     /// what they read them through.
     in_place_allowed: bool,
     in_place: Option<InPlace>,
-    /// The bytes of experts not resident that a layer's pass read lately, on average
-    /// (`in_place::IN_PLACE_MAX_AWAY_BYTES`).
-    away_bytes: f64,
-    /// Whether that average last sent the passes read in place to a split.
-    splitting: bool,
+    /// The bytes of experts not resident that a layer's pass read lately, and whether
+    /// they send the passes that could read in place to a split.
+    away: Away,
     device: Device,
     spare_events: Vec<Event>,
     /// Passes routed so far, the clock of `Slot::Resident::last`.
@@ -280,8 +278,7 @@ impl ExpertPools {
             order: device.new_event().map_err(gpu("event"))?,
             in_place_allowed: in_place,
             in_place: None,
-            away_bytes: 0.0,
-            splitting: false,
+            away: Away::default(),
             device: device.clone(),
             spare_events: Vec::new(),
             clock: 0,

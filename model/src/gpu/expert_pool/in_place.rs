@@ -27,7 +27,7 @@ use crate::gpu::{gpu, kernels};
 use crate::ModelError;
 
 /// The most bytes of experts not resident that a layer's pass has read from the host
-/// lately (a moving average over layers' passes, [`ExpertPools::note_away`]) for the
+/// lately (a moving average over layers' passes, [`Away`]) for the
 /// passes to keep reading them in place; above it they split their routes, and the CPU
 /// takes part of them. Measured on an H200 with 16 cores (`cargo xtask bench-gpu
 /// --tokens 64 --prompt 0 --repeat 2 --cpu-moe 12,24,36`, decode tokens/s, in place /
@@ -41,6 +41,41 @@ pub(super) const IN_PLACE_MAX_AWAY_BYTES: f64 = 12.0 * 1024.0 * 1024.0;
 
 /// The weight of a layer's pass in the moving average of the bytes read from the host.
 const AWAY_WEIGHT: f64 = 1.0 / 64.0;
+
+/// The moving average of the bytes of experts not resident that a layer's pass read,
+/// and whether it sends the passes that could read in place to a split (each change
+/// logged).
+#[derive(Default)]
+pub(super) struct Away {
+    bytes: f64,
+    splitting: bool,
+}
+
+impl Away {
+    /// Adds a layer's pass that read `bytes`.
+    pub fn note(&mut self, bytes: usize) {
+        self.bytes += AWAY_WEIGHT * (bytes as f64 - self.bytes);
+    }
+
+    /// Whether the passes split their routes now: the average above
+    /// [`IN_PLACE_MAX_AWAY_BYTES`].
+    pub fn splits(&mut self) -> bool {
+        let split = self.bytes > IN_PLACE_MAX_AWAY_BYTES;
+        if split != self.splitting {
+            self.splitting = split;
+            tracing::debug!(
+                mib_a_layer = self.bytes / (1024.0 * 1024.0),
+                "passes of a few tokens {} their missed experts",
+                if split {
+                    "split the routes to"
+                } else {
+                    "read in place"
+                }
+            );
+        }
+        split
+    }
+}
 
 /// Slots a pass read in place may have, in experts a token uses: the room to stage
 /// their experts in (device memory outside the budget) holds this many a token.
@@ -209,20 +244,7 @@ impl ExpertPools {
         if ip.pending.iter().any(|&(l, _)| l == layer) {
             self.count_in_place()?;
         }
-        let split = self.away_bytes > IN_PLACE_MAX_AWAY_BYTES;
-        if split != self.splitting {
-            self.splitting = split;
-            tracing::debug!(
-                mib_a_layer = self.away_bytes / (1024.0 * 1024.0),
-                "passes of a few tokens {} their missed experts",
-                if split {
-                    "split the routes to"
-                } else {
-                    "read in place"
-                }
-            );
-        }
-        if split {
+        if self.away.splits() {
             return Ok(None);
         }
         self.land(Some(stream))?;
@@ -304,9 +326,9 @@ impl ExpertPools {
     }
 
     /// Adds a layer's pass that read `bytes` of experts not resident (from the mapping,
-    /// over the link or on the CPU) to the moving average the passes choose by.
+    /// over the link or on the CPU) to the average the passes choose by.
     pub(super) fn note_away(&mut self, bytes: usize) {
-        self.away_bytes += AWAY_WEIGHT * (bytes as f64 - self.away_bytes);
+        self.away.note(bytes);
     }
 
     /// Counts the routes logged by passes read in place (they have ended: their log's
@@ -371,4 +393,40 @@ pub(in crate::gpu) fn tables_of<'a>(
             source,
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passes_split_once_they_read_more_than_the_threshold_from_the_host_lately() {
+        const MB: usize = 1 << 20;
+        let mut away = Away::default();
+        assert!(!away.splits(), "a pool starts reading in place");
+        // One heavy pass moves the average by a 64th of its bytes: gpt-oss-20b's
+        // four missed experts of 13 MB do not switch it alone.
+        away.note(53 * MB);
+        assert!(!away.splits());
+        // Layers' passes of 19 MB (Qwen3-30B-A3B's shape at -ncmoe 36) switch it.
+        for _ in 0..200 {
+            away.note(19 * MB);
+        }
+        assert!(away.splits());
+        // Passes of 7 MB (its -ncmoe 12) bring the passes back in place.
+        for _ in 0..200 {
+            away.note(7 * MB);
+        }
+        assert!(!away.splits());
+        // Just below and just above the threshold, once the average has settled.
+        let settled = |bytes: usize| {
+            let mut away = Away::default();
+            for _ in 0..2000 {
+                away.note(bytes);
+            }
+            away.splits()
+        };
+        assert!(!settled(12 * MB - 4096));
+        assert!(settled(12 * MB + 4096));
+    }
 }
