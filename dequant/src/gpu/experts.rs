@@ -487,8 +487,9 @@ fn launch(
     );
     // SAFETY: `routed_products` checked every length: each weight view holds exactly its
     // `count` matrices (or a table of their addresses, vouched for by
-    // `GpuExperts::from_table`'s caller, and then only the decode products run), each output one row per slot, the input `n_x` rows (of Q8 blocks,
-    // or of f16 values with a scale each), `tiles` the most triples the grid reads and
+    // `GpuExperts::from_table`'s caller, and then only the decode products run), each
+    // output one row per slot, the input `n_x` rows (of Q8 blocks, or of f16 values with
+    // a scale each), `tiles` the most triples the grid reads and
     // `order` one entry per slot; all are on the stream's device and stay borrowed
     // (alive) while the kernel is queued. The pointer arrays live through the call,
     // which copies them into the kernel's arguments; rows, columns and counts fit in

@@ -1,22 +1,24 @@
 //! Experts read in place: once the experts' span of the mapped file is registered and
 //! the device reads it as one run, a pass whose routed products are the decode products
-//! in tiles of one slot (a few tokens) finds each expert where it is: a resident expert in its slot, any
-//! other in the registered mapping, through a table of each expert's address per matrix
-//! ([`GpuExperts::from_table`]). A kernel on the device first stages the pass's missed
-//! experts from the mapping into a room of their own (`kernels::moe_stage`: loads of
-//! whole lines over the link, where the products' own loads of a few bytes there ran at
-//! about 30 GB/s) and writes the pass's tables; the products then read device memory.
-//! Nothing is read back before the products and the CPU computes no route, so a layer
-//! queues its launches as it would with every expert resident and the host runs ahead
-//! of the device; the products are the same bits as with every expert resident.
+//! in tiles of one slot (a few tokens) finds each expert where it is: a resident expert
+//! in its slot, any other in the registered mapping, through a table of each expert's
+//! address per matrix ([`GpuExperts::from_table`]). A kernel on the device first stages
+//! the pass's missed experts from the mapping into a room of their own
+//! (`kernels::moe_stage`: loads of whole lines over the link, where the products' own
+//! loads of a few bytes there ran at about 30 GB/s) and writes the pass's tables; the
+//! products then read device memory. Nothing is read back before the products and the
+//! CPU computes no route, so a layer queues its launches as it would with every expert
+//! resident and the host runs ahead of the device; the products are the same bits as
+//! with every expert resident.
 //!
 //! The pools still learn from the routes: each layer's are read back after its products
 //! (into `log`), and counted at the layer's next pass (the pass before has ended by then:
 //! every pass ends synchronized), which promotes and evicts as a split would. A table is
 //! sent again only when its layer's residents have changed, before the layer's products
-//! of the pass that sees the change; a slot taken from an expert no longer appears in any
-//! table by the time the promotion's copy can land in it (the tables are rebuilt from the
-//! slots before each layer's products, and a promotion lands after its decision).
+//! of the pass that sees the change. A slot taken from an expert is safe to overwrite
+//! once every pass queued before the decision has run: the tables sent after it no
+//! longer name the slot for that expert, and the promotion's copy into it waits, on its
+//! own stream, for the work queued before it lands (`ExpertPools::land`).
 
 use dequant::gpu::experts::GpuExperts;
 use hip_backend::{DeviceBuffer, DeviceView, PinnedBuffer, Stream};
@@ -189,10 +191,11 @@ impl InPlace {
 
 impl ExpertPools {
     /// The tables of layer `layer`'s matrices (`gate` if any, `up`, `down`) for a pass
-    /// of `routes` routes whose products are the decode products in tiles of one slot,
-    /// once the experts can be read in place (else `None`: the pass splits its routes). Counts the routes of
-    /// the passes before, lands promotions, and queues the layer's tables on `stream`
-    /// where its residents have changed.
+    /// of the routes `ids` whose products are the decode products in tiles of one slot,
+    /// once the experts can be read in place (else `None`: the pass splits its routes).
+    /// Counts the routes of the passes before, lands promotions, queues the layer's
+    /// tables on `stream` where its residents have changed, and stages the pass's
+    /// missed experts.
     pub fn in_place(
         &mut self,
         layer: usize,
@@ -229,7 +232,8 @@ impl ExpertPools {
                     return Ok(None);
                 }
                 Err(error) => {
-                    tracing::info!(%error, "missed experts copied over the link, not read in place");
+                    let why = "missed experts copied over the link, not read in place";
+                    tracing::info!(%error, "{why}");
                     self.in_place_allowed = false;
                     return Ok(None);
                 }
