@@ -100,9 +100,8 @@ pub(super) struct InPlace {
     /// they hold as last sent, its page-locked copy on the way, and the device's
     /// address of each matrix's experts in the registered mapping.
     layers: Vec<Option<LayerTables>>,
-    /// Each layer's routes of its last pass, `routes` entries a layer.
+    /// Each layer's routes of its last pass, `staged_slots` entries a layer.
     log: PinnedBuffer<i32>,
-    routes: usize,
     /// Layers whose routes in `log` are not counted yet, and how many they are.
     pending: Vec<(usize, usize)>,
 }
@@ -110,6 +109,8 @@ pub(super) struct InPlace {
 struct LayerTables {
     at: usize,
     mat_bytes: Vec<usize>,
+    /// A slot's room to stage this layer's experts in (`kernels::stage_room`).
+    room: usize,
     sent: Option<Vec<u64>>,
     staging: PinnedBuffer<u64>,
     mapped: Vec<u64>,
@@ -117,18 +118,14 @@ struct LayerTables {
 
 impl InPlace {
     /// Tables for `layers` (the pools' own, by layer), the experts' bytes in the mapping
-    /// at the device addresses `mapped` gives for a matrix's first expert, and room for
-    /// `routes` routes a layer; `None` where the mapping holds some matrix only in part.
+    /// at the device addresses `address` gives for a matrix's first expert (`mapped`:
+    /// the mapping's); `None` where the mapping holds some matrix only in part.
     pub fn new(
         device: &hip_backend::Device,
         layers: &[Option<LayerPool>],
-        mapped: (
-            impl Fn(&super::PoolMatrix) -> Option<u64>,
-            std::ops::Range<u64>,
-        ),
-        routes: usize,
+        address: impl Fn(&super::PoolMatrix) -> Option<u64>,
+        mapped: std::ops::Range<u64>,
     ) -> Result<Option<InPlace>, ModelError> {
-        let (address, range) = mapped;
         let alloc = gpu("the tables of experts read in place");
         let (mut total, mut most, mut room, mut used) = (0, 0, 0, 0);
         let mut tables = Vec::with_capacity(layers.len());
@@ -147,12 +144,14 @@ impl InPlace {
             }
             let entries = count * pool.mats.len();
             let mat_bytes: Vec<usize> = pool.mats.iter().map(|m| m.expert_bytes).collect();
-            room = room.max(kernels::stage_room(&mat_bytes).0);
+            let layer_room = kernels::stage_room(&mat_bytes).0;
+            room = room.max(layer_room);
             most = most.max(entries);
             used = used.max(pool.plan.experts.used);
             tables.push(Some(LayerTables {
                 at: total,
                 mat_bytes,
+                room: layer_room,
                 sent: None,
                 staging: device.alloc_pinned::<u64>(entries).map_err(&alloc)?,
                 mapped: bases,
@@ -167,23 +166,15 @@ impl InPlace {
         Ok(Some(InPlace {
             tables: device.alloc::<u64>(total.max(1)).map_err(&alloc)?,
             pass: device.alloc::<u64>(most.max(1)).map_err(&alloc)?,
-            staged: device.alloc::<u8>((staged_slots * room).max(1)).map_err(
-                |source| match source {
-                    hip_backend::HipError::OutOfMemory { .. } => super::super::out_of_memory(
-                        device,
-                        "the room to stage missed experts",
-                        (staged_slots * room) as u64,
-                    ),
-                    other => alloc(other),
-                },
-            )?,
+            staged: device
+                .alloc::<u8>((staged_slots * room).max(1))
+                .map_err(&alloc)?,
             staged_slots,
-            mapped: range,
+            mapped,
             layers: tables,
             log: device
-                .alloc_pinned::<i32>((routes * layers.len()).max(1))
+                .alloc_pinned::<i32>((staged_slots * layers.len()).max(1))
                 .map_err(&alloc)?,
-            routes,
             pending: Vec::new(),
         }))
     }
@@ -203,46 +194,13 @@ impl ExpertPools {
         stream: &Stream,
     ) -> Result<Option<Vec<DeviceView<'_, u64>>>, ModelError> {
         let routes = ids.len();
-        if !self.in_place_allowed {
+        if !self.open_in_place() {
             return Ok(None);
         }
-        if self.in_place.is_none() {
-            let Some(registered) = self.link.poll() else {
-                return Ok(None);
-            };
-            let address = |m: &super::PoolMatrix| {
-                let last = m.tensor.size().checked_sub(1)?;
-                registered.device_address(&m.tensor, last)?;
-                registered.device_address(&m.tensor, 0)
-            };
-            let range = registered.device_range().unwrap_or(0..0);
-            let routes_cap = self.host.ids.len();
-            // Reading in place only spares the passes their round trips: where its tables
-            // or its room cannot be had, the passes keep splitting their routes.
-            match InPlace::new(&self.device, &self.layers, (address, range), routes_cap) {
-                Ok(Some(in_place)) => {
-                    tracing::info!("missed experts read in place over the link");
-                    self.in_place = Some(in_place);
-                }
-                Ok(None) => {
-                    tracing::info!(
-                        "missed experts copied over the link: the mapping is not read in place"
-                    );
-                    self.in_place_allowed = false;
-                    return Ok(None);
-                }
-                Err(error) => {
-                    let why = "missed experts copied over the link, not read in place";
-                    tracing::info!(%error, "{why}");
-                    self.in_place_allowed = false;
-                    return Ok(None);
-                }
-            }
-        }
         let Some(ip) = self.in_place.as_mut() else {
-            unreachable!("set just above")
+            unreachable!("opened just above")
         };
-        if routes > ip.routes || routes > ip.staged_slots {
+        if routes > ip.staged_slots {
             return Ok(None);
         }
         if ip.pending.iter().any(|&(l, _)| l == layer) {
@@ -291,11 +249,12 @@ impl ExpertPools {
             mat_bytes: &tables.mat_bytes,
             mapped: ip.mapped.clone(),
         };
-        let room = kernels::stage_room(&tables.mat_bytes).0;
         kernels::moe_stage(
             ids,
             &staging,
-            ip.staged.slice_mut(0..routes * room).map_err(&stage)?,
+            ip.staged
+                .slice_mut(0..routes * tables.room)
+                .map_err(&stage)?,
             ip.pass.slice_mut(0..entries).map_err(&stage)?,
             stream,
         )?;
@@ -310,6 +269,43 @@ impl ExpertPools {
             .map(Some)
     }
 
+    /// Whether the passes may read in place: the tables and the room made once the link
+    /// is registered (the passes split until then, and for good where the device does
+    /// not read the mapping as one run or the allocations fail: reading in place only
+    /// spares them their round trips).
+    fn open_in_place(&mut self) -> bool {
+        if !self.in_place_allowed || self.in_place.is_some() {
+            return self.in_place_allowed;
+        }
+        let Some(registered) = self.link.poll() else {
+            return false;
+        };
+        let address = |m: &super::PoolMatrix| {
+            let last = m.tensor.size().checked_sub(1)?;
+            registered.device_address(&m.tensor, last)?;
+            registered.device_address(&m.tensor, 0)
+        };
+        let mapped = registered.device_range().unwrap_or(0..0);
+        match InPlace::new(&self.device, &self.layers, address, mapped) {
+            Ok(Some(in_place)) => {
+                tracing::info!("missed experts read in place over the link");
+                self.in_place = Some(in_place);
+            }
+            Ok(None) => {
+                tracing::info!(
+                    "missed experts copied over the link: the mapping is not read in place"
+                );
+                self.in_place_allowed = false;
+            }
+            Err(error) => {
+                let why = "missed experts copied over the link, not read in place";
+                tracing::info!(%error, "{why}");
+                self.in_place_allowed = false;
+            }
+        }
+        self.in_place_allowed
+    }
+
     /// Queues the read back of layer `layer`'s routes `ids` (a pass read in place), to be
     /// counted at the layer's next pass.
     pub fn log_routes(
@@ -321,7 +317,7 @@ impl ExpertPools {
         let Some(ip) = self.in_place.as_mut() else {
             unreachable!("only a pass read in place logs its routes")
         };
-        let at = layer * ip.routes;
+        let at = layer * ip.staged_slots;
         stream
             .copy_d2h_async(ids, &mut ip.log, at..at + ids.len())
             .map_err(gpu("reading a layer's routes back"))?;
@@ -341,17 +337,17 @@ impl ExpertPools {
         let Some(ip) = self.in_place.as_mut() else {
             return Ok(());
         };
-        let pending = std::mem::take(&mut ip.pending);
-        let routes = ip.routes;
-        let log = ip
-            .log
-            .as_slice()
-            .map_err(gpu("the routes read back"))?
-            .to_vec();
-        for (layer, n) in pending {
+        let per_layer = ip.staged_slots;
+        let log = ip.log.as_slice().map_err(gpu("the routes read back"))?;
+        // The pending layers' routes alone, out of the log (the counting needs `self`).
+        let pending: Vec<(usize, Vec<i32>)> = std::mem::take(&mut ip.pending)
+            .into_iter()
+            .map(|(layer, n)| (layer, log[layer * per_layer..][..n].to_vec()))
+            .collect();
+        for (layer, ids) in pending {
+            let n = ids.len();
             self.clock += 1;
-            let ids = &log[layer * routes..layer * routes + n];
-            let counted = self.count_routes(layer, ids)?;
+            let counted = self.count_routes(layer, &ids)?;
             let hits = counted.slots.iter().filter(|s| s.is_some()).count();
             self.stats.in_place += (n - hits) as u64;
             self.admit(layer, n, counted.missed, &[]);
