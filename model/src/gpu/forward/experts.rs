@@ -170,6 +170,7 @@ pub(super) fn block(
             .transpose()?,
         stream,
     )?;
+    // A pool's pass comes here only read in place: its routes are counted later.
     if let Some(pools) = bufs.experts.as_mut() {
         let Some(moe) = bufs.moe.as_ref() else {
             unreachable!("checked above")
