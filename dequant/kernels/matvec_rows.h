@@ -59,6 +59,19 @@ __device__ __forceinline__ void reduce_row(float (&acc)[NT], int tpr, Write writ
     }
 }
 
+// Traits of a weight task, false unless W says otherwise: kScale32, one factor pair a
+// piece of 32 weights (a[2x] == a[2x + 1], b likewise); kHighInPlace, piece 1's words
+// are unsigned bytes met by dot4_unsigned.
+template <typename W, typename = void>
+struct Scale32 : std::false_type {};
+template <typename W>
+struct Scale32<W, std::void_t<decltype(W::kScale32)>> : std::integral_constant<bool, W::kScale32> {};
+template <typename W, typename = void>
+struct HighInPlace : std::false_type {};
+template <typename W>
+struct HighInPlace<W, std::void_t<decltype(W::kHighInPlace)>>
+    : std::integral_constant<bool, W::kHighInPlace> {};
+
 // A thread's share of the dot products of RPT rows with NT tokens' activations: the
 // tasks lane, lane + tpr, ... of each row (`rows`: the rows' first bytes; `work` false
 // takes none). Token j's activations are row xrow(j) of the Q8 input, whose int8 values
@@ -106,6 +119,22 @@ __device__ __forceinline__ void row_dots(const uint8_t* const (&rows)[RPT], bool
                 const float dx = xd[xr * xblocks + xi];
                 const int packed = xsums[xr * xblocks + xi];
                 const int sum[2] = {(int)(int16_t)(packed & 0xFFFF), packed >> 16};
+                if constexpr (Scale32<W>::value) {
+                    // One factor pair for the piece's 32 weights: one dot product.
+                    const float whole = (float)(sum[0] + sum[1]);
+                    const bool raw = HighInPlace<W>::value && x == 1;
+#pragma unroll
+                    for (int rr = 0; rr < RPT; ++rr) {
+                        int dot = 0;
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            dot = raw ? dot4_unsigned(w[rr][8 * x + i], v[i], dot)
+                                      : dot4(w[rr][8 * x + i], v[i], dot);
+                        }
+                        acc[rr][j] += dx * (a[rr][2 * x] * (float)dot + b[rr][2 * x] * whole);
+                    }
+                    continue;
+                }
 #pragma unroll
                 for (int rr = 0; rr < RPT; ++rr) {
                     float part = 0.0f;

@@ -12,7 +12,9 @@ namespace rf {
 // quantized values it loads with as few and as wide loads as the block's alignment allows
 // and unpacks into small integers w (four to a 32-bit word), with per-16-weight factors a
 // and b such that the weights are a·w + b. `xb[i]` says which 32-weight activation block
-// of the weight block the task's i-th 32 weights meet.
+// of the weight block the task's i-th 32 weights meet. Types whose factors are the same
+// for all 32 weights of such a piece say so (kScale32): row_dots then takes one dot
+// product of the piece and one pair of float operations, not two.
 //
 // Blocks of 18, 22, 34 or 210 bytes sit at 2-byte aligned addresses: their bytes are read
 // as aligned 32-bit words and shifted into place (common.h's load_words), never past the
@@ -48,6 +50,7 @@ __device__ __forceinline__ void nibbles16(const int (&q)[4], int (&w)[8]) {
 
 struct MQ4_0 {
     static constexpr int kValues = 32, kBytes = 18, kTasks = 1, kX = 1;
+    static constexpr bool kScale32 = true;
     __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
                                 float (&b)[2 * kX], int (&xb)[kX]) {
         int q[4];
@@ -62,6 +65,7 @@ struct MQ4_0 {
 
 struct MQ4_1 {
     static constexpr int kValues = 32, kBytes = 20, kTasks = 1, kX = 1;
+    static constexpr bool kScale32 = true;
     __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
                                 float (&b)[2 * kX], int (&xb)[kX]) {
         const int* p = reinterpret_cast<const int*>(blk);
@@ -75,6 +79,7 @@ struct MQ4_1 {
 
 struct MQ5_0 {
     static constexpr int kValues = 32, kBytes = 22, kTasks = 1, kX = 1;
+    static constexpr bool kScale32 = true;
     __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
                                 float (&b)[2 * kX], int (&xb)[kX]) {
         int q[5];
@@ -93,6 +98,7 @@ struct MQ5_0 {
 
 struct MQ5_1 {
     static constexpr int kValues = 32, kBytes = 24, kTasks = 1, kX = 1;
+    static constexpr bool kScale32 = true;
     __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
                                 float (&b)[2 * kX], int (&xb)[kX]) {
         const int* p = reinterpret_cast<const int*>(blk);
@@ -109,6 +115,7 @@ struct MQ5_1 {
 
 struct MQ8_0 {
     static constexpr int kValues = 32, kBytes = 34, kTasks = 1, kX = 1;
+    static constexpr bool kScale32 = true;
     __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
                                 float (&b)[2 * kX], int (&xb)[kX]) {
         load_words<8>(blk + 2, w);
@@ -118,19 +125,35 @@ struct MQ8_0 {
     }
 };
 
+// Whether matvec.hip's dot4_unsigned is one instruction: NVIDIA's dp4a takes unsigned
+// bytes against signed ones.
+#if defined(ROCMFORGE_HIP_NVIDIA)
+constexpr bool kUnsignedDot = true;
+#else
+constexpr bool kUnsignedDot = false;
+#endif
+
 // Q4_K and Q5_K: a task is one 64-weight chunk c, whose 32 bytes hold sub-block 2c in
-// their low nibbles and 2c+1 in their high ones.
+// their low nibbles and 2c+1 in their high ones, each with its factors. With an unsigned
+// dot product at hand, Q4_K's high nibbles stay in place, 16 times their values, and
+// meet the activations through it, their factor a divided by 16 (a power of two: the
+// same products), which saves a shift a word (kHighInPlace).
 template <bool kFive>
 struct MQK {
     static constexpr int kValues = 256, kBytes = kFive ? 176 : 144, kTasks = 4, kX = 2;
+    static constexpr bool kScale32 = true;
+    static constexpr bool kHighInPlace = !kFive && kUnsignedDot;
     __device__ static void task(const uint8_t* blk, int c, int (&w)[8 * kX], float (&a)[2 * kX],
                                 float (&b)[2 * kX], int (&xb)[kX]) {
-        int q[8];
+        int q[8], head[4];
         load_words16<8>(blk + (kFive ? 48 : 16) + 32 * c, q);
+        // d and dmin, then 12 bytes of 6-bit scales and minimums.
+        load_words16<4>(blk, head);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             w[i] = q[i] & 0x0F0F0F0F;
-            w[i + 8] = (q[i] >> 4) & 0x0F0F0F0F;
+            w[i + 8] = kHighInPlace ? (int)((uint32_t)q[i] & 0xF0F0F0F0u)
+                                    : (q[i] >> 4) & 0x0F0F0F0F;
         }
         if (kFive) {
             int h[8];
@@ -141,16 +164,26 @@ struct MQK {
                 w[i + 8] |= (int)((((uint32_t)h[i] >> (2 * c + 1)) & 0x01010101u) << 4);
             }
         }
-        const int* words = reinterpret_cast<const int*>(blk);
-        const int dm = words[0];
-        const int sw[3] = {words[1], words[2], words[3]};
+        const uint32_t dm = (uint32_t)head[0];
         const float d = __half2float(__ushort_as_half((unsigned short)(dm & 0xFFFF)));
-        const float dmin = __half2float(__ushort_as_half((unsigned short)((uint32_t)dm >> 16)));
+        const float dmin = __half2float(__ushort_as_half((unsigned short)(dm >> 16)));
+        // Sub-blocks 2c and 2c+1's scales and minimums (k_scale_min's, without its branch,
+        // which lanes of different c would both take): bytes 0-3 hold sub-blocks 0-3's
+        // low six bits, bytes 8-11 sub-blocks 4-7's low four, with their top two in the
+        // top bits of bytes 0-7.
+        const uint32_t s0 = (uint32_t)head[1], s1 = (uint32_t)head[2], s2 = (uint32_t)head[3];
+        const bool first = c < 2;
+        const uint32_t scw = first ? s0 & 0x3F3F3F3Fu
+                                   : (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+        const uint32_t mw = first ? s1 & 0x3F3F3F3Fu
+                                  : ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+        const int shift = 16 * (c & 1);
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
-            int sc, m;
-            k_scale_min(sw, 2 * c + x, sc, m);
-            a[2 * x] = a[2 * x + 1] = d * (float)sc;
+            const int sc = (int)((scw >> (shift + 8 * x)) & 0xFF);
+            const int m = (int)((mw >> (shift + 8 * x)) & 0xFF);
+            const float f = (kHighInPlace && x == 1) ? 0.0625f : 1.0f;
+            a[2 * x] = a[2 * x + 1] = d * (float)sc * f;
             b[2 * x] = b[2 * x + 1] = -dmin * (float)m;
             xb[x] = 2 * c + x;
         }
@@ -286,6 +319,7 @@ __device__ __forceinline__ int iq4_word(uint32_t q, int high) {
 // nibbles, 16-31 high).
 struct MIQ4_NL {
     static constexpr int kValues = 32, kBytes = 18, kTasks = 1, kX = 1;
+    static constexpr bool kScale32 = true;
     __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
                                 float (&b)[2 * kX], int (&xb)[kX]) {
         int q[4];
@@ -306,6 +340,7 @@ struct MIQ4_NL {
 // one 32-weight sub-block.
 struct MIQ4_XS {
     static constexpr int kValues = 256, kBytes = 136, kTasks = 8, kX = 1;
+    static constexpr bool kScale32 = true;
     __device__ static void task(const uint8_t* blk, int t, int (&w)[8 * kX], float (&a)[2 * kX],
                                 float (&b)[2 * kX], int (&xb)[kX]) {
         const int* q = reinterpret_cast<const int*>(blk + 8 + 16 * t);
@@ -574,6 +609,7 @@ __device__ __forceinline__ void mxfp4_words(uint32_t q, int& low, int& high) {
 
 struct MMXFP4 {
     static constexpr int kValues = 32, kBytes = 17, kTasks = 1, kX = 1;
+    static constexpr bool kScale32 = true;
     __device__ static void task(const uint8_t* blk, int, int (&w)[8 * kX], float (&a)[2 * kX],
                                 float (&b)[2 * kX], int (&xb)[kX]) {
         int q[4];
