@@ -94,20 +94,6 @@ __device__ __forceinline__ int dot4(int a, int b, int acc) {
 #endif
 }
 
-// acc + the dot product of a's four bytes, unsigned, with b's, signed: one instruction
-// where matvec_tasks.h's kUnsignedDot says so.
-__device__ __forceinline__ int dot4_unsigned(int a, int b, int acc) {
-#if defined(ROCMFORGE_HIP_NVIDIA)
-    int out;
-    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(acc));
-    return out;
-#else
-    const uint8_t* x = reinterpret_cast<const uint8_t*>(&a);
-    const int8_t* y = reinterpret_cast<const int8_t*>(&b);
-    return acc + x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
-#endif
-}
-
 }  // namespace rf
 
 #include "matvec_tasks.h"

@@ -125,12 +125,23 @@ struct MQ8_0 {
     }
 };
 
-// Whether matvec.hip's dot4_unsigned is one instruction: NVIDIA's dp4a takes unsigned
-// bytes against signed ones.
+// acc + the dot product of a's four bytes, unsigned, with b's, signed (kUnsignedDot:
+// whether that is one instruction, NVIDIA's dp4a.u32.s32; only tasks that say
+// kHighInPlace, which needs it, meet their words through it).
 #if defined(ROCMFORGE_HIP_NVIDIA)
 constexpr bool kUnsignedDot = true;
+__device__ __forceinline__ int dot4_unsigned(int a, int b, int acc) {
+    int out;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(acc));
+    return out;
+}
 #else
 constexpr bool kUnsignedDot = false;
+__device__ __forceinline__ int dot4_unsigned(int a, int b, int acc) {
+    const uint8_t* x = reinterpret_cast<const uint8_t*>(&a);
+    const int8_t* y = reinterpret_cast<const int8_t*>(&b);
+    return acc + x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
+}
 #endif
 
 // Q4_K and Q5_K: a task is one 64-weight chunk c, whose 32 bytes hold sub-block 2c in
