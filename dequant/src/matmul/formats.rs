@@ -14,6 +14,10 @@ pub(crate) trait Kernel {
     /// ([`Kernel::tile_avx512`]); else one.
     const AVX512_TILES: bool = false;
 
+    /// Whether the AVX2 path multiplies a batch four rows at a time, eight tokens a call
+    /// ([`Kernel::tile8_avx2`]); else one row at a time.
+    const AVX2_TILES: bool = false;
+
     /// One row of weights (whole blocks) · one token's activations, portable code.
     fn dot(row: &[u8], act: <Self::Acts as ActSet>::Row<'_>) -> f32;
 
@@ -38,6 +42,26 @@ pub(crate) trait Kernel {
         rows: [&[u8]; R],
         acts: [<Self::Acts as ActSet>::Row<'_>; N],
     ) -> [[f32; N]; R];
+
+    /// Four rows of weights · eight tokens on the AVX2 path, with the bits of
+    /// [`Kernel::dot_avx2`] row by row and four tokens at a time (which this default
+    /// calls).
+    ///
+    /// # Safety
+    /// As [`Kernel::dot_avx2`].
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn tile8_avx2(
+        rows: [&[u8]; 4],
+        acts: [<Self::Acts as ActSet>::Row<'_>; 8],
+    ) -> [[f32; 8]; 4] {
+        let [a0, a1, a2, a3, a4, a5, a6, a7] = acts;
+        let tile = |acts| {
+            // SAFETY: the caller upholds this function's contract, which is the callee's.
+            rows.map(|row| unsafe { Self::dot_avx2::<1, 4>([row], acts) }[0])
+        };
+        avx2::join_tiles(tile([a0, a1, a2, a3]), tile([a4, a5, a6, a7]))
+    }
 
     /// Four rows of weights · `N` ≤ 4 tokens on the AVX-512 path, with the bits of
     /// [`Kernel::dot_avx512`] row by row (which this default calls).
@@ -77,9 +101,30 @@ pub(crate) trait Kernel {
     }
 }
 
+/// The items of a `Kernel` impl whose AVX2 tiles of eight tokens are `$tile8`.
+macro_rules! avx2_tiles {
+    ($tile8:path) => {
+        const AVX2_TILES: bool = true;
+
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn tile8_avx2(
+            rows: [&[u8]; 4],
+            acts: [<Self::Acts as ActSet>::Row<'_>; 8],
+        ) -> [[f32; 8]; 4] {
+            // SAFETY: the caller upholds this function's contract, which is the callee's.
+            unsafe { $tile8(rows, acts) }
+        }
+    };
+}
+
 macro_rules! kernel {
     ($name:ident, $acts:ty, $portable:path, $avx2:path) => {
         kernel!($name, $acts, $portable, $avx2, $avx2);
+    };
+    ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path,
+     avx2_tiles = $tile8:path) => {
+        kernel!($name, $acts, $portable, $avx2, $avx512, { avx2_tiles!($tile8); });
     };
     ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path, tiles = $tile:path) => {
         kernel!($name, $acts, $portable, $avx2, $avx512, {
@@ -230,7 +275,8 @@ kernel!(
     Q8KActs,
     portable::dot_q4_k_packed,
     avx2::kquants::dot_q4_k_packed,
-    avx512::kquants::dot_q4_k_packed
+    avx512::kquants::dot_q4_k_packed,
+    avx2_tiles = avx2::kquants::tile8_q4_k_packed
 );
 kernel!(Q2_K, Q8KActs, portable::dot_q2_k, avx2::lanes::dot_q2_k);
 kernel!(Q3_K, Q8KActs, portable::dot_q3_k, avx2::lanes::dot_q3_k);

@@ -27,7 +27,9 @@
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
-use super::{hsum_epi32, hsum_epi32_128, hsum_ps, lanes_of_128, lanes_of_epi32_128, load32};
+use super::{
+    hsum_epi32, hsum_epi32_128, hsum_ps, lanes_of, lanes_of_128, lanes_of_epi32_128, load32,
+};
 use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
 use crate::matmul::activation::{Q8KRow, BSUM_GROUP, QK_K};
 
@@ -380,6 +382,137 @@ unsafe fn dot_q45_k<const FIVE: bool, const PACKED: bool, const R: usize, const 
         }
     }
     out
+}
+
+/// The sums of eight vectors' i32 lanes: lane `k` of the result is `Σ v[k]` (exact, in
+/// any order).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum8_epi32(v: [__m256i; 8]) -> __m256i {
+    // Each 128-bit half of `low` holds v[0..4]'s sums over that half; `high` v[4..8]'s.
+    let low = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    let high = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(low, high),
+        _mm256_permute2x128_si256::<0x31>(low, high),
+    )
+}
+
+/// Four rows of a `Q4_K` matrix llama.cpp repacks against eight tokens: where every
+/// token is in a whole group of four of the batch (its repacked GEMM's), the GEMM's
+/// float operations on eight lanes, lane `t` token `t`'s, each 64 values' integer sum
+/// reduced across the tokens' vectors at once; otherwise two calls of
+/// [`dot_q4_k_packed`]'s four tokens. Every row and token gets the bits of
+/// [`dot_q4_k_packed`]: for each super-block and each 64 values in order, the sum fused
+/// at `d · dx` and the mins at `dmin · dx`, then one subtracted from the other.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn tile8_q4_k_packed(rows: [&[u8]; 4], acts: [Q8KRow<'_>; 8]) -> [[f32; 8]; 4] {
+    if !acts.iter().all(|a| a.packed_gemm) {
+        let [a0, a1, a2, a3, a4, a5, a6, a7] = acts;
+        // SAFETY: the features are present per this function's contract.
+        let tile = |acts| rows.map(|row| unsafe { dot_q4_k_packed::<1, 4>([row], acts) }[0]);
+        return super::join_tiles(tile([a0, a1, a2, a3]), tile([a4, a5, a6, a7]));
+    }
+    let nb = blocks(&rows, Q4_K_BYTES, &acts);
+    let low4 = _mm256_set1_epi8(0x0F);
+    let mut sums = [_mm256_setzero_ps(); 4];
+    let mut sum_mins = [_mm256_setzero_ps(); 4];
+    for b in 0..nb {
+        // SAFETY: b < nb bounds the activations.
+        let (qx, bsums) = unsafe { act_ptrs(&acts, b) };
+        let dx = _mm256_setr_ps(
+            acts[0].d[b],
+            acts[1].d[b],
+            acts[2].d[b],
+            acts[3].d[b],
+            acts[4].d[b],
+            acts[5].d[b],
+            acts[6].d[b],
+            acts[7].d[b],
+        );
+        // Each token's sums of its eight sub-blocks (32 values of |q| ≤ 127: an i16
+        // each), as four i32 lanes of pairs (sub-blocks 2j, 2j + 1)...
+        let pairs = bsums.map(|bsums| {
+            // SAFETY: 16 sums are readable behind each pointer.
+            let sums16 = unsafe { _mm256_loadu_si256(bsums.cast()) };
+            _mm_hadd_epi16(
+                _mm256_castsi256_si128(sums16),
+                _mm256_extracti128_si256::<1>(sums16),
+            )
+        });
+        // ... turned so that `by_j[j]`'s lane t is token t's pair j.
+        let y: [__m256i; 4] = std::array::from_fn(|t| {
+            _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(pairs[t]), pairs[t + 4])
+        });
+        let (t01, t23) = (
+            [
+                _mm256_unpacklo_epi32(y[0], y[1]),
+                _mm256_unpackhi_epi32(y[0], y[1]),
+            ],
+            [
+                _mm256_unpacklo_epi32(y[2], y[3]),
+                _mm256_unpackhi_epi32(y[2], y[3]),
+            ],
+        );
+        let by_j = [
+            _mm256_unpacklo_epi64(t01[0], t23[0]),
+            _mm256_unpackhi_epi64(t01[0], t23[0]),
+            _mm256_unpacklo_epi64(t01[1], t23[1]),
+            _mm256_unpackhi_epi64(t01[1], t23[1]),
+        ];
+        for r in 0..4 {
+            // SAFETY: b < nb bounds the block, whose fields these read.
+            let (d_dmin, scales_mins, (_, mins), qs) = unsafe {
+                let block = rows[r].as_ptr().add(b * Q4_K_BYTES);
+                let scales = block.add(offset_of!(BlockQ4_K, scales));
+                (
+                    lanes_of_128(f16_pair(block)),
+                    k_scales_mins(scales),
+                    k_scales_mins_bytes(scales),
+                    block.add(offset_of!(BlockQ4_K, qs)),
+                )
+            };
+            let d = _mm256_mul_ps(_mm256_set1_ps(d_dmin[0]), dx);
+            let dmin = _mm256_mul_ps(_mm256_set1_ps(d_dmin[1]), dx);
+            let scales = _mm256_permute2x128_si256::<0x00>(scales_mins, scales_mins);
+            let (mut sum, mut sum_min) = (sums[r], sum_mins[r]);
+            #[allow(clippy::needless_range_loop)] // j picks the scales and the activations too
+            for j in 0..4 {
+                // SAFETY: the 32 bytes of chunk j lie inside the block.
+                let packed = unsafe { load32(qs.add(32 * j)) };
+                let lo = _mm256_and_si256(packed, low4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), low4);
+                let scale_lo = _mm256_shuffle_epi8(scales, pick_i16(2 * j, 2 * j));
+                let scale_hi = _mm256_shuffle_epi8(scales, pick_i16(2 * j + 1, 2 * j + 1));
+                let dots = qx.map(|qx| {
+                    // SAFETY: 256 activations are readable behind each pointer.
+                    let (x_lo, x_hi) = unsafe {
+                        (
+                            load32(qx.add(64 * j).cast()),
+                            load32(qx.add(64 * j + 32).cast()),
+                        )
+                    };
+                    _mm256_add_epi32(
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x_lo), scale_lo),
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x_hi), scale_hi),
+                    )
+                });
+                let part = _mm256_cvtepi32_ps(hsum8_epi32(dots));
+                // The mins of sub-blocks 2j and 2j + 1, as one i16 pair against each
+                // token's pair of sums.
+                let pair = ((mins >> (16 * j)) & 0xFF) | (((mins >> (16 * j + 8)) & 0xFF) << 16);
+                let min = _mm256_madd_epi16(by_j[j], _mm256_set1_epi32(pair as i32));
+                sum = _mm256_fmadd_ps(part, d, sum);
+                sum_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min), dmin, sum_min);
+            }
+            (sums[r], sum_mins[r]) = (sum, sum_min);
+        }
+    }
+    std::array::from_fn(|r| lanes_of(_mm256_sub_ps(sums[r], sum_mins[r])))
 }
 
 /// `R` `Q4_K` rows against `N` tokens, of a matrix llama.cpp does not repack.

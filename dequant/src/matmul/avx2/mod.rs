@@ -71,6 +71,12 @@ pub(crate) trait RowKernels: Copy {
         false
     }
 
+    /// Whether the tiles also take the tokens past a batch's groups of eight, four or
+    /// fewer at a time ([`RowKernels::tile`]); else the one-row kernels do.
+    fn small_tiles<K: Kernel>(self) -> bool {
+        self.tiles::<K>()
+    }
+
     /// `K`'s four rows · `N` tokens in this set, with the bits of [`RowKernels::dot`]
     /// row by row (which this default calls).
     fn tile<K: Kernel, const N: usize>(
@@ -121,6 +127,24 @@ impl RowKernels for Avx2 {
         // SAFETY: `self` exists only when `detect` found AVX2, FMA and F16C on this CPU,
         // the kernels' only requirement (they bound every access by their slices).
         unsafe { K::dot_avx2::<R, N>(rows, acts) }
+    }
+
+    fn tiles<K: Kernel>(self) -> bool {
+        K::AVX2_TILES
+    }
+
+    fn small_tiles<K: Kernel>(self) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    fn tile8<K: Kernel>(
+        self,
+        rows: [&[u8]; 4],
+        acts: [<K::Acts as ActSet>::Row<'_>; 8],
+    ) -> [[f32; 8]; 4] {
+        // SAFETY: as `dot`'s.
+        unsafe { K::tile8_avx2(rows, acts) }
     }
 }
 
@@ -174,33 +198,37 @@ pub(crate) unsafe fn rows<K: Kernel, P: RowKernels>(
         }
         return;
     }
-    let (block, tile) = (
-        rows_per_block(row_bytes),
-        token_tile(K::Acts::row_bytes(acts.cols())),
-    );
+    let mut tile = token_tile(K::Acts::row_bytes(acts.cols()));
+    let tiles = kernels.tiles::<K>();
+    if tiles && !kernels.small_tiles::<K>() {
+        // Whole tiles of eight tokens. They read a block's activations of eight tokens
+        // at a time, a few KiB, for their four rows: wide rows still take eight a call.
+        tile = (tile / 8 * 8).max(8);
+    }
+    let block = rows_per_block(row_bytes);
     for r0 in (0..n_rows).step_by(block) {
         for t0 in (0..n_tokens).step_by(tile) {
             let t1 = (t0 + tile).min(n_tokens);
             let r1 = (r0 + block).min(n_rows);
             let mut r = r0;
-            if kernels.tiles::<K>() {
+            // The tokens the tiles leave to the one-row kernels in the rows they take.
+            let mut rest = t0;
+            if tiles {
+                rest = if kernels.small_tiles::<K>() || t1 - t0 >= 8 {
+                    t1
+                } else {
+                    t0
+                };
                 while r + 4 <= r1 {
-                    at.run_tile(r, t0, t1);
+                    at.run_tile(r, t0, rest);
                     r += 4;
                 }
             }
-            for r in r..r1 {
-                let mut t = t0;
-                while t + 4 <= t1 {
-                    at.run::<1, 4>(r, t);
-                    t += 4;
-                }
-                match t1 - t {
-                    3 => at.run::<1, 3>(r, t),
-                    2 => at.run::<1, 2>(r, t),
-                    1 => at.run::<1, 1>(r, t),
-                    _ => {}
-                }
+            for row in r0..r {
+                at.run_tokens(row, rest, t1);
+            }
+            for row in r..r1 {
+                at.run_tokens(row, t0, t1);
             }
         }
     }
@@ -260,6 +288,24 @@ impl<K: Kernel, P: RowKernels> Tile<'_, '_, '_, K, P> {
             3 => self.tile::<3>(r0, t),
             2 => self.tile::<2>(r0, t),
             1 => self.tile::<1>(r0, t),
+            _ => {}
+        }
+    }
+
+    /// Row `r` · tokens `t0..t1` by the one-row kernels, four tokens a call (then the
+    /// rest).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn run_tokens(&mut self, r: usize, t0: usize, t1: usize) {
+        let mut t = t0;
+        while t + 4 <= t1 {
+            self.run::<1, 4>(r, t);
+            t += 4;
+        }
+        match t1 - t {
+            3 => self.run::<1, 3>(r, t),
+            2 => self.run::<1, 2>(r, t),
+            1 => self.run::<1, 1>(r, t),
             _ => {}
         }
     }

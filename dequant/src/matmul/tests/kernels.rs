@@ -525,7 +525,9 @@ fn every_path_gives_the_portable_products_bit_for_bit() {
         for (rows, cols) in shapes {
             let bytes = random_matrix(ty, rows, cols, 500 + i as u64);
             let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
-            for n_tokens in 1..=GEMM_MIN_TOKENS + 1 {
+            // Up to past GEMM_MIN_TOKENS, and a batch of two groups of eight (the AVX2
+            // path's tiles of `Q4_K`) and four.
+            for n_tokens in (1..=GEMM_MIN_TOKENS + 1).chain([2 * GEMM_MIN_TOKENS + 4]) {
                 let x = random_x(n_tokens * cols, 50 + i as u64);
                 let mut portable = vec![0.0; n_tokens * rows];
                 matrix
