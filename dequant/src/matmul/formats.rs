@@ -101,19 +101,18 @@ pub(crate) trait Kernel {
     }
 }
 
-/// The items of a `Kernel` impl whose AVX2 tiles of eight tokens are `$tile8`.
-macro_rules! avx2_tiles {
-    ($tile8:path) => {
-        const AVX2_TILES: bool = true;
-
+/// A `Kernel` impl's method `$method` (`tile8_avx2`, `tile8_avx512`): four rows ·
+/// eight tokens by `$tile`.
+macro_rules! tile8_method {
+    ($method:ident, $tile:path) => {
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
-        unsafe fn tile8_avx2(
+        unsafe fn $method(
             rows: [&[u8]; 4],
             acts: [<Self::Acts as ActSet>::Row<'_>; 8],
         ) -> [[f32; 8]; 4] {
             // SAFETY: the caller upholds this function's contract, which is the callee's.
-            unsafe { $tile8(rows, acts) }
+            unsafe { $tile(rows, acts) }
         }
     };
 }
@@ -124,7 +123,10 @@ macro_rules! kernel {
     };
     ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path,
      avx2_tiles = $tile8:path) => {
-        kernel!($name, $acts, $portable, $avx2, $avx512, { avx2_tiles!($tile8); });
+        kernel!($name, $acts, $portable, $avx2, $avx512, {
+            const AVX2_TILES: bool = true;
+            tile8_method!(tile8_avx2, $tile8);
+        });
     };
     ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path, tiles = $tile:path) => {
         kernel!($name, $acts, $portable, $avx2, $avx512, {
@@ -141,16 +143,7 @@ macro_rules! kernel {
                 unsafe { $tile(rows, acts) }
             }
 
-            #[cfg(target_arch = "x86_64")]
-            #[inline(always)]
-            unsafe fn tile8_avx512(
-                rows: [&[u8]; 4],
-                acts: [<Self::Acts as ActSet>::Row<'_>; 8],
-            ) -> [[f32; 8]; 4] {
-                // SAFETY: the caller upholds this function's contract, which is the
-                // callee's.
-                unsafe { $tile(rows, acts) }
-            }
+            tile8_method!(tile8_avx512, $tile);
         });
     };
     ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path) => {
