@@ -1,6 +1,8 @@
 //! Splits a product into chunks of rows for rayon and tiles each chunk for the cache.
 
 use std::ops::Range;
+use std::sync::atomic::AtomicU32;
+use std::sync::atomic::Ordering::Relaxed;
 
 use gguf_format::GgmlType;
 use rayon::prelude::*;
@@ -126,10 +128,49 @@ pub(crate) fn token_tile(act_row_bytes: usize) -> usize {
 
 /// Where a task's results go: the value of row `r` and token `t` (both counted from
 /// the task's first) lands at `data[r * row_stride + t * token_stride]`.
+///
+/// The values are held as their bits in atomics, so that the tasks of a batch split by
+/// rows can each write their rows of the shared token-major output in place (disjoint
+/// elements, relaxed stores: plain stores on x86-64), with no buffer of their own to
+/// allocate, zero and copy back.
 pub(crate) struct Out<'o> {
-    pub data: &'o mut [f32],
-    pub row_stride: usize,
-    pub token_stride: usize,
+    data: &'o [AtomicU32],
+    row_stride: usize,
+    token_stride: usize,
+}
+
+impl<'o> Out<'o> {
+    /// Results written into `data`.
+    pub(crate) fn new(data: &'o mut [f32], row_stride: usize, token_stride: usize) -> Self {
+        Out::shared(as_atomic(data), row_stride, token_stride)
+    }
+
+    /// Results written into `data`, which other tasks may also write (elsewhere).
+    fn shared(data: &'o [AtomicU32], row_stride: usize, token_stride: usize) -> Self {
+        Out {
+            data,
+            row_stride,
+            token_stride,
+        }
+    }
+
+    /// Stores `v` as row `r`'s product with token `t`.
+    #[inline(always)]
+    pub(crate) fn set(&self, r: usize, t: usize, v: f32) {
+        self.data[r * self.row_stride + t * self.token_stride].store(v.to_bits(), Relaxed);
+    }
+}
+
+/// `y` as the atomics an [`Out`] writes through.
+fn as_atomic(y: &mut [f32]) -> &[AtomicU32] {
+    const {
+        assert!(size_of::<AtomicU32>() == size_of::<f32>());
+        assert!(align_of::<AtomicU32>() <= align_of::<f32>());
+    };
+    // SAFETY: same size, and an alignment `f32`'s satisfies; every bit pattern is a
+    // valid `u32`; the exclusive borrow of `y` is held for the view's whole lifetime, so
+    // nothing else reads or writes the values meanwhile.
+    unsafe { std::slice::from_raw_parts(y.as_mut_ptr().cast::<AtomicU32>(), y.len()) }
 }
 
 /// `$call::<K>$args` for `K` the kernel of `$m`'s type, in the repacked layout where
@@ -186,11 +227,7 @@ fn run_kernel<K: Kernel>(
     let (weights, row_bytes, n_rows) = (m.bytes(), m.row_bytes(), m.rows());
     match split(n_rows, row_bytes, n_tokens, K::Acts::row_bytes(m.cols())) {
         Split::Serial => {
-            let out = Out {
-                data: y,
-                row_stride: 1,
-                token_stride: n_rows,
-            };
+            let out = Out::new(y, 1, n_rows);
             rows::<K>(exec, weights, row_bytes, &acts, 0..n_tokens, out);
         }
         Split::Tokens(per_task) => {
@@ -199,11 +236,7 @@ fn run_kernel<K: Kernel>(
                 .for_each(|(c, data)| {
                     let first = c * per_task;
                     let tokens = first..first + data.len() / n_rows;
-                    let out = Out {
-                        data,
-                        row_stride: 1,
-                        token_stride: n_rows,
-                    };
+                    let out = Out::new(data, 1, n_rows);
                     rows::<K>(exec, weights, row_bytes, &acts, tokens, out);
                 })
         }
@@ -213,47 +246,18 @@ fn run_kernel<K: Kernel>(
                 .for_each(|(c, data)| {
                     let w =
                         &weights[c * per_task * row_bytes..(c * per_task + data.len()) * row_bytes];
-                    rows::<K>(
-                        exec,
-                        w,
-                        row_bytes,
-                        &acts,
-                        0..1,
-                        Out {
-                            data,
-                            row_stride: 1,
-                            token_stride: 0,
-                        },
-                    );
+                    rows::<K>(exec, w, row_bytes, &acts, 0..1, Out::new(data, 1, 0));
                 })
         }
         Split::Rows(per_task) => {
-            // Each task fills a token-major buffer of its rows; every token's row of `y`
-            // is then assembled from one contiguous piece per task.
-            let parts: Vec<Vec<f32>> = weights
+            // Each task writes its rows of every token's row of `y` in place.
+            let y = as_atomic(y);
+            weights
                 .par_chunks(per_task * row_bytes)
-                .map(|w| {
-                    let count = w.len() / row_bytes;
-                    let mut data = vec![0.0f32; count * n_tokens];
-                    let out = Out {
-                        data: &mut data,
-                        row_stride: 1,
-                        token_stride: count,
-                    };
-                    rows::<K>(exec, w, row_bytes, &acts, 0..n_tokens, out);
-                    data
-                })
-                .collect();
-            y.par_chunks_mut(n_rows)
                 .enumerate()
-                .for_each(|(t, y_token)| {
-                    let mut first = 0;
-                    for part in &parts {
-                        let count = part.len() / n_tokens;
-                        y_token[first..first + count]
-                            .copy_from_slice(&part[t * count..(t + 1) * count]);
-                        first += count;
-                    }
+                .for_each(|(c, w)| {
+                    let out = Out::shared(&y[c * per_task..], 1, n_rows);
+                    rows::<K>(exec, w, row_bytes, &acts, 0..n_tokens, out);
                 });
         }
     }
@@ -316,12 +320,7 @@ fn run_many_kernel<K: Kernel>(
         }
     }
     let work = |(w, row_bytes, data): (&[u8], usize, &mut [f32])| {
-        let out = Out {
-            data,
-            row_stride: 1,
-            token_stride: 0,
-        };
-        rows::<K>(exec, w, row_bytes, &acts, 0..1, out);
+        rows::<K>(exec, w, row_bytes, &acts, 0..1, Out::new(data, 1, 0));
     };
     if !parallel || tasks.len() == 1 {
         tasks.into_iter().for_each(work);
@@ -367,8 +366,7 @@ fn rows_portable<K: Kernel>(
             for r in r0..(r0 + block).min(n_rows) {
                 let row = &w[r * row_bytes..(r + 1) * row_bytes];
                 for t in t0..t1 {
-                    out.data[r * out.row_stride + (t - tokens.start) * out.token_stride] =
-                        K::dot(row, acts.row(t));
+                    out.set(r, t - tokens.start, K::dot(row, acts.row(t)));
                 }
             }
         }

@@ -344,14 +344,9 @@ impl<K: Kernel, P: RowKernels> Tile<'_, '_, '_, K, P> {
         t0: usize,
         dots: &[[f32; N]; R],
     ) {
-        let Out {
-            data,
-            row_stride,
-            token_stride,
-        } = &mut self.out;
         for (i, dots) in dots.iter().enumerate() {
             for (j, &v) in dots.iter().enumerate() {
-                data[(r0 + i) * *row_stride + (t0 + j) * *token_stride] = v;
+                self.out.set(r0 + i, t0 + j, v);
             }
         }
     }
