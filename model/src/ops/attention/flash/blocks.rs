@@ -57,6 +57,10 @@ pub(in super::super) fn tiled_blocks(
     let avx2 = std::arch::is_x86_feature_detected!("avx2");
     #[cfg(not(target_arch = "x86_64"))]
     let avx2 = false;
+    // Where the products take their AVX-512 kernels, so does this: 32 vector registers
+    // hold two queries' scores of a tile of keys, which spill from AVX2's 16.
+    #[cfg(target_arch = "x86_64")]
+    let wide = fma && dequant::matmul::best_path() == dequant::DecodePath::Avx512;
     let scratch = || BlockScratch {
         avx2,
         ..BlockScratch::default()
@@ -65,6 +69,13 @@ pub(in super::super) fn tiled_blocks(
         .enumerate()
         .for_each_init(scratch, |s, (b, o)| {
             let tokens = b * Q_BLOCK..(b * Q_BLOCK + Q_BLOCK).min(n_tokens);
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                // SAFETY: the products' AVX-512 path is taken only where the CPU has
+                // AVX-512 F and VL (and FMA, which every such CPU has, asked too).
+                unsafe { block_avx512(batch, tokens, s, o) };
+                return;
+            }
             #[cfg(target_arch = "x86_64")]
             if fma {
                 // SAFETY: the caller found FMA on this CPU, the feature `block_fma` needs.
@@ -81,6 +92,14 @@ pub(in super::super) fn tiled_blocks(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma")]
 fn block_fma(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut [f32]) {
+    block(batch, tokens, s, o);
+}
+
+/// [`block`] compiled for AVX-512 (F and VL) with FMA: the same chains of fused
+/// multiply-adds lane by lane, so the same bits, in wider vectors and more registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,fma")]
+fn block_avx512(batch: &Batch<'_>, tokens: Range<usize>, s: &mut BlockScratch, o: &mut [f32]) {
     block(batch, tokens, s, o);
 }
 
