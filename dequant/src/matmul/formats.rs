@@ -15,7 +15,8 @@ pub(crate) trait Kernel {
     const AVX512_TILES: bool = false;
 
     /// Whether the AVX2 path multiplies a batch four rows at a time, eight tokens a call
-    /// ([`Kernel::tile8_avx2`]); else one row at a time.
+    /// ([`Kernel::tile8_avx2`]); else one row at a time. The AVX-512 path takes these
+    /// tiles too where the format has none of its own ([`Kernel::AVX512_TILES`]).
     const AVX2_TILES: bool = false;
 
     /// One row of weights (whole blocks) · one token's activations, portable code.

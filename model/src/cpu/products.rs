@@ -130,8 +130,7 @@ pub(crate) fn resize(buf: &mut Vec<f32>, len: usize) {
 }
 
 /// `buf` at `len` values for a product that writes every one of them: only room it did
-/// not have is zeroed (zeroing a prompt's outputs before each product cost about 2% of
-/// a small model's prefill).
+/// not have is zeroed, not what the product overwrites anyway.
 fn resize_for_overwrite(buf: &mut Vec<f32>, len: usize) {
     buf.truncate(len);
     buf.resize(len, 0.0);
