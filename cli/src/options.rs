@@ -438,6 +438,11 @@ pub struct TuningArgs {
     /// ROCMFORGE_FLASH_MMA=0.
     #[arg(long, value_enum)]
     flash_mma: Option<Switch>,
+    /// On a GPU, whether a decode step's attention over f16 caches with heads of 32, 64
+    /// or 128 values gives each 32-lane group blocks of 32 keys, a key a lane; off takes
+    /// the kernel every cache type runs. Default: on, unless ROCMFORGE_WARP_ATTENTION=0.
+    #[arg(long, value_enum)]
+    warp_attention: Option<Switch>,
     /// On a GPU that does not hold the whole model, the device's share (0 to 1) of the
     /// rows of the layers the CPU computes while decoding; 0 leaves them all to the CPU.
     /// Default: ROCMFORGE_HOST_ROWS_ON_GPU, else the share the CPU's threads give.
@@ -473,6 +478,9 @@ impl TuningArgs {
         }
         if let Some(switch) = self.flash_mma {
             tuning.gpu.flash_mma = switch.on();
+        }
+        if let Some(switch) = self.warp_attention {
+            tuning.gpu.warp_attention = switch.on();
         }
         if let Some(share) = self.host_rows_on_gpu {
             tuning.gpu.host_rows_share = Some(share);

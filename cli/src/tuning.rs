@@ -8,6 +8,7 @@
 //! | `ROCMFORGE_CPU_AVX512` | [`dequant::matmul::set_avx512_allowed`] | allowed; `0` keeps the CPU's products on the AVX2 kernels |
 //! | `ROCMFORGE_CHAINED_LAUNCH` | [`hip_backend::set_chained_launch`] | allowed; `0` launches every kernel plainly |
 //! | `ROCMFORGE_FLASH_MMA` | [`GpuTuning::flash_mma`] | allowed; `0` keeps a prompt's attention off the matrix units |
+//! | `ROCMFORGE_WARP_ATTENTION` | [`GpuTuning::warp_attention`] | on; `0` gives a decode step's attention over f16 caches the kernel every cache type runs |
 //! | `ROCMFORGE_HOST_ROWS_ON_GPU` | [`GpuTuning::host_rows_share`] | the CPU's threads decide; a share between 0 and 1 |
 //! | `ROCMFORGE_EXPERT_LINK_SLOTS` | [`GpuTuning::expert_link_slots`] | up to 4 a layer, a quarter of the budget's slots at most; `0` leaves every missed expert's routes to the CPU |
 //! | `ROCMFORGE_EXPERTS_IN_PLACE` | [`GpuTuning::experts_in_place`] | on; `0` splits a few tokens' missed routes between the link slots and the CPU |
@@ -22,6 +23,9 @@ pub const CPU_AVX512_ENV: &str = "ROCMFORGE_CPU_AVX512";
 pub const CHAINED_LAUNCH_ENV: &str = "ROCMFORGE_CHAINED_LAUNCH";
 /// Set to `0`, a prompt's attention on the GPU keeps off the matrix units.
 pub const FLASH_MMA_ENV: &str = "ROCMFORGE_FLASH_MMA";
+/// Set to `0`, a decode step's attention over f16 caches takes the kernel every cache
+/// type runs, not the one whose 32-lane groups take a key a lane.
+pub const WARP_ATTENTION_ENV: &str = "ROCMFORGE_WARP_ATTENTION";
 /// A share between 0 and 1: the device's share of the host layers' rows.
 pub const HOST_ROWS_ON_GPU_ENV: &str = "ROCMFORGE_HOST_ROWS_ON_GPU";
 /// A count: a mixture of experts' link slots a layer over budget.
@@ -67,6 +71,9 @@ impl Tuning {
         }
         if switched_off(var(FLASH_MMA_ENV)) {
             tuning.gpu.flash_mma = false;
+        }
+        if switched_off(var(WARP_ATTENTION_ENV)) {
+            tuning.gpu.warp_attention = false;
         }
         if let Some(value) = var(HOST_ROWS_ON_GPU_ENV) {
             match parse_share(&value) {
@@ -140,6 +147,7 @@ mod tests {
         assert!(tuning.cpu_avx512);
         assert!(tuning.chained_launch);
         assert!(tuning.gpu.flash_mma);
+        assert!(tuning.gpu.warp_attention);
         assert_eq!(tuning.gpu.staging_ring, StagingRing::Region);
         assert_eq!(tuning.gpu.host_rows_share, None);
         assert!(tuning.gpu.experts_in_place);
@@ -151,6 +159,7 @@ mod tests {
             (CPU_AVX512_ENV, "0"),
             (CHAINED_LAUNCH_ENV, "0"),
             (FLASH_MMA_ENV, "0"),
+            (WARP_ATTENTION_ENV, "0"),
             (STAGING_RING_ENV, "separate"),
             (HOST_ROWS_ON_GPU_ENV, " 0.25\n"),
             (EXPERT_LINK_SLOTS_ENV, "2"),
@@ -159,6 +168,7 @@ mod tests {
         assert!(!tuning.cpu_avx512);
         assert!(!tuning.chained_launch);
         assert!(!tuning.gpu.flash_mma);
+        assert!(!tuning.gpu.warp_attention);
         assert_eq!(tuning.gpu.staging_ring, StagingRing::Separate);
         assert_eq!(tuning.gpu.host_rows_share, Some(0.25));
         assert_eq!(tuning.gpu.expert_link_slots, Some(2));

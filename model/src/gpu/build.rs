@@ -171,6 +171,7 @@ impl GpuModel {
             batch_room,
             pages.as_ref(),
             options.tuning.flash_mma,
+            options.tuning.warp_attention,
             options.kv_types,
         )?;
         let residency = Residency::plan(

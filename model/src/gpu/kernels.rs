@@ -231,6 +231,7 @@ mod sys {
             done: *mut c_void,
             out: *mut c_void,
             out_q8: *mut c_void,
+            warps: c_int,
             device: c_int,
             stream: *mut c_void,
         ) -> c_int;

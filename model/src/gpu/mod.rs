@@ -138,6 +138,11 @@ pub struct GpuTuning {
     /// (NVIDIA, compute capability 8.0 and later); `false` takes the f32 kernel AMD runs.
     /// Default `true`.
     pub flash_mma: bool,
+    /// Whether a decode step's attention over f16 caches whose heads are 32, 64 or 128
+    /// values wide gives each 32-lane group blocks of 32 keys, a key a lane
+    /// (`AttentionShape::warps`); `false` takes the kernel every cache type runs.
+    /// Default `true`.
+    pub warp_attention: bool,
     /// Over budget, the device's share of the rows of the host layers' products
     /// (between 0 and 1; 0 leaves every row to the CPU); `None`, the default: the share
     /// the CPU's threads give, so that both finish at about the same time.
@@ -162,6 +167,7 @@ impl Default for GpuTuning {
     fn default() -> GpuTuning {
         GpuTuning {
             flash_mma: true,
+            warp_attention: true,
             host_rows_share: None,
             expert_link_slots: None,
             experts_in_place: true,

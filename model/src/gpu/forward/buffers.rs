@@ -163,6 +163,7 @@ impl Buffers {
         batch: usize,
         paged: Option<&PageShape>,
         flash_mma: bool,
+        warp_attention: bool,
         kv_types: KvTypes,
     ) -> Result<Buffers, ModelError> {
         // Activations for a prompt's chunk of `batch` tokens; Q8 blocks for the few
@@ -191,6 +192,7 @@ impl Buffers {
             softcap: c.attn_logit_softcap,
             n_chunks,
             chunk,
+            warps: warp_attention,
         };
         let embd_ty = plan.token_embd.weight.ggml_type();
         let row_bytes = embd_ty.row_bytes(c.n_embd as u64).unwrap_or(0) as usize;

@@ -45,6 +45,11 @@ pub struct AttentionShape {
     pub n_chunks: usize,
     /// Keys per chunk (at most [`MAX_ATTENTION_CHUNK`]).
     pub chunk: usize,
+    /// Whether f16 caches whose key and value heads are 32, 64 or 128 values wide take
+    /// the kernel that gives each 32-lane group blocks of 32 keys, a key a lane, in
+    /// chunks of at least 128 keys (`GpuTuning::warp_attention`); otherwise, or for other
+    /// caches, the kernel that spreads each key over a few lanes.
+    pub warps: bool,
 }
 
 impl AttentionShape {
@@ -178,6 +183,7 @@ pub fn attention(
         done.as_mut_ptr(),
         out.as_mut_ptr(),
         q8_ptr,
+        i32::from(s.warps),
         device,
         stream.as_raw(),
     )

@@ -128,6 +128,65 @@ pub(super) fn quantized_cache(name: &str, types: KvTypes) {
     );
 }
 
+/// The two kernels of a decode step's attention over an f16 cache
+/// (`GpuTuning::warp_attention`: a key a lane in 32-lane groups, or a key over a few
+/// lanes), teacher-forced over a prompt of 200 tokens and 60 decoded ones, which the
+/// warps kernel splits into two chunks of 128 keys merged by the last to finish (and
+/// which pass gpt-oss's and gemma2's sliding windows). The kernels differ only in the
+/// order of the attention's sums, so each stays as close to the CPU as the other: the
+/// warps kernel's mean KL divergence from the CPU over the decoded rows is held to
+/// twice the other's (a wrong key, weight or chunk would stray by orders of magnitude
+/// more), and the two give the same top token wherever the CPU's top two are not
+/// within the logits' tolerance of each other.
+pub(super) fn decode_kernels(name: &str, types: KvTypes) {
+    let test = format!("gpu_decode_kernels_{name}");
+    let (_dir, store, model) = open_spec(name);
+    let tokens = check::spec_prompt(name, &store);
+    let n_vocab = model.config().n_vocab;
+    let prompt: Vec<u32> = tokens.iter().copied().cycle().take(200).collect();
+    let fed: Vec<u32> = tokens.iter().rev().copied().cycle().take(60).collect();
+    let context = prompt.len() + fed.len();
+    let mut decoded = Vec::new();
+    for warp_attention in [true, false] {
+        let options = GpuOptions {
+            kv_types: types,
+            tuning: GpuTuning {
+                warp_attention,
+                ..GpuTuning::default()
+            },
+            ..GpuOptions::new(UploadMode::Eager, context)
+        };
+        let Some(mut gpu) = gpu_model_of(&test, &model, &options, PROMPT_BATCH) else {
+            return;
+        };
+        let rows = gpu_rows(&mut gpu, n_vocab, &prompt, &fed);
+        decoded.push(rows[prompt.len()..].to_vec());
+    }
+    let cpu = cpu_rows(&model, types, context, &prompt, &fed)[prompt.len()..].to_vec();
+    let (warps, split) = (&decoded[0], &decoded[1]);
+    let (kl_warps, kl_split) = (mean_kld(&cpu, warps), mean_kld(&cpu, split));
+    let line = format!(
+        "{test}: mean KL divergence from the CPU over {} decoded rows: {kl_warps:.3e} (a key \
+         a lane), {kl_split:.3e} (a key over a few lanes)\n",
+        cpu.len()
+    );
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    let bound = 2.0 * kl_split + 1e-7;
+    assert!(
+        kl_warps <= bound,
+        "{test}: the warps kernel strays {kl_warps:.3e} from the CPU, bound {bound:.3e}"
+    );
+    for (i, ((w, s), c)) in warps.iter().zip(split).zip(&cpu).enumerate() {
+        assert!(
+            argmax(w) == argmax(s) || margin(c) <= tolerance(c),
+            "{test}: decoded row {i}: the kernels' top tokens differ ({} and {}) past a \
+             near tie",
+            argmax(w),
+            argmax(s)
+        );
+    }
+}
+
 /// A test per line `test => model: K / V`, each calling `$check(model, types)`.
 macro_rules! gpu_kv_tests {
     ($check:ident: $($test:ident => $name:literal: $k:literal / $v:literal),* $(,)?) => {$(
@@ -156,6 +215,16 @@ gpu_kv_tests! { quantized_cache:
     gpu_kv_q8_0_phi3 => "phi3": "q8_0" / "q8_0",
     gpu_kv_q8_0_qwen2_gqa4 => "qwen2-gqa4": "q8_0" / "q8_0",
     gpu_kv_q4_0_gemma2_long => "gemma2-long": "q4_0" / "q4_0",
+}
+
+// Heads of 64 (llama), 32 with four query heads a key head (qwen2), 128 with per-head
+// norms (gemma3), a soft cap and a sliding window (gemma2), sinks and a window (gpt-oss).
+gpu_kv_tests! { decode_kernels:
+    gpu_decode_kernels_llama_q4_k => "llama-q4_k": "f16" / "f16",
+    gpu_decode_kernels_qwen2_gqa4 => "qwen2-gqa4": "f16" / "f16",
+    gpu_decode_kernels_gemma3 => "gemma3": "f16" / "f16",
+    gpu_decode_kernels_gemma2 => "gemma2": "f16" / "f16",
+    gpu_decode_kernels_gpt_oss => "gpt-oss": "f16" / "f16",
 }
 
 // A server's paged cache of these types against the contiguous one.
