@@ -110,6 +110,86 @@ struct RopeArgs {
     int k_type, v_type, k_rot, v_rot;
 };
 
+// RoPE's (cos, sin) · attn_factor of pair i (of rope_dims/2) at position p: the pair
+// turns by p·theta_scale^i / factor_i · freq_scale (mixed with the unscaled angle by
+// YaRN's ramp where it applies), the angle accumulated by multiplication as the CPU
+// path (and ggml) does; the cosine and sine are multiplied by attn_factor, as the CPU
+// path's table holds them.
+__device__ __forceinline__ float2 rope_turn(const RopeArgs& a, int p, int i) {
+    float theta = (float)p;
+    for (int j = 0; j < i; ++j) theta *= a.theta_scale;
+    const float factor = a.freq_factors ? a.freq_factors[i] : 1.0f;
+    const float extrap = theta / factor;
+    float angle = a.freq_scale * extrap;
+    if (a.ext_factor != 0.0f) {
+        const float ramp = ((float)i - a.yarn_low) / fmaxf(0.001f, a.yarn_high - a.yarn_low);
+        const float mix = (1.0f - fminf(fmaxf(ramp, 0.0f), 1.0f)) * a.ext_factor;
+        angle = fmaf(angle, 1.0f - mix, extrap * mix);
+    }
+    return make_float2(cosf(angle) * a.attn_factor, sinf(angle) * a.attn_factor);
+}
+
+// f16 caches and no per-head norms, for a few tokens: a thread a pair of a query or key
+// head (values i0, i1: 2j and 2j + 1, or j and j + rope_dims/2 for halves-style pairs
+// j < rope_dims/2), biased, rotated where the pair is and scaled as qk_rope_kv_kernel
+// does (the same operations in the same order), or two values of a value head; no
+// shared memory and no barrier. The thread's turn is taken before the chained wait:
+// the position changes only between passes (rf_advance, the layout's copy), and the
+// chain starts a kernel no earlier than the second kernel before it has finished.
+__global__ void __launch_bounds__(kHeadThreads)
+    rope_kv_pairs_kernel(float* __restrict__ q, const float* __restrict__ k,
+                         const float* __restrict__ v, const float* __restrict__ bq,
+                         const float* __restrict__ bk, const float* __restrict__ bv, RopeArgs a,
+                         const int* __restrict__ pos, Pages pg, CacheView k_cache,
+                         CacheView v_cache) {
+    const int token = blockIdx.y;
+    const int half = a.head_dim / 2, half_v = a.head_dim_v / 2, pairs = a.rope_dims / 2;
+    const int qk_pairs = (a.n_heads + a.n_kv_heads) * half;
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const int p = token_position(pg, pos, token);
+    const int h = t / half, j = t % half;
+    const bool rotated = t < qk_pairs && j < pairs;
+    const float2 turn = rotated ? rope_turn(a, p, j) : make_float2(1.0f, 0.0f);
+    rf_chain_wait();
+    const size_t row = cache_row(token_table(pg, token), pg.shift, p);
+    if (t < qk_pairs) {
+        const bool is_key = h >= a.n_heads;
+        const int hh = is_key ? h - a.n_heads : h;
+        const int i0 = rotated && a.neox ? j : 2 * j;
+        const int i1 = rotated && a.neox ? j + pairs : 2 * j + 1;
+        const size_t first = is_key ? (size_t)token * a.n_kv_heads * a.head_dim
+                                    : (size_t)token * a.n_heads * a.head_dim;
+        const float* src = (is_key ? k : q) + first + hh * a.head_dim;
+        const float* bias = is_key ? bk : bq;
+        const float x0 = src[i0] + (bias ? bias[hh * a.head_dim + i0] : 0.0f);
+        const float x1 = src[i1] + (bias ? bias[hh * a.head_dim + i1] : 0.0f);
+        float y0 = x0, y1 = x1;
+        if (rotated) {
+            y0 = x0 * turn.x - x1 * turn.y;
+            y1 = x0 * turn.y + x1 * turn.x;
+        }
+        if (is_key) {
+            __half* kc = reinterpret_cast<__half*>(const_cast<void*>(k_cache.data)) +
+                         row * k_cache.dim + hh * a.head_dim;
+            kc[i0] = __float2half(y0);
+            kc[i1] = __float2half(y1);
+        } else {
+            float* dst = q + first + hh * a.head_dim;
+            dst[i0] = y0 * a.q_scale;
+            dst[i1] = y1 * a.q_scale;
+        }
+        return;
+    }
+    const int u = t - qk_pairs;
+    if (u >= a.n_kv_heads * half_v) return;
+    const int hv = u / half_v, e = 2 * (u % half_v);
+    const float* vs = v + (size_t)token * a.n_kv_heads * a.head_dim_v + hv * a.head_dim_v;
+    __half* vc = reinterpret_cast<__half*>(const_cast<void*>(v_cache.data)) + row * v_cache.dim +
+                 hv * a.head_dim_v;
+#pragma unroll
+    for (int d = e; d < e + 2; ++d) vc[d] = __float2half(vs[d] + (bv ? bv[hv * a.head_dim_v + d] : 0.0f));
+}
+
 //
 // kQuant: either cache is quantized (its rows rotated and written a block at a time);
 // otherwise both are f16, written value by value.
@@ -129,24 +209,8 @@ __global__ void __launch_bounds__(kHeadThreads)
     const int q_dim = a.n_heads * a.head_dim, kv_dim = a.n_kv_heads * a.head_dim;
     const int v_dim = a.n_kv_heads * a.head_dim_v;
     const int p = token_position(pg, pos, token);
-    // RoPE: pair i (of rope_dims/2) turns by p·theta_scale^i / factor_i · freq_scale
-    // (mixed with the unscaled angle by YaRN's ramp where it applies), the angle
-    // accumulated by multiplication as the CPU path (and ggml) does; the
-    // cosine and sine are multiplied by attn_factor, as the CPU path's table holds them.
     const int pairs = a.rope_dims / 2;
-    for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-        float theta = (float)p;
-        for (int j = 0; j < i; ++j) theta *= a.theta_scale;
-        const float factor = a.freq_factors ? a.freq_factors[i] : 1.0f;
-        const float extrap = theta / factor;
-        float angle = a.freq_scale * extrap;
-        if (a.ext_factor != 0.0f) {
-            const float ramp = ((float)i - a.yarn_low) / fmaxf(0.001f, a.yarn_high - a.yarn_low);
-            const float mix = (1.0f - fminf(fmaxf(ramp, 0.0f), 1.0f)) * a.ext_factor;
-            angle = fmaf(angle, 1.0f - mix, extrap * mix);
-        }
-        turn[i] = make_float2(cosf(angle) * a.attn_factor, sinf(angle) * a.attn_factor);
-    }
+    for (int i = threadIdx.x; i < pairs; i += blockDim.x) turn[i] = rope_turn(a, p, i);
     // (The first head's barrier below orders these writes before any read.)
     const int first = blockIdx.x * heads_per_group;
     const int last = min(first + heads_per_group,
@@ -299,6 +363,15 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
     const int per_group = (long long)heads * n_tokens >= 4096 ? 8 : 1;
     if (quant && head_dim_v > 4 * kHeadThreads) {
         return (int)hipErrorInvalidValue;
+    }
+    if (!quant && !q_norm && !k_norm && per_group == 1) {
+        // A decode step's few tokens: a thread a pair.
+        const int work = (n_heads + n_kv_heads) * (head_dim / 2) + n_kv_heads * (head_dim_v / 2);
+        rfLaunchChained(rope_kv_pairs_kernel, dim3((work + kHeadThreads - 1) / kHeadThreads, n_tokens),
+                        dim3(kHeadThreads), 0, (hipStream_t)stream, (float*)q, (const float*)k,
+                        (const float*)v, (const float*)bq, (const float*)bk, (const float*)bv, a,
+                        (const int*)pos, pg, kc, vc);
+        return (int)hipGetLastError();
     }
     rfLaunchChained(quant ? qk_rope_kv_kernel<true> : qk_rope_kv_kernel<false>,
                        dim3((heads + per_group - 1) / per_group, n_tokens),
