@@ -15,7 +15,7 @@ constexpr int kNormPer = 4;
 // The norm's scale, 1 / sqrt(mean(x²) + eps), of one row whose value i is load(i), by
 // the whole workgroup: each thread keeps its first kNormPer values (i = thread + j ·
 // blockDim) in v and adds their squares in that order, then the rest; the block sums
-// them.
+// them (block_sum_once: a kernel takes one norm's scale).
 template <typename Load>
 __device__ __forceinline__ float norm_scale(Load load, int dim, float eps, float (&v)[kNormPer]) {
     float ss = 0.0f;
@@ -29,7 +29,7 @@ __device__ __forceinline__ float norm_scale(Load load, int dim, float eps, float
         const float xi = load(i);
         ss += xi * xi;
     }
-    ss = block_sum(ss);
+    ss = block_sum_once(ss);
     return rsqrtf(ss / (float)dim + eps);
 }
 

@@ -85,6 +85,19 @@ static inline __device__ float block_sum(float v) {
     return result;
 }
 
+// block_sum with one barrier, for a kernel that sums this way once (its shared partials
+// are not guarded for a second call): every thread adds the groups' partial sums itself,
+// in block_sum's order, so it gets block_sum's bits.
+static inline __device__ float block_sum_once(float v) {
+    __shared__ float partial_once[32];
+    v = sum32(v);
+    if ((threadIdx.x & 31) == 0) partial_once[threadIdx.x / 32] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int g = 0; g < (int)(blockDim.x / 32); ++g) s += partial_once[g];
+    return s;
+}
+
 // Quantizes one value per lane of a 32-lane group, value `i` of the whole activation
 // (i a multiple of 32 at lane 0), into its Q8 block.
 __device__ __forceinline__ void quantize32(float v, Q8Out out, size_t i) {
