@@ -2,11 +2,10 @@
 // split along the keys, each query's chunks merged by the last of them to finish;
 // Gemma 2's optional soft cap on the scores; the rotation that turns the output of a
 // quantized value cache back. Shared helpers and conventions: transformer_common.h.
-#include "transformer_common.h"
+#include "attention_chunks.h"
 
 namespace rf {
 
-constexpr int kAttnThreads = 128;
 // Keys whose loads a lane issues together before using any (attention_kernel).
 constexpr int kAttnUnroll = 4;
 // Workgroups an attention launch aims at, at most: a launch of many queries (a paged
@@ -17,104 +16,10 @@ constexpr long long kAttnTargetWorkgroups = 4096;
 // the cache's capacity: small chunks give short contexts more workgroups).
 constexpr int kAttnMaxChunk = 256;
 
-struct AttnArgs {
-    int n_heads, n_kv_heads, head_dim, head_dim_v;
-    int window;  // 0: none
-    float scale;
-    float softcap;  // 0: none
-    int n_chunks;  // chunks of `chunk` keys the cache holds
-    int chunk;
-    // One logit per query head that joins the softmax's denominator and nothing else
-    // (gpt-oss's sinks); null: none. A sink far above the scores makes the sum infinite
-    // and the output 0, its limit.
-    const float* sinks;
-    // The run of the Walsh-Hadamard rotation the value cache's rows hold (a quantized
-    // cache's), which the output is turned back by; 0: none.
-    int v_rot;
-};
-
-
 // Sum over groups of `width` lanes (a power of two up to 32) of a 32-lane group.
 __device__ __forceinline__ float sum_lanes(float v, int width) {
     for (int mask = width / 2; mask > 0; mask >>= 1) v += rf_shfl_xor(v, mask);
     return v;
-}
-
-// Where workgroup (chunk, head h, token) of an attention launch sits: the query, its
-// position's visible keys [lo, hi) within the chunk (none: `sees` false), the chunks that
-// see any of its keys, and its token's block table (null in the contiguous layout).
-struct ChunkOf {
-    bool sees;
-    int h, kvh, lo, hi, first_chunk, last_chunk;
-    const int* table;
-    size_t query, slot;
-};
-
-template <bool kPaged>
-__device__ __forceinline__ ChunkOf chunk_of(const AttnArgs& a, const int* pos, const Pages& pg) {
-    ChunkOf c;
-    const int chunk = blockIdx.x, token = blockIdx.z;
-    c.h = blockIdx.y;
-    c.kvh = c.h / (a.n_heads / a.n_kv_heads);
-    const int p = kPaged ? pg.positions[token] : pos[0] + token;
-    c.table = kPaged ? pg.tables + pg.table_start[token] : nullptr;
-    const int lo_visible = a.window > 0 ? max(0, p - a.window + 1) : 0;
-    c.first_chunk = lo_visible / a.chunk;
-    c.last_chunk = p / a.chunk;
-    c.sees = chunk >= c.first_chunk && chunk <= c.last_chunk;
-    c.lo = max(chunk * a.chunk, lo_visible);
-    c.hi = min((chunk + 1) * a.chunk, p + 1);  // exclusive, > lo where it sees any
-    c.query = (size_t)token * a.n_heads + c.h;
-    c.slot = c.query * a.n_chunks + chunk;
-    return c;
-}
-
-// After a chunk of a query's keys wrote its Σ exp(score - m)·v to part_acc (row `slot`,
-// head_dim_v values) and before it returns: its m and l go to part_ml, the chunk is
-// counted in done[query], and the last of the query's chunks to finish (which sets the
-// counter back to zero for the next launch) merges every chunk's results, handing value
-// d of the output to put(d, y) from thread d (whole 32-lane groups, for the Q8 blocks).
-// Returns whether this workgroup merged. Every thread of the workgroup calls it.
-template <typename Put>
-__device__ __forceinline__ bool merge_chunks(const AttnArgs& a, int h, size_t query, size_t slot,
-                                             int first_chunk, int last_chunk, float m, float l,
-                                             float* part_ml, const float* part_acc,
-                                             unsigned* done, Put put) {
-    __shared__ int merges;
-    if (threadIdx.x == 0) {
-        part_ml[2 * slot] = m;
-        part_ml[2 * slot + 1] = l;
-    }
-    // Publish this chunk's results, then count it; the last chunk merges.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const unsigned seen = (unsigned)(last_chunk - first_chunk + 1);
-        const unsigned before = atomicAdd(&done[query], 1u);
-        merges = before == seen - 1;
-        if (merges) done[query] = 0u;
-    }
-    __syncthreads();
-    if (!merges) return false;
-    __threadfence();
-    // The other chunks' results, read past this workgroup's cache (they were written by
-    // other workgroups during this launch).
-    const volatile float* ml = part_ml + 2 * query * a.n_chunks;
-    const volatile float* accs = part_acc + query * a.n_chunks * a.head_dim_v;
-    float mm = -INFINITY;
-    for (int c = first_chunk; c <= last_chunk; ++c) mm = fmaxf(mm, ml[2 * c]);
-    float ll = 0.0f;
-    for (int c = first_chunk; c <= last_chunk; ++c) ll += expf(ml[2 * c] - mm) * ml[2 * c + 1];
-    if (a.sinks) ll += expf(a.sinks[h] - mm);
-    const float inv = 1.0f / ll;
-    for (int d = threadIdx.x; d < a.head_dim_v; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int c = first_chunk; c <= last_chunk; ++c) {
-            acc += expf(ml[2 * c] - mm) * accs[(size_t)c * a.head_dim_v + d];
-        }
-        put(d, acc * inv);
-    }
-    return true;
 }
 
 // Attention of one query (token, head) over one chunk of keys (a workgroup per chunk, so
@@ -320,197 +225,6 @@ __global__ void __launch_bounds__(kAttnThreads)
     }
 }
 
-// Keys a chunk of attention_warps_kernel holds at least: a 32-key block for each of its
-// four 32-lane groups.
-constexpr int kWarpsChunk = 128;
-
-// Value halves a lane holds of a head of D values, loaded as one word: 1, 2 or 4.
-template <int D>
-struct ValueWord;
-template <>
-struct ValueWord<32> {
-    unsigned short w;
-    __device__ void expand(float (&v)[1]) const { v[0] = __half2float(__ushort_as_half(w)); }
-};
-template <>
-struct ValueWord<64> {
-    uint32_t w;
-    __device__ void expand(float (&v)[2]) const {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w));
-        v[0] = f.x;
-        v[1] = f.y;
-    }
-};
-template <>
-struct ValueWord<128> {
-    uint2 w;
-    __device__ void expand(float (&v)[4]) const {
-        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
-        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
-        v[0] = a.x;
-        v[1] = a.y;
-        v[2] = b.x;
-        v[3] = b.y;
-    }
-};
-
-// Attention of one query over one chunk of an f16 cache whose key and value heads are D
-// values (32, 64 or 128), for a decode step's few queries: each 32-lane group takes
-// blocks of 32 keys, and after the scores a key a lane. A key row is loaded by D/8
-// lanes, 16 bytes each (one run a row), each lane keeping its piece of D/8 keys; a
-// butterfly over those lanes that halves the keys each lane holds at every step leaves
-// each lane one key's score (D/8 - 1 shuffles). The block's softmax is then two 32-lane
-// reductions, and its weights meet the values with a lane holding D/32 dimensions of
-// every key: no barrier between the loads and the group's running (maximum, sum,
-// Σ weight·value), which are merged across the four groups once at the end. Every load
-// of a block (its keys, and the lane's dimensions of the 32 value rows) is issued
-// before any is used. Chunks that do not hold every key the query sees merge as
-// attention_kernel's do (merge_chunks).
-template <bool kPaged, int D>
-__global__ void __launch_bounds__(kAttnThreads)
-    attention_warps_kernel(const float* __restrict__ q, CacheView k_cache, CacheView v_cache,
-                           AttnArgs a, const int* __restrict__ pos, Pages pg, float* part_ml,
-                           float* part_acc, unsigned* done, float* __restrict__ out,
-                           void* __restrict__ out_q8) {
-    constexpr int kGroups = kAttnThreads / 32;
-    constexpr int KP = D / 8;   // 16-byte pieces of a key row
-    constexpr int R = D / 32;   // value dimensions a lane holds
-    __shared__ float group_m[kGroups], group_l[kGroups];
-    __shared__ float group_acc[kGroups][D];
-    rf_chain_wait();
-    const ChunkOf at = chunk_of<kPaged>(a, pos, pg);
-    if (!at.sees) return;  // sees none of the keys
-    const int group = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int n = at.hi - at.lo;
-    const int blocks = (n + 31) / 32;
-    const __half* kc = reinterpret_cast<const __half*>(k_cache.data);
-    const __half* vc = reinterpret_cast<const __half*>(v_cache.data);
-    const size_t k_first = (size_t)at.kvh * D, v_first = (size_t)at.kvh * D + lane * R;
-    // Lanes a key row spreads over for its loads (KP, a piece each, so that they read
-    // the row as one run) and rows one load instruction reads: 32 / KP.
-    constexpr int kRowsPerLoad = 32 / KP;
-    // The lane whose key is key k of a block: the lane that ends up with its score.
-    auto lane_of = [](int k) { return (k % kRowsPerLoad) * KP + k / kRowsPerLoad; };
-    // After the scores' reduction, lane l holds key (l % KP)·kRowsPerLoad + l / KP.
-    const int my_key = (lane % KP) * kRowsPerLoad + lane / KP;
-    uint4 kraw[KP];
-    ValueWord<D> vraw[32];
-    bool valid = false;
-    // The loads of block b: load j of a lane reads its piece (lane % KP) of key
-    // j·kRowsPerLoad + lane / KP, and every lane its dimensions of every key's value. A
-    // key past the chunk's reads the chunk's first key again; its weight is 0.
-    auto load_block = [&](int b) {
-        valid = 32 * b + my_key < n;
-        const int i = valid ? 32 * b + my_key : 0;
-        const unsigned row = (unsigned)(kPaged ? cache_row(at.table, pg.shift, at.lo + i)
-                                               : (size_t)(at.lo + i));
-#pragma unroll
-        for (int j = 0; j < KP; ++j) {
-            const size_t rj = (unsigned)rf_shfl32((int)row, (lane & ~(KP - 1)) + j);
-            kraw[j] = *reinterpret_cast<const uint4*>(kc + rj * k_cache.dim + k_first +
-                                                      8 * (lane % KP));
-        }
-#pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            const size_t rk = (unsigned)rf_shfl32((int)row, lane_of(k));
-            vraw[k] = *reinterpret_cast<const ValueWord<D>*>(vc + rk * v_cache.dim + v_first);
-        }
-    };
-    if (group < blocks) load_block(group);
-    // The lane's piece of the query.
-    float qv[8];
-    {
-        const float4* qh = reinterpret_cast<const float4*>(q + at.query * a.head_dim +
-                                                           8 * (lane % KP));
-        const float4 q0 = qh[0], q1 = qh[1];
-        qv[0] = q0.x, qv[1] = q0.y, qv[2] = q0.z, qv[3] = q0.w;
-        qv[4] = q1.x, qv[5] = q1.y, qv[6] = q1.z, qv[7] = q1.w;
-    }
-    float m_run = -INFINITY, l_run = 0.0f, acc[R] = {};
-    for (int b = group; b < blocks; b += kGroups) {
-        if (b != group) load_block(b);
-        // Each lane's piece of its KP keys, then the sums over the KP lanes of a row
-        // halving the keys a lane holds at each step (KP - 1 shuffles in all).
-        float part[KP];
-#pragma unroll
-        for (int j = 0; j < KP; ++j) {
-            Piece<kCacheF16> piece;
-            piece.w = kraw[j];
-            float kf[8];
-            expand_unscaled(piece, kf);
-            float t = 0.0f;
-#pragma unroll
-            for (int e = 0; e < 8; e += 2) t += qv[e] * kf[e] + qv[e + 1] * kf[e + 1];
-            part[j] = t;
-        }
-#pragma unroll
-        for (int step = 1; step < KP; step *= 2) {
-            const int m = KP / (2 * step);
-            const bool upper = (lane & m) != 0;
-#pragma unroll
-            for (int j = 0; j < m; ++j) {
-                const float send = upper ? part[j] : part[j + m];
-                const float keep = upper ? part[j + m] : part[j];
-                part[j] = keep + rf_shfl_xor(send, m);
-            }
-        }
-        float s = part[0];
-        s = valid ? scaled_score(s, a.softcap, a.scale) : -INFINITY;
-        // Lane 0's key is always in the chunk: the block's maximum is finite.
-        const float m_new = fmaxf(m_run, max32(s));
-        const float factor = expf(m_run - m_new);
-        const float w = valid ? expf(s - m_new) : 0.0f;
-        l_run = l_run * factor + sum32(w);
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] *= factor;
-#pragma unroll
-        for (int k = 0; k < 32; ++k) {
-            const float wk = rf_shfl32(w, lane_of(k));
-            float v[R];
-            vraw[k].expand(v);
-#pragma unroll
-            for (int r = 0; r < R; ++r) acc[r] += wk * v[r];
-        }
-        m_run = m_new;
-    }
-    if (lane == 0) {
-        group_m[group] = m_run;
-        group_l[group] = l_run;
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) group_acc[group][lane * R + r] = acc[r];
-    __syncthreads();
-    // The groups' results merged: a group without keys has m = -inf, l = 0 and sums 0.
-    float m = -INFINITY;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) m = fmaxf(m, group_m[g]);
-    float l = 0.0f, total = 0.0f;
-    const int d = threadIdx.x;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-        const float f = expf(group_m[g] - m);
-        l += group_l[g] * f;
-        if (d < D) total += group_acc[g][d] * f;
-    }
-    const size_t first = at.query * D;
-    const Q8Out q8 = q8_layout(out_q8, (size_t)gridDim.z * a.n_heads * D);
-    if (at.first_chunk == at.last_chunk) {
-        // One chunk covers every key: this is the output, and no merge follows.
-        if (d < D) {
-            const float y = total / (a.sinks ? l + expf(a.sinks[at.h] - m) : l);
-            out[first + d] = y;
-            if (out_q8) quantize32(y, q8, first + d);
-        }
-        return;
-    }
-    if (d < D) part_acc[at.slot * D + d] = total;
-    merge_chunks(a, at.h, at.query, at.slot, at.first_chunk, at.last_chunk, m, l, part_ml,
-                 part_acc, done, [&](int dd, float y) {
-                     out[first + dd] = y;
-                     if (out_q8) quantize32(y, q8, first + dd);
-                 });
-}
-
 // x (n values, n a multiple of 64) multiplied in runs of 64 by the normalised 64 × 64
 // Walsh-Hadamard matrix, in place: the output of attention over a value cache that
 // holds rotated values, turned back. A 32-lane group a run, two values a lane (i and
@@ -562,36 +276,6 @@ static void launch_attention_v(int v_type, dim3 grid, hipStream_t stream, bool p
     } else {
         launch_attention<KT, kCacheF16>(grid, stream, paged, q, kc, vc, a, pos, pg, part_ml,
                                         part_acc, done, out, out_q8);
-    }
-}
-
-// Launches attention_warps_kernel's instance for heads of D values (32, 64 or 128).
-template <int D>
-static void launch_warps(dim3 grid, hipStream_t stream, bool paged, const float* q, CacheView kc,
-                         CacheView vc, AttnArgs a, const int* pos, Pages pg, float* part_ml,
-                         float* part_acc, unsigned* done, float* out, void* out_q8) {
-    if (paged) {
-        rfLaunchChained((attention_warps_kernel<true, D>), grid, dim3(kAttnThreads), 0, stream, q,
-                        kc, vc, a, pos, pg, part_ml, part_acc, done, out, out_q8);
-    } else {
-        rfLaunchChained((attention_warps_kernel<false, D>), grid, dim3(kAttnThreads), 0, stream, q,
-                        kc, vc, a, pos, pg, part_ml, part_acc, done, out, out_q8);
-    }
-}
-
-static void launch_attention_warps(int head, dim3 grid, hipStream_t stream, bool paged,
-                                   const float* q, CacheView kc, CacheView vc, AttnArgs a,
-                                   const int* pos, Pages pg, float* part_ml, float* part_acc,
-                                   unsigned* done, float* out, void* out_q8) {
-    if (head == 32) {
-        launch_warps<32>(grid, stream, paged, q, kc, vc, a, pos, pg, part_ml, part_acc, done, out,
-                         out_q8);
-    } else if (head == 64) {
-        launch_warps<64>(grid, stream, paged, q, kc, vc, a, pos, pg, part_ml, part_acc, done, out,
-                         out_q8);
-    } else {
-        launch_warps<128>(grid, stream, paged, q, kc, vc, a, pos, pg, part_ml, part_acc, done,
-                          out, out_q8);
     }
 }
 
