@@ -68,6 +68,7 @@
 #define hipFuncSetAttribute cudaFuncSetAttribute
 #define hipFuncAttributes cudaFuncAttributes
 #define hipFuncGetAttributes cudaFuncGetAttributes
+#define hipOccupancyMaxActiveBlocksPerMultiprocessor cudaOccupancyMaxActiveBlocksPerMultiprocessor
 #define hipFuncAttributeMaxDynamicSharedMemorySize cudaFuncAttributeMaxDynamicSharedMemorySize
 #define hipDeviceSynchronize cudaDeviceSynchronize
 #define hipMemGetInfo cudaMemGetInfo
