@@ -129,7 +129,7 @@ __device__ __forceinline__ float2 rope_turn(const RopeArgs& a, int p, int i) {
     return make_float2(cosf(angle) * a.attn_factor, sinf(angle) * a.attn_factor);
 }
 
-// f16 caches and no per-head norms, for a few tokens: a thread a pair of a query or key
+// f16 caches and no per-head norms, any count of tokens: a thread a pair of a query or key
 // head (values i0, i1: 2j and 2j + 1, or j and j + rope_dims/2 for halves-style pairs
 // j < rope_dims/2), biased, rotated where the pair is and scaled as qk_rope_kv_kernel
 // does (the same operations in the same order), or two values of a value head; no
@@ -353,10 +353,12 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
     const CacheView kc = cache_view(k_cache, k_type, cache_positions, n_kv_heads * head_dim);
     const CacheView vc = cache_view(v_cache, v_type, cache_positions, n_kv_heads * head_dim_v);
     const Pages pg = {(const int*)positions, (const int*)table_start, (const int*)tables, shift};
-    // A workgroup a head for a few tokens (a decode step's few heads fill the device
-    // that way); for a prompt's chunk, runs of heads of one token, which compute its RoPE
-    // turns once: on the H200, a 7B's 512-token chunk took 43 us a layer with one head
-    // per workgroup.
+    // f16 caches without per-head norms take a thread a pair at every count of tokens
+    // (on the H200, a 7B's 64-token decode step of a batch took 15 us a layer with runs
+    // of heads a workgroup, and a 512-token chunk 31 us). Otherwise a workgroup a head for
+    // a few tokens (a decode step's few heads fill the device that way); for a prompt's
+    // chunk, runs of heads of one token, which compute its RoPE turns once (a 7B's
+    // 512-token chunk took 43 us a layer with one head per workgroup).
     const bool quant = k_type != kCacheF16 || v_type != kCacheF16;
     // A quantized cache's values are heads of their own.
     const int heads = n_heads + n_kv_heads + (quant ? n_kv_heads : 0);
@@ -364,8 +366,7 @@ int rf_qk_rope_kv(void* q, const void* k, const void* v, const void* bq, const v
     if (quant && head_dim_v > 4 * kHeadThreads) {
         return (int)hipErrorInvalidValue;
     }
-    if (!quant && !q_norm && !k_norm && per_group == 1) {
-        // A decode step's few tokens: a thread a pair.
+    if (!quant && !q_norm && !k_norm) {
         const int work = (n_heads + n_kv_heads) * (head_dim / 2) + n_kv_heads * (head_dim_v / 2);
         rfLaunchChained(rope_kv_pairs_kernel, dim3((work + kHeadThreads - 1) / kHeadThreads, n_tokens),
                         dim3(kHeadThreads), 0, (hipStream_t)stream, (float*)q, (const float*)k,
