@@ -12,6 +12,10 @@ constexpr int kAttnUnroll = 4;
 // batch of many sequences) takes longer chunks of keys than its cache's, so that each
 // workgroup has loads enough to keep in flight rather than many workgroups of few.
 constexpr long long kAttnTargetWorkgroups = 4096;
+// The same for a paged batch's queries in attention_warps_kernel: each query's keys in
+// one chunk where they fit, with no merge after it, once the batch alone gives the
+// device this many workgroups.
+constexpr long long kWarpsBatchTargetWorkgroups = 1024;
 // Most keys a chunk may hold (the chunk size is an argument, chosen by the caller from
 // the cache's capacity: small chunks give short contexts more workgroups).
 constexpr int kAttnMaxChunk = 256;
@@ -314,8 +318,10 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int k_
         chunk *= 2;
         n_chunks = (int)((keys + chunk - 1) / chunk);
     }
-    while (2 * chunk <= kAttnMaxChunk &&
-           (long long)n_tokens * n_heads * n_chunks > kAttnTargetWorkgroups) {
+    const long long target = warps_head != 0 && positions != nullptr
+                                 ? kWarpsBatchTargetWorkgroups
+                                 : kAttnTargetWorkgroups;
+    while (2 * chunk <= kAttnMaxChunk && (long long)n_tokens * n_heads * n_chunks > target) {
         chunk *= 2;
         n_chunks = (int)((keys + chunk - 1) / chunk);
     }
