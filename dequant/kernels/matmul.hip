@@ -542,27 +542,6 @@ inline DeviceFacts device_facts(int device) {
     return DeviceFacts{(v - 1) / 2, ((v - 1) & 1) != 0};
 }
 
-// Workgroups of kKernel, launched with `threads` threads and `bytes` of dynamic shared
-// memory, that a multiprocessor of the current device holds at once: asked once per
-// kernel and device (1 where the runtime cannot say). A kernel past 48 KB of shared
-// memory must have had its limit raised first.
-template <auto kKernel>
-int resident_workgroups(int threads, int bytes) {
-    static std::atomic<int> known[64];  // per device: 0 not asked
-    int device = 0;
-    if (hipGetDevice(&device) != hipSuccess || device < 0 || device >= 64) return 1;
-    int n = known[device].load(std::memory_order_relaxed);
-    if (n == 0) {
-        if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, (size_t)bytes) !=
-                hipSuccess ||
-            n < 1) {
-            n = 1;
-        }
-        known[device].store(n, std::memory_order_relaxed);
-    }
-    return n;
-}
-
 }  // namespace rf
 
 #include "skinny.hip"

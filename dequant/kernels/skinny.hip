@@ -354,7 +354,7 @@ hipError_t launch_skinny_nt(const MatmulMats& mats, int cols, const __half* x,
     long long splits = 1;
     const long long wgs = tiles * groups;
     if (partials && counters && wgs <= n_counters) {
-        const long long per_sm = resident_workgroups<skinny_kernel<F, NT>>(kSkThreads, bytes);
+        const long long per_sm = rf_resident_workgroups<skinny_kernel<F, NT>>(kSkThreads, bytes);
         const long long resident = (long long)multiprocessors * per_sm;
         const long long fit = partial_floats / (wgs * kSkThreads * NT * 4);
         const long long most = max(1LL, min(min(chunks / 2, fit), 16LL));

@@ -343,6 +343,29 @@ inline hipError_t rf_raise_shared_memory(Kernel kernel, int bytes,
     return status;
 }
 
+// Workgroups of kKernel, launched with `threads` threads and `bytes` of dynamic shared
+// memory, that a multiprocessor of the calling thread's current device holds at once:
+// asked once per kernel and device (1 where the runtime cannot say; past 64 devices, at
+// every call). A kernel past 48 KB of shared memory must have had its limit raised first
+// (rf_raise_shared_memory).
+template <auto kKernel>
+inline int rf_resident_workgroups(int threads, int bytes) {
+    static std::atomic<int> known[64];  // per device: 0 not asked
+    int device = 0;
+    if (hipGetDevice(&device) != hipSuccess) return 1;
+    const bool cached = device >= 0 && device < 64;
+    int n = cached ? known[device].load(std::memory_order_relaxed) : 0;
+    if (n == 0) {
+        if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, (size_t)bytes) !=
+                hipSuccess ||
+            n < 1) {
+            n = 1;
+        }
+        if (cached) known[device].store(n, std::memory_order_relaxed);
+    }
+    return n;
+}
+
 // The half sums of a Q8 activation block (dequant's kernels/matvec.hip reads them after
 // the blocks' scales): each lane of a 32-lane group gives its block's quantized value;
 // every lane gets the sums of lanes 0–15 and 16–31 packed in one int, the first in the

@@ -318,9 +318,9 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int k_
         chunk *= 2;
         n_chunks = (int)((keys + chunk - 1) / chunk);
     }
-    const long long target = warps_head != 0 && positions != nullptr
-                                 ? kWarpsBatchTargetWorkgroups
-                                 : kAttnTargetWorkgroups;
+    const bool paged = positions != nullptr;
+    const long long target =
+        warps_head != 0 && paged ? kWarpsBatchTargetWorkgroups : kAttnTargetWorkgroups;
     while (2 * chunk <= kAttnMaxChunk && (long long)n_tokens * n_heads * n_chunks > target) {
         chunk *= 2;
         n_chunks = (int)((keys + chunk - 1) / chunk);
@@ -335,7 +335,6 @@ int rf_attention(const void* q, const void* k_cache, const void* v_cache, int k_
     const CacheView kc = cache_view(k_cache, k_type, cache_positions, n_kv_heads * head_dim);
     const CacheView vc = cache_view(v_cache, v_type, cache_positions, n_kv_heads * head_dim_v);
     const hipStream_t s = (hipStream_t)stream;
-    const bool paged = positions != nullptr;
     const float* qp = (const float*)q;
     const int* pp = (const int*)pos;
     float* ml = (float*)part_ml;
