@@ -47,6 +47,7 @@ for variant in $variants; do
     started=$SECONDS
     echo "== gpu variant $variant (crates:$GPU_CRATES; target dir $CARGO_TARGET_DIR)"
     cargo clippy "${packages[@]}" --all-targets -- -D warnings
+    echo "== gpu variant $variant: clippy passed at $((SECONDS - started)) s"
     if [ "$variant" = nvidia ] && [ "${GPU_NVIDIA_RUN_TESTS:-1}" = 0 ]; then
         cargo test "${packages[@]}" --no-run
     else
