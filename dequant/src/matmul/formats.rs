@@ -16,7 +16,8 @@ pub(crate) trait Kernel {
 
     /// Whether the AVX2 path multiplies a batch four rows at a time, eight tokens a call
     /// ([`Kernel::tile8_avx2`]); else one row at a time. The AVX-512 path takes these
-    /// tiles too where the format has none of its own ([`Kernel::AVX512_TILES`]).
+    /// tiles too where the format has none of its own ([`Kernel::AVX512_TILES`]), in
+    /// its own tile of eight tokens where the format has one ([`Kernel::tile8_avx512`]).
     const AVX2_TILES: bool = false;
 
     /// One row of weights (whole blocks) · one token's activations, portable code.
@@ -80,7 +81,8 @@ pub(crate) trait Kernel {
     }
 
     /// Four rows of weights · eight tokens on the AVX-512 path, with the bits of
-    /// [`Kernel::tile_avx512`] (by default two of its tiles of four).
+    /// [`Kernel::tile_avx512`] (by default two of its tiles of four) where the format
+    /// has AVX-512 tiles, else of [`Kernel::tile8_avx2`] (by default that tile itself).
     ///
     /// # Safety
     /// As [`Kernel::dot_avx512`].
@@ -90,6 +92,11 @@ pub(crate) trait Kernel {
         rows: [&[u8]; 4],
         acts: [<Self::Acts as ActSet>::Row<'_>; 8],
     ) -> [[f32; 8]; 4] {
+        if !Self::AVX512_TILES {
+            // SAFETY: the caller upholds this function's contract, which covers the
+            // callee's.
+            return unsafe { Self::tile8_avx2(rows, acts) };
+        }
         let [a0, a1, a2, a3, a4, a5, a6, a7] = acts;
         // SAFETY: the caller upholds this function's contract, which is the callee's.
         let (lo, hi) = unsafe {
@@ -127,6 +134,14 @@ macro_rules! kernel {
         kernel!($name, $acts, $portable, $avx2, $avx512, {
             const AVX2_TILES: bool = true;
             tile8_method!(tile8_avx2, $tile8);
+        });
+    };
+    ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path,
+     avx2_tiles = $tile8:path, avx512_tile8 = $tile8_512:path) => {
+        kernel!($name, $acts, $portable, $avx2, $avx512, {
+            const AVX2_TILES: bool = true;
+            tile8_method!(tile8_avx2, $tile8);
+            tile8_method!(tile8_avx512, $tile8_512);
         });
     };
     ($name:ident, $acts:ty, $portable:path, $avx2:path, $avx512:path, tiles = $tile:path) => {
@@ -316,5 +331,7 @@ kernel!(
     Q8KActs,
     portable::dot_q6_k,
     avx2::kquants::dot_q6_k,
-    avx512::kquants::dot_q6_k
+    avx512::kquants::dot_q6_k,
+    avx2_tiles = avx2::kquants::tile8_q6_k,
+    avx512_tile8 = avx512::kquants::tile8_q6_k
 );

@@ -388,7 +388,7 @@ unsafe fn dot_q45_k<const FIVE: bool, const PACKED: bool, const R: usize, const 
 /// any order).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum8_epi32(v: [__m256i; 8]) -> __m256i {
+pub(crate) fn hsum8_epi32(v: [__m256i; 8]) -> __m256i {
     // Each 128-bit half of `low` holds v[0..4]'s sums over that half; `high` v[4..8]'s.
     let low = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     let high = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
@@ -424,16 +424,7 @@ pub(crate) unsafe fn tile8_q4_k_packed(rows: [&[u8]; 4], acts: [Q8KRow<'_>; 8]) 
     for b in 0..nb {
         // SAFETY: b < nb bounds the activations.
         let (qx, bsums) = unsafe { act_ptrs(&acts, b) };
-        let dx = _mm256_setr_ps(
-            acts[0].d[b],
-            acts[1].d[b],
-            acts[2].d[b],
-            acts[3].d[b],
-            acts[4].d[b],
-            acts[5].d[b],
-            acts[6].d[b],
-            acts[7].d[b],
-        );
+        let dx = scales8(&acts, b);
         // Each token's sums of its eight sub-blocks (32 values of |q| ≤ 127: an i16
         // each), as four i32 lanes of pairs (sub-blocks 2j, 2j + 1)...
         let pairs = bsums.map(|bsums| {
@@ -604,6 +595,72 @@ pub(crate) unsafe fn dot_q6_k<const R: usize, const N: usize>(
         }
     }
     out
+}
+
+/// Token `t`'s activation scale of super-block `b`, for each of eight tokens: lane `t`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn scales8(acts: &[Q8KRow<'_>; 8], b: usize) -> __m256 {
+    _mm256_setr_ps(
+        acts[0].d[b],
+        acts[1].d[b],
+        acts[2].d[b],
+        acts[3].d[b],
+        acts[4].d[b],
+        acts[5].d[b],
+        acts[6].d[b],
+        acts[7].d[b],
+    )
+}
+
+/// One super-block's step of llama.cpp's tiled GEMM for one row and eight tokens, lane
+/// `t` token `t`'s: the integer sum of each token's eight lanes `dots[t]`, rounded at
+/// `d`, fused at the token's scale `dx` into `acc` (for each lane, `dot_q6_k`'s scalar
+/// `(d · Σ).mul_add(dx, acc)`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn gemm_step8(acc: __m256, d: f32, dots: [__m256i; 8], dx: __m256) -> __m256 {
+    let scaled = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(hsum8_epi32(dots)));
+    _mm256_fmadd_ps(scaled, dx, acc)
+}
+
+/// Four `Q6_K` rows against eight tokens: in a batch that llama.cpp multiplies with its
+/// tiled GEMM, that GEMM's float operations on eight lanes, lane `t` token `t`'s, each
+/// super-block's integers unpacked once for the eight tokens and their sums reduced
+/// across the tokens' vectors at once ([`gemm_step8`]); otherwise two calls of
+/// [`dot_q6_k`]'s four tokens. Every row and token gets the bits of [`dot_q6_k`].
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn tile8_q6_k(rows: [&[u8]; 4], acts: [Q8KRow<'_>; 8]) -> [[f32; 8]; 4] {
+    if !acts.iter().all(|a| a.gemm) {
+        let [a0, a1, a2, a3, a4, a5, a6, a7] = acts;
+        // SAFETY: the features are present per this function's contract.
+        let tile = |acts| rows.map(|row| unsafe { dot_q6_k::<1, 4>([row], acts) }[0]);
+        return super::join_tiles(tile([a0, a1, a2, a3]), tile([a4, a5, a6, a7]));
+    }
+    let nb = blocks(&rows, Q6_K_BYTES, &acts);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for b in 0..nb {
+        // SAFETY: b < nb bounds the activations.
+        let (qx, bsums) = unsafe { act_ptrs(&acts, b) };
+        let dx = scales8(&acts, b);
+        for r in 0..4 {
+            // SAFETY: b < nb bounds the block; the features are present per this
+            // function's contract.
+            let (d, dots) = unsafe {
+                let block = rows[r].as_ptr().add(b * Q6_K_BYTES);
+                (
+                    super::load_f16(block.add(offset_of!(BlockQ6_K, d))),
+                    q6_k_ints::<8>(block, qx, bsums),
+                )
+            };
+            acc[r] = gemm_step8(acc[r], d, dots, dx);
+        }
+    }
+    acc.map(|v| lanes_of(v))
 }
 
 /// The integers of one super-block, summed over the lanes: what the portable

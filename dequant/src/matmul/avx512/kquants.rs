@@ -18,9 +18,12 @@ use super::{hsum4_epi32_128, hsum4_epi32_512, hsum_epi32_512, spread_i16};
 use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
 use crate::matmul::activation::Q8KRow;
 use crate::matmul::avx2::kquants::{
-    act_ptrs, blocks, f16_pair, k_scales_mins_bytes, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+    act_ptrs, blocks, f16_pair, gemm_step8, k_scales_mins_bytes, scales8, Q4_K_BYTES, Q5_K_BYTES,
+    Q6_K_BYTES,
 };
-use crate::matmul::avx2::{hsum_epi32, hsum_epi32_128, hsum_ps, lanes_of_128, lanes_of_epi32_128};
+use crate::matmul::avx2::{
+    hsum_epi32, hsum_epi32_128, hsum_ps, join_tiles, lanes_of, lanes_of_128, lanes_of_epi32_128,
+};
 
 /// `Q4_K`/`Q5_K` super-block for each token: the scaled dot product
 /// `Σ scale_j Σ q qx` in 16 i32 lanes (zeros with `SPLIT`; lanes `l` and `l + 8`
@@ -612,6 +615,43 @@ pub(crate) unsafe fn dot_q6_k<const R: usize, const N: usize>(
         }
     }
     out
+}
+
+/// Four `Q6_K` rows against eight tokens: `avx2::kquants::tile8_q6_k` on this path's
+/// integers (the AVX2 kernel's lanes), so every row and token gets the bits of
+/// [`dot_q6_k`].
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn tile8_q6_k(rows: [&[u8]; 4], acts: [Q8KRow<'_>; 8]) -> [[f32; 8]; 4] {
+    if !acts.iter().all(|a| a.gemm) {
+        let [a0, a1, a2, a3, a4, a5, a6, a7] = acts;
+        // SAFETY: the features are present per this function's contract.
+        let tile = |acts| rows.map(|row| unsafe { dot_q6_k::<1, 4>([row], acts) }[0]);
+        return join_tiles(tile([a0, a1, a2, a3]), tile([a4, a5, a6, a7]));
+    }
+    let nb = blocks(&rows, Q6_K_BYTES, &acts);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for b in 0..nb {
+        // SAFETY: b < nb bounds the activations.
+        let (qx, bsums) = unsafe { act_ptrs(&acts, b) };
+        let dx = scales8(&acts, b);
+        for r in 0..4 {
+            // SAFETY: b < nb bounds the block; the features are present per this
+            // function's contract.
+            let (d, dots) = unsafe {
+                let block = rows[r].as_ptr().add(b * Q6_K_BYTES);
+                (
+                    crate::matmul::avx2::load_f16(block.add(offset_of!(BlockQ6_K, d))),
+                    q6_k_ints::<8>(block, qx, bsums),
+                )
+            };
+            acc[r] = gemm_step8(acc[r], d, dots, dx);
+        }
+    }
+    acc.map(|v| lanes_of(v))
 }
 
 /// The integers of one `Q4_K` super-block, summed over the lanes, as the AVX2 kernel's

@@ -81,13 +81,7 @@ impl RowKernels for Avx512 {
         acts: [<K::Acts as ActSet>::Row<'_>; 8],
     ) -> [[f32; 8]; 4] {
         // SAFETY: as `dot`'s.
-        unsafe {
-            if K::AVX512_TILES {
-                K::tile8_avx512(rows, acts)
-            } else {
-                K::tile8_avx2(rows, acts)
-            }
-        }
+        unsafe { K::tile8_avx512(rows, acts) }
     }
 }
 
