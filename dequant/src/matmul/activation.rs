@@ -16,6 +16,8 @@
 //! Every set holds `n_tokens` rows of `cols` values, token-major, and every quantized
 //! value lies in `-127..=127`.
 
+use std::sync::OnceLock;
+
 /// Elements per block of the legacy formats (`Q4_0` … `Q8_0`) and of [`Q8Acts`].
 pub(crate) const QK8: usize = 32;
 /// Elements per super-block of the k-quants and of [`Q8KActs`].
@@ -257,6 +259,68 @@ pub(crate) struct Q8KActs {
     qs: Vec<i8>,
     d: Vec<f32>,
     bsums: Vec<[i16; QK_K / BSUM_GROUP]>,
+    /// A batch's whole groups of [`GROUP_TOKENS`] tokens, interleaved (see
+    /// [`Q8KGroup`]), made when a kernel first asks for one.
+    groups: OnceLock<(Vec<i8>, Vec<i32>)>,
+    n_tokens: usize,
+}
+
+/// Consecutive tokens that [`Q8KGroup`] interleaves.
+pub(crate) const GROUP_TOKENS: usize = 8;
+
+/// Token `t`'s group of [`Q8KActs`], which starts at `t` ([`GroupRef::get`] makes it).
+#[derive(Clone, Copy)]
+pub(crate) struct GroupRef<'a> {
+    acts: &'a Q8KActs,
+    t: usize,
+}
+
+impl<'a> GroupRef<'a> {
+    /// Whether `rows` are the group's tokens, in order (the rows a tile holds, from the
+    /// group's first).
+    pub fn covers(&self, rows: &[Q8KRow<'_>; GROUP_TOKENS]) -> bool {
+        let first = self.t * self.acts.cols;
+        rows.iter().enumerate().all(|(j, row)| {
+            let at = first + j * self.acts.cols;
+            self.acts
+                .qs
+                .get(at..at + self.acts.cols)
+                .map(<[i8]>::as_ptr)
+                == Some(row.qs.as_ptr())
+                && row.qs.len() == self.acts.cols
+        })
+    }
+
+    /// The group's interleaved activations, made for every group of the batch on the
+    /// first call (by any token).
+    pub fn get(self) -> Q8KGroup<'a> {
+        let acts = self.acts;
+        let (qs, bsums) = acts
+            .groups
+            .get_or_init(|| interleave_groups(&acts.qs, &acts.bsums, acts.n_tokens, acts.cols));
+        let g = self.t / GROUP_TOKENS;
+        let (n_qs, n_sums) = (
+            GROUP_TOKENS * acts.cols,
+            GROUP_TOKENS * acts.cols / BSUM_GROUP,
+        );
+        Q8KGroup {
+            qs: &qs[g * n_qs..(g + 1) * n_qs],
+            bsums: &bsums[g * n_sums..(g + 1) * n_sums],
+        }
+    }
+}
+
+/// The activations of [`GROUP_TOKENS`] consecutive tokens of a batch, interleaved for
+/// kernels that multiply four bytes of a weight row with every token of the group at
+/// once (`vpdpbusd`, a weight's four bytes broadcast against one vector): for each
+/// super-block `b` and each four values `4k .. 4k + 4`, the tokens' four bytes in token
+/// order (`qs[(b · 64 + k) · 32 + 4t ..][..4]`), and for each group `g` of 16 values
+/// the tokens' sums as i32 (`bsums[(b · 16 + g) · 8 + t]`). The same numbers as the
+/// tokens' rows, in another order.
+#[derive(Clone, Copy)]
+pub(crate) struct Q8KGroup<'a> {
+    pub qs: &'a [i8],
+    pub bsums: &'a [i32],
 }
 
 /// One token's row of [`Q8KActs`].
@@ -275,6 +339,50 @@ pub(crate) struct Q8KRow<'a> {
     /// Whether llama.cpp's repacked `Q4_K` GEMM takes this token (the batch's tokens in
     /// whole groups of four) rather than its GEMV.
     pub packed_gemm: bool,
+    /// For the first token of a whole group of [`GROUP_TOKENS`] in a batch of
+    /// [`GEMM_MIN_TOKENS`] or more (token `t` with `t % 8 == 0`), the group's
+    /// interleaved activations; `None` for the others.
+    pub group: Option<GroupRef<'a>>,
+}
+
+/// The whole groups of [`GROUP_TOKENS`] tokens of `qs` (token-major rows of `cols`)
+/// and their sums per 16, interleaved as [`Q8KGroup`] lays them out, group after group.
+fn interleave_groups(
+    qs: &[i8],
+    bsums: &[[i16; QK_K / BSUM_GROUP]],
+    n_tokens: usize,
+    cols: usize,
+) -> (Vec<i8>, Vec<i32>) {
+    const SUMS: usize = QK_K / BSUM_GROUP;
+    let (groups, nb) = (n_tokens / GROUP_TOKENS, cols / QK_K);
+    let mut group_qs = vec![0i8; groups * GROUP_TOKENS * cols];
+    let mut group_bsums = vec![0i32; groups * GROUP_TOKENS * nb * SUMS];
+    let quads = group_qs.chunks_exact_mut(4 * GROUP_TOKENS);
+    for (i, quad) in quads.enumerate() {
+        // Quad `i`: group `i / (cols / 4)`, values `4k .. 4k + 4` of each token's row.
+        let (g, k) = (i / (cols / 4), i % (cols / 4));
+        for (t, dst) in quad.chunks_exact_mut(4).enumerate() {
+            let at = (g * GROUP_TOKENS + t) * cols + 4 * k;
+            dst.copy_from_slice(&qs[at..at + 4]);
+        }
+    }
+    for (i, dst) in group_bsums.chunks_exact_mut(GROUP_TOKENS).enumerate() {
+        // Entry `i`: group `i / (nb · 16)`, super-block `b`, sum `s` of each token.
+        let (g, b, s) = (i / (nb * SUMS), i / SUMS % nb, i % SUMS);
+        for (t, sum) in dst.iter_mut().enumerate() {
+            *sum = i32::from(bsums[(g * GROUP_TOKENS + t) * nb + b][s]);
+        }
+    }
+    (group_qs, group_bsums)
+}
+
+impl Q8KActs {
+    /// Token `t`'s group, when `t` starts a whole one in a batch of
+    /// [`GEMM_MIN_TOKENS`] or more.
+    fn group(&self, t: usize) -> Option<GroupRef<'_>> {
+        let whole = t.is_multiple_of(GROUP_TOKENS) && t + GROUP_TOKENS <= self.n_tokens;
+        (self.gemm && whole).then_some(GroupRef { acts: self, t })
+    }
 }
 
 /// Tokens from which llama.cpp's CPU backend multiplies k-quant weights with its tiled
@@ -309,6 +417,8 @@ impl ActSet for Q8KActs {
             qs,
             d: sums.iter().map(|s| s.0).collect(),
             bsums: sums.iter().map(|s| s.1).collect(),
+            groups: OnceLock::new(),
+            n_tokens,
         }
     }
 
@@ -327,6 +437,7 @@ impl ActSet for Q8KActs {
             bsums: self.bsums[t * nb..(t + 1) * nb].as_flattened(),
             gemm: self.gemm,
             packed_gemm: t < self.packed_gemm_tokens,
+            group: self.group(t),
         }
     }
 

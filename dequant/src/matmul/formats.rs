@@ -285,7 +285,8 @@ kernel!(
     portable::dot_q4_k_packed,
     avx2::kquants::dot_q4_k_packed,
     avx512::kquants::dot_q4_k_packed,
-    avx2_tiles = avx2::kquants::tile8_q4_k_packed
+    avx2_tiles = avx2::kquants::tile8_q4_k_packed,
+    avx512_tile8 = avx512::kquants::tile8_q4_k_packed
 );
 kernel!(Q2_K, Q8KActs, portable::dot_q2_k, avx2::lanes::dot_q2_k);
 kernel!(Q3_K, Q8KActs, portable::dot_q3_k, avx2::lanes::dot_q3_k);

@@ -418,6 +418,11 @@ pub(crate) unsafe fn tile8_q4_k_packed(rows: [&[u8]; 4], acts: [Q8KRow<'_>; 8]) 
         return super::join_tiles(tile([a0, a1, a2, a3]), tile([a4, a5, a6, a7]));
     }
     let nb = blocks(&rows, Q4_K_BYTES, &acts);
+    if let Some(group) = acts[0].group.filter(|g| g.covers(&acts)) {
+        // SAFETY: the features are present per this function's contract.
+        return unsafe { super::grouped::q4_k_grouped(rows, &acts, group.get(), nb) }
+            .map(|v| lanes_of(v));
+    }
     let low4 = _mm256_set1_epi8(0x0F);
     let mut sums = [_mm256_setzero_ps(); 4];
     let mut sum_mins = [_mm256_setzero_ps(); 4];
@@ -620,7 +625,14 @@ pub(crate) fn scales8(acts: &[Q8KRow<'_>; 8], b: usize) -> __m256 {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn gemm_step8(acc: __m256, d: f32, dots: [__m256i; 8], dx: __m256) -> __m256 {
-    let scaled = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(hsum8_epi32(dots)));
+    fused8(acc, d, hsum8_epi32(dots), dx)
+}
+
+/// [`gemm_step8`] on the eight tokens' integer totals, lane `t` token `t`'s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn fused8(acc: __m256, d: f32, totals: __m256i, dx: __m256) -> __m256 {
+    let scaled = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(totals));
     _mm256_fmadd_ps(scaled, dx, acc)
 }
 
@@ -642,6 +654,11 @@ pub(crate) unsafe fn tile8_q6_k(rows: [&[u8]; 4], acts: [Q8KRow<'_>; 8]) -> [[f3
         return super::join_tiles(tile([a0, a1, a2, a3]), tile([a4, a5, a6, a7]));
     }
     let nb = blocks(&rows, Q6_K_BYTES, &acts);
+    if let Some(group) = acts[0].group.filter(|g| g.covers(&acts)) {
+        // SAFETY: the features are present per this function's contract.
+        return unsafe { super::grouped::q6_k_grouped(rows, &acts, group.get(), nb) }
+            .map(|v| lanes_of(v));
+    }
     let mut acc = [_mm256_setzero_ps(); 4];
     for b in 0..nb {
         // SAFETY: b < nb bounds the activations.

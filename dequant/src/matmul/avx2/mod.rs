@@ -30,6 +30,7 @@ macro_rules! entries {
 }
 
 pub(crate) mod float;
+pub(crate) mod grouped;
 pub(crate) mod kquants;
 pub(crate) mod lanes;
 pub(crate) mod legacy;

@@ -491,6 +491,46 @@ pub(crate) unsafe fn dot_q5_k<const R: usize, const N: usize>(
     unsafe { dot_q45_k::<true, R, N>(rows, acts) }
 }
 
+/// The 6-bit values (`q + 32`, in `0..64`) of half `half` of a `Q6_K` super-block, in
+/// order: values `128 · half .. + 64` in the first vector, the next 64 in the second.
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features; the super-block must be readable.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q6_k_values(block: *const u8, half: usize) -> [__m512i; 2] {
+    let (ql_at, qh_at) = (offset_of!(BlockQ6_K, ql), offset_of!(BlockQ6_K, qh));
+    let low4 = _mm512_set1_epi8(0x0F);
+    let bits45 = _mm512_set1_epi8(0x30);
+    // qh's bits for values 0..32 and 32..64 of each 128 (shifted left), and for values
+    // 64..96 and 96..128 (shifted right), in the low and high 256 bits.
+    let halves = |lo: i16, hi: i16| {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
+            _mm256_set1_epi16(hi),
+        )
+    };
+    let (left, right) = (halves(4, 2), halves(0, 2));
+    // SAFETY: ql and qh lie inside the readable block.
+    let (ql, qh) = unsafe {
+        (
+            _mm512_loadu_si512(block.add(ql_at + 64 * half).cast()),
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(qh_at + 32 * half).cast())),
+        )
+    };
+    // Values 32k + l take the low or high nibble of ql and bits 2k, 2k + 1 of qh[l].
+    [
+        _mm512_or_si512(
+            _mm512_and_si512(ql, low4),
+            _mm512_and_si512(_mm512_sllv_epi16(qh, left), bits45),
+        ),
+        _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
+            _mm512_and_si512(_mm512_srlv_epi16(qh, right), bits45),
+        ),
+    ]
+}
+
 /// `Q6_K` super-block for each token: `Σ scale_g Σ (q - 32) qx` in the AVX2 kernel's
 /// eight i32 lanes.
 ///
@@ -504,43 +544,15 @@ unsafe fn q6_k_ints<const N: usize>(
     qx: [*const i8; N],
     bsums: [*const i16; N],
 ) -> [__m256i; N] {
-    let (ql_at, qh_at) = (offset_of!(BlockQ6_K, ql), offset_of!(BlockQ6_K, qh));
     // SAFETY: the 16 signed scales lie inside the readable block.
     let scales = unsafe { _mm_loadu_si128(block.add(offset_of!(BlockQ6_K, scales)).cast()) };
     let scales = _mm256_cvtepi8_epi16(scales);
     let scales32 = _mm256_slli_epi16::<5>(scales);
     let scales = _mm512_castsi256_si512(scales);
     let mut dots = [_mm512_setzero_si512(); N];
-    let low4 = _mm512_set1_epi8(0x0F);
-    let bits45 = _mm512_set1_epi8(0x30);
-    // qh's bits for values 0..32 and 32..64 of each 128 (shifted left), and for values
-    // 64..96 and 96..128 (shifted right), in the low and high 256 bits.
-    let halves = |lo: i16, hi: i16| {
-        _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_set1_epi16(lo)),
-            _mm256_set1_epi16(hi),
-        )
-    };
-    let (left, right) = (halves(4, 2), halves(0, 2));
     for half in 0..2 {
-        // SAFETY: ql and qh lie inside the readable block.
-        let (ql, qh) = unsafe {
-            (
-                _mm512_loadu_si512(block.add(ql_at + 64 * half).cast()),
-                _mm512_broadcast_i64x4(_mm256_loadu_si256(block.add(qh_at + 32 * half).cast())),
-            )
-        };
-        // Values 32k + l take the low or high nibble of ql and bits 2k, 2k + 1 of qh[l].
-        let values = [
-            _mm512_or_si512(
-                _mm512_and_si512(ql, low4),
-                _mm512_and_si512(_mm512_sllv_epi16(qh, left), bits45),
-            ),
-            _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low4),
-                _mm512_and_si512(_mm512_srlv_epi16(qh, right), bits45),
-            ),
-        ];
+        // SAFETY: the block is readable per this function's contract.
+        let values = unsafe { q6_k_values(block, half) };
         for (k, &q) in values.iter().enumerate() {
             // Values 64k .. 64k + 64 of this half: groups 8·half + 4k .. + 4, one a
             // 128-bit part.
@@ -633,6 +645,11 @@ pub(crate) unsafe fn tile8_q6_k(rows: [&[u8]; 4], acts: [Q8KRow<'_>; 8]) -> [[f3
         return join_tiles(tile([a0, a1, a2, a3]), tile([a4, a5, a6, a7]));
     }
     let nb = blocks(&rows, Q6_K_BYTES, &acts);
+    if let Some(group) = acts[0].group.filter(|g| g.covers(&acts)) {
+        // SAFETY: the features are present per this function's contract.
+        return unsafe { super::grouped::q6_k_grouped(rows, &acts, group.get(), nb) }
+            .map(|v| lanes_of(v));
+    }
     let mut acc = [_mm256_setzero_ps(); 4];
     for b in 0..nb {
         // SAFETY: b < nb bounds the activations.
@@ -652,6 +669,27 @@ pub(crate) unsafe fn tile8_q6_k(rows: [&[u8]; 4], acts: [Q8KRow<'_>; 8]) -> [[f3
         }
     }
     acc.map(|v| lanes_of(v))
+}
+
+/// Four rows of a `Q4_K` matrix llama.cpp repacks against eight tokens: on a whole
+/// group of eight tokens that its repacked GEMM takes, [`q4_k_grouped`]; otherwise
+/// `avx2::kquants::tile8_q4_k_packed`. Both give the bits of [`dot_q4_k_packed`].
+///
+/// # Safety
+/// The CPU must support the AVX-512 path's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn tile8_q4_k_packed(rows: [&[u8]; 4], acts: [Q8KRow<'_>; 8]) -> [[f32; 8]; 4] {
+    if acts.iter().all(|a| a.packed_gemm) {
+        if let Some(group) = acts[0].group.filter(|g| g.covers(&acts)) {
+            let nb = blocks(&rows, Q4_K_BYTES, &acts);
+            // SAFETY: the features are present per this function's contract.
+            return unsafe { super::grouped::q4_k_grouped(rows, &acts, group.get(), nb) }
+                .map(|v| lanes_of(v));
+        }
+    }
+    // SAFETY: the AVX-512 path's features include the AVX2 kernel's.
+    unsafe { crate::matmul::avx2::kquants::tile8_q4_k_packed(rows, acts) }
 }
 
 /// The integers of one `Q4_K` super-block, summed over the lanes, as the AVX2 kernel's

@@ -15,6 +15,7 @@
 //! loops around the kernels are the AVX2 path's (`avx2::rows`); the formats without
 //! AVX-512 kernels run their AVX2 kernels there (every AVX-512 CPU has AVX2).
 
+pub(crate) mod grouped;
 pub(crate) mod kquants;
 pub(crate) mod legacy;
 

@@ -543,3 +543,70 @@ fn every_path_gives_the_portable_products_bit_for_bit() {
         }
     }
 }
+
+/// The tiles on a whole group of eight tokens (`Q4_K` matrices llama.cpp repacks and
+/// `Q6_K`) sum a row's products in 16-bit lanes before widening them: at the largest
+/// values every format allows (every quant and scale at its maximum, activations all
+/// at ±127, or alternating) they still give the portable products bit for bit.
+#[test]
+fn the_grouped_tiles_hold_at_the_integers_extremes() {
+    use crate::blocks::{BlockQ4_K, BlockQ6_K};
+    use std::mem::{offset_of, size_of};
+    let fast: Vec<DecodePath> = paths()
+        .into_iter()
+        .filter(|&p| p != DecodePath::Scalar)
+        .collect();
+    if fast.is_empty() {
+        eprintln!("SKIPPED: this cpu has no avx2, fma and f16c");
+        return;
+    }
+    let (rows, cols) = (8, 2 * QK_K);
+    // (type, block bytes, the bytes set to 0xFF): Q4_K's scales, mins and quants (all
+    // at 63 and 15); Q6_K's ql and qh (q = 31), its scales as drawn but the first two
+    // set to 127 and -128.
+    let extremes = [
+        (
+            GgmlType::Q4_K,
+            size_of::<BlockQ4_K>(),
+            offset_of!(BlockQ4_K, scales)..size_of::<BlockQ4_K>(),
+        ),
+        (
+            GgmlType::Q6_K,
+            size_of::<BlockQ6_K>(),
+            0..offset_of!(BlockQ6_K, scales),
+        ),
+    ];
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (ty, block, range) in extremes {
+        let mut bytes = random_matrix(ty, rows, cols, 77);
+        for b in bytes.chunks_exact_mut(block) {
+            b[range.clone()].fill(0xFF);
+            if ty == GgmlType::Q6_K {
+                b[offset_of!(BlockQ6_K, scales)] = 127;
+                b[offset_of!(BlockQ6_K, scales) + 1] = 0x80;
+            }
+        }
+        let matrix = QuantizedMatrix::new(ty, rows, cols, &bytes).unwrap();
+        for n_tokens in [8, 16] {
+            let patterns: [fn(usize) -> f32; 3] =
+                [|_| 3.0, |_| -3.0, |i| if i % 2 == 0 { 3.0 } else { -3.0 }];
+            for pattern in patterns {
+                let x: Vec<f32> = (0..n_tokens * cols).map(pattern).collect();
+                let mut portable = vec![0.0; n_tokens * rows];
+                matrix
+                    .matmul_with(DecodePath::Scalar, &x, n_tokens, &mut portable)
+                    .unwrap();
+                for &path in &fast {
+                    let mut y = vec![0.0; n_tokens * rows];
+                    matrix.matmul_with(path, &x, n_tokens, &mut y).unwrap();
+                    assert_eq!(
+                        bits(&portable),
+                        bits(&y),
+                        "{ty}, {n_tokens} tokens on {path:?}"
+                    );
+                    assert!(y.iter().all(|v| v.is_finite()), "{ty} on {path:?}: {y:?}");
+                }
+            }
+        }
+    }
+}
