@@ -9,11 +9,45 @@ use std::arch::x86_64::*;
 use std::mem::offset_of;
 
 use super::kquants::{
-    f16_pair, fused8, k_scales_mins_bytes, scales8, GROUPS, Q4_K_BYTES, Q6_K_BYTES,
+    f16_pair, hsum8_epi32, k_scales_mins_bytes, q6_k_values, GROUPS, Q4_K_BYTES, Q6_K_BYTES,
 };
 use super::{lanes_of_128, load32};
 use crate::blocks::{BlockQ4_K, BlockQ6_K};
 use crate::matmul::activation::{Q8KGroup, Q8KRow, QK_K};
+
+/// Token `t`'s activation scale of super-block `b`, for each of eight tokens: lane `t`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn scales8(acts: &[Q8KRow<'_>; 8], b: usize) -> __m256 {
+    _mm256_setr_ps(
+        acts[0].d[b],
+        acts[1].d[b],
+        acts[2].d[b],
+        acts[3].d[b],
+        acts[4].d[b],
+        acts[5].d[b],
+        acts[6].d[b],
+        acts[7].d[b],
+    )
+}
+
+/// One super-block's step of llama.cpp's tiled GEMM for one row and eight tokens, lane
+/// `t` token `t`'s: the integer sum of each token's eight lanes `dots[t]`, rounded at
+/// `d`, fused at the token's scale `dx` into `acc` (for each lane, `dot_q6_k`'s scalar
+/// `(d · Σ).mul_add(dx, acc)`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn gemm_step8(acc: __m256, d: f32, dots: [__m256i; 8], dx: __m256) -> __m256 {
+    fused8(acc, d, hsum8_epi32(dots), dx)
+}
+
+/// [`gemm_step8`] on the eight tokens' integer totals, lane `t` token `t`'s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn fused8(acc: __m256, d: f32, totals: __m256i, dx: __m256) -> __m256 {
+    let scaled = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(totals));
+    _mm256_fmadd_ps(scaled, dx, acc)
+}
 
 /// A super-block's 256 weights of four rows as unsigned bytes, row after row, for the
 /// kernels on a [`Q8KGroup`], which broadcast four of them at a time.
@@ -190,35 +224,10 @@ pub(crate) unsafe fn q6_k_grouped(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k_codes(block: *const u8, out: *mut u8) {
-    let (ql_at, qh_at) = (offset_of!(BlockQ6_K, ql), offset_of!(BlockQ6_K, qh));
-    let low4 = _mm256_set1_epi8(0x0F);
-    let bits45 = _mm256_set1_epi8(0x30);
     for half in 0..2 {
         // SAFETY: per the contract.
         unsafe {
-            let ql0 = load32(block.add(ql_at + 64 * half));
-            let ql1 = load32(block.add(ql_at + 64 * half + 32));
-            let qh = load32(block.add(qh_at + 32 * half));
-            // Values 32k + l take the low or high nibble of ql and bits 2k, 2k + 1 of qh[l].
-            let values = [
-                _mm256_or_si256(
-                    _mm256_and_si256(ql0, low4),
-                    _mm256_and_si256(_mm256_slli_epi16::<4>(qh), bits45),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(ql1, low4),
-                    _mm256_and_si256(_mm256_slli_epi16::<2>(qh), bits45),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low4),
-                    _mm256_and_si256(qh, bits45),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low4),
-                    _mm256_and_si256(_mm256_srli_epi16::<2>(qh), bits45),
-                ),
-            ];
-            for (k, v) in values.into_iter().enumerate() {
+            for (k, v) in q6_k_values(block, half).into_iter().enumerate() {
                 _mm256_store_si256(out.add(128 * half + 32 * k).cast(), v);
             }
         }

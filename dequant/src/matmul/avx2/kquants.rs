@@ -27,6 +27,7 @@
 use std::arch::x86_64::*;
 use std::mem::{offset_of, size_of};
 
+use super::grouped::{gemm_step8, scales8};
 use super::{
     hsum_epi32, hsum_epi32_128, hsum_ps, lanes_of, lanes_of_128, lanes_of_epi32_128, load32,
 };
@@ -200,6 +201,46 @@ unsafe fn q45_k_ints<const FIVE: bool, const SPLIT: bool, const N: usize>(
     (dots, min_sums, parts)
 }
 
+/// The 6-bit values (`q + 32`, in `0..64`) of half `half` of a `Q6_K` super-block, in
+/// order, 32 a vector: values `128 · half + 32k ..` in vector `k`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the super-block must be readable.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q6_k_values(block: *const u8, half: usize) -> [__m256i; 4] {
+    let (ql_at, qh_at) = (offset_of!(BlockQ6_K, ql), offset_of!(BlockQ6_K, qh));
+    let low4 = _mm256_set1_epi8(0x0F);
+    let bits45 = _mm256_set1_epi8(0x30);
+    // SAFETY: ql and qh lie inside the readable block.
+    let (ql0, ql1, qh) = unsafe {
+        (
+            load32(block.add(ql_at + 64 * half)),
+            load32(block.add(ql_at + 64 * half + 32)),
+            load32(block.add(qh_at + 32 * half)),
+        )
+    };
+    // Values 32k + l take the low or high nibble of ql and bits 2k, 2k + 1 of qh[l].
+    [
+        _mm256_or_si256(
+            _mm256_and_si256(ql0, low4),
+            _mm256_and_si256(_mm256_slli_epi16::<4>(qh), bits45),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(ql1, low4),
+            _mm256_and_si256(_mm256_slli_epi16::<2>(qh), bits45),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low4),
+            _mm256_and_si256(qh, bits45),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low4),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(qh), bits45),
+        ),
+    ]
+}
+
 /// `Q6_K` super-block for each token: `Σ scale_g Σ (q - 32) qx` in eight i32 lanes.
 ///
 /// # Safety
@@ -212,7 +253,6 @@ unsafe fn q6_k_ints<const N: usize>(
     qx: [*const i8; N],
     bsums: [*const i16; N],
 ) -> [__m256i; N] {
-    let (ql_at, qh_at) = (offset_of!(BlockQ6_K, ql), offset_of!(BlockQ6_K, qh));
     // SAFETY: the 16 signed scales lie inside the readable block.
     let scales = unsafe { _mm_loadu_si128(block.add(offset_of!(BlockQ6_K, scales)).cast()) };
     let scales = _mm256_cvtepi8_epi16(scales);
@@ -225,8 +265,6 @@ unsafe fn q6_k_ints<const N: usize>(
         let sums = unsafe { _mm256_loadu_si256(bsums[t].cast()) };
         dots[t] = _mm256_sub_epi32(dots[t], _mm256_madd_epi16(scales32, sums));
     }
-    let low4 = _mm256_set1_epi8(0x0F);
-    let bits45 = _mm256_set1_epi8(0x30);
     for half in 0..2 {
         // Groups 8·half .. 8·half + 8, in both 128-bit lanes.
         let groups = if half == 0 {
@@ -234,33 +272,8 @@ unsafe fn q6_k_ints<const N: usize>(
         } else {
             _mm256_permute2x128_si256::<0x11>(scales, scales)
         };
-        // SAFETY: ql and qh lie inside the readable block.
-        let (ql0, ql1, qh) = unsafe {
-            (
-                load32(block.add(ql_at + 64 * half)),
-                load32(block.add(ql_at + 64 * half + 32)),
-                load32(block.add(qh_at + 32 * half)),
-            )
-        };
-        // Values 32k + l take the low or high nibble of ql and bits 2k, 2k + 1 of qh[l].
-        let values = [
-            _mm256_or_si256(
-                _mm256_and_si256(ql0, low4),
-                _mm256_and_si256(_mm256_slli_epi16::<4>(qh), bits45),
-            ),
-            _mm256_or_si256(
-                _mm256_and_si256(ql1, low4),
-                _mm256_and_si256(_mm256_slli_epi16::<2>(qh), bits45),
-            ),
-            _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low4),
-                _mm256_and_si256(qh, bits45),
-            ),
-            _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low4),
-                _mm256_and_si256(_mm256_srli_epi16::<2>(qh), bits45),
-            ),
-        ];
+        // SAFETY: the block is readable per this function's contract.
+        let values = unsafe { q6_k_values(block, half) };
         for (k, &q) in values.iter().enumerate() {
             // Values 32k..32k + 32 span groups 2k and 2k + 1 of this half: one scale
             // per 128-bit lane of the i16 products.
@@ -600,40 +613,6 @@ pub(crate) unsafe fn dot_q6_k<const R: usize, const N: usize>(
         }
     }
     out
-}
-
-/// Token `t`'s activation scale of super-block `b`, for each of eight tokens: lane `t`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn scales8(acts: &[Q8KRow<'_>; 8], b: usize) -> __m256 {
-    _mm256_setr_ps(
-        acts[0].d[b],
-        acts[1].d[b],
-        acts[2].d[b],
-        acts[3].d[b],
-        acts[4].d[b],
-        acts[5].d[b],
-        acts[6].d[b],
-        acts[7].d[b],
-    )
-}
-
-/// One super-block's step of llama.cpp's tiled GEMM for one row and eight tokens, lane
-/// `t` token `t`'s: the integer sum of each token's eight lanes `dots[t]`, rounded at
-/// `d`, fused at the token's scale `dx` into `acc` (for each lane, `dot_q6_k`'s scalar
-/// `(d · Σ).mul_add(dx, acc)`).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn gemm_step8(acc: __m256, d: f32, dots: [__m256i; 8], dx: __m256) -> __m256 {
-    fused8(acc, d, hsum8_epi32(dots), dx)
-}
-
-/// [`gemm_step8`] on the eight tokens' integer totals, lane `t` token `t`'s.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn fused8(acc: __m256, d: f32, totals: __m256i, dx: __m256) -> __m256 {
-    let scaled = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(totals));
-    _mm256_fmadd_ps(scaled, dx, acc)
 }
 
 /// Four `Q6_K` rows against eight tokens: in a batch that llama.cpp multiplies with its

@@ -9,10 +9,8 @@ use std::mem::offset_of;
 use super::kquants::q6_k_values;
 use crate::blocks::{BlockQ4_K, BlockQ6_K};
 use crate::matmul::activation::{Q8KGroup, Q8KRow, BSUM_GROUP, QK_K};
-use crate::matmul::avx2::grouped::{i16_pair, q4_k_codes, sum_pairs, Codes};
-use crate::matmul::avx2::kquants::{
-    f16_pair, fused8, k_scales_mins_bytes, scales8, Q4_K_BYTES, Q6_K_BYTES,
-};
+use crate::matmul::avx2::grouped::{fused8, i16_pair, q4_k_codes, scales8, sum_pairs, Codes};
+use crate::matmul::avx2::kquants::{f16_pair, k_scales_mins_bytes, Q4_K_BYTES, Q6_K_BYTES};
 use crate::matmul::avx2::lanes_of_128;
 
 /// For each of four rows, `vpdpbusd` of `N` consecutive fours of its codes (from four

@@ -17,9 +17,9 @@ use std::mem::offset_of;
 use super::{hsum4_epi32_128, hsum4_epi32_512, hsum_epi32_512, spread_i16};
 use crate::blocks::{BlockQ4_K, BlockQ5_K, BlockQ6_K};
 use crate::matmul::activation::Q8KRow;
+use crate::matmul::avx2::grouped::{gemm_step8, scales8};
 use crate::matmul::avx2::kquants::{
-    act_ptrs, blocks, f16_pair, gemm_step8, k_scales_mins_bytes, scales8, Q4_K_BYTES, Q5_K_BYTES,
-    Q6_K_BYTES,
+    act_ptrs, blocks, f16_pair, k_scales_mins_bytes, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
 };
 use crate::matmul::avx2::{
     hsum_epi32, hsum_epi32_128, hsum_ps, join_tiles, lanes_of, lanes_of_128, lanes_of_epi32_128,

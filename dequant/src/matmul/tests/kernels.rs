@@ -365,7 +365,6 @@ fn lane_integers_sum_to_the_plain_integer_product() {
 /// llama.cpp only multiplies with its dot product) those of its tokens one at a time.
 #[test]
 fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for (i, ty) in types().enumerate() {
         // 16 rows: a matrix llama.cpp repacks (Q4_0, Q4_K); 9: one it does not.
         for rows in [9, 16] {
@@ -405,8 +404,8 @@ fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
                         &single[..]
                     };
                     assert_eq!(
-                        bits(&batch[t * rows..(t + 1) * rows]),
-                        bits(expected),
+                        to_bits(&batch[t * rows..(t + 1) * rows]),
+                        to_bits(expected),
                         "{ty} ({rows} rows) token {t} of {small} on {path:?}"
                     );
                 }
@@ -419,8 +418,8 @@ fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
                             .matvec_with(path, &x[t * cols..(t + 1) * cols], &mut single)
                             .unwrap();
                         assert_eq!(
-                            bits(&batch[t * rows..(t + 1) * rows]),
-                            bits(&single),
+                            to_bits(&batch[t * rows..(t + 1) * rows]),
+                            to_bits(&single),
                             "{ty} ({rows} rows) token {t} of {n_tokens} on {path:?}"
                         );
                     }
@@ -431,8 +430,8 @@ fn a_batch_equals_its_tokens_multiplied_in_batches_of_its_kind_exactly() {
                     let xs = &x[h * half * cols..(h + 1) * half * cols];
                     matrix.matmul_with(path, xs, half, &mut part).unwrap();
                     assert_eq!(
-                        bits(&batch[h * half * rows..(h + 1) * half * rows]),
-                        bits(&part),
+                        to_bits(&batch[h * half * rows..(h + 1) * half * rows]),
+                        to_bits(&part),
                         "{ty} ({rows} rows) half {h} of {n_tokens} on {path:?}"
                     );
                 }
@@ -498,15 +497,10 @@ fn every_split_gives_the_serial_results_exactly() {
 /// and matrices it does not. (The float formats sum in orders of their own.)
 #[test]
 fn every_path_gives_the_portable_products_bit_for_bit() {
-    let fast: Vec<DecodePath> = paths()
-        .into_iter()
-        .filter(|&p| p != DecodePath::Scalar)
-        .collect();
-    if fast.is_empty() {
+    let Some(fast) = fast_paths() else {
         eprintln!("SKIPPED: this cpu has no avx2, fma and f16c");
         return;
-    }
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    };
     for (i, ty) in types().enumerate() {
         if !ty.is_quantized() {
             continue;
@@ -537,7 +531,7 @@ fn every_path_gives_the_portable_products_bit_for_bit() {
                     let mut y = vec![0.0; n_tokens * rows];
                     matrix.matmul_with(path, &x, n_tokens, &mut y).unwrap();
                     let context = format!("{ty}, {rows}x{cols}, {n_tokens} tokens on {path:?}");
-                    assert_eq!(bits(&portable), bits(&y), "{context}");
+                    assert_eq!(to_bits(&portable), to_bits(&y), "{context}");
                 }
             }
         }
@@ -552,14 +546,10 @@ fn every_path_gives_the_portable_products_bit_for_bit() {
 fn the_grouped_tiles_hold_at_the_integers_extremes() {
     use crate::blocks::{BlockQ4_K, BlockQ6_K};
     use std::mem::{offset_of, size_of};
-    let fast: Vec<DecodePath> = paths()
-        .into_iter()
-        .filter(|&p| p != DecodePath::Scalar)
-        .collect();
-    if fast.is_empty() {
+    let Some(fast) = fast_paths() else {
         eprintln!("SKIPPED: this cpu has no avx2, fma and f16c");
         return;
-    }
+    };
     let (rows, cols) = (8, 2 * QK_K);
     // (type, block bytes, the bytes set to 0xFF): Q4_K's scales, mins and quants (all
     // at 63 and 15); Q6_K's ql and qh (q = 31), its scales as drawn but the first two
@@ -576,7 +566,6 @@ fn the_grouped_tiles_hold_at_the_integers_extremes() {
             0..offset_of!(BlockQ6_K, scales),
         ),
     ];
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for (ty, block, range) in extremes {
         let mut bytes = random_matrix(ty, rows, cols, 77);
         for b in bytes.chunks_exact_mut(block) {
@@ -600,8 +589,8 @@ fn the_grouped_tiles_hold_at_the_integers_extremes() {
                     let mut y = vec![0.0; n_tokens * rows];
                     matrix.matmul_with(path, &x, n_tokens, &mut y).unwrap();
                     assert_eq!(
-                        bits(&portable),
-                        bits(&y),
+                        to_bits(&portable),
+                        to_bits(&y),
                         "{ty}, {n_tokens} tokens on {path:?}"
                     );
                     assert!(y.iter().all(|v| v.is_finite()), "{ty} on {path:?}: {y:?}");
@@ -609,4 +598,18 @@ fn the_grouped_tiles_hold_at_the_integers_extremes() {
             }
         }
     }
+}
+
+/// The paths other than the portable one, if this CPU has any.
+fn fast_paths() -> Option<Vec<DecodePath>> {
+    let fast: Vec<DecodePath> = paths()
+        .into_iter()
+        .filter(|&p| p != DecodePath::Scalar)
+        .collect();
+    (!fast.is_empty()).then_some(fast)
+}
+
+/// The values' bits, to compare products exactly (NaNs included).
+fn to_bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
 }
