@@ -141,6 +141,64 @@ unsafe fn quads_i16<const N: usize>(codes: &Codes, xs: *const i8, k: usize) -> [
     sums
 }
 
+/// Super-block `b` of four `Q6_K` rows for a grouped tile: each row's `d` and 16
+/// scales, and its values (`q + 32`) unpacked into `codes`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; each row must hold super-block `b`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q6_k_rows(
+    rows: &[&[u8]; 4],
+    b: usize,
+    codes: &mut Codes,
+) -> ([f32; 4], [[i32; GROUPS]; 4]) {
+    let mut d = [0.0f32; 4];
+    let mut scales = [[0i32; GROUPS]; 4];
+    for r in 0..4 {
+        // SAFETY: the block is readable per the contract; `codes` holds 256 bytes a row.
+        unsafe {
+            let block = rows[r].as_ptr().add(b * Q6_K_BYTES);
+            d[r] = super::load_f16(block.add(offset_of!(BlockQ6_K, d)));
+            let at = block.add(offset_of!(BlockQ6_K, scales)).cast::<i8>();
+            scales[r] = std::array::from_fn(|g| i32::from(at.add(g).read()));
+            q6_k_codes(block, codes.0[r].as_mut_ptr());
+        }
+    }
+    (d, scales)
+}
+
+/// Super-block `b` of four `Q4_K` rows for a grouped tile: each row's `d · dx` and
+/// `dmin · dx` (lane `t` token `t`'s, as the GEMM rounds them), its scales and mins a
+/// byte each, and its values unpacked into `codes`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; each row must hold super-block `b`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn q4_k_rows(
+    rows: &[&[u8]; 4],
+    b: usize,
+    dx: __m256,
+    codes: &mut Codes,
+) -> ([__m256; 4], [__m256; 4], [(u64, u64); 4]) {
+    let mut d = [_mm256_setzero_ps(); 4];
+    let mut dmin = [_mm256_setzero_ps(); 4];
+    let mut scales_mins = [(0u64, 0u64); 4];
+    for r in 0..4 {
+        // SAFETY: the block is readable per the contract; `codes` holds 256 bytes a row.
+        unsafe {
+            let block = rows[r].as_ptr().add(b * Q4_K_BYTES);
+            let d_dmin = lanes_of_128(f16_pair(block));
+            d[r] = _mm256_mul_ps(_mm256_set1_ps(d_dmin[0]), dx);
+            dmin[r] = _mm256_mul_ps(_mm256_set1_ps(d_dmin[1]), dx);
+            scales_mins[r] = k_scales_mins_bytes(block.add(offset_of!(BlockQ4_K, scales)));
+            q4_k_codes(block, codes.0[r].as_mut_ptr());
+        }
+    }
+    (d, dmin, scales_mins)
+}
+
 /// [`tile8_q6_k`] on a whole group of eight tokens, lane `t` token `t`'s: each row's
 /// super-block unpacked to its 6-bit values (`q + 32`) once; each four of them,
 /// broadcast, meet the eight tokens' four activations in one `maddubs`, two of those
@@ -171,19 +229,8 @@ pub(crate) unsafe fn q6_k_grouped(
                 sum_pairs::<8>(group.bsums.as_ptr().add(b * GROUPS * 8)),
             )
         };
-        let mut d = [0.0f32; 4];
-        let mut scales = [[0i32; GROUPS]; 4];
-        for r in 0..4 {
-            // SAFETY: b < nb bounds the block, whose fields these read; `codes` holds
-            // 256 bytes a row.
-            unsafe {
-                let block = rows[r].as_ptr().add(b * Q6_K_BYTES);
-                d[r] = super::load_f16(block.add(offset_of!(BlockQ6_K, d)));
-                let at = block.add(offset_of!(BlockQ6_K, scales)).cast::<i8>();
-                scales[r] = std::array::from_fn(|g| i32::from(at.add(g).read()));
-                q6_k_codes(block, codes.0[r].as_mut_ptr());
-            }
-        }
+        // SAFETY: b < nb bounds the rows' blocks.
+        let (d, scales) = unsafe { q6_k_rows(&rows, b, &mut codes) };
         let mut total = [_mm256_setzero_si256(); 4];
         #[allow(clippy::needless_range_loop)] // g picks the scales and the activations too
         for g in 0..GROUPS {
@@ -266,21 +313,8 @@ pub(crate) unsafe fn q4_k_grouped(
                 sum_pairs::<4>(group.bsums.as_ptr().add(b * GROUPS * 8)),
             )
         };
-        let mut d = [_mm256_setzero_ps(); 4];
-        let mut dmin = [_mm256_setzero_ps(); 4];
-        let mut scales_mins = [(0u64, 0u64); 4];
-        for r in 0..4 {
-            // SAFETY: b < nb bounds the block, whose fields these read; `codes` holds
-            // 256 bytes a row.
-            unsafe {
-                let block = rows[r].as_ptr().add(b * Q4_K_BYTES);
-                let d_dmin = lanes_of_128(f16_pair(block));
-                d[r] = _mm256_mul_ps(_mm256_set1_ps(d_dmin[0]), dx);
-                dmin[r] = _mm256_mul_ps(_mm256_set1_ps(d_dmin[1]), dx);
-                scales_mins[r] = k_scales_mins_bytes(block.add(offset_of!(BlockQ4_K, scales)));
-                q4_k_codes(block, codes.0[r].as_mut_ptr());
-            }
-        }
+        // SAFETY: b < nb bounds the rows' blocks.
+        let (d, dmin, scales_mins) = unsafe { q4_k_rows(&rows, b, dx, &mut codes) };
         let byte = |v: u64, k: usize| ((v >> (8 * k)) & 0xFF) as i32;
         for (j, &pair) in pairs.iter().enumerate() {
             // SAFETY: values 64j .. 64j + 64 of the eight tokens, inside super-block b.

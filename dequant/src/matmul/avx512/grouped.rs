@@ -4,14 +4,11 @@
 //! straight into i32 lanes, and the sub-block's sum then times its scale (`vpmulld`).
 
 use std::arch::x86_64::*;
-use std::mem::offset_of;
 
-use super::kquants::q6_k_values;
-use crate::blocks::{BlockQ4_K, BlockQ6_K};
 use crate::matmul::activation::{Q8KGroup, Q8KRow, BSUM_GROUP, QK_K};
-use crate::matmul::avx2::grouped::{fused8, i16_pair, q4_k_codes, scales8, sum_pairs, Codes};
-use crate::matmul::avx2::kquants::{f16_pair, k_scales_mins_bytes, Q4_K_BYTES, Q6_K_BYTES};
-use crate::matmul::avx2::lanes_of_128;
+use crate::matmul::avx2::grouped::{
+    fused8, i16_pair, q4_k_rows, q6_k_rows, scales8, sum_pairs, Codes,
+};
 
 /// For each of four rows, `vpdpbusd` of `N` consecutive fours of its codes (from four
 /// `k`), each broadcast, with the interleaved group's activations: lane `t` the row's
@@ -73,21 +70,8 @@ pub(crate) unsafe fn q4_k_grouped(
         };
         // SAFETY: as above.
         let pairs = unsafe { sum_pairs::<4>(bsums) };
-        let mut d = [_mm256_setzero_ps(); 4];
-        let mut dmin = [_mm256_setzero_ps(); 4];
-        let mut scales_mins = [(0u64, 0u64); 4];
-        for r in 0..4 {
-            // SAFETY: b < nb bounds the block, whose fields these read; `codes` holds
-            // 256 bytes a row.
-            unsafe {
-                let block = rows[r].as_ptr().add(b * Q4_K_BYTES);
-                let d_dmin = lanes_of_128(f16_pair(block));
-                d[r] = _mm256_mul_ps(_mm256_set1_ps(d_dmin[0]), dx);
-                dmin[r] = _mm256_mul_ps(_mm256_set1_ps(d_dmin[1]), dx);
-                scales_mins[r] = k_scales_mins_bytes(block.add(offset_of!(BlockQ4_K, scales)));
-                q4_k_codes(block, codes.0[r].as_mut_ptr());
-            }
-        }
+        // SAFETY: b < nb bounds the rows' blocks.
+        let (d, dmin, scales_mins) = unsafe { q4_k_rows(&rows, b, dx, &mut codes) };
         for (j, &pair) in pairs.iter().enumerate() {
             // SAFETY: values 64j .. 64j + 64 of the eight tokens, inside super-block b.
             let raw = unsafe {
@@ -138,23 +122,8 @@ pub(crate) unsafe fn q6_k_grouped(
     let mut acc = [_mm256_setzero_ps(); 4];
     for b in 0..nb {
         let dx = scales8(acts, b);
-        let mut d = [0.0f32; 4];
-        let mut scales = [std::ptr::null::<i8>(); 4];
-        for r in 0..4 {
-            // SAFETY: b < nb bounds the block, whose fields these read; `codes` holds
-            // 256 bytes a row.
-            unsafe {
-                let block = rows[r].as_ptr().add(b * Q6_K_BYTES);
-                d[r] = crate::matmul::avx2::load_f16(block.add(offset_of!(BlockQ6_K, d)));
-                scales[r] = block.add(offset_of!(BlockQ6_K, scales)).cast();
-                for half in 0..2 {
-                    let [lo, hi] = q6_k_values(block, half);
-                    let out = codes.0[r].as_mut_ptr().add(128 * half);
-                    _mm512_store_si512(out.cast(), lo);
-                    _mm512_store_si512(out.add(64).cast(), hi);
-                }
-            }
-        }
+        // SAFETY: b < nb bounds the rows' blocks.
+        let (d, scales) = unsafe { q6_k_rows(&rows, b, &mut codes) };
         // SAFETY: the assertion above bounds super-block b's activations and sums.
         let (xs, sums) = unsafe {
             (
@@ -163,6 +132,7 @@ pub(crate) unsafe fn q6_k_grouped(
             )
         };
         let mut total = [_mm256_setzero_si256(); 4];
+        #[allow(clippy::needless_range_loop)] // g picks the scales and the activations too
         for g in 0..SUMS {
             // SAFETY: values 16g .. 16g + 16 of the eight tokens, inside super-block b.
             let raw = unsafe { quads_dpbusd::<4>(&codes, xs, 4 * g) };
@@ -170,8 +140,7 @@ pub(crate) unsafe fn q6_k_grouped(
             let bias =
                 unsafe { _mm256_slli_epi32::<5>(_mm256_loadu_si256(sums.add(8 * g).cast())) };
             for r in 0..4 {
-                // SAFETY: scale g of 16 lies inside the block.
-                let scale = i32::from(unsafe { scales[r].add(g).read() });
+                let scale = scales[r][g];
                 let part = _mm256_sub_epi32(raw[r], bias);
                 total[r] =
                     _mm256_add_epi32(total[r], _mm256_mullo_epi32(part, _mm256_set1_epi32(scale)));

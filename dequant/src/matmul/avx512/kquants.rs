@@ -498,7 +498,7 @@ pub(crate) unsafe fn dot_q5_k<const R: usize, const N: usize>(
 /// The CPU must support the AVX-512 path's features; the super-block must be readable.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn q6_k_values(block: *const u8, half: usize) -> [__m512i; 2] {
+unsafe fn q6_k_values(block: *const u8, half: usize) -> [__m512i; 2] {
     let (ql_at, qh_at) = (offset_of!(BlockQ6_K, ql), offset_of!(BlockQ6_K, qh));
     let low4 = _mm512_set1_epi8(0x0F);
     let bits45 = _mm512_set1_epi8(0x30);
