@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
     // The raw blocks of chunk c of the tile's rows into raw[c % 2], as one copy group.
     auto request = [&](int c) {
         if (kStaged && c * S::kChunk < cols) {
-            constexpr int kPieces = S::kPitch / 16;
+            constexpr int kPieces = S::kPieces;
             for (int p = threadIdx.x; p < BM * kPieces; p += kMmThreads) {
                 const int r = p / kPieces, j = p % kPieces;
                 const uint8_t* first =
