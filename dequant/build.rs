@@ -154,6 +154,7 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/skinny.hip",
     "kernels/skinny_rows.h",
     "kernels/skinny_q8.h",
+    "kernels/tiles_q8k.h",
 ];
 
 fn main() {

@@ -443,6 +443,11 @@ pub struct TuningArgs {
     /// the kernel every cache type runs. Default: on, unless ROCMFORGE_WARP_ATTENTION=0.
     #[arg(long, value_enum)]
     warp_attention: Option<Switch>,
+    /// On NVIDIA GPUs of compute capability 8.0 and later, whether a prompt's products of
+    /// Q4_K matrices take the int8 matrix units (activations quantized to 8 bits in blocks
+    /// of 256); off takes the f16 tiles. Default: on, unless ROCMFORGE_INT8_PROMPTS=0.
+    #[arg(long, value_enum)]
+    int8_prompts: Option<Switch>,
     /// On a GPU that does not hold the whole model, the device's share (0 to 1) of the
     /// rows of the layers the CPU computes while decoding; 0 leaves them all to the CPU.
     /// Default: ROCMFORGE_HOST_ROWS_ON_GPU, else the share the CPU's threads give.
@@ -478,6 +483,9 @@ impl TuningArgs {
         }
         if let Some(switch) = self.flash_mma {
             tuning.gpu.flash_mma = switch.on();
+        }
+        if let Some(switch) = self.int8_prompts {
+            tuning.gpu.int8_prompts = switch.on();
         }
         if let Some(switch) = self.warp_attention {
             tuning.gpu.warp_attention = switch.on();

@@ -9,6 +9,7 @@
 //! | `ROCMFORGE_CHAINED_LAUNCH` | [`hip_backend::set_chained_launch`] | allowed; `0` launches every kernel plainly |
 //! | `ROCMFORGE_FLASH_MMA` | [`GpuTuning::flash_mma`] | allowed; `0` keeps a prompt's attention off the matrix units |
 //! | `ROCMFORGE_WARP_ATTENTION` | [`GpuTuning::warp_attention`] | on; `0` gives a decode step's attention over f16 caches the kernel every cache type runs |
+//! | `ROCMFORGE_INT8_PROMPTS` | [`GpuTuning::int8_prompts`] | on; `0` gives a prompt's `Q4_K` products the f16 tiles every type runs |
 //! | `ROCMFORGE_HOST_ROWS_ON_GPU` | [`GpuTuning::host_rows_share`] | the CPU's threads decide; a share between 0 and 1 |
 //! | `ROCMFORGE_EXPERT_LINK_SLOTS` | [`GpuTuning::expert_link_slots`] | up to 4 a layer, a quarter of the budget's slots at most; `0` leaves every missed expert's routes to the CPU |
 //! | `ROCMFORGE_EXPERTS_IN_PLACE` | [`GpuTuning::experts_in_place`] | on; `0` splits a few tokens' missed routes between the link slots and the CPU |
@@ -26,6 +27,9 @@ pub const FLASH_MMA_ENV: &str = "ROCMFORGE_FLASH_MMA";
 /// Set to `0`, a decode step's attention over f16 caches takes the kernel every cache
 /// type runs, not the one whose 32-lane groups take a key a lane.
 pub const WARP_ATTENTION_ENV: &str = "ROCMFORGE_WARP_ATTENTION";
+/// Set to `0`, a prompt's `Q4_K` products on the GPU take the f16 tiles, not the int8
+/// matrix units.
+pub const INT8_PROMPTS_ENV: &str = "ROCMFORGE_INT8_PROMPTS";
 /// A share between 0 and 1: the device's share of the host layers' rows.
 pub const HOST_ROWS_ON_GPU_ENV: &str = "ROCMFORGE_HOST_ROWS_ON_GPU";
 /// A count: a mixture of experts' link slots a layer over budget.
@@ -74,6 +78,9 @@ impl Tuning {
         }
         if switched_off(var(WARP_ATTENTION_ENV)) {
             tuning.gpu.warp_attention = false;
+        }
+        if switched_off(var(INT8_PROMPTS_ENV)) {
+            tuning.gpu.int8_prompts = false;
         }
         if let Some(value) = var(HOST_ROWS_ON_GPU_ENV) {
             match parse_share(&value) {
@@ -148,6 +155,7 @@ mod tests {
         assert!(tuning.chained_launch);
         assert!(tuning.gpu.flash_mma);
         assert!(tuning.gpu.warp_attention);
+        assert!(tuning.gpu.int8_prompts);
         assert_eq!(tuning.gpu.staging_ring, StagingRing::Region);
         assert_eq!(tuning.gpu.host_rows_share, None);
         assert!(tuning.gpu.experts_in_place);
@@ -159,6 +167,7 @@ mod tests {
             (CPU_AVX512_ENV, "0"),
             (CHAINED_LAUNCH_ENV, "0"),
             (FLASH_MMA_ENV, "0"),
+            (INT8_PROMPTS_ENV, "0"),
             (WARP_ATTENTION_ENV, "0"),
             (STAGING_RING_ENV, "separate"),
             (HOST_ROWS_ON_GPU_ENV, " 0.25\n"),
@@ -169,6 +178,7 @@ mod tests {
         assert!(!tuning.chained_launch);
         assert!(!tuning.gpu.flash_mma);
         assert!(!tuning.gpu.warp_attention);
+        assert!(!tuning.gpu.int8_prompts);
         assert_eq!(tuning.gpu.staging_ring, StagingRing::Separate);
         assert_eq!(tuning.gpu.host_rows_share, Some(0.25));
         assert_eq!(tuning.gpu.expert_link_slots, Some(2));

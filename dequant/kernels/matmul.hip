@@ -546,6 +546,7 @@ inline DeviceFacts device_facts(int device) {
 
 #include "skinny.hip"
 #include "skinny_q8.h"
+#include "tiles_q8k.h"
 #include "matmul_launch.h"
 
 namespace rf {
@@ -601,6 +602,53 @@ __global__ void __launch_bounds__(kRowScalesThreads)
         out[i] = __float2half(row[i] * inv);
     }
 }
+
+// Each 32 lanes one block of 256 values of a token (8 lanes' groups a workgroup of 256
+// threads): the block's scale d = its largest magnitude / 127, its values x / d rounded
+// to the nearest integer (within ±127), and each sub-block's sum of them (exact, then
+// rounded to f16): the q8k_bytes layout. A block of zeros, or with a non-finite value,
+// gets d = 0 and zeros (its products are then zero, where the f16 tiles would carry the
+// non-finite value through).
+constexpr int kQuantizeQ8kThreads = 256;
+__global__ void __launch_bounds__(kQuantizeQ8kThreads)
+    quantize_q8k_kernel(const float* __restrict__ x, int n_tokens, int cols,
+                        uint8_t* __restrict__ out) {
+    rf_chain_wait();
+    const int blocks = cols / kQkBlock;
+    const long long block = (long long)blockIdx.x * (kQuantizeQ8kThreads / 32) + threadIdx.x / 32;
+    if (block >= (long long)n_tokens * blocks) return;
+    const int lane = threadIdx.x % 32;
+    const float* src = x + block * kQkBlock + 8 * lane;
+    const float4 v0 = reinterpret_cast<const float4*>(src)[0];
+    const float4 v1 = reinterpret_cast<const float4*>(src)[1];
+    const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int mask = 16; mask > 0; mask >>= 1) amax = fmaxf(amax, rf_shfl_xor(amax, mask));
+    const bool finite = amax > 0.0f && amax <= 3.4e38f;
+    const float inv = finite ? 127.0f / amax : 0.0f;
+    uint32_t words[2] = {0u, 0u};
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int qv = max(-127, min(127, __float2int_rn(v[i] * inv)));
+        sum += qv;
+        words[i / 4] |= (uint32_t)(qv & 0xff) << (8 * (i % 4));
+    }
+    sum += rf_shfl_xor(sum, 1);
+    sum += rf_shfl_xor(sum, 2);
+    const size_t n = (size_t)n_tokens, c = (size_t)cols;
+    reinterpret_cast<uint2*>(out + block * kQkBlock)[lane] = make_uint2(words[0], words[1]);
+    if (lane == 0) {
+        reinterpret_cast<float*>(out + q8k_scales_at(n, c))[block] = finite ? amax / 127.0f : 0.0f;
+    }
+    if (lane % 4 == 0) {
+        reinterpret_cast<__half*>(out + q8k_sums_at(n, c))[block * 8 + lane / 4] =
+            __int2half_rn(sum);
+    }
+}
 #endif  // RF_MATMUL_COMMON
 
 }  // namespace rf
@@ -617,6 +665,24 @@ extern "C" int rf_row_scales(const void* x, int n_tokens, int cols, void* scales
     const int threads = n_tokens <= 128 ? rf::kRowScalesThreads : 256;
     rfLaunchChained(rf::row_scales_kernel, dim3((unsigned)n_tokens), dim3(threads), 0,
                     (hipStream_t)stream, (const float*)x, cols, (float*)scales, (__half*)x16);
+    return (int)hipGetLastError();
+}
+
+// `n_tokens` rows of `cols` f32 values (a multiple of 256, from a 16-byte aligned `x`) as
+// Q8_K blocks into `out` (q8k_bytes(n_tokens, cols) bytes, 16-byte aligned).
+extern "C" int rf_quantize_q8k(const void* x, int n_tokens, int cols, void* out, int device,
+                               void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_tokens < 1 || cols < 1 || cols % rf::kQkBlock != 0 || (uintptr_t)x % 16 != 0 ||
+        (uintptr_t)out % 16 != 0) {
+        return (int)hipErrorInvalidValue;
+    }
+    const long long blocks = (long long)n_tokens * (cols / rf::kQkBlock);
+    constexpr int kPerGroup = rf::kQuantizeQ8kThreads / 32;
+    rfLaunchChained(rf::quantize_q8k_kernel, dim3((unsigned)((blocks + kPerGroup - 1) / kPerGroup)),
+                    dim3(rf::kQuantizeQ8kThreads), 0, (hipStream_t)stream, (const float*)x,
+                    n_tokens, cols, (uint8_t*)out);
     return (int)hipGetLastError();
 }
 
@@ -768,6 +834,41 @@ extern "C" int RF_MATMUL_JOIN(rf_matmul_experts_q8, RF_MATMUL_NAME)(
         (void)tiles;
         (void)order;
         (void)xq;
+        (void)stream;
+        return (int)hipErrorInvalidValue;
+    }
+}
+
+// The products from Q8_K input on the int8 matrix units (tiles_q8k.h): as rf_matmul_NAME,
+// with `xq` the n_tokens rows as rf_quantize_q8k makes them. Q4_K only, on NVIDIA sm_80
+// and later, for widths of whole super-blocks from 16-byte aligned weights and input:
+// elsewhere hipErrorInvalidValue.
+extern "C" int RF_MATMUL_JOIN(rf_matmul_q8k, RF_MATMUL_NAME)(
+    const void* const* weights, void* const* outs, const int* rows, int n_mats, int cols,
+    const void* xq, int n_tokens, int accumulate, int device, void* stream) {
+    hipError_t status = hipSetDevice(device);
+    if (status != hipSuccess) return (int)status;
+    if (n_mats < 1 || n_mats > rf::kMmMaxMats || cols < 1 || n_tokens < 1) {
+        return (int)hipErrorInvalidValue;
+    }
+    if constexpr (std::is_same<rf::UnitFormat, rf::Q4_K>::value) {
+        rf::MatmulMats mats = {};
+        mats.n = n_mats;
+        for (int m = 0; m < n_mats; ++m) {
+            if (rows[m] < 1) return (int)hipErrorInvalidValue;
+            mats.w[m] = (const uint8_t*)weights[m];
+            mats.y[m] = (float*)outs[m];
+            mats.rows[m] = rows[m];
+        }
+        return (int)rf::launch_tiles_q8k<rf::Q4_K>(mats, cols, (const uint8_t*)xq, n_tokens,
+                                                   accumulate, rf::device_facts(device).staged,
+                                                   (hipStream_t)stream);
+    } else {
+        (void)weights;
+        (void)outs;
+        (void)rows;
+        (void)xq;
+        (void)accumulate;
         (void)stream;
         return (int)hipErrorInvalidValue;
     }

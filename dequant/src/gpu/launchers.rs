@@ -147,6 +147,19 @@ product_launchers! {
             device: c_int,
             stream: *mut c_void,
         );
+        /// `rf_matmul_q8k_NAME` (see `kernels/matmul.hip`).
+        matmul_q8k: MatmulQ8kFn = fn(
+            weights: *const *const c_void,
+            outs: *const *mut c_void,
+            rows: *const c_int,
+            n_mats: c_int,
+            cols: c_int,
+            xq: *const c_void,
+            n_tokens: c_int,
+            accumulate: c_int,
+            device: c_int,
+            stream: *mut c_void,
+        );
         /// `rf_matmul_experts_q8_NAME` (see `kernels/matmul.hip`).
         matmul_experts_q8: MatmulExpertsQ8Fn = fn(
             weights: *const *const c_void,

@@ -3,7 +3,9 @@
 //!
 //! Products on the blocks live in [`matvec`]: quantized weights against Q8 activation
 //! blocks in integer dot products, for decoding and short batches; and in [`matmul`]:
-//! weight tiles decoded to f16 in shared memory on the matrix units, for many tokens.
+//! weight tiles decoded to f16 in shared memory on the matrix units, for many tokens; and
+//! for `Q4_K` in [`matmul_q8k`]: the weights' 4-bit values against 8-bit activations on
+//! the int8 matrix units.
 //!
 //! Two layers:
 //! - one typed wrapper per kernel ([`q4_k_to_f32`], [`iq2_xs_to_f16`], [`bf16_to_f32`] …),
@@ -31,6 +33,7 @@ mod kernels;
 #[cfg(not(hip_platform = "none"))]
 mod launchers;
 pub mod matmul;
+pub mod matmul_q8k;
 pub mod matvec;
 #[cfg(test)]
 mod tests;

@@ -16,6 +16,7 @@ use crate::gpu::matvec::{self, q8_bytes, takes_q8, GpuActivations, GpuMatrix};
 use crate::matmul::QuantizedMatrix;
 
 mod batch;
+mod q8k;
 
 pub(super) use batch::rounded_bound;
 

@@ -172,6 +172,7 @@ impl GpuModel {
             pages.as_ref(),
             options.tuning.flash_mma,
             options.tuning.warp_attention,
+            options.tuning.int8_prompts,
             options.kv_types,
         )?;
         let residency = Residency::plan(

@@ -143,6 +143,11 @@ pub struct GpuTuning {
     /// (`AttentionShape::warps`); `false` takes the kernel every cache type runs.
     /// Default `true`.
     pub warp_attention: bool,
+    /// Whether a prompt's products of `Q4_K` matrices take the int8 matrix units, from
+    /// activations quantized to 8 bits in blocks of 256 (`dequant::gpu::matmul_q8k`), where
+    /// the device has them (NVIDIA, compute capability 8.0 and later); `false` takes the
+    /// f16 tiles every type runs. Default `true`.
+    pub int8_prompts: bool,
     /// Over budget, the device's share of the rows of the host layers' products
     /// (between 0 and 1; 0 leaves every row to the CPU); `None`, the default: the share
     /// the CPU's threads give, so that both finish at about the same time.
@@ -168,6 +173,7 @@ impl Default for GpuTuning {
         GpuTuning {
             flash_mma: true,
             warp_attention: true,
+            int8_prompts: true,
             host_rows_share: None,
             expert_link_slots: None,
             experts_in_place: true,

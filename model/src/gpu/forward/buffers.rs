@@ -4,6 +4,7 @@
 
 use dequant::gpu::experts;
 use dequant::gpu::matmul;
+use dequant::gpu::matmul_q8k::{q8k_bytes, Q8K_BLOCK};
 use dequant::gpu::matvec::q8_bytes;
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, PinnedBuffer, Stream};
@@ -164,6 +165,7 @@ impl Buffers {
         paged: Option<&PageShape>,
         flash_mma: bool,
         warp_attention: bool,
+        int8_prompts: bool,
         kv_types: KvTypes,
     ) -> Result<Buffers, ModelError> {
         // Activations for a prompt's chunk of `batch` tokens; Q8 blocks for the few
@@ -202,6 +204,14 @@ impl Buffers {
             .max(c.experts.and_then(|e| e.shared_n_ff).unwrap_or(0));
         let width = c.n_embd.max(attn_dim).max(n_ff);
         let scales_bytes = (4 * b).div_ceil(ALIGN) * ALIGN;
+        // The int8 products' input, where the device runs them (for the widest input,
+        // rounded up to whole blocks).
+        let int8 = int8_prompts && matmul::skinny_available(device);
+        let q8k_len = if int8 {
+            q8k_bytes(b, width.div_ceil(Q8K_BLOCK) * Q8K_BLOCK).unwrap_or(usize::MAX)
+        } else {
+            0
+        };
         // Positions the cache keeps: whole chunks of the attention kernel, and every
         // block of a paged cache.
         let positions = attention
@@ -225,6 +235,7 @@ impl Buffers {
             f32s(attention.acc_len(rows)),          // part_acc
             4 * attention.done_len(rows),           // done
             scales_bytes + 2 * b * width,           // scales, f16 input
+            q8k_len,                                // Q8_K input
             4 * matmul::SPLIT_PARTIALS,             // split partial sums
             4 * matmul::SPLIT_COUNTERS,             // split counters
             b * row_bytes,                          // raw embedding rows
@@ -268,6 +279,8 @@ impl Buffers {
             batch_in: BatchInput {
                 buf: next()?,
                 scales_bytes,
+                q8k: next()?,
+                int8,
                 partials: next()?,
                 counters: next()?,
                 skinny: matmul::skinny_available(device),

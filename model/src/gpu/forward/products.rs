@@ -3,6 +3,7 @@
 //! and the residual products that add into the residual stream.
 
 use dequant::gpu::matmul;
+use dequant::gpu::matmul_q8k;
 use dequant::gpu::matvec::{self, takes_q8, GpuActivations, GpuMatrix};
 use half::f16;
 use hip_backend::{ArenaBuffer, DeviceView, DeviceViewMut, Stream};
@@ -85,6 +86,11 @@ pub(super) struct BatchInput {
     pub(super) scales_bytes: usize,
     pub(super) partials: ArenaBuffer,
     pub(super) counters: ArenaBuffer,
+    /// The input of the int8 products (`matmul_q8k`), where they run.
+    pub(super) q8k: ArenaBuffer,
+    /// Whether a prompt's `Q4_K` products take the int8 matrix units
+    /// (`GpuTuning::int8_prompts`, where the device runs them).
+    pub(super) int8: bool,
     /// Whether the device runs the skinny batch products
     /// ([`matmul::skinny_available`]).
     pub(super) skinny: bool,
@@ -103,6 +109,31 @@ impl BatchInput {
                 && n >= SKINNY_FROM
                 && matmul::skinny_prefers(m.ty)
                 && m.byte_len() >= SKINNY_MIN_BYTES)
+    }
+
+    /// Whether the batch products of `m` on `n` tokens take the int8 matrix units: a
+    /// prompt's chunk, `Q4_K` of whole super-blocks, where they run.
+    pub(super) fn int8_takes(&self, m: &Matrix, n: usize) -> bool {
+        self.int8
+            && batched(n)
+            && m.ty == gguf_format::GgmlType::Q4_K
+            && m.cols.is_multiple_of(matmul_q8k::Q8K_BLOCK)
+    }
+
+    /// The int8 products' input for `n` tokens of `input` (f32, `cols` wide):
+    /// [`matmul_q8k::quantize_q8k`] into the buffer.
+    fn prepare_q8k(
+        &mut self,
+        input: DeviceView<'_, f32>,
+        n: usize,
+        mats: &[&Matrix],
+        stream: &Stream,
+    ) -> Result<DeviceView<'_, u8>, ModelError> {
+        let cols = mats[0].cols;
+        let bytes = matmul_q8k::q8k_bytes(n, cols).unwrap_or(usize::MAX);
+        let out = view_mut::<u8>(&mut self.q8k, bytes)?;
+        matmul_q8k::quantize_q8k(input, n, cols, out, stream).map_err(matvec_error(mats))?;
+        view::<u8>(&self.q8k, bytes)
     }
 
     /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
@@ -198,6 +229,51 @@ pub(super) fn products(
     // For the batch products, the input once in f16 with its per-token scales, and the
     // room to split the products.
     let batch_of: Vec<bool> = mats.iter().map(|m| batch_in.takes(m, n)).collect();
+    // The int8 products' runs first, from their own input: the f16 input's views borrow
+    // the batch input below.
+    let int8_of: Vec<bool> = mats.iter().map(|m| batch_in.int8_takes(m, n)).collect();
+    let mut outs = outs;
+    if int8_of.iter().any(|&b| b) {
+        let input = f32_in.expect("f32 input prepared for the batch products");
+        let int8_mats: Vec<&Matrix> = mats
+            .iter()
+            .zip(&int8_of)
+            .filter_map(|(m, &b)| b.then_some(*m))
+            .collect();
+        let xq = batch_in.prepare_q8k(input, n, &int8_mats, stream)?;
+        let mut int8_outs = Vec::new();
+        let mut rest = Vec::new();
+        for (out, &b) in outs.into_iter().zip(&int8_of) {
+            if b {
+                int8_outs.push(out);
+            } else {
+                rest.push(out);
+            }
+        }
+        outs = rest;
+        let mut start = 0;
+        let none = vec![false; int8_mats.len()];
+        while start < int8_mats.len() {
+            let end = run_end(&int8_mats, &none, start);
+            let group = &int8_mats[start..end];
+            let gms = group
+                .iter()
+                .map(|m| gpu_matrix(m))
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut group_outs: Vec<DeviceViewMut<'_, f32>> =
+                int8_outs.drain(..end - start).collect();
+            matmul_q8k::matmul_q8k(&gms, xq, n, &mut group_outs, accumulate, stream)
+                .map_err(matvec_error(group))?;
+            start = end;
+        }
+    }
+    let keep: Vec<usize> = (0..mats.len()).filter(|&i| !int8_of[i]).collect();
+    if keep.is_empty() {
+        return Ok(());
+    }
+    let mats: Vec<&Matrix> = keep.iter().map(|&i| mats[i]).collect();
+    let mats = &mats[..];
+    let batch_of: Vec<bool> = keep.iter().map(|&i| batch_of[i]).collect();
     let mut batch_input = if batch_of.iter().any(|&b| b) {
         let input = f32_in.expect("f32 input prepared for the batch products");
         Some(batch_in.prepare(input, n, mats, stream)?)
@@ -205,7 +281,6 @@ pub(super) fn products(
         None
     };
     // Runs of matrices of one type and width in one launch each.
-    let mut outs = outs;
     let mut start = 0;
     while start < mats.len() {
         let end = run_end(mats, &batch_of, start);
