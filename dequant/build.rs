@@ -155,6 +155,7 @@ const KERNEL_SOURCES: &[&str] = &[
     "kernels/skinny_rows.h",
     "kernels/skinny_q8.h",
     "kernels/tiles_q8k.h",
+    "kernels/activations.h",
 ];
 
 fn main() {

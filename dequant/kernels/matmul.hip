@@ -34,7 +34,8 @@
 // the same tiles feed a loop of f32 multiply-adds: the same function, slower.
 //
 // Launchers (return the platform's native status):
-//   rf_row_scales(x, n_tokens, cols, scales, x16, device, stream)      (common unit)
+//   rf_row_scales(x, n_tokens, cols, scales, x16, device, stream)      (common unit,
+//   rf_quantize_q8k(x, n_tokens, cols, out, device, stream)             activations.h)
 //   rf_matmul_NAME(weights, outs, rows, n_mats, cols, x16, scales, n_tokens, accumulate,
 //                  partials, partial_floats, counters, n_counters, kernel, device, stream)
 //             (partials/counters: room to split the columns, or null; kernel: 0 the
@@ -47,6 +48,9 @@
 //                  n_tiles, tile_tokens, order, slot_div, xq, n_x, device, stream)
 //             (MXFP4's from Q8 input, on the int8 matrix units: skinny_q8.h)
 //             (a mixture of experts' routed products, by tiles of slots: see ExpertTiles)
+//   rf_matmul_q8k_NAME(weights, outs, rows, n_mats, cols, xq, n_tokens, accumulate, device,
+//                  stream)
+//             (Q4_K's from Q8_K input, on the int8 matrix units: tiles_q8k.h)
 // Each output: n_tokens × rows f32, token-major, as rf_matvec_NAME writes it.
 #include "common.h"
 #include "decode_legacy.h"
@@ -79,6 +83,24 @@ struct MatmulMats {
     int rows[kMmMaxMats];
     int n;
 };
+
+// The matrix (0 to 2) of `mats` that row tile `tile` of a launch falls in, tiles of
+// `tile_rows` rows numbered one matrix after the other; `tile` becomes the tile's index
+// within that matrix. (Constant indices only, so that the arguments stay in the parameter
+// space.)
+__device__ __forceinline__ int matrix_of_tile(const MatmulMats& mats, int tile_rows, int& tile) {
+    const int tiles0 = (mats.rows[0] + tile_rows - 1) / tile_rows;
+    const int tiles1 = (mats.rows[1] + tile_rows - 1) / tile_rows;
+    if (mats.n > 1 && tile >= tiles0) {
+        tile -= tiles0;
+        if (mats.n > 2 && tile >= tiles1) {
+            tile -= tiles1;
+            return 2;
+        }
+        return 1;
+    }
+    return 0;
+}
 
 }  // namespace rf
 
@@ -179,16 +201,8 @@ __global__ void __launch_bounds__(kMmThreads, 128 / BM + 1)
 
     // The matrix this workgroup's row tile falls in, and the tile within it (chosen with
     // constant indices only, so that the arguments stay in the parameter space).
-    int tile = (int)blockIdx.y, m = 0;
-    const int tiles0 = (mats.rows[0] + BM - 1) / BM, tiles1 = (mats.rows[1] + BM - 1) / BM;
-    if (mats.n > 1 && tile >= tiles0) {
-        tile -= tiles0;
-        m = 1;
-        if (mats.n > 2 && tile >= tiles1) {
-            tile -= tiles1;
-            m = 2;
-        }
-    }
+    int tile = (int)blockIdx.y;
+    const int m = matrix_of_tile(mats, BM, tile);
     const uint8_t* __restrict__ w =
         (m == 0 ? mats.w[0] : (m == 1 ? mats.w[1] : mats.w[2])) + expert_offset;
     float* __restrict__ y = m == 0 ? mats.y[0] : (m == 1 ? mats.y[1] : mats.y[2]);
@@ -549,142 +563,9 @@ inline DeviceFacts device_facts(int device) {
 #include "tiles_q8k.h"
 #include "matmul_launch.h"
 
-namespace rf {
-
-// One workgroup per token: the power of two 2^e with the token's largest magnitude in
-// [2^14, 2^15) once divided by it (1 for a token of zeros or with a non-finite value,
-// which then reaches the results as it is), and the token's values divided by it, in f16.
-// Up to kRowScalesThreads threads (a multiple of 32); four values at a time where the
-// rows allow (a width that is a multiple of 4 from aligned buffers keeps every row of
-// the input 16-byte aligned and of the output 8-byte aligned).
-constexpr int kRowScalesThreads = 1024;
-#if defined(RF_MATMUL_COMMON)
-__global__ void __launch_bounds__(kRowScalesThreads)
-    row_scales_kernel(const float* __restrict__ x, int cols, float* __restrict__ scales,
-                      __half* __restrict__ x16) {
-    rf_chain_wait();
-    __shared__ float partial[kRowScalesThreads / 32];
-    __shared__ float shared_scale;
-    const float* row = x + (size_t)blockIdx.x * cols;
-    const bool quads = cols % 4 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)x16 & 7) == 0;
-    const int n_quads = quads ? cols / 4 : 0;
-    float amax = 0.0f;
-    for (int i = threadIdx.x; i < n_quads; i += blockDim.x) {
-        const float4 v = reinterpret_cast<const float4*>(row)[i];
-        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-    }
-    for (int i = 4 * n_quads + threadIdx.x; i < cols; i += blockDim.x) {
-        amax = fmaxf(amax, fabsf(row[i]));
-    }
-    // Groups of 32 lanes (a wave of 64 reduces as two).
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) amax = fmaxf(amax, rf_shfl_xor(amax, mask));
-    if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = amax;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float m = 0.0f;
-        for (int g = 0; g < (int)(blockDim.x / 32); ++g) m = fmaxf(m, partial[g]);
-        float scale = 1.0f;
-        if (m > 0.0f && m <= 3.4e38f) scale = ldexpf(1.0f, ilogbf(m) - 14);
-        scales[blockIdx.x] = scale;
-        shared_scale = scale;
-    }
-    __syncthreads();
-    const float inv = 1.0f / shared_scale;  // a power of two: exact
-    __half* out = x16 + (size_t)blockIdx.x * cols;
-    for (int i = threadIdx.x; i < n_quads; i += blockDim.x) {
-        const float4 v = reinterpret_cast<const float4*>(row)[i];
-        const __half2 lo = __floats2half2_rn(v.x * inv, v.y * inv);
-        const __half2 hi = __floats2half2_rn(v.z * inv, v.w * inv);
-        reinterpret_cast<uint2*>(out)[i] = make_uint2(half2_bits(lo), half2_bits(hi));
-    }
-    for (int i = 4 * n_quads + threadIdx.x; i < cols; i += blockDim.x) {
-        out[i] = __float2half(row[i] * inv);
-    }
-}
-
-// Each 32 lanes one block of 256 values of a token (8 lanes' groups a workgroup of 256
-// threads): the block's scale d = its largest magnitude / 127, its values x / d rounded
-// to the nearest integer (within ±127), and each sub-block's sum of them (exact, then
-// rounded to f16): the q8k_bytes layout. A block of zeros, or with a non-finite value,
-// gets d = 0 and zeros (its products are then zero, where the f16 tiles would carry the
-// non-finite value through).
-constexpr int kQuantizeQ8kThreads = 256;
-__global__ void __launch_bounds__(kQuantizeQ8kThreads)
-    quantize_q8k_kernel(const float* __restrict__ x, int n_tokens, int cols,
-                        uint8_t* __restrict__ out) {
-    rf_chain_wait();
-    const int blocks = cols / kQkBlock;
-    const long long block = (long long)blockIdx.x * (kQuantizeQ8kThreads / 32) + threadIdx.x / 32;
-    if (block >= (long long)n_tokens * blocks) return;
-    const int lane = threadIdx.x % 32;
-    const float* src = x + block * kQkBlock + 8 * lane;
-    const float4 v0 = reinterpret_cast<const float4*>(src)[0];
-    const float4 v1 = reinterpret_cast<const float4*>(src)[1];
-    const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int mask = 16; mask > 0; mask >>= 1) amax = fmaxf(amax, rf_shfl_xor(amax, mask));
-    const bool finite = amax > 0.0f && amax <= 3.4e38f;
-    const float inv = finite ? 127.0f / amax : 0.0f;
-    uint32_t words[2] = {0u, 0u};
-    int sum = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int qv = max(-127, min(127, __float2int_rn(v[i] * inv)));
-        sum += qv;
-        words[i / 4] |= (uint32_t)(qv & 0xff) << (8 * (i % 4));
-    }
-    sum += rf_shfl_xor(sum, 1);
-    sum += rf_shfl_xor(sum, 2);
-    const size_t n = (size_t)n_tokens, c = (size_t)cols;
-    reinterpret_cast<uint2*>(out + block * kQkBlock)[lane] = make_uint2(words[0], words[1]);
-    if (lane == 0) {
-        reinterpret_cast<float*>(out + q8k_scales_at(n, c))[block] = finite ? amax / 127.0f : 0.0f;
-    }
-    if (lane % 4 == 0) {
-        reinterpret_cast<__half*>(out + q8k_sums_at(n, c))[block * 8 + lane / 4] =
-            __int2half_rn(sum);
-    }
-}
-#endif  // RF_MATMUL_COMMON
-
-}  // namespace rf
-
 #if defined(RF_MATMUL_COMMON)
 
-extern "C" int rf_row_scales(const void* x, int n_tokens, int cols, void* scales, void* x16,
-                             int device, void* stream) {
-    hipError_t status = hipSetDevice(device);
-    if (status != hipSuccess) return (int)status;
-    if (n_tokens < 1 || cols < 1) return (int)hipErrorInvalidValue;
-    // A few tokens get the most threads each (a decode batch's 32 tokens would leave the
-    // device idle with 256), a prompt's many the fewest that keep it busy.
-    const int threads = n_tokens <= 128 ? rf::kRowScalesThreads : 256;
-    rfLaunchChained(rf::row_scales_kernel, dim3((unsigned)n_tokens), dim3(threads), 0,
-                    (hipStream_t)stream, (const float*)x, cols, (float*)scales, (__half*)x16);
-    return (int)hipGetLastError();
-}
-
-// `n_tokens` rows of `cols` f32 values (a multiple of 256, from a 16-byte aligned `x`) as
-// Q8_K blocks into `out` (q8k_bytes(n_tokens, cols) bytes, 16-byte aligned).
-extern "C" int rf_quantize_q8k(const void* x, int n_tokens, int cols, void* out, int device,
-                               void* stream) {
-    hipError_t status = hipSetDevice(device);
-    if (status != hipSuccess) return (int)status;
-    if (n_tokens < 1 || cols < 1 || cols % rf::kQkBlock != 0 || (uintptr_t)x % 16 != 0 ||
-        (uintptr_t)out % 16 != 0) {
-        return (int)hipErrorInvalidValue;
-    }
-    const long long blocks = (long long)n_tokens * (cols / rf::kQkBlock);
-    constexpr int kPerGroup = rf::kQuantizeQ8kThreads / 32;
-    rfLaunchChained(rf::quantize_q8k_kernel, dim3((unsigned)((blocks + kPerGroup - 1) / kPerGroup)),
-                    dim3(rf::kQuantizeQ8kThreads), 0, (hipStream_t)stream, (const float*)x,
-                    n_tokens, cols, (uint8_t*)out);
-    return (int)hipGetLastError();
-}
+#include "activations.h"
 
 // Whether the skinny kernels run on `device` (1) or not (0): NVIDIA, compute capability
 // 8.0 and later.

@@ -64,17 +64,8 @@ __global__ void __launch_bounds__(kSkThreads)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, q = lane % 4;
 
-    int tile = (int)blockIdx.y, m = 0;
-    const int tiles0 = (mats.rows[0] + kSkRows - 1) / kSkRows;
-    const int tiles1 = (mats.rows[1] + kSkRows - 1) / kSkRows;
-    if (mats.n > 1 && tile >= tiles0) {
-        tile -= tiles0;
-        m = 1;
-        if (mats.n > 2 && tile >= tiles1) {
-            tile -= tiles1;
-            m = 2;
-        }
-    }
+    int tile = (int)blockIdx.y;
+    const int m = matrix_of_tile(mats, kSkRows, tile);
     // The tile's expert and slots (written by the kernel before: read after the wait).
     rf_chain_wait();
     const int expert = et.tiles[3 * blockIdx.x];

@@ -84,17 +84,8 @@ __global__ void __launch_bounds__(kQkThreads, 2)
     const int g = lane / 4, q = lane % 4;
     const int wr = 32 * (warp % 4), wt = 32 * (warp / 4);
 
-    int tile = (int)blockIdx.y, m = 0;
-    const int tiles0 = (mats.rows[0] + kQkRows - 1) / kQkRows;
-    const int tiles1 = (mats.rows[1] + kQkRows - 1) / kQkRows;
-    if (mats.n > 1 && tile >= tiles0) {
-        tile -= tiles0;
-        m = 1;
-        if (mats.n > 2 && tile >= tiles1) {
-            tile -= tiles1;
-            m = 2;
-        }
-    }
+    int tile = (int)blockIdx.y;
+    const int m = matrix_of_tile(mats, kQkRows, tile);
     const uint8_t* __restrict__ w = m == 0 ? mats.w[0] : (m == 1 ? mats.w[1] : mats.w[2]);
     float* __restrict__ y = m == 0 ? mats.y[0] : (m == 1 ? mats.y[1] : mats.y[2]);
     const int rows = m == 0 ? mats.rows[0] : (m == 1 ? mats.rows[1] : mats.rows[2]);
