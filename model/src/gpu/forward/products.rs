@@ -120,42 +120,53 @@ impl BatchInput {
             && m.cols.is_multiple_of(matmul_q8k::Q8K_BLOCK)
     }
 
-    /// The int8 products' input for `n` tokens of `input` (f32, `cols` wide):
-    /// [`matmul_q8k::quantize_q8k`] into the buffer.
-    fn prepare_q8k(
-        &mut self,
-        input: DeviceView<'_, f32>,
-        n: usize,
-        mats: &[&Matrix],
-        stream: &Stream,
-    ) -> Result<DeviceView<'_, u8>, ModelError> {
-        let cols = mats[0].cols;
-        let bytes = matmul_q8k::q8k_bytes(n, cols).unwrap_or(usize::MAX);
-        let out = view_mut::<u8>(&mut self.q8k, bytes)?;
-        matmul_q8k::quantize_q8k(input, n, cols, out, stream).map_err(matvec_error(mats))?;
-        view::<u8>(&self.q8k, bytes)
+    /// How the products of `m` on `n` tokens run.
+    fn kind(&self, m: &Matrix, n: usize) -> Kind {
+        if self.int8_takes(m, n) {
+            Kind::Int8
+        } else if self.takes(m, n) {
+            Kind::Tiles
+        } else {
+            Kind::Decode
+        }
     }
 
-    /// The batch products' input for `n` tokens of `input` (f32, the width of `mats`):
-    /// the f16 activations and their per-token scales ([`matmul::row_scales`]), with the
-    /// room to split the products.
-    pub(super) fn prepare(
+    /// The inputs of a layer's runs from `n` tokens of `input` (f32): for the f16 tiles
+    /// of `tiles` (where there are any) the f16 activations, their per-token scales
+    /// ([`matmul::row_scales`]) and the room to split the products; for the int8 tiles
+    /// of `int8` the `Q8_K` blocks ([`matmul_q8k::quantize_q8k`]).
+    fn prepare(
         &mut self,
         input: DeviceView<'_, f32>,
         n: usize,
-        mats: &[&Matrix],
+        tiles: &[&Matrix],
+        int8: &[&Matrix],
         stream: &Stream,
-    ) -> Result<
-        (
-            DeviceView<'_, f16>,
-            DeviceView<'_, f32>,
-            matmul::SplitScratch<'_>,
-        ),
-        ModelError,
-    > {
-        let (split, cols) = (self.scales_bytes, mats[0].cols);
+    ) -> Result<(Option<F16Input<'_>>, Option<DeviceView<'_, u8>>), ModelError> {
+        let BatchInput {
+            buf,
+            scales_bytes,
+            partials,
+            counters,
+            q8k,
+            ..
+        } = self;
+        let xq = match int8.first() {
+            Some(first) => {
+                let bytes = matmul_q8k::q8k_bytes(n, first.cols).unwrap_or(usize::MAX);
+                let out = view_mut::<u8>(q8k, bytes)?;
+                matmul_q8k::quantize_q8k(input, n, first.cols, out, stream)
+                    .map_err(matvec_error(int8))?;
+                Some(view::<u8>(q8k, bytes)?)
+            }
+            None => None,
+        };
+        let Some(first) = tiles.first() else {
+            return Ok((None, xq));
+        };
+        let (split, cols) = (*scales_bytes, first.cols);
         let cut = gpu("viewing the batch input");
-        let whole = self.buf.view_mut::<u8>().map_err(&cut)?;
+        let whole = buf.view_mut::<u8>().map_err(&cut)?;
         let (s, x16) = whole.split_at_mut(split).map_err(&cut)?;
         let s = s
             .cast_mut::<f32>()
@@ -165,8 +176,8 @@ impl BatchInput {
             .cast_mut::<f16>()
             .and_then(|v| v.slice_mut(0..n * cols))
             .map_err(&cut)?;
-        matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(mats))?;
-        let whole = self.buf.view::<u8>().map_err(&cut)?;
+        matmul::row_scales(input, n, cols, s, x16, stream).map_err(matvec_error(tiles))?;
+        let whole = buf.view::<u8>().map_err(&cut)?;
         let s = whole
             .slice(0..split)
             .and_then(|v| v.cast::<f32>())
@@ -177,11 +188,28 @@ impl BatchInput {
             .and_then(|v| v.cast::<f16>())
             .map_err(&cut)?;
         let room = matmul::SplitScratch {
-            partials: view_mut::<f32>(&mut self.partials, matmul::SPLIT_PARTIALS)?,
-            counters: view_mut::<u32>(&mut self.counters, matmul::SPLIT_COUNTERS)?,
+            partials: view_mut::<f32>(partials, matmul::SPLIT_PARTIALS)?,
+            counters: view_mut::<u32>(counters, matmul::SPLIT_COUNTERS)?,
         };
-        Ok((x16, s, room))
+        Ok((Some((x16, s, room)), xq))
     }
+}
+
+/// The f16 tiles' input: the activations in f16, their per-token scales, the room to
+/// split the products.
+type F16Input<'a> = (
+    DeviceView<'a, f16>,
+    DeviceView<'a, f32>,
+    matmul::SplitScratch<'a>,
+);
+
+/// How a run of matrices multiplies: the decode products, the f16 tiles ([`matmul`]) or
+/// the int8 tiles ([`matmul_q8k`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Decode,
+    Tiles,
+    Int8,
 }
 
 /// Whether the products of `m` on `n` tokens take Q8 blocks.
@@ -198,110 +226,81 @@ pub(super) fn needs(mats: &[&Matrix], n: usize, batch_in: &BatchInput) -> (bool,
 }
 
 /// The end of the run of matrices from `start` that share its type, its width and its
-/// kind of product (`batch_of`) (at most three, what one product launch takes).
-fn run_end(mats: &[&Matrix], batch_of: &[bool], start: usize) -> usize {
+/// kind of product (at most three, what one product launch takes).
+fn run_end(mats: &[&Matrix], kinds: &[Kind], start: usize) -> usize {
     let mut end = start + 1;
     while end < mats.len()
         && end - start < matvec::MAX_MATRICES
         && mats[end].ty == mats[start].ty
         && mats[end].cols == mats[start].cols
-        && batch_of[end] == batch_of[start]
+        && kinds[end] == kinds[start]
     {
         end += 1;
     }
     end
 }
 
-/// `outs[i] (+)= input · mats[i]ᵀ`, one launch per run of matrices of one type and width:
-/// decode products for a few tokens, batch products for more. `f32_in`/`q8_in` hold the input in
-/// the two forms (each present when some matrix takes it).
+/// `outs[i] (+)= input · mats[i]ᵀ`, one launch per run of matrices of one type, width
+/// and kind: decode products for a few tokens, batch products (f16 or int8 tiles) for
+/// more. `f32_in`/`q8_in` hold the input in the two forms (each present when some
+/// matrix takes it); the tiles' inputs are made from `f32_in` once for all their runs.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn products(
     mats: &[&Matrix],
     f32_in: Option<DeviceView<'_, f32>>,
     q8_in: Option<DeviceView<'_, u8>>,
     n: usize,
-    outs: Vec<DeviceViewMut<'_, f32>>,
+    mut outs: Vec<DeviceViewMut<'_, f32>>,
     accumulate: bool,
     batch_in: &mut BatchInput,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    // For the batch products, the input once in f16 with its per-token scales, and the
-    // room to split the products.
-    let batch_of: Vec<bool> = mats.iter().map(|m| batch_in.takes(m, n)).collect();
-    // The int8 products' runs first, from their own input: the f16 input's views borrow
-    // the batch input below.
-    let int8_of: Vec<bool> = mats.iter().map(|m| batch_in.int8_takes(m, n)).collect();
-    let mut outs = outs;
-    if int8_of.iter().any(|&b| b) {
-        let input = f32_in.expect("f32 input prepared for the batch products");
-        let int8_mats: Vec<&Matrix> = mats
-            .iter()
-            .zip(&int8_of)
-            .filter_map(|(m, &b)| b.then_some(*m))
-            .collect();
-        let xq = batch_in.prepare_q8k(input, n, &int8_mats, stream)?;
-        let mut int8_outs = Vec::new();
-        let mut rest = Vec::new();
-        for (out, &b) in outs.into_iter().zip(&int8_of) {
-            if b {
-                int8_outs.push(out);
-            } else {
-                rest.push(out);
-            }
-        }
-        outs = rest;
-        let mut start = 0;
-        let none = vec![false; int8_mats.len()];
-        while start < int8_mats.len() {
-            let end = run_end(&int8_mats, &none, start);
-            let group = &int8_mats[start..end];
-            let gms = group
-                .iter()
-                .map(|m| gpu_matrix(m))
-                .collect::<Result<Vec<_>, _>>()?;
-            let mut group_outs: Vec<DeviceViewMut<'_, f32>> =
-                int8_outs.drain(..end - start).collect();
-            matmul_q8k::matmul_q8k(&gms, xq, n, &mut group_outs, accumulate, stream)
-                .map_err(matvec_error(group))?;
-            start = end;
-        }
-    }
-    let keep: Vec<usize> = (0..mats.len()).filter(|&i| !int8_of[i]).collect();
-    if keep.is_empty() {
-        return Ok(());
-    }
-    let mats: Vec<&Matrix> = keep.iter().map(|&i| mats[i]).collect();
-    let mats = &mats[..];
-    let batch_of: Vec<bool> = keep.iter().map(|&i| batch_of[i]).collect();
-    let mut batch_input = if batch_of.iter().any(|&b| b) {
-        let input = f32_in.expect("f32 input prepared for the batch products");
-        Some(batch_in.prepare(input, n, mats, stream)?)
-    } else {
-        None
+    let kinds: Vec<Kind> = mats.iter().map(|m| batch_in.kind(m, n)).collect();
+    let of = |kind: Kind| -> Vec<&Matrix> {
+        mats.iter()
+            .zip(&kinds)
+            .filter_map(|(m, &k)| (k == kind).then_some(*m))
+            .collect()
     };
-    // Runs of matrices of one type and width in one launch each.
+    let (tiles, int8) = (of(Kind::Tiles), of(Kind::Int8));
+    let (mut f16_in, xq) = if tiles.is_empty() && int8.is_empty() {
+        (None, None)
+    } else {
+        let input = f32_in.expect("f32 input prepared for the batch products");
+        batch_in.prepare(input, n, &tiles, &int8, stream)?
+    };
     let mut start = 0;
     while start < mats.len() {
-        let end = run_end(mats, &batch_of, start);
+        let end = run_end(mats, &kinds, start);
         let group = &mats[start..end];
         let gms = group
             .iter()
             .map(|m| gpu_matrix(m))
             .collect::<Result<Vec<_>, _>>()?;
         let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs.drain(..end - start).collect();
-        match batch_input.as_mut().filter(|_| batch_of[start]) {
-            Some((x16, s, room)) => matmul::matmul(
+        match kinds[start] {
+            Kind::Int8 => matmul_q8k::matmul_q8k(
                 &gms,
-                *x16,
-                *s,
+                xq.expect("Q8_K input prepared for the int8 tiles"),
                 n,
                 &mut group_outs,
                 accumulate,
-                Some(room.reborrow()),
                 stream,
             ),
-            None => {
+            Kind::Tiles => {
+                let (x16, s, room) = f16_in.as_mut().expect("f16 input prepared for the tiles");
+                matmul::matmul(
+                    &gms,
+                    *x16,
+                    *s,
+                    n,
+                    &mut group_outs,
+                    accumulate,
+                    Some(room.reborrow()),
+                    stream,
+                )
+            }
+            Kind::Decode => {
                 let x = if takes_q8(group[0].ty) {
                     GpuActivations::Q8(q8_in.expect("Q8 input prepared for quantized weights"))
                 } else {
