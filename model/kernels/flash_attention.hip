@@ -4,6 +4,11 @@
 // memory. Shared helpers and conventions: transformer_common.h.
 #include "transformer_common.h"
 
+#include <atomic>
+#if defined(ROCMFORGE_HIP_NVIDIA)
+#include <cuda_pipeline_primitives.h>
+#endif
+
 namespace rf {
 
 // Prompt attention, flash style: every query of a chunk in one launch, tiled over queries
@@ -44,16 +49,16 @@ struct FlashArgs {
 };
 
 // Values first..first + width - 1 (first and width multiples of 32) of keys k0..
-// (kFlashKeys of them) of a quantized cache of type T (row of key j:
+// (kKeys of them) of a quantized cache of type T (row of key j:
 // cache_row(table, shift, j)), as f16 pairs into shared words `pitch` apart; keys at or
 // past k0 + `valid` become zeros.
-template <int T>
+template <int T, int kKeys>
 __device__ __forceinline__ void flash_stage_blocks(const CacheView& src, const int* table,
                                                    int shift, int k0, int first, int width,
                                                    int valid, uint32_t* dst, int pitch) {
     constexpr int N = Piece<T>::kValues;
     const int pieces = width / N;
-    for (int idx = threadIdx.x; idx < kFlashKeys * pieces; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < kKeys * pieces; idx += blockDim.x) {
         const int j = idx / pieces, c = idx % pieces;
         float v[N] = {};
         if (j < valid) expand(load_piece<T>(src, cache_row(table, shift, k0 + j), first + N * c), v);
@@ -69,17 +74,17 @@ __device__ __forceinline__ void flash_stage_blocks(const CacheView& src, const i
 // As flash_stage_blocks for a cache of any type (`type`; kQuant: either cache of the
 // launch may be quantized, else both are f16): an f16 row's `width` halves (a multiple
 // of 2) copied as they are.
-template <bool kQuant>
+template <bool kQuant, int kKeys = kFlashKeys>
 __device__ __forceinline__ void flash_stage(const CacheView& cache, int type, const int* table,
                                             int shift, int k0, int first, int width, int valid,
                                             uint32_t* dst, int pitch) {
     if constexpr (kQuant) {
         if (type == kCacheQ8) {
-            flash_stage_blocks<kCacheQ8>(cache, table, shift, k0, first, width, valid, dst, pitch);
+            flash_stage_blocks<kCacheQ8, kKeys>(cache, table, shift, k0, first, width, valid, dst, pitch);
             return;
         }
         if (type == kCacheQ4) {
-            flash_stage_blocks<kCacheQ4>(cache, table, shift, k0, first, width, valid, dst, pitch);
+            flash_stage_blocks<kCacheQ4, kKeys>(cache, table, shift, k0, first, width, valid, dst, pitch);
             return;
         }
     }
@@ -87,7 +92,7 @@ __device__ __forceinline__ void flash_stage(const CacheView& cache, int type, co
     const int stride = cache.dim;
     if (width % 8 == 0) {
         const int pieces = width / 8;
-        for (int idx = threadIdx.x; idx < kFlashKeys * pieces; idx += blockDim.x) {
+        for (int idx = threadIdx.x; idx < kKeys * pieces; idx += blockDim.x) {
             const int j = idx / pieces, c = idx % pieces;
             uint4 raw = make_uint4(0u, 0u, 0u, 0u);
             if (j < valid) {
@@ -102,7 +107,7 @@ __device__ __forceinline__ void flash_stage(const CacheView& cache, int type, co
         }
     } else {
         const int words = width / 2;
-        for (int idx = threadIdx.x; idx < kFlashKeys * words; idx += blockDim.x) {
+        for (int idx = threadIdx.x; idx < kKeys * words; idx += blockDim.x) {
             const int j = idx / words, c = idx % words;
             uint32_t w = 0u;
             if (j < valid) {
@@ -272,20 +277,69 @@ __global__ void __launch_bounds__(kFlashThreads)
 
 // The same attention on the matrix units (sm_80 and later), for heads of D values (keys
 // and values alike, D a multiple of 16 up to 128). A workgroup takes kFmRows rows of one
-// key head (the layout above), a warp 16 of them, and walks the keys in tiles of 32 staged
-// in shared memory as f16, the queries staged once as f16. Per tile a warp computes its
-// 16 × 32 scores with mma m16n8k16 (queries the row-major operand, keys the column-major
-// one), applies the masks and the online softmax to them in registers (the four lanes
-// that hold one row meet through shuffles), and multiplies the probabilities, turned to
-// f16 in place (a score tile's registers are the next product's row-major operand), with
-// the value tile (loaded transposed) into its 16 × D accumulators.
+// key head (the layout above), a warp 16 of them, and walks the keys in tiles of kFmKeys
+// staged in shared memory as f16, the queries staged once as f16 and kept in registers.
+// Per tile a warp computes its 16 × kFmKeys scores with mma m16n8k16 (queries the
+// row-major operand, keys the column-major one), applies the masks (only on tiles that
+// some row of the warp does not see whole) and the online softmax to them in registers
+// (the four lanes that hold one row meet through shuffles; maxima and sums in base 2),
+// and multiplies the probabilities, turned to f16 in place (a score tile's registers are
+// the next product's row-major operand), with the value tile (loaded transposed) into its
+// 16 × D accumulators.
+//
+// Staging. Two stages of a key tile and a value tile in dynamic shared memory: the next
+// tile is requested before the current one is multiplied, so that its reads overlap the
+// products. From f16 caches as asynchronous 16-byte copies (keys past the chunk's last
+// position copy the last position's row again: finite values, masked out); from a
+// quantized cache expanded by flash_stage, as it is read. The queries pass through the
+// second stage's key tile before its first tile lands there. Workgroups are numbered
+// from the last row tile down, so that the tiles with the most keys start first.
 constexpr int kFmWarps = 4;
 constexpr int kFmRows = 16 * kFmWarps;
+constexpr int kFmKeys = 64;
+static_assert(kFmRows <= kFmKeys, "the queries are staged in a key tile's place");
+
+// Halves between the rows of a staged tile: rows 16-byte aligned for the matrix loads,
+// eight consecutive rows in distinct banks.
+template <int D>
+__host__ __device__ constexpr int fm_pitch() {
+    return D + 8;
+}
+// Dynamic shared memory of flash_mma_kernel<D>: two stages of a key and a value tile.
+template <int D>
+__host__ __device__ constexpr int fm_shared_bytes() {
+    return 4 * kFmKeys * fm_pitch<D>() * (int)sizeof(__half);
+}
+
+#if defined(ROCMFORGE_HIP_MMA)
+// Keys k0 .. k0 + kFmKeys - 1 of an f16 cache, values first .. first + D - 1 of each, into
+// the tile `dst` as asynchronous copies (the caller commits them); keys at or past
+// k0 + `valid` copy key k0 + valid - 1 again.
+template <int D>
+__device__ __forceinline__ void fm_stage_async(const CacheView& cache, const int* table,
+                                               int shift, int k0, int first, int valid,
+                                               __half* dst) {
+    constexpr int kPieces = D / 8;  // 16-byte pieces a row
+    constexpr int kRounds = kFmKeys * kPieces / (kFmWarps * 32);
+    static_assert(kRounds * kFmWarps * 32 == kFmKeys * kPieces, "whole rounds of copies");
+    const __half* src = reinterpret_cast<const __half*>(cache.data) + first;
+#pragma unroll
+    for (int i = 0; i < kRounds; ++i) {
+        const int idx = (int)threadIdx.x + i * kFmWarps * 32;
+        const int j = idx / kPieces, c = idx % kPieces;
+        const size_t row = cache_row(table, shift, k0 + min(j, valid - 1));
+        __pipeline_memcpy_async(dst + j * fm_pitch<D>() + 8 * c, src + row * cache.dim + 8 * c,
+                                16);
+    }
+}
+#endif
 
 __device__ __forceinline__ uint32_t pack_half2(float x, float y) {
     const __half2 h = __floats2half2_rn(x, y);
     return *reinterpret_cast<const uint32_t*>(&h);
 }
+
+constexpr float kLog2e = 1.4426950408889634f;
 
 template <int D, bool kQuant>
 __global__ void __launch_bounds__(kFmWarps * 32)
@@ -295,30 +349,61 @@ __global__ void __launch_bounds__(kFmWarps * 32)
                      float* __restrict__ out) {
 #if defined(ROCMFORGE_HIP_MMA)
     static_assert(D % 16 == 0 && D <= 128, "heads of whole k-steps");
-    // Rows 16-byte aligned for the matrix loads, eight rows in distinct banks.
-    constexpr int kPitch = D + 8;
-    __shared__ __align__(16) __half qs[kFmRows * kPitch];
-    __shared__ __align__(16) __half ks[kFlashKeys * kPitch];
-    __shared__ __align__(16) __half vs[kFlashKeys * kPitch];
+    constexpr int kPitch = fm_pitch<D>();
+    constexpr int kTile = kFmKeys * kPitch;  // halves of a staged tile
+    extern __shared__ __align__(16) __half fm_smem[];
     rf_chain_wait();
     const int group = a.n_heads / a.n_kv_heads;
     const int kvh = blockIdx.y;
-    const int row0 = blockIdx.x * kFmRows;
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * kFmRows;
     const int rows_here = min(kFmRows, a.n_tokens * group - row0);
     const int base = pos[0];
     const int first_pos = base + row0 / group;
     const int last_pos = base + (row0 + rows_here - 1) / group;
     const int lo_tile = a.window > 0 ? max(0, first_pos - a.window + 1) : 0;
+    const int tiles = (last_pos - lo_tile) / kFmKeys + 1;
 
-    for (int idx = threadIdx.x; idx < kFmRows * (D / 2); idx += blockDim.x) {
-        const int r = idx / (D / 2), c = idx % (D / 2);
-        float2 v = make_float2(0.0f, 0.0f);
+    // Tile t's keys and values into stage t % 2, as one group of copies.
+    auto stage = [&](int t) {
+        const int k0 = lo_tile + t * kFmKeys;
+        const int valid = min(kFmKeys, last_pos - k0 + 1);
+        __half* kt = fm_smem + (t & 1) * 2 * kTile;
+        if constexpr (kQuant) {
+            flash_stage<true, kFmKeys>(k_cache, a.k_type, table, shift, k0, kvh * D, D, valid,
+                                       reinterpret_cast<uint32_t*>(kt), kPitch / 2);
+            flash_stage<true, kFmKeys>(v_cache, a.v_type, table, shift, k0, kvh * D, D, valid,
+                                       reinterpret_cast<uint32_t*>(kt + kTile), kPitch / 2);
+        } else {
+            fm_stage_async<D>(k_cache, table, shift, k0, kvh * D, valid, kt);
+            fm_stage_async<D>(v_cache, table, shift, k0, kvh * D, valid, kt + kTile);
+        }
+        __pipeline_commit();
+    };
+    stage(0);
+
+    // The queries as f16 into the second stage's key tile, four values a thread a round,
+    // every round's read in flight before the first is stored.
+    __half* const qs = fm_smem + 2 * kTile;
+    constexpr int kQRounds = kFmRows * (D / 4) / (kFmWarps * 32);
+    static_assert(kQRounds * kFmWarps * 32 == kFmRows * (D / 4), "whole rounds of queries");
+    float4 qv[kQRounds];
+#pragma unroll
+    for (int i = 0; i < kQRounds; ++i) {
+        const int idx = (int)threadIdx.x + i * kFmWarps * 32;
+        const int r = idx / (D / 4), c = idx % (D / 4);
+        qv[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (r < rows_here) {
             const int row = row0 + r;
             const int token = row / group, h = kvh * group + row % group;
-            v = *reinterpret_cast<const float2*>(q + ((size_t)token * a.n_heads + h) * D + 2 * c);
+            qv[i] = *reinterpret_cast<const float4*>(q + ((size_t)token * a.n_heads + h) * D + 4 * c);
         }
-        *reinterpret_cast<__half2*>(&qs[r * kPitch + 2 * c]) = __floats2half2_rn(v.x, v.y);
+    }
+#pragma unroll
+    for (int i = 0; i < kQRounds; ++i) {
+        const int idx = (int)threadIdx.x + i * kFmWarps * 32;
+        const int r = idx / (D / 4), c = idx % (D / 4);
+        *reinterpret_cast<uint2*>(&qs[r * kPitch + 4 * c]) =
+            make_uint2(pack_half2(qv[i].x, qv[i].y), pack_half2(qv[i].z, qv[i].w));
     }
     __syncthreads();
     const int w = threadIdx.x / 32, lane = threadIdx.x & 31;
@@ -327,8 +412,9 @@ __global__ void __launch_bounds__(kFmWarps * 32)
     for (int kk = 0; kk < D / 16; ++kk) {
         rf_ldmatrix_x4(qa[kk], &qs[(16 * w + (lane & 15)) * kPitch + 16 * kk + (lane >> 4) * 8]);
     }
+    __syncthreads();  // the queries are read before the second tile lands in their place
     // This lane's two rows (16w + lane/4, and 8 below): their visible keys, running maxima
-    // and this lane's share of their sums.
+    // (base 2) and this lane's share of their sums.
     int lo[2], hi[2];
     float m[2], l[2];
 #pragma unroll
@@ -340,32 +426,37 @@ __global__ void __launch_bounds__(kFmWarps * 32)
         m[e] = -INFINITY;
         l[e] = 0.0f;
     }
+    const int seen_lo = max(lo[0], lo[1]), seen_hi = min(hi[0], hi[1]);
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
     }
+    const float scale2 = a.scale * kLog2e;
 
-    for (int k0 = lo_tile; k0 <= last_pos; k0 += kFlashKeys) {
-        const int valid = min(kFlashKeys, last_pos - k0 + 1);
-        __syncthreads();  // every warp is done with the last tile
-        flash_stage<kQuant>(k_cache, a.k_type, table, shift, k0, kvh * D, D, valid,
-                    reinterpret_cast<uint32_t*>(ks), kPitch / 2);
-        flash_stage<kQuant>(v_cache, a.v_type, table, shift, k0, kvh * D, D, valid,
-                    reinterpret_cast<uint32_t*>(vs), kPitch / 2);
+    for (int t = 0; t < tiles; ++t) {
+        if (t + 1 < tiles) {
+            stage(t + 1);
+        } else {
+            __pipeline_commit();  // an empty group keeps the count of groups in flight
+        }
+        __pipeline_wait_prior(1);
         __syncthreads();
+        const int k0 = lo_tile + t * kFmKeys;
+        const __half* ks = fm_smem + (t & 1) * 2 * kTile;
+        const __half* vs = ks + kTile;
         // Scores: keys 8n .. 8n + 7 of the tile in s[n].
-        float s[4][4];
+        float s[kFmKeys / 8][4];
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
+        for (int n = 0; n < kFmKeys / 8; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
         }
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
-            for (int n = 0; n < 4; n += 2) {
+            for (int n = 0; n < kFmKeys / 8; n += 2) {
                 uint32_t b[4];
                 const int key = 8 * n + (lane & 7) + ((lane >> 4) << 3);
                 rf_ldmatrix_x4(b, &ks[key * kPitch + 16 * kk + ((lane >> 3) & 1) * 8]);
@@ -373,18 +464,24 @@ __global__ void __launch_bounds__(kFmWarps * 32)
                 rf_mma_16816(s[n + 1], qa[kk], b[2], b[3]);
             }
         }
-        // Online softmax of each of the two rows over the tile.
+        // Whether every row of the warp sees every key of the tile (no masks to apply).
+        const bool whole =
+            __all_sync(0xffffffffu, k0 >= seen_lo && k0 + kFmKeys - 1 <= seen_hi);
+        // Online softmax of each of the two rows over the tile, in base 2.
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float tile_max = -INFINITY;
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
+            for (int n = 0; n < kFmKeys / 8; ++n) {
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int key = k0 + 8 * n + 2 * (lane & 3) + c;
-                    const bool seen = key >= lo[e] && key <= hi[e];
-                    const float v = seen ? scaled_score(s[n][2 * e + c], a.softcap, a.scale)
-                                         : -INFINITY;
+                    const bool seen = whole || (key >= lo[e] && key <= hi[e]);
+                    const float raw = s[n][2 * e + c];
+                    const float v = !seen ? -INFINITY
+                                    : a.softcap > 0.0f
+                                        ? scaled_score(raw, a.softcap, a.scale) * kLog2e
+                                        : raw * scale2;
                     s[n][2 * e + c] = v;
                     tile_max = fmaxf(tile_max, v);
                 }
@@ -393,14 +490,14 @@ __global__ void __launch_bounds__(kFmWarps * 32)
             tile_max = fmaxf(tile_max, rf_shfl_xor(tile_max, 2));
             const float m_new = fmaxf(m[e], tile_max);
             // No key of this row yet (m_new = -inf): nothing to rescale, nothing to add.
-            const float corr = m_new == -INFINITY ? 1.0f : expf(m[e] - m_new);
+            const float corr = m_new == -INFINITY ? 1.0f : exp2f(m[e] - m_new);
             float sum = 0.0f;
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
+            for (int n = 0; n < kFmKeys / 8; ++n) {
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const float v = s[n][2 * e + c];
-                    const float p = v == -INFINITY ? 0.0f : expf(v - m_new);
+                    const float p = v == -INFINITY ? 0.0f : exp2f(v - m_new);
                     s[n][2 * e + c] = p;
                     sum += p;
                 }
@@ -416,7 +513,7 @@ __global__ void __launch_bounds__(kFmWarps * 32)
         // Values: keys 16j .. 16j + 15 a step, the probabilities of score tiles 2j and
         // 2j + 1 as the row-major operand.
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < kFmKeys / 16; ++j) {
             uint32_t pa[4];
             pa[0] = pack_half2(s[2 * j][0], s[2 * j][1]);
             pa[1] = pack_half2(s[2 * j][2], s[2 * j][3]);
@@ -431,6 +528,7 @@ __global__ void __launch_bounds__(kFmWarps * 32)
                 rf_mma_16816(o[n + 1], pa, b[2], b[3]);
             }
         }
+        __syncthreads();  // every warp is done with this stage before it is staged again
     }
 
     // The row sums over their four lanes; every row that exists saw its own key.
@@ -444,7 +542,8 @@ __global__ void __launch_bounds__(kFmWarps * 32)
         const int row = row0 + r;
         const int token = row / group, h = kvh * group + row % group;
         float* dst = out + ((size_t)token * a.n_heads + h) * D;
-        const float inv = 1.0f / (a.sinks ? total + expf(a.sinks[h] - m[e]) : total);
+        const float inv =
+            1.0f / (a.sinks ? total + exp2f(a.sinks[h] * kLog2e - m[e]) : total);
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             const float2 v = make_float2(o[n][2 * e] * inv, o[n][2 * e + 1] * inv);
@@ -462,12 +561,26 @@ __global__ void __launch_bounds__(kFmWarps * 32)
 #endif
 }
 
-// Launches the instance of the tiled kernels for the shapes (rfLaunchChained's status
-// is the launcher's to read).
+// flash_mma_kernel<D, kQuant> on `grid`, its shared memory limit raised first (once a
+// device).
+template <int D, bool kQuant>
+static hipError_t launch_flash_mma(dim3 grid, hipStream_t s, const float* q, CacheView kc,
+                                   CacheView vc, const FlashArgs& a, const int* pos,
+                                   const int* table, int shift, float* out) {
+    static std::atomic<unsigned long long> raised{0};
+    constexpr int bytes = fm_shared_bytes<D>();
+    const hipError_t status = rf_raise_shared_memory(flash_mma_kernel<D, kQuant>, bytes, raised);
+    if (status != hipSuccess) return status;
+    rfLaunchChained((flash_mma_kernel<D, kQuant>), grid, dim3(kFmWarps * 32), (size_t)bytes, s,
+                    q, kc, vc, a, pos, table, shift, out);
+    return hipGetLastError();
+}
+
+// Launches the instance of the tiled kernels for the shapes: the launch's status.
 template <bool kQuant>
-static void launch_flash(const void* q, CacheView kc, CacheView vc, FlashArgs a, int rows,
-                         int widest, const void* pos, const void* table, int shift, void* out,
-                         int allow_mma, hipStream_t s) {
+static hipError_t launch_flash(const void* q, CacheView kc, CacheView vc, FlashArgs a, int rows,
+                               int widest, const void* pos, const void* table, int shift,
+                               void* out, int allow_mma, hipStream_t s) {
     const int head_dim = a.head_dim, head_dim_v = a.head_dim_v, n_kv_heads = a.n_kv_heads;
     const dim3 block(kFlashThreads);
     // On the matrix units where the device has them and the keys and values are heads
@@ -475,22 +588,13 @@ static void launch_flash(const void* q, CacheView kc, CacheView vc, FlashArgs a,
     if (allow_mma && rf_mma_available() && head_dim == head_dim_v &&
         (head_dim == 32 || head_dim == 64 || head_dim == 128)) {
         const dim3 grid((rows + kFmRows - 1) / kFmRows, n_kv_heads);
-        const dim3 mma_block(kFmWarps * 32);
         const int* pp = (const int*)pos;
         const int* tp = (const int*)table;
         float* o = (float*)out;
         const float* qp = (const float*)q;
-        if (head_dim == 32) {
-            rfLaunchChained((flash_mma_kernel<32, kQuant>), grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
-                            shift, o);
-        } else if (head_dim == 64) {
-            rfLaunchChained((flash_mma_kernel<64, kQuant>), grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
-                            shift, o);
-        } else {
-            rfLaunchChained((flash_mma_kernel<128, kQuant>), grid, mma_block, 0, s, qp, kc, vc, a, pp, tp,
-                            shift, o);
-        }
-        return;
+        if (head_dim == 32) return launch_flash_mma<32, kQuant>(grid, s, qp, kc, vc, a, pp, tp, shift, o);
+        if (head_dim == 64) return launch_flash_mma<64, kQuant>(grid, s, qp, kc, vc, a, pp, tp, shift, o);
+        return launch_flash_mma<128, kQuant>(grid, s, qp, kc, vc, a, pp, tp, shift, o);
     }
     // The instance whose rows are the widest head's: 64 rows a workgroup for heads up to
     // 64 wide, 32 up to 128, 16 up to 256.
@@ -504,6 +608,7 @@ static void launch_flash(const void* q, CacheView kc, CacheView vc, FlashArgs a,
         rfLaunchChained((flash_attention_kernel<4, 4, kQuant>), dim3((rows + 15) / 16, n_kv_heads), block,
                         0, s, (const float*)q, kc, vc, a, (const int*)pos, (const int*)table, shift, (float*)out);
     }
+    return hipGetLastError();
 }
 
 }  // namespace rf
@@ -535,11 +640,11 @@ int rf_flash_attention(const void* q, const void* k_cache, const void* v_cache, 
     const CacheView kc = cache_view(k_cache, k_type, cache_positions, n_kv_heads * head_dim);
     const CacheView vc = cache_view(v_cache, v_type, cache_positions, n_kv_heads * head_dim_v);
     if (k_type != kCacheF16 || v_type != kCacheF16) {
-        launch_flash<true>(q, kc, vc, a, rows, widest, pos, table, shift, out, allow_mma, s);
-    } else {
-        launch_flash<false>(q, kc, vc, a, rows, widest, pos, table, shift, out, allow_mma, s);
+        return (int)launch_flash<true>(q, kc, vc, a, rows, widest, pos, table, shift, out,
+                                       allow_mma, s);
     }
-    return (int)hipGetLastError();
+    return (int)launch_flash<false>(q, kc, vc, a, rows, widest, pos, table, shift, out,
+                                    allow_mma, s);
 }
 
 }  // extern "C"
