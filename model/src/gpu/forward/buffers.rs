@@ -4,7 +4,7 @@
 
 use dequant::gpu::experts;
 use dequant::gpu::matmul;
-use dequant::gpu::matmul_q8k::{q8k_bytes, Q8K_BLOCK};
+use dequant::gpu::matmul_q8k::{q8k_bytes, q8k_takes, Q8K_BLOCK};
 use dequant::gpu::matvec::q8_bytes;
 use half::f16;
 use hip_backend::{ArenaBuffer, Device, DeviceView, DeviceViewMut, PinnedBuffer, Stream};
@@ -17,11 +17,36 @@ use crate::gpu::gpu;
 use crate::gpu::kernels::{attention_chunk, AttentionShape, CacheView, CacheViewMut, Pages};
 use crate::gpu::{arena, MAX_BATCH};
 use crate::kv_type::KvTypes;
-use crate::plan::ExecutionPlan;
+use crate::plan::{ExecutionPlan, FfnPlan};
 use crate::ModelError;
 
 /// Alignment of every buffer in the arena.
 const ALIGN: usize = 256;
+
+/// Whether some matrix of a layer (attention, dense or shared feed-forward, routed experts)
+/// is of a type the int8 tiles take on `device` ([`q8k_takes`]).
+fn int8_types(plan: &ExecutionPlan, device: &Device) -> bool {
+    let takes = |ty| q8k_takes(ty, Q8K_BLOCK, device);
+    plan.layers.iter().any(|layer| {
+        let attention = [&layer.wq, &layer.wk, &layer.wv, &layer.wo];
+        let dense = |d: &crate::plan::DenseFfn| {
+            [&d.gate, &d.up, &d.down]
+                .iter()
+                .any(|m| takes(m.weight.ggml_type()))
+        };
+        attention.iter().any(|m| takes(m.weight.ggml_type()))
+            || match &layer.ffn {
+                FfnPlan::Dense(d) => dense(d),
+                FfnPlan::Experts(e) => {
+                    e.gate
+                        .iter()
+                        .chain([&e.up, &e.down])
+                        .any(|m| takes(m.weight.ggml_type()))
+                        || e.shared.as_ref().is_some_and(|(d, _)| dense(d))
+                }
+            }
+    })
+}
 
 /// How many sequences a paged batch holds at most, and the cache's blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -204,9 +229,9 @@ impl Buffers {
             .max(c.experts.and_then(|e| e.shared_n_ff).unwrap_or(0));
         let width = c.n_embd.max(attn_dim).max(n_ff);
         let scales_bytes = (4 * b).div_ceil(ALIGN) * ALIGN;
-        // The int8 products' input, where the device runs them (for the widest input,
-        // rounded up to whole blocks).
-        let int8 = int8_prompts && matmul::skinny_available(device);
+        // The int8 products' input, where the device runs them and some layer's matrix is
+        // of their type (for the widest input, rounded up to whole blocks).
+        let int8 = int8_prompts && int8_types(plan, device);
         let q8k_len = if int8 {
             q8k_bytes(b, width.div_ceil(Q8K_BLOCK) * Q8K_BLOCK).unwrap_or(usize::MAX)
         } else {
