@@ -16,8 +16,11 @@
 //! to split the columns, which they use only where their tiles alone leave the device
 //! idle), `skinny` (up to its limit of tokens, where the device runs it, given room
 //! to split the columns too) and, past that limit, `fastest` (what `matmul::matmul`
-//! runs, given room: the tokens past whole tiles take the skinny kernel), so that
-//! the switch-over between them can be read off. Each timed run cycles through copies
+//! runs, given room: the tokens past whole tiles take the skinny kernel), and for the
+//! types the int8 matrix units take from `Q8_K` input (`matmul_q8k`), `int8` and
+//! `int8-split` (without and with room to split the columns; the activations' quantizer,
+//! made once for all the products of one input, not counted), so that the switch-over
+//! between them can be read off. Each timed run cycles through copies
 //! of the matrix that together exceed the GPU's L2 cache, so every product reads its
 //! weights from device memory as in a forward pass.
 //!
@@ -36,6 +39,7 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 
 use dequant::gpu::matmul;
+use dequant::gpu::matmul_q8k;
 use dequant::gpu::matvec::{self, GpuActivations, GpuMatrix};
 use dequant::gpu::{decode_f16, decode_f32};
 use gguf_format::GgmlType;
@@ -215,6 +219,10 @@ enum Kernel {
     /// What `matmul::matmul` runs, given room: past whole tiles of tokens, the tiled
     /// products and the skinny ones for the tokens left.
     Fastest,
+    /// The int8 tiles (`matmul_q8k`) on `Q8_K` input.
+    Int8,
+    /// The int8 tiles given room to split their columns.
+    Int8Split,
 }
 
 impl Kernel {
@@ -225,6 +233,8 @@ impl Kernel {
             Kernel::Split => "split",
             Kernel::Skinny => "skinny",
             Kernel::Fastest => "fastest",
+            Kernel::Int8 => "int8",
+            Kernel::Int8Split => "int8-split",
         }
     }
 }
@@ -341,10 +351,43 @@ fn bench_products(device: &Device, options: &Options) -> Result<Vec<ProductRow>,
                 // Up to the decode products' limit, those first; then the batch products
                 // twice: as they are, and given room to split their columns (which they
                 // use only where their tiles leave the device idle).
-                let kernels = kernels_for(tokens, skinny);
+                let int8 = matmul_q8k::q8k_takes(ty, cols, device);
+                let mut xq: DeviceBuffer<u8> = device
+                    .alloc(if int8 {
+                        matmul_q8k::q8k_bytes(tokens, cols).unwrap_or(0)
+                    } else {
+                        1
+                    })
+                    .map_err(|x| e(&x))?;
+                if int8 {
+                    matmul_q8k::quantize_q8k(x_dev.view(), tokens, cols, xq.view_mut(), &stream)
+                        .map_err(|x| e(&x))?;
+                }
+                let mut kernels = kernels_for(tokens, skinny);
+                if int8 {
+                    kernels.extend([Kernel::Int8, Kernel::Int8Split]);
+                }
                 for &kernel in &kernels {
                     let ms = time_ms(device, &stream, options.iters, || {
                         for m in &mats {
+                            if matches!(kernel, Kernel::Int8 | Kernel::Int8Split) {
+                                let room =
+                                    (kernel == Kernel::Int8Split).then(|| matmul::SplitScratch {
+                                        partials: partials.view_mut(),
+                                        counters: counters.view_mut(),
+                                    });
+                                matmul_q8k::matmul_q8k(
+                                    std::slice::from_ref(m),
+                                    xq.view(),
+                                    tokens,
+                                    &mut [out.view_mut()],
+                                    false,
+                                    room,
+                                    &stream,
+                                )
+                                .map_err(|x| format!("{ty} {name}: {x}"))?;
+                                continue;
+                            }
                             if kernel != Kernel::Decode {
                                 let room =
                                     (kernel != Kernel::Batch).then(|| matmul::SplitScratch {

@@ -560,8 +560,8 @@ inline DeviceFacts device_facts(int device) {
 
 #include "skinny.hip"
 #include "skinny_q8.h"
-#include "tiles_q8k.h"
 #include "matmul_launch.h"
+#include "tiles_q8k.h"
 
 #if defined(RF_MATMUL_COMMON)
 
@@ -721,12 +721,14 @@ extern "C" int RF_MATMUL_JOIN(rf_matmul_experts_q8, RF_MATMUL_NAME)(
 }
 
 // The products from Q8_K input on the int8 matrix units (tiles_q8k.h): as rf_matmul_NAME,
-// with `xq` the n_tokens rows as rf_quantize_q8k makes them. Q4_K only, on NVIDIA sm_80
-// and later, for widths of whole super-blocks from 16-byte aligned weights and input:
-// elsewhere hipErrorInvalidValue.
+// with `xq` the n_tokens rows as rf_quantize_q8k makes them (and partials/counters the
+// room to split the columns, or null). Q4_K only, on NVIDIA sm_80 and later, for widths
+// of whole super-blocks from 16-byte aligned weights and input: elsewhere
+// hipErrorInvalidValue.
 extern "C" int RF_MATMUL_JOIN(rf_matmul_q8k, RF_MATMUL_NAME)(
     const void* const* weights, void* const* outs, const int* rows, int n_mats, int cols,
-    const void* xq, int n_tokens, int accumulate, int device, void* stream) {
+    const void* xq, int n_tokens, int accumulate, void* partials, long long partial_floats,
+    void* counters, int n_counters, int device, void* stream) {
     hipError_t status = hipSetDevice(device);
     if (status != hipSuccess) return (int)status;
     if (n_mats < 1 || n_mats > rf::kMmMaxMats || cols < 1 || n_tokens < 1) {
@@ -741,8 +743,10 @@ extern "C" int RF_MATMUL_JOIN(rf_matmul_q8k, RF_MATMUL_NAME)(
             mats.y[m] = (float*)outs[m];
             mats.rows[m] = rows[m];
         }
+        const rf::SplitRoom room = {(float*)partials, partial_floats, (unsigned*)counters,
+                                    n_counters};
         return (int)rf::launch_tiles_q8k<rf::Q4_K>(mats, cols, (const uint8_t*)xq, n_tokens,
-                                                   accumulate, rf::device_facts(device).staged,
+                                                   accumulate, rf::device_facts(device), room,
                                                    (hipStream_t)stream);
     } else {
         (void)weights;
@@ -750,6 +754,10 @@ extern "C" int RF_MATMUL_JOIN(rf_matmul_q8k, RF_MATMUL_NAME)(
         (void)rows;
         (void)xq;
         (void)accumulate;
+        (void)partials;
+        (void)partial_floats;
+        (void)counters;
+        (void)n_counters;
         (void)stream;
         return (int)hipErrorInvalidValue;
     }

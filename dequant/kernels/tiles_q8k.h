@@ -1,7 +1,7 @@
 // tiles_q8k.h: Q4_K's prompt products on the int8 matrix units, from activations quantized
 // once per token to 8 bits in blocks of 256 (rf_quantize_q8k: the CPU's Q8_K layout, the
-// input its own Q4_K dot products take). Included by matmul.hip after skinny_q8.h;
-// NVIDIA sm_80 and later.
+// input its own Q4_K dot products take); also a batch of decoding sequences. Included by
+// matmul.hip after matmul_launch.h; NVIDIA sm_80 and later.
 //
 // Why. The f16 tiles (matmul.hip) spend most of their issue slots turning each weight into
 // f16 with its sub-block's scale and minimum, once per 32 columns of 128 tokens. Here a
@@ -23,6 +23,12 @@
 // (144 bytes a row: 36 words, so the eight rows of a quarter-warp's loads fall in distinct
 // banks) and the tokens' 256 int8 values, eight f16 sums and f32 scale (kQkXPitch bytes
 // apart: an odd count of 16-byte pieces, so ldmatrix's eight rows miss each other).
+//
+// Column splits. A product of few tokens (a batch of decoding sequences) has too few
+// tiles to fill the device; then, where the caller gives room, the grid's z splits the
+// columns: each split takes its own run of super-blocks, leaves its sums in the room,
+// and the last workgroup of a tile to finish adds them in split order (results repeat
+// bit for bit), as the skinny kernel does.
 #ifndef ROCMFORGE_DEQUANT_TILES_Q8K_H
 #define ROCMFORGE_DEQUANT_TILES_Q8K_H
 
@@ -72,12 +78,16 @@ __device__ __forceinline__ uint32_t byte_pair_f16(uint32_t word, int pair) {
 
 // y (+)= x · W for the Q4_K matrices `mats` from the Q8_K input `xq` of n_tokens tokens
 // (q8k_bytes): grid x = tiles of kQkTokens tokens, y = tiles of kQkRows rows (numbered one
-// matrix after the other); kQkThreads threads; kStages · kQkStageBytes bytes of dynamic
-// shared memory. Weights must start 16-byte aligned and `cols` be a multiple of 256.
+// matrix after the other), z = column splits (`splits`; past one, `partials` holds
+// kQkSlot floats per split and workgroup and `counters` one zero per workgroup of a
+// split, zero again when the launch ends); kQkThreads threads; kStages · kQkStageBytes
+// bytes of dynamic shared memory. Weights must start 16-byte aligned and `cols` be a
+// multiple of 256.
+constexpr int kQkSlot = kQkThreads * 32;
 template <int kStages>
 __global__ void __launch_bounds__(kQkThreads, 2)
     tiles_q8k_kernel(MatmulMats mats, int cols, const uint8_t* __restrict__ xq, int n_tokens,
-                     int accumulate) {
+                     int accumulate, int splits, float* partials, unsigned* counters) {
 #if defined(RF_MM_MMA)
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -92,6 +102,9 @@ __global__ void __launch_bounds__(kQkThreads, 2)
     const int row0 = tile * kQkRows, tok0 = (int)blockIdx.x * kQkTokens;
     const int chunks = cols / kQkBlock;
     const size_t row_bytes = (size_t)chunks * kQkBlockBytes;
+    // This split's run of super-blocks.
+    const int split = (int)blockIdx.z;
+    const int c0 = split * chunks / splits, c1 = (split + 1) * chunks / splits;
     const float* __restrict__ xd =
         reinterpret_cast<const float*>(xq + q8k_scales_at(n_tokens, cols));
     const __half* __restrict__ xs =
@@ -162,22 +175,22 @@ __global__ void __launch_bounds__(kQkThreads, 2)
     // Weights first: no kernel writes them; the input after the chained launch's wait.
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
-        if (i < chunks) copy_weights(i, i);
+        if (c0 + i < c1) copy_weights(c0 + i, i);
     }
     rf_chain_wait();
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
-        if (i < chunks) copy_acts(i, i);
+        if (c0 + i < c1) copy_acts(c0 + i, i);
         copies_commit();
     }
-    for (int c = 0; c < chunks; ++c) {
-        const int st = c % kStages;
+    for (int c = c0; c < c1; ++c) {
+        const int st = (c - c0) % kStages;
         copies_wait<kStages - 2>();
         __syncthreads();
         const int next = c + kStages - 1;
-        if (next < chunks) {
-            copy_weights(next, next % kStages);
-            copy_acts(next, next % kStages);
+        if (next < c1) {
+            copy_weights(next, (next - c0) % kStages);
+            copy_acts(next, (next - c0) % kStages);
         }
         copies_commit();
         if (!busy) continue;
@@ -287,6 +300,63 @@ __global__ void __launch_bounds__(kQkThreads, 2)
         }
     }
     copies_wait<0>();
+    if (splits > 1) {
+        // Each busy warp's sums into this split's room, a thread's four sums of an (i, j)
+        // fragment as one 16-byte store (consecutive threads, consecutive pieces); then
+        // the last workgroup of the tile to finish adds every split's, in split order.
+        // Other workgroups of this launch wrote them: read through L2 (ld.cg), past this
+        // multiprocessor's cache, all of a split's eight pieces in flight at once.
+        const int n_tiles = (int)(gridDim.x * gridDim.y);
+        const int tile_id = (int)(blockIdx.y * gridDim.x + blockIdx.x);
+        float4* mine =
+            reinterpret_cast<float4*>(partials + ((size_t)split * n_tiles + tile_id) * kQkSlot) +
+            threadIdx.x;
+        if (busy) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    mine[(i * 4 + j) * kQkThreads] =
+                        make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
+                }
+            }
+        }
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned before = atomicAdd(&counters[tile_id], 1u);
+            last = before == (unsigned)(splits - 1);
+            if (last) counters[tile_id] = 0u;
+        }
+        __syncthreads();
+        if (!last || !busy) return;
+        __threadfence();
+        const float4* all =
+            reinterpret_cast<const float4*>(partials + (size_t)tile_id * kQkSlot) + threadIdx.x;
+        const size_t split_stride = (size_t)n_tiles * (kQkSlot / 4);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+            }
+        }
+        for (int z = 0; z < splits; ++z) {
+            float4 piece[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) piece[q] = __ldcg(all + z * split_stride + q * kQkThreads);
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                float* a = acc[q / 4][q % 4];
+                a[0] += piece[q].x;
+                a[1] += piece[q].y;
+                a[2] += piece[q].z;
+                a[3] += piece[q].w;
+            }
+        }
+    }
     if (!busy) return;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -309,32 +379,65 @@ __global__ void __launch_bounds__(kQkThreads, 2)
     (void)xq;
     (void)n_tokens;
     (void)accumulate;
+    (void)splits;
+    (void)partials;
+    (void)counters;
 #endif
 }
 
 template <int kStages>
 hipError_t launch_tiles_q8k_stages(const MatmulMats& mats, int cols, const uint8_t* xq,
-                                   int n_tokens, int accumulate, hipStream_t stream) {
+                                   int n_tokens, int accumulate, int multiprocessors,
+                                   const SplitRoom& room, hipStream_t stream) {
     static std::atomic<unsigned long long> raised{0};
     const int bytes = kStages * kQkStageBytes;
     const hipError_t status = rf_raise_shared_memory(tiles_q8k_kernel<kStages>, bytes, raised);
     if (status != hipSuccess) return status;
     long long tiles = 0;
     for (int m = 0; m < mats.n; ++m) tiles += (mats.rows[m] + kQkRows - 1) / kQkRows;
-    const dim3 grid((unsigned)((n_tokens + kQkTokens - 1) / kQkTokens), (unsigned)tiles, 1u);
+    const long long token_tiles = (n_tokens + kQkTokens - 1) / kQkTokens;
+    // Splits by waves, as the skinny kernel's (launch_skinny_nt): a split of s takes
+    // ceil(chunks / s) super-blocks and about one more (filling its stages, handing its
+    // sums over), so the product takes about ceil(wgs · s / resident) · (ceil(chunks / s)
+    // + 1) chunk times; the fewest (the fewest splits on a tie), each split at least two
+    // super-blocks, within the room given.
+    const long long chunks = cols / kQkBlock;
+    const long long wgs = tiles * token_tiles;
+    long long splits = 1;
+    if (room.partials && room.counters && wgs <= room.n_counters &&
+        (uintptr_t)room.partials % 16 == 0) {
+        const long long per_sm = rf_resident_workgroups<tiles_q8k_kernel<kStages>>(kQkThreads, bytes);
+        const long long resident = (long long)multiprocessors * per_sm;
+        const long long fit = room.partial_floats / (wgs * kQkSlot);
+        const long long most = max(1LL, min(min(chunks / 2, fit), 16LL));
+        long long best = -1;
+        for (long long s = 1; s <= most; ++s) {
+            const long long waves = (wgs * s + resident - 1) / resident;
+            const long long cost = waves * ((chunks + s - 1) / s + 1);
+            if (best < 0 || cost < best) {
+                best = cost;
+                splits = s;
+            }
+        }
+    }
+    const dim3 grid((unsigned)token_tiles, (unsigned)tiles, (unsigned)splits);
     rfLaunchChained((tiles_q8k_kernel<kStages>), grid, dim3(kQkThreads), (size_t)bytes, stream,
-                    mats, cols, xq, n_tokens, accumulate);
+                    mats, cols, xq, n_tokens, accumulate, (int)splits, room.partials,
+                    room.counters);
     return hipGetLastError();
 }
 
 // The products of Q4_K matrices from Q8_K input (rf_quantize_q8k) where the device has the
 // matrix units' path (`mma`), the width is whole super-blocks and weights and input start
 // 16-byte aligned: else hipErrorInvalidValue. Three stages where the device lends their
-// shared memory to a workgroup, else two. (A template, so that only Q4_K's unit compiles
-// its kernels.)
+// shared memory to a workgroup, else two. The columns split where `room` gives the room
+// and the tiles alone leave the device idle. (A template, so that only Q4_K's unit
+// compiles its kernels.)
 template <typename F>
 hipError_t launch_tiles_q8k(const MatmulMats& mats, int cols, const uint8_t* xq, int n_tokens,
-                            int accumulate, bool mma, hipStream_t stream) {
+                            int accumulate, const DeviceFacts& facts, const SplitRoom& room,
+                            hipStream_t stream) {
+    const bool mma = facts.staged;
     static_assert(std::is_same<F, Q4_K>::value, "the Q8_K tiles are Q4_K's");
     if (!mma || cols % kQkBlock != 0 || (uintptr_t)xq % 16 != 0) return hipErrorInvalidValue;
     for (int m = 0; m < mats.n; ++m) {
@@ -343,12 +446,14 @@ hipError_t launch_tiles_q8k(const MatmulMats& mats, int cols, const uint8_t* xq,
     static std::atomic<int> two_stages{0};  // set where three were refused
     if (two_stages.load(std::memory_order_relaxed) == 0) {
         const hipError_t status =
-            launch_tiles_q8k_stages<3>(mats, cols, xq, n_tokens, accumulate, stream);
+            launch_tiles_q8k_stages<3>(mats, cols, xq, n_tokens, accumulate,
+                                       facts.multiprocessors, room, stream);
         if (status != hipErrorInvalidValue) return status;
         (void)hipGetLastError();
         two_stages.store(1, std::memory_order_relaxed);
     }
-    return launch_tiles_q8k_stages<2>(mats, cols, xq, n_tokens, accumulate, stream);
+    return launch_tiles_q8k_stages<2>(mats, cols, xq, n_tokens, accumulate,
+                                      facts.multiprocessors, room, stream);
 }
 
 }  // namespace rf

@@ -157,6 +157,10 @@ product_launchers! {
             xq: *const c_void,
             n_tokens: c_int,
             accumulate: c_int,
+            partials: *mut c_void,
+            partial_floats: i64,
+            counters: *mut c_void,
+            n_counters: c_int,
             device: c_int,
             stream: *mut c_void,
         );

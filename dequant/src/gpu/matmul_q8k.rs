@@ -20,6 +20,7 @@ use hip_backend::HipError;
 use hip_backend::{DeviceView, DeviceViewMut, Stream};
 
 use super::check_device;
+use super::matmul::SplitScratch;
 use super::matvec::{check_group, GpuMatrix};
 use super::GpuDequantError;
 use crate::DequantError;
@@ -84,15 +85,18 @@ pub fn quantize_q8k(
 /// `outs[i] (+)= x · mats[i]ᵀ` for `n_tokens` tokens, queued on `stream`, for one to
 /// three `Q4_K` matrices of one width in one launch: `xq` is what [`quantize_q8k`] made of
 /// the `n_tokens × cols` activations, each output holds `n_tokens × rows`, token by token;
-/// with `accumulate` the products are added to what the outputs hold. Refused (the
-/// launch's error) where [`q8k_takes`] does not hold or the weights or input do not start
-/// 16-byte aligned.
+/// with `accumulate` the products are added to what the outputs hold. With `scratch`, a
+/// product whose tiles alone leave the device idle (a batch of a few dozen decoding
+/// sequences) splits its columns as the f16 products do ([`super::matmul::matmul`]), with
+/// the same bits on every call. Refused (the launch's error) where [`q8k_takes`] does not
+/// hold or the weights or input do not start 16-byte aligned.
 pub fn matmul_q8k(
     mats: &[GpuMatrix<'_>],
     xq: DeviceView<'_, u8>,
     n_tokens: usize,
     outs: &mut [DeviceViewMut<'_, f32>],
     accumulate: bool,
+    mut scratch: Option<SplitScratch<'_>>,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
     let first = check_group(mats, outs.len())?;
@@ -121,7 +125,23 @@ pub fn matmul_q8k(
         check_device(stream, m.bytes().device_ordinal(), out.device_ordinal())?;
         DequantError::check_output(out.len(), n_tokens, m.rows())?;
     }
-    launch(mats, xq, n_tokens, outs, accumulate, device, stream)
+    if let Some(room) = &scratch {
+        check_device(
+            stream,
+            room.partials.device_ordinal(),
+            room.counters.device_ordinal(),
+        )?;
+    }
+    launch(
+        mats,
+        xq,
+        n_tokens,
+        outs,
+        accumulate,
+        scratch.as_mut(),
+        device,
+        stream,
+    )
 }
 
 /// Refuses a width that is not whole blocks of [`Q8K_BLOCK`] (or past `c_int`).
@@ -179,24 +199,37 @@ fn launch_quantize(
 }
 
 #[cfg(not(hip_platform = "none"))]
+#[allow(clippy::too_many_arguments)]
 fn launch(
     mats: &[GpuMatrix<'_>],
     xq: DeviceView<'_, u8>,
     n_tokens: usize,
     outs: &mut [DeviceViewMut<'_, f32>],
     accumulate: bool,
+    scratch: Option<&mut SplitScratch<'_>>,
     device: i32,
     stream: &Stream,
 ) -> Result<(), GpuDequantError> {
     use std::ffi::c_int;
     let arrays = super::matvec::MatrixArrays::new(mats, outs);
+    let (partials, partial_floats, counters, n_counters) = match scratch {
+        Some(room) => (
+            room.partials.as_mut_ptr(),
+            i64::try_from(room.partials.len()).unwrap_or(i64::MAX),
+            room.counters.as_mut_ptr(),
+            c_int::try_from(room.counters.len()).unwrap_or(c_int::MAX),
+        ),
+        None => (std::ptr::null_mut(), 0, std::ptr::null_mut(), 0),
+    };
     let launcher = super::launchers(mats[0].ty())?.matmul_q8k;
     // SAFETY: `matmul_q8k` checked every length: each weight view holds exactly its
     // matrix (`GpuMatrix::new`), `xq` the `Q8_K` bytes of `n_tokens × cols` values and each
     // output `n_tokens × rows` f32, all on the stream's device and borrowed while the
     // kernel is queued; the arrays hold `mats.len()` (1 to 3) entries and are read during
-    // the call only. Rows, columns and tokens fit in `c_int`. The launcher refuses
-    // unaligned pointers; the kernel reads and writes only those ranges.
+    // the call only. Rows, columns and tokens fit in `c_int`. The split scratch, when
+    // given, is `partial_floats` f32 and `n_counters` u32 on the same device, borrowed
+    // while the kernel is queued; the launcher splits only as far as they hold. The
+    // launcher refuses unaligned pointers; the kernel reads and writes only those ranges.
     let status = unsafe {
         launcher(
             arrays.weights.as_ptr(),
@@ -207,6 +240,10 @@ fn launch(
             xq.as_ptr(),
             n_tokens as c_int,
             c_int::from(accumulate),
+            partials.cast(),
+            partial_floats,
+            counters.cast(),
+            n_counters,
             device,
             stream.as_raw(),
         )
@@ -227,12 +264,14 @@ fn launch_quantize(
 }
 
 #[cfg(hip_platform = "none")]
+#[allow(clippy::too_many_arguments)]
 fn launch(
     _: &[GpuMatrix<'_>],
     _: DeviceView<'_, u8>,
     _: usize,
     _: &mut [DeviceViewMut<'_, f32>],
     _: bool,
+    _: Option<&mut SplitScratch<'_>>,
     _: i32,
     _: &Stream,
 ) -> Result<(), GpuDequantError> {

@@ -5,6 +5,7 @@
 //! the CPU product's own).
 
 use super::*;
+use crate::gpu::matmul;
 use crate::gpu::matmul_q8k::{self, q8k_bytes, Q8K_BLOCK};
 
 /// `x` (rows of `cols`) as the host reads the `Q8_K` bytes back: each value its int8
@@ -67,8 +68,10 @@ fn quantize(
 }
 
 /// The products of `mats` (one width) on `n` tokens of `x`, added to outputs holding
-/// `initial` when given; with the host's reading of the quantized input.
-fn gpu_q8k(
+/// `initial` when given; with the host's reading of the quantized input. With `split`,
+/// given room to split their columns (whose counters it checks are left at zero).
+#[allow(clippy::too_many_arguments)]
+fn gpu_q8k_with(
     device: &Device,
     stream: &Stream,
     mats: &[(&[u8], usize)],
@@ -76,6 +79,7 @@ fn gpu_q8k(
     x: &[f32],
     n: usize,
     initial: Option<f32>,
+    split: bool,
 ) -> (Vec<Vec<f32>>, Vec<f32>) {
     let bufs = upload_matrices(device, stream, mats);
     let gms = gpu_matrices(GgmlType::Q4_K, cols, mats, &bufs);
@@ -85,10 +89,47 @@ fn gpu_q8k(
         .map(|&(_, rows)| upload(device, stream, &vec![initial.unwrap_or(f32::NAN); n * rows]))
         .collect();
     let mut views: Vec<_> = outs.iter_mut().map(|o| o.view_mut()).collect();
-    matmul_q8k::matmul_q8k(&gms, q.view(), n, &mut views, initial.is_some(), stream)
-        .expect("q8k product");
+    let mut partials = upload(device, stream, &vec![f32::NAN; matmul::SPLIT_PARTIALS]);
+    let mut counters = upload(device, stream, &vec![0u32; matmul::SPLIT_COUNTERS]);
+    let room = split.then(|| matmul::SplitScratch {
+        partials: partials.view_mut(),
+        counters: counters.view_mut(),
+    });
+    matmul_q8k::matmul_q8k(
+        &gms,
+        q.view(),
+        n,
+        &mut views,
+        initial.is_some(),
+        room,
+        stream,
+    )
+    .expect("q8k product");
+    let mut left = vec![1u32; matmul::SPLIT_COUNTERS];
+    stream
+        .read_to_host(counters.view(), &mut left)
+        .expect("read back");
+    assert!(left.iter().all(|&c| c == 0), "split counters left at zero");
     let got = outs.iter().map(|o| download(stream, o)).collect();
     (got, dequantize(&host, n, cols))
+}
+
+/// `v` widened, to compare two products with [`relative_error`].
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| f64::from(x)).collect()
+}
+
+/// [`gpu_q8k_with`] without room to split.
+fn gpu_q8k(
+    device: &Device,
+    stream: &Stream,
+    mats: &[(&[u8], usize)],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    initial: Option<f32>,
+) -> (Vec<Vec<f32>>, Vec<f32>) {
+    gpu_q8k_with(device, stream, mats, cols, x, n, initial, false)
 }
 
 #[test]
@@ -205,16 +246,86 @@ fn q8_k_products_fuse_accumulate_and_refuse_what_they_do_not_take() {
     let gms = gpu_matrices(GgmlType::Q6_K, cols, &[(&w6, 64)], &bufs);
     let (q, _) = quantize(&device, &stream, &x, n, cols);
     let mut out = upload(&device, &stream, &vec![0f32; n * 64]);
-    let refused = matmul_q8k::matmul_q8k(&gms, q.view(), n, &mut [out.view_mut()], false, &stream);
+    let refused = matmul_q8k::matmul_q8k(
+        &gms,
+        q.view(),
+        n,
+        &mut [out.view_mut()],
+        false,
+        None,
+        &stream,
+    );
     assert!(refused.is_err(), "Q6_K refused");
     let bufs = upload_matrices(&device, &stream, &[(&ws[0].0, 70)]);
     let gms = gpu_matrices(GgmlType::Q4_K, cols, &[(&ws[0].0, 70)], &bufs);
     let mut out = upload(&device, &stream, &vec![0f32; (n - 1) * 70]);
-    let refused =
-        matmul_q8k::matmul_q8k(&gms, q.view(), n - 1, &mut [out.view_mut()], false, &stream);
+    let refused = matmul_q8k::matmul_q8k(
+        &gms,
+        q.view(),
+        n - 1,
+        &mut [out.view_mut()],
+        false,
+        None,
+        &stream,
+    );
     assert!(refused.is_err(), "input of another count of tokens refused");
     let x_dev = upload(&device, &stream, &x[..n * 1000]);
     let mut q = upload(&device, &stream, &vec![0u8; 2 * n * 1000]);
     let refused = matmul_q8k::quantize_q8k(x_dev.view(), n, 1000, q.view_mut(), &stream);
     assert!(refused.is_err(), "a width of partial blocks refused");
+}
+
+/// Products of a batch of decoding sequences (a few dozen tokens) against matrices of
+/// few row tiles split their columns when given room: the same function as unsplit (to
+/// f32 sums in another order), the same bits on every call, accumulation fused, and
+/// every split's counter left at zero; for one matrix and for three in one launch.
+#[test]
+fn split_q8_k_products_match_and_repeat_exactly() {
+    let Some((device, stream)) = gpu_or_skip("split_q8_k_products_match_and_repeat_exactly") else {
+        return;
+    };
+    if !matmul_q8k::q8k_takes(GgmlType::Q4_K, Q8K_BLOCK, &device) {
+        eprintln!("skipped: the device has no int8 matrix units' path");
+        return;
+    }
+    // 4096 columns: 16 super-blocks to split; 11,008 (a 7B's down, 43 of them) too.
+    for (rows, cols, n) in [
+        (300, 4096, 32),
+        (130, 4096, 64),
+        (200, 11008, 9),
+        (64, 512, 20),
+    ] {
+        let mut rng = Rng(77 + rows as u64 + n as u64);
+        let ws: Vec<(Vec<u8>, usize)> = [rows, 70, 129]
+            .into_iter()
+            .map(|r| (random_matrix(GgmlType::Q4_K, r, cols, &mut rng), r))
+            .collect();
+        let mats: Vec<(&[u8], usize)> = ws.iter().map(|(w, r)| (w.as_slice(), *r)).collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.unit() * 2.0).collect();
+        let what = format!("{rows}x{cols}, {n} tokens");
+        let (split, xq) = gpu_q8k_with(&device, &stream, &mats[..1], cols, &x, n, None, true);
+        let (whole, _) = gpu_q8k_with(&device, &stream, &mats[..1], cols, &x, n, None, false);
+        let err = relative_error(&split[0], &f64s(&whole[0]));
+        assert!(err <= 1e-6, "{what}: {err:.2e} from the unsplit product");
+        let err = relative_error(
+            &split[0],
+            &reference(GgmlType::Q4_K, &ws[0].0, rows, cols, &xq, n),
+        );
+        assert!(err <= 2e-5, "{what}: {err:.2e} against the quantized input");
+        let (again, _) = gpu_q8k_with(&device, &stream, &mats[..1], cols, &x, n, None, true);
+        assert_eq!(split, again, "{what}: repeats");
+        let (added, _) = gpu_q8k_with(&device, &stream, &mats[..1], cols, &x, n, Some(0.25), true);
+        let expected: Vec<f32> = split[0].iter().map(|v| v + 0.25).collect();
+        assert_eq!(added[0], expected, "{what}: accumulated");
+        // In one launch with others (whose tiles may change the count of splits).
+        let (together, _) = gpu_q8k_with(&device, &stream, &mats, cols, &x, n, None, true);
+        for (got, &(w, r)) in together.iter().zip(&mats) {
+            let (alone, _) = gpu_q8k_with(&device, &stream, &[(w, r)], cols, &x, n, None, false);
+            let err = relative_error(got, &f64s(&alone[0]));
+            assert!(
+                err <= 1e-6,
+                "{what}, {r} rows beside: {err:.2e} from unsplit"
+            );
+        }
+    }
 }
