@@ -443,9 +443,10 @@ pub struct TuningArgs {
     /// the kernel every cache type runs. Default: on, unless ROCMFORGE_WARP_ATTENTION=0.
     #[arg(long, value_enum)]
     warp_attention: Option<Switch>,
-    /// On NVIDIA GPUs of compute capability 8.0 and later, whether a prompt's products of
-    /// Q4_K matrices take the int8 matrix units (activations quantized to 8 bits in blocks
-    /// of 256); off takes the f16 tiles. Default: on, unless ROCMFORGE_INT8_PROMPTS=0.
+    /// On NVIDIA GPUs of compute capability 8.0 and later, whether the products of Q4_K
+    /// matrices on a prompt's chunk or a batch of sequences take the int8 matrix units
+    /// (activations quantized to 8 bits in blocks of 256); off takes the f16 tiles and
+    /// skinny products. Default: on, unless ROCMFORGE_INT8_PROMPTS=0.
     #[arg(long, value_enum)]
     int8_prompts: Option<Switch>,
     /// On a GPU that does not hold the whole model, the device's share (0 to 1) of the

@@ -9,7 +9,7 @@
 //! | `ROCMFORGE_CHAINED_LAUNCH` | [`hip_backend::set_chained_launch`] | allowed; `0` launches every kernel plainly |
 //! | `ROCMFORGE_FLASH_MMA` | [`GpuTuning::flash_mma`] | allowed; `0` keeps a prompt's attention off the matrix units |
 //! | `ROCMFORGE_WARP_ATTENTION` | [`GpuTuning::warp_attention`] | on; `0` gives a decode step's attention over f16 caches the kernel every cache type runs |
-//! | `ROCMFORGE_INT8_PROMPTS` | [`GpuTuning::int8_prompts`] | on; `0` gives a prompt's `Q4_K` products the f16 tiles every type runs |
+//! | `ROCMFORGE_INT8_PROMPTS` | [`GpuTuning::int8_prompts`] | on; `0` gives the `Q4_K` products of prompts and batches the f16 tiles and skinny products every type runs |
 //! | `ROCMFORGE_HOST_ROWS_ON_GPU` | [`GpuTuning::host_rows_share`] | the CPU's threads decide; a share between 0 and 1 |
 //! | `ROCMFORGE_EXPERT_LINK_SLOTS` | [`GpuTuning::expert_link_slots`] | up to 4 a layer, a quarter of the budget's slots at most; `0` leaves every missed expert's routes to the CPU |
 //! | `ROCMFORGE_EXPERTS_IN_PLACE` | [`GpuTuning::experts_in_place`] | on; `0` splits a few tokens' missed routes between the link slots and the CPU |

@@ -143,7 +143,8 @@ pub struct GpuTuning {
     /// (`AttentionShape::warps`); `false` takes the kernel every cache type runs.
     /// Default `true`.
     pub warp_attention: bool,
-    /// Whether a prompt's products of `Q4_K` matrices take the int8 matrix units, from
+    /// Whether the products of `Q4_K` matrices on more than [`MAX_BATCH`] tokens (a
+    /// prompt's chunk, a batch of decoding sequences) take the int8 matrix units, from
     /// activations quantized to 8 bits in blocks of 256 (`dequant::gpu::matmul_q8k`), where
     /// the device has them (NVIDIA, compute capability 8.0 and later); `false` takes the
     /// f16 tiles every type runs. Default `true`.

@@ -78,6 +78,16 @@ pub(super) fn float_rows_few(m: &Matrix) -> bool {
     !takes_q8(m.ty) && m.rows <= FLOAT_FEW_ROWS
 }
 
+/// The fewest rows of a run of `Q4_K` matrices (one launch) whose products on up to
+/// [`matmul::SKINNY_MAX_TOKENS`] tokens, a batch of decoding sequences, take the int8
+/// tiles rather than the skinny products. A workgroup of the int8 tiles takes 128 rows ×
+/// 64 tokens, so a 4,096-row matrix is 32 of them: on the H200, a 7B's attention output
+/// (4,096 × 4,096) at 9-64 tokens took 12.7-25.8 µs in the skinny products against
+/// 25.8-29.8 µs in the int8 tiles split by columns, its `Q4_K` down (4,096 × 11,008)
+/// 24-52 µs against 40-50; its q, k and v in one launch (12,288 rows) 30.7-61.3 µs against
+/// 30.2-41.2 unsplit, its gate and up (22,016 rows) 45.8-116 against 45-69.
+pub(super) const INT8_FEW_TOKENS_ROWS: usize = 8192;
+
 /// The batch products' input: per-token scales (the first `scales_bytes`), then the
 /// tokens' activations divided by them, in f16; and the room their products split
 /// their columns in (partial sums, and tile counters that hold zeros between products).
@@ -111,8 +121,9 @@ impl BatchInput {
                 && m.byte_len() >= SKINNY_MIN_BYTES)
     }
 
-    /// Whether the batch products of `m` on `n` tokens take the int8 matrix units: a
-    /// prompt's chunk, `Q4_K` of whole super-blocks, where they run.
+    /// Whether the batch products of `m` on `n` tokens take the int8 matrix units: more
+    /// than [`MAX_BATCH`] tokens (a prompt's chunk or a batch of decoding sequences),
+    /// `Q4_K` of whole super-blocks, where they run.
     pub(super) fn int8_takes(&self, m: &Matrix, n: usize) -> bool {
         self.int8
             && batched(n)
@@ -131,10 +142,32 @@ impl BatchInput {
         }
     }
 
+    /// Gives the skinny products the int8 runs of `kinds` (over `mats` on `n` tokens) of
+    /// fewer than [`INT8_FEW_TOKENS_ROWS`] rows in all, where the skinny products take
+    /// `n` tokens of their type: a batch of a few dozen decoding sequences leaves their
+    /// tiles too few workgroups to fill the device.
+    fn few_rows_skinny(&self, mats: &[&Matrix], kinds: &mut [Kind], n: usize) {
+        if !self.skinny || n > matmul::SKINNY_MAX_TOKENS {
+            return;
+        }
+        let mut start = 0;
+        while start < mats.len() {
+            let end = run_end(mats, kinds, start);
+            let rows: usize = mats[start..end].iter().map(|m| m.rows).sum();
+            if kinds[start] == Kind::Int8
+                && matmul::skinny_prefers(mats[start].ty)
+                && rows < INT8_FEW_TOKENS_ROWS
+            {
+                kinds[start..end].fill(Kind::Tiles);
+            }
+            start = end;
+        }
+    }
+
     /// The inputs of a layer's runs from `n` tokens of `input` (f32): for the f16 tiles
-    /// of `tiles` (where there are any) the f16 activations, their per-token scales
-    /// ([`matmul::row_scales`]) and the room to split the products; for the int8 tiles
-    /// of `int8` the `Q8_K` blocks ([`matmul_q8k::quantize_q8k`]).
+    /// of `tiles` (where there are any) the f16 activations and their per-token scales
+    /// ([`matmul::row_scales`]); for the int8 tiles of `int8` the `Q8_K` blocks
+    /// ([`matmul_q8k::quantize_q8k`]); and the room both split their products in.
     fn prepare(
         &mut self,
         input: DeviceView<'_, f32>,
@@ -142,7 +175,7 @@ impl BatchInput {
         tiles: &[&Matrix],
         int8: &[&Matrix],
         stream: &Stream,
-    ) -> Result<(Option<F16Input<'_>>, Option<DeviceView<'_, u8>>), ModelError> {
+    ) -> Result<Prepared<'_>, ModelError> {
         let BatchInput {
             buf,
             scales_bytes,
@@ -161,8 +194,16 @@ impl BatchInput {
             }
             None => None,
         };
+        let room = matmul::SplitScratch {
+            partials: view_mut::<f32>(partials, matmul::SPLIT_PARTIALS)?,
+            counters: view_mut::<u32>(counters, matmul::SPLIT_COUNTERS)?,
+        };
         let Some(first) = tiles.first() else {
-            return Ok((None, xq));
+            return Ok(Prepared {
+                f16: None,
+                xq,
+                room,
+            });
         };
         let (split, cols) = (*scales_bytes, first.cols);
         let cut = gpu("viewing the batch input");
@@ -187,21 +228,22 @@ impl BatchInput {
             .slice(split..split + 2 * n * cols)
             .and_then(|v| v.cast::<f16>())
             .map_err(&cut)?;
-        let room = matmul::SplitScratch {
-            partials: view_mut::<f32>(partials, matmul::SPLIT_PARTIALS)?,
-            counters: view_mut::<u32>(counters, matmul::SPLIT_COUNTERS)?,
-        };
-        Ok((Some((x16, s, room)), xq))
+        Ok(Prepared {
+            f16: Some((x16, s)),
+            xq,
+            room,
+        })
     }
 }
 
-/// The f16 tiles' input: the activations in f16, their per-token scales, the room to
-/// split the products.
-type F16Input<'a> = (
-    DeviceView<'a, f16>,
-    DeviceView<'a, f32>,
-    matmul::SplitScratch<'a>,
-);
+/// The batch products' inputs for one call of [`products`]: the f16 tiles' activations
+/// and per-token scales, the int8 tiles' `Q8_K` blocks (each where some run takes them),
+/// and the room both split their columns in.
+struct Prepared<'a> {
+    f16: Option<(DeviceView<'a, f16>, DeviceView<'a, f32>)>,
+    xq: Option<DeviceView<'a, u8>>,
+    room: matmul::SplitScratch<'a>,
+}
 
 /// How a run of matrices multiplies: the decode products, the f16 tiles ([`matmul`]) or
 /// the int8 tiles ([`matmul_q8k`]).
@@ -255,7 +297,8 @@ pub(super) fn products(
     batch_in: &mut BatchInput,
     stream: &Stream,
 ) -> Result<(), ModelError> {
-    let kinds: Vec<Kind> = mats.iter().map(|m| batch_in.kind(m, n)).collect();
+    let mut kinds: Vec<Kind> = mats.iter().map(|m| batch_in.kind(m, n)).collect();
+    batch_in.few_rows_skinny(mats, &mut kinds, n);
     let of = |kind: Kind| -> Vec<&Matrix> {
         mats.iter()
             .zip(&kinds)
@@ -263,11 +306,11 @@ pub(super) fn products(
             .collect()
     };
     let (tiles, int8) = (of(Kind::Tiles), of(Kind::Int8));
-    let (mut f16_in, xq) = if tiles.is_empty() && int8.is_empty() {
-        (None, None)
+    let mut prepared = if tiles.is_empty() && int8.is_empty() {
+        None
     } else {
         let input = f32_in.expect("f32 input prepared for the batch products");
-        batch_in.prepare(input, n, &tiles, &int8, stream)?
+        Some(batch_in.prepare(input, n, &tiles, &int8, stream)?)
     };
     let mut start = 0;
     while start < mats.len() {
@@ -279,24 +322,29 @@ pub(super) fn products(
             .collect::<Result<Vec<_>, _>>()?;
         let mut group_outs: Vec<DeviceViewMut<'_, f32>> = outs.drain(..end - start).collect();
         match kinds[start] {
-            Kind::Int8 => matmul_q8k::matmul_q8k(
-                &gms,
-                xq.expect("Q8_K input prepared for the int8 tiles"),
-                n,
-                &mut group_outs,
-                accumulate,
-                stream,
-            ),
-            Kind::Tiles => {
-                let (x16, s, room) = f16_in.as_mut().expect("f16 input prepared for the tiles");
-                matmul::matmul(
+            Kind::Int8 => {
+                let p = prepared.as_mut().expect("batch input prepared");
+                matmul_q8k::matmul_q8k(
                     &gms,
-                    *x16,
-                    *s,
+                    p.xq.expect("Q8_K input prepared for the int8 tiles"),
                     n,
                     &mut group_outs,
                     accumulate,
-                    Some(room.reborrow()),
+                    Some(p.room.reborrow()),
+                    stream,
+                )
+            }
+            Kind::Tiles => {
+                let p = prepared.as_mut().expect("batch input prepared");
+                let (x16, s) = p.f16.expect("f16 input prepared for the tiles");
+                matmul::matmul(
+                    &gms,
+                    x16,
+                    s,
+                    n,
+                    &mut group_outs,
+                    accumulate,
+                    Some(p.room.reborrow()),
                     stream,
                 )
             }
